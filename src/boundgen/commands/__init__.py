@@ -1,0 +1,1 @@
+"""CLI subcommands, discovered by `boundgen.cli` (one module per command)."""
