@@ -1,0 +1,730 @@
+"""Prefix trie of valid item IDs (semantic IDs) for constrained beam search (DESIGN §4).
+
+Every item is a fixed-depth token sequence of length `depth` with an item id. The trie is stored as
+per-depth CSR tables on one device:
+
+- depth `d` has `n_d = nodes_per_depth[d]` nodes numbered `0..n_d-1`; depth 0 is the root (node 0),
+  depth `depth` holds the leaves (one per item);
+- `child_ptr[d]`: int64 `[n_d + 1]`; the children of node `i` at depth `d` are the depth-`d+1` nodes
+  `child_ptr[d][i] .. child_ptr[d][i+1]-1`;
+- `child_token[d]`: int32 `[n_{d+1}]`; the token leading to each depth-`d+1` node, sorted ascending
+  within each parent's range.
+
+So the child of node `i` reached by the `j`-th token of its range is node `child_ptr[d][i] + j`.
+Leaf `j` is item index `leaf_item[j]` (host int64 array), whose id is `item_ids[leaf_item[j]]`.
+
+Step functions (`children`, `mask_logits_`, `next_node`) are pure tensor ops on the trie's device: no
+host sync, no per-beam Python loop, and with a `TrieWorkspace` no allocation, so they can sit inside a
+CUDA-graph-captured decode step. A node id of `-1` means "dead beam": it has no children and every
+transition from it is `-1`.
+
+NOTE: duplicate token sequences are an error by default (the result could not be mapped back to one
+item id); `on_duplicate="first"` keeps the first item instead. Item ids themselves need not be unique.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Trie", "TrieWorkspace", "NotAnItemError"]
+
+_INT32_MAX = np.iinfo(np.int32).max
+_DENSE_LOOKUP_MAX_CHILDREN = 1024  # above this, next_node binary-searches instead of comparing all
+
+
+class NotAnItemError(KeyError, ValueError):
+    """A token sequence that is not an item of the trie (a KeyError that reads like a ValueError)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class Trie:
+    """Prefix trie of fixed-depth item token sequences, as per-depth CSR tables on one device."""
+
+    def __init__(
+        self,
+        child_ptr: list[torch.Tensor],
+        child_token: list[torch.Tensor],
+        leaf_item: np.ndarray,
+        item_ids: Sequence[Any] | None,
+        max_children: tuple[int, ...],
+        max_token: int,
+    ) -> None:
+        # Use `from_sequences` / `from_file`; this only wires already-validated tables together.
+        self._child_ptr = child_ptr
+        self._child_token = child_token
+        self._leaf_item = leaf_item
+        self._item_ids = item_ids  # None: the item index is the id
+        self._max_children = max_children
+        self._max_token = max_token
+        device = child_ptr[0].device
+        self._arange = torch.arange(max(max_children), dtype=torch.int64, device=device)
+
+    # ------------------------------------------------------------------ build
+
+    @classmethod
+    def from_sequences(
+        cls,
+        sequences: Sequence[Sequence[int]] | np.ndarray | torch.Tensor,
+        item_ids: Sequence[Any] | np.ndarray | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        on_duplicate: str = "error",
+    ) -> Trie:
+        """Build from `sequences` `[items, depth]` (non-negative ints); ids default to the row index.
+
+        `on_duplicate`: "error" (default) raises naming both items; "first" keeps the first one.
+        """
+        if on_duplicate not in ("error", "first"):
+            raise ValueError(f"on_duplicate must be 'error' or 'first', got {on_duplicate!r}")
+        ids = _normalize_ids(item_ids)
+        seqs = _as_token_array(sequences, ids)
+        num_rows, depth = seqs.shape
+        if ids is not None and len(ids) != num_rows:
+            raise ValueError(f"got {len(ids)} item ids for {num_rows} token sequences")
+        _check_token_range(seqs, ids)
+
+        order, sorted_seqs, prefix_keys = _sort_rows(seqs)
+        # new[d][r]: row r starts a new depth-d prefix (a new node at depth d).
+        leaf_new = _new_prefix(prefix_keys, sorted_seqs, depth)
+        if not leaf_new.all():
+            dup = np.flatnonzero(~leaf_new)
+            if on_duplicate == "error":
+                first, second = int(order[dup[0] - 1]), int(order[dup[0]])
+                raise ValueError(
+                    f"items {_id_of(ids, first)!r} and {_id_of(ids, second)!r} have the same tokens "
+                    f"{seqs[first].tolist()} ({len(dup)} duplicate sequence(s) in total; "
+                    "pass on_duplicate='first' to keep the first of each)"
+                )
+            order, sorted_seqs = order[leaf_new], sorted_seqs[leaf_new]
+            if prefix_keys is not None:
+                prefix_keys = (prefix_keys[0][leaf_new], prefix_keys[1])
+
+        num_items = len(order)
+        child_ptr: list[np.ndarray] = []
+        child_token: list[np.ndarray] = []
+        max_children: list[int] = []
+        prev_first = np.zeros(1, dtype=np.int64)  # depth 0: the root starts at row 0
+        for d in range(depth):
+            if d + 1 == depth:
+                first = np.arange(num_items, dtype=np.int64)
+            else:
+                first = np.flatnonzero(_new_prefix(prefix_keys, sorted_seqs, d + 1))
+            # Children of depth-d node i start at the depth-(d+1) node whose first row is i's first row.
+            ptr = np.empty(len(prev_first) + 1, dtype=np.int64)
+            ptr[:-1] = np.searchsorted(first, prev_first)
+            ptr[-1] = len(first)
+            child_ptr.append(ptr)
+            child_token.append(np.ascontiguousarray(sorted_seqs[first, d], dtype=np.int32))
+            max_children.append(int(np.diff(ptr).max()))
+            prev_first = first
+
+        return cls(
+            [torch.from_numpy(p).to(device) for p in child_ptr],
+            [torch.from_numpy(t).to(device) for t in child_token],
+            order.astype(np.int64, copy=False),
+            ids,
+            tuple(max_children),
+            int(seqs.max()),
+        )
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | os.PathLike,
+        *,
+        device: torch.device | str = "cpu",
+        on_duplicate: str = "error",
+    ) -> Trie:
+        """Load `.jsonl` (`{"item_id": ..., "tokens": [...]}` per line) or `.npy` `[items, depth]`.
+
+        A `.npy` file's ids are the row index, unless a sibling `<stem>.ids.json` list exists.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"trie file not found: {path}")
+        if path.suffix == ".npy":
+            try:
+                seqs = np.load(path, allow_pickle=False)
+            except ValueError as exc:
+                raise ValueError(f"{path}: not a plain .npy integer array ({exc})") from None
+            ids = None
+            ids_path = path.with_suffix(".ids.json")
+            if ids_path.is_file():
+                ids = json.loads(ids_path.read_text())
+                if not isinstance(ids, list):
+                    raise ValueError(f"{ids_path}: expected a JSON list of item ids")
+            try:
+                return cls.from_sequences(seqs, ids, device=device, on_duplicate=on_duplicate)
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc}") from None
+        if path.suffix in (".jsonl", ".json"):
+            ids, seqs = _read_jsonl(path)
+            try:
+                return cls.from_sequences(seqs, ids, device=device, on_duplicate=on_duplicate)
+            except ValueError as exc:
+                raise ValueError(f"{path}: {exc}") from None
+        raise ValueError(f"{path}: unknown trie file type {path.suffix!r} (use .jsonl or .npy)")
+
+    load = from_file
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the items in their original order as `.jsonl` or `.npy` (+ `<stem>.ids.json`)."""
+        path = Path(path)
+        seqs = self.sequences()
+        if path.suffix == ".npy":
+            np.save(path, seqs)
+            ids_path = path.with_suffix(".ids.json")
+            if self._item_ids is not None:
+                ids_path.write_text(json.dumps(list(self._item_ids)))
+            elif ids_path.exists():
+                ids_path.unlink()  # a stale ids file would relabel the rows on load
+        elif path.suffix in (".jsonl", ".json"):
+            rows = seqs.tolist()
+            ids = range(len(rows)) if self._item_ids is None else self._item_ids
+            with open(path, "w") as f:
+                for item_id, tokens in zip(ids, rows):
+                    f.write(json.dumps({"item_id": item_id, "tokens": tokens}) + "\n")
+        else:
+            raise ValueError(f"{path}: unknown trie file type {path.suffix!r} (use .jsonl or .npy)")
+
+    def sequences(self) -> np.ndarray:
+        """All items' token sequences, int64 `[num_items, depth]`, in the original item order."""
+        leaves = np.arange(self.num_items, dtype=np.int64)
+        out = np.empty((self.num_items, self.depth), dtype=np.int64)
+        node = leaves
+        for d in range(self.depth - 1, -1, -1):
+            ptr = self._child_ptr[d].cpu().numpy()
+            out[:, d] = self._child_token[d].cpu().numpy()[node]
+            node = np.searchsorted(ptr, node, side="right") - 1  # parent at depth d
+        result = np.empty_like(out)
+        result[self._leaf_item] = out
+        return result
+
+    # ------------------------------------------------------------- properties
+
+    @property
+    def depth(self) -> int:
+        return len(self._child_ptr)
+
+    @property
+    def num_items(self) -> int:
+        return len(self._leaf_item)
+
+    def __len__(self) -> int:
+        return self.num_items
+
+    @property
+    def device(self) -> torch.device:
+        return self._child_ptr[0].device
+
+    @property
+    def nodes_per_depth(self) -> tuple[int, ...]:
+        """`(1, n_1, ..., n_depth)`; `n_depth == num_items`."""
+        return tuple(len(p) - 1 for p in self._child_ptr) + (self.num_items,)
+
+    @property
+    def max_children(self) -> tuple[int, ...]:
+        """Largest child count of a node at each depth `0..depth-1` (the `C` of `children`)."""
+        return self._max_children
+
+    @property
+    def max_token(self) -> int:
+        return self._max_token
+
+    @property
+    def child_ptr(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self._child_ptr)
+
+    @property
+    def child_token(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self._child_token)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the device tables plus the host leaf→item map (not counting Python item ids)."""
+        tables = sum(t.numel() * t.element_size() for t in self._child_ptr + self._child_token)
+        return tables + self._arange.numel() * 8 + self._leaf_item.nbytes
+
+    def __repr__(self) -> str:
+        return (
+            f"Trie(items={self.num_items}, depth={self.depth}, nodes={self.nodes_per_depth}, "
+            f"max_children={self.max_children}, device={self.device}, nbytes={self.nbytes})"
+        )
+
+    def to(self, device: torch.device | str) -> Trie:
+        """This trie with its tables on `device` (self when already there)."""
+        device = torch.device(device)
+        if _same_device(device, self.device):
+            return self
+        return Trie(
+            [p.to(device) for p in self._child_ptr],
+            [t.to(device) for t in self._child_token],
+            self._leaf_item,
+            self._item_ids,
+            self._max_children,
+            self._max_token,
+        )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError naming a token (and an item holding it) if any token >= vocab_size."""
+        if self._max_token < vocab_size:
+            return
+        for d, tokens in enumerate(self._child_token):
+            bad = torch.nonzero(tokens >= vocab_size)
+            if len(bad):
+                node = int(bad[0])
+                token = int(tokens[node])
+                for dd in range(d + 1, self.depth):  # any leaf below the offending node
+                    node = int(self._child_ptr[dd][node])
+                item = self._item_id(int(self._leaf_item[node]))
+                raise ValueError(
+                    f"trie token {token} (position {d}, e.g. item {item!r}) is outside the "
+                    f"vocabulary of size {vocab_size}; max trie token is {self._max_token}"
+                )
+
+    # ------------------------------------------------------------ step functions
+
+    def workspace(self, num_rows: int, vocab_size: int | None = None) -> TrieWorkspace:
+        """Preallocated buffers for `num_rows` beams (and `vocab_size` for `mask_logits_`)."""
+        return TrieWorkspace(num_rows, max(self._max_children), vocab_size, self.device)
+
+    def children(
+        self, depth: int, node: torch.Tensor, *, ws: TrieWorkspace | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Allowed next tokens of each node at `depth`.
+
+        node: LongTensor `[N]` of node ids at `depth` (-1: dead beam, no children).
+        Returns `(tokens, child, valid)`, each `[N, C]` with `C = max_children[depth]`:
+        tokens int64 (0 where invalid, so always a safe gather index), child int64 node ids at
+        `depth + 1` (-1 where invalid), valid bool. Children are in ascending token order.
+        With `ws`, the results are views into its buffers, overwritten by its next use.
+        """
+        self._check_depth(depth)
+        node = self._check_node(node)
+        n, c = node.shape[0], self._max_children[depth]
+        ws = self._workspace_for(ws, n, c)
+        ptr = self._child_ptr[depth]
+        tokens, child, valid = ws.tokens(c), ws.child(c), ws.valid(c)
+        tok32 = ws.buf32(c)
+
+        torch.ge(node, 0, out=ws.alive)
+        torch.clamp(node, min=0, out=ws.node)
+        torch.index_select(ptr, 0, ws.node, out=ws.start)
+        torch.index_select(ptr[1:], 0, ws.node, out=ws.end)
+        ws.end.sub_(ws.start).mul_(ws.alive).add_(ws.start)  # dead beam: end = start
+        torch.add(ws.start.unsqueeze(1), self._arange[:c], out=child)
+        torch.lt(child, ws.end.unsqueeze(1), out=valid)
+        child.mul_(valid)  # invalid -> node 0 (safe index)
+        torch.index_select(self._child_token[depth], 0, child.view(-1), out=tok32.view(-1))
+        tokens.copy_(tok32).mul_(valid)
+        child.add_(1).mul_(valid).sub_(1)  # invalid -> -1
+        return tokens, child, valid
+
+    def mask_logits_(
+        self,
+        logits: torch.Tensor,
+        depth: int,
+        node: torch.Tensor,
+        fill: float = float("-inf"),
+        *,
+        ws: TrieWorkspace | None = None,
+    ) -> torch.Tensor:
+        """In place: set `logits[N, V]` to `fill` outside each node's children; returns `logits`.
+
+        Rows of dead beams (node -1) become all `fill`. Requires every trie token < V.
+        """
+        if logits.dim() != 2 or logits.shape[0] != node.shape[0]:
+            raise ValueError(
+                f"logits must be [N, V] with N = len(node) = {node.shape[0]}, got {tuple(logits.shape)}"
+            )
+        vocab = logits.shape[1]
+        if self._max_token >= vocab:
+            self.check_vocab(vocab)
+        if ws is None:
+            ws = self.workspace(node.shape[0], vocab)
+        elif ws.vocab_size != vocab:
+            raise ValueError(f"workspace was made for vocab size {ws.vocab_size}, logits have {vocab}")
+        tokens, _, valid = self.children(depth, node, ws=ws)
+        c = tokens.shape[1]
+        # Invalid slots point at the spare column V, so they never unblock a real token.
+        tok_or_spare = ws.scratch(c)
+        torch.mul(valid, -vocab, out=tok_or_spare)
+        tok_or_spare.add_(vocab).add_(tokens)
+        blocked = ws.blocked
+        blocked.fill_(True)
+        blocked.scatter_(1, tok_or_spare, False)
+        return logits.masked_fill_(blocked[:, :vocab], fill)
+
+    def mask_logits(
+        self,
+        logits: torch.Tensor,
+        depth: int,
+        node: torch.Tensor,
+        fill: float = float("-inf"),
+        *,
+        ws: TrieWorkspace | None = None,
+    ) -> torch.Tensor:
+        """Out-of-place `mask_logits_`: a new `[N, V]` tensor, `logits` untouched."""
+        return self.mask_logits_(logits.clone(), depth, node, fill, ws=ws)
+
+    def next_node(
+        self,
+        depth: int,
+        node: torch.Tensor,
+        token: torch.Tensor,
+        *,
+        ws: TrieWorkspace | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Child id (at `depth + 1`) of each `node[N]` (at `depth`) via `token[N]`; -1 if none.
+
+        Dead nodes (-1) and tokens that are not children give -1. Returns int64 `[N]` (`out` if given;
+        `out` may alias `node`).
+        """
+        self._check_depth(depth)
+        node = self._check_node(node)
+        if token.shape != node.shape:
+            raise ValueError(f"token shape {tuple(token.shape)} != node shape {tuple(node.shape)}")
+        if not _same_device(token.device, self.device):
+            raise ValueError(f"token is on {token.device}, trie on {self.device}")
+        token = token.long()
+        c = self._max_children[depth]
+        if c > _DENSE_LOOKUP_MAX_CHILDREN:
+            result = self._next_node_bsearch(depth, node, token)
+            return result if out is None else out.copy_(result)
+        n = node.shape[0]
+        ws = self._workspace_for(ws, n, c)
+        tokens, child, valid = self.children(depth, node, ws=ws)
+        hit = ws.hit(c)
+        torch.eq(tokens, token.unsqueeze(1), out=hit)
+        hit.logical_and_(valid)
+        # At most one hit per row (tokens are unique within a node): sum((child+1)*hit) - 1.
+        scratch = ws.scratch(c)
+        torch.add(child, 1, out=scratch)
+        scratch.mul_(hit)
+        if out is None:
+            out = torch.empty(n, dtype=torch.int64, device=self.device)
+        torch.sum(scratch, 1, out=out)
+        return out.sub_(1)
+
+    def _next_node_bsearch(self, depth: int, node: torch.Tensor, token: torch.Tensor):
+        ptr, toks = self._child_ptr[depth], self._child_token[depth]
+        alive = node >= 0
+        nc = node.clamp(min=0)
+        lo, hi = ptr[nc], ptr[nc + 1]  # search [lo, hi) for the first child token >= token
+        hi = torch.where(alive, hi, lo)
+        end = hi.clone()
+        last = toks.shape[0] - 1
+        for _ in range(max(1, int(self._max_children[depth]).bit_length())):
+            mid = (lo + hi) // 2
+            go_right = (toks[mid.clamp(max=last)] < token) & (mid < hi)
+            lo = torch.where(go_right, mid + 1, lo)
+            hi = torch.where(go_right, hi, mid)
+        found = (lo < end) & (toks[lo.clamp(max=last)] == token)
+        return torch.where(found, lo, -1)
+
+    # ------------------------------------------------------------ item lookup
+
+    def leaf_nodes(self, tokens: torch.Tensor | np.ndarray | Sequence[Sequence[int]]) -> torch.Tensor:
+        """Leaf node id per row of `tokens` `[K, depth]` (-1 where the row is not an item)."""
+        if isinstance(tokens, torch.Tensor):
+            seqs = tokens.to(device=self.device, dtype=torch.int64)
+        else:
+            seqs = torch.as_tensor(np.asarray(tokens, dtype=np.int64)).to(self.device)
+        if seqs.dim() != 2 or seqs.shape[1] != self.depth:
+            raise ValueError(f"expected token sequences [K, {self.depth}], got {tuple(seqs.shape)}")
+        node = torch.zeros(seqs.shape[0], dtype=torch.int64, device=self.device)
+        for d in range(self.depth):
+            node = self.next_node(d, node, seqs[:, d].contiguous())
+        return node
+
+    def item_ids_of_leaves(self, leaf: torch.Tensor) -> list[Any]:
+        """Item ids of leaf node ids `[K]` (the `node` after the last `next_node`); -1 gives None."""
+        leaves = leaf.detach().cpu().numpy()
+        return [None if j < 0 else self._item_id(int(self._leaf_item[j])) for j in leaves]
+
+    def item_ids(self, tokens: Sequence[int] | Sequence[Sequence[int]] | np.ndarray | torch.Tensor):
+        """Item id of one sequence (list[int]) or the list of ids of many sequences `[K, depth]`.
+
+        Raises NotAnItemError (a KeyError and ValueError) naming the first sequence that is no item.
+        """
+        arr = _lookup_array(tokens)
+        single = arr.ndim == 1
+        seqs = arr[None, :] if single else arr
+        if seqs.ndim != 2 or seqs.shape[1] != self.depth:
+            raise NotAnItemError(
+                f"item sequences have {self.depth} tokens; got shape {tuple(arr.shape)}"
+            )
+        if seqs.shape[0] == 0:
+            return []
+        leaves = self.leaf_nodes(seqs).cpu().numpy()
+        missing = np.flatnonzero(leaves < 0)
+        if len(missing):
+            raise NotAnItemError(
+                f"tokens {seqs[missing[0]].tolist()} are not an item of the trie"
+                + (f" ({len(missing)} of {len(seqs)} sequences are not)" if len(missing) > 1 else "")
+            )
+        ids = [self._item_id(int(self._leaf_item[j])) for j in leaves]
+        return ids[0] if single else ids
+
+    def contains(self, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bool:
+        """Whether one token sequence is an item."""
+        arr = _lookup_array(tokens)
+        if arr.ndim != 1 or arr.shape[0] != self.depth:
+            return False
+        return bool(self.leaf_nodes(arr[None, :])[0] >= 0)
+
+    __contains__ = contains
+
+    # ------------------------------------------------------------ helpers
+
+    def _item_id(self, index: int) -> Any:
+        return index if self._item_ids is None else self._item_ids[index]
+
+    def _check_depth(self, depth: int) -> None:
+        if not 0 <= depth < self.depth:
+            raise ValueError(f"depth must be in [0, {self.depth}), got {depth}")
+
+    def _check_node(self, node: torch.Tensor) -> torch.Tensor:
+        if node.dim() != 1:
+            raise ValueError(f"node must be a 1-D tensor of node ids, got shape {tuple(node.shape)}")
+        if not _same_device(node.device, self.device):
+            raise ValueError(f"node is on {node.device}, trie on {self.device}")
+        return node if node.dtype == torch.int64 else node.long()
+
+    def _workspace_for(self, ws: TrieWorkspace | None, n: int, c: int) -> TrieWorkspace:
+        if ws is None:
+            return TrieWorkspace(n, c, None, self.device)
+        if ws.num_rows != n or ws.max_children < c or not _same_device(ws.device, self.device):
+            raise ValueError(
+                f"workspace is for {ws.num_rows} rows x {ws.max_children} children on {ws.device}; "
+                f"need {n} x {c} on {self.device}"
+            )
+        return ws
+
+
+class TrieWorkspace:
+    """Buffers for the step functions of one trie at a fixed number of beams (one per bucket).
+
+    Not thread-safe: one workspace per concurrent decode loop. Results returned from calls that take
+    it are views of these buffers and are overwritten by the next call.
+    """
+
+    def __init__(self, num_rows: int, max_children: int, vocab_size: int | None, device) -> None:
+        self.num_rows, self.max_children, self.vocab_size = num_rows, max_children, vocab_size
+        self.device = torch.device(device)
+        n, size = num_rows, num_rows * max_children
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self.node = torch.empty(n, **i64)
+        self.start = torch.empty(n, **i64)
+        self.end = torch.empty(n, **i64)
+        self.alive = torch.empty(n, dtype=torch.bool, device=self.device)
+        self._tokens = torch.empty(size, **i64)
+        self._child = torch.empty(size, **i64)
+        self._scratch = torch.empty(size, **i64)
+        self._buf32 = torch.empty(size, dtype=torch.int32, device=self.device)
+        self._valid = torch.empty(size, dtype=torch.bool, device=self.device)
+        self._hit = torch.empty(size, dtype=torch.bool, device=self.device)
+        self.blocked = (
+            None
+            if vocab_size is None
+            else torch.empty(n, vocab_size + 1, dtype=torch.bool, device=self.device)
+        )
+
+    def _view(self, flat: torch.Tensor, c: int) -> torch.Tensor:
+        return flat[: self.num_rows * c].view(self.num_rows, c)
+
+    def tokens(self, c: int) -> torch.Tensor:
+        return self._view(self._tokens, c)
+
+    def child(self, c: int) -> torch.Tensor:
+        return self._view(self._child, c)
+
+    def valid(self, c: int) -> torch.Tensor:
+        return self._view(self._valid, c)
+
+    def hit(self, c: int) -> torch.Tensor:
+        return self._view(self._hit, c)
+
+    def scratch(self, c: int) -> torch.Tensor:
+        return self._view(self._scratch, c)
+
+    def buf32(self, c: int) -> torch.Tensor:
+        return self._view(self._buf32, c)
+
+
+# ---------------------------------------------------------------- build helpers
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type == "cpu":
+        return True
+    ia = a.index if a.index is not None else torch.cuda.current_device()
+    ib = b.index if b.index is not None else torch.cuda.current_device()
+    return ia == ib
+
+
+def _normalize_ids(item_ids) -> list | None:
+    if item_ids is None:
+        return None
+    if isinstance(item_ids, (np.ndarray, torch.Tensor)):
+        return np.asarray(item_ids).tolist()  # plain Python ints/strs (JSON-serializable)
+    return list(item_ids)
+
+
+def _id_of(ids: list | None, index: int) -> Any:
+    return index if ids is None else ids[index]
+
+
+def _as_token_array(sequences, ids: list | None) -> np.ndarray:
+    """`sequences` as a C-contiguous int64 `[items, depth]` array, or a ValueError naming the item."""
+    if isinstance(sequences, torch.Tensor):
+        sequences = sequences.detach().cpu().numpy()
+    try:
+        arr = np.asarray(sequences)
+    except ValueError:  # ragged nested lists
+        _raise_ragged(sequences, ids)
+    if arr.dtype == object:
+        _raise_ragged(sequences, ids)
+    if arr.ndim >= 1 and arr.shape[0] == 0:
+        raise ValueError("empty trie: no items")
+    if arr.ndim != 2:
+        raise ValueError(f"token sequences must be a 2-D [items, depth] array, got shape {arr.shape}")
+    if arr.dtype.kind == "f":
+        rows = np.flatnonzero((arr != np.round(arr)).any(axis=1))
+        row = int(rows[0]) if len(rows) else 0
+        raise ValueError(
+            f"tokens must be integers, got {arr.dtype} (item {_id_of(ids, row)!r}: {arr[row].tolist()})"
+        )
+    if arr.dtype.kind not in "iu":
+        _raise_ragged(sequences, ids)
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _raise_ragged(sequences, ids: list | None):
+    seqs = list(sequences)
+    if not seqs:
+        raise ValueError("empty trie: no items")
+    lengths = []
+    for i, s in enumerate(seqs):
+        try:
+            lengths.append(len(s))
+        except TypeError:
+            raise ValueError(
+                f"item {_id_of(ids, i)!r}: tokens must be a list of ints, got {s!r}"
+            ) from None
+    depth = lengths[0]
+    for i, n in enumerate(lengths):
+        if n != depth:
+            raise ValueError(
+                f"ragged depths: item {_id_of(ids, i)!r} has {n} tokens, but item "
+                f"{_id_of(ids, 0)!r} has {depth}; every item needs the same number of tokens"
+            )
+    for i, s in enumerate(seqs):  # same lengths: a non-integer entry made numpy give up
+        for t in s:
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
+                raise ValueError(f"tokens must be integers; item {_id_of(ids, i)!r} has {t!r}")
+    raise ValueError("token sequences must be a 2-D [items, depth] integer array")
+
+
+def _check_token_range(seqs: np.ndarray, ids: list | None) -> None:
+    if seqs.shape[1] == 0:
+        raise ValueError("items must have at least one token (depth 0)")
+    if seqs.min() < 0:
+        row = int(np.flatnonzero((seqs < 0).any(axis=1))[0])
+        raise ValueError(f"negative token in item {_id_of(ids, row)!r}: {seqs[row].tolist()}")
+    if seqs.max() > _INT32_MAX:
+        row = int(np.flatnonzero((seqs > _INT32_MAX).any(axis=1))[0])
+        raise ValueError(f"token above int32 in item {_id_of(ids, row)!r}: {seqs[row].tolist()}")
+
+
+def _sort_rows(seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Stable lexicographic row order; with a packed int64 key per row when the tokens fit in 63 bits.
+
+    Returns `(order, sorted_seqs, sorted_keys or None)`.
+    """
+    num_rows, depth = seqs.shape
+    bits = max(1, int(seqs.max()).bit_length())
+    if bits * depth <= 63:
+        key = np.zeros(num_rows, dtype=np.int64)
+        for d in range(depth):
+            key <<= bits
+            key |= seqs[:, d]
+        order = np.argsort(key, kind="stable")
+        keys = key[order]
+        # Prefix keys of length d are keys >> ((depth - d) * bits); remember the shift per depth.
+        return order, seqs[order], (keys, bits)  # type: ignore[return-value]
+    order = np.lexsort(seqs.T[::-1])  # lexsort is stable
+    return order, seqs[order], None
+
+
+def _new_prefix(prefix_keys, sorted_seqs: np.ndarray, d: int) -> np.ndarray:
+    """Bool `[rows]`: row r's length-d prefix differs from row r-1's (row 0 always True)."""
+    num_rows, depth = sorted_seqs.shape
+    new = np.empty(num_rows, dtype=bool)
+    new[0] = True
+    if prefix_keys is not None:
+        keys, bits = prefix_keys
+        p = keys >> ((depth - d) * bits) if d < depth else keys
+        np.not_equal(p[1:], p[:-1], out=new[1:])
+    else:
+        new[1:] = (sorted_seqs[1:, :d] != sorted_seqs[:-1, :d]).any(axis=1)
+    return new
+
+
+def _lookup_array(tokens) -> np.ndarray:
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    try:
+        arr = np.asarray(tokens)
+    except ValueError:
+        raise NotAnItemError(f"token sequences must all have the same length: {tokens!r}") from None
+    if arr.size and arr.dtype.kind not in "iu":
+        raise NotAnItemError(f"tokens must be integers, got {tokens!r}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _read_jsonl(path: Path) -> tuple[list, list]:
+    """(item ids, token lists) of a JSONL trie file; ValueError with `path:line` on bad input."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    if not numbered:
+        raise ValueError(f"{path}: empty trie: no items")
+    try:  # fast path: one C-level parse of the whole file
+        records = json.loads("[" + ",".join(line for _, line in numbered) + "]")
+    except json.JSONDecodeError:
+        records = None
+    if records is None:
+        for lineno, line in numbered:
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+        raise ValueError(f"{path}: invalid JSON lines")  # e.g. a line that only joins badly
+    try:
+        ids = [r["item_id"] for r in records]
+        seqs = [r["tokens"] for r in records]
+    except (KeyError, TypeError):
+        for (lineno, _), r in zip(numbered, records):
+            if not isinstance(r, dict):
+                raise ValueError(f"{path}:{lineno}: expected an object, got {r!r}") from None
+            for key in ("item_id", "tokens"):
+                if key not in r:
+                    raise ValueError(f"{path}:{lineno}: missing key {key!r}") from None
+        raise
+    for (lineno, _), s in zip(numbered, seqs):
+        if not isinstance(s, list):
+            raise ValueError(f"{path}:{lineno}: 'tokens' must be a list of ints, got {s!r}")
+    return ids, seqs
