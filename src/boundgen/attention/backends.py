@@ -1,0 +1,139 @@
+"""Attention backends behind one interface, found through a small registry.
+
+A backend computes variable-length attention over packed segments and returns the output together with
+the log-sum-exp of the scores, so partial results can be merged (cascade, decode).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Callable, Protocol
+
+import torch
+
+
+class AttentionBackend(Protocol):
+    """Variable-length attention.
+
+    q: [Tq, Hq, D]; k, v: [Tk, Hkv, D] (Hq a multiple of Hkv); cu_q, cu_k: int32 [B+1] segment boundaries.
+    `causal` aligns bottom-right: query i of a segment with Lq queries and Lk keys sees keys
+    0..i + Lk - Lq. Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] float32 (−inf for no keys).
+    Safe to call from any thread; holds no per-call state.
+    """
+
+    name: str
+
+    def varlen(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+        cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register(name: str):
+    def wrap(factory: Callable[[], AttentionBackend]):
+        _BACKENDS[name] = factory
+        return factory
+
+    return wrap
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """`name` is a registered backend or "auto" (varlen on CUDA, reference elsewhere)."""
+    device = torch.device(device)
+    if name == "auto":
+        name = "varlen" if device.type == "cuda" else "reference"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend '{name}'; available: {', '.join(available_backends())}")
+    if name == "varlen" and device.type != "cuda":
+        raise ValueError("the 'varlen' attention backend needs a CUDA device; use 'reference' on CPU")
+    return _BACKENDS[name]()
+
+
+def _segment_attention(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched dense attention in float32. q: [n, Lq, Hq, D]; k, v: [n, Lk, Hkv, D]."""
+    n, lq, hq, d = q.shape
+    lk, hkv = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    qf = q.float().transpose(1, 2)  # [n, Hq, Lq, D]
+    kf = k.float().repeat_interleave(rep, dim=2).transpose(1, 2)
+    vf = v.float().repeat_interleave(rep, dim=2).transpose(1, 2)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * (1.0 / math.sqrt(d))  # [n, Hq, Lq, Lk]
+    if causal:
+        i = torch.arange(lq, device=q.device)[:, None]
+        j = torch.arange(lk, device=q.device)[None, :]
+        scores = scores.masked_fill(j > i + (lk - lq), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [n, Hq, Lq]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.matmul(probs, vf)  # [n, Hq, Lq, D]
+    return out.transpose(1, 2).to(q.dtype), lse.transpose(1, 2)
+
+
+@register("reference")
+class ReferenceBackend:
+    """Correct on any device; the oracle for the fast backends. Segments of equal shape are batched."""
+
+    name = "reference"
+
+    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        bq, bk = cu_q.tolist(), cu_k.tolist()
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for s in range(len(bq) - 1):
+            lq, lk = bq[s + 1] - bq[s], bk[s + 1] - bk[s]
+            if lq > 0 and lk > 0:
+                groups.setdefault((lq, lk), []).append(s)
+        for (lq, lk), segs in groups.items():
+            qs = torch.stack([q[bq[s]: bq[s] + lq] for s in segs])
+            ks = torch.stack([k[bk[s]: bk[s] + lk] for s in segs])
+            vs = torch.stack([v[bk[s]: bk[s] + lk] for s in segs])
+            o, l = _segment_attention(qs, ks, vs, causal)
+            rows = torch.cat([torch.arange(bq[s], bq[s] + lq, device=q.device) for s in segs])
+            out[rows] = o.reshape(-1, *o.shape[2:])
+            lse[rows] = l.reshape(-1, l.shape[-1])
+        return out, lse
+
+
+@register("varlen")
+class VarlenBackend:
+    """CUDA flash attention over packed segments (`torch.nn.attention.varlen.varlen_attn`)."""
+
+    name = "varlen"
+
+    def __init__(self) -> None:
+        from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+        self._attn = varlen_attn
+        self._aux = AuxRequest(lse=True)
+        # NOTE: torch 2.11 accepts GQA k/v directly; later versions want enable_gqa=True.
+        self._gqa_kwargs = (
+            {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+        )
+        self._lse_heads_first: bool | None = None
+
+    def _lse_layout(self, device) -> bool:
+        """True when this torch returns lse as [heads, tokens] (2.11) rather than [tokens, heads]."""
+        if self._lse_heads_first is None:
+            q = torch.randn(3, 2, 64, device=device, dtype=torch.bfloat16)
+            cu = torch.tensor([0, 3], device=device, dtype=torch.int32)
+            _, lse = self._attn(q, q, q, cu, cu, 3, 3, return_aux=self._aux, **self._gqa_kwargs)
+            self._lse_heads_first = tuple(lse.shape) == (2, 3)
+        return self._lse_heads_first
+
+    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        heads_first = self._lse_layout(q.device)
+        out, lse = self._attn(
+            q, k, v, cu_q, cu_k, max_q, max_k, return_aux=self._aux,
+            window_size=(-1, 0) if causal else (-1, -1), **self._gqa_kwargs,
+        )
+        if heads_first:
+            lse = lse.transpose(0, 1)
+        return out, lse.float()

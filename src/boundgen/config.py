@@ -1,0 +1,162 @@
+"""Model configuration read from a HuggingFace `config.json`, as one frozen dataclass."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from boundgen.models.registry import lookup_architecture
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str  # "qwen2" | "qwen3" | "llama"
+    task: str  # "causal_lm" | "seq_cls"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope_scaling: RopeScaling | None = None
+    num_labels: int = 0
+    id2label: tuple[str, ...] = ()
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * d
+        layer = attn + 3 * h * i + 2 * h
+        total = self.num_layers * layer + h
+        if include_embeddings:
+            total += self.vocab_size * h
+            if self.task == "seq_cls":
+                total += self.num_labels * h
+            elif not self.tie_word_embeddings:
+                total += self.vocab_size * h
+        return total
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry; cannot tell which model it is")
+        arch = archs[0]
+        family, task = lookup_architecture(arch)
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ValueError(f"config.json for {arch} is missing '{key}'")
+            return cfg[key]
+
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or None)
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
+            rope_theta = cfg["rope_parameters"].get("rope_theta")
+        rope = None
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind == "llama3":
+                rope = RopeScaling(
+                    factor=float(scaling["factor"]),
+                    low_freq_factor=float(scaling["low_freq_factor"]),
+                    high_freq_factor=float(scaling["high_freq_factor"]),
+                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                )
+            elif kind not in ("default", None):
+                raise ValueError(f"rope_scaling type '{kind}' is not supported (supported: llama3)")
+        id2label = cfg.get("id2label") or {}
+        num_labels = 0
+        if task == "seq_cls":
+            num_labels = int(cfg.get("num_labels") or len(id2label) or 2)
+        labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))
+        pad = cfg.get("pad_token_id")
+        return cls(
+            architecture=arch,
+            family=family,
+            task=task,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            rope_scaling=rope,
+            num_labels=num_labels,
+            id2label=labels,
+            pad_token_id=int(pad) if isinstance(pad, int) else None,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            extra={k: v for k, v in cfg.items() if k in ("bos_token_id", "eos_token_id")},
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"no config.json in {path}")
+        return cls.from_hf(json.loads(p.read_text()))
+
+
+def _opt(default, help: str, **meta):
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an `Engine` runs a checkpoint. Every field is also a CLI flag (`boundgen.cliargs`)."""
+
+    device: str = _opt("cpu", "cpu, cuda or cuda:N")
+    dtype: str | None = _opt(
+        None, "float32 | bfloat16 | float16 (default: float32 on CPU, the checkpoint's dtype on CUDA)"
+    )
+    attention: str = _opt("auto", "attention backend: auto | reference | varlen")
+    max_seq_len: int | None = _opt(None, "longest sequence accepted (default: the model's maximum)")
+    max_batch_tokens: int = _opt(32768, "most tokens in one packed forward; larger requests are split")
+    max_items: int = _opt(4096, "most items/texts in one request")
+    max_beam_width: int = _opt(64, "largest beam width accepted")
+    max_beam_steps: int = _opt(16, "most decode steps accepted")
+    share_prefix: bool = _opt(True, "compute a prefix shared by all candidates once (cascade attention)")

@@ -1,0 +1,69 @@
+"""Request-scoped KV state for bounded beam search (DESIGN §3–4).
+
+The prompt KV is captured once at prefill and shared by every beam of that prompt. Each beam's generated
+KV lives in a buffer preallocated for (layers, beams, steps); beams are reordered by gathering that small
+buffer (double-buffered, so the step loop allocates no KV), never the prompt KV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from boundgen.attention.backends import AttentionBackend
+from boundgen.attention.cascade import merge_partial, own_keys_attention
+
+
+class PromptKV:
+    """K/V of every packed prompt token, per layer: k, v [L, T, Hkv, D] (post-RoPE, post-norm)."""
+
+    def __init__(self, num_layers, num_tokens, kv_heads, head_dim, dtype, device) -> None:
+        shape = (num_layers, num_tokens, kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].copy_(k)
+        self.v[layer].copy_(v)
+
+
+class BeamKV:
+    """Generated-token K/V of every live beam: k, v [L, N, S, Hkv, D], allocated once per request."""
+
+    def __init__(self, num_layers, num_beams, steps, kv_heads, head_dim, dtype, device) -> None:
+        shape = (num_layers, num_beams, max(steps, 1), kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._k_spare = torch.empty_like(self.k)
+        self._v_spare = torch.empty_like(self.v)
+
+    def reorder(self, parent: torch.Tensor) -> None:
+        """Beam n continues beam parent[n]: gather into the spare buffers and swap."""
+        torch.index_select(self.k, 1, parent, out=self._k_spare)
+        torch.index_select(self.v, 1, parent, out=self._v_spare)
+        self.k, self._k_spare = self._k_spare, self.k
+        self.v, self._v_spare = self._v_spare, self.v
+
+
+class DecodeKV:
+    """Everything a decode step's attention needs. Beams of prompt b are rows cu_beams[b]:cu_beams[b+1]."""
+
+    def __init__(self, prompt: PromptKV, cu_prompt: torch.Tensor, max_prompt: int, beams: BeamKV,
+                 cu_beams: torch.Tensor, max_beams: int) -> None:
+        self.prompt, self.cu_prompt, self.max_prompt = prompt, cu_prompt, max_prompt
+        self.beams, self.cu_beams, self.max_beams = beams, cu_beams, max_beams
+        self.step = 0  # slot of the token fed in this decode step
+
+
+def decode_attention(q, k, v, layer: int, state: DecodeKV, backend: AttentionBackend) -> torch.Tensor:
+    """q [N, Hq, D], k/v [N, Hkv, D] for one new token per beam → [N, Hq, D]."""
+    s = state.step
+    state.beams.k[layer, :, s] = k
+    state.beams.v[layer, :, s] = v
+    shared, shared_lse = backend.varlen(
+        q, state.prompt.k[layer], state.prompt.v[layer], state.cu_beams, state.cu_prompt,
+        state.max_beams, state.max_prompt, False,
+    )
+    own, own_lse = own_keys_attention(
+        q, state.beams.k[layer, :, : s + 1], state.beams.v[layer, :, : s + 1]
+    )
+    return merge_partial(shared, shared_lse, own, own_lse)

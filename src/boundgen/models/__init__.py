@@ -1,0 +1,1 @@
+"""Decoder model, its layers, weight loading and the architecture registry."""

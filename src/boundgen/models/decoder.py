@@ -1,0 +1,102 @@
+"""One decoder for Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) and Llama (llama3 RoPE scaling).
+
+The forward takes every per-batch tensor explicitly (packed tokens, positions, attention metadata, KV
+state), so `torch.export` sees them as inputs. Output rows are gathered by the caller before `head`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from boundgen.attention.backends import AttentionBackend, get_backend
+from boundgen.attention.cascade import prefill_attention
+from boundgen.attention.metadata import AttnInputs
+from boundgen.config import ModelConfig
+from boundgen.kv import DecodeKV, PromptKV, decode_attention
+from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads, config.num_kv_heads, config.head_dim,
+        )
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x, cos, sin, attn: AttnInputs, kv, layer: int, backend: AttentionBackend):
+        t = x.shape[0]
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(kv, DecodeKV):
+            o = decode_attention(q, k, v, layer, kv, backend)
+        else:
+            if isinstance(kv, PromptKV):
+                kv.store(layer, k, v)
+            o = prefill_attention(q, k, v, attn, backend)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, attn, kv, layer, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv, layer, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend or get_backend("reference", "cpu")
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        if config.task == "seq_cls":
+            self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        elif config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnInputs,
+                kv: PromptKV | DecodeKV | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] → final-normed hidden states [T, H]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn, kv, i, self.backend)
+        return self.norm(x)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        if self.config.task == "seq_cls":
+            return self.score.weight
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def head(self, rows: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [N, H] → float32 logits [N, C]; `columns` picks vocabulary ids (label scoring)."""
+        w = self.head_weight
+        if columns is not None:
+            w = w.index_select(0, columns)
+        return F.linear(rows, w).float()

@@ -1,0 +1,78 @@
+"""Building blocks shared by every family: RMSNorm, rotary embedding, gated MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from boundgen.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """HF-exact RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
+    d = config.head_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama 3: long wavelengths divided by `factor`, short ones kept, a smooth blend in between.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def reset(self) -> None:
+        """Recompute the buffer (after `to_empty` materialises the model from the meta device)."""
+        self.inv_freq = rope_inv_freq(self.config, device=self.inv_freq.device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] → cos, sin [T, 1, D/2] in `dtype` (computed in float32, as HF does)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with HF's rotate-half convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

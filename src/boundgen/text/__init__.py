@@ -1,0 +1,1 @@
+"""Tokenization and packing: text → token ids → one `PackedBatch` per forward."""

@@ -1,0 +1,50 @@
+"""Validation and tokenization of request inputs shared by every workload (clear `ValueError`s)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from boundgen.text.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_seq_len: int
+    max_items: int
+
+
+def is_token_ids(x) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def to_ids(x, tokenizer: Tokenizer, limits: Limits, what: str, add_special_tokens: bool = False) -> list[int]:
+    """Text → token ids (tokenized here), or token ids checked against the vocabulary."""
+    if isinstance(x, str):
+        return tokenizer.encode(x, add_special_tokens=add_special_tokens)
+    if not is_token_ids(x):
+        raise ValueError(f"{what} must be a string or a list of token ids, got {type(x).__name__}")
+    bad = [t for t in x if t < 0 or t >= limits.vocab_size]
+    if bad:
+        raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
+    return list(x)
+
+
+def check_items(items, limits: Limits, what: str = "items") -> None:
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"{what} must be a list, got {type(items).__name__}")
+    if len(items) == 0:
+        raise ValueError(f"{what} is empty: give at least one")
+    if len(items) > limits.max_items:
+        raise ValueError(f"{what} has {len(items)} entries; the limit is {limits.max_items}")
+
+
+def fit_length(ids: list[int], budget: int, truncate: bool, what: str) -> list[int]:
+    """Keep a sequence within `budget` tokens: error, or cut its tail when `truncate`."""
+    if len(ids) <= budget:
+        return ids
+    if not truncate:
+        raise ValueError(
+            f"{what} has {len(ids)} tokens, over the limit of {budget}; shorten it or pass truncate=True"
+        )
+    return ids[: max(budget, 0)]
