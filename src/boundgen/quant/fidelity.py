@@ -1,0 +1,358 @@
+"""Fidelity gate: does an FP8 policy rank and decode like the bf16 model?
+
+On a fixed, deterministic evaluation set (W1/W2/W4-style inputs from DESIGN §9 plus a held-out set) the
+candidate's outputs are compared with the reference's:
+- score Spearman (per ranking group, mean per set) ≥ 0.995
+- top-10 overlap (per ranking group, mean per set) ≥ 0.95
+- beam top-1 agreement (all beam prompts) ≥ 0.98
+The gate only needs two small callables per model, so it runs against an `Engine` (see `engine_runner`),
+or anything else with the same shape:
+    score(query_ids, items_ids, label_token_ids) -> [[label score per label] per item]   (logits)
+    beam(prompt_ids, beam_width, steps) -> [(tokens, logprob), ...] best first
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ScoreFn = Callable[[list[int], list[list[int]], list[int]], Sequence[Sequence[float]]]
+BeamFn = Callable[[list[int], int, int], Sequence]
+
+
+@dataclass(frozen=True)
+class GateThresholds:
+    spearman: float = 0.995
+    topk_overlap: float = 0.95
+    beam_top1: float = 0.98
+    k: int = 10
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metrics (numpy only)
+
+
+def rankdata(x: Sequence[float]) -> np.ndarray:
+    """Ranks 1..n with ties averaged (as scipy.stats.rankdata 'average')."""
+    a = np.asarray(x, dtype=np.float64)
+    order = np.argsort(a, kind="mergesort")
+    sorted_a = a[order]
+    ranks = np.empty(len(a), dtype=np.float64)
+    # boundaries of runs of equal values
+    starts = np.flatnonzero(np.r_[True, sorted_a[1:] != sorted_a[:-1]])
+    ends = np.r_[starts[1:], len(a)]
+    for s, e in zip(starts, ends):
+        ranks[order[s:e]] = (s + e + 1) / 2.0  # mean of ranks s+1..e
+    return ranks
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman rank correlation (Pearson on average ranks). Two constant vectors correlate 1."""
+    if len(a) != len(b):
+        raise ValueError(f"spearman: lengths differ ({len(a)} vs {len(b)})")
+    if len(a) < 2:
+        return 1.0
+    ra, rb = rankdata(a), rankdata(b)
+    ra -= ra.mean()
+    rb -= rb.mean()
+    denom = math.sqrt(float((ra * ra).sum()) * float((rb * rb).sum()))
+    if denom == 0.0:
+        return 1.0 if np.array_equal(ra, rb) else 0.0
+    return float((ra * rb).sum() / denom)
+
+
+def topk_overlap(ref: Sequence[float], cand: Sequence[float], k: int = 10) -> float:
+    """|top-k(ref) ∩ top-k(cand)| / k (k capped at the group size); highest score first."""
+    k = min(k, len(ref))
+    if k == 0:
+        return 1.0
+    top_ref = set(np.argsort(-np.asarray(ref, dtype=np.float64), kind="mergesort")[:k].tolist())
+    top_cand = set(np.argsort(-np.asarray(cand, dtype=np.float64), kind="mergesort")[:k].tolist())
+    return len(top_ref & top_cand) / k
+
+
+def ranking_score(label_scores: Sequence[float]) -> float:
+    """One ranking value per item from its label logits: log-softmax of the first label over the labels
+    (monotonic in P(first label), e.g. P("yes") against "no"); the logit itself for a single label."""
+    s = np.asarray(label_scores, dtype=np.float64)
+    if s.size == 1:
+        return float(s[0])
+    m = s.max()
+    return float(s[0] - (m + math.log(np.exp(s - m).sum())))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Evaluation set
+
+
+@dataclass(frozen=True)
+class ScoreCase:
+    """One ranking group: `query` shared by `items`; an empty query means independent prompts."""
+    set_name: str
+    query: list[int]
+    items: list[list[int]]
+    label_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class BeamCase:
+    set_name: str
+    prompt: list[int]
+    beam_width: int
+    steps: int
+
+
+@dataclass
+class EvalSet:
+    name: str
+    score_cases: list[ScoreCase] = field(default_factory=list)
+    beam_cases: list[BeamCase] = field(default_factory=list)
+
+    def extend(self, other: "EvalSet") -> "EvalSet":
+        return EvalSet(f"{self.name}+{other.name}", self.score_cases + other.score_cases,
+                       self.beam_cases + other.beam_cases)
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name,
+                           "score_cases": [dataclasses.asdict(c) for c in self.score_cases],
+                           "beam_cases": [dataclasses.asdict(c) for c in self.beam_cases]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "EvalSet":
+        d = json.loads(text)
+        return cls(d.get("name", "custom"), [ScoreCase(**c) for c in d.get("score_cases", [])],
+                   [BeamCase(**c) for c in d.get("beam_cases", [])])
+
+    @classmethod
+    def load(cls, path: str | Path) -> "EvalSet":
+        """A held-out set saved with `to_json` (e.g. the demo model's real queries, as token ids)."""
+        return cls.from_json(Path(path).read_text())
+
+
+# Sizes per scale: "full" is DESIGN §9's shapes (GPU), "small" keeps CPU runs to seconds on tiny models.
+_SCALES = {
+    "full": dict(w1_prompts=256, w1_len=(64, 256), w2_groups=8, w2_prefix=256, w2_items=100, w2_item_len=16,
+                 w4_prompts=100, w4_len=128, w4_width=16, w4_steps=4,
+                 ho_groups=6, ho_prefix=(64, 192), ho_items=50, ho_item_len=(8, 24), ho_beams=50),
+    "small": dict(w1_prompts=32, w1_len=(8, 32), w2_groups=3, w2_prefix=24, w2_items=20, w2_item_len=4,
+                  w4_prompts=12, w4_len=16, w4_width=4, w4_steps=3,
+                  ho_groups=2, ho_prefix=(8, 24), ho_items=16, ho_item_len=(2, 6), ho_beams=6),
+}
+
+
+def default_label_ids(vocab_size: int) -> list[int]:
+    """Two fixed label tokens (stand-ins for "yes"/"no") when the caller has none."""
+    return [vocab_size // 3, (2 * vocab_size) // 3]
+
+
+def make_eval_set(vocab_size: int, label_token_ids: Sequence[int] | None = None, scale: str = "full",
+                  seed: int = 0) -> EvalSet:
+    """W1 (independent prompts), W2 (shared prefix + candidates), W4 (beam) inputs and a held-out set.
+
+    Deterministic in (vocab_size, labels, scale, seed). W1-W4 draw token ids uniformly; the held-out set
+    uses a different seed, Zipf-like token ids and other shapes, so a policy is not tuned to one shape.
+    """
+    if scale not in _SCALES:
+        raise ValueError(f"unknown eval scale {scale!r}; choose from {list(_SCALES)}")
+    p = _SCALES[scale]
+    labels = list(label_token_ids) if label_token_ids else default_label_ids(vocab_size)
+    rng = np.random.default_rng(seed)
+
+    def uniform(n: int) -> list[int]:
+        return rng.integers(0, vocab_size, size=n).tolist()
+
+    cases: list[ScoreCase] = []
+    lo, hi = p["w1_len"]
+    w1_items = [uniform(int(rng.integers(lo, hi + 1))) for _ in range(p["w1_prompts"])]
+    cases.append(ScoreCase("W1", [], w1_items, labels))
+    for _ in range(p["w2_groups"]):
+        cases.append(ScoreCase("W2", uniform(p["w2_prefix"]),
+                               [uniform(p["w2_item_len"]) for _ in range(p["w2_items"])], labels))
+    beams = [BeamCase("W4", uniform(p["w4_len"]), p["w4_width"], p["w4_steps"]) for _ in range(p["w4_prompts"])]
+
+    held = np.random.default_rng(seed + 1_000_003)
+    weights = 1.0 / np.arange(1, vocab_size + 1) ** 1.1
+    weights /= weights.sum()
+    perm = held.permutation(vocab_size)
+
+    def zipf(n: int) -> list[int]:
+        return perm[held.choice(vocab_size, size=n, p=weights)].tolist()
+
+    for _ in range(p["ho_groups"]):
+        plo, phi = p["ho_prefix"]
+        ilo, ihi = p["ho_item_len"]
+        cases.append(ScoreCase("heldout", zipf(int(held.integers(plo, phi + 1))),
+                               [zipf(int(held.integers(ilo, ihi + 1))) for _ in range(p["ho_items"])], labels))
+    for _ in range(p["ho_beams"]):
+        beams.append(BeamCase("heldout", zipf(int(held.integers(p["w4_len"] // 2, p["w4_len"] + 1))),
+                              p["w4_width"], p["w4_steps"]))
+    return EvalSet(f"{scale}-seed{seed}", cases, beams)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass
+class ModelRunner:
+    """The two callables the gate needs from one model configuration (bf16 or an FP8 policy)."""
+    score: ScoreFn
+    beam: BeamFn | None = None
+
+
+def _beam_tokens(entry) -> list[int]:
+    tokens = entry[0] if isinstance(entry, (tuple, list)) else getattr(entry, "tokens")
+    return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
+
+
+def engine_runner(engine) -> ModelRunner:
+    """Adapt `Engine.score(query, items, label_token_ids, apply_softmax=False)` and
+    `Engine.beam_search(prompt, beam_width, steps)`."""
+
+    def score(query, items, labels):
+        return engine.score(query, items, label_token_ids=labels, apply_softmax=False)
+
+    beam = None
+    if hasattr(engine, "beam_search"):
+        def beam(prompt, width, steps):
+            return engine.beam_search(prompt, beam_width=width, steps=steps)
+    return ModelRunner(score, beam)
+
+
+@dataclass
+class EvalOutputs:
+    scores: list[list[float]]            # per score case: one ranking value per item
+    beams: list[list[int] | None]        # per beam case: top-1 tokens (None when no beam callable)
+
+
+def collect_outputs(runner: ModelRunner, eval_set: EvalSet) -> EvalOutputs:
+    scores = []
+    for case in eval_set.score_cases:
+        out = runner.score(case.query, case.items, case.label_token_ids)
+        if len(out) != len(case.items):
+            raise RuntimeError(f"score returned {len(out)} rows for {len(case.items)} items")
+        scores.append([ranking_score(row) for row in out])
+    beams: list[list[int] | None] = []
+    for case in eval_set.beam_cases:
+        if runner.beam is None:
+            beams.append(None)
+            continue
+        result = runner.beam(case.prompt, case.beam_width, case.steps)
+        beams.append(_beam_tokens(result[0]) if len(result) else [])
+    return EvalOutputs(scores, beams)
+
+
+@dataclass
+class SetReport:
+    name: str
+    groups: int = 0
+    items: int = 0
+    spearman_mean: float | None = None
+    spearman_min: float | None = None
+    topk_mean: float | None = None
+    topk_min: float | None = None
+    max_abs_diff: float | None = None
+    beams: int = 0
+    beam_top1: float | None = None
+
+
+@dataclass
+class GateReport:
+    policy: str
+    passed: bool
+    thresholds: GateThresholds
+    sets: list[SetReport]
+    beam_top1: float | None
+    failures: list[str]
+    eval_set: str = ""
+    notes: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def format(self) -> str:
+        t = self.thresholds
+        lines = [f"FP8 fidelity gate: policy={self.policy} eval={self.eval_set} "
+                 f"-> {'PASS' if self.passed else 'FAIL'}",
+                 f"  thresholds: spearman >= {t.spearman}, top-{t.k} overlap >= {t.topk_overlap}, "
+                 f"beam top-1 >= {t.beam_top1}",
+                 f"  {'set':<10} {'groups':>6} {'items':>6} {'spearman':>17} {'top-k overlap':>17} "
+                 f"{'max|d|':>8} {'beams':>5} {'top-1':>6}"]
+
+        def f(x, spec=".4f"):
+            return "-" if x is None else format(x, spec)
+
+        for s in self.sets:
+            lines.append(f"  {s.name:<10} {s.groups:>6} {s.items:>6} "
+                         f"{f(s.spearman_mean)+' (min '+f(s.spearman_min, '.3f')+')':>17} "
+                         f"{f(s.topk_mean)+' (min '+f(s.topk_min, '.2f')+')':>17} "
+                         f"{f(s.max_abs_diff, '.3g'):>8} {s.beams:>5} {f(s.beam_top1, '.3f'):>6}")
+        lines.append(f"  beam top-1 agreement (all): {f(self.beam_top1)}")
+        for k, v in self.notes.items():
+            lines.append(f"  {k}: {v}")
+        for msg in self.failures:
+            lines.append(f"  FAIL: {msg}")
+        return "\n".join(lines)
+
+
+def compare_outputs(ref: EvalOutputs, cand: EvalOutputs, eval_set: EvalSet, policy: str,
+                    thresholds: GateThresholds = GateThresholds()) -> GateReport:
+    by_set: dict[str, SetReport] = {}
+    per_set: dict[str, dict[str, list[float]]] = {}
+    for case, r, c in zip(eval_set.score_cases, ref.scores, cand.scores):
+        rep = by_set.setdefault(case.set_name, SetReport(case.set_name))
+        acc = per_set.setdefault(case.set_name, {"rho": [], "top": [], "diff": []})
+        rep.groups += 1
+        rep.items += len(r)
+        acc["rho"].append(spearman(r, c))
+        acc["top"].append(topk_overlap(r, c, thresholds.k))
+        acc["diff"].append(float(np.max(np.abs(np.subtract(r, c)))) if r else 0.0)
+    failures = []
+    for name, acc in per_set.items():
+        rep = by_set[name]
+        rep.spearman_mean, rep.spearman_min = float(np.mean(acc["rho"])), float(np.min(acc["rho"]))
+        rep.topk_mean, rep.topk_min = float(np.mean(acc["top"])), float(np.min(acc["top"]))
+        rep.max_abs_diff = float(np.max(acc["diff"]))
+        if rep.spearman_mean < thresholds.spearman:
+            failures.append(f"{name}: score Spearman {rep.spearman_mean:.4f} < {thresholds.spearman}")
+        if rep.topk_mean < thresholds.topk_overlap:
+            failures.append(f"{name}: top-{thresholds.k} overlap {rep.topk_mean:.3f} < {thresholds.topk_overlap}")
+
+    agree_all: list[bool] = []
+    for case, r, c in zip(eval_set.beam_cases, ref.beams, cand.beams):
+        if r is None or c is None:
+            continue
+        rep = by_set.setdefault(case.set_name, SetReport(case.set_name))
+        rep.beams += 1
+        rep.beam_top1 = (rep.beam_top1 or 0.0) + float(r == c)
+        agree_all.append(r == c)
+    for rep in by_set.values():
+        if rep.beams:
+            rep.beam_top1 /= rep.beams
+    beam_top1 = float(np.mean(agree_all)) if agree_all else None
+    notes = {}
+    if eval_set.beam_cases and beam_top1 is None:
+        notes["beam"] = "not checked (no beam_search callable)"
+    if beam_top1 is not None and beam_top1 < thresholds.beam_top1:
+        failures.append(f"beam top-1 agreement {beam_top1:.3f} < {thresholds.beam_top1} "
+                        f"({sum(agree_all)}/{len(agree_all)} prompts)")
+    if not per_set:
+        failures.append("no score cases were evaluated")
+    return GateReport(policy, not failures, thresholds, list(by_set.values()), beam_top1, failures,
+                      eval_set.name, notes)
+
+
+def run_gate(reference: ModelRunner, candidate: ModelRunner, eval_set: EvalSet, policy: str,
+             thresholds: GateThresholds = GateThresholds(),
+             reference_outputs: EvalOutputs | None = None) -> GateReport:
+    """Compare `candidate` (FP8 policy) with `reference` (bf16) on `eval_set`. Pass `reference_outputs`
+    to reuse one bf16 run for several policies."""
+    ref = reference_outputs if reference_outputs is not None else collect_outputs(reference, eval_set)
+    cand = collect_outputs(candidate, eval_set)
+    return compare_outputs(ref, cand, eval_set, policy, thresholds)

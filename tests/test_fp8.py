@@ -1,0 +1,161 @@
+"""FP8 numerics, Fp8Linear, policy selection and device gating (CPU, emulated FP8)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from boundgen.quant import (
+    Fp8Linear,
+    Fp8NotSupportedError,
+    Fp8PolicyError,
+    apply_fp8,
+    fp8_modules,
+    fp8_supported,
+    parse_policy,
+    quantize_rowwise,
+    quantize_weight,
+    select_modules,
+)
+from boundgen.quant.fp8 import FP8_MAX, dequantize_rowwise
+
+from fp8_toy import ToyDecoder
+
+E4M3_REL = 2.0**-4  # half an ulp of a 3-bit mantissa
+
+
+def test_quantize_rowwise_round_trip_bounds():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g) * torch.logspace(-3, 3, 64)[:, None]
+    q, scale = quantize_rowwise(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 1) and scale.dtype == torch.float32
+    back = dequantize_rowwise(q, scale)
+    # per-row max maps to ±448 exactly, so the row max survives the round trip
+    amax = x.abs().amax(-1)
+    assert torch.equal(q.float().abs().amax(-1), torch.full((64,), FP8_MAX))
+    torch.testing.assert_close(back.abs().amax(-1), amax, rtol=1e-6, atol=0)
+    # normal e4m3 values: relative error ≤ 2^-4; subnormals (below 2^-6 * scale): absolute ≤ 2^-10 * scale
+    normal = (x / scale).abs() >= 2.0**-6
+    rel = ((back - x).abs() / x.abs())[normal]
+    assert rel.max() <= E4M3_REL + 1e-6
+    assert ((back - x).abs()[~normal] <= scale.expand_as(x)[~normal] * 2.0**-10 + 1e-12).all()
+
+
+def test_quantize_zero_rows_and_weight_layout():
+    x = torch.zeros(3, 32)
+    q, scale = quantize_rowwise(x)
+    assert torch.isfinite(scale).all() and (q.float() == 0).all()
+    w8, ws = quantize_weight(torch.randn(48, 32))
+    assert w8.shape == (48, 32) and ws.shape == (1, 48) and w8.is_contiguous()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_emulated_close_to_linear(bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128, bias=bias).to(torch.bfloat16)
+    x = torch.randn(4, 7, 256, dtype=torch.bfloat16)
+    fp8 = Fp8Linear.from_linear(lin, mode="emulate")
+    ref, out = lin(x).float(), fp8(x).float()
+    assert out.shape == (4, 7, 128) and fp8(x).dtype == torch.bfloat16
+    rel = (out - ref).norm() / ref.norm()
+    assert rel < 0.05, rel  # two e4m3 roundings: ~3% relative error in norm
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
+    assert cos > 0.998
+
+
+def test_scaled_mm_mode_matches_emulation():
+    # torch's CPU build has a reference _scaled_mm, so both code paths are testable here.
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    x = torch.randn(10, 64, dtype=torch.bfloat16)
+    emu = Fp8Linear.from_linear(lin, mode="emulate")
+    try:
+        real = Fp8Linear.from_linear(lin, mode="scaled_mm")
+        out = real(x)
+    except RuntimeError as exc:  # pragma: no cover - CPU _scaled_mm missing in this build
+        pytest.skip(f"no CPU _scaled_mm: {exc}")
+    torch.testing.assert_close(out.float(), emu(x).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_scaled_mm_needs_multiples_of_16():
+    with pytest.raises(ValueError, match="divisible by 16"):
+        Fp8Linear.from_linear(nn.Linear(40, 48), mode="scaled_mm")
+    Fp8Linear.from_linear(nn.Linear(40, 48), mode="emulate")  # emulation does not care
+
+
+@pytest.mark.parametrize(
+    "policy, suffixes",
+    [
+        ("mlp", {"mlp.gate_up_proj", "mlp.down_proj"}),
+        ("mlp+attn-proj", {"mlp.gate_up_proj", "mlp.down_proj", "self_attn.qkv_proj", "self_attn.o_proj"}),
+    ],
+)
+def test_policy_swaps_exactly_the_named_modules(policy, suffixes):
+    model = ToyDecoder(layers=3)
+    expected = {f"layers.{i}.{s}" for i in range(3) for s in suffixes}
+    assert set(select_modules(model, policy)) == expected
+    apply_fp8(model, policy, emulate=True)
+    assert set(fp8_modules(model)) == expected
+    # everything else untouched and in its original type
+    assert type(model.lm_head) is nn.Linear and type(model.embed_tokens) is nn.Embedding
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            assert name not in expected
+    if "self_attn.qkv_proj" in suffixes:
+        assert model.layers[0].self_attn.qkv_proj.bias is not None  # bias kept (added after the GEMM)
+
+
+def test_policy_none_and_errors():
+    model = ToyDecoder()
+    assert apply_fp8(model, "none") is model and fp8_modules(model) == []
+    assert parse_policy(" MLP ") == "mlp" and parse_policy(None) == "none"
+    with pytest.raises(ValueError, match="unknown FP8 policy 'attn'.*none, mlp, mlp\\+attn-proj"):
+        parse_policy("attn")
+    with pytest.raises(Fp8PolicyError, match="matched no modules"):
+        select_modules(nn.Sequential(nn.Linear(4, 4)), "mlp")
+    apply_fp8(model, "mlp", emulate=True)
+    with pytest.raises(Fp8PolicyError, match="already quantized"):
+        apply_fp8(model, "mlp", emulate=True)
+
+
+def test_real_fp8_on_cpu_is_a_clear_error():
+    ok, reason = fp8_supported("cpu")
+    assert not ok and "emulate" in reason
+    with pytest.raises(Fp8NotSupportedError, match="real FP8 is not available.*sm_89"):
+        apply_fp8(ToyDecoder(), "mlp")
+
+
+def test_emulated_model_close_to_reference():
+    torch.manual_seed(0)
+    ref = ToyDecoder(layers=2).to(torch.bfloat16)
+    ids = torch.randint(0, ref.vocab, (24,))
+    for policy in ("mlp", "mlp+attn-proj"):
+        q = apply_fp8(copy.deepcopy(ref), policy, emulate=True)
+        with torch.no_grad():
+            a, b = ref(ids).float(), q(ids).float()
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+        assert cos.mean() > 0.99 and cos.min() > 0.97, (policy, cos.mean(), cos.min())
+
+
+def test_export_sees_plain_tensor_ops():
+    model = apply_fp8(ToyDecoder(layers=1), "mlp+attn-proj", emulate=True).eval()
+    ids = torch.randint(0, model.vocab, (9,))
+    ep = torch.export.export(model, (ids,))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert not any("triton" in t or "custom" in t for t in targets)
+    torch.testing.assert_close(ep.module()(ids), model(ids))
+
+
+def test_export_scaled_mm_path():
+    lin = Fp8Linear.from_linear(nn.Linear(32, 48, bias=True).to(torch.bfloat16), mode="scaled_mm")
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    try:
+        lin(x)
+    except RuntimeError as exc:  # pragma: no cover
+        pytest.skip(f"no CPU _scaled_mm: {exc}")
+    ep = torch.export.export(lin, (x,))
+    assert any("_scaled_mm" in str(n.target) for n in ep.graph.nodes)
+    torch.testing.assert_close(ep.module()(x), lin(x))
