@@ -1,0 +1,68 @@
+"""HTTP errors as `{"error": {"message", "type", "code"}}` (the OpenAI shape clients already parse)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+
+class ServerError(Exception):
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, code: Any = None,
+                 headers: dict[str, str] | None = None, status: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.headers = headers or {}
+        if status is not None:
+            self.status = status
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.code, self.headers)
+
+
+class BadRequest(ServerError):
+    status, type = 400, "invalid_request_error"
+
+
+class Unauthorized(ServerError):
+    status, type = 401, "authentication_error"
+
+
+class NotFound(ServerError):
+    status, type = 404, "not_found_error"
+
+
+class TooLarge(ServerError):
+    status, type = 413, "request_too_large"
+
+
+class Overloaded(ServerError):
+    status, type = 429, "overloaded_error"
+
+
+class Unavailable(ServerError):
+    status, type = 503, "unavailable_error"
+
+
+class Timeout(ServerError):
+    status, type = 504, "timeout_error"
+
+
+class DeadlineExceeded(Exception):
+    """Raised in the model worker when a request's deadline passed before it ran."""
+
+
+def error_response(status: int, message: str, type_: str, code: Any = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    # `code`: the HTTP status unless a more specific code is given (vLLM does the same).
+    body = {"error": {"message": message, "type": type_, "code": code if code is not None else status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def is_deadline_error(exc: BaseException) -> bool:
+    # NOTE: the runtime defines its own `DeadlineExceeded`; match by name so the server does not import it.
+    return isinstance(exc, DeadlineExceeded) or type(exc).__name__ == "DeadlineExceeded"

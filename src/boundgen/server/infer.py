@@ -1,0 +1,127 @@
+"""`Infer`: the one narrow object HTTP handlers call (text-embeddings-inference style thin handlers).
+
+`await infer(kind, request, timeout_ms)` runs one business request (`kind` in score | classify | embed |
+beam, `request` the keyword arguments of the matching `Engine` method) and returns its result. It owns
+admission (a bounded count of admitted requests → `Overloaded`/429) and deadlines (`Timeout`/504).
+
+Two backends, same contract:
+- an `Engine`: calls run on a small worker thread pool (never on the event loop); a request whose
+  deadline passed while it waited is dropped before it reaches the model;
+- an `EngineRuntime` (`runtime.submit(kind, request, timeout_ms) -> concurrent.futures.Future`), which
+  batches across requests and enforces deadlines itself (raising `DeadlineExceeded`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from boundgen.server.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    Overloaded,
+    ServerError,
+    Timeout,
+    is_deadline_error,
+)
+from boundgen.server.metrics import Metrics
+
+log = logging.getLogger("boundgen.server")
+
+KINDS = ("score", "classify", "embed", "beam")
+_ENGINE_METHOD = {"score": "score", "classify": "classify", "embed": "embed", "beam": "beam_search"}
+
+
+class Infer:
+    def __init__(self, engine: Any, *, metrics: Metrics, max_queue: int = 256, workers: int = 1,
+                 runtime: Any = None, retry_after_s: int = 1, tries: dict[str, Any] | None = None):
+        self.engine = engine
+        self.runtime = runtime
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.retry_after_s = retry_after_s
+        self.tries = tries or {}
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="boundgen-model")
+        self._admitted = 0  # NOTE: touched only on the event loop thread, so no lock.
+        self._waiting = 0  # engine path: admitted but not yet started by a worker
+        self.closed = False
+
+    @property
+    def admitted(self) -> int:
+        return self._admitted
+
+    def _admit(self) -> None:
+        if self._admitted >= self.max_queue:
+            self.metrics.shed.inc()
+            raise Overloaded(
+                f"server is at capacity ({self.max_queue} requests admitted); retry after "
+                f"{self.retry_after_s}s", headers={"Retry-After": str(self.retry_after_s)})
+        self._admitted += 1
+        self.metrics.inflight.set(self._admitted)
+
+    def _release(self, _fut: Any = None) -> None:
+        self._admitted -= 1
+        self.metrics.inflight.set(self._admitted)
+
+    async def __call__(self, kind: str, request: dict[str, Any], timeout_ms: int) -> Any:
+        if kind not in KINDS:
+            raise BadRequest(f"unknown request kind {kind!r}")
+        self._admit()
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + timeout_ms / 1000.0
+        try:
+            if self.runtime is not None:
+                fut = asyncio.wrap_future(self.runtime.submit(kind, request, timeout_ms))
+            else:
+                self._waiting += 1
+                self.metrics.queue_depth.set(self._waiting)
+                fut = loop.run_in_executor(self._pool, self._run_engine, kind, request, deadline,
+                                           time.monotonic())
+        except BaseException:
+            self._release()
+            raise
+        # NOTE: the admission slot is freed when the work really ends, not when the client gives up,
+        # so a burst of timed-out requests cannot overfill the worker queue.
+        fut.add_done_callback(self._release)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout=max(0.0, deadline - time.monotonic()))
+        except (asyncio.TimeoutError, TimeoutError):
+            raise Timeout(f"request did not finish within timeout_ms={timeout_ms}") from None
+        except ServerError:
+            raise
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        except Exception as exc:
+            if is_deadline_error(exc):
+                raise Timeout(f"request did not finish within timeout_ms={timeout_ms}: {exc}") from None
+            raise
+
+    # --- engine path, runs on a worker thread ---
+    def _run_engine(self, kind: str, request: dict[str, Any], deadline: float, enqueued: float) -> Any:
+        start = time.monotonic()
+        # NOTE: `_waiting` feeds a gauge only (admission uses `_admitted`); a racy update is harmless.
+        self._waiting -= 1
+        self.metrics.queue_depth.set(max(0, self._waiting))
+        self.metrics.observe_node("queue", start - enqueued)
+        if start >= deadline:
+            raise DeadlineExceeded("deadline passed while queued")
+        tokens = request.pop("_tokens", None)
+        if tokens:
+            self.metrics.batch_tokens.observe(tokens)
+        out = getattr(self.engine, _ENGINE_METHOD[kind])(**request)
+        if kind == "embed":
+            out = out.float().cpu().numpy()  # tensor work stays off the event loop
+        elif kind == "beam":
+            out = [(list(map(int, toks)), float(score)) for toks, score in out]
+        self.metrics.observe_node(kind, time.monotonic() - start)
+        return out
+
+    def close(self, wait: bool = True) -> None:
+        self.closed = True
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        if self.runtime is not None and hasattr(self.runtime, "close"):
+            self.runtime.close()
+

@@ -1,0 +1,356 @@
+"""KServe v2 / Triton HTTP protocol: health, model metadata and `infer` (JSON and the Triton binary
+tensor extension, so `tritonclient.http` works unchanged with its defaults).
+
+One model, three tasks (request parameter `task`, default from the inputs):
+- `score`: inputs `query` BYTES [1] (or INT64 token ids [L]), `items` BYTES [N] (or INT64 [N, L]),
+  optional `label_token_ids` INT64 [K] (default: the rerank labels) → output `scores` FP32 [N, K].
+  Parameters `apply_softmax` (default true) and `item_first` (default false).
+- `embed`: input `text` BYTES [N] → output `embeddings` FP32 [N, H].
+- `classify`: input `text` BYTES [N] → output `probs` FP32 [N, C].
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, Callable
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from boundgen.server.errors import BadRequest, NotFound, Unavailable
+from boundgen.server.limits import describe_validation_error, read_body
+
+_NP = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
+       "UINT64": np.uint64, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
+       "FP16": np.float16, "FP32": np.float32, "FP64": np.float64}
+_INT_TYPES = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
+_MAX_ELEMENTS = 1 << 24
+
+
+class _Tensor(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: StrictStr
+    shape: list[StrictInt] = []
+    datatype: StrictStr = "BYTES"
+    parameters: dict[str, Any] | None = None
+    data: Any = None
+
+
+class _Output(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: StrictStr
+    parameters: dict[str, Any] | None = None
+
+
+class InferRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    inputs: list[_Tensor]
+    outputs: list[_Output] | None = None
+
+
+def add_routes(route: Callable[..., None], state: Any) -> None:
+    get = ("GET",)
+    route("/v2", "kserve.server_metadata", server_metadata, get)
+    route("/v2/health/live", "kserve.live", live, get)
+    route("/v2/health/ready", "kserve.ready", ready, get)
+    for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        route(base, "kserve.model_metadata", model_metadata, get)
+        route(base + "/ready", "kserve.model_ready", model_ready, get)
+        route(base + "/config", "kserve.model_config", model_config, get)
+        route(base + "/infer", "infer", infer)
+
+
+def _json(obj: Any) -> Response:
+    return Response(json.dumps(obj), media_type="application/json")
+
+
+async def server_metadata(request: Request, state: Any) -> Response:
+    from boundgen import __version__
+
+    return _json({"name": "boundgen", "version": __version__, "extensions": ["binary_tensor_data"]})
+
+
+async def live(request: Request, state: Any) -> Response:
+    return _json({"live": True})
+
+
+async def ready(request: Request, state: Any) -> Response:
+    if state.draining or not state.ready:
+        raise Unavailable("server is not ready" + (" (shutting down)" if state.draining else ""))
+    return _json({"ready": True})
+
+
+def _model(request: Request, state: Any) -> str:
+    name = request.path_params["name"]
+    if name != state.model_name:
+        raise NotFound(f"unknown model {name!r}; this server serves {state.model_name!r}")
+    version = request.path_params.get("version")
+    if version not in (None, "", "1"):
+        raise NotFound(f"unknown version {version!r} of model {name!r}; the only version is '1'")
+    return name
+
+
+def _metadata(state: Any) -> dict[str, Any]:
+    outputs = [{"name": "scores", "datatype": "FP32", "shape": [-1, -1]},
+               {"name": "embeddings", "datatype": "FP32", "shape": [-1, state.hidden_size]}]
+    if state.num_labels > 0:
+        outputs.append({"name": "probs", "datatype": "FP32", "shape": [-1, state.num_labels]})
+    return {"name": state.model_name, "versions": ["1"], "platform": "boundgen",
+            "inputs": [{"name": "query", "datatype": "BYTES", "shape": [1]},
+                       {"name": "items", "datatype": "BYTES", "shape": [-1]},
+                       {"name": "label_token_ids", "datatype": "INT64", "shape": [-1]},
+                       {"name": "text", "datatype": "BYTES", "shape": [-1]}],
+            "outputs": outputs}
+
+
+async def model_metadata(request: Request, state: Any) -> Response:
+    _model(request, state)
+    return _json(_metadata(state))
+
+
+async def model_ready(request: Request, state: Any) -> Response:
+    _model(request, state)
+    if state.draining or not state.ready:
+        raise Unavailable("model is not ready")
+    return _json({"name": state.model_name, "ready": True})
+
+
+async def model_config(request: Request, state: Any) -> Response:
+    _model(request, state)
+    meta = _metadata(state)
+    return _json({"name": state.model_name, "platform": "boundgen", "max_batch_size": 0,
+                  "input": [{"name": t["name"], "data_type": "TYPE_" + t["datatype"].replace(
+                      "BYTES", "STRING"), "dims": t["shape"]} for t in meta["inputs"]],
+                  "output": [{"name": t["name"], "data_type": "TYPE_" + t["datatype"],
+                              "dims": t["shape"]} for t in meta["outputs"]]})
+
+
+# ----------------------------------------------------------------------------------------------
+# decoding inputs
+
+
+def _split_body(request: Request, body: bytes) -> tuple[bytes, bytes]:
+    header = request.headers.get("inference-header-content-length")
+    if header is None:
+        return body, b""
+    try:
+        n = int(header)
+    except ValueError:
+        raise BadRequest("Inference-Header-Content-Length is not an integer") from None
+    if not 0 < n <= len(body):
+        raise BadRequest(f"Inference-Header-Content-Length={n} but the body is {len(body)} bytes")
+    return body[:n], body[n:]
+
+
+def _decode_bytes_tensor(raw: bytes, name: str) -> list[bytes]:
+    out, pos = [], 0
+    while pos < len(raw):
+        if pos + 4 > len(raw):
+            raise BadRequest(f"input {name!r}: truncated BYTES element length")
+        (n,) = struct.unpack_from("<I", raw, pos)
+        pos += 4
+        if pos + n > len(raw):
+            raise BadRequest(f"input {name!r}: BYTES element of {n} bytes runs past the data")
+        out.append(raw[pos:pos + n])
+        pos += n
+    return out
+
+
+def _flatten(data: Any, name: str, depth: int = 0) -> list[Any]:
+    if not isinstance(data, list):
+        return [data]
+    if depth > 8:
+        raise BadRequest(f"input {name!r}: data nested deeper than 8 levels")
+    out: list[Any] = []
+    for x in data:
+        out.extend(_flatten(x, name, depth + 1) if isinstance(x, list) else [x])
+    return out
+
+
+def _decode_inputs(tensors: list[_Tensor], binary: bytes) -> dict[str, Any]:
+    decoded: dict[str, Any] = {}
+    pos = 0
+    for t in tensors:
+        if t.name in decoded:
+            raise BadRequest(f"input {t.name!r} given twice")
+        if any(d < 0 for d in t.shape):
+            raise BadRequest(f"input {t.name!r}: negative dimension in shape {t.shape}")
+        count = int(np.prod(t.shape)) if t.shape else 1
+        if count > _MAX_ELEMENTS:
+            raise BadRequest(f"input {t.name!r}: {count} elements is too many")
+        size = (t.parameters or {}).get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise BadRequest(f"input {t.name!r}: binary_data_size must be a non-negative integer")
+            raw = binary[pos:pos + size]
+            if len(raw) != size:
+                raise BadRequest(f"input {t.name!r}: binary_data_size={size} runs past the body")
+            pos += size
+            if t.datatype == "BYTES":
+                values: list[Any] = _decode_bytes_tensor(raw, t.name)
+            elif t.datatype in _NP:
+                dt = np.dtype(_NP[t.datatype]).newbyteorder("<")
+                if size % dt.itemsize:
+                    raise BadRequest(f"input {t.name!r}: {size} bytes is not a whole number of "
+                                     f"{t.datatype} elements")
+                values = np.frombuffer(raw, dtype=dt).tolist()
+            else:
+                raise BadRequest(f"input {t.name!r}: unsupported datatype {t.datatype!r}")
+        else:
+            if t.data is None:
+                raise BadRequest(f"input {t.name!r} has neither `data` nor binary_data_size")
+            values = _flatten(t.data, t.name)
+        if len(values) != count:
+            raise BadRequest(f"input {t.name!r}: shape {t.shape} needs {count} elements, "
+                             f"got {len(values)}")
+        decoded[t.name] = (t, values)
+    if pos != len(binary):
+        raise BadRequest(f"{len(binary) - pos} bytes of binary data are not claimed by any input")
+    return decoded
+
+
+def _texts(t: _Tensor, values: list[Any]) -> list[str]:
+    if t.datatype != "BYTES":
+        raise BadRequest(f"input {t.name!r} must be BYTES (text), got {t.datatype}")
+    out = []
+    for v in values:
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadRequest(f"input {t.name!r}: element is not valid UTF-8") from None
+        if not isinstance(v, str):
+            raise BadRequest(f"input {t.name!r}: expected strings, got {type(v).__name__}")
+        out.append(v)
+    return out
+
+
+def _ints(t: _Tensor, values: list[Any]) -> list[int]:
+    if t.datatype not in _INT_TYPES:
+        raise BadRequest(f"input {t.name!r} must be an integer tensor, got {t.datatype}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise BadRequest(f"input {t.name!r}: expected integers")
+    return [int(v) for v in values]
+
+
+def _param(params: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+    value = params.get(key, default)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise BadRequest(f"parameter {key!r} must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# infer
+
+
+async def infer(request: Request, state: Any) -> Response:
+    from boundgen.server import app as handlers
+
+    _model(request, state)
+    body = await read_body(request, state.config.max_body_bytes)
+    head, binary = _split_body(request, body)
+    if not head.strip():
+        raise BadRequest("request body is empty; expected a KServe v2 inference request")
+    try:
+        req = InferRequest.model_validate_json(head)
+    except ValidationError as exc:
+        raise BadRequest(describe_validation_error(exc)) from None
+    params = req.parameters or {}
+    inputs = _decode_inputs(req.inputs, binary)
+    task = _param(params, "task", "score" if "items" in inputs else "embed", str)
+    timeout_ms = params.get("timeout_ms")
+    if timeout_ms is not None and (not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool)
+                                   or timeout_ms < 1):
+        raise BadRequest("parameter 'timeout_ms' must be a positive integer")
+    timeout_ms = state.timeout_ms(timeout_ms)
+
+    def need(name: str) -> tuple[_Tensor, list[Any]]:
+        if name not in inputs:
+            raise BadRequest(f"task {task!r} needs input {name!r}; got {sorted(inputs)}")
+        return inputs[name]
+
+    if task == "score":
+        qt, qv = need("query")
+        it, iv = need("items")
+        if qt.datatype == "BYTES":
+            if len(qv) != 1:
+                raise BadRequest(f"input 'query' must hold one string, got {len(qv)}")
+            query = await handlers._token_ids(state, "query", _texts(qt, qv)[0],
+                                              state.config.max_query_tokens, "max_query_tokens",
+                                              allow_empty=True)
+        else:
+            query = await handlers._token_ids(state, "query", _ints(qt, qv),
+                                              state.config.max_query_tokens, "max_query_tokens",
+                                              allow_empty=True)
+        if it.datatype == "BYTES":
+            items = await handlers._many_token_ids(state, "items", _texts(it, iv))
+        else:
+            if len(it.shape) != 2:
+                raise BadRequest("input 'items' as token ids must have shape [N, L]")
+            flat = _ints(it, iv)
+            n, length = it.shape
+            items = await handlers._many_token_ids(
+                state, "items", [flat[i * length:(i + 1) * length] for i in range(n)])
+        if "label_token_ids" in inputs:
+            lt, lv = inputs["label_token_ids"]
+            labels = _ints(lt, lv)
+        elif state.rerank_label_ids is not None:
+            labels = list(state.rerank_label_ids)
+        else:
+            raise BadRequest("input 'label_token_ids' is required (no default rerank labels)")
+        state.limits.count("label_token_ids", len(labels), state.config.max_label_tokens,
+                           "max_label_tokens")
+        state.limits.token_ids("label_token_ids", labels)
+        scores = await handlers._run_score(
+            state, query, items, labels, _param(params, "apply_softmax", True, bool),
+            _param(params, "item_first", False, bool), timeout_ms)
+        name, array = "scores", np.asarray(scores, dtype=np.float32).reshape(len(items), len(labels))
+    elif task in ("embed", "classify"):
+        tt, tv = need("text")
+        texts = _texts(tt, tv)
+        ids = await handlers._many_token_ids(state, "text", texts, special=True)
+        for i, seq in enumerate(ids):
+            state.limits.context(f"text[{i}]", len(seq))
+        n_tokens = sum(len(s) for s in ids)
+        if task == "embed":
+            array = await state.infer("embed", dict(
+                texts=texts, pooling=state.config.embed_pooling,
+                normalize=_param(params, "normalize", state.config.embed_normalize, bool),
+                _tokens=n_tokens), timeout_ms)
+            name, array = "embeddings", np.asarray(array, dtype=np.float32)
+        else:
+            if not state.can_classify:
+                raise BadRequest("this model has no classification head (task 'classify')")
+            logits = np.asarray(await state.infer("classify", dict(texts=texts, _tokens=n_tokens),
+                                                  timeout_ms), dtype=np.float32)
+            e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+            name, array = "probs", e / e.sum(axis=-1, keepdims=True)
+    else:
+        raise BadRequest(f"unknown task {task!r}; use score, embed or classify")
+
+    if req.outputs is not None and req.outputs and all(o.name != name for o in req.outputs):
+        raise BadRequest(f"task {task!r} produces output {name!r}; requested "
+                         f"{[o.name for o in req.outputs]}")
+    binary_out = bool(params.get("binary_data_output", False))
+    for o in req.outputs or ():
+        if o.name == name and o.parameters and "binary_data" in o.parameters:
+            binary_out = bool(o.parameters["binary_data"])
+    out: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+    response: dict[str, Any] = {"model_name": state.model_name, "model_version": "1",
+                                "outputs": [out]}
+    if req.id is not None:
+        response["id"] = req.id
+    if not binary_out:
+        out["data"] = array.reshape(-1).tolist()
+        return _json(response)
+    raw = np.ascontiguousarray(array, dtype="<f4").tobytes()
+    out["parameters"] = {"binary_data_size": len(raw)}
+    head_out = json.dumps(response).encode()
+    return Response(head_out + raw, media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(head_out))})

@@ -1,0 +1,85 @@
+"""Prometheus metrics, one `Metrics` per app (its own registry, so several apps can live in one process).
+
+Names: `boundgen_request_seconds{endpoint}`, `boundgen_requests_total{endpoint,status}`,
+`boundgen_errors_total{endpoint,type}`, `boundgen_node_seconds{node}` (DAG nodes; the engine path reports
+`queue` and the workload), `boundgen_queue_depth`, `boundgen_inflight`, `boundgen_batch_tokens`,
+`boundgen_items_total{endpoint}` (items/s = rate()), `boundgen_device_memory_bytes{device,kind}`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+
+# Latency buckets in seconds: fine around the 20 ms p99 target, coarse beyond.
+LATENCY_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                   0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class _DeviceMemoryCollector:
+    def collect(self):
+        family = GaugeMetricFamily("boundgen_device_memory_bytes", "accelerator memory",
+                                   labels=["device", "kind"])
+        try:
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                for i in range(torch.cuda.device_count()):
+                    dev = f"cuda:{i}"
+                    family.add_metric([dev, "allocated"], float(torch.cuda.memory_allocated(i)))
+                    family.add_metric([dev, "reserved"], float(torch.cuda.memory_reserved(i)))
+                    family.add_metric([dev, "max_allocated"],
+                                      float(torch.cuda.max_memory_allocated(i)))
+        except Exception:  # metrics must never fail a scrape
+            pass
+        yield family
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.request_seconds = Histogram("boundgen_request_seconds", "request latency by endpoint",
+                                         ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("boundgen_requests", "requests by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.errors = Counter("boundgen_errors", "errors by endpoint and type",
+                              ["endpoint", "type"], registry=r)
+        self.node_seconds = Histogram("boundgen_node_seconds", "time in each DAG node", ["node"],
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("boundgen_queue_depth", "admitted requests waiting for the model",
+                                 registry=r)
+        self.inflight = Gauge("boundgen_inflight", "admitted requests (waiting + running)",
+                              registry=r)
+        self.batch_tokens = Histogram("boundgen_batch_tokens", "tokens per model call",
+                                      buckets=TOKEN_BUCKETS, registry=r)
+        self.items = Counter("boundgen_items", "items scored / texts embedded / beams returned",
+                             ["endpoint"], registry=r)
+        self.shed = Counter("boundgen_shed", "requests refused with 429 (queue full)", registry=r)
+        r.register(_DeviceMemoryCollector())
+        try:
+            ProcessCollector(registry=r)
+        except Exception:
+            pass
+
+    # The runtime calls this for every node it runs; the direct-engine path reports queue + workload.
+    def observe_node(self, node: str, seconds: float) -> None:
+        self.node_seconds.labels(node).observe(seconds)
+
+    def observe_request(self, endpoint: str, status: int, seconds: float,
+                        error_type: str | None = None) -> None:
+        self.request_seconds.labels(endpoint).observe(seconds)
+        self.requests.labels(endpoint, str(status)).inc()
+        if error_type:
+            self.errors.labels(endpoint, error_type).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
