@@ -17,6 +17,7 @@ from boundgen.workloads.classify import finish_classify, prepare_texts
 from boundgen.workloads.embed import MLPHead, finish_embed
 from boundgen.workloads.inputs import Limits
 from boundgen.workloads.runner import ModelRunner
+from boundgen.workloads.beam import BeamBounds, BeamRequest, finish_beam, prepare_beam, run_beam
 from boundgen.workloads.score import ScoreRequest, finish_score, prepare_score
 
 log = logging.getLogger("boundgen")
@@ -122,3 +123,28 @@ class Engine:
             head = MLPHead.load(head)
         groups = prepare_texts(texts, self.tokenizer, self.limits, truncate)
         return finish_embed(self.runner.hidden_rows(groups, pooling), normalize, head)
+
+    def eos_token_ids(self) -> list[int]:
+        ids = self.config.extra.get("eos_token_id")
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted(set(ids))
+
+    def beam_search_batch(self, prompts, beam_width: int, steps: int, top_k: int | None = None,
+                          trie=None, truncate: bool = False) -> list[list[tuple[list[int], float]]]:
+        """Beam search for many prompts in one packed prefill and one decode loop."""
+        self._need_task("causal_lm", "beam search")
+        req = BeamRequest(prompts, beam_width, steps, top_k, trie, truncate)
+        bounds = BeamBounds(self.engine_config.max_beam_width, self.engine_config.max_beam_steps)
+        ids = prepare_beam(req, self.tokenizer, self.limits, bounds)
+        tokens, scores = run_beam(self.runner, ids, beam_width, steps, trie, self.eos_token_ids())
+        return finish_beam(tokens, scores, top_k or beam_width)
+
+    def beam_search(self, prompt, beam_width: int, steps: int, top_k: int | None = None,
+                    trie=None, truncate: bool = False) -> list[tuple[list[int], float]]:
+        """Top sequences (generated token ids, cumulative log-prob), best first."""
+        if not isinstance(prompt, str) and not (isinstance(prompt, (list, tuple)) and prompt
+                                                and all(isinstance(t, int) for t in prompt)):
+            raise ValueError("prompt must be a string or a non-empty list of token ids")
+        return self.beam_search_batch([prompt], beam_width, steps, top_k, trie, truncate)[0]
