@@ -601,6 +601,8 @@ def _as_token_array(sequences, ids: list | None) -> np.ndarray:
         raise ValueError("empty trie: no items")
     if arr.ndim != 2:
         raise ValueError(f"token sequences must be a 2-D [items, depth] array, got shape {arr.shape}")
+    if arr.shape[1] == 0:
+        raise ValueError("items must have at least one token (depth 0)")
     if arr.dtype.kind == "f":
         rows = np.flatnonzero((arr != np.round(arr)).any(axis=1))
         row = int(rows[0]) if len(rows) else 0
