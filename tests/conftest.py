@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny synthetic HF checkpoints made once per test session (never downloaded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from boundgen.checkpoints import make_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(arch="qwen2", seq_cls=None) → path of a tiny checkpoint (cached for the session)."""
+    made = {}
+
+    def get(arch: str = "qwen2", seq_cls: int | None = None):
+        key = (arch, seq_cls)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}-{seq_cls or 'lm'}")
+            made[key] = make_model("tiny", out, arch=arch, seq_cls=seq_cls, seed=0, progress=False,
+                                   overwrite=True)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def engine_for(tiny_model):
+    """engine_for(arch, seq_cls=None) → a CPU float32 Engine over the tiny checkpoint (cached)."""
+    from boundgen import Engine
+
+    made = {}
+
+    def get(arch: str = "qwen2", seq_cls: int | None = None):
+        key = (arch, seq_cls)
+        if key not in made:
+            made[key] = Engine.from_pretrained(tiny_model(arch, seq_cls), device="cpu", dtype="float32")
+        return made[key]
+
+    return get
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
