@@ -1,0 +1,252 @@
+"""Cross-request batching: one node merges ready model inputs from concurrent requests into one call.
+
+The batcher thread takes the first waiting request, then everything already queued, then waits for more up to
+`max_wait_ms` (counted from the first request's arrival, and never past what the earliest deadline in the
+batch allows) until `token_budget` is reached. It calls `merge(list[inputs]) -> (batch, sizes)`, runs
+`fn(batch)` once (under its own CUDA stream when the executor has CUDA), and `split(output, sizes)` gives each
+request its outputs back. The token budget and max wait are the knob between throughput (large forwards,
+DESIGN §11) and latency (not waiting for them).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from boundgen.runtime.node import Node, NodeKind, PipelineError
+
+_now = time.perf_counter_ns
+
+
+class _Item:
+    __slots__ = ("req", "args", "done", "size", "arrival_ns")
+
+    def __init__(self, req: Any, args: dict[str, Any], done: Callable[..., None], size: int):
+        self.req, self.args, self.done, self.size = req, args, done, size
+        self.arrival_ns = _now()
+
+
+class BatchingNode(Node):
+    """A node whose calls from concurrent requests are merged into one `fn(batch)` call.
+
+    - `merge(list_of_input_dicts) -> (batch, sizes)`: one dict of this node's inputs per request, in order;
+      `sizes` is whatever `split` needs (e.g. output rows per request).
+    - `fn(batch) -> output`, run once per merged batch.
+    - `split(output, sizes) -> list` of per-request outputs, in order: the value (one output port) or a
+      tuple/dict (several).
+    - `size(inputs) -> int`: tokens a request adds to the batch (default 1), counted against `token_budget`.
+    - `max_batch`: at most this many requests per batch (default unbounded).
+    - `lanes`: batcher threads (each with its own CUDA stream), so one batch can launch while another runs.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[[Any], Any],
+        inputs: dict[str, Any] | Sequence[str],
+        outputs: dict[str, Any] | Sequence[str] | str,
+        merge: Callable[[list[dict[str, Any]]], tuple[Any, Any]],
+        split: Callable[[Any, Any], Sequence[Any]],
+        size: Callable[[dict[str, Any]], int] | None = None,
+        token_budget: int = 8192,
+        max_wait_ms: float = 0.0,
+        max_batch: int | None = None,
+        kind: NodeKind | str = NodeKind.DEVICE,
+        bind: dict[str, str] | None = None,
+        lanes: int = 1,
+    ) -> None:
+        super().__init__(name=name, fn=fn, inputs=inputs, outputs=outputs, kind=kind, bind=dict(bind or {}), is_async=True)
+        if token_budget <= 0:
+            raise PipelineError(f"batching node {name!r}: token_budget must be positive")
+        self.merge, self.split, self.size = merge, split, size
+        self.token_budget = int(token_budget)
+        self.max_wait_ns = int(max_wait_ms * 1e6)
+        self.max_batch = max_batch
+        self.lanes = max(1, lanes)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._start_lock = threading.Lock()
+        self._closed = False
+        self._run_ema_ns = 0.0
+        # Counters (written by batcher threads only; one lane each, so a lock only with lanes > 1).
+        self._count_lock = threading.Lock()
+        self.batches = 0
+        self.batched_requests = 0
+        self.batched_tokens = 0
+        self.max_requests_in_batch = 0
+
+    # ---- executor side -----------------------------------------------------------------------------------
+
+    def start(self, req: Any, args: dict[str, Any], done: Callable[..., None]) -> None:
+        if not self._threads:
+            self._start_threads()
+        size = self.size(args) if self.size is not None else 1
+        self._queue.put(_Item(req, args, done, size))
+
+    def call_unbatched(self, args: dict[str, Any]) -> tuple[Any, ...]:
+        batch, sizes = self.merge([args])
+        parts = self.split(self.fn(batch), sizes)
+        return self._as_tuple(parts[0])
+
+    def close(self) -> None:
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        self._threads = []
+
+    def stats(self) -> dict[str, float]:
+        b = self.batches
+        return {
+            "batches": b,
+            "requests": self.batched_requests,
+            "tokens": self.batched_tokens,
+            "mean_requests_per_batch": self.batched_requests / b if b else 0.0,
+            "max_requests_in_batch": self.max_requests_in_batch,
+        }
+
+    # ---- batcher threads ---------------------------------------------------------------------------------
+
+    def _start_threads(self) -> None:
+        with self._start_lock:
+            if self._threads:
+                return
+            self._closed = False
+            threads = [
+                threading.Thread(target=self._loop, name=f"boundgen-batch-{self.name}-{i}", daemon=True)
+                for i in range(self.lanes)
+            ]
+            for t in threads:
+                t.start()
+            self._threads = threads
+
+    def _as_tuple(self, part: Any) -> tuple[Any, ...]:
+        names = self._result_keys
+        if len(names) == 1:
+            return (part,)
+        if isinstance(part, dict):
+            return tuple(part[n] for n in names)
+        return tuple(part)
+
+    def _collect(self, first: _Item, carry: list[_Item]) -> list[_Item]:
+        batch = [first]
+        tokens = first.size
+        deadline = first.req.deadline_ns
+        wait_until = first.arrival_ns + self.max_wait_ns
+        q = self._queue
+        while tokens < self.token_budget and (self.max_batch is None or len(batch) < self.max_batch):
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                limit = wait_until
+                if deadline is not None:
+                    limit = min(limit, deadline - int(self._run_ema_ns))
+                remaining = limit - _now()
+                if remaining <= 0:
+                    break
+                try:
+                    item = q.get(timeout=remaining / 1e9)
+                except queue.Empty:
+                    break
+            if item is None:
+                q.put(None)  # keep the shutdown signal for the loop
+                break
+            if tokens + item.size > self.token_budget:
+                carry.append(item)  # starts the next batch
+                break
+            batch.append(item)
+            tokens += item.size
+            d = item.req.deadline_ns
+            if d is not None and (deadline is None or d < deadline):
+                deadline = d
+        return batch
+
+    def _loop(self) -> None:
+        from boundgen.runtime.executor import DeadlineExceeded
+
+        carry: list[_Item] = []
+        stream = None
+        while True:
+            first = carry.pop() if carry else self._queue.get()
+            if first is None:
+                return
+            batch = self._collect(first, carry)
+            start = _now()
+            live = []
+            for it in batch:
+                req = it.req
+                if req.failed:
+                    continue
+                d = req.deadline_ns
+                if d is not None and start + self._run_ema_ns > d:
+                    it.done(
+                        None,
+                        DeadlineExceeded(
+                            f"request {req.request_id} (pipeline {req.pipeline!r}): deadline of "
+                            f"{req.timeout_ms:g} ms cannot be met in batching node {self.name!r} (waited "
+                            f"{(start - it.arrival_ns) / 1e6:.2f} ms, batch run ~{self._run_ema_ns / 1e6:.2f} ms)",
+                            req.pipeline, self.name, req.request_id,
+                        ),
+                    )
+                else:
+                    live.append(it)
+            if not live:
+                continue
+            executor = live[0].req._executor
+            event = None
+            try:
+                if executor._cuda and self.kind is NodeKind.DEVICE:
+                    torch = executor._torch
+                    if stream is None:
+                        stream = torch.cuda.Stream(device=executor.device)
+                    with torch.cuda.stream(stream):
+                        parts = self._run(live)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                else:
+                    parts = self._run(live)
+            except Exception as exc:  # noqa: BLE001 - every request of the batch gets the node's error
+                for it in live:
+                    it.done(None, exc)
+                continue
+            ran = _now() - start
+            self._run_ema_ns = ran if self._run_ema_ns == 0 else self._run_ema_ns + 0.2 * (ran - self._run_ema_ns)
+            tokens = sum(it.size for it in live)
+            if self.lanes > 1:
+                with self._count_lock:
+                    self._count(len(live), tokens)
+            else:
+                self._count(len(live), tokens)
+            info = {"batch_requests": len(live), "batch_tokens": tokens, "batch_run_us": round(ran / 1e3, 1)}
+            for it, part in zip(live, parts):
+                try:
+                    outs = self._as_tuple(part)
+                except Exception as exc:  # noqa: BLE001
+                    it.done(None, exc)
+                    continue
+                it.done(outs, None, dict(info, batch_wait_us=round((start - it.arrival_ns) / 1e3, 1)), event)
+
+    def _run(self, live: list[_Item]) -> Sequence[Any]:
+        batch, sizes = self.merge([it.args for it in live])
+        out = self.fn(batch)
+        parts = self.split(out, sizes)
+        if len(parts) != len(live):
+            raise RuntimeError(f"split returned {len(parts)} parts for {len(live)} requests")
+        return parts
+
+    def _count(self, n: int, tokens: int) -> None:
+        self.batches += 1
+        self.batched_requests += n
+        self.batched_tokens += tokens
+        if n > self.max_requests_in_batch:
+            self.max_requests_in_batch = n
+
+
+def _no_rename(self: BatchingNode, *a: Any, **kw: Any) -> Node:
+    raise PipelineError(f"batching node {self.name!r} cannot be renamed; build another BatchingNode")
+
+
+BatchingNode.renamed = _no_rename  # type: ignore[method-assign]

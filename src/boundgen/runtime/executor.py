@@ -1,0 +1,568 @@
+"""The executor: runs pipelines for many concurrent requests on CPU worker threads and CUDA streams.
+
+Scheduling, per request:
+- A node starts as soon as its inputs are ready. The thread that finishes a node runs its first ready
+  successor inline (no thread hop for a chain); further ready successors go to the worker pool, so
+  independent branches overlap. `run()` makes the calling thread work for its own request, so a synchronous
+  request normally touches no other thread at all (except inside a batching node).
+- Joins are counted with `itertools.count` (atomic under the GIL): no lock on the hot path.
+- DEVICE nodes run under a stream from the stream pool; each records an event, which is the edge: a device
+  successor on another stream waits on it (`stream.wait_event`), a CPU successor synchronizes it. Without
+  CUDA, device nodes are plain calls.
+- Deadlines: before a node starts, the request fails with `DeadlineExceeded` when the time left is less than
+  the estimated time of the rest of its critical path (running averages per node), so work that cannot
+  make it is not started. An exception in a node fails that request only (`NodeError` names the node).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from boundgen.runtime.dag import Pipeline
+from boundgen.runtime.memory import Lease, MemoryPools
+from boundgen.runtime.node import NodeKind
+from boundgen.runtime.trace import RequestTrace, Span, Tracer
+
+_now = time.perf_counter_ns
+_get_ident = threading.get_ident
+
+
+class RuntimeRequestError(RuntimeError):
+    """Base of the errors a request can fail with."""
+
+
+class DeadlineExceeded(RuntimeRequestError, TimeoutError):
+    """The request could not finish within its `timeout_ms`; it was dropped before starting more work."""
+
+    def __init__(self, message: str, pipeline: str = "", node: str = "", request_id: int = -1):
+        super().__init__(message)
+        self.pipeline, self.node, self.request_id = pipeline, node, request_id
+
+
+class NodeError(RuntimeRequestError):
+    """A node raised; `node`, `pipeline`, `request_id` say where, `__cause__` is the original exception."""
+
+    def __init__(self, message: str, pipeline: str = "", node: str = "", request_id: int = -1):
+        super().__init__(message)
+        self.pipeline, self.node, self.request_id = pipeline, node, request_id
+
+
+class ExecutorClosed(RuntimeRequestError):
+    pass
+
+
+class _PipelineStats:
+    """Running per-node duration estimates and the derived rest-of-critical-path estimate per node."""
+
+    __slots__ = ("pipeline", "ema_ns", "rest_ns", "finished", "refresh_every")
+
+    def __init__(self, pipeline: Pipeline, refresh_every: int = 16):
+        self.pipeline = pipeline
+        self.ema_ns = [0.0] * len(pipeline.plan)
+        self.rest_ns: list[float] = [0.0] * len(pipeline.plan)
+        self.finished = 0
+        self.refresh_every = refresh_every
+
+    def observe(self, i: int, ns: int) -> None:
+        # NOTE: racy read-modify-write across threads; losing an update only blurs an estimate.
+        ema = self.ema_ns[i]
+        if ema <= 0.0:
+            self.ema_ns[i] = float(ns)
+        else:
+            sample = min(float(ns), 4.0 * ema)  # one outlier must not make every request look too slow
+            self.ema_ns[i] = ema + 0.1 * (sample - ema)
+
+    def refresh(self) -> None:
+        plan = self.pipeline.plan
+        rest = [0.0] * len(plan)
+        for p in reversed(plan):  # plan is topologically ordered
+            tail = max((rest[s] for s in p.successors), default=0.0)
+            rest[p.index] = self.ema_ns[p.index] + tail
+        self.rest_ns = rest
+
+
+class RequestContext:
+    """One request in flight. Nodes that take a `ctx` parameter receive it.
+
+    Public: `request_id`, `pipeline` (name), `deadline_ns` (perf_counter_ns, or None), `remaining_ms()`,
+    `stream` (the CUDA stream of the running device node, else None), `lease` (pooled buffers released when
+    the request ends: `ctx.lease.host(shape, dtype)`, `.device(...)`, `.stage(cpu_tensor)`), `annotate(**kw)`
+    (extra fields on the running node's trace span).
+    """
+
+    __slots__ = (
+        "request_id", "pipeline", "deadline_ns", "start_ns", "stream", "_pipe", "_stats", "_rest", "_values",
+        "_joins", "_completed", "_once", "_future", "_home", "_spans", "_events", "_streams", "_lease",
+        "_failed", "_executor", "_node_state", "_annotations", "timeout_ms",
+    )  # fmt: skip
+
+    def __init__(self, executor: Executor, pipe: Pipeline, stats: _PipelineStats, timeout_ms: float | None):
+        self.request_id = next(executor._ids)
+        self.pipeline = pipe.name
+        self.start_ns = _now()
+        self.timeout_ms = timeout_ms
+        self.deadline_ns = None if timeout_ms is None else self.start_ns + int(timeout_ms * 1e6)
+        self.stream = None
+        self._executor = executor
+        self._pipe = pipe
+        self._stats = stats
+        self._rest = stats.rest_ns
+        self._values: list[Any] = [None] * pipe.num_slots
+        self._joins = [itertools.count() if p.num_preds > 1 else None for p in pipe.plan]
+        self._completed = itertools.count()
+        self._once = itertools.count()
+        self._future: Future = Future()
+        self._home: queue.SimpleQueue | None = None
+        self._spans: list[tuple] | None = [] if executor.tracer.keep_requests else None
+        self._events: list[Any] | None = [None] * len(pipe.plan) if executor._cuda and pipe.has_device_nodes else None
+        self._streams: list[Any] | None = [None] * len(pipe.plan) if self._events is not None else None
+        self._lease: Lease | None = None
+        self._failed = False
+        self._node_state = bytearray(len(pipe.plan))  # 0 waiting, 1 running, 2 done
+        self._annotations: dict[str, Any] | None = None
+
+    def remaining_ms(self) -> float:
+        if self.deadline_ns is None:
+            return float("inf")
+        return (self.deadline_ns - _now()) / 1e6
+
+    @property
+    def lease(self) -> Lease:
+        if self._lease is None:
+            self._lease = Lease(self._executor.pools)
+        return self._lease
+
+    def annotate(self, **fields: Any) -> None:
+        if self._annotations is None:
+            self._annotations = {}
+        self._annotations.update(fields)
+
+    @property
+    def failed(self) -> bool:
+        return self._failed
+
+
+class Executor:
+    """Runs pipelines: `run(pipeline, inputs, timeout_ms)` (blocking) or `submit(...) -> Future`.
+
+    Results are dicts keyed by the pipeline's output names. Thread-safe; one executor serves every pipeline.
+    `cpu_workers` threads serve fan-out branches, `submit()`ed requests and completions of async nodes;
+    `device_streams` CUDA streams serve device nodes (`device="cpu"` or no CUDA: plain calls).
+    """
+
+    def __init__(
+        self,
+        cpu_workers: int | None = None,
+        device_streams: int = 4,
+        device: str | None = None,
+        pools: MemoryPools | None = None,
+        trace_requests: int = 0,
+        default_timeout_ms: float | None = None,
+        fail_fast: bool = True,
+        fanout_us: float = 200.0,
+    ) -> None:
+        import torch
+
+        self.cpu_workers = max(1, cpu_workers or min(8, (os.cpu_count() or 2) * 2))
+        want_cuda = device is None or str(device).startswith("cuda")
+        self._cuda = bool(want_cuda and torch.cuda.is_available())
+        self.device = torch.device("cuda" if self._cuda else "cpu") if device is None else torch.device(device)
+        if self.device.type == "cuda" and not self._cuda:
+            raise RuntimeError("Executor(device='cuda') but CUDA is not available")
+        self._torch = torch
+        self.streams = [torch.cuda.Stream(device=self.device) for _ in range(max(1, device_streams))] if self._cuda else []
+        self._stream_rr = itertools.count()
+        self.pools = pools or MemoryPools(self.device)
+        self.tracer = Tracer(keep_requests=trace_requests)
+        self.default_timeout_ms = default_timeout_ms
+        self.fail_fast = fail_fast
+        self.fanout_ns = fanout_us * 1e3
+        self._ids = itertools.count(1)
+        self._stats: dict[int, _PipelineStats] = {}
+        self._stats_lock = threading.Lock()
+        self._async_nodes: dict[int, Any] = {}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._inflight = 0
+        self._workers = [
+            threading.Thread(target=self._worker, name=f"boundgen-cpu-{i}", daemon=True)
+            for i in range(self.cpu_workers)
+        ]
+        for t in self._workers:
+            t.start()
+
+    # ---- public API -------------------------------------------------------------------------------------
+
+    def submit(self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None = None) -> Future:
+        """Start a request on the worker pool; the Future resolves to the outputs dict or raises
+        `DeadlineExceeded` / `NodeError`."""
+        req = self._new_request(pipeline, inputs, timeout_ms)
+        if req is not None and not req._future.done():
+            now = _now()
+            for i in pipeline.sources:
+                self._queue.put((req, i, now))
+        return req._future
+
+    def run(self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None = None) -> dict[str, Any]:
+        """Run a request, the calling thread doing the work (plus pool threads for parallel branches)."""
+        req = self._new_request(pipeline, inputs, timeout_ms)
+        fut = req._future
+        if fut.done():
+            return fut.result()
+        home = req._home = queue.SimpleQueue()
+        now = _now()
+        sources = pipeline.sources
+        for i in sources[1:]:
+            self._queue.put((req, i, now))
+        self._drive(req, sources[0], now)
+        while not fut.done():
+            if req.deadline_ns is None:
+                item = home.get()
+            else:
+                # Wait for async nodes (batching) at most until the deadline (+ a grace for the last step).
+                wait_s = max(0.0, (req.deadline_ns - _now()) / 1e9) + 0.05
+                try:
+                    item = home.get(timeout=wait_s)
+                except queue.Empty:
+                    running = [p.node.name for p in pipeline.plan if req._node_state[p.index] == 1]
+                    self._fail(
+                        req,
+                        DeadlineExceeded(
+                            f"request {req.request_id} (pipeline {pipeline.name!r}): deadline of "
+                            f"{req.timeout_ms:g} ms passed while waiting for node(s) {', '.join(running) or '?'}",
+                            pipeline.name, running[0] if running else "", req.request_id,
+                        ),
+                    )
+                    break
+            if item is None:
+                break
+            self._drive(*item)
+        return fut.result()
+
+    def stats(self) -> dict[str, Any]:
+        """Node latency histograms per pipeline, memory pool counters and error counts."""
+        return {
+            "nodes": self.tracer.node_stats(),
+            "memory": self.pools.stats(),
+            "errors": dict(self.tracer.errors),
+            "inflight": self._inflight,
+        }
+
+    def estimate_ms(self, pipeline: Pipeline) -> float:
+        """Current estimate of the pipeline's critical path (what fail-fast compares with the deadline)."""
+        st = self._stats_for(pipeline)
+        return max(st.rest_ns[i] for i in pipeline.sources) / 1e6
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for node in list(self._async_nodes.values()):
+            close = getattr(node, "close", None)
+            if close:
+                close()
+        for _ in self._workers:
+            self._queue.put(None)
+        for t in self._workers:
+            t.join(timeout=5)
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- internals --------------------------------------------------------------------------------------
+
+    def _stats_for(self, pipeline: Pipeline) -> _PipelineStats:
+        st = self._stats.get(id(pipeline))
+        if st is None or st.pipeline is not pipeline:
+            with self._stats_lock:
+                st = self._stats.get(id(pipeline))
+                if st is None or st.pipeline is not pipeline:
+                    st = self._stats[id(pipeline)] = _PipelineStats(pipeline)
+                    for p in pipeline.plan:
+                        if p.node.is_async:
+                            self._async_nodes[id(p.node)] = p.node
+        return st
+
+    def _new_request(self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None) -> RequestContext:
+        if self._closed:
+            raise ExecutorClosed("executor is closed")
+        if timeout_ms is None:
+            timeout_ms = self.default_timeout_ms
+        req = RequestContext(self, pipeline, self._stats_for(pipeline), timeout_ms)
+        values = req._values
+        try:
+            for name, slot in pipeline.input_slots:
+                values[slot] = inputs[name]
+        except KeyError as exc:
+            raise ValueError(
+                f"pipeline {pipeline.name!r} needs input {exc.args[0]!r} (inputs: {', '.join(pipeline.inputs)})"
+            ) from None
+        if len(inputs) != len(pipeline.input_slots):
+            extra = sorted(set(inputs) - set(pipeline.inputs))
+            if extra:
+                raise ValueError(
+                    f"pipeline {pipeline.name!r} got unknown input(s) {', '.join(map(repr, extra))} "
+                    f"(inputs: {', '.join(pipeline.inputs)})"
+                )
+        self._inflight += 1  # NOTE: approximate under threads; a gauge, not an invariant
+        if timeout_ms is not None and timeout_ms <= 0:
+            self._fail(
+                req,
+                DeadlineExceeded(
+                    f"request {req.request_id} (pipeline {pipeline.name!r}): timeout_ms={timeout_ms:g} leaves no time",
+                    pipeline.name, "", req.request_id,
+                ),
+            )
+        return req
+
+    def _worker(self) -> None:
+        get = self._queue.get
+        while True:
+            item = get()
+            if item is None:
+                return
+            self._drive(*item)
+
+    def _dispatch(self, req: RequestContext, i: int, ready_ns: int, home: bool) -> None:
+        if home and req._home is not None:
+            req._home.put((req, i, ready_ns))
+        else:
+            self._queue.put((req, i, ready_ns))
+
+    def _drive(self, req: RequestContext, i: int, ready_ns: int) -> None:
+        """Run node i, then keep running ready successors on this thread; hand a successor to the pool only
+        when it is expected to take long enough (`fanout_us`) for overlap to pay for the thread hop."""
+        try:
+            pending = [(i, ready_ns)]
+            ema = req._stats.ema_ns
+            fanout_ns = self.fanout_ns
+            while pending:
+                i, ready_ns = pending.pop()
+                nxt = self._step(req, i, ready_ns)
+                if not nxt:
+                    continue
+                now = _now()
+                for j in reversed(nxt[1:]):
+                    if ema[j] < fanout_ns:
+                        pending.append((j, now))
+                    else:
+                        self._dispatch(req, j, now, home=False)
+                pending.append((nxt[0], now))
+        except BaseException as exc:  # an executor bug must still fail the request, not hang it
+            self._fail(req, NodeError(f"internal runtime error: {exc!r}", req.pipeline, "", req.request_id))
+            if not isinstance(exc, Exception):
+                raise
+
+    def _step(self, req: RequestContext, i: int, ready_ns: int) -> list[int] | tuple:
+        if req._failed:
+            return ()
+        pipe = req._pipe
+        p = pipe.plan[i]
+        node = p.node
+        start = _now()
+        if req.deadline_ns is not None and start + (req._rest[i] if self.fail_fast else 0) > req.deadline_ns:
+            self._deadline(req, p, start)
+            return ()
+        values = req._values
+        args = {name: values[slot] for name, slot in zip(p.arg_names, p.arg_slots)}
+        req._node_state[i] = 1
+        stream = None
+        if req._events is not None:
+            stream = self._device_prologue(req, p)
+        if node.is_async:
+            self._start_async(req, p, args, start, ready_ns, stream)
+            return ()
+        try:
+            if stream is not None:
+                req.stream = stream
+                with self._torch.cuda.stream(stream):
+                    outs = node.call(args, req)
+                ev = self._torch.cuda.Event()
+                ev.record(stream)
+                req._events[i] = ev
+                req._streams[i] = stream
+                req.stream = None
+            else:
+                outs = node.call(args, req)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                raise
+            self._node_failed(req, node.name, exc)
+            return ()
+        end = _now()
+        for slot, v in zip(p.out_slots, outs):
+            values[slot] = v
+        self._record(req, p, start, end, ready_ns)
+        return self._complete(req, p)
+
+    def _device_prologue(self, req: RequestContext, p: Any) -> Any:
+        """Events as edges: wait (device node) or synchronize (CPU node) on device-produced inputs."""
+        producers = req._pipe.slot_producer
+        events = req._events
+        if p.node.kind is NodeKind.DEVICE:
+            stream = None
+            waits = []
+            for slot in p.arg_slots:
+                j = producers[slot]
+                if j >= 0 and events[j] is not None:
+                    if stream is None:
+                        stream = req._streams[j]  # continue on the producer's stream: no wait needed
+                    elif req._streams[j] is not stream:
+                        waits.append(events[j])
+            if stream is None:
+                stream = self.streams[next(self._stream_rr) % len(self.streams)]
+            for ev in waits:
+                stream.wait_event(ev)
+            return stream
+        for slot in p.arg_slots:
+            j = producers[slot]
+            if j >= 0 and events[j] is not None:
+                events[j].synchronize()
+        return None
+
+    def _start_async(self, req: RequestContext, p: Any, args: dict[str, Any], start: int, ready_ns: int, stream: Any) -> None:
+        def done(outs: tuple | None, exc: BaseException | None = None, span_args: dict | None = None, event: Any = None) -> None:
+            if req._failed:
+                return
+            if exc is not None:
+                if isinstance(exc, DeadlineExceeded):
+                    self._fail(req, exc)
+                else:
+                    self._node_failed(req, p.node.name, exc)
+                return
+            end = _now()
+            for slot, v in zip(p.out_slots, outs):
+                req._values[slot] = v
+            if req._events is not None and event is not None:
+                req._events[p.index] = event
+                req._streams[p.index] = None
+            if span_args:
+                req.annotate(**span_args)
+            self._record(req, p, start, end, ready_ns)
+            now = _now()
+            for j in self._complete(req, p):
+                self._dispatch(req, j, now, home=True)
+
+        try:
+            p.node.start(req, args, done)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                raise
+            self._node_failed(req, p.node.name, exc)
+
+    def _record(self, req: RequestContext, p: Any, start: int, end: int, ready_ns: int) -> None:
+        self.tracer.histogram(req.pipeline, p.node.name).record_ns(end - start)
+        req._stats.observe(p.index, end - start)
+        if req._spans is not None:
+            ann, req._annotations = req._annotations, None
+            req._spans.append((p.node.name, start, end, _get_ident(), ready_ns, ann))
+
+    def _complete(self, req: RequestContext, p: Any) -> list[int]:
+        req._node_state[p.index] = 2
+        ready = []
+        plan = req._pipe.plan
+        joins = req._joins
+        for s in p.successors:
+            c = joins[s]
+            if c is None or next(c) == plan[s].num_preds - 1:
+                ready.append(s)
+        if next(req._completed) == len(plan) - 1:
+            self._succeed(req)
+        return ready
+
+    def _succeed(self, req: RequestContext) -> None:
+        if next(req._once) != 0:
+            return
+        values = req._values
+        try:
+            if req._events is not None:
+                for ev in req._events:
+                    if ev is not None:
+                        ev.synchronize()
+            result = {name: values[slot] for name, slot in req._pipe.output_slots}
+        finally:
+            self._end(req, "ok", "")
+        req._future.set_result(result)
+        if req._home is not None:
+            req._home.put(None)
+
+    def _deadline(self, req: RequestContext, p: Any, now: int) -> None:
+        elapsed = (now - req.start_ns) / 1e6
+        est = req._rest[p.index] / 1e6
+        node = p.node.name
+        msg = (
+            f"request {req.request_id} (pipeline {req.pipeline!r}): deadline of {req.timeout_ms:g} ms cannot be met "
+            f"before node {node!r} (elapsed {elapsed:.2f} ms, estimated rest {est:.2f} ms)"
+        )
+        self._fail(req, DeadlineExceeded(msg, req.pipeline, node, req.request_id))
+
+    def _node_failed(self, req: RequestContext, node: str, exc: BaseException) -> None:
+        err = NodeError(
+            f"request {req.request_id} (pipeline {req.pipeline!r}): node {node!r} failed: "
+            f"{type(exc).__name__}: {exc}",
+            req.pipeline, node, req.request_id,
+        )
+        err.__cause__ = exc
+        self._fail(req, err)
+
+    def _fail(self, req: RequestContext, err: BaseException) -> None:
+        req._failed = True
+        if next(req._once) != 0:
+            return
+        status = "deadline" if isinstance(err, DeadlineExceeded) else "error"
+        try:
+            if req._events is not None:
+                for ev in req._events:
+                    if ev is not None:
+                        ev.synchronize()
+        finally:
+            self._end(req, status, str(err))
+        req._future.set_exception(err)
+        if req._home is not None:
+            req._home.put(None)
+
+    def _end(self, req: RequestContext, status: str, error: str) -> None:
+        self._inflight -= 1
+        end = _now()
+        if req._lease is not None:
+            req._lease.release_all()
+        st = req._stats
+        st.finished += 1
+        if st.finished % st.refresh_every == 1 or st.finished < st.refresh_every:
+            st.refresh()
+        tracer = self.tracer
+        tracer.request_histogram(req.pipeline).record_ns(end - req.start_ns)
+        if status != "ok":
+            tracer.count_error(req.pipeline, status)
+        if req._spans is not None:
+            trace = RequestTrace(req.request_id, req.pipeline, req.start_ns, end, status, error)
+            trace.spans = [Span(n, s, e, t, r, a) for (n, s, e, t, r, a) in req._spans]
+            tracer.keep(trace)
+
+
+def call_directly(pipeline: Pipeline, inputs: dict[str, Any]) -> dict[str, Any]:
+    """Run a pipeline's functions in topological order on this thread, with no executor (the baseline the
+    overhead benchmark compares against, and a debugging aid)."""
+    values: list[Any] = [None] * pipeline.num_slots
+    for name, slot in pipeline.input_slots:
+        values[slot] = inputs[name]
+    for p in pipeline.plan:
+        if p.node.is_async:
+            outs = p.node.call_unbatched({n: values[s] for n, s in zip(p.arg_names, p.arg_slots)})
+        else:
+            outs = p.node.call({n: values[s] for n, s in zip(p.arg_names, p.arg_slots)}, None)
+        for slot, v in zip(p.out_slots, outs):
+            values[slot] = v
+    return {name: values[slot] for name, slot in pipeline.output_slots}
+
+
+Callback = Callable[..., None]
