@@ -124,6 +124,20 @@ def test_binary_search_lookup_equals_dense(items):
         trie_mod._DENSE_LOOKUP_MAX_CHILDREN = saved
 
 
+@settings(max_examples=30, deadline=None)
+@given(items=item_sets(max_depth=4, max_token=5), scale=st.sampled_from([1, 2**20, 2**28]))
+def test_sort_paths_agree(items, scale):
+    """Packed key + value sort, packed key + argsort, and lexsort (wide tokens) build the same trie."""
+    ref = Trie.from_sequences(items)
+    wide = [[t * scale + 3 for t in s] for s in items]  # monotonic: same order, more bits per token
+    trie = Trie.from_sequences(wide, on_duplicate="error")
+    assert trie.nodes_per_depth == ref.nodes_per_depth
+    assert all(torch.equal(a, b) for a, b in zip(trie.child_ptr, ref.child_ptr))
+    assert all(torch.equal(a, b * scale + 3) for a, b in zip(trie.child_token, ref.child_token))
+    np.testing.assert_array_equal(trie.sequences(), np.array(wide))
+    assert trie.item_ids(wide) == list(range(len(items)))
+
+
 # ----------------------------------------------------------------- devices & workspace
 
 
@@ -138,7 +152,7 @@ def test_device_tables_and_workspace(device):
     check_against_brute_force(trie, seqs.tolist(), vocab=7)
 
     n, vocab = 16, 7
-    ws = trie.workspace(n, vocab)
+    ws = trie.workspace(n, torch.float32)
     node = torch.zeros(n, dtype=torch.int64, device=device)
     node[3] = -1
     ptrs = None
@@ -154,7 +168,7 @@ def test_device_tables_and_workspace(device):
         choice = got.argmax(dim=1)
         out = torch.empty(n, dtype=torch.int64, device=device)
         node = trie.next_node(d, node, choice, ws=ws, out=out)
-        buffers = (ws._tokens.data_ptr(), ws._child.data_ptr(), ws.blocked.data_ptr())
+        buffers = (ws._tokens.data_ptr(), ws._child.data_ptr(), ws._values[torch.float32].data_ptr())
         assert ptrs is None or ptrs == buffers
         ptrs = buffers
     assert node[3] == -1 and (node[torch.arange(n, device=device) != 3] >= 0).all()
@@ -181,7 +195,7 @@ def test_narrow_trie_fewer_children_than_beams():
     n = 16
     node = torch.zeros(n, dtype=torch.int64)
     node[2:] = -1  # beams that died or were never filled
-    ws = trie.workspace(n, vocab_size=10)
+    ws = trie.workspace(n)
     for d in range(4):
         tokens, child, valid = trie.children(d, node, ws=ws)
         assert tokens.shape == (n, trie.max_children[d])
@@ -369,7 +383,7 @@ def test_step_functions_capture_in_cuda_graph():
     seqs = np.unique(rng.integers(0, 40, (5000, 3)), axis=0)
     trie = Trie.from_sequences(seqs).to("cuda")
     n, vocab = 16, 64
-    ws = trie.workspace(n, vocab)
+    ws = trie.workspace(n, torch.float32)
     node = torch.zeros(n, dtype=torch.int64, device="cuda")
     logits = torch.randn(n, vocab, device="cuda")
     nxt = torch.empty(n, dtype=torch.int64, device="cuda")

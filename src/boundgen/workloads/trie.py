@@ -92,23 +92,21 @@ class Trie:
             raise ValueError(f"got {len(ids)} item ids for {num_rows} token sequences")
         _check_token_range(seqs, ids)
 
-        order, sorted_seqs, prefix_keys = _sort_rows(seqs)
-        # new[d][r]: row r starts a new depth-d prefix (a new node at depth d).
-        leaf_new = _new_prefix(prefix_keys, sorted_seqs, depth)
+        rows = _SortedRows(seqs)
+        leaf_new = rows.new_prefix(depth)
         if not leaf_new.all():
             dup = np.flatnonzero(~leaf_new)
             if on_duplicate == "error":
-                first, second = int(order[dup[0] - 1]), int(order[dup[0]])
+                first, second = int(rows.order[dup[0] - 1]), int(rows.order[dup[0]])
                 raise ValueError(
                     f"items {_id_of(ids, first)!r} and {_id_of(ids, second)!r} have the same tokens "
                     f"{seqs[first].tolist()} ({len(dup)} duplicate sequence(s) in total; "
                     "pass on_duplicate='first' to keep the first of each)"
                 )
-            order, sorted_seqs = order[leaf_new], sorted_seqs[leaf_new]
-            if prefix_keys is not None:
-                prefix_keys = (prefix_keys[0][leaf_new], prefix_keys[1])
+            rows.keep(leaf_new)
+        del leaf_new
 
-        num_items = len(order)
+        num_items = len(rows.order)
         child_ptr: list[np.ndarray] = []
         child_token: list[np.ndarray] = []
         max_children: list[int] = []
@@ -117,20 +115,20 @@ class Trie:
             if d + 1 == depth:
                 first = np.arange(num_items, dtype=np.int64)
             else:
-                first = np.flatnonzero(_new_prefix(prefix_keys, sorted_seqs, d + 1))
+                first = np.flatnonzero(rows.new_prefix(d + 1))
             # Children of depth-d node i start at the depth-(d+1) node whose first row is i's first row.
             ptr = np.empty(len(prev_first) + 1, dtype=np.int64)
             ptr[:-1] = np.searchsorted(first, prev_first)
             ptr[-1] = len(first)
             child_ptr.append(ptr)
-            child_token.append(np.ascontiguousarray(sorted_seqs[first, d], dtype=np.int32))
+            child_token.append(rows.tokens(first, d))
             max_children.append(int(np.diff(ptr).max()))
             prev_first = first
 
         return cls(
             [torch.from_numpy(p).to(device) for p in child_ptr],
             [torch.from_numpy(t).to(device) for t in child_token],
-            order.astype(np.int64, copy=False),
+            rows.order,
             ids,
             tuple(max_children),
             int(seqs.max()),
@@ -293,9 +291,12 @@ class Trie:
 
     # ------------------------------------------------------------ step functions
 
-    def workspace(self, num_rows: int, vocab_size: int | None = None) -> TrieWorkspace:
-        """Preallocated buffers for `num_rows` beams (and `vocab_size` for `mask_logits_`)."""
-        return TrieWorkspace(num_rows, max(self._max_children), vocab_size, self.device)
+    def workspace(self, num_rows: int, logits_dtype: torch.dtype | None = None) -> TrieWorkspace:
+        """Preallocated buffers for `num_rows` beams (all depths); `logits_dtype` for `mask_logits_`."""
+        ws = TrieWorkspace(num_rows, max(self._max_children), self.device)
+        if logits_dtype is not None:
+            ws.values(ws.max_children, logits_dtype)
+        return ws
 
     def children(
         self, depth: int, node: torch.Tensor, *, ws: TrieWorkspace | None = None
@@ -349,20 +350,21 @@ class Trie:
         vocab = logits.shape[1]
         if self._max_token >= vocab:
             self.check_vocab(vocab)
-        if ws is None:
-            ws = self.workspace(node.shape[0], vocab)
-        elif ws.vocab_size != vocab:
-            raise ValueError(f"workspace was made for vocab size {ws.vocab_size}, logits have {vocab}")
+        self._check_depth(depth)
+        ws = self._workspace_for(ws, node.shape[0], self._max_children[depth])
         tokens, _, valid = self.children(depth, node, ws=ws)
         c = tokens.shape[1]
-        # Invalid slots point at the spare column V, so they never unblock a real token.
-        tok_or_spare = ws.scratch(c)
-        torch.mul(valid, -vocab, out=tok_or_spare)
-        tok_or_spare.add_(vocab).add_(tokens)
-        blocked = ws.blocked
-        blocked.fill_(True)
-        blocked.scatter_(1, tok_or_spare, False)
-        return logits.masked_fill_(blocked[:, :vocab], fill)
+        # Keep the children's logits, fill the row, write them back. Invalid slots point at the row's
+        # first child (same column, same value) so duplicate scatter indices agree; dead rows read
+        # column 0 and write `fill` there.
+        cols = ws.scratch(c)
+        torch.where(valid, tokens, tokens[:, :1], out=cols)
+        kept = ws.values(c, logits.dtype)
+        torch.gather(logits, 1, cols, out=kept)
+        torch.lt(node, 0, out=ws.dead)
+        kept.masked_fill_(ws.dead.unsqueeze(1), fill)
+        logits.fill_(fill)
+        return logits.scatter_(1, cols, kept)
 
     def mask_logits(
         self,
@@ -503,7 +505,7 @@ class Trie:
 
     def _workspace_for(self, ws: TrieWorkspace | None, n: int, c: int) -> TrieWorkspace:
         if ws is None:
-            return TrieWorkspace(n, c, None, self.device)
+            return TrieWorkspace(n, c, self.device)
         if ws.num_rows != n or ws.max_children < c or not _same_device(ws.device, self.device):
             raise ValueError(
                 f"workspace is for {ws.num_rows} rows x {ws.max_children} children on {ws.device}; "
@@ -519,8 +521,8 @@ class TrieWorkspace:
     it are views of these buffers and are overwritten by the next call.
     """
 
-    def __init__(self, num_rows: int, max_children: int, vocab_size: int | None, device) -> None:
-        self.num_rows, self.max_children, self.vocab_size = num_rows, max_children, vocab_size
+    def __init__(self, num_rows: int, max_children: int, device) -> None:
+        self.num_rows, self.max_children = num_rows, max_children
         self.device = torch.device(device)
         n, size = num_rows, num_rows * max_children
         i64 = dict(dtype=torch.int64, device=self.device)
@@ -528,17 +530,14 @@ class TrieWorkspace:
         self.start = torch.empty(n, **i64)
         self.end = torch.empty(n, **i64)
         self.alive = torch.empty(n, dtype=torch.bool, device=self.device)
+        self.dead = torch.empty(n, dtype=torch.bool, device=self.device)
         self._tokens = torch.empty(size, **i64)
         self._child = torch.empty(size, **i64)
         self._scratch = torch.empty(size, **i64)
         self._buf32 = torch.empty(size, dtype=torch.int32, device=self.device)
         self._valid = torch.empty(size, dtype=torch.bool, device=self.device)
         self._hit = torch.empty(size, dtype=torch.bool, device=self.device)
-        self.blocked = (
-            None
-            if vocab_size is None
-            else torch.empty(n, vocab_size + 1, dtype=torch.bool, device=self.device)
-        )
+        self._values: dict[torch.dtype, torch.Tensor] = {}
 
     def _view(self, flat: torch.Tensor, c: int) -> torch.Tensor:
         return flat[: self.num_rows * c].view(self.num_rows, c)
@@ -560,6 +559,13 @@ class TrieWorkspace:
 
     def buf32(self, c: int) -> torch.Tensor:
         return self._view(self._buf32, c)
+
+    def values(self, c: int, dtype: torch.dtype) -> torch.Tensor:
+        """`[N, c]` buffer of logits' dtype (allocated on first use: warm up before graph capture)."""
+        if dtype not in self._values:
+            size = self.num_rows * self.max_children
+            self._values[dtype] = torch.empty(size, dtype=dtype, device=self.device)
+        return self._view(self._values[dtype], c)
 
 
 # ---------------------------------------------------------------- build helpers
@@ -651,38 +657,64 @@ def _check_token_range(seqs: np.ndarray, ids: list | None) -> None:
         raise ValueError(f"token above int32 in item {_id_of(ids, row)!r}: {seqs[row].tolist()}")
 
 
-def _sort_rows(seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Stable lexicographic row order; with a packed int64 key per row when the tokens fit in 63 bits.
+class _SortedRows:
+    """Rows of `seqs` in stable lexicographic order (ties keep input order).
 
-    Returns `(order, sorted_seqs, sorted_keys or None)`.
+    When the tokens fit, each row is packed into one int64 key (`bits` per token), and the sort, prefix
+    comparisons and token reads all work on that one array; with room for the row index too, a plain
+    value sort of `key << index_bits | row` replaces the slower argsort. Otherwise: `np.lexsort`.
     """
-    num_rows, depth = seqs.shape
-    bits = max(1, int(seqs.max()).bit_length())
-    if bits * depth <= 63:
+
+    def __init__(self, seqs: np.ndarray) -> None:
+        num_rows, self.depth = seqs.shape
+        self.bits = max(1, int(seqs.max()).bit_length())
+        self.keys: np.ndarray | None = None
+        self.seqs: np.ndarray | None = None
+        if self.bits * self.depth > 63:
+            self.order = np.lexsort(seqs.T[::-1])  # lexsort is stable
+            self.seqs = seqs[self.order]
+            return
         key = np.zeros(num_rows, dtype=np.int64)
-        for d in range(depth):
-            key <<= bits
+        for d in range(self.depth):
+            key <<= self.bits
             key |= seqs[:, d]
-        order = np.argsort(key, kind="stable")
-        keys = key[order]
-        # Prefix keys of length d are keys >> ((depth - d) * bits); remember the shift per depth.
-        return order, seqs[order], (keys, bits)  # type: ignore[return-value]
-    order = np.lexsort(seqs.T[::-1])  # lexsort is stable
-    return order, seqs[order], None
+        index_bits = max(1, (num_rows - 1).bit_length())
+        if self.bits * self.depth + index_bits <= 63:
+            key <<= index_bits
+            key |= np.arange(num_rows, dtype=np.int64)
+            key.sort()
+            self.order = key & ((1 << index_bits) - 1)
+            key >>= index_bits
+            self.keys = key
+        else:
+            self.order = np.argsort(key, kind="stable")
+            self.keys = key[self.order]
 
+    def keep(self, mask: np.ndarray) -> None:
+        self.order = self.order[mask]
+        if self.keys is not None:
+            self.keys = self.keys[mask]
+        else:
+            self.seqs = self.seqs[mask]
 
-def _new_prefix(prefix_keys, sorted_seqs: np.ndarray, d: int) -> np.ndarray:
-    """Bool `[rows]`: row r's length-d prefix differs from row r-1's (row 0 always True)."""
-    num_rows, depth = sorted_seqs.shape
-    new = np.empty(num_rows, dtype=bool)
-    new[0] = True
-    if prefix_keys is not None:
-        keys, bits = prefix_keys
-        p = keys >> ((depth - d) * bits) if d < depth else keys
-        np.not_equal(p[1:], p[:-1], out=new[1:])
-    else:
-        new[1:] = (sorted_seqs[1:, :d] != sorted_seqs[:-1, :d]).any(axis=1)
-    return new
+    def new_prefix(self, d: int) -> np.ndarray:
+        """Bool `[rows]`: row r's length-d prefix differs from row r-1's (row 0 always True)."""
+        new = np.empty(len(self.order), dtype=bool)
+        new[0] = True
+        if self.keys is not None:
+            p = self.keys >> ((self.depth - d) * self.bits) if d < self.depth else self.keys
+            np.not_equal(p[1:], p[:-1], out=new[1:])
+        else:
+            new[1:] = (self.seqs[1:, :d] != self.seqs[:-1, :d]).any(axis=1)
+        return new
+
+    def tokens(self, rows: np.ndarray, d: int) -> np.ndarray:
+        """int32 token at position d of the given sorted rows."""
+        if self.keys is None:
+            return np.ascontiguousarray(self.seqs[rows, d], dtype=np.int32)
+        shift = (self.depth - 1 - d) * self.bits
+        picked = self.keys if len(rows) == len(self.keys) else self.keys[rows]
+        return ((picked >> shift) & ((1 << self.bits) - 1)).astype(np.int32)
 
 
 def _lookup_array(tokens) -> np.ndarray:
