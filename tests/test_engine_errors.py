@@ -1,0 +1,103 @@
+"""Bad input gets a clear exception naming the problem, and the engine keeps working afterwards."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from boundgen import Engine
+
+QUERY, ITEMS = "red running shoes", ["trail shoe", "coffee mug"]
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_architecture_lists_supported(tiny_model, tmp_path):
+    path = copy_model(tiny_model("qwen2"), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["MistralForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture 'MistralForCausalLM'.*Qwen2ForCausalLM"):
+        Engine.from_pretrained(path)
+
+
+@pytest.mark.parametrize("change,message", [
+    ("drop", "missing tensors: model.layers.1.mlp.up_proj.weight"),
+    ("extra", "unexpected tensor 'model.layers.0.mlp.extra.weight'"),
+    ("shape", "'model.layers.0.self_attn.k_proj.weight' has shape"),
+])
+def test_bad_tensors_are_named(change, message, tiny_model, tmp_path):
+    path = copy_model(tiny_model("qwen2"), tmp_path / "m")
+    state = load_file(str(path / "model.safetensors"))
+    if change == "drop":
+        del state["model.layers.1.mlp.up_proj.weight"]
+    elif change == "extra":
+        state["model.layers.0.mlp.extra.weight"] = state["model.norm.weight"].clone()
+    else:
+        state["model.layers.0.self_attn.k_proj.weight"] = state["model.layers.0.self_attn.k_proj.weight"][:-1].clone()
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=message):
+        Engine.from_pretrained(path)
+
+
+def test_missing_path_dtype_device(tiny_model, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Engine.from_pretrained(tmp_path / "nope")
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        Engine.from_pretrained(tiny_model("qwen2"), dtype="float8")
+    with pytest.raises(ValueError, match="device"):
+        Engine.from_pretrained(tiny_model("qwen2"), device="tpu")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        Engine.from_pretrained(tiny_model("qwen2"), attention="flash9")
+    missing_tok = copy_model(tiny_model("qwen2"), tmp_path / "notok")
+    (missing_tok / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        Engine.from_pretrained(missing_tok)
+
+
+def test_score_input_errors(engine_for):
+    engine = engine_for("qwen2")
+    vocab = engine.config.vocab_size
+    with pytest.raises(ValueError, match="items is empty"):
+        engine.score(QUERY, [], [1])
+    with pytest.raises(ValueError, match=f"label token id {vocab} is outside"):
+        engine.score(QUERY, ITEMS, [1, vocab])
+    with pytest.raises(ValueError, match="label_token_ids must be a non-empty list"):
+        engine.score(QUERY, ITEMS, [])
+    with pytest.raises(ValueError, match=r"items\[1\] has token id -3"):
+        engine.score(QUERY, [[1, 2], [-3]], [1])
+    with pytest.raises(ValueError, match=r"items\[0\] must be a string or a list of token ids"):
+        engine.score(QUERY, [3.5], [1])
+    with pytest.raises(ValueError, match="needs a \\*ForSequenceClassification"):
+        engine.classify(["x"])
+    assert len(engine.score(QUERY, ITEMS, [1, 2])) == 2  # still serving
+
+
+def test_too_long_errors_unless_truncate(engine_for):
+    engine = engine_for("llama")
+    limit = engine.limits.max_seq_len
+    long_item = list(range(5, 5 + limit))
+    with pytest.raises(ValueError, match=f"over the limit of {limit - 2}; shorten it or pass truncate=True"):
+        engine.score([1, 2], [long_item], [3])
+    truncated = engine.score([1, 2], [long_item], [3], truncate=True)
+    assert truncated == engine.score([1, 2], [long_item[: limit - 2]], [3])
+    with pytest.raises(ValueError, match="over the limit"):
+        engine.embed([long_item + [1]])
+
+
+def test_classify_and_embed_errors(engine_for):
+    cls = engine_for("qwen2", 3)
+    with pytest.raises(ValueError, match="score needs a \\*ForCausalLM"):
+        cls.score(QUERY, ITEMS, [1])
+    with pytest.raises(ValueError, match="texts is empty"):
+        cls.classify([])
+    with pytest.raises(ValueError, match="unknown pooling 'max'"):
+        cls.embed(["x"], pooling="max")
+    with pytest.raises(FileNotFoundError, match="no MLP head spec"):
+        cls.embed(["x"], head="/nonexistent/head")
