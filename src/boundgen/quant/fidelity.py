@@ -14,7 +14,9 @@ or anything else with the same shape:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import time
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +145,9 @@ _SCALES = {
     "small": dict(w1_prompts=32, w1_len=(8, 32), w2_groups=3, w2_prefix=24, w2_items=20, w2_item_len=4,
                   w4_prompts=12, w4_len=16, w4_width=4, w4_steps=3,
                   ho_groups=2, ho_prefix=(8, 24), ho_items=16, ho_item_len=(2, 6), ho_beams=6),
+    "ci": dict(w1_prompts=8, w1_len=(4, 12), w2_groups=1, w2_prefix=8, w2_items=8, w2_item_len=3,
+               w4_prompts=3, w4_len=6, w4_width=2, w4_steps=2,
+               ho_groups=1, ho_prefix=(4, 8), ho_items=6, ho_item_len=(2, 4), ho_beams=1),
 }
 
 
@@ -213,7 +218,8 @@ def _beam_tokens(entry) -> list[int]:
 
 def engine_runner(engine) -> ModelRunner:
     """Adapt `Engine.score(query, items, label_token_ids, apply_softmax=False)` and
-    `Engine.beam_search(prompt, beam_width, steps)`."""
+    `Engine.beam_search(prompt, beam_width, steps)`; without `beam_search`, an unconstrained log-prob beam
+    search over the engine's packed forward (`engine.runner`) stands in."""
 
     def score(query, items, labels):
         return engine.score(query, items, label_token_ids=labels, apply_softmax=False)
@@ -222,7 +228,34 @@ def engine_runner(engine) -> ModelRunner:
     if hasattr(engine, "beam_search"):
         def beam(prompt, width, steps):
             return engine.beam_search(prompt, beam_width=width, steps=steps)
+    elif hasattr(engine, "runner"):
+        beam = functools.partial(forward_beam_search, engine.runner)
     return ModelRunner(score, beam)
+
+
+def forward_beam_search(runner, prompt: list[int], beam_width: int, steps: int) -> list[tuple[list[int], float]]:
+    """Exactly `steps` steps of log-prob beam search (no EOS stop), recomputing prompt + beam tokens each
+    step with the prompt as a shared prefix. Reference quality, not speed: the gate only needs the same
+    algorithm on both sides. `runner`: has `hidden_rows(groups)` and `head(rows, columns)`."""
+    import torch
+
+    from boundgen.text.packing import SequenceGroup
+
+    if len(prompt) < 1:
+        raise ValueError("beam search needs a non-empty prompt")
+    prefix, last = list(prompt[:-1]), [prompt[-1]]
+    beams: list[list[int]] = [[]]
+    scores = None
+    for _ in range(steps):
+        rows = runner.hidden_rows([SequenceGroup(prefix, [last + b for b in beams])])
+        logp = torch.log_softmax(runner.head(rows).float(), dim=-1)  # [B, V]
+        total = logp if scores is None else logp + scores[:, None]
+        top = torch.topk(total.flatten(), min(beam_width, total.numel()))
+        vocab = logp.shape[1]
+        src, tok = (top.indices // vocab).tolist(), (top.indices % vocab).tolist()
+        beams = [beams[b] + [t] for b, t in zip(src, tok)]
+        scores = top.values
+    return [(b, float(v)) for b, v in zip(beams, scores.tolist())]
 
 
 @dataclass
@@ -356,3 +389,41 @@ def run_gate(reference: ModelRunner, candidate: ModelRunner, eval_set: EvalSet, 
     ref = reference_outputs if reference_outputs is not None else collect_outputs(reference, eval_set)
     cand = collect_outputs(candidate, eval_set)
     return compare_outputs(ref, cand, eval_set, policy, thresholds)
+
+
+def gate_engine(engine, policies: Sequence[str], eval_set: EvalSet, *, emulate: bool = False,
+                act_quant: str = "auto", thresholds: GateThresholds = GateThresholds(),
+                log: Callable[[str], None] | None = None) -> dict[str, GateReport]:
+    """Run the gate for each policy on one loaded (bf16) engine: the reference outputs are collected once,
+    each policy is applied in place to `engine.model`, measured, and undone (original modules restored)."""
+    from boundgen.quant.fp8 import apply_fp8
+    from boundgen.quant.policy import parse_policy, select_modules
+
+    model = engine.model
+    runner = engine_runner(engine)
+    t0 = time.perf_counter()
+    ref = collect_outputs(runner, eval_set)
+    ref_s = time.perf_counter() - t0
+    if log:
+        log(f"reference outputs: {len(eval_set.score_cases)} score groups, {len(eval_set.beam_cases)} beam "
+            f"prompts in {ref_s:.1f}s")
+    reports = {}
+    for policy in policies:
+        policy = parse_policy(policy)
+        names = select_modules(model, policy)
+        originals = {n: model.get_submodule(n) for n in names}
+        try:
+            apply_fp8(model, policy, emulate=emulate, act_quant=act_quant)
+            t0 = time.perf_counter()
+            cand = collect_outputs(runner, eval_set)
+            report = compare_outputs(ref, cand, eval_set, policy, thresholds)
+            report.notes["mode"] = "emulated" if emulate else "scaled_mm"
+            report.notes["eval_seconds"] = f"bf16 {ref_s:.1f}, {policy} {time.perf_counter() - t0:.1f}"
+            reports[policy] = report
+        finally:
+            for n, m in originals.items():
+                parent, _, child = n.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, m)
+        if log:
+            log(report.format())
+    return reports

@@ -1,0 +1,71 @@
+"""`boundgen quant-check`: run the FP8 fidelity gate for a checkpoint and store the verdict."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HELP = "check an FP8 policy against bf16 (score Spearman, top-10 overlap, beam top-1) and record the result"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from boundgen.quant.policy import POLICIES
+
+    parser.add_argument("--model", required=True, help="HF model directory")
+    parser.add_argument("--fp8", default="mlp", choices=[*POLICIES, "all"],
+                        help="policy to check ('all': every policy except none); default mlp")
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    parser.add_argument("--dtype", default="bfloat16", help="reference precision (default bfloat16)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="quantize->dequantize FP8 numerics (any device; no FP8 hardware needed)")
+    parser.add_argument("--scale", choices=["full", "small", "ci"], default=None,
+                        help="eval-set size: full = DESIGN §9 shapes (default on cuda), small (default on cpu), ci (seconds)")
+    parser.add_argument("--eval-set", action="append", default=[], metavar="JSON",
+                        help="extra held-out eval set (EvalSet.to_json format); may repeat")
+    parser.add_argument("--labels", type=int, nargs="+", default=None, help="label token ids to score")
+    parser.add_argument("--seed", type=int, default=0, help="eval-set seed (default 0)")
+    parser.add_argument("--attention", default="auto", help="attention backend (auto | reference | varlen)")
+    parser.add_argument("--json", default=None, metavar="OUT", help="also write the reports as JSON")
+    parser.add_argument("--no-record", action="store_true", help="do not store the verdict in the gate cache")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from boundgen.engine import Engine
+    from boundgen.quant.fidelity import EvalSet, gate_engine, make_eval_set
+    from boundgen.quant.fp8 import fp8_supported
+    from boundgen.quant.gate_cache import cache_path, record_gate_result
+    from boundgen.quant.policy import POLICIES
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not args.emulate:
+        ok, reason = fp8_supported(device)
+        if not ok:
+            raise RuntimeError(f"real FP8 is not available: {reason}")
+    policies = [p for p in POLICIES if p != "none"] if args.fp8 == "all" else [args.fp8]
+    engine = Engine.from_pretrained(args.model, device=device, dtype=args.dtype, attention=args.attention)
+    scale = args.scale or ("full" if engine.device.type == "cuda" else "small")
+    eval_set = make_eval_set(engine.config.vocab_size, args.labels, scale=scale, seed=args.seed)
+    for path in args.eval_set:
+        eval_set = eval_set.extend(EvalSet.load(path))
+    print(f"model {args.model} on {engine.device} ({engine.dtype}); eval set {eval_set.name}: "
+          f"{sum(len(c.items) for c in eval_set.score_cases)} scored items in {len(eval_set.score_cases)} "
+          f"groups, {len(eval_set.beam_cases)} beam prompts", flush=True)
+    reports = gate_engine(engine, policies, eval_set, emulate=args.emulate,
+                          log=lambda line: print(line, flush=True))
+    if not args.no_record:
+        for policy, report in reports.items():
+            if policy != "none":
+                record_gate_result(args.model, policy, report.to_dict())
+        print(f"recorded in {cache_path()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({p: r.to_dict() for p, r in reports.items()}, indent=1))
+    failed = [p for p, r in reports.items() if not r.passed]
+    if failed:
+        print(f"policy {', '.join(failed)} FAILED the gate; the engine will refuse it unless forced",
+              file=sys.stderr)
+        return 3
+    return 0
