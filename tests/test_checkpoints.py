@@ -84,7 +84,8 @@ def test_tiny_family_structure(tiny_dirs):
     assert not any("q_norm" in n for n in names["qwen2"] | names["llama"])
     assert "lm_head.weight" not in names["qwen3"] | names["llama"]
     cfg = {arch: json.loads((p / "config.json").read_text()) for arch, p in tiny_dirs.items()}
-    assert cfg["qwen3"]["head_dim"] * cfg["qwen3"]["num_attention_heads"] != cfg["qwen3"]["hidden_size"]
+    q3 = cfg["qwen3"]
+    assert q3["head_dim"] * q3["num_attention_heads"] != q3["hidden_size"]  # as in real Qwen3
     assert cfg["llama"]["rope_scaling"]["rope_type"] == "llama3"
     for c in cfg.values():
         assert c["vocab_size"] % 64 == 0 and c["torch_dtype"] == c["dtype"] == "float32"
@@ -207,14 +208,16 @@ def test_real_preset_shapes(tmp_path, preset):
 def test_real_preset_values():
     q2, q3, ll = hf_config("qwen2.5-0.5b"), hf_config("qwen3-0.6b"), hf_config("llama3.2-1b")
     assert (q2["hidden_size"], q2["intermediate_size"], q2["num_hidden_layers"]) == (896, 4864, 24)
-    assert (q2["num_attention_heads"], q2["num_key_value_heads"], q2["vocab_size"]) == (14, 2, 151936)
-    assert q2["rope_theta"] == 1e6 and q2["rms_norm_eps"] == 1e-6 and q2["max_position_embeddings"] == 32768
+    assert (q2["num_attention_heads"], q2["num_key_value_heads"]) == (14, 2)
+    assert q2["vocab_size"] == 151936 and q2["max_position_embeddings"] == 32768
+    assert q2["rope_theta"] == 1e6 and q2["rms_norm_eps"] == 1e-6 and "head_dim" not in q2
     assert (q3["hidden_size"], q3["intermediate_size"], q3["num_hidden_layers"]) == (1024, 3072, 28)
     assert (q3["num_attention_heads"], q3["num_key_value_heads"], q3["head_dim"]) == (16, 8, 128)
     assert q3["max_position_embeddings"] == 40960 and q3["attention_bias"] is False
     assert (ll["hidden_size"], ll["intermediate_size"], ll["num_hidden_layers"]) == (2048, 8192, 16)
     assert (ll["num_attention_heads"], ll["num_key_value_heads"], ll["head_dim"]) == (32, 8, 64)
-    assert ll["vocab_size"] == 128256 and ll["rope_theta"] == 500000.0 and ll["rms_norm_eps"] == 1e-5
+    assert ll["vocab_size"] == 128256 and ll["rope_theta"] == 500000.0
+    assert ll["rms_norm_eps"] == 1e-5
     assert ll["max_position_embeddings"] == 131072
     assert ll["rope_scaling"] == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -263,7 +266,8 @@ def test_cli(tmp_path, capsys):
     assert len(list(out.glob("model-*.safetensors"))) > 1
     assert main(["make-model", "--preset", "tiny", "--out", str(out), "--no-progress"]) == 1
     assert "not empty" in capsys.readouterr().err
-    assert main(["make-model", "--preset", "tiny", "--seq-cls", "0", "--out", str(tmp_path / "y")]) == 1
+    bad = ["make-model", "--preset", "tiny", "--seq-cls", "0", "--out", str(tmp_path / "y")]
+    assert main(bad) == 1
 
 
 def test_cache_dir_and_ensure_model(tmp_path, monkeypatch):
@@ -283,6 +287,7 @@ def test_presets_are_consistent():
         assert preset["arch"] in checkpoints.ARCHS
         for arch in checkpoints.ARCHS:
             config = hf_config(name, arch=arch)
-            head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+            heads = config["num_attention_heads"]
+            head_dim = config.get("head_dim") or config["hidden_size"] // heads
             assert config["num_attention_heads"] % config["num_key_value_heads"] == 0
             assert head_dim % 2 == 0 and param_count(config) > 0

@@ -1,17 +1,19 @@
-"""Synthetic HuggingFace checkpoints: real shapes, seeded random weights, a locally trained tokenizer.
+"""Synthetic HuggingFace checkpoints: real shapes, seeded random weights, a local tokenizer.
 
-`make_model("tiny", out)` writes a directory that `transformers` and `boundgen` load like a hub checkpoint:
-`config.json`, `generation_config.json`, `model.safetensors` (or shards + `model.safetensors.index.json`),
-`tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`. Nothing is downloaded.
+`make_model("tiny", out)` writes a directory that `transformers` and `boundgen` load like a hub
+checkpoint: `config.json`, `generation_config.json`, `model.safetensors` (or shards +
+`model.safetensors.index.json`), `tokenizer.json`, `tokenizer_config.json`,
+`special_tokens_map.json`. Nothing is downloaded.
 
-- Presets: `tiny` (a few 100K params, for tests) and the real shapes of `qwen2.5-0.5b`, `qwen3-0.6b`,
+- Presets: `tiny` (~0.3M params, for tests) and the real shapes of `qwen2.5-0.5b`, `qwen3-0.6b`,
   `llama3.2-1b`. `arch` (qwen2 | qwen3 | llama) picks the family for any preset.
-- Weights are a pure function of (preset, arch, seq_cls, seed, dtype): every tensor has its own generator,
-  seeded from the seed and the tensor name, and is drawn in fixed row chunks, so the bytes are identical
-  from run to run and big checkpoints stream to disk one chunk at a time.
-- The tokenizer is a byte-level BPE trained on `boundgen/data/corpus.txt` (2000 tokens for `tiny`, 8000
-  for the real presets). Special tokens follow the BPE vocabulary, as in real Qwen/Llama tokenizers; the
-  config keeps the real `vocab_size`, so the embedding rows past the tokenizer are never used.
+- Weights are a pure function of (preset, arch, seq_cls, seed, dtype): each tensor has its own
+  generator, seeded from the seed and the tensor name, and is drawn in fixed row chunks, so the
+  bytes are identical from run to run and big checkpoints stream to disk one chunk at a time.
+- The tokenizer is a byte-level BPE trained on `boundgen/data/corpus.txt` (2000 tokens for `tiny`,
+  8000 for the real presets). Special tokens follow the BPE vocabulary, as in real Qwen/Llama
+  tokenizers; the config keeps the real `vocab_size`, so embedding rows past the tokenizer are
+  unused.
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "qwen3": {"head_dim": 32},
             # scaled-down llama3 rope scaling: wavelengths fall in all three bands
             "llama": {"rms_norm_eps": 1e-5, "rope_scaling": {
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}},
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
         },
     },
     "qwen2.5-0.5b": {
@@ -97,7 +99,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-_CHUNK_ELEMENTS = 1 << 22  # rows are drawn in chunks of at most this many values (part of the format)
+# Rows are drawn in chunks of at most this many values (changing it changes the bytes).
+_CHUNK_ELEMENTS = 1 << 22
 
 # Files this module writes (and removes first with overwrite=True).
 _OUTPUT_FILES = ("config.json", "generation_config.json", "model.safetensors",
@@ -112,7 +115,7 @@ def default_model_dir() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "boundgen"
 
 
-# ----------------------------------------------------------------------------------------- tokenizer
+# --------------------------------------------------------------------------------------- tokenizer
 
 _QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -126,8 +129,8 @@ _TOKENIZER_STYLES: dict[str, dict[str, Any]] = {
              "tokenizer_class": "Qwen2Tokenizer",
              "chat_template": (
                  "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-                 "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
-                 "{{ '<|im_start|>assistant\\n' }}{% endif %}")},
+                 "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")},
     "llama": {"special": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                           "<|end_header_id|>", "<|eot_id|>"],
               "bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "pad": "<|end_of_text|>",
@@ -147,8 +150,8 @@ def _corpus_lines() -> list[str]:
 
 @functools.lru_cache(maxsize=8)
 def _tokenizer_json(style: str, bpe_vocab: int) -> str:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from tokenizers import trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors, trainers
 
     spec = _TOKENIZER_STYLES[style]
     tok = Tokenizer(models.BPE())
@@ -179,13 +182,13 @@ def _tokenizer_json(style: str, bpe_vocab: int) -> str:
 
 
 def build_tokenizer(arch: str = "qwen2", bpe_vocab: int = 2000):
-    """The `tokenizers.Tokenizer` that `make_model` writes for this family (cached; a fresh object)."""
+    """The `tokenizers.Tokenizer` `make_model` writes for this family (cached; a fresh object)."""
     from tokenizers import Tokenizer
 
     return Tokenizer.from_str(_tokenizer_json(_FAMILIES[_check_arch(arch)]["tokenizer"], bpe_vocab))
 
 
-# -------------------------------------------------------------------------------------------- config
+# ------------------------------------------------------------------------------------------ config
 
 
 def _check_preset(preset: str) -> dict[str, Any]:
@@ -211,7 +214,7 @@ def _check_seq_cls(seq_cls: int | None) -> None:
     if seq_cls is None:
         return
     if isinstance(seq_cls, bool) or not isinstance(seq_cls, int) or seq_cls < 1:
-        raise ValueError(f"seq_cls must be a positive number of labels (an int >= 1), got {seq_cls!r}")
+        raise ValueError(f"seq_cls must be a number of labels (an int >= 1), got {seq_cls!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +235,7 @@ def _resolve(preset: str, arch: str | None, dtype: str | None) -> _Resolved:
 
 def hf_config(preset: str, arch: str | None = None, seq_cls: int | None = None,
               dtype: str | None = None) -> dict[str, Any]:
-    """The `config.json` dict `make_model` writes (trains the cached tokenizer for special-token ids)."""
+    """The `config.json` dict `make_model` writes (uses the cached tokenizer for special ids)."""
     _check_seq_cls(seq_cls)
     r = _resolve(preset, arch, dtype)
     s, fam = r.settings, _FAMILIES[r.arch]
@@ -290,7 +293,7 @@ def hf_config(preset: str, arch: str | None = None, seq_cls: int | None = None,
     return cfg
 
 
-# ------------------------------------------------------------------------------------------- tensors
+# ----------------------------------------------------------------------------------------- tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +314,8 @@ def tensor_specs(config: dict[str, Any]) -> list[TensorSpec]:
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         specs.append(TensorSpec(p + "input_layernorm.weight", (h,), "norm"))
-        for proj, rows in (("q", n_heads * head_dim), ("k", n_kv * head_dim), ("v", n_kv * head_dim)):
+        qkv_rows = (("q", n_heads * head_dim), ("k", n_kv * head_dim), ("v", n_kv * head_dim))
+        for proj, rows in qkv_rows:
             specs.append(TensorSpec(f"{p}self_attn.{proj}_proj.weight", (rows, h), "weight"))
             if bias:
                 specs.append(TensorSpec(f"{p}self_attn.{proj}_proj.bias", (rows,), "bias"))
@@ -357,7 +361,8 @@ def _tensor_chunks(spec: TensorSpec, seed: int, std: float, norm_noise: float,
         yield values.to(dtype)
 
 
-def _write_safetensors(path: Path, specs: list[TensorSpec], chunks, dtype: torch.dtype, bar) -> None:
+def _write_safetensors(path: Path, specs: list[TensorSpec], chunks, dtype: torch.dtype,
+                       bar) -> None:
     """Stream tensors into one safetensors file, never holding more than one chunk in memory."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -395,7 +400,7 @@ def _shard(specs: list[TensorSpec], itemsize: int, max_bytes: int) -> list[list[
     return shards
 
 
-# ------------------------------------------------------------------------------------------- writing
+# ----------------------------------------------------------------------------------------- writing
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -458,12 +463,13 @@ def make_model(preset: str, out: str | Path, arch: str | None = None, seq_cls: i
     """Write a synthetic HF checkpoint directory and return its path.
 
     Same arguments give the same bytes. `max_shard_bytes` splits the weights into
-    `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` (a tensor larger than the limit
-    gets a shard of its own). Raises ValueError for a bad preset/arch/dtype/seq_cls and FileExistsError
-    for a non-empty `out` unless `overwrite` (which replaces only the files this function writes).
+    `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` (a tensor larger than the
+    limit gets a shard of its own). Raises ValueError for a bad preset/arch/dtype/seq_cls and
+    FileExistsError for a non-empty `out` unless `overwrite` (which replaces only the files this
+    function writes; other files in `out` are kept).
     """
     if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or max_shard_bytes < 1):
-        raise ValueError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
+        raise ValueError(f"max_shard_bytes must be a positive byte count, got {max_shard_bytes!r}")
     config = hf_config(preset, arch, seq_cls, dtype)
     r = _resolve(preset, arch, dtype)
     s = r.settings
@@ -510,7 +516,7 @@ def make_model(preset: str, out: str | Path, arch: str | None = None, seq_cls: i
 
 def model_name(preset: str, arch: str | None = None, seq_cls: int | None = None, seed: int = 0,
                dtype: str | None = None) -> str:
-    """Directory name for these arguments under `default_model_dir()`, e.g. `tiny-qwen2-s0-float32`."""
+    """Directory name for these arguments under `default_model_dir()`: `tiny-qwen2-s0-float32`."""
     _check_seq_cls(seq_cls)
     r = _resolve(preset, arch, dtype)
     cls = f"-cls{seq_cls}" if seq_cls else ""

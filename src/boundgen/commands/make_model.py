@@ -19,7 +19,7 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).upper() if match else None
     if match is None or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use bytes or e.g. 500MB, 2GB, 64MiB)")
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or e.g. 500MB, 2GB, 64MiB)")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", choices=list(ARCHS), default=None,
                         help="model family (default: the preset's own; tiny: qwen2)")
     parser.add_argument("--seq-cls", type=int, default=None, metavar="N",
-                        help="write *ForSequenceClassification with N labels instead of a causal LM")
+                        help="write *ForSequenceClassification with N labels, not a causal LM")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: a directory under $BOUNDGEN_CACHE or "
                              "~/.cache/boundgen named after the arguments)")
