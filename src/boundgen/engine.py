@@ -75,13 +75,23 @@ class Engine:
         return self.model.config
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | None = None,
+    def from_pretrained(cls, path: str | Path, device: str | None = None, dtype: str | None = None,
                         config: EngineConfig | None = None, **overrides) -> "Engine":
-        """Load an HF model directory. `overrides` are `EngineConfig` fields (e.g. attention="reference")."""
+        """Load an HF model directory. `device`/`dtype` and `overrides` (any `EngineConfig` field, e.g.
+        attention="reference") take precedence over `config`; device defaults to "cpu"."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"model path {path} does not exist or is not a directory")
-        config = dataclasses.replace(config or EngineConfig(), device=str(device), dtype=dtype, **overrides)
+        config = config or EngineConfig()
+        if device is not None:
+            overrides["device"] = str(device)
+        if dtype is not None:
+            overrides["dtype"] = dtype
+        try:
+            config = dataclasses.replace(config, **overrides)
+        except TypeError:
+            known = ", ".join(f.name for f in dataclasses.fields(EngineConfig))
+            raise ValueError(f"unknown engine option in {sorted(overrides)}; known: {known}") from None
         model_config = ModelConfig.from_dir(path)
         dev = resolve_device(config.device)
         torch_dtype = resolve_dtype(config.dtype, dev, model_config)
