@@ -39,8 +39,10 @@ class Pipeline:
         inputs: dict[str, Any] | Iterable[str],
         nodes: Iterable[Node],
         outputs: Iterable[str] | dict[str, str],
+        defaults: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
+        self.defaults: dict[str, Any] = dict(defaults or {})
         self.inputs: dict[str, Any] = (
             dict(inputs) if isinstance(inputs, dict) else {n: Any for n in inputs}
         )
@@ -59,6 +61,9 @@ class Pipeline:
     def _validate(self) -> None:
         if not self.nodes:
             raise self._err("has no nodes")
+        for k in self.defaults:
+            if k not in self.inputs:
+                raise self._err(f"default given for unknown input {k!r} (inputs: {', '.join(self.inputs)})")
         seen: set[str] = set()
         for n in self.nodes:
             if not isinstance(n, Node):
@@ -187,6 +192,7 @@ class Pipeline:
         self.slot_producer: tuple[int, ...] = tuple(
             [-1] * len(self.inputs) + [p.index for p in self.plan for _ in p.out_slots]
         )
+        self.node_by_name: dict[str, Node] = {n.name: n for n in self.nodes}
         self.has_device_nodes = any(p.node.kind is NodeKind.DEVICE for p in self.plan)
 
     # ---- building new pipelines ------------------------------------------------------------------------
@@ -207,11 +213,15 @@ class Pipeline:
             self.inputs,
             list(self.nodes) + extra,
             self.outputs if outputs is None else outputs,
+            self.defaults,
         )
 
-    def with_inputs(self, **types: Any) -> Pipeline:
-        """A new pipeline with extra pipeline inputs (e.g. a business parameter for a user node)."""
-        return Pipeline(self.name, {**self.inputs, **types}, self.nodes, self.outputs)
+    def with_inputs(self, defaults: dict[str, Any] | None = None, **types: Any) -> Pipeline:
+        """A new pipeline with extra pipeline inputs (e.g. a business parameter for a user node), optionally
+        with default values used when a request leaves them out."""
+        return Pipeline(
+            self.name, {**self.inputs, **types}, self.nodes, self.outputs, {**self.defaults, **(defaults or {})}
+        )
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any], nodes: dict[str, Node] | None = None) -> Pipeline:
@@ -240,7 +250,7 @@ class Pipeline:
             else:
                 n = get_node(use, **extra)
             built.append(n)
-        return cls(spec["name"], spec.get("inputs", {}), built, spec.get("outputs", []))
+        return cls(spec["name"], spec.get("inputs", {}), built, spec.get("outputs", []), spec.get("defaults"))
 
     def describe(self) -> str:
         lines = [f"pipeline {self.name!r}: inputs {', '.join(self.inputs)} -> outputs {', '.join(self.outputs)}"]

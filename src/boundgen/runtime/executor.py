@@ -99,7 +99,7 @@ class RequestContext:
     __slots__ = (
         "request_id", "pipeline", "deadline_ns", "start_ns", "stream", "_pipe", "_stats", "_rest", "_values",
         "_joins", "_completed", "_once", "_future", "_home", "_spans", "_events", "_streams", "_lease",
-        "_failed", "_executor", "_node_state", "_annotations", "timeout_ms",
+        "_failed", "_executor", "_node_state", "_annotations", "timeout_ms", "_unwrap",
     )  # fmt: skip
 
     def __init__(self, executor: Executor, pipe: Pipeline, stats: _PipelineStats, timeout_ms: float | None):
@@ -199,19 +199,23 @@ class Executor:
 
     # ---- public API -------------------------------------------------------------------------------------
 
-    def submit(self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None = None) -> Future:
-        """Start a request on the worker pool; the Future resolves to the outputs dict or raises
-        `DeadlineExceeded` / `NodeError`."""
-        req = self._new_request(pipeline, inputs, timeout_ms)
+    def submit(
+        self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None = None, unwrap: bool = False
+    ) -> Future:
+        """Start a request on the worker pool; the Future resolves to the outputs dict (the single output's
+        value with `unwrap`) or raises `DeadlineExceeded` / `NodeError` / a node's pass-through error."""
+        req = self._new_request(pipeline, inputs, timeout_ms, unwrap)
         if req is not None and not req._future.done():
             now = _now()
             for i in pipeline.sources:
                 self._queue.put((req, i, now))
         return req._future
 
-    def run(self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None = None) -> dict[str, Any]:
+    def run(
+        self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None = None, unwrap: bool = False
+    ) -> Any:
         """Run a request, the calling thread doing the work (plus pool threads for parallel branches)."""
-        req = self._new_request(pipeline, inputs, timeout_ms)
+        req = self._new_request(pipeline, inputs, timeout_ms, unwrap)
         fut = req._future
         if fut.done():
             return fut.result()
@@ -292,22 +296,34 @@ class Executor:
                             self._async_nodes[id(p.node)] = p.node
         return st
 
-    def _new_request(self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None) -> RequestContext:
+    def _new_request(
+        self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None, unwrap: bool = False
+    ) -> RequestContext:
+        if unwrap and len(pipeline.output_slots) != 1:
+            raise ValueError(f"unwrap needs a pipeline with one output; {pipeline.name!r} has {len(pipeline.outputs)}")
         if self._closed:
             raise ExecutorClosed("executor is closed")
         if timeout_ms is None:
             timeout_ms = self.default_timeout_ms
         req = RequestContext(self, pipeline, self._stats_for(pipeline), timeout_ms)
+        req._unwrap = unwrap
         values = req._values
         try:
             for name, slot in pipeline.input_slots:
                 values[slot] = inputs[name]
-        except KeyError as exc:
-            raise ValueError(
-                f"pipeline {pipeline.name!r} needs input {exc.args[0]!r} (inputs: {', '.join(pipeline.inputs)})"
-            ) from None
+        except KeyError:
+            defaults = pipeline.defaults
+            for name, slot in pipeline.input_slots:
+                if name in inputs:
+                    values[slot] = inputs[name]
+                elif name in defaults:
+                    values[slot] = defaults[name]
+                else:
+                    raise ValueError(
+                        f"pipeline {pipeline.name!r} needs input {name!r} (inputs: {', '.join(pipeline.inputs)})"
+                    ) from None
         if len(inputs) != len(pipeline.input_slots):
-            extra = sorted(set(inputs) - set(pipeline.inputs))
+            extra = sorted(set(inputs) - pipeline.inputs.keys())
             if extra:
                 raise ValueError(
                     f"pipeline {pipeline.name!r} got unknown input(s) {', '.join(map(repr, extra))} "
@@ -414,9 +430,10 @@ class Executor:
             for slot in p.arg_slots:
                 j = producers[slot]
                 if j >= 0 and events[j] is not None:
-                    if stream is None:
-                        stream = req._streams[j]  # continue on the producer's stream: no wait needed
-                    elif req._streams[j] is not stream:
+                    s = req._streams[j]
+                    if stream is None and s is not None:
+                        stream = s  # continue on the producer's stream: no wait needed
+                    elif s is None or s is not stream:
                         waits.append(events[j])
             if stream is None:
                 stream = self.streams[next(self._stream_rr) % len(self.streams)]
@@ -488,7 +505,10 @@ class Executor:
                 for ev in req._events:
                     if ev is not None:
                         ev.synchronize()
-            result = {name: values[slot] for name, slot in req._pipe.output_slots}
+            if req._unwrap:
+                result = values[req._pipe.output_slots[0][1]]
+            else:
+                result = {name: values[slot] for name, slot in req._pipe.output_slots}
         finally:
             self._end(req, "ok", "")
         req._future.set_result(result)
@@ -506,6 +526,11 @@ class Executor:
         self._fail(req, DeadlineExceeded(msg, req.pipeline, node, req.request_id))
 
     def _node_failed(self, req: RequestContext, node: str, exc: BaseException) -> None:
+        passthrough = req._pipe.node_by_name[node].raises
+        if passthrough and isinstance(exc, passthrough):
+            exc.add_note(f"(in node {node!r} of pipeline {req.pipeline!r}, request {req.request_id})")
+            self._fail(req, exc)
+            return
         err = NodeError(
             f"request {req.request_id} (pipeline {req.pipeline!r}): node {node!r} failed: "
             f"{type(exc).__name__}: {exc}",

@@ -99,6 +99,9 @@ class Node:
     wants_ctx: bool = False
     # Set for asynchronous nodes (the batching node): start(ctx, inputs, done) instead of fn(**inputs).
     is_async: bool = False
+    # Exception types that fail the request as themselves (e.g. ValueError from input validation, so a
+    # server can answer 4xx) instead of being wrapped in NodeError; a note names the node.
+    raises: tuple[type[BaseException], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "." in self.name:
@@ -160,6 +163,7 @@ class Node:
             bind={**self.bind, **(bind or {})},
             wants_ctx=self.wants_ctx,
             is_async=self.is_async,
+            raises=self.raises,
         )
         copy._result_keys = self._result_keys  # a dict result still uses the function's own names
         return copy
@@ -176,6 +180,7 @@ def node_from_function(
     outputs: Any = None,
     kind: NodeKind | str = NodeKind.CPU,
     bind: dict[str, str] | None = None,
+    raises: tuple[type[BaseException], ...] = (),
 ) -> Node:
     """Make a `Node` from a plain function: inputs are its parameters (types from annotations, `Any` when
     missing), outputs default to one value named after the function with its return annotation.
@@ -213,7 +218,10 @@ def node_from_function(
             outputs = dict(zip(outputs, rargs))
         else:
             outputs = {o: Any for o in outputs}
-    return Node(name=name, fn=fn, inputs=inputs, outputs=outputs, kind=kind, bind=dict(bind or {}), wants_ctx=wants_ctx)
+    return Node(
+        name=name, fn=fn, inputs=inputs, outputs=outputs, kind=kind, bind=dict(bind or {}), wants_ctx=wants_ctx,
+        raises=tuple(raises),
+    )
 
 
 def node(
@@ -221,11 +229,12 @@ def node(
     outputs: Any = None,
     kind: NodeKind | str = NodeKind.CPU,
     bind: dict[str, str] | None = None,
+    raises: tuple[type[BaseException], ...] = (),
 ) -> Callable[[Callable[..., Any]], Node]:
     """Decorator form of `node_from_function`."""
 
     def wrap(fn: Callable[..., Any]) -> Node:
-        return node_from_function(fn, name=name, outputs=outputs, kind=kind, bind=bind)
+        return node_from_function(fn, name=name, outputs=outputs, kind=kind, bind=bind, raises=raises)
 
     return wrap
 
