@@ -91,7 +91,9 @@ class ServerState:
         self.can_classify = getattr(mc, "task", "causal_lm") == "seq_cls"
         self.num_labels = int(getattr(mc, "num_labels", 0) or 0) if self.can_classify else 0
         self.id2label = list(getattr(mc, "id2label", None) or ())
-        self.max_positions = getattr(mc, "max_position_embeddings", None)
+        engine_limits = getattr(engine, "limits", None)
+        self.max_positions = (getattr(engine_limits, "max_seq_len", None)
+                              or getattr(mc, "max_position_embeddings", None))
         self.limits = Limits(config, self.vocab_size, self.max_positions)
         self.api_key = config.resolved_api_key()
         self.rerank_label_ids = self._rerank_labels()
@@ -158,6 +160,8 @@ def _check_auth(request: Request, state: ServerState) -> None:
 
 
 def endpoint(name: str, state: ServerState, fn: Handler) -> Callable[[Request], Awaitable[Response]]:
+    kserve_errors = name.startswith("kserve.")
+
     async def handle(request: Request) -> Response:
         start = time.perf_counter()
         status, error_type = 200, None
@@ -168,11 +172,11 @@ def endpoint(name: str, state: ServerState, fn: Handler) -> Callable[[Request], 
             return response
         except ServerError as exc:
             status, error_type = exc.status, exc.type
-            return exc.response()
+            return exc.response(kserve_errors)
         except Exception:
             log.exception("internal error in %s", name)
             status, error_type = 500, "internal_error"
-            return error_response(500, "internal server error (see the server log)", "internal_error")
+            return ServerError("internal server error (see the server log)").response(kserve_errors)
         finally:
             state.metrics.observe_request(name, status, time.perf_counter() - start, error_type)
 

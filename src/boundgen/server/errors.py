@@ -20,7 +20,9 @@ class ServerError(Exception):
         if status is not None:
             self.status = status
 
-    def response(self) -> JSONResponse:
+    def response(self, kserve: bool = False) -> JSONResponse:
+        if kserve:
+            return kserve_error_response(self.status, self.message, self.headers)
         return error_response(self.status, self.message, self.type, self.code, self.headers)
 
 
@@ -61,6 +63,12 @@ def error_response(status: int, message: str, type_: str, code: Any = None,
     # `code`: the HTTP status unless a more specific code is given (vLLM does the same).
     body = {"error": {"message": message, "type": type_, "code": code if code is not None else status}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def kserve_error_response(status: int, message: str,
+                          headers: dict[str, str] | None = None) -> JSONResponse:
+    # KServe v2 / Triton clients expect `{"error": "<message>"}` (tritonclient fails on an object).
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 def is_deadline_error(exc: BaseException) -> bool:

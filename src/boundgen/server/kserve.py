@@ -1,5 +1,6 @@
 """KServe v2 / Triton HTTP protocol: health, model metadata and `infer` (JSON and the Triton binary
-tensor extension, so `tritonclient.http` works unchanged with its defaults).
+tensor extension, so `tritonclient.http` works unchanged with its defaults). Errors on these routes follow
+the KServe protocol, `{"error": "<message>"}`, which Triton clients parse.
 
 One model, three tasks (request parameter `task`, default from the inputs):
 - `score`: inputs `query` BYTES [1] (or INT64 token ids [L]), `items` BYTES [N] (or INT64 [N, L]),
@@ -62,7 +63,7 @@ def add_routes(route: Callable[..., None], state: Any) -> None:
         route(base, "kserve.model_metadata", model_metadata, get)
         route(base + "/ready", "kserve.model_ready", model_ready, get)
         route(base + "/config", "kserve.model_config", model_config, get)
-        route(base + "/infer", "infer", infer)
+        route(base + "/infer", "kserve.infer", infer)
 
 
 def _json(obj: Any) -> Response:

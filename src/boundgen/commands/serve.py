@@ -1,0 +1,74 @@
+"""`boundgen serve`: the HTTP API (SGLang score, Cohere/vLLM rerank, OpenAI embeddings, KServe v2)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from boundgen.cliargs import add_dataclass_args, from_args
+from boundgen.config import EngineConfig
+from boundgen.server.config import ServerConfig, load_config_file
+
+HELP = "serve a model over HTTP (/v1/score, /v1/rerank, /v1/embeddings, /v1/beam, KServe v2, /metrics)"
+
+log = logging.getLogger("boundgen.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="YAML/TOML file with server and engine settings; flags override it")
+    add_dataclass_args(parser.add_argument_group("server"), ServerConfig)
+    add_dataclass_args(parser.add_argument_group("engine"), EngineConfig)
+
+
+def resolve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
+    server, engine = (load_config_file(args.config) if args.config else (ServerConfig(), None))
+    engine_given = engine is not None and engine != EngineConfig()
+    server = from_args(ServerConfig, args, base=server).validate()
+    engine = from_args(EngineConfig, args, base=engine or EngineConfig())
+    device_given = getattr(args, "device", None) is not None or (engine_given and engine.device != "cpu")
+    if not device_given:
+        import torch
+
+        # A new user gets the GPU when there is one.
+        engine = dataclasses.replace(engine, device="cuda" if torch.cuda.is_available() else "cpu")
+    return server, engine
+
+
+def default_model() -> Path:
+    """The shipped demo model if it is built, else the `tiny` synthetic checkpoint (made once)."""
+    try:
+        from boundgen.demo import default_model_path
+
+        return Path(default_model_path())
+    except (ImportError, FileNotFoundError) as exc:
+        from boundgen.checkpoints import default_model_dir, make_model
+
+        out = default_model_dir() / "tiny"
+        if not (out / "config.json").exists():
+            print(f"boundgen serve: no demo model ({exc}); making the tiny synthetic model in {out}",
+                  file=sys.stderr)
+            make_model("tiny", out, progress=False, overwrite=True)
+        return out
+
+
+def run(args: argparse.Namespace) -> int:
+    server_config, engine_config = resolve_configs(args)
+    logging.basicConfig(level=server_config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = Path(server_config.model) if server_config.model else default_model()
+
+    from boundgen.engine import Engine
+    from boundgen.server.app import create_app
+    from boundgen.server.uvicorn import serve
+
+    engine = Engine.from_pretrained(model, device=engine_config.device, dtype=engine_config.dtype,
+                                    config=engine_config)
+    app = create_app(engine, server_config)
+    print(f"boundgen serve: {engine.model_name} ({model}) on {engine.device} at "
+          f"http://{server_config.host}:{server_config.port}", file=sys.stderr, flush=True)
+    serve(app, server_config)
+    return 0

@@ -1,0 +1,93 @@
+"""Helpers for server tests and load tests: a cached tiny checkpoint, an engine wrapper that adds a delay,
+a free port, and a `boundgen serve` subprocess that is started and stopped cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def tiny_model_dir(root: str | os.PathLike | None = None, seq_cls: int | None = None) -> Path:
+    """The `tiny` preset under `root` (default: the boundgen cache), made once."""
+    from boundgen.checkpoints import default_model_dir, make_model
+
+    name = "tiny-server-test" + (f"-cls{seq_cls}" if seq_cls else "")
+    out = Path(root or default_model_dir()) / name
+    if not (out / "config.json").exists():
+        make_model("tiny", out, seq_cls=seq_cls, progress=False, overwrite=True)
+    return out
+
+
+class SlowEngine:
+    """Wraps an engine; every model call first sleeps `delay_s` (to test queues, deadlines, drains)."""
+
+    def __init__(self, engine: Any, delay_s: float):
+        self._engine = engine
+        self.delay_s = delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._engine, name)
+        if name in ("score", "classify", "embed", "beam_search"):
+            def slow(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(self.delay_s)
+                return attr(*args, **kwargs)
+            return slow
+        return attr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`boundgen serve ...` on 127.0.0.1 and a free port; `stop()` sends SIGTERM and waits."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, startup_s: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "boundgen.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._wait_ready(startup_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"boundgen serve exited with {self.proc.returncode}:\n"
+                                   + (self.proc.stdout.read() if self.proc.stdout else ""))
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"boundgen serve did not become ready in {timeout_s}s")
+
+    def stop(self, timeout_s: float = 30.0) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return self.proc.returncode, out or ""
+
+    def __enter__(self) -> "ServeProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
