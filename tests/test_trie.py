@@ -168,7 +168,7 @@ def test_device_tables_and_workspace(device):
         choice = got.argmax(dim=1)
         out = torch.empty(n, dtype=torch.int64, device=device)
         node = trie.next_node(d, node, choice, ws=ws, out=out)
-        buffers = (ws._tokens.data_ptr(), ws._child.data_ptr(), ws._values[torch.float32].data_ptr())
+        buffers = (tokens.data_ptr(), child.data_ptr(), ws._values[torch.float32].data_ptr())
         assert ptrs is None or ptrs == buffers
         ptrs = buffers
     assert node[3] == -1 and (node[torch.arange(n, device=device) != 3] >= 0).all()

@@ -59,8 +59,17 @@ class Trie:
         max_token: int,
     ) -> None:
         # Use `from_sequences` / `from_file`; this only wires already-validated tables together.
-        self._child_ptr = child_ptr
-        self._child_token = child_token
+        # NOTE: stored with one extra entry each, so the step functions need no special cases:
+        # ptr_ext = [0, *child_ptr] makes node -1 read start = end = 0 (no children) at index node + 1;
+        # tok_ext = [*child_token, 0] gives invalid slots a sentinel index whose token is 0.
+        zero = torch.zeros(1, dtype=torch.int64, device=child_ptr[0].device)
+        self._ptr_ext = [torch.cat([zero, p.to(torch.int64)]) for p in child_ptr]
+        self._tok_ext = [torch.cat([t.to(torch.int32), zero.to(torch.int32)]) for t in child_token]
+        self._child_ptr = [p[1:] for p in self._ptr_ext]  # also: end of node i = _child_ptr[i + 1]
+        self._child_token = [t[:-1] for t in self._tok_ext]
+        # 0-dim device scalars for `torch.where(..., out=)` (its Python binding wants a tensor there).
+        self._minus_one = torch.full((), -1, dtype=torch.int64, device=zero.device)
+        self._sentinel = [torch.full((), t.shape[0] - 1, **_i64(zero.device)) for t in self._tok_ext]
         self._leaf_item = leaf_item
         self._item_ids = item_ids  # None: the item index is the id
         self._max_children = max_children
@@ -249,7 +258,7 @@ class Trie:
     @property
     def nbytes(self) -> int:
         """Bytes of the device tables plus the host leaf→item map (not counting Python item ids)."""
-        tables = sum(t.numel() * t.element_size() for t in self._child_ptr + self._child_token)
+        tables = sum(t.numel() * t.element_size() for t in self._ptr_ext + self._tok_ext)
         return tables + self._arange.numel() * 8 + self._leaf_item.nbytes
 
     def __repr__(self) -> str:
@@ -295,7 +304,7 @@ class Trie:
         """Preallocated buffers for `num_rows` beams (all depths); `logits_dtype` for `mask_logits_`."""
         ws = TrieWorkspace(num_rows, max(self._max_children), self.device)
         if logits_dtype is not None:
-            ws.values(ws.max_children, logits_dtype)
+            ws._values_flat(logits_dtype)
         return ws
 
     def children(
@@ -313,22 +322,19 @@ class Trie:
         node = self._check_node(node)
         n, c = node.shape[0], self._max_children[depth]
         ws = self._workspace_for(ws, n, c)
-        ptr = self._child_ptr[depth]
-        tokens, child, valid = ws.tokens(c), ws.child(c), ws.valid(c)
-        tok32 = ws.buf32(c)
+        ptr = self._ptr_ext[depth]
+        v = ws.views(c)
 
-        torch.ge(node, 0, out=ws.alive)
-        torch.clamp(node, min=0, out=ws.node)
+        torch.add(node, 1, out=ws.node)  # index into ptr_ext; a dead node reads [0, 0)
         torch.index_select(ptr, 0, ws.node, out=ws.start)
-        torch.index_select(ptr[1:], 0, ws.node, out=ws.end)
-        ws.end.sub_(ws.start).mul_(ws.alive).add_(ws.start)  # dead beam: end = start
-        torch.add(ws.start.unsqueeze(1), self._arange[:c], out=child)
-        torch.lt(child, ws.end.unsqueeze(1), out=valid)
-        child.mul_(valid)  # invalid -> node 0 (safe index)
-        torch.index_select(self._child_token[depth], 0, child.view(-1), out=tok32.view(-1))
-        tokens.copy_(tok32).mul_(valid)
-        child.add_(1).mul_(valid).sub_(1)  # invalid -> -1
-        return tokens, child, valid
+        torch.index_select(self._child_ptr[depth], 0, ws.node, out=ws.end)
+        torch.add(v.start_col, self._arange[:c], out=v.slot)  # candidate child ids [N, C]
+        torch.lt(v.slot, v.end_col, out=v.valid)
+        torch.where(v.valid, v.slot, self._minus_one, out=v.child)
+        torch.where(v.valid, v.slot, self._sentinel[depth], out=v.slot)
+        torch.index_select(self._tok_ext[depth], 0, v.slot_flat, out=v.tok32_flat)
+        v.tokens.copy_(v.tok32)
+        return v.tokens, v.child, v.valid
 
     def mask_logits_(
         self,
@@ -353,18 +359,17 @@ class Trie:
         self._check_depth(depth)
         ws = self._workspace_for(ws, node.shape[0], self._max_children[depth])
         tokens, _, valid = self.children(depth, node, ws=ws)
-        c = tokens.shape[1]
+        v = ws.views(tokens.shape[1])
         # Keep the children's logits, fill the row, write them back. Invalid slots point at the row's
-        # first child (same column, same value) so duplicate scatter indices agree; dead rows read
-        # column 0 and write `fill` there.
-        cols = ws.scratch(c)
-        torch.where(valid, tokens, tokens[:, :1], out=cols)
-        kept = ws.values(c, logits.dtype)
-        torch.gather(logits, 1, cols, out=kept)
+        # first child (same column, same value) so duplicate scatter indices agree; a dead row
+        # (valid[:, 0] False) reads column 0 and writes `fill` there.
+        torch.where(v.valid, v.tokens, v.tokens[:, :1], out=v.slot)
+        kept = v.values(logits.dtype)
+        torch.gather(logits, 1, v.slot, out=kept)
         torch.lt(node, 0, out=ws.dead)
         kept.masked_fill_(ws.dead.unsqueeze(1), fill)
         logits.fill_(fill)
-        return logits.scatter_(1, cols, kept)
+        return logits.scatter_(1, v.slot, kept)
 
     def mask_logits(
         self,
@@ -398,28 +403,24 @@ class Trie:
             raise ValueError(f"token shape {tuple(token.shape)} != node shape {tuple(node.shape)}")
         if not _same_device(token.device, self.device):
             raise ValueError(f"token is on {token.device}, trie on {self.device}")
-        token = token.long()
         c = self._max_children[depth]
         if c > _DENSE_LOOKUP_MAX_CHILDREN:
-            result = self._next_node_bsearch(depth, node, token)
+            result = self._next_node_bsearch(depth, node, token.long())
             return result if out is None else out.copy_(result)
         n = node.shape[0]
         ws = self._workspace_for(ws, n, c)
-        tokens, child, valid = self.children(depth, node, ws=ws)
-        hit = ws.hit(c)
-        torch.eq(tokens, token.unsqueeze(1), out=hit)
-        hit.logical_and_(valid)
-        # At most one hit per row (tokens are unique within a node): sum((child+1)*hit) - 1.
-        scratch = ws.scratch(c)
-        torch.add(child, 1, out=scratch)
-        scratch.mul_(hit)
+        tokens, child, _ = self.children(depth, node, ws=ws)
+        v = ws.views(c)
+        # Invalid slots have child -1, so a match there (token 0 vs padding) still yields -1; child
+        # ids are >= 0 and tokens are unique within a node, so the row max is the match or -1.
+        torch.eq(tokens, token.unsqueeze(1), out=v.hit)
+        torch.where(v.hit, child, self._minus_one, out=v.slot)
         if out is None:
             out = torch.empty(n, dtype=torch.int64, device=self.device)
-        torch.sum(scratch, 1, out=out)
-        return out.sub_(1)
+        return torch.amax(v.slot, 1, out=out)
 
     def _next_node_bsearch(self, depth: int, node: torch.Tensor, token: torch.Tensor):
-        ptr, toks = self._child_ptr[depth], self._child_token[depth]
+        ptr, toks = self._ptr_ext[depth][1:], self._child_token[depth]
         alive = node >= 0
         nc = node.clamp(min=0)
         lo, hi = ptr[nc], ptr[nc + 1]  # search [lo, hi) for the first child token >= token
@@ -529,46 +530,57 @@ class TrieWorkspace:
         self.node = torch.empty(n, **i64)
         self.start = torch.empty(n, **i64)
         self.end = torch.empty(n, **i64)
-        self.alive = torch.empty(n, dtype=torch.bool, device=self.device)
         self.dead = torch.empty(n, dtype=torch.bool, device=self.device)
-        self._tokens = torch.empty(size, **i64)
-        self._child = torch.empty(size, **i64)
-        self._scratch = torch.empty(size, **i64)
-        self._buf32 = torch.empty(size, dtype=torch.int32, device=self.device)
-        self._valid = torch.empty(size, dtype=torch.bool, device=self.device)
-        self._hit = torch.empty(size, dtype=torch.bool, device=self.device)
+        self._flat = {
+            "tokens": torch.empty(size, **i64),
+            "child": torch.empty(size, **i64),
+            "slot": torch.empty(size, **i64),
+            "tok32": torch.empty(size, dtype=torch.int32, device=self.device),
+            "valid": torch.empty(size, dtype=torch.bool, device=self.device),
+            "hit": torch.empty(size, dtype=torch.bool, device=self.device),
+        }
         self._values: dict[torch.dtype, torch.Tensor] = {}
+        self._views: dict[int, _Views] = {}
 
-    def _view(self, flat: torch.Tensor, c: int) -> torch.Tensor:
-        return flat[: self.num_rows * c].view(self.num_rows, c)
+    def views(self, c: int) -> _Views:
+        """Contiguous `[N, c]` views of the flat buffers (cached per `c`)."""
+        v = self._views.get(c)
+        if v is None:
+            v = self._views[c] = _Views(self, c)
+        return v
 
-    def tokens(self, c: int) -> torch.Tensor:
-        return self._view(self._tokens, c)
-
-    def child(self, c: int) -> torch.Tensor:
-        return self._view(self._child, c)
-
-    def valid(self, c: int) -> torch.Tensor:
-        return self._view(self._valid, c)
-
-    def hit(self, c: int) -> torch.Tensor:
-        return self._view(self._hit, c)
-
-    def scratch(self, c: int) -> torch.Tensor:
-        return self._view(self._scratch, c)
-
-    def buf32(self, c: int) -> torch.Tensor:
-        return self._view(self._buf32, c)
-
-    def values(self, c: int, dtype: torch.dtype) -> torch.Tensor:
-        """`[N, c]` buffer of logits' dtype (allocated on first use: warm up before graph capture)."""
-        if dtype not in self._values:
+    def _values_flat(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._values:  # first use allocates: warm up before CUDA-graph capture
             size = self.num_rows * self.max_children
             self._values[dtype] = torch.empty(size, dtype=dtype, device=self.device)
-        return self._view(self._values[dtype], c)
+        return self._values[dtype]
+
+
+class _Views:
+    def __init__(self, ws: TrieWorkspace, c: int) -> None:
+        self._ws, self._c = ws, c
+        n = ws.num_rows
+        for name, flat in ws._flat.items():
+            setattr(self, name, flat[: n * c].view(n, c))
+        self.slot_flat = self.slot.view(-1)
+        self.tok32_flat = self.tok32.view(-1)
+        self.start_col = ws.start.unsqueeze(1)
+        self.end_col = ws.end.unsqueeze(1)
+        self._values: dict[torch.dtype, torch.Tensor] = {}
+
+    def values(self, dtype: torch.dtype) -> torch.Tensor:
+        v = self._values.get(dtype)
+        if v is None:
+            n = self._ws.num_rows
+            v = self._values[dtype] = self._ws._values_flat(dtype)[: n * self._c].view(n, self._c)
+        return v
 
 
 # ---------------------------------------------------------------- build helpers
+
+
+def _i64(device) -> dict:
+    return {"dtype": torch.int64, "device": device}
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
