@@ -1,0 +1,196 @@
+"""Built-in pipelines over a tiny Engine: parity with the direct Engine calls, cross-request batching under
+16 concurrent clients, input errors, deadlines, and a user post-logic node on top of score."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from boundgen.runtime import DeadlineExceeded, NodeError, node
+from boundgen.runtime.pipelines import EngineRuntime, build_pipelines
+from boundgen.workloads.beam import BeamRequest
+from boundgen.workloads.embed import EmbedRequest, MLPHead
+from boundgen.workloads.score import ScoreRequest
+from boundgen.workloads.trie import Trie
+
+QUERY = "the user searched for running shoes"
+ITEMS = ["trail shoes", "red running shoes size 42", "a book", "socks", "shoes for running fast on roads"]
+LABELS = [5, 7, 11]
+
+
+def _close(a, b, tol=1e-5):
+    return torch.allclose(torch.as_tensor(a), torch.as_tensor(b), atol=tol, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def runtime(engine_for):
+    rt = EngineRuntime(engine_for("qwen2"), cpu_workers=4, max_wait_ms=5.0, trace_requests=256)
+    yield rt
+    rt.close()
+
+
+def test_pipelines_match_engine(runtime, engine_for):
+    eng = engine_for("qwen2")
+    assert set(build_pipelines(eng)) == {"score", "classify", "embed", "beam"}
+    for softmax in (False, True):
+        for item_first in (False, True):
+            assert _close(runtime.score(QUERY, ITEMS, LABELS, softmax, item_first),
+                          eng.score(QUERY, ITEMS, LABELS, softmax, item_first))
+    for pooling in ("last", "mean"):
+        assert _close(runtime.embed(ITEMS, pooling=pooling, normalize=True),
+                      eng.embed(ITEMS, pooling=pooling, normalize=True))
+    assert runtime.beam_search("hello there", 4, 3) == eng.beam_search("hello there", 4, 3)
+    trie = Trie.from_sequences([[1, 2, 3], [1, 2, 4], [5, 6, 7], [5, 8, 9]])
+    assert runtime.beam_search("hello", 3, 3, trie=trie) == eng.beam_search("hello", 3, 3, trie=trie)
+    # request objects and dicts work through the generic entry points too
+    assert _close(runtime.run("score", {"query": QUERY, "items": ITEMS, "label_token_ids": LABELS}),
+                  eng.score(QUERY, ITEMS, LABELS))
+
+
+def test_classify_pipeline(engine_for):
+    eng = engine_for("qwen2", seq_cls=3)
+    with EngineRuntime(eng, cpu_workers=2) as rt:
+        assert _close(rt.classify(ITEMS), eng.classify(ITEMS))
+        with pytest.raises(ValueError, match="needs a \\*ForCausalLM"):
+            rt.score(QUERY, ITEMS, LABELS)
+
+
+def test_embed_with_mlp_head_node(runtime, engine_for):
+    eng = engine_for("qwen2")
+    torch.manual_seed(0)
+    head = MLPHead([eng.config.hidden_size, 8, 2], "relu", "sigmoid")
+    out = runtime.embed(ITEMS, head=head)
+    assert out.shape == (len(ITEMS), 2)
+    assert _close(out, eng.embed(ITEMS, head=head))
+    assert [p.node.name for p in runtime.pipelines["embed"].plan] == ["prepare", "forward", "mlp_head"]
+
+
+def test_16_clients_mixed_requests_match_sequential_and_get_batched(runtime, engine_for):
+    eng = engine_for("qwen2")
+    work = []
+    for i in range(64):
+        items = ITEMS[: i % 5 + 1]
+        kind = ("score", "embed", "beam", "score")[i % 4]
+        if kind == "score":
+            work.append(("score", ScoreRequest(f"{QUERY} {i}", items, LABELS, apply_softmax=i % 2 == 0)))
+        elif kind == "embed":
+            work.append(("embed", EmbedRequest(items, pooling=("last", "mean")[i % 8 // 4])))
+        else:
+            work.append(("beam", BeamRequest([f"prompt {i}"], 2 + i % 3, 2)))
+    expected = []
+    for kind, req in work:
+        if kind == "score":
+            expected.append(eng.score(req.query, req.items, req.label_token_ids, req.apply_softmax))
+        elif kind == "embed":
+            expected.append(eng.embed(req.texts, pooling=req.pooling))
+        else:
+            expected.append(eng.beam_search_batch(req.prompts, req.beam_width, req.steps))
+    before = runtime.stats()["batching"]["forward"]["batches"]
+    results = [None] * len(work)
+
+    def client(k):
+        for i in range(k, len(work), 16):
+            kind, req = work[i]
+            if i % 2:
+                results[i] = runtime.run(kind, req, timeout_ms=60_000)
+            else:
+                results[i] = runtime.submit(kind, req, timeout_ms=60_000).result(timeout=60)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (kind, _), got, want in zip(work, results, expected):
+        if kind == "beam":
+            assert [t for t, _ in got[0]] == [t for t, _ in want[0]]
+            assert _close([s for _, s in got[0]], [s for _, s in want[0]], 1e-4)
+        else:
+            assert _close(got, want), kind
+    stats = runtime.stats()["batching"]["forward"]
+    assert stats["max_requests_in_batch"] > 1  # concurrent requests were merged into one forward
+    assert stats["batches"] - before < 48  # 48 forward requests (score + embed) in fewer batches
+
+
+def test_input_errors_are_value_errors_and_runtime_keeps_serving(runtime):
+    with pytest.raises(ValueError, match="items is empty"):
+        runtime.score(QUERY, [], LABELS)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        runtime.score(QUERY, ITEMS, [10**9])
+    with pytest.raises(ValueError, match="unknown pipeline 'nope'"):
+        runtime.run("nope", {})
+    with pytest.raises(ValueError, match="unknown pooling"):
+        runtime.embed(ITEMS, pooling="max")
+    assert len(runtime.score(QUERY, ITEMS, LABELS)) == len(ITEMS)
+
+
+def test_deadline_on_engine_pipeline(runtime):
+    with pytest.raises(DeadlineExceeded, match="pipeline 'score'"):
+        runtime.score(QUERY, ITEMS, LABELS, timeout_ms=0.001)
+    assert len(runtime.score(QUERY, ITEMS, LABELS, timeout_ms=60_000)) == len(ITEMS)
+
+
+def test_user_post_logic_on_score_pipeline(runtime, engine_for):
+    """Business post-logic as a plain function: calibrate, filter, top-n — registered as 'rerank'."""
+
+    @node(outputs="ranked")
+    def calibrate_and_rank(scores: list, top_n: int, min_score: float) -> list:
+        calibrated = [1 / (1 + 2.718281828 ** -(s[0] - s[1])) for s in scores]
+        keep = [(i, p) for i, p in enumerate(calibrated) if p >= min_score]
+        return sorted(keep, key=lambda ip: -ip[1])[:top_n]
+
+    rerank = (
+        runtime.pipelines["score"]
+        .with_inputs(top_n=int, min_score=float, defaults={"min_score": 0.0})
+        .extend(calibrate_and_rank, outputs=["ranked"], name="rerank")
+    )
+    runtime.register("rerank", rerank)
+    try:
+        req = ScoreRequest(QUERY, ITEMS, LABELS[:2])
+        ranked = runtime.run("rerank", req, top_n=3)
+        scores = engine_for("qwen2").score(QUERY, ITEMS, LABELS[:2])
+        probs = [1 / (1 + 2.718281828 ** -(a - b)) for a, b in scores]
+        assert [i for i, _ in ranked] == sorted(range(len(ITEMS)), key=lambda i: -probs[i])[:3]
+
+        @node(outputs="ranked2")
+        def broken(ranked: list) -> list:
+            raise KeyError("business rule table missing")
+
+        runtime.register("broken", rerank.extend(broken, outputs=["ranked2"]))
+        with pytest.raises(NodeError, match=r"node 'broken' failed: KeyError"):
+            runtime.run("broken", req, top_n=3)
+        assert runtime.run("rerank", req, top_n=2, min_score=0.0) == ranked[:2]  # still serving
+    finally:
+        runtime.pipelines.pop("rerank", None)
+        runtime.pipelines.pop("broken", None)
+
+
+def test_trace_of_engine_requests(runtime, tmp_path):
+    runtime.executor.tracer.clear()
+    runtime.score(QUERY, ITEMS, LABELS)
+    runtime.embed(ITEMS)
+    import json
+
+    data = json.loads(open(runtime.export_trace(tmp_path / "t.json")).read())
+    names = {e["name"] for e in data["traceEvents"] if e.get("cat") == "node"}
+    assert {"prepare", "forward", "head", "finish", "mlp_head"} <= names
+    fwd = [e for e in data["traceEvents"] if e.get("name") == "forward"]
+    assert all("batch_requests" in e["args"] for e in fwd)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pipelines_on_cuda(tiny_model):
+    from boundgen import Engine
+
+    eng = Engine.from_pretrained(tiny_model("qwen2"), device="cuda", dtype="float32")
+    with EngineRuntime(eng, max_wait_ms=2.0) as rt:
+        futs = [rt.submit("score", ScoreRequest(QUERY, ITEMS[: i % 5 + 1], LABELS)) for i in range(32)]
+        for i, f in enumerate(futs):
+            assert _close(f.result(timeout=60), eng.score(QUERY, ITEMS[: i % 5 + 1], LABELS), 1e-4)
+        before = rt.executor.pools.stats()["allocations"]
+        for i in range(200):
+            rt.score(QUERY, ITEMS[: i % 5 + 1], LABELS)
+        assert rt.executor.pools.stats()["allocations"] == before  # pinned/device staging reused
