@@ -1,0 +1,136 @@
+"""AOTInductor: export the packed forward per bucket, package it without weights, load it with shared weights.
+
+    build_package(model, bucket, path, device)   torch.export → aoti_compile_and_package (weights not in .so)
+    SharedWeights(model)                         FQN → the live model's tensors (one copy for every bucket)
+    AOTIBucket.load(path, weights)               aoti_load_package + load_constants(user_managed=True)
+
+Weights stay out of the `.so` (`aot_inductor.package_constants_in_so: False`), so an artifact depends only
+on the graph (config, tensor names/shapes/dtypes, bucket, torch, device) and never on weight values; every
+loaded bucket points at the same model tensors (`user_managed=True`: no copy, the caller keeps them alive).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from boundgen.attention.backends import AttentionBackend
+from boundgen.compile.attention import MaskedBackend
+from boundgen.compile.buckets import Bucket
+from boundgen.models.decoder import DecoderModel
+from boundgen.text.packing import PackedBatch
+
+log = logging.getLogger("boundgen.compile")
+
+INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+
+
+def export_attention(model: DecoderModel, device: torch.device) -> AttentionBackend:
+    """The attention a compiled bucket traces: `varlen` on CUDA (a custom op), `masked` elsewhere."""
+    if torch.device(device).type == "cuda" and getattr(model.backend, "name", "") == "varlen":
+        return model.backend
+    return MaskedBackend()
+
+
+class PackedForward(nn.Module):
+    """`model(input_ids, positions, attn)` with an export-friendly attention backend.
+
+    A shallow copy of the model: parameters are shared, only the attention backend differs. Constant FQNs
+    of compiled artifacts are therefore `model.<name>` of the plain model's parameters and buffers.
+    """
+
+    def __init__(self, model: DecoderModel, attention: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.model = copy.copy(model)
+        self.model.backend = attention or export_attention(model, next(model.parameters()).device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        return self.model(input_ids, positions, attn)
+
+
+def flat_inputs(batch: PackedBatch) -> list[torch.Tensor]:
+    """The tensors of (input_ids, positions, attn) in the order an exported program takes them."""
+    leaves = pytree.tree_flatten(((batch.input_ids, batch.positions, batch.attn), {}))[0]
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+@dataclass
+class BuildInfo:
+    bucket: str
+    export_s: float
+    compile_s: float
+    size_bytes: int
+
+
+def build_package(model: DecoderModel, bucket: Bucket, path: str | Path,
+                  device: torch.device | str | None = None) -> BuildInfo:
+    """Export `model`'s packed forward at `bucket`'s shapes and write an AOTInductor package to `path`."""
+    device = torch.device(device or next(model.parameters()).device)
+    fwd = PackedForward(model).eval()
+    ex = bucket.example(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        ep = torch.export.export(fwd, (ex.input_ids, ex.positions, ex.attn), strict=False)
+    t1 = time.perf_counter()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch._inductor.aoti_compile_and_package(
+        ep, package_path=str(path), inductor_configs=dict(INDUCTOR_CONFIGS)
+    )
+    t2 = time.perf_counter()
+    return BuildInfo(bucket.name, t1 - t0, t2 - t1, path.stat().st_size)
+
+
+class SharedWeights:
+    """FQN → tensor of the live model, built once; every loaded bucket is pointed at these tensors."""
+
+    def __init__(self, model: DecoderModel) -> None:
+        self.model = model  # NOTE: keeps the tensors alive while any bucket uses them (user_managed).
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            self.tensors[f"model.{name}"] = t.detach()
+
+    def for_fqns(self, fqns: list[str]) -> dict[str, torch.Tensor]:
+        missing = [f for f in fqns if f not in self.tensors]
+        if missing:
+            raise RuntimeError(
+                f"compiled artifact needs constants the model does not have: {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''} (artifact built for another model or quantization)"
+            )
+        return {f: self.tensors[f] for f in fqns}
+
+
+class AOTIBucket:
+    """One loaded AOTInductor package: `__call__(padded_batch_on_device) -> hidden [T, H]`."""
+
+    def __init__(self, compiled, bucket: Bucket, path: Path) -> None:
+        self.compiled = compiled
+        self.bucket = bucket
+        self.path = path
+        loader = compiled.loader
+        # NOTE: calling the loader directly skips AOTICompiledModel's per-call treespec parsing.
+        self._run = getattr(loader, "boxed_run", None) or loader.run
+
+    @classmethod
+    def load(cls, path: str | Path, bucket: Bucket, weights: SharedWeights, device: torch.device,
+             single_threaded: bool = False) -> "AOTIBucket":
+        dev = torch.device(device)
+        index = dev.index if dev.type == "cuda" and dev.index is not None else -1
+        if dev.type == "cuda" and index < 0:
+            index = torch.cuda.current_device()
+        compiled = torch._inductor.aoti_load_package(
+            str(path), run_single_threaded=single_threaded, device_index=index
+        )
+        fqns = list(compiled.get_constant_fqns())
+        compiled.load_constants(weights.for_fqns(fqns), check_full_update=True, user_managed=True)
+        return cls(compiled, bucket, Path(path))
+
+    def __call__(self, batch: PackedBatch) -> torch.Tensor:
+        return self._run(flat_inputs(batch))[0]

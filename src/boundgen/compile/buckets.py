@@ -1,0 +1,255 @@
+"""Shape buckets for compiled forwards: a fixed packed layout, the smallest that fits chosen per batch.
+
+A compiled graph is specialised on every shape and on the static ints of `AttnInputs`, so a bucket fixes
+them all. Two kinds:
+
+- plain   `t{T}-s{S}-m{M}`: T tokens in S causal segments (cu_seqlens has S+1 entries), each ≤ M tokens.
+- cascade `t{T}-s{S}-m{M}-g{G}-p{P}-q{Q}`: the shared-prefix layout of `text.packing`: P prefix tokens
+  (G groups), then Q suffix tokens that also attend to their group's prefix, then T-P-Q plain tokens.
+
+Padding a real batch into a bucket (`pad_batch`), in token order:
+
+    [ real prefixes | pad | real suffixes | pad | real plain | pad | ... zero-length segments ]
+
+Pad tokens (id 0, position 0) form their own causal segments (≤ M each), so they never touch a real
+token. In a cascade bucket the pad suffix tokens form one extra group whose keys are the pad prefix
+tokens, so every row stays finite on every backend. Real rows keep their values exactly; `last_index`
+and `seq_start` are remapped, so the padded batch is a valid `PackedBatch` of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from boundgen.attention.metadata import AttnInputs
+from boundgen.text.packing import PackedBatch
+
+_PART = re.compile(r"([tsmgpq])(\d+)")
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    tokens: int
+    segments: int
+    max_seqlen: int
+    groups: int = 0
+    prefix_tokens: int = 0
+    shared_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.segments < 1 or self.max_seqlen < 1:
+            raise ValueError(f"bucket {self.name}: tokens, segments and max_seqlen must be ≥ 1")
+        if self.cascade and (self.prefix_tokens < 1 or self.shared_tokens < 1
+                             or self.prefix_tokens + self.shared_tokens > self.tokens):
+            raise ValueError(f"bucket {self.name}: a cascade bucket needs p ≥ 1, q ≥ 1 and p + q ≤ t")
+        if not self.cascade and (self.prefix_tokens or self.shared_tokens):
+            raise ValueError(f"bucket {self.name}: p and q need g ≥ 1")
+
+    @property
+    def cascade(self) -> bool:
+        return self.groups > 0
+
+    @property
+    def name(self) -> str:
+        base = f"t{self.tokens}-s{self.segments}-m{self.max_seqlen}"
+        if self.cascade:
+            base += f"-g{self.groups}-p{self.prefix_tokens}-q{self.shared_tokens}"
+        return base
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def parse(cls, spec: str) -> "Bucket":
+        """`t256` (defaults: s = max(4, t/32), m = min(t, 512)), `t2048-s64-m256`, `t2048-g4-p512-q1536`."""
+        spec = spec.strip()
+        parts = dict((k, int(v)) for k, v in _PART.findall(spec))
+        if not parts or _PART.sub("", spec).strip("-") or "t" not in parts:
+            raise ValueError(f"bad bucket spec '{spec}': use t<T>[-s<S>][-m<M>][-g<G>-p<P>-q<Q>], e.g. t256")
+        t = parts["t"]
+        return cls(
+            tokens=t,
+            segments=parts.get("s", max(4, t // 32)),
+            max_seqlen=parts.get("m", min(t, 512)),
+            groups=parts.get("g", 0),
+            prefix_tokens=parts.get("p", 0),
+            shared_tokens=parts.get("q", 0),
+        )
+
+    def example(self, device: torch.device | str = "cpu") -> PackedBatch:
+        """A padded batch of this exact layout (all padding): the shapes `torch.export` traces with."""
+        return _build(self, _Layout(0, 0, 0, [], [], [], [0], [0]), None).to(device)
+
+
+@dataclass
+class _Layout:
+    """The real batch, split into its three spans (host-side ints)."""
+
+    p: int  # real prefix tokens
+    q: int  # real shared-suffix tokens
+    tail: int  # real plain tokens
+    prefix_segs: list[int]
+    shared_segs: list[int]
+    tail_segs: list[int]
+    cu_prefix: list[int]
+    cu_group_q: list[int]
+
+
+def _layout(batch: PackedBatch) -> _Layout:
+    a = batch.attn
+    cu = a.cu_seqlens.tolist()
+    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    p = a.num_prefix_tokens if a.has_shared_prefix else 0
+    q = a.num_shared_tokens if a.has_shared_prefix else 0
+    pre, sh, tail = [], [], []
+    for start, n in zip(cu, lens):
+        (pre if start < p else sh if start < p + q else tail).append(n)
+    cu_prefix = a.cu_prefix.tolist() if a.has_shared_prefix else [0]
+    cu_group_q = a.cu_group_q.tolist() if a.has_shared_prefix else [0]
+    return _Layout(p, q, batch.num_tokens - p - q, pre, sh, tail, cu_prefix, cu_group_q)
+
+
+def _pad_segments(n: int, m: int) -> list[int]:
+    return [] if n <= 0 else [m] * (n // m) + ([n % m] if n % m else [])
+
+
+def _fits(b: Bucket, lay: _Layout, max_seqlen: int) -> bool:
+    if max_seqlen > b.max_seqlen:
+        return False
+    m = b.max_seqlen
+    if not b.cascade:
+        if lay.p or lay.q:
+            return False
+        pad = b.tokens - lay.tail
+        return pad >= 0 and len(lay.tail_segs) + math.ceil(pad / m) <= b.segments
+    if not lay.q:
+        return False
+    g = len(lay.cu_prefix) - 1
+    pad_p, pad_q, pad_t = b.prefix_tokens - lay.p, b.shared_tokens - lay.q, b.tokens - b.prefix_tokens - \
+        b.shared_tokens - lay.tail
+    if min(pad_p, pad_q, pad_t) < 0:
+        return False
+    if pad_q and (not pad_p or g + 1 > b.groups):  # pad suffix rows need a pad group with pad keys
+        return False
+    if g > b.groups:
+        return False
+    nseg = len(lay.prefix_segs) + len(lay.shared_segs) + len(lay.tail_segs)
+    nseg += sum(math.ceil(x / m) for x in (pad_p, pad_q, pad_t))
+    return nseg <= b.segments
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
+    m = b.max_seqlen
+    P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
+    pad_p, pad_q = P - lay.p, Q - lay.q
+    pad_t = b.tokens - P - Q - lay.tail
+    segs = (lay.prefix_segs + _pad_segments(pad_p, m) + lay.shared_segs + _pad_segments(pad_q, m)
+            + lay.tail_segs + _pad_segments(pad_t, m))
+    segs += [0] * (b.segments - len(segs))
+    ids = torch.zeros(b.tokens, dtype=torch.int64)
+    pos = torch.zeros(b.tokens, dtype=torch.int64)
+    spans = [(0, 0, lay.p), (lay.p, P, lay.q), (lay.p + lay.q, P + Q, lay.tail)]  # (src, dst, n)
+    if batch is not None:
+        for src, dst, n in spans:
+            ids[dst: dst + n] = batch.input_ids[src: src + n]
+            pos[dst: dst + n] = batch.positions[src: src + n]
+    cu_prefix = cu_group_q = None
+    if b.cascade:
+        cp, cq = list(lay.cu_prefix), list(lay.cu_group_q)
+        # the pad group (and any unused group) gets the pad prefix tokens as keys
+        cp += [P] * (b.groups + 1 - len(cp))
+        cq += [Q] * (b.groups + 1 - len(cq))
+        cu_prefix = torch.tensor(cp, dtype=torch.int32)
+        cu_group_q = torch.tensor(cq, dtype=torch.int32)
+    attn = AttnInputs(
+        cu_seqlens=_cu(segs), max_seqlen=m, cu_prefix=cu_prefix, cu_group_q=cu_group_q,
+        max_prefix=P, max_group_q=Q, num_prefix_tokens=P, num_shared_tokens=Q,
+    )
+
+    def remap(idx: torch.Tensor) -> torch.Tensor:
+        shift = torch.where(idx >= lay.p, P - lay.p, 0) + torch.where(idx >= lay.p + lay.q, Q - lay.q, 0)
+        return torch.where(idx >= 0, idx + shift, idx)
+
+    if batch is None:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return PackedBatch(ids, pos, attn, empty, empty, empty, [])
+    return PackedBatch(ids, pos, attn, remap(batch.last_index), remap(batch.seq_start),
+                       batch.seq_len.clone(), list(batch.rows_per_group))
+
+
+@dataclass
+class PaddingStats:
+    """Real vs padded tokens per bucket, and batches no bucket could take."""
+
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    batches: dict[str, int] = field(default_factory=dict)
+    misses: int = 0
+
+    @property
+    def padding_fraction(self) -> float:
+        return 0.0 if not self.padded_tokens else 1.0 - self.real_tokens / self.padded_tokens
+
+    def as_dict(self) -> dict:
+        return {"real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
+                "padding_fraction": round(self.padding_fraction, 4), "batches": dict(self.batches),
+                "misses": self.misses}
+
+
+class BucketSet:
+    """The buckets a runner has; `pad` picks the smallest that fits (host-side, before the copy)."""
+
+    def __init__(self, buckets: list[Bucket]) -> None:
+        self.buckets = sorted(set(buckets), key=lambda b: (b.tokens, b.segments, b.max_seqlen, b.groups))
+        self.stats = PaddingStats()
+
+    def __iter__(self):
+        return iter(self.buckets)
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def choose(self, batch: PackedBatch) -> Bucket | None:
+        lay = _layout(batch)
+        return next((b for b in self.buckets if _fits(b, lay, batch.attn.max_seqlen)), None)
+
+    def pad(self, batch: PackedBatch) -> tuple[Bucket | None, PackedBatch]:
+        """(bucket, padded CPU batch), or (None, batch) when no bucket fits (the caller runs eager)."""
+        lay = _layout(batch)
+        bucket = next((b for b in self.buckets if _fits(b, lay, batch.attn.max_seqlen)), None)
+        if bucket is None:
+            self.stats.misses += 1
+            return None, batch
+        self.stats.real_tokens += batch.num_tokens
+        self.stats.padded_tokens += bucket.tokens
+        self.stats.batches[bucket.name] = self.stats.batches.get(bucket.name, 0) + 1
+        return bucket, _build(bucket, lay, batch)
+
+
+def default_buckets(max_batch_tokens: int = 8192, smallest: int = 64) -> list[Bucket]:
+    """Plain buckets at powers of two from `smallest` to `max_batch_tokens` (≤ 2x padding)."""
+    out, t = [], smallest
+    while t < max_batch_tokens:
+        out.append(Bucket.parse(f"t{t}"))
+        t *= 2
+    out.append(Bucket.parse(f"t{max_batch_tokens}"))
+    return out
+
+
+def parse_buckets(specs: str | list[str] | None, max_batch_tokens: int = 8192) -> list[Bucket]:
+    if specs is None:
+        return default_buckets(max_batch_tokens)
+    if isinstance(specs, str):
+        specs = [s for s in re.split(r"[,\s]+", specs) if s]
+    return [s if isinstance(s, Bucket) else Bucket.parse(s) for s in specs]

@@ -1,0 +1,203 @@
+"""Guard against the AOTInductor load crash (DESIGN §10): probe in a subprocess, fix by preloading libstdc++.
+
+On the GPU image, `aoti_load_package` segfaults inside the package's `std::regex` (`parse_device_str`)
+unless the process started with `LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6`: the compiled `.so`
+is built by the system g++ against the system libstdc++, but the process has already mapped another
+libstdc++ (bundled by a wheel or the Python build), and the regex code mixes the two ABIs. Once a
+libstdc++ is mapped into a process it cannot be swapped (a later `dlopen` of the same SONAME returns the
+mapped one), so the only in-process-safe fix is to start the process with the system libstdc++ first:
+re-exec with `LD_PRELOAD` before anything heavy runs.
+
+    probe(package)            load (and run nothing) in a child process; True when it survives
+    diagnose(package)         "ok" | "preload" (+ the library) | "broken", cached per platform
+    ensure_loadable(package)  returns when loading is safe here; otherwise re-execs with the preload
+                              (when allowed) or raises `AOTIUnsafe` — never loads into a crashing process
+    reexec_if_needed()        for CLI entry points: re-exec early if an earlier diagnosis said so
+
+`BOUNDGEN_AOTI_PRELOAD=off` disables the re-exec (the caller then gets `AOTIUnsafe` and falls back).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("boundgen.compile")
+
+_REEXEC_MARK = "BOUNDGEN_AOTI_REEXECED"
+_PROBE = (
+    "import sys, torch\n"
+    "m = torch._inductor.aoti_load_package(sys.argv[1])\n"
+    "m.get_constant_fqns()\n"
+    "print('boundgen-probe-ok')\n"
+)
+PROBE_TIMEOUT_S = 300.0
+
+
+class AOTIUnsafe(RuntimeError):
+    """Loading an AOTInductor package would crash this process."""
+
+
+def libstdcxx_candidates() -> list[str]:
+    """The system libstdc++ (what the package's .so was linked against), most likely first."""
+    found = []
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if "libstdc++.so.6 " in line and "=>" in line and ("x86-64" in line or "64" in line):
+                found.append(line.split("=>")[-1].strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    found += ["/lib/x86_64-linux-gnu/libstdc++.so.6", "/usr/lib/x86_64-linux-gnu/libstdc++.so.6",
+              "/usr/lib64/libstdc++.so.6", "/lib/aarch64-linux-gnu/libstdc++.so.6"]
+    found += sorted(glob.glob("/usr/lib/gcc/*/*/libstdc++.so"))
+    seen, out_ = set(), []
+    for p in found:
+        real = os.path.realpath(p)
+        if os.path.isfile(real) and real not in seen:
+            seen.add(real)
+            out_.append(p)
+    return out_
+
+
+def loaded_libstdcxx() -> str | None:
+    """Path of the libstdc++ mapped into this process (None if none yet)."""
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            if "libstdc++" in line:
+                return line.split()[-1]
+    except OSError:
+        pass
+    return None
+
+
+def _preloaded(lib: str) -> bool:
+    return any(os.path.realpath(p) == os.path.realpath(lib)
+               for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if p)
+
+
+def probe(package: str | Path, preload: str | None = None, timeout: float = PROBE_TIMEOUT_S,
+          command: list[str] | None = None) -> tuple[bool, str]:
+    """Load `package` in a child process (optionally with `LD_PRELOAD=preload`) → (survived, detail)."""
+    env = dict(os.environ)
+    if preload:
+        env["LD_PRELOAD"] = " ".join(p for p in [preload, env.get("LD_PRELOAD", "")] if p)
+    cmd = command or [sys.executable, "-c", _PROBE, str(package)]
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"probe timed out after {timeout:.0f}s"
+    if r.returncode == 0 and "boundgen-probe-ok" in r.stdout:
+        return True, "ok"
+    how = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit code {r.returncode}"
+    return False, f"{how}: {r.stderr.strip()[-300:]}"
+
+
+def _platform_key() -> str:
+    parts = [sys.executable, torch.__version__, loaded_libstdcxx() or "", os.environ.get("LD_PRELOAD", "")]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _state_file(cache_root: Path) -> Path:
+    return cache_root / "preload-probe.json"
+
+
+def _read_state(cache_root: Path) -> dict:
+    try:
+        return json.loads(_state_file(cache_root).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_state(cache_root: Path, key: str, value: dict) -> None:
+    state = _read_state(cache_root)
+    state[key] = value
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = _state_file(cache_root).with_suffix(f".{os.getpid()}")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, _state_file(cache_root))
+
+
+def diagnose(package: str | Path, cache_root: Path | None = None, command: list[str] | None = None) -> dict:
+    """{"status": "ok" | "preload" | "broken", "preload": lib?, "detail": str}; cached per platform."""
+    key = _platform_key()
+    if cache_root is not None:
+        cached = _read_state(cache_root).get(key)
+        if cached:
+            return cached
+    # NOTE: the child maps the same libstdc++ as this process first, so it crashes exactly when we would.
+    ok, detail = probe(package, preload=loaded_libstdcxx(), command=command)
+    if ok:
+        result = {"status": "ok", "detail": detail}
+    else:
+        result = {"status": "broken", "detail": detail}
+        for lib in libstdcxx_candidates():
+            if _preloaded(lib):
+                continue
+            ok2, detail2 = probe(package, preload=lib, command=command)
+            if ok2:
+                result = {"status": "preload", "preload": lib,
+                          "detail": f"load crashed ({detail}); works with LD_PRELOAD={lib}"}
+                break
+    if cache_root is not None:
+        _write_state(cache_root, key, result)
+    return result
+
+
+def reexec_with_preload(lib: str) -> None:
+    """Replace this process by itself with `LD_PRELOAD=lib` (does not return)."""
+    if os.environ.get(_REEXEC_MARK):
+        raise AOTIUnsafe(f"already re-executed with LD_PRELOAD={lib} and loading is still unsafe")
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = " ".join(p for p in [lib, env.get("LD_PRELOAD", "")] if p)
+    env[_REEXEC_MARK] = "1"
+    argv = list(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
+    log.warning("re-executing with LD_PRELOAD=%s so AOTInductor packages load safely", lib)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable] + argv[1:], env)
+
+
+def _reexec_allowed(allow: bool | None) -> bool:
+    if os.environ.get("BOUNDGEN_AOTI_PRELOAD", "auto").lower() in ("off", "0", "no"):
+        return False
+    return bool(allow)
+
+
+def ensure_loadable(package: str | Path, cache_root: Path | None = None, allow_reexec: bool = False,
+                    command: list[str] | None = None) -> dict:
+    """Return when `package` can be loaded in this process; else re-exec (if allowed) or raise."""
+    result = diagnose(package, cache_root, command)
+    if result["status"] == "ok":
+        return result
+    if result["status"] == "preload":
+        lib = result["preload"]
+        if _preloaded(lib):
+            return result
+        if _reexec_allowed(allow_reexec):
+            reexec_with_preload(lib)
+        raise AOTIUnsafe(
+            f"loading AOTInductor packages crashes this process ({result['detail']}); start it with "
+            f"LD_PRELOAD={lib} (the boundgen CLI does this itself)"
+        )
+    raise AOTIUnsafe(f"AOTInductor packages cannot be loaded here: {result['detail']}")
+
+
+def reexec_if_needed(cache_root: Path | None = None) -> None:
+    """Cheap check for CLI entry points (no probe): re-exec when a cached diagnosis asks for a preload."""
+    from boundgen.compile.cache import default_cache_dir
+
+    if not sys.platform.startswith("linux") or not _reexec_allowed(True):
+        return
+    root = cache_root or default_cache_dir()
+    result = _read_state(root).get(_platform_key())
+    if result and result.get("status") == "preload" and not _preloaded(result["preload"]):
+        reexec_with_preload(result["preload"])
