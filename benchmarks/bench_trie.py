@@ -2,10 +2,10 @@
 
     python benchmarks/bench_trie.py --sizes 1e5,1e6,1e7 --beams 16,128
 
-Items are random `depth`-level semantic IDs with `codes` codes per level (duplicates dropped). Build peak
-memory is the numpy/Python peak seen by tracemalloc; `nbytes` is what the trie keeps. Step times use a
-preallocated `TrieWorkspace` (the decode-loop path), fp32 logits over the W4 vocabulary (151936)
-for the mask, at depth `depth - 2` (many nodes, real fan-out).
+Items are random `depth`-level semantic IDs with `codes` codes per level (duplicates dropped).
+Build peak memory is the numpy/Python peak seen by tracemalloc; `nbytes` is what the trie keeps.
+Step times use a preallocated `TrieWorkspace` (the decode-loop path), fp32 logits over the W4
+vocabulary (151936) for the mask, at depth `depth - 2` (many nodes, real fan-out).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def bench_build(num_items: int, depth: int, codes: int, seed: int):
     return trie, seqs, build_s, peak
 
 
-def bench_steps(trie: Trie, seqs: np.ndarray, device, beams: int, vocab: int, iters: int, seed: int):
+def bench_steps(trie: Trie, seqs: np.ndarray, device, beams: int, vocab: int, iters: int, seed):
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randint(0, len(seqs), (beams,), generator=gen)
     path = torch.as_tensor(seqs)[rows].to(device)  # real items, so every depth has live nodes
@@ -65,33 +65,62 @@ def bench_steps(trie: Trie, seqs: np.ndarray, device, beams: int, vocab: int, it
     ws = trie.workspace(beams, logits.dtype)
     token = path[:, depth].contiguous()
     out = torch.empty(beams, dtype=torch.int64, device=device)
-    return {
+    result = {
         "children": time_call(lambda: trie.children(depth, node, ws=ws), device, iters),
-        "mask_logits_": time_call(lambda: trie.mask_logits_(logits, depth, node, ws=ws), device, iters),
-        "next_node": time_call(lambda: trie.next_node(depth, node, token, ws=ws, out=out), device, iters),
+        "mask_logits_": time_call(
+            lambda: trie.mask_logits_(logits, depth, node, ws=ws), device, iters
+        ),
+        "next_node": time_call(
+            lambda: trie.next_node(depth, node, token, ws=ws, out=out), device, iters
+        ),
+        "graph": float("nan"),
     }
+
+    def step():  # what one constrained decode step asks of the trie
+        trie.mask_logits_(logits, depth, node, ws=ws)
+        trie.next_node(depth, node, token, ws=ws, out=out)
+
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        result["graph"] = time_call(graph.replay, device, iters)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1e5,1e6", help="item counts, comma-separated (e.g. 1e5,1e6,1e7)")
+    parser.add_argument("--sizes", default="1e5,1e6", help="item counts: 1e5,1e6,1e7")
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--codes", type=int, default=256, help="codes per level")
-    parser.add_argument("--beams", default="16,128", help="numbers of beams N for the step functions")
+    parser.add_argument("--beams", default="16,128", help="beam counts N")
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--devices", default="cpu,cuda", help="devices to time steps on (cuda if available)")
+    parser.add_argument("--devices", default="cpu,cuda", help="cuda if available")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    parser.add_argument("--threads", type=int, default=0, help="0: torch default")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    devices = [torch.device(d) for d in args.devices.split(",") if d != "cuda" or torch.cuda.is_available()]
+    devices = [
+        torch.device(d) for d in args.devices.split(",") if d != "cuda" or torch.cuda.is_available()
+    ]
     beams = parse_list(args.beams)
-    print(f"torch {torch.__version__} ({torch.get_num_threads()} CPU threads), depth {args.depth}, {args.codes} codes/level, vocab {args.vocab}")
+    print(
+        f"torch {torch.__version__} ({torch.get_num_threads()} CPU threads), depth {args.depth}, "
+        f"{args.codes} codes/level, vocab {args.vocab}"
+    )
     print()
-    print(f"{'items':>10} {'kept':>10} {'build s':>8} {'peak MB':>8} {'trie MB':>8}  nodes per depth / max children")
+    print(
+        f"{'items':>10} {'kept':>10} {'build s':>8} {'peak MB':>8} {'trie MB':>8}  "
+        "nodes per depth / max children"
+    )
     built = []
     for size in parse_list(args.sizes):
         trie, seqs, build_s, peak = bench_build(size, args.depth, args.codes, args.seed)
@@ -102,7 +131,11 @@ def main() -> None:
         built.append((size, trie, seqs))
 
     print()
-    print(f"{'items':>10} {'device':>6} {'N':>5} {'children us':>12} {'mask_logits_ us':>16} {'next_node us':>13}")
+    print("graph: mask_logits_ + next_node captured in one CUDA graph, per replay")
+    print(
+        f"{'items':>10} {'device':>6} {'N':>5} {'children us':>12} {'mask_logits_ us':>16} "
+        f"{'next_node us':>13} {'graph us':>9}"
+    )
     for size, trie, seqs in built:
         for device in devices:
             on_device = trie.to(device)
@@ -110,7 +143,7 @@ def main() -> None:
                 t = bench_steps(on_device, seqs, device, n, args.vocab, args.iters, args.seed)
                 print(
                     f"{size:>10} {device.type:>6} {n:>5} {t['children']:>12.1f} "
-                    f"{t['mask_logits_']:>16.1f} {t['next_node']:>13.1f}"
+                    f"{t['mask_logits_']:>16.1f} {t['next_node']:>13.1f} {t['graph']:>9.1f}"
                 )
 
 

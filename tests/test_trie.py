@@ -127,7 +127,7 @@ def test_binary_search_lookup_equals_dense(items):
 @settings(max_examples=30, deadline=None)
 @given(items=item_sets(max_depth=4, max_token=5), scale=st.sampled_from([1, 2**20, 2**28]))
 def test_sort_paths_agree(items, scale):
-    """Packed key + value sort, packed key + argsort, and lexsort (wide tokens) build the same trie."""
+    """Packed key + value sort, packed key + argsort and lexsort (wide tokens) agree."""
     ref = Trie.from_sequences(items)
     wide = [[t * scale + 3 for t in s] for s in items]  # monotonic: same order, more bits per token
     trie = Trie.from_sequences(wide, on_duplicate="error")

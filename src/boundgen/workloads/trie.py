@@ -13,13 +13,13 @@ per-depth CSR tables on one device:
 So the child of node `i` reached by the `j`-th token of its range is node `child_ptr[d][i] + j`.
 Leaf `j` is item index `leaf_item[j]` (host int64 array), whose id is `item_ids[leaf_item[j]]`.
 
-Step functions (`children`, `mask_logits_`, `next_node`) are pure tensor ops on the trie's device: no
-host sync, no per-beam Python loop, and with a `TrieWorkspace` no allocation, so they can sit inside a
-CUDA-graph-captured decode step. A node id of `-1` means "dead beam": it has no children and every
-transition from it is `-1`.
+Step functions (`children`, `mask_logits_`, `next_node`) are pure tensor ops on the trie's device:
+no host sync, no per-beam Python loop, and with a `TrieWorkspace` no allocation, so they can sit
+inside a CUDA-graph-captured decode step. A node id of `-1` means "dead beam": it has no children
+and every transition from it is `-1` (other negative ids are not supported).
 
 NOTE: duplicate token sequences are an error by default (the result could not be mapped back to one
-item id); `on_duplicate="first"` keeps the first item instead. Item ids themselves need not be unique.
+item id); `on_duplicate="first"` keeps the first item instead. Item ids need not be unique.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _DENSE_LOOKUP_MAX_CHILDREN = 1024  # above this, next_node binary-searches inste
 
 
 class NotAnItemError(KeyError, ValueError):
-    """A token sequence that is not an item of the trie (a KeyError that reads like a ValueError)."""
+    """A token sequence that is not an item of the trie (a KeyError that is also a ValueError)."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
@@ -60,16 +60,16 @@ class Trie:
     ) -> None:
         # Use `from_sequences` / `from_file`; this only wires already-validated tables together.
         # NOTE: stored with one extra entry each, so the step functions need no special cases:
-        # ptr_ext = [0, *child_ptr] makes node -1 read start = end = 0 (no children) at index node + 1;
+        # ptr_ext = [0, *child_ptr]: at index node + 1, node -1 reads start = end = 0 (no children);
         # tok_ext = [*child_token, 0] gives invalid slots a sentinel index whose token is 0.
         zero = torch.zeros(1, dtype=torch.int64, device=child_ptr[0].device)
         self._ptr_ext = [torch.cat([zero, p.to(torch.int64)]) for p in child_ptr]
         self._tok_ext = [torch.cat([t.to(torch.int32), zero.to(torch.int32)]) for t in child_token]
         self._child_ptr = [p[1:] for p in self._ptr_ext]  # also: end of node i = _child_ptr[i + 1]
         self._child_token = [t[:-1] for t in self._tok_ext]
-        # 0-dim device scalars for `torch.where(..., out=)` (its Python binding wants a tensor there).
+        # 0-dim device scalars for `torch.where(..., out=)` (its binding wants tensors there).
         self._minus_one = torch.full((), -1, dtype=torch.int64, device=zero.device)
-        self._sentinel = [torch.full((), t.shape[0] - 1, **_i64(zero.device)) for t in self._tok_ext]
+        self._sentinel = [torch.full((), len(t) - 1, **_i64(zero.device)) for t in self._tok_ext]
         self._leaf_item = leaf_item
         self._item_ids = item_ids  # None: the item index is the id
         self._max_children = max_children
@@ -88,7 +88,7 @@ class Trie:
         device: torch.device | str = "cpu",
         on_duplicate: str = "error",
     ) -> Trie:
-        """Build from `sequences` `[items, depth]` (non-negative ints); ids default to the row index.
+        """Build from `sequences` `[items, depth]` (non-negative ints); ids default to row index.
 
         `on_duplicate`: "error" (default) raises naming both items; "first" keeps the first one.
         """
@@ -108,7 +108,8 @@ class Trie:
             if on_duplicate == "error":
                 first, second = int(rows.order[dup[0] - 1]), int(rows.order[dup[0]])
                 raise ValueError(
-                    f"items {_id_of(ids, first)!r} and {_id_of(ids, second)!r} have the same tokens "
+                    f"items {_id_of(ids, first)!r} and {_id_of(ids, second)!r} have the same "
+                    f"tokens "
                     f"{seqs[first].tolist()} ({len(dup)} duplicate sequence(s) in total; "
                     "pass on_duplicate='first' to keep the first of each)"
                 )
@@ -125,7 +126,7 @@ class Trie:
                 first = np.arange(num_items, dtype=np.int64)
             else:
                 first = np.flatnonzero(rows.new_prefix(d + 1))
-            # Children of depth-d node i start at the depth-(d+1) node whose first row is i's first row.
+            # Children of depth-d node i start at the depth-(d+1) node sharing i's first row.
             ptr = np.empty(len(prev_first) + 1, dtype=np.int64)
             ptr[:-1] = np.searchsorted(first, prev_first)
             ptr[-1] = len(first)
@@ -301,7 +302,7 @@ class Trie:
     # ------------------------------------------------------------ step functions
 
     def workspace(self, num_rows: int, logits_dtype: torch.dtype | None = None) -> TrieWorkspace:
-        """Preallocated buffers for `num_rows` beams (all depths); `logits_dtype` for `mask_logits_`."""
+        """Buffers for `num_rows` beams (all depths); `logits_dtype` for `mask_logits_`."""
         ws = TrieWorkspace(num_rows, max(self._max_children), self.device)
         if logits_dtype is not None:
             ws._values_flat(logits_dtype)
@@ -351,7 +352,8 @@ class Trie:
         """
         if logits.dim() != 2 or logits.shape[0] != node.shape[0]:
             raise ValueError(
-                f"logits must be [N, V] with N = len(node) = {node.shape[0]}, got {tuple(logits.shape)}"
+                f"logits must be [N, V] with N = len(node) = {node.shape[0]}, "
+                f"got {tuple(logits.shape)}"
             )
         vocab = logits.shape[1]
         if self._max_token >= vocab:
@@ -360,8 +362,8 @@ class Trie:
         ws = self._workspace_for(ws, node.shape[0], self._max_children[depth])
         tokens, _, valid = self.children(depth, node, ws=ws)
         v = ws.views(tokens.shape[1])
-        # Keep the children's logits, fill the row, write them back. Invalid slots point at the row's
-        # first child (same column, same value) so duplicate scatter indices agree; a dead row
+        # Keep the children's logits, fill the row, write them back. Invalid slots point at the
+        # row's first child (same column, same value) so duplicate scatter indices agree; a dead row
         # (valid[:, 0] False) reads column 0 and writes `fill` there.
         torch.where(v.valid, v.tokens, v.tokens[:, :1], out=v.slot)
         kept = v.values(logits.dtype)
@@ -394,8 +396,8 @@ class Trie:
     ) -> torch.Tensor:
         """Child id (at `depth + 1`) of each `node[N]` (at `depth`) via `token[N]`; -1 if none.
 
-        Dead nodes (-1) and tokens that are not children give -1. Returns int64 `[N]` (`out` if given;
-        `out` may alias `node`).
+        Dead nodes (-1) and tokens that are not children give -1. Returns int64 `[N]` (`out` if
+        given; `out` may alias `node`).
         """
         self._check_depth(depth)
         node = self._check_node(node)
@@ -437,7 +439,7 @@ class Trie:
 
     # ------------------------------------------------------------ item lookup
 
-    def leaf_nodes(self, tokens: torch.Tensor | np.ndarray | Sequence[Sequence[int]]) -> torch.Tensor:
+    def leaf_nodes(self, tokens: torch.Tensor | np.ndarray | Sequence[Sequence[int]]):
         """Leaf node id per row of `tokens` `[K, depth]` (-1 where the row is not an item)."""
         if isinstance(tokens, torch.Tensor):
             seqs = tokens.to(device=self.device, dtype=torch.int64)
@@ -451,7 +453,7 @@ class Trie:
         return node
 
     def item_ids_of_leaves(self, leaf: torch.Tensor) -> list[Any]:
-        """Item ids of leaf node ids `[K]` (the `node` after the last `next_node`); -1 gives None."""
+        """Item ids of leaf node ids `[K]` (`node` after the last `next_node`); -1 gives None."""
         leaves = leaf.detach().cpu().numpy()
         return [None if j < 0 else self._item_id(int(self._leaf_item[j])) for j in leaves]
 
@@ -474,7 +476,7 @@ class Trie:
         if len(missing):
             raise NotAnItemError(
                 f"tokens {seqs[missing[0]].tolist()} are not an item of the trie"
-                + (f" ({len(missing)} of {len(seqs)} sequences are not)" if len(missing) > 1 else "")
+                + (f" ({len(missing)} of {len(seqs)} are not)" if len(missing) > 1 else "")
             )
         ids = [self._item_id(int(self._leaf_item[j])) for j in leaves]
         return ids[0] if single else ids
@@ -499,7 +501,7 @@ class Trie:
 
     def _check_node(self, node: torch.Tensor) -> torch.Tensor:
         if node.dim() != 1:
-            raise ValueError(f"node must be a 1-D tensor of node ids, got shape {tuple(node.shape)}")
+            raise ValueError(f"node must be a 1-D tensor of node ids, got {tuple(node.shape)}")
         if not _same_device(node.device, self.device):
             raise ValueError(f"node is on {node.device}, trie on {self.device}")
         return node if node.dtype == torch.int64 else node.long()
@@ -606,7 +608,7 @@ def _id_of(ids: list | None, index: int) -> Any:
 
 
 def _as_token_array(sequences, ids: list | None) -> np.ndarray:
-    """`sequences` as a C-contiguous int64 `[items, depth]` array, or a ValueError naming the item."""
+    """`sequences` as a contiguous int64 `[items, depth]` array, or a ValueError naming the item."""
     if isinstance(sequences, torch.Tensor):
         sequences = sequences.detach().cpu().numpy()
     try:
@@ -618,14 +620,15 @@ def _as_token_array(sequences, ids: list | None) -> np.ndarray:
     if arr.ndim >= 1 and arr.shape[0] == 0:
         raise ValueError("empty trie: no items")
     if arr.ndim != 2:
-        raise ValueError(f"token sequences must be a 2-D [items, depth] array, got shape {arr.shape}")
+        raise ValueError(f"token sequences must be a 2-D [items, depth] array, got {arr.shape}")
     if arr.shape[1] == 0:
         raise ValueError("items must have at least one token (depth 0)")
     if arr.dtype.kind == "f":
         rows = np.flatnonzero((arr != np.round(arr)).any(axis=1))
         row = int(rows[0]) if len(rows) else 0
         raise ValueError(
-            f"tokens must be integers, got {arr.dtype} (item {_id_of(ids, row)!r}: {arr[row].tolist()})"
+            f"tokens must be integers, got {arr.dtype} "
+            f"(item {_id_of(ids, row)!r}: {arr[row].tolist()})"
         )
     if arr.dtype.kind not in "iu":
         _raise_ragged(sequences, ids)
@@ -672,9 +675,9 @@ def _check_token_range(seqs: np.ndarray, ids: list | None) -> None:
 class _SortedRows:
     """Rows of `seqs` in stable lexicographic order (ties keep input order).
 
-    When the tokens fit, each row is packed into one int64 key (`bits` per token), and the sort, prefix
-    comparisons and token reads all work on that one array; with room for the row index too, a plain
-    value sort of `key << index_bits | row` replaces the slower argsort. Otherwise: `np.lexsort`.
+    When the tokens fit, each row is packed into one int64 key (`bits` per token), and the sort,
+    prefix comparisons and token reads all work on that one array; with room for the row index too,
+    a plain value sort of `key << index_bits | row` replaces the slower argsort. Else `np.lexsort`.
     """
 
     def __init__(self, seqs: np.ndarray) -> None:
