@@ -77,6 +77,11 @@ class ServerState:
         self.config = config
         self.metrics = Metrics()
         self.tries = dict(tries) if tries is not None else load_tries(config)
+        if runtime is None and config.runtime:
+            runtime = make_runtime(engine, config)
+        self.runtime = runtime
+        if runtime is not None:
+            self.metrics.watch_runtime(runtime)
         self.infer = Infer(engine, metrics=self.metrics, max_queue=config.max_queue,
                            workers=config.workers, runtime=runtime,
                            retry_after_s=config.retry_after_s, tries=self.tries)
@@ -125,6 +130,19 @@ class ServerState:
         if sum(len(t) for t in texts) <= _INLINE_TOKENIZE_CHARS:
             return run()
         return await asyncio.to_thread(run)
+
+
+def make_runtime(engine: Any, config: ServerConfig) -> Any:
+    """The DAG runtime over a real `Engine` (None for engine stand-ins, which are served directly)."""
+    from boundgen.engine import Engine
+
+    if not isinstance(engine, Engine):
+        return None
+    from boundgen.runtime.pipelines import EngineRuntime
+
+    return EngineRuntime(engine, cpu_workers=config.cpu_workers,
+                         token_budget=config.batch_token_budget,
+                         max_wait_ms=config.batch_max_wait_ms)
 
 
 def _default_engine_config() -> Any:

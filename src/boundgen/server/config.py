@@ -34,7 +34,13 @@ class ServerConfig:
     max_timeout_ms: int = _f(60_000, "largest `timeout_ms` a request may ask for")
     retry_after_s: int = _f(1, "`Retry-After` seconds sent with 429")
     drain_timeout_s: float = _f(30.0, "on SIGTERM, wait this long for in-flight requests")
-    workers: int = _f(1, "model worker threads when serving an Engine directly")
+    runtime: bool = _f(True, "serve through the DAG runtime (cross-request batching); "
+                             "--no-runtime calls the engine on worker threads")
+    batch_token_budget: int | None = _f(None, "runtime: most tokens merged into one forward "
+                                        "(default: the engine's max_batch_tokens)")
+    batch_max_wait_ms: float = _f(0.0, "runtime: how long a batch may wait for more requests")
+    cpu_workers: int | None = _f(None, "runtime: CPU node threads (default: the runtime's choice)")
+    workers: int = _f(1, "--no-runtime: model worker threads")
     # --- request size limits ---
     max_body_bytes: int = _f(8 << 20, "largest request body (413 beyond)")
     max_item_tokens: int = _f(1024, "tokens per item, document or text")

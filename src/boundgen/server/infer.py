@@ -74,6 +74,12 @@ class Infer:
         deadline = time.monotonic() + timeout_ms / 1000.0
         try:
             if self.runtime is not None:
+                request = dict(request)
+                tokens = request.pop("_tokens", None)
+                if tokens:
+                    self.metrics.batch_tokens.observe(tokens)
+                if kind == "beam":
+                    request["prompts"] = [request.pop("prompt")]
                 fut = asyncio.wrap_future(self.runtime.submit(kind, request, timeout_ms))
             else:
                 self._waiting += 1
@@ -87,7 +93,15 @@ class Infer:
         # so a burst of timed-out requests cannot overfill the worker queue.
         fut.add_done_callback(self._release)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout=max(0.0, deadline - time.monotonic()))
+            out = await asyncio.wait_for(asyncio.shield(fut),
+                                         timeout=max(0.0, deadline - time.monotonic()))
+            if self.runtime is None:
+                return out
+            if kind == "embed":  # a device tensor: copy it off the event loop
+                return await asyncio.to_thread(lambda: out.float().cpu().numpy())
+            if kind == "beam":
+                return [(list(map(int, toks)), float(score)) for toks, score in out[0]]
+            return out
         except (asyncio.TimeoutError, TimeoutError):
             raise Timeout(f"request did not finish within timeout_ms={timeout_ms}") from None
         except ServerError:

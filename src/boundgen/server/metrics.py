@@ -17,7 +17,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # Latency buckets in seconds: fine around the 20 ms p99 target, coarse beyond.
 LATENCY_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
@@ -42,6 +42,48 @@ class _DeviceMemoryCollector:
         except Exception:  # metrics must never fail a scrape
             pass
         yield family
+
+
+class _RuntimeCollector:
+    """The DAG runtime's own node histograms (`runtime.executor.tracer`) as Prometheus histograms."""
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+
+    def collect(self):
+        hist = HistogramMetricFamily("boundgen_runtime_node_seconds",
+                                     "time in each DAG node of each pipeline (runtime tracer)",
+                                     labels=["pipeline", "node"])
+        inflight = GaugeMetricFamily("boundgen_runtime_inflight", "requests inside the runtime")
+        errors = CounterMetricFamily("boundgen_runtime_errors", "runtime request failures",
+                                     labels=["pipeline", "status"])
+        try:
+            tracer = self.runtime.executor.tracer
+            for (pipeline, node), h in sorted(tracer._hist.items()):
+                hist.add_metric([pipeline, node], *_prometheus_buckets(h))
+            for pipeline, h in sorted(tracer._request_hist.items()):
+                hist.add_metric([pipeline, "<request>"], *_prometheus_buckets(h))
+            for key, n in dict(tracer.errors).items():
+                pipeline, _, status = str(key).partition(":")
+                errors.add_metric([str(pipeline), str(status)], float(n))
+            inflight.add_metric([], float(self.runtime.executor.stats().get("inflight", 0)))
+        except Exception:  # metrics must never fail a scrape
+            pass
+        yield hist
+        yield inflight
+        yield errors
+
+
+def _prometheus_buckets(h) -> tuple[list[tuple[str, float]], float]:
+    """Re-bucket a runtime `LatencyHistogram` (fine log buckets, µs) onto LATENCY_BUCKETS (s)."""
+    fine = h.buckets()  # [(upper bound µs, count)], non-empty only
+    total = sum(n for _, n in fine)
+    out = []
+    for le in LATENCY_BUCKETS:
+        out.append((repr(le), float(sum(n for bound, n in fine if bound <= le * 1e6))))
+    out.append(("+Inf", float(total)))
+    sum_s = h.snapshot()["mean_us"] * total / 1e6
+    return out, sum_s
 
 
 class Metrics:
@@ -69,6 +111,9 @@ class Metrics:
             ProcessCollector(registry=r)
         except Exception:
             pass
+
+    def watch_runtime(self, runtime) -> None:
+        self.registry.register(_RuntimeCollector(runtime))
 
     # The runtime calls this for every node it runs; the direct-engine path reports queue + workload.
     def observe_node(self, node: str, seconds: float) -> None:
