@@ -209,6 +209,8 @@ class ModelRunner:
     """The two callables the gate needs from one model configuration (bf16 or an FP8 policy)."""
     score: ScoreFn
     beam: BeamFn | None = None
+    # optional: (prompts, beam_width, steps) -> one beam list per prompt (faster than `beam` per prompt)
+    beam_batch: Callable[[list[list[int]], int, int], Sequence] | None = None
 
 
 def _beam_tokens(entry) -> list[int]:
@@ -224,13 +226,16 @@ def engine_runner(engine) -> ModelRunner:
     def score(query, items, labels):
         return engine.score(query, items, label_token_ids=labels, apply_softmax=False)
 
-    beam = None
+    beam = beam_batch = None
+    if hasattr(engine, "beam_search_batch"):
+        def beam_batch(prompts, width, steps):
+            return engine.beam_search_batch(prompts, beam_width=width, steps=steps)
     if hasattr(engine, "beam_search"):
         def beam(prompt, width, steps):
             return engine.beam_search(prompt, beam_width=width, steps=steps)
     elif hasattr(engine, "runner"):
         beam = functools.partial(forward_beam_search, engine.runner)
-    return ModelRunner(score, beam)
+    return ModelRunner(score, beam, beam_batch)
 
 
 def forward_beam_search(runner, prompt: list[int], beam_width: int, steps: int) -> list[tuple[list[int], float]]:
@@ -264,20 +269,28 @@ class EvalOutputs:
     beams: list[list[int] | None]        # per beam case: top-1 tokens (None when no beam callable)
 
 
-def collect_outputs(runner: ModelRunner, eval_set: EvalSet) -> EvalOutputs:
+def collect_outputs(runner: ModelRunner, eval_set: EvalSet, beam_batch_size: int = 16) -> EvalOutputs:
     scores = []
     for case in eval_set.score_cases:
         out = runner.score(case.query, case.items, case.label_token_ids)
         if len(out) != len(case.items):
             raise RuntimeError(f"score returned {len(out)} rows for {len(case.items)} items")
         scores.append([ranking_score(row) for row in out])
-    beams: list[list[int] | None] = []
-    for case in eval_set.beam_cases:
-        if runner.beam is None:
-            beams.append(None)
-            continue
-        result = runner.beam(case.prompt, case.beam_width, case.steps)
-        beams.append(_beam_tokens(result[0]) if len(result) else [])
+    beams: list[list[int] | None] = [None] * len(eval_set.beam_cases)
+    if runner.beam_batch is not None:
+        shapes: dict[tuple[int, int], list[int]] = {}
+        for i, case in enumerate(eval_set.beam_cases):
+            shapes.setdefault((case.beam_width, case.steps), []).append(i)
+        for (width, steps), idx in shapes.items():
+            for start in range(0, len(idx), beam_batch_size):
+                chunk = idx[start:start + beam_batch_size]
+                results = runner.beam_batch([eval_set.beam_cases[i].prompt for i in chunk], width, steps)
+                for i, result in zip(chunk, results):
+                    beams[i] = _beam_tokens(result[0]) if len(result) else []
+    elif runner.beam is not None:
+        for i, case in enumerate(eval_set.beam_cases):
+            result = runner.beam(case.prompt, case.beam_width, case.steps)
+            beams[i] = _beam_tokens(result[0]) if len(result) else []
     return EvalOutputs(scores, beams)
 
 

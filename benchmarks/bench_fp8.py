@@ -1,0 +1,466 @@
+"""Selective FP8 on CUDA: GEMM-level and full-model W1/W2 throughput, bf16 vs each policy, and the gate.
+
+    python benchmarks/bench_fp8.py --out $OUT/fp8.json            # everything (H200: ~5-8 min)
+    python benchmarks/bench_fp8.py --sections gemm,quant --out x.json
+
+Sections (each isolated: a failure is recorded under "errors" and the others still run; the JSON is
+rewritten after every section, so a timeout keeps what finished):
+- env:    torch/GPU, fp8_supported, Triton quantizer self-test.
+- gemm:   every projection of the real preset shapes (0.5B, 0.6B, 1B) at M tokens: bf16 F.linear,
+          FP8 `_scaled_mm` alone (pre-quantized input; fast_accum off/on), and the full Fp8Linear
+          (per-token quantize + GEMM) with the torch quantizer, the Triton one, and under torch.compile.
+- quant:  the activation quantizer alone (torch eager / Triton / torch.compile) on [M, K].
+- mlp:    one compiled MLP block (RMSNorm -> gate_up -> SiLU*mul -> down, Inductor fuses the quantize
+          into its producer) bf16 vs FP8, per preset shape.
+- model:  the engine (eager, bf16 weights of the seeded synthetic qwen2.5-0.5b checkpoint) on W1 (256
+          prompts, 64-256 tokens, 2 labels: tok/s) and W2 (prefix 256 + 100 x 16: ms) for none, mlp
+          (Triton and torch quantizer), mlp+attn-proj; bf16 again at the end to show drift.
+- gate:   the fidelity gate (full eval set) for each policy with real FP8, emulated-vs-real agreement, and
+          the bf16-vs-fp32 noise floor on the same eval set (how close two "exact" runs get).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from boundgen.quant.fp8 import Fp8Linear, fp8_supported, quantize_rowwise, quantize_weight
+
+SECTIONS = ("env", "gemm", "quant", "mlp", "model", "gate")
+EMULATE_ALL = False  # --dry-run-cpu: every policy emulated (exercises the model/gate code paths on CPU)
+POLICIES = ("none", "mlp", "mlp+attn-proj")
+
+
+def cuda_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds per call, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def wall_time_s(fn, iters: int = 3, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def preset_shapes(presets: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
+    """preset -> projection -> (K, N) from boundgen.checkpoints.PRESETS."""
+    from boundgen.checkpoints import PRESETS
+
+    out = {}
+    for name in presets:
+        p = PRESETS[name]
+        h, inter, hd = p["hidden_size"], p["intermediate_size"], p["head_dim"]
+        q, kv = p["num_attention_heads"] * hd, p["num_key_value_heads"] * hd
+        out[name] = {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h),
+                     "gate_up_proj": (h, 2 * inter), "down_proj": (inter, h)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def section_env(res: dict, args) -> None:
+    from boundgen.quant import triton_quant
+
+    ok, reason = fp8_supported("cuda")
+    res["env"] = {
+        "torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
+        "capability": list(torch.cuda.get_device_capability(0)), "fp8_supported": ok, "fp8_reason": reason,
+        "triton": triton_quant.AVAILABLE,
+        "triton_self_test": triton_quant.self_test(0) if triton_quant.AVAILABLE else "no triton",
+    }
+    print(json.dumps(res["env"], indent=1), flush=True)
+    if not ok:
+        raise RuntimeError(f"FP8 is not supported here: {reason}")
+
+
+def section_gemm(res: dict, args) -> None:
+    out = res.setdefault("gemm", [])
+    dev = torch.device("cuda")
+    for preset, projs in preset_shapes(args.presets).items():
+        for m in args.tokens:
+            for proj, (k, n) in projs.items():
+                row = {"preset": preset, "proj": proj, "M": m, "K": k, "N": n}
+                flops = 2.0 * m * n * k
+                try:
+                    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                    lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+                    w = lin.weight
+                    row["bf16_ms"] = cuda_time_ms(lambda: F.linear(x, w))
+                    a8, sa = quantize_rowwise(x)
+                    w8, sw = quantize_weight(w)
+                    for fast in (False, True):
+                        row[f"scaled_mm{'_fast' if fast else ''}_ms"] = cuda_time_ms(lambda: torch._scaled_mm(
+                            a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=fast))
+                    for aq in ("torch", "triton"):
+                        try:
+                            layer = Fp8Linear.from_linear(lin, act_quant=aq)
+                            row[f"fp8_{aq}_ms"] = cuda_time_ms(lambda: layer(x))
+                        except Exception as exc:  # noqa: BLE001
+                            row[f"fp8_{aq}_error"] = repr(exc)[:300]
+                    if not args.no_compile and m in args.compile_tokens:
+                        try:
+                            layer = Fp8Linear.from_linear(lin, act_quant="torch")
+                            cl = torch.compile(layer, dynamic=False)
+                            row["fp8_compiled_ms"] = cuda_time_ms(lambda: cl(x))
+                            cb = torch.compile(lin, dynamic=False)
+                            row["bf16_compiled_ms"] = cuda_time_ms(lambda: cb(x))
+                        except Exception as exc:  # noqa: BLE001
+                            row["compiled_error"] = repr(exc)[:300]
+                    for key in [k_ for k_ in row if k_.endswith("_ms")]:
+                        row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
+                    best_fp8 = min(v for k_, v in row.items() if k_.startswith("fp8_") and k_.endswith("_ms"))
+                    row["speedup_best_fp8_vs_bf16"] = row["bf16_ms"] / best_fp8
+                    del x, lin, w, a8, w8
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = repr(exc)[:300]
+                out.append(row)
+                print(f"gemm {preset:13s} {proj:12s} M={m:6d}: " + ", ".join(
+                    f"{k_}={v:.3f}" for k_, v in row.items() if k_.endswith("_ms")), flush=True)
+    # per-layer totals (sum of that layer's projections) for each policy
+    totals = res.setdefault("gemm_layer", [])
+    for preset in args.presets:
+        for m in args.tokens:
+            rows = {r["proj"]: r for r in out if r["preset"] == preset and r["M"] == m and "bf16_ms" in r}
+            if len(rows) < 4:
+                continue
+            bf16 = sum(r["bf16_ms"] for r in rows.values())
+            entry = {"preset": preset, "M": m, "bf16_ms": bf16}
+            for variant in ("fp8_torch", "fp8_triton", "fp8_compiled", "scaled_mm"):
+                if all(f"{variant}_ms" in r for r in rows.values()):
+                    for policy, projs in (("mlp", ("gate_up_proj", "down_proj")),
+                                          ("mlp+attn-proj", tuple(rows))):
+                        t = sum(rows[p][f"{variant}_ms"] if p in projs else rows[p]["bf16_ms"] for p in rows)
+                        entry[f"{policy}[{variant}]_ms"] = t
+                        entry[f"{policy}[{variant}]_ratio"] = t / bf16
+            totals.append(entry)
+
+
+def section_quant(res: dict, args) -> None:
+    from boundgen.quant import triton_quant
+
+    out = res.setdefault("quant", [])
+    compiled = None if args.no_compile else torch.compile(quantize_rowwise, dynamic=False)
+    for m in args.tokens:
+        use_compiled = compiled is not None and m in args.compile_tokens
+        for k in sorted({896, 4864, 1024, 3072, 2048, 8192}):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"M": m, "K": k, "torch_ms": cuda_time_ms(lambda: quantize_rowwise(x))}
+            if triton_quant.AVAILABLE:
+                row["triton_ms"] = cuda_time_ms(lambda: triton_quant.quantize_rowwise_triton(x))
+            if use_compiled:
+                try:
+                    row["compiled_ms"] = cuda_time_ms(lambda: compiled(x))
+                except Exception as exc:  # noqa: BLE001
+                    row["compiled_error"] = repr(exc)[:300]
+            # read bf16 + write e4m3: 3 bytes per element at best
+            row["ideal_ms_at_4.2TBs"] = 3.0 * m * k / 4.2e12 * 1e3
+            out.append(row)
+            print("quant", row, flush=True)
+
+
+class _MLPBlock(torch.nn.Module):
+    def __init__(self, h: int, inter: int, dev):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(h, device=dev, dtype=torch.bfloat16)
+        self.gate_up_proj = torch.nn.Linear(h, 2 * inter, bias=False, device=dev, dtype=torch.bfloat16)
+        self.down_proj = torch.nn.Linear(inter, h, bias=False, device=dev, dtype=torch.bfloat16)
+        torch.nn.init.normal_(self.gate_up_proj.weight, std=0.02)
+        torch.nn.init.normal_(self.down_proj.weight, std=0.02)
+
+    def forward(self, x):
+        g, u = self.gate_up_proj(self.norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(g) * u)
+
+
+def section_mlp(res: dict, args) -> None:
+    from boundgen.checkpoints import PRESETS
+
+    out = res.setdefault("mlp_block", [])
+    for preset in args.presets:
+        h, inter = PRESETS[preset]["hidden_size"], PRESETS[preset]["intermediate_size"]
+        for m in args.tokens:
+            row = {"preset": preset, "M": m}
+            try:
+                x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+                block = _MLPBlock(h, inter, "cuda")
+                flops = 2.0 * m * h * 3 * inter
+                for label, mod in (("bf16", block), ("fp8", None)):
+                    if mod is None:
+                        mod = _MLPBlock(h, inter, "cuda")
+                        mod.load_state_dict(block.state_dict())
+                        mod.gate_up_proj = Fp8Linear.from_linear(mod.gate_up_proj, act_quant="torch")
+                        mod.down_proj = Fp8Linear.from_linear(mod.down_proj, act_quant="torch")
+                        row["fp8_eager_ms"] = cuda_time_ms(lambda: mod(x))
+                        row["max_rel_err"] = float(((mod(x) - block(x)).float().norm() /
+                                                    (block(x) - x).float().norm()).item())
+                    else:
+                        row["bf16_eager_ms"] = cuda_time_ms(lambda: mod(x))
+                    if not args.no_compile and m in args.compile_tokens:
+                        cm = torch.compile(mod, dynamic=False)
+                        row[f"{label}_compiled_ms"] = cuda_time_ms(lambda: cm(x))
+                for key in [k for k in row if k.endswith("_ms")]:
+                    row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
+                if "fp8_compiled_ms" in row:
+                    row["compiled_ratio_fp8_over_bf16"] = row["fp8_compiled_ms"] / row["bf16_compiled_ms"]
+                row["eager_ratio_fp8_over_bf16"] = row["fp8_eager_ms"] / row["bf16_eager_ms"]
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = repr(exc)[:500]
+            out.append(row)
+            print("mlp_block", row, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _load_engine(args, dtype="bfloat16"):
+    from boundgen.checkpoints import ensure_model
+    from boundgen.engine import Engine
+
+    t0 = time.perf_counter()
+    path = ensure_model(args.model_preset, progress=False) if not args.model else Path(args.model)
+    engine = Engine.from_pretrained(path, device=args.device, dtype=dtype)
+    print(f"loaded {path} ({dtype}) in {time.perf_counter() - t0:.1f}s", flush=True)
+    return engine, path
+
+
+def _workloads(vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    w1 = [rng.integers(0, vocab, size=int(rng.integers(64, 257))).tolist() for _ in range(256)]
+    w2 = (rng.integers(0, vocab, size=256).tolist(), [rng.integers(0, vocab, size=16).tolist() for _ in range(100)])
+    labels = [vocab // 3, 2 * vocab // 3]
+    return w1, w2, labels
+
+
+class _Policy:
+    """Apply a policy in place on engine.model and restore the bf16 modules on exit."""
+
+    def __init__(self, engine, policy: str, act_quant: str = "auto", emulate: bool = False):
+        self.engine, self.policy, self.act_quant = engine, policy, act_quant
+        self.emulate = emulate or EMULATE_ALL
+
+    def __enter__(self):
+        from boundgen.quant import apply_fp8, select_modules
+
+        model = self.engine.model
+        self.originals = {n: model.get_submodule(n) for n in select_modules(model, self.policy)}
+        apply_fp8(model, self.policy, act_quant=self.act_quant, emulate=self.emulate)
+        return self
+
+    def __exit__(self, *exc):
+        model = self.engine.model
+        for n, m in self.originals.items():
+            parent, _, child = n.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, m)
+        return False
+
+
+def section_model(res: dict, args) -> None:
+    engine, path = _load_engine(args)
+    w1, (w2_prefix, w2_items), labels = _workloads(engine.config.vocab_size)
+    w1_tokens = sum(len(p) for p in w1)
+    out = res.setdefault("model", {"checkpoint": str(path), "w1_tokens": w1_tokens, "runs": []})
+    runs = [("none", "auto"), ("mlp", "auto"), ("mlp", "torch"), ("mlp+attn-proj", "auto"), ("none", "auto")]
+    for policy, aq in runs:
+        label = policy if aq == "auto" else f"{policy}[{aq}]"
+        row = {"policy": label}
+        try:
+            with _Policy(engine, policy, act_quant=aq):
+                from boundgen.quant import fp8_modules
+
+                mods = fp8_modules(engine.model)
+                row["fp8_modules"] = len(mods)
+                if mods:
+                    row["act_quant"] = engine.model.get_submodule(mods[0]).act_quant
+                t = wall_time_s(lambda: engine.score([], w1, labels), iters=args.iters)
+                row["w1_s"], row["w1_tok_s"] = t, w1_tokens / t
+                t = wall_time_s(lambda: engine.score(w2_prefix, w2_items, labels), iters=max(5, args.iters))
+                row["w2_ms"] = t * 1e3
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:500]
+        out["runs"].append(row)
+        print("model", row, flush=True)
+    base = out["runs"][0]
+    for row in out["runs"]:
+        if "w1_tok_s" in row and "w1_tok_s" in base:
+            row["w1_speedup"] = row["w1_tok_s"] / base["w1_tok_s"]
+            row["w2_speedup"] = base["w2_ms"] / row["w2_ms"]
+    del engine
+    _empty_cache()
+
+
+def section_gate(res: dict, args) -> None:
+    from boundgen.quant.fidelity import collect_outputs, compare_outputs, engine_runner, make_eval_set
+
+    engine, path = _load_engine(args)
+    ev = make_eval_set(engine.config.vocab_size, scale=args.gate_scale)
+    out = res.setdefault("gate", {"checkpoint": str(path), "eval_set": ev.name, "reports": {}})
+    runner = engine_runner(engine)
+    t0 = time.perf_counter()
+    ref = collect_outputs(runner, ev)
+    out["bf16_eval_s"] = time.perf_counter() - t0
+    print(f"gate: bf16 reference on {ev.name} in {out['bf16_eval_s']:.1f}s", flush=True)
+    for policy in POLICIES[1:]:
+        try:
+            with _Policy(engine, policy):
+                t0 = time.perf_counter()
+                cand = collect_outputs(runner, ev)
+                report = compare_outputs(ref, cand, ev, policy)
+                report.notes["eval_seconds"] = f"{time.perf_counter() - t0:.1f}"
+            out["reports"][policy] = report.to_dict()
+            print(report.format(), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            out["reports"][policy] = {"error": repr(exc)[:500]}
+            print(f"gate {policy} failed: {exc!r}", flush=True)
+        save(res, args)
+    # emulation must reproduce the kernel's numerics: compare emulated and real FP8 on W2-style groups
+    try:
+        sub = type(ev)(ev.name + "-W2", [c for c in ev.score_cases if c.set_name == "W2"], [])
+        with _Policy(engine, "mlp"):
+            real = collect_outputs(runner, sub)
+        with _Policy(engine, "mlp", emulate=True):
+            emu = collect_outputs(runner, sub)
+        diff = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(real.scores, emu.scores))
+        rep = compare_outputs(real, emu, sub, "mlp emulated vs real")
+        out["emulation_vs_real"] = {"max_abs_diff": diff, "spearman_mean": rep.sets[0].spearman_mean,
+                                    "topk_mean": rep.sets[0].topk_mean}
+        print("emulation vs real", out["emulation_vs_real"], flush=True)
+    except Exception as exc:  # noqa: BLE001
+        out["emulation_vs_real"] = {"error": repr(exc)[:500]}
+    save(res, args)
+    # noise floor: bf16 (the gate's reference) against fp32 on the same eval set
+    if not args.no_noise_floor:
+        try:
+            del engine, runner
+            _empty_cache()
+            engine32, _ = _load_engine(args, dtype="float32")
+            ref32 = collect_outputs(engine_runner(engine32), ev)
+            report = compare_outputs(ref32, ref, ev, "bf16 vs fp32 (noise floor)")
+            out["noise_floor_bf16_vs_fp32"] = report.to_dict()
+            print(report.format(), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            out["noise_floor_bf16_vs_fp32"] = {"error": repr(exc)[:500]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def save(res: dict, args) -> None:
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def summary(res: dict) -> str:
+    lines = []
+    for e in res.get("gemm_layer", []):
+        parts = [f"{k}={v:.2f}" for k, v in e.items() if k.endswith("_ratio")]
+        lines.append(f"layer GEMMs {e['preset']} M={e['M']}: bf16 {e['bf16_ms']:.3f} ms; " + ", ".join(parts))
+    model = res.get("model", {})
+    for r in model.get("runs", []):
+        if "w1_tok_s" in r:
+            lines.append(f"W1/W2 {r['policy']:<22} W1 {r['w1_tok_s']/1e3:8.1f}K tok/s (x{r.get('w1_speedup', 1):.2f})"
+                         f"  W2 {r['w2_ms']:7.2f} ms (x{r.get('w2_speedup', 1):.2f})")
+    for p, r in res.get("gate", {}).get("reports", {}).items():
+        if "passed" in r:
+            lines.append(f"gate {p}: {'PASS' if r['passed'] else 'FAIL'} " + "; ".join(r["failures"]))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="fp8.json")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--presets", default="qwen2.5-0.5b,qwen3-0.6b,llama3.2-1b")
+    ap.add_argument("--tokens", default="2048,8192,32768", help="GEMM M values")
+    ap.add_argument("--model-preset", default="qwen2.5-0.5b", help="synthetic checkpoint for model/gate")
+    ap.add_argument("--model", default=None, help="use this checkpoint directory instead")
+    ap.add_argument("--gate-scale", default="full", choices=["full", "small", "ci"])
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
+    ap.add_argument("--compile-tokens", default="8192", help="M values that also get torch.compile variants")
+    ap.add_argument("--no-noise-floor", action="store_true")
+    ap.add_argument("--dry-run-cpu", action="store_true",
+                    help="exercise model+gate on CPU with the tiny preset and emulated FP8 (no timings)")
+    args = ap.parse_args(argv)
+    args.compile_tokens = [int(float(t)) for t in args.compile_tokens.split(",") if t]
+    args.device = "cuda"
+    if args.dry_run_cpu:
+        global EMULATE_ALL
+        EMULATE_ALL = True
+        args.device, args.model_preset, args.gate_scale, args.iters = "cpu", "tiny", "ci", 1
+        args.sections = "model,gate"
+    args.presets = [p for p in args.presets.split(",") if p]
+    args.tokens = [int(float(t)) for t in args.tokens.split(",") if t]
+    sections = [s for s in args.sections.split(",") if s]
+    res: dict = {"args": {k: v for k, v in vars(args).items()}, "errors": {}, "timings_s": {}}
+    if not torch.cuda.is_available() and not args.dry_run_cpu:
+        res["errors"]["env"] = "CUDA is not available: this benchmark measures FP8 kernels on a GPU"
+        save(res, args)
+        print(res["errors"]["env"], file=sys.stderr)
+        return 2
+    for knob in ("recompile_limit", "cache_size_limit"):  # one compile per benchmarked shape
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 512)
+    funcs = {"env": section_env, "gemm": section_gemm, "quant": section_quant, "mlp": section_mlp,
+             "model": section_model, "gate": section_gate}
+    for name in sections:
+        t0 = time.perf_counter()
+        try:
+            funcs[name](res, args)
+        except Exception:  # noqa: BLE001 - one failing section must not lose the others
+            res["errors"][name] = traceback.format_exc()[-3000:]
+            print(f"section {name} failed:\n{res['errors'][name]}", file=sys.stderr, flush=True)
+        res["timings_s"][name] = round(time.perf_counter() - t0, 1)
+        save(res, args)
+        _empty_cache()
+    text = summary(res)
+    res["summary"] = text
+    save(res, args)
+    print("\n" + text)
+    print(f"\nwrote {args.out}; section errors: {list(res['errors']) or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
