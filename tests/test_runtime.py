@@ -446,3 +446,17 @@ def test_device_nodes_on_streams_with_events():
         for n, f in zip(range(1, 200), futs):
             expect = sum(i * i + 2 * i for i in range(n))
             assert f.result(timeout=30) == {"total": float(expect)}
+
+
+def test_trace_cli_writes_chrome_trace(tmp_path, capsys):
+    from boundgen.cli import main
+
+    out = tmp_path / "demo.json"
+    stats = tmp_path / "stats.json"
+    assert main(["trace", "--workload", "demo", "--requests", "6", "--concurrency", "2", "--out", str(out),
+                 "--stats-json", str(stats)]) == 0
+    printed = capsys.readouterr().out
+    assert "forward" in printed and "6 ok, 0 failed" in printed
+    events = json.loads(out.read_text())["traceEvents"]
+    assert sum(1 for e in events if e.get("cat") == "request") == 6
+    assert json.loads(stats.read_text())["demo"]["forward"]["count"] == 6

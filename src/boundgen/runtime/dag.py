@@ -192,6 +192,10 @@ class Pipeline:
         self.slot_producer: tuple[int, ...] = tuple(
             [-1] * len(self.inputs) + [p.index for p in self.plan for _ in p.out_slots]
         )
+        self.join_template: list = [p.num_preds > 1 for p in self.plan]
+        self.has_joins = any(self.join_template)
+        if not self.has_joins:
+            self.join_template = [None] * len(self.plan)  # shared, never written
         self.node_by_name: dict[str, Node] = {n.name: n for n in self.nodes}
         self.has_device_nodes = any(p.node.kind is NodeKind.DEVICE for p in self.plan)
 

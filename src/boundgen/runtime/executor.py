@@ -98,7 +98,7 @@ class RequestContext:
 
     __slots__ = (
         "request_id", "pipeline", "deadline_ns", "start_ns", "stream", "_pipe", "_stats", "_rest", "_values",
-        "_joins", "_completed", "_once", "_future", "_home", "_spans", "_events", "_streams", "_lease",
+        "_joins", "_completed", "_once", "_future", "_home", "_done", "_result", "_error", "_spans", "_events", "_streams", "_lease",
         "_failed", "_executor", "_node_state", "_annotations", "timeout_ms", "_unwrap",
     )  # fmt: skip
 
@@ -114,10 +114,14 @@ class RequestContext:
         self._stats = stats
         self._rest = stats.rest_ns
         self._values: list[Any] = [None] * pipe.num_slots
-        self._joins = [itertools.count() if p.num_preds > 1 else None for p in pipe.plan]
+        joins = pipe.join_template
+        self._joins = [itertools.count() if j else None for j in joins] if pipe.has_joins else joins
         self._completed = itertools.count()
         self._once = itertools.count()
-        self._future: Future = Future()
+        self._future: Future | None = None  # only for submit(); run() reads _done/_result/_error
+        self._done = False
+        self._result: Any = None
+        self._error: BaseException | None = None
         self._home: queue.SimpleQueue | None = None
         self._spans: list[tuple] | None = [] if executor.tracer.keep_requests else None
         self._events: list[Any] | None = [None] * len(pipe.plan) if executor._cuda and pipe.has_device_nodes else None
@@ -204,50 +208,52 @@ class Executor:
     ) -> Future:
         """Start a request on the worker pool; the Future resolves to the outputs dict (the single output's
         value with `unwrap`) or raises `DeadlineExceeded` / `NodeError` / a node's pass-through error."""
-        req = self._new_request(pipeline, inputs, timeout_ms, unwrap)
-        if req is not None and not req._future.done():
+        fut: Future = Future()
+        req = self._new_request(pipeline, inputs, timeout_ms, unwrap, fut)
+        if not req._done:
             now = _now()
             for i in pipeline.sources:
                 self._queue.put((req, i, now))
-        return req._future
+        return fut
 
     def run(
         self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None = None, unwrap: bool = False
     ) -> Any:
         """Run a request, the calling thread doing the work (plus pool threads for parallel branches)."""
         req = self._new_request(pipeline, inputs, timeout_ms, unwrap)
-        fut = req._future
-        if fut.done():
-            return fut.result()
-        home = req._home = queue.SimpleQueue()
-        now = _now()
-        sources = pipeline.sources
-        for i in sources[1:]:
-            self._queue.put((req, i, now))
-        self._drive(req, sources[0], now)
-        while not fut.done():
-            if req.deadline_ns is None:
-                item = home.get()
-            else:
-                # Wait for async nodes (batching) at most until the deadline (+ a grace for the last step).
-                wait_s = max(0.0, (req.deadline_ns - _now()) / 1e9) + 0.05
-                try:
-                    item = home.get(timeout=wait_s)
-                except queue.Empty:
-                    running = [p.node.name for p in pipeline.plan if req._node_state[p.index] == 1]
-                    self._fail(
-                        req,
-                        DeadlineExceeded(
-                            f"request {req.request_id} (pipeline {pipeline.name!r}): deadline of "
-                            f"{req.timeout_ms:g} ms passed while waiting for node(s) {', '.join(running) or '?'}",
-                            pipeline.name, running[0] if running else "", req.request_id,
-                        ),
-                    )
-                    break
-            if item is None:
-                break
-            self._drive(*item)
-        return fut.result()
+        if not req._done:
+            home = req._home = queue.SimpleQueue()
+            now = _now()
+            sources = pipeline.sources
+            for i in sources[1:]:
+                self._queue.put((req, i, now))
+            self._drive(req, sources[0], now)
+            while not req._done:
+                if req.deadline_ns is None:
+                    item = home.get()
+                else:
+                    # Wait for async nodes (batching) at most until the deadline (+ a grace for the last step).
+                    wait_s = max(0.0, (req.deadline_ns - _now()) / 1e9) + 0.05
+                    try:
+                        item = home.get(timeout=wait_s)
+                    except queue.Empty:
+                        running = [p.node.name for p in pipeline.plan if req._node_state[p.index] == 1]
+                        self._fail(
+                            req,
+                            DeadlineExceeded(
+                                f"request {req.request_id} (pipeline {pipeline.name!r}): deadline of "
+                                f"{req.timeout_ms:g} ms passed while waiting for node(s) "
+                                f"{', '.join(running) or '?'}",
+                                pipeline.name, running[0] if running else "", req.request_id,
+                            ),
+                        )
+                        break
+                if item is None:
+                    continue
+                self._drive(*item)
+        if req._error is not None:
+            raise req._error
+        return req._result
 
     def stats(self) -> dict[str, Any]:
         """Node latency histograms per pipeline, memory pool counters and error counts."""
@@ -297,7 +303,12 @@ class Executor:
         return st
 
     def _new_request(
-        self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None, unwrap: bool = False
+        self,
+        pipeline: Pipeline,
+        inputs: dict[str, Any],
+        timeout_ms: float | None,
+        unwrap: bool = False,
+        future: Future | None = None,
     ) -> RequestContext:
         if unwrap and len(pipeline.output_slots) != 1:
             raise ValueError(f"unwrap needs a pipeline with one output; {pipeline.name!r} has {len(pipeline.outputs)}")
@@ -307,6 +318,7 @@ class Executor:
             timeout_ms = self.default_timeout_ms
         req = RequestContext(self, pipeline, self._stats_for(pipeline), timeout_ms)
         req._unwrap = unwrap
+        req._future = future
         values = req._values
         try:
             for name, slot in pipeline.input_slots:
@@ -511,7 +523,10 @@ class Executor:
                 result = {name: values[slot] for name, slot in req._pipe.output_slots}
         finally:
             self._end(req, "ok", "")
-        req._future.set_result(result)
+        req._result = result
+        req._done = True
+        if req._future is not None:
+            req._future.set_result(result)
         if req._home is not None:
             req._home.put(None)
 
@@ -551,7 +566,10 @@ class Executor:
                         ev.synchronize()
         finally:
             self._end(req, status, str(err))
-        req._future.set_exception(err)
+        req._error = err
+        req._done = True
+        if req._future is not None:
+            req._future.set_exception(err)
         if req._home is not None:
             req._home.put(None)
 

@@ -159,7 +159,16 @@ class Tracer:
         return list(self._recent)
 
     def clear(self) -> None:
+        """Forget the kept request timelines (histograms stay)."""
         self._recent.clear()
+
+    def reset(self) -> None:
+        """Forget timelines, histograms and error counts (e.g. after a warm-up)."""
+        with self._lock:
+            self._recent.clear()
+            self._hist = {}
+            self._request_hist = {}
+            self.errors = {}
 
     def node_stats(self) -> dict[str, dict[str, dict[str, float]]]:
         """{pipeline: {node: snapshot, ..., "<request>": snapshot}}."""
