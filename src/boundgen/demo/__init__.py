@@ -1,0 +1,15 @@
+"""The built-in demo model: a small Qwen2 trained by `boundgen.demo.train` on a synthetic catalog."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+def default_model_path() -> Path:
+    """Directory of the shipped demo checkpoint (HF Qwen2 + tokenizer + catalog trie + eval sets)."""
+    if not (ASSETS / "model.safetensors").exists():
+        raise FileNotFoundError(
+            f"demo model missing at {ASSETS}; build it with `boundgen train-demo --out {ASSETS}`")
+    return ASSETS

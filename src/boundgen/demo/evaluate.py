@@ -1,0 +1,103 @@
+"""Held-out quality of a demo checkpoint through the engine's public API.
+
+Relevance AUC comes from `engine.score` (label logits of ' yes'/' no'); retrieval recall@10 from
+`engine.beam_search(..., trie=...)` over the catalog trie. Used by `boundgen demo` and the tests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from boundgen.demo import catalog as cat
+from boundgen.demo.train import auc, recall_at_k
+
+
+@dataclass
+class DemoAssets:
+    path: Path
+    catalog: cat.Catalog
+    eval: dict
+    meta: dict
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DemoAssets":
+        path = Path(path)
+        catalog = cat.Catalog.from_json(json.loads((path / "catalog.json").read_text()))
+        return cls(path, catalog, json.loads((path / "eval.json").read_text()),
+                   json.loads((path / "demo.json").read_text()))
+
+    @property
+    def label_token_ids(self) -> list[int]:
+        return list(self.meta["label_token_ids"])
+
+    @property
+    def trie_path(self) -> Path:
+        return self.path / self.meta.get("trie", "catalog_trie.jsonl")
+
+    def title(self, item_id) -> str:
+        return self.catalog.items[int(item_id)].title
+
+
+def relevance_query(query: str) -> str:
+    return cat.RELEVANCE_QUERY_TEMPLATE.format(query=query)
+
+
+def relevance_item(title: str) -> str:
+    return cat.RELEVANCE_ITEM_TEMPLATE.format(title=title)
+
+
+def retrieval_prompt(query: str) -> str:
+    return cat.RETRIEVAL_TEMPLATE.format(query=query)
+
+
+def history_prompt(assets: DemoAssets, history: list[int]) -> str:
+    return cat.HISTORY_TEMPLATE.format(history=cat.history_text(assets.catalog, history))
+
+
+def score_items(engine, assets: DemoAssets, query: str, item_ids: list[int]) -> list[float]:
+    """P(' yes') for each item (softmax over the two label tokens)."""
+    items = [relevance_item(assets.title(i)) for i in item_ids]
+    rows = engine.score(relevance_query(query), items, assets.label_token_ids, apply_softmax=True)
+    return [r[0] for r in rows]
+
+
+def recommend(engine, trie, prompt: str, k: int = 10) -> list[tuple[object, float]]:
+    """(item id, sequence log-prob) of the top-k trie-constrained beams."""
+    beams = engine.beam_search(prompt, beam_width=k, steps=trie.depth, top_k=k, trie=trie)
+    return [(trie.item_ids(list(tokens[-trie.depth:])), lp) for tokens, lp in beams]
+
+
+def relevance_auc(engine, assets: DemoAssets, groups: int = 40) -> tuple[float, int]:
+    scores, labels = [], []
+    for g in assets.eval["relevance"][:groups]:
+        ids = [c["item_id"] for c in g["candidates"]]
+        scores += score_items(engine, assets, g["query"], ids)
+        labels += [c["label"] for c in g["candidates"]]
+    return auc(scores, labels), len(labels)
+
+
+def retrieval_recall(engine, trie, assets: DemoAssets, queries: int = 100, histories: int = 50,
+                     k: int = 10) -> dict:
+    """Mean recall@k (|top-k ∩ relevant| / min(k, |relevant|)) for query and history prompts, and
+    the number of recommended ids that are not catalog items (must be 0)."""
+    known = {it.item_id for it in assets.catalog.items}
+    invalid = 0
+    out = {}
+    sets = (
+        ("query", [(retrieval_prompt(q["query"]), q["relevant"])
+                   for q in assets.eval["retrieval"][:queries]]),
+        ("history", [(history_prompt(assets, h["history"]), h["relevant"])
+                     for h in assets.eval["history"][:histories]]),
+    )
+    for name, cases in sets:
+        vals = []
+        for prompt, relevant in cases:
+            got = [item for item, _ in recommend(engine, trie, prompt, k)]
+            invalid += sum(1 for item in got if item not in known)
+            vals.append(recall_at_k(got, relevant, k))
+        out[name] = sum(vals) / max(1, len(vals))
+        out[f"n_{name}"] = len(vals)
+    out["invalid"] = invalid
+    return out

@@ -1,0 +1,522 @@
+"""Train the built-in demo model: a small Qwen2 on the synthetic catalog, on the CPU, in minutes.
+
+One model, two tasks: relevance ("query + item -> ' yes'/' no'" at the last token) and generative
+retrieval ("query or history -> 3 semantic-ID tokens"), plus an index task (title -> semantic ID).
+Writes a standard HF Qwen2 checkpoint (loads in `transformers`) plus the catalog, its trie and the
+held-out eval sets. `python -m boundgen.demo.train --out DIR` or `boundgen train-demo --out DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from boundgen.demo import catalog as cat
+
+EOS = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    vocab_size: int
+    hidden_size: int = 192
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_hf(self, eos_id: int) -> dict:
+        return {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": True,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": self.num_hidden_layers,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "bos_token_id": eos_id,
+            "eos_token_id": eos_id,
+            "pad_token_id": eos_id,
+            "torch_dtype": "float32",
+            "use_cache": True,
+        }
+
+
+# ---------------------------------------------------------------- minimal Qwen2 (HF parameter names)
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=True)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        # Right padding only: causal attention keeps real tokens blind to the padding after them.
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(a.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class TinyQwen2(nn.Module):
+    """Qwen2ForCausalLM with tied embeddings; `state_dict()` keys are HF's (`model.layers.0...`)."""
+
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.config = c
+        self.model = Backbone(c)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def hidden(self, input_ids):  # [B, T] -> [B, T, H]
+        t = input_ids.shape[1]
+        freqs = torch.outer(torch.arange(t, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def logits(self, hidden):
+        return hidden @ self.model.embed_tokens.weight.T
+
+    def forward(self, input_ids):
+        return self.logits(self.hidden(input_ids))
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def train_tokenizer(lines: list[str], vocab_size: int):
+    """Byte-level BPE on the catalog text; semantic-ID tokens added as whole tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(lines, trainer=trainer)
+    tok.add_tokens([AddedToken(s, normalized=False) for s in cat.sid_vocab()])
+    return tok
+
+
+def save_tokenizer(tok, out: Path) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "bos_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 256,
+    }, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": EOS, "pad_token": EOS}, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- examples
+
+@dataclass
+class Example:
+    ids: list[int]
+    targets: list[tuple[int, int]]  # (position whose logits predict, token id)
+
+
+class Encoder:
+    def __init__(self, tok, catalog: cat.Catalog):
+        self.tok = tok
+        self.catalog = catalog
+        self.label_ids = [self.single_id(w) for w in cat.LABEL_WORDS]
+        self._cache: dict[str, list[int]] = {}
+
+    def single_id(self, text: str) -> int:
+        ids = self.tok.encode(text).ids
+        if len(ids) != 1:
+            raise RuntimeError(f"{text!r} is not a single token: {ids}")
+        return ids[0]
+
+    def enc(self, text: str) -> list[int]:
+        if text not in self._cache:
+            self._cache[text] = self.tok.encode(text).ids
+        return self._cache[text]
+
+    def sid_ids(self, item_id: int) -> list[int]:
+        return self.enc(self.catalog.items[item_id].sid_text())
+
+    def relevance(self, query: str, item_id: int) -> list[int]:
+        title = self.catalog.items[item_id].title
+        return (self.enc(cat.RELEVANCE_QUERY_TEMPLATE.format(query=query))
+                + self.enc(cat.RELEVANCE_ITEM_TEMPLATE.format(title=title)))
+
+    def retrieval_prompt(self, query: str) -> list[int]:
+        return self.enc(cat.RETRIEVAL_TEMPLATE.format(query=query))
+
+    def history_prompt(self, history: list[int]) -> list[int]:
+        return self.enc(cat.HISTORY_TEMPLATE.format(history=cat.history_text(self.catalog, history)))
+
+    def index_prompt(self, item_id: int) -> list[int]:
+        return self.enc(cat.INDEX_TEMPLATE.format(title=self.catalog.items[item_id].title))
+
+    @staticmethod
+    def generative(prompt: list[int], sid: list[int]) -> Example:
+        n = len(prompt)
+        return Example(prompt + sid[:-1], [(n - 1 + i, s) for i, s in enumerate(sid)])
+
+
+def build_examples(enc: Encoder, splits: dict) -> dict[str, list[Example]]:
+    tr = splits["train"]
+    rel = [
+        Example(ids := enc.relevance(g["query"], c["item_id"]),
+                [(len(ids) - 1, enc.label_ids[1 - c["label"]])])
+        for g in tr["relevance"] for c in g["candidates"]
+    ]
+    ret = [enc.generative(enc.retrieval_prompt(q["query"]), enc.sid_ids(q["target"]))
+           for q in tr["retrieval"]]
+    hist = [enc.generative(enc.history_prompt(h["history"]), enc.sid_ids(h["target"]))
+            for h in tr["history"]]
+    idx = [enc.generative(enc.index_prompt(it.item_id), enc.sid_ids(it.item_id))
+           for it in enc.catalog.items]
+    return {"relevance": rel, "retrieval": ret, "history": hist, "index": idx}
+
+
+def collate(batch: list[Example], pad_id: int):
+    t = max(len(e.ids) for e in batch)
+    ids = torch.full((len(batch), t), pad_id, dtype=torch.long)
+    rows, cols, tgt = [], [], []
+    for i, e in enumerate(batch):
+        ids[i, : len(e.ids)] = torch.tensor(e.ids)
+        for pos, tok in e.targets:
+            rows.append(i)
+            cols.append(pos)
+            tgt.append(tok)
+    return ids, torch.tensor(rows), torch.tensor(cols), torch.tensor(tgt)
+
+
+# ---------------------------------------------------------------- evaluation with the training model
+
+def auc(scores: list[float], labels: list[int]) -> float:
+    """Probability that a random positive outranks a random negative (ties count half)."""
+    pairs = sorted(zip(scores, labels))
+    n_pos = sum(labels)
+    n_neg = len(labels) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    rank_sum, i = 0.0, 0
+    while i < len(pairs):
+        j = i
+        while j < len(pairs) and pairs[j][0] == pairs[i][0]:
+            j += 1
+        avg_rank = (i + j + 1) / 2  # 1-based ranks i+1..j
+        rank_sum += avg_rank * sum(lab for _, lab in pairs[i:j])
+        i = j
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def recall_at_k(retrieved: list[int], relevant: list[int], k: int = 10) -> float:
+    """|top-k ∩ relevant| / min(k, |relevant|)."""
+    rel = set(relevant)
+    return len(set(retrieved[:k]) & rel) / min(k, len(rel))
+
+
+def build_trie(enc: Encoder) -> dict:
+    trie: dict = {}
+    for it in enc.catalog.items:
+        node = trie
+        for t in enc.sid_ids(it.item_id):
+            node = node.setdefault(t, {})
+    return trie
+
+
+@torch.no_grad()
+def model_beam(model: TinyQwen2, prompt: list[int], trie: dict, width: int = 10) -> list[list[int]]:
+    """Trie-constrained beam search by full recompute (3 steps, tiny model): the reference the
+    engine's `beam_search(..., trie=...)` should agree with."""
+    beams: list[tuple[list[int], float, dict]] = [([], 0.0, trie)]
+    for _ in range(3):
+        ids = torch.tensor([prompt + b[0] for b in beams])
+        logp = torch.log_softmax(model(ids)[:, -1].float(), -1)
+        cand = []
+        for (toks, lp, node), row in zip(beams, logp):
+            for t, child in node.items():
+                cand.append((toks + [t], lp + row[t].item(), child))
+        cand.sort(key=lambda c: -c[1])
+        beams = cand[:width]
+    return [b[0] for b in beams]
+
+
+@torch.no_grad()
+def evaluate(model: TinyQwen2, enc: Encoder, test: dict, limit: int = 100) -> dict:
+    model.eval()
+    scores, labels = [], []
+    for g in test["relevance"][:limit]:
+        seqs = [enc.relevance(g["query"], c["item_id"]) for c in g["candidates"]]
+        ids, _, _, _ = collate([Example(s, []) for s in seqs], enc.label_ids[0])
+        h = model.hidden(ids)[torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])]
+        lg = model.logits(h)[:, enc.label_ids]
+        scores += (lg[:, 0] - lg[:, 1]).tolist()
+        labels += [c["label"] for c in g["candidates"]]
+    trie = build_trie(enc)
+    sid_to_item = {tuple(enc.sid_ids(it.item_id)): it.item_id for it in enc.catalog.items}
+    rec = {}
+    for name, key, prompt_of in (
+        ("retrieval", "retrieval", lambda q: enc.retrieval_prompt(q["query"])),
+        ("history", "history", lambda h: enc.history_prompt(h["history"])),
+    ):
+        vals = []
+        for q in test[key][:limit]:
+            got = [sid_to_item[tuple(s)] for s in model_beam(model, prompt_of(q), trie)]
+            vals.append(recall_at_k(got, q["relevant"]))
+        rec[name] = sum(vals) / len(vals)
+    model.train()
+    return {"auc": auc(scores, labels), "recall@10_query": rec["retrieval"],
+            "recall@10_history": rec["history"]}
+
+
+# ---------------------------------------------------------------- checkpoint
+
+def save_model(model: TinyQwen2, tok, out: Path) -> None:
+    """config.json + model.safetensors (HF Qwen2 names, tied: no lm_head.weight) + tokenizer files."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    eos_id = tok.token_to_id(EOS)
+    (out / "config.json").write_text(json.dumps(model.config.to_hf(eos_id), indent=2) + "\n")
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_tokenizer(tok, out)
+
+
+def load_model(path: Path) -> TinyQwen2:
+    """The training model from a checkpoint written by `save_model`."""
+    from safetensors.torch import load_file
+
+    hf = json.loads((Path(path) / "config.json").read_text())
+    fields = TinyConfig.__dataclass_fields__
+    model = TinyQwen2(TinyConfig(**{k: v for k, v in hf.items() if k in fields}))
+    model.load_state_dict(load_file(str(Path(path) / "model.safetensors")))
+    return model.eval()
+
+
+def save_checkpoint(model: TinyQwen2, tok, enc: Encoder, catalog: cat.Catalog, splits: dict,
+                    out: Path, meta: dict) -> None:
+    save_model(model, tok, out)
+    with open(out / "catalog_trie.jsonl", "w") as f:
+        for it in catalog.items:
+            f.write(json.dumps({"item_id": it.item_id, "tokens": enc.sid_ids(it.item_id)}) + "\n")
+    (out / "catalog.json").write_text(json.dumps(catalog.to_json()) + "\n")
+    (out / "eval.json").write_text(json.dumps({
+        "relevance": splits["test"]["relevance"],
+        "retrieval": splits["test"]["retrieval"],
+        "history": splits["test"]["history"],
+        "held_out_items": splits["held_out_items"],
+    }) + "\n")
+    (out / "demo.json").write_text(json.dumps({
+        "templates": {
+            "relevance_query": cat.RELEVANCE_QUERY_TEMPLATE,
+            "relevance_item": cat.RELEVANCE_ITEM_TEMPLATE,
+            "retrieval": cat.RETRIEVAL_TEMPLATE,
+            "history": cat.HISTORY_TEMPLATE,
+            "index": cat.INDEX_TEMPLATE,
+        },
+        "label_words": list(cat.LABEL_WORDS),
+        "label_token_ids": enc.label_ids,
+        "sid_levels": 3,
+        "trie": "catalog_trie.jsonl",
+        **meta,
+    }, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- training
+
+BATCH = {"relevance": 32, "retrieval": 16, "history": 8, "index": 12}
+
+
+def train(out: Path, *, seed: int = 0, steps: int = 1000, lr: float = 2e-3, threads: int = 1,
+          num_items: int = 3000, max_minutes: float = 10.0, eval_limit: int = 100,
+          log_every: int = 50) -> dict:
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    t0 = time.time()
+    catalog = cat.make_catalog(seed, num_items)
+    splits = cat.make_splits(catalog, seed)
+    tok = train_tokenizer(cat.corpus_lines(catalog, splits), vocab_size=1536)
+    enc = Encoder(tok, catalog)
+    vocab = (tok.get_vocab_size() + 63) // 64 * 64
+    config = TinyConfig(vocab_size=vocab)
+    model = TinyQwen2(config)
+    data = build_examples(enc, splits)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"catalog {len(catalog.items)} items, vocab {vocab}, {n_params / 1e6:.2f}M params, "
+          f"examples { {k: len(v) for k, v in data.items()} }, setup {time.time() - t0:.0f}s",
+          flush=True)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    warmup = max(1, steps // 20)
+
+    def lr_at(step):
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        p = (step - warmup) / max(1, steps - warmup)
+        return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
+
+    pad = tok.token_to_id(EOS)
+    t_train = time.time()
+    done = 0
+    for step in range(steps):
+        if time.time() - t_train > max_minutes * 60:
+            print(f"stopping at step {step}: --max-minutes {max_minutes} reached", flush=True)
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        total = 0.0
+        losses = {}
+        for task, bs in BATCH.items():
+            batch = rng.sample(data[task], bs)
+            ids, rows, cols, tgt = collate(batch, pad)
+            h = model.hidden(ids)[rows, cols]
+            loss = F.cross_entropy(model.logits(h), tgt)
+            losses[task] = loss.item()
+            total = total + loss
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        done = step + 1
+        if step % log_every == 0 or step == steps - 1:
+            el = time.time() - t_train
+            print(f"step {step:5d}  {el:5.0f}s  " + "  ".join(f"{k} {v:.3f}" for k, v in losses.items()),
+                  flush=True)
+    train_s = time.time() - t_train
+    metrics = evaluate(model, enc, splits["test"], eval_limit)
+    print(f"trained {done} steps in {train_s:.0f}s; held-out {metrics}", flush=True)
+    meta = {"seed": seed, "steps": done, "train_seconds": round(train_s, 1), "threads": threads,
+            "num_items": num_items, "params": n_params, "heldout_metrics_at_training": metrics}
+    save_checkpoint(model, tok, enc, catalog, splits, Path(out), meta)
+    print(f"wrote {out}", flush=True)
+    return meta
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="boundgen-demo-model", help="output checkpoint directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--lr", type=float, default=2e-3)
+    # NOTE: on a CPU shared with other processes, 2 OpenMP threads measured 20x slower than 1
+    # (spin-waiting); 1 thread is also what the shipped model was trained with.
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--num-items", type=int, default=3000)
+    p.add_argument("--max-minutes", type=float, default=10.0,
+                   help="stop early after this much training time (the result is then not reproducible)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    a = p.parse_args(argv)
+    train(Path(a.out), seed=a.seed, steps=a.steps, lr=a.lr, threads=a.threads,
+          num_items=a.num_items, max_minutes=a.max_minutes)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
