@@ -79,6 +79,9 @@ class _Expander:
         self.banned = torch.tensor(sorted(set(t for t in banned if 0 <= t < vocab)), dtype=torch.long,
                                    device=device)
 
+        # Preallocated trie buffers: one set for the first step (one row per prompt), one for the rest.
+        self._ws: dict[int, object] = {}
+
     def __call__(self, depth: int, logp: torch.Tensor, scores: torch.Tensor, node: torch.Tensor):
         b, wc, v = logp.shape
         if self.trie is None:
@@ -86,7 +89,10 @@ class _Expander:
                 logp.index_fill_(2, self.banned, NEG_INF)
             cand = (scores.unsqueeze(-1) + logp).view(b, wc * v)
             return cand, None, None, v
-        tokens, child, valid = self.trie.children(depth, node)
+        rows = node.shape[0]
+        if rows not in self._ws:
+            self._ws[rows] = self.trie.workspace(rows)
+        tokens, child, valid = self.trie.children(depth, node, ws=self._ws[rows])
         lp = logp.view(b * wc, v).gather(1, tokens).masked_fill_(~valid, NEG_INF)
         cand = (scores.view(-1, 1) + lp).view(b, -1)
         return cand, tokens.reshape(b, -1), child.reshape(b, -1), tokens.shape[1]
@@ -116,7 +122,7 @@ def run_beam(runner, prompts: list[list[int]], width: int, steps: int, trie: Tri
     expand = _Expander(trie, banned_tokens, logp.shape[-1], dev)
     hist = torch.zeros(b, w, steps, dtype=torch.long, device=dev)
     scores = torch.zeros(b, 1, device=dev)
-    node = torch.zeros(b, dtype=torch.long, device=dev)
+    node = torch.zeros(b, dtype=torch.long, device=dev)  # trie root; unused without a trie
     base_pos = torch.repeat_interleave(batch.seq_len, w)
     row_base = torch.arange(b, device=dev).unsqueeze(1)
     for step in range(steps):
@@ -136,7 +142,6 @@ def run_beam(runner, prompts: list[list[int]], width: int, steps: int, trie: Tri
         parent = (idx // c) if wc > 1 else torch.zeros_like(idx)
         if cand_tokens is None:
             token = idx % c
-            node = torch.zeros(n, dtype=torch.long, device=dev)
         else:
             token = cand_tokens.gather(1, idx)
             node = cand_child.gather(1, idx).masked_fill_(top == NEG_INF, -1).view(n)

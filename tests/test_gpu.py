@@ -1,0 +1,78 @@
+"""CUDA checks (skipped without a GPU): bf16 parity with HF and the varlen backend against the reference.
+
+bf16 tolerance: both engines round differently (kernel order, fused vs unfused ops), so we compare each
+against the float32 HF result and require our error to stay within 2x HF's own bf16 error (+0.02 for
+logits near zero). That says "as faithful as HF in bf16", independent of the model's logit scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from boundgen import Engine, Trie
+
+pytestmark = pytest.mark.gpu
+transformers = pytest.importorskip("transformers")
+
+QUERY = "Is this a good running shoe for a marathon on wet roads?"
+ITEMS = ["Trail runner with waterproof mesh", "yes", "A blue ceramic coffee mug", "carbon racing flat",
+         "no", "a much longer item description that goes on for quite a few more tokens than the others"]
+
+
+def hf_label_logits(model, tok, labels, item_first=False):
+    q = tok.encode(QUERY, add_special_tokens=False)
+    out = []
+    with torch.no_grad():
+        for item in ITEMS:
+            it = tok.encode(item, add_special_tokens=False)
+            ids = torch.tensor([it + q if item_first else q + it], device="cuda")
+            out.append(model(ids).logits[0, -1, labels].float().cpu())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("item_first", [False, True])
+def test_bf16_score_parity_with_hf(arch, item_first, tiny_model):
+    path = tiny_model(arch)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    labels = [514, 371, 7]
+    ref32 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    truth = hf_label_logits(ref32, tok, labels, item_first)
+    hf_err = (hf_label_logits(hf16, tok, labels, item_first) - truth).abs().max().item()
+    engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16")
+    assert engine.model.backend.name == "varlen"
+    ours = torch.tensor(engine.score(QUERY, ITEMS, labels, item_first=item_first))
+    our_err = (ours - truth).abs().max().item()
+    assert our_err <= 2 * hf_err + 0.02, (our_err, hf_err)
+
+
+def test_varlen_engine_equals_reference_engine_in_bf16(tiny_model):
+    path = tiny_model("qwen3")
+    fast = Engine.from_pretrained(path, device="cuda", dtype="bfloat16")
+    ref = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", attention="reference")
+    a = torch.tensor(fast.score(QUERY, ITEMS, [514, 371]))
+    b = torch.tensor(ref.score(QUERY, ITEMS, [514, 371]))
+    assert (a - b).abs().max().item() < 0.05
+
+
+def test_beam_search_on_cuda_matches_cpu_float32(tiny_model):
+    path = tiny_model("qwen2")
+    gpu = Engine.from_pretrained(path, device="cuda", dtype="float32", attention="reference")
+    cpu = Engine.from_pretrained(path, device="cpu", dtype="float32")
+    trie = Trie.from_sequences(torch.randint(0, 300, (500, 3), generator=torch.Generator().manual_seed(0)).unique(dim=0).tolist())
+    for t in (None, trie):
+        a = gpu.beam_search(QUERY, 8, 3, trie=t)
+        b = cpu.beam_search(QUERY, 8, 3, trie=t)
+        assert [x for x, _ in a] == [x for x, _ in b]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 1e-3
+
+
+def test_bf16_beam_search_valid_on_varlen(tiny_model):
+    engine = Engine.from_pretrained(tiny_model("llama"), device="cuda", dtype="bfloat16")
+    trie = Trie.from_sequences([[5, 6, 7], [5, 6, 8], [9, 1, 2]])
+    results = engine.beam_search(QUERY, 16, 3, trie=trie)
+    assert sorted(tuple(t) for t, _ in results) == [(5, 6, 7), (5, 6, 8), (9, 1, 2)]
+    free = engine.beam_search_batch([QUERY, "short"], 16, 4)
+    assert all(len(r) == 16 and all(len(t) == 4 for t, _ in r) for r in free)
