@@ -11,9 +11,9 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 phase() { local name=$1 budget=$2; shift 2; echo "=== $name"; timeout "$budget" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40; }
 for p in "$@"; do
   case $p in
-    gpu-tests) phase gpu-tests 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_attention.py ;;
-    prefill) phase prefill 330 python3 benchmarks/bench_prefill.py --root $ROOT --out "$OUT/prefill.json" ;;
-    beam) phase beam 200 python3 benchmarks/bench_beam.py --root $ROOT --out "$OUT/beam.json" ;;
+    gpu-tests) phase gpu-tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_attention.py ;;
+    prefill) phase prefill 290 python3 benchmarks/bench_prefill.py --root $ROOT --out "$OUT/prefill.json" ;;
+    beam) phase beam 140 python3 benchmarks/bench_beam.py --root $ROOT --out "$OUT/beam.json" ;;
     *) echo "unknown phase $p" ;;
   esac
 done
