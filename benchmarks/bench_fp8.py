@@ -248,11 +248,11 @@ def section_mlp(res: dict, args) -> None:
 
 def _load_engine(args, dtype="bfloat16"):
     from boundgen.checkpoints import ensure_model
-    from boundgen.engine import Engine
+    from boundgen.commands.quant_check import load_reference_engine
 
     t0 = time.perf_counter()
     path = ensure_model(args.model_preset, progress=False) if not args.model else Path(args.model)
-    engine = Engine.from_pretrained(path, device=args.device, dtype=dtype)
+    engine = load_reference_engine(path, args.device, dtype)
     print(f"loaded {path} ({dtype}) in {time.perf_counter() - t0:.1f}s", flush=True)
     return engine, path
 

@@ -159,3 +159,53 @@ def test_export_scaled_mm_path():
     ep = torch.export.export(lin, (x,))
     assert any("_scaled_mm" in str(n.target) for n in ep.graph.nodes)
     torch.testing.assert_close(ep.module()(x), lin(x))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA (skipped without an FP8-capable GPU)
+
+_fp8_gpu = pytest.mark.skipif(not fp8_supported("cuda")[0] if torch.cuda.is_available() else True,
+                              reason="needs a CUDA GPU with rowwise FP8 (sm_89+)")
+
+
+@pytest.mark.gpu
+@_fp8_gpu
+@pytest.mark.parametrize("act_quant", ["torch", "triton"])
+def test_gpu_scaled_mm_matches_emulation(act_quant):
+    from boundgen.quant.fp8 import _triton_available
+
+    if act_quant == "triton" and not _triton_available(torch.device("cuda")):
+        pytest.skip("triton quantizer unavailable")
+    torch.manual_seed(0)
+    lin = nn.Linear(896, 1152, bias=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(300, 896, device="cuda", dtype=torch.bfloat16)
+    real = Fp8Linear.from_linear(lin, mode="scaled_mm", act_quant=act_quant)
+    emu = Fp8Linear.from_linear(lin, mode="emulate")
+    torch.testing.assert_close(real(x).float(), emu(x).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@_fp8_gpu
+def test_gpu_triton_quantizer_matches_torch():
+    from boundgen.quant import triton_quant
+
+    if not triton_quant.AVAILABLE:
+        pytest.skip("no triton")
+    assert triton_quant.self_test(0) is None
+    x = torch.randn(513, 4864, device="cuda", dtype=torch.bfloat16)
+    q1, s1 = triton_quant.quantize_rowwise_triton(x)
+    q2, s2 = quantize_rowwise(x)
+    torch.testing.assert_close(s1, s2, rtol=1e-6, atol=0)
+    assert (q1.float() != q2.float()).float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+@_fp8_gpu
+def test_gpu_compile_uses_plain_quantizer():
+    lin = nn.Linear(256, 512, device="cuda", dtype=torch.bfloat16)
+    from boundgen.quant import triton_quant
+
+    layer = Fp8Linear.from_linear(lin, act_quant="triton" if triton_quant.AVAILABLE else "torch")
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(x).float(), layer(x).float(), rtol=2e-2, atol=2e-2)

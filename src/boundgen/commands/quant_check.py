@@ -31,10 +31,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-record", action="store_true", help="do not store the verdict in the gate cache")
 
 
+def load_reference_engine(model_dir, device, dtype="bfloat16", **overrides):
+    """The engine in plain precision (FP8 explicitly off, whatever the engine's default policy)."""
+    import dataclasses
+
+    from boundgen.config import EngineConfig
+    from boundgen.engine import Engine
+
+    if "fp8" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        overrides.setdefault("fp8", "none")
+    return Engine.from_pretrained(model_dir, device=device, dtype=dtype, **overrides)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from boundgen.engine import Engine
     from boundgen.quant.fidelity import EvalSet, gate_engine, make_eval_set
     from boundgen.quant.fp8 import fp8_supported
     from boundgen.quant.gate_cache import cache_path, record_gate_result
@@ -46,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         if not ok:
             raise RuntimeError(f"real FP8 is not available: {reason}")
     policies = [p for p in POLICIES if p != "none"] if args.fp8 == "all" else [args.fp8]
-    engine = Engine.from_pretrained(args.model, device=device, dtype=args.dtype, attention=args.attention)
+    engine = load_reference_engine(args.model, device, args.dtype, attention=args.attention)
     scale = args.scale or ("full" if engine.device.type == "cuda" else "small")
     eval_set = make_eval_set(engine.config.vocab_size, args.labels, scale=scale, seed=args.seed)
     for path in args.eval_set:

@@ -36,7 +36,8 @@ if AVAILABLE:
         scale = tl.maximum(amax / FP8_MAX_C, EPS)
         q = x / scale
         q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=mask)
         tl.store(s_ptr + row, scale)
 
 
