@@ -6,6 +6,7 @@ them all. Two kinds:
 - plain   `t{T}-s{S}-m{M}`: T tokens in S causal segments (cu_seqlens has S+1 entries), each ≤ M tokens.
 - cascade `t{T}-s{S}-m{M}-g{G}-p{P}-q{Q}`: the shared-prefix layout of `text.packing`: P prefix tokens
   (G groups), then Q suffix tokens that also attend to their group's prefix, then T-P-Q plain tokens.
+  A batch without shared prefixes fits it too (all P + Q tokens are then padding).
 
 Padding a real batch into a bucket (`pad_batch`), in token order:
 
@@ -126,8 +127,6 @@ def _fits(b: Bucket, lay: _Layout, max_seqlen: int) -> bool:
             return False
         pad = b.tokens - lay.tail
         return pad >= 0 and len(lay.tail_segs) + math.ceil(pad / m) <= b.segments
-    if not lay.q:
-        return False
     g = len(lay.cu_prefix) - 1
     pad_p, pad_q, pad_t = b.prefix_tokens - lay.p, b.shared_tokens - lay.q, b.tokens - b.prefix_tokens - \
         b.shared_tokens - lay.tail

@@ -1,0 +1,152 @@
+"""boundgen compile: AOTInductor packages of the packed forward, one per shape bucket, into the cache."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from boundgen.commands._common import add_engine_args, load_engine
+
+HELP = "export + AOTInductor-compile the model's packed forward per shape bucket (weights kept out)"
+
+
+def add_arguments(parser) -> None:
+    add_engine_args(parser)
+    parser.add_argument("--buckets", default=None,
+                        help="comma-separated buckets, e.g. 't64,t256,t2048-s64-m256,t4096-g8-p2048-q1536' "
+                             "(default: powers of two from 64 to --max-batch-tokens, see docs/compile.md)")
+    parser.add_argument("--cache-dir", default=None, help="artifact cache (default: $BOUNDGEN_CACHE/compiled)")
+    parser.add_argument("--quant", default="none", help="label of the quantization policy the model runs")
+    parser.add_argument("--jobs", type=int, default=1, help="build buckets in this many processes")
+    parser.add_argument("--force", action="store_true", help="rebuild even when a valid artifact exists")
+    parser.add_argument("--check", action="store_true",
+                        help="only check the cache (hit / missing / stale / corrupt); build nothing")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="skip the load probe and the parity check against eager")
+    parser.add_argument("--json", dest="json_out", default=None, help="also write the summary as JSON here")
+
+
+def _table(rows: list[dict]) -> str:
+    cols = [("bucket", "bucket"), ("event", "cache"), ("export_s", "export s"), ("compile_s", "compile s"),
+            ("size_mb", "size MB"), ("max_abs_diff", "max |Δ| vs eager")]
+    cells = [[h for _, h in cols]]
+    for r in rows:
+        cells.append(["" if r.get(k) is None else (f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]))
+                      for k, _ in cols])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _verify(engine, entries, cache_root) -> str:
+    """Probe-load in a child process first (never crash this one), then compare each bucket with eager."""
+    import torch
+
+    from boundgen.compile.aoti import AOTIBucket, SharedWeights
+    from boundgen.compile.buckets import BucketSet
+    from boundgen.compile.preload import AOTIUnsafe, ensure_loadable
+    from boundgen.text.packing import SequenceGroup, pack
+
+    try:
+        diag = ensure_loadable(entries[0][1], cache_root, allow_reexec=False)
+    except AOTIUnsafe as exc:
+        return f"not verified in this process: {exc}"
+    weights = SharedWeights(engine.model)
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.config.vocab_size
+    for bucket, path, row in entries:
+        # a real batch that fills about half of the bucket, in its layout (shared prefix or plain)
+        n = max(1, bucket.tokens // 2)
+        ids = lambda k: torch.randint(1, vocab, (k,), generator=gen).tolist()  # noqa: E731
+        if bucket.cascade:
+            p = max(1, min(bucket.prefix_tokens - 1, n // 2))
+            s = max(1, min(bucket.shared_tokens // 2, n - p) // 2)
+            groups = [SequenceGroup(ids(p), [ids(s), ids(max(1, s - 1))])]
+        else:
+            seg = max(1, min(bucket.max_seqlen, n) // 2)
+            groups = [SequenceGroup([], [ids(seg), ids(max(1, seg // 2))])]
+        batch = pack(groups)
+        padded_set = BucketSet([bucket])
+        b, padded = padded_set.pad(batch)
+        if b is None:
+            row["max_abs_diff"] = "n/a"
+            continue
+        dev = padded.to(engine.device)
+        with torch.inference_mode():
+            got = AOTIBucket.load(path, bucket, weights, engine.device)(dev).index_select(0, dev.last_index)
+            want = engine.runner.model(*(lambda x: (x.input_ids, x.positions, x.attn))(batch.to(engine.device)))
+            want = want.index_select(0, batch.last_index.to(engine.device))
+        row["max_abs_diff"] = float((got.float() - want.float()).abs().max())
+    return "load probe: " + diag["status"] + (f" (LD_PRELOAD={diag['preload']}, applied by the CLI)"
+                                              if diag["status"] == "preload" else "")
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from boundgen.compile.buckets import parse_buckets
+    from boundgen.compile.cache import ArtifactCache, ArtifactError
+    from boundgen.compile.runner import aoti_slots, build_aoti
+    from boundgen.compile.cache import platform_info
+
+    engine = load_engine(args)
+    buckets = parse_buckets(args.buckets, engine.engine_config.max_batch_tokens)
+    cache = ArtifactCache(args.cache_dir)
+    t0 = time.perf_counter()
+    if args.check:
+        plat = platform_info(engine.device)
+        rows = []
+        for b, slot in zip(buckets, aoti_slots(engine.model, engine.device, buckets, args.quant)):
+            try:
+                cache.lookup(slot, plat)
+                rows.append({"bucket": b.name, "event": "hit"})
+            except ArtifactError as exc:
+                rows.append({"bucket": b.name, "event": exc.kind, "reason": str(exc)})
+        print(_table(rows))
+        for r in rows:
+            if r.get("reason"):
+                print(f"  {r['bucket']}: {r['reason']}")
+        return 0 if all(r["event"] == "hit" for r in rows) else 1
+    if args.force:
+        for slot in aoti_slots(engine.model, engine.device, buckets, args.quant):
+            cache.remove(slot)
+    bar = tqdm(total=len(buckets), desc="compile", unit="bucket", file=sys.stderr)
+    rows: list[dict] = []
+
+    def done(info: dict) -> None:
+        bar.set_postfix_str(f"{info['bucket']} {info['event']}")
+        bar.update(1)
+
+    if args.jobs > 1 and len(buckets) > 1:
+        from boundgen.compile.parallel import build_parallel
+
+        cfg = engine.engine_config
+        rows = build_parallel(args.model, str(engine.device), cfg.dtype, cfg.attention, buckets,
+                              cache.root, args.quant, True, args.jobs, on_done=done)
+    else:
+        for b in buckets:
+            try:
+                (_, entry, info), = build_aoti(engine.model, engine.device, [b], cache, args.quant, True)
+            except Exception as exc:  # noqa: BLE001 - one failing bucket must not hide the others
+                info = {"bucket": b.name, "event": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}
+            rows.append(info)
+            done(info)
+    bar.close()
+    for r in rows:
+        if r.get("size_bytes"):
+            r["size_mb"] = r["size_bytes"] / 1e6
+    ok = [(b, Path(r["path"]), r) for b, r in zip(buckets, rows) if r.get("path")]
+    note = _verify(engine, ok, cache.root) if args.verify and ok else ""
+    print(_table(rows))
+    for r in rows:
+        if r.get("error"):
+            print(f"  {r['bucket']}: {r['error']}")
+    print(f"{len(ok)}/{len(rows)} buckets ready in {cache.root} ({time.perf_counter() - t0:.1f} s)"
+          + (f"; {note}" if note else ""))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"rows": rows, "note": note}, indent=1, default=str))
+    return 0 if len(ok) == len(rows) else 1

@@ -1,0 +1,244 @@
+"""Compiled model runners and backend selection (`eager` | `compile` | `aoti`, each optionally `+graphs`).
+
+`BucketedRunner` is a `ModelRunner` whose packed forwards run through one compiled function per bucket:
+each chunk is packed on the host, padded into the smallest bucket that fits, copied to the device and run;
+a chunk no bucket takes runs eagerly (counted in `stats()`). `make_runner` builds the runner a backend
+name asks for; `"auto"` picks the best that works here and logs which (and why the others did not).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from boundgen.compile.aoti import AOTIBucket, PackedForward, SharedWeights, build_package
+from boundgen.compile.buckets import Bucket, BucketSet, parse_buckets
+from boundgen.compile.cache import ArtifactCache, ArtifactError, Slot, model_fingerprint, platform_info
+from boundgen.compile.preload import AOTIUnsafe, ensure_loadable
+from boundgen.models.decoder import DecoderModel
+from boundgen.text.packing import PackedBatch, SequenceGroup, pack
+from boundgen.workloads.runner import ModelRunner, mean_pool
+
+log = logging.getLogger("boundgen.compile")
+
+BACKENDS = ("auto", "eager", "compile", "aoti", "eager+graphs", "compile+graphs", "aoti+graphs")
+
+
+@dataclass
+class CompileOptions:
+    """How compiled backends are built (one place, so CLI flags and the engine agree)."""
+
+    buckets: list[Bucket] | str | None = None  # None: aoti uses the cached buckets of this model
+    cache_dir: str | Path | None = None
+    rebuild: bool | None = None  # None: True for an explicit "aoti", False for "auto"
+    quant: str = "none"  # label of the quantization policy (the model fingerprint covers its effect)
+    graph_max_tokens: int = 512  # +graphs: capture buckets up to this many tokens
+    warmup: bool = True  # compile: trace every bucket at start-up instead of on first use
+    allow_reexec: bool = False  # may re-exec the process with LD_PRELOAD (CLI entry points only)
+    progress: Callable[[str, dict], None] | None = None  # progress(event, info) per bucket
+    build_log: list[dict] = field(default_factory=list)
+
+
+class BucketedRunner(ModelRunner):
+    def __init__(self, model: DecoderModel, device: torch.device, max_batch_tokens: int,
+                 share_prefix: bool, buckets: list[Bucket], fns: dict[Bucket, Callable],
+                 name: str) -> None:
+        largest = max(b.tokens for b in buckets)
+        super().__init__(model, device, min(max_batch_tokens, largest), share_prefix)
+        self.buckets = BucketSet(buckets)
+        self.fns = fns
+        self.backend_name = name
+
+    def run_packed(self, batch: PackedBatch) -> tuple[torch.Tensor, PackedBatch]:
+        """Host-side `batch` → (hidden of the padded batch, the padded batch on the device)."""
+        bucket, padded = self.buckets.pad(batch)
+        dev_batch = padded.to(self.device, non_blocking=True)
+        if bucket is None:
+            return self.model(dev_batch.input_ids, dev_batch.positions, dev_batch.attn), dev_batch
+        fn = self.fns[bucket]
+        lock = getattr(fn, "lock", None)
+        if lock is None:
+            return fn(dev_batch), dev_batch
+        with lock:  # a graph's output buffer is reused by the next replay: copy what we need first
+            return fn(dev_batch).clone(), dev_batch
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Same contract as `ModelRunner.forward`: hidden [T, H] of `batch`'s own tokens."""
+        hidden, padded = self.run_packed(batch.to("cpu"))
+        if padded.num_tokens == batch.num_tokens:
+            return hidden
+        # real tokens sit in three spans of the padded layout; gather them back in order
+        a, pa = batch.attn, padded.attn
+        p = a.num_prefix_tokens if a.has_shared_prefix else 0
+        q = a.num_shared_tokens if a.has_shared_prefix else 0
+        P = pa.num_prefix_tokens if pa.has_shared_prefix else 0
+        Q = pa.num_shared_tokens if pa.has_shared_prefix else 0
+        tail = batch.num_tokens - p - q
+        return torch.cat([hidden[:p], hidden[P: P + q], hidden[P + Q: P + Q + tail]])
+
+    @torch.inference_mode()
+    def hidden_rows(self, groups: list[SequenceGroup], pooling: str = "last") -> torch.Tensor:
+        outs = []
+        for chunk in self.split(groups):
+            hidden, batch = self.run_packed(pack(chunk, share_prefix=self.share_prefix and pooling == "last"))
+            if pooling == "last":
+                outs.append(hidden.index_select(0, batch.last_index))
+            else:
+                outs.append(mean_pool(hidden, batch))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def stats(self) -> dict:
+        return {"backend": self.backend_name, "buckets": [b.name for b in self.buckets],
+                **self.buckets.stats.as_dict()}
+
+
+# -- backends ----------------------------------------------------------------------------------------
+def _eager_fns(model: DecoderModel, buckets: list[Bucket]) -> dict[Bucket, Callable]:
+    fn = lambda b: model(b.input_ids, b.positions, b.attn)  # noqa: E731
+    return {b: fn for b in buckets}
+
+
+def _compile_fns(model: DecoderModel, buckets: list[Bucket], device, warmup: bool) -> dict:
+    import torch._dynamo
+
+    # NOTE: one compiled function, one specialisation per bucket (shapes and AttnInputs' static ints).
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(buckets))
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(buckets))
+    compiled = torch.compile(PackedForward(model), fullgraph=True, dynamic=False)
+    fn = lambda b: compiled(b.input_ids, b.positions, b.attn)  # noqa: E731
+    if warmup:
+        with torch.inference_mode():
+            for b in buckets:
+                fn(b.example(device))
+    return {b: fn for b in buckets}
+
+
+def aoti_slots(model: DecoderModel, device: torch.device, buckets: list[Bucket], quant: str) -> list[Slot]:
+    fp = model_fingerprint(model)
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    attention = PackedForward(model).model.backend.name
+    return [Slot(fp, dtype, quant, attention, b.name, device.type) for b in buckets]
+
+
+def cached_buckets(model: DecoderModel, device: torch.device, cache: ArtifactCache, quant: str) -> list[Bucket]:
+    """Buckets the cache holds for this exact model, dtype, quantization and device type."""
+    probe = aoti_slots(model, device, [Bucket.parse("t1")], quant)[0]
+    out = []
+    for meta in cache.entries():
+        s = meta.get("slot", {})
+        if all(s.get(k) == getattr(probe, k) for k in ("model", "dtype", "quant", "attention", "device")):
+            out.append(Bucket.parse(s["bucket"]))
+    return sorted(set(out))
+
+
+def build_aoti(model: DecoderModel, device: torch.device, buckets: list[Bucket], cache: ArtifactCache,
+               quant: str = "none", rebuild: bool = True, progress=None) -> list:
+    """Verified cache entries for every bucket, building the missing/stale/corrupt ones if allowed."""
+    plat = platform_info(device)
+    entries = []
+    for bucket, slot in zip(buckets, aoti_slots(model, device, buckets, quant)):
+        t0 = time.perf_counter()
+        status = {"event": "hit"}
+
+        def on_event(kind, why, status=status):
+            if kind == "hit":
+                return
+            status.update(event="built" if kind == "missing" else f"rebuilt ({kind})", reason=why)
+            if progress:
+                progress("building", {"bucket": bucket.name, "reason": kind})
+
+        def build(path: Path, bucket=bucket) -> dict:
+            return build_package(model, bucket, path, device).__dict__
+
+        entry = cache.get_or_build(slot, plat, build, rebuild=rebuild, on_event=on_event)
+        info = {"bucket": bucket.name, "event": status["event"], "seconds": time.perf_counter() - t0,
+                "export_s": entry.meta.get("export_s"), "compile_s": entry.meta.get("compile_s"),
+                "size_bytes": entry.meta.get("size_bytes"), "path": str(entry.path)}
+        if status.get("reason"):
+            log.info("bucket %s: %s → rebuilt", bucket.name, status["reason"])
+        if progress:
+            progress("done", info)
+        entries.append((bucket, entry, info))
+    return entries
+
+
+def _aoti_fns(model, device, buckets, opts: CompileOptions, graphs: bool) -> tuple[list[Bucket], dict]:
+    cache = ArtifactCache(opts.cache_dir)
+    rebuild = True if opts.rebuild is None else opts.rebuild
+    if opts.buckets is None:
+        buckets = cached_buckets(model, device, cache, opts.quant)
+        if not buckets:
+            raise ArtifactError("missing", f"no compiled buckets for this model in {cache.root}; run "
+                                           f"`boundgen compile --model DIR --device {device.type}` first")
+    entries = build_aoti(model, device, buckets, cache, opts.quant, rebuild, opts.progress)
+    opts.build_log.extend(info for _, _, info in entries)
+    ensure_loadable(entries[0][1].path, cache.root, allow_reexec=opts.allow_reexec)
+    weights = SharedWeights(model)
+    fns = {}
+    for bucket, entry, _ in entries:
+        single = graphs and bucket.tokens <= opts.graph_max_tokens
+        fns[bucket] = AOTIBucket.load(entry.path, bucket, weights, device, single_threaded=single)
+    return buckets, fns
+
+
+def _make(model, device, max_batch_tokens, share_prefix, backend: str, opts: CompileOptions) -> ModelRunner:
+    base, _, extra = backend.partition("+")
+    graphs = extra == "graphs"
+    if extra and not graphs:
+        raise ValueError(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}")
+    if graphs and device.type != "cuda":
+        raise ValueError(f"backend '{backend}' needs CUDA (CUDA graphs)")
+    if base == "eager" and not graphs:
+        return ModelRunner(model, device, max_batch_tokens, share_prefix)
+    buckets = parse_buckets(opts.buckets, max_batch_tokens)
+    if base == "eager":
+        fns = _eager_fns(model, buckets)
+    elif base == "compile":
+        fns = _compile_fns(model, buckets, device, opts.warmup)
+    elif base == "aoti":
+        buckets, fns = _aoti_fns(model, device, buckets, opts, graphs)
+    else:
+        raise ValueError(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}")
+    if graphs:
+        from boundgen.compile.graphs import capture_buckets
+
+        with torch.inference_mode():
+            fns = capture_buckets(fns, device, opts.graph_max_tokens)
+        if base == "eager":  # buckets above the graph limit: the plain eager path is as fast
+            buckets = [b for b in buckets if b.tokens <= opts.graph_max_tokens] or buckets
+            fns = {b: fns[b] for b in buckets}
+    return BucketedRunner(model, device, max_batch_tokens, share_prefix, buckets, fns, backend)
+
+
+def make_runner(model: DecoderModel, device: torch.device | str, max_batch_tokens: int = 32768,
+                share_prefix: bool = True, backend: str = "auto",
+                options: CompileOptions | None = None) -> ModelRunner:
+    """The model node for `backend`. `"auto"`: AOTInductor when this model's artifacts are cached and load
+    safely here (CUDA), else eager; the choice and the reason are logged and kept in `runner.backend_name`."""
+    device = torch.device(device)
+    opts = options or CompileOptions()
+    if backend != "auto":
+        runner = _make(model, device, max_batch_tokens, share_prefix, backend, opts)
+        runner.backend_name = backend
+        log.info("model backend: %s", backend)
+        return runner
+    if device.type == "cuda":
+        auto = CompileOptions(**{**opts.__dict__, "rebuild": bool(opts.rebuild)})
+        try:
+            runner = _make(model, device, max_batch_tokens, share_prefix, "aoti", auto)
+            runner.backend_name = "aoti"
+            log.info("model backend: aoti (auto; %d cached buckets)", len(runner.buckets))
+            return runner
+        except (ArtifactError, AOTIUnsafe, RuntimeError) as exc:
+            log.warning("model backend: eager (auto; aoti not used: %s)", exc)
+    else:
+        log.info("model backend: eager (auto; compiled CPU forwards are not faster for these shapes)")
+    runner = ModelRunner(model, device, max_batch_tokens, share_prefix)
+    runner.backend_name = "eager"
+    return runner

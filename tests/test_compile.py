@@ -1,0 +1,292 @@
+"""Compiled model nodes: buckets/padding, masked attention, AOTInductor parity, artifact cache, preload guard.
+
+The tiny model is AOTInductor-compiled once per session into one cascade bucket (which also takes plain
+batches), ~40 s on a CI CPU; every cache test reuses that artifact or a stub builder.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from boundgen.attention.backends import ReferenceBackend
+from boundgen.compile.attention import MaskedBackend
+from boundgen.compile.buckets import Bucket, BucketSet, default_buckets, parse_buckets
+from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
+from boundgen.compile import preload
+from boundgen.compile.runner import BucketedRunner, CompileOptions, aoti_slots, build_aoti, make_runner
+from boundgen.text.packing import SequenceGroup, pack
+
+BUCKET = Bucket.parse("t64-s12-m32-g3-p24-q24")
+
+
+def _ids(gen, n, vocab=500):
+    return torch.randint(1, vocab, (n,), generator=gen).tolist()
+
+
+def _groups(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [SequenceGroup(_ids(g, 9), [_ids(g, 3), _ids(g, 5), _ids(g, 1)]),
+            SequenceGroup(_ids(g, 6), [_ids(g, 4), _ids(g, 2)]),
+            SequenceGroup([], [_ids(g, 11), _ids(g, 7)])]
+
+
+# -- buckets and attention (no compile) --------------------------------------------------------------
+def test_bucket_parse_and_names():
+    b = Bucket.parse("t2048-s64-m256-g4-p512-q1024")
+    assert (b.tokens, b.segments, b.max_seqlen, b.groups, b.prefix_tokens, b.shared_tokens) == (
+        2048, 64, 256, 4, 512, 1024)
+    assert Bucket.parse(b.name) == b
+    assert Bucket.parse("t256") == Bucket(256, 8, 256)
+    assert [x.tokens for x in default_buckets(1024)] == [64, 128, 256, 512, 1024]
+    assert parse_buckets("t64, t128") == [Bucket.parse("t64"), Bucket.parse("t128")]
+    for bad in ("x12", "t", "s4", "t64-z3", "t64-g2", "t64-g1-p40-q40"):
+        with pytest.raises(ValueError):
+            Bucket.parse(bad)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_masked_attention_matches_reference(causal):
+    g = torch.Generator().manual_seed(1)
+    lq = [3, 0, 5, 1, 7]
+    lk = lq if causal else [2, 4, 7, 1, 3]
+    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32)  # noqa
+    tq, tk = sum(lq) + 3, sum(lk) + 2  # rows past the last segment (padding) too
+    q = torch.randn(tq, 4, 8, generator=g)
+    k, v = torch.randn(tk, 2, 8, generator=g), torch.randn(tk, 2, 8, generator=g)
+    o1, l1 = ReferenceBackend().varlen(q, k, v, cu(lq), cu(lk), 7, 7, causal)
+    o2, l2 = MaskedBackend().varlen(q, k, v, cu(lq), cu(lk), 7, 7, causal)
+    torch.testing.assert_close(o2, o1, atol=1e-6, rtol=1e-6)
+    assert torch.equal(torch.isinf(l1), torch.isinf(l2))
+    torch.testing.assert_close(l2[l1.isfinite()], l1[l1.isfinite()], atol=1e-6, rtol=1e-6)
+
+
+def test_padding_keeps_real_rows_exact(engine_for):
+    """Padded into a bucket, every real output row equals the unpadded forward (reference and masked)."""
+    model = engine_for("qwen2").model
+    masked = copy.copy(model)
+    masked.backend = MaskedBackend()
+    buckets = BucketSet([Bucket.parse("t32"), BUCKET, Bucket.parse("t128-s16-m64-g4-p48-q48")])
+    cases = [_groups(0), [SequenceGroup([], [[5, 6, 7], [8] * 20])], [SequenceGroup([1, 2, 3], [[4], [5, 6]])]]
+    with torch.inference_mode():
+        for groups in cases:
+            batch = pack(groups)
+            bucket, padded = buckets.pad(batch)
+            assert bucket is not None and padded.num_tokens == bucket.tokens
+            want = model(batch.input_ids, batch.positions, batch.attn).index_select(0, batch.last_index)
+            for m in (model, masked):
+                got = m(padded.input_ids, padded.positions, padded.attn).index_select(0, padded.last_index)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    s = buckets.stats
+    assert s.real_tokens < s.padded_tokens and s.misses == 0 and 0 < s.padding_fraction < 1
+
+
+def test_smallest_bucket_and_misses():
+    small, big = Bucket.parse("t32-s4-m32"), Bucket.parse("t64-s8-m64")
+    casc = Bucket.parse("t64-s8-m32-g2-p16-q16")
+    bs = BucketSet([big, casc, small])
+    assert bs.choose(pack([SequenceGroup([], [[1] * 10, [2] * 5])])) == small
+    assert bs.choose(pack([SequenceGroup([], [[1] * 40])])) == big
+    assert bs.choose(pack([SequenceGroup([1] * 10, [[2] * 3, [3] * 4])])) == casc
+    # prefix fills P exactly: pad suffix rows would have no pad keys → does not fit
+    assert bs.choose(pack([SequenceGroup([1] * 16, [[2] * 3, [3] * 4])])) is None
+    bucket, same = bs.pad(pack([SequenceGroup([], [[1] * 100])]))
+    assert bucket is None and bs.stats.misses == 1 and same.num_tokens == 100
+
+
+# -- AOTInductor (one compile per session) -----------------------------------------------------------
+@pytest.fixture(scope="session")
+def aoti_cache(tmp_path_factory, engine_for):
+    """A cache holding the tiny qwen2 model compiled for BUCKET (built once)."""
+    root = tmp_path_factory.mktemp("aoti-cache")
+    engine = engine_for("qwen2")
+    (_, entry, info), = build_aoti(engine.model, engine.device, [BUCKET], ArtifactCache(root))
+    assert info["event"] == "built"
+    return root
+
+
+def _aoti_engine(engine, root, **kw):
+    e = copy.copy(engine)
+    e.runner = make_runner(engine.model, engine.device, 4096, True, "aoti",
+                           CompileOptions(buckets=[BUCKET], cache_dir=root, **kw))
+    return e
+
+
+def test_aoti_scores_match_eager(engine_for, aoti_cache):
+    eager = engine_for("qwen2")
+    aoti = _aoti_engine(eager, aoti_cache, rebuild=False)
+    assert isinstance(aoti.runner, BucketedRunner)
+    query, items = "the quick brown fox", ["jumps over", "a lazy dog today", "x"]
+    labels = [5, 17, 99]
+    want = eager.score(query, items, labels, apply_softmax=True)
+    got = aoti.score(query, items, labels, apply_softmax=True)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-5)
+    for pooling in ("last", "mean"):  # plain batches (no shared prefix) in the cascade bucket
+        want = eager.embed(["one two three", "four five"], pooling=pooling)
+        got = aoti.embed(["one two three", "four five"], pooling=pooling)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    stats = aoti.runner.stats()
+    assert stats["misses"] == 0 and stats["batches"] == {BUCKET.name: 3}
+    # the runner's forward() keeps ModelRunner's contract (hidden of the batch's own tokens)
+    batch = pack(_groups(3))
+    with torch.inference_mode():
+        torch.testing.assert_close(aoti.runner.forward(batch), eager.runner.forward(batch), atol=1e-5,
+                                   rtol=1e-5)
+    # too large for every bucket → eager, counted
+    long_text = " ".join(["word"] * 80)
+    torch.testing.assert_close(aoti.embed([long_text]), eager.embed([long_text]), atol=1e-5, rtol=1e-5)
+
+
+def test_aoti_buckets_share_one_weight_copy(engine_for, aoti_cache):
+    engine = engine_for("qwen2")
+    runner = make_runner(engine.model, engine.device, 4096, True, "aoti",
+                         CompileOptions(buckets=None, cache_dir=aoti_cache, rebuild=False))
+    assert [b.name for b in runner.buckets] == [BUCKET.name]  # found through the manifest
+    fn = runner.fns[BUCKET]
+    consts = fn.compiled.get_constant_fqns()
+    assert consts and all(c.startswith("model.") for c in consts)
+
+
+def test_cache_hit_does_not_build(engine_for, aoti_cache, monkeypatch):
+    engine = engine_for("qwen2")
+    monkeypatch.setattr("boundgen.compile.runner.build_package",
+                        lambda *a, **k: pytest.fail("cache hit must not rebuild"))
+    (_, _, info), = build_aoti(engine.model, engine.device, [BUCKET], ArtifactCache(aoti_cache),
+                               rebuild=False)
+    assert info["event"] == "hit"
+    manifest = json.loads((aoti_cache / "manifest.json").read_text())
+    (entry,) = manifest["entries"].values()
+    assert entry["slot"]["bucket"] == BUCKET.name and entry["platform"]["torch"] == torch.__version__
+
+
+@pytest.fixture
+def cache_copy(aoti_cache, tmp_path):
+    root = tmp_path / "cache"
+    shutil.copytree(aoti_cache, root)
+    return root
+
+
+def _stub_builder(source_pkg):
+    calls = []
+
+    def build(path):
+        calls.append(path)
+        shutil.copy(source_pkg, path)
+        return {"export_s": 0.0, "compile_s": 0.0}
+
+    return build, calls
+
+
+@pytest.mark.parametrize("damage", ["stale", "corrupt", "missing_file", "bad_meta"])
+def test_damaged_artifact_is_never_loaded(engine_for, cache_copy, aoti_cache, damage):
+    engine = engine_for("qwen2")
+    cache = ArtifactCache(cache_copy)
+    (slot,) = aoti_slots(engine.model, engine.device, [BUCKET], "none")
+    plat = platform_info(engine.device)
+    d = cache.dir_for(slot)
+    good_pkg = ArtifactCache(aoti_cache).dir_for(slot) / "package.pt2"
+    if damage == "stale":
+        meta = json.loads((d / "meta.json").read_text())
+        meta["platform"]["torch"] = "2.11.0+cu130"
+        (d / "meta.json").write_text(json.dumps(meta))
+        kind = "stale"
+    elif damage == "corrupt":
+        data = bytearray((d / "package.pt2").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (d / "package.pt2").write_bytes(bytes(data))
+        kind = "corrupt"
+    elif damage == "missing_file":
+        (d / "package.pt2").unlink()
+        kind = "corrupt"
+    else:
+        (d / "meta.json").write_text("{not json")
+        kind = "corrupt"
+    with pytest.raises(ArtifactError) as err:
+        cache.lookup(slot, plat)
+    assert err.value.kind == kind
+    # rebuilding off: a clear refusal naming the fix
+    with pytest.raises(ArtifactError, match="boundgen compile"):
+        make_runner(engine.model, engine.device, 4096, True, "aoti",
+                    CompileOptions(buckets=[BUCKET], cache_dir=cache_copy, rebuild=False))
+    # auto never fails because of it (eager on CPU anyway)
+    assert make_runner(engine.model, engine.device, 4096, True, "auto",
+                       CompileOptions(cache_dir=cache_copy)).backend_name == "eager"
+    # rebuilding on: rebuilt once, then a verified hit
+    build, calls = _stub_builder(good_pkg)
+    entry = cache.get_or_build(slot, plat, build, rebuild=True)
+    assert len(calls) == 1 and entry.meta["platform"] == plat
+    assert cache.lookup(slot, plat).path == entry.path
+
+
+def test_missing_artifact(engine_for, tmp_path):
+    engine = engine_for("qwen2")
+    with pytest.raises(ArtifactError, match="boundgen compile"):
+        make_runner(engine.model, engine.device, 4096, True, "aoti",
+                    CompileOptions(buckets=None, cache_dir=tmp_path))
+    with pytest.raises(ValueError, match="unknown backend"):
+        make_runner(engine.model, engine.device, 4096, True, "fast")
+    with pytest.raises(ValueError, match="CUDA"):
+        make_runner(engine.model, engine.device, 4096, True, "eager+graphs")
+
+
+def test_model_change_is_a_different_slot(engine_for):
+    a = engine_for("qwen2").model
+    b = engine_for("qwen3").model
+    half = copy.deepcopy(a).to(torch.bfloat16)
+    slots = [aoti_slots(m, torch.device("cpu"), [BUCKET], "none")[0] for m in (a, b, half)]
+    assert len({s.key for s in slots}) == 3
+    assert aoti_slots(a, torch.device("cpu"), [BUCKET], "fp8-mlp")[0].key != slots[0].key
+
+
+# -- libstdc++ preload guard ---------------------------------------------------------------------------
+def _fake_probe(lib):
+    """A 'load' that segfaults unless LD_PRELOAD contains `lib` (what the GPU image does)."""
+    code = ("import os, signal, sys\n"
+            f"if {lib!r} not in os.environ.get('LD_PRELOAD', '').split(): os.kill(os.getpid(), signal.SIGSEGV)\n"
+            "print('boundgen-probe-ok')\n")
+    return [sys.executable, "-c", code]
+
+
+def test_preload_detected_and_applied(tmp_path, monkeypatch):
+    lib = preload.libstdcxx_candidates()[0] if preload.libstdcxx_candidates() else None
+    if lib is None:
+        pytest.skip("no system libstdc++ found")
+    monkeypatch.setattr(preload, "loaded_libstdcxx", lambda: None)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("BOUNDGEN_AOTI_REEXECED", raising=False)
+    monkeypatch.delenv("BOUNDGEN_AOTI_PRELOAD", raising=False)
+    ok, detail = preload.probe("unused", command=_fake_probe(lib))
+    assert not ok and "signal 11" in detail
+    result = preload.diagnose("unused", tmp_path, command=_fake_probe(lib))
+    assert result["status"] == "preload" and result["preload"] == lib
+    # the library path refuses rather than crashing the caller
+    with pytest.raises(preload.AOTIUnsafe, match="LD_PRELOAD"):
+        preload.ensure_loadable("unused", tmp_path, allow_reexec=False)
+    # CLI entry points re-exec (cached diagnosis: no probe)
+    execs = []
+    monkeypatch.setattr(preload.os, "execve", lambda exe, argv, env: execs.append(env["LD_PRELOAD"]))
+    preload.reexec_if_needed(tmp_path)
+    assert execs == [lib]
+    monkeypatch.setenv("BOUNDGEN_AOTI_PRELOAD", "off")
+    preload.reexec_if_needed(tmp_path)
+    assert len(execs) == 1
+
+
+def test_preload_broken_and_ok(tmp_path):
+    crash = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    assert preload.diagnose("unused", None, command=crash)["status"] == "broken"
+    fine = [sys.executable, "-c", "print('boundgen-probe-ok')"]
+    assert preload.diagnose("unused", tmp_path, command=fine)["status"] == "ok"
+    assert preload.ensure_loadable("unused", tmp_path)["status"] == "ok"  # cached: no probe
+
+
+def test_real_package_probe_loads(engine_for, aoti_cache):
+    engine = engine_for("qwen2")
+    (slot,) = aoti_slots(engine.model, engine.device, [BUCKET], "none")
+    ok, detail = preload.probe(ArtifactCache(aoti_cache).dir_for(slot) / "package.pt2")
+    assert ok, detail
