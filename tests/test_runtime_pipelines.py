@@ -185,7 +185,8 @@ def test_trace_of_engine_requests(runtime, tmp_path):
 def test_pipelines_on_cuda(tiny_model):
     from boundgen import Engine
 
-    eng = Engine.from_pretrained(tiny_model("qwen2"), device="cuda", dtype="float32")
+    # float32 on CUDA needs the reference attention backend (varlen/flash takes fp16/bf16 only)
+    eng = Engine.from_pretrained(tiny_model("qwen2"), device="cuda", dtype="float32", attention="reference")
     with EngineRuntime(eng, max_wait_ms=2.0) as rt:
         futs = [rt.submit("score", ScoreRequest(QUERY, ITEMS[: i % 5 + 1], LABELS)) for i in range(32)]
         for i, f in enumerate(futs):

@@ -202,6 +202,8 @@ class BatchingNode(Node):
                     torch = executor._torch
                     if stream is None:
                         stream = torch.cuda.Stream(device=executor.device)
+                    # inputs were made by CPU nodes: order after anything they queued on the default stream
+                    stream.wait_stream(torch.cuda.default_stream(executor.device))
                     with torch.cuda.stream(stream):
                         parts = self._run(live)
                     event = torch.cuda.Event()

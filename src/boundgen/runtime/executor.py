@@ -99,7 +99,7 @@ class RequestContext:
     __slots__ = (
         "request_id", "pipeline", "deadline_ns", "start_ns", "stream", "_pipe", "_stats", "_rest", "_values",
         "_joins", "_completed", "_once", "_future", "_home", "_done", "_result", "_error", "_spans", "_events", "_streams", "_lease",
-        "_failed", "_executor", "_node_state", "_annotations", "timeout_ms", "_unwrap",
+        "_failed", "_executor", "_node_state", "_annotations", "timeout_ms", "_unwrap", "_claimed",
     )  # fmt: skip
 
     def __init__(self, executor: Executor, pipe: Pipeline, stats: _PipelineStats, timeout_ms: float | None):
@@ -126,6 +126,7 @@ class RequestContext:
         self._spans: list[tuple] | None = [] if executor.tracer.keep_requests else None
         self._events: list[Any] | None = [None] * len(pipe.plan) if executor._cuda and pipe.has_device_nodes else None
         self._streams: list[Any] | None = [None] * len(pipe.plan) if self._events is not None else None
+        self._claimed = bytearray(len(pipe.plan)) if self._events is not None else None
         self._lease: Lease | None = None
         self._failed = False
         self._node_state = bytearray(len(pipe.plan))  # 0 waiting, 1 running, 2 done
@@ -439,18 +440,27 @@ class Executor:
         if p.node.kind is NodeKind.DEVICE:
             stream = None
             waits = []
+            host_inputs = False
+            claimed = req._claimed
             for slot in p.arg_slots:
                 j = producers[slot]
                 if j >= 0 and events[j] is not None:
                     s = req._streams[j]
-                    if stream is None and s is not None:
-                        stream = s  # continue on the producer's stream: no wait needed
+                    if stream is None and s is not None and not claimed[j]:
+                        claimed[j] = 1  # the first device successor continues on the producer's stream
+                        stream = s
                     elif s is None or s is not stream:
                         waits.append(events[j])
+                else:
+                    host_inputs = True
             if stream is None:
                 stream = self.streams[next(self._stream_rr) % len(self.streams)]
             for ev in waits:
                 stream.wait_event(ev)
+            if host_inputs:
+                # NOTE: a CPU node (or the caller) may have queued device work on the default stream, e.g. a
+                # .to("cuda"); pool streams do not synchronize with it implicitly.
+                stream.wait_stream(self._torch.cuda.default_stream(self.device))
             return stream
         for slot in p.arg_slots:
             j = producers[slot]
