@@ -225,3 +225,20 @@ def test_quant_check_cli(tiny_model_dir, gate_cache, capsys):
     rc = main(["quant-check", "--model", str(tiny_model_dir), "--fp8", "mlp", "--device", "cpu"])
     err = capsys.readouterr().err
     assert rc == 1 and "real FP8 is not available" in err and "--emulate" in err
+
+
+def test_enable_fp8_is_the_engine_seam(tmp_path):
+    from boundgen.quant import Fp8NotSupportedError, enable_fp8, fp8_modules
+
+    ckpt = _fake_checkpoint(tmp_path / "m")
+    model = ToyDecoder()
+    assert enable_fp8(model, ckpt, None) == "none" and fp8_modules(model) == []
+    with pytest.raises(Fp8PolicyError, match="has not passed"):
+        enable_fp8(model, ckpt, "mlp", emulate=True)
+    assert fp8_modules(model) == []  # refused before touching the model
+    with pytest.raises(Fp8NotSupportedError):
+        enable_fp8(model, ckpt, "mlp", force=True)  # CPU, not emulated
+    ev, ref, cand = _crafted(noise=1e-3)
+    record_gate_result(ckpt, "mlp", compare_outputs(ref, cand, ev, "mlp").to_dict())
+    assert enable_fp8(model, ckpt, "MLP", emulate=True) == "mlp"
+    assert len(fp8_modules(model)) == 4

@@ -15,6 +15,7 @@ from boundgen.quant.policy import (
     POLICIES,
     Fp8PolicyError,
     check_policy_allowed,
+    enable_fp8,
     parse_policy,
     select_modules,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "Fp8PolicyError",
     "apply_fp8",
     "check_policy_allowed",
+    "enable_fp8",
     "fp8_modules",
     "fp8_supported",
     "parse_policy",

@@ -100,3 +100,23 @@ def check_policy_allowed(model_dir: str | Path, policy: str, force: bool = False
             return record
         raise Fp8PolicyError(msg)
     return record
+
+
+def enable_fp8(model: nn.Module, model_dir: str | Path, policy: str | None, *, force: bool = False,
+               emulate: bool = False, act_quant: str = "auto", allow_unchecked: bool = False) -> str:
+    """The engine's one call: normalize `policy`, refuse it if the gate failed (or never ran) for the
+    checkpoint in `model_dir` unless forced, then swap the projections in place. Returns the policy name.
+
+    Raises Fp8PolicyError (refused / names do not fit) or Fp8NotSupportedError (no FP8 on this device
+    and not `emulate`) before touching the model.
+    """
+    from boundgen.quant.fp8 import _model_device, apply_fp8, resolve_mode
+
+    name = parse_policy(policy)
+    if name == "none":
+        return name
+    select_modules(model, name)  # names fit?
+    resolve_mode(_model_device(model), emulate)  # device can run it?
+    check_policy_allowed(model_dir, name, force=force, allow_unchecked=allow_unchecked)
+    apply_fp8(model, name, emulate=emulate, act_quant=act_quant)
+    return name

@@ -3,7 +3,8 @@
 Plain torch needs ~5 kernels (abs, amax, div, clamp, cast) and several passes over the [M, K] bf16
 activation; this kernel reads each row once and writes e4m3 + one fp32 scale. Under torch.compile/export
 `Fp8Linear` uses the plain-torch quantizer instead, which Inductor fuses with the op producing the input.
-Numerics match `boundgen.quant.fp8.quantize_rowwise` (same scale, clamp and round-to-nearest-even cast).
+Numerics match `boundgen.quant.fp8.quantize_rowwise` (same expressions for amax, scale and the
+reciprocal, clamp, round-to-nearest-even cast).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ if AVAILABLE:
         cols = tl.arange(0, BLOCK)
         mask = cols < K
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.maximum(amax / FP8_MAX_C, EPS)
-        q = x / scale
+        amax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS * FP8_MAX_C)
+        scale = amax * (1.0 / FP8_MAX_C)
+        q = x * (FP8_MAX_C / amax)
         q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=mask)
