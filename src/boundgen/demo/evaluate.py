@@ -69,6 +69,16 @@ def recommend(engine, trie, prompt: str, k: int = 10) -> list[tuple[object, floa
     return [(trie.item_ids(list(tokens[-trie.depth:])), lp) for tokens, lp in beams]
 
 
+def recommend_many(engine, trie, prompts: list[str], k: int = 10, chunk: int = 64):
+    """`recommend` for many prompts through `engine.beam_search_batch` (one packed prefill per chunk)."""
+    out = []
+    for i in range(0, len(prompts), chunk):
+        for beams in engine.beam_search_batch(prompts[i:i + chunk], beam_width=k, steps=trie.depth,
+                                              top_k=k, trie=trie):
+            out.append([(trie.item_ids(list(tokens[-trie.depth:])), lp) for tokens, lp in beams])
+    return out
+
+
 def relevance_auc(engine, assets: DemoAssets, groups: int = 40) -> tuple[float, int]:
     scores, labels = [], []
     for g in assets.eval["relevance"][:groups]:
@@ -92,11 +102,12 @@ def retrieval_recall(engine, trie, assets: DemoAssets, queries: int = 100, histo
                      for h in assets.eval["history"][:histories]]),
     )
     for name, cases in sets:
+        prompts = [prompt for prompt, _ in cases]
         vals = []
-        for prompt, relevant in cases:
-            got = [item for item, _ in recommend(engine, trie, prompt, k)]
-            invalid += sum(1 for item in got if item not in known)
-            vals.append(recall_at_k(got, relevant, k))
+        for got, (_, relevant) in zip(recommend_many(engine, trie, prompts, k), cases):
+            items = [item for item, _ in got]
+            invalid += sum(1 for item in items if item not in known)
+            vals.append(recall_at_k(items, relevant, k))
         out[name] = sum(vals) / max(1, len(vals))
         out[f"n_{name}"] = len(vals)
     out["invalid"] = invalid

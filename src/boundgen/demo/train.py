@@ -162,7 +162,7 @@ class TinyQwen2(nn.Module):
 
     def hidden(self, input_ids):  # [B, T] -> [B, T, H]
         t = input_ids.shape[1]
-        freqs = torch.outer(torch.arange(t, dtype=torch.float32), self.inv_freq)
+        freqs = torch.outer(torch.arange(t, dtype=torch.float32, device=input_ids.device), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[None, None], emb.sin()[None, None]
         x = self.model.embed_tokens(input_ids)
@@ -278,16 +278,19 @@ def build_examples(enc: Encoder, splits: dict) -> dict[str, list[Example]]:
 
 
 def collate(batch: list[Example], pad_id: int):
+    """Right-padded ids [B, T], target rows/cols/tokens, and next-token targets [B, T-1] (-100 on pad)."""
     t = max(len(e.ids) for e in batch)
     ids = torch.full((len(batch), t), pad_id, dtype=torch.long)
+    nxt = torch.full((len(batch), max(1, t - 1)), -100, dtype=torch.long)
     rows, cols, tgt = [], [], []
     for i, e in enumerate(batch):
         ids[i, : len(e.ids)] = torch.tensor(e.ids)
+        nxt[i, : len(e.ids) - 1] = torch.tensor(e.ids[1:])
         for pos, tok in e.targets:
             rows.append(i)
             cols.append(pos)
             tgt.append(tok)
-    return ids, torch.tensor(rows), torch.tensor(cols), torch.tensor(tgt)
+    return ids, torch.tensor(rows), torch.tensor(cols), torch.tensor(tgt), nxt
 
 
 # ---------------------------------------------------------------- evaluation with the training model
@@ -348,7 +351,7 @@ def evaluate(model: TinyQwen2, enc: Encoder, test: dict, limit: int = 100) -> di
     scores, labels = [], []
     for g in test["relevance"][:limit]:
         seqs = [enc.relevance(g["query"], c["item_id"]) for c in g["candidates"]]
-        ids, _, _, _ = collate([Example(s, []) for s in seqs], enc.label_ids[0])
+        ids, *_ = collate([Example(s, []) for s in seqs], enc.label_ids[0])
         h = model.hidden(ids)[torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])]
         lg = model.logits(h)[:, enc.label_ids]
         scores += (lg[:, 0] - lg[:, 1]).tolist()
@@ -432,7 +435,12 @@ BATCH = {"relevance": 32, "retrieval": 16, "history": 8, "index": 12}
 
 def train(out: Path, *, seed: int = 0, steps: int = 1000, lr: float = 2e-3, threads: int = 1,
           num_items: int = 3000, max_minutes: float = 10.0, eval_limit: int = 100,
-          log_every: int = 50) -> dict:
+          log_every: int = 50, lm_weight: float = 0.2, device: str = "cpu",
+          hidden_size: int = 192, num_layers: int = 4) -> dict:
+    """Build catalog + tokenizer, train, evaluate (own trie beam search), write the checkpoint.
+
+    `lm_weight`: weight of an auxiliary next-token loss on every prompt token (dense signal that
+    teaches the model to read the query before the sparse label/ID losses can)."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -442,8 +450,9 @@ def train(out: Path, *, seed: int = 0, steps: int = 1000, lr: float = 2e-3, thre
     tok = train_tokenizer(cat.corpus_lines(catalog, splits), vocab_size=1536)
     enc = Encoder(tok, catalog)
     vocab = (tok.get_vocab_size() + 63) // 64 * 64
-    config = TinyConfig(vocab_size=vocab)
-    model = TinyQwen2(config)
+    config = TinyConfig(vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                        intermediate_size=hidden_size * 8 // 3 // 32 * 32)
+    model = TinyQwen2(config).to(device)
     data = build_examples(enc, splits)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"catalog {len(catalog.items)} items, vocab {vocab}, {n_params / 1e6:.2f}M params, "
@@ -472,11 +481,14 @@ def train(out: Path, *, seed: int = 0, steps: int = 1000, lr: float = 2e-3, thre
         losses = {}
         for task, bs in BATCH.items():
             batch = rng.sample(data[task], bs)
-            ids, rows, cols, tgt = collate(batch, pad)
-            h = model.hidden(ids)[rows, cols]
-            loss = F.cross_entropy(model.logits(h), tgt)
+            ids, rows, cols, tgt, nxt = (x.to(device) for x in collate(batch, pad))
+            hidden = model.hidden(ids)
+            loss = F.cross_entropy(model.logits(hidden[rows, cols]), tgt)
             losses[task] = loss.item()
             total = total + loss
+            if lm_weight > 0:
+                lm = F.cross_entropy(model.logits(hidden[:, :-1]).flatten(0, 1), nxt.flatten())
+                total = total + lm_weight * lm
         opt.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -487,34 +499,26 @@ def train(out: Path, *, seed: int = 0, steps: int = 1000, lr: float = 2e-3, thre
             print(f"step {step:5d}  {el:5.0f}s  " + "  ".join(f"{k} {v:.3f}" for k, v in losses.items()),
                   flush=True)
     train_s = time.time() - t_train
+    model = model.cpu()
     metrics = evaluate(model, enc, splits["test"], eval_limit)
     print(f"trained {done} steps in {train_s:.0f}s; held-out {metrics}", flush=True)
     meta = {"seed": seed, "steps": done, "train_seconds": round(train_s, 1), "threads": threads,
+            "device": device, "lr": lr, "lm_weight": lm_weight,
             "num_items": num_items, "params": n_params, "heldout_metrics_at_training": metrics}
     save_checkpoint(model, tok, enc, catalog, splits, Path(out), meta)
     print(f"wrote {out}", flush=True)
     return meta
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="boundgen-demo-model", help="output checkpoint directory")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--lr", type=float, default=2e-3)
-    # NOTE: on a CPU shared with other processes, 2 OpenMP threads measured 20x slower than 1
-    # (spin-waiting); 1 thread is also what the shipped model was trained with.
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--num-items", type=int, default=3000)
-    p.add_argument("--max-minutes", type=float, default=10.0,
-                   help="stop early after this much training time (the result is then not reproducible)")
-
-
 def main(argv: list[str] | None = None) -> int:
+    from boundgen.commands.train_demo import add_arguments
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p)
     a = p.parse_args(argv)
     train(Path(a.out), seed=a.seed, steps=a.steps, lr=a.lr, threads=a.threads,
-          num_items=a.num_items, max_minutes=a.max_minutes)
+          num_items=a.num_items, max_minutes=a.max_minutes, lm_weight=a.lm_weight, device=a.device,
+          hidden_size=a.hidden_size, num_layers=a.layers)
     return 0
 
 
