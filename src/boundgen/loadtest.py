@@ -1,0 +1,274 @@
+"""Open-loop HTTP load generator for the serving API (DESIGN §9, W5).
+
+Requests arrive on a fixed schedule (Poisson or uniform) whatever the server does, so queueing shows up
+as latency instead of silently lowering the offered load. Latency is measured from each request's
+scheduled arrival (no coordinated omission). Workloads (DESIGN §9 shapes by default):
+- `score`: `/v1/score`, a 256-token query + 100 candidates × 16 tokens, 2 label tokens (W2 over HTTP);
+- `beam`: `/v1/beam`, a 128-token prompt, beam width 16, 4 steps (W4 over HTTP);
+- `mixed`: 80 % score, 20 % beam.
+Token ids are random in the served model's vocabulary (read from `/v1/models`), seeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda: default, metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    url: str = _f("http://127.0.0.1:8000", "server base URL")
+    workload: str = _f("score", "score | beam | mixed", choices=("score", "beam", "mixed"))
+    qps: float = _f(50.0, "offered requests per second (one step)")
+    qps_steps: tuple[float, ...] = _f((), "run these QPS steps in turn (overrides --qps) and report "
+                                          "the max QPS that meets --slo-ms")
+    duration: float = _f(10.0, "seconds per step")
+    warmup: int = _f(20, "requests sent one by one before measuring")
+    slo_ms: float = _f(20.0, "p99 latency target for max-QPS search")
+    max_error_rate: float = _f(0.01, "a step with more errors than this fails the SLO")
+    arrivals: str = _f("poisson", "poisson | uniform", choices=("poisson", "uniform"))
+    items: int = _f(100, "score: candidates per request")
+    item_tokens: int = _f(16, "score: tokens per candidate")
+    query_tokens: int = _f(256, "score: query tokens")
+    labels: int = _f(2, "score: label tokens")
+    prompt_tokens: int = _f(128, "beam: prompt tokens")
+    beam_width: int = _f(16, "beam: width")
+    steps: int = _f(4, "beam: decode steps")
+    trie: str | None = _f(None, "beam: trie name on the server")
+    beam_fraction: float = _f(0.2, "mixed: share of beam requests")
+    distinct: int = _f(64, "distinct request bodies (generated once, sent round-robin)")
+    vocab_size: int | None = _f(None, "token id range (default: from /v1/models)")
+    api_key: str | None = _f(None, "send `Authorization: Bearer KEY`")
+    timeout_s: float = _f(30.0, "client timeout per request")
+    max_inflight: int = _f(4096, "client connections; arrivals beyond it count as client errors")
+    seed: int = _f(0, "random seed (arrivals and token ids)")
+    label: str | None = _f(None, "name of this run in results and plots (default: the URL)")
+    out: str | None = _f(None, "write results JSON here")
+    plot: str | None = _f(None, "write a PNG latency plot here")
+
+
+@dataclass
+class Sample:
+    kind: str
+    scheduled: float
+    latency_s: float
+    status: int  # HTTP status; 0 = client-side error (connect, timeout)
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------- bodies
+
+
+def _vocab_size(cfg: LoadConfig, client: httpx.Client) -> int:
+    if cfg.vocab_size:
+        return cfg.vocab_size
+    try:
+        data = client.get("/v1/models").json()["data"][0]
+        return int(data.get("vocab_size") or 1000)
+    except Exception:
+        return 1000
+
+
+def make_bodies(cfg: LoadConfig, vocab: int) -> dict[str, list[bytes]]:
+    rng = random.Random(cfg.seed)
+    hi = max(2, min(vocab, 1 << 31)) - 1
+
+    def ids(n: int) -> list[int]:
+        return [rng.randint(1, hi) for _ in range(n)]
+
+    labels = ids(cfg.labels)
+    out: dict[str, list[bytes]] = {"score": [], "beam": []}
+    for _ in range(cfg.distinct):
+        out["score"].append(json.dumps({
+            "query": ids(cfg.query_tokens), "items": [ids(cfg.item_tokens) for _ in range(cfg.items)],
+            "label_token_ids": labels, "apply_softmax": True}).encode())
+        beam = {"prompt": ids(cfg.prompt_tokens), "beam_width": cfg.beam_width, "steps": cfg.steps}
+        if cfg.trie:
+            beam["trie"] = cfg.trie
+        out["beam"].append(json.dumps(beam).encode())
+    return out
+
+
+def arrival_times(cfg: LoadConfig, qps: float, duration: float) -> list[float]:
+    rng = random.Random(cfg.seed + int(qps * 1000))
+    times, t = [], 0.0
+    n = int(qps * duration)
+    for i in range(n):
+        if cfg.arrivals == "uniform":
+            t = i / qps
+        else:
+            t += rng.expovariate(qps)
+            if t >= duration:
+                break
+        times.append(t)
+    return times
+
+
+# ---------------------------------------------------------------------------------------- running
+
+
+async def _run_step(cfg: LoadConfig, bodies: dict[str, list[bytes]], qps: float) -> list[Sample]:
+    headers = {"content-type": "application/json"}
+    if cfg.api_key:
+        headers["authorization"] = f"Bearer {cfg.api_key}"
+    limits = httpx.Limits(max_connections=cfg.max_inflight, max_keepalive_connections=cfg.max_inflight)
+    rng = random.Random(cfg.seed + 1)
+    plan = []
+    for i, t in enumerate(arrival_times(cfg, qps, cfg.duration)):
+        kind = cfg.workload
+        if kind == "mixed":
+            kind = "beam" if rng.random() < cfg.beam_fraction else "score"
+        plan.append((t, kind, bodies[kind][i % len(bodies[kind])]))
+    samples: list[Sample] = []
+    paths = {"score": "/v1/score", "beam": "/v1/beam"}
+
+    async with httpx.AsyncClient(base_url=cfg.url, headers=headers, limits=limits,
+                                 timeout=cfg.timeout_s) as client:
+        async def one(start: float, scheduled: float, kind: str, body: bytes) -> None:
+            status, error = 0, None
+            try:
+                r = await client.post(paths[kind], content=body)
+                status = r.status_code
+                if status != 200:
+                    try:
+                        err = r.json().get("error")
+                        error = err.get("type") if isinstance(err, dict) else str(err)[:80]
+                    except Exception:
+                        error = f"http_{status}"
+            except httpx.HTTPError as exc:
+                error = type(exc).__name__
+            samples.append(Sample(kind, scheduled, time.perf_counter() - (start + scheduled), status,
+                                  error))
+
+        tasks = []
+        start = time.perf_counter()
+        for scheduled, kind, body in plan:
+            delay = start + scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(start, scheduled, kind, body)))
+        await asyncio.gather(*tasks)
+    return samples
+
+
+def _warmup(cfg: LoadConfig, client: httpx.Client, bodies: dict[str, list[bytes]]) -> None:
+    kinds = ["score", "beam"] if cfg.workload == "mixed" else [cfg.workload]
+    for i in range(cfg.warmup):
+        kind = kinds[i % len(kinds)]
+        client.post("/v1/score" if kind == "score" else "/v1/beam",
+                    content=bodies[kind][i % len(bodies[kind])],
+                    headers={"content-type": "application/json"})
+
+
+def summarize(samples: list[Sample], qps: float, duration: float, items: int) -> dict[str, Any]:
+    ok = sorted(s.latency_s * 1e3 for s in samples if s.status == 200)
+    errors: dict[str, int] = {}
+    for s in samples:
+        if s.status != 200:
+            key = f"{s.status}:{s.error}" if s.status else f"client:{s.error}"
+            errors[key] = errors.get(key, 0) + 1
+    span = max([duration] + [s.scheduled + s.latency_s for s in samples])
+    n_ok = len(ok)
+    n_score = sum(1 for s in samples if s.status == 200 and s.kind == "score")
+    return {
+        "qps_target": qps,
+        "requests": len(samples),
+        "ok": n_ok,
+        "errors": errors,
+        "error_rate": (len(samples) - n_ok) / len(samples) if samples else 0.0,
+        "offered_qps": len(samples) / duration if duration else 0.0,
+        "throughput_qps": n_ok / span if span else 0.0,
+        "items_per_s": n_score * items / span if span else 0.0,
+        "latency_ms": {
+            "p50": _pct(ok, 50), "p90": _pct(ok, 90), "p99": _pct(ok, 99),
+            "mean": statistics.fmean(ok) if ok else math.nan, "max": ok[-1] if ok else math.nan,
+        },
+    }
+
+
+def _pct(sorted_ms: list[float], p: float) -> float:
+    if not sorted_ms:
+        return math.nan
+    k = (len(sorted_ms) - 1) * p / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return sorted_ms[lo] + (sorted_ms[hi] - sorted_ms[lo]) * (k - lo)
+
+
+def run_loadtest(cfg: LoadConfig, log=print) -> dict[str, Any]:
+    headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    with httpx.Client(base_url=cfg.url, headers=headers, timeout=cfg.timeout_s) as client:
+        vocab = _vocab_size(cfg, client)
+        bodies = make_bodies(cfg, vocab)
+        _warmup(cfg, client, bodies)
+    steps = list(cfg.qps_steps) or [cfg.qps]
+    results = []
+    for qps in steps:
+        samples = asyncio.run(_run_step(cfg, bodies, qps))
+        summary = summarize(samples, qps, cfg.duration, cfg.items)
+        results.append(summary)
+        lat = summary["latency_ms"]
+        log(f"qps {qps:8.1f}: offered {summary['offered_qps']:8.1f}  ok/s {summary['throughput_qps']:8.1f}"
+            f"  p50 {lat['p50']:8.2f} ms  p90 {lat['p90']:8.2f} ms  p99 {lat['p99']:8.2f} ms"
+            f"  errors {summary['requests'] - summary['ok']}"
+            + (f" {summary['errors']}" if summary["errors"] else ""))
+    passing = [r["qps_target"] for r in results
+               if r["latency_ms"]["p99"] <= cfg.slo_ms and r["error_rate"] <= cfg.max_error_rate]
+    report = {
+        "label": cfg.label or cfg.url,
+        "config": dataclasses.asdict(cfg),
+        "vocab_size": vocab,
+        "steps": results,
+        "slo_ms": cfg.slo_ms,
+        "max_qps_within_slo": max(passing) if passing else None,
+    }
+    if len(steps) > 1:
+        log(f"max QPS with p99 <= {cfg.slo_ms:g} ms: {report['max_qps_within_slo']}")
+    if cfg.out:
+        Path(cfg.out).write_text(json.dumps(report, indent=1))
+    if cfg.plot:
+        plot_reports([report], cfg.plot)
+    return report
+
+
+def plot_reports(reports: list[dict[str, Any]], path: str | Path, title: str | None = None) -> None:
+    """p50 and p99 latency against offered QPS, one line pair per report (side-by-side runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for rep in reports:
+        xs = [s["offered_qps"] for s in rep["steps"]]
+        line = ax.plot(xs, [s["latency_ms"]["p99"] for s in rep["steps"]], "o-",
+                       label=f"{rep['label']} p99")[0]
+        ax.plot(xs, [s["latency_ms"]["p50"] for s in rep["steps"]], "s--", color=line.get_color(),
+                alpha=0.7, label=f"{rep['label']} p50")
+    slo = reports[0].get("slo_ms")
+    if slo:
+        ax.axhline(slo, color="gray", lw=0.8, ls=":", label=f"SLO {slo:g} ms")
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("latency (ms)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or f"{reports[0]['config']['workload']} over HTTP (open loop)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
