@@ -16,7 +16,8 @@ rewritten after every section, so a timeout keeps what finished):
           prompts, 64-256 tokens, 2 labels: tok/s) and W2 (prefix 256 + 100 x 16: ms) for none, mlp
           (Triton and torch quantizer), mlp+attn-proj; bf16 again at the end to show drift.
 - gate:   the fidelity gate (full eval set) for each policy with real FP8, emulated-vs-real agreement, and
-          the bf16-vs-fp32 noise floor on the same eval set (how close two "exact" runs get).
+          the bf16-vs-fp32 noise floor on the same eval set (how close two "exact" runs get), and a
+          sensitivity table (one projection kind in FP8 at a time; MLP without the first/last layer).
 """
 
 from __future__ import annotations
@@ -274,16 +275,19 @@ def _workloads(vocab: int, seed: int = 0, w1_prompts: int = 256):
 class _Policy:
     """Apply a policy in place on engine.model and restore the bf16 modules on exit."""
 
-    def __init__(self, engine, policy: str, act_quant: str = "auto", emulate: bool = False):
+    def __init__(self, engine, policy: str | list[str], act_quant: str = "auto", emulate: bool = False):
+        """`policy`: a policy name, or an explicit list of module names (sensitivity runs)."""
         self.engine, self.policy, self.act_quant = engine, policy, act_quant
         self.emulate = emulate or EMULATE_ALL
 
     def __enter__(self):
-        from boundgen.quant import apply_fp8, select_modules
+        from boundgen.quant import select_modules
+        from boundgen.quant.fp8 import quantize_modules
 
         model = self.engine.model
-        self.originals = {n: model.get_submodule(n) for n in select_modules(model, self.policy)}
-        apply_fp8(model, self.policy, act_quant=self.act_quant, emulate=self.emulate)
+        names = self.policy if isinstance(self.policy, list) else select_modules(model, self.policy)
+        self.originals = {n: model.get_submodule(n) for n in names}
+        quantize_modules(model, names, act_quant=self.act_quant, emulate=self.emulate)
         return self
 
     def __exit__(self, *exc):
@@ -351,6 +355,27 @@ def section_gate(res: dict, args) -> None:
         except Exception as exc:  # noqa: BLE001
             out["reports"][policy] = {"error": repr(exc)[:500]}
             print(f"gate {policy} failed: {exc!r}", flush=True)
+        save(res, args)
+    # sensitivity: which projections cost fidelity (one kind at a time; MLP without the first/last layer)
+    if not args.no_sensitivity:
+        sens = out.setdefault("sensitivity", {})
+        model = engine.model
+        n_layers = len(model.layers)
+        kinds = ["mlp.gate_up_proj", "mlp.down_proj", "self_attn.qkv_proj", "self_attn.o_proj"]
+        variants = {k: [f"layers.{i}.{k}" for i in range(n_layers)] for k in kinds}
+        variants["mlp (layers 1..L-2)"] = [f"layers.{i}.{k}" for i in range(1, n_layers - 1) for k in kinds[:2]]
+        for label, names in variants.items():
+            try:
+                with _Policy(engine, names):
+                    cand = collect_outputs(runner, ev)
+                rep = compare_outputs(ref, cand, ev, label)
+                sens[label] = {"passed": rep.passed, "beam_top1": rep.beam_top1, "failures": rep.failures,
+                               "sets": {x.name: {"spearman": x.spearman_mean, "topk": x.topk_mean,
+                                                 "beam_top1": x.beam_top1} for x in rep.sets}}
+                print(f"sensitivity {label}: {'PASS' if rep.passed else 'FAIL'} beam top-1 {rep.beam_top1} "
+                      + "; ".join(rep.failures), flush=True)
+            except Exception as exc:  # noqa: BLE001
+                sens[label] = {"error": repr(exc)[:500]}
         save(res, args)
     # emulation must reproduce the kernel's numerics: compare emulated and real FP8 on W2-style groups
     try:
@@ -429,6 +454,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
     ap.add_argument("--compile-tokens", default="8192", help="M values that also get torch.compile variants")
     ap.add_argument("--no-noise-floor", action="store_true")
+    ap.add_argument("--no-sensitivity", action="store_true", help="skip per-projection gate runs")
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="exercise model+gate on CPU with the tiny preset and emulated FP8 (no timings)")
     args = ap.parse_args(argv)

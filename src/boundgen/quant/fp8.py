@@ -273,7 +273,14 @@ def apply_fp8(
     """
     from boundgen.quant.policy import select_modules
 
-    names = select_modules(model, policy)
+    return quantize_modules(model, select_modules(model, policy), emulate=emulate, act_quant=act_quant,
+                            fast_accum=fast_accum)
+
+
+def quantize_modules(model: nn.Module, names: list[str], *, emulate: bool = False, act_quant: str = "auto",
+                     fast_accum: bool = False) -> nn.Module:
+    """Swap the named `nn.Linear` modules for `Fp8Linear` in place (the mechanism under `apply_fp8`;
+    also used by the benchmark's per-projection sensitivity runs)."""
     if not names:
         return model
     device = _model_device(model)
@@ -283,6 +290,8 @@ def apply_fp8(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
+        if type(linear) is not nn.Linear:
+            raise TypeError(f"{name} is {type(linear).__name__}, not nn.Linear")
         setattr(parent, child, Fp8Linear.from_linear(linear, mode=mode, act_quant=aq, fast_accum=fast_accum))
         del linear
     return model
