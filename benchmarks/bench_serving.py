@@ -1,0 +1,138 @@
+"""W5 (DESIGN §9): HTTP end to end, open-loop arrivals at fixed QPS steps, p50/p99 and max QPS with
+p99 <= 20 ms — boundgen and the HF transformers eager baseline side by side, in the same run.
+
+Each server runs alone on the device (one after the other) on the same synthetic checkpoint; the load
+generator is `boundgen.loadtest`. Writes `<out-dir>/w5_<workload>.json`, a PNG plot and a Markdown table
+for BENCHMARKS.md.
+
+    python benchmarks/bench_serving.py --device cuda --qps-steps 25 50 100 200 400 800 --duration 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from boundgen.loadtest import LoadConfig, plot_reports, run_loadtest
+
+HERE = Path(__file__).resolve().parent
+
+
+def start(cmd: list[str], url: str, log_path: Path, timeout_s: float = 600) -> subprocess.Popen:
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[:3]} exited with {proc.returncode}; see {log_path}:\n"
+                               + log_path.read_text()[-3000:])
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"{cmd[:3]} not ready after {timeout_s}s; see {log_path}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def markdown(reports: list[dict], slo_ms: float) -> str:
+    rows = ["| server | offered QPS | ok/s | p50 ms | p90 ms | p99 ms | errors |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for rep in reports:
+        for s in rep["steps"]:
+            lat = s["latency_ms"]
+            rows.append(f"| {rep['label']} | {s['offered_qps']:.0f} | {s['throughput_qps']:.0f} | "
+                        f"{lat['p50']:.2f} | {lat['p90']:.2f} | {lat['p99']:.2f} | "
+                        f"{s['requests'] - s['ok']} |")
+    rows.append("")
+    for rep in reports:
+        rows.append(f"- {rep['label']}: max QPS with p99 <= {slo_ms:g} ms: "
+                    f"**{rep['max_qps_within_slo']}**")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint dir (default: make --preset)")
+    p.add_argument("--preset", default="qwen2.5-0.5b", help="synthetic checkpoint preset (DESIGN §9)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--servers", nargs="+", default=["boundgen", "hf"], choices=["boundgen", "hf"])
+    p.add_argument("--workload", default="score", choices=["score", "beam", "mixed"],
+                   help="the HF baseline serves score only")
+    p.add_argument("--qps-steps", type=float, nargs="+", default=[25, 50, 100, 200, 400])
+    p.add_argument("--duration", type=float, default=15.0)
+    p.add_argument("--slo-ms", type=float, default=20.0)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--serve-args", default="", help="extra `boundgen serve` flags, one string")
+    p.add_argument("--out-dir", default=str(HERE / "results" / "serving"))
+    args = p.parse_args(argv)
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if model is None:
+        from boundgen.checkpoints import default_model_dir, make_model
+
+        model = default_model_dir() / f"{args.preset}-bf16"
+        if not (model / "config.json").exists():
+            make_model(args.preset, model, dtype="bfloat16", overwrite=True)
+    reports = []
+    for i, name in enumerate(args.servers):
+        port = args.port + i
+        url = f"http://127.0.0.1:{port}"
+        common = ["--model", str(model), "--port", str(port), "--max-queue", "4096",
+                  "--log-level", "warning"]
+        if name == "boundgen":
+            cmd = [sys.executable, "-m", "boundgen.cli", "serve", *common, "--device", args.device,
+                   "--dtype", args.dtype, *args.serve_args.split()]
+        else:
+            cmd = [sys.executable, str(HERE / "baseline_hf_server.py"), *common,
+                   "--device", args.device, "--dtype", args.dtype]
+        print(f"== {name}: {' '.join(cmd)}", flush=True)
+        proc = start(cmd, url, out_dir / f"{name}.log")
+        try:
+            cfg = LoadConfig(url=url, workload=args.workload, qps_steps=tuple(args.qps_steps),
+                             duration=args.duration, slo_ms=args.slo_ms, warmup=args.warmup,
+                             label=name)
+            report = run_loadtest(cfg)
+            report["server_metrics_tail"] = httpx.get(url + "/metrics").text[-20000:]
+            reports.append(report)
+        finally:
+            stop(proc)
+    stem = out_dir / f"w5_{args.workload}"
+    env = {"device": args.device, "dtype": args.dtype, "model": str(model),
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    Path(f"{stem}.json").write_text(json.dumps({"env": env, "reports": reports}, indent=1))
+    plot_reports(reports, f"{stem}.png",
+                 title=f"W5 {args.workload} over HTTP, {Path(model).name}, {args.device}")
+    table = markdown(reports, args.slo_ms)
+    Path(f"{stem}.md").write_text(table + "\n")
+    print(table)
+    print(f"wrote {stem}.json, {stem}.png, {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
