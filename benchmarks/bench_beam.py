@@ -26,16 +26,13 @@ from boundgen.checkpoints import ensure_model  # noqa: E402
 
 
 def make_items(num_items: int, vocab_lo: int, seed: int = 0) -> torch.Tensor:
-    """[items, 4] token ids: levels use disjoint 256-token ranges starting at `vocab_lo`."""
+    """[items, 4] unique token ids: 3 semantic codes (distinct 3-code prefixes) + a disambiguation code;
+    each level uses its own 256-token range starting at `vocab_lo`."""
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (num_items * 2, 3), generator=g)
-    codes = torch.unique(codes, dim=0)[torch.randperm(num_items * 2, generator=g)[: num_items] % torch.unique(codes, dim=0).shape[0]]
-    codes = torch.unique(codes, dim=0)
-    # 4th code disambiguates: a counter within identical 3-code prefixes (here all prefixes are unique → 0..).
-    fourth = torch.randint(0, 4, (codes.shape[0], 1), generator=g)
-    items = torch.cat([codes, fourth], 1)
-    offsets = torch.tensor([0, 256, 512, 768]) + vocab_lo
-    return (items + offsets)[:num_items]
+    flat = torch.randperm(256**3, generator=g)[:num_items]
+    codes = torch.stack([flat // 65536, (flat // 256) % 256, flat % 256], 1)
+    fourth = torch.randint(0, 256, (num_items, 1), generator=g)
+    return torch.cat([codes, fourth], 1) + torch.tensor([0, 256, 512, 768]) + vocab_lo
 
 
 def hf_prefix_fn(items: torch.Tensor, prompt_len: int):
