@@ -1,0 +1,94 @@
+"""`boundgen loadtest` against a real uvicorn server in a thread, its statistics, and the HF baseline
+server's parity with the engine through the same HTTP API."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+import uvicorn  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from boundgen import Engine  # noqa: E402
+from boundgen.loadtest import LoadConfig, Sample, arrival_times, run_loadtest, summarize  # noqa: E402
+from boundgen.server.app import create_app  # noqa: E402
+from boundgen.server.config import ServerConfig  # noqa: E402
+from boundgen.server.testing import free_port, tiny_model_dir  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("lt"))
+
+
+def test_arrivals_and_summary():
+    cfg = LoadConfig(arrivals="uniform")
+    assert arrival_times(cfg, 10, 2) == [i / 10 for i in range(20)]
+    poisson = arrival_times(LoadConfig(), 200, 5)
+    assert 800 < len(poisson) < 1200 and all(0 <= t < 5 for t in poisson)
+    samples = [Sample("score", i / 100, (i + 1) / 1000, 200) for i in range(99)]
+    samples.append(Sample("score", 0.99, 0.5, 429, "overloaded_error"))
+    s = summarize(samples, qps=100, duration=1.0, items=10)
+    assert s["ok"] == 99 and s["errors"] == {"429:overloaded_error": 1}
+    assert s["latency_ms"]["p50"] == pytest.approx(50.0) and s["latency_ms"]["max"] == pytest.approx(99)
+    assert s["error_rate"] == pytest.approx(0.01)
+    assert math.isnan(summarize([], 1, 1, 1)["latency_ms"]["p99"])
+
+
+def test_loadtest_against_live_server(model_dir, tmp_path):
+    engine = Engine.from_pretrained(model_dir, device="cpu")
+    port = free_port()
+    config = uvicorn.Config(create_app(engine, ServerConfig(port=port)), host="127.0.0.1", port=port,
+                            log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        cfg = LoadConfig(url=f"http://127.0.0.1:{port}", workload="mixed", qps_steps=(4.0, 8.0),
+                         duration=1.5, warmup=2, items=4, item_tokens=4, query_tokens=8,
+                         prompt_tokens=8, beam_width=2, steps=2, slo_ms=10_000, distinct=4,
+                         out=str(tmp_path / "r.json"), plot=str(tmp_path / "r.png"))
+        report = run_loadtest(cfg, log=lambda *a: None)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert report["vocab_size"] == engine.config.vocab_size
+    assert [s["qps_target"] for s in report["steps"]] == [4.0, 8.0]
+    assert all(s["ok"] == s["requests"] > 0 for s in report["steps"]), report["steps"]
+    assert report["max_qps_within_slo"] == 8.0
+    assert json.loads((tmp_path / "r.json").read_text())["steps"][0]["latency_ms"]["p99"] > 0
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_hf_baseline_server_matches_engine(model_dir):
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from baseline_hf_server import HFScorer
+    finally:
+        sys.path.pop(0)
+    engine = Engine.from_pretrained(model_dir, device="cpu", dtype="float32")
+    with TestClient(create_app(HFScorer(model_dir, "cpu", "float32"),
+                               ServerConfig(runtime=False))) as c:
+        for body in ({"query": "the user likes", "items": [" red shoes", " a blue hat and more"],
+                      "label_token_ids": [3, 7, 11]},
+                     {"query": [1, 2, 3], "items": [[4], [5, 6, 7, 8]], "label_token_ids": [9, 10],
+                      "item_first": True, "apply_softmax": True}):
+            r = c.post("/v1/score", json=body)
+            assert r.status_code == 200, r.text
+            want = engine.score(body["query"], body["items"], body["label_token_ids"],
+                                apply_softmax=body.get("apply_softmax", False),
+                                item_first=body.get("item_first", False))
+            np.testing.assert_allclose(r.json()["scores"], want, rtol=1e-4, atol=1e-5)
+        r = c.post("/v1/beam", json={"prompt": "x", "beam_width": 2, "steps": 1})
+        assert r.status_code == 400 and "/v1/score" in r.json()["error"]["message"]
