@@ -379,3 +379,16 @@ def test_config_file_and_validation(tmp_path):
     with pytest.raises(ValueError, match="max_queue"):
         config_from_dict({"max_queue": 0})
     assert ServerConfig().host == "127.0.0.1"
+
+
+def test_default_model_without_demo(tmp_path, monkeypatch):
+    import boundgen.demo
+    from boundgen.commands import serve
+
+    def missing():
+        raise FileNotFoundError("no demo")
+
+    monkeypatch.setattr(boundgen.demo, "default_model_path", missing)
+    monkeypatch.setenv("BOUNDGEN_CACHE", str(tmp_path))
+    path = serve.default_model()
+    assert path == tmp_path / "tiny" and (path / "config.json").exists()

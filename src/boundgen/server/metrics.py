@@ -57,6 +57,22 @@ class _RuntimeCollector:
         inflight = GaugeMetricFamily("boundgen_runtime_inflight", "requests inside the runtime")
         errors = CounterMetricFamily("boundgen_runtime_errors", "runtime request failures",
                                      labels=["pipeline", "status"])
+        batches = CounterMetricFamily("boundgen_runtime_batches", "forward batches merged across requests",
+                                      labels=["node"])
+        batched = CounterMetricFamily("boundgen_runtime_batched_requests",
+                                      "requests merged into batches", labels=["node"])
+        batch_tokens = CounterMetricFamily("boundgen_runtime_batched_tokens",
+                                           "tokens in merged batches", labels=["node"])
+        try:
+            for node, st in self.runtime.stats().get("batching", {}).items():
+                batches.add_metric([node], float(st.get("batches", 0)))
+                batched.add_metric([node], float(st.get("requests", 0)))
+                batch_tokens.add_metric([node], float(st.get("tokens", 0)))
+        except Exception:
+            pass
+        yield batches
+        yield batched
+        yield batch_tokens
         try:
             tracer = self.runtime.executor.tracer
             for (pipeline, node), h in sorted(tracer._hist.items()):
