@@ -293,6 +293,8 @@ def test_models_health_metrics(client):
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
     check_snapshot("models", models)
     assert client.get("/health").json() == {"status": "ok"}
+    client.post("/v1/score", json={"query": [1], "items": [[2]], "label_token_ids": [3]})
+    client.post("/v1/score", json={"query": [1], "items": [[-2]], "label_token_ids": [3]})
     text = client.get("/metrics").text
     node_hist = ("boundgen_runtime_node_seconds_bucket" if "boundgen_runtime_inflight" in text
                  else "boundgen_node_seconds_bucket")
@@ -300,7 +302,7 @@ def test_models_health_metrics(client):
                  "boundgen_queue_depth", "boundgen_batch_tokens", "boundgen_items_total",
                  "boundgen_errors_total", "boundgen_device_memory_bytes"):
         assert name in text, name
-    assert 'endpoint="score"' in text
+    assert 'boundgen_errors_total{endpoint="score",type="invalid_request_error"}' in text
 
 
 def test_unknown_route_and_method(client):
