@@ -24,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eval-set size: full = DESIGN §9 shapes (default on cuda), small (default on cpu), ci (seconds)")
     parser.add_argument("--eval-set", action="append", default=[], metavar="JSON",
                         help="extra held-out eval set (EvalSet.to_json format); may repeat")
+    parser.add_argument("--no-demo-set", action="store_true",
+                        help="skip the held-out set a demo checkpoint ships (eval.json), used by default")
+    parser.add_argument("--noise-floor", action="store_true",
+                        help="also compare bf16 with fp32 on the same set (context for the thresholds)")
     parser.add_argument("--labels", type=int, nargs="+", default=None, help="label token ids to score")
     parser.add_argument("--seed", type=int, default=0, help="eval-set seed (default 0)")
     parser.add_argument("--attention", default="auto", help="attention backend (auto | reference | varlen)")
@@ -46,7 +50,14 @@ def load_reference_engine(model_dir, device, dtype="bfloat16", **overrides):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from boundgen.quant.fidelity import EvalSet, gate_engine, make_eval_set
+    from boundgen.quant.fidelity import (
+        EvalSet,
+        collect_outputs,
+        compare_outputs,
+        engine_runner,
+        gate_engine,
+        make_eval_set,
+    )
     from boundgen.quant.fp8 import fp8_supported
     from boundgen.quant.gate_cache import cache_path, record_gate_result
     from boundgen.quant.policy import POLICIES
@@ -62,11 +73,22 @@ def run(args: argparse.Namespace) -> int:
     eval_set = make_eval_set(engine.config.vocab_size, args.labels, scale=scale, seed=args.seed)
     for path in args.eval_set:
         eval_set = eval_set.extend(EvalSet.load(path))
+    demo = None if args.no_demo_set else EvalSet.from_demo_dir(args.model, engine.tokenizer.encode)
+    if demo is not None:
+        eval_set = eval_set.extend(demo)
     print(f"model {args.model} on {engine.device} ({engine.dtype}); eval set {eval_set.name}: "
           f"{sum(len(c.items) for c in eval_set.score_cases)} scored items in {len(eval_set.score_cases)} "
           f"groups, {len(eval_set.beam_cases)} beam prompts", flush=True)
+    ref = collect_outputs(engine_runner(engine), eval_set)
     reports = gate_engine(engine, policies, eval_set, emulate=args.emulate,
-                          log=lambda line: print(line, flush=True))
+                          log=lambda line: print(line, flush=True), reference_outputs=ref)
+    if args.noise_floor:
+        # How close two "exact" runs get: bf16 (the reference above) against fp32 with SDPA attention.
+        del engine
+        engine32 = load_reference_engine(args.model, device, "float32", attention="reference")
+        floor = compare_outputs(collect_outputs(engine_runner(engine32), eval_set), ref, eval_set,
+                                "bf16 vs fp32 (noise floor, not recorded)")
+        print(floor.format(), flush=True)
     if not args.no_record:
         for policy, report in reports.items():
             if policy != "none":

@@ -132,6 +132,32 @@ class EvalSet:
                    [BeamCase(**c) for c in d.get("beam_cases", [])])
 
     @classmethod
+    def from_demo_dir(cls, model_dir: str | Path, encode: Callable[[str], list[int]], groups: int = 80,
+                      prompts: int = 100, beam_width: int = 10) -> "EvalSet | None":
+        """The held-out set shipped with a demo checkpoint (`eval.json` + `demo.json` + `catalog.json`,
+        see boundgen.demo): relevance groups scored per query and pooled over all (query, item) pairs,
+        and retrieval prompts decoded with `sid_levels` unconstrained beam steps. None if absent."""
+        model_dir = Path(model_dir)
+        files = [model_dir / n for n in ("eval.json", "demo.json", "catalog.json")]
+        if not all(f.is_file() for f in files):
+            return None
+        ev, meta, catalog = (json.loads(f.read_text()) for f in files)
+        t = meta["templates"]
+        labels = list(meta["label_token_ids"])
+        titles = {int(it["item_id"]): it["title"] for it in catalog["items"]}
+        cases, pooled = [], []
+        for g in ev.get("relevance", [])[:groups]:
+            query = encode(t["relevance_query"].format(query=g["query"]))
+            items = [encode(t["relevance_item"].format(title=titles[int(c["item_id"])])) for c in g["candidates"]]
+            cases.append(ScoreCase("demo", query, items, labels))
+            pooled += [query + item for item in items]
+        if pooled:
+            cases.append(ScoreCase("demo-pooled", [], pooled, labels))
+        beams = [BeamCase("demo", encode(t["retrieval"].format(query=q["query"])), beam_width,
+                          int(meta.get("sid_levels", 3))) for q in ev.get("retrieval", [])[:prompts]]
+        return cls(f"demo:{model_dir.name}", cases, beams)
+
+    @classmethod
     def load(cls, path: str | Path) -> "EvalSet":
         """A held-out set saved with `to_json` (e.g. the demo model's real queries, as token ids)."""
         return cls.from_json(Path(path).read_text())
@@ -406,7 +432,8 @@ def run_gate(reference: ModelRunner, candidate: ModelRunner, eval_set: EvalSet, 
 
 def gate_engine(engine, policies: Sequence[str], eval_set: EvalSet, *, emulate: bool = False,
                 act_quant: str = "auto", thresholds: GateThresholds = GateThresholds(),
-                log: Callable[[str], None] | None = None) -> dict[str, GateReport]:
+                log: Callable[[str], None] | None = None,
+                reference_outputs: EvalOutputs | None = None) -> dict[str, GateReport]:
     """Run the gate for each policy on one loaded (bf16) engine: the reference outputs are collected once,
     each policy is applied in place to `engine.model`, measured, and undone (original modules restored)."""
     from boundgen.quant.fp8 import apply_fp8
@@ -415,7 +442,7 @@ def gate_engine(engine, policies: Sequence[str], eval_set: EvalSet, *, emulate: 
     model = engine.model
     runner = engine_runner(engine)
     t0 = time.perf_counter()
-    ref = collect_outputs(runner, eval_set)
+    ref = reference_outputs if reference_outputs is not None else collect_outputs(runner, eval_set)
     ref_s = time.perf_counter() - t0
     if log:
         log(f"reference outputs: {len(eval_set.score_cases)} score groups, {len(eval_set.beam_cases)} beam "
