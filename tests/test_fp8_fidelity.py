@@ -242,3 +242,25 @@ def test_enable_fp8_is_the_engine_seam(tmp_path):
     record_gate_result(ckpt, "mlp", compare_outputs(ref, cand, ev, "mlp").to_dict())
     assert enable_fp8(model, ckpt, "MLP", emulate=True) == "mlp"
     assert len(fp8_modules(model)) == 4
+
+
+def test_demo_heldout_set_from_checkpoint_files(tmp_path):
+    assert EvalSet.from_demo_dir(tmp_path, lambda s: [1]) is None
+    (tmp_path / "catalog.json").write_text(json.dumps({"items": [
+        {"item_id": i, "title": f"item {i}"} for i in range(4)]}))
+    (tmp_path / "demo.json").write_text(json.dumps({
+        "templates": {"relevance_query": "Q: {query}\n", "relevance_item": "I: {title}\nR:",
+                      "retrieval": "Q: {query}\nID:"},
+        "label_token_ids": [5, 6], "sid_levels": 3}))
+    (tmp_path / "eval.json").write_text(json.dumps({
+        "relevance": [{"query": "a", "candidates": [{"item_id": 0, "label": 1}, {"item_id": 2, "label": 0}]},
+                      {"query": "b", "candidates": [{"item_id": 1, "label": 1}, {"item_id": 3, "label": 0}]}],
+        "retrieval": [{"query": "c", "relevant": [1]}]}))
+    encode = lambda text: [ord(ch) for ch in text]  # noqa: E731
+    ev = EvalSet.from_demo_dir(tmp_path, encode)
+    assert [c.set_name for c in ev.score_cases] == ["demo", "demo", "demo-pooled"]
+    assert ev.score_cases[0].query == encode("Q: a\n") and ev.score_cases[0].items[1] == encode("I: item 2\nR:")
+    assert ev.score_cases[2].query == [] and len(ev.score_cases[2].items) == 4
+    assert ev.score_cases[0].label_token_ids == [5, 6]
+    (beam,) = ev.beam_cases
+    assert beam.prompt == encode("Q: c\nID:") and (beam.beam_width, beam.steps) == (10, 3)
