@@ -97,10 +97,10 @@ class Limits:
             raise TooLarge(f"{what} has {n} entries; the limit is {limit} (option {option})")
 
     def token_ids(self, what: str, ids: list[int]) -> None:
-        for t in ids:
-            if t < 0 or t >= self.vocab_size:
-                raise BadRequest(f"{what} contains token id {t}, outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):  # C loops: the common case
+            return
+        bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
+        raise BadRequest(f"{what} contains token id {bad}, outside the vocabulary [0, {self.vocab_size})")
 
     def tokens(self, what: str, n: int, limit: int, option: str) -> None:
         if n == 0:
