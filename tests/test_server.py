@@ -394,3 +394,24 @@ def test_default_model_without_demo(tmp_path, monkeypatch):
     monkeypatch.setenv("BOUNDGEN_CACHE", str(tmp_path))
     path = serve.default_model()
     assert path == tmp_path / "tiny" and (path / "config.json").exists()
+
+
+def test_deadline_504_on_both_paths(client):
+    items = [[(7 * i + j) % 2000 + 1 for j in range(48)] for i in range(64)]
+    r = client.post("/v1/score", json={"query": list(range(1, 200)), "items": items,
+                                       "label_token_ids": [1], "timeout_ms": 1})
+    assert error_of(r, 504)["type"] == "timeout_error"
+    assert client.post("/v1/score", json={"query": [1], "items": [[2]],
+                                          "label_token_ids": [3]}).status_code == 200
+
+
+def test_serve_flags_override_config_file(tmp_path):
+    from boundgen.cli import build_parser
+    from boundgen.commands.serve import resolve_configs
+
+    (tmp_path / "c.toml").write_text('port = 9100\nmax_queue = 5\n[engine]\nmax_items = 7\n')
+    args = build_parser().parse_args(["serve", "--config", str(tmp_path / "c.toml"), "--port", "9200",
+                                      "--device", "cpu", "--no-runtime"])
+    server, engine = resolve_configs(args)
+    assert (server.port, server.max_queue, server.runtime) == (9200, 5, False)
+    assert (engine.max_items, engine.device) == (7, "cpu")
