@@ -76,7 +76,8 @@ class ServerState:
         self.engine = engine
         self.config = config
         self.metrics = Metrics()
-        self.tries = dict(tries) if tries is not None else load_tries(config)
+        device = getattr(engine, "device", "cpu")
+        self.tries = dict(tries) if tries is not None else load_tries(config, device)
         if runtime is None and config.runtime:
             runtime = make_runtime(engine, config)
         self.runtime = runtime
@@ -151,13 +152,14 @@ def _default_engine_config() -> Any:
     return EngineConfig()
 
 
-def load_tries(config: ServerConfig) -> dict[str, Any]:
+def load_tries(config: ServerConfig, device: Any = "cpu") -> dict[str, Any]:
+    """The config's tries, on the engine's device (a beam request never copies a trie)."""
     paths = config.trie_paths()
     if not paths:
         return {}
     from boundgen import Trie
 
-    return {name: Trie.from_file(path) for name, path in paths.items()}
+    return {name: Trie.from_file(path, device=device) for name, path in paths.items()}
 
 
 # ----------------------------------------------------------------------------------------------
