@@ -38,7 +38,9 @@ import torch.nn.functional as F
 from boundgen.quant.fp8 import Fp8Linear, fp8_supported, quantize_rowwise, quantize_weight
 
 SECTIONS = ("env", "gemm", "quant", "mlp", "model", "gate")
-EMULATE_ALL = False  # --dry-run-cpu: every policy emulated (exercises the model/gate code paths on CPU)
+EMULATE_ALL = (
+    False  # --dry-run-cpu: every policy emulated (exercises the model/gate code paths on CPU)
+)
 POLICIES = ("none", "mlp", "mlp+attn-proj")
 
 
@@ -87,8 +89,12 @@ def preset_shapes(presets: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
         p = PRESETS[name]
         h, inter, hd = p["hidden_size"], p["intermediate_size"], p["head_dim"]
         q, kv = p["num_attention_heads"] * hd, p["num_key_value_heads"] * hd
-        out[name] = {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h),
-                     "gate_up_proj": (h, 2 * inter), "down_proj": (inter, h)}
+        out[name] = {
+            "qkv_proj": (h, q + 2 * kv),
+            "o_proj": (q, h),
+            "gate_up_proj": (h, 2 * inter),
+            "down_proj": (inter, h),
+        }
     return out
 
 
@@ -100,8 +106,12 @@ def section_env(res: dict, args) -> None:
 
     ok, reason = fp8_supported("cuda")
     res["env"] = {
-        "torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
-        "capability": list(torch.cuda.get_device_capability(0)), "fp8_supported": ok, "fp8_reason": reason,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0),
+        "capability": list(torch.cuda.get_device_capability(0)),
+        "fp8_supported": ok,
+        "fp8_reason": reason,
         "triton": triton_quant.AVAILABLE,
         "triton_self_test": triton_quant.self_test(0) if triton_quant.AVAILABLE else "no triton",
     }
@@ -126,8 +136,16 @@ def section_gemm(res: dict, args) -> None:
                     a8, sa = quantize_rowwise(x)
                     w8, sw = quantize_weight(w)
                     for fast in (False, True):
-                        row[f"scaled_mm{'_fast' if fast else ''}_ms"] = cuda_time_ms(lambda: torch._scaled_mm(
-                            a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=fast))
+                        row[f"scaled_mm{'_fast' if fast else ''}_ms"] = cuda_time_ms(
+                            lambda: torch._scaled_mm(
+                                a8,
+                                w8.t(),
+                                scale_a=sa,
+                                scale_b=sw,
+                                out_dtype=torch.bfloat16,
+                                use_fast_accum=fast,
+                            )
+                        )
                     for aq in ("torch", "triton"):
                         try:
                             layer = Fp8Linear.from_linear(lin, act_quant=aq)
@@ -145,28 +163,42 @@ def section_gemm(res: dict, args) -> None:
                             row["compiled_error"] = repr(exc)[:300]
                     for key in [k_ for k_ in row if k_.endswith("_ms")]:
                         row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
-                    best_fp8 = min(v for k_, v in row.items() if k_.startswith("fp8_") and k_.endswith("_ms"))
+                    best_fp8 = min(
+                        v for k_, v in row.items() if k_.startswith("fp8_") and k_.endswith("_ms")
+                    )
                     row["speedup_best_fp8_vs_bf16"] = row["bf16_ms"] / best_fp8
                     del x, lin, w, a8, w8
                 except Exception as exc:  # noqa: BLE001
                     row["error"] = repr(exc)[:300]
                 out.append(row)
-                print(f"gemm {preset:13s} {proj:12s} M={m:6d}: " + ", ".join(
-                    f"{k_}={v:.3f}" for k_, v in row.items() if k_.endswith("_ms")), flush=True)
+                print(
+                    f"gemm {preset:13s} {proj:12s} M={m:6d}: "
+                    + ", ".join(f"{k_}={v:.3f}" for k_, v in row.items() if k_.endswith("_ms")),
+                    flush=True,
+                )
     # per-layer totals (sum of that layer's projections) for each policy
     totals = res.setdefault("gemm_layer", [])
     for preset in args.presets:
         for m in args.tokens:
-            rows = {r["proj"]: r for r in out if r["preset"] == preset and r["M"] == m and "bf16_ms" in r}
+            rows = {
+                r["proj"]: r
+                for r in out
+                if r["preset"] == preset and r["M"] == m and "bf16_ms" in r
+            }
             if len(rows) < 4:
                 continue
             bf16 = sum(r["bf16_ms"] for r in rows.values())
             entry = {"preset": preset, "M": m, "bf16_ms": bf16}
             for variant in ("fp8_torch", "fp8_triton", "fp8_compiled", "scaled_mm"):
                 if all(f"{variant}_ms" in r for r in rows.values()):
-                    for policy, projs in (("mlp", ("gate_up_proj", "down_proj")),
-                                          ("mlp+attn-proj", tuple(rows))):
-                        t = sum(rows[p][f"{variant}_ms"] if p in projs else rows[p]["bf16_ms"] for p in rows)
+                    for policy, projs in (
+                        ("mlp", ("gate_up_proj", "down_proj")),
+                        ("mlp+attn-proj", tuple(rows)),
+                    ):
+                        t = sum(
+                            rows[p][f"{variant}_ms"] if p in projs else rows[p]["bf16_ms"]
+                            for p in rows
+                        )
                         entry[f"{policy}[{variant}]_ms"] = t
                         entry[f"{policy}[{variant}]_ratio"] = t / bf16
             totals.append(entry)
@@ -179,7 +211,9 @@ def section_quant(res: dict, args) -> None:
     compiled = None if args.no_compile else torch.compile(quantize_rowwise, dynamic=False)
     for m in args.tokens:
         use_compiled = compiled is not None and m in args.compile_tokens
-        for k in sorted({k_ for projs in preset_shapes(args.presets).values() for k_, _ in projs.values()}):
+        for k in sorted(
+            {k_ for projs in preset_shapes(args.presets).values() for k_, _ in projs.values()}
+        ):
             x = torch.randn(m, k, device=args.device, dtype=torch.bfloat16)
             row = {"M": m, "K": k, "torch_ms": cuda_time_ms(lambda: quantize_rowwise(x))}
             if triton_quant.AVAILABLE:
@@ -199,7 +233,9 @@ class _MLPBlock(torch.nn.Module):
     def __init__(self, h: int, inter: int, dev):
         super().__init__()
         self.norm = torch.nn.RMSNorm(h, device=dev, dtype=torch.bfloat16)
-        self.gate_up_proj = torch.nn.Linear(h, 2 * inter, bias=False, device=dev, dtype=torch.bfloat16)
+        self.gate_up_proj = torch.nn.Linear(
+            h, 2 * inter, bias=False, device=dev, dtype=torch.bfloat16
+        )
         self.down_proj = torch.nn.Linear(inter, h, bias=False, device=dev, dtype=torch.bfloat16)
         torch.nn.init.normal_(self.gate_up_proj.weight, std=0.02)
         torch.nn.init.normal_(self.down_proj.weight, std=0.02)
@@ -228,12 +264,17 @@ def section_mlp(res: dict, args) -> None:
                     if mod is None:
                         mod = _MLPBlock(h, inter, args.device)
                         mod.load_state_dict(block.state_dict())
-                        mod.gate_up_proj = Fp8Linear.from_linear(mod.gate_up_proj, act_quant="torch")
+                        mod.gate_up_proj = Fp8Linear.from_linear(
+                            mod.gate_up_proj, act_quant="torch"
+                        )
                         mod.down_proj = Fp8Linear.from_linear(mod.down_proj, act_quant="torch")
                         row["fp8_eager_ms"] = cuda_time_ms(lambda: mod(x))
-                        ref_branch = block.branch(x).float()  # the residual add would hide the error
-                        row["rel_err"] = float(((mod.branch(x).float() - ref_branch).norm() /
-                                                ref_branch.norm()).item())
+                        ref_branch = block.branch(
+                            x
+                        ).float()  # the residual add would hide the error
+                        row["rel_err"] = float(
+                            ((mod.branch(x).float() - ref_branch).norm() / ref_branch.norm()).item()
+                        )
                     else:
                         row["bf16_eager_ms"] = cuda_time_ms(lambda: mod(x))
                     if not args.no_compile and m in args.compile_tokens:
@@ -242,7 +283,9 @@ def section_mlp(res: dict, args) -> None:
                 for key in [k for k in row if k.endswith("_ms")]:
                     row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
                 if "fp8_compiled_ms" in row:
-                    row["compiled_ratio_fp8_over_bf16"] = row["fp8_compiled_ms"] / row["bf16_compiled_ms"]
+                    row["compiled_ratio_fp8_over_bf16"] = (
+                        row["fp8_compiled_ms"] / row["bf16_compiled_ms"]
+                    )
                 row["eager_ratio_fp8_over_bf16"] = row["fp8_eager_ms"] / row["bf16_eager_ms"]
             except Exception as exc:  # noqa: BLE001
                 row["error"] = repr(exc)[:500]
@@ -266,8 +309,13 @@ def _load_engine(args, dtype="bfloat16", **overrides):
 
 def _workloads(vocab: int, seed: int = 0, w1_prompts: int = 256):
     rng = np.random.default_rng(seed)
-    w1 = [rng.integers(0, vocab, size=int(rng.integers(64, 257))).tolist() for _ in range(w1_prompts)]
-    w2 = (rng.integers(0, vocab, size=256).tolist(), [rng.integers(0, vocab, size=16).tolist() for _ in range(100)])
+    w1 = [
+        rng.integers(0, vocab, size=int(rng.integers(64, 257))).tolist() for _ in range(w1_prompts)
+    ]
+    w2 = (
+        rng.integers(0, vocab, size=256).tolist(),
+        [rng.integers(0, vocab, size=16).tolist() for _ in range(100)],
+    )
     labels = [vocab // 3, 2 * vocab // 3]
     return w1, w2, labels
 
@@ -275,7 +323,9 @@ def _workloads(vocab: int, seed: int = 0, w1_prompts: int = 256):
 class _Policy:
     """Apply a policy in place on engine.model and restore the bf16 modules on exit."""
 
-    def __init__(self, engine, policy: str | list[str], act_quant: str = "auto", emulate: bool = False):
+    def __init__(
+        self, engine, policy: str | list[str], act_quant: str = "auto", emulate: bool = False
+    ):
         """`policy`: a policy name, or an explicit list of module names (sensitivity runs)."""
         self.engine, self.policy, self.act_quant = engine, policy, act_quant
         self.emulate = emulate or EMULATE_ALL
@@ -300,10 +350,18 @@ class _Policy:
 
 def section_model(res: dict, args) -> None:
     engine, path = _load_engine(args)
-    w1, (w2_prefix, w2_items), labels = _workloads(engine.config.vocab_size, w1_prompts=args.w1_prompts)
+    w1, (w2_prefix, w2_items), labels = _workloads(
+        engine.config.vocab_size, w1_prompts=args.w1_prompts
+    )
     w1_tokens = sum(len(p) for p in w1)
     out = res.setdefault("model", {"checkpoint": str(path), "w1_tokens": w1_tokens, "runs": []})
-    runs = [("none", "auto"), ("mlp", "auto"), ("mlp", "torch"), ("mlp+attn-proj", "auto"), ("none", "auto")]
+    runs = [
+        ("none", "auto"),
+        ("mlp", "auto"),
+        ("mlp", "torch"),
+        ("mlp+attn-proj", "auto"),
+        ("none", "auto"),
+    ]
     for policy, aq in runs:
         label = policy if aq == "auto" else f"{policy}[{aq}]"
         row = {"policy": label}
@@ -317,7 +375,9 @@ def section_model(res: dict, args) -> None:
                     row["act_quant"] = engine.model.get_submodule(mods[0]).act_quant
                 t = wall_time_s(lambda: engine.score([], w1, labels), iters=args.iters)
                 row["w1_s"], row["w1_tok_s"] = t, w1_tokens / t
-                t = wall_time_s(lambda: engine.score(w2_prefix, w2_items, labels), iters=max(5, args.iters))
+                t = wall_time_s(
+                    lambda: engine.score(w2_prefix, w2_items, labels), iters=max(5, args.iters)
+                )
                 row["w2_ms"] = t * 1e3
         except Exception as exc:  # noqa: BLE001
             row["error"] = repr(exc)[:500]
@@ -333,7 +393,12 @@ def section_model(res: dict, args) -> None:
 
 
 def section_gate(res: dict, args) -> None:
-    from boundgen.quant.fidelity import collect_outputs, compare_outputs, engine_runner, make_eval_set
+    from boundgen.quant.fidelity import (
+        collect_outputs,
+        compare_outputs,
+        engine_runner,
+        make_eval_set,
+    )
 
     engine, path = _load_engine(args)
     ev = make_eval_set(engine.config.vocab_size, scale=args.gate_scale)
@@ -363,17 +428,32 @@ def section_gate(res: dict, args) -> None:
         n_layers = len(model.layers)
         kinds = ["mlp.gate_up_proj", "mlp.down_proj", "self_attn.qkv_proj", "self_attn.o_proj"]
         variants = {k: [f"layers.{i}.{k}" for i in range(n_layers)] for k in kinds}
-        variants["mlp (layers 1..L-2)"] = [f"layers.{i}.{k}" for i in range(1, n_layers - 1) for k in kinds[:2]]
+        variants["mlp (layers 1..L-2)"] = [
+            f"layers.{i}.{k}" for i in range(1, n_layers - 1) for k in kinds[:2]
+        ]
         for label, names in variants.items():
             try:
                 with _Policy(engine, names):
                     cand = collect_outputs(runner, ev)
                 rep = compare_outputs(ref, cand, ev, label)
-                sens[label] = {"passed": rep.passed, "beam_top1": rep.beam_top1, "failures": rep.failures,
-                               "sets": {x.name: {"spearman": x.spearman_mean, "topk": x.topk_mean,
-                                                 "beam_top1": x.beam_top1} for x in rep.sets}}
-                print(f"sensitivity {label}: {'PASS' if rep.passed else 'FAIL'} beam top-1 {rep.beam_top1} "
-                      + "; ".join(rep.failures), flush=True)
+                sens[label] = {
+                    "passed": rep.passed,
+                    "beam_top1": rep.beam_top1,
+                    "failures": rep.failures,
+                    "sets": {
+                        x.name: {
+                            "spearman": x.spearman_mean,
+                            "topk": x.topk_mean,
+                            "beam_top1": x.beam_top1,
+                        }
+                        for x in rep.sets
+                    },
+                }
+                print(
+                    f"sensitivity {label}: {'PASS' if rep.passed else 'FAIL'} beam top-1 {rep.beam_top1} "
+                    + "; ".join(rep.failures),
+                    flush=True,
+                )
             except Exception as exc:  # noqa: BLE001
                 sens[label] = {"error": repr(exc)[:500]}
         save(res, args)
@@ -384,10 +464,15 @@ def section_gate(res: dict, args) -> None:
             real = collect_outputs(runner, sub)
         with _Policy(engine, "mlp", emulate=True):
             emu = collect_outputs(runner, sub)
-        diff = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(real.scores, emu.scores))
+        diff = max(
+            float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(real.scores, emu.scores)
+        )
         rep = compare_outputs(real, emu, sub, "mlp emulated vs real")
-        out["emulation_vs_real"] = {"max_abs_diff": diff, "spearman_mean": rep.sets[0].spearman_mean,
-                                    "topk_mean": rep.sets[0].topk_mean}
+        out["emulation_vs_real"] = {
+            "max_abs_diff": diff,
+            "spearman_mean": rep.sets[0].spearman_mean,
+            "topk_mean": rep.sets[0].topk_mean,
+        }
         print("emulation vs real", out["emulation_vs_real"], flush=True)
     except Exception as exc:  # noqa: BLE001
         out["emulation_vs_real"] = {"error": repr(exc)[:500]}
@@ -401,7 +486,9 @@ def section_gate(res: dict, args) -> None:
             engine32, _ = _load_engine(args, dtype="float32", attention="reference")
             ref32 = collect_outputs(engine_runner(engine32), ev)
             report = compare_outputs(ref32, ref, ev, "bf16 vs fp32 (noise floor)")
-            out["noise_floor_note"] = "reference = fp32 engine (SDPA attention), candidate = bf16 engine"
+            out["noise_floor_note"] = (
+                "reference = fp32 engine (SDPA attention), candidate = bf16 engine"
+            )
             out["noise_floor_bf16_vs_fp32"] = report.to_dict()
             print(report.format(), flush=True)
         except Exception as exc:  # noqa: BLE001
@@ -428,15 +515,21 @@ def summary(res: dict) -> str:
     lines = []
     for e in res.get("gemm_layer", []):
         parts = [f"{k}={v:.2f}" for k, v in e.items() if k.endswith("_ratio")]
-        lines.append(f"layer GEMMs {e['preset']} M={e['M']}: bf16 {e['bf16_ms']:.3f} ms; " + ", ".join(parts))
+        lines.append(
+            f"layer GEMMs {e['preset']} M={e['M']}: bf16 {e['bf16_ms']:.3f} ms; " + ", ".join(parts)
+        )
     model = res.get("model", {})
     for r in model.get("runs", []):
         if "w1_tok_s" in r:
-            lines.append(f"W1/W2 {r['policy']:<22} W1 {r['w1_tok_s']/1e3:8.1f}K tok/s (x{r.get('w1_speedup', 1):.2f})"
-                         f"  W2 {r['w2_ms']:7.2f} ms (x{r.get('w2_speedup', 1):.2f})")
+            lines.append(
+                f"W1/W2 {r['policy']:<22} W1 {r['w1_tok_s'] / 1e3:8.1f}K tok/s (x{r.get('w1_speedup', 1):.2f})"
+                f"  W2 {r['w2_ms']:7.2f} ms (x{r.get('w2_speedup', 1):.2f})"
+            )
     for p, r in res.get("gate", {}).get("reports", {}).items():
         if "passed" in r:
-            lines.append(f"gate {p}: {'PASS' if r['passed'] else 'FAIL'} " + "; ".join(r["failures"]))
+            lines.append(
+                f"gate {p}: {'PASS' if r['passed'] else 'FAIL'} " + "; ".join(r["failures"])
+            )
     return "\n".join(lines)
 
 
@@ -446,17 +539,24 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--presets", default="qwen2.5-0.5b,qwen3-0.6b,llama3.2-1b")
     ap.add_argument("--tokens", default="2048,8192,32768", help="GEMM M values")
-    ap.add_argument("--model-preset", default="qwen2.5-0.5b", help="synthetic checkpoint for model/gate")
+    ap.add_argument(
+        "--model-preset", default="qwen2.5-0.5b", help="synthetic checkpoint for model/gate"
+    )
     ap.add_argument("--model", default=None, help="use this checkpoint directory instead")
     ap.add_argument("--gate-scale", default="full", choices=["full", "small", "ci"])
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--w1-prompts", type=int, default=256, help="W1 size (DESIGN §9: 256)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
-    ap.add_argument("--compile-tokens", default="8192", help="M values that also get torch.compile variants")
+    ap.add_argument(
+        "--compile-tokens", default="8192", help="M values that also get torch.compile variants"
+    )
     ap.add_argument("--no-noise-floor", action="store_true")
     ap.add_argument("--no-sensitivity", action="store_true", help="skip per-projection gate runs")
-    ap.add_argument("--dry-run-cpu", action="store_true",
-                    help="exercise model+gate on CPU with the tiny preset and emulated FP8 (no timings)")
+    ap.add_argument(
+        "--dry-run-cpu",
+        action="store_true",
+        help="exercise model+gate on CPU with the tiny preset and emulated FP8 (no timings)",
+    )
     args = ap.parse_args(argv)
     args.compile_tokens = [int(float(t)) for t in args.compile_tokens.split(",") if t]
     args.device = "cuda"
@@ -478,8 +578,14 @@ def main(argv=None) -> int:
     for knob in ("recompile_limit", "cache_size_limit"):  # one compile per benchmarked shape
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 512)
-    funcs = {"env": section_env, "gemm": section_gemm, "quant": section_quant, "mlp": section_mlp,
-             "model": section_model, "gate": section_gate}
+    funcs = {
+        "env": section_env,
+        "gemm": section_gemm,
+        "quant": section_quant,
+        "mlp": section_mlp,
+        "model": section_model,
+        "gate": section_gate,
+    }
     for name in sections:
         t0 = time.perf_counter()
         try:

@@ -44,7 +44,9 @@ class ToyLayer(nn.Module):
 
 
 class ToyDecoder(nn.Module):
-    def __init__(self, vocab: int = 96, hidden: int = 64, inter: int = 128, layers: int = 2, seed: int = 0):
+    def __init__(
+        self, vocab: int = 96, hidden: int = 64, inter: int = 128, layers: int = 2, seed: int = 0
+    ):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.embed_tokens = nn.Embedding(vocab, hidden)
@@ -85,6 +87,6 @@ def toy_runner(model: ToyDecoder):
                 top = torch.topk(logp, width)
                 cand += [(toks + [int(t)], lp + float(v)) for v, t in zip(top.values, top.indices)]
             beams = sorted(cand, key=lambda b: -b[1])[:width]
-        return [(toks[len(prompt):], lp) for toks, lp in beams]
+        return [(toks[len(prompt) :], lp) for toks, lp in beams]
 
     return ModelRunner(score, beam)

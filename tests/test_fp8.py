@@ -31,7 +31,9 @@ def test_quantize_rowwise_round_trip_bounds():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 256, generator=g) * torch.logspace(-3, 3, 64)[:, None]
     q, scale = quantize_rowwise(x)
-    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 1) and scale.dtype == torch.float32
+    assert (
+        q.dtype == torch.float8_e4m3fn and scale.shape == (64, 1) and scale.dtype == torch.float32
+    )
     back = dequantize_rowwise(q, scale)
     # per-row max maps to ±448 exactly, so the row max survives the round trip
     amax = x.abs().amax(-1)
@@ -90,7 +92,10 @@ def test_scaled_mm_needs_multiples_of_16():
     "policy, suffixes",
     [
         ("mlp", {"mlp.gate_up_proj", "mlp.down_proj"}),
-        ("mlp+attn-proj", {"mlp.gate_up_proj", "mlp.down_proj", "self_attn.qkv_proj", "self_attn.o_proj"}),
+        (
+            "mlp+attn-proj",
+            {"mlp.gate_up_proj", "mlp.down_proj", "self_attn.qkv_proj", "self_attn.o_proj"},
+        ),
     ],
 )
 def test_policy_swaps_exactly_the_named_modules(policy, suffixes):
@@ -105,7 +110,9 @@ def test_policy_swaps_exactly_the_named_modules(policy, suffixes):
         if isinstance(m, nn.Linear):
             assert name not in expected
     if "self_attn.qkv_proj" in suffixes:
-        assert model.layers[0].self_attn.qkv_proj.bias is not None  # bias kept (added after the GEMM)
+        assert (
+            model.layers[0].self_attn.qkv_proj.bias is not None
+        )  # bias kept (added after the GEMM)
 
 
 def test_policy_none_and_errors():
@@ -164,8 +171,10 @@ def test_export_scaled_mm_path():
 # ---------------------------------------------------------------------------------------------------------
 # CUDA (skipped without an FP8-capable GPU)
 
-_fp8_gpu = pytest.mark.skipif(not fp8_supported("cuda")[0] if torch.cuda.is_available() else True,
-                              reason="needs a CUDA GPU with rowwise FP8 (sm_89+)")
+_fp8_gpu = pytest.mark.skipif(
+    not fp8_supported("cuda")[0] if torch.cuda.is_available() else True,
+    reason="needs a CUDA GPU with rowwise FP8 (sm_89+)",
+)
 
 
 @pytest.mark.gpu

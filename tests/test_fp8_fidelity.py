@@ -93,11 +93,14 @@ def test_gate_passes_on_small_noise():
     assert "PASS" in report.format()
 
 
-@pytest.mark.parametrize("kwargs, reason", [
-    (dict(noise=0.3), "Spearman"),
-    (dict(swaps=1), "top-10 overlap"),
-    (dict(beam_misses=3), "beam top-1 agreement 0.970"),
-])
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(noise=0.3), "Spearman"),
+        (dict(swaps=1), "top-10 overlap"),
+        (dict(beam_misses=3), "beam top-1 agreement 0.970"),
+    ],
+)
 def test_gate_fails_with_reason(kwargs, reason):
     ev, ref, cand = _crafted(**kwargs)
     report = compare_outputs(ref, cand, ev, "mlp+attn-proj")
@@ -115,15 +118,23 @@ def test_eval_set_is_deterministic_and_shaped():
     a = make_eval_set(151936, scale="full")
     b = make_eval_set(151936, scale="full")
     assert a.to_json() == b.to_json()
-    assert make_eval_set(151936, seed=1, scale="small").to_json() != make_eval_set(151936, scale="small").to_json()
+    assert (
+        make_eval_set(151936, seed=1, scale="small").to_json()
+        != make_eval_set(151936, scale="small").to_json()
+    )
     w1 = [c for c in a.score_cases if c.set_name == "W1"]
     assert len(w1) == 1 and len(w1[0].items) == 256 and w1[0].query == []
     assert all(64 <= len(x) <= 256 for x in w1[0].items)
     w2 = [c for c in a.score_cases if c.set_name == "W2"]
-    assert all(len(c.query) == 256 and len(c.items) == 100 and all(len(x) == 16 for x in c.items) for c in w2)
+    assert all(
+        len(c.query) == 256 and len(c.items) == 100 and all(len(x) == 16 for x in c.items)
+        for c in w2
+    )
     w4 = [c for c in a.beam_cases if c.set_name == "W4"]
     assert all(len(c.prompt) == 128 and (c.beam_width, c.steps) == (16, 4) for c in w4)
-    assert any(c.set_name == "heldout" for c in a.score_cases) and any(c.set_name == "heldout" for c in a.beam_cases)
+    assert any(c.set_name == "heldout" for c in a.score_cases) and any(
+        c.set_name == "heldout" for c in a.beam_cases
+    )
     assert EvalSet.from_json(a.to_json()).to_json() == a.to_json()
 
 
@@ -174,7 +185,9 @@ def test_check_policy_allowed(tmp_path):
     assert check_policy_allowed(ckpt, "mlp")["passed"]
 
     ev, ref, bad = _crafted(noise=0.3)
-    record_gate_result(ckpt, "mlp+attn-proj", compare_outputs(ref, bad, ev, "mlp+attn-proj").to_dict())
+    record_gate_result(
+        ckpt, "mlp+attn-proj", compare_outputs(ref, bad, ev, "mlp+attn-proj").to_dict()
+    )
     with pytest.raises(Fp8PolicyError, match="failed the fidelity gate.*Spearman"):
         check_policy_allowed(ckpt, "mlp+attn-proj")
     assert not check_policy_allowed(ckpt, "mlp+attn-proj", force=True)["passed"]
@@ -199,8 +212,10 @@ def test_real_tiny_model_policies_and_emulated_scores(tiny_model_dir):
     from boundgen.quant import fp8_modules, select_modules
 
     assert set(select_modules(model, "mlp+attn-proj")) == {
-        f"layers.{i}.{s}" for i in range(n)
-        for s in ("mlp.gate_up_proj", "mlp.down_proj", "self_attn.qkv_proj", "self_attn.o_proj")}
+        f"layers.{i}.{s}"
+        for i in range(n)
+        for s in ("mlp.gate_up_proj", "mlp.down_proj", "self_attn.qkv_proj", "self_attn.o_proj")
+    }
     query, items, labels = list(range(5, 30)), [[40 + i, 7, 9 + i] for i in range(12)], [11, 12]
     ref = np.asarray(engine.score(query, items, labels))
     apply_fp8(model, "mlp", emulate=True)
@@ -215,8 +230,20 @@ def test_real_tiny_model_policies_and_emulated_scores(tiny_model_dir):
 def test_quant_check_cli(tiny_model_dir, gate_cache, capsys):
     from boundgen.cli import main
 
-    rc = main(["quant-check", "--model", str(tiny_model_dir), "--fp8", "mlp", "--emulate", "--device", "cpu",
-               "--scale", "ci"])
+    rc = main(
+        [
+            "quant-check",
+            "--model",
+            str(tiny_model_dir),
+            "--fp8",
+            "mlp",
+            "--emulate",
+            "--device",
+            "cpu",
+            "--scale",
+            "ci",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc in (0, 3) and "FP8 fidelity gate: policy=mlp" in out
     record = lookup_gate_result(tiny_model_dir, "mlp")
@@ -246,20 +273,45 @@ def test_enable_fp8_is_the_engine_seam(tmp_path):
 
 def test_demo_heldout_set_from_checkpoint_files(tmp_path):
     assert EvalSet.from_demo_dir(tmp_path, lambda s: [1]) is None
-    (tmp_path / "catalog.json").write_text(json.dumps({"items": [
-        {"item_id": i, "title": f"item {i}"} for i in range(4)]}))
-    (tmp_path / "demo.json").write_text(json.dumps({
-        "templates": {"relevance_query": "Q: {query}\n", "relevance_item": "I: {title}\nR:",
-                      "retrieval": "Q: {query}\nID:"},
-        "label_token_ids": [5, 6], "sid_levels": 3}))
-    (tmp_path / "eval.json").write_text(json.dumps({
-        "relevance": [{"query": "a", "candidates": [{"item_id": 0, "label": 1}, {"item_id": 2, "label": 0}]},
-                      {"query": "b", "candidates": [{"item_id": 1, "label": 1}, {"item_id": 3, "label": 0}]}],
-        "retrieval": [{"query": "c", "relevant": [1]}]}))
+    (tmp_path / "catalog.json").write_text(
+        json.dumps({"items": [{"item_id": i, "title": f"item {i}"} for i in range(4)]})
+    )
+    (tmp_path / "demo.json").write_text(
+        json.dumps(
+            {
+                "templates": {
+                    "relevance_query": "Q: {query}\n",
+                    "relevance_item": "I: {title}\nR:",
+                    "retrieval": "Q: {query}\nID:",
+                },
+                "label_token_ids": [5, 6],
+                "sid_levels": 3,
+            }
+        )
+    )
+    (tmp_path / "eval.json").write_text(
+        json.dumps(
+            {
+                "relevance": [
+                    {
+                        "query": "a",
+                        "candidates": [{"item_id": 0, "label": 1}, {"item_id": 2, "label": 0}],
+                    },
+                    {
+                        "query": "b",
+                        "candidates": [{"item_id": 1, "label": 1}, {"item_id": 3, "label": 0}],
+                    },
+                ],
+                "retrieval": [{"query": "c", "relevant": [1]}],
+            }
+        )
+    )
     encode = lambda text: [ord(ch) for ch in text]  # noqa: E731
     ev = EvalSet.from_demo_dir(tmp_path, encode)
     assert [c.set_name for c in ev.score_cases] == ["demo", "demo", "demo-pooled"]
-    assert ev.score_cases[0].query == encode("Q: a\n") and ev.score_cases[0].items[1] == encode("I: item 2\nR:")
+    assert ev.score_cases[0].query == encode("Q: a\n") and ev.score_cases[0].items[1] == encode(
+        "I: item 2\nR:"
+    )
     assert ev.score_cases[2].query == [] and len(ev.score_cases[2].items) == 4
     assert ev.score_cases[0].label_token_ids == [5, 6]
     (beam,) = ev.beam_cases
@@ -273,7 +325,8 @@ def test_real_tiny_model_exports_with_scaled_mm(tiny_model_dir, monkeypatch):
     from boundgen.quant import fp8 as fp8_mod
 
     engine = pytest.importorskip("boundgen.engine").Engine.from_pretrained(
-        tiny_model_dir, device="cpu", dtype="bfloat16")
+        tiny_model_dir, device="cpu", dtype="bfloat16"
+    )
     # CPU torch has a reference _scaled_mm: build the real-kernel module graph here, as on Hopper
     monkeypatch.setattr(fp8_mod, "resolve_mode", lambda device, emulate: "scaled_mm")
     apply_fp8(engine.model, "mlp+attn-proj")

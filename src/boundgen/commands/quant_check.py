@@ -14,25 +14,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from boundgen.quant.policy import POLICIES
 
     parser.add_argument("--model", required=True, help="HF model directory")
-    parser.add_argument("--fp8", default="mlp", choices=[*POLICIES, "all"],
-                        help="policy to check ('all': every policy except none); default mlp")
-    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    parser.add_argument("--dtype", default="bfloat16", help="reference precision (default bfloat16)")
-    parser.add_argument("--emulate", action="store_true",
-                        help="quantize->dequantize FP8 numerics (any device; no FP8 hardware needed)")
-    parser.add_argument("--scale", choices=["full", "small", "ci"], default=None,
-                        help="eval-set size: full = DESIGN §9 shapes (default on cuda), small (default on cpu), ci (seconds)")
-    parser.add_argument("--eval-set", action="append", default=[], metavar="JSON",
-                        help="extra held-out eval set (EvalSet.to_json format); may repeat")
-    parser.add_argument("--no-demo-set", action="store_true",
-                        help="skip the held-out set a demo checkpoint ships (eval.json), used by default")
-    parser.add_argument("--noise-floor", action="store_true",
-                        help="also compare bf16 with fp32 on the same set (context for the thresholds)")
-    parser.add_argument("--labels", type=int, nargs="+", default=None, help="label token ids to score")
+    parser.add_argument(
+        "--fp8",
+        default="mlp",
+        choices=[*POLICIES, "all"],
+        help="policy to check ('all': every policy except none); default mlp",
+    )
+    parser.add_argument(
+        "--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)"
+    )
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="reference precision (default bfloat16)"
+    )
+    parser.add_argument(
+        "--emulate",
+        action="store_true",
+        help="quantize->dequantize FP8 numerics (any device; no FP8 hardware needed)",
+    )
+    parser.add_argument(
+        "--scale",
+        choices=["full", "small", "ci"],
+        default=None,
+        help="eval-set size: full = DESIGN §9 shapes (default on cuda), small (default on cpu), ci (seconds)",
+    )
+    parser.add_argument(
+        "--eval-set",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="extra held-out eval set (EvalSet.to_json format); may repeat",
+    )
+    parser.add_argument(
+        "--no-demo-set",
+        action="store_true",
+        help="skip the held-out set a demo checkpoint ships (eval.json), used by default",
+    )
+    parser.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help="also compare bf16 with fp32 on the same set (context for the thresholds)",
+    )
+    parser.add_argument(
+        "--labels", type=int, nargs="+", default=None, help="label token ids to score"
+    )
     parser.add_argument("--seed", type=int, default=0, help="eval-set seed (default 0)")
-    parser.add_argument("--attention", default="auto", help="attention backend (auto | reference | varlen)")
-    parser.add_argument("--json", default=None, metavar="OUT", help="also write the reports as JSON")
-    parser.add_argument("--no-record", action="store_true", help="do not store the verdict in the gate cache")
+    parser.add_argument(
+        "--attention", default="auto", help="attention backend (auto | reference | varlen)"
+    )
+    parser.add_argument(
+        "--json", default=None, metavar="OUT", help="also write the reports as JSON"
+    )
+    parser.add_argument(
+        "--no-record", action="store_true", help="do not store the verdict in the gate cache"
+    )
 
 
 def load_reference_engine(model_dir, device, dtype="bfloat16", **overrides):
@@ -76,18 +110,31 @@ def run(args: argparse.Namespace) -> int:
     demo = None if args.no_demo_set else EvalSet.from_demo_dir(args.model, engine.tokenizer.encode)
     if demo is not None:
         eval_set = eval_set.extend(demo)
-    print(f"model {args.model} on {engine.device} ({engine.dtype}); eval set {eval_set.name}: "
-          f"{sum(len(c.items) for c in eval_set.score_cases)} scored items in {len(eval_set.score_cases)} "
-          f"groups, {len(eval_set.beam_cases)} beam prompts", flush=True)
+    print(
+        f"model {args.model} on {engine.device} ({engine.dtype}); eval set {eval_set.name}: "
+        f"{sum(len(c.items) for c in eval_set.score_cases)} scored items in {len(eval_set.score_cases)} "
+        f"groups, {len(eval_set.beam_cases)} beam prompts",
+        flush=True,
+    )
     ref = collect_outputs(engine_runner(engine), eval_set)
-    reports = gate_engine(engine, policies, eval_set, emulate=args.emulate,
-                          log=lambda line: print(line, flush=True), reference_outputs=ref)
+    reports = gate_engine(
+        engine,
+        policies,
+        eval_set,
+        emulate=args.emulate,
+        log=lambda line: print(line, flush=True),
+        reference_outputs=ref,
+    )
     if args.noise_floor:
         # How close two "exact" runs get: bf16 (the reference above) against fp32 with SDPA attention.
         del engine
         engine32 = load_reference_engine(args.model, device, "float32", attention="reference")
-        floor = compare_outputs(collect_outputs(engine_runner(engine32), eval_set), ref, eval_set,
-                                "bf16 vs fp32 (noise floor, not recorded)")
+        floor = compare_outputs(
+            collect_outputs(engine_runner(engine32), eval_set),
+            ref,
+            eval_set,
+            "bf16 vs fp32 (noise floor, not recorded)",
+        )
         print(floor.format(), flush=True)
     if not args.no_record:
         for policy, report in reports.items():
@@ -95,10 +142,14 @@ def run(args: argparse.Namespace) -> int:
                 record_gate_result(args.model, policy, report.to_dict())
         print(f"recorded in {cache_path()}")
     if args.json:
-        Path(args.json).write_text(json.dumps({p: r.to_dict() for p, r in reports.items()}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({p: r.to_dict() for p, r in reports.items()}, indent=1)
+        )
     failed = [p for p, r in reports.items() if not r.passed]
     if failed:
-        print(f"policy {', '.join(failed)} FAILED the gate; the engine will refuse it unless forced",
-              file=sys.stderr)
+        print(
+            f"policy {', '.join(failed)} FAILED the gate; the engine will refuse it unless forced",
+            file=sys.stderr,
+        )
         return 3
     return 0

@@ -96,6 +96,7 @@ def ranking_score(label_scores: Sequence[float]) -> float:
 @dataclass(frozen=True)
 class ScoreCase:
     """One ranking group: `query` shared by `items`; an empty query means independent prompts."""
+
     set_name: str
     query: list[int]
     items: list[list[int]]
@@ -117,23 +118,39 @@ class EvalSet:
     beam_cases: list[BeamCase] = field(default_factory=list)
 
     def extend(self, other: "EvalSet") -> "EvalSet":
-        return EvalSet(f"{self.name}+{other.name}", self.score_cases + other.score_cases,
-                       self.beam_cases + other.beam_cases)
+        return EvalSet(
+            f"{self.name}+{other.name}",
+            self.score_cases + other.score_cases,
+            self.beam_cases + other.beam_cases,
+        )
 
     def to_json(self) -> str:
-        return json.dumps({"name": self.name,
-                           "score_cases": [dataclasses.asdict(c) for c in self.score_cases],
-                           "beam_cases": [dataclasses.asdict(c) for c in self.beam_cases]})
+        return json.dumps(
+            {
+                "name": self.name,
+                "score_cases": [dataclasses.asdict(c) for c in self.score_cases],
+                "beam_cases": [dataclasses.asdict(c) for c in self.beam_cases],
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "EvalSet":
         d = json.loads(text)
-        return cls(d.get("name", "custom"), [ScoreCase(**c) for c in d.get("score_cases", [])],
-                   [BeamCase(**c) for c in d.get("beam_cases", [])])
+        return cls(
+            d.get("name", "custom"),
+            [ScoreCase(**c) for c in d.get("score_cases", [])],
+            [BeamCase(**c) for c in d.get("beam_cases", [])],
+        )
 
     @classmethod
-    def from_demo_dir(cls, model_dir: str | Path, encode: Callable[[str], list[int]], groups: int = 80,
-                      prompts: int = 100, beam_width: int = 10) -> "EvalSet | None":
+    def from_demo_dir(
+        cls,
+        model_dir: str | Path,
+        encode: Callable[[str], list[int]],
+        groups: int = 80,
+        prompts: int = 100,
+        beam_width: int = 10,
+    ) -> "EvalSet | None":
         """The held-out set shipped with a demo checkpoint (`eval.json` + `demo.json` + `catalog.json`,
         see boundgen.demo): relevance groups scored per query and pooled over all (query, item) pairs,
         and retrieval prompts decoded with `sid_levels` unconstrained beam steps. None if absent."""
@@ -148,13 +165,23 @@ class EvalSet:
         cases, pooled = [], []
         for g in ev.get("relevance", [])[:groups]:
             query = encode(t["relevance_query"].format(query=g["query"]))
-            items = [encode(t["relevance_item"].format(title=titles[int(c["item_id"])])) for c in g["candidates"]]
+            items = [
+                encode(t["relevance_item"].format(title=titles[int(c["item_id"])]))
+                for c in g["candidates"]
+            ]
             cases.append(ScoreCase("demo", query, items, labels))
             pooled += [query + item for item in items]
         if pooled:
             cases.append(ScoreCase("demo-pooled", [], pooled, labels))
-        beams = [BeamCase("demo", encode(t["retrieval"].format(query=q["query"])), beam_width,
-                          int(meta.get("sid_levels", 3))) for q in ev.get("retrieval", [])[:prompts]]
+        beams = [
+            BeamCase(
+                "demo",
+                encode(t["retrieval"].format(query=q["query"])),
+                beam_width,
+                int(meta.get("sid_levels", 3)),
+            )
+            for q in ev.get("retrieval", [])[:prompts]
+        ]
         return cls(f"demo:{model_dir.name}", cases, beams)
 
     @classmethod
@@ -165,15 +192,57 @@ class EvalSet:
 
 # Sizes per scale: "full" is DESIGN §9's shapes (GPU), "small" keeps CPU runs to seconds on tiny models.
 _SCALES = {
-    "full": dict(w1_prompts=256, w1_len=(64, 256), w2_groups=8, w2_prefix=256, w2_items=100, w2_item_len=16,
-                 w4_prompts=100, w4_len=128, w4_width=16, w4_steps=4,
-                 ho_groups=6, ho_prefix=(64, 192), ho_items=50, ho_item_len=(8, 24), ho_beams=50),
-    "small": dict(w1_prompts=32, w1_len=(8, 32), w2_groups=3, w2_prefix=24, w2_items=20, w2_item_len=4,
-                  w4_prompts=12, w4_len=16, w4_width=4, w4_steps=3,
-                  ho_groups=2, ho_prefix=(8, 24), ho_items=16, ho_item_len=(2, 6), ho_beams=6),
-    "ci": dict(w1_prompts=8, w1_len=(4, 12), w2_groups=1, w2_prefix=8, w2_items=8, w2_item_len=3,
-               w4_prompts=3, w4_len=6, w4_width=2, w4_steps=2,
-               ho_groups=1, ho_prefix=(4, 8), ho_items=6, ho_item_len=(2, 4), ho_beams=1),
+    "full": dict(
+        w1_prompts=256,
+        w1_len=(64, 256),
+        w2_groups=8,
+        w2_prefix=256,
+        w2_items=100,
+        w2_item_len=16,
+        w4_prompts=100,
+        w4_len=128,
+        w4_width=16,
+        w4_steps=4,
+        ho_groups=6,
+        ho_prefix=(64, 192),
+        ho_items=50,
+        ho_item_len=(8, 24),
+        ho_beams=50,
+    ),
+    "small": dict(
+        w1_prompts=32,
+        w1_len=(8, 32),
+        w2_groups=3,
+        w2_prefix=24,
+        w2_items=20,
+        w2_item_len=4,
+        w4_prompts=12,
+        w4_len=16,
+        w4_width=4,
+        w4_steps=3,
+        ho_groups=2,
+        ho_prefix=(8, 24),
+        ho_items=16,
+        ho_item_len=(2, 6),
+        ho_beams=6,
+    ),
+    "ci": dict(
+        w1_prompts=8,
+        w1_len=(4, 12),
+        w2_groups=1,
+        w2_prefix=8,
+        w2_items=8,
+        w2_item_len=3,
+        w4_prompts=3,
+        w4_len=6,
+        w4_width=2,
+        w4_steps=2,
+        ho_groups=1,
+        ho_prefix=(4, 8),
+        ho_items=6,
+        ho_item_len=(2, 4),
+        ho_beams=1,
+    ),
 }
 
 
@@ -182,8 +251,12 @@ def default_label_ids(vocab_size: int) -> list[int]:
     return [vocab_size // 3, (2 * vocab_size) // 3]
 
 
-def make_eval_set(vocab_size: int, label_token_ids: Sequence[int] | None = None, scale: str = "full",
-                  seed: int = 0) -> EvalSet:
+def make_eval_set(
+    vocab_size: int,
+    label_token_ids: Sequence[int] | None = None,
+    scale: str = "full",
+    seed: int = 0,
+) -> EvalSet:
     """W1 (independent prompts), W2 (shared prefix + candidates), W4 (beam) inputs and a held-out set.
 
     Deterministic in (vocab_size, labels, scale, seed). W1-W4 draw token ids uniformly; the held-out set
@@ -203,9 +276,18 @@ def make_eval_set(vocab_size: int, label_token_ids: Sequence[int] | None = None,
     w1_items = [uniform(int(rng.integers(lo, hi + 1))) for _ in range(p["w1_prompts"])]
     cases.append(ScoreCase("W1", [], w1_items, labels))
     for _ in range(p["w2_groups"]):
-        cases.append(ScoreCase("W2", uniform(p["w2_prefix"]),
-                               [uniform(p["w2_item_len"]) for _ in range(p["w2_items"])], labels))
-    beams = [BeamCase("W4", uniform(p["w4_len"]), p["w4_width"], p["w4_steps"]) for _ in range(p["w4_prompts"])]
+        cases.append(
+            ScoreCase(
+                "W2",
+                uniform(p["w2_prefix"]),
+                [uniform(p["w2_item_len"]) for _ in range(p["w2_items"])],
+                labels,
+            )
+        )
+    beams = [
+        BeamCase("W4", uniform(p["w4_len"]), p["w4_width"], p["w4_steps"])
+        for _ in range(p["w4_prompts"])
+    ]
 
     held = np.random.default_rng(seed + 1_000_003)
     weights = 1.0 / np.arange(1, vocab_size + 1) ** 1.1
@@ -218,11 +300,23 @@ def make_eval_set(vocab_size: int, label_token_ids: Sequence[int] | None = None,
     for _ in range(p["ho_groups"]):
         plo, phi = p["ho_prefix"]
         ilo, ihi = p["ho_item_len"]
-        cases.append(ScoreCase("heldout", zipf(int(held.integers(plo, phi + 1))),
-                               [zipf(int(held.integers(ilo, ihi + 1))) for _ in range(p["ho_items"])], labels))
+        cases.append(
+            ScoreCase(
+                "heldout",
+                zipf(int(held.integers(plo, phi + 1))),
+                [zipf(int(held.integers(ilo, ihi + 1))) for _ in range(p["ho_items"])],
+                labels,
+            )
+        )
     for _ in range(p["ho_beams"]):
-        beams.append(BeamCase("heldout", zipf(int(held.integers(p["w4_len"] // 2, p["w4_len"] + 1))),
-                              p["w4_width"], p["w4_steps"]))
+        beams.append(
+            BeamCase(
+                "heldout",
+                zipf(int(held.integers(p["w4_len"] // 2, p["w4_len"] + 1))),
+                p["w4_width"],
+                p["w4_steps"],
+            )
+        )
     return EvalSet(f"{scale}-seed{seed}", cases, beams)
 
 
@@ -233,6 +327,7 @@ def make_eval_set(vocab_size: int, label_token_ids: Sequence[int] | None = None,
 @dataclass
 class ModelRunner:
     """The two callables the gate needs from one model configuration (bf16 or an FP8 policy)."""
+
     score: ScoreFn
     beam: BeamFn | None = None
     # optional: (prompts, beam_width, steps) -> one beam list per prompt (faster than `beam` per prompt)
@@ -254,9 +349,12 @@ def engine_runner(engine) -> ModelRunner:
 
     beam = beam_batch = None
     if hasattr(engine, "beam_search_batch"):
+
         def beam_batch(prompts, width, steps):
             return engine.beam_search_batch(prompts, beam_width=width, steps=steps)
+
     if hasattr(engine, "beam_search"):
+
         def beam(prompt, width, steps):
             return engine.beam_search(prompt, beam_width=width, steps=steps)
     elif hasattr(engine, "runner"):
@@ -264,7 +362,9 @@ def engine_runner(engine) -> ModelRunner:
     return ModelRunner(score, beam, beam_batch)
 
 
-def forward_beam_search(runner, prompt: list[int], beam_width: int, steps: int) -> list[tuple[list[int], float]]:
+def forward_beam_search(
+    runner, prompt: list[int], beam_width: int, steps: int
+) -> list[tuple[list[int], float]]:
     """Exactly `steps` steps of log-prob beam search (no EOS stop), recomputing prompt + beam tokens each
     step with the prompt as a shared prefix. Reference quality, not speed: the gate only needs the same
     algorithm on both sides. `runner`: has `hidden_rows(groups)` and `head(rows, columns)`."""
@@ -291,11 +391,13 @@ def forward_beam_search(runner, prompt: list[int], beam_width: int, steps: int) 
 
 @dataclass
 class EvalOutputs:
-    scores: list[list[float]]            # per score case: one ranking value per item
-    beams: list[list[int] | None]        # per beam case: top-1 tokens (None when no beam callable)
+    scores: list[list[float]]  # per score case: one ranking value per item
+    beams: list[list[int] | None]  # per beam case: top-1 tokens (None when no beam callable)
 
 
-def collect_outputs(runner: ModelRunner, eval_set: EvalSet, beam_batch_size: int = 16) -> EvalOutputs:
+def collect_outputs(
+    runner: ModelRunner, eval_set: EvalSet, beam_batch_size: int = 16
+) -> EvalOutputs:
     scores = []
     for case in eval_set.score_cases:
         out = runner.score(case.query, case.items, case.label_token_ids)
@@ -309,8 +411,10 @@ def collect_outputs(runner: ModelRunner, eval_set: EvalSet, beam_batch_size: int
             shapes.setdefault((case.beam_width, case.steps), []).append(i)
         for (width, steps), idx in shapes.items():
             for start in range(0, len(idx), beam_batch_size):
-                chunk = idx[start:start + beam_batch_size]
-                results = runner.beam_batch([eval_set.beam_cases[i].prompt for i in chunk], width, steps)
+                chunk = idx[start : start + beam_batch_size]
+                results = runner.beam_batch(
+                    [eval_set.beam_cases[i].prompt for i in chunk], width, steps
+                )
                 for i, result in zip(chunk, results):
                     beams[i] = _beam_tokens(result[0]) if len(result) else []
     elif runner.beam is not None:
@@ -350,21 +454,25 @@ class GateReport:
 
     def format(self) -> str:
         t = self.thresholds
-        lines = [f"FP8 fidelity gate: policy={self.policy} eval={self.eval_set} "
-                 f"-> {'PASS' if self.passed else 'FAIL'}",
-                 f"  thresholds: spearman >= {t.spearman}, top-{t.k} overlap >= {t.topk_overlap}, "
-                 f"beam top-1 >= {t.beam_top1}",
-                 f"  {'set':<10} {'groups':>6} {'items':>6} {'spearman':>17} {'top-k overlap':>17} "
-                 f"{'max|d|':>8} {'beams':>5} {'top-1':>6}"]
+        lines = [
+            f"FP8 fidelity gate: policy={self.policy} eval={self.eval_set} "
+            f"-> {'PASS' if self.passed else 'FAIL'}",
+            f"  thresholds: spearman >= {t.spearman}, top-{t.k} overlap >= {t.topk_overlap}, "
+            f"beam top-1 >= {t.beam_top1}",
+            f"  {'set':<10} {'groups':>6} {'items':>6} {'spearman':>17} {'top-k overlap':>17} "
+            f"{'max|d|':>8} {'beams':>5} {'top-1':>6}",
+        ]
 
         def f(x, spec=".4f"):
             return "-" if x is None else format(x, spec)
 
         for s in self.sets:
-            lines.append(f"  {s.name:<10} {s.groups:>6} {s.items:>6} "
-                         f"{f(s.spearman_mean)+' (min '+f(s.spearman_min, '.3f')+')':>17} "
-                         f"{f(s.topk_mean)+' (min '+f(s.topk_min, '.2f')+')':>17} "
-                         f"{f(s.max_abs_diff, '.3g'):>8} {s.beams:>5} {f(s.beam_top1, '.3f'):>6}")
+            lines.append(
+                f"  {s.name:<10} {s.groups:>6} {s.items:>6} "
+                f"{f(s.spearman_mean) + ' (min ' + f(s.spearman_min, '.3f') + ')':>17} "
+                f"{f(s.topk_mean) + ' (min ' + f(s.topk_min, '.2f') + ')':>17} "
+                f"{f(s.max_abs_diff, '.3g'):>8} {s.beams:>5} {f(s.beam_top1, '.3f'):>6}"
+            )
         lines.append(f"  beam top-1 agreement (all): {f(self.beam_top1)}")
         for k, v in self.notes.items():
             lines.append(f"  {k}: {v}")
@@ -373,8 +481,13 @@ class GateReport:
         return "\n".join(lines)
 
 
-def compare_outputs(ref: EvalOutputs, cand: EvalOutputs, eval_set: EvalSet, policy: str,
-                    thresholds: GateThresholds = GateThresholds()) -> GateReport:
+def compare_outputs(
+    ref: EvalOutputs,
+    cand: EvalOutputs,
+    eval_set: EvalSet,
+    policy: str,
+    thresholds: GateThresholds = GateThresholds(),
+) -> GateReport:
     by_set: dict[str, SetReport] = {}
     per_set: dict[str, dict[str, list[float]]] = {}
     for case, r, c in zip(eval_set.score_cases, ref.scores, cand.scores):
@@ -392,9 +505,13 @@ def compare_outputs(ref: EvalOutputs, cand: EvalOutputs, eval_set: EvalSet, poli
         rep.topk_mean, rep.topk_min = float(np.mean(acc["top"])), float(np.min(acc["top"]))
         rep.max_abs_diff = float(np.max(acc["diff"]))
         if rep.spearman_mean < thresholds.spearman:
-            failures.append(f"{name}: score Spearman {rep.spearman_mean:.4f} < {thresholds.spearman}")
+            failures.append(
+                f"{name}: score Spearman {rep.spearman_mean:.4f} < {thresholds.spearman}"
+            )
         if rep.topk_mean < thresholds.topk_overlap:
-            failures.append(f"{name}: top-{thresholds.k} overlap {rep.topk_mean:.3f} < {thresholds.topk_overlap}")
+            failures.append(
+                f"{name}: top-{thresholds.k} overlap {rep.topk_mean:.3f} < {thresholds.topk_overlap}"
+            )
 
     agree_all: list[bool] = []
     for case, r, c in zip(eval_set.beam_cases, ref.beams, cand.beams):
@@ -412,28 +529,52 @@ def compare_outputs(ref: EvalOutputs, cand: EvalOutputs, eval_set: EvalSet, poli
     if eval_set.beam_cases and beam_top1 is None:
         notes["beam"] = "not checked (no beam_search callable)"
     if beam_top1 is not None and beam_top1 < thresholds.beam_top1:
-        failures.append(f"beam top-1 agreement {beam_top1:.3f} < {thresholds.beam_top1} "
-                        f"({sum(agree_all)}/{len(agree_all)} prompts)")
+        failures.append(
+            f"beam top-1 agreement {beam_top1:.3f} < {thresholds.beam_top1} "
+            f"({sum(agree_all)}/{len(agree_all)} prompts)"
+        )
     if not per_set:
         failures.append("no score cases were evaluated")
-    return GateReport(policy, not failures, thresholds, list(by_set.values()), beam_top1, failures,
-                      eval_set.name, notes)
+    return GateReport(
+        policy,
+        not failures,
+        thresholds,
+        list(by_set.values()),
+        beam_top1,
+        failures,
+        eval_set.name,
+        notes,
+    )
 
 
-def run_gate(reference: ModelRunner, candidate: ModelRunner, eval_set: EvalSet, policy: str,
-             thresholds: GateThresholds = GateThresholds(),
-             reference_outputs: EvalOutputs | None = None) -> GateReport:
+def run_gate(
+    reference: ModelRunner,
+    candidate: ModelRunner,
+    eval_set: EvalSet,
+    policy: str,
+    thresholds: GateThresholds = GateThresholds(),
+    reference_outputs: EvalOutputs | None = None,
+) -> GateReport:
     """Compare `candidate` (FP8 policy) with `reference` (bf16) on `eval_set`. Pass `reference_outputs`
     to reuse one bf16 run for several policies."""
-    ref = reference_outputs if reference_outputs is not None else collect_outputs(reference, eval_set)
+    ref = (
+        reference_outputs if reference_outputs is not None else collect_outputs(reference, eval_set)
+    )
     cand = collect_outputs(candidate, eval_set)
     return compare_outputs(ref, cand, eval_set, policy, thresholds)
 
 
-def gate_engine(engine, policies: Sequence[str], eval_set: EvalSet, *, emulate: bool = False,
-                act_quant: str = "auto", thresholds: GateThresholds = GateThresholds(),
-                log: Callable[[str], None] | None = None,
-                reference_outputs: EvalOutputs | None = None) -> dict[str, GateReport]:
+def gate_engine(
+    engine,
+    policies: Sequence[str],
+    eval_set: EvalSet,
+    *,
+    emulate: bool = False,
+    act_quant: str = "auto",
+    thresholds: GateThresholds = GateThresholds(),
+    log: Callable[[str], None] | None = None,
+    reference_outputs: EvalOutputs | None = None,
+) -> dict[str, GateReport]:
     """Run the gate for each policy on one loaded (bf16) engine: the reference outputs are collected once,
     each policy is applied in place to `engine.model`, measured, and undone (original modules restored)."""
     from boundgen.quant.fp8 import apply_fp8
@@ -445,8 +586,10 @@ def gate_engine(engine, policies: Sequence[str], eval_set: EvalSet, *, emulate: 
     ref = reference_outputs if reference_outputs is not None else collect_outputs(runner, eval_set)
     ref_s = time.perf_counter() - t0
     if log:
-        log(f"reference outputs: {len(eval_set.score_cases)} score groups, {len(eval_set.beam_cases)} beam "
-            f"prompts in {ref_s:.1f}s")
+        log(
+            f"reference outputs: {len(eval_set.score_cases)} score groups, {len(eval_set.beam_cases)} beam "
+            f"prompts in {ref_s:.1f}s"
+        )
     reports = {}
     for policy in policies:
         policy = parse_policy(policy)
@@ -458,7 +601,9 @@ def gate_engine(engine, policies: Sequence[str], eval_set: EvalSet, *, emulate: 
             cand = collect_outputs(runner, eval_set)
             report = compare_outputs(ref, cand, eval_set, policy, thresholds)
             report.notes["mode"] = "emulated" if emulate else "scaled_mm"
-            report.notes["eval_seconds"] = f"bf16 {ref_s:.1f}, {policy} {time.perf_counter() - t0:.1f}"
+            report.notes["eval_seconds"] = (
+                f"bf16 {ref_s:.1f}, {policy} {time.perf_counter() - t0:.1f}"
+            )
             reports[policy] = report
         finally:
             for n, m in originals.items():

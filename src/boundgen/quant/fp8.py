@@ -81,7 +81,9 @@ def _probe_scaled_mm(device_index: int) -> str | None:
 
 def fp8_supported(device: torch.device | str | None = None) -> tuple[bool, str]:
     """Whether `device` runs rowwise FP8 `torch._scaled_mm` (sm_89+), and why (not)."""
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(
+        device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     hint = "use emulate=True (--emulate) to check FP8 numerics without FP8 hardware"
     if device.type != "cuda":
         return False, f"FP8 matmul needs an NVIDIA GPU (sm_89+); device is {device.type}; {hint}"
@@ -94,8 +96,11 @@ def fp8_supported(device: torch.device | str | None = None) -> tuple[bool, str]:
         return False, f"{name} is sm_{major}{minor}; rowwise FP8 needs sm_89+ (Ada/Hopper); {hint}"
     error = _probe_scaled_mm(index)
     if error:
-        return False, f"torch._scaled_mm rowwise FP8 failed on {name} (sm_{major}{minor}, torch " \
-            f"{torch.__version__}): {error}; {hint}"
+        return (
+            False,
+            f"torch._scaled_mm rowwise FP8 failed on {name} (sm_{major}{minor}, torch "
+            f"{torch.__version__}): {error}; {hint}",
+        )
     return True, f"{name} (sm_{major}{minor}): rowwise FP8 via torch._scaled_mm"
 
 
@@ -153,8 +158,12 @@ class Fp8Linear(nn.Module):
         self.act_quant = act_quant
         self.out_dtype = out_dtype
         self.fast_accum = fast_accum
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
-        self.register_buffer("weight_scale", torch.ones(1, out_features, dtype=torch.float32, device=device))
+        self.register_buffer(
+            "weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device)
+        )
+        self.register_buffer(
+            "weight_scale", torch.ones(1, out_features, dtype=torch.float32, device=device)
+        )
         if bias:
             self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=device))
         else:
@@ -162,10 +171,17 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, *, mode: str = "scaled_mm", act_quant: str = "torch", fast_accum: bool = False
+        cls,
+        linear: nn.Linear,
+        *,
+        mode: str = "scaled_mm",
+        act_quant: str = "torch",
+        fast_accum: bool = False,
     ) -> "Fp8Linear":
         w = linear.weight
-        out_dtype = w.dtype if w.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+        out_dtype = (
+            w.dtype if w.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+        )
         layer = cls(
             linear.in_features,
             linear.out_features,
@@ -216,7 +232,9 @@ class Fp8Linear(nn.Module):
         else:
             # e4m3 x e4m3 products are exact in fp32; accumulate in fp32, scale in fp32 (as the kernel does).
             # The kernel writes bf16: round there too, so emulation matches it in every model dtype.
-            y = ((a8.float() @ self.weight.float().t()) * a_scale * self.weight_scale).to(torch.bfloat16)
+            y = ((a8.float() @ self.weight.float().t()) * a_scale * self.weight_scale).to(
+                torch.bfloat16
+            )
             if self.out_dtype != torch.bfloat16:
                 y = y.to(self.out_dtype)
         if self.bias is not None:
@@ -237,7 +255,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def resolve_mode(device: torch.device | str, emulate: bool) -> str:
-    """"emulate" if asked, else "scaled_mm" if the device supports it, else a clear error."""
+    """ "emulate" if asked, else "scaled_mm" if the device supports it, else a clear error."""
     if emulate:
         return "emulate"
     ok, reason = fp8_supported(device)
@@ -253,7 +271,9 @@ def resolve_act_quant(act_quant: str, device: torch.device) -> str:
         # Measured choice: see docs/fp8.md. Triton only pays in eager mode on CUDA.
         return "triton" if device.type == "cuda" and _triton_available(device) else "torch"
     if act_quant == "triton" and not _triton_available(device):
-        raise RuntimeError("act_quant='triton' needs the triton package (CUDA builds of torch ship it)")
+        raise RuntimeError(
+            "act_quant='triton' needs the triton package (CUDA builds of torch ship it)"
+        )
     return act_quant
 
 
@@ -273,12 +293,23 @@ def apply_fp8(
     """
     from boundgen.quant.policy import select_modules
 
-    return quantize_modules(model, select_modules(model, policy), emulate=emulate, act_quant=act_quant,
-                            fast_accum=fast_accum)
+    return quantize_modules(
+        model,
+        select_modules(model, policy),
+        emulate=emulate,
+        act_quant=act_quant,
+        fast_accum=fast_accum,
+    )
 
 
-def quantize_modules(model: nn.Module, names: list[str], *, emulate: bool = False, act_quant: str = "auto",
-                     fast_accum: bool = False) -> nn.Module:
+def quantize_modules(
+    model: nn.Module,
+    names: list[str],
+    *,
+    emulate: bool = False,
+    act_quant: str = "auto",
+    fast_accum: bool = False,
+) -> nn.Module:
     """Swap the named `nn.Linear` modules for `Fp8Linear` in place (the mechanism under `apply_fp8`;
     also used by the benchmark's per-projection sensitivity runs)."""
     if not names:
@@ -292,7 +323,11 @@ def quantize_modules(model: nn.Module, names: list[str], *, emulate: bool = Fals
         linear = getattr(parent, child)
         if type(linear) is not nn.Linear:
             raise TypeError(f"{name} is {type(linear).__name__}, not nn.Linear")
-        setattr(parent, child, Fp8Linear.from_linear(linear, mode=mode, act_quant=aq, fast_accum=fast_accum))
+        setattr(
+            parent,
+            child,
+            Fp8Linear.from_linear(linear, mode=mode, act_quant=aq, fast_accum=fast_accum),
+        )
         del linear
     return model
 

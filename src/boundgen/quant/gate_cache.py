@@ -48,8 +48,11 @@ def _save(data: dict) -> None:
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
-    files = [p for p in sorted(model_dir.iterdir())
-             if p.is_file() and (p.name in _HASHED_NAMES or p.suffix in _HASHED_SUFFIXES)]
+    files = [
+        p
+        for p in sorted(model_dir.iterdir())
+        if p.is_file() and (p.name in _HASHED_NAMES or p.suffix in _HASHED_SUFFIXES)
+    ]
     if not any(p.suffix in _HASHED_SUFFIXES for p in files):
         raise FileNotFoundError(f"no weight files (*.safetensors) in {model_dir}")
     return files
@@ -90,14 +93,20 @@ def record_gate_result(model_dir: str | Path, policy: str, report: dict) -> dict
     """Store a gate report (a `GateReport.to_dict()`) for this checkpoint + policy; returns the record."""
     digest = checkpoint_hash(model_dir)
     record = dict(report)
-    record.update(policy=policy, checkpoint_sha256=digest, model_dir=str(Path(model_dir).resolve()),
-                  checked_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    record.update(
+        policy=policy,
+        checkpoint_sha256=digest,
+        model_dir=str(Path(model_dir).resolve()),
+        checked_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
     data = _load()
     data["results"][_key(digest, policy)] = record
     _save(data)
     return record
 
 
-def lookup_gate_result(model_dir: str | Path, policy: str, digest: str | None = None) -> dict | None:
+def lookup_gate_result(
+    model_dir: str | Path, policy: str, digest: str | None = None
+) -> dict | None:
     digest = digest or checkpoint_hash(model_dir)
     return _load()["results"].get(_key(digest, policy))

@@ -18,7 +18,12 @@ log = logging.getLogger(__name__)
 POLICIES: dict[str, tuple[str, ...]] = {
     "none": (),
     "mlp": ("mlp.gate_up_proj", "mlp.down_proj"),
-    "mlp+attn-proj": ("mlp.gate_up_proj", "mlp.down_proj", "self_attn.qkv_proj", "self_attn.o_proj"),
+    "mlp+attn-proj": (
+        "mlp.gate_up_proj",
+        "mlp.down_proj",
+        "self_attn.qkv_proj",
+        "self_attn.o_proj",
+    ),
 }
 # DESIGN §7: MLP in FP8 by default; confirm with benchmarks/bench_fp8.py (docs/fp8.md has the numbers).
 DEFAULT_POLICY = "mlp"
@@ -47,7 +52,9 @@ def select_modules(model: nn.Module, policy: str) -> list[str]:
     suffixes = POLICIES[name]
     if not suffixes:
         return []
-    pattern = re.compile(r"(?:^|\.)layers\.\d+\.(" + "|".join(re.escape(s) for s in suffixes) + r")$")
+    pattern = re.compile(
+        r"(?:^|\.)layers\.\d+\.(" + "|".join(re.escape(s) for s in suffixes) + r")$"
+    )
     selected = []
     for module_name, module in model.named_modules():
         if not pattern.search(module_name):
@@ -67,8 +74,9 @@ def select_modules(model: nn.Module, policy: str) -> list[str]:
     return selected
 
 
-def check_policy_allowed(model_dir: str | Path, policy: str, force: bool = False,
-                         allow_unchecked: bool = False) -> dict | None:
+def check_policy_allowed(
+    model_dir: str | Path, policy: str, force: bool = False, allow_unchecked: bool = False
+) -> dict | None:
     """Whether the engine may run `policy` for the checkpoint in `model_dir`.
 
     Returns the stored gate record (None for "none" or a forced/unchecked policy). Raises `Fp8PolicyError`
@@ -84,17 +92,21 @@ def check_policy_allowed(model_dir: str | Path, policy: str, force: bool = False
     record = lookup_gate_result(model_dir, name, digest=digest)
     how_to = f"run `boundgen quant-check --model {model_dir} --fp8 {name}`"
     if record is None:
-        msg = (f"FP8 policy {name!r} has not passed the fidelity gate for this checkpoint "
-               f"(sha256 {digest[:12]}): {how_to}, or force it")
+        msg = (
+            f"FP8 policy {name!r} has not passed the fidelity gate for this checkpoint "
+            f"(sha256 {digest[:12]}): {how_to}, or force it"
+        )
         if force or allow_unchecked:
             log.warning("%s; running it anyway", msg)
             return None
         raise Fp8PolicyError(msg)
     if not record.get("passed"):
         failures = "; ".join(record.get("failures", [])) or "see the stored report"
-        msg = (f"FP8 policy {name!r} failed the fidelity gate for this checkpoint (sha256 {digest[:12]}, "
-               f"checked {record.get('checked_at', '?')}): {failures}. Use a more conservative policy "
-               f"(e.g. 'mlp' or 'none') or force it")
+        msg = (
+            f"FP8 policy {name!r} failed the fidelity gate for this checkpoint (sha256 {digest[:12]}, "
+            f"checked {record.get('checked_at', '?')}): {failures}. Use a more conservative policy "
+            f"(e.g. 'mlp' or 'none') or force it"
+        )
         if force:
             log.warning("%s; forced, running it anyway", msg)
             return record
@@ -102,8 +114,16 @@ def check_policy_allowed(model_dir: str | Path, policy: str, force: bool = False
     return record
 
 
-def enable_fp8(model: nn.Module, model_dir: str | Path, policy: str | None, *, force: bool = False,
-               emulate: bool = False, act_quant: str = "auto", allow_unchecked: bool = False) -> str:
+def enable_fp8(
+    model: nn.Module,
+    model_dir: str | Path,
+    policy: str | None,
+    *,
+    force: bool = False,
+    emulate: bool = False,
+    act_quant: str = "auto",
+    allow_unchecked: bool = False,
+) -> str:
     """The engine's one call: normalize `policy`, refuse it if the gate failed (or never ran) for the
     checkpoint in `model_dir` unless forced, then swap the projections in place. Returns the policy name.
 

@@ -27,8 +27,17 @@ SCALE_EPS = 1e-12
 if AVAILABLE:
 
     @triton.jit
-    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
-                           BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
+    def _quant_rows_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        K,
+        stride_x,
+        stride_q,
+        BLOCK: tl.constexpr,
+        FP8_MAX_C: tl.constexpr,
+        EPS: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < K
@@ -37,8 +46,11 @@ if AVAILABLE:
         scale = amax * (1.0 / FP8_MAX_C)
         q = x * (FP8_MAX_C / amax)
         q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-                 mask=mask)
+        tl.store(
+            q_ptr + row * stride_q + cols,
+            q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+            mask=mask,
+        )
         tl.store(s_ptr + row, scale)
 
 
@@ -55,8 +67,18 @@ def quantize_rowwise_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         return q, s
     block = triton.next_power_of_2(K)
     num_warps = 4 if block <= 2048 else 8
-    _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0),
-                             BLOCK=block, FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS, num_warps=num_warps)
+    _quant_rows_kernel[(M,)](
+        x,
+        q,
+        s,
+        K,
+        x.stride(0),
+        q.stride(0),
+        BLOCK=block,
+        FP8_MAX_C=FP8_MAX,
+        EPS=SCALE_EPS,
+        num_warps=num_warps,
+    )
     return q, s
 
 
@@ -68,7 +90,10 @@ def self_test(device_index: int = 0) -> str | None:
     try:
         from boundgen.quant.fp8 import quantize_rowwise
 
-        x = torch.randn(37, 896, device=torch.device("cuda", device_index), dtype=torch.bfloat16) * 3
+        x = (
+            torch.randn(37, 896, device=torch.device("cuda", device_index), dtype=torch.bfloat16)
+            * 3
+        )
         x[5] = 0
         q1, s1 = quantize_rowwise_triton(x)
         q2, s2 = quantize_rowwise(x)
