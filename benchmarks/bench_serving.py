@@ -55,6 +55,21 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def make_trie(out_dir: Path, items: int, depth: int, codes: int = 256, first_token: int = 1000,
+              seed: int = 0) -> Path:
+    """A random semantic-ID trie (`items` distinct paths of `depth` codes) saved as .npy."""
+    import numpy as np
+
+    from boundgen import Trie
+
+    rng = np.random.default_rng(seed)
+    seqs = np.unique(rng.integers(0, codes, size=(int(items * 1.2) + 16, depth)), axis=0)
+    seqs = seqs[rng.permutation(len(seqs))[:items]] + first_token
+    path = out_dir / f"trie_{items}x{depth}.npy"
+    Trie.from_sequences(seqs).save(path)
+    return path
+
+
 def markdown(reports: list[dict], slo_ms: float) -> str:
     rows = ["| server | offered QPS | ok/s | p50 ms | p90 ms | p99 ms | errors |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -80,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", nargs="+", default=["boundgen", "hf"], choices=["boundgen", "hf"])
     p.add_argument("--workload", default="score", choices=["score", "beam", "mixed"],
                    help="the HF baseline serves score only")
+    p.add_argument("--beam-width", type=int, default=16)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--trie-items", type=int, default=0,
+                   help="beam/mixed: constrain beams by a random trie of this many items "
+                        "(depth = --steps, 256 codes per level)")
     p.add_argument("--qps-steps", type=float, nargs="+", default=[25, 50, 100, 200, 400])
     p.add_argument("--duration", type=float, default=15.0)
     p.add_argument("--slo-ms", type=float, default=20.0)
@@ -98,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         model = default_model_dir() / f"{args.preset}-bf16"
         if not (model / "config.json").exists():
             make_model(args.preset, model, dtype="bfloat16", overwrite=True)
+    serve_args = args.serve_args.split()
+    trie_name = None
+    if args.trie_items and args.workload != "score":
+        trie_name = "w4"
+        serve_args += ["--tries", f"{trie_name}={make_trie(out_dir, args.trie_items, args.steps)}"]
     reports = []
     for i, name in enumerate(args.servers):
         port = args.port + i
@@ -106,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--log-level", "warning"]
         if name == "boundgen":
             cmd = [sys.executable, "-m", "boundgen.cli", "serve", *common, "--device", args.device,
-                   "--dtype", args.dtype, *args.serve_args.split()]
+                   "--dtype", args.dtype, *serve_args]
         else:
             cmd = [sys.executable, str(HERE / "baseline_hf_server.py"), *common,
                    "--device", args.device, "--dtype", args.dtype]
@@ -115,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = LoadConfig(url=url, workload=args.workload, qps_steps=tuple(args.qps_steps),
                              duration=args.duration, slo_ms=args.slo_ms, warmup=args.warmup,
+                             beam_width=args.beam_width, steps=args.steps, trie=trie_name,
                              label=name)
             report = run_loadtest(cfg)
             report["server_metrics_tail"] = httpx.get(url + "/metrics").text[-20000:]
