@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from boundgen.attention.backends import AttentionBackend
-from boundgen.compile.attention import MaskedBackend
+from boundgen.attention.backends import AttentionBackend, get_backend
+from boundgen.compile.attention import FlashBackend, MaskedBackend
 from boundgen.compile.buckets import Bucket
 from boundgen.models.decoder import DecoderModel
 from boundgen.text.packing import PackedBatch
@@ -33,10 +34,24 @@ INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
 
 def export_attention(model: DecoderModel, device: torch.device) -> AttentionBackend:
-    """The attention a compiled bucket traces: `varlen` on CUDA (a custom op), `masked` elsewhere."""
-    if torch.device(device).type == "cuda" and getattr(model.backend, "name", "") == "varlen":
-        return model.backend
-    return MaskedBackend()
+    """The attention a compiled bucket traces: `flash` (aten op, C shim) on CUDA, `masked` elsewhere.
+
+    `BOUNDGEN_EXPORT_ATTENTION=varlen|flash|masked` overrides (the name is part of the cache key)."""
+    device = torch.device(device)
+    choice = os.environ.get("BOUNDGEN_EXPORT_ATTENTION") or ("flash" if device.type == "cuda" else "masked")
+    if choice == "masked":
+        return MaskedBackend()
+    if device.type != "cuda":
+        raise ValueError(f"export attention '{choice}' needs CUDA; use 'masked' on {device.type}")
+    if choice == "varlen":
+        backend = get_backend("varlen", device)
+        backend._lse_layout(device)  # NOTE: probe eagerly, never inside a trace
+        return backend
+    if choice == "flash":
+        backend = FlashBackend()
+        backend.prepare(device)
+        return backend
+    raise ValueError(f"unknown BOUNDGEN_EXPORT_ATTENTION '{choice}'; use varlen, flash or masked")
 
 
 class PackedForward(nn.Module):
@@ -125,9 +140,10 @@ class AOTIBucket:
         index = dev.index if dev.type == "cuda" and dev.index is not None else -1
         if dev.type == "cuda" and index < 0:
             index = torch.cuda.current_device()
-        compiled = torch._inductor.aoti_load_package(
-            str(path), run_single_threaded=single_threaded, device_index=index
-        )
+        kwargs = {"run_single_threaded": single_threaded}
+        if index > 0:  # NOTE: only pass what differs from the default (older signatures)
+            kwargs["device_index"] = index
+        compiled = torch._inductor.aoti_load_package(str(path), **kwargs)
         fqns = list(compiled.get_constant_fqns())
         compiled.load_constants(weights.for_fqns(fqns), check_full_update=True, user_managed=True)
         return cls(compiled, bucket, Path(path))

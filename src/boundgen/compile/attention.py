@@ -54,3 +54,44 @@ class MaskedBackend:
         probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
         out = torch.matmul(probs, vf)  # [Hq, Tq, D]
         return out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1).contiguous()
+
+
+class FlashBackend:
+    """CUDA flash attention through the aten op itself (`aten._flash_attention_forward`).
+
+    Same kernel and conventions as the `varlen` backend (`varlen_attn` is a Python custom op around this
+    op), but an aten op has an AOTInductor C shim, so the exported graph calls it from C++ directly.
+    """
+
+    name = "flash"
+
+    def __init__(self) -> None:
+        self._heads_first: bool | None = None
+        self._window = True
+
+    def _call(self, q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        kw = {"scale": None}
+        if self._window:
+            kw.update(window_size_left=-1, window_size_right=0 if causal else -1)
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, **kw)
+
+    def prepare(self, device) -> None:
+        """Probe (eagerly, before tracing) the op's keyword support and its LSE layout on this torch."""
+        if self._heads_first is not None:
+            return
+        q = torch.randn(3, 2, 64, device=device, dtype=torch.bfloat16)
+        cu = torch.tensor([0, 3], device=device, dtype=torch.int32)
+        try:
+            res = self._call(q, q, q, cu, cu, 3, 3, True)
+        except (TypeError, RuntimeError):
+            self._window = False  # older signature: is_causal alone is bottom-right causal
+            res = self._call(q, q, q, cu, cu, 3, 3, True)
+        self._heads_first = tuple(res[1].shape) == (2, 3)
+
+    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        if self._heads_first is None:
+            self.prepare(q.device)
+        out, lse = self._call(q, k, v, cu_q, cu_k, max_q, max_k, causal)[:2]
+        if self._heads_first:
+            lse = lse.transpose(0, 1)
+        return out, lse.float()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Callable
 
@@ -41,16 +42,19 @@ def _build_one(bucket_name: str, cache_dir: str | None, quant: str, rebuild: boo
 
 def build_parallel(model_dir: str | Path, device: str, dtype: str | None, attention: str, buckets: list,
                    cache_dir: str | Path | None, quant: str = "none", rebuild: bool = True, jobs: int = 2,
-                   on_done: Callable[[dict], None] | None = None) -> list[dict]:
+                   on_done: Callable[[dict], None] | None = None,
+                   timeout_s: float | None = None) -> list[dict]:
     """Build (or verify) every bucket in `jobs` worker processes; returns one info dict per bucket.
-    A bucket that fails to build gives {"bucket", "event": "error", "error"} instead of stopping the rest."""
+    A bucket that fails (or is still building after `timeout_s`) gives {"bucket", "event": "error",
+    "error"} instead of stopping the rest; workers still running at the timeout are terminated."""
     ctx = mp.get_context("spawn")
     results: dict[str, dict] = {}
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init,
-                             initargs=(str(model_dir), device, dtype, attention)) as pool:
-        futs = {pool.submit(_build_one, b.name, None if cache_dir is None else str(cache_dir), quant,
-                            rebuild): b.name for b in buckets}
-        for fut in as_completed(futs):
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init,
+                               initargs=(str(model_dir), device, dtype, attention))
+    futs = {pool.submit(_build_one, b.name, None if cache_dir is None else str(cache_dir), quant,
+                        rebuild): b.name for b in buckets}
+    try:
+        for fut in as_completed(futs, timeout=timeout_s):
             name = futs[fut]
             try:
                 info = fut.result()
@@ -59,4 +63,13 @@ def build_parallel(model_dir: str | Path, device: str, dtype: str | None, attent
             results[name] = info
             if on_done:
                 on_done(info)
+    except FuturesTimeout:
+        for name in set(futs.values()) - set(results):
+            results[name] = {"bucket": name, "event": "error", "error": f"not built within {timeout_s:.0f}s"}
+        procs = list(getattr(pool, "_processes", {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:  # our own workers: stop the compiles still running
+            p.terminate()
+    else:
+        pool.shutdown(wait=True)
     return [results[b.name] for b in buckets]

@@ -44,13 +44,18 @@ class CompileOptions:
     build_log: list[dict] = field(default_factory=list)
 
 
+@dataclass
+class _Budget:
+    max_batch_tokens: int
+
+
 class BucketedRunner(ModelRunner):
     def __init__(self, model: DecoderModel, device: torch.device, max_batch_tokens: int,
                  share_prefix: bool, buckets: list[Bucket], fns: dict[Bucket, Callable],
                  name: str) -> None:
-        largest = max(b.tokens for b in buckets)
-        super().__init__(model, device, min(max_batch_tokens, largest), share_prefix)
+        super().__init__(model, device, max_batch_tokens, share_prefix)
         self.buckets = BucketSet(buckets)
+        self.largest = max(b.tokens for b in buckets)
         self.fns = fns
         self.backend_name = name
 
@@ -83,14 +88,28 @@ class BucketedRunner(ModelRunner):
 
     @torch.inference_mode()
     def hidden_rows(self, groups: list[SequenceGroup], pooling: str = "last") -> torch.Tensor:
+        share = self.share_prefix and pooling == "last"
         outs = []
-        for chunk in self.split(groups):
-            hidden, batch = self.run_packed(pack(chunk, share_prefix=self.share_prefix and pooling == "last"))
+        for batch in self._batches(groups, share):
+            hidden, batch = self.run_packed(batch)
             if pooling == "last":
                 outs.append(hidden.index_select(0, batch.last_index))
             else:
                 outs.append(mean_pool(hidden, batch))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _batches(self, groups: list[SequenceGroup], share: bool):
+        """Packed chunks under the token budget; a chunk no bucket takes is re-split at the largest
+        bucket's size when every piece then fits (else it runs as is, eagerly)."""
+        for chunk in self.split(groups):
+            batch = pack(chunk, share_prefix=share)
+            if batch.num_tokens > self.largest and self.buckets.choose(batch) is None:
+                pieces = [pack(c, share_prefix=share)
+                          for c in ModelRunner.split(_Budget(self.largest), chunk)]
+                if all(self.buckets.choose(p) is not None for p in pieces):
+                    yield from pieces
+                    continue
+            yield batch
 
     def stats(self) -> dict:
         return {"backend": self.backend_name, "buckets": [b.name for b in self.buckets],
