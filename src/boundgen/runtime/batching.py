@@ -1,8 +1,10 @@
 """Cross-request batching: one node merges ready model inputs from concurrent requests into one call.
 
-The batcher thread takes the first waiting request, then everything already queued, then waits for more up to
-`max_wait_ms` (counted from the first request's arrival, and never past what the earliest deadline in the
-batch allows) until `token_budget` is reached. It calls `merge(list[inputs]) -> (batch, sizes)`, runs
+Leader/follower: a request that reaches the node while no batch is being formed or run becomes the leader and
+runs the batch on its own thread (no thread hop at low load). Requests that arrive while a batch runs wait;
+when it ends, a batcher thread leads the next batch with everything that waited (so batches grow with load).
+A leader takes everything already waiting, then waits for more up to `max_wait_ms` (counted from the first
+request's arrival, and never past what the earliest deadline in the batch allows) until `token_budget`. It calls `merge(list[inputs]) -> (batch, sizes)`, runs
 `fn(batch)` once (under its own CUDA stream when the executor has CUDA), and `split(output, sizes)` gives each
 request its outputs back. The token budget and max wait are the knob between throughput (large forwards,
 DESIGN §11) and latency (not waiting for them).
@@ -10,9 +12,11 @@ DESIGN §11) and latency (not waiting for them).
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Sequence
 
 from boundgen.runtime.node import Node, NodeKind, PipelineError
@@ -38,7 +42,8 @@ class BatchingNode(Node):
       tuple/dict (several).
     - `size(inputs) -> int`: tokens a request adds to the batch (default 1), counted against `token_budget`.
     - `max_batch`: at most this many requests per batch (default unbounded).
-    - `lanes`: batcher threads (each with its own CUDA stream), so one batch can launch while another runs.
+    - `lanes`: batches formed/run at the same time (each lane has its own CUDA stream); 1 keeps one forward
+      in flight, so requests that arrive meanwhile are merged into the next one.
     """
 
     def __init__(
@@ -65,13 +70,16 @@ class BatchingNode(Node):
         self.max_wait_ns = int(max_wait_ms * 1e6)
         self.max_batch = max_batch
         self.lanes = max(1, lanes)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[_Item] = deque()
+        self._cv = threading.Condition(threading.Lock())
+        self._leaders = 0
+        self._kick: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._start_lock = threading.Lock()
+        self._streams: list[Any] = []
+        self._lane_rr = itertools.count()
         self._closed = False
         self._run_ema_ns = 0.0
-        # Counters (written by batcher threads only; one lane each, so a lock only with lanes > 1).
-        self._count_lock = threading.Lock()
+        # Counters, updated under the condition's lock.
         self.batches = 0
         self.batched_requests = 0
         self.batched_tokens = 0
@@ -80,10 +88,15 @@ class BatchingNode(Node):
     # ---- executor side -----------------------------------------------------------------------------------
 
     def start(self, req: Any, args: dict[str, Any], done: Callable[..., None]) -> None:
-        if not self._threads:
-            self._start_threads()
         size = self.size(args) if self.size is not None else 1
-        self._queue.put(_Item(req, args, done, size))
+        item = _Item(req, args, done, size)
+        with self._cv:
+            self._waiting.append(item)
+            if self._leaders >= self.lanes:
+                self._cv.notify()  # a leader that is waiting for more may take it now
+                return
+            self._leaders += 1
+        self._lead()  # this thread runs the batch
 
     def call_unbatched(self, args: dict[str, Any]) -> tuple[Any, ...]:
         batch, sizes = self.merge([args])
@@ -93,7 +106,7 @@ class BatchingNode(Node):
     def close(self) -> None:
         self._closed = True
         for _ in self._threads:
-            self._queue.put(None)
+            self._kick.put(None)
         for t in self._threads:
             t.join(timeout=5)
         self._threads = []
@@ -108,20 +121,7 @@ class BatchingNode(Node):
             "max_requests_in_batch": self.max_requests_in_batch,
         }
 
-    # ---- batcher threads ---------------------------------------------------------------------------------
-
-    def _start_threads(self) -> None:
-        with self._start_lock:
-            if self._threads:
-                return
-            self._closed = False
-            threads = [
-                threading.Thread(target=self._loop, name=f"boundgen-batch-{self.name}-{i}", daemon=True)
-                for i in range(self.lanes)
-            ]
-            for t in threads:
-                t.start()
-            self._threads = threads
+    # ---- leaders -----------------------------------------------------------------------------------------
 
     def _as_tuple(self, part: Any) -> tuple[Any, ...]:
         names = self._result_keys
@@ -131,105 +131,136 @@ class BatchingNode(Node):
             return tuple(part[n] for n in names)
         return tuple(part)
 
-    def _collect(self, first: _Item, carry: list[_Item]) -> list[_Item]:
-        batch = [first]
-        tokens = first.size
-        deadline = first.req.deadline_ns
-        wait_until = first.arrival_ns + self.max_wait_ns
-        q = self._queue
-        while tokens < self.token_budget and (self.max_batch is None or len(batch) < self.max_batch):
-            try:
-                item = q.get_nowait()
-            except queue.Empty:
+    def _lead(self) -> None:
+        """Form and run one batch; the caller holds a leader slot, released here. If requests are still
+        waiting afterwards, a batcher thread takes the slot and leads the next batch."""
+        try:
+            batch = self._take()
+            if batch:
+                self._run_batch(batch)
+        finally:
+            with self._cv:
+                more = bool(self._waiting) and not self._closed
+                if not more:
+                    self._leaders -= 1
+            if more:  # keep the slot and hand it to a batcher thread
+                self._ensure_threads()
+                self._kick.put(1)
+
+    def _ensure_threads(self) -> None:
+        if self._threads:
+            return
+        with self._cv:
+            if self._threads:
+                return
+            self._threads = [
+                threading.Thread(target=self._background, name=f"boundgen-batch-{self.name}-{i}", daemon=True)
+                for i in range(self.lanes)
+            ]
+            threads = list(self._threads)
+        for t in threads:
+            t.start()
+
+    def _background(self) -> None:
+        while True:
+            if self._kick.get() is None:
+                return
+            self._lead()
+
+    def _take(self) -> list[_Item]:
+        with self._cv:
+            waiting = self._waiting
+            if not waiting:
+                return []
+            first = waiting.popleft()
+            batch = [first]
+            tokens = first.size
+            deadline = first.req.deadline_ns
+            wait_until = first.arrival_ns + self.max_wait_ns
+            while tokens < self.token_budget and (self.max_batch is None or len(batch) < self.max_batch):
+                if waiting:
+                    nxt = waiting[0]
+                    if tokens + nxt.size > self.token_budget:
+                        break  # starts the next batch
+                    waiting.popleft()
+                    batch.append(nxt)
+                    tokens += nxt.size
+                    d = nxt.req.deadline_ns
+                    if d is not None and (deadline is None or d < deadline):
+                        deadline = d
+                    continue
                 limit = wait_until
                 if deadline is not None:
                     limit = min(limit, deadline - int(self._run_ema_ns))
                 remaining = limit - _now()
                 if remaining <= 0:
                     break
-                try:
-                    item = q.get(timeout=remaining / 1e9)
-                except queue.Empty:
-                    break
-            if item is None:
-                q.put(None)  # keep the shutdown signal for the loop
-                break
-            if tokens + item.size > self.token_budget:
-                carry.append(item)  # starts the next batch
-                break
-            batch.append(item)
-            tokens += item.size
-            d = item.req.deadline_ns
-            if d is not None and (deadline is None or d < deadline):
-                deadline = d
-        return batch
+                self._cv.wait(remaining / 1e9)
+            return batch
 
-    def _loop(self) -> None:
+    def _stream(self, executor: Any) -> Any:
+        torch = executor._torch
+        if not self._streams:
+            with self._cv:
+                if not self._streams:
+                    self._streams = [torch.cuda.Stream(device=executor.device) for _ in range(self.lanes)]
+        return self._streams[next(self._lane_rr) % self.lanes]
+
+    def _run_batch(self, batch: list[_Item]) -> None:
         from boundgen.runtime.executor import DeadlineExceeded
 
-        carry: list[_Item] = []
-        stream = None
-        while True:
-            first = carry.pop() if carry else self._queue.get()
-            if first is None:
-                return
-            batch = self._collect(first, carry)
-            start = _now()
-            live = []
-            for it in batch:
-                req = it.req
-                if req.failed:
-                    continue
-                d = req.deadline_ns
-                if d is not None and start + self._run_ema_ns > d:
-                    it.done(
-                        None,
-                        DeadlineExceeded(
-                            f"request {req.request_id} (pipeline {req.pipeline!r}): deadline of "
-                            f"{req.timeout_ms:g} ms cannot be met in batching node {self.name!r} (waited "
-                            f"{(start - it.arrival_ns) / 1e6:.2f} ms, batch run ~{self._run_ema_ns / 1e6:.2f} ms)",
-                            req.pipeline, self.name, req.request_id,
-                        ),
-                    )
-                else:
-                    live.append(it)
-            if not live:
+        start = _now()
+        live = []
+        for it in batch:
+            req = it.req
+            if req.failed:
                 continue
-            executor = live[0].req._executor
-            event = None
-            try:
-                if executor._cuda and self.kind is NodeKind.DEVICE:
-                    torch = executor._torch
-                    if stream is None:
-                        stream = torch.cuda.Stream(device=executor.device)
-                    # inputs were made by CPU nodes: order after anything they queued on the default stream
-                    stream.wait_stream(torch.cuda.default_stream(executor.device))
-                    with torch.cuda.stream(stream):
-                        parts = self._run(live)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                else:
-                    parts = self._run(live)
-            except Exception as exc:  # noqa: BLE001 - every request of the batch gets the node's error
-                for it in live:
-                    it.done(None, exc)
-                continue
-            ran = _now() - start
-            self._run_ema_ns = ran if self._run_ema_ns == 0 else self._run_ema_ns + 0.2 * (ran - self._run_ema_ns)
-            tokens = sum(it.size for it in live)
-            if self.lanes > 1:
-                with self._count_lock:
-                    self._count(len(live), tokens)
+            d = req.deadline_ns
+            if d is not None and start + self._run_ema_ns > d:
+                it.done(
+                    None,
+                    DeadlineExceeded(
+                        f"request {req.request_id} (pipeline {req.pipeline!r}): deadline of "
+                        f"{req.timeout_ms:g} ms cannot be met in batching node {self.name!r} (waited "
+                        f"{(start - it.arrival_ns) / 1e6:.2f} ms, batch run ~{self._run_ema_ns / 1e6:.2f} ms)",
+                        req.pipeline, self.name, req.request_id,
+                    ),
+                )
             else:
-                self._count(len(live), tokens)
-            info = {"batch_requests": len(live), "batch_tokens": tokens, "batch_run_us": round(ran / 1e3, 1)}
-            for it, part in zip(live, parts):
-                try:
-                    outs = self._as_tuple(part)
-                except Exception as exc:  # noqa: BLE001
-                    it.done(None, exc)
-                    continue
-                it.done(outs, None, dict(info, batch_wait_us=round((start - it.arrival_ns) / 1e3, 1)), event)
+                live.append(it)
+        if not live:
+            return
+        executor = live[0].req._executor
+        event = None
+        try:
+            if executor._cuda and self.kind is NodeKind.DEVICE:
+                torch = executor._torch
+                stream = self._stream(executor)
+                # inputs were made by CPU nodes: order after anything they queued on the default stream
+                stream.wait_stream(torch.cuda.default_stream(executor.device))
+                with torch.cuda.stream(stream):
+                    parts = self._run(live)
+                event = torch.cuda.Event()
+                event.record(stream)
+            else:
+                parts = self._run(live)
+        except Exception as exc:  # noqa: BLE001 - every request of the batch gets the node's error
+            for it in live:
+                it.done(None, exc)
+            return
+        ran = _now() - start
+        self._run_ema_ns = ran if self._run_ema_ns == 0 else self._run_ema_ns + 0.2 * (ran - self._run_ema_ns)
+        tokens = sum(it.size for it in live)
+        with self._cv:
+            self._count(len(live), tokens)
+        info = {"batch_requests": len(live), "batch_tokens": tokens, "batch_run_us": round(ran / 1e3, 1)}
+        for it, part in zip(live, parts):
+            try:
+                outs = self._as_tuple(part)
+            except Exception as exc:  # noqa: BLE001
+                it.done(None, exc)
+                continue
+            it.done(outs, None, dict(info, batch_wait_us=round((start - it.arrival_ns) / 1e3, 1)), event)
 
     def _run(self, live: list[_Item]) -> Sequence[Any]:
         batch, sizes = self.merge([it.args for it in live])
