@@ -38,7 +38,7 @@ from boundgen import Engine  # noqa: E402
 from boundgen.checkpoints import ensure_model  # noqa: E402
 from boundgen.compile.buckets import parse_buckets  # noqa: E402
 from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info  # noqa: E402
-from boundgen.compile.runner import CompileOptions, aoti_slots, make_runner  # noqa: E402
+from boundgen.compile.runner import CompileOptions, aoti_slots, eager_overrides, make_runner  # noqa: E402
 from boundgen.workloads.score import ScoreRequest, prepare_score  # noqa: E402
 
 # W3 prompt, W2 request (prefix 256 + 100 x 16), W1 chunks (≤ 8192 tokens) and W1's remainder
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     dtype_name = args.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     path = Path(args.model) if args.model else ensure_model(args.preset, dtype=dtype_name, root=args.root,
                                                               progress=False)
-    engine = Engine.from_pretrained(path, device=args.device, dtype=dtype_name)
+    engine = Engine.from_pretrained(path, device=args.device, dtype=dtype_name, **eager_overrides())
     run.results.update(model=str(path), preset=args.preset, dtype=dtype_name)
     buckets = parse_buckets(args.buckets or DEFAULT_BUCKETS)
     run.results["buckets"] = [b.name for b in buckets]

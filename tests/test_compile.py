@@ -290,3 +290,35 @@ def test_real_package_probe_loads(engine_for, aoti_cache):
     (slot,) = aoti_slots(engine.model, engine.device, [BUCKET], "none")
     ok, detail = preload.probe(ArtifactCache(aoti_cache).dir_for(slot) / "package.pt2")
     assert ok, detail
+
+
+def test_chunks_resplit_to_fit_buckets(engine_for):
+    """A chunk larger than every bucket is re-split at the largest bucket when all pieces then fit."""
+    from boundgen.compile.runner import _eager_fns
+
+    engine = engine_for("qwen2")
+    buckets = parse_buckets(["t64-s8-m64-g2-p32-q16", "t128"])
+    runner = BucketedRunner(engine.model, engine.device, 32768, True, buckets,
+                            _eager_fns(engine.model, buckets), "eager-buckets")
+    g = torch.Generator().manual_seed(5)
+    plain = [SequenceGroup([], [_ids(g, 50) for _ in range(9)])]
+    with torch.inference_mode():
+        torch.testing.assert_close(runner.hidden_rows(plain), engine.runner.hidden_rows(plain))
+    s = runner.stats()
+    assert s["misses"] == 0 and s["batches"] == {"t128-s4-m128": 5}
+    # a shared prefix longer than any bucket's P: runs eagerly (counted), never split into 9 forwards
+    shared = [SequenceGroup(_ids(g, 100), [_ids(g, 5) for _ in range(9)])]
+    with torch.inference_mode():
+        torch.testing.assert_close(runner.hidden_rows(shared), engine.runner.hidden_rows(shared))
+    assert runner.stats()["misses"] == 1
+
+
+def test_compile_cli_check(tiny_model, aoti_cache, capsys):
+    from boundgen.cli import main
+
+    argv = ["compile", "--model", str(tiny_model("qwen2")), "--dtype", "float32", "--cache-dir",
+            str(aoti_cache), "--check", "--buckets"]
+    assert main(argv + [BUCKET.name]) == 0
+    assert "hit" in capsys.readouterr().out
+    assert main(argv + [f"{BUCKET.name},t32"]) == 1
+    assert "missing" in capsys.readouterr().out

@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from boundgen.commands._common import add_engine_args, load_engine
+from boundgen.commands._common import add_engine_args
 
 HELP = "export + AOTInductor-compile the model's packed forward per shape bucket (weights kept out)"
 
@@ -83,6 +83,19 @@ def _verify(engine, entries, cache_root) -> str:
                                               if diag["status"] == "preload" else "")
 
 
+def _load_eager(args):
+    """The plain model (this command builds artifacts; it must not load them through `backend=auto`)."""
+    import dataclasses
+
+    from boundgen import Engine
+    from boundgen.cliargs import from_args
+    from boundgen.compile.runner import eager_overrides
+    from boundgen.config import EngineConfig
+
+    config = dataclasses.replace(from_args(EngineConfig, args), **eager_overrides())
+    return Engine.from_pretrained(args.model, config=config)
+
+
 def run(args) -> int:
     from pathlib import Path
 
@@ -93,7 +106,7 @@ def run(args) -> int:
     from boundgen.compile.runner import aoti_slots, build_aoti
     from boundgen.compile.cache import platform_info
 
-    engine = load_engine(args)
+    engine = _load_eager(args)
     buckets = parse_buckets(args.buckets, engine.engine_config.max_batch_tokens)
     cache = ArtifactCache(args.cache_dir)
     t0 = time.perf_counter()

@@ -86,6 +86,8 @@ class FlashBackend:
         except (TypeError, RuntimeError):
             self._window = False  # older signature: is_causal alone is bottom-right causal
             res = self._call(q, q, q, cu, cu, 3, 3, True)
+        if res[1].dim() != 2:
+            raise RuntimeError(f"unexpected flash LSE shape {tuple(res[1].shape)} on torch {torch.__version__}")
         self._heads_first = tuple(res[1].shape) == (2, 3)
 
     def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal):

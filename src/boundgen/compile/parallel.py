@@ -22,11 +22,13 @@ def _init(model_dir: str, device: str, dtype: str | None, attention: str) -> Non
 
     import torch
 
+    from boundgen.compile.runner import eager_overrides
     from boundgen.engine import Engine
 
     logging.getLogger("torch").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    engine = Engine.from_pretrained(model_dir, device=device, dtype=dtype, attention=attention)
+    engine = Engine.from_pretrained(model_dir, device=device, dtype=dtype, attention=attention,
+                                    **eager_overrides())
     _WORKER["model"], _WORKER["device"] = engine.model, engine.device
 
 

@@ -235,6 +235,16 @@ def _make(model, device, max_batch_tokens, share_prefix, backend: str, opts: Com
     return BucketedRunner(model, device, max_batch_tokens, share_prefix, buckets, fns, backend)
 
 
+def eager_overrides() -> dict:
+    """`Engine.from_pretrained` keyword that forces the eager runner (when `EngineConfig` has `backend`):
+    for processes that only need the plain model (builders, baselines)."""
+    import dataclasses
+
+    from boundgen.config import EngineConfig
+
+    return {"backend": "eager"} if "backend" in {f.name for f in dataclasses.fields(EngineConfig)} else {}
+
+
 def make_runner(model: DecoderModel, device: torch.device | str, max_batch_tokens: int = 32768,
                 share_prefix: bool = True, backend: str = "auto",
                 options: CompileOptions | None = None) -> ModelRunner:
