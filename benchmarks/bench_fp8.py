@@ -1,7 +1,8 @@
 """Selective FP8 on CUDA: GEMM-level and full-model W1/W2 throughput, bf16 vs each policy, and the gate.
 
     python benchmarks/bench_fp8.py --out $OUT/fp8.json            # everything (H200: ~5-8 min)
-    python benchmarks/bench_fp8.py --sections gemm,quant --out x.json
+    python benchmarks/bench_fp8.py --sections env,compiled --out $OUT/fp8_compiled.json
+    python benchmarks/bench_fp8.py --dry-run-cpu --out /tmp/fp8.json  # code paths on CPU, no timings
 
 Sections (each isolated: a failure is recorded under "errors" and the others still run; the JSON is
 rewritten after every section, so a timeout keeps what finished):
@@ -15,6 +16,8 @@ rewritten after every section, so a timeout keeps what finished):
 - model:  the engine (eager, bf16 weights of the seeded synthetic qwen2.5-0.5b checkpoint) on W1 (256
           prompts, 64-256 tokens, 2 labels: tok/s) and W2 (prefix 256 + 100 x 16: ms) for none, mlp
           (Triton and torch quantizer), mlp+attn-proj; bf16 again at the end to show drift.
+- compiled (not in the default list; run alone, each policy compiles the model per bucket): W1/W2
+          through boundgen.compile's torch.compile backend, bf16 vs each policy.
 - gate:   the fidelity gate (full eval set) for each policy with real FP8, emulated-vs-real agreement, and
           the bf16-vs-fp32 noise floor on the same eval set (how close two "exact" runs get), and a
           sensitivity table (one projection kind in FP8 at a time; MLP without the first/last layer).
@@ -392,6 +395,66 @@ def section_model(res: dict, args) -> None:
     _empty_cache()
 
 
+def section_compiled(res: dict, args) -> None:
+    """W1/W2 through the torch.compile backend (boundgen.compile.runner), where Inductor fuses the
+    activation quantize into its producer: bf16 vs each policy. Not in the default sections (each policy
+    compiles the whole model per bucket): run it alone, `--sections env,compiled`."""
+    from boundgen.compile.runner import CompileOptions, make_runner
+
+    engine, path = _load_engine(args)
+    w1, (w2_prefix, w2_items), labels = _workloads(
+        engine.config.vocab_size, w1_prompts=args.w1_prompts
+    )
+    w1_tokens = sum(len(p) for p in w1)
+    out = res.setdefault(
+        "compiled",
+        {
+            "checkpoint": str(path),
+            "buckets": args.compiled_buckets,
+            "budget": args.compiled_budget,
+            "w1_tokens": w1_tokens,
+            "runs": [],
+        },
+    )
+    eager_runner = engine.runner
+    for policy in args.compiled_policies:
+        row = {"policy": policy}
+        try:
+            with _Policy(engine, policy, act_quant="torch"):
+                t0 = time.perf_counter()
+                runner = make_runner(
+                    engine.model,
+                    engine.device,
+                    max_batch_tokens=args.compiled_budget,
+                    share_prefix=True,
+                    backend="compile",
+                    options=CompileOptions(buckets=args.compiled_buckets, warmup=True),
+                )
+                row["compile_s"] = time.perf_counter() - t0
+                engine.runner = runner
+                try:
+                    t = wall_time_s(lambda: engine.score([], w1, labels), iters=args.iters)
+                    row["w1_s"], row["w1_tok_s"] = t, w1_tokens / t
+                    t = wall_time_s(
+                        lambda: engine.score(w2_prefix, w2_items, labels), iters=max(5, args.iters)
+                    )
+                    row["w2_ms"] = t * 1e3
+                    row["runner_stats"] = runner.stats() if hasattr(runner, "stats") else None
+                finally:
+                    engine.runner = eager_runner
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:800]
+        out["runs"].append(row)
+        print("compiled", row, flush=True)
+        save(res, args)
+        torch._dynamo.reset()
+    base = out["runs"][0]
+    for row in out["runs"]:
+        if "w1_tok_s" in row and "w1_tok_s" in base:
+            row["w1_speedup"] = row["w1_tok_s"] / base["w1_tok_s"]
+            row["w2_speedup"] = base["w2_ms"] / row["w2_ms"]
+
+
 def section_gate(res: dict, args) -> None:
     from boundgen.quant.fidelity import (
         collect_outputs,
@@ -525,6 +588,12 @@ def summary(res: dict) -> str:
                 f"W1/W2 {r['policy']:<22} W1 {r['w1_tok_s'] / 1e3:8.1f}K tok/s (x{r.get('w1_speedup', 1):.2f})"
                 f"  W2 {r['w2_ms']:7.2f} ms (x{r.get('w2_speedup', 1):.2f})"
             )
+    for r in res.get("compiled", {}).get("runs", []):
+        if "w1_tok_s" in r:
+            lines.append(
+                f"compiled {r['policy']:<19} W1 {r['w1_tok_s'] / 1e3:8.1f}K tok/s "
+                f"(x{r.get('w1_speedup', 1):.2f})  W2 {r['w2_ms']:7.2f} ms (x{r.get('w2_speedup', 1):.2f})"
+            )
     for p, r in res.get("gate", {}).get("reports", {}).items():
         if "passed" in r:
             lines.append(
@@ -551,6 +620,15 @@ def main(argv=None) -> int:
         "--compile-tokens", default="8192", help="M values that also get torch.compile variants"
     )
     ap.add_argument("--no-noise-floor", action="store_true")
+    ap.add_argument(
+        "--compiled-buckets",
+        default="t8192-s96-m256,t2048-s112-m256-g2-p320-q1664",
+        help="buckets of the compiled section (W1 chunks, W2's prefix + 100 candidates)",
+    )
+    ap.add_argument(
+        "--compiled-budget", type=int, default=8192, help="compiled section token budget"
+    )
+    ap.add_argument("--compiled-policies", default="none,mlp,mlp+attn-proj")
     ap.add_argument("--no-sensitivity", action="store_true", help="skip per-projection gate runs")
     ap.add_argument(
         "--dry-run-cpu",
@@ -559,6 +637,7 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     args.compile_tokens = [int(float(t)) for t in args.compile_tokens.split(",") if t]
+    args.compiled_policies = [p for p in args.compiled_policies.split(",") if p]
     args.device = "cuda"
     if args.dry_run_cpu:
         global EMULATE_ALL
@@ -584,6 +663,7 @@ def main(argv=None) -> int:
         "quant": section_quant,
         "mlp": section_mlp,
         "model": section_model,
+        "compiled": section_compiled,
         "gate": section_gate,
     }
     for name in sections:
