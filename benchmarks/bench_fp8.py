@@ -669,7 +669,8 @@ def main(argv=None) -> int:
     for name in sections:
         t0 = time.perf_counter()
         try:
-            funcs[name](res, args)
+            with torch.inference_mode():  # no autograd: _scaled_mm has no derivative
+                funcs[name](res, args)
         except Exception:  # noqa: BLE001 - one failing section must not lose the others
             res["errors"][name] = traceback.format_exc()[-3000:]
             print(f"section {name} failed:\n{res['errors'][name]}", file=sys.stderr, flush=True)
