@@ -11,7 +11,6 @@ for BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import signal

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-from boundgen import Engine, Trie  # noqa: E402
-from boundgen.server.app import create_app  # noqa: E402
-from boundgen.server.config import ServerConfig, config_from_dict, load_config_file  # noqa: E402
-from boundgen.server.testing import SlowEngine, tiny_model_dir  # noqa: E402
+from boundgen import Engine, Trie
+from boundgen.server.app import create_app
+from boundgen.server.config import ServerConfig, config_from_dict, load_config_file
+from boundgen.server.testing import SlowEngine, tiny_model_dir
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 MODEL = "tiny-server-test"

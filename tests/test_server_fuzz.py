@@ -10,14 +10,14 @@ import pytest
 
 pytest.importorskip("hypothesis")
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from boundgen import Engine  # noqa: E402
-from boundgen.server.app import create_app  # noqa: E402
-from boundgen.server.config import ServerConfig  # noqa: E402
-from boundgen.server.testing import tiny_model_dir  # noqa: E402
+from boundgen import Engine
+from boundgen.server.app import create_app
+from boundgen.server.config import ServerConfig
+from boundgen.server.testing import tiny_model_dir
 
 MAX_ITEMS = 8
 VOCAB = 2048  # the tiny preset's vocabulary (checked in the fixture)

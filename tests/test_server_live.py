@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from boundgen import Trie  # noqa: E402
-from boundgen.server.testing import ServeProcess, tiny_model_dir  # noqa: E402
+from boundgen import Trie
+from boundgen.server.testing import ServeProcess, tiny_model_dir
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -133,6 +133,11 @@ def test_tritonclient(server, http):
         client.get_model_metadata("nope", headers=auth())
 
 
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_sigterm_drains_in_flight_requests(server):
     """Last test: SIGTERM while requests run; every admitted request still gets its 200, then exit 0."""
     body = {"prompt": list(range(1, 257)), "beam_width": 32, "steps": 8}
@@ -143,11 +148,17 @@ def test_sigterm_drains_in_flight_requests(server):
 
     with cf.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(call) for _ in range(6)]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # wait until the server has admitted work
-            text = httpx.get(server.url + "/metrics", headers=AUTH).text
-            m = re.search(r"^boundgen_inflight ([0-9.]+)", text, re.M)
-            if m and float(m.group(1)) >= 1:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            # Wait until every request was admitted (SIGTERM closes connections whose request the
+            # server has not read yet, as any server does) and at least one is still running.
+            try:
+                text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=30).text
+            except httpx.HTTPError:
+                continue
+            inflight = _metric(text, "boundgen_inflight")
+            done = _metric(text, r'boundgen_requests_total\{endpoint="beam",status="200"\}')
+            if inflight >= 1 and inflight + done >= len(futures) + 1:  # + the earlier beam test
                 break
             time.sleep(0.01)
         signaled = time.monotonic()

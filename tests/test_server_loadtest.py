@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
-import uvicorn  # noqa: E402
-from fastapi.testclient import TestClient  # noqa: E402
+import uvicorn
+from fastapi.testclient import TestClient
 
-from boundgen import Engine  # noqa: E402
-from boundgen.loadtest import LoadConfig, Sample, arrival_times, run_loadtest, summarize  # noqa: E402
-from boundgen.server.app import create_app  # noqa: E402
-from boundgen.server.config import ServerConfig  # noqa: E402
-from boundgen.server.testing import free_port, tiny_model_dir  # noqa: E402
+from boundgen import Engine
+from boundgen.loadtest import LoadConfig, Sample, arrival_times, run_loadtest, summarize
+from boundgen.server.app import create_app
+from boundgen.server.config import ServerConfig
+from boundgen.server.testing import free_port, tiny_model_dir
 
 
 @pytest.fixture(scope="module")

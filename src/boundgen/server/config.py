@@ -68,7 +68,7 @@ class ServerConfig:
             out[name.strip()] = Path(path.strip()).expanduser()
         return out
 
-    def validate(self) -> "ServerConfig":
+    def validate(self) -> ServerConfig:
         for name in ("max_queue", "timeout_ms", "max_timeout_ms", "max_body_bytes",
                      "max_item_tokens", "max_query_tokens", "max_label_tokens", "workers"):
             if getattr(self, name) < 1:

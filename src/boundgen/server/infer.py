@@ -102,7 +102,7 @@ class Infer:
             if kind == "beam":
                 return [(list(map(int, toks)), float(score)) for toks, score in out[0]]
             return out
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             raise Timeout(f"request did not finish within timeout_ms={timeout_ms}") from None
         except ServerError:
             raise

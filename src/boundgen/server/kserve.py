@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError

@@ -86,8 +86,8 @@ class ServeProcess:
             out, _ = self.proc.communicate()
         return self.proc.returncode, out or ""
 
-    def __enter__(self) -> "ServeProcess":
+    def __enter__(self) -> ServeProcess:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
