@@ -218,3 +218,17 @@ def test_gpu_compile_uses_plain_quantizer():
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(x).float(), layer(x).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_model_casts_keep_fp8_weights_and_scales():
+    model = apply_fp8(ToyDecoder(layers=1), "mlp", emulate=True)
+    layer = model.layers[0].mlp.down_proj
+    w, s = layer.weight.clone(), layer.weight_scale.clone()
+    model.to(torch.bfloat16)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
+    assert torch.equal(layer.weight.float(), w.float()) and torch.equal(layer.weight_scale, s)
+    ids = torch.randint(0, model.vocab, (7,))
+    with torch.no_grad():
+        assert model(ids).dtype == torch.bfloat16
+        model.float()
+        assert layer.weight.dtype == torch.float8_e4m3fn and model(ids).dtype == torch.float32

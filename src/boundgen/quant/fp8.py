@@ -68,8 +68,9 @@ def _probe_scaled_mm(device_index: int) -> str | None:
     """Run a tiny rowwise `_scaled_mm`; None if it works, else the error text."""
     try:
         dev = torch.device("cuda", device_index)
-        a, sa = quantize_rowwise(torch.randn(16, 32, device=dev))
-        w, sw = quantize_weight(torch.randn(32, 32, device=dev))
+        g = torch.Generator(device=dev).manual_seed(0)  # leave the global RNG alone
+        a, sa = quantize_rowwise(torch.randn(16, 32, device=dev, generator=g))
+        w, sw = quantize_weight(torch.randn(32, 32, device=dev, generator=g))
         out = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16)
         ref = (a.float() @ w.float().t()) * sa * sw
         if not torch.allclose(out.float(), ref, rtol=2e-2, atol=1e-2):
@@ -199,6 +200,17 @@ class Fp8Linear(nn.Module):
             layer.bias.copy_(linear.bias.detach().to(out_dtype))
         return layer
 
+    def _apply(self, fn, recurse=True):
+        # NOTE: `model.to(dtype)` / `.half()` must not cast the e4m3 weight or its fp32 scales (a round
+        # trip through bf16 would lose scale bits); device moves still apply. The bias follows the model.
+        keep = {k: self._buffers[k] for k in ("weight", "weight_scale")}
+        super()._apply(fn, recurse)
+        for k, old in keep.items():
+            new = self._buffers[k]
+            if new.dtype != old.dtype:
+                self._buffers[k] = old.to(new.device)
+        return self
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -227,16 +239,14 @@ class Fp8Linear(nn.Module):
                 out_dtype=torch.bfloat16,
                 use_fast_accum=self.fast_accum,
             )
-            if self.out_dtype != torch.bfloat16:
-                y = y.to(self.out_dtype)
         else:
             # e4m3 x e4m3 products are exact in fp32; accumulate in fp32, scale in fp32 (as the kernel does).
             # The kernel writes bf16: round there too, so emulation matches it in every model dtype.
             y = ((a8.float() @ self.weight.float().t()) * a_scale * self.weight_scale).to(
                 torch.bfloat16
             )
-            if self.out_dtype != torch.bfloat16:
-                y = y.to(self.out_dtype)
+        if x.dtype != torch.bfloat16:  # output in the input's dtype, like nn.Linear
+            y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
