@@ -260,6 +260,7 @@ def test_preload_detected_and_applied(tmp_path, monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv("BOUNDGEN_AOTI_REEXECED", raising=False)
     monkeypatch.delenv("BOUNDGEN_AOTI_PRELOAD", raising=False)
+    monkeypatch.delenv("BOUNDGEN_AOTI_REEXEC", raising=False)
     ok, detail = preload.probe("unused", command=_fake_probe(lib))
     assert not ok and "signal 11" in detail
     result = preload.diagnose("unused", tmp_path, command=_fake_probe(lib))

@@ -33,6 +33,7 @@ import torch
 log = logging.getLogger("boundgen.compile")
 
 _REEXEC_MARK = "BOUNDGEN_AOTI_REEXECED"
+_CLI_MARK = "BOUNDGEN_AOTI_REEXEC"  # set by CLI entry points: re-exec is safe in this process
 _PROBE = (
     "import sys, torch\n"
     "m = torch._inductor.aoti_load_package(sys.argv[1])\n"
@@ -169,7 +170,7 @@ def reexec_with_preload(lib: str) -> None:
 def _reexec_allowed(allow: bool | None) -> bool:
     if os.environ.get("BOUNDGEN_AOTI_PRELOAD", "auto").lower() in ("off", "0", "no"):
         return False
-    return bool(allow)
+    return bool(allow) or os.environ.get(_CLI_MARK) == "1"
 
 
 def ensure_loadable(package: str | Path, cache_root: Path | None = None, allow_reexec: bool = False,
@@ -201,3 +202,13 @@ def reexec_if_needed(cache_root: Path | None = None) -> None:
     result = _read_state(root).get(_platform_key())
     if result and result.get("status") == "preload" and not _preloaded(result["preload"]):
         reexec_with_preload(result["preload"])
+
+
+def cli_startup() -> None:
+    """Call first thing in a CLI entry point: this process may be re-exec'd (now, from a cached diagnosis,
+    or later, when the first AOTInductor load is probed), which a library caller's process may not."""
+    os.environ[_CLI_MARK] = "1"
+    try:
+        reexec_if_needed()
+    except AOTIUnsafe:
+        pass

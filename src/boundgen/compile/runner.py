@@ -229,9 +229,6 @@ def _make(model, device, max_batch_tokens, share_prefix, backend: str, opts: Com
 
         with torch.inference_mode():
             fns = capture_buckets(fns, device, opts.graph_max_tokens)
-        if base == "eager":  # buckets above the graph limit: the plain eager path is as fast
-            buckets = [b for b in buckets if b.tokens <= opts.graph_max_tokens] or buckets
-            fns = {b: fns[b] for b in buckets}
     return BucketedRunner(model, device, max_batch_tokens, share_prefix, buckets, fns, backend)
 
 
