@@ -199,14 +199,14 @@ def test_check_policy_allowed(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    checkpoints = pytest.importorskip("boundgen.checkpoints")
-    return checkpoints.make_model("tiny", tmp_path_factory.mktemp("tiny") / "m", progress=False)
+def tiny_model_dir(tiny_model):
+    return tiny_model()  # conftest: the session's tiny qwen2 checkpoint
 
 
-def test_real_tiny_model_policies_and_emulated_scores(tiny_model_dir):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_real_tiny_model_policies_and_emulated_scores(tiny_model, arch):
     engine_mod = pytest.importorskip("boundgen.engine")
-    engine = engine_mod.Engine.from_pretrained(tiny_model_dir, device="cpu", dtype="bfloat16")
+    engine = engine_mod.Engine.from_pretrained(tiny_model(arch), device="cpu", dtype="bfloat16")
     model = engine.model
     n = model.config.num_layers
     from boundgen.quant import fp8_modules, select_modules
