@@ -64,6 +64,8 @@ def test_embed_with_mlp_head_node(runtime, engine_for):
     out = runtime.embed(ITEMS, head=head)
     assert out.shape == (len(ITEMS), 2)
     assert _close(out, eng.embed(ITEMS, head=head))
+    # a dict request (as the server sends) may carry pipeline inputs such as `head` beside its fields
+    assert _close(runtime.run("embed", {"texts": ITEMS, "head": head}), out)
     assert [p.node.name for p in runtime.pipelines["embed"].plan] == ["prepare", "forward", "mlp_head"]
 
 

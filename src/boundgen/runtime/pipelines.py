@@ -261,6 +261,14 @@ def build_pipelines(
         return Node(name, run, inputs=inputs, outputs=outputs, kind=NodeKind.DEVICE)
 
     # score
+    def score_head(rows: torch.Tensor, request: ScoreRequest, ctx: Any) -> torch.Tensor:
+        # label columns through a pinned pooled buffer: no pageable (blocking) host-to-device copy
+        cols = torch.tensor(request.label_token_ids, dtype=torch.int64)
+        if rows.device.type == "cuda":
+            cols = ctx.lease.stage(cols)
+        with torch.inference_mode():
+            return engine.model.head(rows, cols)
+
     def score_prepare(request: ScoreRequest) -> tuple[list, str]:
         engine._need_task("causal_lm", "score")
         return prepare_score(request, tokenizer, limits), "last"
@@ -271,8 +279,8 @@ def build_pipelines(
         [
             cpu(score_prepare, "prepare", {"request": ScoreRequest}, {"groups": list, "pooling": str}, (ValueError,)),
             forward,
-            device(lambda rows, request: runner.head(rows, request.label_token_ids), "head",
-                   {"rows": torch.Tensor, "request": ScoreRequest}, {"label_logits": torch.Tensor}),
+            Node("head", score_head, inputs={"rows": torch.Tensor, "request": ScoreRequest},
+                 outputs={"label_logits": torch.Tensor}, kind=NodeKind.DEVICE, wants_ctx=True),
             cpu(lambda label_logits, request: finish_score(label_logits, request), "finish",
                 {"label_logits": torch.Tensor, "request": ScoreRequest}, {"scores": list}),
         ],
@@ -412,8 +420,11 @@ class EngineRuntime:
             rtype = pipe.inputs.get("request")
             if not isinstance(rtype, type) or not dataclasses.is_dataclass(rtype):
                 raise ValueError(f"pipeline {kind!r} needs a request object, not a dict")
+            fields = {f.name for f in dataclasses.fields(rtype)}
+            # keys that are not request fields but are pipeline inputs (e.g. embed's `head`) go there
+            extra = {**{k: v for k, v in request.items() if k not in fields and k in pipe.inputs}, **extra}
             try:
-                request = rtype(**request)
+                request = rtype(**{k: v for k, v in request.items() if k in fields or k not in pipe.inputs})
             except TypeError as exc:
                 raise ValueError(f"bad {kind} request: {exc}") from None
         return pipe, {"request": request, **extra}

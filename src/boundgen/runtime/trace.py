@@ -146,6 +146,12 @@ class Tracer:
                 h = self._request_hist.setdefault(pipeline, LatencyHistogram())
         return h
 
+    def histograms(self) -> dict[tuple[str, str], LatencyHistogram]:
+        """{(pipeline, node): histogram}, with node "<request>" for whole requests (e.g. for Prometheus)."""
+        out = dict(self._hist)
+        out.update({(pipe, "<request>"): h for pipe, h in self._request_hist.items()})
+        return out
+
     def count_error(self, pipeline: str, status: str) -> None:
         key = f"{pipeline}:{status}"
         with self._lock:
