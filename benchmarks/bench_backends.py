@@ -32,14 +32,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import common  # noqa: E402
+import common
 
-from boundgen import Engine  # noqa: E402
-from boundgen.checkpoints import ensure_model  # noqa: E402
-from boundgen.compile.buckets import parse_buckets  # noqa: E402
-from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info  # noqa: E402
-from boundgen.compile.runner import CompileOptions, aoti_slots, eager_overrides, make_runner  # noqa: E402
-from boundgen.workloads.score import ScoreRequest, prepare_score  # noqa: E402
+from boundgen import Engine
+from boundgen.checkpoints import ensure_model
+from boundgen.compile.buckets import parse_buckets
+from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
+from boundgen.compile.runner import CompileOptions, aoti_slots, eager_overrides, make_runner
+from boundgen.workloads.score import ScoreRequest, prepare_score
 
 # W3 prompt, W2 request (prefix 256 + 100 x 16), W1 chunks (≤ 8192 tokens) and W1's remainder
 DEFAULT_BUCKETS = ["t64-s4-m64", "t2048-s128-m512-g2-p320-q1728", "t1024-s32-m512", "t8192-s256-m512"]
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
         e, run.results["variants"][variant] = made
         print(f"variant {variant}: {run.results['variants'][variant]}")
         for name in work:
-            t = run.guard(f"{name} {variant}", lambda name=name: measure(name, e))
+            t = run.guard(f"{name} {variant}", lambda name=name, e=e: measure(name, e))
             run.results["workloads"][name][variant] = t
             run.save()
         del e
@@ -310,7 +310,7 @@ def bench_decode(run: Run, engine, vocab: int) -> dict:
         state.step = 1
         tok = torch.randint(100, vocab, (n,), device=dev)
         pos = torch.full((n,), 129, device=dev)
-        step = lambda t, p: model.head(model(t, p, None, state))  # noqa: E731
+        step = lambda t, p: model.head(model(t, p, None, state))
         entry = {"rows": n}
         entry["eager"] = run.guard(f"W4 b{b} eager", lambda: host_and_latency(
             lambda: step(tok, pos), dev, 50, args.variant_budget_s / 2))

@@ -15,11 +15,17 @@ import pytest
 import torch
 
 from boundgen.attention.backends import ReferenceBackend
+from boundgen.compile import preload
 from boundgen.compile.attention import MaskedBackend
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets, parse_buckets
 from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
-from boundgen.compile import preload
-from boundgen.compile.runner import BucketedRunner, CompileOptions, aoti_slots, build_aoti, make_runner
+from boundgen.compile.runner import (
+    BucketedRunner,
+    CompileOptions,
+    aoti_slots,
+    build_aoti,
+    make_runner,
+)
 from boundgen.text.packing import SequenceGroup, pack
 
 BUCKET = Bucket.parse("t64-s12-m32-g3-p24-q24")
@@ -55,7 +61,7 @@ def test_masked_attention_matches_reference(causal):
     g = torch.Generator().manual_seed(1)
     lq = [3, 0, 5, 1, 7]
     lk = lq if causal else [2, 4, 7, 1, 3]
-    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32)  # noqa
+    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32)
     tq, tk = sum(lq) + 3, sum(lk) + 2  # rows past the last segment (padding) too
     q = torch.randn(tq, 4, 8, generator=g)
     k, v = torch.randn(tk, 2, 8, generator=g), torch.randn(tk, 2, 8, generator=g)

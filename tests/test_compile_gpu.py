@@ -33,7 +33,7 @@ def test_flash_matches_varlen(causal):
     g = torch.Generator(device="cuda").manual_seed(0)
     lq = [3, 0, 5, 1, 7]
     lk = lq if causal else [2, 4, 7, 1, 3]
-    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32,  # noqa
+    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32,
                                  device="cuda")
     q = torch.randn(sum(lq), 14, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(sum(lk), 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -59,7 +59,7 @@ def _verify(engine, entries, cache_root) -> str:
     for bucket, path, row in entries:
         # a real batch that fills about half of the bucket, in its layout (shared prefix or plain)
         n = max(1, bucket.tokens // 2)
-        ids = lambda k: torch.randint(1, vocab, (k,), generator=gen).tolist()  # noqa: E731
+        ids = lambda k: torch.randint(1, vocab, (k,), generator=gen).tolist()
         if bucket.cascade:
             p = max(1, min(bucket.prefix_tokens - 1, n // 2))
             s = max(1, min(bucket.shared_tokens // 2, n - p) // 2)
@@ -102,9 +102,8 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from boundgen.compile.buckets import parse_buckets
-    from boundgen.compile.cache import ArtifactCache, ArtifactError
+    from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
     from boundgen.compile.runner import aoti_slots, build_aoti
-    from boundgen.compile.cache import platform_info
 
     engine = _load_eager(args)
     buckets = parse_buckets(args.buckets, engine.engine_config.max_batch_tokens)

@@ -9,5 +9,5 @@ from boundgen.compile.cache import ArtifactCache, ArtifactError
 from boundgen.compile.preload import AOTIUnsafe, cli_startup
 from boundgen.compile.runner import BACKENDS, BucketedRunner, CompileOptions, make_runner
 
-__all__ = ["AOTIUnsafe", "ArtifactCache", "ArtifactError", "BACKENDS", "Bucket", "BucketSet",
+__all__ = ["BACKENDS", "AOTIUnsafe", "ArtifactCache", "ArtifactError", "Bucket", "BucketSet",
            "BucketedRunner", "CompileOptions", "cli_startup", "make_runner", "parse_buckets"]

@@ -135,7 +135,7 @@ class AOTIBucket:
 
     @classmethod
     def load(cls, path: str | Path, bucket: Bucket, weights: SharedWeights, device: torch.device,
-             single_threaded: bool = False) -> "AOTIBucket":
+             single_threaded: bool = False) -> AOTIBucket:
         dev = torch.device(device)
         index = dev.index if dev.type == "cuda" and dev.index is not None else -1
         if dev.type == "cuda" and index < 0:

@@ -65,7 +65,7 @@ class Bucket:
         return self.name
 
     @classmethod
-    def parse(cls, spec: str) -> "Bucket":
+    def parse(cls, spec: str) -> Bucket:
         """`t256` (defaults: s = max(4, t/32), m = min(t, 512)), `t2048-s64-m256`, `t2048-g4-p512-q1536`."""
         spec = spec.strip()
         parts = dict((k, int(v)) for k, v in _PART.findall(spec))

@@ -15,7 +15,7 @@ launches). A captured graph replays every kernel with one launch. Rules that mak
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

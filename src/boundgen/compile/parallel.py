@@ -9,10 +9,10 @@ parent, hence the same model fingerprint) and writes through the shared, lock-pr
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from typing import Callable
 
 _WORKER: dict = {}
 

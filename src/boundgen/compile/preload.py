@@ -1,11 +1,10 @@
 """Guard against the AOTInductor load crash (DESIGN §10): probe in a subprocess, fix by preloading libstdc++.
 
 On the GPU image, `aoti_load_package` segfaults inside the package's `std::regex` (`parse_device_str`)
-unless the process started with `LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6`: the compiled `.so`
-is built by the system g++ against the system libstdc++, but the process has already mapped another
-libstdc++ (bundled by a wheel or the Python build), and the regex code mixes the two ABIs. Once a
-libstdc++ is mapped into a process it cannot be swapped (a later `dlopen` of the same SONAME returns the
-mapped one), so the only in-process-safe fix is to start the process with the system libstdc++ first:
+unless the process started with `LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6`: the package `.so` is
+built by the system g++, and two C++ runtimes' regex/locale code get mixed in the process; preloading
+the system libstdc++ makes its symbols win everywhere. Which definitions loaded libraries bind to is
+settled when the process starts, so the only in-process-safe fix is to start it with the preload:
 re-exec with `LD_PRELOAD` before anything heavy runs.
 
     probe(package)            load (and run nothing) in a child process; True when it survives
@@ -13,6 +12,7 @@ re-exec with `LD_PRELOAD` before anything heavy runs.
     ensure_loadable(package)  returns when loading is safe here; otherwise re-execs with the preload
                               (when allowed) or raises `AOTIUnsafe` — never loads into a crashing process
     reexec_if_needed()        for CLI entry points: re-exec early if an earlier diagnosis said so
+    cli_startup()             first thing in `boundgen serve`: re-exec-safe process + reexec_if_needed
 
 `BOUNDGEN_AOTI_PRELOAD=off` disables the re-exec (the caller then gets `AOTIUnsafe` and falls back).
 """
@@ -134,8 +134,13 @@ def diagnose(package: str | Path, cache_root: Path | None = None, command: list[
         cached = _read_state(cache_root).get(key)
         if cached:
             return cached
-    # NOTE: the child maps the same libstdc++ as this process first, so it crashes exactly when we would.
-    ok, detail = probe(package, preload=loaded_libstdcxx(), command=command)
+    # NOTE: the child runs in this process's environment. Preloading changes symbol interposition, so
+    # the child preloads nothing extra, except a non-system libstdc++ this process has mapped (a wheel's
+    # or the Python build's), which it maps first too: it then crashes exactly when we would.
+    mapped = loaded_libstdcxx()
+    system = {os.path.realpath(p) for p in libstdcxx_candidates()}
+    mimic = mapped if mapped and os.path.realpath(mapped) not in system and not _preloaded(mapped) else None
+    ok, detail = probe(package, preload=mimic, command=command)
     if ok:
         result = {"status": "ok", "detail": detail}
     else:

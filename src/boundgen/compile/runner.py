@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from boundgen.compile.aoti import AOTIBucket, PackedForward, SharedWeights, build_package
 from boundgen.compile.buckets import Bucket, BucketSet, parse_buckets
-from boundgen.compile.cache import ArtifactCache, ArtifactError, Slot, model_fingerprint, platform_info
+from boundgen.compile.cache import (
+    ArtifactCache,
+    ArtifactError,
+    Slot,
+    model_fingerprint,
+    platform_info,
+)
 from boundgen.compile.preload import AOTIUnsafe, ensure_loadable
 from boundgen.models.decoder import DecoderModel
 from boundgen.text.packing import PackedBatch, SequenceGroup, pack
@@ -118,7 +124,7 @@ class BucketedRunner(ModelRunner):
 
 # -- backends ----------------------------------------------------------------------------------------
 def _eager_fns(model: DecoderModel, buckets: list[Bucket]) -> dict[Bucket, Callable]:
-    fn = lambda b: model(b.input_ids, b.positions, b.attn)  # noqa: E731
+    fn = lambda b: model(b.input_ids, b.positions, b.attn)
     return {b: fn for b in buckets}
 
 
@@ -130,7 +136,7 @@ def _compile_fns(model: DecoderModel, buckets: list[Bucket], device, warmup: boo
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(buckets))
     compiled = torch.compile(PackedForward(model), fullgraph=True, dynamic=False)
-    fn = lambda b: compiled(b.input_ids, b.positions, b.attn)  # noqa: E731
+    fn = lambda b: compiled(b.input_ids, b.positions, b.attn)
     if warmup:
         with torch.inference_mode():
             for b in buckets:
@@ -165,7 +171,7 @@ def build_aoti(model: DecoderModel, device: torch.device, buckets: list[Bucket],
         t0 = time.perf_counter()
         status = {"event": "hit"}
 
-        def on_event(kind, why, status=status):
+        def on_event(kind, why, status=status, bucket=bucket):
             if kind == "hit":
                 return
             status.update(event="built" if kind == "missing" else f"rebuilt ({kind})", reason=why)
