@@ -175,6 +175,7 @@ def test_16_threads_mixed_requests_match_sequential(ex):
         t.join()
     assert results == expected
     assert forward.stats()["requests"] == 80
+    assert ex.stats()["inflight"] == 0
     forward.close()
 
 
@@ -242,7 +243,7 @@ def test_deadline_fails_fast_before_work_that_cannot_make_it(ex):
     t = time.perf_counter()
     with pytest.raises(DeadlineExceeded, match=r"before node 'counted_nap'.*estimated rest"):
         ex.run(pipe, {"ms": 30.0}, timeout_ms=10)
-    assert time.perf_counter() - t < 0.01 and len(calls) == 3  # dropped without running
+    assert time.perf_counter() - t < 0.025 and len(calls) == 3  # dropped without running the 30 ms node
     with pytest.raises(DeadlineExceeded, match="leaves no time"):
         ex.run(pipe, {"ms": 1.0}, timeout_ms=0)
 

@@ -195,6 +195,7 @@ class Executor:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._inflight = 0
+        self._inflight_lock = threading.Lock()
         self._workers = [
             threading.Thread(target=self._worker, name=f"boundgen-cpu-{i}", daemon=True)
             for i in range(self.cpu_workers)
@@ -342,7 +343,8 @@ class Executor:
                     f"pipeline {pipeline.name!r} got unknown input(s) {', '.join(map(repr, extra))} "
                     f"(inputs: {', '.join(pipeline.inputs)})"
                 )
-        self._inflight += 1  # NOTE: approximate under threads; a gauge, not an invariant
+        with self._inflight_lock:
+            self._inflight += 1
         if timeout_ms is not None and timeout_ms <= 0:
             self._fail(
                 req,
@@ -584,7 +586,8 @@ class Executor:
             req._home.put(None)
 
     def _end(self, req: RequestContext, status: str, error: str) -> None:
-        self._inflight -= 1
+        with self._inflight_lock:
+            self._inflight -= 1
         end = _now()
         if req._lease is not None:
             req._lease.release_all()
