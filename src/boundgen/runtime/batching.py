@@ -104,7 +104,13 @@ class BatchingNode(Node):
         return self._as_tuple(parts[0])
 
     def close(self) -> None:
-        self._closed = True
+        """Stop the batcher threads; requests still waiting fail with a clear error."""
+        with self._cv:
+            self._closed = True
+            left = list(self._waiting)
+            self._waiting.clear()
+        for it in left:
+            it.done(None, RuntimeError(f"batching node {self.name!r} was closed before the request ran"))
         for _ in self._threads:
             self._kick.put(None)
         for t in self._threads:
