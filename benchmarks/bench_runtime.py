@@ -24,12 +24,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from boundgen.runtime import Executor, Node, Pipeline, call_directly  # noqa: E402
+from boundgen.runtime import Executor, Node, Pipeline, call_directly
 
 
 def _noop_chain(n: int) -> Pipeline:
-    nodes = [Node(f"n{i}", lambda v: v, inputs={"v": object}, outputs={f"v{i}": object}, bind={"v": "x" if i == 0 else f"v{i-1}"})
-             for i in range(n)]
+    nodes = [
+        Node(
+            f"n{i}",
+            lambda v: v,
+            inputs={"v": object},
+            outputs={f"v{i}": object},
+            bind={"v": "x" if i == 0 else f"v{i - 1}"},
+        )
+        for i in range(n)
+    ]
     return Pipeline(f"chain{n}", {"x": object}, nodes, [f"v{n - 1}"])
 
 
@@ -61,17 +69,24 @@ def overhead_table(iters: int) -> list[dict]:
     with Executor(cpu_workers=2, device="cpu") as ex:
         for pipe in (_noop_chain(1), _noop_chain(4), _noop_chain(8), _diamond()):
             inputs = {"x": 1}
-            direct = _per_call_us(lambda: call_directly(pipe, inputs), iters)
-            run = _per_call_us(lambda: ex.run(pipe, inputs), iters)
-            submit = _per_call_us(lambda: ex.submit(pipe, inputs).result(), iters // 2)
-            with_deadline = _per_call_us(lambda: ex.run(pipe, inputs, timeout_ms=1000), iters)
+            direct = _per_call_us(lambda p=pipe, x=inputs: call_directly(p, x), iters)
+            run = _per_call_us(lambda p=pipe, x=inputs: ex.run(p, x), iters)
+            submit = _per_call_us(lambda p=pipe, x=inputs: ex.submit(p, x).result(), iters // 2)
+            with_deadline = _per_call_us(lambda p=pipe, x=inputs: ex.run(p, x, timeout_ms=1000), iters)
             n = len(pipe.plan)
-            rows.append({
-                "pipeline": pipe.name, "nodes": n, "direct_us": direct, "run_us": run, "submit_us": submit,
-                "run_deadline_us": with_deadline,
-                "run_overhead_per_request_us": run - direct, "run_overhead_per_node_us": (run - direct) / n,
-                "submit_overhead_per_request_us": submit - direct,
-            })
+            rows.append(
+                {
+                    "pipeline": pipe.name,
+                    "nodes": n,
+                    "direct_us": direct,
+                    "run_us": run,
+                    "submit_us": submit,
+                    "run_deadline_us": with_deadline,
+                    "run_overhead_per_request_us": run - direct,
+                    "run_overhead_per_node_us": (run - direct) / n,
+                    "submit_overhead_per_request_us": submit - direct,
+                }
+            )
     return rows
 
 
@@ -98,7 +113,12 @@ def engine_part(args) -> dict:
     def direct():
         return engine.score(query, items, labels)
 
-    out: dict = {"model": str(path), "device": str(device), "dtype": str(engine.dtype), "w2_items": args.w2_items}
+    out: dict = {
+        "model": str(path),
+        "device": str(device),
+        "dtype": str(engine.dtype),
+        "w2_items": args.w2_items,
+    }
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
     d = common.timed(direct, device, warmup=3, iters=args.iters)
     out["direct_ms"] = d
@@ -107,7 +127,12 @@ def engine_part(args) -> dict:
         r = common.timed(lambda: rt.score(query, items, labels), device, warmup=3, iters=args.iters)
         out["runtime_1client_ms"] = r
         out["runtime_overhead_ms"] = r["median_ms"] - d["median_ms"]
-        same = torch.allclose(torch.tensor(rt.score(query, items, labels)), torch.tensor(direct()), atol=1e-3, rtol=1e-3)
+        same = torch.allclose(
+            torch.tensor(rt.score(query, items, labels)),
+            torch.tensor(direct()),
+            atol=1e-3,
+            rtol=1e-3,
+        )
         out["same_result"] = bool(same)
         req = ScoreRequest(query, items, labels)
         for c in args.concurrency:
@@ -116,7 +141,7 @@ def engine_part(args) -> dict:
             n_per = max(1, args.requests // c)
             before = rt.stats()["batching"]["forward"]
 
-            def client():
+            def client(n_per: int = n_per, lat: list = lat, lock: threading.Lock = lock) -> None:
                 mine = []
                 for _ in range(n_per):
                     t = time.perf_counter()
@@ -139,8 +164,12 @@ def engine_part(args) -> dict:
             batches = after["batches"] - before["batches"]
             reqs = after["requests"] - before["requests"]
             results[c] = {
-                "clients": c, "requests": len(lat), "req_per_s": len(lat) / wall,
-                "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99), "mean_ms": statistics.mean(lat),
+                "clients": c,
+                "requests": len(lat),
+                "req_per_s": len(lat) / wall,
+                "p50_ms": _pct(lat, 0.5),
+                "p99_ms": _pct(lat, 0.99),
+                "mean_ms": statistics.mean(lat),
                 "requests_per_forward": reqs / batches if batches else 0.0,
             }
         out["concurrency"] = list(results.values())
@@ -164,8 +193,6 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     ap.add_argument("--max-wait-ms", type=float, default=0.0, help="batching node max wait")
     args = ap.parse_args()
-    args.engine_iters = args.iters
-    args.iters = args.iters if args.no_engine else args.iters
     result: dict = {}
     try:
         import common
@@ -177,21 +204,29 @@ def main() -> int:
     rows = overhead_table(args.iters)
     result["overhead"] = rows
     print("Runtime overhead vs direct calls (no-op nodes; µs per request, median of 5 runs)")
-    print(f"{'pipeline':<10} {'nodes':>5} {'direct':>8} {'run':>8} {'submit':>8} {'run+ddl':>8} {'ovh/req':>8} {'ovh/node':>9}")
+    print(
+        f"{'pipeline':<10} {'nodes':>5} {'direct':>8} {'run':>8} {'submit':>8} {'run+ddl':>8} {'ovh/req':>8} {'ovh/node':>9}"
+    )
     for r in rows:
-        print(f"{r['pipeline']:<10} {r['nodes']:>5} {r['direct_us']:>8.1f} {r['run_us']:>8.1f} {r['submit_us']:>8.1f} "
-              f"{r['run_deadline_us']:>8.1f} {r['run_overhead_per_request_us']:>8.1f} {r['run_overhead_per_node_us']:>9.1f}")
+        print(
+            f"{r['pipeline']:<10} {r['nodes']:>5} {r['direct_us']:>8.1f} {r['run_us']:>8.1f} {r['submit_us']:>8.1f} "
+            f"{r['run_deadline_us']:>8.1f} {r['run_overhead_per_request_us']:>8.1f} {r['run_overhead_per_node_us']:>9.1f}"
+        )
 
     if not args.no_engine:
         args.iters = 20
         eng = engine_part(args)
         result["engine_w2"] = eng
-        print(f"\nW2 score ({eng['w2_items']} candidates) on {eng['device']} {eng['dtype']}: direct "
-              f"{eng['direct_ms']['median_ms']:.2f} ms, runtime {eng['runtime_1client_ms']['median_ms']:.2f} ms "
-              f"(overhead {eng['runtime_overhead_ms'] * 1e3:.0f} µs), same result: {eng['same_result']}")
+        print(
+            f"\nW2 score ({eng['w2_items']} candidates) on {eng['device']} {eng['dtype']}: direct "
+            f"{eng['direct_ms']['median_ms']:.2f} ms, runtime {eng['runtime_1client_ms']['median_ms']:.2f} ms "
+            f"(overhead {eng['runtime_overhead_ms'] * 1e3:.0f} µs), same result: {eng['same_result']}"
+        )
         print(f"{'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/forward':>12}")
         for c in eng["concurrency"]:
-            print(f"{c['clients']:>7} {c['req_per_s']:>8.1f} {c['p50_ms']:>8.2f} {c['p99_ms']:>8.2f} {c['requests_per_forward']:>12.2f}")
+            print(
+                f"{c['clients']:>7} {c['req_per_s']:>8.1f} {c['p50_ms']:>8.2f} {c['p99_ms']:>8.2f} {c['requests_per_forward']:>12.2f}"
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2, default=str))
         print(f"\nwrote {args.out}")

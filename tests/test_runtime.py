@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -78,16 +79,23 @@ def _n(name, inputs, outputs, fn=lambda **kw: 0, **extra):
 
 
 def test_cycle_names_the_nodes():
-    nodes = [_n("a", {"c": Any}, {"a_out": Any}, bind={"c": "c_out"}), _n("b", ["a_out"], ["b_out"]),
-             _n("c", ["b_out"], ["c_out"])]
+    nodes = [
+        _n("a", {"c": Any}, {"a_out": Any}, bind={"c": "c_out"}),
+        _n("b", ["a_out"], ["b_out"]),
+        _n("c", ["b_out"], ["c_out"]),
+    ]
     with pytest.raises(PipelineError, match=r"cycle: .*a.*->.*b.*->.*c|cycle: .*c.*->.*a") as e:
         Pipeline("p", {}, nodes, ["c_out"])
     assert "pipeline 'p'" in str(e.value)
 
 
 def test_unbound_input_suggests_a_name():
-    with pytest.raises(PipelineError, match=r"node 'b' input 'tokenz' is unbound.*did you mean 'tokens'"):
-        Pipeline("p", {"text": str}, [_n("a", ["text"], ["tokens"]), _n("b", ["tokenz"], ["y"])], ["y"])
+    with pytest.raises(
+        PipelineError, match=r"node 'b' input 'tokenz' is unbound.*did you mean 'tokens'"
+    ):
+        Pipeline(
+            "p", {"text": str}, [_n("a", ["text"], ["tokens"]), _n("b", ["tokenz"], ["y"])], ["y"]
+        )
 
 
 def test_unknown_names_rejected():
@@ -100,7 +108,9 @@ def test_unknown_names_rejected():
 
 
 def test_duplicates_rejected():
-    with pytest.raises(PipelineError, match=r"duplicate output 'y': produced by node 'b' and by node 'a'"):
+    with pytest.raises(
+        PipelineError, match=r"duplicate output 'y': produced by node 'b' and by node 'a'"
+    ):
         Pipeline("p", ["x"], [_n("a", ["x"], ["y"]), _n("b", ["x"], ["y"])], ["y"])
     with pytest.raises(PipelineError, match=r"duplicate node name 'a'"):
         Pipeline("p", ["x"], [_n("a", ["x"], ["y"]), _n("a", ["x"], ["z"])], ["y"])
@@ -117,16 +127,26 @@ def test_type_mismatch_names_ports():
     def shout(word: str) -> str:
         return word.upper()
 
-    with pytest.raises(PipelineError, match=r"node 'shout' input 'word' expects str, but node 'count' produces 'n' as int"):
+    with pytest.raises(
+        PipelineError,
+        match=r"node 'shout' input 'word' expects str, but node 'count' produces 'n' as int",
+    ):
         Pipeline("p", {"text": str}, [count, shout.renamed("shout", bind={"word": "n"})], ["upper"])
     # compatible generics and Any pass
-    Pipeline("ok", {"tokens": list[int]}, [node_from_function(lambda tokens: 1, name="f", outputs="y")], ["y"])
+    Pipeline(
+        "ok",
+        {"tokens": list[int]},
+        [node_from_function(lambda tokens: 1, name="f", outputs="y")],
+        ["y"],
+    )
 
 
 # ---- concurrency ---------------------------------------------------------------------------------------
 
 
-def _batching_pipeline(max_wait_ms: float = 2.0, token_budget: int = 64) -> tuple[Pipeline, BatchingNode]:
+def _batching_pipeline(
+    max_wait_ms: float = 2.0, token_budget: int = 64
+) -> tuple[Pipeline, BatchingNode]:
     """Rows per request vary; the batched 'model' sees all rows of several requests at once."""
 
     def merge(items):
@@ -137,8 +157,14 @@ def _batching_pipeline(max_wait_ms: float = 2.0, token_budget: int = 64) -> tupl
         return list(torch.split(out, sizes))
 
     forward = BatchingNode(
-        "forward", lambda x: x * 2.0 + 1.0, inputs={"rows": list}, outputs={"out": torch.Tensor},
-        merge=merge, split=split, size=lambda a: len(a["rows"]), token_budget=token_budget,
+        "forward",
+        lambda x: x * 2.0 + 1.0,
+        inputs={"rows": list},
+        outputs={"out": torch.Tensor},
+        merge=merge,
+        split=split,
+        size=lambda a: len(a["rows"]),
+        token_budget=token_budget,
         max_wait_ms=max_wait_ms,
     )
 
@@ -156,7 +182,10 @@ def _batching_pipeline(max_wait_ms: float = 2.0, token_budget: int = 64) -> tupl
 def test_16_threads_mixed_requests_match_sequential(ex):
     demo = demo_pipeline()
     batched, forward = _batching_pipeline()
-    work = [(demo, {"text": f"request {i} " * (i % 7 + 1)}) if i % 2 else (batched, {"n": i}) for i in range(160)]
+    work = [
+        (demo, {"text": f"request {i} " * (i % 7 + 1)}) if i % 2 else (batched, {"n": i})
+        for i in range(160)
+    ]
     expected = [call_directly(p, x) for p, x in work]
     results: list[Any] = [None] * len(work)
 
@@ -220,7 +249,9 @@ def test_deadline_fails_only_that_request(ex):
     pipe = Pipeline("nap", {"ms": float}, [nap, after_nap], ["done"])
     slow = ex.submit(pipe, {"ms": 80.0}, timeout_ms=20)
     fast = [ex.submit(pipe, {"ms": 1.0}, timeout_ms=5_000) for _ in range(8)]
-    with pytest.raises(DeadlineExceeded, match=r"deadline of 20 ms cannot be met before node 'after_nap'") as e:
+    with pytest.raises(
+        DeadlineExceeded, match=r"deadline of 20 ms cannot be met before node 'after_nap'"
+    ) as e:
         slow.result(timeout=10)
     assert e.value.node == "after_nap" and e.value.pipeline == "nap"
     assert [f.result(timeout=10) for f in fast] == [{"done": "slept 1.0"}] * 8
@@ -243,7 +274,9 @@ def test_deadline_fails_fast_before_work_that_cannot_make_it(ex):
     t = time.perf_counter()
     with pytest.raises(DeadlineExceeded, match=r"before node 'counted_nap'.*estimated rest"):
         ex.run(pipe, {"ms": 30.0}, timeout_ms=10)
-    assert time.perf_counter() - t < 0.025 and len(calls) == 3  # dropped without running the 30 ms node
+    assert (
+        time.perf_counter() - t < 0.025 and len(calls) == 3
+    )  # dropped without running the 30 ms node
     with pytest.raises(DeadlineExceeded, match="leaves no time"):
         ex.run(pipe, {"ms": 1.0}, timeout_ms=0)
 
@@ -256,11 +289,15 @@ def test_failing_custom_node_is_isolated(ex):
         return score
 
     pipe = demo_pipeline().extend(business_rule, outputs=["checked"])
-    with pytest.raises(NodeError, match=r"node 'business_rule' failed: ValueError: score .* out of range") as e:
+    with pytest.raises(
+        NodeError, match=r"node 'business_rule' failed: ValueError: score .* out of range"
+    ) as e:
         ex.run(pipe, {"text": "x" * 100})
     assert e.value.node == "business_rule" and isinstance(e.value.__cause__, ValueError)
     futs = [ex.submit(pipe, {"text": "x" * (50 if i % 4 == 0 else 1)}) for i in range(20)]
-    outcomes = [type(f.exception(timeout=10)).__name__ if f.exception(timeout=10) else "ok" for f in futs]
+    outcomes = [
+        type(f.exception(timeout=10)).__name__ if f.exception(timeout=10) else "ok" for f in futs
+    ]
     assert outcomes == ["NodeError" if i % 4 == 0 else "ok" for i in range(20)]
     assert ex.run(pipe, {"text": "ab"}) == call_directly(pipe, {"text": "ab"})  # still serving
 
@@ -272,7 +309,9 @@ def test_bad_inputs_are_rejected_clearly(ex):
     with pytest.raises(ValueError, match=r"unknown input\(s\) 'extra'"):
         ex.run(pipe, {"text": "a", "extra": 1})
     bad = Node("two", lambda text: 1, inputs=["text"], outputs=["a", "b"])
-    with pytest.raises(NodeError, match=r"node 'two' failed: TypeError: must return a tuple of 2 values"):
+    with pytest.raises(
+        NodeError, match=r"node 'two' failed: TypeError: must return a tuple of 2 values"
+    ):
         ex.run(Pipeline("bad", ["text"], [bad], ["a"]), {"text": "a"})
 
 
@@ -287,12 +326,24 @@ def test_user_registered_post_logic_node(ex):
     try:
         assert top_n([0.1, 0.9, 0.5], 2) == [1, 2]  # still a plain function
         base = Pipeline(
-            "scorer", {"items": list}, [node_from_function(lambda items: [len(s) / 10 for s in items], name="score", outputs="scores")], ["scores"]
+            "scorer",
+            {"items": list},
+            [
+                node_from_function(
+                    lambda items: [len(s) / 10 for s in items], name="score", outputs="scores"
+                )
+            ],
+            ["scores"],
         )
         pipe = base.with_inputs(n=int).extend(get_node("top_n"), outputs=["scores", "top"])
         out = ex.run(pipe, {"items": ["aaa", "a", "aaaaa", "aa"], "n": 2})
         assert out == {"scores": [0.3, 0.1, 0.5, 0.2], "top": [2, 0]}
-        spec = {"name": "from_yaml", "inputs": ["scores", "n"], "nodes": [{"use": "top_n"}], "outputs": ["top"]}
+        spec = {
+            "name": "from_yaml",
+            "inputs": ["scores", "n"],
+            "nodes": [{"use": "top_n"}],
+            "outputs": ["top"],
+        }
         assert ex.run(Pipeline.from_spec(spec), {"scores": [1.0, 3.0], "n": 1}) == {"top": [1]}
         with pytest.raises(PipelineError, match="already registered"):
             register_node("top_n")(top_n)
@@ -323,7 +374,9 @@ def test_allocation_counters_flat_after_warmup():
         buckets = sorted({ex.pools.bucket(len(t)) for t in texts})
         ex.pools.host.warm([((b,), torch.int64) for b in buckets], copies=10)
         ex.pools.device_pool.warm([((4, 8), torch.float32)], copies=5)
-        ex.pools.device_pool.warm([((b,), torch.int64) for b in buckets], copies=5)  # staging (CUDA)
+        ex.pools.device_pool.warm(
+            [((b,), torch.int64) for b in buckets], copies=5
+        )  # staging (CUDA)
         for t in texts:
             ex.run(pipe, {"text": t})
         before = ex.pools.stats()
@@ -339,7 +392,10 @@ def test_allocation_counters_flat_after_warmup():
         for f in futs:
             f.result(timeout=10)
         after = ex.pools.stats()
-    assert after["allocations"] == before["allocations"], (before, after)  # flat: no allocator calls
+    assert after["allocations"] == before["allocations"], (
+        before,
+        after,
+    )  # flat: no allocator calls
     staged_on_device = 1000 if ex.device.type == "cuda" else 0
     assert after["reuses"] - before["reuses"] == 3 * 1000 + staged_on_device  # pack, stage, scratch
 
@@ -377,7 +433,9 @@ def test_batching_error_fails_every_request_of_that_batch_only():
             raise RuntimeError("bad batch")
         return [x.upper() for x in xs]
 
-    fwd = BatchingNode("upper", fn, ["x"], ["y"], merge=merge, split=lambda out, n: out, max_wait_ms=0)
+    fwd = BatchingNode(
+        "upper", fn, ["x"], ["y"], merge=merge, split=lambda out, n: out, max_wait_ms=0
+    )
     pipe = Pipeline("up", ["x"], [fwd], ["y"])
     with Executor(cpu_workers=2) as ex:
         with pytest.raises(NodeError, match=r"node 'upper' failed: RuntimeError: bad batch"):
@@ -398,12 +456,22 @@ def test_histograms_and_chrome_trace(ex, tmp_path):
     stats = ex.stats()["nodes"]["demo"]
     assert set(stats) == {"tokenize", "model", "features", "post", "<request>"}
     assert stats["tokenize"]["count"] == 10 and stats["post"]["count"] == 10
-    assert 0 < stats["model"]["p50_us"] <= stats["model"]["p99_us"] <= stats["model"]["max_us"] * 1.0001 + 1
+    assert (
+        0
+        < stats["model"]["p50_us"]
+        <= stats["model"]["p99_us"]
+        <= stats["model"]["max_us"] * 1.0001 + 1
+    )
     path = ex.tracer.export_chrome(tmp_path / "trace.json")
-    data = json.loads(open(path).read())
+    data = json.loads(Path(path).read_text())
     events = data["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
-    assert {e["name"] for e in spans if e["cat"] == "node"} == {"tokenize", "model", "features", "post"}
+    assert {e["name"] for e in spans if e["cat"] == "node"} == {
+        "tokenize",
+        "model",
+        "features",
+        "post",
+    }
     requests = [e for e in spans if e["cat"] == "request"]
     assert len(requests) == 11 and requests[-1]["args"]["status"] == "error"
     for e in spans:
@@ -419,7 +487,9 @@ def test_histograms_and_chrome_trace(ex, tmp_path):
 def test_device_nodes_fall_back_to_cpu_without_cuda():
     with Executor(cpu_workers=1, device="cpu") as ex:
         assert ex.streams == []
-        assert ex.run(demo_pipeline(), {"text": "hi"}) == call_directly(demo_pipeline(), {"text": "hi"})
+        assert ex.run(demo_pipeline(), {"text": "hi"}) == call_directly(
+            demo_pipeline(), {"text": "hi"}
+        )
         assert model.kind is NodeKind.DEVICE
 
 
@@ -456,8 +526,24 @@ def test_trace_cli_writes_chrome_trace(tmp_path, capsys):
 
     out = tmp_path / "demo.json"
     stats = tmp_path / "stats.json"
-    assert main(["trace", "--workload", "demo", "--requests", "6", "--concurrency", "2", "--out", str(out),
-                 "--stats-json", str(stats)]) == 0
+    assert (
+        main(
+            [
+                "trace",
+                "--workload",
+                "demo",
+                "--requests",
+                "6",
+                "--concurrency",
+                "2",
+                "--out",
+                str(out),
+                "--stats-json",
+                str(stats),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "forward" in printed and "6 ok, 0 failed" in printed
     events = json.loads(out.read_text())["traceEvents"]

@@ -16,7 +16,13 @@ from boundgen.workloads.score import ScoreRequest
 from boundgen.workloads.trie import Trie
 
 QUERY = "the user searched for running shoes"
-ITEMS = ["trail shoes", "red running shoes size 42", "a book", "socks", "shoes for running fast on roads"]
+ITEMS = [
+    "trail shoes",
+    "red running shoes size 42",
+    "a book",
+    "socks",
+    "shoes for running fast on roads",
+]
 LABELS = [5, 7, 11]
 
 
@@ -36,17 +42,25 @@ def test_pipelines_match_engine(runtime, engine_for):
     assert set(build_pipelines(eng)) == {"score", "classify", "embed", "beam"}
     for softmax in (False, True):
         for item_first in (False, True):
-            assert _close(runtime.score(QUERY, ITEMS, LABELS, softmax, item_first),
-                          eng.score(QUERY, ITEMS, LABELS, softmax, item_first))
+            assert _close(
+                runtime.score(QUERY, ITEMS, LABELS, softmax, item_first),
+                eng.score(QUERY, ITEMS, LABELS, softmax, item_first),
+            )
     for pooling in ("last", "mean"):
-        assert _close(runtime.embed(ITEMS, pooling=pooling, normalize=True),
-                      eng.embed(ITEMS, pooling=pooling, normalize=True))
+        assert _close(
+            runtime.embed(ITEMS, pooling=pooling, normalize=True),
+            eng.embed(ITEMS, pooling=pooling, normalize=True),
+        )
     assert runtime.beam_search("hello there", 4, 3) == eng.beam_search("hello there", 4, 3)
     trie = Trie.from_sequences([[1, 2, 3], [1, 2, 4], [5, 6, 7], [5, 8, 9]])
-    assert runtime.beam_search("hello", 3, 3, trie=trie) == eng.beam_search("hello", 3, 3, trie=trie)
+    assert runtime.beam_search("hello", 3, 3, trie=trie) == eng.beam_search(
+        "hello", 3, 3, trie=trie
+    )
     # request objects and dicts work through the generic entry points too
-    assert _close(runtime.run("score", {"query": QUERY, "items": ITEMS, "label_token_ids": LABELS}),
-                  eng.score(QUERY, ITEMS, LABELS))
+    assert _close(
+        runtime.run("score", {"query": QUERY, "items": ITEMS, "label_token_ids": LABELS}),
+        eng.score(QUERY, ITEMS, LABELS),
+    )
 
 
 def test_classify_pipeline(engine_for):
@@ -66,7 +80,11 @@ def test_embed_with_mlp_head_node(runtime, engine_for):
     assert _close(out, eng.embed(ITEMS, head=head))
     # a dict request (as the server sends) may carry pipeline inputs such as `head` beside its fields
     assert _close(runtime.run("embed", {"texts": ITEMS, "head": head}), out)
-    assert [p.node.name for p in runtime.pipelines["embed"].plan] == ["prepare", "forward", "mlp_head"]
+    assert [p.node.name for p in runtime.pipelines["embed"].plan] == [
+        "prepare",
+        "forward",
+        "mlp_head",
+    ]
 
 
 def test_16_clients_mixed_requests_match_sequential_and_get_batched(runtime, engine_for):
@@ -76,7 +94,9 @@ def test_16_clients_mixed_requests_match_sequential_and_get_batched(runtime, eng
         items = ITEMS[: i % 5 + 1]
         kind = ("score", "embed", "beam", "score")[i % 4]
         if kind == "score":
-            work.append(("score", ScoreRequest(f"{QUERY} {i}", items, LABELS, apply_softmax=i % 2 == 0)))
+            work.append(
+                ("score", ScoreRequest(f"{QUERY} {i}", items, LABELS, apply_softmax=i % 2 == 0))
+            )
         elif kind == "embed":
             work.append(("embed", EmbedRequest(items, pooling=("last", "mean")[i % 8 // 4])))
         else:
@@ -175,7 +195,8 @@ def test_trace_of_engine_requests(runtime, tmp_path):
     runtime.embed(ITEMS)
     import json
 
-    data = json.loads(open(runtime.export_trace(tmp_path / "t.json")).read())
+    runtime.export_trace(tmp_path / "t.json")
+    data = json.loads((tmp_path / "t.json").read_text())
     names = {e["name"] for e in data["traceEvents"] if e.get("cat") == "node"}
     assert {"prepare", "forward", "head", "finish", "mlp_head"} <= names
     fwd = [e for e in data["traceEvents"] if e.get("name") == "forward"]
@@ -188,9 +209,13 @@ def test_pipelines_on_cuda(tiny_model):
     from boundgen import Engine
 
     # float32 on CUDA needs the reference attention backend (varlen/flash takes fp16/bf16 only)
-    eng = Engine.from_pretrained(tiny_model("qwen2"), device="cuda", dtype="float32", attention="reference")
+    eng = Engine.from_pretrained(
+        tiny_model("qwen2"), device="cuda", dtype="float32", attention="reference"
+    )
     with EngineRuntime(eng, max_wait_ms=2.0) as rt:
-        futs = [rt.submit("score", ScoreRequest(QUERY, ITEMS[: i % 5 + 1], LABELS)) for i in range(32)]
+        futs = [
+            rt.submit("score", ScoreRequest(QUERY, ITEMS[: i % 5 + 1], LABELS)) for i in range(32)
+        ]
         for i, f in enumerate(futs):
             assert _close(f.result(timeout=60), eng.score(QUERY, ITEMS[: i % 5 + 1], LABELS), 1e-4)
         for i in range(20):  # warm-up: every staging bucket these sizes use

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import threading
 
-HELP = "run requests through the runtime pipelines and write a Chrome-trace JSON (where do the ms go?)"
+HELP = (
+    "run requests through the runtime pipelines and write a Chrome-trace JSON (where do the ms go?)"
+)
 
 WORKLOADS = ("score", "embed", "beam", "demo")
 
@@ -14,20 +16,28 @@ def add_arguments(parser) -> None:
     from boundgen.commands._common import add_engine_args
 
     add_engine_args(parser, model_required=False)
-    parser.add_argument("--workload", choices=WORKLOADS, default="score",
-                        help="score: W2-style query + candidates; embed: texts; beam: one prompt; "
-                             "demo: a model-free pipeline (no checkpoint needed)")
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="score",
+        help="score: W2-style query + candidates; embed: texts; beam: one prompt; "
+        "demo: a model-free pipeline (no checkpoint needed)",
+    )
     parser.add_argument("--requests", type=int, default=32, help="how many requests to run")
     parser.add_argument("--concurrency", type=int, default=4, help="concurrent clients")
     parser.add_argument("--prefix-len", type=int, default=64, help="score: query tokens")
     parser.add_argument("--items", type=int, default=16, help="score/embed: candidates per request")
-    parser.add_argument("--item-len", type=int, default=16, help="score/embed: tokens per candidate")
+    parser.add_argument(
+        "--item-len", type=int, default=16, help="score/embed: tokens per candidate"
+    )
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--max-wait-ms", type=float, default=1.0, help="batching node max wait")
     parser.add_argument("--timeout-ms", type=float, default=None, help="per-request deadline")
     parser.add_argument("--out", default="boundgen-trace.json", help="Chrome-trace JSON to write")
-    parser.add_argument("--stats-json", default=None, help="also write node latency stats as JSON here")
+    parser.add_argument(
+        "--stats-json", default=None, help="also write node latency stats as JSON here"
+    )
 
 
 def _demo_pipeline():
@@ -72,7 +82,13 @@ def _requests(args, engine):
     out = []
     for _ in range(args.requests):
         if args.workload == "score":
-            out.append(ScoreRequest(ids(args.prefix_len), [ids(args.item_len) for _ in range(args.items)], [lo, lo + 1]))
+            out.append(
+                ScoreRequest(
+                    ids(args.prefix_len),
+                    [ids(args.item_len) for _ in range(args.items)],
+                    [lo, lo + 1],
+                )
+            )
         elif args.workload == "embed":
             out.append(EmbedRequest([ids(args.item_len) for _ in range(args.items)]))
         else:
@@ -115,7 +131,9 @@ def run(args) -> int:
         pipe = _demo_pipeline()
         with Executor(trace_requests=keep, device="cpu") as ex:
             texts = [f"request number {i}" for i in range(args.requests)]
-            ok, errors = _drive(lambda t: ex.run(pipe, {"text": t}, args.timeout_ms), texts, args.concurrency)
+            ok, errors = _drive(
+                lambda t: ex.run(pipe, {"text": t}, args.timeout_ms), texts, args.concurrency
+            )
             tracer = ex.tracer
             tracer.export_chrome(args.out)
             stats = tracer.node_stats()
@@ -132,14 +150,17 @@ def run(args) -> int:
             reqs = _requests(args, engine)
             rt.run(args.workload, reqs[0])  # warm-up, not traced
             rt.executor.tracer.reset()
-            ok, errors = _drive(lambda r: rt.run(args.workload, r, args.timeout_ms), reqs, args.concurrency)
+            ok, errors = _drive(
+                lambda r: rt.run(args.workload, r, args.timeout_ms), reqs, args.concurrency
+            )
             rt.export_trace(args.out)
             stats = rt.stats()
             table = rt.executor.tracer.format_stats()
             b = stats["batching"]
             table += "\n\nbatching: " + ", ".join(
                 f"{k}: {v['requests']} requests in {v['batches']} forwards (max {v['max_requests_in_batch']})"
-                for k, v in b.items() if v["requests"]
+                for k, v in b.items()
+                if v["requests"]
             )
     print(table)
     print(f"\n{ok} ok, {len(errors)} failed" + (f" (first: {errors[0]})" if errors else ""))

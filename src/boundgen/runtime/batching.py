@@ -17,7 +17,8 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from boundgen.runtime.node import Node, NodeKind, PipelineError
 
@@ -25,7 +26,7 @@ _now = time.perf_counter_ns
 
 
 class _Item:
-    __slots__ = ("req", "args", "done", "size", "arrival_ns")
+    __slots__ = ("args", "arrival_ns", "done", "req", "size")
 
     def __init__(self, req: Any, args: dict[str, Any], done: Callable[..., None], size: int):
         self.req, self.args, self.done, self.size = req, args, done, size
@@ -62,7 +63,15 @@ class BatchingNode(Node):
         bind: dict[str, str] | None = None,
         lanes: int = 1,
     ) -> None:
-        super().__init__(name=name, fn=fn, inputs=inputs, outputs=outputs, kind=kind, bind=dict(bind or {}), is_async=True)
+        super().__init__(
+            name=name,
+            fn=fn,
+            inputs=inputs,
+            outputs=outputs,
+            kind=kind,
+            bind=dict(bind or {}),
+            is_async=True,
+        )
         if token_budget <= 0:
             raise PipelineError(f"batching node {name!r}: token_budget must be positive")
         self.merge, self.split, self.size = merge, split, size
@@ -110,7 +119,9 @@ class BatchingNode(Node):
             left = list(self._waiting)
             self._waiting.clear()
         for it in left:
-            it.done(None, RuntimeError(f"batching node {self.name!r} was closed before the request ran"))
+            it.done(
+                None, RuntimeError(f"batching node {self.name!r} was closed before the request ran")
+            )
         for _ in self._threads:
             self._kick.put(None)
         for t in self._threads:
@@ -160,7 +171,9 @@ class BatchingNode(Node):
             if self._threads:
                 return
             self._threads = [
-                threading.Thread(target=self._background, name=f"boundgen-batch-{self.name}-{i}", daemon=True)
+                threading.Thread(
+                    target=self._background, name=f"boundgen-batch-{self.name}-{i}", daemon=True
+                )
                 for i in range(self.lanes)
             ]
             threads = list(self._threads)
@@ -183,7 +196,9 @@ class BatchingNode(Node):
             tokens = first.size
             deadline = first.req.deadline_ns
             wait_until = first.arrival_ns + self.max_wait_ns
-            while tokens < self.token_budget and (self.max_batch is None or len(batch) < self.max_batch):
+            while tokens < self.token_budget and (
+                self.max_batch is None or len(batch) < self.max_batch
+            ):
                 if waiting:
                     nxt = waiting[0]
                     if tokens + nxt.size > self.token_budget:
@@ -209,7 +224,9 @@ class BatchingNode(Node):
         if not self._streams:
             with self._cv:
                 if not self._streams:
-                    self._streams = [torch.cuda.Stream(device=executor.device) for _ in range(self.lanes)]
+                    self._streams = [
+                        torch.cuda.Stream(device=executor.device) for _ in range(self.lanes)
+                    ]
         return self._streams[next(self._lane_rr) % self.lanes]
 
     def _run_batch(self, batch: list[_Item]) -> None:
@@ -229,7 +246,9 @@ class BatchingNode(Node):
                         f"request {req.request_id} (pipeline {req.pipeline!r}): deadline of "
                         f"{req.timeout_ms:g} ms cannot be met in batching node {self.name!r} (waited "
                         f"{(start - it.arrival_ns) / 1e6:.2f} ms, batch run ~{self._run_ema_ns / 1e6:.2f} ms)",
-                        req.pipeline, self.name, req.request_id,
+                        req.pipeline,
+                        self.name,
+                        req.request_id,
                     ),
                 )
             else:
@@ -255,18 +274,26 @@ class BatchingNode(Node):
                 it.done(None, exc)
             return
         ran = _now() - start
-        self._run_ema_ns = ran if self._run_ema_ns == 0 else self._run_ema_ns + 0.2 * (ran - self._run_ema_ns)
+        self._run_ema_ns = (
+            ran if self._run_ema_ns == 0 else self._run_ema_ns + 0.2 * (ran - self._run_ema_ns)
+        )
         tokens = sum(it.size for it in live)
         with self._cv:
             self._count(len(live), tokens)
-        info = {"batch_requests": len(live), "batch_tokens": tokens, "batch_run_us": round(ran / 1e3, 1)}
+        info = {
+            "batch_requests": len(live),
+            "batch_tokens": tokens,
+            "batch_run_us": round(ran / 1e3, 1),
+        }
         for it, part in zip(live, parts):
             try:
                 outs = self._as_tuple(part)
             except Exception as exc:  # noqa: BLE001
                 it.done(None, exc)
                 continue
-            it.done(outs, None, dict(info, batch_wait_us=round((start - it.arrival_ns) / 1e3, 1)), event)
+            it.done(
+                outs, None, dict(info, batch_wait_us=round((start - it.arrival_ns) / 1e3, 1)), event
+            )
 
     def _run(self, live: list[_Item]) -> Sequence[Any]:
         batch, sizes = self.merge([it.args for it in live])
@@ -280,12 +307,13 @@ class BatchingNode(Node):
         self.batches += 1
         self.batched_requests += n
         self.batched_tokens += tokens
-        if n > self.max_requests_in_batch:
-            self.max_requests_in_batch = n
+        self.max_requests_in_batch = max(self.max_requests_in_batch, n)
 
 
 def _no_rename(self: BatchingNode, *a: Any, **kw: Any) -> Node:
-    raise PipelineError(f"batching node {self.name!r} cannot be renamed; build another BatchingNode")
+    raise PipelineError(
+        f"batching node {self.name!r} cannot be renamed; build another BatchingNode"
+    )
 
 
 BatchingNode.renamed = _no_rename  # type: ignore[method-assign]

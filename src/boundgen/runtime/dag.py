@@ -7,10 +7,18 @@ outputs, unbound inputs, unknown names, type mismatches and cycles, naming the n
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
-from boundgen.runtime.node import Node, NodeKind, PipelineError, _type_name, node_from_function, types_compatible
+from boundgen.runtime.node import (
+    Node,
+    NodeKind,
+    PipelineError,
+    _type_name,
+    node_from_function,
+    types_compatible,
+)
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,9 @@ class Pipeline:
             raise self._err("has no nodes")
         for k in self.defaults:
             if k not in self.inputs:
-                raise self._err(f"default given for unknown input {k!r} (inputs: {', '.join(self.inputs)})")
+                raise self._err(
+                    f"default given for unknown input {k!r} (inputs: {', '.join(self.inputs)})"
+                )
         seen: set[str] = set()
         for n in self.nodes:
             if not isinstance(n, Node):
@@ -140,7 +150,7 @@ class Pipeline:
                     stack.append((name, i + 1))
                     d = ds[i]
                     if state.get(d) == 1:
-                        cycle = path[path.index(d):] + [d]
+                        cycle = path[path.index(d) :] + [d]
                         raise self._err("cycle: " + " -> ".join(reversed(cycle)))
                     if state.get(d) != 2:
                         stack.append((d, 0))
@@ -224,7 +234,11 @@ class Pipeline:
         """A new pipeline with extra pipeline inputs (e.g. a business parameter for a user node), optionally
         with default values used when a request leaves them out."""
         return Pipeline(
-            self.name, {**self.inputs, **types}, self.nodes, self.outputs, {**self.defaults, **(defaults or {})}
+            self.name,
+            {**self.inputs, **types},
+            self.nodes,
+            self.outputs,
+            {**self.defaults, **(defaults or {})},
         )
 
     @classmethod
@@ -254,10 +268,18 @@ class Pipeline:
             else:
                 n = get_node(use, **extra)
             built.append(n)
-        return cls(spec["name"], spec.get("inputs", {}), built, spec.get("outputs", []), spec.get("defaults"))
+        return cls(
+            spec["name"],
+            spec.get("inputs", {}),
+            built,
+            spec.get("outputs", []),
+            spec.get("defaults"),
+        )
 
     def describe(self) -> str:
-        lines = [f"pipeline {self.name!r}: inputs {', '.join(self.inputs)} -> outputs {', '.join(self.outputs)}"]
+        lines = [
+            f"pipeline {self.name!r}: inputs {', '.join(self.inputs)} -> outputs {', '.join(self.outputs)}"
+        ]
         for p in self.plan:
             n = p.node
             ins = ", ".join(f"{k}<-{n.source(k)}" for k in n.inputs)

@@ -21,8 +21,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from boundgen.runtime.dag import Pipeline
 from boundgen.runtime.memory import Lease, MemoryPools
@@ -60,7 +61,7 @@ class ExecutorClosed(RuntimeRequestError):
 class _PipelineStats:
     """Running per-node duration estimates and the derived rest-of-critical-path estimate per node."""
 
-    __slots__ = ("pipeline", "ema_ns", "rest_ns", "finished", "refresh_every")
+    __slots__ = ("ema_ns", "finished", "pipeline", "refresh_every", "rest_ns")
 
     def __init__(self, pipeline: Pipeline, refresh_every: int = 16):
         self.pipeline = pipeline
@@ -75,7 +76,9 @@ class _PipelineStats:
         if ema <= 0.0:
             self.ema_ns[i] = float(ns)
         else:
-            sample = min(float(ns), 4.0 * ema)  # one outlier must not make every request look too slow
+            sample = min(
+                float(ns), 4.0 * ema
+            )  # one outlier must not make every request look too slow
             self.ema_ns[i] = ema + 0.1 * (sample - ema)
 
     def refresh(self) -> None:
@@ -97,12 +100,39 @@ class RequestContext:
     """
 
     __slots__ = (
-        "request_id", "pipeline", "deadline_ns", "start_ns", "stream", "_pipe", "_stats", "_rest", "_values",
-        "_joins", "_completed", "_once", "_future", "_home", "_done", "_result", "_error", "_spans", "_events", "_streams", "_lease",
-        "_failed", "_executor", "_node_state", "_annotations", "timeout_ms", "_unwrap", "_claimed",
+        "_annotations",
+        "_claimed",
+        "_completed",
+        "_done",
+        "_error",
+        "_events",
+        "_executor",
+        "_failed",
+        "_future",
+        "_home",
+        "_joins",
+        "_lease",
+        "_node_state",
+        "_once",
+        "_pipe",
+        "_rest",
+        "_result",
+        "_spans",
+        "_stats",
+        "_streams",
+        "_unwrap",
+        "_values",
+        "deadline_ns",
+        "pipeline",
+        "request_id",
+        "start_ns",
+        "stream",
+        "timeout_ms",
     )  # fmt: skip
 
-    def __init__(self, executor: Executor, pipe: Pipeline, stats: _PipelineStats, timeout_ms: float | None):
+    def __init__(
+        self, executor: Executor, pipe: Pipeline, stats: _PipelineStats, timeout_ms: float | None
+    ):
         self.request_id = next(executor._ids)
         self.pipeline = pipe.name
         self.start_ns = _now()
@@ -124,8 +154,12 @@ class RequestContext:
         self._error: BaseException | None = None
         self._home: queue.SimpleQueue | None = None
         self._spans: list[tuple] | None = [] if executor.tracer.keep_requests else None
-        self._events: list[Any] | None = [None] * len(pipe.plan) if executor._cuda and pipe.has_device_nodes else None
-        self._streams: list[Any] | None = [None] * len(pipe.plan) if self._events is not None else None
+        self._events: list[Any] | None = (
+            [None] * len(pipe.plan) if executor._cuda and pipe.has_device_nodes else None
+        )
+        self._streams: list[Any] | None = (
+            [None] * len(pipe.plan) if self._events is not None else None
+        )
         self._claimed = bytearray(len(pipe.plan)) if self._events is not None else None
         self._lease: Lease | None = None
         self._failed = False
@@ -177,11 +211,19 @@ class Executor:
         self.cpu_workers = max(1, cpu_workers or min(8, (os.cpu_count() or 2) * 2))
         want_cuda = device is None or str(device).startswith("cuda")
         self._cuda = bool(want_cuda and torch.cuda.is_available())
-        self.device = torch.device("cuda" if self._cuda else "cpu") if device is None else torch.device(device)
+        self.device = (
+            torch.device("cuda" if self._cuda else "cpu")
+            if device is None
+            else torch.device(device)
+        )
         if self.device.type == "cuda" and not self._cuda:
             raise RuntimeError("Executor(device='cuda') but CUDA is not available")
         self._torch = torch
-        self.streams = [torch.cuda.Stream(device=self.device) for _ in range(max(1, device_streams))] if self._cuda else []
+        self.streams = (
+            [torch.cuda.Stream(device=self.device) for _ in range(max(1, device_streams))]
+            if self._cuda
+            else []
+        )
         self._stream_rr = itertools.count()
         self.pools = pools or MemoryPools(self.device)
         self.tracer = Tracer(keep_requests=trace_requests)
@@ -206,7 +248,11 @@ class Executor:
     # ---- public API -------------------------------------------------------------------------------------
 
     def submit(
-        self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None = None, unwrap: bool = False
+        self,
+        pipeline: Pipeline,
+        inputs: dict[str, Any],
+        timeout_ms: float | None = None,
+        unwrap: bool = False,
     ) -> Future:
         """Start a request on the worker pool; the Future resolves to the outputs dict (the single output's
         value with `unwrap`) or raises `DeadlineExceeded` / `NodeError` / a node's pass-through error."""
@@ -219,7 +265,11 @@ class Executor:
         return fut
 
     def run(
-        self, pipeline: Pipeline, inputs: dict[str, Any], timeout_ms: float | None = None, unwrap: bool = False
+        self,
+        pipeline: Pipeline,
+        inputs: dict[str, Any],
+        timeout_ms: float | None = None,
+        unwrap: bool = False,
     ) -> Any:
         """Run a request, the calling thread doing the work (plus pool threads for parallel branches)."""
         req = self._new_request(pipeline, inputs, timeout_ms, unwrap)
@@ -239,14 +289,18 @@ class Executor:
                     try:
                         item = home.get(timeout=wait_s)
                     except queue.Empty:
-                        running = [p.node.name for p in pipeline.plan if req._node_state[p.index] == 1]
+                        running = [
+                            p.node.name for p in pipeline.plan if req._node_state[p.index] == 1
+                        ]
                         self._fail(
                             req,
                             DeadlineExceeded(
                                 f"request {req.request_id} (pipeline {pipeline.name!r}): deadline of "
                                 f"{req.timeout_ms:g} ms passed while waiting for node(s) "
                                 f"{', '.join(running) or '?'}",
-                                pipeline.name, running[0] if running else "", req.request_id,
+                                pipeline.name,
+                                running[0] if running else "",
+                                req.request_id,
                             ),
                         )
                         break
@@ -287,7 +341,7 @@ class Executor:
     def __enter__(self) -> Executor:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- internals --------------------------------------------------------------------------------------
@@ -313,7 +367,9 @@ class Executor:
         future: Future | None = None,
     ) -> RequestContext:
         if unwrap and len(pipeline.output_slots) != 1:
-            raise ValueError(f"unwrap needs a pipeline with one output; {pipeline.name!r} has {len(pipeline.outputs)}")
+            raise ValueError(
+                f"unwrap needs a pipeline with one output; {pipeline.name!r} has {len(pipeline.outputs)}"
+            )
         if self._closed:
             raise ExecutorClosed("executor is closed")
         if timeout_ms is None:
@@ -350,7 +406,9 @@ class Executor:
                 req,
                 DeadlineExceeded(
                     f"request {req.request_id} (pipeline {pipeline.name!r}): timeout_ms={timeout_ms:g} leaves no time",
-                    pipeline.name, "", req.request_id,
+                    pipeline.name,
+                    "",
+                    req.request_id,
                 ),
             )
         return req
@@ -389,7 +447,9 @@ class Executor:
                         self._dispatch(req, j, now, home=False)
                 pending.append((nxt[0], now))
         except BaseException as exc:  # an executor bug must still fail the request, not hang it
-            self._fail(req, NodeError(f"internal runtime error: {exc!r}", req.pipeline, "", req.request_id))
+            self._fail(
+                req, NodeError(f"internal runtime error: {exc!r}", req.pipeline, "", req.request_id)
+            )
             if not isinstance(exc, Exception):
                 raise
 
@@ -400,7 +460,10 @@ class Executor:
         p = pipe.plan[i]
         node = p.node
         start = _now()
-        if req.deadline_ns is not None and start + (req._rest[i] if self.fail_fast else 0) > req.deadline_ns:
+        if (
+            req.deadline_ns is not None
+            and start + (req._rest[i] if self.fail_fast else 0) > req.deadline_ns
+        ):
             self._deadline(req, p, start)
             return ()
         values = req._values
@@ -449,7 +512,9 @@ class Executor:
                 if j >= 0 and events[j] is not None:
                     s = req._streams[j]
                     if stream is None and s is not None and not claimed[j]:
-                        claimed[j] = 1  # the first device successor continues on the producer's stream
+                        claimed[j] = (
+                            1  # the first device successor continues on the producer's stream
+                        )
                         stream = s
                     elif s is None or s is not stream:
                         waits.append(events[j])
@@ -470,8 +535,21 @@ class Executor:
                 events[j].synchronize()
         return None
 
-    def _start_async(self, req: RequestContext, p: Any, args: dict[str, Any], start: int, ready_ns: int, stream: Any) -> None:
-        def done(outs: tuple | None, exc: BaseException | None = None, span_args: dict | None = None, event: Any = None) -> None:
+    def _start_async(
+        self,
+        req: RequestContext,
+        p: Any,
+        args: dict[str, Any],
+        start: int,
+        ready_ns: int,
+        stream: Any,
+    ) -> None:
+        def done(
+            outs: tuple | None,
+            exc: BaseException | None = None,
+            span_args: dict | None = None,
+            event: Any = None,
+        ) -> None:
             if req._failed:
                 return
             if exc is not None:
@@ -555,13 +633,17 @@ class Executor:
     def _node_failed(self, req: RequestContext, node: str, exc: BaseException) -> None:
         passthrough = req._pipe.node_by_name[node].raises
         if passthrough and isinstance(exc, passthrough):
-            exc.add_note(f"(in node {node!r} of pipeline {req.pipeline!r}, request {req.request_id})")
+            exc.add_note(
+                f"(in node {node!r} of pipeline {req.pipeline!r}, request {req.request_id})"
+            )
             self._fail(req, exc)
             return
         err = NodeError(
             f"request {req.request_id} (pipeline {req.pipeline!r}): node {node!r} failed: "
             f"{type(exc).__name__}: {exc}",
-            req.pipeline, node, req.request_id,
+            req.pipeline,
+            node,
+            req.request_id,
         )
         err.__cause__ = exc
         self._fail(req, err)

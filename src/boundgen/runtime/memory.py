@@ -10,11 +10,25 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
-DEFAULT_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+DEFAULT_BUCKETS: tuple[int, ...] = (
+    16,
+    32,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+    32768,
+    65536,
+)
 
 
 def bucket_for(n: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
@@ -33,9 +47,16 @@ class BufferPool:
     short lock around the free-list operation (uncontended it costs ~0.1 µs; the allocator costs far more).
     """
 
-    def __init__(self, device: str | torch.device = "cpu", pin_memory: bool = False, max_free_per_key: int = 256):
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        pin_memory: bool = False,
+        max_free_per_key: int = 256,
+    ):
         self.device = torch.device(device)
-        self.pin_memory = bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
+        self.pin_memory = (
+            bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
+        )
         self.max_free_per_key = max_free_per_key
         self._free: dict[tuple[tuple[int, ...], torch.dtype], deque[torch.Tensor]] = {}
         self._lock = threading.Lock()
@@ -89,11 +110,15 @@ class BufferPool:
 class MemoryPools:
     """The host pool (pinned when CUDA is present) and the device pool the executor hands to requests."""
 
-    def __init__(self, device: str | torch.device = "cpu", buckets: Sequence[int] = DEFAULT_BUCKETS):
+    def __init__(
+        self, device: str | torch.device = "cpu", buckets: Sequence[int] = DEFAULT_BUCKETS
+    ):
         self.device = torch.device(device)
         self.buckets = tuple(buckets)
         self.host = BufferPool("cpu", pin_memory=self.device.type == "cuda")
-        self.device_pool = BufferPool(self.device) if self.device.type != "cpu" else BufferPool("cpu")
+        self.device_pool = (
+            BufferPool(self.device) if self.device.type != "cpu" else BufferPool("cpu")
+        )
 
     def bucket(self, n: int) -> int:
         return bucket_for(n, self.buckets)
@@ -110,7 +135,7 @@ class MemoryPools:
 class Lease:
     """Buffers taken for one request; `release_all` returns them (called by the executor at request end)."""
 
-    __slots__ = ("pools", "_taken")
+    __slots__ = ("_taken", "pools")
 
     def __init__(self, pools: MemoryPools):
         self.pools = pools

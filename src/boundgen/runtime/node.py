@@ -13,8 +13,9 @@ from __future__ import annotations
 import enum
 import inspect
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 class NodeKind(str, enum.Enum):
@@ -59,7 +60,9 @@ def types_compatible(produced: Any, expected: Any) -> bool:
     pa, ea = typing.get_args(produced), typing.get_args(expected)
     if not pa or not ea or len(pa) != len(ea):
         return True
-    return all(types_compatible(p, e) for p, e in zip(pa, ea) if p is not Ellipsis and e is not Ellipsis)
+    return all(
+        types_compatible(p, e) for p, e in zip(pa, ea) if p is not Ellipsis and e is not Ellipsis
+    )
 
 
 def _as_ports(spec: Any, what: str, node: str) -> dict[str, Any]:
@@ -78,7 +81,9 @@ def _as_ports(spec: Any, what: str, node: str) -> dict[str, Any]:
                 name, tp = item
                 ports[name] = tp
         return ports
-    raise PipelineError(f"node {node!r}: {what} must be a name, a list of names or a dict name -> type")
+    raise PipelineError(
+        f"node {node!r}: {what} must be a name, a list of names or a dict name -> type"
+    )
 
 
 @dataclass(eq=False)
@@ -105,9 +110,13 @@ class Node:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "." in self.name:
-            raise PipelineError(f"node name must be a non-empty string without '.', got {self.name!r}")
+            raise PipelineError(
+                f"node name must be a non-empty string without '.', got {self.name!r}"
+            )
         if not callable(self.fn):
-            raise PipelineError(f"node {self.name!r}: fn must be callable, got {type(self.fn).__name__}")
+            raise PipelineError(
+                f"node {self.name!r}: fn must be callable, got {type(self.fn).__name__}"
+            )
         self.kind = NodeKind(self.kind)
         self.inputs = _as_ports(self.inputs, "inputs", self.name)
         self.outputs = _as_ports(self.outputs, "outputs", self.name)
@@ -205,7 +214,9 @@ def node_from_function(
             wants_ctx = True
             continue
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            raise PipelineError(f"node {name!r}: *args/**kwargs parameters cannot be bound to values")
+            raise PipelineError(
+                f"node {name!r}: *args/**kwargs parameters cannot be bound to values"
+            )
         inputs[p.name] = hints.get(p.name, Any)
     ret = hints.get("return", Any)
     if outputs is None:
@@ -219,7 +230,13 @@ def node_from_function(
         else:
             outputs = {o: Any for o in outputs}
     return Node(
-        name=name, fn=fn, inputs=inputs, outputs=outputs, kind=kind, bind=dict(bind or {}), wants_ctx=wants_ctx,
+        name=name,
+        fn=fn,
+        inputs=inputs,
+        outputs=outputs,
+        kind=kind,
+        bind=dict(bind or {}),
+        wants_ctx=wants_ctx,
         raises=tuple(raises),
     )
 
@@ -234,7 +251,9 @@ def node(
     """Decorator form of `node_from_function`."""
 
     def wrap(fn: Callable[..., Any]) -> Node:
-        return node_from_function(fn, name=name, outputs=outputs, kind=kind, bind=bind, raises=raises)
+        return node_from_function(
+            fn, name=name, outputs=outputs, kind=kind, bind=bind, raises=raises
+        )
 
     return wrap
 
@@ -257,7 +276,11 @@ def register_node(
         if key in _NODE_REGISTRY:
             raise PipelineError(f"a node named {key!r} is already registered")
         _NODE_REGISTRY[key] = lambda **kw: node_from_function(
-            fn, name=kw.pop("name", key), outputs=kw.pop("outputs", outputs), kind=kw.pop("kind", kind), **kw
+            fn,
+            name=kw.pop("name", key),
+            outputs=kw.pop("outputs", outputs),
+            kind=kw.pop("kind", kind),
+            **kw,
         )
         return fn
 

@@ -61,11 +61,15 @@ def stage_packed(batch: Any, lease: Lease, device: torch.device) -> Any:
     cu_seqlens = next(it)
     cu_prefix = next(it) if attn.cu_prefix is not None else None
     cu_group_q = next(it) if attn.cu_group_q is not None else None
-    new_attn = dataclasses.replace(attn, cu_seqlens=cu_seqlens, cu_prefix=cu_prefix, cu_group_q=cu_group_q)
+    new_attn = dataclasses.replace(
+        attn, cu_seqlens=cu_seqlens, cu_prefix=cu_prefix, cu_group_q=cu_group_q
+    )
     return PackedBatch(*l_dev[:2], new_attn, *l_dev[2:], list(batch.rows_per_group))
 
 
-def _stage_many(tensors: list[torch.Tensor], dtype: torch.dtype, lease: Lease) -> list[torch.Tensor]:
+def _stage_many(
+    tensors: list[torch.Tensor], dtype: torch.dtype, lease: Lease
+) -> list[torch.Tensor]:
     sizes = [t.numel() for t in tensors]
     total = sum(sizes)
     rows = lease.pools.bucket(total)
@@ -218,7 +222,10 @@ class _Beam:
     @staticmethod
     def size(inputs: dict[str, Any]) -> int:
         req = inputs["request"]
-        return sum(len(p) for p in inputs["prompts"]) + len(inputs["prompts"]) * req.beam_width * req.steps
+        return (
+            sum(len(p) for p in inputs["prompts"])
+            + len(inputs["prompts"]) * req.beam_width * req.steps
+        )
 
 
 def build_pipelines(
@@ -245,12 +252,21 @@ def build_pipelines(
     bounds = BeamBounds(engine.engine_config.max_beam_width, engine.engine_config.max_beam_steps)
     fwd = _Forward(engine, pools)
     forward = BatchingNode(
-        "forward", fwd, inputs={"groups": list, "pooling": str}, outputs={"rows": torch.Tensor},
-        merge=fwd.merge, split=fwd.split, size=fwd.size, token_budget=budget, max_wait_ms=max_wait_ms,
+        "forward",
+        fwd,
+        inputs={"groups": list, "pooling": str},
+        outputs={"rows": torch.Tensor},
+        merge=fwd.merge,
+        split=fwd.split,
+        size=fwd.size,
+        token_budget=budget,
+        max_wait_ms=max_wait_ms,
         max_batch=max_batch_requests,
     )
 
-    def cpu(fn: Any, name: str, inputs: dict[str, Any], outputs: dict[str, Any], raises: tuple = ()) -> Node:
+    def cpu(
+        fn: Any, name: str, inputs: dict[str, Any], outputs: dict[str, Any], raises: tuple = ()
+    ) -> Node:
         return Node(name, fn, inputs=inputs, outputs=outputs, kind=NodeKind.CPU, raises=raises)
 
     def device(fn: Any, name: str, inputs: dict[str, Any], outputs: dict[str, Any]) -> Node:
@@ -277,12 +293,28 @@ def build_pipelines(
         "score",
         {"request": ScoreRequest},
         [
-            cpu(score_prepare, "prepare", {"request": ScoreRequest}, {"groups": list, "pooling": str}, (ValueError,)),
+            cpu(
+                score_prepare,
+                "prepare",
+                {"request": ScoreRequest},
+                {"groups": list, "pooling": str},
+                (ValueError,),
+            ),
             forward,
-            Node("head", score_head, inputs={"rows": torch.Tensor, "request": ScoreRequest},
-                 outputs={"label_logits": torch.Tensor}, kind=NodeKind.DEVICE, wants_ctx=True),
-            cpu(lambda label_logits, request: finish_score(label_logits, request), "finish",
-                {"label_logits": torch.Tensor, "request": ScoreRequest}, {"scores": list}),
+            Node(
+                "head",
+                score_head,
+                inputs={"rows": torch.Tensor, "request": ScoreRequest},
+                outputs={"label_logits": torch.Tensor},
+                kind=NodeKind.DEVICE,
+                wants_ctx=True,
+            ),
+            cpu(
+                lambda label_logits, request: finish_score(label_logits, request),
+                "finish",
+                {"label_logits": torch.Tensor, "request": ScoreRequest},
+                {"scores": list},
+            ),
         ],
         ["scores"],
     )
@@ -296,9 +328,20 @@ def build_pipelines(
         "classify",
         {"request": ClassifyRequest},
         [
-            cpu(classify_prepare, "prepare", {"request": ClassifyRequest}, {"groups": list, "pooling": str}, (ValueError,)),
+            cpu(
+                classify_prepare,
+                "prepare",
+                {"request": ClassifyRequest},
+                {"groups": list, "pooling": str},
+                (ValueError,),
+            ),
             forward,
-            device(lambda rows: runner.head(rows), "head", {"rows": torch.Tensor}, {"logits": torch.Tensor}),
+            device(
+                lambda rows: runner.head(rows),
+                "head",
+                {"rows": torch.Tensor},
+                {"logits": torch.Tensor},
+            ),
             cpu(finish_classify, "finish", {"logits": torch.Tensor}, {"probs": list}),
         ],
         ["probs"],
@@ -310,17 +353,30 @@ def build_pipelines(
             raise ValueError(f"unknown pooling '{request.pooling}'; use 'last' or 'mean'")
         if head is not None and not isinstance(head, MLPHead):
             head = MLPHead.load(head)
-        return prepare_texts(request.texts, tokenizer, limits, request.truncate), request.pooling, head
+        return (
+            prepare_texts(request.texts, tokenizer, limits, request.truncate),
+            request.pooling,
+            head,
+        )
 
     embed = Pipeline(
         "embed",
         {"request": EmbedRequest, "head": Any},
         [
-            cpu(embed_prepare, "prepare", {"request": EmbedRequest, "head": Any},
-                {"groups": list, "pooling": str, "mlp": Any}, (ValueError, FileNotFoundError)),
+            cpu(
+                embed_prepare,
+                "prepare",
+                {"request": EmbedRequest, "head": Any},
+                {"groups": list, "pooling": str, "mlp": Any},
+                (ValueError, FileNotFoundError),
+            ),
             forward,
-            device(lambda rows, request, mlp: finish_embed(rows, request.normalize, mlp), "mlp_head",
-                   {"rows": torch.Tensor, "request": EmbedRequest, "mlp": Any}, {"vectors": torch.Tensor}),
+            device(
+                lambda rows, request, mlp: finish_embed(rows, request.normalize, mlp),
+                "mlp_head",
+                {"rows": torch.Tensor, "request": EmbedRequest, "mlp": Any},
+                {"vectors": torch.Tensor},
+            ),
         ],
         ["vectors"],
         defaults={"head": None},
@@ -329,8 +385,15 @@ def build_pipelines(
     # beam
     bm = _Beam(engine)
     beam_node = BatchingNode(
-        "beam", bm, inputs={"request": BeamRequest, "prompts": list}, outputs={"tokens": torch.Tensor, "beam_scores": torch.Tensor},
-        merge=bm.merge, split=bm.split, size=bm.size, token_budget=budget, max_wait_ms=max_wait_ms,
+        "beam",
+        bm,
+        inputs={"request": BeamRequest, "prompts": list},
+        outputs={"tokens": torch.Tensor, "beam_scores": torch.Tensor},
+        merge=bm.merge,
+        split=bm.split,
+        size=bm.size,
+        token_budget=budget,
+        max_wait_ms=max_wait_ms,
         max_batch=max_batch_requests,
     )
 
@@ -342,10 +405,18 @@ def build_pipelines(
         "beam",
         {"request": BeamRequest},
         [
-            cpu(beam_prepare, "prepare", {"request": BeamRequest}, {"prompts": list}, (ValueError,)),
+            cpu(
+                beam_prepare, "prepare", {"request": BeamRequest}, {"prompts": list}, (ValueError,)
+            ),
             beam_node,
-            cpu(lambda tokens, beam_scores, request: finish_beam(tokens, beam_scores, request.top_k or request.beam_width),
-                "finish", {"tokens": torch.Tensor, "beam_scores": torch.Tensor, "request": BeamRequest}, {"results": list}),
+            cpu(
+                lambda tokens, beam_scores, request: finish_beam(
+                    tokens, beam_scores, request.top_k or request.beam_width
+                ),
+                "finish",
+                {"tokens": torch.Tensor, "beam_scores": torch.Tensor, "request": BeamRequest},
+                {"results": list},
+            ),
         ],
         ["results"],
     )
@@ -358,7 +429,12 @@ def _request_types() -> dict[str, type]:
     from boundgen.workloads.embed import EmbedRequest
     from boundgen.workloads.score import ScoreRequest
 
-    return {"score": ScoreRequest, "classify": ClassifyRequest, "embed": EmbedRequest, "beam": BeamRequest}
+    return {
+        "score": ScoreRequest,
+        "classify": ClassifyRequest,
+        "embed": EmbedRequest,
+        "beam": BeamRequest,
+    }
 
 
 class EngineRuntime:
@@ -405,31 +481,44 @@ class EngineRuntime:
         """Serve `pipeline` under `kind` (e.g. `rt.pipelines["score"].extend(top_n)` as "rerank"). Its first
         input must be `request`; a new kind takes the request type of the built-in pipeline it extends."""
         if "request" not in pipeline.inputs:
-            raise ValueError(f"pipeline {pipeline.name!r} has no 'request' input (inputs: {', '.join(pipeline.inputs)})")
+            raise ValueError(
+                f"pipeline {pipeline.name!r} has no 'request' input (inputs: {', '.join(pipeline.inputs)})"
+            )
         with self._lock:
             if kind in self.pipelines and not replace:
                 raise ValueError(f"a pipeline is already registered as {kind!r}; pass replace=True")
             self.pipelines = {**self.pipelines, kind: pipeline}
 
-    def _inputs(self, kind: str, request: Any, extra: dict[str, Any]) -> tuple[Pipeline, dict[str, Any]]:
+    def _inputs(
+        self, kind: str, request: Any, extra: dict[str, Any]
+    ) -> tuple[Pipeline, dict[str, Any]]:
         try:
             pipe = self.pipelines[kind]
         except KeyError:
-            raise ValueError(f"unknown pipeline {kind!r}; known: {', '.join(sorted(self.pipelines))}") from None
+            raise ValueError(
+                f"unknown pipeline {kind!r}; known: {', '.join(sorted(self.pipelines))}"
+            ) from None
         if isinstance(request, dict):
             rtype = pipe.inputs.get("request")
             if not isinstance(rtype, type) or not dataclasses.is_dataclass(rtype):
                 raise ValueError(f"pipeline {kind!r} needs a request object, not a dict")
             fields = {f.name for f in dataclasses.fields(rtype)}
             # keys that are not request fields but are pipeline inputs (e.g. embed's `head`) go there
-            extra = {**{k: v for k, v in request.items() if k not in fields and k in pipe.inputs}, **extra}
+            extra = {
+                **{k: v for k, v in request.items() if k not in fields and k in pipe.inputs},
+                **extra,
+            }
             try:
-                request = rtype(**{k: v for k, v in request.items() if k in fields or k not in pipe.inputs})
+                request = rtype(
+                    **{k: v for k, v in request.items() if k in fields or k not in pipe.inputs}
+                )
             except TypeError as exc:
                 raise ValueError(f"bad {kind} request: {exc}") from None
         return pipe, {"request": request, **extra}
 
-    def submit(self, kind: str, request: Any, timeout_ms: float | None = None, **inputs: Any) -> Future:
+    def submit(
+        self, kind: str, request: Any, timeout_ms: float | None = None, **inputs: Any
+    ) -> Future:
         pipe, values = self._inputs(kind, request, inputs)
         return self.executor.submit(pipe, values, timeout_ms, unwrap=len(pipe.outputs) == 1)
 
@@ -461,33 +550,70 @@ class EngineRuntime:
     def __enter__(self) -> EngineRuntime:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- the Engine API, through the pipelines -------------------------------------------------------------
 
-    def score(self, query, items, label_token_ids, apply_softmax: bool = False, item_first: bool = False,
-              truncate: bool = False, timeout_ms: float | None = None) -> list[list[float]]:
-        req = self._request_types["score"](query, items, label_token_ids, apply_softmax, item_first, truncate)
+    def score(
+        self,
+        query,
+        items,
+        label_token_ids,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+        truncate: bool = False,
+        timeout_ms: float | None = None,
+    ) -> list[list[float]]:
+        req = self._request_types["score"](
+            query, items, label_token_ids, apply_softmax, item_first, truncate
+        )
         return self.run("score", req, timeout_ms)
 
-    def classify(self, texts, truncate: bool = False, timeout_ms: float | None = None) -> list[list[float]]:
+    def classify(
+        self, texts, truncate: bool = False, timeout_ms: float | None = None
+    ) -> list[list[float]]:
         return self.run("classify", self._request_types["classify"](texts, truncate), timeout_ms)
 
-    def embed(self, texts, pooling: str = "last", normalize: bool = False, head: Any = None,
-              truncate: bool = False, timeout_ms: float | None = None) -> torch.Tensor:
+    def embed(
+        self,
+        texts,
+        pooling: str = "last",
+        normalize: bool = False,
+        head: Any = None,
+        truncate: bool = False,
+        timeout_ms: float | None = None,
+    ) -> torch.Tensor:
         req = self._request_types["embed"](texts, pooling, normalize, truncate)
         return self.run("embed", req, timeout_ms, head=head)
 
-    def beam_search_batch(self, prompts, beam_width: int, steps: int, top_k: int | None = None, trie=None,
-                          truncate: bool = False, timeout_ms: float | None = None) -> list[list[tuple[list[int], float]]]:
+    def beam_search_batch(
+        self,
+        prompts,
+        beam_width: int,
+        steps: int,
+        top_k: int | None = None,
+        trie=None,
+        truncate: bool = False,
+        timeout_ms: float | None = None,
+    ) -> list[list[tuple[list[int], float]]]:
         req = self._request_types["beam"](prompts, beam_width, steps, top_k, trie, truncate)
         return self.run("beam", req, timeout_ms)
 
-    def beam_search(self, prompt, beam_width: int, steps: int, top_k: int | None = None, trie=None,
-                    truncate: bool = False, timeout_ms: float | None = None) -> list[tuple[list[int], float]]:
+    def beam_search(
+        self,
+        prompt,
+        beam_width: int,
+        steps: int,
+        top_k: int | None = None,
+        trie=None,
+        truncate: bool = False,
+        timeout_ms: float | None = None,
+    ) -> list[tuple[list[int], float]]:
         if not isinstance(prompt, str) and not (
             isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt)
         ):
             raise ValueError("prompt must be a string or a non-empty list of token ids")
-        return self.beam_search_batch([prompt], beam_width, steps, top_k, trie, truncate, timeout_ms)[0]
+        return self.beam_search_batch(
+            [prompt], beam_width, steps, top_k, trie, truncate, timeout_ms
+        )[0]

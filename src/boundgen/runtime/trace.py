@@ -14,11 +14,12 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 # Bucket upper bounds in microseconds: 1 µs .. ~100 s, 8 buckets per factor of 10 (~33 % wide).
-_BOUNDS_US: tuple[float, ...] = tuple(10 ** (i / 8) for i in range(0, 8 * 8 + 1))
+_BOUNDS_US: tuple[float, ...] = tuple(10 ** (i / 8) for i in range(8 * 8 + 1))
 
 
 class LatencyHistogram:
@@ -47,8 +48,7 @@ class LatencyHistogram:
         n = len(_BOUNDS_US) + 1
         shard[n] += 1
         shard[n + 1] += us
-        if us > shard[n + 2]:
-            shard[n + 2] = us
+        shard[n + 2] = max(shard[n + 2], us)
 
     def _merged(self) -> list[float]:
         with self._shards_lock:
@@ -186,7 +186,9 @@ class Tracer:
         return out
 
     def format_stats(self) -> str:
-        rows = [f"{'pipeline':<12} {'node':<20} {'count':>7} {'mean µs':>9} {'p50 µs':>9} {'p99 µs':>9} {'max µs':>9}"]
+        rows = [
+            f"{'pipeline':<12} {'node':<20} {'count':>7} {'mean µs':>9} {'p50 µs':>9} {'p99 µs':>9} {'max µs':>9}"
+        ]
         for pipe, nodes in self.node_stats().items():
             for node, s in nodes.items():
                 rows.append(
@@ -200,7 +202,9 @@ class Tracer:
     def chrome_trace(self, traces: Iterable[RequestTrace] | None = None) -> dict[str, Any]:
         return chrome_trace(self.recent() if traces is None else traces, self._anchor_ns)
 
-    def export_chrome(self, path: str | os.PathLike[str], traces: Iterable[RequestTrace] | None = None) -> str:
+    def export_chrome(
+        self, path: str | os.PathLike[str], traces: Iterable[RequestTrace] | None = None
+    ) -> str:
         data = self.chrome_trace(traces)
         with open(path, "w") as f:
             json.dump(data, f)
@@ -256,11 +260,25 @@ def chrome_trace(traces: Iterable[RequestTrace], anchor_ns: int = 0) -> dict[str
             )
     for pipeline, pid in pids.items():
         events.append(
-            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"pipeline {pipeline}"}}
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": pid,
+                "tid": 0,
+                "args": {"name": f"pipeline {pipeline}"},
+            }
         )
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "requests"}})
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "requests"}}
+        )
         for thread, tid in tids.items():
             events.append(
-                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"thread {thread}"}}
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": pid,
+                    "tid": tid,
+                    "args": {"name": f"thread {thread}"},
+                }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
