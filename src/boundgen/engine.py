@@ -1,4 +1,8 @@
-"""`Engine`: the Python API over a checkpoint (score, classify, embed, beam search)."""
+"""`Engine`: the Python API over a checkpoint (score, classify, embed, beam search).
+
+Every call runs as a DAG through `boundgen.runtime` (the same pipelines the HTTP server uses), so
+concurrent calls from several threads are batched together and carry optional deadlines (`timeout_ms`).
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,9 @@ from boundgen.config import EngineConfig, ModelConfig
 from boundgen.models.decoder import DecoderModel
 from boundgen.models.weights import load_weights
 from boundgen.text.tokenizer import Tokenizer
-from boundgen.workloads.classify import finish_classify, prepare_texts
-from boundgen.workloads.embed import MLPHead, finish_embed
+from boundgen.workloads.embed import MLPHead
 from boundgen.workloads.inputs import Limits
 from boundgen.workloads.runner import ModelRunner
-from boundgen.workloads.beam import BeamBounds, BeamRequest, finish_beam, prepare_beam, run_beam
-from boundgen.workloads.score import ScoreRequest, finish_score, prepare_score
 
 log = logging.getLogger("boundgen")
 
@@ -63,6 +64,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.runner = ModelRunner(model, self.device, config.max_batch_tokens, config.share_prefix)
+        self._runtime = None
         mc = model.config
         self.limits = Limits(
             vocab_size=mc.vocab_size,
@@ -95,7 +97,7 @@ class Engine:
         model_config = ModelConfig.from_dir(path)
         dev = resolve_device(config.device)
         torch_dtype = resolve_dtype(config.dtype, dev, model_config)
-        backend = get_backend(config.attention, dev)
+        backend = get_backend(config.attention, dev, torch_dtype)
         with torch.device("meta"):
             model = DecoderModel(model_config, backend)
         model = model.to_empty(device=dev).to(torch_dtype)
@@ -112,27 +114,19 @@ class Engine:
             kind = "a *ForCausalLM" if task == "causal_lm" else "a *ForSequenceClassification"
             raise ValueError(f"{what} needs {kind} checkpoint; {self.model_name} is {self.config.architecture}")
 
-    def score(self, query, items, label_token_ids, apply_softmax: bool = False,
-              item_first: bool = False, truncate: bool = False) -> list[list[float]]:
-        self._need_task("causal_lm", "score")
-        req = ScoreRequest(query, items, label_token_ids, apply_softmax, item_first, truncate)
-        groups = prepare_score(req, self.tokenizer, self.limits)
-        rows = self.runner.hidden_rows(groups)
-        return finish_score(self.runner.head(rows, req.label_token_ids), req)
+    @property
+    def runtime(self):
+        """The DAG runtime every public call runs through (built on first use)."""
+        if self._runtime is None:
+            from boundgen.runtime.pipelines import EngineRuntime
 
-    def classify(self, texts, truncate: bool = False) -> list[list[float]]:
-        self._need_task("seq_cls", "classify")
-        groups = prepare_texts(texts, self.tokenizer, self.limits, truncate)
-        return finish_classify(self.runner.head(self.runner.hidden_rows(groups)))
+            self._runtime = EngineRuntime(self)
+        return self._runtime
 
-    def embed(self, texts, pooling: str = "last", normalize: bool = False,
-              head: MLPHead | str | Path | None = None, truncate: bool = False) -> torch.Tensor:
-        if pooling not in ("last", "mean"):
-            raise ValueError(f"unknown pooling '{pooling}'; use 'last' or 'mean'")
-        if head is not None and not isinstance(head, MLPHead):
-            head = MLPHead.load(head)
-        groups = prepare_texts(texts, self.tokenizer, self.limits, truncate)
-        return finish_embed(self.runner.hidden_rows(groups, pooling), normalize, head)
+    def close(self) -> None:
+        if self._runtime is not None:
+            self._runtime.close()
+            self._runtime = None
 
     def eos_token_ids(self) -> list[int]:
         ids = self.config.extra.get("eos_token_id")
@@ -141,20 +135,30 @@ class Engine:
             ids.append(self.tokenizer.eos_token_id)
         return sorted(set(ids))
 
+    def score(self, query, items, label_token_ids, apply_softmax: bool = False,
+              item_first: bool = False, truncate: bool = False,
+              timeout_ms: float | None = None) -> list[list[float]]:
+        """result[i][j]: logit of label_token_ids[j] at the last token of query + items[i] (SGLang /v1/score)."""
+        return self.runtime.score(query, items, label_token_ids, apply_softmax, item_first, truncate,
+                                  timeout_ms=timeout_ms)
+
+    def classify(self, texts, truncate: bool = False, timeout_ms: float | None = None) -> list[list[float]]:
+        return self.runtime.classify(texts, truncate, timeout_ms=timeout_ms)
+
+    def embed(self, texts, pooling: str = "last", normalize: bool = False,
+              head: MLPHead | str | Path | None = None, truncate: bool = False,
+              timeout_ms: float | None = None) -> torch.Tensor:
+        return self.runtime.embed(texts, pooling, normalize, head, truncate, timeout_ms=timeout_ms)
+
     def beam_search_batch(self, prompts, beam_width: int, steps: int, top_k: int | None = None,
-                          trie=None, truncate: bool = False) -> list[list[tuple[list[int], float]]]:
+                          trie=None, truncate: bool = False,
+                          timeout_ms: float | None = None) -> list[list[tuple[list[int], float]]]:
         """Beam search for many prompts in one packed prefill and one decode loop."""
-        self._need_task("causal_lm", "beam search")
-        req = BeamRequest(prompts, beam_width, steps, top_k, trie, truncate)
-        bounds = BeamBounds(self.engine_config.max_beam_width, self.engine_config.max_beam_steps)
-        ids = prepare_beam(req, self.tokenizer, self.limits, bounds)
-        tokens, scores = run_beam(self.runner, ids, beam_width, steps, trie, self.eos_token_ids())
-        return finish_beam(tokens, scores, top_k or beam_width)
+        return self.runtime.beam_search_batch(prompts, beam_width, steps, top_k, trie, truncate,
+                                              timeout_ms=timeout_ms)
 
     def beam_search(self, prompt, beam_width: int, steps: int, top_k: int | None = None,
-                    trie=None, truncate: bool = False) -> list[tuple[list[int], float]]:
+                    trie=None, truncate: bool = False,
+                    timeout_ms: float | None = None) -> list[tuple[list[int], float]]:
         """Top sequences (generated token ids, cumulative log-prob), best first."""
-        if not isinstance(prompt, str) and not (isinstance(prompt, (list, tuple)) and prompt
-                                                and all(isinstance(t, int) for t in prompt)):
-            raise ValueError("prompt must be a string or a non-empty list of token ids")
-        return self.beam_search_batch([prompt], beam_width, steps, top_k, trie, truncate)[0]
+        return self.runtime.beam_search(prompt, beam_width, steps, top_k, trie, truncate, timeout_ms)

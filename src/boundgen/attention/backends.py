@@ -45,15 +45,20 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """`name` is a registered backend or "auto" (varlen on CUDA, reference elsewhere)."""
+def get_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> AttentionBackend:
+    """`name` is a registered backend or "auto": varlen on CUDA in fp16/bf16 (flash attention has no
+    float32 kernel), reference elsewhere."""
     device = torch.device(device)
     if name == "auto":
-        name = "varlen" if device.type == "cuda" else "reference"
+        half = dtype in (None, torch.float16, torch.bfloat16)
+        name = "varlen" if device.type == "cuda" and half else "reference"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend '{name}'; available: {', '.join(available_backends())}")
     if name == "varlen" and device.type != "cuda":
         raise ValueError("the 'varlen' attention backend needs a CUDA device; use 'reference' on CPU")
+    if name == "varlen" and dtype == torch.float32:
+        raise ValueError("the 'varlen' attention backend runs in float16/bfloat16 only; use 'reference' "
+                         "for float32")
     return _BACKENDS[name]()
 
 
