@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ms", type=float, default=20.0)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--client-processes", type=int, default=4,
+                   help="load generator processes (keeps client-side latency out of p99)")
     p.add_argument("--serve-args", default="", help="extra `boundgen serve` flags, one string")
     p.add_argument("--out-dir", default=str(HERE / "results" / "serving"))
     args = p.parse_args(argv)
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = LoadConfig(url=url, workload=args.workload, qps_steps=tuple(args.qps_steps),
                              duration=args.duration, slo_ms=args.slo_ms, warmup=args.warmup,
                              beam_width=args.beam_width, steps=args.steps, trie=trie_name,
-                             label=name)
+                             processes=args.client_processes, label=name)
             report = run_loadtest(cfg)
             report["server_metrics_tail"] = httpx.get(url + "/metrics").text[-20000:]
             reports.append(report)

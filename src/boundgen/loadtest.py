@@ -57,6 +57,8 @@ class LoadConfig:
     api_key: str | None = _f(None, "send `Authorization: Bearer KEY`")
     timeout_s: float = _f(30.0, "client timeout per request")
     max_inflight: int = _f(4096, "client connections; arrivals beyond it count as client errors")
+    processes: int = _f(1, "client processes, each sending qps/processes (one event loop tops out "
+                           "near 1-2k requests/s)")
     seed: int = _f(0, "random seed (arrivals and token ids)")
     label: str | None = _f(None, "name of this run in results and plots (default: the URL)")
     out: str | None = _f(None, "write results JSON here")
@@ -210,6 +212,22 @@ def _pct(sorted_ms: list[float], p: float) -> float:
     return sorted_ms[lo] + (sorted_ms[hi] - sorted_ms[lo]) * (k - lo)
 
 
+def _child_step(cfg: LoadConfig, vocab: int, qps: float) -> list[tuple]:
+    samples = asyncio.run(_run_step(cfg, make_bodies(cfg, vocab), qps))
+    return [dataclasses.astuple(x) for x in samples]
+
+
+def _run_step_processes(cfg: LoadConfig, vocab: int, qps: float) -> list[Sample]:
+    """The step split over `cfg.processes` client processes (independent Poisson streams add up)."""
+    import multiprocessing
+
+    n = cfg.processes
+    cfgs = [dataclasses.replace(cfg, seed=cfg.seed + 7919 * i, processes=1) for i in range(n)]
+    with multiprocessing.get_context("spawn").Pool(n) as pool:
+        parts = pool.starmap(_child_step, [(c, vocab, qps / n) for c in cfgs])
+    return [Sample(*t) for part in parts for t in part]
+
+
 def run_loadtest(cfg: LoadConfig, log=print) -> dict[str, Any]:
     headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     with httpx.Client(base_url=cfg.url, headers=headers, timeout=cfg.timeout_s) as client:
@@ -219,7 +237,10 @@ def run_loadtest(cfg: LoadConfig, log=print) -> dict[str, Any]:
     steps = list(cfg.qps_steps) or [cfg.qps]
     results = []
     for qps in steps:
-        samples = asyncio.run(_run_step(cfg, bodies, qps))
+        if cfg.processes > 1:
+            samples = _run_step_processes(cfg, vocab, qps)
+        else:
+            samples = asyncio.run(_run_step(cfg, bodies, qps))
         summary = summarize(samples, qps, cfg.duration, cfg.items)
         results.append(summary)
         lat = summary["latency_ms"]
