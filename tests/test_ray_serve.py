@@ -12,14 +12,15 @@ import builtins
 import concurrent.futures as cf
 import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 pytest.importorskip("fastapi")
 
-from boundgen.config import EngineConfig  # noqa: E402
-from boundgen.serve_ray import (  # noqa: E402
+from boundgen.config import EngineConfig
+from boundgen.serve_ray import (
     INSTALL_HINT,
     REPLICA_HEADER,
     RayNotInstalled,
@@ -31,7 +32,7 @@ from boundgen.serve_ray import (  # noqa: E402
     require_ray,
     wants_ray,
 )
-from boundgen.server.config import ServerConfig  # noqa: E402
+from boundgen.server.config import ServerConfig
 
 # ---------------------------------------------------------------------------------- without Ray
 
@@ -43,10 +44,12 @@ def test_fixed_replicas_one_gpu_each_on_cuda_none_on_cpu():
     assert opts["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1}
     assert opts["max_ongoing_requests"] == 512  # the app's own admission limit, not Serve's default
     assert opts["graceful_shutdown_timeout_s"] == 20
+    assert opts["logging_config"] == {"enable_access_log": False, "log_level": "INFO"}
     cpu = deployment_options(ServerConfig(), EngineConfig(device="cpu"), RayServeConfig(replicas=2))
     assert cpu["ray_actor_options"]["num_gpus"] == 0
     # Inside a replica Ray shows only its own GPU.
     assert replica_engine_config(EngineConfig(device="cuda:3"), 1).device == "cuda"
+    assert replica_engine_config(EngineConfig(device="cuda:1"), 0.5).device == "cuda"
     assert replica_engine_config(EngineConfig(device="cpu"), 0).device == "cpu"
 
 
@@ -78,6 +81,28 @@ def test_one_config_file_for_server_engine_and_ray(tmp_path):
     bad.write_text("ray: {replica: 2}\n")
     with pytest.raises(ValueError, match="unknown keys \\['replica'\\]"):
         load_configs(bad)
+
+
+def test_kuberay_manifest_args_build_the_same_configs():
+    import yaml
+
+    from boundgen.serve_ray import configs_from_builder_args
+
+    root = Path(__file__).resolve().parents[1]
+    docs = list(yaml.safe_load_all((root / "deploy" / "kuberay-rayservice.yaml").read_text()))
+    service = next(d for d in docs if d["kind"] == "RayService")
+    serve_cfg = yaml.safe_load(service["spec"]["serveConfigV2"])
+    app = serve_cfg["applications"][0]
+    assert app["import_path"] == "boundgen.serve_ray:app_builder"
+    server, engine, ray_cfg = configs_from_builder_args(app["args"])
+    assert server.model and engine.device == "cuda" and ray_cfg.autoscaling
+    opts = deployment_options(server, engine, ray_cfg)
+    assert opts["ray_actor_options"]["num_gpus"] == 1
+    auto = opts["autoscaling_config"]
+    max_gpus = sum(int(g["maxReplicas"]) * int(g["template"]["spec"]["containers"][0]["resources"]
+                                                ["limits"]["nvidia.com/gpu"])
+                   for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"])
+    assert auto["min_replicas"] <= auto["max_replicas"] <= max_gpus
 
 
 def test_flags_and_when_ray_is_used(tmp_path):

@@ -98,7 +98,7 @@ class RayServeConfig:
     def autoscaling(self) -> bool:
         return self.max_replicas is not None
 
-    def validate(self) -> "RayServeConfig":
+    def validate(self) -> RayServeConfig:
         for name in ("replicas", "min_replicas", "max_replicas"):
             value = getattr(self, name)
             if value is not None and value < (0 if name == "min_replicas" else 1):
@@ -151,7 +151,7 @@ def _read_config_file(path: Path) -> dict[str, Any]:
     else:
         raise ValueError(f"config file must end in .yaml, .yml or .toml: {path}")
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")
+        raise ValueError(f"{path}: expected a mapping at the top level")  # noqa: TRY004
     return data
 
 
@@ -174,6 +174,10 @@ def deployment_options(server: ServerConfig, engine: EngineConfig, ray_cfg: RayS
         "graceful_shutdown_timeout_s": max(1.0, float(server.drain_timeout_s)),
         "health_check_period_s": ray_cfg.health_check_period_s,
         "health_check_timeout_s": ray_cfg.health_check_timeout_s,
+        # Serve logs every request by default; follow the server's own `access_log` (off by default).
+        "logging_config": {"enable_access_log": bool(server.access_log),
+                           "log_level": {"TRACE": "DEBUG"}.get(server.log_level.upper(),
+                                                               server.log_level.upper())},
     }
     if ray_cfg.autoscaling:
         lo = 1 if ray_cfg.min_replicas is None else ray_cfg.min_replicas
@@ -192,8 +196,9 @@ def deployment_options(server: ServerConfig, engine: EngineConfig, ray_cfg: RayS
 
 
 def replica_engine_config(engine: EngineConfig, num_gpus: float) -> EngineConfig:
-    """Inside a replica Ray shows only its own GPU(s) (CUDA_VISIBLE_DEVICES): `cuda:3` becomes `cuda`."""
-    if engine.device.startswith("cuda") and num_gpus >= 1:
+    """Inside a replica Ray shows only its GPU(s) (CUDA_VISIBLE_DEVICES, also for a fraction of one):
+    `cuda:3` becomes `cuda`."""
+    if engine.device.startswith("cuda") and num_gpus > 0:
         return dataclasses.replace(engine, device="cuda")
     return engine
 
@@ -201,7 +206,15 @@ def replica_engine_config(engine: EngineConfig, num_gpus: float) -> EngineConfig
 # ------------------------------------------------------------------------------------------ replica
 
 # This process's app. A Serve replica is one Ray actor, i.e. one worker process, so one app per process.
+# Read and written through `_this_module()`, never as a bare global: a class cloudpickled by value (as
+# happens when this file runs as `__main__`) would otherwise get a private copy of the globals.
 _APP: Any = None
+
+
+def _this_module() -> Any:
+    import boundgen.serve_ray  # noqa: PLW0406 - the module object, also from a by-value pickled class
+
+    return boundgen.serve_ray
 
 
 class _ReplicaASGI:
@@ -210,14 +223,16 @@ class _ReplicaASGI:
     accepts an ASGI app in `serve.ingress`."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if _APP is None:
+        app = _this_module()._APP
+        if app is None:
             raise RuntimeError("boundgen replica app is not built yet")
-        await _APP(scope, receive, send)
+        await app(scope, receive, send)
 
     def __getattr__(self, name: str) -> Any:  # `add_exception_handler`, `docs_url`, ... of the real app
-        if name.startswith("__") or _APP is None:
+        app = None if name.startswith("__") else _this_module()._APP
+        if app is None:
             raise AttributeError(name)
-        return getattr(_APP, name)
+        return getattr(app, name)
 
 
 class _ReplicaHeader:
@@ -247,7 +262,6 @@ class BoundgenReplica:
 
     def __init__(self, model: str, server: ServerConfig, engine: EngineConfig,
                  ray_cfg: RayServeConfig | None = None):
-        global _APP
         from ray import serve
 
         from boundgen.engine import Engine
@@ -265,7 +279,7 @@ class BoundgenReplica:
             self.metrics_port = _start_metrics_server(self.state.metrics.registry,
                                                       ray_cfg.replica_metrics_port, server.host)
         _replica_info(self.state.metrics.registry, self.replica_id, engine_obj, self.metrics_port)
-        _APP = app
+        _this_module()._APP = app
         log.info("boundgen replica %s: %s on %s, pid %d, metrics port %s", self.replica_id,
                  getattr(engine_obj, "model_name", model), engine_obj.device, os.getpid(),
                  self.metrics_port)
@@ -284,7 +298,7 @@ def _replica_id(serve: Any) -> str:
     try:
         ctx = serve.get_replica_context()
         return str(getattr(ctx, "replica_tag", None) or ctx.replica_id.unique_id)
-    except Exception:  # outside Serve (tests constructing a replica by hand)
+    except Exception:  # noqa: BLE001 - outside Serve (a replica constructed by hand)
         return f"pid{os.getpid()}"
 
 
@@ -305,7 +319,7 @@ def _replica_info(registry: Any, replica_id: str, engine: Any, metrics_port: int
 
     try:
         node = __import__("ray").get_runtime_context().get_node_id()
-    except Exception:
+    except Exception:  # noqa: BLE001 - an info label only
         node = ""
     Info("boundgen_replica", "this Ray Serve replica", registry=registry).info({
         "replica_id": replica_id, "node_id": str(node), "pid": str(os.getpid()),
@@ -333,6 +347,11 @@ def app_builder(args: dict[str, Any]) -> Any:
     """Serve config-file entry (`import_path: boundgen.serve_ray:app_builder`, e.g. in a KubeRay
     `RayService`): `args` holds the same keys as a `boundgen serve --config` file (top-level server and
     engine keys, or `server:` / `engine:` / `ray:` sections), or `config_file: PATH`."""
+    server, engine, ray_cfg = configs_from_builder_args(args)
+    return build_app(server.model, server, engine, ray_cfg)
+
+
+def configs_from_builder_args(args: dict[str, Any]) -> tuple[ServerConfig, EngineConfig, RayServeConfig]:
     from boundgen.server.config import _dataclass_from_dict, config_from_dict
 
     args = dict(args or {})
@@ -349,10 +368,11 @@ def app_builder(args: dict[str, Any]) -> Any:
             (engine_d if key.replace("-", "_") in engine_keys else server_d)[key] = value
         server = config_from_dict(server_d, source="app_builder args")
         engine = _dataclass_from_dict(EngineConfig, engine_d, source="app_builder args (engine)")
-        ray_cfg = _dataclass_from_dict(RayServeConfig, ray_section, source="app_builder args (ray)")
+        ray_cfg = _dataclass_from_dict(RayServeConfig, ray_section,
+                                       source="app_builder args (ray)").validate()
     if not server.model:
         raise ValueError("app_builder: `model` (checkpoint directory on every node) is required")
-    return build_app(server.model, server, engine, ray_cfg)
+    return server, engine, ray_cfg
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -438,8 +458,8 @@ def _cluster_has_gpus(ray_cfg: RayServeConfig) -> bool:
             if not ray.is_initialized():
                 ray.init(address=address, include_dashboard=False, ignore_reinit_error=True)
             return ray.cluster_resources().get("GPU", 0) > 0
-        except Exception:
-            pass
+        except Exception as exc:  # noqa: BLE001 - fall back to this machine's view
+            log.warning("could not read the Ray cluster's resources at %s: %s", address, exc)
     import torch
 
     return torch.cuda.is_available()
@@ -494,4 +514,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's `main`, so that Ray pickles `boundgen.serve_ray` classes by reference.
+    from boundgen.serve_ray import main as _main
+
+    sys.exit(_main())
