@@ -35,6 +35,7 @@ from boundgen.runtime.dag import Pipeline
 from boundgen.runtime.executor import Executor
 from boundgen.runtime.memory import Lease, MemoryPools
 from boundgen.runtime.node import Node, NodeKind
+from boundgen.workloads.runner import mean_rows
 
 if TYPE_CHECKING:  # the runtime sits above workloads; engine is imported only for types
     from boundgen.engine import Engine
@@ -85,17 +86,6 @@ def _stage_many(
         out.append(dev[off : off + n].view(t.shape))
         off += n
     return out
-
-
-def _mean_rows(hidden: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-    """Mean of hidden rows [start, start+length) per sequence ([n, H]), as one segment sum."""
-    n = start.shape[0]
-    seq_id = torch.repeat_interleave(torch.arange(n, device=hidden.device), length)
-    base = torch.repeat_interleave(start - (torch.cumsum(length, 0) - length), length)
-    rows = base + torch.arange(seq_id.shape[0], device=hidden.device)
-    sums = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    sums.index_add_(0, seq_id, hidden.index_select(0, rows).float())
-    return (sums / length[:, None].float()).to(hidden.dtype)
 
 
 class _Forward:
@@ -162,7 +152,7 @@ class _Forward:
                     if "mean" in modes:
                         mask = torch.tensor([m == "mean" for m in modes], device=device)
                         idx = mask.nonzero().squeeze(1)
-                        last[idx] = _mean_rows(hidden, packed.seq_start[idx], packed.seq_len[idx])
+                        last[idx] = mean_rows(hidden, packed.seq_start[idx], packed.seq_len[idx])
                     outs.append(last)
                 rows = torch.cat(outs) if len(outs) > 1 else outs[0]
         finally:

@@ -71,14 +71,17 @@ class ModelRunner:
         return self.model.head(rows, cols)
 
 
-def mean_pool(hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-    """Mean of each plain sequence's rows, computed with one segment-sum (no Python loop)."""
-    n = batch.num_rows
-    seq_id = torch.repeat_interleave(torch.arange(n, device=hidden.device), batch.seq_len)
-    rows = torch.repeat_interleave(batch.seq_start, batch.seq_len)
-    rows = rows + torch.arange(rows.shape[0], device=hidden.device) - torch.repeat_interleave(
-        torch.cumsum(batch.seq_len, 0) - batch.seq_len, batch.seq_len
-    )
+def mean_rows(hidden: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """Mean of hidden rows [start, start+length) per sequence ([n, H]), as one segment sum."""
+    n = start.shape[0]
+    seq_id = torch.repeat_interleave(torch.arange(n, device=hidden.device), length)
+    base = torch.repeat_interleave(start - (torch.cumsum(length, 0) - length), length)
+    rows = base + torch.arange(seq_id.shape[0], device=hidden.device)
     sums = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     sums.index_add_(0, seq_id, hidden.index_select(0, rows).float())
-    return (sums / batch.seq_len[:, None].float()).to(hidden.dtype)
+    return (sums / length[:, None].float()).to(hidden.dtype)
+
+
+def mean_pool(hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """Mean over each plain sequence of a packed batch."""
+    return mean_rows(hidden, batch.seq_start, batch.seq_len)
