@@ -79,13 +79,14 @@ class ServerState:
         self.metrics = Metrics()
         device = getattr(engine, "device", "cpu")
         self.tries = dict(tries) if tries is not None else load_tries(config, device)
+        owns_runtime = False
         if runtime is None and config.runtime:
-            runtime = make_runtime(engine, config)
+            runtime, owns_runtime = make_runtime(engine, config)
         self.runtime = runtime
         if runtime is not None:
             self.metrics.watch_runtime(runtime)
         self.infer = Infer(engine, metrics=self.metrics, max_queue=config.max_queue,
-                           workers=config.workers, runtime=runtime,
+                           workers=config.workers, runtime=runtime, owns_runtime=owns_runtime,
                            retry_after_s=config.retry_after_s, tries=self.tries)
         mc = engine.config
         ec = getattr(engine, "engine_config", None) or _default_engine_config()
@@ -134,17 +135,21 @@ class ServerState:
         return await asyncio.to_thread(run)
 
 
-def make_runtime(engine: Any, config: ServerConfig) -> Any:
-    """The DAG runtime over a real `Engine` (None for engine stand-ins, which are served directly)."""
+def make_runtime(engine: Any, config: ServerConfig) -> tuple[Any, bool]:
+    """(runtime, whether the server owns it): the engine's own DAG runtime, or one built with the
+    server's batching knobs; (None, False) for engine stand-ins, which are served directly."""
     from boundgen.engine import Engine
 
     if not isinstance(engine, Engine):
-        return None
+        return None, False
+    if config.cpu_workers is None and config.batch_token_budget is None \
+            and config.batch_max_wait_ms == 0.0 and hasattr(engine, "runtime"):
+        return engine.runtime, False  # one executor for the engine's own calls and the server's
     from boundgen.runtime.pipelines import EngineRuntime
 
     return EngineRuntime(engine, cpu_workers=config.cpu_workers,
                          token_budget=config.batch_token_budget,
-                         max_wait_ms=config.batch_max_wait_ms)
+                         max_wait_ms=config.batch_max_wait_ms), True
 
 
 def _default_engine_config() -> Any:

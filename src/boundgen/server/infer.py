@@ -14,6 +14,7 @@ Two backends, same contract:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,9 +38,11 @@ _ENGINE_METHOD = {"score": "score", "classify": "classify", "embed": "embed", "b
 
 class Infer:
     def __init__(self, engine: Any, *, metrics: Metrics, max_queue: int = 256, workers: int = 1,
-                 runtime: Any = None, retry_after_s: int = 1, tries: dict[str, Any] | None = None):
+                 runtime: Any = None, owns_runtime: bool = False, retry_after_s: int = 1,
+                 tries: dict[str, Any] | None = None):
         self.engine = engine
         self.runtime = runtime
+        self.owns_runtime = owns_runtime  # close it on shutdown (not the engine's own runtime)
         self.metrics = metrics
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
@@ -125,7 +128,10 @@ class Infer:
         tokens = request.pop("_tokens", None)
         if tokens:
             self.metrics.batch_tokens.observe(tokens)
-        out = getattr(self.engine, _ENGINE_METHOD[kind])(**request)
+        method = getattr(self.engine, _ENGINE_METHOD[kind])
+        if _takes_timeout(method):  # let the engine drop work that cannot make the deadline
+            request["timeout_ms"] = max(1.0, (deadline - start) * 1000.0)
+        out = method(**request)
         if kind == "embed":
             out = out.float().cpu().numpy()  # tensor work stays off the event loop
         elif kind == "beam":
@@ -136,6 +142,12 @@ class Infer:
     def close(self, wait: bool = True) -> None:
         self.closed = True
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
-        if self.runtime is not None and hasattr(self.runtime, "close"):
+        if self.runtime is not None and self.owns_runtime:
             self.runtime.close()
 
+
+def _takes_timeout(method: Any) -> bool:
+    try:
+        return "timeout_ms" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
