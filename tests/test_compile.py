@@ -139,10 +139,18 @@ def test_aoti_scores_match_eager(engine_for, aoti_cache):
     stats = aoti.runner.stats()
     assert stats["misses"] == 0 and stats["batches"] == {BUCKET.name: 3}
     # the runner's forward() keeps ModelRunner's contract (hidden of the batch's own tokens)
-    batch = pack(_groups(3))
+    batch = pack(_groups(3)[:2])
     with torch.inference_mode():
         torch.testing.assert_close(aoti.runner.forward(batch), eager.runner.forward(batch), atol=1e-5,
                                    rtol=1e-5)
+    # the runtime's path: prepare (pad on the host) → stage → forward on the padded batch directly
+    batch = pack(_groups(4)[:2])  # two shared-prefix groups: fits BUCKET
+    padded = aoti.runner.prepare(batch)
+    assert padded.num_tokens == BUCKET.tokens
+    with torch.inference_mode():
+        got = aoti.runner.forward(padded).index_select(0, padded.last_index)
+        want = eager.runner.forward(batch).index_select(0, batch.last_index)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # too large for every bucket → eager, counted
     long_text = " ".join(["word"] * 80)
     torch.testing.assert_close(aoti.embed([long_text]), eager.embed([long_text]), atol=1e-5, rtol=1e-5)

@@ -50,6 +50,22 @@ class CompileOptions:
     build_log: list[dict] = field(default_factory=list)
 
 
+def _bucket_key(b: Bucket) -> tuple:
+    return (b.tokens, b.segments, b.max_seqlen, b.groups, b.prefix_tokens, b.shared_tokens)
+
+
+def _layout_key(batch: PackedBatch) -> tuple:
+    """The same tuple for a batch: equal keys mean the bucket's compiled graph takes it as is."""
+    a = batch.attn
+    if a.has_shared_prefix:
+        if (a.max_prefix, a.max_group_q) != (a.num_prefix_tokens, a.num_shared_tokens):
+            return ()
+        cascade = (a.cu_prefix.shape[0] - 1, a.num_prefix_tokens, a.num_shared_tokens)
+    else:
+        cascade = (0, 0, 0)
+    return (batch.num_tokens, a.cu_seqlens.shape[0] - 1, a.max_seqlen, *cascade)
+
+
 @dataclass
 class _Budget:
     max_batch_tokens: int
@@ -62,6 +78,7 @@ class BucketedRunner(ModelRunner):
         super().__init__(model, device, max_batch_tokens, share_prefix)
         self.buckets = BucketSet(buckets)
         self.largest = max(b.tokens for b in buckets)
+        self._by_layout = {_bucket_key(b): fns[b] for b in buckets if b in fns}
         self.fns = fns
         self.backend_name = name
 
@@ -78,8 +95,21 @@ class BucketedRunner(ModelRunner):
         with lock:  # a graph's output buffer is reused by the next replay: copy what we need first
             return fn(dev_batch).clone(), dev_batch
 
+    def prepare(self, batch: PackedBatch) -> PackedBatch:
+        """Host-side hook before staging: pad into the smallest bucket that fits (or leave as is). The
+        padded batch is an ordinary `PackedBatch` (remapped `last_index`/`seq_start`)."""
+        return self.buckets.pad(batch)[1]
+
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Same contract as `ModelRunner.forward`: hidden [T, H] of `batch`'s own tokens."""
+        """Same contract as `ModelRunner.forward`: hidden [T, H] of `batch`'s own tokens. A batch already
+        in a bucket's exact layout (from `prepare`) runs that bucket directly, with no host round trip."""
+        fn = self._by_layout.get(_layout_key(batch))
+        if fn is not None:
+            lock = getattr(fn, "lock", None)
+            if lock is None:
+                return fn(batch)
+            with lock:
+                return fn(batch).clone()
         hidden, padded = self.run_packed(batch.to("cpu"))
         if padded.num_tokens == batch.num_tokens:
             return hidden
