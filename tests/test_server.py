@@ -415,3 +415,10 @@ def test_serve_flags_override_config_file(tmp_path):
     server, engine = resolve_configs(args)
     assert (server.port, server.max_queue, server.runtime) == (9200, 5, False)
     assert (engine.max_items, engine.device) == (7, "cpu")
+
+
+def test_openapi_documents_request_bodies(client):
+    spec = client.get("/openapi.json").json()
+    body = spec["paths"]["/v1/score"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/ScoreRequest"}
+    assert {"ScoreRequest", "RerankRequest", "RerankDocument"} <= set(spec["components"]["schemas"])

@@ -461,12 +461,18 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, runtime: Any 
                   docs_url="/docs", redoc_url=None)
     app.state.boundgen = state
 
+    schemas: dict[str, Any] = {}
+
     def route(path: str, name: str, fn: Handler, methods: tuple[str, ...] = ("POST",)) -> None:
         body = _REQUEST_MODELS.get(fn.__name__)
         extra = None
         if body is not None:
-            extra = {"requestBody": {"required": True, "content": {
-                "application/json": {"schema": body.model_json_schema()}}}}
+            # Handlers parse bodies themselves (clear 400s); the schema is for /docs only.
+            schema = body.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[body.__name__] = schema
+            ref = {"$ref": f"#/components/schemas/{body.__name__}"}
+            extra = {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
         app.add_api_route(path, endpoint(name, state, fn), methods=list(methods), name=name,
                           response_model=None, openapi_extra=extra, summary=fn.__doc__)
 
@@ -481,6 +487,15 @@ def create_app(engine: Any, config: ServerConfig | None = None, *, runtime: Any 
     route("/health", "health", health, ("GET",))
     route("/metrics", "metrics", metrics, ("GET",))
     kserve.add_routes(route, state)
+
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        spec = default_openapi()
+        spec.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+        return spec
+
+    app.openapi = openapi
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
