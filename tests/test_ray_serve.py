@@ -209,7 +209,7 @@ def ray_server(tmp_path_factory):
         # Lean: 2 logical CPUs, the smallest object store, no dashboard, replica logs not forwarded.
         ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
-        url = start(model, server, engine, ray_cfg)
+        url = start(model, server, engine, ray_cfg, timeout_s=150)
         yield {"url": url, "model": model, "server": server, "engine": engine,
                "metrics_base": metrics_base, "startup_s": time.monotonic() - t0}
     finally:

@@ -379,20 +379,49 @@ def configs_from_builder_args(args: dict[str, Any]) -> tuple[ServerConfig, Engin
 
 
 def start(model: str | os.PathLike, server: ServerConfig, engine: EngineConfig,
-          ray_cfg: RayServeConfig, *, ray_init: dict[str, Any] | None = None) -> str:
+          ray_cfg: RayServeConfig, *, ray_init: dict[str, Any] | None = None,
+          after_init: Any = None, timeout_s: float | None = None) -> str:
     """Join (or start) Ray, start Serve's HTTP proxy on `server.host:server.port`, deploy, wait until every
-    replica is up. Returns the base URL. `shutdown()` undoes it."""
+    replica is up (at most `timeout_s`: replicas that cannot be placed make Serve wait forever). Returns
+    the base URL. `shutdown()` undoes it. `after_init()` runs right after `ray.init` (which installs
+    Ray's own fatal-signal handlers: re-install yours there)."""
     serve = require_ray()
     import ray
 
     if not ray.is_initialized():
-        kwargs = {"address": ray_cfg.ray_address or os.environ.get("RAY_ADDRESS") or None,
-                  "include_dashboard": False, "ignore_reinit_error": True}
+        address = ray_cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
+        kwargs: dict[str, Any] = {"address": address, "include_dashboard": False,
+                                  "ignore_reinit_error": True}
+        if address is None:
+            # A local cluster only for HTTP serving: requests travel inline in actor calls, so the
+            # object store needs little (Ray's default reserves 30 % of RAM).
+            kwargs["object_store_memory"] = 512 * 2**20
         kwargs.update(ray_init or {})
         ray.init(**kwargs)
+    if after_init is not None:
+        after_init()
     serve.start(http_options={"host": server.host, "port": server.port})
-    serve.run(build_app(model, server, engine, ray_cfg), name=ray_cfg.app_name, route_prefix="/",
-              blocking=False)
+    app = build_app(model, server, engine, ray_cfg)
+    if timeout_s is None:
+        serve.run(app, name=ray_cfg.app_name, route_prefix="/", blocking=False)
+    else:
+        errors: list[BaseException] = []
+
+        def deploy() -> None:
+            try:
+                serve.run(app, name=ray_cfg.app_name, route_prefix="/", blocking=False)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(exc)
+
+        thread = threading.Thread(target=deploy, name="boundgen-serve-run", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise TimeoutError(f"Ray Serve replicas not running after {timeout_s:.0f}s "
+                               f"(cluster resources {ray.available_resources()}): "
+                               f"{serve.status().applications.get(ray_cfg.app_name)}")
+        if errors:
+            raise errors[0]
     return f"http://{server.host}:{server.port}"
 
 
@@ -481,10 +510,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     count = (f"{opts['autoscaling_config']['min_replicas']}..{ray_cfg.max_replicas} (autoscaling)"
              if ray_cfg.autoscaling else str(opts["num_replicas"]))
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def on_signals() -> None:  # again after ray.init, whose handler would abort the process on SIGTERM
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+
+    on_signals()
     try:
-        url = start(model, server, engine, ray_cfg)
+        url = start(model, server, engine, ray_cfg, after_init=on_signals)
         print(f"boundgen serve (Ray Serve): {model} on {count} replica(s), "
               f"{opts['ray_actor_options']['num_gpus']} GPU / {ray_cfg.num_cpus} CPU each, "
               f"at {url}", file=sys.stderr, flush=True)
