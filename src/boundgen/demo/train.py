@@ -13,7 +13,7 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -218,6 +218,7 @@ def save_tokenizer(tok, out: Path) -> None:
 class Example:
     ids: list[int]
     targets: list[tuple[int, int]]  # (position whose logits predict, token id)
+    aux: list[tuple[int, int]] = field(default_factory=list)  # relevance per-attribute flags
 
 
 class Encoder:
@@ -246,6 +247,35 @@ class Encoder:
         return (self.enc(cat.RELEVANCE_QUERY_TEMPLATE.format(query=query))
                 + self.enc(cat.RELEVANCE_ITEM_TEMPLATE.format(title=title)))
 
+    def relevance_example(self, query: str, attrs: dict, item_id: int, label: int) -> Example:
+        """The scoring prompt with its label at the last token, plus per-attribute auxiliary targets:
+        at the last token of each attribute in the title, ' no' if the query names that attribute with
+        another value, else ' yes'. Dense signal for the comparison the final label needs; the engine
+        only ever reads the last position, so the prompt format is unchanged."""
+        it = self.catalog.items[item_id]
+        q = self.enc(cat.RELEVANCE_QUERY_TEMPLATE.format(query=query))
+        item_text = cat.RELEVANCE_ITEM_TEMPLATE.format(title=it.title)
+        encoding = self.tok.encode(item_text)
+        ids = q + encoding.ids
+        base = len("Item: ")
+        ends, pos = {}, base
+        parts = [("brand", it.brand), (None, " " + it.model), ("product_type", " " + it.product_type),
+                 ("color", ", " + it.color), ("band", f", ${it.price}"), ("city", ", " + it.city)]
+        for key, text in parts:
+            pos += len(text)
+            if key:
+                ends[key] = pos
+        aux = []
+        yes, no = self.label_ids
+        for key, end in ends.items():
+            tok_idx = next(i for i, (a, b) in enumerate(encoding.offsets) if a <= end - 1 < b)
+            if key == "product_type" and key not in attrs:
+                ok = it.category == attrs["category"]
+            else:
+                ok = key not in attrs or getattr(it, key) == attrs[key]
+            aux.append((len(q) + tok_idx, yes if ok else no))
+        return Example(ids, [(len(ids) - 1, self.label_ids[1 - label])], aux)
+
     def retrieval_prompt(self, query: str) -> list[int]:
         return self.enc(cat.RETRIEVAL_TEMPLATE.format(query=query))
 
@@ -261,13 +291,34 @@ class Encoder:
         return Example(prompt + sid[:-1], [(n - 1 + i, s) for i, s in enumerate(sid)])
 
 
-def build_examples(enc: Encoder, splits: dict) -> dict[str, list[Example]]:
+def packed_relevance(enc: Encoder, group: dict, rng: random.Random) -> Example:
+    """One query with all its candidates in one sequence, in random order:
+    `Query: q\nItem: t1\nRelevant: yes\nItem: t2\nRelevant: no ...`, a label target after each item.
+    The first item's label sees exactly the scoring prompt; the others add signal per token."""
+    cands = list(group["candidates"])
+    rng.shuffle(cands)
+    ids = enc.enc(cat.RELEVANCE_QUERY_TEMPLATE.format(query=group["query"]))
+    targets = []
+    newline = enc.enc("\n")
+    for i, c in enumerate(cands):
+        if i:
+            ids = ids + newline
+        ids = ids + enc.enc(cat.RELEVANCE_ITEM_TEMPLATE.format(title=enc.catalog.items[c["item_id"]].title))
+        label = enc.label_ids[1 - c["label"]]
+        targets.append((len(ids) - 1, label))
+        ids = ids + [label]
+    return Example(ids[:-1], targets)
+
+
+def build_examples(enc: Encoder, splits: dict, pack_relevance: bool = True,
+                   seed: int = 0) -> dict[str, list[Example]]:
     tr = splits["train"]
-    rel = [
-        Example(ids := enc.relevance(g["query"], c["item_id"]),
-                [(len(ids) - 1, enc.label_ids[1 - c["label"]])])
-        for g in tr["relevance"] for c in g["candidates"]
-    ]
+    if pack_relevance:
+        rng = random.Random(seed + 3)
+        rel = [packed_relevance(enc, g, rng) for g in tr["relevance"]]
+    else:
+        rel = [enc.relevance_example(g["query"], g["attrs"], c["item_id"], c["label"])
+               for g in tr["relevance"] for c in g["candidates"]]
     ret = [enc.generative(enc.retrieval_prompt(q["query"]), enc.sid_ids(q["target"]))
            for q in tr["retrieval"]]
     hist = [enc.generative(enc.history_prompt(h["history"]), enc.sid_ids(h["target"]))
@@ -282,7 +333,7 @@ def collate(batch: list[Example], pad_id: int):
     t = max(len(e.ids) for e in batch)
     ids = torch.full((len(batch), t), pad_id, dtype=torch.long)
     nxt = torch.full((len(batch), max(1, t - 1)), -100, dtype=torch.long)
-    rows, cols, tgt = [], [], []
+    rows, cols, tgt, aux = [], [], [], []
     for i, e in enumerate(batch):
         ids[i, : len(e.ids)] = torch.tensor(e.ids)
         nxt[i, : len(e.ids) - 1] = torch.tensor(e.ids[1:])
@@ -290,7 +341,9 @@ def collate(batch: list[Example], pad_id: int):
             rows.append(i)
             cols.append(pos)
             tgt.append(tok)
-    return ids, torch.tensor(rows), torch.tensor(cols), torch.tensor(tgt), nxt
+        aux += [(i, pos, tok) for pos, tok in e.aux]
+    aux_t = torch.tensor(aux, dtype=torch.long).reshape(-1, 3)
+    return ids, torch.tensor(rows), torch.tensor(cols), torch.tensor(tgt), nxt, aux_t
 
 
 # ---------------------------------------------------------------- evaluation with the training model
@@ -346,7 +399,7 @@ def model_beam(model: TinyQwen2, prompt: list[int], trie: dict, width: int = 10)
 
 
 @torch.no_grad()
-def evaluate(model: TinyQwen2, enc: Encoder, test: dict, limit: int = 100) -> dict:
+def evaluate(model: TinyQwen2, enc: Encoder, test: dict, limit: int = 100, beams: bool = True) -> dict:
     model.eval()
     scores, labels = [], []
     for g in test["relevance"][:limit]:
@@ -356,6 +409,9 @@ def evaluate(model: TinyQwen2, enc: Encoder, test: dict, limit: int = 100) -> di
         lg = model.logits(h)[:, enc.label_ids]
         scores += (lg[:, 0] - lg[:, 1]).tolist()
         labels += [c["label"] for c in g["candidates"]]
+    if not beams:
+        model.train()
+        return {"auc": auc(scores, labels)}
     trie = build_trie(enc)
     sid_to_item = {tuple(enc.sid_ids(it.item_id)): it.item_id for it in enc.catalog.items}
     rec = {}
@@ -430,13 +486,15 @@ def save_checkpoint(model: TinyQwen2, tok, enc: Encoder, catalog: cat.Catalog, s
 
 # ---------------------------------------------------------------- training
 
-BATCH = {"relevance": 32, "retrieval": 16, "history": 8, "index": 12}
+BATCH = {"relevance": 16, "retrieval": 16, "history": 8, "index": 12}  # relevance: packed groups
 
 
-def train(out: Path, *, seed: int = 0, steps: int = 1000, lr: float = 2e-3, threads: int = 1,
+def train(out: Path, *, seed: int = 0, steps: int = 1600, lr: float = 2e-3, threads: int = 1,
           num_items: int = 3000, max_minutes: float = 10.0, eval_limit: int = 100,
-          log_every: int = 50, lm_weight: float = 0.2, device: str = "cpu",
-          hidden_size: int = 192, num_layers: int = 4) -> dict:
+          log_every: int = 50, lm_weight: float = 0.0, device: str = "cpu",
+          hidden_size: int = 128, num_layers: int = 4, pack_relevance: bool = False,
+          rel_batch: int | None = 128, aux_weight: float = 1.0, eval_every: int = 0,
+          rel_weight: float = 2.0) -> dict:
     """Build catalog + tokenizer, train, evaluate (own trie beam search), write the checkpoint.
 
     `lm_weight`: weight of an auxiliary next-token loss on every prompt token (dense signal that
@@ -453,7 +511,8 @@ def train(out: Path, *, seed: int = 0, steps: int = 1000, lr: float = 2e-3, thre
     config = TinyConfig(vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers,
                         intermediate_size=hidden_size * 8 // 3 // 32 * 32)
     model = TinyQwen2(config).to(device)
-    data = build_examples(enc, splits)
+    data = build_examples(enc, splits, pack_relevance, seed)
+    batch_sizes = dict(BATCH, relevance=rel_batch or (BATCH["relevance"] if pack_relevance else 32))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"catalog {len(catalog.items)} items, vocab {vocab}, {n_params / 1e6:.2f}M params, "
           f"examples { {k: len(v) for k, v in data.items()} }, setup {time.time() - t0:.0f}s",
@@ -479,13 +538,17 @@ def train(out: Path, *, seed: int = 0, steps: int = 1000, lr: float = 2e-3, thre
             g["lr"] = lr_at(step)
         total = 0.0
         losses = {}
-        for task, bs in BATCH.items():
+        for task, bs in batch_sizes.items():
             batch = rng.sample(data[task], bs)
-            ids, rows, cols, tgt, nxt = (x.to(device) for x in collate(batch, pad))
+            ids, rows, cols, tgt, nxt, aux = (x.to(device) for x in collate(batch, pad))
             hidden = model.hidden(ids)
             loss = F.cross_entropy(model.logits(hidden[rows, cols]), tgt)
             losses[task] = loss.item()
-            total = total + loss
+            total = total + (rel_weight if task == "relevance" else 1.0) * loss
+            if aux_weight > 0 and len(aux):
+                aux_loss = F.cross_entropy(model.logits(hidden[aux[:, 0], aux[:, 1]]), aux[:, 2])
+                losses["aux"] = aux_loss.item()
+                total = total + aux_weight * aux_loss
             if lm_weight > 0:
                 lm = F.cross_entropy(model.logits(hidden[:, :-1]).flatten(0, 1), nxt.flatten())
                 total = total + lm_weight * lm
@@ -494,6 +557,10 @@ def train(out: Path, *, seed: int = 0, steps: int = 1000, lr: float = 2e-3, thre
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         done = step + 1
+        if eval_every and step and step % eval_every == 0:
+            quick = evaluate(model.cpu(), enc, splits["test"], limit=20, beams=False)
+            model.to(device)
+            print(f"step {step:5d}  held-out relevance AUC (20 groups) {quick['auc']:.3f}", flush=True)
         if step % log_every == 0 or step == steps - 1:
             el = time.time() - t_train
             print(f"step {step:5d}  {el:5.0f}s  " + "  ".join(f"{k} {v:.3f}" for k, v in losses.items()),
@@ -503,7 +570,9 @@ def train(out: Path, *, seed: int = 0, steps: int = 1000, lr: float = 2e-3, thre
     metrics = evaluate(model, enc, splits["test"], eval_limit)
     print(f"trained {done} steps in {train_s:.0f}s; held-out {metrics}", flush=True)
     meta = {"seed": seed, "steps": done, "train_seconds": round(train_s, 1), "threads": threads,
-            "device": device, "lr": lr, "lm_weight": lm_weight,
+            "device": device, "lr": lr, "lm_weight": lm_weight, "pack_relevance": pack_relevance,
+            "aux_weight": aux_weight, "rel_weight": rel_weight,
+            "batch_sizes": batch_sizes, "hidden_size": hidden_size, "num_layers": num_layers,
             "num_items": num_items, "params": n_params, "heldout_metrics_at_training": metrics}
     save_checkpoint(model, tok, enc, catalog, splits, Path(out), meta)
     print(f"wrote {out}", flush=True)
@@ -518,7 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     train(Path(a.out), seed=a.seed, steps=a.steps, lr=a.lr, threads=a.threads,
           num_items=a.num_items, max_minutes=a.max_minutes, lm_weight=a.lm_weight, device=a.device,
-          hidden_size=a.hidden_size, num_layers=a.layers)
+          hidden_size=a.hidden_size, num_layers=a.layers, pack_relevance=a.pack,
+          rel_batch=a.rel_batch, aux_weight=a.aux_weight, rel_weight=a.rel_weight,
+          eval_limit=a.eval_limit, eval_every=a.eval_every)
     return 0
 
 
