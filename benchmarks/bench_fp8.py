@@ -323,6 +323,30 @@ def _workloads(vocab: int, seed: int = 0, w1_prompts: int = 256):
     return w1, w2, labels
 
 
+def _time_w1_w2(row, engine, w1, w1_tokens, w2_prefix, w2_items, labels, args) -> None:
+    """W1 tok/s and W2 ms into `row`; each workload on its own, so one failing keeps the other."""
+    try:
+        t = wall_time_s(lambda: engine.score([], w1, labels), iters=args.iters)
+        row["w1_s"], row["w1_tok_s"] = t, w1_tokens / t
+    except Exception as exc:  # noqa: BLE001
+        row["w1_error"] = repr(exc)[:500]
+    try:
+        t = wall_time_s(lambda: engine.score(w2_prefix, w2_items, labels), iters=max(5, args.iters))
+        row["w2_ms"] = t * 1e3
+    except Exception as exc:  # noqa: BLE001
+        row["w2_error"] = repr(exc)[:500]
+
+
+def _speedups(runs: list[dict]) -> None:
+    """Ratios against the first (bf16) run, for whatever both rows measured."""
+    base = runs[0] if runs else {}
+    for row in runs:
+        if "w1_tok_s" in row and "w1_tok_s" in base:
+            row["w1_speedup"] = row["w1_tok_s"] / base["w1_tok_s"]
+        if "w2_ms" in row and "w2_ms" in base:
+            row["w2_speedup"] = base["w2_ms"] / row["w2_ms"]
+
+
 class _Policy:
     """Apply a policy in place on engine.model and restore the bf16 modules on exit."""
 
@@ -376,21 +400,12 @@ def section_model(res: dict, args) -> None:
                 row["fp8_modules"] = len(mods)
                 if mods:
                     row["act_quant"] = engine.model.get_submodule(mods[0]).act_quant
-                t = wall_time_s(lambda: engine.score([], w1, labels), iters=args.iters)
-                row["w1_s"], row["w1_tok_s"] = t, w1_tokens / t
-                t = wall_time_s(
-                    lambda: engine.score(w2_prefix, w2_items, labels), iters=max(5, args.iters)
-                )
-                row["w2_ms"] = t * 1e3
+                _time_w1_w2(row, engine, w1, w1_tokens, w2_prefix, w2_items, labels, args)
         except Exception as exc:  # noqa: BLE001
             row["error"] = repr(exc)[:500]
         out["runs"].append(row)
         print("model", row, flush=True)
-    base = out["runs"][0]
-    for row in out["runs"]:
-        if "w1_tok_s" in row and "w1_tok_s" in base:
-            row["w1_speedup"] = row["w1_tok_s"] / base["w1_tok_s"]
-            row["w2_speedup"] = base["w2_ms"] / row["w2_ms"]
+    _speedups(out["runs"])
     del engine
     _empty_cache()
 
@@ -433,12 +448,7 @@ def section_compiled(res: dict, args) -> None:
                 row["compile_s"] = time.perf_counter() - t0
                 engine.runner = runner
                 try:
-                    t = wall_time_s(lambda: engine.score([], w1, labels), iters=args.iters)
-                    row["w1_s"], row["w1_tok_s"] = t, w1_tokens / t
-                    t = wall_time_s(
-                        lambda: engine.score(w2_prefix, w2_items, labels), iters=max(5, args.iters)
-                    )
-                    row["w2_ms"] = t * 1e3
+                    _time_w1_w2(row, engine, w1, w1_tokens, w2_prefix, w2_items, labels, args)
                     row["runner_stats"] = runner.stats() if hasattr(runner, "stats") else None
                 finally:
                     engine.runner = eager_runner
@@ -448,15 +458,12 @@ def section_compiled(res: dict, args) -> None:
         print("compiled", row, flush=True)
         save(res, args)
         torch._dynamo.reset()
-    base = out["runs"][0]
-    for row in out["runs"]:
-        if "w1_tok_s" in row and "w1_tok_s" in base:
-            row["w1_speedup"] = row["w1_tok_s"] / base["w1_tok_s"]
-            row["w2_speedup"] = base["w2_ms"] / row["w2_ms"]
+    _speedups(out["runs"])
 
 
 def section_gate(res: dict, args) -> None:
     from boundgen.quant.fidelity import (
+        EvalSet,
         collect_outputs,
         compare_outputs,
         engine_runner,
@@ -465,6 +472,10 @@ def section_gate(res: dict, args) -> None:
 
     engine, path = _load_engine(args)
     ev = make_eval_set(engine.config.vocab_size, scale=args.gate_scale)
+    demo = EvalSet.from_demo_dir(path, engine.tokenizer.encode)  # a demo checkpoint's held-out set
+    if demo is not None:
+        ev = ev.extend(demo)
+    ev = ev.fit(engine.limits.max_seq_len)
     out = res.setdefault("gate", {"checkpoint": str(path), "eval_set": ev.name, "reports": {}})
     runner = engine_runner(engine)
     t0 = time.perf_counter()
@@ -581,19 +592,19 @@ def summary(res: dict) -> str:
         lines.append(
             f"layer GEMMs {e['preset']} M={e['M']}: bf16 {e['bf16_ms']:.3f} ms; " + ", ".join(parts)
         )
-    model = res.get("model", {})
-    for r in model.get("runs", []):
-        if "w1_tok_s" in r:
-            lines.append(
-                f"W1/W2 {r['policy']:<22} W1 {r['w1_tok_s'] / 1e3:8.1f}K tok/s (x{r.get('w1_speedup', 1):.2f})"
-                f"  W2 {r['w2_ms']:7.2f} ms (x{r.get('w2_speedup', 1):.2f})"
+    for section, label in (("model", "eager"), ("compiled", "compiled")):
+        for r in res.get(section, {}).get("runs", []):
+            w1 = (
+                f"W1 {r['w1_tok_s'] / 1e3:8.1f}K tok/s (x{r.get('w1_speedup', 1):.2f})"
+                if "w1_tok_s" in r
+                else "W1 -"
             )
-    for r in res.get("compiled", {}).get("runs", []):
-        if "w1_tok_s" in r:
-            lines.append(
-                f"compiled {r['policy']:<19} W1 {r['w1_tok_s'] / 1e3:8.1f}K tok/s "
-                f"(x{r.get('w1_speedup', 1):.2f})  W2 {r['w2_ms']:7.2f} ms (x{r.get('w2_speedup', 1):.2f})"
+            w2 = (
+                f"W2 {r['w2_ms']:7.2f} ms (x{r.get('w2_speedup', 1):.2f})"
+                if "w2_ms" in r
+                else "W2 -"
             )
+            lines.append(f"{label:<8} {r['policy']:<16} {w1}  {w2}")
     for p, r in res.get("gate", {}).get("reports", {}).items():
         if "passed" in r:
             lines.append(
@@ -677,7 +688,10 @@ def main(argv=None) -> int:
         res["timings_s"][name] = round(time.perf_counter() - t0, 1)
         save(res, args)
         _empty_cache()
-    text = summary(res)
+    try:
+        text = summary(res)
+    except Exception as exc:  # noqa: BLE001
+        text = f"(summary failed: {exc!r}; see the JSON)"
     res["summary"] = text
     save(res, args)
     print("\n" + text)

@@ -343,3 +343,15 @@ def test_real_tiny_model_exports_with_scaled_mm(tiny_model_dir, monkeypatch):
     assert sum("_scaled_mm" in t for t in targets) == 4 * n_layers
     got = ep.module()(ex.input_ids, ex.positions, ex.attn)
     torch.testing.assert_close(got, expected)
+
+
+def test_eval_set_fits_a_short_context():
+    ev = make_eval_set(1000, scale="full").fit(128)
+    for c in ev.score_cases:
+        assert all(len(c.query) + len(x) <= 128 for x in c.items)
+    assert all(len(b.prompt) + b.steps <= 128 for b in ev.beam_cases)
+    w2 = next(c for c in ev.score_cases if c.set_name == "W2")
+    full = next(c for c in make_eval_set(1000, scale="full").score_cases if c.set_name == "W2")
+    assert w2.query == full.query[-len(w2.query):]  # the end of the prefix is kept
+    small = make_eval_set(1000, scale="ci")
+    assert small.fit(4096).to_json() == small.to_json() and small.fit(None) is small

@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     demo = None if args.no_demo_set else EvalSet.from_demo_dir(args.model, engine.tokenizer.encode)
     if demo is not None:
         eval_set = eval_set.extend(demo)
+    eval_set = eval_set.fit(engine.limits.max_seq_len)  # e.g. the demo model's short context
     print(
         f"model {args.model} on {engine.device} ({engine.dtype}); eval set {eval_set.name}: "
         f"{sum(len(c.items) for c in eval_set.score_cases)} scored items in {len(eval_set.score_cases)} "

@@ -133,6 +133,24 @@ class EvalSet:
             }
         )
 
+    def fit(self, max_len: int | None) -> "EvalSet":
+        """Trim sequences to a model's length limit (query + item ≤ max_len, prompt + steps ≤ max_len),
+        keeping the last tokens of queries/prompts; unchanged when everything fits or max_len is None."""
+        if not max_len:
+            return self
+        cases = []
+        for c in self.score_cases:
+            items = [x[:max_len] for x in c.items]
+            longest = max((len(x) for x in items), default=0)
+            room = max(max_len - longest, 0)
+            query = c.query[len(c.query) - room :] if len(c.query) > room else c.query
+            cases.append(dataclasses.replace(c, query=list(query), items=items))
+        beams = []
+        for b in self.beam_cases:
+            room = max(max_len - b.steps, 1)
+            beams.append(dataclasses.replace(b, prompt=list(b.prompt[-room:])))
+        return EvalSet(self.name, cases, beams)
+
     @classmethod
     def from_json(cls, text: str) -> "EvalSet":
         d = json.loads(text)
