@@ -1,6 +1,9 @@
 """Selective FP8 on CUDA: GEMM-level and full-model W1/W2 throughput, bf16 vs each policy, and the gate.
 
-    python benchmarks/bench_fp8.py --out $OUT/fp8.json            # everything (H200: ~5-8 min)
+    python benchmarks/bench_fp8.py --out $OUT/fp8.json            # default sections, one process
+    # under a 10-minute limit per command, split it (each part still writes its JSON as it goes):
+    python benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out $OUT/fp8_kernels.json
+    python benchmarks/bench_fp8.py --sections env,model,gate --out $OUT/fp8_model.json
     python benchmarks/bench_fp8.py --sections env,compiled --out $OUT/fp8_compiled.json
     python benchmarks/bench_fp8.py --dry-run-cpu --out /tmp/fp8.json  # code paths on CPU, no timings
 
