@@ -128,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, name in enumerate(args.servers):
         port = args.port + i
         url = f"http://127.0.0.1:{port}"
+        # A request that waited 2 s is dropped before the model runs, so an overloaded step does not
+        # leave a backlog for the next one.
         common = ["--model", str(model), "--port", str(port), "--max-queue", "4096",
-                  "--log-level", "warning"]
+                  "--timeout-ms", "2000", "--log-level", "warning"]
         if name == "boundgen":
             cmd = [sys.executable, "-m", "boundgen.cli", "serve", *common, "--device", args.device,
                    "--dtype", args.dtype, *serve_args]

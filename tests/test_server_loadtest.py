@@ -21,7 +21,7 @@ from boundgen import Engine
 from boundgen.loadtest import LoadConfig, Sample, arrival_times, run_loadtest, summarize
 from boundgen.server.app import create_app
 from boundgen.server.config import ServerConfig
-from boundgen.server.testing import free_port, tiny_model_dir
+from boundgen.server.testing import SlowEngine, free_port, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -43,25 +43,33 @@ def test_arrivals_and_summary():
     assert math.isnan(summarize([], 1, 1, 1)["latency_ms"]["p99"])
 
 
+class _ThreadServer:
+    def __init__(self, app):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
 def test_loadtest_against_live_server(model_dir, tmp_path):
     engine = Engine.from_pretrained(model_dir, device="cpu")
-    port = free_port()
-    config = uvicorn.Config(create_app(engine, ServerConfig(port=port)), host="127.0.0.1", port=port,
-                            log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.05)
-        cfg = LoadConfig(url=f"http://127.0.0.1:{port}", workload="mixed", qps_steps=(4.0, 8.0),
+    with _ThreadServer(create_app(engine)) as srv:
+        cfg = LoadConfig(url=srv.url, workload="mixed", qps_steps=(4.0, 8.0),
                          duration=1.5, warmup=2, items=4, item_tokens=4, query_tokens=8,
                          prompt_tokens=8, beam_width=2, steps=2, slo_ms=10_000, distinct=4,
                          out=str(tmp_path / "r.json"), plot=str(tmp_path / "r.png"))
         report = run_loadtest(cfg, log=lambda *a: None)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
     assert report["vocab_size"] == engine.config.vocab_size
     assert [s["qps_target"] for s in report["steps"]] == [4.0, 8.0]
     assert all(s["ok"] == s["requests"] > 0 for s in report["steps"]), report["steps"]
@@ -92,3 +100,18 @@ def test_hf_baseline_server_matches_engine(model_dir):
             np.testing.assert_allclose(r.json()["scores"], want, rtol=1e-4, atol=1e-5)
         r = c.post("/v1/beam", json={"prompt": "x", "beam_width": 2, "steps": 1})
         assert r.status_code == 400 and "/v1/score" in r.json()["error"]["message"]
+
+
+def test_loadtest_stops_at_saturation(model_dir):
+    engine = SlowEngine(Engine.from_pretrained(model_dir, device="cpu"), 0.25)
+    app = create_app(engine, ServerConfig(runtime=False, max_queue=4))
+    lines = []
+    with _ThreadServer(app) as srv:
+        cfg = LoadConfig(url=srv.url, workload="score", qps_steps=(40.0, 80.0), duration=1.0,
+                         warmup=1, items=2, item_tokens=2, query_tokens=4, distinct=2)
+        report = run_loadtest(cfg, log=lines.append)
+    assert [s["qps_target"] for s in report["steps"]] == [40.0]
+    step = report["steps"][0]
+    assert step["errors"].get("429:overloaded_error", 0) > 0 and step["ok"] > 0
+    assert report["max_qps_within_slo"] is None
+    assert any("saturated at 40" in line for line in lines), lines

@@ -57,6 +57,8 @@ class LoadConfig:
     api_key: str | None = _f(None, "send `Authorization: Bearer KEY`")
     timeout_s: float = _f(30.0, "client timeout per request")
     max_inflight: int = _f(4096, "client connections; arrivals beyond it count as client errors")
+    stop_when_saturated: bool = _f(True, "skip the higher QPS steps once a step completes under half "
+                                         "its offered load or fails half its requests")
     processes: int = _f(1, "client processes, each sending qps/processes (one event loop tops out "
                            "near 1-2k requests/s)")
     seed: int = _f(0, "random seed (arrivals and token ids)")
@@ -248,6 +250,11 @@ def run_loadtest(cfg: LoadConfig, log=print) -> dict[str, Any]:
             f"  p50 {lat['p50']:8.2f} ms  p90 {lat['p90']:8.2f} ms  p99 {lat['p99']:8.2f} ms"
             f"  errors {summary['requests'] - summary['ok']}"
             + (f" {summary['errors']}" if summary["errors"] else ""))
+        saturated = (summary["throughput_qps"] < 0.5 * summary["offered_qps"]
+                     or summary["error_rate"] > 0.5)
+        if cfg.stop_when_saturated and saturated and qps != steps[-1]:
+            log(f"saturated at {qps:g} QPS: skipping {[q for q in steps if q > qps]}")
+            break
     passing = [r["qps_target"] for r in results
                if r["latency_ms"]["p99"] <= cfg.slo_ms and r["error_rate"] <= cfg.max_error_rate]
     report = {
