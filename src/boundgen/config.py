@@ -160,3 +160,7 @@ class EngineConfig:
     max_beam_width: int = _opt(64, "largest beam width accepted")
     max_beam_steps: int = _opt(16, "most decode steps accepted")
     share_prefix: bool = _opt(True, "compute a prefix shared by all candidates once (cascade attention)")
+    fp8: str = _opt("none", "FP8 projections: none | mlp | mlp+attn-proj (refused unless the policy passed "
+                    "`boundgen quant-check` for this checkpoint)", choices=("none", "mlp", "mlp+attn-proj"))
+    fp8_force: bool = _opt(False, "use the FP8 policy even if its fidelity gate failed or never ran")
+    fp8_emulate: bool = _opt(False, "emulate FP8 numerics (quantize→dequantize) on devices without FP8")

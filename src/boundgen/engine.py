@@ -103,6 +103,10 @@ class Engine:
         model = model.to_empty(device=dev).to(torch_dtype)
         model.rotary.reset()
         load_weights(model, path)
+        if config.fp8 != "none":
+            from boundgen.quant.policy import enable_fp8
+
+            enable_fp8(model, path, config.fp8, force=config.fp8_force, emulate=config.fp8_emulate)
         model.eval().requires_grad_(False)
         tokenizer = Tokenizer.from_dir(path)
         log.info("loaded %s (%s) on %s in %s with %s attention", path.name, model_config.architecture,
