@@ -33,6 +33,10 @@ from boundgen.workloads.runner import ModelRunner, mean_pool
 log = logging.getLogger("boundgen.compile")
 
 BACKENDS = ("auto", "eager", "compile", "aoti", "eager+graphs", "compile+graphs", "aoti+graphs")
+# NOTE: what "auto" tries on CUDA, in order, before eager. Only backends that need no compile at start-up
+# belong here (aoti uses `boundgen compile`'s cached buckets). Change it when bench_backends.py says so
+# (e.g. put "aoti+graphs" first once graphs are measured to pay on the target).
+AUTO_CUDA = ("aoti",)
 
 
 @dataclass
@@ -292,13 +296,15 @@ def make_runner(model: DecoderModel, device: torch.device | str, max_batch_token
         return runner
     if device.type == "cuda":
         auto = CompileOptions(**{**opts.__dict__, "rebuild": bool(opts.rebuild)})
-        try:
-            runner = _make(model, device, max_batch_tokens, share_prefix, "aoti", auto)
-            runner.backend_name = "aoti"
-            log.info("model backend: aoti (auto; %d cached buckets)", len(runner.buckets))
-            return runner
-        except (ArtifactError, AOTIUnsafe, RuntimeError) as exc:
-            log.warning("model backend: eager (auto; aoti not used: %s)", exc)
+        for choice in AUTO_CUDA:
+            try:
+                runner = _make(model, device, max_batch_tokens, share_prefix, choice, auto)
+                runner.backend_name = choice
+                log.info("model backend: %s (auto; %d cached buckets)", choice, len(runner.buckets))
+                return runner
+            except (ArtifactError, AOTIUnsafe, RuntimeError) as exc:
+                log.warning("model backend: %s not used (auto): %s", choice, exc)
+        log.warning("model backend: eager (auto)")
     else:
         log.info("model backend: eager (auto; compiled CPU forwards are not faster for these shapes)")
     runner = ModelRunner(model, device, max_batch_tokens, share_prefix)
