@@ -1,14 +1,17 @@
-"""Ray Serve's cost on one GPU: plain `boundgen serve` vs the same app behind Ray Serve with 1 replica, in the
-same run, same checkpoint, same flags, same open-loop load (`boundgen.loadtest`): throughput and p50/p99 per
-QPS step, for the score (W2 over HTTP) and beam (W4 over HTTP) workloads. Writes
+"""Ray Serve's cost on one GPU: plain `boundgen serve` vs the same app behind Ray Serve, 1 replica.
+
+In the same run, same checkpoint, same flags, same open-loop load (`boundgen.loadtest`): the cost
+of one hop through Serve's proxy (requests one at a time), then throughput and p50/p99 per QPS
+step, for the score (W2 over HTTP) and beam (W4 over HTTP) workloads. Writes
 `<out-dir>/ray_vs_plain.json`, `.md` (table for BENCHMARKS.md) and one PNG per workload.
 
-    python benchmarks/bench_ray.py --out-dir /tmp/out                 # cuda, qwen2.5-0.5b synthetic, bf16
-    python benchmarks/bench_ray.py --device cpu --preset tiny --score-qps 5 10 --beam-qps 2 --duration 3
+    python benchmarks/bench_ray.py --out-dir /tmp/out      # cuda, synthetic qwen2.5-0.5b, bf16
+    python benchmarks/bench_ray.py --device cpu --dtype float32 --preset tiny \
+        --score-qps 5 10 --beam-qps 2 --duration 3             # CPU dry run (~90 s)
 
-Ray is not on the H200 image: its wheels travel with the working tree (the device tool carries at most
-64 MiB, and the ray wheel alone is 79 MB, so `--prepare-wheels` also drops the Java jar, the dashboard's web
-client and RLlib from it: 45 MB). Here, once, in the repo root:
+Ray is not on the H200 image: its wheels travel with the working tree (the device tool carries at
+most 64 MiB, and the ray wheel alone is 79 MB, so `--prepare-wheels` also drops the Java jar, the
+dashboard's web client and RLlib from it: 45 MB). Here, once, in the repo root:
 
     echo /.whl-ray/ >> .git/info/exclude
     python3 benchmarks/bench_ray.py --prepare-wheels .whl-ray
@@ -22,12 +25,12 @@ which runs exactly
         referencing==0.37.0 rpds-py==0.30.0 grpcio==1.85.3 grpcio-reflection==1.85.1 protobuf==7.36.2
 
 and then slims the ray wheel in place. Why these: ray's own requirements missing from the image are
-jsonschema (+ jsonschema-specifications, referencing, rpds-py); `ray.serve` imports grpc_reflection, whose
-generated code insists on grpcio >= 1.85.1 and protobuf >= 7.35, so those two travel too (the set tested
-together). fastapi, starlette, uvicorn and pydantic come from `.whl/` (the server's wheels); click,
-filelock, msgpack, packaging, pyyaml, requests, aiohttp, uvloop, prometheus-client are on the image.
-Nothing of Ray's "default" extra (dashboard, opencensus, ...) is needed: Ray runs minimal, without a
-dashboard. The device command (one call, < 5 min; carry `.whl` and `.whl-ray`):
+jsonschema (+ jsonschema-specifications, referencing, rpds-py); `ray.serve` imports grpc_reflection,
+whose generated code insists on grpcio >= 1.85.1 and protobuf >= 7.35, so those two travel too (the
+set tested together). fastapi, starlette, uvicorn and pydantic come from `.whl/` (the server's
+wheels); click, filelock, msgpack, packaging, pyyaml, requests, aiohttp, uvloop, prometheus-client
+are on the image. Nothing of Ray's "default" extra (dashboard, opencensus, ...) is needed: Ray runs
+minimal, without a dashboard. The device command (one call, < 5 min; carry `.whl` and `.whl-ray`):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
         .whl/*.whl .whl-ray/*.whl && export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 || exit;
@@ -56,7 +59,7 @@ WHEELS = ["ray==2.60.0", "jsonschema==4.26.0", "jsonschema-specifications==2025.
           "protobuf==7.36.2"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]
-# Never imported when serving over HTTP: the Java worker jar (32 MB), the dashboard's web client, RLlib.
+# Never imported when serving over HTTP: the Java jar (32 MB), the dashboard's web client, RLlib.
 RAY_STRIP = ("ray/jars/", "ray/dashboard/client/", "ray/rllib/")
 
 
@@ -105,7 +108,7 @@ def prepare_wheels(dest: str) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------------------------- servers
+# ------------------------------------------------------------------------------------------ servers
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> float:
@@ -134,6 +137,33 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def serial_latency(url: str, workload: str, n: int) -> dict:
+    """`n` requests one at a time (1 in flight): the per-request cost of each hop, without queueing."""
+    import statistics
+
+    import httpx
+
+    from boundgen.loadtest import LoadConfig, _pct, make_bodies
+
+    cfg = LoadConfig(url=url, workload=workload)
+    with httpx.Client(base_url=url, timeout=30) as client:
+        vocab = int(client.get("/v1/models").json()["data"][0].get("vocab_size") or 1000)
+        bodies = make_bodies(cfg, vocab)[workload]
+        path = "/v1/score" if workload == "score" else "/v1/beam"
+        headers = {"content-type": "application/json"}
+        for body in bodies[:3]:
+            client.post(path, content=body, headers=headers)
+        ms = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            r = client.post(path, content=bodies[i % len(bodies)], headers=headers)
+            ms.append((time.perf_counter() - t0) * 1e3)
+            r.raise_for_status()
+    ms.sort()
+    return {"n": n, "p50": _pct(ms, 50), "p90": _pct(ms, 90), "p99": _pct(ms, 99),
+            "mean": statistics.fmean(ms), "min": ms[0]}
 
 
 def run_steps(url: str, label: str, workload: str, steps: list[float], args) -> dict:
@@ -178,6 +208,12 @@ def markdown(results: dict, slo_ms: float) -> str:
                  f"max ok/s {r['max_throughput_qps']:.1f}" for r in reports]
         rows.append(f"- {workload}: " + "; ".join(parts))
         by = {r["label"]: r for r in reports}
+        if "plain" in by and "ray-1" in by and by["plain"].get("serial_ms") and by["ray-1"].get("serial_ms"):
+            sp, sr = by["plain"]["serial_ms"], by["ray-1"]["serial_ms"]
+            rows.append(f"  - one request at a time (x{sp['n']}): plain p50 {sp['p50']:.2f} / p99 "
+                        f"{sp['p99']:.2f} ms, ray-1 p50 {sr['p50']:.2f} / p99 {sr['p99']:.2f} ms: "
+                        f"**proxy hop {sr['p50'] - sp['p50']:+.2f} ms p50, {sr['p99'] - sp['p99']:+.2f} "
+                        f"ms p99**")
         if "plain" in by and "ray-1" in by:
             low_p = by["plain"]["steps"][0]["latency_ms"]
             low_r = by["ray-1"]["steps"][0]["latency_ms"]
@@ -203,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beam-qps", type=float, nargs="+", default=[2, 5, 10, 20, 40])
     p.add_argument("--duration", type=float, default=5.0, help="seconds per QPS step")
     p.add_argument("--slo-ms", type=float, default=20.0)
-    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--serial-score", type=int, default=150,
+                   help="score requests sent one at a time before the QPS steps (hop cost)")
+    p.add_argument("--serial-beam", type=int, default=40)
     p.add_argument("--client-timeout-s", type=float, default=5.0)
     p.add_argument("--client-processes", type=int, default=2)
     p.add_argument("--timeout-ms", type=int, default=2000,
@@ -283,7 +322,13 @@ def main(argv: list[str] | None = None) -> int:
             servers[name] = {"cmd": cmd, "startup_s": startup}
             for workload in args.workloads:
                 steps = args.score_qps if workload == "score" else args.beam_qps
+                n_serial = args.serial_score if workload == "score" else args.serial_beam
+                serial = serial_latency(url, workload, n_serial) if n_serial else None
+                if serial:
+                    print(f"  [{name} {workload}] serial x{n_serial}: p50 {serial['p50']:.2f} ms  "
+                          f"p99 {serial['p99']:.2f} ms  min {serial['min']:.2f} ms", flush=True)
                 rep = run_steps(url, name, workload, steps, args)
+                rep["serial_ms"] = serial
                 rep["startup_s"] = startup
                 results[workload].append(rep)
                 save()

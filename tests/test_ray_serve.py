@@ -1,8 +1,9 @@
 """Ray Serve deployment (`boundgen.serve_ray`): config → deployment options anywhere; with Ray installed, a
-local Ray with 2 CPU replicas of the tiny model behind Serve's HTTP proxy, concurrent requests, the same
-answers as the single-process server, both replicas used, per-replica health and metrics.
+local Ray with 2 CPU replicas of the tiny model behind Serve's HTTP proxy, concurrent requests, the
+same answers as the single-process server, both replicas used, per-replica health and metrics.
 
-The live part needs `pip install 'boundgen[ray]'` (skipped without it) and takes ~30-60 s on 2 cores.
+The live part needs `pip install 'boundgen[ray]'` (skipped without it) and takes ~30-60 s on 2
+cores.
 """
 
 from __future__ import annotations

@@ -1,26 +1,27 @@
-"""Ray Serve deployment of the boundgen HTTP API: one replica per GPU, the same app as `boundgen serve`.
+"""Ray Serve deployment of the boundgen HTTP API: one replica per GPU, the app of `boundgen serve`.
 
 Every replica builds the very app `boundgen serve` runs (`boundgen.server.app.create_app` over an
-`Engine` loaded in the replica), and Serve's HTTP proxy routes requests to the replicas through its ASGI
-ingress: same routes, schemas, errors, auth, limits and per-replica `/metrics`. Nothing here re-declares
-a handler. Replica count, autoscaling and actor resources come from `RayServeConfig`, which lives in the
-same config file as `ServerConfig` and `EngineConfig` (a `ray:` section) and whose fields are also
-flags (`--replicas`, `--max-replicas`, `--target-ongoing-requests`, ...).
+`Engine` loaded in the replica), and Serve's HTTP proxy routes requests to the replicas through its
+ASGI ingress: same routes, schemas, errors, auth, limits and per-replica `/metrics`. Nothing here
+re-declares a handler. Replica count, autoscaling and actor resources come from `RayServeConfig`,
+which lives in the same config file as `ServerConfig` and `EngineConfig` (a `ray:` section) and
+whose fields are also flags (`--replicas`, `--max-replicas`, `--target-ongoing-requests`, ...).
 
     boundgen serve --replicas 2 ...             # via `commands/serve.py` (see `add_ray_arguments`)
     python -m boundgen.serve_ray --replicas 2   # the same, without the hook in `commands/serve.py`
 
-    from boundgen.serve_ray import build_app    # an Application for `serve.run` / a Serve config file
-    serve.run(build_app(model_dir, ServerConfig(), EngineConfig(device="cuda"), RayServeConfig(replicas=4)))
+    from boundgen.serve_ray import build_app    # an Application for `serve.run`
+    serve.run(build_app(model_dir, ServerConfig(), EngineConfig(device="cuda"),
+                        RayServeConfig(replicas=4)))
 
-A Serve config file (KubeRay `RayService`) points at `boundgen.serve_ray:app_builder` with `args` that are
-the config file's keys (see docs/deploy.md).
+A Serve config file (KubeRay `RayService`) points at `boundgen.serve_ray:app_builder` with `args`
+that are the config file's keys (see docs/deploy.md).
 
 Per replica: every response carries `x-boundgen-replica: <replica id>`; Serve calls `check_health`
 (readiness and draining, as `/health`); with `replica_metrics_port` each replica also serves its own
-Prometheus registry on a port of its own (`/metrics` through the proxy answers from whichever replica
-the request reached, so scrape the replicas, not the proxy). Ray is optional: without it every entry point
-raises `RayNotInstalled` saying `pip install 'boundgen[ray]'`.
+Prometheus registry on a port of its own (`/metrics` through the proxy answers from whichever
+replica the request reached, so scrape the replicas, not the proxy). Ray is optional: without it
+every entry point raises `RayNotInstalled` saying `pip install 'boundgen[ray]'`.
 """
 
 from __future__ import annotations
@@ -168,13 +169,13 @@ def deployment_options(server: ServerConfig, engine: EngineConfig, ray_cfg: RayS
     opts: dict[str, Any] = {
         "name": ray_cfg.app_name,
         "ray_actor_options": {"num_cpus": ray_cfg.num_cpus, "num_gpus": num_gpus},
-        # The app admits up to max_queue requests itself (429 beyond) and batches across them: let the
-        # proxy hand it that many, not Serve's small default.
+        # The app admits up to max_queue requests itself (429 beyond) and batches across them:
+        # let the proxy hand it that many, not Serve's small default.
         "max_ongoing_requests": ray_cfg.max_ongoing_requests or server.max_queue,
         "graceful_shutdown_timeout_s": max(1.0, float(server.drain_timeout_s)),
         "health_check_period_s": ray_cfg.health_check_period_s,
         "health_check_timeout_s": ray_cfg.health_check_timeout_s,
-        # Serve logs every request by default; follow the server's own `access_log` (off by default).
+        # Serve logs every request by default; follow the server's `access_log` (off by default).
         "logging_config": {"enable_access_log": bool(server.access_log),
                            "log_level": {"TRACE": "DEBUG"}.get(server.log_level.upper(),
                                                                server.log_level.upper())},
@@ -205,9 +206,9 @@ def replica_engine_config(engine: EngineConfig, num_gpus: float) -> EngineConfig
 
 # ------------------------------------------------------------------------------------------ replica
 
-# This process's app. A Serve replica is one Ray actor, i.e. one worker process, so one app per process.
-# Read and written through `_this_module()`, never as a bare global: a class cloudpickled by value (as
-# happens when this file runs as `__main__`) would otherwise get a private copy of the globals.
+# This process's app. A Serve replica is one Ray actor, i.e. one worker process: one app per process.
+# Read and written through `_this_module()`, never as a bare global: a class cloudpickled by value
+# (as happens when this file runs as `__main__`) would otherwise get a private copy of the globals.
 _APP: Any = None
 
 
@@ -219,8 +220,8 @@ def _this_module() -> Any:
 
 class _ReplicaASGI:
     """What `serve.ingress` gets: a tiny picklable ASGI callable that forwards to the app built inside
-    the replica (the engine is never loaded on, or pickled from, the driver). Works with every Ray that
-    accepts an ASGI app in `serve.ingress`."""
+    the replica (the engine is never loaded on, or pickled from, the driver). Works with every Ray
+    that accepts an ASGI app in `serve.ingress`."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         app = _this_module()._APP
@@ -345,8 +346,8 @@ def build_app(model: str | os.PathLike, server: ServerConfig | None = None,
 
 def app_builder(args: dict[str, Any]) -> Any:
     """Serve config-file entry (`import_path: boundgen.serve_ray:app_builder`, e.g. in a KubeRay
-    `RayService`): `args` holds the same keys as a `boundgen serve --config` file (top-level server and
-    engine keys, or `server:` / `engine:` / `ray:` sections), or `config_file: PATH`."""
+    `RayService`): `args` holds the same keys as a `boundgen serve --config` file (top-level server
+    and engine keys, or `server:` / `engine:` / `ray:` sections), or `config_file: PATH`."""
     server, engine, ray_cfg = configs_from_builder_args(args)
     return build_app(server.model, server, engine, ray_cfg)
 
@@ -382,9 +383,9 @@ def start(model: str | os.PathLike, server: ServerConfig, engine: EngineConfig,
           ray_cfg: RayServeConfig, *, ray_init: dict[str, Any] | None = None,
           after_init: Any = None, timeout_s: float | None = None) -> str:
     """Join (or start) Ray, start Serve's HTTP proxy on `server.host:server.port`, deploy, wait until every
-    replica is up (at most `timeout_s`: replicas that cannot be placed make Serve wait forever). Returns
-    the base URL. `shutdown()` undoes it. `after_init()` runs right after `ray.init` (which installs
-    Ray's own fatal-signal handlers: re-install yours there)."""
+    replica is up (at most `timeout_s`: replicas that cannot be placed make Serve wait forever).
+    Returns the base URL. `shutdown()` undoes it. `after_init()` runs right after `ray.init` (which
+    installs Ray's own fatal-signal handlers: re-install yours there)."""
     serve = require_ray()
     import ray
 
@@ -547,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's `main`, so that Ray pickles `boundgen.serve_ray` classes by reference.
+    # Run the imported module's `main`, so Ray pickles `boundgen.serve_ray` classes by reference.
     from boundgen.serve_ray import main as _main
 
     sys.exit(_main())
