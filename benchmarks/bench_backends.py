@@ -251,7 +251,13 @@ def main(argv=None) -> int:
                 return engine, {"setup_s": 0.0}
             setup = []
             t0 = time.perf_counter()
-            opts = CompileOptions(buckets=buckets, cache_dir=args.cache_dir, rebuild=False,
+            use = buckets
+            if variant.startswith("aoti"):  # only the buckets that built: one failure must not lose all
+                built = run.results.get("aoti_buckets") or {}
+                use = [b for b in buckets if isinstance(built.get(b.name), dict) and built[b.name].get("path")]
+                if not use:
+                    raise RuntimeError("no AOTInductor bucket was built")
+            opts = CompileOptions(buckets=use, cache_dir=args.cache_dir, rebuild=False,
                                   graph_max_tokens=args.graph_max_tokens, warmup=False)
             e = copy.copy(engine)
             if variant.startswith("compile"):  # first call per bucket = torch.compile time
