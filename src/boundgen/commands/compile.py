@@ -50,7 +50,8 @@ def _verify(engine, entries, cache_root) -> str:
     from boundgen.text.packing import SequenceGroup, pack
 
     try:
-        diag = ensure_loadable(entries[0][1], cache_root, allow_reexec=False)
+        # NOTE: this command may re-exec itself with the preload (everything built so far is cached)
+        diag = ensure_loadable(entries[0][1], cache_root, allow_reexec=True)
     except AOTIUnsafe as exc:
         return f"not verified in this process: {exc}"
     weights = SharedWeights(engine.model)
@@ -79,7 +80,7 @@ def _verify(engine, entries, cache_root) -> str:
             want = engine.runner.model(*(lambda x: (x.input_ids, x.positions, x.attn))(batch.to(engine.device)))
             want = want.index_select(0, batch.last_index.to(engine.device))
         row["max_abs_diff"] = float((got.float() - want.float()).abs().max())
-    return "load probe: " + diag["status"] + (f" (LD_PRELOAD={diag['preload']}, applied by the CLI)"
+    return "load probe: " + diag["status"] + (f" (running with LD_PRELOAD={diag['preload']})"
                                               if diag["status"] == "preload" else "")
 
 
