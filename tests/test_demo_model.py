@@ -119,3 +119,14 @@ def test_shipped_model_quality_through_the_engine():
     assert rec["invalid"] == 0
     assert rec["query"] >= 0.8, rec
     assert rec["history"] >= 0.8, rec
+
+
+@shipped
+def test_demo_command_runs(capsys):
+    from boundgen.cli import main
+
+    rc = main(["demo", "--eval-groups", "2", "--eval-queries", "2", "--eval-histories", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "P(yes)" in out and "Recommendations" in out and "relevance AUC" in out
+    assert "recommended ids not in the catalog: 0" in out

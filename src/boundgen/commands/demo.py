@@ -35,12 +35,11 @@ def _candidates(assets, query: str, n: int) -> list[int]:
     return [it.item_id for it in ranked[:n]]
 
 
-def _default_query(assets) -> tuple[str, list[int]]:
-    for g in assets.eval["relevance"]:
-        if sum(c["label"] for c in g["candidates"]) >= 2:
-            return g["query"], [c["item_id"] for c in g["candidates"]]
-    g = assets.eval["relevance"][0]
-    return g["query"], [c["item_id"] for c in g["candidates"]]
+def _default_query(assets) -> tuple[str, list[int], dict]:
+    """A held-out query with two relevant candidates, and the catalog's truth for its candidates."""
+    groups = assets.eval["relevance"]
+    g = next((g for g in groups if sum(c["label"] for c in g["candidates"]) >= 2), groups[0])
+    return g["query"], [c["item_id"] for c in g["candidates"]], g["attrs"]
 
 
 def run(args) -> int:
@@ -62,18 +61,23 @@ def run(args) -> int:
           f"loaded on {engine.device} in {time.perf_counter() - t0:.1f}s")
 
     # 1. Relevance: rank a shortlist for a query.
+    attrs = None
     if args.query:
         query, ids = args.query, _candidates(assets, args.query, args.candidates)
     else:
-        query, ids = _default_query(assets)
+        query, ids, attrs = _default_query(assets)
         ids += [i for i in _candidates(assets, query, args.candidates) if i not in ids]
         ids = ids[: max(args.candidates, 5)]
     probs = score_items(engine, assets, query, ids)
     print(f'\nRelevance  engine.score(query, items, label_token_ids={assets.label_token_ids})\n'
-          f'query: "{query}"')
-    print(f"  {'rank':>4}  {'P(yes)':>6}  item")
+          f'query: "{query}"' + (f"  (attributes: {attrs})" if attrs else ""))
+    print(f"  {'rank':>4}  {'P(yes)':>6}  {'truth' if attrs else ''}  item")
     for rank, (p, i) in enumerate(sorted(zip(probs, ids), key=lambda x: -x[0]), 1):
-        print(f"  {rank:>4}  {p:6.3f}  {assets.title(i)}")
+        truth = ""
+        if attrs:
+            item = assets.catalog.items[i]
+            truth = "yes" if all(getattr(item, k) == v for k, v in attrs.items()) else "no"
+        print(f"  {rank:>4}  {p:6.3f}  {truth:>5}  {assets.title(i)}")
 
     # 2. Generative retrieval: trie-constrained beam search over the catalog's semantic IDs.
     print(f'\nRecommendations  engine.beam_search(prompt, beam_width=10, steps=3, trie=<{len(trie)} items>)')
@@ -84,8 +88,8 @@ def run(args) -> int:
     print("user history:")
     for i in hist:
         print(f"          {assets.catalog.items[i].sid_text():<22} {assets.title(i)}")
-    print("next:")
-    for item, lp in recommend(engine, trie, history_prompt(assets, hist))[: args.top]:
+    print("next (history items excluded):")
+    for item, lp in recommend(engine, trie, history_prompt(assets, hist), exclude=hist)[: args.top]:
         print(f"  {math.exp(lp):6.3f}  {assets.catalog.items[item].sid_text():<22} {assets.title(item)}")
 
     # 3. Held-out quality, computed now through the same calls.

@@ -13,3 +13,8 @@ def default_model_path() -> Path:
         raise FileNotFoundError(
             f"demo model missing at {ASSETS}; build it with `boundgen train-demo --out {ASSETS}`")
     return ASSETS
+
+
+def default_trie_path() -> Path:
+    """The demo catalog's trie (`{"item_id", "tokens"}` JSONL), for `/v1/beam` with `trie: "catalog"`."""
+    return default_model_path() / "catalog_trie.jsonl"

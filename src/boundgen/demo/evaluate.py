@@ -63,19 +63,27 @@ def score_items(engine, assets: DemoAssets, query: str, item_ids: list[int]) -> 
     return [r[0] for r in rows]
 
 
-def recommend(engine, trie, prompt: str, k: int = 10) -> list[tuple[object, float]]:
-    """(item id, sequence log-prob) of the top-k trie-constrained beams."""
-    beams = engine.beam_search(prompt, beam_width=k, steps=trie.depth, top_k=k, trie=trie)
-    return [(trie.item_ids(list(tokens[-trie.depth:])), lp) for tokens, lp in beams]
+def recommend(engine, trie, prompt: str, k: int = 10, exclude=()) -> list[tuple[object, float]]:
+    """(item id, sequence log-prob) of the top-k trie-constrained beams, minus `exclude` (items the
+    user has already seen: the beam is widened by their number, then they are dropped)."""
+    width = k + len(exclude)
+    beams = engine.beam_search(prompt, beam_width=width, steps=trie.depth, top_k=width, trie=trie)
+    got = [(trie.item_ids(list(tokens[-trie.depth:])), lp) for tokens, lp in beams]
+    return [(item, lp) for item, lp in got if item not in set(exclude)][:k]
 
 
-def recommend_many(engine, trie, prompts: list[str], k: int = 10, chunk: int = 64):
+def recommend_many(engine, trie, prompts: list[str], k: int = 10, exclude: list | None = None,
+                   chunk: int = 64):
     """`recommend` for many prompts through `engine.beam_search_batch` (one packed prefill per chunk)."""
+    exclude = exclude or [()] * len(prompts)
+    width = k + max((len(e) for e in exclude), default=0)
     out = []
     for i in range(0, len(prompts), chunk):
-        for beams in engine.beam_search_batch(prompts[i:i + chunk], beam_width=k, steps=trie.depth,
-                                              top_k=k, trie=trie):
-            out.append([(trie.item_ids(list(tokens[-trie.depth:])), lp) for tokens, lp in beams])
+        batch = engine.beam_search_batch(prompts[i:i + chunk], beam_width=width, steps=trie.depth,
+                                         top_k=width, trie=trie)
+        for beams, skip in zip(batch, exclude[i:i + chunk]):
+            got = [(trie.item_ids(list(tokens[-trie.depth:])), lp) for tokens, lp in beams]
+            out.append([(item, lp) for item, lp in got if item not in set(skip)][:k])
     return out
 
 
@@ -91,20 +99,22 @@ def relevance_auc(engine, assets: DemoAssets, groups: int = 40) -> tuple[float, 
 def retrieval_recall(engine, trie, assets: DemoAssets, queries: int = 100, histories: int = 50,
                      k: int = 10) -> dict:
     """Mean recall@k (|top-k ∩ relevant| / min(k, |relevant|)) for query and history prompts, and
-    the number of recommended ids that are not catalog items (must be 0)."""
+    the number of recommended ids that are not catalog items (must be 0). History prompts do not
+    count the history's own items (they are excluded from the recommendations)."""
     known = {it.item_id for it in assets.catalog.items}
     invalid = 0
     out = {}
     sets = (
-        ("query", [(retrieval_prompt(q["query"]), q["relevant"])
+        ("query", [(retrieval_prompt(q["query"]), q["relevant"], ())
                    for q in assets.eval["retrieval"][:queries]]),
-        ("history", [(history_prompt(assets, h["history"]), h["relevant"])
+        ("history", [(history_prompt(assets, h["history"]), h["relevant"], tuple(h["history"]))
                      for h in assets.eval["history"][:histories]]),
     )
     for name, cases in sets:
-        prompts = [prompt for prompt, _ in cases]
+        prompts = [prompt for prompt, _, _ in cases]
         vals = []
-        for got, (_, relevant) in zip(recommend_many(engine, trie, prompts, k), cases):
+        results = recommend_many(engine, trie, prompts, k, [skip for _, _, skip in cases])
+        for got, (_, relevant, _) in zip(results, cases):
             items = [item for item, _ in got]
             invalid += sum(1 for item in items if item not in known)
             vals.append(recall_at_k(items, relevant, k))

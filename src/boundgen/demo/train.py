@@ -528,7 +528,7 @@ def train(out: Path, *, seed: int = 0, steps: int = 1600, lr: float = 2e-3, thre
         return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
 
     pad = tok.token_to_id(EOS)
-    t_train = time.time()
+    t_train, cpu_train = time.time(), time.process_time()
     done = 0
     for step in range(steps):
         if time.time() - t_train > max_minutes * 60:
@@ -565,11 +565,12 @@ def train(out: Path, *, seed: int = 0, steps: int = 1600, lr: float = 2e-3, thre
             el = time.time() - t_train
             print(f"step {step:5d}  {el:5.0f}s  " + "  ".join(f"{k} {v:.3f}" for k, v in losses.items()),
                   flush=True)
-    train_s = time.time() - t_train
+    train_s, cpu_s = time.time() - t_train, time.process_time() - cpu_train
     model = model.cpu()
     metrics = evaluate(model, enc, splits["test"], eval_limit)
     print(f"trained {done} steps in {train_s:.0f}s; held-out {metrics}", flush=True)
-    meta = {"seed": seed, "steps": done, "train_seconds": round(train_s, 1), "threads": threads,
+    meta = {"seed": seed, "steps": done, "train_seconds": round(train_s, 1),
+            "cpu_seconds": round(cpu_s, 1), "threads": threads,
             "device": device, "lr": lr, "lm_weight": lm_weight, "pack_relevance": pack_relevance,
             "aux_weight": aux_weight, "rel_weight": rel_weight,
             "batch_sizes": batch_sizes, "hidden_size": hidden_size, "num_layers": num_layers,
