@@ -11,7 +11,8 @@ step, for the score (W2 over HTTP) and beam (W4 over HTTP) workloads. Writes
 
 Ray is not on the H200 image: its wheels travel with the working tree (the device tool carries at
 most 64 MiB, and the ray wheel alone is 79 MB, so `--prepare-wheels` also drops the Java jar, the
-dashboard's web client and RLlib from it: 45 MB). Here, once, in the repo root:
+dashboard's web client and RLlib from it: 43 MB, 49 MB with its deps). Here, once, in the repo
+root:
 
     echo /.whl-ray/ >> .git/info/exclude
     python3 benchmarks/bench_ray.py --prepare-wheels .whl-ray
