@@ -296,6 +296,15 @@ def main(argv=None) -> int:
             t = run.guard(f"{name} {variant}", lambda name=name, e=e: measure(name, e))
             run.results["workloads"][name][variant] = t
             run.save()
+        if "w4" in args.workloads and getattr(e.runner, "decode_graphs", None) is not None:
+            w4 = run.results["workloads"].setdefault("W4", {}) or {}
+            for b in (1, 8):  # full beam search; decode steps graphed once beam.py uses decode_graphs
+                prompts = common.w1_prompts(vocab, n=b, lo=128, hi=128, seed=4)
+                w4.setdefault(f"batch{b}", {})[f"beam_search_{variant}"] = run.guard(
+                    f"W4 b{b} {variant}", lambda e=e, prompts=prompts: host_and_latency(
+                        lambda: e.beam_search_batch(prompts, 16, 4), dev, 10, args.variant_budget_s / 2))
+            run.results["workloads"]["W4"] = w4
+            run.save()
         del e
 
     for name in work:

@@ -269,7 +269,12 @@ def _make(model, device, max_batch_tokens, share_prefix, backend: str, opts: Com
 
         with torch.inference_mode():
             fns = capture_buckets(fns, device, opts.graph_max_tokens)
-    return BucketedRunner(model, device, max_batch_tokens, share_prefix, buckets, fns, backend)
+    runner = BucketedRunner(model, device, max_batch_tokens, share_prefix, buckets, fns, backend)
+    if graphs:  # beam decode steps: persistent per-bucket KV + one graph per step (workloads.beam)
+        from boundgen.compile.decode import DecodeGraphs
+
+        runner.decode_graphs = DecodeGraphs(model, device)
+    return runner
 
 
 def eager_overrides() -> dict:
