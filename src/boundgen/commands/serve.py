@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="YAML/TOML file with server and engine settings; flags override it")
     add_dataclass_args(parser.add_argument_group("server"), ServerConfig)
     add_dataclass_args(parser.add_argument_group("engine"), EngineConfig)
+    from boundgen.serve_ray import add_ray_arguments  # flags only: Ray itself is imported on use
+
+    add_ray_arguments(parser.add_argument_group("ray serve (pip install 'boundgen[ray]')"))
 
 
 def resolve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
@@ -56,6 +59,10 @@ def default_model() -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    from boundgen.serve_ray import run_from_args, wants_ray
+
+    if wants_ray(args):
+        return run_from_args(args)
     server_config, engine_config = resolve_configs(args)
     logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -100,6 +100,7 @@ def load_config_file(path: str | os.PathLike) -> tuple[ServerConfig, Any]:
         raise ValueError(f"config file must end in .yaml, .yml or .toml: {path}")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
+    data.pop("ray", None)  # the Ray Serve section belongs to boundgen.serve_ray
     server = dict(data.pop("server", None) or {})
     engine = dict(data.pop("engine", None) or {})
     engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
