@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from boundgen.config import EngineConfig
-from boundgen.server.config import ServerConfig
+from boundgen.server.config import ServerConfig, read_config_file
 
 log = logging.getLogger("boundgen.serve_ray")
 
@@ -127,7 +127,7 @@ def load_configs(path: str | os.PathLike) -> tuple[ServerConfig, EngineConfig, R
     """A `boundgen serve --config` file (YAML or TOML) with an optional `ray:` section."""
     from boundgen.server.config import _dataclass_from_dict, config_from_dict
 
-    data = _read_config_file(Path(path))
+    data = read_config_file(Path(path))
     ray_section = dict(data.pop("ray", None) or {})
     server = dict(data.pop("server", None) or {})
     engine = dict(data.pop("engine", None) or {})
@@ -139,25 +139,9 @@ def load_configs(path: str | os.PathLike) -> tuple[ServerConfig, EngineConfig, R
             _dataclass_from_dict(RayServeConfig, ray_section, source=f"{path} (ray)").validate())
 
 
-def _read_config_file(path: Path) -> dict[str, Any]:
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(text) or {}
-    elif path.suffix == ".toml":
-        import tomllib
-
-        data = tomllib.loads(text)
-    else:
-        raise ValueError(f"config file must end in .yaml, .yml or .toml: {path}")
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")  # noqa: TRY004
-    return data
-
 
 def config_has_ray_section(path: str | os.PathLike | None) -> bool:
-    return bool(path) and "ray" in _read_config_file(Path(path))
+    return bool(path) and "ray" in read_config_file(Path(path))
 
 
 def deployment_options(server: ServerConfig, engine: EngineConfig, ray_cfg: RayServeConfig) -> dict:

@@ -81,11 +81,8 @@ class ServerConfig:
         return self
 
 
-def load_config_file(path: str | os.PathLike) -> tuple[ServerConfig, Any]:
-    """YAML (.yaml/.yml) or TOML (.toml). Keys of `ServerConfig` and of `EngineConfig` at the top level,
-    or under `server:` and `engine:` sections. Returns (ServerConfig, EngineConfig)."""
-    from boundgen.config import EngineConfig
-
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML (.yaml/.yml) or TOML (.toml) config file."""
     path = Path(path)
     text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
@@ -100,6 +97,16 @@ def load_config_file(path: str | os.PathLike) -> tuple[ServerConfig, Any]:
         raise ValueError(f"config file must end in .yaml, .yml or .toml: {path}")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def load_config_file(path: str | os.PathLike) -> tuple[ServerConfig, Any]:
+    """YAML (.yaml/.yml) or TOML (.toml). Keys of `ServerConfig` and of `EngineConfig` at the top level,
+    or under `server:` and `engine:` sections. Returns (ServerConfig, EngineConfig)."""
+    from boundgen.config import EngineConfig
+
+    path = Path(path)
+    data = read_config_file(path)
     data.pop("ray", None)  # the Ray Serve section belongs to boundgen.serve_ray
     server = dict(data.pop("server", None) or {})
     engine = dict(data.pop("engine", None) or {})
