@@ -154,6 +154,13 @@ class EngineConfig:
         None, "float32 | bfloat16 | float16 (default: float32 on CPU, the checkpoint's dtype on CUDA)"
     )
     attention: str = _opt("auto", "attention backend: auto | reference | varlen")
+    backend: str = _opt(
+        "auto", "model backend: auto | eager | compile | aoti; on CUDA also eager+graphs | compile+graphs | "
+        "aoti+graphs (auto: aoti when its buckets are cached and load safely, else eager)",
+        choices=("auto", "eager", "compile", "aoti", "eager+graphs", "compile+graphs", "aoti+graphs"))
+    compile_buckets: str | None = _opt(
+        None, "buckets for compile/aoti, e.g. 't64,t8192-s256-m512' (aoti default: the cached ones)")
+    compile_cache: str | None = _opt(None, "compiled-artifact cache (default: $BOUNDGEN_CACHE/compiled)")
     max_seq_len: int | None = _opt(None, "longest sequence accepted (default: the model's maximum)")
     max_batch_tokens: int = _opt(32768, "most tokens in one packed forward; larger requests are split")
     max_items: int = _opt(4096, "most items/texts in one request")

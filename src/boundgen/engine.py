@@ -19,7 +19,6 @@ from boundgen.models.weights import load_weights
 from boundgen.text.tokenizer import Tokenizer
 from boundgen.workloads.embed import MLPHead
 from boundgen.workloads.inputs import Limits
-from boundgen.workloads.runner import ModelRunner
 
 log = logging.getLogger("boundgen")
 
@@ -63,8 +62,14 @@ class Engine:
         self.model_name = model_path.name
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.runner = ModelRunner(model, self.device, config.max_batch_tokens, config.share_prefix)
-        self._runtime = None
+        from boundgen.compile import CompileOptions, make_runner
+
+        self.runner = make_runner(
+            model, self.device, config.max_batch_tokens, config.share_prefix, backend=config.backend,
+            options=CompileOptions(buckets=config.compile_buckets, cache_dir=config.compile_cache,
+                                   quant=config.fp8),
+        )
+        self._runtime = self._runtime_runner = None
         mc = model.config
         self.limits = Limits(
             vocab_size=mc.vocab_size,
@@ -120,11 +125,12 @@ class Engine:
 
     @property
     def runtime(self):
-        """The DAG runtime every public call runs through (built on first use)."""
-        if self._runtime is None:
+        """The DAG runtime every public call runs through (built on first use, and again if `runner` was
+        swapped: its pipelines bind the runner)."""
+        if self._runtime is None or self._runtime_runner is not self.runner:
             from boundgen.runtime.pipelines import EngineRuntime
 
-            self._runtime = EngineRuntime(self)
+            self._runtime, self._runtime_runner = EngineRuntime(self), self.runner
         return self._runtime
 
     def close(self) -> None:

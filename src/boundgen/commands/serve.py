@@ -59,7 +59,10 @@ def default_model() -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    from boundgen.compile import cli_startup
     from boundgen.serve_ray import run_from_args, wants_ray
+
+    cli_startup()  # may re-exec with the libstdc++ preload AOTInductor needs (DESIGN §10)
 
     if wants_ray(args):
         return run_from_args(args)

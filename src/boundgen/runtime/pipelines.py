@@ -146,7 +146,10 @@ class _Forward:
                     modes = pooling[row : row + n]
                     row += n
                     share = runner.share_prefix and "mean" not in modes
-                    packed = stage_packed(pack(chunk, share_prefix=share), lease, device)
+                    packed = pack(chunk, share_prefix=share)
+                    if hasattr(runner, "prepare"):  # compiled runners pad into a bucket on the host
+                        packed = runner.prepare(packed)
+                    packed = stage_packed(packed, lease, device)
                     hidden = runner.forward(packed)
                     last = hidden.index_select(0, packed.last_index)
                     if "mean" in modes:

@@ -106,19 +106,33 @@ def run_beam(runner, prompts: list[list[int]], width: int, steps: int, trie: Tri
     cfg = model.config
     if trie is not None and trie.device != dev:
         trie = trie.to(dev)
+    graphs = getattr(runner, "decode_graphs", None)  # compiled "+graphs" runners replay decode steps
+    session = graphs.open(prompts, width, steps) if graphs is not None else None
+    try:
+        return _run_beam(model, dev, cfg, prompts, width, steps, trie, banned_tokens, session)
+    finally:
+        if session is not None:
+            session.close()
+
+
+def _run_beam(model, dev, cfg, prompts, width, steps, trie, banned_tokens, session):
+    """The search itself; `session` (CUDA graphs) holds persistent KV and replays decode steps."""
     b, w = len(prompts), width
     n = b * w
-    batch = pack([SequenceGroup([], prompts)], share_prefix=False).to(dev)
-    dtype = model.embed_tokens.weight.dtype
-    prompt_kv = PromptKV(cfg.num_layers, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
-    hidden = model(batch.input_ids, batch.positions, batch.attn, prompt_kv)
-    logp = torch.log_softmax(model.head(hidden.index_select(0, batch.last_index)), dim=-1)
-
-    state = DecodeKV(
-        prompt_kv, batch.attn.cu_seqlens, batch.attn.max_seqlen,
-        BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, dtype, dev),
-        torch.arange(0, n + 1, w, dtype=torch.int32, device=dev), w,
-    )
+    if session is not None:  # persistent per-bucket KV, decode steps replayed from CUDA graphs
+        batch, state = session.batch, session.state
+        logp = torch.log_softmax(model.head(session.last_hidden), dim=-1)
+    else:
+        batch = pack([SequenceGroup([], prompts)], share_prefix=False).to(dev)
+        dtype = model.embed_tokens.weight.dtype
+        prompt_kv = PromptKV(cfg.num_layers, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
+        hidden = model(batch.input_ids, batch.positions, batch.attn, prompt_kv)
+        logp = torch.log_softmax(model.head(hidden.index_select(0, batch.last_index)), dim=-1)
+        state = DecodeKV(
+            prompt_kv, batch.attn.cu_seqlens, batch.attn.max_seqlen,
+            BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, dtype, dev),
+            torch.arange(0, n + 1, w, dtype=torch.int32, device=dev), w,
+        )
     expand = _Expander(trie, banned_tokens, logp.shape[-1], dev)
     hist = torch.zeros(b, w, steps, dtype=torch.long, device=dev)
     scores = torch.zeros(b, 1, device=dev)
@@ -127,9 +141,13 @@ def run_beam(runner, prompts: list[list[int]], width: int, steps: int, trie: Tri
     row_base = torch.arange(b, device=dev).unsqueeze(1)
     for step in range(steps):
         if step > 0:
-            state.step = step - 1
-            hidden = model(hist[:, :, step - 1].reshape(n), base_pos + (step - 1), None, state)
-            logp = torch.log_softmax(model.head(hidden), dim=-1).view(b, w, -1)
+            tokens, positions = hist[:, :, step - 1].reshape(n), base_pos + (step - 1)
+            if session is not None:
+                logits = session.step(step - 1, tokens, positions)
+            else:
+                state.step = step - 1
+                logits = model.head(model(tokens, positions, None, state))
+            logp = torch.log_softmax(logits, dim=-1).view(b, w, -1)
         else:
             logp = logp.unsqueeze(1)
         wc = logp.shape[1]
