@@ -38,8 +38,11 @@ def main() -> int:
     ap.add_argument("--w1-prompts", type=int, default=256)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=20.0, help="time budget per timed variant")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (both sides)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     dev = torch.device(args.device)
     dtype_name = args.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
