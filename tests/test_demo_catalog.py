@@ -8,7 +8,14 @@ import pytest
 
 from boundgen.demo import catalog as cat
 
-SMALL = dict(train_rel=500, train_ret=300, train_hist=100, test_rel=100, test_ret=100, test_hist=50)
+SMALL = {
+    "train_rel": 500,
+    "train_ret": 300,
+    "train_hist": 100,
+    "test_rel": 100,
+    "test_ret": 100,
+    "test_hist": 50,
+}
 
 
 @pytest.fixture(scope="module")

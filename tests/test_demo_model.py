@@ -7,11 +7,14 @@ import json
 import pytest
 import torch
 
-from boundgen.demo import ASSETS, catalog as cat
+from boundgen.demo import ASSETS
+from boundgen.demo import catalog as cat
 from boundgen.demo import train as tr
 
-shipped = pytest.mark.skipif(not (ASSETS / "model.safetensors").exists(),
-                             reason="demo model not built (boundgen train-demo --out src/boundgen/demo/assets)")
+shipped = pytest.mark.skipif(
+    not (ASSETS / "model.safetensors").exists(),
+    reason="demo model not built (boundgen train-demo --out src/boundgen/demo/assets)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +22,17 @@ def tiny_checkpoint(tmp_path_factory):
     """A random TinyQwen2 saved by the demo's writer, with a tokenizer trained on a few titles."""
     torch.manual_seed(0)
     catalog = cat.make_catalog(0, 200)
-    tok = tr.train_tokenizer([cat.INDEX_TEMPLATE.format(title=it.title) for it in catalog.items], 400)
-    model = tr.TinyQwen2(tr.TinyConfig(vocab_size=(tok.get_vocab_size() + 63) // 64 * 64,
-                                       hidden_size=64, intermediate_size=128, num_hidden_layers=2))
+    tok = tr.train_tokenizer(
+        [cat.INDEX_TEMPLATE.format(title=it.title) for it in catalog.items], 400
+    )
+    model = tr.TinyQwen2(
+        tr.TinyConfig(
+            vocab_size=(tok.get_vocab_size() + 63) // 64 * 64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+        )
+    )
     with torch.no_grad():  # non-trivial norms and biases, so a misnamed weight shows
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
@@ -39,9 +50,17 @@ def test_checkpoint_uses_hf_qwen2_names(tiny_checkpoint):
         names = set(f.keys())
     assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
     assert "lm_head.weight" not in names  # tied
-    for suffix in ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
-                   "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                   "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"):
+    for suffix in (
+        "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
+        "self_attn.v_proj.bias",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    ):
         assert f"model.layers.1.{suffix}" in names
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"]
@@ -95,8 +114,10 @@ def test_shipped_assets_are_consistent():
     for it in assets.catalog.items[:50]:
         assert trie.item_ids(tok.encode(it.sid_text())) == it.item_id
     # The relevance prompt splits at a newline: separate tokenization equals joint tokenization.
-    q, item = cat.RELEVANCE_QUERY_TEMPLATE.format(query="red shoes"), cat.RELEVANCE_ITEM_TEMPLATE.format(
-        title=assets.catalog.items[0].title)
+    q, item = (
+        cat.RELEVANCE_QUERY_TEMPLATE.format(query="red shoes"),
+        cat.RELEVANCE_ITEM_TEMPLATE.format(title=assets.catalog.items[0].title),
+    )
     assert tok.encode(q) + tok.encode(item) == tok.encode(q + item)
     size = sum(f.stat().st_size for f in ASSETS.iterdir())
     assert size <= 20 * 2**20

@@ -1,7 +1,8 @@
 """Seeded synthetic product catalog for the built-in demo model.
 
-Items have structured attributes (category, product type, brand, color, price band, city) and are rendered
-as titles. Semantic IDs are three tokens derived from the attributes, so similar items share prefixes:
+Items have structured attributes (category, product type, brand, color, price band, city) and are
+rendered as titles. Semantic IDs are three tokens derived from the attributes, so similar items share
+prefixes:
 
 - level 1 `<a_i>`: category
 - level 2 `<b_i>`: brand (within the category) x price band
@@ -160,11 +161,58 @@ BAND_WORDS = [
 MODEL_WORDS = ["Pro", "Air", "Lite", "Max", "One", "Flex", "Edge", "Neo", "Core", "Plus", "X", "Go"]
 BRANDS_PER_CATEGORY = 8
 
-_SYL_A = ["Nor", "Zen", "Alt", "Vel", "Kor", "Lum", "Tri", "Ora", "Sky", "Bri", "Mar", "Fen", "Ast",
-          "Cor", "Del", "Eko", "Hal", "Iso", "Jun", "Kai", "Lio", "Mos", "Nim", "Pax", "Qui", "Rho",
-          "Sol", "Tev", "Ulm", "Vor", "Wex", "Yar"]
-_SYL_B = ["vik", "tra", "ora", "on", "ix", "ano", "ela", "ium", "sen", "dal", "ro", "ex", "ara", "is",
-          "und", "ette"]
+_SYL_A = [
+    "Nor",
+    "Zen",
+    "Alt",
+    "Vel",
+    "Kor",
+    "Lum",
+    "Tri",
+    "Ora",
+    "Sky",
+    "Bri",
+    "Mar",
+    "Fen",
+    "Ast",
+    "Cor",
+    "Del",
+    "Eko",
+    "Hal",
+    "Iso",
+    "Jun",
+    "Kai",
+    "Lio",
+    "Mos",
+    "Nim",
+    "Pax",
+    "Qui",
+    "Rho",
+    "Sol",
+    "Tev",
+    "Ulm",
+    "Vor",
+    "Wex",
+    "Yar",
+]
+_SYL_B = [
+    "vik",
+    "tra",
+    "ora",
+    "on",
+    "ix",
+    "ano",
+    "ela",
+    "ium",
+    "sen",
+    "dal",
+    "ro",
+    "ex",
+    "ara",
+    "is",
+    "und",
+    "ette",
+]
 
 
 @dataclass(frozen=True)
@@ -210,13 +258,15 @@ class Catalog:
 
     def matching(self, attrs: dict) -> list[int]:
         """Ids of items whose attributes match every key of `attrs`."""
-        return [it.item_id for it in self.items if all(getattr(it, k) == v for k, v in attrs.items())]
+        return [
+            it.item_id for it in self.items if all(getattr(it, k) == v for k, v in attrs.items())
+        ]
 
     def to_json(self) -> dict:
         return {"seed": self.seed, "items": [asdict(it) for it in self.items]}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Catalog":
+    def from_json(cls, data: dict) -> Catalog:
         items = [Item(**{**d, "sid": tuple(d["sid"])}) for d in data["items"]]
         brands: dict[str, list[str]] = {}
         for it in items:
@@ -231,12 +281,14 @@ def _brand_names(rng: random.Random) -> dict[str, list[str]]:
     rng.shuffle(names)
     out, pos = {}, 0
     for cat in CATEGORIES:
-        out[cat] = names[pos:pos + BRANDS_PER_CATEGORY]
+        out[cat] = names[pos : pos + BRANDS_PER_CATEGORY]
         pos += BRANDS_PER_CATEGORY
     return out
 
 
-def render_title(brand: str, model: str, product_type: str, color: str, price: int, city: str) -> str:
+def render_title(
+    brand: str, model: str, product_type: str, color: str, price: int, city: str
+) -> str:
     return f"{brand} {model} {product_type}, {color}, ${price}, {city}"
 
 
@@ -266,11 +318,14 @@ def make_catalog(seed: int = 0, num_items: int = 3000) -> Catalog:
         brand = brands[cat][b]
         sid = (cats.index(cat), b * len(BANDS) + band, t * len(COLORS) + c)
         title = render_title(brand, model, ptype, COLORS[c], price, city)
-        items.append(Item(item_id, cat, ptype, brand, COLORS[c], band, price, city, model, title, sid))
+        items.append(
+            Item(item_id, cat, ptype, brand, COLORS[c], band, price, city, model, title, sid)
+        )
     return Catalog(seed=seed, items=items, brands=brands)
 
 
 # ---------------------------------------------------------------- queries
+
 
 def _band_phrase(rng: random.Random, band: int, scale: int) -> tuple[str, bool]:
     """(phrase, goes_before_noun)."""
@@ -348,7 +403,8 @@ def _hard_negative(rng: random.Random, catalog: Catalog, item: Item, attrs: dict
     rng.shuffle(keys)
     for key in keys:
         pool = [
-            it for it in _same_category(catalog, item.category)
+            it
+            for it in _same_category(catalog, item.category)
             if getattr(it, key) != attrs[key]
             and all(getattr(it, k) == v for k, v in attrs.items() if k != key)
         ]
@@ -361,9 +417,10 @@ def _same_category(catalog: Catalog, category: str) -> list[Item]:
     return catalog.by_category[category]
 
 
-def relevance_groups(catalog: Catalog, seed: int, n_groups: int, items: list[Item] | None = None,
-                     candidates: int = 5) -> list[dict]:
-    """Groups of {query, attrs, candidates: [{item_id, label}]}: positives plus hard and easy negatives."""
+def relevance_groups(
+    catalog: Catalog, seed: int, n_groups: int, items: list[Item] | None = None, candidates: int = 5
+) -> list[dict]:
+    """Groups of {query, attrs, candidates: [{item_id, label}]}: positives, hard and easy negatives."""
     rng = random.Random(seed)
     pool = items or catalog.items
     groups = []
@@ -388,15 +445,19 @@ def relevance_groups(catalog: Catalog, seed: int, n_groups: int, items: list[Ite
             if neg is None or neg.item_id in cands:
                 continue
             cands[neg.item_id] = int(_matches(neg, attrs))
-        groups.append({
-            "query": query,
-            "attrs": attrs,
-            "candidates": [{"item_id": i, "label": y} for i, y in cands.items()],
-        })
+        groups.append(
+            {
+                "query": query,
+                "attrs": attrs,
+                "candidates": [{"item_id": i, "label": y} for i, y in cands.items()],
+            }
+        )
     return groups
 
 
-def retrieval_queries(catalog: Catalog, seed: int, n: int, items: list[Item] | None = None) -> list[dict]:
+def retrieval_queries(
+    catalog: Catalog, seed: int, n: int, items: list[Item] | None = None
+) -> list[dict]:
     """{query, target, relevant}: `relevant` = ids of every item matching the query's attributes."""
     rng = random.Random(seed)
     pool = items or catalog.items
@@ -404,7 +465,9 @@ def retrieval_queries(catalog: Catalog, seed: int, n: int, items: list[Item] | N
     for _ in range(n):
         item = rng.choice(pool)
         query, attrs = make_query(rng, item, allow_city=False)
-        relevant = [it.item_id for it in _same_category(catalog, item.category) if _matches(it, attrs)]
+        relevant = [
+            it.item_id for it in _same_category(catalog, item.category) if _matches(it, attrs)
+        ]
         out.append({"query": query, "target": item.item_id, "relevant": relevant})
     return out
 
@@ -433,11 +496,19 @@ def histories(catalog: Catalog, seed: int, n: int) -> list[dict]:
     return out
 
 
-def make_splits(catalog: Catalog, seed: int = 0, *, train_rel: int = 40000, train_ret: int = 30000,
-                train_hist: int = 8000, test_rel: int = 400, test_ret: int = 400,
-                test_hist: int = 200) -> dict:
+def make_splits(
+    catalog: Catalog,
+    seed: int = 0,
+    *,
+    train_rel: int = 40000,
+    train_ret: int = 30000,
+    train_hist: int = 8000,
+    test_rel: int = 400,
+    test_ret: int = 400,
+    test_hist: int = 200,
+) -> dict:
     """Train and held-out sets. Held-out queries never occur verbatim in training, and 10% of the
-    items never appear as a training query's source (they are still learned through the index task)."""
+    items never appear as a training query's source (they are learned through the index task only)."""
     rng = random.Random(seed + 1)
     ids = list(range(len(catalog.items)))
     rng.shuffle(ids)
@@ -451,12 +522,17 @@ def make_splits(catalog: Catalog, seed: int = 0, *, train_rel: int = 40000, trai
     }
     seen_q = {g["query"] for g in train["relevance"]} | {q["query"] for q in train["retrieval"]}
     seen_h = {tuple(h["history"]) for h in train["history"]}
-    test_rel_groups = [g for g in relevance_groups(catalog, seed + 20, test_rel // 5 * 3)
-                       if g["query"] not in seen_q][: test_rel // 5]
-    test_ret_q = [q for q in retrieval_queries(catalog, seed + 21, test_ret * 3)
-                  if q["query"] not in seen_q][:test_ret]
-    test_hist = [h for h in histories(catalog, seed + 22, test_hist * 3)
-                 if tuple(h["history"]) not in seen_h][:test_hist]
+    test_rel_groups = [
+        g
+        for g in relevance_groups(catalog, seed + 20, test_rel // 5 * 3)
+        if g["query"] not in seen_q
+    ][: test_rel // 5]
+    test_ret_q = [
+        q for q in retrieval_queries(catalog, seed + 21, test_ret * 3) if q["query"] not in seen_q
+    ][:test_ret]
+    test_hist = [
+        h for h in histories(catalog, seed + 22, test_hist * 3) if tuple(h["history"]) not in seen_h
+    ][:test_hist]
     test = {"relevance": test_rel_groups, "retrieval": test_ret_q, "history": test_hist}
     return {"train": train, "test": test, "held_out_items": sorted(held_items)}
 
@@ -473,6 +549,8 @@ def corpus_lines(catalog: Catalog, splits: dict) -> list[str]:
         for c in g["candidates"]:
             title = catalog.items[c["item_id"]].title
             lines.append(RELEVANCE_ITEM_TEMPLATE.format(title=title) + LABEL_WORDS[1 - c["label"]])
-    lines += [RETRIEVAL_TEMPLATE.format(query=q["query"]) for q in splits["train"]["retrieval"][:3000]]
+    lines += [
+        RETRIEVAL_TEMPLATE.format(query=q["query"]) for q in splits["train"]["retrieval"][:3000]
+    ]
     lines += [HISTORY_TEMPLATE.format(history="") for _ in range(10)]
     return lines

@@ -22,11 +22,15 @@ class DemoAssets:
     meta: dict
 
     @classmethod
-    def load(cls, path: str | Path) -> "DemoAssets":
+    def load(cls, path: str | Path) -> DemoAssets:
         path = Path(path)
         catalog = cat.Catalog.from_json(json.loads((path / "catalog.json").read_text()))
-        return cls(path, catalog, json.loads((path / "eval.json").read_text()),
-                   json.loads((path / "demo.json").read_text()))
+        return cls(
+            path,
+            catalog,
+            json.loads((path / "eval.json").read_text()),
+            json.loads((path / "demo.json").read_text()),
+        )
 
     @property
     def label_token_ids(self) -> list[int]:
@@ -68,21 +72,23 @@ def recommend(engine, trie, prompt: str, k: int = 10, exclude=()) -> list[tuple[
     user has already seen: the beam is widened by their number, then they are dropped)."""
     width = k + len(exclude)
     beams = engine.beam_search(prompt, beam_width=width, steps=trie.depth, top_k=width, trie=trie)
-    got = [(trie.item_ids(list(tokens[-trie.depth:])), lp) for tokens, lp in beams]
+    got = [(trie.item_ids(list(tokens[-trie.depth :])), lp) for tokens, lp in beams]
     return [(item, lp) for item, lp in got if item not in set(exclude)][:k]
 
 
-def recommend_many(engine, trie, prompts: list[str], k: int = 10, exclude: list | None = None,
-                   chunk: int = 64):
-    """`recommend` for many prompts through `engine.beam_search_batch` (one packed prefill per chunk)."""
+def recommend_many(
+    engine, trie, prompts: list[str], k: int = 10, exclude: list | None = None, chunk: int = 64
+):
+    """`recommend` for many prompts via `engine.beam_search_batch` (one packed prefill per chunk)."""
     exclude = exclude or [()] * len(prompts)
     width = k + max((len(e) for e in exclude), default=0)
     out = []
     for i in range(0, len(prompts), chunk):
-        batch = engine.beam_search_batch(prompts[i:i + chunk], beam_width=width, steps=trie.depth,
-                                         top_k=width, trie=trie)
-        for beams, skip in zip(batch, exclude[i:i + chunk]):
-            got = [(trie.item_ids(list(tokens[-trie.depth:])), lp) for tokens, lp in beams]
+        batch = engine.beam_search_batch(
+            prompts[i : i + chunk], beam_width=width, steps=trie.depth, top_k=width, trie=trie
+        )
+        for beams, skip in zip(batch, exclude[i : i + chunk]):
+            got = [(trie.item_ids(list(tokens[-trie.depth :])), lp) for tokens, lp in beams]
             out.append([(item, lp) for item, lp in got if item not in set(skip)][:k])
     return out
 
@@ -96,8 +102,9 @@ def relevance_auc(engine, assets: DemoAssets, groups: int = 40) -> tuple[float, 
     return auc(scores, labels), len(labels)
 
 
-def retrieval_recall(engine, trie, assets: DemoAssets, queries: int = 100, histories: int = 50,
-                     k: int = 10) -> dict:
+def retrieval_recall(
+    engine, trie, assets: DemoAssets, queries: int = 100, histories: int = 50, k: int = 10
+) -> dict:
     """Mean recall@k (|top-k ∩ relevant| / min(k, |relevant|)) for query and history prompts, and
     the number of recommended ids that are not catalog items (must be 0). History prompts do not
     count the history's own items (they are excluded from the recommendations)."""
@@ -105,10 +112,20 @@ def retrieval_recall(engine, trie, assets: DemoAssets, queries: int = 100, histo
     invalid = 0
     out = {}
     sets = (
-        ("query", [(retrieval_prompt(q["query"]), q["relevant"], ())
-                   for q in assets.eval["retrieval"][:queries]]),
-        ("history", [(history_prompt(assets, h["history"]), h["relevant"], tuple(h["history"]))
-                     for h in assets.eval["history"][:histories]]),
+        (
+            "query",
+            [
+                (retrieval_prompt(q["query"]), q["relevant"], ())
+                for q in assets.eval["retrieval"][:queries]
+            ],
+        ),
+        (
+            "history",
+            [
+                (history_prompt(assets, h["history"]), h["relevant"], tuple(h["history"]))
+                for h in assets.eval["history"][:histories]
+            ],
+        ),
     )
     for name, cases in sets:
         prompts = [prompt for prompt, _, _ in cases]

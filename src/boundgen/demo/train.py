@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from boundgen.demo import catalog as cat
 
@@ -69,7 +69,8 @@ class TinyConfig:
         }
 
 
-# ---------------------------------------------------------------- minimal Qwen2 (HF parameter names)
+# ------------------------------------------------------------ minimal Qwen2 (HF parameter names)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -79,7 +80,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        ) * self.weight
 
 
 def _rotate_half(x):
@@ -147,7 +150,9 @@ class TinyQwen2(nn.Module):
         super().__init__()
         self.config = c
         self.model = Backbone(c)
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        inv = 1.0 / (
+            c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+        )
         self.register_buffer("inv_freq", inv, persistent=False)
         self.apply(self._init)
 
@@ -162,7 +167,9 @@ class TinyQwen2(nn.Module):
 
     def hidden(self, input_ids):  # [B, T] -> [B, T, H]
         t = input_ids.shape[1]
-        freqs = torch.outer(torch.arange(t, dtype=torch.float32, device=input_ids.device), self.inv_freq)
+        freqs = torch.outer(
+            torch.arange(t, dtype=torch.float32, device=input_ids.device), self.inv_freq
+        )
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[None, None], emb.sin()[None, None]
         x = self.model.embed_tokens(input_ids)
@@ -178,6 +185,7 @@ class TinyQwen2(nn.Module):
 
 
 # ---------------------------------------------------------------- tokenizer
+
 
 def train_tokenizer(lines: list[str], vocab_size: int):
     """Byte-level BPE on the catalog text; semantic-ID tokens added as whole tokens."""
@@ -199,20 +207,28 @@ def train_tokenizer(lines: list[str], vocab_size: int):
 
 def save_tokenizer(tok, out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS,
-        "pad_token": EOS,
-        "bos_token": None,
-        "add_bos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 256,
-    }, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "pad_token": EOS,
+                "bos_token": None,
+                "add_bos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": 256,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     (out / "special_tokens_map.json").write_text(
-        json.dumps({"eos_token": EOS, "pad_token": EOS}, indent=2) + "\n")
+        json.dumps({"eos_token": EOS, "pad_token": EOS}, indent=2) + "\n"
+    )
 
 
 # ---------------------------------------------------------------- examples
+
 
 @dataclass
 class Example:
@@ -244,14 +260,15 @@ class Encoder:
 
     def relevance(self, query: str, item_id: int) -> list[int]:
         title = self.catalog.items[item_id].title
-        return (self.enc(cat.RELEVANCE_QUERY_TEMPLATE.format(query=query))
-                + self.enc(cat.RELEVANCE_ITEM_TEMPLATE.format(title=title)))
+        return self.enc(cat.RELEVANCE_QUERY_TEMPLATE.format(query=query)) + self.enc(
+            cat.RELEVANCE_ITEM_TEMPLATE.format(title=title)
+        )
 
     def relevance_example(self, query: str, attrs: dict, item_id: int, label: int) -> Example:
-        """The scoring prompt with its label at the last token, plus per-attribute auxiliary targets:
-        at the last token of each attribute in the title, ' no' if the query names that attribute with
-        another value, else ' yes'. Dense signal for the comparison the final label needs; the engine
-        only ever reads the last position, so the prompt format is unchanged."""
+        """The scoring prompt with its label at the last token, plus per-attribute auxiliary
+        targets: at the last token of each attribute in the title, ' no' if the query names that
+        attribute with another value, else ' yes'. Dense signal for the comparison the final label
+        needs; the engine only ever reads the last position, so the prompt format is unchanged."""
         it = self.catalog.items[item_id]
         q = self.enc(cat.RELEVANCE_QUERY_TEMPLATE.format(query=query))
         item_text = cat.RELEVANCE_ITEM_TEMPLATE.format(title=it.title)
@@ -259,8 +276,14 @@ class Encoder:
         ids = q + encoding.ids
         base = len("Item: ")
         ends, pos = {}, base
-        parts = [("brand", it.brand), (None, " " + it.model), ("product_type", " " + it.product_type),
-                 ("color", ", " + it.color), ("band", f", ${it.price}"), ("city", ", " + it.city)]
+        parts = [
+            ("brand", it.brand),
+            (None, " " + it.model),
+            ("product_type", " " + it.product_type),
+            ("color", ", " + it.color),
+            ("band", f", ${it.price}"),
+            ("city", ", " + it.city),
+        ]
         for key, text in parts:
             pos += len(text)
             if key:
@@ -280,7 +303,9 @@ class Encoder:
         return self.enc(cat.RETRIEVAL_TEMPLATE.format(query=query))
 
     def history_prompt(self, history: list[int]) -> list[int]:
-        return self.enc(cat.HISTORY_TEMPLATE.format(history=cat.history_text(self.catalog, history)))
+        return self.enc(
+            cat.HISTORY_TEMPLATE.format(history=cat.history_text(self.catalog, history))
+        )
 
     def index_prompt(self, item_id: int) -> list[int]:
         return self.enc(cat.INDEX_TEMPLATE.format(title=self.catalog.items[item_id].title))
@@ -303,33 +328,45 @@ def packed_relevance(enc: Encoder, group: dict, rng: random.Random) -> Example:
     for i, c in enumerate(cands):
         if i:
             ids = ids + newline
-        ids = ids + enc.enc(cat.RELEVANCE_ITEM_TEMPLATE.format(title=enc.catalog.items[c["item_id"]].title))
+        ids = ids + enc.enc(
+            cat.RELEVANCE_ITEM_TEMPLATE.format(title=enc.catalog.items[c["item_id"]].title)
+        )
         label = enc.label_ids[1 - c["label"]]
         targets.append((len(ids) - 1, label))
         ids = ids + [label]
     return Example(ids[:-1], targets)
 
 
-def build_examples(enc: Encoder, splits: dict, pack_relevance: bool = True,
-                   seed: int = 0) -> dict[str, list[Example]]:
+def build_examples(
+    enc: Encoder, splits: dict, pack_relevance: bool = True, seed: int = 0
+) -> dict[str, list[Example]]:
     tr = splits["train"]
     if pack_relevance:
         rng = random.Random(seed + 3)
         rel = [packed_relevance(enc, g, rng) for g in tr["relevance"]]
     else:
-        rel = [enc.relevance_example(g["query"], g["attrs"], c["item_id"], c["label"])
-               for g in tr["relevance"] for c in g["candidates"]]
-    ret = [enc.generative(enc.retrieval_prompt(q["query"]), enc.sid_ids(q["target"]))
-           for q in tr["retrieval"]]
-    hist = [enc.generative(enc.history_prompt(h["history"]), enc.sid_ids(h["target"]))
-            for h in tr["history"]]
-    idx = [enc.generative(enc.index_prompt(it.item_id), enc.sid_ids(it.item_id))
-           for it in enc.catalog.items]
+        rel = [
+            enc.relevance_example(g["query"], g["attrs"], c["item_id"], c["label"])
+            for g in tr["relevance"]
+            for c in g["candidates"]
+        ]
+    ret = [
+        enc.generative(enc.retrieval_prompt(q["query"]), enc.sid_ids(q["target"]))
+        for q in tr["retrieval"]
+    ]
+    hist = [
+        enc.generative(enc.history_prompt(h["history"]), enc.sid_ids(h["target"]))
+        for h in tr["history"]
+    ]
+    idx = [
+        enc.generative(enc.index_prompt(it.item_id), enc.sid_ids(it.item_id))
+        for it in enc.catalog.items
+    ]
     return {"relevance": rel, "retrieval": ret, "history": hist, "index": idx}
 
 
 def collate(batch: list[Example], pad_id: int):
-    """Right-padded ids [B, T], target rows/cols/tokens, and next-token targets [B, T-1] (-100 on pad)."""
+    """Right-padded ids [B, T], target rows/cols/tokens, next-token targets [B, T-1] (-100 on pad)."""
     t = max(len(e.ids) for e in batch)
     ids = torch.full((len(batch), t), pad_id, dtype=torch.long)
     nxt = torch.full((len(batch), max(1, t - 1)), -100, dtype=torch.long)
@@ -346,7 +383,8 @@ def collate(batch: list[Example], pad_id: int):
     return ids, torch.tensor(rows), torch.tensor(cols), torch.tensor(tgt), nxt, aux_t
 
 
-# ---------------------------------------------------------------- evaluation with the training model
+# ------------------------------------------------------------ evaluation with the training model
+
 
 def auc(scores: list[float], labels: list[int]) -> float:
     """Probability that a random positive outranks a random negative (ties count half)."""
@@ -399,7 +437,9 @@ def model_beam(model: TinyQwen2, prompt: list[int], trie: dict, width: int = 10)
 
 
 @torch.no_grad()
-def evaluate(model: TinyQwen2, enc: Encoder, test: dict, limit: int = 100, beams: bool = True) -> dict:
+def evaluate(
+    model: TinyQwen2, enc: Encoder, test: dict, limit: int = 100, beams: bool = True
+) -> dict:
     model.eval()
     scores, labels = [], []
     for g in test["relevance"][:limit]:
@@ -425,14 +465,18 @@ def evaluate(model: TinyQwen2, enc: Encoder, test: dict, limit: int = 100, beams
             vals.append(recall_at_k(got, q["relevant"]))
         rec[name] = sum(vals) / len(vals)
     model.train()
-    return {"auc": auc(scores, labels), "recall@10_query": rec["retrieval"],
-            "recall@10_history": rec["history"]}
+    return {
+        "auc": auc(scores, labels),
+        "recall@10_query": rec["retrieval"],
+        "recall@10_history": rec["history"],
+    }
 
 
 # ---------------------------------------------------------------- checkpoint
 
+
 def save_model(model: TinyQwen2, tok, out: Path) -> None:
-    """config.json + model.safetensors (HF Qwen2 names, tied: no lm_head.weight) + tokenizer files."""
+    """config.json + model.safetensors (HF Qwen2 names, tied: no lm_head.weight) + tokenizer."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -455,33 +499,47 @@ def load_model(path: Path) -> TinyQwen2:
     return model.eval()
 
 
-def save_checkpoint(model: TinyQwen2, tok, enc: Encoder, catalog: cat.Catalog, splits: dict,
-                    out: Path, meta: dict) -> None:
+def save_checkpoint(
+    model: TinyQwen2, tok, enc: Encoder, catalog: cat.Catalog, splits: dict, out: Path, meta: dict
+) -> None:
     save_model(model, tok, out)
     with open(out / "catalog_trie.jsonl", "w") as f:
-        for it in catalog.items:
-            f.write(json.dumps({"item_id": it.item_id, "tokens": enc.sid_ids(it.item_id)}) + "\n")
+        f.writelines(
+            json.dumps({"item_id": it.item_id, "tokens": enc.sid_ids(it.item_id)}) + "\n"
+            for it in catalog.items
+        )
     (out / "catalog.json").write_text(json.dumps(catalog.to_json()) + "\n")
-    (out / "eval.json").write_text(json.dumps({
-        "relevance": splits["test"]["relevance"],
-        "retrieval": splits["test"]["retrieval"],
-        "history": splits["test"]["history"],
-        "held_out_items": splits["held_out_items"],
-    }) + "\n")
-    (out / "demo.json").write_text(json.dumps({
-        "templates": {
-            "relevance_query": cat.RELEVANCE_QUERY_TEMPLATE,
-            "relevance_item": cat.RELEVANCE_ITEM_TEMPLATE,
-            "retrieval": cat.RETRIEVAL_TEMPLATE,
-            "history": cat.HISTORY_TEMPLATE,
-            "index": cat.INDEX_TEMPLATE,
-        },
-        "label_words": list(cat.LABEL_WORDS),
-        "label_token_ids": enc.label_ids,
-        "sid_levels": 3,
-        "trie": "catalog_trie.jsonl",
-        **meta,
-    }, indent=2) + "\n")
+    (out / "eval.json").write_text(
+        json.dumps(
+            {
+                "relevance": splits["test"]["relevance"],
+                "retrieval": splits["test"]["retrieval"],
+                "history": splits["test"]["history"],
+                "held_out_items": splits["held_out_items"],
+            }
+        )
+        + "\n"
+    )
+    (out / "demo.json").write_text(
+        json.dumps(
+            {
+                "templates": {
+                    "relevance_query": cat.RELEVANCE_QUERY_TEMPLATE,
+                    "relevance_item": cat.RELEVANCE_ITEM_TEMPLATE,
+                    "retrieval": cat.RETRIEVAL_TEMPLATE,
+                    "history": cat.HISTORY_TEMPLATE,
+                    "index": cat.INDEX_TEMPLATE,
+                },
+                "label_words": list(cat.LABEL_WORDS),
+                "label_token_ids": enc.label_ids,
+                "sid_levels": 3,
+                "trie": "catalog_trie.jsonl",
+                **meta,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 # ---------------------------------------------------------------- training
@@ -489,12 +547,27 @@ def save_checkpoint(model: TinyQwen2, tok, enc: Encoder, catalog: cat.Catalog, s
 BATCH = {"relevance": 16, "retrieval": 16, "history": 8, "index": 12}  # relevance: packed groups
 
 
-def train(out: Path, *, seed: int = 0, steps: int = 1600, lr: float = 2e-3, threads: int = 1,
-          num_items: int = 3000, max_minutes: float = 10.0, eval_limit: int = 100,
-          log_every: int = 50, lm_weight: float = 0.0, device: str = "cpu",
-          hidden_size: int = 128, num_layers: int = 4, pack_relevance: bool = False,
-          rel_batch: int | None = 128, aux_weight: float = 1.0, eval_every: int = 0,
-          rel_weight: float = 2.0) -> dict:
+def train(
+    out: Path,
+    *,
+    seed: int = 0,
+    steps: int = 1600,
+    lr: float = 2e-3,
+    threads: int = 1,
+    num_items: int = 3000,
+    max_minutes: float = 10.0,
+    eval_limit: int = 100,
+    log_every: int = 50,
+    lm_weight: float = 0.0,
+    device: str = "cpu",
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    pack_relevance: bool = False,
+    rel_batch: int | None = 128,
+    aux_weight: float = 1.0,
+    eval_every: int = 0,
+    rel_weight: float = 2.0,
+) -> dict:
     """Build catalog + tokenizer, train, evaluate (own trie beam search), write the checkpoint.
 
     `lm_weight`: weight of an auxiliary next-token loss on every prompt token (dense signal that
@@ -508,15 +581,21 @@ def train(out: Path, *, seed: int = 0, steps: int = 1600, lr: float = 2e-3, thre
     tok = train_tokenizer(cat.corpus_lines(catalog, splits), vocab_size=1536)
     enc = Encoder(tok, catalog)
     vocab = (tok.get_vocab_size() + 63) // 64 * 64
-    config = TinyConfig(vocab_size=vocab, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                        intermediate_size=hidden_size * 8 // 3 // 32 * 32)
+    config = TinyConfig(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        intermediate_size=hidden_size * 8 // 3 // 32 * 32,
+    )
     model = TinyQwen2(config).to(device)
     data = build_examples(enc, splits, pack_relevance, seed)
     batch_sizes = dict(BATCH, relevance=rel_batch or (BATCH["relevance"] if pack_relevance else 32))
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"catalog {len(catalog.items)} items, vocab {vocab}, {n_params / 1e6:.2f}M params, "
-          f"examples { {k: len(v) for k, v in data.items()} }, setup {time.time() - t0:.0f}s",
-          flush=True)
+    print(
+        f"catalog {len(catalog.items)} items, vocab {vocab}, {n_params / 1e6:.2f}M params, "
+        f"examples { {k: len(v) for k, v in data.items()} }, setup {time.time() - t0:.0f}s",
+        flush=True,
+    )
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, steps // 20)
@@ -560,21 +639,39 @@ def train(out: Path, *, seed: int = 0, steps: int = 1600, lr: float = 2e-3, thre
         if eval_every and step and step % eval_every == 0:
             quick = evaluate(model.cpu(), enc, splits["test"], limit=20, beams=False)
             model.to(device)
-            print(f"step {step:5d}  held-out relevance AUC (20 groups) {quick['auc']:.3f}", flush=True)
+            print(
+                f"step {step:5d}  held-out relevance AUC (20 groups) {quick['auc']:.3f}", flush=True
+            )
         if step % log_every == 0 or step == steps - 1:
             el = time.time() - t_train
-            print(f"step {step:5d}  {el:5.0f}s  " + "  ".join(f"{k} {v:.3f}" for k, v in losses.items()),
-                  flush=True)
+            print(
+                f"step {step:5d}  {el:5.0f}s  "
+                + "  ".join(f"{k} {v:.3f}" for k, v in losses.items()),
+                flush=True,
+            )
     train_s, cpu_s = time.time() - t_train, time.process_time() - cpu_train
     model = model.cpu()
     metrics = evaluate(model, enc, splits["test"], eval_limit)
     print(f"trained {done} steps in {train_s:.0f}s; held-out {metrics}", flush=True)
-    meta = {"seed": seed, "steps": done, "train_seconds": round(train_s, 1),
-            "cpu_seconds": round(cpu_s, 1), "threads": threads,
-            "device": device, "lr": lr, "lm_weight": lm_weight, "pack_relevance": pack_relevance,
-            "aux_weight": aux_weight, "rel_weight": rel_weight,
-            "batch_sizes": batch_sizes, "hidden_size": hidden_size, "num_layers": num_layers,
-            "num_items": num_items, "params": n_params, "heldout_metrics_at_training": metrics}
+    meta = {
+        "seed": seed,
+        "steps": done,
+        "train_seconds": round(train_s, 1),
+        "cpu_seconds": round(cpu_s, 1),
+        "threads": threads,
+        "device": device,
+        "lr": lr,
+        "lm_weight": lm_weight,
+        "pack_relevance": pack_relevance,
+        "aux_weight": aux_weight,
+        "rel_weight": rel_weight,
+        "batch_sizes": batch_sizes,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_items": num_items,
+        "params": n_params,
+        "heldout_metrics_at_training": metrics,
+    }
     save_checkpoint(model, tok, enc, catalog, splits, Path(out), meta)
     print(f"wrote {out}", flush=True)
     return meta
@@ -586,11 +683,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p)
     a = p.parse_args(argv)
-    train(Path(a.out), seed=a.seed, steps=a.steps, lr=a.lr, threads=a.threads,
-          num_items=a.num_items, max_minutes=a.max_minutes, lm_weight=a.lm_weight, device=a.device,
-          hidden_size=a.hidden_size, num_layers=a.layers, pack_relevance=a.pack,
-          rel_batch=a.rel_batch, aux_weight=a.aux_weight, rel_weight=a.rel_weight,
-          eval_limit=a.eval_limit, eval_every=a.eval_every)
+    train(
+        Path(a.out),
+        seed=a.seed,
+        steps=a.steps,
+        lr=a.lr,
+        threads=a.threads,
+        num_items=a.num_items,
+        max_minutes=a.max_minutes,
+        lm_weight=a.lm_weight,
+        device=a.device,
+        hidden_size=a.hidden_size,
+        num_layers=a.layers,
+        pack_relevance=a.pack,
+        rel_batch=a.rel_batch,
+        aux_weight=a.aux_weight,
+        rel_weight=a.rel_weight,
+        eval_limit=a.eval_limit,
+        eval_every=a.eval_every,
+    )
     return 0
 
 
