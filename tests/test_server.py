@@ -383,17 +383,16 @@ def test_config_file_and_validation(tmp_path):
     assert ServerConfig().host == "127.0.0.1"
 
 
-def test_default_model_without_demo(tmp_path, monkeypatch):
-    import boundgen.demo
+def test_default_model_is_the_demo_with_its_catalog_trie():
     from boundgen.commands import serve
+    from boundgen.demo import default_model_path, default_trie_path
+    from boundgen.server.config import ServerConfig
 
-    def missing():
-        raise FileNotFoundError("no demo")
-
-    monkeypatch.setattr(boundgen.demo, "default_model_path", missing)
-    monkeypatch.setenv("BOUNDGEN_CACHE", str(tmp_path))
-    path = serve.default_model()
-    assert path == tmp_path / "tiny" and (path / "config.json").exists()
+    path, config = serve.resolve_model(ServerConfig())
+    assert path == default_model_path() and (path / "config.json").exists()
+    assert config.tries == (f"catalog={default_trie_path()}",)
+    given, kept = serve.resolve_model(ServerConfig(model="/some/dir", tries=("x=/t.jsonl",)))
+    assert str(given) == "/some/dir" and kept.tries == ("x=/t.jsonl",)
 
 
 def test_deadline_504_on_both_paths(client):

@@ -130,7 +130,7 @@ class ModelConfig:
             id2label=labels,
             pad_token_id=int(pad) if isinstance(pad, int) else None,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            extra={k: v for k, v in cfg.items() if k in ("bos_token_id", "eos_token_id")},
+            extra={k: v for k, v in cfg.items() if k in ("bos_token_id", "eos_token_id", "_name_or_path")},
         )
 
     @classmethod

@@ -59,7 +59,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.engine_config = config
         self.model_path = model_path
-        self.model_name = model_path.name
+        # The checkpoint's own name (HF `_name_or_path`) when it has one, else its directory's name.
+        self.model_name = Path(model.config.extra.get("_name_or_path") or model_path.name).name
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         from boundgen.compile import CompileOptions, make_runner

@@ -485,12 +485,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     server, engine, ray_cfg = resolve_configs(args)
     logging.basicConfig(level=server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if server.model:
-        model = Path(server.model)
-    else:
-        from boundgen.commands.serve import default_model
+    from boundgen.commands.serve import resolve_model
 
-        model = default_model()
+    model, server = resolve_model(server)
     opts = deployment_options(server, engine, ray_cfg)
     count = (f"{opts['autoscaling_config']['min_replicas']}..{ray_cfg.max_replicas} (autoscaling)"
              if ray_cfg.autoscaling else str(opts["num_replicas"]))

@@ -41,21 +41,15 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfi
     return server, engine
 
 
-def default_model() -> Path:
-    """The shipped demo model if it is built, else the `tiny` synthetic checkpoint (made once)."""
-    try:
-        from boundgen.demo import default_model_path
+def resolve_model(server: ServerConfig) -> tuple[Path, ServerConfig]:
+    """`--model`, or without it the shipped demo model with its catalog trie served as `catalog`
+    (`/v1/beam` with `"trie": "catalog"`), so a new user's first server gives answers a person can judge."""
+    if server.model:
+        return Path(server.model), server
+    from boundgen.demo import default_model_path, default_trie_path
 
-        return Path(default_model_path())
-    except (ImportError, FileNotFoundError) as exc:
-        from boundgen.checkpoints import default_model_dir, make_model
-
-        out = default_model_dir() / "tiny"
-        if not (out / "config.json").exists():
-            print(f"boundgen serve: no demo model ({exc}); making the tiny synthetic model in {out}",
-                  file=sys.stderr)
-            make_model("tiny", out, progress=False, overwrite=True)
-        return out
+    tries = server.tries or (f"catalog={default_trie_path()}",)
+    return default_model_path(), dataclasses.replace(server, tries=tries).validate()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     server_config, engine_config = resolve_configs(args)
     logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = Path(server_config.model) if server_config.model else default_model()
+    model, server_config = resolve_model(server_config)
 
     from boundgen.engine import Engine
     from boundgen.server.app import create_app

@@ -44,6 +44,7 @@ class TinyConfig:
     def to_hf(self, eos_id: int) -> dict:
         return {
             "architectures": ["Qwen2ForCausalLM"],
+            "_name_or_path": "boundgen-demo",
             "model_type": "qwen2",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
