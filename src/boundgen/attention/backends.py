@@ -97,13 +97,22 @@ class ReferenceBackend:
 
     def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal):
         bq, bk = cu_q.tolist(), cu_k.tolist()
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         groups: dict[tuple[int, int], list[int]] = {}
         for s in range(len(bq) - 1):
             lq, lk = bq[s + 1] - bq[s], bk[s + 1] - bk[s]
             if lq > 0 and lk > 0:
                 groups.setdefault((lq, lk), []).append(s)
+        if len(groups) == 1:
+            (lq, lk), segs = next(iter(groups.items()))
+            n = len(segs)
+            if n == len(bq) - 1 and q.shape[0] == n * lq and k.shape[0] == n * lk:
+                # Equal segments tiling q and k (a padded training batch, same-length prompts):
+                # views, no gather/scatter.
+                o, l = _segment_attention(q.reshape(n, lq, *q.shape[1:]), k.reshape(n, lk, *k.shape[1:]),
+                                          v.reshape(n, lk, *v.shape[1:]), causal)
+                return o.reshape(q.shape), l.reshape(q.shape[0], q.shape[1])
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         for (lq, lk), segs in groups.items():
             qs = torch.stack([q[bq[s]: bq[s] + lq] for s in segs])
             ks = torch.stack([k[bk[s]: bk[s] + lk] for s in segs])
