@@ -19,26 +19,27 @@ shipped = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    """A random TinyQwen2 saved by the demo's writer, with a tokenizer trained on a few titles."""
+    """A random demo model (the engine's decoder) saved by the demo's writer, with a tokenizer trained on
+    a few titles."""
     torch.manual_seed(0)
     catalog = cat.make_catalog(0, 200)
     tok = tr.train_tokenizer(
         [cat.INDEX_TEMPLATE.format(title=it.title) for it in catalog.items], 400
     )
-    model = tr.TinyQwen2(
-        tr.TinyConfig(
-            vocab_size=(tok.get_vocab_size() + 63) // 64 * 64,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-        )
+    config = tr.TinyConfig(
+        vocab_size=(tok.get_vocab_size() + 63) // 64 * 64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
     )
+    hf_config = config.to_hf(tok.token_to_id(tr.EOS))
+    model = tr.build_model(config, tok.token_to_id(tr.EOS))
     with torch.no_grad():  # non-trivial norms and biases, so a misnamed weight shows
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     out = tmp_path_factory.mktemp("demo_ckpt")
-    tr.save_model(model, tok, out)
+    tr.save_model(model, hf_config, tok, out)
     return model.eval(), tok, out
 
 
@@ -76,7 +77,7 @@ def test_training_model_matches_transformers(tiny_checkpoint):
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids
     x = torch.tensor([ids])
     with torch.no_grad():
-        torch.testing.assert_close(hf(x).logits, model(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(hf(x).logits, tr.lm_logits(model, x), rtol=1e-4, atol=1e-4)
     assert tr.load_model(out).state_dict().keys() == model.state_dict().keys()
 
 
@@ -95,7 +96,7 @@ def test_shipped_checkpoint_loads_in_transformers_with_same_logits():
     ids = hf_tok(cat.RETRIEVAL_TEMPLATE.format(query="navy down jacket"), add_special_tokens=False)
     x = torch.tensor([ids["input_ids"]])
     with torch.no_grad():
-        torch.testing.assert_close(hf(x).logits, ours(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(hf(x).logits, tr.lm_logits(ours, x), rtol=1e-4, atol=1e-4)
 
 
 @shipped

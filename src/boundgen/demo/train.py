@@ -20,7 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from boundgen.attention.metadata import AttnInputs
+from boundgen.config import ModelConfig
 from boundgen.demo import catalog as cat
+from boundgen.models.decoder import DecoderModel
+from boundgen.models.weights import hf_state_dict, load_weights
 
 EOS = "<|endoftext|>"
 
@@ -70,119 +74,33 @@ class TinyConfig:
         }
 
 
-# ------------------------------------------------------------ minimal Qwen2 (HF parameter names)
+# ------------------------------------------------------------ the engine's own decoder, trained
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(
-            x.dtype
-        ) * self.weight
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, c: TinyConfig):
-        super().__init__()
-        self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.nh * self.hd, bias=True)
-        self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
-        self.v_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=True)
-        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin):
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        # Right padding only: causal attention keeps real tokens blind to the padding after them.
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(a.transpose(1, 2).reshape(b, t, self.nh * self.hd))
-
-
-class MLP(nn.Module):
-    def __init__(self, c: TinyConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Layer(nn.Module):
-    def __init__(self, c: TinyConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
-
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Backbone(nn.Module):
-    def __init__(self, c: TinyConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
-class TinyQwen2(nn.Module):
-    """Qwen2ForCausalLM with tied embeddings; `state_dict()` keys are HF's (`model.layers.0...`)."""
-
-    def __init__(self, c: TinyConfig):
-        super().__init__()
-        self.config = c
-        self.model = Backbone(c)
-        inv = 1.0 / (
-            c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
-        )
-        self.register_buffer("inv_freq", inv, persistent=False)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m):
-        if isinstance(m, nn.Linear):
+def build_model(c: TinyConfig, eos_id: int) -> DecoderModel:
+    """The engine's `DecoderModel` for this config (the same code that serves it), initialised for
+    training: every projection and the (tied) embedding from N(0, 0.02), biases zero, norms one."""
+    model = DecoderModel(ModelConfig.from_hf(c.to_hf(eos_id)))
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    return model
 
-    def hidden(self, input_ids):  # [B, T] -> [B, T, H]
-        t = input_ids.shape[1]
-        freqs = torch.outer(
-            torch.arange(t, dtype=torch.float32, device=input_ids.device), self.inv_freq
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        return self.model.norm(x)
 
-    def logits(self, hidden):
-        return hidden @ self.model.embed_tokens.weight.T
+def hidden_states(model: DecoderModel, ids: torch.Tensor) -> torch.Tensor:
+    """Right-padded ids [B, T] → hidden [B, T, H]. Each row is one causal segment of length T, so the
+    padding (after a row's real tokens) never reaches a real token, and equal segments batch into one
+    attention call."""
+    b, t = ids.shape
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=ids.device)
+    positions = torch.arange(t, device=ids.device).repeat(b)
+    return model(ids.reshape(-1), positions, AttnInputs(cu, t)).view(b, t, -1)
 
-    def forward(self, input_ids):
-        return self.logits(self.hidden(input_ids))
+
+def lm_logits(model: DecoderModel, ids: torch.Tensor) -> torch.Tensor:
+    return model.head(hidden_states(model, ids))
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -421,13 +339,13 @@ def build_trie(enc: Encoder) -> dict:
 
 
 @torch.no_grad()
-def model_beam(model: TinyQwen2, prompt: list[int], trie: dict, width: int = 10) -> list[list[int]]:
+def model_beam(model: DecoderModel, prompt: list[int], trie: dict, width: int = 10) -> list[list[int]]:
     """Trie-constrained beam search by full recompute (3 steps, tiny model): the reference the
     engine's `beam_search(..., trie=...)` should agree with."""
     beams: list[tuple[list[int], float, dict]] = [([], 0.0, trie)]
     for _ in range(3):
         ids = torch.tensor([prompt + b[0] for b in beams])
-        logp = torch.log_softmax(model(ids)[:, -1].float(), -1)
+        logp = torch.log_softmax(lm_logits(model, ids)[:, -1].float(), -1)
         cand = []
         for (toks, lp, node), row in zip(beams, logp):
             for t, child in node.items():
@@ -439,15 +357,15 @@ def model_beam(model: TinyQwen2, prompt: list[int], trie: dict, width: int = 10)
 
 @torch.no_grad()
 def evaluate(
-    model: TinyQwen2, enc: Encoder, test: dict, limit: int = 100, beams: bool = True
+    model: DecoderModel, enc: Encoder, test: dict, limit: int = 100, beams: bool = True
 ) -> dict:
     model.eval()
     scores, labels = [], []
     for g in test["relevance"][:limit]:
         seqs = [enc.relevance(g["query"], c["item_id"]) for c in g["candidates"]]
         ids, *_ = collate([Example(s, []) for s in seqs], enc.label_ids[0])
-        h = model.hidden(ids)[torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])]
-        lg = model.logits(h)[:, enc.label_ids]
+        h = hidden_states(model, ids)[torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])]
+        lg = model.head(h)[:, enc.label_ids]
         scores += (lg[:, 0] - lg[:, 1]).tolist()
         labels += [c["label"] for c in g["candidates"]]
     if not beams:
@@ -476,34 +394,30 @@ def evaluate(
 # ---------------------------------------------------------------- checkpoint
 
 
-def save_model(model: TinyQwen2, tok, out: Path) -> None:
+def save_model(model: DecoderModel, hf_config: dict, tok, out: Path) -> None:
     """config.json + model.safetensors (HF Qwen2 names, tied: no lm_head.weight) + tokenizer."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    eos_id = tok.token_to_id(EOS)
-    (out / "config.json").write_text(json.dumps(model.config.to_hf(eos_id), indent=2) + "\n")
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    state = {k: v.contiguous().clone() for k, v in hf_state_dict(model).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     save_tokenizer(tok, out)
 
 
-def load_model(path: Path) -> TinyQwen2:
-    """The training model from a checkpoint written by `save_model`."""
-    from safetensors.torch import load_file
-
-    hf = json.loads((Path(path) / "config.json").read_text())
-    fields = TinyConfig.__dataclass_fields__
-    model = TinyQwen2(TinyConfig(**{k: v for k, v in hf.items() if k in fields}))
-    model.load_state_dict(load_file(str(Path(path) / "model.safetensors")))
+def load_model(path: Path) -> DecoderModel:
+    """The training model (the engine's decoder, float32, CPU) from a checkpoint directory."""
+    model = DecoderModel(ModelConfig.from_dir(path))
+    load_weights(model, path)
     return model.eval()
 
 
 def save_checkpoint(
-    model: TinyQwen2, tok, enc: Encoder, catalog: cat.Catalog, splits: dict, out: Path, meta: dict
+    model: DecoderModel, hf_config: dict, tok, enc: Encoder, catalog: cat.Catalog, splits: dict,
+    out: Path, meta: dict,
 ) -> None:
-    save_model(model, tok, out)
+    save_model(model, hf_config, tok, out)
     with open(out / "catalog_trie.jsonl", "w") as f:
         f.writelines(
             json.dumps({"item_id": it.item_id, "tokens": enc.sid_ids(it.item_id)}) + "\n"
@@ -554,7 +468,7 @@ def train(
     seed: int = 0,
     steps: int = 1600,
     lr: float = 2e-3,
-    threads: int = 1,
+    threads: int = 2,
     num_items: int = 3000,
     max_minutes: float = 10.0,
     eval_limit: int = 100,
@@ -588,7 +502,7 @@ def train(
         num_hidden_layers=num_layers,
         intermediate_size=hidden_size * 8 // 3 // 32 * 32,
     )
-    model = TinyQwen2(config).to(device)
+    model = build_model(config, tok.token_to_id(EOS)).to(device)
     data = build_examples(enc, splits, pack_relevance, seed)
     batch_sizes = dict(BATCH, relevance=rel_batch or (BATCH["relevance"] if pack_relevance else 32))
     n_params = sum(p.numel() for p in model.parameters())
@@ -621,16 +535,16 @@ def train(
         for task, bs in batch_sizes.items():
             batch = rng.sample(data[task], bs)
             ids, rows, cols, tgt, nxt, aux = (x.to(device) for x in collate(batch, pad))
-            hidden = model.hidden(ids)
-            loss = F.cross_entropy(model.logits(hidden[rows, cols]), tgt)
+            hidden = hidden_states(model, ids)
+            loss = F.cross_entropy(model.head(hidden[rows, cols]), tgt)
             losses[task] = loss.item()
             total = total + (rel_weight if task == "relevance" else 1.0) * loss
             if aux_weight > 0 and len(aux):
-                aux_loss = F.cross_entropy(model.logits(hidden[aux[:, 0], aux[:, 1]]), aux[:, 2])
+                aux_loss = F.cross_entropy(model.head(hidden[aux[:, 0], aux[:, 1]]), aux[:, 2])
                 losses["aux"] = aux_loss.item()
                 total = total + aux_weight * aux_loss
             if lm_weight > 0:
-                lm = F.cross_entropy(model.logits(hidden[:, :-1]).flatten(0, 1), nxt.flatten())
+                lm = F.cross_entropy(model.head(hidden[:, :-1]).flatten(0, 1), nxt.flatten())
                 total = total + lm_weight * lm
         opt.zero_grad(set_to_none=True)
         total.backward()
@@ -673,7 +587,7 @@ def train(
         "params": n_params,
         "heldout_metrics_at_training": metrics,
     }
-    save_checkpoint(model, tok, enc, catalog, splits, Path(out), meta)
+    save_checkpoint(model, config.to_hf(pad), tok, enc, catalog, splits, Path(out), meta)
     print(f"wrote {out}", flush=True)
     return meta
 

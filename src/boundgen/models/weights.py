@@ -104,3 +104,20 @@ def load_weights(model: DecoderModel, path: str | Path) -> None:
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {path} is missing tensors: {shown}")
+
+
+@torch.no_grad()
+def hf_state_dict(model: DecoderModel) -> dict[str, torch.Tensor]:
+    """The model's parameters under HF tensor names (merged q/k/v and gate/up split back), the inverse of
+    `load_weights`; a tied head is stored once, as the embedding."""
+    out = {}
+    for name, param in model.named_parameters():
+        prefix = "" if name.split(".")[0] in ("lm_head", "score") else "model."
+        packed = [(hf, slot) for hf, (ours, slot) in PACKED_MODULES.items() if f".{ours}." in name]
+        if not packed:
+            out[prefix + name] = param.detach()
+        for hf, slot in packed:
+            ours = PACKED_MODULES[hf][0]
+            lo, hi = _slot_rows(name, slot, model)
+            out[prefix + name.replace(f".{ours}.", f".{hf}.")] = param.detach()[lo:hi]
+    return out
