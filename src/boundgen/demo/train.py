@@ -593,31 +593,12 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from boundgen.commands.train_demo import add_arguments
+    """`python -m boundgen.demo.train`: the same flags and behaviour as `boundgen train-demo`."""
+    from boundgen.commands.train_demo import add_arguments, run
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p)
-    a = p.parse_args(argv)
-    train(
-        Path(a.out),
-        seed=a.seed,
-        steps=a.steps,
-        lr=a.lr,
-        threads=a.threads,
-        num_items=a.num_items,
-        max_minutes=a.max_minutes,
-        lm_weight=a.lm_weight,
-        device=a.device,
-        hidden_size=a.hidden_size,
-        num_layers=a.layers,
-        pack_relevance=a.pack,
-        rel_batch=a.rel_batch,
-        aux_weight=a.aux_weight,
-        rel_weight=a.rel_weight,
-        eval_limit=a.eval_limit,
-        eval_every=a.eval_every,
-    )
-    return 0
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":
