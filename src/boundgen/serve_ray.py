@@ -125,18 +125,12 @@ class RayServeConfig:
 
 def load_configs(path: str | os.PathLike) -> tuple[ServerConfig, EngineConfig, RayServeConfig]:
     """A `boundgen serve --config` file (YAML or TOML) with an optional `ray:` section."""
-    from boundgen.server.config import _dataclass_from_dict, config_from_dict
+    from boundgen.server.config import _dataclass_from_dict, load_config_file
 
-    data = read_config_file(Path(path))
-    ray_section = dict(data.pop("ray", None) or {})
-    server = dict(data.pop("server", None) or {})
-    engine = dict(data.pop("engine", None) or {})
-    engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
-    for key, value in data.items():
-        (engine if key.replace("-", "_") in engine_keys else server)[key] = value
-    return (config_from_dict(server, source=str(path)),
-            _dataclass_from_dict(EngineConfig, engine, source=f"{path} (engine)"),
-            _dataclass_from_dict(RayServeConfig, ray_section, source=f"{path} (ray)").validate())
+    server, engine = load_config_file(path)
+    ray_section = dict(read_config_file(Path(path)).get("ray") or {})
+    ray = _dataclass_from_dict(RayServeConfig, ray_section, source=f"{path} (ray)").validate()
+    return server, engine, ray
 
 
 
