@@ -14,12 +14,33 @@ import sys
 from boundgen import commands
 
 
+EXTRAS = {"fastapi": "server", "uvicorn": "server", "httpx": "server", "prometheus_client": "server",
+          "pydantic": "server", "yaml": "server", "ray": "ray", "matplotlib": "bench",
+          "transformers": "bench"}
+
+
+def _missing_dependency(name: str, exc: ImportError):
+    """A command whose optional dependency is not installed: listed, and says how to get it when run."""
+    extra = EXTRAS.get((exc.name or "").split(".")[0], "dev")
+
+    def run(_args) -> int:
+        print(f"boundgen {name}: needs the '{exc.name}' package: pip install 'boundgen[{extra}]'",
+              file=sys.stderr)
+        return 1
+
+    return run
+
+
 def _command_modules() -> dict[str, object]:
     found = {}
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
             continue
-        found[info.name.replace("_", "-")] = importlib.import_module(f"boundgen.commands.{info.name}")
+        name = info.name.replace("_", "-")
+        try:
+            found[name] = importlib.import_module(f"boundgen.commands.{info.name}")
+        except ImportError as exc:
+            found[name] = exc
     return found
 
 
@@ -27,15 +48,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="boundgen", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in _command_modules().items():
+        if isinstance(module, ImportError):
+            p = sub.add_parser(name, help=f"(needs: pip install 'boundgen[...]': {module.name})")
+            p.set_defaults(_run=_missing_dependency(name, module), _missing=True)
+            continue
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(p)
+        try:
+            module.add_arguments(p)
+        except ImportError as exc:  # flags built from an optional package's types
+            p.set_defaults(_run=_missing_dependency(name, exc), _missing=True)
+            continue
         p.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "_missing", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
