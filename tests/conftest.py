@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import settings
 
 from boundgen.checkpoints import make_model
+
+# Property tests draw the same examples on every run (no flaky CI), with no example database on disk.
+settings.register_profile("boundgen", derandomize=True, database=None, deadline=None)
+settings.load_profile("boundgen")
 
 
 @pytest.fixture(scope="session")
