@@ -33,9 +33,10 @@ from typing import Any
 
 import torch
 
+from boundgen.config import DTYPES
+
 ARCHS = ("qwen2", "qwen3", "llama")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from boundgen.attention.backends import get_backend
-from boundgen.config import EngineConfig, ModelConfig
+from boundgen.config import DTYPES, EngineConfig, ModelConfig
 from boundgen.models.decoder import DecoderModel
 from boundgen.models.weights import load_weights
 from boundgen.text.tokenizer import Tokenizer
@@ -21,8 +21,6 @@ from boundgen.workloads.embed import MLPHead
 from boundgen.workloads.inputs import Limits
 
 log = logging.getLogger("boundgen")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
