@@ -1,7 +1,8 @@
 """`ModelRunner`: the model node. It owns the model on its device and runs packed forwards.
 
 This is the seam where compiled backends (torch.compile, AOTInductor, CUDA graphs) and FP8 plug in:
-workloads only call `hidden_rows`, `mean_rows` and `head`.
+the runtime's forward node calls `split` and `forward`, heads call `head`, and `hidden_rows` serves
+callers outside the runtime (the FP8 fidelity gate).
 """
 
 from __future__ import annotations
