@@ -221,6 +221,12 @@ def markdown(results: dict, slo_ms: float) -> str:
             rows.append(f"  - proxy cost at the lowest step: p50 {low_r['p50'] - low_p['p50']:+.2f} ms, "
                         f"p99 {low_r['p99'] - low_p['p99']:+.2f} ms; max ok/s ratio ray/plain "
                         f"{by['ray-1']['max_throughput_qps'] / by['plain']['max_throughput_qps']:.2f}")
+        if "ray-1" in by and "ray-2" in by:
+            one, two = by["ray-1"], by["ray-2"]
+            slo = (f"{two['max_qps_within_slo'] / one['max_qps_within_slo']:.2f}x"
+                   if one["max_qps_within_slo"] and two["max_qps_within_slo"] else "n/a")
+            rows.append(f"  - 2 replicas (one GPU each) vs 1: max QPS at p99 <= {slo_ms:g} ms {slo}, "
+                        f"max ok/s {two['max_throughput_qps'] / one['max_throughput_qps']:.2f}x")
     return "\n".join(rows)
 
 
@@ -233,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--servers", nargs="+", default=["plain", "ray-1"],
-                   choices=["plain", "ray-1", "ray-2-shared"],
-                   help="ray-2-shared: 2 replicas on the one GPU (num_gpus=0.5 each), for host-bound engines")
+                   choices=["plain", "ray-1", "ray-2", "ray-2-shared"],
+                   help="ray-2: 2 replicas, one GPU each (2-GPU machines); ray-2-shared: 2 replicas on "
+                        "the one GPU (num_gpus=0.5 each), for host-bound engines")
     p.add_argument("--workloads", nargs="+", default=["score", "beam"], choices=["score", "beam"])
     p.add_argument("--score-qps", type=float, nargs="+", default=[10, 20, 40, 80, 160, 320])
     p.add_argument("--beam-qps", type=float, nargs="+", default=[2, 5, 10, 20, 40])
@@ -309,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "ray-1":  # the same flags, one Ray Serve replica holding the GPU (num_gpus=1 on CUDA)
             cmd = [sys.executable, "-m", "boundgen.serve_ray", *common, "--port", str(port),
                    "--replicas", "1", "--num-cpus", "1"]
+        elif name == "ray-2":  # one replica per GPU
+            cmd = [sys.executable, "-m", "boundgen.serve_ray", *common, "--port", str(port),
+                   "--replicas", "2", "--num-cpus", "1"]
         else:
             cmd = [sys.executable, "-m", "boundgen.serve_ray", *common, "--port", str(port),
                    "--replicas", "2", "--num-cpus", "1",

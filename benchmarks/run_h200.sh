@@ -8,29 +8,31 @@
 #   bash benchmarks/run_h200.sh ray                             # Ray Serve 1 replica vs plain (carry .whl .whl-ray)
 # Wheels for the last two: `bash benchmarks/fetch_device_wheels.sh --with-ray` here first.
 set -u
-export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 BOUNDGEN_CACHE=/tmp/boundgen-cache RAY_USAGE_STATS_ENABLED=0
+export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 BOUNDGEN_CACHE=${BOUNDGEN_CACHE:-/tmp/boundgen-cache} RAY_USAGE_STATS_ENABLED=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-ROOT=/tmp/boundgen-models
-if ls .whl/*.whl >/dev/null 2>&1; then
+ROOT=${ROOT:-/tmp/boundgen-models}
+if [ -z "${SKIP_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
   extra=(.whl/*.whl); ls .whl-ray/*.whl >/dev/null 2>&1 && extra+=(.whl-ray/*.whl)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${extra[@]}" \
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-phase() { local name=$1 budget=$2; shift 2; echo "=== $name"; timeout "$budget" "$@" 2>&1 | tee "$OUT/$name.log" | tail -45; }
-for p in "$@"; do
+# A phase's budget can be overridden as NAME:SECONDS (e.g. fp8-model:200) to fit a 10-minute call.
+phase() { local name=$1 budget=${B:-$2}; shift 2; echo "=== $name (budget ${budget}s)"; timeout "$budget" "$@" 2>&1 | tee "$OUT/$name.log" | tail -45; }
+for spec in "$@"; do
+  p=${spec%%:*}; B=; [ "$p" != "$spec" ] && B=${spec#*:}
   case $p in
     gpu-tests) phase gpu-tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_attention.py tests/test_compile_gpu.py tests/test_trie.py tests/test_fp8.py ;;
     prefill) phase prefill 290 python3 benchmarks/bench_prefill.py --root $ROOT --out "$OUT/prefill.json" ;;
     beam) phase beam 140 python3 benchmarks/bench_beam.py --root $ROOT --out "$OUT/beam.json" ;;
     profile) phase profile 90 python3 benchmarks/profile_host.py --root $ROOT --out "$OUT/profile.txt" ;;
-    backends) phase backends 575 python3 benchmarks/bench_backends.py --root $ROOT --out "$OUT/backends.json" --budget-s 560 ;;
+    backends) phase backends 575 python3 benchmarks/bench_backends.py --root $ROOT --out "$OUT/backends.json" --budget-s $(( ${B:-575} - 15 )) ;;
     fp8-kernels) phase fp8-kernels 240 python3 benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out "$OUT/fp8_kernels.json" ;;
     fp8-model) phase fp8-model 330 python3 benchmarks/bench_fp8.py --sections env,model,gate --out "$OUT/fp8_model.json" ;;
     serving) phase serving 540 python3 benchmarks/bench_serving.py --device cuda --qps-steps 50 100 200 400 800 1600 --duration 15 --out-dir "$OUT" ;;
     runtime) phase runtime 200 python3 benchmarks/bench_runtime.py --preset qwen2.5-0.5b --device cuda --dtype bfloat16 --out "$OUT/runtime.json" ;;
-    ray) phase ray 290 python3 benchmarks/bench_ray.py --out-dir "$OUT" ;;
+    ray) phase ray 290 python3 benchmarks/bench_ray.py --out-dir "$OUT" ${RAY_ARGS:-} ;;
     *) echo "unknown phase $p" ;;
   esac
 done

@@ -22,7 +22,8 @@ BUCKETS = ["t64-s12-m32-g3-p24-q24", "t128-s8-m128"]
 def cuda_engine(tiny_model):
     from boundgen import Engine
 
-    return Engine.from_pretrained(tiny_model("qwen2"), device="cuda", dtype="bfloat16", attention="varlen")
+    return Engine.from_pretrained(tiny_model("qwen2"), device="cuda", dtype="bfloat16", attention="varlen",
+                                  backend="eager")
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -58,6 +59,19 @@ def test_eager_graphs_match_eager(cuda_engine):
         torch.testing.assert_close(_scores(e), _scores(cuda_engine), atol=2e-2, rtol=0)
     torch.testing.assert_close(e.embed(["one two three", "four"]), cuda_engine.embed(["one two three", "four"]),
                                atol=2e-2, rtol=0)
+
+
+def test_auto_on_cuda_is_eager_graphs_without_artifacts(cuda_engine, tmp_path):
+    """The default backend on CUDA with an empty artifact cache: eager + CUDA graphs, same scores."""
+    e = copy.copy(cuda_engine)
+    e.runner = make_runner(cuda_engine.model, cuda_engine.device, 4096, True, "auto",
+                           CompileOptions(cache_dir=tmp_path))
+    assert e.runner.backend_name == "eager+graphs"
+    assert max(b.tokens for b in e.runner.buckets) <= CompileOptions().graph_max_tokens
+    torch.testing.assert_close(_scores(e), _scores(cuda_engine), atol=2e-2, rtol=0)  # cascade: eager
+    texts = ["one two three", "four"]
+    torch.testing.assert_close(e.embed(texts), cuda_engine.embed(texts), atol=2e-2, rtol=0)
+    assert e.runner.stats()["batches"], "the plain batch should have run in a captured bucket"
 
 
 @pytest.mark.slow

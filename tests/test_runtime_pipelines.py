@@ -224,3 +224,19 @@ def test_pipelines_on_cuda(tiny_model):
         for i in range(200):
             rt.score(QUERY, ITEMS[: i % 5 + 1], LABELS)
         assert rt.executor.pools.stats()["allocations"] == before  # pinned/device staging reused
+
+
+def test_staged_views_start_on_16_byte_boundaries():
+    """AOTInductor kernels assume 16-byte aligned inputs (else a copy + warning per call): the packed
+    staging buffer must place every tensor, e.g. cu_prefix after a 129-entry cu_seqlens, on a boundary."""
+    from boundgen.runtime.memory import Lease, MemoryPools
+    from boundgen.runtime.pipelines import _stage_many
+
+    lease = Lease(MemoryPools("cpu"))
+    ints = [torch.arange(129, dtype=torch.int32), torch.tensor([0, 256, 300], dtype=torch.int32),
+            torch.tensor([7], dtype=torch.int32), torch.arange(6, dtype=torch.int32).view(2, 3)]
+    out = _stage_many(ints, torch.int32, lease)
+    for src, got in zip(ints, out):
+        assert got.data_ptr() % 16 == 0
+        assert torch.equal(got, src)
+    lease.release_all()

@@ -161,7 +161,8 @@ class EngineConfig:
     attention: str = _opt("auto", "attention backend: auto | reference | varlen")
     backend: str = _opt(
         "auto", "model backend: auto | eager | compile | aoti; on CUDA also eager+graphs | compile+graphs | "
-        "aoti+graphs (auto: aoti when its buckets are cached and load safely, else eager)",
+        "aoti+graphs (auto on CUDA: aoti+graphs when its buckets are cached and load safely, else "
+        "eager+graphs; on CPU eager)",
         choices=("auto", "eager", "compile", "aoti", "eager+graphs", "compile+graphs", "aoti+graphs"))
     compile_buckets: str | None = _opt(
         None, "buckets for compile/aoti, e.g. 't64,t8192-s256-m512' (aoti default: the cached ones)")

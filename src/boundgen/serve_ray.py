@@ -508,7 +508,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m boundgen.serve_ray`: every `boundgen serve` flag plus the Ray Serve ones."""
     from boundgen.commands import serve as serve_cmd
+    from boundgen.compile import cli_startup
 
+    cli_startup()  # the libstdc++ preload AOTInductor needs (DESIGN §10); local replicas inherit it
     parser = argparse.ArgumentParser(prog="python -m boundgen.serve_ray",
                                      description="boundgen HTTP API on Ray Serve replicas")
     serve_cmd.add_arguments(parser)

@@ -33,10 +33,11 @@ from boundgen.workloads.runner import ModelRunner, mean_pool
 log = logging.getLogger("boundgen.compile")
 
 BACKENDS = ("auto", "eager", "compile", "aoti", "eager+graphs", "compile+graphs", "aoti+graphs")
-# NOTE: what "auto" tries on CUDA, in order, before eager. Only backends that need no compile at start-up
-# belong here (aoti uses `boundgen compile`'s cached buckets). Change it when bench_backends.py says so
-# (e.g. put "aoti+graphs" first once graphs are measured to pay on the target).
-AUTO_CUDA = ("aoti",)
+# NOTE: what "auto" tries on CUDA, in order, before plain eager. Only backends that need no compile at
+# start-up belong here (aoti uses `boundgen compile`'s cached buckets; graph capture takes ~0.1 s a
+# bucket). Measured on the H200 (BENCHMARKS.md, bench_backends.py): graphs cut W3 from 3.5 to 1.65 ms on
+# aoti and from 25 to 3.8 ms on eager, W2 from 7.2 to 6.6 / 27 to 11 ms; nothing changes at 8192 tokens.
+AUTO_CUDA = ("aoti+graphs", "eager+graphs")
 
 
 @dataclass
@@ -47,8 +48,10 @@ class CompileOptions:
     cache_dir: str | Path | None = None
     rebuild: bool | None = None  # None: True for an explicit "aoti", False for "auto"
     quant: str = "none"  # label of the quantization policy (the model fingerprint covers its effect)
-    graph_max_tokens: int = 512  # +graphs: capture buckets up to this many tokens
-    warmup: bool = True  # compile: trace every bucket at start-up instead of on first use
+    # +graphs: capture buckets up to this many tokens (graphs paid up to W2's 2048-token bucket on the
+    # H200 and made no difference at 8192, where the GPU, not the launches, sets the time)
+    graph_max_tokens: int = 2048
+    warmup: bool = True  # compile/aoti: run every bucket once at start-up instead of in the first request
     allow_reexec: bool = False  # may re-exec the process with LD_PRELOAD (CLI entry points only)
     progress: Callable[[str, dict], None] | None = None  # progress(event, info) per bucket
     build_log: list[dict] = field(default_factory=list)
@@ -243,6 +246,10 @@ def _aoti_fns(model, device, buckets, opts: CompileOptions, graphs: bool) -> tup
     for bucket, entry, _ in entries:
         single = graphs and bucket.tokens <= opts.graph_max_tokens
         fns[bucket] = AOTIBucket.load(entry.path, bucket, weights, device, single_threaded=single)
+        if opts.warmup and not single:  # graph capture warms the others
+            # NOTE: a bucket's first run loads its kernels (tens of ms on CUDA): not in a request
+            with torch.inference_mode():
+                fns[bucket](bucket.example(device))
     return buckets, fns
 
 
@@ -257,6 +264,11 @@ def _make(model, device, max_batch_tokens, share_prefix, backend: str, opts: Com
         return ModelRunner(model, device, max_batch_tokens, share_prefix)
     buckets = parse_buckets(opts.buckets, max_batch_tokens)
     if base == "eager":
+        # an uncaptured eager bucket would only add padding: larger batches run eagerly as they are
+        buckets = [b for b in buckets if b.tokens <= opts.graph_max_tokens]
+        if not buckets:
+            raise ValueError(f"backend '{backend}': no bucket of at most {opts.graph_max_tokens} tokens "
+                             f"to capture")
         fns = _eager_fns(model, buckets)
     elif base == "compile":
         fns = _compile_fns(model, buckets, device, opts.warmup)
@@ -290,8 +302,9 @@ def eager_overrides() -> dict:
 def make_runner(model: DecoderModel, device: torch.device | str, max_batch_tokens: int = 32768,
                 share_prefix: bool = True, backend: str = "auto",
                 options: CompileOptions | None = None) -> ModelRunner:
-    """The model node for `backend`. `"auto"`: AOTInductor when this model's artifacts are cached and load
-    safely here (CUDA), else eager; the choice and the reason are logged and kept in `runner.backend_name`."""
+    """The model node for `backend`. `"auto"` on CUDA: AOTInductor + CUDA graphs when this model's
+    artifacts are cached and load safely here, else eager + CUDA graphs, else eager; on CPU eager. The
+    choice and the reason are logged and kept in `runner.backend_name`."""
     device = torch.device(device)
     opts = options or CompileOptions()
     if backend != "auto":
@@ -305,7 +318,7 @@ def make_runner(model: DecoderModel, device: torch.device | str, max_batch_token
             try:
                 runner = _make(model, device, max_batch_tokens, share_prefix, choice, auto)
                 runner.backend_name = choice
-                log.info("model backend: %s (auto; %d cached buckets)", choice, len(runner.buckets))
+                log.info("model backend: %s (auto; %d buckets)", choice, len(runner.buckets))
                 return runner
             except (ArtifactError, AOTIUnsafe, RuntimeError) as exc:
                 log.warning("model backend: %s not used (auto): %s", choice, exc)

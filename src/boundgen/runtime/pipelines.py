@@ -46,6 +46,9 @@ KINDS = ("score", "classify", "embed", "beam")
 # ---- staging a PackedBatch through pooled pinned / device buffers ---------------------------------------
 
 
+_ALIGN_BYTES = 16
+
+
 def stage_packed(batch: Any, lease: Lease, device: torch.device) -> Any:
     """Move a CPU `PackedBatch` to `device` with two copies: every int64 tensor through one pooled pinned
     buffer into one pooled device buffer (bucketed size), the same for the int32 attention offsets."""
@@ -71,21 +74,22 @@ def stage_packed(batch: Any, lease: Lease, device: torch.device) -> Any:
 def _stage_many(
     tensors: list[torch.Tensor], dtype: torch.dtype, lease: Lease
 ) -> list[torch.Tensor]:
+    # NOTE: every view starts on a 16-byte boundary: compiled kernels (AOTInductor) assume aligned inputs
+    # and otherwise copy the tensor on every call (and warn each time).
+    step = max(1, _ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
     sizes = [t.numel() for t in tensors]
-    total = sum(sizes)
+    starts, off = [], 0
+    for n in sizes:
+        starts.append(off)
+        off += -(-n // step) * step
+    total = off
     rows = lease.pools.bucket(total)
     host = lease.host(rows, dtype)
-    off = 0
-    for t, n in zip(tensors, sizes):
-        host[off : off + n].copy_(t.reshape(-1))
-        off += n
+    for t, start, n in zip(tensors, starts, sizes):
+        host[start : start + n].copy_(t.reshape(-1))
     dev = lease.device(rows, dtype)
     dev[:total].copy_(host[:total], non_blocking=True)
-    out, off = [], 0
-    for t, n in zip(tensors, sizes):
-        out.append(dev[off : off + n].view(t.shape))
-        off += n
-    return out
+    return [dev[start : start + n].view(t.shape) for t, start, n in zip(tensors, starts, sizes)]
 
 
 class _Forward:

@@ -65,9 +65,13 @@ class Infer:
         self._admitted += 1
         self.metrics.inflight.set(self._admitted)
 
-    def _release(self, _fut: Any = None) -> None:
+    def _release(self, fut: Any = None) -> None:
         self._admitted -= 1
         self.metrics.inflight.set(self._admitted)
+        # A request the client already got a 504 for still ends (often in DeadlineExceeded): mark its
+        # exception as seen, else asyncio logs "Future exception was never retrieved" for each one.
+        if fut is not None and fut.done() and not fut.cancelled():
+            fut.exception()
 
     async def __call__(self, kind: str, request: dict[str, Any], timeout_ms: int) -> Any:
         if kind not in KINDS:
