@@ -308,13 +308,14 @@ def test_real_package_probe_loads(engine_for, aoti_cache):
 
 
 def test_chunks_resplit_to_fit_buckets(engine_for):
-    """A chunk larger than every bucket is re-split at the largest bucket when all pieces then fit."""
+    """A chunk larger than every bucket is re-split at the largest bucket when all pieces then fit, in
+    `hidden_rows` and in the runtime's forward node (which splits through `runner.split`)."""
     from boundgen.compile.runner import _eager_fns
 
     engine = engine_for("qwen2")
     buckets = parse_buckets(["t64-s8-m64-g2-p32-q16", "t128"])
     runner = BucketedRunner(engine.model, engine.device, 32768, True, buckets,
-                            _eager_fns(engine.model, buckets), "eager-buckets")
+                            _eager_fns(engine.model, buckets), "compile")
     g = torch.Generator().manual_seed(5)
     plain = [SequenceGroup([], [_ids(g, 50) for _ in range(9)])]
     with torch.inference_mode():
@@ -326,6 +327,8 @@ def test_chunks_resplit_to_fit_buckets(engine_for):
     with torch.inference_mode():
         torch.testing.assert_close(runner.hidden_rows(shared), engine.runner.hidden_rows(shared))
     assert runner.stats()["misses"] == 1
+    assert [sum(g.num_tokens for g in c) for c in runner.split(plain)] == [100, 100, 100, 100, 50]
+    assert len(runner.split(shared)) == 1
 
 
 def test_compile_cli_check(tiny_model, aoti_cache, capsys):

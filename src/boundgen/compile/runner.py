@@ -142,17 +142,28 @@ class BucketedRunner(ModelRunner):
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _batches(self, groups: list[SequenceGroup], share: bool):
-        """Packed chunks under the token budget; a chunk no bucket takes is re-split at the largest
-        bucket's size when every piece then fits (else it runs as is, eagerly)."""
         for chunk in self.split(groups):
-            batch = pack(chunk, share_prefix=share)
-            if batch.num_tokens > self.largest and self.buckets.choose(batch) is None:
-                pieces = [pack(c, share_prefix=share)
-                          for c in ModelRunner.split(_Budget(self.largest), chunk)]
-                if all(self.buckets.choose(p) is not None for p in pieces):
-                    yield from pieces
+            yield pack(chunk, share_prefix=share)
+
+    def split(self, groups: list[SequenceGroup]) -> list[list[SequenceGroup]]:
+        """Chunks under the token budget; with compiled buckets a chunk larger than the largest bucket is
+        re-split at that size when every piece then fits a bucket, so big requests run compiled instead
+        of falling back to eager (the runtime's forward node splits through here too). Eager buckets
+        (eager+graphs) keep big chunks whole: an uncompiled forward runs any size."""
+        if self.backend_name.startswith("eager"):
+            return super().split(groups)
+        out = []
+        for chunk in super().split(groups):
+            if sum(g.num_tokens for g in chunk) > self.largest:
+                pieces = ModelRunner.split(_Budget(self.largest), chunk)
+                # NOTE: only when every piece then has a bucket (a prefix longer than every bucket's P
+                # runs eagerly anyway, and then better as one forward than as several)
+                if all(self.buckets.choose(pack(p, share_prefix=self.share_prefix)) is not None
+                       for p in pieces):
+                    out.extend(pieces)
                     continue
-            yield batch
+            out.append(chunk)
+        return out
 
     def stats(self) -> dict:
         return {"backend": self.backend_name, "buckets": [b.name for b in self.buckets],
