@@ -259,6 +259,10 @@ class BoundgenReplica:
                                                       ray_cfg.replica_metrics_port, server.host)
         _replica_info(self.state.metrics.registry, self.replica_id, engine_obj, self.metrics_port)
         _this_module()._APP = app
+        if server.gc_freeze:
+            from boundgen.server.heap import freeze_startup_heap
+
+            freeze_startup_heap()
         log.info("boundgen replica %s: %s on %s, pid %d, metrics port %s", self.replica_id,
                  getattr(engine_obj, "model_name", model), engine_obj.device, os.getpid(),
                  self.metrics_port)

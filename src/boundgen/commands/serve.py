@@ -72,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.from_pretrained(model, device=engine_config.device, dtype=engine_config.dtype,
                                     config=engine_config)
     app = create_app(engine, server_config)
+    if server_config.gc_freeze:
+        from boundgen.server.heap import freeze_startup_heap
+
+        freeze_startup_heap()
     print(f"boundgen serve: {engine.model_name} ({model}) on {engine.device} at "
           f"http://{server_config.host}:{server_config.port}", file=sys.stderr, flush=True)
     serve(app, server_config)

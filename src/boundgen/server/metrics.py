@@ -123,6 +123,9 @@ class Metrics:
                              ["endpoint"], registry=r)
         self.shed = Counter("boundgen_shed", "requests refused with 429 (queue full)", registry=r)
         r.register(_DeviceMemoryCollector())
+        from boundgen.server.heap import GCPauses
+
+        r.register(GCPauses.install())
         try:
             ProcessCollector(registry=r)
         except Exception:
