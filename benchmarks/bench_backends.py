@@ -219,6 +219,15 @@ def main(argv=None) -> int:
                                                 model, s, dev, b, labels), dev, args.iters,
                                                 args.variant_budget_s))
         run.save()
+    if "w4" in args.workloads and "eager" in hf:  # HF beam search (W=16, S=4) in the same run as ours
+        hf_w4 = run.results["workloads"].setdefault("W4-hf", {})
+        for b in (1, 8):
+            ids = torch.tensor(common.w1_prompts(vocab, n=b, lo=128, hi=128, seed=4), device=dev)
+            kw = dict(num_beams=16, num_return_sequences=16, max_new_tokens=4, min_new_tokens=4,
+                      do_sample=False, length_penalty=0.0, early_stopping=False)
+            hf_w4[f"batch{b}"] = run.guard(f"W4 b{b} hf-eager", lambda ids=ids, kw=kw: host_and_latency(
+                lambda: hf["eager"].generate(ids, **kw), dev, 10, args.variant_budget_s))
+        run.save()
     del hf
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -315,6 +324,8 @@ def main(argv=None) -> int:
                                   "forward_ms", "tok_per_s", "max_abs_diff_vs_eager", "speedup_vs_hf_eager"])
     for w, v in (run.results["workloads"].get("W4") or {}).items():
         print("W4", w, v)
+    for w, v in (run.results["workloads"].get("W4-hf") or {}).items():
+        print("W4 HF eager generate", w, v)
     run.results["elapsed_s"] = args.budget_s - run.left()
     run.save()
     return 0
