@@ -169,27 +169,47 @@ def serial_latency(url: str, workload: str, n: int) -> dict:
 
 def run_steps(url: str, label: str, workload: str, steps: list[float], args) -> dict:
     """Load steps in increasing QPS; stop after the first saturated one (ok/s < 90 % of offered or > 1 %
-    errors): later steps would only queue, and the device time is better spent elsewhere."""
+    errors): later steps would only queue, and the device time is better spent elsewhere. Then bisect
+    `--refine` times between the last good step and the saturated one, so a coarse grid still pins the
+    capacity (and max QPS within the SLO) to a few percent."""
     from boundgen.loadtest import LoadConfig, run_loadtest
 
     fields = {f.name for f in dataclasses.fields(LoadConfig)}
     extra = {"processes": args.client_processes} if "processes" in fields else {}
     reports = []
-    for i, qps in enumerate(steps):
+
+    def step(qps: float, first: bool) -> dict:
         cfg = LoadConfig(url=url, workload=workload, qps_steps=(qps,), duration=args.duration,
-                         slo_ms=args.slo_ms, warmup=args.warmup if i == 0 else 2,
+                         slo_ms=args.slo_ms, warmup=args.warmup if first else 2,
                          timeout_s=args.client_timeout_s, label=label, **extra)
         rep = run_loadtest(cfg, log=lambda m: print(f"  [{label} {workload}] {m}", flush=True))
         reports.append(rep)
-        s = rep["steps"][0]
-        if s["throughput_qps"] < 0.9 * s["offered_qps"] or s["error_rate"] > 0.01:
+        return rep["steps"][0]
+
+    def saturated(s: dict) -> bool:
+        return s["throughput_qps"] < 0.9 * s["offered_qps"] or s["error_rate"] > 0.01
+
+    good, bad = None, None
+    for i, qps in enumerate(steps):
+        if saturated(step(qps, i == 0)):
+            bad = qps
             break
+        good = qps
+    for _ in range(args.refine if good is not None and bad is not None else 0):
+        mid = round((good + bad) / 2, 1)
+        if mid in (good, bad):
+            break
+        if saturated(step(mid, False)):
+            bad = mid
+        else:
+            good = mid
     merged = dict(reports[0])
-    merged["steps"] = [r["steps"][0] for r in reports]
+    merged["steps"] = sorted((r["steps"][0] for r in reports), key=lambda s: s["qps_target"])
     passing = [s["qps_target"] for s in merged["steps"]
                if s["latency_ms"]["p99"] <= args.slo_ms and s["error_rate"] <= 0.01]
     merged["max_qps_within_slo"] = max(passing) if passing else None
     merged["max_throughput_qps"] = max(s["throughput_qps"] for s in merged["steps"])
+    merged["max_unsaturated_qps"] = good
     return merged
 
 
@@ -206,6 +226,7 @@ def markdown(results: dict, slo_ms: float) -> str:
     rows.append("")
     for workload, reports in results.items():
         parts = [f"{r['label']}: max QPS at p99 <= {slo_ms:g} ms **{r['max_qps_within_slo']}**, "
+                 f"highest unsaturated step {r.get('max_unsaturated_qps')} QPS, "
                  f"max ok/s {r['max_throughput_qps']:.1f}" for r in reports]
         rows.append(f"- {workload}: " + "; ".join(parts))
         by = {r["label"]: r for r in reports}
@@ -225,7 +246,10 @@ def markdown(results: dict, slo_ms: float) -> str:
             one, two = by["ray-1"], by["ray-2"]
             slo = (f"{two['max_qps_within_slo'] / one['max_qps_within_slo']:.2f}x"
                    if one["max_qps_within_slo"] and two["max_qps_within_slo"] else "n/a")
+            sat = (f"{two['max_unsaturated_qps'] / one['max_unsaturated_qps']:.2f}x"
+                   if one.get("max_unsaturated_qps") and two.get("max_unsaturated_qps") else "n/a")
             rows.append(f"  - 2 replicas (one GPU each) vs 1: max QPS at p99 <= {slo_ms:g} ms {slo}, "
+                        f"highest unsaturated QPS {sat}, "
                         f"max ok/s {two['max_throughput_qps'] / one['max_throughput_qps']:.2f}x")
     return "\n".join(rows)
 
@@ -246,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--score-qps", type=float, nargs="+", default=[10, 20, 40, 80, 160, 320])
     p.add_argument("--beam-qps", type=float, nargs="+", default=[2, 5, 10, 20, 40])
     p.add_argument("--duration", type=float, default=5.0, help="seconds per QPS step")
+    p.add_argument("--refine", type=int, default=2,
+                   help="extra steps bisecting between the last unsaturated and the first saturated QPS")
     p.add_argument("--slo-ms", type=float, default=20.0)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--serial-score", type=int, default=150,
