@@ -76,7 +76,7 @@ def _stage_many(
 ) -> list[torch.Tensor]:
     # NOTE: every view starts on a 16-byte boundary: compiled kernels (AOTInductor) assume aligned inputs
     # and otherwise copy the tensor on every call (and warn each time).
-    step = max(1, _ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
+    step = max(1, _ALIGN_BYTES // dtype.itemsize)
     sizes = [t.numel() for t in tensors]
     starts, off = [], 0
     for n in sizes:
