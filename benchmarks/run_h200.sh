@@ -11,11 +11,8 @@ set -u
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 BOUNDGEN_CACHE=${BOUNDGEN_CACHE:-/tmp/boundgen-cache} RAY_USAGE_STATS_ENABLED=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ROOT=${ROOT:-/tmp/boundgen-models}
-if [ -z "${SKIP_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
-  extra=(.whl/*.whl); ls .whl-ray/*.whl >/dev/null 2>&1 && extra+=(.whl-ray/*.whl)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${extra[@]}" \
-    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
+. benchmarks/device_wheels.sh
+[ -n "${SKIP_WHEELS:-}" ] || install_device_wheels
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 # A phase's budget can be overridden as NAME:SECONDS (e.g. fp8-model:200) to fit a 10-minute call.

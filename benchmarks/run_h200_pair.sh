@@ -6,11 +6,8 @@
 #   bash benchmarks/run_h200_pair.sh "gpu-tests backends:540" "fp8-kernels:200 fp8-model:300"
 set -u
 OUT=${OUT:-/tmp/out}; WORK=/tmp/pair; rm -rf "$WORK"; mkdir -p "$WORK/gpu0" "$WORK/gpu1" "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then  # install the carried wheels once, before both lists start
-  extra=(.whl/*.whl); ls .whl-ray/*.whl >/dev/null 2>&1 && extra+=(.whl-ray/*.whl)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "${extra[@]}" && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
+. benchmarks/device_wheels.sh
+install_device_wheels  # once, before both lists start
 export SKIP_WHEELS=1
 for g in 0 1; do
   l=$1; [ "$g" = 1 ] && l=$2

@@ -8,8 +8,8 @@
 set -u
 OUT=${OUT:-/tmp/out}; W=/tmp/serving; rm -rf "$W"; mkdir -p "$W" "$OUT"
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 BOUNDGEN_CACHE=/tmp/bg-cache RAY_USAGE_STATS_ENABLED=0
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl .whl-ray/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+. benchmarks/device_wheels.sh
+install_device_wheels
 M=/tmp/bg-cache/qwen2.5-0.5b-bf16
 python3 -c "from boundgen.checkpoints import make_model; make_model('qwen2.5-0.5b', '$M', dtype='bfloat16', overwrite=True, progress=False)"
 # W2-shaped requests merged 1, 2, 3-4, 5-8 at a time (the batch budget caps merges at 8), beam prompts

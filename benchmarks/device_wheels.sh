@@ -1,0 +1,9 @@
+# Sourced by the run_h200*.sh scripts on the device machine: install the carried wheels (`.whl`, and
+# `.whl-ray` when present; see fetch_device_wheels.sh) into /tmp/site and put it on PYTHONPATH.
+install_device_wheels() {
+  ls .whl/*.whl >/dev/null 2>&1 || return 0
+  local extra=(.whl/*.whl)
+  ls .whl-ray/*.whl >/dev/null 2>&1 && extra+=(.whl-ray/*.whl)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "${extra[@]}" && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+}
