@@ -339,16 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}"
         if name == "plain":
             cmd = [sys.executable, "-m", "boundgen.cli", "serve", *common, "--port", str(port)]
-        elif name == "ray-1":  # the same flags, one Ray Serve replica holding the GPU (num_gpus=1 on CUDA)
+        else:  # the same flags on Ray Serve: ray-N = N replicas of one GPU each (on CUDA), -shared = one GPU
             cmd = [sys.executable, "-m", "boundgen.serve_ray", *common, "--port", str(port),
-                   "--replicas", "1", "--num-cpus", "1"]
-        elif name == "ray-2":  # one replica per GPU
-            cmd = [sys.executable, "-m", "boundgen.serve_ray", *common, "--port", str(port),
-                   "--replicas", "2", "--num-cpus", "1"]
-        else:
-            cmd = [sys.executable, "-m", "boundgen.serve_ray", *common, "--port", str(port),
-                   "--replicas", "2", "--num-cpus", "1",
-                   "--num-gpus", "0.5" if args.device.startswith("cuda") else "0"]
+                   "--replicas", name.split("-")[1], "--num-cpus", "1"]
+            if name.endswith("-shared"):
+                cmd += ["--num-gpus", "0.5" if args.device.startswith("cuda") else "0"]
         log_path = out_dir / f"{name}.log"
         print(f"== {name}: {' '.join(cmd)}", flush=True)
         log_file = open(log_path, "w")  # noqa: SIM115 - closed in the finally below
