@@ -225,8 +225,9 @@ def main(argv=None) -> int:
             ids = torch.tensor(common.w1_prompts(vocab, n=b, lo=128, hi=128, seed=4), device=dev)
             kw = dict(num_beams=16, num_return_sequences=16, max_new_tokens=4, min_new_tokens=4,
                       do_sample=False, length_penalty=0.0, early_stopping=False)
-            hf_w4[f"batch{b}"] = run.guard(f"W4 b{b} hf-eager", lambda ids=ids, kw=kw: host_and_latency(
-                lambda: hf["eager"].generate(ids, **kw), dev, 10, args.variant_budget_s))
+            hf_w4[f"batch{b}"] = run.guard(f"W4 b{b} hf-eager", lambda ids=ids, kw=kw, m=hf["eager"]:
+                                           host_and_latency(lambda: m.generate(ids, **kw), dev, 10,
+                                                            args.variant_budget_s))
         run.save()
     del hf
     if dev.type == "cuda":

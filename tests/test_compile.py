@@ -143,9 +143,9 @@ def test_aoti_scores_match_eager(engine_for, aoti_cache):
     with torch.inference_mode():
         torch.testing.assert_close(aoti.runner.forward(batch), eager.runner.forward(batch), atol=1e-5,
                                    rtol=1e-5)
-    # the runtime's path: prepare (pad on the host) → stage → forward on the padded batch directly
+    # the runtime's path: pack_chunk (pack + pad on the host) → stage → forward on the padded batch
     batch = pack(_groups(4)[:2])  # two shared-prefix groups: fits BUCKET
-    padded = aoti.runner.prepare(batch)
+    (padded,) = aoti.runner.pack_chunk(_groups(4)[:2], share_prefix=True)
     assert padded.num_tokens == BUCKET.tokens
     with torch.inference_mode():
         got = aoti.runner.forward(padded).index_select(0, padded.last_index)
@@ -308,8 +308,8 @@ def test_real_package_probe_loads(engine_for, aoti_cache):
 
 
 def test_chunks_resplit_to_fit_buckets(engine_for):
-    """A chunk larger than every bucket is re-split at the largest bucket when all pieces then fit, in
-    `hidden_rows` and in the runtime's forward node (which splits through `runner.split`)."""
+    """A chunk larger than every bucket is cut at the largest bucket when all pieces then fit, in
+    `hidden_rows` and in the runtime's forward node (both pack through `runner.pack_chunk`)."""
     from boundgen.compile.runner import _eager_fns
 
     engine = engine_for("qwen2")
@@ -327,8 +327,21 @@ def test_chunks_resplit_to_fit_buckets(engine_for):
     with torch.inference_mode():
         torch.testing.assert_close(runner.hidden_rows(shared), engine.runner.hidden_rows(shared))
     assert runner.stats()["misses"] == 1
-    assert [sum(g.num_tokens for g in c) for c in runner.split(plain)] == [100, 100, 100, 100, 50]
-    assert len(runner.split(shared)) == 1
+    (chunk,) = runner.split(plain)  # under the token budget: one chunk, cut into bucket-sized pieces
+    pieces = runner.pack_chunk(chunk, share_prefix=True)
+    assert [p.num_tokens for p in pieces] == [128] * 5 and [sum(p.rows_per_group) for p in pieces] == [2] * 4 + [1]
+    assert len(runner.pack_chunk(runner.split(shared)[0], share_prefix=True)) == 1
+    # through the runtime's forward node: same rows, every piece compiled, nothing packed twice
+    compiled = copy.copy(engine)
+    compiled.runner = runner
+    texts = [_ids(g, 50) for _ in range(9)]
+    try:
+        before = runner.stats()["batches"]["t128-s4-m128"]
+        got = compiled.embed(texts)
+        assert runner.stats()["batches"]["t128-s4-m128"] == before + 5
+    finally:
+        compiled.close()
+    torch.testing.assert_close(got, engine.embed(texts))
 
 
 def test_compile_cli_check(tiny_model, aoti_cache, capsys):

@@ -1,8 +1,8 @@
 """Compiled model runners and backend selection (`eager` | `compile` | `aoti`, each optionally `+graphs`).
 
 `BucketedRunner` is a `ModelRunner` whose packed forwards run through one compiled function per bucket:
-each chunk is packed on the host, padded into the smallest bucket that fits, copied to the device and run;
-a chunk no bucket takes runs eagerly (counted in `stats()`). `make_runner` builds the runner a backend
+each chunk is packed on the host, padded into the smallest bucket that fits (`pack_chunk`), copied to the
+device and run; a chunk no bucket takes runs eagerly (counted in `stats()`). `make_runner` builds the runner a backend
 name asks for; `"auto"` picks the best that works here and logs which (and why the others did not).
 """
 
@@ -28,7 +28,7 @@ from boundgen.compile.cache import (
 from boundgen.compile.preload import AOTIUnsafe, ensure_loadable
 from boundgen.models.decoder import DecoderModel
 from boundgen.text.packing import PackedBatch, SequenceGroup, pack
-from boundgen.workloads.runner import ModelRunner, mean_pool
+from boundgen.workloads.runner import ModelRunner
 
 log = logging.getLogger("boundgen.compile")
 
@@ -89,38 +89,46 @@ class BucketedRunner(ModelRunner):
         self.fns = fns
         self.backend_name = name
 
-    def run_packed(self, batch: PackedBatch) -> tuple[torch.Tensor, PackedBatch]:
-        """Host-side `batch` → (hidden of the padded batch, the padded batch on the device)."""
-        bucket, padded = self.buckets.pad(batch)
-        dev_batch = padded.to(self.device, non_blocking=True)
-        if bucket is None:
-            return self.model(dev_batch.input_ids, dev_batch.positions, dev_batch.attn), dev_batch
-        fn = self.fns[bucket]
-        lock = getattr(fn, "lock", None)
-        if lock is None:
-            return fn(dev_batch), dev_batch
-        with lock:  # a graph's output buffer is reused by the next replay: copy what we need first
-            return fn(dev_batch).clone(), dev_batch
-
-    def prepare(self, batch: PackedBatch) -> PackedBatch:
-        """Host-side hook before staging: pad into the smallest bucket that fits (or leave as is). The
-        padded batch is an ordinary `PackedBatch` (remapped `last_index`/`seq_start`)."""
-        return self.buckets.pad(batch)[1]
+    def pack_chunk(self, chunk: list[SequenceGroup], share_prefix: bool) -> list[PackedBatch]:
+        """Host-side batches of one `split` chunk, each padded into the smallest bucket that fits (a batch
+        no bucket takes comes back as is, counted as a miss, and runs eagerly in `forward`). With compiled
+        buckets a chunk larger than the largest bucket is cut at that size when every piece then fits, so
+        big requests run compiled instead of eagerly. Eager buckets (eager+graphs) keep big chunks whole:
+        an uncompiled forward runs any size."""
+        if not self.backend_name.startswith("eager") and sum(g.num_tokens for g in chunk) > self.largest:
+            pieces = [pack(part, share_prefix=share_prefix)
+                      for part in ModelRunner.split(_Budget(self.largest), chunk)]
+            # NOTE: only when every piece then has a bucket (a prefix longer than every bucket's P runs
+            # eagerly anyway, and then better as one forward than as several)
+            if all(self.buckets.choose(p) is not None for p in pieces):
+                return [self.buckets.pad(p)[1] for p in pieces]
+        return [self.buckets.pad(pack(chunk, share_prefix=share_prefix))[1]]
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Same contract as `ModelRunner.forward`: hidden [T, H] of `batch`'s own tokens. A batch already
-        in a bucket's exact layout (from `prepare`) runs that bucket directly, with no host round trip."""
+        """Same contract as `ModelRunner.forward`: hidden [T, H] of `batch`'s own tokens. A batch in a
+        bucket's exact layout (from `pack_chunk`) runs that bucket directly; another batch that fits a
+        bucket is padded on the host first; one that fits none runs eagerly."""
         fn = self._by_layout.get(_layout_key(batch))
         if fn is not None:
-            lock = getattr(fn, "lock", None)
-            if lock is None:
-                return fn(batch)
-            with lock:
-                return fn(batch).clone()
-        hidden, padded = self.run_packed(batch.to("cpu"))
-        if padded.num_tokens == batch.num_tokens:
-            return hidden
-        # real tokens sit in three spans of the padded layout; gather them back in order
+            return self._call(fn, batch)
+        host = batch.to("cpu")
+        bucket = self.buckets.choose(host)
+        if bucket is None:
+            return self.model(batch.input_ids, batch.positions, batch.attn)
+        padded = self.buckets.pad(host)[1].to(self.device, non_blocking=True)
+        return self._unpad(self._call(self.fns[bucket], padded), batch, padded)
+
+    @staticmethod
+    def _call(fn: Callable, batch: PackedBatch) -> torch.Tensor:
+        lock = getattr(fn, "lock", None)
+        if lock is None:
+            return fn(batch)
+        with lock:  # a graph's output buffer is reused by the next replay: copy what we need first
+            return fn(batch).clone()
+
+    @staticmethod
+    def _unpad(hidden: torch.Tensor, batch: PackedBatch, padded: PackedBatch) -> torch.Tensor:
+        """Rows of `batch`'s own tokens out of the hidden states of its padded layout, in order."""
         a, pa = batch.attn, padded.attn
         p = a.num_prefix_tokens if a.has_shared_prefix else 0
         q = a.num_shared_tokens if a.has_shared_prefix else 0
@@ -128,42 +136,6 @@ class BucketedRunner(ModelRunner):
         Q = pa.num_shared_tokens if pa.has_shared_prefix else 0
         tail = batch.num_tokens - p - q
         return torch.cat([hidden[:p], hidden[P: P + q], hidden[P + Q: P + Q + tail]])
-
-    @torch.inference_mode()
-    def hidden_rows(self, groups: list[SequenceGroup], pooling: str = "last") -> torch.Tensor:
-        share = self.share_prefix and pooling == "last"
-        outs = []
-        for batch in self._batches(groups, share):
-            hidden, batch = self.run_packed(batch)
-            if pooling == "last":
-                outs.append(hidden.index_select(0, batch.last_index))
-            else:
-                outs.append(mean_pool(hidden, batch))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-    def _batches(self, groups: list[SequenceGroup], share: bool):
-        for chunk in self.split(groups):
-            yield pack(chunk, share_prefix=share)
-
-    def split(self, groups: list[SequenceGroup]) -> list[list[SequenceGroup]]:
-        """Chunks under the token budget; with compiled buckets a chunk larger than the largest bucket is
-        re-split at that size when every piece then fits a bucket, so big requests run compiled instead
-        of falling back to eager (the runtime's forward node splits through here too). Eager buckets
-        (eager+graphs) keep big chunks whole: an uncompiled forward runs any size."""
-        if self.backend_name.startswith("eager"):
-            return super().split(groups)
-        out = []
-        for chunk in super().split(groups):
-            if sum(g.num_tokens for g in chunk) > self.largest:
-                pieces = ModelRunner.split(_Budget(self.largest), chunk)
-                # NOTE: only when every piece then has a bucket (a prefix longer than every bucket's P
-                # runs eagerly anyway, and then better as one forward than as several)
-                if all(self.buckets.choose(pack(p, share_prefix=self.share_prefix)) is not None
-                       for p in pieces):
-                    out.extend(pieces)
-                    continue
-            out.append(chunk)
-        return out
 
     def stats(self) -> dict:
         return {"backend": self.backend_name, "buckets": [b.name for b in self.buckets],

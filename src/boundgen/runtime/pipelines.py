@@ -132,8 +132,6 @@ class _Forward:
                 self._pending.popleft()[1].release_all()
 
     def __call__(self, batch: tuple[list, list[str]]) -> torch.Tensor:
-        from boundgen.text.packing import pack
-
         groups, pooling = batch
         runner = self.engine.runner
         device = runner.device
@@ -147,20 +145,19 @@ class _Forward:
             with torch.inference_mode():
                 for chunk in runner.split(groups):
                     n = sum(len(g.suffixes) for g in chunk)
-                    modes = pooling[row : row + n]
-                    row += n
-                    share = runner.share_prefix and "mean" not in modes
-                    packed = pack(chunk, share_prefix=share)
-                    if hasattr(runner, "prepare"):  # compiled runners pad into a bucket on the host
-                        packed = runner.prepare(packed)
-                    packed = stage_packed(packed, lease, device)
-                    hidden = runner.forward(packed)
-                    last = hidden.index_select(0, packed.last_index)
-                    if "mean" in modes:
-                        mask = torch.tensor([m == "mean" for m in modes], device=device)
-                        idx = mask.nonzero().squeeze(1)
-                        last[idx] = mean_rows(hidden, packed.seq_start[idx], packed.seq_len[idx])
-                    outs.append(last)
+                    share = runner.share_prefix and "mean" not in pooling[row : row + n]
+                    for packed in runner.pack_chunk(chunk, share):
+                        n = sum(packed.rows_per_group)
+                        modes = pooling[row : row + n]
+                        row += n
+                        packed = stage_packed(packed, lease, device)
+                        hidden = runner.forward(packed)
+                        last = hidden.index_select(0, packed.last_index)
+                        if "mean" in modes:
+                            mask = torch.tensor([m == "mean" for m in modes], device=device)
+                            idx = mask.nonzero().squeeze(1)
+                            last[idx] = mean_rows(hidden, packed.seq_start[idx], packed.seq_len[idx])
+                        outs.append(last)
                 rows = torch.cat(outs) if len(outs) > 1 else outs[0]
         finally:
             if cuda:

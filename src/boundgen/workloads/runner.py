@@ -1,7 +1,7 @@
 """`ModelRunner`: the model node. It owns the model on its device and runs packed forwards.
 
 This is the seam where compiled backends (torch.compile, AOTInductor, CUDA graphs) and FP8 plug in:
-the runtime's forward node calls `split` and `forward`, heads call `head`, and `hidden_rows` serves
+the runtime's forward node calls `split`, `pack_chunk` and `forward`, heads call `head`, and `hidden_rows` serves
 callers outside the runtime (the FP8 fidelity gate).
 """
 
@@ -53,17 +53,24 @@ class ModelRunner:
                 used += part.num_tokens
         return chunks
 
+    def pack_chunk(self, chunk: list[SequenceGroup], share_prefix: bool) -> list[PackedBatch]:
+        """Host-side packed batches of one `split` chunk, in row order (compiled runners pad them into
+        their buckets and may cut a chunk larger than every bucket into pieces that fit)."""
+        return [pack(chunk, share_prefix=share_prefix)]
+
     @torch.inference_mode()
     def hidden_rows(self, groups: list[SequenceGroup], pooling: str = "last") -> torch.Tensor:
         """Hidden state per output sequence ([N, H], input order): last token or mean over tokens."""
+        share = self.share_prefix and pooling == "last"
         outs = []
         for chunk in self.split(groups):
-            batch = pack(chunk, share_prefix=self.share_prefix and pooling == "last").to(self.device)
-            hidden = self.forward(batch)
-            if pooling == "last":
-                outs.append(hidden.index_select(0, batch.last_index))
-            else:
-                outs.append(mean_pool(hidden, batch))
+            for batch in self.pack_chunk(chunk, share):
+                batch = batch.to(self.device, non_blocking=True)
+                hidden = self.forward(batch)
+                if pooling == "last":
+                    outs.append(hidden.index_select(0, batch.last_index))
+                else:
+                    outs.append(mean_pool(hidden, batch))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     @torch.inference_mode()
