@@ -71,6 +71,15 @@ def test_run_matches_direct_call(ex):
     assert ex.submit(pipe, {"text": "hello"}).result(timeout=10) == out
 
 
+def test_submitted_request_reports_its_node_times(ex):
+    fut = ex.submit(demo_pipeline(), {"text": "hello"})
+    fut.result(timeout=10)
+    assert sorted(t.node for t in fut.timings) == ["features", "model", "post", "tokenize"]
+    assert fut.timings[-1].node == "post"  # completion order: the sink last
+    assert all(t.wait_ms >= 0 and t.run_ms >= 0 for t in fut.timings)
+    assert fut.total_ms >= max(t.run_ms for t in fut.timings)
+
+
 # ---- validation -----------------------------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 from boundgen.runtime.dag import Pipeline
 from boundgen.runtime.memory import Lease, MemoryPools
@@ -56,6 +56,24 @@ class NodeError(RuntimeRequestError):
 
 class ExecutorClosed(RuntimeRequestError):
     pass
+
+
+class NodeTime(NamedTuple):
+    """One node run of one request: time from ready to started (a free worker/stream) and running."""
+
+    node: str
+    wait_ms: float
+    run_ms: float
+
+
+class RequestFuture(Future):
+    """The Future `Executor.submit` returns. Once it is done, `timings` lists the request's node runs in
+    completion order and `total_ms` its time in the runtime (what a server reports as `Server-Timing`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timings: list[NodeTime] = []
+        self.total_ms: float | None = None
 
 
 class _PipelineStats:
@@ -120,6 +138,7 @@ class RequestContext:
         "_spans",
         "_stats",
         "_streams",
+        "_timings",
         "_unwrap",
         "_values",
         "deadline_ns",
@@ -154,6 +173,7 @@ class RequestContext:
         self._error: BaseException | None = None
         self._home: queue.SimpleQueue | None = None
         self._spans: list[tuple] | None = [] if executor.tracer.keep_requests else None
+        self._timings: list[tuple[str, int, int]] = []  # (node, wait ns, run ns) per node run
         self._events: list[Any] | None = (
             [None] * len(pipe.plan) if executor._cuda and pipe.has_device_nodes else None
         )
@@ -253,10 +273,11 @@ class Executor:
         inputs: dict[str, Any],
         timeout_ms: float | None = None,
         unwrap: bool = False,
-    ) -> Future:
+    ) -> RequestFuture:
         """Start a request on the worker pool; the Future resolves to the outputs dict (the single output's
-        value with `unwrap`) or raises `DeadlineExceeded` / `NodeError` / a node's pass-through error."""
-        fut: Future = Future()
+        value with `unwrap`) or raises `DeadlineExceeded` / `NodeError` / a node's pass-through error, and
+        then carries the request's node `timings`."""
+        fut = RequestFuture()
         req = self._new_request(pipeline, inputs, timeout_ms, unwrap, fut)
         if not req._done:
             now = _now()
@@ -581,6 +602,7 @@ class Executor:
     def _record(self, req: RequestContext, p: Any, start: int, end: int, ready_ns: int) -> None:
         self.tracer.histogram(req.pipeline, p.node.name).record_ns(end - start)
         req._stats.observe(p.index, end - start)
+        req._timings.append((p.node.name, start - ready_ns, end - start))
         if req._spans is not None:
             ann, req._annotations = req._annotations, None
             req._spans.append((p.node.name, start, end, _get_ident(), ready_ns, ann))
@@ -679,6 +701,10 @@ class Executor:
             st.refresh()
         tracer = self.tracer
         tracer.request_histogram(req.pipeline).record_ns(end - req.start_ns)
+        fut = req._future
+        if isinstance(fut, RequestFuture):  # before the result is set: a waiter may read them at once
+            fut.timings = [NodeTime(n, w / 1e6, r / 1e6) for n, w, r in req._timings]
+            fut.total_ms = (end - req.start_ns) / 1e6
         if status != "ok":
             tracer.count_error(req.pipeline, status)
         if req._spans is not None:
