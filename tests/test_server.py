@@ -305,6 +305,25 @@ def test_models_health_metrics(client):
     assert 'boundgen_errors_total{endpoint="score",type="invalid_request_error"}' in text
 
 
+def test_server_timing_header(client, engine):
+    """Every answer says where its time went (`app` first); a model call adds its own entries."""
+    from boundgen.loadtest import parse_server_timing
+
+    r = client.post("/v1/score", json={"query": [1, 2], "items": [[3], [4, 5]], "label_token_ids": [3]})
+    timing = parse_server_timing(r.headers["server-timing"])
+    assert r.headers["server-timing"].startswith("app;dur=")
+    through_runtime = client.app.state.boundgen.infer.runtime is not None
+    inner = {"runtime", "prepare", "forward", "head", "finish"} if through_runtime else {"queue", "score"}
+    assert inner <= set(timing), timing
+    assert all(v >= 0 for v in timing.values())
+    assert timing["runtime" if through_runtime else "score"] <= timing["app"]
+    bad = client.post("/v1/score", json={"query": [1], "items": [[-2]], "label_token_ids": [3]})
+    assert set(parse_server_timing(bad.headers["server-timing"])) == {"app"}  # refused before the model
+    off = create_app(engine, ServerConfig(server_timing=False))
+    with TestClient(off) as c:
+        assert "server-timing" not in c.get("/health").headers
+
+
 def test_unknown_route_and_method(client):
     assert error_of(client.get("/v1/nope"), 404)["type"] == "not_found_error"
     assert error_of(client.get("/v1/score"), 405)["message"].startswith("method GET")

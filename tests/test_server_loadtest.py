@@ -18,7 +18,14 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from boundgen import Engine
-from boundgen.loadtest import LoadConfig, Sample, arrival_times, run_loadtest, summarize
+from boundgen.loadtest import (
+    LoadConfig,
+    Sample,
+    arrival_times,
+    parse_server_timing,
+    run_loadtest,
+    summarize,
+)
 from boundgen.server.app import create_app
 from boundgen.server.config import ServerConfig
 from boundgen.server.testing import SlowEngine, free_port, tiny_model_dir
@@ -41,6 +48,25 @@ def test_arrivals_and_summary():
     assert s["latency_ms"]["p50"] == pytest.approx(50.0) and s["latency_ms"]["max"] == pytest.approx(99)
     assert s["error_rate"] == pytest.approx(0.01)
     assert math.isnan(summarize([], 1, 1, 1)["latency_ms"]["p99"])
+
+
+def test_server_timing_parse_and_tail_attribution():
+    assert parse_server_timing('app;dur=12.5, forward;desc="model";dur=9, cache, forward;dur=1') == {
+        "app": 12.5, "forward": 10.0}
+    assert parse_server_timing(None) is None and parse_server_timing("app;dur=x, miss") is None
+    # 200 answers: server time 1 ms each, except the two slowest (server-side 40 ms in "forward")
+    samples = [Sample("score", i / 100, 0.002, 200, server={"app": 1.0, "forward": 0.5})
+               for i in range(198)]
+    samples += [Sample("score", 1.0, 0.050, 200, server={"app": 41.0, "forward": 40.0}),
+                Sample("score", 1.1, 0.060, 200, server={"app": 41.0, "forward-wait": 2.0})]
+    samples.append(Sample("score", 1.2, 9.0, 504, "timeout_error", server={"app": 9000.0}))
+    s = summarize(samples, qps=200, duration=1.0, items=1)
+    assert s["server_ms"]["p50"] == pytest.approx(1.0) and s["server_ms"]["p99"] > 1.0
+    tail = s["slowest"]
+    assert tail["n"] == 2 and tail["latency_ms"] == pytest.approx(55.0)
+    assert tail["server_ms"] == pytest.approx(41.0) and tail["outside_ms"] == pytest.approx(14.0)
+    assert tail["entries_ms"] == {"forward": pytest.approx(20.0), "forward-wait": pytest.approx(1.0)}
+    assert "slowest" not in summarize([Sample("score", 0, 0.001, 200)], 1, 1, 1)  # no header: no guess
 
 
 class _ThreadServer:
@@ -74,7 +100,11 @@ def test_loadtest_against_live_server(model_dir, tmp_path):
     assert [s["qps_target"] for s in report["steps"]] == [4.0, 8.0]
     assert all(s["ok"] == s["requests"] > 0 for s in report["steps"]), report["steps"]
     assert report["max_qps_within_slo"] == 8.0
-    assert json.loads((tmp_path / "r.json").read_text())["steps"][0]["latency_ms"]["p99"] > 0
+    step = json.loads((tmp_path / "r.json").read_text())["steps"][0]
+    assert step["latency_ms"]["p99"] > 0
+    # the server's Server-Timing came back with every answer: handler time ≤ what the client saw
+    assert 0 < step["server_ms"]["p50"] <= step["latency_ms"]["p50"]
+    assert "runtime" in step["slowest"]["entries_ms"]  # served through the DAG runtime
     assert (tmp_path / "r.png").stat().st_size > 1000
 
 

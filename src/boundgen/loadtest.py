@@ -74,6 +74,25 @@ class Sample:
     latency_s: float
     status: int  # HTTP status; 0 = client-side error (connect, timeout)
     error: str | None = None
+    server: dict[str, float] | None = None  # the response's Server-Timing: name → ms
+
+
+def parse_server_timing(value: str | None) -> dict[str, float] | None:
+    """`app;dur=12.3, forward;dur=9.1` → {"app": 12.3, "forward": 9.1} (entries without dur are left out;
+    a name that repeats is summed)."""
+    if not value:
+        return None
+    out: dict[str, float] = {}
+    for entry in value.split(","):
+        name, *params = (p.strip() for p in entry.split(";"))
+        for param in params:
+            key, _, val = param.partition("=")
+            if key.strip().lower() == "dur" and name:
+                try:
+                    out[name] = out.get(name, 0.0) + float(val.strip().strip('"'))
+                except ValueError:
+                    pass
+    return out or None
 
 
 # ---------------------------------------------------------------------------------------- bodies
@@ -145,10 +164,11 @@ async def _run_step(cfg: LoadConfig, bodies: dict[str, list[bytes]], qps: float)
     async with httpx.AsyncClient(base_url=cfg.url, headers=headers, limits=limits,
                                  timeout=cfg.timeout_s) as client:
         async def one(start: float, scheduled: float, kind: str, body: bytes) -> None:
-            status, error = 0, None
+            status, error, server = 0, None, None
             try:
                 r = await client.post(paths[kind], content=body)
                 status = r.status_code
+                server = parse_server_timing(r.headers.get("server-timing"))
                 if status != 200:
                     try:
                         err = r.json().get("error")
@@ -158,7 +178,7 @@ async def _run_step(cfg: LoadConfig, bodies: dict[str, list[bytes]], qps: float)
             except httpx.HTTPError as exc:
                 error = type(exc).__name__
             samples.append(Sample(kind, scheduled, time.perf_counter() - (start + scheduled), status,
-                                  error))
+                                  error, server))
 
         tasks = []
         start = time.perf_counter()
@@ -202,6 +222,30 @@ def summarize(samples: list[Sample], qps: float, duration: float, items: int) ->
         "latency_ms": {
             "p50": _pct(ok, 50), "p90": _pct(ok, 90), "p99": _pct(ok, 99),
             "mean": statistics.fmean(ok) if ok else math.nan, "max": ok[-1] if ok else math.nan,
+        },
+        **_server_side(samples),
+    }
+
+
+def _server_side(samples: list[Sample]) -> dict[str, Any]:
+    """Where the time went, from the servers' `Server-Timing`: `server_ms` percentiles of the handler
+    time, and `slowest`: the slowest 1 % of answered requests (at least one), mean client latency, mean
+    time inside the server and outside it (network, client, event loop), and mean per reported entry —
+    so a p99 can be traced to a node, to waiting, or to outside the server."""
+    timed = sorted((s for s in samples if s.status == 200 and s.server and "app" in s.server),
+                   key=lambda s: s.latency_s)
+    if not timed:
+        return {}
+    app = sorted(s.server["app"] for s in timed)
+    tail = timed[-max(1, len(timed) // 100):]
+    names = sorted({k for s in tail for k in s.server if k != "app"})
+    lat = statistics.fmean(s.latency_s * 1e3 for s in tail)
+    inside = statistics.fmean(s.server["app"] for s in tail)
+    return {
+        "server_ms": {"p50": _pct(app, 50), "p90": _pct(app, 90), "p99": _pct(app, 99)},
+        "slowest": {
+            "n": len(tail), "latency_ms": lat, "server_ms": inside, "outside_ms": lat - inside,
+            "entries_ms": {k: statistics.fmean(s.server.get(k, 0.0) for s in tail) for k in names},
         },
     }
 
@@ -248,7 +292,8 @@ def run_loadtest(cfg: LoadConfig, log=print) -> dict[str, Any]:
         lat = summary["latency_ms"]
         log(f"qps {qps:8.1f}: offered {summary['offered_qps']:8.1f}  ok/s {summary['throughput_qps']:8.1f}"
             f"  p50 {lat['p50']:8.2f} ms  p90 {lat['p90']:8.2f} ms  p99 {lat['p99']:8.2f} ms"
-            f"  errors {summary['requests'] - summary['ok']}"
+            + (f"  (server p99 {summary['server_ms']['p99']:.2f} ms)" if "server_ms" in summary else "")
+            + f"  errors {summary['requests'] - summary['ok']}"
             + (f" {summary['errors']}" if summary["errors"] else ""))
         saturated = (summary["throughput_qps"] < 0.5 * summary["offered_qps"]
                      or summary["error_rate"] > 0.5)

@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -34,7 +35,7 @@ from boundgen.server.errors import (
     Unavailable,
     error_response,
 )
-from boundgen.server.infer import Infer
+from boundgen.server.infer import SERVER_TIMES, Infer
 from boundgen.server.limits import Limits, parse_request
 from boundgen.server.metrics import Metrics
 from boundgen.server.schemas import (
@@ -191,23 +192,40 @@ def endpoint(name: str, state: ServerState, fn: Handler) -> Callable[[Request], 
     async def handle(request: Request) -> Response:
         start = time.perf_counter()
         status, error_type = 200, None
+        SERVER_TIMES.set(None)  # this task's: never a previous request's on the same connection
         try:
             _check_auth(request, state)
             response = await fn(request, state)
-            status = response.status_code
-            return response
         except ServerError as exc:
             status, error_type = exc.status, exc.type
-            return exc.response(kserve_errors)
+            response = exc.response(kserve_errors)
         except Exception:
             log.exception("internal error in %s", name)
             status, error_type = 500, "internal_error"
-            return ServerError("internal server error (see the server log)").response(kserve_errors)
-        finally:
-            state.metrics.observe_request(name, status, time.perf_counter() - start, error_type)
+            response = ServerError("internal server error (see the server log)").response(kserve_errors)
+        else:
+            status = response.status_code
+        elapsed = time.perf_counter() - start
+        state.metrics.observe_request(name, status, elapsed, error_type)
+        if state.config.server_timing:
+            response.headers["server-timing"] = server_timing(elapsed * 1e3, SERVER_TIMES.get())
+        return response
 
     handle.__name__ = f"{name.replace('.', '_')}_endpoint"
     return handle
+
+
+def server_timing(app_ms: float, times: list[tuple[str, float]] | None) -> str:
+    """`Server-Timing` header value (W3C): `app` (the whole handler: parse, checks, model, response) first,
+    then what `Infer` recorded (`runtime`, and each DAG node, or `queue` + the call without the runtime).
+    A client subtracts `app` from its own latency to see time spent outside the server."""
+    parts = [f"app;dur={app_ms:.3f}"]
+    for name, ms in times or ():
+        parts.append(f"{_TOKEN_UNSAFE.sub('_', name)};dur={ms:.3f}")
+    return ", ".join(parts)
+
+
+_TOKEN_UNSAFE = re.compile(r"[^A-Za-z0-9!#$%&'*+.^_`|~-]")  # a metric name must be an HTTP token
 
 
 # ----------------------------------------------------------------------------------------------

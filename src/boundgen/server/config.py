@@ -41,6 +41,8 @@ class ServerConfig:
     batch_max_wait_ms: float = _f(0.0, "runtime: how long a batch may wait for more requests")
     cpu_workers: int | None = _f(None, "runtime: CPU node threads (default: the runtime's choice)")
     workers: int = _f(1, "--no-runtime: model worker threads")
+    server_timing: bool = _f(True, "add a Server-Timing header to responses: time in the handler, in the "
+                                   "runtime and in each DAG node (tells a slow request's cause apart)")
     gc_freeze: bool = _f(True, "freeze the start-up heap so Python's full garbage collections skip it "
                                "(a full collection over it pauses requests for ~0.1-0.2 s)")
     # --- request size limits ---

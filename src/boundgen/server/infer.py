@@ -18,6 +18,7 @@ import inspect
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any
 
 from boundgen.server.errors import (
@@ -33,6 +34,10 @@ from boundgen.server.metrics import Metrics
 log = logging.getLogger("boundgen.server")
 
 KINDS = ("score", "classify", "embed", "beam")
+
+# (name, ms) of where the request this task serves spent its time, for the `Server-Timing` header: set by
+# `Infer` when the work ends, read by the endpoint wrapper in the same task.
+SERVER_TIMES: ContextVar[list[tuple[str, float]] | None] = ContextVar("boundgen_server_times", default=None)
 _ENGINE_METHOD = {"score": "score", "classify": "classify", "embed": "embed", "beam": "beam_search"}
 
 
@@ -87,10 +92,12 @@ class Infer:
                     self.metrics.batch_tokens.observe(tokens)
                 if kind == "beam":
                     request["prompts"] = [request.pop("prompt")]
-                fut = asyncio.wrap_future(self.runtime.submit(kind, request, timeout_ms))
+                work = self.runtime.submit(kind, request, timeout_ms)
+                fut = asyncio.wrap_future(work)
             else:
                 self._waiting += 1
                 self.metrics.queue_depth.set(self._waiting)
+                work = None
                 fut = loop.run_in_executor(self._pool, self._run_engine, kind, request, deadline,
                                            time.monotonic())
         except BaseException:
@@ -103,7 +110,10 @@ class Infer:
             out = await asyncio.wait_for(asyncio.shield(fut),
                                          timeout=max(0.0, deadline - time.monotonic()))
             if self.runtime is None:
+                out, times = out
+                SERVER_TIMES.set(times)
                 return out
+            SERVER_TIMES.set(runtime_times(work))
             if kind == "embed":  # a device tensor: copy it off the event loop
                 return await asyncio.to_thread(lambda: out.float().cpu().numpy())
             if kind == "beam":
@@ -140,14 +150,29 @@ class Infer:
             out = out.float().cpu().numpy()  # tensor work stays off the event loop
         elif kind == "beam":
             out = [(list(map(int, toks)), float(score)) for toks, score in out]
-        self.metrics.observe_node(kind, time.monotonic() - start)
-        return out
+        ran = time.monotonic() - start
+        self.metrics.observe_node(kind, ran)
+        return out, [("queue", (start - enqueued) * 1e3), (kind, ran * 1e3)]
 
     def close(self, wait: bool = True) -> None:
         self.closed = True
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
         if self.runtime is not None and self.owns_runtime:
             self.runtime.close()
+
+
+def runtime_times(work: Any) -> list[tuple[str, float]]:
+    """`Server-Timing` entries of a finished runtime request: its time in the runtime, then each node's
+    run (and its wait for a worker or stream when there was one), in completion order."""
+    total = getattr(work, "total_ms", None)
+    if total is None:
+        return []
+    out = [("runtime", total)]
+    for t in work.timings:
+        if t.wait_ms >= 0.01:
+            out.append((f"{t.node}-wait", t.wait_ms))
+        out.append((t.node, t.run_ms))
+    return out
 
 
 def _takes_timeout(method: Any) -> bool:
