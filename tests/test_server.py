@@ -313,10 +313,13 @@ def test_server_timing_header(client, engine):
     timing = parse_server_timing(r.headers["server-timing"])
     assert r.headers["server-timing"].startswith("app;dur=")
     through_runtime = client.app.state.boundgen.infer.runtime is not None
-    inner = {"runtime", "prepare", "forward", "head", "finish"} if through_runtime else {"queue", "score"}
+    inner = ({"runtime", "prepare", "forward", "forward-batch-wait", "forward-batch-run", "head", "finish"}
+             if through_runtime else {"queue", "score"})
     assert inner <= set(timing), timing
     assert all(v >= 0 for v in timing.values())
     assert timing["runtime" if through_runtime else "score"] <= timing["app"]
+    if through_runtime:  # the batching node's run = waiting for its batch + the batch's run (+ hand-offs)
+        assert timing["forward-batch-wait"] + timing["forward-batch-run"] <= timing["forward"] + 0.01
     bad = client.post("/v1/score", json={"query": [1], "items": [[-2]], "label_token_ids": [3]})
     assert set(parse_server_timing(bad.headers["server-timing"])) == {"app"}  # refused before the model
     off = create_app(engine, ServerConfig(server_timing=False))

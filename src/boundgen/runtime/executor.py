@@ -64,6 +64,7 @@ class NodeTime(NamedTuple):
     node: str
     wait_ms: float
     run_ms: float
+    info: dict[str, Any] | None = None  # what the node annotated (a batching node: its batch, its wait)
 
 
 class RequestFuture(Future):
@@ -173,7 +174,7 @@ class RequestContext:
         self._error: BaseException | None = None
         self._home: queue.SimpleQueue | None = None
         self._spans: list[tuple] | None = [] if executor.tracer.keep_requests else None
-        self._timings: list[tuple[str, int, int]] = []  # (node, wait ns, run ns) per node run
+        self._timings: list[tuple] = []  # (node, wait ns, run ns, annotations) per node run
         self._events: list[Any] | None = (
             [None] * len(pipe.plan) if executor._cuda and pipe.has_device_nodes else None
         )
@@ -602,9 +603,9 @@ class Executor:
     def _record(self, req: RequestContext, p: Any, start: int, end: int, ready_ns: int) -> None:
         self.tracer.histogram(req.pipeline, p.node.name).record_ns(end - start)
         req._stats.observe(p.index, end - start)
-        req._timings.append((p.node.name, start - ready_ns, end - start))
+        ann, req._annotations = req._annotations, None
+        req._timings.append((p.node.name, start - ready_ns, end - start, ann))
         if req._spans is not None:
-            ann, req._annotations = req._annotations, None
             req._spans.append((p.node.name, start, end, _get_ident(), ready_ns, ann))
 
     def _complete(self, req: RequestContext, p: Any) -> list[int]:
@@ -703,7 +704,7 @@ class Executor:
         tracer.request_histogram(req.pipeline).record_ns(end - req.start_ns)
         fut = req._future
         if isinstance(fut, RequestFuture):  # before the result is set: a waiter may read them at once
-            fut.timings = [NodeTime(n, w / 1e6, r / 1e6) for n, w, r in req._timings]
+            fut.timings = [NodeTime(n, w / 1e6, r / 1e6, a) for n, w, r, a in req._timings]
             fut.total_ms = (end - req.start_ns) / 1e6
         if status != "ok":
             tracer.count_error(req.pipeline, status)

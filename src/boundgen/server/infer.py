@@ -163,7 +163,9 @@ class Infer:
 
 def runtime_times(work: Any) -> list[tuple[str, float]]:
     """`Server-Timing` entries of a finished runtime request: its time in the runtime, then each node's
-    run (and its wait for a worker or stream when there was one), in completion order."""
+    run (and its wait for a worker or stream when there was one), in completion order. A batching node's
+    run is split further: `<node>-batch-wait` (queued until its merged batch started, e.g. behind the
+    batch before it) and `<node>-batch-run` (that batch's run, shared with the requests merged into it)."""
     total = getattr(work, "total_ms", None)
     if total is None:
         return []
@@ -172,6 +174,10 @@ def runtime_times(work: Any) -> list[tuple[str, float]]:
         if t.wait_ms >= 0.01:
             out.append((f"{t.node}-wait", t.wait_ms))
         out.append((t.node, t.run_ms))
+        info = t.info or {}
+        if "batch_wait_us" in info and "batch_run_us" in info:
+            out.append((f"{t.node}-batch-wait", info["batch_wait_us"] / 1e3))
+            out.append((f"{t.node}-batch-run", info["batch_run_us"] / 1e3))
     return out
 
 
