@@ -257,6 +257,10 @@ def test_health_and_metrics_per_replica(ray_server):
     assert len(seen) == 2, seen
     r = httpx.get(url + "/health", timeout=30)
     assert r.status_code == 200 and r.json() == {"status": "ok"} and r.headers.get(REPLICA_HEADER)
+    # the replica's Server-Timing comes through the proxy (client latency minus `app` = the proxy hop)
+    r = httpx.post(url + "/v1/score", json={"query": [1], "items": [[2]], "label_token_ids": [3]},
+                   timeout=30)
+    assert r.headers["server-timing"].startswith("app;dur=") and "forward;dur=" in r.headers["server-timing"]
     status = serve.status().applications["boundgen"]
     assert str(status.status).endswith("RUNNING")
     dep = status.deployments["boundgen"]
