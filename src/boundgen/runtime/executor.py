@@ -73,8 +73,12 @@ class RequestFuture(Future):
 
     def __init__(self) -> None:
         super().__init__()
-        self.timings: list[NodeTime] = []
+        self._spans: list[tuple] = []  # the request's span records, converted only when asked for
         self.total_ms: float | None = None
+
+    @property
+    def timings(self) -> list[NodeTime]:
+        return [NodeTime(n, (s - r) / 1e6, (e - s) / 1e6, a) for n, s, e, _, r, a in self._spans]
 
 
 class _PipelineStats:
@@ -139,7 +143,6 @@ class RequestContext:
         "_spans",
         "_stats",
         "_streams",
-        "_timings",
         "_unwrap",
         "_values",
         "deadline_ns",
@@ -173,8 +176,9 @@ class RequestContext:
         self._result: Any = None
         self._error: BaseException | None = None
         self._home: queue.SimpleQueue | None = None
-        self._spans: list[tuple] | None = [] if executor.tracer.keep_requests else None
-        self._timings: list[tuple] = []  # (node, wait ns, run ns, annotations) per node run
+        # (node, start, end, thread, ready, annotations) per node run: the request's Chrome trace when the
+        # tracer keeps requests, and its `RequestFuture.timings`
+        self._spans: list[tuple] = []
         self._events: list[Any] | None = (
             [None] * len(pipe.plan) if executor._cuda and pipe.has_device_nodes else None
         )
@@ -604,9 +608,7 @@ class Executor:
         self.tracer.histogram(req.pipeline, p.node.name).record_ns(end - start)
         req._stats.observe(p.index, end - start)
         ann, req._annotations = req._annotations, None
-        req._timings.append((p.node.name, start - ready_ns, end - start, ann))
-        if req._spans is not None:
-            req._spans.append((p.node.name, start, end, _get_ident(), ready_ns, ann))
+        req._spans.append((p.node.name, start, end, _get_ident(), ready_ns, ann))
 
     def _complete(self, req: RequestContext, p: Any) -> list[int]:
         req._node_state[p.index] = 2
@@ -704,11 +706,11 @@ class Executor:
         tracer.request_histogram(req.pipeline).record_ns(end - req.start_ns)
         fut = req._future
         if isinstance(fut, RequestFuture):  # before the result is set: a waiter may read them at once
-            fut.timings = [NodeTime(n, w / 1e6, r / 1e6, a) for n, w, r, a in req._timings]
+            fut._spans = req._spans
             fut.total_ms = (end - req.start_ns) / 1e6
         if status != "ok":
             tracer.count_error(req.pipeline, status)
-        if req._spans is not None:
+        if tracer.keep_requests:
             trace = RequestTrace(req.request_id, req.pipeline, req.start_ns, end, status, error)
             trace.spans = [Span(n, s, e, t, r, a) for (n, s, e, t, r, a) in req._spans]
             tracer.keep(trace)

@@ -144,8 +144,8 @@ class _Forward:
         try:
             with torch.inference_mode():
                 for chunk in runner.split(groups):
-                    n = sum(len(g.suffixes) for g in chunk)
-                    share = runner.share_prefix and "mean" not in pooling[row : row + n]
+                    chunk_rows = sum(len(g.suffixes) for g in chunk)
+                    share = runner.share_prefix and "mean" not in pooling[row : row + chunk_rows]
                     for packed in runner.pack_chunk(chunk, share):
                         n = sum(packed.rows_per_group)
                         modes = pooling[row : row + n]
