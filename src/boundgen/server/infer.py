@@ -34,11 +34,11 @@ from boundgen.server.metrics import Metrics
 log = logging.getLogger("boundgen.server")
 
 KINDS = ("score", "classify", "embed", "beam")
+_ENGINE_METHOD = {"score": "score", "classify": "classify", "embed": "embed", "beam": "beam_search"}
 
 # (name, ms) of where the request this task serves spent its time, for the `Server-Timing` header: set by
 # `Infer` when the work ends, read by the endpoint wrapper in the same task.
 SERVER_TIMES: ContextVar[list[tuple[str, float]] | None] = ContextVar("boundgen_server_times", default=None)
-_ENGINE_METHOD = {"score": "score", "classify": "classify", "embed": "embed", "beam": "beam_search"}
 
 
 class Infer:
@@ -97,7 +97,6 @@ class Infer:
             else:
                 self._waiting += 1
                 self.metrics.queue_depth.set(self._waiting)
-                work = None
                 fut = loop.run_in_executor(self._pool, self._run_engine, kind, request, deadline,
                                            time.monotonic())
         except BaseException:
