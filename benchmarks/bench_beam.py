@@ -1,7 +1,8 @@
 """W4 (DESIGN §9): bounded beam search, prompt 128, W=16, S=4, batch 1 and 8, with and without a trie of
 100K item IDs, against HF `generate` in the same run.
 
-The trie: 3 levels × 256 semantic codes plus a 4th disambiguation code (TIGER-style), so item IDs are
+The trie: 3 levels × 256 semantic codes plus a 4th disambiguation code (TIGER-style), so item IDs
+are
 4 tokens long and match S=4. HF's constrained baseline uses `prefix_allowed_tokens_fn` over the same
 items (a Python dict trie), the way a user of HF would constrain it.
 
@@ -19,10 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import common  # noqa: E402
+import common
 
-from boundgen import Engine, Trie  # noqa: E402
-from boundgen.checkpoints import ensure_model  # noqa: E402
+from boundgen import Engine, Trie
+from boundgen.checkpoints import ensure_model
 
 
 def make_items(num_items: int, vocab_lo: int, seed: int = 0) -> torch.Tensor:
@@ -67,13 +68,19 @@ def main() -> int:
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtype_name = "bfloat16" if dev.type == "cuda" else "float32"
-    path = Path(args.model) if args.model else ensure_model(args.preset, dtype=dtype_name, root=args.root)
+    path = (
+        Path(args.model)
+        if args.model
+        else ensure_model(args.preset, dtype=dtype_name, root=args.root)
+    )
     engines = {}
     for backend in args.backends:
         kwargs = {} if backend == "eager" else {"backend": backend}
         try:
-            engines[backend] = Engine.from_pretrained(path, device=args.device, dtype=dtype_name, **kwargs)
-        except Exception:  # noqa: BLE001
+            engines[backend] = Engine.from_pretrained(
+                path, device=args.device, dtype=dtype_name, **kwargs
+            )
+        except Exception:
             traceback.print_exc()
     engine = next(iter(engines.values()))
     vocab = min(engine.tokenizer.vocab_size, engine.config.vocab_size)
@@ -81,45 +88,78 @@ def main() -> int:
     items = make_items(args.items, vocab_lo=1000)
     trie = Trie.from_sequences(items.numpy()).to(dev)
     build_s = time.perf_counter() - t0
-    hf = {m: common.hf_model(path, dev, getattr(torch, dtype_name), None if m == "eager" else "default")
-          for m in args.hf}
-    results = {"env": common.env_info(), "model": str(path), "trie": {
-        "items": trie.num_items, "depth": trie.depth, "build_s": build_s, "nbytes": trie.nbytes}, "runs": {}}
+    hf = {
+        m: common.hf_model(
+            path, dev, getattr(torch, dtype_name), None if m == "eager" else "default"
+        )
+        for m in args.hf
+    }
+    results = {
+        "env": common.env_info(),
+        "model": str(path),
+        "trie": {
+            "items": trie.num_items,
+            "depth": trie.depth,
+            "build_s": build_s,
+            "nbytes": trie.nbytes,
+        },
+        "runs": {},
+    }
     rows = []
     g = torch.Generator().manual_seed(7)
     for batch in args.batches:
-        prompts = [torch.randint(100, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(batch)]
+        prompts = [
+            torch.randint(100, vocab, (args.prompt_len,), generator=g).tolist()
+            for _ in range(batch)
+        ]
         for constrained in (False, True):
             name = f"W4 b{batch} {'trie' if constrained else 'free'}"
             entry = results["runs"].setdefault(name, {})
             ref = None
             for mode, model in hf.items():
                 ids = torch.tensor(prompts, device=dev)
-                kw = dict(num_beams=args.width, num_return_sequences=args.width, max_new_tokens=args.steps,
-                          min_new_tokens=args.steps, do_sample=False, length_penalty=0.0,
-                          early_stopping=False, output_scores=True, return_dict_in_generate=True)
+                kw = dict(
+                    num_beams=args.width,
+                    num_return_sequences=args.width,
+                    max_new_tokens=args.steps,
+                    min_new_tokens=args.steps,
+                    do_sample=False,
+                    length_penalty=0.0,
+                    early_stopping=False,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
                 if constrained:
                     kw["prefix_allowed_tokens_fn"] = hf_prefix_fn(items, args.prompt_len)
                 try:
-                    call = lambda: model.generate(ids, **kw)  # noqa: E731
+                    call = lambda: model.generate(ids, **kw)
                     out = call()
-                    ref = out.sequences[:, args.prompt_len:].view(batch, args.width, -1).tolist()
+                    ref = out.sequences[:, args.prompt_len :].view(batch, args.width, -1).tolist()
                     t = common.timed(call, dev, warmup=1, iters=args.iters, budget_s=args.budget_s)
                     entry[f"hf-{mode}"] = t
                     rows.append({"run": name, "variant": f"hf-{mode}", **t})
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     entry[f"hf-{mode}"] = {"error": repr(exc)}
                     traceback.print_exc()
             for backend, eng in engines.items():
                 try:
-                    call = lambda: eng.beam_search_batch(prompts, args.width, args.steps,  # noqa: E731
-                                                         trie=trie if constrained else None)
+                    call = lambda: eng.beam_search_batch(
+                        prompts,
+                        args.width,
+                        args.steps,
+                        trie=trie if constrained else None,
+                    )
                     ours = call()
                     t = common.timed(call, dev, warmup=2, iters=args.iters, budget_s=args.budget_s)
                     if ref is not None:
                         same_top1 = sum(o[0][0] == r[0] for o, r in zip(ours, ref)) / batch
-                        overlap = sum(len({tuple(x[0]) for x in o} & {tuple(x) for x in r}) / args.width
-                                      for o, r in zip(ours, ref)) / batch
+                        overlap = (
+                            sum(
+                                len({tuple(x[0]) for x in o} & {tuple(x) for x in r}) / args.width
+                                for o, r in zip(ours, ref)
+                            )
+                            / batch
+                        )
                         t.update(top1_agreement_vs_hf=same_top1, set_overlap_vs_hf=overlap)
                     if constrained:
                         t["invalid_ids"] = sum(not trie.contains(x[0]) for o in ours for x in o)
@@ -128,12 +168,25 @@ def main() -> int:
                         t["speedup_vs_hf_eager"] = base / t["median_ms"]
                     entry[f"boundgen-{backend}"] = t
                     rows.append({"run": name, "variant": f"boundgen-{backend}", **t})
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     entry[f"boundgen-{backend}"] = {"error": repr(exc)}
                     traceback.print_exc()
-    print(f"trie: {trie.num_items} items, depth {trie.depth}, built in {build_s:.2f}s, {trie.nbytes / 1e6:.1f} MB")
-    common.print_table(rows, ["run", "variant", "median_ms", "p90_ms", "speedup_vs_hf_eager",
-                              "top1_agreement_vs_hf", "set_overlap_vs_hf", "invalid_ids"])
+    print(
+        f"trie: {trie.num_items} items, depth {trie.depth}, built in {build_s:.2f}s, {trie.nbytes / 1e6:.1f} MB"
+    )
+    common.print_table(
+        rows,
+        [
+            "run",
+            "variant",
+            "median_ms",
+            "p90_ms",
+            "speedup_vs_hf_eager",
+            "top1_agreement_vs_hf",
+            "set_overlap_vs_hf",
+            "invalid_ids",
+        ],
+    )
     common.write_json(args.out, results)
     return 0
 

@@ -5,25 +5,31 @@
     python benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out $OUT/fp8_kernels.json
     python benchmarks/bench_fp8.py --sections env,model,gate --out $OUT/fp8_model.json
     python benchmarks/bench_fp8.py --sections env,compiled --out $OUT/fp8_compiled.json
-    python benchmarks/bench_fp8.py --dry-run-cpu --out /tmp/fp8.json  # code paths on CPU, no timings
+    python benchmarks/bench_fp8.py --dry-run-cpu --out /tmp/fp8.json  # code paths on CPU, no
+    timings
 
 Sections (each isolated: a failure is recorded under "errors" and the others still run; the JSON is
 rewritten after every section, so a timeout keeps what finished):
 - env:    torch/GPU, fp8_supported, Triton quantizer self-test.
 - gemm:   every projection of the real preset shapes (0.5B, 0.6B, 1B) at M tokens: bf16 F.linear,
           FP8 `_scaled_mm` alone (pre-quantized input; fast_accum off/on), and the full Fp8Linear
-          (per-token quantize + GEMM) with the torch quantizer, the Triton one, and under torch.compile.
+          (per-token quantize + GEMM) with the torch quantizer, the Triton one, and under
+          torch.compile.
 - quant:  the activation quantizer alone (torch eager / Triton / torch.compile) on [M, K].
-- mlp:    one compiled MLP block (RMSNorm -> gate_up -> SiLU*mul -> down, Inductor fuses the quantize
+- mlp:    one compiled MLP block (RMSNorm -> gate_up -> SiLU*mul -> down, Inductor fuses the
+  quantize
           into its producer) bf16 vs FP8, per preset shape.
-- model:  the engine (eager, bf16 weights of the seeded synthetic qwen2.5-0.5b checkpoint) on W1 (256
+- model:  the engine (eager, bf16 weights of the seeded synthetic qwen2.5-0.5b checkpoint) on W1
+  (256
           prompts, 64-256 tokens, 2 labels: tok/s) and W2 (prefix 256 + 100 x 16: ms) for none, mlp
           (Triton and torch quantizer), mlp+attn-proj; bf16 again at the end to show drift.
 - compiled (not in the default list; run alone, each policy compiles the model per bucket): W1/W2
           through boundgen.compile's torch.compile backend, bf16 vs each policy.
-- gate:   the fidelity gate (full eval set) for each policy with real FP8, emulated-vs-real agreement, and
+- gate:   the fidelity gate (full eval set) for each policy with real FP8, emulated-vs-real
+  agreement, and
           the bf16-vs-fp32 noise floor on the same eval set (how close two "exact" runs get), and a
-          sensitivity table (one projection kind in FP8 at a time; MLP without the first/last layer).
+          sensitivity table (one projection kind in FP8 at a time; MLP without the first/last
+          layer).
 """
 
 from __future__ import annotations
@@ -156,7 +162,7 @@ def section_gemm(res: dict, args) -> None:
                         try:
                             layer = Fp8Linear.from_linear(lin, act_quant=aq)
                             row[f"fp8_{aq}_ms"] = cuda_time_ms(lambda: layer(x))
-                        except Exception as exc:  # noqa: BLE001
+                        except Exception as exc:
                             row[f"fp8_{aq}_error"] = repr(exc)[:300]
                     if not args.no_compile and m in args.compile_tokens:
                         try:
@@ -165,7 +171,7 @@ def section_gemm(res: dict, args) -> None:
                             row["fp8_compiled_ms"] = cuda_time_ms(lambda: cl(x))
                             cb = torch.compile(lin, dynamic=False)
                             row["bf16_compiled_ms"] = cuda_time_ms(lambda: cb(x))
-                        except Exception as exc:  # noqa: BLE001
+                        except Exception as exc:
                             row["compiled_error"] = repr(exc)[:300]
                     for key in [k_ for k_ in row if k_.endswith("_ms")]:
                         row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
@@ -174,7 +180,7 @@ def section_gemm(res: dict, args) -> None:
                     )
                     row["speedup_best_fp8_vs_bf16"] = row["bf16_ms"] / best_fp8
                     del x, lin, w, a8, w8
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     row["error"] = repr(exc)[:300]
                 out.append(row)
                 print(
@@ -227,7 +233,7 @@ def section_quant(res: dict, args) -> None:
             if use_compiled:
                 try:
                     row["compiled_ms"] = cuda_time_ms(lambda: compiled(x))
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     row["compiled_error"] = repr(exc)[:300]
             # read bf16 + write e4m3: 3 bytes per element at best
             row["ideal_ms_at_4.2TBs"] = 3.0 * m * k / 4.2e12 * 1e3
@@ -293,7 +299,7 @@ def section_mlp(res: dict, args) -> None:
                         row["fp8_compiled_ms"] / row["bf16_compiled_ms"]
                     )
                 row["eager_ratio_fp8_over_bf16"] = row["fp8_eager_ms"] / row["bf16_eager_ms"]
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 row["error"] = repr(exc)[:500]
             out.append(row)
             print("mlp_block", row, flush=True)
@@ -331,12 +337,12 @@ def _time_w1_w2(row, engine, w1, w1_tokens, w2_prefix, w2_items, labels, args) -
     try:
         t = wall_time_s(lambda: engine.score([], w1, labels), iters=args.iters)
         row["w1_s"], row["w1_tok_s"] = t, w1_tokens / t
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         row["w1_error"] = repr(exc)[:500]
     try:
         t = wall_time_s(lambda: engine.score(w2_prefix, w2_items, labels), iters=max(5, args.iters))
         row["w2_ms"] = t * 1e3
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         row["w2_error"] = repr(exc)[:500]
 
 
@@ -404,7 +410,7 @@ def section_model(res: dict, args) -> None:
                 if mods:
                     row["act_quant"] = engine.model.get_submodule(mods[0]).act_quant
                 _time_w1_w2(row, engine, w1, w1_tokens, w2_prefix, w2_items, labels, args)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             row["error"] = repr(exc)[:500]
         out["runs"].append(row)
         print("model", row, flush=True)
@@ -415,7 +421,8 @@ def section_model(res: dict, args) -> None:
 
 def section_compiled(res: dict, args) -> None:
     """W1/W2 through the torch.compile backend (boundgen.compile.runner), where Inductor fuses the
-    activation quantize into its producer: bf16 vs each policy. Not in the default sections (each policy
+    activation quantize into its producer: bf16 vs each policy. Not in the default sections (each
+    policy
     compiles the whole model per bucket): run it alone, `--sections env,compiled`."""
     from boundgen.compile.runner import CompileOptions, make_runner
 
@@ -455,7 +462,7 @@ def section_compiled(res: dict, args) -> None:
                     row["runner_stats"] = runner.stats() if hasattr(runner, "stats") else None
                 finally:
                     engine.runner = eager_runner
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             row["error"] = repr(exc)[:800]
         out["runs"].append(row)
         print("compiled", row, flush=True)
@@ -494,11 +501,12 @@ def section_gate(res: dict, args) -> None:
                 report.notes["eval_seconds"] = f"{time.perf_counter() - t0:.1f}"
             out["reports"][policy] = report.to_dict()
             print(report.format(), flush=True)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             out["reports"][policy] = {"error": repr(exc)[:500]}
             print(f"gate {policy} failed: {exc!r}", flush=True)
         save(res, args)
-    # sensitivity: which projections cost fidelity (one kind at a time; MLP without the first/last layer)
+    # sensitivity: which projections cost fidelity (one kind at a time; MLP without the first/last
+    # layer)
     if not args.no_sensitivity:
         sens = out.setdefault("sensitivity", {})
         model = engine.model
@@ -531,10 +539,11 @@ def section_gate(res: dict, args) -> None:
                     + "; ".join(rep.failures),
                     flush=True,
                 )
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 sens[label] = {"error": repr(exc)[:500]}
         save(res, args)
-    # emulation must reproduce the kernel's numerics: compare emulated and real FP8 on W2-style groups
+    # emulation must reproduce the kernel's numerics: compare emulated and real FP8 on W2-style
+    # groups
     try:
         sub = type(ev)(ev.name + "-W2", [c for c in ev.score_cases if c.set_name == "W2"], [])
         with _Policy(engine, "mlp"):
@@ -551,7 +560,7 @@ def section_gate(res: dict, args) -> None:
             "topk_mean": rep.sets[0].topk_mean,
         }
         print("emulation vs real", out["emulation_vs_real"], flush=True)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         out["emulation_vs_real"] = {"error": repr(exc)[:500]}
     save(res, args)
     # noise floor: bf16 (the gate's reference) against fp32 on the same eval set
@@ -568,7 +577,7 @@ def section_gate(res: dict, args) -> None:
             )
             out["noise_floor_bf16_vs_fp32"] = report.to_dict()
             print(report.format(), flush=True)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             out["noise_floor_bf16_vs_fp32"] = {"error": repr(exc)[:500]}
 
 
@@ -685,7 +694,7 @@ def main(argv=None) -> int:
         try:
             with torch.inference_mode():  # no autograd: _scaled_mm has no derivative
                 funcs[name](res, args)
-        except Exception:  # noqa: BLE001 - one failing section must not lose the others
+        except Exception:
             res["errors"][name] = traceback.format_exc()[-3000:]
             print(f"section {name} failed:\n{res['errors'][name]}", file=sys.stderr, flush=True)
         res["timings_s"][name] = round(time.perf_counter() - t0, 1)
@@ -693,7 +702,7 @@ def main(argv=None) -> int:
         _empty_cache()
     try:
         text = summary(res)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         text = f"(summary failed: {exc!r}; see the JSON)"
     res["summary"] = text
     save(res, args)

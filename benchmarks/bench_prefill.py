@@ -3,7 +3,8 @@
     python benchmarks/bench_prefill.py --preset qwen2.5-0.5b --device cuda --out $OUT/prefill.json
     python benchmarks/bench_prefill.py --preset tiny --device cpu --workloads w2     # CPU, W2-style
 
-Every variant first checks its label logits against HF on the same inputs (max |diff| reported), then is
+Every variant first checks its label logits against HF on the same inputs (max |diff| reported),
+then is
 timed (median of repeated end-to-end calls: packing, H2D, forward, label columns, copy back).
 """
 
@@ -18,10 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import common  # noqa: E402
+import common
 
-from boundgen import Engine  # noqa: E402
-from boundgen.checkpoints import ensure_model  # noqa: E402
+from boundgen import Engine
+from boundgen.checkpoints import ensure_model
 
 
 def main() -> int:
@@ -33,7 +34,9 @@ def main() -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--workloads", nargs="+", default=["w1", "w2", "w3"])
     ap.add_argument("--hf", nargs="*", default=["eager", "compile"], help="HF baselines to run")
-    ap.add_argument("--backends", nargs="+", default=["eager"], help="boundgen backends (Engine backend=)")
+    ap.add_argument(
+        "--backends", nargs="+", default=["eager"], help="boundgen backends (Engine backend=)"
+    )
     ap.add_argument("--w2-items", type=int, default=100)
     ap.add_argument("--w1-prompts", type=int, default=256)
     ap.add_argument("--iters", type=int, default=10)
@@ -47,14 +50,22 @@ def main() -> int:
     dev = torch.device(args.device)
     dtype_name = args.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
-    path = Path(args.model) if args.model else ensure_model(args.preset, dtype="bfloat16" if dev.type == "cuda" else "float32", root=args.root)
+    path = (
+        Path(args.model)
+        if args.model
+        else ensure_model(
+            args.preset, dtype="bfloat16" if dev.type == "cuda" else "float32", root=args.root
+        )
+    )
     engines = {}
     for backend in args.backends:
         t0 = time.perf_counter()
         kwargs = {} if backend == "eager" else {"backend": backend}
         try:
-            engines[backend] = Engine.from_pretrained(path, device=args.device, dtype=dtype_name, **kwargs)
-        except Exception as exc:  # noqa: BLE001 — one failing backend must not lose the others
+            engines[backend] = Engine.from_pretrained(
+                path, device=args.device, dtype=dtype_name, **kwargs
+            )
+        except Exception as exc:
             print(f"backend {backend} failed to load: {exc}")
             traceback.print_exc()
         print(f"loaded boundgen[{backend}] in {time.perf_counter() - t0:.1f}s")
@@ -68,8 +79,13 @@ def main() -> int:
         hf[mode] = common.hf_model(path, dev, dtype, None if mode == "eager" else "default")
         print(f"loaded HF {mode} in {time.perf_counter() - t0:.1f}s")
 
-    results = {"env": common.env_info(), "model": str(path), "preset": args.preset, "dtype": dtype_name,
-               "workloads": {}}
+    results = {
+        "env": common.env_info(),
+        "model": str(path),
+        "preset": args.preset,
+        "dtype": dtype_name,
+        "workloads": {},
+    }
     rows = []
 
     def run(name, seqs_for_hf, ours_call, flops, real_tokens, items, hf_batch):
@@ -81,11 +97,16 @@ def main() -> int:
                 out = common.hf_last_logits(model, seqs_for_hf, dev, hf_batch, labels)
                 first_ms = (time.perf_counter() - t0) * 1e3
                 ref = out if ref is None else ref
-                t = common.timed(lambda: common.hf_last_logits(model, seqs_for_hf, dev, hf_batch, labels),
-                                 dev, warmup=1, iters=args.iters, budget_s=args.budget_s)
+                t = common.timed(
+                    lambda: common.hf_last_logits(model, seqs_for_hf, dev, hf_batch, labels),
+                    dev,
+                    warmup=1,
+                    iters=args.iters,
+                    budget_s=args.budget_s,
+                )
                 t["first_call_ms"] = first_ms
                 _record(entry, rows, name, f"hf-{mode}", t, flops, real_tokens, items)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 entry[f"hf-{mode}"] = {"error": repr(exc)}
                 traceback.print_exc()
         for backend, engine in engines.items():
@@ -93,38 +114,84 @@ def main() -> int:
                 t0 = time.perf_counter()
                 out = torch.tensor(ours_call(engine))
                 first_ms = (time.perf_counter() - t0) * 1e3
-                t = common.timed(lambda: ours_call(engine), dev, warmup=2, iters=args.iters,
-                                 budget_s=args.budget_s)
+                t = common.timed(
+                    lambda: ours_call(engine),
+                    dev,
+                    warmup=2,
+                    iters=args.iters,
+                    budget_s=args.budget_s,
+                )
                 t["first_call_ms"] = first_ms
                 if ref is not None:
                     t["max_abs_diff_vs_hf"] = (out - ref.cpu()).abs().max().item()
                     t["ref_abs_max"] = ref.abs().max().item()
                 _record(entry, rows, name, f"boundgen-{backend}", t, flops, real_tokens, items)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 entry[f"boundgen-{backend}"] = {"error": repr(exc)}
                 traceback.print_exc()
 
     if "w1" in args.workloads:
         prompts = common.w1_prompts(vocab, n=args.w1_prompts)
         lens = [len(p) for p in prompts]
-        run("W1", prompts, lambda e: e.score([], prompts, labels),
+        run(
+            "W1",
+            prompts,
+            lambda e: e.score([], prompts, labels),
             common.prefill_flops(cfg, lens, head_rows=len(prompts), head_cols=len(labels)),
-            sum(lens), len(prompts), 64)
+            sum(lens),
+            len(prompts),
+            64,
+        )
     if "w2" in args.workloads:
         query, cands = common.w2_request(vocab, items=args.w2_items)
-        run("W2", [query + c for c in cands], lambda e: e.score(query, cands, labels),
-            common.prefill_flops(cfg, [len(c) for c in cands], prefix=len(query),
-                                 head_rows=len(cands), head_cols=len(labels)),
-            len(query) + sum(map(len, cands)), len(cands), len(cands))
+        run(
+            "W2",
+            [query + c for c in cands],
+            lambda e: e.score(query, cands, labels),
+            common.prefill_flops(
+                cfg,
+                [len(c) for c in cands],
+                prefix=len(query),
+                head_rows=len(cands),
+                head_cols=len(labels),
+            ),
+            len(query) + sum(map(len, cands)),
+            len(cands),
+            len(cands),
+        )
     if "w3" in args.workloads:
         prompt = common.w1_prompts(vocab, n=1, lo=64, hi=64, seed=3)
         if "compile" in hf:  # the strongest HF peer for one small prompt: CUDA graphs
-            hf["compile"] = common.hf_model(path, dev, dtype, "reduce-overhead") if dev.type == "cuda" else hf["compile"]
-        run("W3", prompt, lambda e: e.score([], prompt, labels),
-            common.prefill_flops(cfg, [64], head_rows=1, head_cols=len(labels)), 64, 1, 1)
+            hf["compile"] = (
+                common.hf_model(path, dev, dtype, "reduce-overhead")
+                if dev.type == "cuda"
+                else hf["compile"]
+            )
+        run(
+            "W3",
+            prompt,
+            lambda e: e.score([], prompt, labels),
+            common.prefill_flops(cfg, [64], head_rows=1, head_cols=len(labels)),
+            64,
+            1,
+            1,
+        )
 
-    common.print_table(rows, ["workload", "variant", "median_ms", "p90_ms", "tok_per_s", "items_per_s",
-                              "mfu_spec", "first_call_ms", "max_abs_diff_vs_hf", "speedup_vs_hf_eager"])
+    common.print_table(
+        rows,
+        [
+            "workload",
+            "variant",
+            "median_ms",
+            "p90_ms",
+            "tok_per_s",
+            "items_per_s",
+            "mfu_spec",
+            "first_call_ms",
+            "max_abs_diff_vs_hf",
+            "speedup_vs_hf_eager",
+        ],
+    )
     common.write_json(args.out, results)
     return 0
 

@@ -4,10 +4,14 @@ requests through the engine's score pipeline at 1/2/4/8/16 concurrent clients.
     python benchmarks/bench_runtime.py --out runtime.json                       # CPU: tiny model
     python benchmarks/bench_runtime.py --preset qwen2.5-0.5b --device cuda --out runtime_h200.json
 
-Part 1 needs no model: pipelines of no-op nodes (chains of 1/4/8 nodes, a diamond with a join), run through
-`Executor.run` (the caller's thread does the work), `Executor.submit` (worker pool), and the direct call.
-Overhead = runtime time - direct time. Part 2 (skip with --no-engine): W2 (prefix 256 + 100 candidates x
-16 tokens, DESIGN §9) through `EngineRuntime` vs `Engine.score` directly, then closed-loop concurrency.
+Part 1 needs no model: pipelines of no-op nodes (chains of 1/4/8 nodes, a diamond with a join), run
+through
+`Executor.run` (the caller's thread does the work), `Executor.submit` (worker pool), and the direct
+call.
+Overhead = runtime time - direct time. Part 2 (skip with --no-engine): W2 (prefix 256 + 100
+candidates x
+16 tokens, DESIGN §9) through `EngineRuntime` vs `Engine.score` directly, then closed-loop
+concurrency.
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ def overhead_table(iters: int) -> list[dict]:
             direct = _per_call_us(lambda p=pipe, x=inputs: call_directly(p, x), iters)
             run = _per_call_us(lambda p=pipe, x=inputs: ex.run(p, x), iters)
             submit = _per_call_us(lambda p=pipe, x=inputs: ex.submit(p, x).result(), iters // 2)
-            with_deadline = _per_call_us(lambda p=pipe, x=inputs: ex.run(p, x, timeout_ms=1000), iters)
+            with_deadline = _per_call_us(
+                lambda p=pipe, x=inputs: ex.run(p, x, timeout_ms=1000), iters
+            )
             n = len(pipe.plan)
             rows.append(
                 {
@@ -198,7 +204,7 @@ def main() -> int:
         import common
 
         result["env"] = common.env_info()
-    except Exception:  # noqa: BLE001 - env info is optional
+    except Exception:
         result["env"] = {"torch": torch.__version__}
 
     rows = overhead_table(args.iters)

@@ -57,11 +57,17 @@ def timed(fn, device, warmup: int = 2, iters: int = 10, budget_s: float = 30.0) 
         if time.perf_counter() - start > budget_s and len(times) >= 3:
             break
     times.sort()
-    return {"median_ms": statistics.median(times), "min_ms": times[0],
-            "p90_ms": times[int(0.9 * (len(times) - 1))], "iters": len(times)}
+    return {
+        "median_ms": statistics.median(times),
+        "min_ms": times[0],
+        "p90_ms": times[int(0.9 * (len(times) - 1))],
+        "iters": len(times),
+    }
 
 
-def w1_prompts(vocab: int, n: int = 256, lo: int = 64, hi: int = 256, seed: int = 0) -> list[list[int]]:
+def w1_prompts(
+    vocab: int, n: int = 256, lo: int = 64, hi: int = 256, seed: int = 0
+) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.randint(100, vocab, (L,), generator=g).tolist() for L in lengths]
@@ -74,13 +80,17 @@ def w2_request(vocab: int, prefix: int = 256, items: int = 100, item_len: int = 
     return query, cands
 
 
-def prefill_flops(config, seq_lens: list[int], prefix: int = 0, head_rows: int = 0, head_cols: int = 0) -> float:
+def prefill_flops(
+    config, seq_lens: list[int], prefix: int = 0, head_rows: int = 0, head_cols: int = 0
+) -> float:
     """2·non-embedding params·tokens + causal attention + the LM-head columns actually computed.
 
     `prefix` > 0: every sequence is a suffix attending to a shared prefix computed once (W2)."""
     p = config.num_params(include_embeddings=False)
     tokens = sum(seq_lens) + prefix
-    attn_per_pair = 4 * config.num_heads * config.head_dim * config.num_layers  # QK and PV, 2 FLOPs/MAC
+    attn_per_pair = (
+        4 * config.num_heads * config.head_dim * config.num_layers
+    )  # QK and PV, 2 FLOPs/MAC
     pairs = prefix * (prefix + 1) / 2 + sum(L * prefix + L * (L + 1) / 2 for L in seq_lens)
     return 2 * p * tokens + attn_per_pair * pairs + 2 * head_rows * head_cols * config.hidden_size
 
@@ -92,28 +102,37 @@ def mfu(flops: float, seconds: float) -> dict:
 def hf_model(path, device, dtype, compile_mode: str | None = None):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa"
+        )
+        .to(device)
+        .eval()
+    )
     if compile_mode:
         model.forward = torch.compile(model.forward, mode=compile_mode)
     return model
 
 
 @torch.inference_mode()
-def hf_last_logits(model, seqs: list[list[int]], device, batch_size: int = 64, columns=None) -> torch.Tensor:
+def hf_last_logits(
+    model, seqs: list[list[int]], device, batch_size: int = 64, columns=None
+) -> torch.Tensor:
     """HF server-style scoring: left-padded batches, explicit positions, logits of the last token only."""
     outs = []
     for i in range(0, len(seqs), batch_size):
-        chunk = seqs[i: i + batch_size]
+        chunk = seqs[i : i + batch_size]
         width = max(map(len, chunk))
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
         for r, s in enumerate(chunk):
-            ids[r, width - len(s):] = torch.tensor(s)
-            mask[r, width - len(s):] = 1
+            ids[r, width - len(s) :] = torch.tensor(s)
+            mask[r, width - len(s) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1).logits[:, -1]
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1
+        ).logits[:, -1]
         outs.append(logits.float() if columns is None else logits[:, columns].float())
     return torch.cat(outs)
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import common  # noqa: E402
+import common
 
-from boundgen import Engine  # noqa: E402
-from boundgen.checkpoints import ensure_model  # noqa: E402
-from boundgen.text.packing import SequenceGroup  # noqa: E402
+from boundgen import Engine
+from boundgen.checkpoints import ensure_model
+from boundgen.text.packing import SequenceGroup
 
 
 def per_call_us(fn, n=200) -> float:
@@ -42,7 +42,7 @@ def main() -> int:
     path = ensure_model(args.preset, dtype="bfloat16", root=args.root)
     engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16")
     prompt = common.w1_prompts(1000, n=1, lo=64, hi=64, seed=3)
-    call = lambda: engine.score([], prompt, [514, 371])  # noqa: E731
+    call = lambda: engine.score([], prompt, [514, 371])
     t = common.timed(call, "cuda", warmup=3, iters=20)
     print(f"W3 end to end: {t['median_ms']:.2f} ms")
     from torch.profiler import ProfilerActivity, profile
@@ -66,8 +66,11 @@ def main() -> int:
         f"one forward, host only (no sync): {per_call_us(lambda: engine.runner.hidden_rows(groups), 20):.1f} us",
     ]
     try:
-        lines.insert(1, f"varlen_attn (public API): {per_call_us(lambda: varlen_attn(q, k, k, cu, cu, 64, 64, window_size=(-1, 0))):.1f} us")
-    except Exception as exc:  # noqa: BLE001
+        lines.insert(
+            1,
+            f"varlen_attn (public API): {per_call_us(lambda: varlen_attn(q, k, k, cu, cu, 64, 64, window_size=(-1, 0))):.1f} us",
+        )
+    except Exception as exc:
         lines.insert(1, f"varlen_attn failed: {exc}")
     print("\n".join(lines))
     if args.out:

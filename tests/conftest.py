@@ -8,7 +8,8 @@ from hypothesis import settings
 
 from boundgen.checkpoints import make_model
 
-# Property tests draw the same examples on every run (no flaky CI), with no example database on disk.
+# Property tests draw the same examples on every run (no flaky CI), with no example database on
+# disk.
 settings.register_profile("boundgen", derandomize=True, database=None, deadline=None)
 settings.load_profile("boundgen")
 
@@ -22,8 +23,9 @@ def tiny_model(tmp_path_factory):
         key = (arch, seq_cls)
         if key not in made:
             out = tmp_path_factory.mktemp(f"tiny-{arch}-{seq_cls or 'lm'}")
-            made[key] = make_model("tiny", out, arch=arch, seq_cls=seq_cls, seed=0, progress=False,
-                                   overwrite=True)
+            made[key] = make_model(
+                "tiny", out, arch=arch, seq_cls=seq_cls, seed=0, progress=False, overwrite=True
+            )
         return made[key]
 
     return get
@@ -39,7 +41,9 @@ def engine_for(tiny_model):
     def get(arch: str = "qwen2", seq_cls: int | None = None):
         key = (arch, seq_cls)
         if key not in made:
-            made[key] = Engine.from_pretrained(tiny_model(arch, seq_cls), device="cpu", dtype="float32")
+            made[key] = Engine.from_pretrained(
+                tiny_model(arch, seq_cls), device="cpu", dtype="float32"
+            )
         return made[key]
 
     return get

@@ -23,14 +23,16 @@ def dense_causal(q, k, v):
 
 def random_qkv(t, hq=4, hkv=2, d=16, dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
-    mk = lambda h: torch.randn(t, h, d, generator=g, device=device).to(dtype)  # noqa: E731
+    mk = lambda h: torch.randn(t, h, d, generator=g, device=device).to(dtype)
     return mk(hq), mk(hkv), mk(hkv)
 
 
 def check_cascade(backend, dtype, device, atol):
-    groups = [SequenceGroup(list(range(7)), [[1] * 3, [2] * 5, [], [3]]),
-              SequenceGroup([], [[4] * 6, [5] * 2]),
-              SequenceGroup(list(range(4)), [[6] * 2, [7] * 4])]
+    groups = [
+        SequenceGroup(list(range(7)), [[1] * 3, [2] * 5, [], [3]]),
+        SequenceGroup([], [[4] * 6, [5] * 2]),
+        SequenceGroup(list(range(4)), [[6] * 2, [7] * 4]),
+    ]
     batch = pack(groups).to(device)
     q, k, v = random_qkv(batch.num_tokens, dtype=dtype, device=device)
     out = prefill_attention(q, k, v, batch.attn, backend)
@@ -44,7 +46,9 @@ def check_cascade(backend, dtype, device, atol):
                 rows = list(range(start, last + 1))
             else:  # shared prefix rows, then the suffix's own rows
                 p0 = batch.attn.cu_prefix[shared.index(g_idx)].item()
-                rows = list(range(p0, p0 + len(g.prefix))) + list(range(last - len(s) + 1, last + 1) if s else [])
+                rows = list(range(p0, p0 + len(g.prefix))) + list(
+                    range(last - len(s) + 1, last + 1) if s else []
+                )
             ref = dense_causal(q[rows], k[rows], v[rows])
             assert torch.allclose(out[rows[-1]].double(), ref[-1], atol=atol), (g_idx, n)
             n += 1
@@ -63,7 +67,7 @@ def test_varlen_cascade_matches_dense_attention():
 def test_merge_of_split_keys_equals_attention_over_all_keys():
     backend = get_backend("reference", "cpu")
     q, k, v = random_qkv(12, seed=3)
-    cu = lambda *xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    cu = lambda *xs: torch.tensor(xs, dtype=torch.int32)
     full, full_lse = backend.varlen(q[:4], k, v, cu(0, 4), cu(0, 12), 4, 12, False)
     oa, la = backend.varlen(q[:4], k[:5], v[:5], cu(0, 4), cu(0, 5), 4, 5, False)
     ob, lb = backend.varlen(q[:4], k[5:], v[5:], cu(0, 4), cu(0, 7), 4, 7, False)
@@ -75,15 +79,18 @@ def test_causal_alignment_is_bottom_right():
     """Fewer queries than keys: the last query sees every key, the first sees all but the last Lq-1."""
     backend = get_backend("reference", "cpu")
     q, k, v = random_qkv(6, seed=4)
-    cu = lambda *xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    cu = lambda *xs: torch.tensor(xs, dtype=torch.int32)
     out, _ = backend.varlen(q[4:], k, v, cu(0, 2), cu(0, 6), 2, 6, True)
     full = dense_causal(q, k, v)
     assert torch.allclose(out.double(), full[4:], atol=1e-5)
 
 
 def test_packing_layout_positions_and_rows():
-    groups = [SequenceGroup([10, 11, 12], [[1, 2], [3]]), SequenceGroup([], [[4, 5, 6]]),
-              SequenceGroup([20], [[7]])]
+    groups = [
+        SequenceGroup([10, 11, 12], [[1, 2], [3]]),
+        SequenceGroup([], [[4, 5, 6]]),
+        SequenceGroup([20], [[7]]),
+    ]
     b = pack(groups)
     assert b.input_ids.tolist() == [10, 11, 12, 1, 2, 3, 4, 5, 6, 20, 7]
     assert b.positions.tolist() == [0, 1, 2, 3, 4, 3, 0, 1, 2, 0, 1]

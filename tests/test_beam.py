@@ -23,7 +23,8 @@ def hf_model(tiny_model):
     def get(arch):
         if arch not in cache:
             cache[arch] = transformers.AutoModelForCausalLM.from_pretrained(
-                tiny_model(arch), dtype=torch.float32).eval()
+                tiny_model(arch), dtype=torch.float32
+            ).eval()
         return cache[arch]
 
     return get
@@ -39,11 +40,18 @@ def test_unconstrained_matches_hf_generate(arch, width, steps, engine_for, hf_mo
     prompt = engine.tokenizer.encode(PROMPT)
     ours = engine.beam_search(prompt, width, steps)
     out = hf_model(arch).generate(
-        torch.tensor([prompt]), num_beams=width, num_return_sequences=width, max_new_tokens=steps,
-        min_new_tokens=steps, do_sample=False, length_penalty=0.0, early_stopping=False,
-        output_scores=True, return_dict_in_generate=True,
+        torch.tensor([prompt]),
+        num_beams=width,
+        num_return_sequences=width,
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        do_sample=False,
+        length_penalty=0.0,
+        early_stopping=False,
+        output_scores=True,
+        return_dict_in_generate=True,
     )
-    assert [tokens for tokens, _ in ours] == out.sequences[:, len(prompt):].tolist()
+    assert [tokens for tokens, _ in ours] == out.sequences[:, len(prompt) :].tolist()
     for (_, score), ref in zip(ours, out.sequences_scores.tolist()):
         assert abs(score - ref) < 1e-4
 
@@ -90,9 +98,16 @@ def test_trie_constrained_equals_brute_force(width, engine_for, hf_model):
     assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(ours, ref))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
-    items=st.lists(st.lists(st.integers(0, 60), min_size=3, max_size=3), min_size=1, max_size=30, unique_by=tuple),
+    items=st.lists(
+        st.lists(st.integers(0, 60), min_size=3, max_size=3),
+        min_size=1,
+        max_size=30,
+        unique_by=tuple,
+    ),
     width=st.integers(1, 12),
     top_k=st.integers(1, 12),
 )
@@ -120,16 +135,19 @@ def test_narrow_trie_returns_fewer_results_without_nan(engine_for):
     assert all(math.isfinite(s) for _, s in results)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"beam_width": 0}, "beam_width must be a positive integer"),
-    ({"beam_width": 65}, "above the configured bound"),
-    ({"steps": 0}, "steps must be a positive integer"),
-    ({"steps": 17}, "above the configured bound"),
-    ({"top_k": 5, "beam_width": 4}, "top_k 5 is above"),
-    ({"prompt": ""}, "prompts[0] is empty"),
-    ({"prompt": [1, -2]}, "outside the vocabulary"),
-    ({"trie": [[1, 2]]}, "trie must be a boundgen.Trie"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"beam_width": 0}, "beam_width must be a positive integer"),
+        ({"beam_width": 65}, "above the configured bound"),
+        ({"steps": 0}, "steps must be a positive integer"),
+        ({"steps": 17}, "above the configured bound"),
+        ({"top_k": 5, "beam_width": 4}, "top_k 5 is above"),
+        ({"prompt": ""}, "prompts[0] is empty"),
+        ({"prompt": [1, -2]}, "outside the vocabulary"),
+        ({"trie": [[1, 2]]}, "trie must be a boundgen.Trie"),
+    ],
+)
 def test_bad_input_is_a_clear_error(kwargs, message, engine_for):
     engine = engine_for("qwen2")
     args = {"prompt": PROMPT, "beam_width": 4, "steps": 2, **kwargs}

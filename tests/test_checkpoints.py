@@ -18,8 +18,13 @@ from boundgen.checkpoints import (
     tensor_specs,
 )
 
-FILES = ["config.json", "generation_config.json", "special_tokens_map.json", "tokenizer.json",
-         "tokenizer_config.json"]
+FILES = [
+    "config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
 EXPECTED_CLASS = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}
 # Parameter counts of the real models (tied heads counted once).
 REAL_PARAMS = {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920, "llama3.2-1b": 1_235_814_400}
@@ -28,8 +33,10 @@ REAL_PARAMS = {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920, "llama3.2
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: make_model("tiny", root / arch, arch=arch, progress=False)
-            for arch in ("qwen2", "qwen3", "llama")}
+    return {
+        arch: make_model("tiny", root / arch, arch=arch, progress=False)
+        for arch in ("qwen2", "qwen3", "llama")
+    }
 
 
 def _load_causal(path):
@@ -58,8 +65,11 @@ def test_tiny_loads_in_transformers(tiny_dirs, arch):
     tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert tied == (arch != "qwen2")
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    batch = tok(["Is the jacket waterproof? Answer:", "cheap blue backpack"], padding=True,
-                return_tensors="pt")
+    batch = tok(
+        ["Is the jacket waterproof? Answer:", "cheap blue backpack"],
+        padding=True,
+        return_tensors="pt",
+    )
     with torch.no_grad():
         logits = model(**batch).logits
     assert logits.shape[-1] == config.vocab_size
@@ -99,7 +109,8 @@ def test_seq_cls_loads_in_transformers(tmp_path, arch):
     assert config["architectures"] == [f"{EXPECTED_CLASS[arch]}ForSequenceClassification"]
     assert config["pad_token_id"] is not None and len(config["id2label"]) == 3
     model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
-        path, output_loading_info=True)
+        path, output_loading_info=True
+    )
     _assert_clean(info)
     assert type(model).__name__ == f"{EXPECTED_CLASS[arch]}ForSequenceClassification"
     assert model.score.weight.shape == (3, config["hidden_size"])
@@ -120,9 +131,11 @@ def test_tokenizer(tiny_dirs, arch):
     ids = [raw.encode(w, add_special_tokens=False).ids for w in words]
     assert all(len(i) == 1 for i in ids), ids
     assert len({i[0] for i in ids}) == len(words)
-    for text in ["Is the Acme kettle 1.7 L waterproof? Answer: yes",
-                 "  naïve café — 日本語 🙂\n\ttabs & <html> 12345.67",
-                 "<|im_start|>user\nhi<|im_end|>" if arch != "llama" else "<|eot_id|> ok"]:
+    for text in [
+        "Is the Acme kettle 1.7 L waterproof? Answer: yes",
+        "  naïve café — 日本語 🙂\n\ttabs & <html> 12345.67",
+        "<|im_start|>user\nhi<|im_end|>" if arch != "llama" else "<|eot_id|> ok",
+    ]:
         enc = raw.encode(text, add_special_tokens=False)
         assert raw.decode(enc.ids, skip_special_tokens=False) == text
     config = json.loads((path / "config.json").read_text())
@@ -140,8 +153,9 @@ def test_tokenizer(tiny_dirs, arch):
     assert hf.eos_token == eos and hf.pad_token_id == config["pad_token_id"]
     corpus = checkpoints._corpus_lines()[::25]
     assert [hf(line)["input_ids"] for line in corpus] == [e.ids for e in raw.encode_batch(corpus)]
-    chat = hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                  add_generation_prompt=True)
+    chat = hf.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert "assistant" in chat
 
 
@@ -157,8 +171,9 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path):
 
 def test_sharded_matches_single_file(tmp_path, tiny_dirs):
     transformers = pytest.importorskip("transformers")
-    path = make_model("tiny", tmp_path / "sharded", arch="llama", max_shard_bytes=200_000,
-                      progress=False)
+    path = make_model(
+        "tiny", tmp_path / "sharded", arch="llama", max_shard_bytes=200_000, progress=False
+    )
     shards = sorted(path.glob("model-*.safetensors"))
     assert len(shards) > 1 and not (path / "model.safetensors").exists()
     assert shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -219,8 +234,13 @@ def test_real_preset_values():
     assert ll["vocab_size"] == 128256 and ll["rope_theta"] == 500000.0
     assert ll["rms_norm_eps"] == 1e-5
     assert ll["max_position_embeddings"] == 131072
-    assert ll["rope_scaling"] == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert ll["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     # arch picks the family, the preset keeps its shapes
     other = hf_config("qwen2.5-0.5b", arch="llama", seq_cls=2)
     assert other["architectures"] == ["LlamaForSequenceClassification"]
@@ -259,8 +279,23 @@ def test_cli(tmp_path, capsys):
     from boundgen.cli import main
 
     out = tmp_path / "cli"
-    assert main(["make-model", "--preset", "tiny", "--arch", "qwen3", "--out", str(out),
-                 "--max-shard-size", "0.2MB", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "make-model",
+                "--preset",
+                "tiny",
+                "--arch",
+                "qwen3",
+                "--out",
+                str(out),
+                "--max-shard-size",
+                "0.2MB",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == str(out) and "Qwen3ForCausalLM" in printed[1] and "float32" in printed[1]
     assert len(list(out.glob("model-*.safetensors"))) > 1

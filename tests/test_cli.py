@@ -13,8 +13,18 @@ def test_every_command_is_listed(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out
-    for name in ("demo", "score", "beam", "make-model", "serve", "loadtest", "compile", "quant-check",
-                 "trace", "train-demo"):
+    for name in (
+        "demo",
+        "score",
+        "beam",
+        "make-model",
+        "serve",
+        "loadtest",
+        "compile",
+        "quant-check",
+        "trace",
+        "train-demo",
+    ):
         assert name in out
 
 
@@ -34,12 +44,28 @@ def test_command_with_missing_optional_dependency(monkeypatch, capsys):
 
 def test_unknown_flags_still_error(capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["score", "--model", "m", "--query", "q", "--item", "i", "--labels", "1", "--bogus"])
+        cli.main(
+            ["score", "--model", "m", "--query", "q", "--item", "i", "--labels", "1", "--bogus"]
+        )
     assert exc.value.code == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_user_errors_are_one_line(tmp_path, capsys):
-    assert cli.main(["score", "--model", str(tmp_path / "nope"), "--query", "q", "--item", "i",
-                     "--labels", "1"]) == 1
+    assert (
+        cli.main(
+            [
+                "score",
+                "--model",
+                str(tmp_path / "nope"),
+                "--query",
+                "q",
+                "--item",
+                "i",
+                "--labels",
+                "1",
+            ]
+        )
+        == 1
+    )
     assert "does not exist" in capsys.readouterr().err

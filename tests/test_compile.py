@@ -1,6 +1,7 @@
 """Compiled model nodes: buckets/padding, masked attention, AOTInductor parity, artifact cache, preload guard.
 
-The tiny model is AOTInductor-compiled once per session into one cascade bucket (which also takes plain
+The tiny model is AOTInductor-compiled once per session into one cascade bucket (which also takes
+plain
 batches), ~40 s on a CI CPU; every cache test reuses that artifact or a stub builder.
 """
 
@@ -37,16 +38,25 @@ def _ids(gen, n, vocab=500):
 
 def _groups(seed: int):
     g = torch.Generator().manual_seed(seed)
-    return [SequenceGroup(_ids(g, 9), [_ids(g, 3), _ids(g, 5), _ids(g, 1)]),
-            SequenceGroup(_ids(g, 6), [_ids(g, 4), _ids(g, 2)]),
-            SequenceGroup([], [_ids(g, 11), _ids(g, 7)])]
+    return [
+        SequenceGroup(_ids(g, 9), [_ids(g, 3), _ids(g, 5), _ids(g, 1)]),
+        SequenceGroup(_ids(g, 6), [_ids(g, 4), _ids(g, 2)]),
+        SequenceGroup([], [_ids(g, 11), _ids(g, 7)]),
+    ]
 
 
-# -- buckets and attention (no compile) --------------------------------------------------------------
+# -- buckets and attention (no compile)
+# --------------------------------------------------------------
 def test_bucket_parse_and_names():
     b = Bucket.parse("t2048-s64-m256-g4-p512-q1024")
     assert (b.tokens, b.segments, b.max_seqlen, b.groups, b.prefix_tokens, b.shared_tokens) == (
-        2048, 64, 256, 4, 512, 1024)
+        2048,
+        64,
+        256,
+        4,
+        512,
+        1024,
+    )
     assert Bucket.parse(b.name) == b
     assert Bucket.parse("t256") == Bucket(256, 8, 256)
     assert [x.tokens for x in default_buckets(1024)] == [64, 128, 256, 512, 1024]
@@ -78,15 +88,23 @@ def test_padding_keeps_real_rows_exact(engine_for):
     masked = copy.copy(model)
     masked.backend = MaskedBackend()
     buckets = BucketSet([Bucket.parse("t32"), BUCKET, Bucket.parse("t128-s16-m64-g4-p48-q48")])
-    cases = [_groups(0), [SequenceGroup([], [[5, 6, 7], [8] * 20])], [SequenceGroup([1, 2, 3], [[4], [5, 6]])]]
+    cases = [
+        _groups(0),
+        [SequenceGroup([], [[5, 6, 7], [8] * 20])],
+        [SequenceGroup([1, 2, 3], [[4], [5, 6]])],
+    ]
     with torch.inference_mode():
         for groups in cases:
             batch = pack(groups)
             bucket, padded = buckets.pad(batch)
             assert bucket is not None and padded.num_tokens == bucket.tokens
-            want = model(batch.input_ids, batch.positions, batch.attn).index_select(0, batch.last_index)
+            want = model(batch.input_ids, batch.positions, batch.attn).index_select(
+                0, batch.last_index
+            )
             for m in (model, masked):
-                got = m(padded.input_ids, padded.positions, padded.attn).index_select(0, padded.last_index)
+                got = m(padded.input_ids, padded.positions, padded.attn).index_select(
+                    0, padded.last_index
+                )
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     s = buckets.stats
     assert s.real_tokens < s.padded_tokens and s.misses == 0 and 0 < s.padding_fraction < 1
@@ -105,21 +123,28 @@ def test_smallest_bucket_and_misses():
     assert bucket is None and bs.stats.misses == 1 and same.num_tokens == 100
 
 
-# -- AOTInductor (one compile per session) -----------------------------------------------------------
+# -- AOTInductor (one compile per session)
+# -----------------------------------------------------------
 @pytest.fixture(scope="session")
 def aoti_cache(tmp_path_factory, engine_for):
     """A cache holding the tiny qwen2 model compiled for BUCKET (built once)."""
     root = tmp_path_factory.mktemp("aoti-cache")
     engine = engine_for("qwen2")
-    (_, entry, info), = build_aoti(engine.model, engine.device, [BUCKET], ArtifactCache(root))
+    ((_, entry, info),) = build_aoti(engine.model, engine.device, [BUCKET], ArtifactCache(root))
     assert info["event"] == "built"
     return root
 
 
 def _aoti_engine(engine, root, **kw):
     e = copy.copy(engine)
-    e.runner = make_runner(engine.model, engine.device, 4096, True, "aoti",
-                           CompileOptions(buckets=[BUCKET], cache_dir=root, **kw))
+    e.runner = make_runner(
+        engine.model,
+        engine.device,
+        4096,
+        True,
+        "aoti",
+        CompileOptions(buckets=[BUCKET], cache_dir=root, **kw),
+    )
     return e
 
 
@@ -141,8 +166,9 @@ def test_aoti_scores_match_eager(engine_for, aoti_cache):
     # the runner's forward() keeps ModelRunner's contract (hidden of the batch's own tokens)
     batch = pack(_groups(3)[:2])
     with torch.inference_mode():
-        torch.testing.assert_close(aoti.runner.forward(batch), eager.runner.forward(batch), atol=1e-5,
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            aoti.runner.forward(batch), eager.runner.forward(batch), atol=1e-5, rtol=1e-5
+        )
     # the runtime's path: pack_chunk (pack + pad on the host) → stage → forward on the padded batch
     batch = pack(_groups(4)[:2])  # two shared-prefix groups: fits BUCKET
     (padded,) = aoti.runner.pack_chunk(_groups(4)[:2], share_prefix=True)
@@ -153,13 +179,21 @@ def test_aoti_scores_match_eager(engine_for, aoti_cache):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # too large for every bucket → eager, counted
     long_text = " ".join(["word"] * 80)
-    torch.testing.assert_close(aoti.embed([long_text]), eager.embed([long_text]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        aoti.embed([long_text]), eager.embed([long_text]), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_aoti_buckets_share_one_weight_copy(engine_for, aoti_cache):
     engine = engine_for("qwen2")
-    runner = make_runner(engine.model, engine.device, 4096, True, "aoti",
-                         CompileOptions(buckets=None, cache_dir=aoti_cache, rebuild=False))
+    runner = make_runner(
+        engine.model,
+        engine.device,
+        4096,
+        True,
+        "aoti",
+        CompileOptions(buckets=None, cache_dir=aoti_cache, rebuild=False),
+    )
     assert [b.name for b in runner.buckets] == [BUCKET.name]  # found through the manifest
     fn = runner.fns[BUCKET]
     consts = fn.compiled.get_constant_fqns()
@@ -168,14 +202,19 @@ def test_aoti_buckets_share_one_weight_copy(engine_for, aoti_cache):
 
 def test_cache_hit_does_not_build(engine_for, aoti_cache, monkeypatch):
     engine = engine_for("qwen2")
-    monkeypatch.setattr("boundgen.compile.runner.build_package",
-                        lambda *a, **k: pytest.fail("cache hit must not rebuild"))
-    (_, _, info), = build_aoti(engine.model, engine.device, [BUCKET], ArtifactCache(aoti_cache),
-                               rebuild=False)
+    monkeypatch.setattr(
+        "boundgen.compile.runner.build_package",
+        lambda *a, **k: pytest.fail("cache hit must not rebuild"),
+    )
+    ((_, _, info),) = build_aoti(
+        engine.model, engine.device, [BUCKET], ArtifactCache(aoti_cache), rebuild=False
+    )
     assert info["event"] == "hit"
     manifest = json.loads((aoti_cache / "manifest.json").read_text())
     (entry,) = manifest["entries"].values()
-    assert entry["slot"]["bucket"] == BUCKET.name and entry["platform"]["torch"] == torch.__version__
+    assert (
+        entry["slot"]["bucket"] == BUCKET.name and entry["platform"]["torch"] == torch.__version__
+    )
 
 
 @pytest.fixture
@@ -225,11 +264,21 @@ def test_damaged_artifact_is_never_loaded(engine_for, cache_copy, aoti_cache, da
     assert err.value.kind == kind
     # rebuilding off: a clear refusal naming the fix
     with pytest.raises(ArtifactError, match="boundgen compile"):
-        make_runner(engine.model, engine.device, 4096, True, "aoti",
-                    CompileOptions(buckets=[BUCKET], cache_dir=cache_copy, rebuild=False))
+        make_runner(
+            engine.model,
+            engine.device,
+            4096,
+            True,
+            "aoti",
+            CompileOptions(buckets=[BUCKET], cache_dir=cache_copy, rebuild=False),
+        )
     # auto never fails because of it (eager on CPU anyway)
-    assert make_runner(engine.model, engine.device, 4096, True, "auto",
-                       CompileOptions(cache_dir=cache_copy)).backend_name == "eager"
+    assert (
+        make_runner(
+            engine.model, engine.device, 4096, True, "auto", CompileOptions(cache_dir=cache_copy)
+        ).backend_name
+        == "eager"
+    )
     # rebuilding on: rebuilt once, then a verified hit
     build, calls = _stub_builder(good_pkg)
     entry = cache.get_or_build(slot, plat, build, rebuild=True)
@@ -240,8 +289,14 @@ def test_damaged_artifact_is_never_loaded(engine_for, cache_copy, aoti_cache, da
 def test_missing_artifact(engine_for, tmp_path):
     engine = engine_for("qwen2")
     with pytest.raises(ArtifactError, match="boundgen compile"):
-        make_runner(engine.model, engine.device, 4096, True, "aoti",
-                    CompileOptions(buckets=None, cache_dir=tmp_path))
+        make_runner(
+            engine.model,
+            engine.device,
+            4096,
+            True,
+            "aoti",
+            CompileOptions(buckets=None, cache_dir=tmp_path),
+        )
     with pytest.raises(ValueError, match="unknown backend"):
         make_runner(engine.model, engine.device, 4096, True, "fast")
     with pytest.raises(ValueError, match="CUDA"):
@@ -257,12 +312,15 @@ def test_model_change_is_a_different_slot(engine_for):
     assert aoti_slots(a, torch.device("cpu"), [BUCKET], "fp8-mlp")[0].key != slots[0].key
 
 
-# -- libstdc++ preload guard ---------------------------------------------------------------------------
+# -- libstdc++ preload guard
+# ---------------------------------------------------------------------------
 def _fake_probe(lib):
     """A 'load' that segfaults unless LD_PRELOAD contains `lib` (what the GPU image does)."""
-    code = ("import os, signal, sys\n"
-            f"if {lib!r} not in os.environ.get('LD_PRELOAD', '').split(): os.kill(os.getpid(), signal.SIGSEGV)\n"
-            "print('boundgen-probe-ok')\n")
+    code = (
+        "import os, signal, sys\n"
+        f"if {lib!r} not in os.environ.get('LD_PRELOAD', '').split(): os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "print('boundgen-probe-ok')\n"
+    )
     return [sys.executable, "-c", code]
 
 
@@ -284,7 +342,9 @@ def test_preload_detected_and_applied(tmp_path, monkeypatch):
         preload.ensure_loadable("unused", tmp_path, allow_reexec=False)
     # CLI entry points re-exec (cached diagnosis: no probe)
     execs = []
-    monkeypatch.setattr(preload.os, "execve", lambda exe, argv, env: execs.append(env["LD_PRELOAD"]))
+    monkeypatch.setattr(
+        preload.os, "execve", lambda exe, argv, env: execs.append(env["LD_PRELOAD"])
+    )
     preload.reexec_if_needed(tmp_path)
     assert execs == [lib]
     monkeypatch.setenv("BOUNDGEN_AOTI_PRELOAD", "off")
@@ -314,20 +374,30 @@ def test_chunks_resplit_to_fit_buckets(engine_for):
 
     engine = engine_for("qwen2")
     buckets = parse_buckets(["t64-s8-m64-g2-p32-q16", "t128"])
-    runner = BucketedRunner(engine.model, engine.device, 32768, True, buckets,
-                            _eager_fns(engine.model, buckets), "compile")
+    runner = BucketedRunner(
+        engine.model,
+        engine.device,
+        32768,
+        True,
+        buckets,
+        _eager_fns(engine.model, buckets),
+        "compile",
+    )
     g = torch.Generator().manual_seed(5)
     plain = [SequenceGroup([], [_ids(g, 50) for _ in range(9)])]
     with torch.inference_mode():
         torch.testing.assert_close(runner.hidden_rows(plain), engine.runner.hidden_rows(plain))
     s = runner.stats()
     assert s["misses"] == 0 and s["batches"] == {"t128-s4-m128": 5}
-    # a shared prefix longer than any bucket's P: runs eagerly (counted), never split into 9 forwards
+    # a shared prefix longer than any bucket's P: runs eagerly (counted), never split into 9
+    # forwards
     shared = [SequenceGroup(_ids(g, 100), [_ids(g, 5) for _ in range(9)])]
     with torch.inference_mode():
         torch.testing.assert_close(runner.hidden_rows(shared), engine.runner.hidden_rows(shared))
     assert runner.stats()["misses"] == 1
-    (chunk,) = runner.split(plain)  # under the token budget: one chunk, cut into bucket-sized pieces
+    (chunk,) = runner.split(
+        plain
+    )  # under the token budget: one chunk, cut into bucket-sized pieces
     pieces = runner.pack_chunk(chunk, share_prefix=True)
     assert [p.num_tokens for p in pieces] == [128] * 5
     assert [sum(p.rows_per_group) for p in pieces] == [2] * 4 + [1]
@@ -348,8 +418,17 @@ def test_chunks_resplit_to_fit_buckets(engine_for):
 def test_compile_cli_check(tiny_model, aoti_cache, capsys):
     from boundgen.cli import main
 
-    argv = ["compile", "--model", str(tiny_model("qwen2")), "--dtype", "float32", "--cache-dir",
-            str(aoti_cache), "--check", "--buckets"]
+    argv = [
+        "compile",
+        "--model",
+        str(tiny_model("qwen2")),
+        "--dtype",
+        "float32",
+        "--cache-dir",
+        str(aoti_cache),
+        "--check",
+        "--buckets",
+    ]
     assert main(argv + [BUCKET.name]) == 0
     assert "hit" in capsys.readouterr().out
     assert main(argv + [f"{BUCKET.name},t32"]) == 1
@@ -364,11 +443,18 @@ def _decode_run(model, prompts, w, steps, session=None, seed=0):
     n = b * w
     if session is None:
         batch = pack([SequenceGroup([], prompts)], share_prefix=False)
-        pkv = PromptKV(cfg.num_layers, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        pkv = PromptKV(
+            cfg.num_layers, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu"
+        )
         model(batch.input_ids, batch.positions, batch.attn, pkv)
-        state = DecodeKV(pkv, batch.attn.cu_seqlens, batch.attn.max_seqlen,
-                         BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu"),
-                         torch.arange(0, n + 1, w, dtype=torch.int32), w)
+        state = DecodeKV(
+            pkv,
+            batch.attn.cu_seqlens,
+            batch.attn.max_seqlen,
+            BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu"),
+            torch.arange(0, n + 1, w, dtype=torch.int32),
+            w,
+        )
     else:
         batch, state = session.batch, session.state
     g = torch.Generator().manual_seed(seed)
@@ -398,10 +484,14 @@ def test_decode_buckets_reuse_persistent_kv(engine_for):
         for seed, lens in enumerate([(7, 12), (9, 5), (7, 12)]):
             prompts = [_ids(g, k) for k in lens]
             s = dg.open(prompts, 3, 4)
-            assert s is not None and dg.open(prompts, 3, 4) is None  # one request per bucket at a time
+            assert (
+                s is not None and dg.open(prompts, 3, 4) is None
+            )  # one request per bucket at a time
             try:
                 plain = pack([SequenceGroup([], prompts)], share_prefix=False)
-                want_last = model(plain.input_ids, plain.positions, plain.attn).index_select(0, plain.last_index)
+                want_last = model(plain.input_ids, plain.positions, plain.attn).index_select(
+                    0, plain.last_index
+                )
                 torch.testing.assert_close(s.last_hidden, want_last, atol=1e-5, rtol=1e-5)
                 got = _decode_run(model, prompts, 3, 4, s, seed)
             finally:

@@ -22,8 +22,9 @@ BUCKETS = ["t64-s12-m32-g3-p24-q24", "t128-s8-m128"]
 def cuda_engine(tiny_model):
     from boundgen import Engine
 
-    return Engine.from_pretrained(tiny_model("qwen2"), device="cuda", dtype="bfloat16", attention="varlen",
-                                  backend="eager")
+    return Engine.from_pretrained(
+        tiny_model("qwen2"), device="cuda", dtype="bfloat16", attention="varlen", backend="eager"
+    )
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -34,8 +35,9 @@ def test_flash_matches_varlen(causal):
     g = torch.Generator(device="cuda").manual_seed(0)
     lq = [3, 0, 5, 1, 7]
     lk = lq if causal else [2, 4, 7, 1, 3]
-    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32,
-                                 device="cuda")
+    cu = lambda ls: torch.tensor(
+        [0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32, device="cuda"
+    )
     q = torch.randn(sum(lq), 14, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(sum(lk), 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(sum(lk), 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -46,29 +48,50 @@ def test_flash_matches_varlen(causal):
 
 
 def _scores(engine):
-    return torch.tensor(engine.score("the quick brown fox", ["jumps over", "a lazy dog", "x"], [5, 17],
-                                     apply_softmax=True))
+    return torch.tensor(
+        engine.score(
+            "the quick brown fox", ["jumps over", "a lazy dog", "x"], [5, 17], apply_softmax=True
+        )
+    )
 
 
 def test_eager_graphs_match_eager(cuda_engine):
     e = copy.copy(cuda_engine)
-    e.runner = make_runner(cuda_engine.model, cuda_engine.device, 4096, True, "eager+graphs",
-                           CompileOptions(buckets=BUCKETS, graph_max_tokens=128))
+    e.runner = make_runner(
+        cuda_engine.model,
+        cuda_engine.device,
+        4096,
+        True,
+        "eager+graphs",
+        CompileOptions(buckets=BUCKETS, graph_max_tokens=128),
+    )
     assert isinstance(e.runner, BucketedRunner)
     for _ in range(2):  # replays reuse the static buffers
         torch.testing.assert_close(_scores(e), _scores(cuda_engine), atol=2e-2, rtol=0)
-    torch.testing.assert_close(e.embed(["one two three", "four"]), cuda_engine.embed(["one two three", "four"]),
-                               atol=2e-2, rtol=0)
+    torch.testing.assert_close(
+        e.embed(["one two three", "four"]),
+        cuda_engine.embed(["one two three", "four"]),
+        atol=2e-2,
+        rtol=0,
+    )
 
 
 def test_auto_on_cuda_is_eager_graphs_without_artifacts(cuda_engine, tmp_path):
     """The default backend on CUDA with an empty artifact cache: eager + CUDA graphs, same scores."""
     e = copy.copy(cuda_engine)
-    e.runner = make_runner(cuda_engine.model, cuda_engine.device, 4096, True, "auto",
-                           CompileOptions(cache_dir=tmp_path))
+    e.runner = make_runner(
+        cuda_engine.model,
+        cuda_engine.device,
+        4096,
+        True,
+        "auto",
+        CompileOptions(cache_dir=tmp_path),
+    )
     assert e.runner.backend_name == "eager+graphs"
     assert max(b.tokens for b in e.runner.buckets) <= CompileOptions().graph_max_tokens
-    torch.testing.assert_close(_scores(e), _scores(cuda_engine), atol=2e-2, rtol=0)  # cascade: eager
+    torch.testing.assert_close(
+        _scores(e), _scores(cuda_engine), atol=2e-2, rtol=0
+    )  # cascade: eager
     texts = ["one two three", "four"]
     torch.testing.assert_close(e.embed(texts), cuda_engine.embed(texts), atol=2e-2, rtol=0)
     assert e.runner.stats()["batches"], "the plain batch should have run in a captured bucket"
@@ -81,9 +104,16 @@ def test_aoti_cuda_matches_eager(cuda_engine, tmp_path):
     for backend in ("aoti", "aoti+graphs"):
         e = copy.copy(cuda_engine)
         try:
-            e.runner = make_runner(cuda_engine.model, cuda_engine.device, 4096, True, backend,
-                                   CompileOptions(buckets=[Bucket.parse(BUCKETS[0])], cache_dir=tmp_path,
-                                                  allow_reexec=False))
+            e.runner = make_runner(
+                cuda_engine.model,
+                cuda_engine.device,
+                4096,
+                True,
+                backend,
+                CompileOptions(
+                    buckets=[Bucket.parse(BUCKETS[0])], cache_dir=tmp_path, allow_reexec=False
+                ),
+            )
         except AOTIUnsafe as exc:  # the guard worked (no segfault); the process needs the preload
             pytest.skip(f"AOTInductor load needs a preload in this process: {exc}")
         torch.testing.assert_close(_scores(e), _scores(cuda_engine), atol=2e-2, rtol=0)
@@ -107,11 +137,18 @@ def test_decode_graphs_match_plain_decode(cuda_engine):
             prompts = [torch.randint(1, 400, (k,), generator=g).tolist() for k in (7, 12)]
             n = len(prompts) * w
             batch = pack([SequenceGroup([], prompts)], share_prefix=False).to(dev)
-            pkv = PromptKV(cfg.num_layers, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
+            pkv = PromptKV(
+                cfg.num_layers, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, dev
+            )
             model(batch.input_ids, batch.positions, batch.attn, pkv)
-            plain = DecodeKV(pkv, batch.attn.cu_seqlens, batch.attn.max_seqlen,
-                             BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, dtype, dev),
-                             torch.arange(0, n + 1, w, dtype=torch.int32, device=dev), w)
+            plain = DecodeKV(
+                pkv,
+                batch.attn.cu_seqlens,
+                batch.attn.max_seqlen,
+                BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, dtype, dev),
+                torch.arange(0, n + 1, w, dtype=torch.int32, device=dev),
+                w,
+            )
             s = dg.open(prompts, w, steps)
             try:
                 base = torch.repeat_interleave(batch.seq_len, w)

@@ -23,15 +23,20 @@ def test_unknown_architecture_lists_supported(tiny_model, tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["MistralForCausalLM"]
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported architecture 'MistralForCausalLM'.*Qwen2ForCausalLM"):
+    with pytest.raises(
+        ValueError, match="unsupported architecture 'MistralForCausalLM'.*Qwen2ForCausalLM"
+    ):
         Engine.from_pretrained(path)
 
 
-@pytest.mark.parametrize("change,message", [
-    ("drop", "missing tensors: model.layers.1.mlp.up_proj.weight"),
-    ("extra", "unexpected tensor 'model.layers.0.mlp.extra.weight'"),
-    ("shape", "'model.layers.0.self_attn.k_proj.weight' has shape"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ("drop", "missing tensors: model.layers.1.mlp.up_proj.weight"),
+        ("extra", "unexpected tensor 'model.layers.0.mlp.extra.weight'"),
+        ("shape", "'model.layers.0.self_attn.k_proj.weight' has shape"),
+    ],
+)
 def test_bad_tensors_are_named(change, message, tiny_model, tmp_path):
     path = copy_model(tiny_model("qwen2"), tmp_path / "m")
     state = load_file(str(path / "model.safetensors"))
@@ -40,7 +45,9 @@ def test_bad_tensors_are_named(change, message, tiny_model, tmp_path):
     elif change == "extra":
         state["model.layers.0.mlp.extra.weight"] = state["model.norm.weight"].clone()
     else:
-        state["model.layers.0.self_attn.k_proj.weight"] = state["model.layers.0.self_attn.k_proj.weight"][:-1].clone()
+        state["model.layers.0.self_attn.k_proj.weight"] = state[
+            "model.layers.0.self_attn.k_proj.weight"
+        ][:-1].clone()
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=message):
         Engine.from_pretrained(path)
@@ -83,7 +90,9 @@ def test_too_long_errors_unless_truncate(engine_for):
     engine = engine_for("llama")
     limit = engine.limits.max_seq_len
     long_item = list(range(5, 5 + limit))
-    with pytest.raises(ValueError, match=f"over the limit of {limit - 2}; shorten it or pass truncate=True"):
+    with pytest.raises(
+        ValueError, match=f"over the limit of {limit - 2}; shorten it or pass truncate=True"
+    ):
         engine.score([1, 2], [long_item], [3])
     truncated = engine.score([1, 2], [long_item], [3], truncate=True)
     assert truncated == engine.score([1, 2], [long_item[: limit - 2]], [3])

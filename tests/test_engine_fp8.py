@@ -18,9 +18,13 @@ def test_unchecked_policy_is_refused_unless_forced(tiny_model, tmp_path, monkeyp
     monkeypatch.setenv("BOUNDGEN_FP8_GATE_CACHE", str(tmp_path / "gate.json"))
     with pytest.raises(Fp8PolicyError, match="quant-check"):
         Engine.from_pretrained(tiny_model("qwen2"), fp8="mlp", fp8_emulate=True)
-    engine = Engine.from_pretrained(tiny_model("qwen2"), fp8="mlp", fp8_emulate=True, fp8_force=True)
+    engine = Engine.from_pretrained(
+        tiny_model("qwen2"), fp8="mlp", fp8_emulate=True, fp8_force=True
+    )
     layer = engine.model.layers[0]
-    assert isinstance(layer.mlp.gate_up_proj, Fp8Linear) and isinstance(layer.mlp.down_proj, Fp8Linear)
+    assert isinstance(layer.mlp.gate_up_proj, Fp8Linear) and isinstance(
+        layer.mlp.down_proj, Fp8Linear
+    )
     assert not isinstance(layer.self_attn.qkv_proj, Fp8Linear)
     scores = engine.score("red shoes", ["trail runner", "mug"], [514, 371])
     assert len(scores) == 2 and all(len(r) == 2 for r in scores)

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from fp8_toy import ToyDecoder
 from torch import nn
 
 from boundgen.quant import (
@@ -22,8 +23,6 @@ from boundgen.quant import (
 )
 from boundgen.quant.fp8 import FP8_MAX, dequantize_rowwise
 
-from fp8_toy import ToyDecoder
-
 E4M3_REL = 2.0**-4  # half an ulp of a 3-bit mantissa
 
 
@@ -39,7 +38,8 @@ def test_quantize_rowwise_round_trip_bounds():
     amax = x.abs().amax(-1)
     assert torch.equal(q.float().abs().amax(-1), torch.full((64,), FP8_MAX))
     torch.testing.assert_close(back.abs().amax(-1), amax, rtol=1e-6, atol=0)
-    # normal e4m3 values: relative error ≤ 2^-4; subnormals (below 2^-6 * scale): absolute ≤ 2^-10 * scale
+    # normal e4m3 values: relative error ≤ 2^-4; subnormals (below 2^-6 * scale): absolute ≤ 2^-10 *
+    # scale
     normal = (x / scale).abs() >= 2.0**-6
     rel = ((back - x).abs() / x.abs())[normal]
     assert rel.max() <= E4M3_REL + 1e-6

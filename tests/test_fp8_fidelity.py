@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from fp8_toy import ToyDecoder, toy_runner
 
 from boundgen.quant import Fp8PolicyError, apply_fp8, check_policy_allowed
 from boundgen.quant.fidelity import (
@@ -19,15 +20,13 @@ from boundgen.quant.fidelity import (
     collect_outputs,
     compare_outputs,
     make_eval_set,
-    ranking_score,
     rankdata,
+    ranking_score,
     run_gate,
     spearman,
     topk_overlap,
 )
 from boundgen.quant.gate_cache import checkpoint_hash, lookup_gate_result, record_gate_result
-
-from fp8_toy import ToyDecoder, toy_runner
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +146,8 @@ def test_toy_model_gate_runs_emulated():
     q = toy_runner(apply_fp8(copy.deepcopy(ref_model), "mlp", emulate=True))
     ref_out = collect_outputs(ref, ev)
     report = run_gate(ref, q, ev, "mlp", reference_outputs=ref_out)
-    # groups of 6-8 items: one swapped pair already costs ~0.05 Spearman, so only "close" is checked here
+    # groups of 6-8 items: one swapped pair already costs ~0.05 Spearman, so only "close" is checked
+    # here
     rhos = [s.spearman_mean for s in report.sets if s.spearman_mean is not None]
     assert len(rhos) == 3 and np.mean(rhos) > 0.85, report.format()
 
@@ -306,7 +306,7 @@ def test_demo_heldout_set_from_checkpoint_files(tmp_path):
             }
         )
     )
-    encode = lambda text: [ord(ch) for ch in text]  # noqa: E731
+    encode = lambda text: [ord(ch) for ch in text]
     ev = EvalSet.from_demo_dir(tmp_path, encode)
     assert [c.set_name for c in ev.score_cases] == ["demo", "demo", "demo-pooled"]
     assert ev.score_cases[0].query == encode("Q: a\n") and ev.score_cases[0].items[1] == encode(
@@ -352,6 +352,6 @@ def test_eval_set_fits_a_short_context():
     assert all(len(b.prompt) + b.steps <= 128 for b in ev.beam_cases)
     w2 = next(c for c in ev.score_cases if c.set_name == "W2")
     full = next(c for c in make_eval_set(1000, scale="full").score_cases if c.set_name == "W2")
-    assert w2.query == full.query[-len(w2.query):]  # the end of the prefix is kept
+    assert w2.query == full.query[-len(w2.query) :]  # the end of the prefix is kept
     small = make_eval_set(1000, scale="ci")
     assert small.fit(4096).to_json() == small.to_json() and small.fit(None) is small

@@ -1,6 +1,7 @@
 """CUDA checks (skipped without a GPU): bf16 parity with HF and the varlen backend against the reference.
 
-bf16 tolerance: both engines round differently (kernel order, fused vs unfused ops), so we compare each
+bf16 tolerance: both engines round differently (kernel order, fused vs unfused ops), so we compare
+each
 against the float32 HF result and require our error to stay within 2x HF's own bf16 error (+0.02 for
 logits near zero). That says "as faithful as HF in bf16", independent of the model's logit scale.
 """
@@ -16,8 +17,14 @@ pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
 QUERY = "Is this a good running shoe for a marathon on wet roads?"
-ITEMS = ["Trail runner with waterproof mesh", "yes", "A blue ceramic coffee mug", "carbon racing flat",
-         "no", "a much longer item description that goes on for quite a few more tokens than the others"]
+ITEMS = [
+    "Trail runner with waterproof mesh",
+    "yes",
+    "A blue ceramic coffee mug",
+    "carbon racing flat",
+    "no",
+    "a much longer item description that goes on for quite a few more tokens than the others",
+]
 
 
 def hf_label_logits(model, tok, labels, item_first=False):
@@ -37,8 +44,12 @@ def test_bf16_score_parity_with_hf(arch, item_first, tiny_model):
     path = tiny_model(arch)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     labels = [514, 371, 7]
-    ref32 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    hf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ref32 = (
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    )
+    hf16 = (
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    )
     truth = hf_label_logits(ref32, tok, labels, item_first)
     hf_err = (hf_label_logits(hf16, tok, labels, item_first) - truth).abs().max().item()
     engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16")
@@ -61,7 +72,11 @@ def test_beam_search_on_cuda_matches_cpu_float32(tiny_model):
     path = tiny_model("qwen2")
     gpu = Engine.from_pretrained(path, device="cuda", dtype="float32", attention="reference")
     cpu = Engine.from_pretrained(path, device="cpu", dtype="float32")
-    trie = Trie.from_sequences(torch.randint(0, 300, (500, 3), generator=torch.Generator().manual_seed(0)).unique(dim=0).tolist())
+    trie = Trie.from_sequences(
+        torch.randint(0, 300, (500, 3), generator=torch.Generator().manual_seed(0))
+        .unique(dim=0)
+        .tolist()
+    )
     for t in (None, trie):
         a = gpu.beam_search(QUERY, 8, 3, trie=t)
         b = cpu.beam_search(QUERY, 8, 3, trie=t)

@@ -31,7 +31,9 @@ def hf_causal(tiny_model):
     def get(arch):
         if arch not in cache:
             path = tiny_model(arch)
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32
+            ).eval()
             tok = transformers.AutoTokenizer.from_pretrained(path)
             cache[arch] = (model, tok)
         return cache[arch]
@@ -50,7 +52,11 @@ def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
 def test_score_matches_hf(arch, item_first, share_prefix, tiny_model, hf_causal):
     model, tok = hf_causal(arch)
     engine = Engine.from_pretrained(tiny_model(arch), share_prefix=share_prefix)
-    labels = [tok.encode(" yes", add_special_tokens=False)[0], tok.encode(" no", add_special_tokens=False)[0], 7]
+    labels = [
+        tok.encode(" yes", add_special_tokens=False)[0],
+        tok.encode(" no", add_special_tokens=False)[0],
+        7,
+    ]
     ours = torch.tensor(engine.score(QUERY, ITEMS, labels, item_first=item_first))
     q = tok.encode(QUERY, add_special_tokens=False)
     ref = []
@@ -70,7 +76,9 @@ def test_score_softmax_token_ids_and_split_batches(arch, tiny_model, hf_causal):
     items = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (1, 9, 17, 4, 30, 2)]
     labels = [3, 11]
     ours = torch.tensor(engine.score(query, items, labels, apply_softmax=True))
-    ref = torch.stack([torch.softmax(hf_last_logits(model, query + it)[labels], -1) for it in items])
+    ref = torch.stack(
+        [torch.softmax(hf_last_logits(model, query + it)[labels], -1) for it in items]
+    )
     assert torch.allclose(ours, ref, atol=TOL, rtol=0)
     assert torch.allclose(ours.sum(-1), torch.ones(len(items)), atol=1e-5)
 
@@ -78,7 +86,9 @@ def test_score_softmax_token_ids_and_split_batches(arch, tiny_model, hf_causal):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_classify_matches_hf(arch, tiny_model, engine_for):
     path = tiny_model(arch, seq_cls=3)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=torch.float32
+    ).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     texts = ITEMS + [QUERY]
     ours = torch.tensor(engine_for(arch, 3).classify(texts))
@@ -109,17 +119,30 @@ def test_embed_through_mlp_head(engine_for, tmp_path):
     h = engine.config.hidden_size
     g = torch.Generator().manual_seed(0)
     weights = {
-        "layers.0.weight": torch.randn(8, h, generator=g), "layers.0.bias": torch.randn(8, generator=g),
-        "layers.1.weight": torch.randn(1, 8, generator=g), "layers.1.bias": torch.randn(1, generator=g),
+        "layers.0.weight": torch.randn(8, h, generator=g),
+        "layers.0.bias": torch.randn(8, generator=g),
+        "layers.1.weight": torch.randn(1, 8, generator=g),
+        "layers.1.bias": torch.randn(1, generator=g),
     }
     save_file(weights, str(tmp_path / "head.safetensors"))
-    (tmp_path / "head.json").write_text(json.dumps(
-        {"input_dim": h, "hidden_dims": [8], "output_dim": 1, "activation": "relu",
-         "output_activation": "sigmoid"}))
+    (tmp_path / "head.json").write_text(
+        json.dumps(
+            {
+                "input_dim": h,
+                "hidden_dims": [8],
+                "output_dim": 1,
+                "activation": "relu",
+                "output_activation": "sigmoid",
+            }
+        )
+    )
     out = engine.embed(ITEMS, head=tmp_path)
     x = engine.embed(ITEMS)
-    ref = torch.sigmoid(torch.relu(x @ weights["layers.0.weight"].T + weights["layers.0.bias"])
-                        @ weights["layers.1.weight"].T + weights["layers.1.bias"])
+    ref = torch.sigmoid(
+        torch.relu(x @ weights["layers.0.weight"].T + weights["layers.0.bias"])
+        @ weights["layers.1.weight"].T
+        + weights["layers.1.bias"]
+    )
     assert out.shape == (len(ITEMS), 1)
     assert torch.allclose(out, ref, atol=1e-5)
 
@@ -127,7 +150,9 @@ def test_embed_through_mlp_head(engine_for, tmp_path):
 def test_sharded_checkpoint_loads_identically(tmp_path, engine_for):
     from boundgen.checkpoints import make_model
 
-    path = make_model("tiny", tmp_path / "sharded", arch="qwen2", max_shard_bytes=200_000, progress=False)
+    path = make_model(
+        "tiny", tmp_path / "sharded", arch="qwen2", max_shard_bytes=200_000, progress=False
+    )
     assert (path / "model.safetensors.index.json").is_file()
     sharded = Engine.from_pretrained(path)
     single = engine_for("qwen2")

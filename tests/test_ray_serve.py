@@ -39,8 +39,11 @@ from boundgen.server.config import ServerConfig
 
 
 def test_fixed_replicas_one_gpu_each_on_cuda_none_on_cpu():
-    opts = deployment_options(ServerConfig(max_queue=512, drain_timeout_s=20),
-                              EngineConfig(device="cuda:1"), RayServeConfig(replicas=4))
+    opts = deployment_options(
+        ServerConfig(max_queue=512, drain_timeout_s=20),
+        EngineConfig(device="cuda:1"),
+        RayServeConfig(replicas=4),
+    )
     assert opts["num_replicas"] == 4 and "autoscaling_config" not in opts
     assert opts["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1}
     assert opts["max_ongoing_requests"] == 512  # the app's own admission limit, not Serve's default
@@ -55,12 +58,22 @@ def test_fixed_replicas_one_gpu_each_on_cuda_none_on_cpu():
 
 
 def test_autoscaling_target_ongoing_requests():
-    cfg = RayServeConfig(replicas=2, min_replicas=1, max_replicas=8, target_ongoing_requests=48,
-                         downscale_delay_s=120)
+    cfg = RayServeConfig(
+        replicas=2,
+        min_replicas=1,
+        max_replicas=8,
+        target_ongoing_requests=48,
+        downscale_delay_s=120,
+    )
     opts = deployment_options(ServerConfig(), EngineConfig(device="cuda"), cfg)
     assert "num_replicas" not in opts
-    assert opts["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 8, "initial_replicas": 2,
-                                          "target_ongoing_requests": 48, "downscale_delay_s": 120}
+    assert opts["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 8,
+        "initial_replicas": 2,
+        "target_ongoing_requests": 48,
+        "downscale_delay_s": 120,
+    }
     with pytest.raises(ValueError, match="min_replicas=5 > max_replicas=2"):
         RayServeConfig(min_replicas=5, max_replicas=2).validate()
     with pytest.raises(ValueError, match="min_replicas needs max_replicas"):
@@ -71,9 +84,11 @@ def test_autoscaling_target_ongoing_requests():
 
 def test_one_config_file_for_server_engine_and_ray(tmp_path):
     path = tmp_path / "serve.yaml"
-    path.write_text("model: /models/m\nport: 9000\nmax_queue: 300\n"
-                    "engine: {device: cuda, dtype: bfloat16}\n"
-                    "ray: {min_replicas: 2, max_replicas: 16, target_ongoing_requests: 24}\n")
+    path.write_text(
+        "model: /models/m\nport: 9000\nmax_queue: 300\n"
+        "engine: {device: cuda, dtype: bfloat16}\n"
+        "ray: {min_replicas: 2, max_replicas: 16, target_ongoing_requests: 24}\n"
+    )
     server, engine, ray_cfg = load_configs(path)
     assert (server.model, server.port, server.max_queue) == ("/models/m", 9000, 300)
     assert (engine.device, engine.dtype) == ("cuda", "bfloat16")
@@ -100,9 +115,11 @@ def test_kuberay_manifest_args_build_the_same_configs():
     opts = deployment_options(server, engine, ray_cfg)
     assert opts["ray_actor_options"]["num_gpus"] == 1
     auto = opts["autoscaling_config"]
-    max_gpus = sum(int(g["maxReplicas"]) * int(g["template"]["spec"]["containers"][0]["resources"]
-                                                ["limits"]["nvidia.com/gpu"])
-                   for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"])
+    max_gpus = sum(
+        int(g["maxReplicas"])
+        * int(g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+        for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    )
     assert auto["min_replicas"] <= auto["max_replicas"] <= max_gpus
 
 
@@ -147,18 +164,37 @@ def _requests(vocab: int) -> list[tuple[str, dict]]:
     out = []
     for i in range(N_CONCURRENT):
         q = [(7 * i + k) % (vocab - 1) + 1 for k in range(5 + i % 4)]
-        items = [[(3 * i + 11 * j + k) % (vocab - 1) + 1 for k in range(2 + j % 3)] for j in range(3)]
+        items = [
+            [(3 * i + 11 * j + k) % (vocab - 1) + 1 for k in range(2 + j % 3)] for j in range(3)
+        ]
         kind = i % 4
         if kind == 0:
-            out.append(("/v1/score", {"query": q, "items": items, "label_token_ids": [1, 2, 3],
-                                      "apply_softmax": bool(i % 8)}))
+            out.append(
+                (
+                    "/v1/score",
+                    {
+                        "query": q,
+                        "items": items,
+                        "label_token_ids": [1, 2, 3],
+                        "apply_softmax": bool(i % 8),
+                    },
+                )
+            )
         elif kind == 1:
             out.append(("/v1/beam", {"prompt": q, "beam_width": 4, "steps": 3}))
         elif kind == 2:
             out.append(("/v1/embeddings", {"input": items}))
         else:
-            out.append(("/v1/score", {"query": f"user {i} likes", "items": [" shoes", " hats"],
-                                      "label_token_ids": [1, 2]}))
+            out.append(
+                (
+                    "/v1/score",
+                    {
+                        "query": f"user {i} likes",
+                        "items": [" shoes", " hats"],
+                        "label_token_ids": [1, 2],
+                    },
+                )
+            )
     return out
 
 
@@ -203,16 +239,28 @@ def ray_server(tmp_path_factory):
     server = ServerConfig(host="127.0.0.1", port=free_port(), drain_timeout_s=5)
     engine = EngineConfig(device="cpu", dtype="float32")
     metrics_base = free_port()
-    ray_cfg = RayServeConfig(replicas=2, num_cpus=0.5, replica_metrics_port=metrics_base,
-                             health_check_period_s=2.0)
+    ray_cfg = RayServeConfig(
+        replicas=2, num_cpus=0.5, replica_metrics_port=metrics_base, health_check_period_s=2.0
+    )
     t0 = time.monotonic()
     try:
         # Lean: 2 logical CPUs, the smallest object store, no dashboard, replica logs not forwarded.
-        ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+        ray.init(
+            num_cpus=2,
+            object_store_memory=80 * 2**20,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
         url = start(model, server, engine, ray_cfg, timeout_s=150)
-        yield {"url": url, "model": model, "server": server, "engine": engine,
-               "metrics_base": metrics_base, "startup_s": time.monotonic() - t0}
+        yield {
+            "url": url,
+            "model": model,
+            "server": server,
+            "engine": engine,
+            "metrics_base": metrics_base,
+            "startup_s": time.monotonic() - t0,
+        }
     finally:
         shutdown()
 
@@ -232,8 +280,9 @@ def test_two_replicas_same_answers_as_single_process_server(ray_server):
     assert all(status == 200 for status, _, _ in results), [r for r in results if r[0] != 200][:2]
     assert None not in seen and len(seen) == 2, f"replicas that answered: {seen}"
 
-    engine = Engine.from_pretrained(ray_server["model"], device="cpu", dtype="float32",
-                                    config=ray_server["engine"])
+    engine = Engine.from_pretrained(
+        ray_server["model"], device="cpu", dtype="float32", config=ray_server["engine"]
+    )
     with TestClient(create_app(engine, ray_server["server"])) as local:
         for (path, body), (_, rid, got) in zip(reqs, results):
             want = local.post(path, json=body)
@@ -257,10 +306,15 @@ def test_health_and_metrics_per_replica(ray_server):
     assert len(seen) == 2, seen
     r = httpx.get(url + "/health", timeout=30)
     assert r.status_code == 200 and r.json() == {"status": "ok"} and r.headers.get(REPLICA_HEADER)
-    # the replica's Server-Timing comes through the proxy (client latency minus `app` = the proxy hop)
-    r = httpx.post(url + "/v1/score", json={"query": [1], "items": [[2]], "label_token_ids": [3]},
-                   timeout=30)
-    assert r.headers["server-timing"].startswith("app;dur=") and "forward;dur=" in r.headers["server-timing"]
+    # the replica's Server-Timing comes through the proxy (client latency minus `app` = the proxy
+    # hop)
+    r = httpx.post(
+        url + "/v1/score", json={"query": [1], "items": [[2]], "label_token_ids": [3]}, timeout=30
+    )
+    assert (
+        r.headers["server-timing"].startswith("app;dur=")
+        and "forward;dur=" in r.headers["server-timing"]
+    )
     status = serve.status().applications["boundgen"]
     assert str(status.status).endswith("RUNNING")
     dep = status.deployments["boundgen"]
@@ -277,9 +331,13 @@ def test_health_and_metrics_per_replica(ray_server):
             continue
         m = re.search(r'boundgen_replica_info\{[^}]*replica_id="([^"]+)"', text)
         if m:
-            ok = sum(float(v) for v in re.findall(
-                r'boundgen_requests_total\{endpoint="(?:score|beam|embeddings)",status="200"\} (\S+)',
-                text))
+            ok = sum(
+                float(v)
+                for v in re.findall(
+                    r'boundgen_requests_total\{endpoint="(?:score|beam|embeddings)",status="200"\} (\S+)',
+                    text,
+                )
+            )
             per_replica[m.group(1)] = ok
     assert len(per_replica) == 2, per_replica
     # Both replicas answered score requests above, and each counted its own.

@@ -28,7 +28,8 @@ from boundgen.runtime import (
     unregister_node,
 )
 
-# ---- a small "business request": tokenize -> (model || features) -> post --------------------------------
+# ---- a small "business request": tokenize -> (model || features) -> post
+# --------------------------------
 
 
 @node(outputs="tokens")
@@ -80,7 +81,8 @@ def test_submitted_request_reports_its_node_times(ex):
     assert fut.total_ms >= max(t.run_ms for t in fut.timings)
 
 
-# ---- validation -----------------------------------------------------------------------------------------
+# ---- validation
+# -----------------------------------------------------------------------------------------
 
 
 def _n(name, inputs, outputs, fn=lambda **kw: 0, **extra):
@@ -150,7 +152,8 @@ def test_type_mismatch_names_ports():
     )
 
 
-# ---- concurrency ---------------------------------------------------------------------------------------
+# ---- concurrency
+# ---------------------------------------------------------------------------------------
 
 
 def _batching_pipeline(
@@ -240,7 +243,8 @@ def test_independent_branches_overlap():
         assert time.perf_counter() - t < 0.09
 
 
-# ---- deadlines and failures ------------------------------------------------------------------------------
+# ---- deadlines and failures
+# ------------------------------------------------------------------------------
 
 
 @node(outputs="slept")
@@ -324,7 +328,8 @@ def test_bad_inputs_are_rejected_clearly(ex):
         ex.run(Pipeline("bad", ["text"], [bad], ["a"]), {"text": "a"})
 
 
-# ---- user nodes ----------------------------------------------------------------------------------------
+# ---- user nodes
+# ----------------------------------------------------------------------------------------
 
 
 def test_user_registered_post_logic_node(ex):
@@ -360,7 +365,8 @@ def test_user_registered_post_logic_node(ex):
         unregister_node("top_n")
 
 
-# ---- memory pools --------------------------------------------------------------------------------------
+# ---- memory pools
+# --------------------------------------------------------------------------------------
 
 
 def test_allocation_counters_flat_after_warmup():
@@ -379,7 +385,8 @@ def test_allocation_counters_flat_after_warmup():
     pipe = Pipeline("pooled", {"text": str}, [tokenize, pack, reduce], ["total"])
     with Executor(cpu_workers=2) as ex:
         texts = ["a" * (i % 300 + 1) for i in range(64)]
-        # Warm-up: every bucket the pipeline can use, as many copies as requests in flight (5) can hold.
+        # Warm-up: every bucket the pipeline can use, as many copies as requests in flight (5) can
+        # hold.
         buckets = sorted({ex.pools.bucket(len(t)) for t in texts})
         ex.pools.host.warm([((b,), torch.int64) for b in buckets], copies=10)
         ex.pools.device_pool.warm([((4, 8), torch.float32)], copies=5)
@@ -409,7 +416,8 @@ def test_allocation_counters_flat_after_warmup():
     assert after["reuses"] - before["reuses"] == 3 * 1000 + staged_on_device  # pack, stage, scratch
 
 
-# ---- batching ------------------------------------------------------------------------------------------
+# ---- batching
+# ------------------------------------------------------------------------------------------
 
 
 def test_batching_merges_concurrent_requests_and_splits_back():
@@ -453,7 +461,8 @@ def test_batching_error_fails_every_request_of_that_batch_only():
     fwd.close()
 
 
-# ---- observability -------------------------------------------------------------------------------------
+# ---- observability
+# -------------------------------------------------------------------------------------
 
 
 def test_histograms_and_chrome_trace(ex, tmp_path):

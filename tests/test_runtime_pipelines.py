@@ -78,7 +78,8 @@ def test_embed_with_mlp_head_node(runtime, engine_for):
     out = runtime.embed(ITEMS, head=head)
     assert out.shape == (len(ITEMS), 2)
     assert _close(out, eng.embed(ITEMS, head=head))
-    # a dict request (as the server sends) may carry pipeline inputs such as `head` beside its fields
+    # a dict request (as the server sends) may carry pipeline inputs such as `head` beside its
+    # fields
     assert _close(runtime.run("embed", {"texts": ITEMS, "head": head}), out)
     assert [p.node.name for p in runtime.pipelines["embed"].plan] == [
         "prepare",
@@ -233,8 +234,12 @@ def test_staged_views_start_on_16_byte_boundaries():
     from boundgen.runtime.pipelines import _stage_many
 
     lease = Lease(MemoryPools("cpu"))
-    ints = [torch.arange(129, dtype=torch.int32), torch.tensor([0, 256, 300], dtype=torch.int32),
-            torch.tensor([7], dtype=torch.int32), torch.arange(6, dtype=torch.int32).view(2, 3)]
+    ints = [
+        torch.arange(129, dtype=torch.int32),
+        torch.tensor([0, 256, 300], dtype=torch.int32),
+        torch.tensor([7], dtype=torch.int32),
+        torch.arange(6, dtype=torch.int32).view(2, 3),
+    ]
     out = _stage_many(ints, torch.int32, lease)
     for src, got in zip(ints, out):
         assert got.data_ptr() % 16 == 0

@@ -1,5 +1,6 @@
 """HTTP API through TestClient on a tiny synthetic checkpoint: every endpoint, parity with the engine,
-response snapshots (tests/snapshots/*.json, floats rounded), limits, auth, overload (429), deadlines (504).
+response snapshots (tests/snapshots/*.json, floats rounded), limits, auth, overload (429), deadlines
+(504).
 
 Refresh snapshots with `BOUNDGEN_UPDATE_SNAPSHOTS=1 pytest tests/test_server.py`.
 """
@@ -52,8 +53,15 @@ def trie_path(tmp_path_factory):
 @pytest.fixture(scope="module", params=["runtime", "direct"])
 def client(request, engine, trie_path):
     """The app served through the DAG runtime, and with the engine called directly."""
-    app = create_app(engine, ServerConfig(tries=(f"catalog={trie_path}",), max_body_bytes=1 << 16,
-                                          max_item_tokens=64, runtime=request.param == "runtime"))
+    app = create_app(
+        engine,
+        ServerConfig(
+            tries=(f"catalog={trie_path}",),
+            max_body_bytes=1 << 16,
+            max_item_tokens=64,
+            runtime=request.param == "runtime",
+        ),
+    )
     with TestClient(app) as c:
         yield c
 
@@ -89,13 +97,20 @@ def error_of(resp, status):
 
 
 def test_score_text_matches_engine(client, engine):
-    body = {"query": "the user likes", "items": [" red shoes", " a blue hat"],
-            "label_token_ids": [3, 7, 11], "apply_softmax": True, "model": MODEL}
+    body = {
+        "query": "the user likes",
+        "items": [" red shoes", " a blue hat"],
+        "label_token_ids": [3, 7, 11],
+        "apply_softmax": True,
+        "model": MODEL,
+    }
     r = client.post("/v1/score", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["object"] == "scoring" and out["model"] == MODEL
-    want = engine.score("the user likes", [" red shoes", " a blue hat"], [3, 7, 11], apply_softmax=True)
+    want = engine.score(
+        "the user likes", [" red shoes", " a blue hat"], [3, 7, 11], apply_softmax=True
+    )
     np.testing.assert_allclose(out["scores"], want, rtol=1e-5, atol=1e-6)
     assert all(math.isclose(sum(row), 1.0, rel_tol=1e-5) for row in out["scores"])
     assert out["usage"]["prompt_tokens"] > 0
@@ -103,8 +118,15 @@ def test_score_text_matches_engine(client, engine):
 
 
 def test_score_token_ids_item_first_and_single_item(client, engine):
-    r = client.post("/v1/score", json={"query": [1, 2, 3], "items": [[4, 5], [6]],
-                                       "label_token_ids": [9, 10], "item_first": True})
+    r = client.post(
+        "/v1/score",
+        json={
+            "query": [1, 2, 3],
+            "items": [[4, 5], [6]],
+            "label_token_ids": [9, 10],
+            "item_first": True,
+        },
+    )
     assert r.status_code == 200, r.text
     want = engine.score([1, 2, 3], [[4, 5], [6]], [9, 10], item_first=True)
     np.testing.assert_allclose(r.json()["scores"], want, rtol=1e-5, atol=1e-5)
@@ -114,16 +136,26 @@ def test_score_token_ids_item_first_and_single_item(client, engine):
 
 def test_score_bad_inputs(client):
     base = {"query": "q", "items": ["a"], "label_token_ids": [1]}
-    msg = error_of(client.post("/v1/score", json={**base, "label_token_ids": [10**9]}), 400)["message"]
+    msg = error_of(client.post("/v1/score", json={**base, "label_token_ids": [10**9]}), 400)[
+        "message"
+    ]
     assert "outside the vocabulary" in msg
-    assert "field required" in error_of(client.post("/v1/score", json={"query": "q"}), 400)["message"]
+    assert (
+        "field required" in error_of(client.post("/v1/score", json={"query": "q"}), 400)["message"]
+    )
     assert "empty" in error_of(client.post("/v1/score", json={**base, "items": []}), 400)["message"]
-    assert "both be text" in error_of(client.post("/v1/score", json={**base, "items": [[1]]}),
-                                      400)["message"]
+    assert (
+        "both be text"
+        in error_of(client.post("/v1/score", json={**base, "items": [[1]]}), 400)["message"]
+    )
     err = error_of(client.post("/v1/score", json={**base, "items": ["word " * 200]}), 413)
     assert err["type"] == "request_too_large" and "max_item_tokens" in err["message"]
-    err = error_of(client.post("/v1/score", content=b"x" * (1 << 17),
-                               headers={"content-type": "application/json"}), 413)
+    err = error_of(
+        client.post(
+            "/v1/score", content=b"x" * (1 << 17), headers={"content-type": "application/json"}
+        ),
+        413,
+    )
     assert "max_body_bytes" in err["message"]
     assert "not valid JSON" in error_of(client.post("/v1/score", content=b"{"), 400)["message"]
     check_snapshot("error_400", client.post("/v1/score", json={"query": "q"}).json())
@@ -134,8 +166,9 @@ def test_score_bad_inputs(client):
 
 def test_rerank_cohere_shape(client, engine):
     docs = ["green apples", "a fast car", "fresh green salad"]
-    r = client.post("/v1/rerank", json={"model": MODEL, "query": "healthy food", "documents": docs,
-                                        "top_n": 2})
+    r = client.post(
+        "/v1/rerank", json={"model": MODEL, "query": "healthy food", "documents": docs, "top_n": 2}
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     labels = client.get("/v1/models").json()["data"][0]["rerank_label_token_ids"]
@@ -146,9 +179,15 @@ def test_rerank_cohere_shape(client, engine):
         assert res["document"]["text"] == docs[res["index"]]
     check_snapshot("rerank", out)
     # Cohere v2 path and {"text": ...} documents
-    r2 = client.post("/v2/rerank", json={"model": MODEL, "query": "healthy food",
-                                         "documents": [{"text": d} for d in docs],
-                                         "return_documents": False})
+    r2 = client.post(
+        "/v2/rerank",
+        json={
+            "model": MODEL,
+            "query": "healthy food",
+            "documents": [{"text": d} for d in docs],
+            "return_documents": False,
+        },
+    )
     assert [x["index"] for x in r2.json()["results"]][:2] == [x["index"] for x in out["results"]]
     assert "document" not in r2.json()["results"][0]
 
@@ -166,15 +205,19 @@ def test_classify(tmp_path_factory):
         assert out["data"][0]["label"] == f"LABEL_{int(probs[0].argmax())}"
         assert out["data"][0]["num_classes"] == 3
         check_snapshot("classify", out)
-        infer = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["bad"]}],
-                 "parameters": {"task": "classify"}}
+        infer = {
+            "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["bad"]}],
+            "parameters": {"task": "classify"},
+        }
         r = c.post(f"/v2/models/{cls_dir.name}/infer", json=infer)
         np.testing.assert_allclose(r.json()["outputs"][0]["data"], probs[1], rtol=1e-5)
 
 
 def test_classify_needs_seq_cls_head(client):
-    assert "classification head" in error_of(client.post("/v1/classify", json={"input": "x"}),
-                                             400)["message"]
+    assert (
+        "classification head"
+        in error_of(client.post("/v1/classify", json={"input": "x"}), 400)["message"]
+    )
 
 
 # ---------------------------------------------------------------------------------- embeddings
@@ -187,17 +230,22 @@ def test_embeddings_float_and_base64(client, engine):
     want = engine.embed(["hello world", "bye"], pooling="last", normalize=True).numpy()
     got = np.array([d["embedding"] for d in out["data"]])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    check_snapshot("embeddings", {**out, "data": [{**d, "embedding": d["embedding"][:8]}
-                                                  for d in out["data"]]})
+    check_snapshot(
+        "embeddings", {**out, "data": [{**d, "embedding": d["embedding"][:8]} for d in out["data"]]}
+    )
     r = client.post("/v1/embeddings", json={"input": "hello world", "encoding_format": "base64"})
     vec = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_allclose(vec, want[0], rtol=1e-5, atol=1e-6)
-    r = client.post("/v1/embeddings", json={"input": [[1, 2, 3]], "pooling": "mean",
-                                            "normalize": False})
+    r = client.post(
+        "/v1/embeddings", json={"input": [[1, 2, 3]], "pooling": "mean", "normalize": False}
+    )
     assert r.status_code == 200
-    np.testing.assert_allclose(r.json()["data"][0]["embedding"],
-                               engine.embed([[1, 2, 3]], pooling="mean").numpy()[0], rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        r.json()["data"][0]["embedding"],
+        engine.embed([[1, 2, 3]], pooling="mean").numpy()[0],
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_embeddings_dimensions_rejected_clearly(client, engine):
@@ -217,15 +265,27 @@ def test_beam_with_and_without_trie(client, engine):
     want = engine.beam_search("hello", 4, 2, top_k=3)
     assert [x["tokens"] for x in out["results"]] == [t for t, _ in want]
     assert [x["score"] for x in out["results"]] == pytest.approx([s for _, s in want], rel=1e-4)
-    assert "unknown trie" in error_of(client.post("/v1/beam", json={
-        "prompt": "x", "beam_width": 2, "steps": 1, "trie": "nope"}), 400)["message"]
-    assert "max_beam_width" in error_of(client.post("/v1/beam", json={
-        "prompt": "x", "beam_width": 10**6, "steps": 1}), 413)["message"]
+    assert (
+        "unknown trie"
+        in error_of(
+            client.post(
+                "/v1/beam", json={"prompt": "x", "beam_width": 2, "steps": 1, "trie": "nope"}
+            ),
+            400,
+        )["message"]
+    )
+    assert (
+        "max_beam_width"
+        in error_of(
+            client.post("/v1/beam", json={"prompt": "x", "beam_width": 10**6, "steps": 1}), 413
+        )["message"]
+    )
 
 
 def test_beam_trie_item_ids(client):
-    r = client.post("/v1/beam", json={"prompt": [1, 2, 3], "beam_width": 4, "steps": 3,
-                                      "trie": "catalog"})
+    r = client.post(
+        "/v1/beam", json={"prompt": [1, 2, 3], "beam_width": 4, "steps": 3, "trie": "catalog"}
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     assert all(res["tokens"] in TRIE_SEQS for res in out["results"])
@@ -245,10 +305,19 @@ def test_kserve_metadata_health_and_json_infer(client, engine):
     check_snapshot("kserve_metadata", meta)
     r = client.get("/v2/models/other")
     assert r.status_code == 404 and "unknown model" in r.json()["error"]
-    req = {"id": "r1", "inputs": [
-        {"name": "query", "shape": [1], "datatype": "BYTES", "data": ["the user likes"]},
-        {"name": "items", "shape": [2], "datatype": "BYTES", "data": [" red shoes", " a blue hat"]},
-        {"name": "label_token_ids", "shape": [2], "datatype": "INT64", "data": [3, 7]}]}
+    req = {
+        "id": "r1",
+        "inputs": [
+            {"name": "query", "shape": [1], "datatype": "BYTES", "data": ["the user likes"]},
+            {
+                "name": "items",
+                "shape": [2],
+                "datatype": "BYTES",
+                "data": [" red shoes", " a blue hat"],
+            },
+            {"name": "label_token_ids", "shape": [2], "datatype": "INT64", "data": [3, 7]},
+        ],
+    }
     r = client.post(f"/v2/models/{MODEL}/infer", json=req)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -256,9 +325,10 @@ def test_kserve_metadata_health_and_json_infer(client, engine):
     want = engine.score("the user likes", [" red shoes", " a blue hat"], [3, 7], apply_softmax=True)
     np.testing.assert_allclose(np.reshape(out["outputs"][0]["data"], (2, 2)), want, rtol=1e-5)
     check_snapshot("kserve_infer", out)
-    bad = client.post(f"/v2/models/{MODEL}/infer", json={"inputs": [{"name": "items", "shape": [2],
-                                                                      "datatype": "BYTES",
-                                                                      "data": ["a"]}]})
+    bad = client.post(
+        f"/v2/models/{MODEL}/infer",
+        json={"inputs": [{"name": "items", "shape": [2], "datatype": "BYTES", "data": ["a"]}]},
+    )
     assert bad.status_code == 400 and "needs 2 elements" in bad.json()["error"]
 
 
@@ -268,21 +338,41 @@ def _bytes_tensor(values: list[bytes]) -> bytes:
 
 def test_kserve_binary_tensors(client, engine):
     q, items = _bytes_tensor([b"hello"]), _bytes_tensor([b"a", b"b", b"c"])
-    head = json.dumps({"inputs": [
-        {"name": "query", "shape": [1], "datatype": "BYTES", "parameters": {"binary_data_size": len(q)}},
-        {"name": "items", "shape": [3], "datatype": "BYTES",
-         "parameters": {"binary_data_size": len(items)}}],
-        "parameters": {"binary_data_output": True}}).encode()
-    r = client.post(f"/v2/models/{MODEL}/infer", content=head + q + items,
-                    headers={"Inference-Header-Content-Length": str(len(head)),
-                             "content-type": "application/octet-stream"})
+    head = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "query",
+                    "shape": [1],
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(q)},
+                },
+                {
+                    "name": "items",
+                    "shape": [3],
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(items)},
+                },
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    r = client.post(
+        f"/v2/models/{MODEL}/infer",
+        content=head + q + items,
+        headers={
+            "Inference-Header-Content-Length": str(len(head)),
+            "content-type": "application/octet-stream",
+        },
+    )
     assert r.status_code == 200, r.text
     n = int(r.headers["Inference-Header-Content-Length"])
     meta = json.loads(r.content[:n])
     scores = np.frombuffer(r.content[n:], dtype="<f4").reshape(meta["outputs"][0]["shape"])
     labels = client.get("/v1/models").json()["data"][0]["rerank_label_token_ids"]
-    np.testing.assert_allclose(scores, engine.score("hello", ["a", "b", "c"], labels,
-                                                    apply_softmax=True), rtol=1e-5)
+    np.testing.assert_allclose(
+        scores, engine.score("hello", ["a", "b", "c"], labels, apply_softmax=True), rtol=1e-5
+    )
 
 
 # ----------------------------------------------------------------------------- models, metrics
@@ -296,11 +386,20 @@ def test_models_health_metrics(client):
     client.post("/v1/score", json={"query": [1], "items": [[2]], "label_token_ids": [3]})
     client.post("/v1/score", json={"query": [1], "items": [[-2]], "label_token_ids": [3]})
     text = client.get("/metrics").text
-    node_hist = ("boundgen_runtime_node_seconds_bucket" if "boundgen_runtime_inflight" in text
-                 else "boundgen_node_seconds_bucket")
-    for name in ("boundgen_request_seconds_bucket", node_hist,
-                 "boundgen_queue_depth", "boundgen_batch_tokens", "boundgen_items_total",
-                 "boundgen_errors_total", "boundgen_device_memory_bytes"):
+    node_hist = (
+        "boundgen_runtime_node_seconds_bucket"
+        if "boundgen_runtime_inflight" in text
+        else "boundgen_node_seconds_bucket"
+    )
+    for name in (
+        "boundgen_request_seconds_bucket",
+        node_hist,
+        "boundgen_queue_depth",
+        "boundgen_batch_tokens",
+        "boundgen_items_total",
+        "boundgen_errors_total",
+        "boundgen_device_memory_bytes",
+    ):
         assert name in text, name
     assert 'boundgen_errors_total{endpoint="score",type="invalid_request_error"}' in text
 
@@ -309,19 +408,38 @@ def test_server_timing_header(client, engine):
     """Every answer says where its time went (`app` first); a model call adds its own entries."""
     from boundgen.loadtest import parse_server_timing
 
-    r = client.post("/v1/score", json={"query": [1, 2], "items": [[3], [4, 5]], "label_token_ids": [3]})
+    r = client.post(
+        "/v1/score", json={"query": [1, 2], "items": [[3], [4, 5]], "label_token_ids": [3]}
+    )
     timing = parse_server_timing(r.headers["server-timing"])
     assert r.headers["server-timing"].startswith("app;dur=")
     through_runtime = client.app.state.boundgen.infer.runtime is not None
-    inner = ({"runtime", "prepare", "forward", "forward-batch-wait", "forward-batch-run", "head", "finish"}
-             if through_runtime else {"queue", "score"})
+    inner = (
+        {
+            "runtime",
+            "prepare",
+            "forward",
+            "forward-batch-wait",
+            "forward-batch-run",
+            "head",
+            "finish",
+        }
+        if through_runtime
+        else {"queue", "score"}
+    )
     assert inner <= set(timing), timing
     assert all(v >= 0 for v in timing.values())
     assert timing["runtime" if through_runtime else "score"] <= timing["app"]
-    if through_runtime:  # the batching node's run = waiting for its batch + the batch's run (+ hand-offs)
-        assert timing["forward-batch-wait"] + timing["forward-batch-run"] <= timing["forward"] + 0.01
+    if (
+        through_runtime
+    ):  # the batching node's run = waiting for its batch + the batch's run (+ hand-offs)
+        assert (
+            timing["forward-batch-wait"] + timing["forward-batch-run"] <= timing["forward"] + 0.01
+        )
     bad = client.post("/v1/score", json={"query": [1], "items": [[-2]], "label_token_ids": [3]})
-    assert set(parse_server_timing(bad.headers["server-timing"])) == {"app"}  # refused before the model
+    assert set(parse_server_timing(bad.headers["server-timing"])) == {
+        "app"
+    }  # refused before the model
     off = create_app(engine, ServerConfig(server_timing=False))
     with TestClient(off) as c:
         assert "server-timing" not in c.get("/health").headers
@@ -337,9 +455,14 @@ def test_api_key(engine, monkeypatch):
     with TestClient(create_app(engine)) as c:
         body = {"query": [1], "items": [[2]], "label_token_ids": [3]}
         assert error_of(c.post("/v1/score", json=body), 401)["type"] == "authentication_error"
-        assert c.post("/v1/score", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
-        assert c.post("/v1/score", json=body,
-                      headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert (
+            c.post("/v1/score", json=body, headers={"Authorization": "Bearer nope"}).status_code
+            == 401
+        )
+        assert (
+            c.post("/v1/score", json=body, headers={"Authorization": "Bearer s3cret"}).status_code
+            == 200
+        )
         assert c.get("/health").status_code == 200  # probes stay open
 
 
@@ -372,8 +495,12 @@ def test_timeout_504_and_event_loop_stays_free(engine):
     async def run():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as c:
-            slow = asyncio.create_task(c.post("/v1/score", json={
-                "query": [1], "items": [[2]], "label_token_ids": [3], "timeout_ms": 100}))
+            slow = asyncio.create_task(
+                c.post(
+                    "/v1/score",
+                    json={"query": [1], "items": [[2]], "label_token_ids": [3], "timeout_ms": 100},
+                )
+            )
             await asyncio.sleep(0.02)
             t0 = time.perf_counter()
             health = await c.get("/health")
@@ -390,8 +517,9 @@ def test_timeout_504_and_event_loop_stays_free(engine):
 
 
 def test_config_file_and_validation(tmp_path):
-    (tmp_path / "s.yaml").write_text("port: 9001\nmax_queue: 7\ntries: {a: /x}\nengine:\n"
-                                     "  max_items: 12\n")
+    (tmp_path / "s.yaml").write_text(
+        "port: 9001\nmax_queue: 7\ntries: {a: /x}\nengine:\n  max_items: 12\n"
+    )
     server, eng = load_config_file(tmp_path / "s.yaml")
     assert server.port == 9001 and server.max_queue == 7 and server.tries == ("a=/x",)
     assert eng.max_items == 12
@@ -419,20 +547,41 @@ def test_default_model_is_the_demo_with_its_catalog_trie():
 
 def test_deadline_504_on_both_paths(client):
     items = [[(7 * i + j) % 2000 + 1 for j in range(48)] for i in range(64)]
-    r = client.post("/v1/score", json={"query": list(range(1, 200)), "items": items,
-                                       "label_token_ids": [1], "timeout_ms": 1})
+    r = client.post(
+        "/v1/score",
+        json={
+            "query": list(range(1, 200)),
+            "items": items,
+            "label_token_ids": [1],
+            "timeout_ms": 1,
+        },
+    )
     assert error_of(r, 504)["type"] == "timeout_error"
-    assert client.post("/v1/score", json={"query": [1], "items": [[2]],
-                                          "label_token_ids": [3]}).status_code == 200
+    assert (
+        client.post(
+            "/v1/score", json={"query": [1], "items": [[2]], "label_token_ids": [3]}
+        ).status_code
+        == 200
+    )
 
 
 def test_serve_flags_override_config_file(tmp_path):
     from boundgen.cli import build_parser
     from boundgen.commands.serve import resolve_configs
 
-    (tmp_path / "c.toml").write_text('port = 9100\nmax_queue = 5\n[engine]\nmax_items = 7\n')
-    args = build_parser().parse_args(["serve", "--config", str(tmp_path / "c.toml"), "--port", "9200",
-                                      "--device", "cpu", "--no-runtime"])
+    (tmp_path / "c.toml").write_text("port = 9100\nmax_queue = 5\n[engine]\nmax_items = 7\n")
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--config",
+            str(tmp_path / "c.toml"),
+            "--port",
+            "9200",
+            "--device",
+            "cpu",
+            "--no-runtime",
+        ]
+    )
     server, engine = resolve_configs(args)
     assert (server.port, server.max_queue, server.runtime) == (9200, 5, False)
     assert (engine.max_items, engine.device) == (7, "cpu")
@@ -440,6 +589,8 @@ def test_serve_flags_override_config_file(tmp_path):
 
 def test_openapi_documents_request_bodies(client):
     spec = client.get("/openapi.json").json()
-    body = spec["paths"]["/v1/score"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    body = spec["paths"]["/v1/score"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"
+    ]
     assert body == {"$ref": "#/components/schemas/ScoreRequest"}
     assert {"ScoreRequest", "RerankRequest", "RerankDocument"} <= set(spec["components"]["schemas"])

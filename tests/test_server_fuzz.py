@@ -1,5 +1,6 @@
 """Property-based fuzz of the HTTP API: ≥ 500 generated bad requests (wrong types, missing fields, huge and
-empty lists, bad token ids, non-UTF-8, deeply nested JSON, broken KServe tensors). Every answer must be a 4xx
+empty lists, bad token ids, non-UTF-8, deeply nested JSON, broken KServe tensors). Every answer must
+be a 4xx
 with a clear error message, never a 5xx, and the server must still answer correctly afterwards."""
 
 from __future__ import annotations
@@ -28,12 +29,20 @@ VALID = {
     "/v1/rerank": {"query": "q", "documents": ["a"]},
     "/v1/embeddings": {"input": "x"},
     "/v1/beam": {"prompt": "x", "beam_width": 2, "steps": 1},
-    INFER: {"inputs": [{"name": "query", "shape": [1], "datatype": "BYTES", "data": ["q"]},
-                       {"name": "items", "shape": [1], "datatype": "BYTES", "data": ["a"]}]},
+    INFER: {
+        "inputs": [
+            {"name": "query", "shape": [1], "datatype": "BYTES", "data": ["q"]},
+            {"name": "items", "shape": [1], "datatype": "BYTES", "data": ["a"]},
+        ]
+    },
 }
-REQUIRED = {"/v1/score": ["query", "items", "label_token_ids"], "/v1/rerank": ["query", "documents"],
-            "/v1/embeddings": ["input"], "/v1/beam": ["prompt", "beam_width", "steps"],
-            INFER: ["inputs"]}
+REQUIRED = {
+    "/v1/score": ["query", "items", "label_token_ids"],
+    "/v1/rerank": ["query", "documents"],
+    "/v1/embeddings": ["input"],
+    "/v1/beam": ["prompt", "beam_width", "steps"],
+    INFER: ["inputs"],
+}
 
 BAD_IDS = [[-1], [VOCAB], [2**70], [1, -5]]
 HUGE = ["x"] * (MAX_ITEMS + 1)
@@ -41,8 +50,23 @@ LONG_TEXT = "word " * 64
 # For each field, values that can never be valid there.
 BAD_VALUES = {
     "query": [1, 1.5, True, None, {"a": 1}, [1.5], ["a"], [[1]], *BAD_IDS, LONG_TEXT],
-    "items": [1, None, True, {"a": 1}, [], [1], [None], [[1.5]], [["a"]], HUGE, [[t] for t in (-1, VOCAB)],
-              [[]], [""], [LONG_TEXT], ["a", [1]]],
+    "items": [
+        1,
+        None,
+        True,
+        {"a": 1},
+        [],
+        [1],
+        [None],
+        [[1.5]],
+        [["a"]],
+        HUGE,
+        [[t] for t in (-1, VOCAB)],
+        [[]],
+        [""],
+        [LONG_TEXT],
+        ["a", [1]],
+    ],
     "label_token_ids": [[], 1, "1", [1.5], ["a"], None, *BAD_IDS, list(range(1000))],
     "apply_softmax": [1, "true", None, [True]],
     "item_first": [0, "no", {}],
@@ -60,24 +84,37 @@ BAD_VALUES = {
     "trie": ["missing", 1, []],
     "timeout_ms": [0, -5, "100", 1.5],
     "model": [1, [], {}],
-    "inputs": [None, [], "x", [1], [{"name": 1}], [{"name": "query", "shape": [2], "datatype": "BYTES",
-                                                     "data": ["q"]}]],
+    "inputs": [
+        None,
+        [],
+        "x",
+        [1],
+        [{"name": 1}],
+        [{"name": "query", "shape": [2], "datatype": "BYTES", "data": ["q"]}],
+    ],
 }
 
-json_leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
-                      st.text(max_size=8))
-json_value = st.recursive(json_leaf, lambda ch: st.one_of(st.lists(ch, max_size=4),
-                                                          st.dictionaries(st.text(max_size=6), ch,
-                                                                          max_size=4)),
-                          max_leaves=12)
+json_leaf = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=8)
+)
+json_value = st.recursive(
+    json_leaf,
+    lambda ch: st.one_of(
+        st.lists(ch, max_size=4), st.dictionaries(st.text(max_size=6), ch, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 @st.composite
 def bad_requests(draw):
     path = draw(st.sampled_from(sorted(VALID)))
     body = dict(VALID[path])
-    kind = draw(st.sampled_from(["wrong_value", "missing", "garbage_json", "raw_bytes", "non_utf8",
-                                 "nested", "kserve"]))
+    kind = draw(
+        st.sampled_from(
+            ["wrong_value", "missing", "garbage_json", "raw_bytes", "non_utf8", "nested", "kserve"]
+        )
+    )
     if kind == "wrong_value":
         field = draw(st.sampled_from(sorted(BAD_VALUES)))
         if path == INFER and field != "inputs":
@@ -101,7 +138,9 @@ def bad_requests(draw):
     if kind == "non_utf8":
         field = REQUIRED[path][0]
         raw = json.dumps({**body, field: "@@"}).encode()
-        return path, raw.replace(b"@@", draw(st.sampled_from([b"\xff\xfe", b"\xc3\x28", b"\xed\xa0\x80"])))
+        return path, raw.replace(
+            b"@@", draw(st.sampled_from([b"\xff\xfe", b"\xc3\x28", b"\xed\xa0\x80"]))
+        )
     if kind == "nested":
         depth = draw(st.integers(min_value=64, max_value=20000))
         nested = "[" * depth + "]" * depth
@@ -111,37 +150,65 @@ def bad_requests(draw):
         raw = json.dumps({**body, REQUIRED[path][0]: "@@"})
         return path, raw.replace('"@@"', nested).encode()
     # kserve: broken tensors
-    t = draw(st.sampled_from([
-        {"name": "items", "shape": [3], "datatype": "BYTES", "data": ["a"]},
-        {"name": "items", "shape": [-1], "datatype": "BYTES", "data": ["a"]},
-        {"name": "items", "shape": [1], "datatype": "FP32", "data": [1.0]},
-        {"name": "items", "shape": [1], "datatype": "BYTES", "data": [1]},
-        {"name": "items", "shape": [1], "datatype": "BYTES", "parameters": {"binary_data_size": 99}},
-        {"name": "items", "shape": [1], "datatype": "BYTES"},
-        {"name": "items", "shape": [1 << 30], "datatype": "BYTES", "data": []},
-        {"name": "items", "shape": [1], "datatype": "NOPE", "data": ["a"]},
-    ]))
+    t = draw(
+        st.sampled_from(
+            [
+                {"name": "items", "shape": [3], "datatype": "BYTES", "data": ["a"]},
+                {"name": "items", "shape": [-1], "datatype": "BYTES", "data": ["a"]},
+                {"name": "items", "shape": [1], "datatype": "FP32", "data": [1.0]},
+                {"name": "items", "shape": [1], "datatype": "BYTES", "data": [1]},
+                {
+                    "name": "items",
+                    "shape": [1],
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": 99},
+                },
+                {"name": "items", "shape": [1], "datatype": "BYTES"},
+                {"name": "items", "shape": [1 << 30], "datatype": "BYTES", "data": []},
+                {"name": "items", "shape": [1], "datatype": "NOPE", "data": ["a"]},
+            ]
+        )
+    )
     inputs = [VALID[INFER]["inputs"][0], t]
-    params = draw(st.sampled_from([None, {"task": "nope"}, {"task": 3}, {"apply_softmax": "yes"},
-                                   {"timeout_ms": -1}]))
+    params = draw(
+        st.sampled_from(
+            [None, {"task": "nope"}, {"task": 3}, {"apply_softmax": "yes"}, {"timeout_ms": -1}]
+        )
+    )
     req = {"inputs": inputs, **({"parameters": params} if params else {})}
     return INFER, json.dumps(req).encode()
 
 
-_OPTIONAL = {"/v1/score": ["apply_softmax", "item_first", "model", "timeout_ms"],
-             "/v1/rerank": ["top_n", "return_documents", "model", "timeout_ms"],
-             "/v1/embeddings": ["encoding_format", "dimensions", "pooling", "model", "timeout_ms"],
-             "/v1/beam": ["top_k", "trie", "model", "timeout_ms"], INFER: []}
+_OPTIONAL = {
+    "/v1/score": ["apply_softmax", "item_first", "model", "timeout_ms"],
+    "/v1/rerank": ["top_n", "return_documents", "model", "timeout_ms"],
+    "/v1/embeddings": ["encoding_format", "dimensions", "pooling", "model", "timeout_ms"],
+    "/v1/beam": ["top_k", "trie", "model", "timeout_ms"],
+    INFER: [],
+}
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    engine = Engine.from_pretrained(tiny_model_dir(tmp_path_factory.mktemp("m")), device="cpu",
-                                    max_items=MAX_ITEMS, max_beam_width=8, max_beam_steps=4)
+    engine = Engine.from_pretrained(
+        tiny_model_dir(tmp_path_factory.mktemp("m")),
+        device="cpu",
+        max_items=MAX_ITEMS,
+        max_beam_width=8,
+        max_beam_steps=4,
+    )
     assert engine.config.vocab_size == VOCAB
     # Direct engine path: no request here may reach the model, so nothing waits on it.
-    app = create_app(engine, ServerConfig(runtime=False, max_item_tokens=16, max_query_tokens=48,
-                                          max_label_tokens=64, max_body_bytes=1 << 16))
+    app = create_app(
+        engine,
+        ServerConfig(
+            runtime=False,
+            max_item_tokens=16,
+            max_query_tokens=48,
+            max_label_tokens=64,
+            max_body_bytes=1 << 16,
+        ),
+    )
     with TestClient(app, raise_server_exceptions=True) as c:
         yield c
 
@@ -149,9 +216,16 @@ def client(tmp_path_factory):
 SEEN: list[int] = []
 
 
-@settings(max_examples=600, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                 HealthCheck.data_too_large])
+@settings(
+    max_examples=600,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
 @given(req=bad_requests())
 def test_bad_requests_get_clear_4xx(client, req):
     path, body = req
@@ -167,8 +241,10 @@ def test_bad_requests_get_clear_4xx(client, req):
 
 def test_fuzz_ran_enough_and_server_still_answers(client):
     assert len(SEEN) >= 500, len(SEEN)
-    r = client.post("/v1/score", json={"query": "q", "items": ["a", "b"], "label_token_ids": [1, 2],
-                                       "apply_softmax": True})
+    r = client.post(
+        "/v1/score",
+        json={"query": "q", "items": ["a", "b"], "label_token_ids": [1, 2], "apply_softmax": True},
+    )
     assert r.status_code == 200 and len(r.json()["scores"]) == 2
     assert client.get("/health").status_code == 200
     metrics = client.get("/metrics").text

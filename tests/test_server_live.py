@@ -29,8 +29,18 @@ def server(tmp_path_factory):
     model = tiny_model_dir(root)
     trie = root / "catalog.jsonl"
     Trie.from_sequences(TRIE_SEQS, item_ids=["a", "b", "c", "d"]).save(trie)
-    proc = ServeProcess("--model", str(model), "--api-key", KEY, "--tries", f"catalog={trie}",
-                        "--device", "cpu", "--drain-timeout-s", "60")
+    proc = ServeProcess(
+        "--model",
+        str(model),
+        "--api-key",
+        KEY,
+        "--tries",
+        f"catalog={trie}",
+        "--device",
+        "cpu",
+        "--drain-timeout-s",
+        "60",
+    )
     yield proc
     proc.stop()
 
@@ -43,8 +53,15 @@ def http(server):
 
 def test_every_endpoint_over_http(server, http):
     name = http.get("/v1/models").json()["data"][0]["id"]
-    r = http.post("/v1/score", json={"query": "user likes", "items": [" shoes", " hats"],
-                                     "label_token_ids": [1, 2], "apply_softmax": True})
+    r = http.post(
+        "/v1/score",
+        json={
+            "query": "user likes",
+            "items": [" shoes", " hats"],
+            "label_token_ids": [1, 2],
+            "apply_softmax": True,
+        },
+    )
     assert r.status_code == 200 and len(r.json()["scores"]) == 2, r.text
     r = http.post("/v1/rerank", json={"query": "q", "documents": ["a", "b", "c"], "top_n": 2})
     assert r.status_code == 200 and len(r.json()["results"]) == 2, r.text
@@ -52,12 +69,20 @@ def test_every_endpoint_over_http(server, http):
     assert r.status_code == 200 and len(r.json()["data"]) == 2, r.text
     r = http.post("/v1/classify", json={"input": "a"})  # a causal LM: clear 400
     assert r.status_code == 400 and "classification head" in r.json()["error"]["message"]
-    r = http.post("/v1/beam", json={"prompt": [1, 2], "beam_width": 4, "steps": 3, "trie": "catalog"})
+    r = http.post(
+        "/v1/beam", json={"prompt": [1, 2], "beam_width": 4, "steps": 3, "trie": "catalog"}
+    )
     assert r.status_code == 200, r.text
     assert {x["item_id"] for x in r.json()["results"]} <= {"a", "b", "c", "d"}
-    r = http.post(f"/v2/models/{name}/infer", json={"inputs": [
-        {"name": "query", "shape": [1], "datatype": "BYTES", "data": ["q"]},
-        {"name": "items", "shape": [2], "datatype": "BYTES", "data": ["a", "b"]}]})
+    r = http.post(
+        f"/v2/models/{name}/infer",
+        json={
+            "inputs": [
+                {"name": "query", "shape": [1], "datatype": "BYTES", "data": ["q"]},
+                {"name": "items", "shape": [2], "datatype": "BYTES", "data": ["a", "b"]},
+            ]
+        },
+    )
     assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [2, 2], r.text
     assert http.get("/v2/health/live").status_code == 200
     assert http.get("/v2/health/ready").status_code == 200
@@ -69,7 +94,9 @@ def test_every_endpoint_over_http(server, http):
 
 
 def test_api_key_required(server):
-    r = httpx.post(server.url + "/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": [1]})
+    r = httpx.post(
+        server.url + "/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": [1]}
+    )
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(server.url + "/health").status_code == 200
 
@@ -79,23 +106,31 @@ def test_openai_client(server, http):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
     name = http.get("/v1/models").json()["data"][0]["id"]
     assert [m.id for m in client.models.list()] == [name]
-    default = client.embeddings.create(model=name, input=["hello world", "bye"])  # base64 on the wire
-    floats = client.embeddings.create(model=name, input=["hello world", "bye"], encoding_format="float")
+    default = client.embeddings.create(
+        model=name, input=["hello world", "bye"]
+    )  # base64 on the wire
+    floats = client.embeddings.create(
+        model=name, input=["hello world", "bye"], encoding_format="float"
+    )
     assert len(default.data) == 2 and default.usage.prompt_tokens > 0
     np.testing.assert_allclose(default.data[0].embedding, floats.data[0].embedding, rtol=1e-6)
     with pytest.raises(openai.BadRequestError, match="dimensions"):
         client.embeddings.create(model=name, input="x", dimensions=3)
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong").embeddings.create(model=name, input="x")
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong").embeddings.create(
+            model=name, input="x"
+        )
 
 
 def test_cohere_client(server):
     cohere = pytest.importorskip("cohere")
     docs = ["green salad", "fast car", "fresh fruit"]
     v2 = cohere.ClientV2(api_key=KEY, base_url=server.url).rerank(
-        model="m", query="healthy food", documents=docs, top_n=2)
+        model="m", query="healthy food", documents=docs, top_n=2
+    )
     v1 = cohere.Client(api_key=KEY, base_url=server.url).rerank(
-        model="m", query="healthy food", documents=docs, top_n=2)
+        model="m", query="healthy food", documents=docs, top_n=2
+    )
     assert len(v2.results) == 2
     assert [r.index for r in v2.results] == [r.index for r in v1.results]
     assert v2.results[0].relevance_score >= v2.results[1].relevance_score
@@ -121,9 +156,12 @@ def test_tritonclient(server, http):
         return [q, it]
 
     binary = client.infer(name, inputs(True), headers=auth()).as_numpy("scores")  # binary both ways
-    as_json = client.infer(name, inputs(False), headers=auth(),
-                           outputs=[th.InferRequestedOutput("scores", binary_data=False)]
-                           ).as_numpy("scores")
+    as_json = client.infer(
+        name,
+        inputs(False),
+        headers=auth(),
+        outputs=[th.InferRequestedOutput("scores", binary_data=False)],
+    ).as_numpy("scores")
     assert binary.shape == (3, 2)
     np.testing.assert_allclose(binary, as_json, rtol=1e-6)
     np.testing.assert_allclose(binary.sum(-1), 1.0, rtol=1e-5)

@@ -45,36 +45,49 @@ def test_arrivals_and_summary():
     samples.append(Sample("score", 0.99, 0.5, 429, "overloaded_error"))
     s = summarize(samples, qps=100, duration=1.0, items=10)
     assert s["ok"] == 99 and s["errors"] == {"429:overloaded_error": 1}
-    assert s["latency_ms"]["p50"] == pytest.approx(50.0) and s["latency_ms"]["max"] == pytest.approx(99)
+    assert s["latency_ms"]["p50"] == pytest.approx(50.0) and s["latency_ms"][
+        "max"
+    ] == pytest.approx(99)
     assert s["error_rate"] == pytest.approx(0.01)
     assert math.isnan(summarize([], 1, 1, 1)["latency_ms"]["p99"])
 
 
 def test_server_timing_parse_and_tail_attribution():
-    assert parse_server_timing('app;dur=12.5, forward;desc="model";dur=9, cache, forward;dur=1') == {
-        "app": 12.5, "forward": 10.0}
+    assert parse_server_timing(
+        'app;dur=12.5, forward;desc="model";dur=9, cache, forward;dur=1'
+    ) == {"app": 12.5, "forward": 10.0}
     assert parse_server_timing(None) is None and parse_server_timing("app;dur=x, miss") is None
     # 200 answers: server time 1 ms each, except the two slowest (server-side 40 ms in "forward")
-    samples = [Sample("score", i / 100, 0.002, 200, server={"app": 1.0, "forward": 0.5})
-               for i in range(198)]
-    samples += [Sample("score", 1.0, 0.050, 200, server={"app": 41.0, "forward": 40.0}),
-                Sample("score", 1.1, 0.060, 200, server={"app": 41.0, "forward-wait": 2.0})]
+    samples = [
+        Sample("score", i / 100, 0.002, 200, server={"app": 1.0, "forward": 0.5})
+        for i in range(198)
+    ]
+    samples += [
+        Sample("score", 1.0, 0.050, 200, server={"app": 41.0, "forward": 40.0}),
+        Sample("score", 1.1, 0.060, 200, server={"app": 41.0, "forward-wait": 2.0}),
+    ]
     samples.append(Sample("score", 1.2, 9.0, 504, "timeout_error", server={"app": 9000.0}))
     s = summarize(samples, qps=200, duration=1.0, items=1)
     assert s["server_ms"]["p50"] == pytest.approx(1.0) and s["server_ms"]["p99"] > 1.0
     tail = s["slowest"]
     assert tail["n"] == 2 and tail["latency_ms"] == pytest.approx(55.0)
     assert tail["server_ms"] == pytest.approx(41.0) and tail["outside_ms"] == pytest.approx(14.0)
-    assert tail["entries_ms"] == {"forward": pytest.approx(20.0), "forward-wait": pytest.approx(1.0)}
-    assert "slowest" not in summarize([Sample("score", 0, 0.001, 200)], 1, 1, 1)  # no header: no guess
+    assert tail["entries_ms"] == {
+        "forward": pytest.approx(20.0),
+        "forward-wait": pytest.approx(1.0),
+    }
+    assert "slowest" not in summarize(
+        [Sample("score", 0, 0.001, 200)], 1, 1, 1
+    )  # no header: no guess
 
 
 class _ThreadServer:
     def __init__(self, app):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -91,10 +104,23 @@ class _ThreadServer:
 def test_loadtest_against_live_server(model_dir, tmp_path):
     engine = Engine.from_pretrained(model_dir, device="cpu")
     with _ThreadServer(create_app(engine)) as srv:
-        cfg = LoadConfig(url=srv.url, workload="mixed", qps_steps=(4.0, 8.0),
-                         duration=1.5, warmup=2, items=4, item_tokens=4, query_tokens=8,
-                         prompt_tokens=8, beam_width=2, steps=2, slo_ms=10_000, distinct=4,
-                         out=str(tmp_path / "r.json"), plot=str(tmp_path / "r.png"))
+        cfg = LoadConfig(
+            url=srv.url,
+            workload="mixed",
+            qps_steps=(4.0, 8.0),
+            duration=1.5,
+            warmup=2,
+            items=4,
+            item_tokens=4,
+            query_tokens=8,
+            prompt_tokens=8,
+            beam_width=2,
+            steps=2,
+            slo_ms=10_000,
+            distinct=4,
+            out=str(tmp_path / "r.json"),
+            plot=str(tmp_path / "r.png"),
+        )
         report = run_loadtest(cfg, log=lambda *a: None)
     assert report["vocab_size"] == engine.config.vocab_size
     assert [s["qps_target"] for s in report["steps"]] == [4.0, 8.0]
@@ -116,17 +142,32 @@ def test_hf_baseline_server_matches_engine(model_dir):
     finally:
         sys.path.pop(0)
     engine = Engine.from_pretrained(model_dir, device="cpu", dtype="float32")
-    with TestClient(create_app(HFScorer(model_dir, "cpu", "float32"),
-                               ServerConfig(runtime=False))) as c:
-        for body in ({"query": "the user likes", "items": [" red shoes", " a blue hat and more"],
-                      "label_token_ids": [3, 7, 11]},
-                     {"query": [1, 2, 3], "items": [[4], [5, 6, 7, 8]], "label_token_ids": [9, 10],
-                      "item_first": True, "apply_softmax": True}):
+    with TestClient(
+        create_app(HFScorer(model_dir, "cpu", "float32"), ServerConfig(runtime=False))
+    ) as c:
+        for body in (
+            {
+                "query": "the user likes",
+                "items": [" red shoes", " a blue hat and more"],
+                "label_token_ids": [3, 7, 11],
+            },
+            {
+                "query": [1, 2, 3],
+                "items": [[4], [5, 6, 7, 8]],
+                "label_token_ids": [9, 10],
+                "item_first": True,
+                "apply_softmax": True,
+            },
+        ):
             r = c.post("/v1/score", json=body)
             assert r.status_code == 200, r.text
-            want = engine.score(body["query"], body["items"], body["label_token_ids"],
-                                apply_softmax=body.get("apply_softmax", False),
-                                item_first=body.get("item_first", False))
+            want = engine.score(
+                body["query"],
+                body["items"],
+                body["label_token_ids"],
+                apply_softmax=body.get("apply_softmax", False),
+                item_first=body.get("item_first", False),
+            )
             np.testing.assert_allclose(r.json()["scores"], want, rtol=1e-4, atol=1e-5)
         r = c.post("/v1/beam", json={"prompt": "x", "beam_width": 2, "steps": 1})
         assert r.status_code == 400 and "/v1/score" in r.json()["error"]["message"]
@@ -137,8 +178,17 @@ def test_loadtest_stops_at_saturation(model_dir):
     app = create_app(engine, ServerConfig(runtime=False, max_queue=4))
     lines = []
     with _ThreadServer(app) as srv:
-        cfg = LoadConfig(url=srv.url, workload="score", qps_steps=(40.0, 80.0), duration=1.0,
-                         warmup=1, items=2, item_tokens=2, query_tokens=4, distinct=2)
+        cfg = LoadConfig(
+            url=srv.url,
+            workload="score",
+            qps_steps=(40.0, 80.0),
+            duration=1.0,
+            warmup=1,
+            items=2,
+            item_tokens=2,
+            query_tokens=4,
+            distinct=2,
+        )
         report = run_loadtest(cfg, log=lines.append)
     assert [s["qps_target"] for s in report["steps"]] == [40.0]
     step = report["steps"][0]

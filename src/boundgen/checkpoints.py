@@ -37,65 +37,145 @@ from boundgen.config import DTYPES
 
 ARCHS = ("qwen2", "qwen3", "llama")
 
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
-                  "half": "float16"}
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 # Family structure; shapes come from the preset.
 _FAMILIES: dict[str, dict[str, Any]] = {
-    "qwen2": {"model_type": "qwen2", "prefix": "Qwen2", "attention_bias": True, "qk_norm": False,
-              "tokenizer": "qwen"},
-    "qwen3": {"model_type": "qwen3", "prefix": "Qwen3", "attention_bias": False, "qk_norm": True,
-              "tokenizer": "qwen"},
-    "llama": {"model_type": "llama", "prefix": "Llama", "attention_bias": False, "qk_norm": False,
-              "tokenizer": "llama"},
+    "qwen2": {
+        "model_type": "qwen2",
+        "prefix": "Qwen2",
+        "attention_bias": True,
+        "qk_norm": False,
+        "tokenizer": "qwen",
+    },
+    "qwen3": {
+        "model_type": "qwen3",
+        "prefix": "Qwen3",
+        "attention_bias": False,
+        "qk_norm": True,
+        "tokenizer": "qwen",
+    },
+    "llama": {
+        "model_type": "llama",
+        "prefix": "Llama",
+        "attention_bias": False,
+        "qk_norm": False,
+        "tokenizer": "llama",
+    },
 }
 
-_LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 # Preset -> shape and init settings. `arch_overrides[arch]` applies when that family is chosen.
 # `vocab_size: None` means "tokenizer size rounded up to a multiple of 64".
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
-        "arch": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": None,
-        "max_position_embeddings": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True, "rope_scaling": None,
-        "tokenizer_vocab": 2000, "dtype": "float32", "init_std": 0.15, "norm_noise": 0.1,
+        "arch": "qwen2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": None,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "rope_scaling": None,
+        "tokenizer_vocab": 2000,
+        "dtype": "float32",
+        "init_std": 0.15,
+        "norm_noise": 0.1,
         "arch_overrides": {
             # untied head on qwen2, tied on qwen3/llama, so both head kinds get tested
             "qwen2": {"tie_word_embeddings": False},
             # q/k width (4 x 32) differs from hidden (64), as in real Qwen3
             "qwen3": {"head_dim": 32},
             # scaled-down llama3 rope scaling: wavelengths fall in all three bands
-            "llama": {"rms_norm_eps": 1e-5, "rope_scaling": {
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+            "llama": {
+                "rms_norm_eps": 1e-5,
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            },
         },
     },
     "qwen2.5-0.5b": {
-        "arch": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 151936,
-        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True, "rope_scaling": None,
-        "tokenizer_vocab": 8000, "dtype": "bfloat16", "init_std": 0.02, "norm_noise": 0.05,
+        "arch": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "rope_scaling": None,
+        "tokenizer_vocab": 8000,
+        "dtype": "bfloat16",
+        "init_std": 0.02,
+        "norm_noise": 0.05,
         "arch_overrides": {},
     },
     "qwen3-0.6b": {
-        "arch": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True, "rope_scaling": None,
-        "tokenizer_vocab": 8000, "dtype": "bfloat16", "init_std": 0.02, "norm_noise": 0.05,
+        "arch": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "rope_scaling": None,
+        "tokenizer_vocab": 8000,
+        "dtype": "bfloat16",
+        "init_std": 0.02,
+        "norm_noise": 0.05,
         "arch_overrides": {},
     },
     "llama3.2-1b": {
-        "arch": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-        "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True, "rope_scaling": None,
-        "tokenizer_vocab": 8000, "dtype": "bfloat16", "init_std": 0.02, "norm_noise": 0.05,
+        "arch": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "rope_scaling": None,
+        "tokenizer_vocab": 8000,
+        "dtype": "bfloat16",
+        "init_std": 0.02,
+        "norm_noise": 0.05,
         "arch_overrides": {"llama": {"rope_scaling": _LLAMA3_ROPE_SCALING}},
     },
 }
@@ -104,9 +184,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 _CHUNK_ELEMENTS = 1 << 22
 
 # Files this module writes (and removes first with overwrite=True).
-_OUTPUT_FILES = ("config.json", "generation_config.json", "model.safetensors",
-                 "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json")
+_OUTPUT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -118,29 +204,50 @@ def default_model_dir() -> Path:
 
 # --------------------------------------------------------------------------------------- tokenizer
 
-_QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # style -> (special tokens in id order, bos, eos, pad, regex)
 _TOKENIZER_STYLES: dict[str, dict[str, Any]] = {
-    "qwen": {"special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": None,
-             "eos": "<|endoftext|>", "pad": "<|endoftext|>", "split": _QWEN_SPLIT,
-             "tokenizer_class": "Qwen2Tokenizer",
-             "chat_template": (
-                 "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-                 "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")},
-    "llama": {"special": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
-                          "<|end_header_id|>", "<|eot_id|>"],
-              "bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "pad": "<|end_of_text|>",
-              "split": _LLAMA_SPLIT, "tokenizer_class": "PreTrainedTokenizerFast",
-              "chat_template": (
-                  "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + "
-                  "message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + "
-                  "'<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
-                  "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")},
+    "qwen": {
+        "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "bos": None,
+        "eos": "<|endoftext|>",
+        "pad": "<|endoftext|>",
+        "split": _QWEN_SPLIT,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "chat_template": (
+            "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+            "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+        ),
+    },
+    "llama": {
+        "special": [
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+        ],
+        "bos": "<|begin_of_text|>",
+        "eos": "<|end_of_text|>",
+        "pad": "<|end_of_text|>",
+        "split": _LLAMA_SPLIT,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": (
+            "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + "
+            "message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + "
+            "'<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+            "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+        ),
+    },
 }
 
 
@@ -151,20 +258,34 @@ def _corpus_lines() -> list[str]:
 
 @functools.lru_cache(maxsize=8)
 def _tokenizer_json(style: str, bpe_vocab: int) -> str:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     spec = _TOKENIZER_STYLES[style]
     tok = Tokenizer(models.BPE())
     if style == "qwen":
         tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(spec["split"]), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(spec["split"]), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=bpe_vocab, min_frequency=1, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=bpe_vocab,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_corpus_lines(), trainer)
     # Special tokens follow the BPE vocabulary (ids bpe_size, bpe_size + 1, ...), as in Qwen/Llama.
     tok.add_special_tokens(spec["special"])
@@ -174,8 +295,16 @@ def _tokenizer_json(style: str, bpe_vocab: int) -> str:
     else:
         bos = spec["bos"]
         bos_id = tok.token_to_id(bos)
-        tok.post_processor = processors.Sequence([byte_level, processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)])])
+        tok.post_processor = processors.Sequence(
+            [
+                byte_level,
+                processors.TemplateProcessing(
+                    single=f"{bos} $A",
+                    pair=f"{bos} $A {bos}:1 $B:1",
+                    special_tokens=[(bos, bos_id)],
+                ),
+            ]
+        )
     data = json.loads(tok.to_str())
     if style == "llama":
         data["model"]["ignore_merges"] = True  # as in Llama 3: whole-word vocab hits skip merging
@@ -234,8 +363,9 @@ def _resolve(preset: str, arch: str | None, dtype: str | None) -> _Resolved:
     return _Resolved(preset, arch, settings, _check_dtype(dtype or settings["dtype"]))
 
 
-def hf_config(preset: str, arch: str | None = None, seq_cls: int | None = None,
-              dtype: str | None = None) -> dict[str, Any]:
+def hf_config(
+    preset: str, arch: str | None = None, seq_cls: int | None = None, dtype: str | None = None
+) -> dict[str, Any]:
     """The `config.json` dict `make_model` writes (uses the cached tokenizer for special ids)."""
     _check_seq_cls(seq_cls)
     r = _resolve(preset, arch, dtype)
@@ -264,28 +394,41 @@ def hf_config(preset: str, arch: str | None = None, seq_cls: int | None = None,
     # Qwen2 configs omit head_dim (hidden / heads); HF Qwen2 still reads it when present.
     if r.arch != "qwen2" or s["head_dim"] * s["num_attention_heads"] != s["hidden_size"]:
         cfg["head_dim"] = s["head_dim"]
-    cfg.update({
-        "hidden_act": "silu",
-        "max_position_embeddings": s["max_position_embeddings"],
-        "rms_norm_eps": s["rms_norm_eps"],
-        "rope_theta": s["rope_theta"],
-        "rope_scaling": s["rope_scaling"],
-        "tie_word_embeddings": s["tie_word_embeddings"],
-        "attention_dropout": 0.0,
-        "initializer_range": s["init_std"],
-        "use_cache": True,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "torch_dtype": r.dtype,
-        "dtype": r.dtype,
-    })
+    cfg.update(
+        {
+            "hidden_act": "silu",
+            "max_position_embeddings": s["max_position_embeddings"],
+            "rms_norm_eps": s["rms_norm_eps"],
+            "rope_theta": s["rope_theta"],
+            "rope_scaling": s["rope_scaling"],
+            "tie_word_embeddings": s["tie_word_embeddings"],
+            "attention_dropout": 0.0,
+            "initializer_range": s["init_std"],
+            "use_cache": True,
+            "bos_token_id": bos_id,
+            "eos_token_id": eos_id,
+            "pad_token_id": pad_id,
+            "torch_dtype": r.dtype,
+            "dtype": r.dtype,
+        }
+    )
     if r.arch == "qwen2":
-        cfg.update({"use_sliding_window": False, "sliding_window": None,
-                    "max_window_layers": s["num_hidden_layers"]})
+        cfg.update(
+            {
+                "use_sliding_window": False,
+                "sliding_window": None,
+                "max_window_layers": s["num_hidden_layers"],
+            }
+        )
     elif r.arch == "qwen3":
-        cfg.update({"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
-                    "max_window_layers": s["num_hidden_layers"]})
+        cfg.update(
+            {
+                "attention_bias": False,
+                "use_sliding_window": False,
+                "sliding_window": None,
+                "max_window_layers": s["num_hidden_layers"],
+            }
+        )
     else:
         cfg.update({"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1})
     if seq_cls:
@@ -346,8 +489,9 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _tensor_chunks(spec: TensorSpec, seed: int, std: float, norm_noise: float,
-                   dtype: torch.dtype) -> Iterator[torch.Tensor]:
+def _tensor_chunks(
+    spec: TensorSpec, seed: int, std: float, norm_noise: float, dtype: torch.dtype
+) -> Iterator[torch.Tensor]:
     """The tensor's values in row chunks, already in `dtype`."""
     gen = torch.Generator().manual_seed(_tensor_seed(seed, spec.name))
     rows, row_elems = spec.shape[0], math.prod(spec.shape[1:])
@@ -362,16 +506,20 @@ def _tensor_chunks(spec: TensorSpec, seed: int, std: float, norm_noise: float,
         yield values.to(dtype)
 
 
-def _write_safetensors(path: Path, specs: list[TensorSpec], chunks, dtype: torch.dtype,
-                       bar) -> None:
+def _write_safetensors(
+    path: Path, specs: list[TensorSpec], chunks, dtype: torch.dtype, bar
+) -> None:
     """Stream tensors into one safetensors file, never holding more than one chunk in memory."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for spec in specs:
         size = math.prod(spec.shape) * itemsize
-        header[spec.name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(spec.shape),
-                             "data_offsets": [offset, offset + size]}
+        header[spec.name] = {
+            "dtype": _SAFETENSORS_DTYPE[dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
@@ -419,11 +567,16 @@ def _prepare_out_dir(out: Path, overwrite: bool) -> None:
         raise FileExistsError(f"output path {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise FileExistsError(f"output directory {out} exists and is not empty "
-                                  "(pass overwrite=True / --overwrite to replace the model in it)")
+            raise FileExistsError(
+                f"output directory {out} exists and is not empty "
+                "(pass overwrite=True / --overwrite to replace the model in it)"
+            )
         for entry in out.iterdir():
-            if entry.is_file() and (entry.name in _OUTPUT_FILES or _SHARD_RE.fullmatch(entry.name)
-                                    or entry.name.endswith(".partial")):
+            if entry.is_file() and (
+                entry.name in _OUTPUT_FILES
+                or _SHARD_RE.fullmatch(entry.name)
+                or entry.name.endswith(".partial")
+            ):
                 entry.unlink()
     out.mkdir(parents=True, exist_ok=True)
 
@@ -434,33 +587,53 @@ def _write_tokenizer(out: Path, arch: str, bpe_vocab: int, max_len: int) -> None
     _write_text(out / "tokenizer.json", text + "\n")
     vocab = json.loads(text)["added_tokens"]
     special = {t["content"]: t["id"] for t in vocab}
-    added_decoder = {str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
-                              "single_word": False, "special": True} for c, i in special.items()}
+    added_decoder = {
+        str(i): {
+            "content": c,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for c, i in special.items()
+    }
     named = {"bos_token": style["bos"], "eos_token": style["eos"], "pad_token": style["pad"]}
     extra = [t for t in style["special"] if t not in named.values()]
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": style["tokenizer_class"],
-        **named,
-        "unk_token": None,
-        "additional_special_tokens": extra,
-        "added_tokens_decoder": added_decoder,
-        "add_bos_token": style["bos"] is not None,
-        "add_eos_token": False,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "errors": "replace",
-        "model_max_length": max_len,
-        "split_special_tokens": False,
-        "chat_template": style["chat_template"],
-    })
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": style["tokenizer_class"],
+            **named,
+            "unk_token": None,
+            "additional_special_tokens": extra,
+            "added_tokens_decoder": added_decoder,
+            "add_bos_token": style["bos"] is not None,
+            "add_eos_token": False,
+            "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False,
+            "errors": "replace",
+            "model_max_length": max_len,
+            "split_special_tokens": False,
+            "chat_template": style["chat_template"],
+        },
+    )
     special_map: dict[str, Any] = {k: v for k, v in named.items() if v is not None}
     special_map["additional_special_tokens"] = extra
     _write_json(out / "special_tokens_map.json", special_map)
 
 
-def make_model(preset: str, out: str | Path, arch: str | None = None, seq_cls: int | None = None,
-               seed: int = 0, dtype: str | None = None, max_shard_bytes: int | None = None,
-               progress: bool = True, overwrite: bool = False) -> Path:
+def make_model(
+    preset: str,
+    out: str | Path,
+    arch: str | None = None,
+    seq_cls: int | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+    max_shard_bytes: int | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> Path:
     """Write a synthetic HF checkpoint directory and return its path.
 
     Same arguments give the same bytes. `max_shard_bytes` splits the weights into
@@ -490,8 +663,14 @@ def make_model(preset: str, out: str | Path, arch: str | None = None, seq_cls: i
     if progress and total >= 32 << 20:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                   desc=f"{preset} ({r.arch})", leave=False)
+        bar = tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"{preset} ({r.arch})",
+            leave=False,
+        )
     try:
         if max_shard_bytes is None:
             _write_safetensors(out / "model.safetensors", specs, chunks, torch_dtype, bar)
@@ -502,21 +681,36 @@ def make_model(preset: str, out: str | Path, arch: str | None = None, seq_cls: i
                 name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
                 _write_safetensors(out / name, shard, chunks, torch_dtype, bar)
                 weight_map.update({sp.name: name for sp in shard})
-            _write_json(out / "model.safetensors.index.json", {
-                "metadata": {"total_size": total, "total_parameters": total // itemsize},
-                "weight_map": dict(sorted(weight_map.items()))})
+            _write_json(
+                out / "model.safetensors.index.json",
+                {
+                    "metadata": {"total_size": total, "total_parameters": total // itemsize},
+                    "weight_map": dict(sorted(weight_map.items())),
+                },
+            )
     finally:
         if bar is not None:
             bar.close()
-    _write_json(out / "generation_config.json", {
-        "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-        "pad_token_id": config["pad_token_id"], "do_sample": False})
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": config["bos_token_id"],
+            "eos_token_id": config["eos_token_id"],
+            "pad_token_id": config["pad_token_id"],
+            "do_sample": False,
+        },
+    )
     _write_json(out / "config.json", config)  # last: its presence marks a complete directory
     return out
 
 
-def model_name(preset: str, arch: str | None = None, seq_cls: int | None = None, seed: int = 0,
-               dtype: str | None = None) -> str:
+def model_name(
+    preset: str,
+    arch: str | None = None,
+    seq_cls: int | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+) -> str:
     """Directory name for these arguments under `default_model_dir()`: `tiny-qwen2-s0-float32`."""
     _check_seq_cls(seq_cls)
     r = _resolve(preset, arch, dtype)
@@ -524,9 +718,15 @@ def model_name(preset: str, arch: str | None = None, seq_cls: int | None = None,
     return f"{preset}-{r.arch}{cls}-s{seed}-{r.dtype}"
 
 
-def ensure_model(preset: str, arch: str | None = None, seq_cls: int | None = None, seed: int = 0,
-                 dtype: str | None = None, root: str | Path | None = None,
-                 progress: bool = True) -> Path:
+def ensure_model(
+    preset: str,
+    arch: str | None = None,
+    seq_cls: int | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+    root: str | Path | None = None,
+    progress: bool = True,
+) -> Path:
     """The cached model directory for these arguments, generated on first use."""
     out = Path(root) if root is not None else default_model_dir()
     out = out / model_name(preset, arch, seq_cls, seed, dtype)

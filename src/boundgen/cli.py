@@ -1,7 +1,9 @@
 """`boundgen` command line: one subcommand per module in `boundgen.commands`.
 
-Each command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`, so adding a
-command touches one file. Modules are imported lazily only to build the parser, never at package import.
+Each command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`, so
+adding a
+command touches one file. Modules are imported lazily only to build the parser, never at package
+import.
 """
 
 from __future__ import annotations
@@ -13,10 +15,17 @@ import sys
 
 from boundgen import commands
 
-
-EXTRAS = {"fastapi": "server", "uvicorn": "server", "httpx": "server", "prometheus_client": "server",
-          "pydantic": "server", "yaml": "server", "ray": "ray", "matplotlib": "bench",
-          "transformers": "bench"}
+EXTRAS = {
+    "fastapi": "server",
+    "uvicorn": "server",
+    "httpx": "server",
+    "prometheus_client": "server",
+    "pydantic": "server",
+    "yaml": "server",
+    "ray": "ray",
+    "matplotlib": "bench",
+    "transformers": "bench",
+}
 
 
 def _missing_dependency(name: str, exc: ImportError):
@@ -24,8 +33,10 @@ def _missing_dependency(name: str, exc: ImportError):
     extra = EXTRAS.get((exc.name or "").split(".")[0], "dev")
 
     def run(_args) -> int:
-        print(f"boundgen {name}: needs the '{exc.name}' package: pip install 'boundgen[{extra}]'",
-              file=sys.stderr)
+        print(
+            f"boundgen {name}: needs the '{exc.name}' package: pip install 'boundgen[{extra}]'",
+            file=sys.stderr,
+        )
         return 1
 
     return run

@@ -1,6 +1,7 @@
 """Build argparse flags from config dataclasses, so a flag and a config-file key are one definition.
 
-A field becomes `--field-name`; its type, default and `metadata["help"]` drive the flag. Booleans become
+A field becomes `--field-name`; its type, default and `metadata["help"]` drive the flag. Booleans
+become
 `--flag/--no-flag`. `from_args` builds the dataclass back, keeping defaults for flags not given.
 """
 
@@ -16,7 +17,10 @@ T = TypeVar("T")
 
 def _base_type(tp: Any) -> Any:
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and args:
+    if (
+        typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None))
+        and args
+    ):
         return args[0]
     return tp
 
@@ -30,7 +34,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
         tp = _base_type(hints[f.name])
         help_ = f.metadata.get("help", "")
         if tp is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_
+            )
         elif typing.get_origin(tp) in (list, tuple):
             item = typing.get_args(tp)[0] if typing.get_args(tp) else str
             parser.add_argument(flag, type=item, nargs="+", default=None, help=help_)

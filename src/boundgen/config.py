@@ -76,10 +76,12 @@ class ModelConfig:
         return total
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
-            raise ValueError("config.json has no 'architectures' entry; cannot tell which model it is")
+            raise ValueError(
+                "config.json has no 'architectures' entry; cannot tell which model it is"
+            )
         arch = archs[0]
         family, task = lookup_architecture(arch)
 
@@ -103,7 +105,9 @@ class ModelConfig:
                     factor=float(scaling["factor"]),
                     low_freq_factor=float(scaling["low_freq_factor"]),
                     high_freq_factor=float(scaling["high_freq_factor"]),
-                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                    original_max_position_embeddings=int(
+                        scaling["original_max_position_embeddings"]
+                    ),
                 )
             elif kind not in ("default", None):
                 raise ValueError(f"rope_scaling type '{kind}' is not supported (supported: llama3)")
@@ -111,7 +115,9 @@ class ModelConfig:
         num_labels = 0
         if task == "seq_cls":
             num_labels = int(cfg.get("num_labels") or len(id2label) or 2)
-        labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))
+        labels = tuple(
+            str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels)
+        )
         pad = cfg.get("pad_token_id")
         return cls(
             architecture=arch,
@@ -135,11 +141,15 @@ class ModelConfig:
             id2label=labels,
             pad_token_id=int(pad) if isinstance(pad, int) else None,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            extra={k: v for k, v in cfg.items() if k in ("bos_token_id", "eos_token_id", "_name_or_path")},
+            extra={
+                k: v
+                for k, v in cfg.items()
+                if k in ("bos_token_id", "eos_token_id", "_name_or_path")
+            },
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         p = Path(path) / "config.json"
         if not p.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
@@ -156,24 +166,50 @@ class EngineConfig:
 
     device: str = _opt("cpu", "cpu, cuda or cuda:N")
     dtype: str | None = _opt(
-        None, "float32 | bfloat16 | float16 (default: float32 on CPU, the checkpoint's dtype on CUDA)"
+        None,
+        "float32 | bfloat16 | float16 (default: float32 on CPU, the checkpoint's dtype on CUDA)",
     )
     attention: str = _opt("auto", "attention backend: auto | reference | varlen")
     backend: str = _opt(
-        "auto", "model backend: auto | eager | compile | aoti; on CUDA also eager+graphs | compile+graphs | "
+        "auto",
+        "model backend: auto | eager | compile | aoti; on CUDA also eager+graphs | compile+graphs | "
         "aoti+graphs (auto on CUDA: aoti+graphs when its buckets are cached and load safely, else "
         "eager+graphs; on CPU eager)",
-        choices=("auto", "eager", "compile", "aoti", "eager+graphs", "compile+graphs", "aoti+graphs"))
+        choices=(
+            "auto",
+            "eager",
+            "compile",
+            "aoti",
+            "eager+graphs",
+            "compile+graphs",
+            "aoti+graphs",
+        ),
+    )
     compile_buckets: str | None = _opt(
-        None, "buckets for compile/aoti, e.g. 't64,t8192-s256-m512' (aoti default: the cached ones)")
-    compile_cache: str | None = _opt(None, "compiled-artifact cache (default: $BOUNDGEN_CACHE/compiled)")
+        None, "buckets for compile/aoti, e.g. 't64,t8192-s256-m512' (aoti default: the cached ones)"
+    )
+    compile_cache: str | None = _opt(
+        None, "compiled-artifact cache (default: $BOUNDGEN_CACHE/compiled)"
+    )
     max_seq_len: int | None = _opt(None, "longest sequence accepted (default: the model's maximum)")
-    max_batch_tokens: int = _opt(32768, "most tokens in one packed forward; larger requests are split")
+    max_batch_tokens: int = _opt(
+        32768, "most tokens in one packed forward; larger requests are split"
+    )
     max_items: int = _opt(4096, "most items/texts in one request")
     max_beam_width: int = _opt(64, "largest beam width accepted")
     max_beam_steps: int = _opt(16, "most decode steps accepted")
-    share_prefix: bool = _opt(True, "compute a prefix shared by all candidates once (cascade attention)")
-    fp8: str = _opt("none", "FP8 projections: none | mlp | mlp+attn-proj (refused unless the policy passed "
-                    "`boundgen quant-check` for this checkpoint)", choices=("none", "mlp", "mlp+attn-proj"))
-    fp8_force: bool = _opt(False, "use the FP8 policy even if its fidelity gate failed or never ran")
-    fp8_emulate: bool = _opt(False, "emulate FP8 numerics (quantize→dequantize) on devices without FP8")
+    share_prefix: bool = _opt(
+        True, "compute a prefix shared by all candidates once (cascade attention)"
+    )
+    fp8: str = _opt(
+        "none",
+        "FP8 projections: none | mlp | mlp+attn-proj (refused unless the policy passed "
+        "`boundgen quant-check` for this checkpoint)",
+        choices=("none", "mlp", "mlp+attn-proj"),
+    )
+    fp8_force: bool = _opt(
+        False, "use the FP8 policy even if its fidelity gate failed or never ran"
+    )
+    fp8_emulate: bool = _opt(
+        False, "emulate FP8 numerics (quantize→dequantize) on devices without FP8"
+    )

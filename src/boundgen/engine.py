@@ -1,7 +1,8 @@
 """`Engine`: the Python API over a checkpoint (score, classify, embed, beam search).
 
 Every call runs as a DAG through `boundgen.runtime` (the same pipelines the HTTP server uses), so
-concurrent calls from several threads are batched together and carry optional deadlines (`timeout_ms`).
+concurrent calls from several threads are batched together and carry optional deadlines
+(`timeout_ms`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, config: ModelConfig) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: torch.device, config: ModelConfig
+) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(DTYPES)}")
@@ -51,8 +54,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, config:
 
 
 class Engine:
-    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig,
-                 model_path: Path) -> None:
+    def __init__(
+        self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig, model_path: Path
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.engine_config = config
@@ -64,15 +68,22 @@ class Engine:
         from boundgen.compile import CompileOptions, make_runner
 
         self.runner = make_runner(
-            model, self.device, config.max_batch_tokens, config.share_prefix, backend=config.backend,
-            options=CompileOptions(buckets=config.compile_buckets, cache_dir=config.compile_cache,
-                                   quant=config.fp8),
+            model,
+            self.device,
+            config.max_batch_tokens,
+            config.share_prefix,
+            backend=config.backend,
+            options=CompileOptions(
+                buckets=config.compile_buckets, cache_dir=config.compile_cache, quant=config.fp8
+            ),
         )
         self._runtime = self._runtime_runner = None
         mc = model.config
         self.limits = Limits(
             vocab_size=mc.vocab_size,
-            max_seq_len=min(config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings),
+            max_seq_len=min(
+                config.max_seq_len or mc.max_position_embeddings, mc.max_position_embeddings
+            ),
             max_items=config.max_items,
         )
 
@@ -81,8 +92,14 @@ class Engine:
         return self.model.config
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str | None = None, dtype: str | None = None,
-                        config: EngineConfig | None = None, **overrides) -> "Engine":
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: str | None = None,
+        dtype: str | None = None,
+        config: EngineConfig | None = None,
+        **overrides,
+    ) -> Engine:
         """Load an HF model directory. `device`/`dtype` and `overrides` (any `EngineConfig` field, e.g.
         attention="reference") take precedence over `config`; device defaults to "cpu"."""
         path = Path(path)
@@ -97,7 +114,9 @@ class Engine:
             config = dataclasses.replace(config, **overrides)
         except TypeError:
             known = ", ".join(f.name for f in dataclasses.fields(EngineConfig))
-            raise ValueError(f"unknown engine option in {sorted(overrides)}; known: {known}") from None
+            raise ValueError(
+                f"unknown engine option in {sorted(overrides)}; known: {known}"
+            ) from None
         model_config = ModelConfig.from_dir(path)
         dev = resolve_device(config.device)
         torch_dtype = resolve_dtype(config.dtype, dev, model_config)
@@ -113,14 +132,22 @@ class Engine:
             enable_fp8(model, path, config.fp8, force=config.fp8_force, emulate=config.fp8_emulate)
         model.eval().requires_grad_(False)
         tokenizer = Tokenizer.from_dir(path)
-        log.info("loaded %s (%s) on %s in %s with %s attention", path.name, model_config.architecture,
-                 dev, torch_dtype, backend.name)
+        log.info(
+            "loaded %s (%s) on %s in %s with %s attention",
+            path.name,
+            model_config.architecture,
+            dev,
+            torch_dtype,
+            backend.name,
+        )
         return cls(model, tokenizer, config, path)
 
     def _need_task(self, task: str, what: str) -> None:
         if self.config.task != task:
             kind = "a *ForCausalLM" if task == "causal_lm" else "a *ForSequenceClassification"
-            raise ValueError(f"{what} needs {kind} checkpoint; {self.model_name} is {self.config.architecture}")
+            raise ValueError(
+                f"{what} needs {kind} checkpoint; {self.model_name} is {self.config.architecture}"
+            )
 
     @property
     def runtime(self):
@@ -144,30 +171,69 @@ class Engine:
             ids.append(self.tokenizer.eos_token_id)
         return sorted(set(ids))
 
-    def score(self, query, items, label_token_ids, apply_softmax: bool = False,
-              item_first: bool = False, truncate: bool = False,
-              timeout_ms: float | None = None) -> list[list[float]]:
+    def score(
+        self,
+        query,
+        items,
+        label_token_ids,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+        truncate: bool = False,
+        timeout_ms: float | None = None,
+    ) -> list[list[float]]:
         """result[i][j]: logit of label_token_ids[j] at the last token of query + items[i] (SGLang /v1/score)."""
-        return self.runtime.score(query, items, label_token_ids, apply_softmax, item_first, truncate,
-                                  timeout_ms=timeout_ms)
+        return self.runtime.score(
+            query,
+            items,
+            label_token_ids,
+            apply_softmax,
+            item_first,
+            truncate,
+            timeout_ms=timeout_ms,
+        )
 
-    def classify(self, texts, truncate: bool = False, timeout_ms: float | None = None) -> list[list[float]]:
+    def classify(
+        self, texts, truncate: bool = False, timeout_ms: float | None = None
+    ) -> list[list[float]]:
         return self.runtime.classify(texts, truncate, timeout_ms=timeout_ms)
 
-    def embed(self, texts, pooling: str = "last", normalize: bool = False,
-              head: MLPHead | str | Path | None = None, truncate: bool = False,
-              timeout_ms: float | None = None) -> torch.Tensor:
+    def embed(
+        self,
+        texts,
+        pooling: str = "last",
+        normalize: bool = False,
+        head: MLPHead | str | Path | None = None,
+        truncate: bool = False,
+        timeout_ms: float | None = None,
+    ) -> torch.Tensor:
         return self.runtime.embed(texts, pooling, normalize, head, truncate, timeout_ms=timeout_ms)
 
-    def beam_search_batch(self, prompts, beam_width: int, steps: int, top_k: int | None = None,
-                          trie=None, truncate: bool = False,
-                          timeout_ms: float | None = None) -> list[list[tuple[list[int], float]]]:
+    def beam_search_batch(
+        self,
+        prompts,
+        beam_width: int,
+        steps: int,
+        top_k: int | None = None,
+        trie=None,
+        truncate: bool = False,
+        timeout_ms: float | None = None,
+    ) -> list[list[tuple[list[int], float]]]:
         """Beam search for many prompts in one packed prefill and one decode loop."""
-        return self.runtime.beam_search_batch(prompts, beam_width, steps, top_k, trie, truncate,
-                                              timeout_ms=timeout_ms)
+        return self.runtime.beam_search_batch(
+            prompts, beam_width, steps, top_k, trie, truncate, timeout_ms=timeout_ms
+        )
 
-    def beam_search(self, prompt, beam_width: int, steps: int, top_k: int | None = None,
-                    trie=None, truncate: bool = False,
-                    timeout_ms: float | None = None) -> list[tuple[list[int], float]]:
+    def beam_search(
+        self,
+        prompt,
+        beam_width: int,
+        steps: int,
+        top_k: int | None = None,
+        trie=None,
+        truncate: bool = False,
+        timeout_ms: float | None = None,
+    ) -> list[tuple[list[int], float]]:
         """Top sequences (generated token ids, cumulative log-prob), best first."""
-        return self.runtime.beam_search(prompt, beam_width, steps, top_k, trie, truncate, timeout_ms)
+        return self.runtime.beam_search(
+            prompt, beam_width, steps, top_k, trie, truncate, timeout_ms
+        )

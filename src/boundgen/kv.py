@@ -1,7 +1,9 @@
 """Request-scoped KV state for bounded beam search (DESIGN §3–4).
 
-The prompt KV is captured once at prefill and shared by every beam of that prompt. Each beam's generated
-KV lives in a buffer preallocated for (layers, beams, steps); beams are reordered by gathering that small
+The prompt KV is captured once at prefill and shared by every beam of that prompt. Each beam's
+generated
+KV lives in a buffer preallocated for (layers, beams, steps); beams are reordered by gathering that
+small
 buffer (double-buffered, so the step loop allocates no KV), never the prompt KV.
 """
 
@@ -47,21 +49,36 @@ class BeamKV:
 class DecodeKV:
     """Everything a decode step's attention needs. Beams of prompt b are rows cu_beams[b]:cu_beams[b+1]."""
 
-    def __init__(self, prompt: PromptKV, cu_prompt: torch.Tensor, max_prompt: int, beams: BeamKV,
-                 cu_beams: torch.Tensor, max_beams: int) -> None:
+    def __init__(
+        self,
+        prompt: PromptKV,
+        cu_prompt: torch.Tensor,
+        max_prompt: int,
+        beams: BeamKV,
+        cu_beams: torch.Tensor,
+        max_beams: int,
+    ) -> None:
         self.prompt, self.cu_prompt, self.max_prompt = prompt, cu_prompt, max_prompt
         self.beams, self.cu_beams, self.max_beams = beams, cu_beams, max_beams
         self.step = 0  # slot of the token fed in this decode step
 
 
-def decode_attention(q, k, v, layer: int, state: DecodeKV, backend: AttentionBackend) -> torch.Tensor:
+def decode_attention(
+    q, k, v, layer: int, state: DecodeKV, backend: AttentionBackend
+) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] for one new token per beam → [N, Hq, D]."""
     s = state.step
     state.beams.k[layer, :, s] = k
     state.beams.v[layer, :, s] = v
     shared, shared_lse = backend.varlen(
-        q, state.prompt.k[layer], state.prompt.v[layer], state.cu_beams, state.cu_prompt,
-        state.max_beams, state.max_prompt, False,
+        q,
+        state.prompt.k[layer],
+        state.prompt.v[layer],
+        state.cu_beams,
+        state.cu_prompt,
+        state.max_beams,
+        state.max_prompt,
+        False,
     )
     own, own_lse = own_keys_attention(
         q, state.beams.k[layer, :, : s + 1], state.beams.v[layer, :, : s + 1]

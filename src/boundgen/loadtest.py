@@ -1,9 +1,11 @@
 """Open-loop HTTP load generator for the serving API (DESIGN §9, W5).
 
-Requests arrive on a fixed schedule (Poisson or uniform) whatever the server does, so queueing shows up
+Requests arrive on a fixed schedule (Poisson or uniform) whatever the server does, so queueing shows
+up
 as latency instead of silently lowering the offered load. Latency is measured from each request's
 scheduled arrival (no coordinated omission). Workloads (DESIGN §9 shapes by default):
-- `score`: `/v1/score`, a 256-token query + 100 candidates × 16 tokens, 2 label tokens (W2 over HTTP);
+- `score`: `/v1/score`, a 256-token query + 100 candidates × 16 tokens, 2 label tokens (W2 over
+  HTTP);
 - `beam`: `/v1/beam`, a 128-token prompt, beam width 16, 4 steps (W4 over HTTP);
 - `mixed`: 80 % score, 20 % beam.
 Token ids are random in the served model's vocabulary (read from `/v1/models`), seeded.
@@ -36,8 +38,10 @@ class LoadConfig:
     url: str = _f("http://127.0.0.1:8000", "server base URL")
     workload: str = _f("score", "score | beam | mixed", choices=("score", "beam", "mixed"))
     qps: float = _f(50.0, "offered requests per second (one step)")
-    qps_steps: tuple[float, ...] = _f((), "run these QPS steps in turn (overrides --qps) and report "
-                                          "the max QPS that meets --slo-ms")
+    qps_steps: tuple[float, ...] = _f(
+        (),
+        "run these QPS steps in turn (overrides --qps) and report the max QPS that meets --slo-ms",
+    )
     duration: float = _f(10.0, "seconds per step")
     warmup: int = _f(20, "requests sent one by one before measuring")
     slo_ms: float = _f(20.0, "p99 latency target for max-QPS search")
@@ -57,10 +61,16 @@ class LoadConfig:
     api_key: str | None = _f(None, "send `Authorization: Bearer KEY`")
     timeout_s: float = _f(30.0, "client timeout per request")
     max_inflight: int = _f(4096, "client connections; arrivals beyond it count as client errors")
-    stop_when_saturated: bool = _f(True, "skip the higher QPS steps once a step completes under half "
-                                         "its offered load or fails half its requests")
-    processes: int = _f(1, "client processes, each sending qps/processes (one event loop tops out "
-                           "near 1-2k requests/s)")
+    stop_when_saturated: bool = _f(
+        True,
+        "skip the higher QPS steps once a step completes under half "
+        "its offered load or fails half its requests",
+    )
+    processes: int = _f(
+        1,
+        "client processes, each sending qps/processes (one event loop tops out "
+        "near 1-2k requests/s)",
+    )
     seed: int = _f(0, "random seed (arrivals and token ids)")
     label: str | None = _f(None, "name of this run in results and plots (default: the URL)")
     out: str | None = _f(None, "write results JSON here")
@@ -118,9 +128,16 @@ def make_bodies(cfg: LoadConfig, vocab: int) -> dict[str, list[bytes]]:
     labels = ids(cfg.labels)
     out: dict[str, list[bytes]] = {"score": [], "beam": []}
     for _ in range(cfg.distinct):
-        out["score"].append(json.dumps({
-            "query": ids(cfg.query_tokens), "items": [ids(cfg.item_tokens) for _ in range(cfg.items)],
-            "label_token_ids": labels, "apply_softmax": True}).encode())
+        out["score"].append(
+            json.dumps(
+                {
+                    "query": ids(cfg.query_tokens),
+                    "items": [ids(cfg.item_tokens) for _ in range(cfg.items)],
+                    "label_token_ids": labels,
+                    "apply_softmax": True,
+                }
+            ).encode()
+        )
         beam = {"prompt": ids(cfg.prompt_tokens), "beam_width": cfg.beam_width, "steps": cfg.steps}
         if cfg.trie:
             beam["trie"] = cfg.trie
@@ -150,7 +167,9 @@ async def _run_step(cfg: LoadConfig, bodies: dict[str, list[bytes]], qps: float)
     headers = {"content-type": "application/json"}
     if cfg.api_key:
         headers["authorization"] = f"Bearer {cfg.api_key}"
-    limits = httpx.Limits(max_connections=cfg.max_inflight, max_keepalive_connections=cfg.max_inflight)
+    limits = httpx.Limits(
+        max_connections=cfg.max_inflight, max_keepalive_connections=cfg.max_inflight
+    )
     rng = random.Random(cfg.seed + 1)
     plan = []
     for i, t in enumerate(arrival_times(cfg, qps, cfg.duration)):
@@ -161,8 +180,10 @@ async def _run_step(cfg: LoadConfig, bodies: dict[str, list[bytes]], qps: float)
     samples: list[Sample] = []
     paths = {"score": "/v1/score", "beam": "/v1/beam"}
 
-    async with httpx.AsyncClient(base_url=cfg.url, headers=headers, limits=limits,
-                                 timeout=cfg.timeout_s) as client:
+    async with httpx.AsyncClient(
+        base_url=cfg.url, headers=headers, limits=limits, timeout=cfg.timeout_s
+    ) as client:
+
         async def one(start: float, scheduled: float, kind: str, body: bytes) -> None:
             status, error, server = 0, None, None
             try:
@@ -177,8 +198,16 @@ async def _run_step(cfg: LoadConfig, bodies: dict[str, list[bytes]], qps: float)
                         error = f"http_{status}"
             except httpx.HTTPError as exc:
                 error = type(exc).__name__
-            samples.append(Sample(kind, scheduled, time.perf_counter() - (start + scheduled), status,
-                                  error, server))
+            samples.append(
+                Sample(
+                    kind,
+                    scheduled,
+                    time.perf_counter() - (start + scheduled),
+                    status,
+                    error,
+                    server,
+                )
+            )
 
         tasks = []
         start = time.perf_counter()
@@ -195,9 +224,11 @@ def _warmup(cfg: LoadConfig, client: httpx.Client, bodies: dict[str, list[bytes]
     kinds = ["score", "beam"] if cfg.workload == "mixed" else [cfg.workload]
     for i in range(cfg.warmup):
         kind = kinds[i % len(kinds)]
-        client.post("/v1/score" if kind == "score" else "/v1/beam",
-                    content=bodies[kind][i % len(bodies[kind])],
-                    headers={"content-type": "application/json"})
+        client.post(
+            "/v1/score" if kind == "score" else "/v1/beam",
+            content=bodies[kind][i % len(bodies[kind])],
+            headers={"content-type": "application/json"},
+        )
 
 
 def summarize(samples: list[Sample], qps: float, duration: float, items: int) -> dict[str, Any]:
@@ -220,8 +251,11 @@ def summarize(samples: list[Sample], qps: float, duration: float, items: int) ->
         "throughput_qps": n_ok / span if span else 0.0,
         "items_per_s": n_score * items / span if span else 0.0,
         "latency_ms": {
-            "p50": _pct(ok, 50), "p90": _pct(ok, 90), "p99": _pct(ok, 99),
-            "mean": statistics.fmean(ok) if ok else math.nan, "max": ok[-1] if ok else math.nan,
+            "p50": _pct(ok, 50),
+            "p90": _pct(ok, 90),
+            "p99": _pct(ok, 99),
+            "mean": statistics.fmean(ok) if ok else math.nan,
+            "max": ok[-1] if ok else math.nan,
         },
         **_server_side(samples),
     }
@@ -229,22 +263,29 @@ def summarize(samples: list[Sample], qps: float, duration: float, items: int) ->
 
 def _server_side(samples: list[Sample]) -> dict[str, Any]:
     """Where the time went, from the servers' `Server-Timing`: `server_ms` percentiles of the handler
-    time, and `slowest`: the slowest 1 % of answered requests (at least one), mean client latency, mean
-    time inside the server and outside it (network, client, event loop), and mean per reported entry —
+    time, and `slowest`: the slowest 1 % of answered requests (at least one), mean client latency,
+    mean
+    time inside the server and outside it (network, client, event loop), and mean per reported entry
+    —
     so a p99 can be traced to a node, to waiting, or to outside the server."""
-    timed = sorted((s for s in samples if s.status == 200 and s.server and "app" in s.server),
-                   key=lambda s: s.latency_s)
+    timed = sorted(
+        (s for s in samples if s.status == 200 and s.server and "app" in s.server),
+        key=lambda s: s.latency_s,
+    )
     if not timed:
         return {}
     app = sorted(s.server["app"] for s in timed)
-    tail = timed[-max(1, len(timed) // 100):]
+    tail = timed[-max(1, len(timed) // 100) :]
     names = sorted({k for s in tail for k in s.server if k != "app"})
     lat = statistics.fmean(s.latency_s * 1e3 for s in tail)
     inside = statistics.fmean(s.server["app"] for s in tail)
     return {
         "server_ms": {"p50": _pct(app, 50), "p90": _pct(app, 90), "p99": _pct(app, 99)},
         "slowest": {
-            "n": len(tail), "latency_ms": lat, "server_ms": inside, "outside_ms": lat - inside,
+            "n": len(tail),
+            "latency_ms": lat,
+            "server_ms": inside,
+            "outside_ms": lat - inside,
             "entries_ms": {k: statistics.fmean(s.server.get(k, 0.0) for s in tail) for k in names},
         },
     }
@@ -290,18 +331,28 @@ def run_loadtest(cfg: LoadConfig, log=print) -> dict[str, Any]:
         summary = summarize(samples, qps, cfg.duration, cfg.items)
         results.append(summary)
         lat = summary["latency_ms"]
-        log(f"qps {qps:8.1f}: offered {summary['offered_qps']:8.1f}  ok/s {summary['throughput_qps']:8.1f}"
+        log(
+            f"qps {qps:8.1f}: offered {summary['offered_qps']:8.1f}  ok/s {summary['throughput_qps']:8.1f}"
             f"  p50 {lat['p50']:8.2f} ms  p90 {lat['p90']:8.2f} ms  p99 {lat['p99']:8.2f} ms"
-            + (f"  (server p99 {summary['server_ms']['p99']:.2f} ms)" if "server_ms" in summary else "")
+            + (
+                f"  (server p99 {summary['server_ms']['p99']:.2f} ms)"
+                if "server_ms" in summary
+                else ""
+            )
             + f"  errors {summary['requests'] - summary['ok']}"
-            + (f" {summary['errors']}" if summary["errors"] else ""))
-        saturated = (summary["throughput_qps"] < 0.5 * summary["offered_qps"]
-                     or summary["error_rate"] > 0.5)
+            + (f" {summary['errors']}" if summary["errors"] else "")
+        )
+        saturated = (
+            summary["throughput_qps"] < 0.5 * summary["offered_qps"] or summary["error_rate"] > 0.5
+        )
         if cfg.stop_when_saturated and saturated and qps != steps[-1]:
             log(f"saturated at {qps:g} QPS: skipping {[q for q in steps if q > qps]}")
             break
-    passing = [r["qps_target"] for r in results
-               if r["latency_ms"]["p99"] <= cfg.slo_ms and r["error_rate"] <= cfg.max_error_rate]
+    passing = [
+        r["qps_target"]
+        for r in results
+        if r["latency_ms"]["p99"] <= cfg.slo_ms and r["error_rate"] <= cfg.max_error_rate
+    ]
     report = {
         "label": cfg.label or cfg.url,
         "config": dataclasses.asdict(cfg),
@@ -329,10 +380,17 @@ def plot_reports(reports: list[dict[str, Any]], path: str | Path, title: str | N
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for rep in reports:
         xs = [s["offered_qps"] for s in rep["steps"]]
-        line = ax.plot(xs, [s["latency_ms"]["p99"] for s in rep["steps"]], "o-",
-                       label=f"{rep['label']} p99")[0]
-        ax.plot(xs, [s["latency_ms"]["p50"] for s in rep["steps"]], "s--", color=line.get_color(),
-                alpha=0.7, label=f"{rep['label']} p50")
+        line = ax.plot(
+            xs, [s["latency_ms"]["p99"] for s in rep["steps"]], "o-", label=f"{rep['label']} p99"
+        )[0]
+        ax.plot(
+            xs,
+            [s["latency_ms"]["p50"] for s in rep["steps"]],
+            "s--",
+            color=line.get_color(),
+            alpha=0.7,
+            label=f"{rep['label']} p50",
+        )
     slo = reports[0].get("slo_ms")
     if slo:
         ax.axhline(slo, color="gray", lw=0.8, ls=":", label=f"SLO {slo:g} ms")

@@ -58,7 +58,8 @@ def require_ray() -> Any:
     except ImportError as exc:
         raise RayNotInstalled(
             f"serving with Ray needs Ray Serve, which is not installed ({exc}); "
-            f"install it with: {INSTALL_HINT}") from None
+            f"install it with: {INSTALL_HINT}"
+        ) from None
     return serve
 
 
@@ -71,27 +72,43 @@ class RayServeConfig:
     """How many engine replicas, how they scale and what each reserves. Flags and the `ray:` section of a
     `boundgen serve --config` file are this one dataclass (`boundgen.cliargs`)."""
 
-    replicas: int | None = _f(None, "Ray Serve: fixed number of replicas (one per GPU on CUDA); "
-                                    "giving it serves through Ray")
+    replicas: int | None = _f(
+        None,
+        "Ray Serve: fixed number of replicas (one per GPU on CUDA); giving it serves through Ray",
+    )
     min_replicas: int | None = _f(None, "Ray Serve autoscaling: fewest replicas (default 1)")
-    max_replicas: int | None = _f(None, "Ray Serve autoscaling: most replicas; giving it turns "
-                                        "autoscaling on")
-    target_ongoing_requests: float = _f(32.0, "Ray Serve autoscaling: requests in flight per replica "
-                                              "to aim for (batching wants several)")
-    upscale_delay_s: float | None = _f(None, "Ray Serve autoscaling: load must stay high this long "
-                                             "before adding replicas (Ray's default)")
-    downscale_delay_s: float | None = _f(None, "Ray Serve autoscaling: load must stay low this long "
-                                               "before removing replicas (Ray's default)")
-    max_ongoing_requests: int | None = _f(None, "Ray Serve: requests the proxy sends one replica at "
-                                                "once (default: the server's max_queue)")
-    num_gpus: float | None = _f(None, "GPUs per replica (default: 1 when the engine device is CUDA, "
-                                      "else 0)")
+    max_replicas: int | None = _f(
+        None, "Ray Serve autoscaling: most replicas; giving it turns autoscaling on"
+    )
+    target_ongoing_requests: float = _f(
+        32.0,
+        "Ray Serve autoscaling: requests in flight per replica to aim for (batching wants several)",
+    )
+    upscale_delay_s: float | None = _f(
+        None,
+        "Ray Serve autoscaling: load must stay high this long "
+        "before adding replicas (Ray's default)",
+    )
+    downscale_delay_s: float | None = _f(
+        None,
+        "Ray Serve autoscaling: load must stay low this long "
+        "before removing replicas (Ray's default)",
+    )
+    max_ongoing_requests: int | None = _f(
+        None,
+        "Ray Serve: requests the proxy sends one replica at once (default: the server's max_queue)",
+    )
+    num_gpus: float | None = _f(
+        None, "GPUs per replica (default: 1 when the engine device is CUDA, else 0)"
+    )
     num_cpus: float = _f(1.0, "CPUs reserved per replica")
-    ray_address: str | None = _f(None, "Ray cluster to join (default: RAY_ADDRESS, else start one "
-                                       "locally)")
+    ray_address: str | None = _f(
+        None, "Ray cluster to join (default: RAY_ADDRESS, else start one locally)"
+    )
     app_name: str = _f("boundgen", "Ray Serve application (and deployment) name")
-    replica_metrics_port: int | None = _f(None, "each replica serves its own Prometheus /metrics on "
-                                                "the first free port from this one")
+    replica_metrics_port: int | None = _f(
+        None, "each replica serves its own Prometheus /metrics on the first free port from this one"
+    )
     health_check_period_s: float = _f(10.0, "Ray Serve: seconds between replica health checks")
     health_check_timeout_s: float = _f(30.0, "Ray Serve: a health check slower than this fails")
 
@@ -103,7 +120,9 @@ class RayServeConfig:
         for name in ("replicas", "min_replicas", "max_replicas"):
             value = getattr(self, name)
             if value is not None and value < (0 if name == "min_replicas" else 1):
-                raise ValueError(f"{name} must be >= {0 if name == 'min_replicas' else 1}, got {value}")
+                raise ValueError(
+                    f"{name} must be >= {0 if name == 'min_replicas' else 1}, got {value}"
+                )
         if self.autoscaling:
             lo = 1 if self.min_replicas is None else self.min_replicas
             if lo > self.max_replicas:
@@ -111,8 +130,9 @@ class RayServeConfig:
             if self.target_ongoing_requests <= 0:
                 raise ValueError("target_ongoing_requests must be > 0")
         elif self.min_replicas is not None:
-            raise ValueError("min_replicas needs max_replicas (autoscaling); for a fixed count use "
-                             "replicas")
+            raise ValueError(
+                "min_replicas needs max_replicas (autoscaling); for a fixed count use replicas"
+            )
         if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
             raise ValueError("num_cpus and num_gpus must be >= 0")
         if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
@@ -131,7 +151,6 @@ def load_configs(path: str | os.PathLike) -> tuple[ServerConfig, EngineConfig, R
     ray_section = dict(read_config_file(Path(path)).get("ray") or {})
     ray = _dataclass_from_dict(RayServeConfig, ray_section, source=f"{path} (ray)").validate()
     return server, engine, ray
-
 
 
 def config_has_ray_section(path: str | os.PathLike | None) -> bool:
@@ -154,14 +173,18 @@ def deployment_options(server: ServerConfig, engine: EngineConfig, ray_cfg: RayS
         "health_check_period_s": ray_cfg.health_check_period_s,
         "health_check_timeout_s": ray_cfg.health_check_timeout_s,
         # Serve logs every request by default; follow the server's `access_log` (off by default).
-        "logging_config": {"enable_access_log": bool(server.access_log),
-                           "log_level": {"TRACE": "DEBUG"}.get(server.log_level.upper(),
-                                                               server.log_level.upper())},
+        "logging_config": {
+            "enable_access_log": bool(server.access_log),
+            "log_level": {"TRACE": "DEBUG"}.get(server.log_level.upper(), server.log_level.upper()),
+        },
     }
     if ray_cfg.autoscaling:
         lo = 1 if ray_cfg.min_replicas is None else ray_cfg.min_replicas
-        auto: dict[str, Any] = {"min_replicas": lo, "max_replicas": ray_cfg.max_replicas,
-                                "target_ongoing_requests": ray_cfg.target_ongoing_requests}
+        auto: dict[str, Any] = {
+            "min_replicas": lo,
+            "max_replicas": ray_cfg.max_replicas,
+            "target_ongoing_requests": ray_cfg.target_ongoing_requests,
+        }
         if ray_cfg.replicas is not None:
             auto["initial_replicas"] = min(max(ray_cfg.replicas, lo), ray_cfg.max_replicas)
         if ray_cfg.upscale_delay_s is not None:
@@ -184,14 +207,15 @@ def replica_engine_config(engine: EngineConfig, num_gpus: float) -> EngineConfig
 
 # ------------------------------------------------------------------------------------------ replica
 
-# This process's app. A Serve replica is one Ray actor, i.e. one worker process: one app per process.
+# This process's app. A Serve replica is one Ray actor, i.e. one worker process: one app per
+# process.
 # Read and written through `_this_module()`, never as a bare global: a class cloudpickled by value
 # (as happens when this file runs as `__main__`) would otherwise get a private copy of the globals.
 _APP: Any = None
 
 
 def _this_module() -> Any:
-    import boundgen.serve_ray  # noqa: PLW0406 - the module object, also from a by-value pickled class
+    import boundgen.serve_ray
 
     return boundgen.serve_ray
 
@@ -207,7 +231,9 @@ class _ReplicaASGI:
             raise RuntimeError("boundgen replica app is not built yet")
         await app(scope, receive, send)
 
-    def __getattr__(self, name: str) -> Any:  # `add_exception_handler`, `docs_url`, ... of the real app
+    def __getattr__(
+        self, name: str
+    ) -> Any:  # `add_exception_handler`, `docs_url`, ... of the real app
         app = None if name.startswith("__") else _this_module()._APP
         if app is None:
             raise AttributeError(name)
@@ -239,8 +265,13 @@ class _ReplicaHeader:
 class BoundgenReplica:
     """One Serve replica: loads the engine on its device and builds `create_app(engine, server_config)`."""
 
-    def __init__(self, model: str, server: ServerConfig, engine: EngineConfig,
-                 ray_cfg: RayServeConfig | None = None):
+    def __init__(
+        self,
+        model: str,
+        server: ServerConfig,
+        engine: EngineConfig,
+        ray_cfg: RayServeConfig | None = None,
+    ):
         from ray import serve
 
         from boundgen.engine import Engine
@@ -248,24 +279,31 @@ class BoundgenReplica:
 
         ray_cfg = ray_cfg or RayServeConfig()
         self.replica_id = _replica_id(serve)
-        engine_obj = Engine.from_pretrained(model, device=engine.device, dtype=engine.dtype,
-                                            config=engine)
+        engine_obj = Engine.from_pretrained(
+            model, device=engine.device, dtype=engine.dtype, config=engine
+        )
         app = create_app(engine_obj, server)
         app.add_middleware(_ReplicaHeader, replica_id=self.replica_id)
         self.state = app.state.boundgen
         self.metrics_port = None
         if ray_cfg.replica_metrics_port:
-            self.metrics_port = _start_metrics_server(self.state.metrics.registry,
-                                                      ray_cfg.replica_metrics_port, server.host)
+            self.metrics_port = _start_metrics_server(
+                self.state.metrics.registry, ray_cfg.replica_metrics_port, server.host
+            )
         _replica_info(self.state.metrics.registry, self.replica_id, engine_obj, self.metrics_port)
         _this_module()._APP = app
         if server.gc_freeze:
             from boundgen.server.heap import freeze_startup_heap
 
             freeze_startup_heap()
-        log.info("boundgen replica %s: %s on %s, pid %d, metrics port %s", self.replica_id,
-                 getattr(engine_obj, "model_name", model), engine_obj.device, os.getpid(),
-                 self.metrics_port)
+        log.info(
+            "boundgen replica %s: %s on %s, pid %d, metrics port %s",
+            self.replica_id,
+            getattr(engine_obj, "model_name", model),
+            engine_obj.device,
+            os.getpid(),
+            self.metrics_port,
+        )
 
     def check_health(self) -> None:
         """Serve's replica health check: the same readiness `/health` reports."""
@@ -281,7 +319,7 @@ def _replica_id(serve: Any) -> str:
     try:
         ctx = serve.get_replica_context()
         return str(getattr(ctx, "replica_tag", None) or ctx.replica_id.unique_id)
-    except Exception:  # noqa: BLE001 - outside Serve (a replica constructed by hand)
+    except Exception:
         return f"pid{os.getpid()}"
 
 
@@ -302,18 +340,28 @@ def _replica_info(registry: Any, replica_id: str, engine: Any, metrics_port: int
 
     try:
         node = __import__("ray").get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001 - an info label only
+    except Exception:
         node = ""
-    Info("boundgen_replica", "this Ray Serve replica", registry=registry).info({
-        "replica_id": replica_id, "node_id": str(node), "pid": str(os.getpid()),
-        "device": str(getattr(engine, "device", "")), "metrics_port": str(metrics_port or "")})
+    Info("boundgen_replica", "this Ray Serve replica", registry=registry).info(
+        {
+            "replica_id": replica_id,
+            "node_id": str(node),
+            "pid": str(os.getpid()),
+            "device": str(getattr(engine, "device", "")),
+            "metrics_port": str(metrics_port or ""),
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------------ app
 
 
-def build_app(model: str | os.PathLike, server: ServerConfig | None = None,
-              engine: EngineConfig | None = None, ray_cfg: RayServeConfig | None = None) -> Any:
+def build_app(
+    model: str | os.PathLike,
+    server: ServerConfig | None = None,
+    engine: EngineConfig | None = None,
+    ray_cfg: RayServeConfig | None = None,
+) -> Any:
     """A Serve `Application` (for `serve.run`) serving `model` with these configs."""
     serve = require_ray()
     server = (server or ServerConfig()).validate()
@@ -334,7 +382,9 @@ def app_builder(args: dict[str, Any]) -> Any:
     return build_app(server.model, server, engine, ray_cfg)
 
 
-def configs_from_builder_args(args: dict[str, Any]) -> tuple[ServerConfig, EngineConfig, RayServeConfig]:
+def configs_from_builder_args(
+    args: dict[str, Any],
+) -> tuple[ServerConfig, EngineConfig, RayServeConfig]:
     from boundgen.server.config import _dataclass_from_dict, config_from_dict
 
     args = dict(args or {})
@@ -351,8 +401,9 @@ def configs_from_builder_args(args: dict[str, Any]) -> tuple[ServerConfig, Engin
             (engine_d if key.replace("-", "_") in engine_keys else server_d)[key] = value
         server = config_from_dict(server_d, source="app_builder args")
         engine = _dataclass_from_dict(EngineConfig, engine_d, source="app_builder args (engine)")
-        ray_cfg = _dataclass_from_dict(RayServeConfig, ray_section,
-                                       source="app_builder args (ray)").validate()
+        ray_cfg = _dataclass_from_dict(
+            RayServeConfig, ray_section, source="app_builder args (ray)"
+        ).validate()
     if not server.model:
         raise ValueError("app_builder: `model` (checkpoint directory on every node) is required")
     return server, engine, ray_cfg
@@ -361,9 +412,16 @@ def configs_from_builder_args(args: dict[str, Any]) -> tuple[ServerConfig, Engin
 # ------------------------------------------------------------------------------------------ running
 
 
-def start(model: str | os.PathLike, server: ServerConfig, engine: EngineConfig,
-          ray_cfg: RayServeConfig, *, ray_init: dict[str, Any] | None = None,
-          after_init: Any = None, timeout_s: float | None = None) -> str:
+def start(
+    model: str | os.PathLike,
+    server: ServerConfig,
+    engine: EngineConfig,
+    ray_cfg: RayServeConfig,
+    *,
+    ray_init: dict[str, Any] | None = None,
+    after_init: Any = None,
+    timeout_s: float | None = None,
+) -> str:
     """Join (or start) Ray, start Serve's HTTP proxy on `server.host:server.port`, deploy, wait until every
     replica is up (at most `timeout_s`: replicas that cannot be placed make Serve wait forever).
     Returns the base URL. `shutdown()` undoes it. `after_init()` runs right after `ray.init` (which
@@ -373,8 +431,11 @@ def start(model: str | os.PathLike, server: ServerConfig, engine: EngineConfig,
 
     if not ray.is_initialized():
         address = ray_cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
-        kwargs: dict[str, Any] = {"address": address, "include_dashboard": False,
-                                  "ignore_reinit_error": True}
+        kwargs: dict[str, Any] = {
+            "address": address,
+            "include_dashboard": False,
+            "ignore_reinit_error": True,
+        }
         if address is None:
             # A local cluster only for HTTP serving: requests travel inline in actor calls, so the
             # object store needs little (Ray's default reserves 30 % of RAM).
@@ -393,16 +454,18 @@ def start(model: str | os.PathLike, server: ServerConfig, engine: EngineConfig,
         def deploy() -> None:
             try:
                 serve.run(app, name=ray_cfg.app_name, route_prefix="/", blocking=False)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            except BaseException as exc:
                 errors.append(exc)
 
         thread = threading.Thread(target=deploy, name="boundgen-serve-run", daemon=True)
         thread.start()
         thread.join(timeout_s)
         if thread.is_alive():
-            raise TimeoutError(f"Ray Serve replicas not running after {timeout_s:.0f}s "
-                               f"(cluster resources {ray.available_resources()}): "
-                               f"{serve.status().applications.get(ray_cfg.app_name)}")
+            raise TimeoutError(
+                f"Ray Serve replicas not running after {timeout_s:.0f}s "
+                f"(cluster resources {ray.available_resources()}): "
+                f"{serve.status().applications.get(ray_cfg.app_name)}"
+            )
         if errors:
             raise errors[0]
     return f"http://{server.host}:{server.port}"
@@ -427,9 +490,13 @@ def add_ray_arguments(parser: Any) -> None:
     """`--ray/--no-ray` and the `RayServeConfig` flags (no Ray import). For `commands/serve.py`."""
     from boundgen.cliargs import add_dataclass_args
 
-    parser.add_argument("--ray", action=argparse.BooleanOptionalAction, default=None,
-                        help="serve through Ray Serve (also implied by --replicas, --max-replicas or a "
-                             f"`ray:` section in --config); needs {INSTALL_HINT}")
+    parser.add_argument(
+        "--ray",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve through Ray Serve (also implied by --replicas, --max-replicas or a "
+        f"`ray:` section in --config); needs {INSTALL_HINT}",
+    )
     add_dataclass_args(parser, RayServeConfig)
 
 
@@ -437,7 +504,10 @@ def wants_ray(args: argparse.Namespace) -> bool:
     flag = getattr(args, "ray", None)
     if flag is not None:
         return bool(flag)
-    if getattr(args, "replicas", None) is not None or getattr(args, "max_replicas", None) is not None:
+    if (
+        getattr(args, "replicas", None) is not None
+        or getattr(args, "max_replicas", None) is not None
+    ):
         return True
     return config_has_ray_section(getattr(args, "config", None))
 
@@ -451,11 +521,18 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfi
         server, engine, ray_cfg = load_configs(args.config)
         engine_given = engine != EngineConfig()
     else:
-        server, engine, ray_cfg, engine_given = ServerConfig(), EngineConfig(), RayServeConfig(), False
+        server, engine, ray_cfg, engine_given = (
+            ServerConfig(),
+            EngineConfig(),
+            RayServeConfig(),
+            False,
+        )
     server = from_args(ServerConfig, args, base=server).validate()
     engine = from_args(EngineConfig, args, base=engine)
     ray_cfg = from_args(RayServeConfig, args, base=ray_cfg).validate()
-    device_given = getattr(args, "device", None) is not None or (engine_given and engine.device != "cpu")
+    device_given = getattr(args, "device", None) is not None or (
+        engine_given and engine.device != "cpu"
+    )
     if not device_given:
         engine = dataclasses.replace(engine, device="cuda" if _cluster_has_gpus(ray_cfg) else "cpu")
     return server, engine, ray_cfg
@@ -470,7 +547,7 @@ def _cluster_has_gpus(ray_cfg: RayServeConfig) -> bool:
             if not ray.is_initialized():
                 ray.init(address=address, include_dashboard=False, ignore_reinit_error=True)
             return ray.cluster_resources().get("GPU", 0) > 0
-        except Exception as exc:  # noqa: BLE001 - fall back to this machine's view
+        except Exception as exc:
             log.warning("could not read the Ray cluster's resources at %s: %s", address, exc)
     import torch
 
@@ -481,29 +558,41 @@ def run_from_args(args: argparse.Namespace) -> int:
     """`boundgen serve --ray|--replicas N ...`: serve until SIGTERM/SIGINT, then drain and stop."""
     require_ray()
     server, engine, ray_cfg = resolve_configs(args)
-    logging.basicConfig(level=server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from boundgen.commands.serve import resolve_model
 
     model, server = resolve_model(server)
     opts = deployment_options(server, engine, ray_cfg)
-    count = (f"{opts['autoscaling_config']['min_replicas']}..{ray_cfg.max_replicas} (autoscaling)"
-             if ray_cfg.autoscaling else str(opts["num_replicas"]))
+    count = (
+        f"{opts['autoscaling_config']['min_replicas']}..{ray_cfg.max_replicas} (autoscaling)"
+        if ray_cfg.autoscaling
+        else str(opts["num_replicas"])
+    )
     stop = threading.Event()
 
-    def on_signals() -> None:  # again after ray.init, whose handler would abort the process on SIGTERM
+    def on_signals() -> (
+        None
+    ):  # again after ray.init, whose handler would abort the process on SIGTERM
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
 
     on_signals()
     try:
         url = start(model, server, engine, ray_cfg, after_init=on_signals)
-        print(f"boundgen serve (Ray Serve): {model} on {count} replica(s), "
-              f"{opts['ray_actor_options']['num_gpus']} GPU / {ray_cfg.num_cpus} CPU each, "
-              f"at {url}", file=sys.stderr, flush=True)
+        print(
+            f"boundgen serve (Ray Serve): {model} on {count} replica(s), "
+            f"{opts['ray_actor_options']['num_gpus']} GPU / {ray_cfg.num_cpus} CPU each, "
+            f"at {url}",
+            file=sys.stderr,
+            flush=True,
+        )
         while not stop.wait(1.0):
             pass
-        print("boundgen serve (Ray Serve): stopping, draining replicas", file=sys.stderr, flush=True)
+        print(
+            "boundgen serve (Ray Serve): stopping, draining replicas", file=sys.stderr, flush=True
+        )
     finally:
         shutdown()
     return 0
@@ -515,8 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     from boundgen.compile import cli_startup
 
     cli_startup()  # the libstdc++ preload AOTInductor needs (DESIGN §10); local replicas inherit it
-    parser = argparse.ArgumentParser(prog="python -m boundgen.serve_ray",
-                                     description="boundgen HTTP API on Ray Serve replicas")
+    parser = argparse.ArgumentParser(
+        prog="python -m boundgen.serve_ray", description="boundgen HTTP API on Ray Serve replicas"
+    )
     serve_cmd.add_arguments(parser)
     if "--replicas" not in parser._option_string_actions:  # commands/serve.py may add them already
         add_ray_arguments(parser.add_argument_group("ray serve"))

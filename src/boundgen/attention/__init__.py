@@ -1,6 +1,6 @@
 """Attention: packed metadata, backends (reference / CUDA varlen) and cascade (shared-prefix) merging."""
 
-from boundgen.attention.backends import AttentionBackend, get_backend, available_backends
+from boundgen.attention.backends import AttentionBackend, available_backends, get_backend
 from boundgen.attention.metadata import AttnInputs
 
 __all__ = ["AttentionBackend", "AttnInputs", "available_backends", "get_backend"]

@@ -1,6 +1,7 @@
 """Attention backends behind one interface, found through a small registry.
 
-A backend computes variable-length attention over packed segments and returns the output together with
+A backend computes variable-length attention over packed segments and returns the output together
+with
 the log-sum-exp of the scores, so partial results can be merged (cascade, decode).
 """
 
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -16,17 +18,26 @@ import torch
 class AttentionBackend(Protocol):
     """Variable-length attention.
 
-    q: [Tq, Hq, D]; k, v: [Tk, Hkv, D] (Hq a multiple of Hkv); cu_q, cu_k: int32 [B+1] segment boundaries.
+    q: [Tq, Hq, D]; k, v: [Tk, Hkv, D] (Hq a multiple of Hkv); cu_q, cu_k: int32 [B+1] segment
+    boundaries.
     `causal` aligns bottom-right: query i of a segment with Lq queries and Lk keys sees keys
-    0..i + Lk - Lq. Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] float32 (−inf for no keys).
+    0..i + Lk - Lq. Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] float32 (−inf for no
+    keys).
     Safe to call from any thread; holds no per-call state.
     """
 
     name: str
 
     def varlen(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-        cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        causal: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -45,7 +56,9 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def get_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> AttentionBackend:
+def get_backend(
+    name: str, device: torch.device | str, dtype: torch.dtype | None = None
+) -> AttentionBackend:
     """`name` is a registered backend or "auto": varlen on CUDA in fp16/bf16 (flash attention has no
     float32 kernel), reference elsewhere."""
     device = torch.device(device)
@@ -53,12 +66,18 @@ def get_backend(name: str, device: torch.device | str, dtype: torch.dtype | None
         half = dtype in (None, torch.float16, torch.bfloat16)
         name = "varlen" if device.type == "cuda" and half else "reference"
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend '{name}'; available: {', '.join(available_backends())}")
+        raise ValueError(
+            f"unknown attention backend '{name}'; available: {', '.join(available_backends())}"
+        )
     if name == "varlen" and device.type != "cuda":
-        raise ValueError("the 'varlen' attention backend needs a CUDA device; use 'reference' on CPU")
+        raise ValueError(
+            "the 'varlen' attention backend needs a CUDA device; use 'reference' on CPU"
+        )
     if name == "varlen" and dtype == torch.float32:
-        raise ValueError("the 'varlen' attention backend runs in float16/bfloat16 only; use 'reference' "
-                         "for float32")
+        raise ValueError(
+            "the 'varlen' attention backend runs in float16/bfloat16 only; use 'reference' "
+            "for float32"
+        )
     return _BACKENDS[name]()
 
 
@@ -68,11 +87,15 @@ def _segment_attention(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tenso
     lk, hkv = k.shape[1], k.shape[2]
     rep = hq // hkv
     if q.device.type == "cpu" and (not causal or lq == lk):
-        # PyTorch's fused CPU flash kernel returns the LSE too: ~10x the naive path, fp32 accumulation.
+        # PyTorch's fused CPU flash kernel returns the LSE too: ~10x the naive path, fp32
+        # accumulation.
         # (Its causal mask is top-left aligned, identical to ours when Lq == Lk.)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(1, 2), k.repeat_interleave(rep, dim=2).transpose(1, 2),
-            v.repeat_interleave(rep, dim=2).transpose(1, 2), 0.0, causal,
+            q.transpose(1, 2),
+            k.repeat_interleave(rep, dim=2).transpose(1, 2),
+            v.repeat_interleave(rep, dim=2).transpose(1, 2),
+            0.0,
+            causal,
         )[:2]
         return out.transpose(1, 2), lse.transpose(1, 2).float()
     qf = q.float().transpose(1, 2)  # [n, Hq, Lq, D]
@@ -108,15 +131,19 @@ class ReferenceBackend:
             if n == len(bq) - 1 and q.shape[0] == n * lq and k.shape[0] == n * lk:
                 # Equal segments tiling q and k (a padded training batch, same-length prompts):
                 # views, no gather/scatter.
-                o, l = _segment_attention(q.reshape(n, lq, *q.shape[1:]), k.reshape(n, lk, *k.shape[1:]),
-                                          v.reshape(n, lk, *v.shape[1:]), causal)
+                o, l = _segment_attention(
+                    q.reshape(n, lq, *q.shape[1:]),
+                    k.reshape(n, lk, *k.shape[1:]),
+                    v.reshape(n, lk, *v.shape[1:]),
+                    causal,
+                )
                 return o.reshape(q.shape), l.reshape(q.shape[0], q.shape[1])
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         for (lq, lk), segs in groups.items():
-            qs = torch.stack([q[bq[s]: bq[s] + lq] for s in segs])
-            ks = torch.stack([k[bk[s]: bk[s] + lk] for s in segs])
-            vs = torch.stack([v[bk[s]: bk[s] + lk] for s in segs])
+            qs = torch.stack([q[bq[s] : bq[s] + lq] for s in segs])
+            ks = torch.stack([k[bk[s] : bk[s] + lk] for s in segs])
+            vs = torch.stack([v[bk[s] : bk[s] + lk] for s in segs])
             o, l = _segment_attention(qs, ks, vs, causal)
             rows = torch.cat([torch.arange(bq[s], bq[s] + lq, device=q.device) for s in segs])
             out[rows] = o.reshape(-1, *o.shape[2:])
@@ -137,7 +164,9 @@ class VarlenBackend:
         self._aux = AuxRequest(lse=True)
         # NOTE: torch 2.11 accepts GQA k/v directly; later versions want enable_gqa=True.
         self._gqa_kwargs = (
-            {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+            {"enable_gqa": True}
+            if "enable_gqa" in inspect.signature(varlen_attn).parameters
+            else {}
         )
         self._lse_heads_first: bool | None = None
 
@@ -153,8 +182,16 @@ class VarlenBackend:
     def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal):
         heads_first = self._lse_layout(q.device)
         out, lse = self._attn(
-            q, k, v, cu_q, cu_k, max_q, max_k, return_aux=self._aux,
-            window_size=(-1, 0) if causal else (-1, -1), **self._gqa_kwargs,
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            return_aux=self._aux,
+            window_size=(-1, 0) if causal else (-1, -1),
+            **self._gqa_kwargs,
         )
         if heads_first:
             lse = lse.transpose(0, 1)

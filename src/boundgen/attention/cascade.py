@@ -25,12 +25,21 @@ def merge_partial(oa, lsea, ob, lseb) -> torch.Tensor:
 
 def prefill_attention(q, k, v, attn: AttnInputs, backend: AttentionBackend) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] → [T, Hq, D]. Causal per segment, plus shared-prefix groups."""
-    out, lse = backend.varlen(q, k, v, attn.cu_seqlens, attn.cu_seqlens, attn.max_seqlen, attn.max_seqlen, True)
+    out, lse = backend.varlen(
+        q, k, v, attn.cu_seqlens, attn.cu_seqlens, attn.max_seqlen, attn.max_seqlen, True
+    )
     if not attn.has_shared_prefix:
         return out
     p, s = attn.num_prefix_tokens, attn.num_prefix_tokens + attn.num_shared_tokens
     cross, cross_lse = backend.varlen(
-        q[p:s], k[:p], v[:p], attn.cu_group_q, attn.cu_prefix, attn.max_group_q, attn.max_prefix, False
+        q[p:s],
+        k[:p],
+        v[:p],
+        attn.cu_group_q,
+        attn.cu_prefix,
+        attn.max_group_q,
+        attn.max_prefix,
+        False,
     )
     merged = merge_partial(out[p:s], lse[p:s], cross, cross_lse)
     return torch.cat([out[:p], merged, out[s:]], dim=0)

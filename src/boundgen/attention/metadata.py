@@ -2,12 +2,15 @@
 
 Packed token layout (see `boundgen.text.packing`):
 
-    [ prefix_0 | prefix_1 | ... | suffixes of group 0 | suffixes of group 1 | ... | plain sequences ]
+    [ prefix_0 | prefix_1 | ... | suffixes of group 0 | suffixes of group 1 | ... | plain sequences
+    ]
       `-- num_prefix_tokens --' `---------- num_shared_tokens -----------'
 
-Every prefix, every suffix and every plain sequence is one causal segment of `cu_seqlens`. Suffix tokens of
+Every prefix, every suffix and every plain sequence is one causal segment of `cu_seqlens`. Suffix
+tokens of
 group g additionally attend, non-causally, to prefix g: one varlen call whose query segments are
-`cu_group_q` (over the shared-suffix span) and whose key segments are `cu_prefix` (over the prefix span).
+`cu_group_q` (over the shared-suffix span) and whose key segments are `cu_prefix` (over the prefix
+span).
 The two partial results are merged with their log-sum-exps (DESIGN §3).
 """
 
@@ -34,8 +37,8 @@ class AttnInputs:
     def has_shared_prefix(self) -> bool:
         return self.cu_prefix is not None and self.num_shared_tokens > 0
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "AttnInputs":
-        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> AttnInputs:
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)
         return AttnInputs(
             cu_seqlens=move(self.cu_seqlens),
             max_seqlen=self.max_seqlen,
@@ -68,7 +71,9 @@ def _unflatten(children, context) -> AttnInputs:
 # NOTE: tensors are pytree children and the ints are static context, so torch.export specialises a
 # compiled bucket on the layout sizes and takes the segment boundaries as graph inputs.
 pytree.register_pytree_node(
-    AttnInputs, _flatten, _unflatten,
+    AttnInputs,
+    _flatten,
+    _unflatten,
     serialized_type_name="boundgen.attention.metadata.AttnInputs",
     flatten_with_keys_fn=_flatten_with_keys,
 )

@@ -13,9 +13,13 @@ def add_arguments(parser) -> None:
     add_engine_args(parser)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--width", type=int, default=16, help="beam width")
-    parser.add_argument("--steps", type=int, default=4, help="decode steps (= item ID length with a trie)")
+    parser.add_argument(
+        "--steps", type=int, default=4, help="decode steps (= item ID length with a trie)"
+    )
     parser.add_argument("--top-k", type=int, default=None, help="results to print (default: width)")
-    parser.add_argument("--trie", default=None, help="item IDs: JSONL {item_id, tokens} or .npy [items, depth]")
+    parser.add_argument(
+        "--trie", default=None, help="item IDs: JSONL {item_id, tokens} or .npy [items, depth]"
+    )
 
 
 def run(args) -> int:

@@ -13,27 +13,57 @@ HELP = "export + AOTInductor-compile the model's packed forward per shape bucket
 
 def add_arguments(parser) -> None:
     add_engine_args(parser)
-    parser.add_argument("--buckets", default=None,
-                        help="comma-separated buckets, e.g. 't64,t256,t2048-s64-m256,t4096-g8-p2048-q1536' "
-                             "(default: powers of two from 64 to --max-batch-tokens, see docs/compile.md)")
-    parser.add_argument("--cache-dir", default=None, help="artifact cache (default: $BOUNDGEN_CACHE/compiled)")
-    parser.add_argument("--quant", default="none", help="label of the quantization policy the model runs")
+    parser.add_argument(
+        "--buckets",
+        default=None,
+        help="comma-separated buckets, e.g. 't64,t256,t2048-s64-m256,t4096-g8-p2048-q1536' "
+        "(default: powers of two from 64 to --max-batch-tokens, see docs/compile.md)",
+    )
+    parser.add_argument(
+        "--cache-dir", default=None, help="artifact cache (default: $BOUNDGEN_CACHE/compiled)"
+    )
+    parser.add_argument(
+        "--quant", default="none", help="label of the quantization policy the model runs"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="build buckets in this many processes")
-    parser.add_argument("--force", action="store_true", help="rebuild even when a valid artifact exists")
-    parser.add_argument("--check", action="store_true",
-                        help="only check the cache (hit / missing / stale / corrupt); build nothing")
-    parser.add_argument("--no-verify", dest="verify", action="store_false",
-                        help="skip the load probe and the parity check against eager")
-    parser.add_argument("--json", dest="json_out", default=None, help="also write the summary as JSON here")
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even when a valid artifact exists"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="only check the cache (hit / missing / stale / corrupt); build nothing",
+    )
+    parser.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the load probe and the parity check against eager",
+    )
+    parser.add_argument(
+        "--json", dest="json_out", default=None, help="also write the summary as JSON here"
+    )
 
 
 def _table(rows: list[dict]) -> str:
-    cols = [("bucket", "bucket"), ("event", "cache"), ("export_s", "export s"), ("compile_s", "compile s"),
-            ("size_mb", "size MB"), ("max_abs_diff", "max |Δ| vs eager")]
+    cols = [
+        ("bucket", "bucket"),
+        ("event", "cache"),
+        ("export_s", "export s"),
+        ("compile_s", "compile s"),
+        ("size_mb", "size MB"),
+        ("max_abs_diff", "max |Δ| vs eager"),
+    ]
     cells = [[h for _, h in cols]]
     for r in rows:
-        cells.append(["" if r.get(k) is None else (f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]))
-                      for k, _ in cols])
+        cells.append(
+            [
+                ""
+                if r.get(k) is None
+                else (f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]))
+                for k, _ in cols
+            ]
+        )
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -76,12 +106,19 @@ def _verify(engine, entries, cache_root) -> str:
             continue
         dev = padded.to(engine.device)
         with torch.inference_mode():
-            got = AOTIBucket.load(path, bucket, weights, engine.device)(dev).index_select(0, dev.last_index)
-            want = engine.runner.model(*(lambda x: (x.input_ids, x.positions, x.attn))(batch.to(engine.device)))
+            got = AOTIBucket.load(path, bucket, weights, engine.device)(dev).index_select(
+                0, dev.last_index
+            )
+            want = engine.runner.model(
+                *(lambda x: (x.input_ids, x.positions, x.attn))(batch.to(engine.device))
+            )
             want = want.index_select(0, batch.last_index.to(engine.device))
         row["max_abs_diff"] = float((got.float() - want.float()).abs().max())
-    return "load probe: " + diag["status"] + (f" (running with LD_PRELOAD={diag['preload']})"
-                                              if diag["status"] == "preload" else "")
+    return (
+        "load probe: "
+        + diag["status"]
+        + (f" (running with LD_PRELOAD={diag['preload']})" if diag["status"] == "preload" else "")
+    )
 
 
 def _load_eager(args):
@@ -138,14 +175,30 @@ def run(args) -> int:
         from boundgen.compile.parallel import build_parallel
 
         cfg = engine.engine_config
-        rows = build_parallel(args.model, str(engine.device), cfg.dtype, cfg.attention, buckets,
-                              cache.root, args.quant, True, args.jobs, on_done=done)
+        rows = build_parallel(
+            args.model,
+            str(engine.device),
+            cfg.dtype,
+            cfg.attention,
+            buckets,
+            cache.root,
+            args.quant,
+            True,
+            args.jobs,
+            on_done=done,
+        )
     else:
         for b in buckets:
             try:
-                (_, entry, info), = build_aoti(engine.model, engine.device, [b], cache, args.quant, True)
-            except Exception as exc:  # noqa: BLE001 - one failing bucket must not hide the others
-                info = {"bucket": b.name, "event": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}
+                ((_, entry, info),) = build_aoti(
+                    engine.model, engine.device, [b], cache, args.quant, True
+                )
+            except Exception as exc:
+                info = {
+                    "bucket": b.name,
+                    "event": "error",
+                    "error": f"{type(exc).__name__}: {exc}"[:500],
+                }
             rows.append(info)
             done(info)
     bar.close()
@@ -158,8 +211,12 @@ def run(args) -> int:
     for r in rows:
         if r.get("error"):
             print(f"  {r['bucket']}: {r['error']}")
-    print(f"{len(ok)}/{len(rows)} buckets ready in {cache.root} ({time.perf_counter() - t0:.1f} s)"
-          + (f"; {note}" if note else ""))
+    print(
+        f"{len(ok)}/{len(rows)} buckets ready in {cache.root} ({time.perf_counter() - t0:.1f} s)"
+        + (f"; {note}" if note else "")
+    )
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"rows": rows, "note": note}, indent=1, default=str))
+        Path(args.json_out).write_text(
+            json.dumps({"rows": rows, "note": note}, indent=1, default=str)
+        )
     return 0 if len(ok) == len(rows) else 1

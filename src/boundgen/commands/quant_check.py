@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         reference_outputs=ref,
     )
     if args.noise_floor:
-        # How close two "exact" runs get: bf16 (the reference above) against fp32 with SDPA attention.
+        # How close two "exact" runs get: bf16 (the reference above) against fp32 with SDPA
+        # attention.
         del engine
         engine32 = load_reference_engine(args.model, device, "float32", attention="reference")
         floor = compare_outputs(

@@ -12,14 +12,20 @@ from boundgen.cliargs import add_dataclass_args, from_args
 from boundgen.config import EngineConfig
 from boundgen.server.config import ServerConfig, load_config_file
 
-HELP = "serve a model over HTTP (/v1/score, /v1/rerank, /v1/embeddings, /v1/beam, KServe v2, /metrics)"
+HELP = (
+    "serve a model over HTTP (/v1/score, /v1/rerank, /v1/embeddings, /v1/beam, KServe v2, /metrics)"
+)
 
 log = logging.getLogger("boundgen.server")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, metavar="FILE",
-                        help="YAML/TOML file with server and engine settings; flags override it")
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="YAML/TOML file with server and engine settings; flags override it",
+    )
     add_dataclass_args(parser.add_argument_group("server"), ServerConfig)
     add_dataclass_args(parser.add_argument_group("engine"), EngineConfig)
     from boundgen.serve_ray import add_ray_arguments  # flags only: Ray itself is imported on use
@@ -28,11 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
-    server, engine = (load_config_file(args.config) if args.config else (ServerConfig(), None))
+    server, engine = load_config_file(args.config) if args.config else (ServerConfig(), None)
     engine_given = engine is not None and engine != EngineConfig()
     server = from_args(ServerConfig, args, base=server).validate()
     engine = from_args(EngineConfig, args, base=engine or EngineConfig())
-    device_given = getattr(args, "device", None) is not None or (engine_given and engine.device != "cpu")
+    device_given = getattr(args, "device", None) is not None or (
+        engine_given and engine.device != "cpu"
+    )
     if not device_given:
         import torch
 
@@ -61,22 +69,29 @@ def run(args: argparse.Namespace) -> int:
     if wants_ray(args):
         return run_from_args(args)
     server_config, engine_config = resolve_configs(args)
-    logging.basicConfig(level=server_config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=server_config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     model, server_config = resolve_model(server_config)
 
     from boundgen.engine import Engine
     from boundgen.server.app import create_app
     from boundgen.server.uvicorn import serve
 
-    engine = Engine.from_pretrained(model, device=engine_config.device, dtype=engine_config.dtype,
-                                    config=engine_config)
+    engine = Engine.from_pretrained(
+        model, device=engine_config.device, dtype=engine_config.dtype, config=engine_config
+    )
     app = create_app(engine, server_config)
     if server_config.gc_freeze:
         from boundgen.server.heap import freeze_startup_heap
 
         freeze_startup_heap()
-    print(f"boundgen serve: {engine.model_name} ({model}) on {engine.device} at "
-          f"http://{server_config.host}:{server_config.port}", file=sys.stderr, flush=True)
+    print(
+        f"boundgen serve: {engine.model_name} ({model}) on {engine.device} at "
+        f"http://{server_config.host}:{server_config.port}",
+        file=sys.stderr,
+        flush=True,
+    )
     serve(app, server_config)
     return 0

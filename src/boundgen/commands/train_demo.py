@@ -12,8 +12,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=1600)
     p.add_argument("--lr", type=float, default=2e-3)
-    # NOTE: 2 threads is the shipped recipe (8.6 min of training on an idle 2-core machine). On a CPU
-    # shared with other processes, OpenMP spin-waiting made 2 threads 20x slower than 1: use --threads 1
+    # NOTE: 2 threads is the shipped recipe (8.6 min of training on an idle 2-core machine). On a
+    # CPU
+    # shared with other processes, OpenMP spin-waiting made 2 threads 20x slower than 1: use
+    # --threads 1
     # or OMP_WAIT_POLICY=PASSIVE there.
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (see the note above)")
     p.add_argument("--num-items", type=int, default=3000)

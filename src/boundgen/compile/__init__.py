@@ -9,5 +9,16 @@ from boundgen.compile.cache import ArtifactCache, ArtifactError
 from boundgen.compile.preload import AOTIUnsafe, cli_startup
 from boundgen.compile.runner import BACKENDS, BucketedRunner, CompileOptions, make_runner
 
-__all__ = ["BACKENDS", "AOTIUnsafe", "ArtifactCache", "ArtifactError", "Bucket", "BucketSet",
-           "BucketedRunner", "CompileOptions", "cli_startup", "make_runner", "parse_buckets"]
+__all__ = [
+    "BACKENDS",
+    "AOTIUnsafe",
+    "ArtifactCache",
+    "ArtifactError",
+    "Bucket",
+    "BucketSet",
+    "BucketedRunner",
+    "CompileOptions",
+    "cli_startup",
+    "make_runner",
+    "parse_buckets",
+]

@@ -1,12 +1,18 @@
 """AOTInductor: export the packed forward per bucket, package it without weights, load it with shared weights.
 
-    build_package(model, bucket, path, device)   torch.export → aoti_compile_and_package (weights not in .so)
-    SharedWeights(model)                         FQN → the live model's tensors (one copy for every bucket)
-    AOTIBucket.load(path, weights)               aoti_load_package + load_constants(user_managed=True)
+    build_package(model, bucket, path, device)   torch.export → aoti_compile_and_package (weights
+    not in .so)
+    SharedWeights(model)                         FQN → the live model's tensors (one copy for every
+    bucket)
+    AOTIBucket.load(path, weights)               aoti_load_package +
+    load_constants(user_managed=True)
 
-Weights stay out of the `.so` (`aot_inductor.package_constants_in_so: False`), so an artifact depends only
-on the graph (config, tensor names/shapes/dtypes, bucket, torch, device) and never on weight values; every
-loaded bucket points at the same model tensors (`user_managed=True`: no copy, the caller keeps them alive).
+Weights stay out of the `.so` (`aot_inductor.package_constants_in_so: False`), so an artifact
+depends only
+on the graph (config, tensor names/shapes/dtypes, bucket, torch, device) and never on weight values;
+every
+loaded bucket points at the same model tensors (`user_managed=True`: no copy, the caller keeps them
+alive).
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ def export_attention(model: DecoderModel, device: torch.device) -> AttentionBack
 
     `BOUNDGEN_EXPORT_ATTENTION=varlen|flash|masked` overrides (the name is part of the cache key)."""
     device = torch.device(device)
-    choice = os.environ.get("BOUNDGEN_EXPORT_ATTENTION") or ("flash" if device.type == "cuda" else "masked")
+    choice = os.environ.get("BOUNDGEN_EXPORT_ATTENTION") or (
+        "flash" if device.type == "cuda" else "masked"
+    )
     if choice == "masked":
         return MaskedBackend()
     if device.type != "cuda":
@@ -57,7 +65,8 @@ def export_attention(model: DecoderModel, device: torch.device) -> AttentionBack
 class PackedForward(nn.Module):
     """`model(input_ids, positions, attn)` with an export-friendly attention backend.
 
-    A shallow copy of the model: parameters are shared, only the attention backend differs. Constant FQNs
+    A shallow copy of the model: parameters are shared, only the attention backend differs. Constant
+    FQNs
     of compiled artifacts are therefore `model.<name>` of the plain model's parameters and buffers.
     """
 
@@ -84,8 +93,9 @@ class BuildInfo:
     size_bytes: int
 
 
-def build_package(model: DecoderModel, bucket: Bucket, path: str | Path,
-                  device: torch.device | str | None = None) -> BuildInfo:
+def build_package(
+    model: DecoderModel, bucket: Bucket, path: str | Path, device: torch.device | str | None = None
+) -> BuildInfo:
     """Export `model`'s packed forward at `bucket`'s shapes and write an AOTInductor package to `path`."""
     device = torch.device(device or next(model.parameters()).device)
     fwd = PackedForward(model).eval()
@@ -107,7 +117,9 @@ class SharedWeights:
     """FQN → tensor of the live model, built once; every loaded bucket is pointed at these tensors."""
 
     def __init__(self, model: DecoderModel) -> None:
-        self.model = model  # NOTE: keeps the tensors alive while any bucket uses them (user_managed).
+        self.model = (
+            model  # NOTE: keeps the tensors alive while any bucket uses them (user_managed).
+        )
         self.tensors: dict[str, torch.Tensor] = {}
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             self.tensors[f"model.{name}"] = t.detach()
@@ -134,8 +146,14 @@ class AOTIBucket:
         self._run = getattr(loader, "boxed_run", None) or loader.run
 
     @classmethod
-    def load(cls, path: str | Path, bucket: Bucket, weights: SharedWeights, device: torch.device,
-             single_threaded: bool = False) -> AOTIBucket:
+    def load(
+        cls,
+        path: str | Path,
+        bucket: Bucket,
+        weights: SharedWeights,
+        device: torch.device,
+        single_threaded: bool = False,
+    ) -> AOTIBucket:
         dev = torch.device(device)
         index = dev.index if dev.type == "cuda" and dev.index is not None else -1
         if dev.type == "cuda" and index < 0:

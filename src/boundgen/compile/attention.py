@@ -1,10 +1,15 @@
 """`masked`: an export-friendly attention backend for compiled buckets on any device.
 
-The `reference` backend loops over segments with `.tolist()`, which `torch.export` cannot trace. This
-backend computes the same thing with tensor ops only: every query attends to every key of the batch under
-a mask built from `cu_q`/`cu_k` (same segment, and bottom-right causal when asked), in float32, with the
-same conventions as `reference` (queries without keys get out = 0, lse = −inf). It is O(Tq·Tk) in memory,
-so it is meant for CPU buckets and small GPU buckets; large CUDA buckets use `varlen` (a custom op that
+The `reference` backend loops over segments with `.tolist()`, which `torch.export` cannot trace.
+This
+backend computes the same thing with tensor ops only: every query attends to every key of the batch
+under
+a mask built from `cu_q`/`cu_k` (same segment, and bottom-right causal when asked), in float32, with
+the
+same conventions as `reference` (queries without keys get out = 0, lse = −inf). It is O(Tq·Tk) in
+memory,
+so it is meant for CPU buckets and small GPU buckets; large CUDA buckets use `varlen` (a custom op
+that
 exports as is).
 """
 
@@ -15,10 +20,13 @@ import math
 import torch
 
 
-def _segments(cu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _segments(
+    cu: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For rows 0..n-1 of a packed span: (segment id, offset in segment, segment length, valid)."""
     rows = torch.arange(n, device=cu.device, dtype=cu.dtype)
-    # NOTE: zero-length segments repeat a boundary; right=True picks the last segment starting at a row,
+    # NOTE: zero-length segments repeat a boundary; right=True picks the last segment starting at a
+    # row,
     # which is the non-empty one. Rows at or past cu[-1] belong to no segment (valid = False).
     seg = torch.searchsorted(cu, rows, right=True) - 1
     nseg = cu.shape[0] - 1
@@ -41,7 +49,8 @@ class MaskedBackend:
         seg_k, off_k, _, ok_k = _segments(cu_k, tk)
         mask = (seg_q[:, None] == seg_k[None, :]) & ok_q[:, None] & ok_k[None, :]
         if causal:
-            # key j of the segment is visible to query i when j <= i + Lk - Lq (bottom-right aligned)
+            # key j of the segment is visible to query i when j <= i + Lk - Lq (bottom-right
+            # aligned)
             lk_q = cu_k.index_select(0, seg_q + 1) - cu_k.index_select(0, seg_q)
             mask = mask & (off_k[None, :] <= (off_q + lk_q - len_q)[:, None])
         rep = hq // hkv
@@ -59,7 +68,8 @@ class MaskedBackend:
 class FlashBackend:
     """CUDA flash attention through the aten op itself (`aten._flash_attention_forward`).
 
-    Same kernel and conventions as the `varlen` backend (`varlen_attn` is a Python custom op around this
+    Same kernel and conventions as the `varlen` backend (`varlen_attn` is a Python custom op around
+    this
     op), but an aten op has an AOTInductor C shim, so the exported graph calls it from C++ directly.
     """
 
@@ -73,7 +83,9 @@ class FlashBackend:
         kw = {"scale": None}
         if self._window:
             kw.update(window_size_left=-1, window_size_right=0 if causal else -1)
-        return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, **kw)
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, **kw
+        )
 
     def prepare(self, device) -> None:
         """Probe (eagerly, before tracing) the op's keyword support and its LSE layout on this torch."""
@@ -87,7 +99,9 @@ class FlashBackend:
             self._window = False  # older signature: is_causal alone is bottom-right causal
             res = self._call(q, q, q, cu, cu, 3, 3, True)
         if res[1].dim() != 2:
-            raise RuntimeError(f"unexpected flash LSE shape {tuple(res[1].shape)} on torch {torch.__version__}")
+            raise RuntimeError(
+                f"unexpected flash LSE shape {tuple(res[1].shape)} on torch {torch.__version__}"
+            )
         self._heads_first = tuple(res[1].shape) == (2, 3)
 
     def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal):

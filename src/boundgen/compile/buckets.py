@@ -1,11 +1,15 @@
 """Shape buckets for compiled forwards: a fixed packed layout, the smallest that fits chosen per batch.
 
-A compiled graph is specialised on every shape and on the static ints of `AttnInputs`, so a bucket fixes
+A compiled graph is specialised on every shape and on the static ints of `AttnInputs`, so a bucket
+fixes
 them all. Two kinds:
 
-- plain   `t{T}-s{S}-m{M}`: T tokens in S causal segments (cu_seqlens has S+1 entries), each ≤ M tokens.
-- cascade `t{T}-s{S}-m{M}-g{G}-p{P}-q{Q}`: the shared-prefix layout of `text.packing`: P prefix tokens
-  (G groups), then Q suffix tokens that also attend to their group's prefix, then T-P-Q plain tokens.
+- plain   `t{T}-s{S}-m{M}`: T tokens in S causal segments (cu_seqlens has S+1 entries), each ≤ M
+  tokens.
+- cascade `t{T}-s{S}-m{M}-g{G}-p{P}-q{Q}`: the shared-prefix layout of `text.packing`: P prefix
+  tokens
+  (G groups), then Q suffix tokens that also attend to their group's prefix, then T-P-Q plain
+  tokens.
   A batch without shared prefixes fits it too (all P + Q tokens are then padding).
 
 Padding a real batch into a bucket (`pad_batch`), in token order:
@@ -14,7 +18,8 @@ Padding a real batch into a bucket (`pad_batch`), in token order:
 
 Pad tokens (id 0, position 0) form their own causal segments (≤ M each), so they never touch a real
 token. In a cascade bucket the pad suffix tokens form one extra group whose keys are the pad prefix
-tokens, so every row stays finite on every backend. Real rows keep their values exactly; `last_index`
+tokens, so every row stays finite on every backend. Real rows keep their values exactly;
+`last_index`
 and `seq_start` are remapped, so the padded batch is a valid `PackedBatch` of its own.
 """
 
@@ -44,9 +49,14 @@ class Bucket:
     def __post_init__(self) -> None:
         if self.tokens < 1 or self.segments < 1 or self.max_seqlen < 1:
             raise ValueError(f"bucket {self.name}: tokens, segments and max_seqlen must be ≥ 1")
-        if self.cascade and (self.prefix_tokens < 1 or self.shared_tokens < 1
-                             or self.prefix_tokens + self.shared_tokens > self.tokens):
-            raise ValueError(f"bucket {self.name}: a cascade bucket needs p ≥ 1, q ≥ 1 and p + q ≤ t")
+        if self.cascade and (
+            self.prefix_tokens < 1
+            or self.shared_tokens < 1
+            or self.prefix_tokens + self.shared_tokens > self.tokens
+        ):
+            raise ValueError(
+                f"bucket {self.name}: a cascade bucket needs p ≥ 1, q ≥ 1 and p + q ≤ t"
+            )
         if not self.cascade and (self.prefix_tokens or self.shared_tokens):
             raise ValueError(f"bucket {self.name}: p and q need g ≥ 1")
 
@@ -70,7 +80,9 @@ class Bucket:
         spec = spec.strip()
         parts = dict((k, int(v)) for k, v in _PART.findall(spec))
         if not parts or _PART.sub("", spec).strip("-") or "t" not in parts:
-            raise ValueError(f"bad bucket spec '{spec}': use t<T>[-s<S>][-m<M>][-g<G>-p<P>-q<Q>], e.g. t256")
+            raise ValueError(
+                f"bad bucket spec '{spec}': use t<T>[-s<S>][-m<M>][-g<G>-p<P>-q<Q>], e.g. t256"
+            )
         t = parts["t"]
         return cls(
             tokens=t,
@@ -128,8 +140,11 @@ def _fits(b: Bucket, lay: _Layout, max_seqlen: int) -> bool:
         pad = b.tokens - lay.tail
         return pad >= 0 and len(lay.tail_segs) + math.ceil(pad / m) <= b.segments
     g = len(lay.cu_prefix) - 1
-    pad_p, pad_q, pad_t = b.prefix_tokens - lay.p, b.shared_tokens - lay.q, b.tokens - b.prefix_tokens - \
-        b.shared_tokens - lay.tail
+    pad_p, pad_q, pad_t = (
+        b.prefix_tokens - lay.p,
+        b.shared_tokens - lay.q,
+        b.tokens - b.prefix_tokens - b.shared_tokens - lay.tail,
+    )
     if min(pad_p, pad_q, pad_t) < 0:
         return False
     if pad_q and (not pad_p or g + 1 > b.groups):  # pad suffix rows need a pad group with pad keys
@@ -153,16 +168,22 @@ def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
     P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
     pad_p, pad_q = P - lay.p, Q - lay.q
     pad_t = b.tokens - P - Q - lay.tail
-    segs = (lay.prefix_segs + _pad_segments(pad_p, m) + lay.shared_segs + _pad_segments(pad_q, m)
-            + lay.tail_segs + _pad_segments(pad_t, m))
+    segs = (
+        lay.prefix_segs
+        + _pad_segments(pad_p, m)
+        + lay.shared_segs
+        + _pad_segments(pad_q, m)
+        + lay.tail_segs
+        + _pad_segments(pad_t, m)
+    )
     segs += [0] * (b.segments - len(segs))
     ids = torch.zeros(b.tokens, dtype=torch.int64)
     pos = torch.zeros(b.tokens, dtype=torch.int64)
     spans = [(0, 0, lay.p), (lay.p, P, lay.q), (lay.p + lay.q, P + Q, lay.tail)]  # (src, dst, n)
     if batch is not None:
         for src, dst, n in spans:
-            ids[dst: dst + n] = batch.input_ids[src: src + n]
-            pos[dst: dst + n] = batch.positions[src: src + n]
+            ids[dst : dst + n] = batch.input_ids[src : src + n]
+            pos[dst : dst + n] = batch.positions[src : src + n]
     cu_prefix = cu_group_q = None
     if b.cascade:
         cp, cq = list(lay.cu_prefix), list(lay.cu_group_q)
@@ -172,19 +193,34 @@ def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
         cu_prefix = torch.tensor(cp, dtype=torch.int32)
         cu_group_q = torch.tensor(cq, dtype=torch.int32)
     attn = AttnInputs(
-        cu_seqlens=_cu(segs), max_seqlen=m, cu_prefix=cu_prefix, cu_group_q=cu_group_q,
-        max_prefix=P, max_group_q=Q, num_prefix_tokens=P, num_shared_tokens=Q,
+        cu_seqlens=_cu(segs),
+        max_seqlen=m,
+        cu_prefix=cu_prefix,
+        cu_group_q=cu_group_q,
+        max_prefix=P,
+        max_group_q=Q,
+        num_prefix_tokens=P,
+        num_shared_tokens=Q,
     )
 
     def remap(idx: torch.Tensor) -> torch.Tensor:
-        shift = torch.where(idx >= lay.p, P - lay.p, 0) + torch.where(idx >= lay.p + lay.q, Q - lay.q, 0)
+        shift = torch.where(idx >= lay.p, P - lay.p, 0) + torch.where(
+            idx >= lay.p + lay.q, Q - lay.q, 0
+        )
         return torch.where(idx >= 0, idx + shift, idx)
 
     if batch is None:
         empty = torch.zeros(0, dtype=torch.int64)
         return PackedBatch(ids, pos, attn, empty, empty, empty, [])
-    return PackedBatch(ids, pos, attn, remap(batch.last_index), remap(batch.seq_start),
-                       batch.seq_len.clone(), list(batch.rows_per_group))
+    return PackedBatch(
+        ids,
+        pos,
+        attn,
+        remap(batch.last_index),
+        remap(batch.seq_start),
+        batch.seq_len.clone(),
+        list(batch.rows_per_group),
+    )
 
 
 @dataclass
@@ -201,16 +237,22 @@ class PaddingStats:
         return 0.0 if not self.padded_tokens else 1.0 - self.real_tokens / self.padded_tokens
 
     def as_dict(self) -> dict:
-        return {"real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
-                "padding_fraction": round(self.padding_fraction, 4), "batches": dict(self.batches),
-                "misses": self.misses}
+        return {
+            "real_tokens": self.real_tokens,
+            "padded_tokens": self.padded_tokens,
+            "padding_fraction": round(self.padding_fraction, 4),
+            "batches": dict(self.batches),
+            "misses": self.misses,
+        }
 
 
 class BucketSet:
     """The buckets a runner has; `pad` picks the smallest that fits (host-side, before the copy)."""
 
     def __init__(self, buckets: list[Bucket]) -> None:
-        self.buckets = sorted(set(buckets), key=lambda b: (b.tokens, b.segments, b.max_seqlen, b.groups))
+        self.buckets = sorted(
+            set(buckets), key=lambda b: (b.tokens, b.segments, b.max_seqlen, b.groups)
+        )
         self.stats = PaddingStats()
 
     def __iter__(self):

@@ -1,16 +1,22 @@
 """Artifact cache for compiled buckets: one directory per slot, a meta.json per entry, a manifest.
 
-A **slot** is what the artifact computes: the model graph fingerprint (config + every parameter/buffer's
-name, shape, dtype and module type — so dtype and quantization policy are part of it), the quantization
+A **slot** is what the artifact computes: the model graph fingerprint (config + every
+parameter/buffer's
+name, shape, dtype and module type — so dtype and quantization policy are part of it), the
+quantization
 label, the attention backend, the bucket and the device type. The **platform** is what it was built
-with: torch version, CUDA version and GPU name/arch (or the CPU's vector ISA), and this module's format.
+with: torch version, CUDA version and GPU name/arch (or the CPU's vector ISA), and this module's
+format.
 
     <root>/manifest.json            index of every entry (rebuilt from meta.json files when damaged)
     <root>/<slot>/package.pt2       the AOTInductor package (no weights)
-    <root>/<slot>/meta.json         slot fields, platform, sha256 and size of package.pt2, build times
+    <root>/<slot>/meta.json         slot fields, platform, sha256 and size of package.pt2, build
+    times
 
-`lookup` never hands out an artifact it cannot vouch for: a platform or format mismatch is *stale*, a
-missing file, bad meta.json or a sha256 mismatch is *corrupt*; both raise `ArtifactError` with the reason,
+`lookup` never hands out an artifact it cannot vouch for: a platform or format mismatch is *stale*,
+a
+missing file, bad meta.json or a sha256 mismatch is *corrupt*; both raise `ArtifactError` with the
+reason,
 and `get_or_build` rebuilds them (or re-raises with the command to run when rebuilding is off).
 Weight values are deliberately not in the key: weights are loaded from the live model at run time.
 """
@@ -65,7 +71,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     cfg = getattr(model, "config", None)
     if cfg is not None and dataclasses.is_dataclass(cfg):
-        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "extra"}
+        fields = {
+            f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "extra"
+        }
         h.update(repr(sorted(fields.items())).encode())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\n".encode())
@@ -78,12 +86,20 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 def platform_info(device: torch.device | str) -> dict[str, str]:
     """What an artifact is only valid for: torch build, and the exact device kind it was compiled for."""
     dev = torch.device(device)
-    info = {"torch": torch.__version__, "device": dev.type, "machine": platform.machine(),
-            "format": str(FORMAT)}
+    info = {
+        "torch": torch.__version__,
+        "device": dev.type,
+        "machine": platform.machine(),
+        "format": str(FORMAT),
+    }
     if dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(idx)
-        info.update(cuda=str(torch.version.cuda), gpu=torch.cuda.get_device_name(idx), arch=f"sm_{major}{minor}")
+        info.update(
+            cuda=str(torch.version.cuda),
+            gpu=torch.cuda.get_device_name(idx),
+            arch=f"sm_{major}{minor}",
+        )
     else:
         try:
             from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -105,7 +121,9 @@ class Slot:
 
     @property
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:20]
+        return hashlib.sha256(
+            json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        ).hexdigest()[:20]
 
 
 @dataclass
@@ -122,13 +140,16 @@ class ArtifactCache:
     def dir_for(self, slot: Slot) -> Path:
         return self.root / slot.key
 
-    # -- reading -------------------------------------------------------------------------------------
+    # -- reading
+    # -------------------------------------------------------------------------------------
     def lookup(self, slot: Slot, platform_: dict[str, str], verify: bool = True) -> Entry:
         """The entry for `slot`, checked against `platform_`; raises `ArtifactError` otherwise."""
         d = self.dir_for(slot)
         meta_path, pkg = d / META, d / PACKAGE
         if not meta_path.exists() and not pkg.exists():
-            raise ArtifactError("missing", f"no compiled artifact for bucket {slot.bucket} in {self.root}")
+            raise ArtifactError(
+                "missing", f"no compiled artifact for bucket {slot.bucket} in {self.root}"
+            )
         try:
             meta = json.loads(meta_path.read_text())
         except (OSError, ValueError) as exc:
@@ -139,29 +160,42 @@ class ArtifactCache:
         diff = sorted(k for k in set(built) | set(platform_) if built.get(k) != platform_.get(k))
         if diff:
             what = ", ".join(f"{k} {built.get(k)!r} ≠ {platform_.get(k)!r}" for k in diff)
-            raise ArtifactError("stale", f"artifact for bucket {slot.bucket} was built for another platform ({what})")
+            raise ArtifactError(
+                "stale",
+                f"artifact for bucket {slot.bucket} was built for another platform ({what})",
+            )
         if not pkg.is_file():
             raise ArtifactError("corrupt", f"artifact {d}: {PACKAGE} is missing")
         size = pkg.stat().st_size
         if size != meta.get("size_bytes"):
-            raise ArtifactError("corrupt", f"artifact {pkg}: size {size} ≠ recorded {meta.get('size_bytes')}")
+            raise ArtifactError(
+                "corrupt", f"artifact {pkg}: size {size} ≠ recorded {meta.get('size_bytes')}"
+            )
         if verify and _sha256_file(pkg) != meta.get("sha256"):
-            raise ArtifactError("corrupt", f"artifact {pkg}: sha256 does not match {META} (corrupt or edited)")
+            raise ArtifactError(
+                "corrupt", f"artifact {pkg}: sha256 does not match {META} (corrupt or edited)"
+            )
         return Entry(slot, pkg, meta)
 
     def entries(self) -> list[dict]:
         return list(self._read_manifest().get("entries", {}).values())
 
-    # -- writing -------------------------------------------------------------------------------------
-    def store(self, slot: Slot, platform_: dict[str, str], package: Path, info: dict | None = None) -> Entry:
+    # -- writing
+    # -------------------------------------------------------------------------------------
+    def store(
+        self, slot: Slot, platform_: dict[str, str], package: Path, info: dict | None = None
+    ) -> Entry:
         """Move a freshly built `package` into the cache (atomically replacing an old entry)."""
         d = self.dir_for(slot)
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{slot.key}-", dir=self.root))
         shutil.move(str(package), tmp / PACKAGE)
         meta = {
-            "slot": dataclasses.asdict(slot), "platform": platform_, "sha256": _sha256_file(tmp / PACKAGE),
-            "size_bytes": (tmp / PACKAGE).stat().st_size, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "slot": dataclasses.asdict(slot),
+            "platform": platform_,
+            "sha256": _sha256_file(tmp / PACKAGE),
+            "size_bytes": (tmp / PACKAGE).stat().st_size,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             **(info or {}),
         }
         (tmp / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
@@ -185,8 +219,14 @@ class ArtifactCache:
             manifest.get("entries", {}).pop(slot.key, None)
             self._write_manifest(manifest)
 
-    def get_or_build(self, slot: Slot, platform_: dict[str, str], build: Callable[[Path], dict],
-                     rebuild: bool = True, on_event: Callable[[str, str], None] | None = None) -> Entry:
+    def get_or_build(
+        self,
+        slot: Slot,
+        platform_: dict[str, str],
+        build: Callable[[Path], dict],
+        rebuild: bool = True,
+        on_event: Callable[[str, str], None] | None = None,
+    ) -> Entry:
         """The verified entry for `slot`; a missing/stale/corrupt one is rebuilt with `build(path)` (which
         writes a package to `path` and returns build info), or refused when `rebuild` is False."""
         try:
@@ -196,8 +236,11 @@ class ArtifactCache:
             return entry
         except ArtifactError as exc:
             if not rebuild:
-                raise ArtifactError(exc.kind, f"{exc}; rebuilding is off — run `boundgen compile` for "
-                                              f"this model/bucket (or allow rebuilds)") from None
+                raise ArtifactError(
+                    exc.kind,
+                    f"{exc}; rebuilding is off — run `boundgen compile` for "
+                    f"this model/bucket (or allow rebuilds)",
+                ) from None
             if on_event:
                 on_event(exc.kind, str(exc))
         self.root.mkdir(parents=True, exist_ok=True)
@@ -206,7 +249,8 @@ class ArtifactCache:
             info = build(out) or {}
             return self.store(slot, platform_, out, info)
 
-    # -- manifest ------------------------------------------------------------------------------------
+    # -- manifest
+    # ------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _lock(self):
         self.root.mkdir(parents=True, exist_ok=True)

@@ -1,19 +1,26 @@
 """CUDA graphs for beam decode steps: persistent KV per decode bucket, one graph per step index.
 
-A decode step (W·B rows, one token each) is pure launch overhead on a GPU, and its shapes are fixed by
-(prompts B, width W, steps S, padded prompt tokens T). A `DecodeGraphs` keeps, per such bucket, the prompt
-KV, the beam KV, `cu_beams`/`cu_prompt` and the step inputs in **persistent** buffers, so a graph captured
+A decode step (W·B rows, one token each) is pure launch overhead on a GPU, and its shapes are fixed
+by
+(prompts B, width W, steps S, padded prompt tokens T). A `DecodeGraphs` keeps, per such bucket, the
+prompt
+KV, the beam KV, `cu_beams`/`cu_prompt` and the step inputs in **persistent** buffers, so a graph
+captured
 for step s in one request replays in every later request:
 
-- the prompt batch is padded into a plain bucket (`BucketSet.pad`), prefilled eagerly into the persistent
+- the prompt batch is padded into a plain bucket (`BucketSet.pad`), prefilled eagerly into the
+  persistent
   `PromptKV`; `cu_prompt` is the first B+1 boundaries (pad segments come after the real prompts);
-- `BeamKV.reorder` swaps its double buffers at every step > 0, so the buffers step s reads are fixed by s;
+- `BeamKV.reorder` swaps its double buffers at every step > 0, so the buffers step s reads are fixed
+  by s;
   `open()` restores the initial buffer assignment, so every request sees the same sequence;
-- `state.step` is a Python int baked into each graph: one graph per step index, captured on first use;
+- `state.step` is a Python int baked into each graph: one graph per step index, captured on first
+  use;
 - one request at a time per bucket (`open` takes the bucket's lock without blocking; a busy or unfit
   request gets None and runs the plain path).
 
-Used by `workloads.beam.run_beam` through `runner.decode_graphs` (see docs/compile.md); `use_graphs=False`
+Used by `workloads.beam.run_beam` through `runner.decode_graphs` (see docs/compile.md);
+`use_graphs=False`
 runs the same persistent-buffer path without graphs (CPU tests).
 """
 
@@ -45,7 +52,7 @@ class _Slot:
 class DecodeSession:
     """One request on a decode bucket: `last_hidden` [B, H] from the prefill, `step()`, `close()`."""
 
-    def __init__(self, owner: "DecodeGraphs", slot: _Slot, batch: PackedBatch, last_hidden) -> None:
+    def __init__(self, owner: DecodeGraphs, slot: _Slot, batch: PackedBatch, last_hidden) -> None:
         self.owner, self.slot, self.batch, self.last_hidden = owner, slot, batch, last_hidden
         self.state = slot.state
 
@@ -59,8 +66,14 @@ class DecodeSession:
 
 
 class DecodeGraphs:
-    def __init__(self, model, device: torch.device, prompt_buckets: list[Bucket] | None = None,
-                 use_graphs: bool | None = None, max_slots: int = 16) -> None:
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        prompt_buckets: list[Bucket] | None = None,
+        use_graphs: bool | None = None,
+        max_slots: int = 16,
+    ) -> None:
         self.model = model
         self.device = torch.device(device)
         plain = [b for b in (prompt_buckets or default_buckets(4096, 64)) if not b.cascade]
@@ -79,14 +92,22 @@ class DecodeGraphs:
             cfg, dev = self.model.config, self.device
             dtype = self.model.embed_tokens.weight.dtype
             n = b * w
-            prompt = PromptKV(cfg.num_layers, bucket.tokens, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
+            prompt = PromptKV(
+                cfg.num_layers, bucket.tokens, cfg.num_kv_heads, cfg.head_dim, dtype, dev
+            )
             beams = BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
             cu_prompt = torch.zeros(b + 1, dtype=torch.int32, device=dev)
             cu_beams = torch.arange(0, n + 1, w, dtype=torch.int32, device=dev)
             state = DecodeKV(prompt, cu_prompt, bucket.max_seqlen, beams, cu_beams, w)
-            slot = _Slot(prompt, beams, state, cu_prompt, torch.zeros(n, dtype=torch.long, device=dev),
-                         torch.zeros(n, dtype=torch.long, device=dev),
-                         (beams.k, beams.v, beams._k_spare, beams._v_spare))
+            slot = _Slot(
+                prompt,
+                beams,
+                state,
+                cu_prompt,
+                torch.zeros(n, dtype=torch.long, device=dev),
+                torch.zeros(n, dtype=torch.long, device=dev),
+                (beams.k, beams.v, beams._k_spare, beams._v_spare),
+            )
             self.slots[key] = slot
             return slot
 
@@ -127,7 +148,8 @@ class DecodeGraphs:
 
             slot.tokens.copy_(tokens)
             slot.positions.copy_(positions)
-            # NOTE: warm-up runs of the step rewrite the same KV slot with the same values (idempotent)
+            # NOTE: warm-up runs of the step rewrite the same KV slot with the same values
+            # (idempotent)
             graph = StaticGraph(fn, [slot.tokens, slot.positions], pool=self._pool)
             slot.graphs[step_index] = graph
         return graph(tokens, positions)

@@ -1,13 +1,17 @@
 """CUDA graphs for fixed shapes: capture once per bucket (or decode step), replay with static buffers.
 
-Launch cost dominates small forwards (DESIGN §11: HF eager spends 22.9 ms on one 64-token prompt, mostly
+Launch cost dominates small forwards (DESIGN §11: HF eager spends 22.9 ms on one 64-token prompt,
+mostly
 launches). A captured graph replays every kernel with one launch. Rules that make replay correct:
 
-- inputs are copied into the graph's own static buffers before each replay (`copy_`, never rebinding);
+- inputs are copied into the graph's own static buffers before each replay (`copy_`, never
+  rebinding);
 - every tensor the graph reads besides its inputs (weights, KV buffers) must keep its storage: no
-  reallocation or buffer swapping between capture and replay (e.g. a beam KV that swaps double buffers
+  reallocation or buffer swapping between capture and replay (e.g. a beam KV that swaps double
+  buffers
   needs one graph per buffer parity, or a copy-back reorder);
-- the output is a static buffer too: it is overwritten by the next replay, so read it first (the caller
+- the output is a static buffer too: it is overwritten by the next replay, so read it first (the
+  caller
   holds `lock` across replay and read when several threads share a graph);
 - AOTInductor packages must be loaded with `run_single_threaded=True` to be capturable (DESIGN §10).
 """
@@ -27,12 +31,15 @@ from boundgen.text.packing import PackedBatch
 class StaticGraph:
     """`fn(*static_inputs)` captured once; `__call__(*inputs)` copies inputs in and replays."""
 
-    def __init__(self, fn: Callable, static_inputs: list[torch.Tensor], warmup: int = 2,
-                 pool=None) -> None:
+    def __init__(
+        self, fn: Callable, static_inputs: list[torch.Tensor], warmup: int = 2, pool=None
+    ) -> None:
         self.static_inputs = static_inputs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up outside the capture (lazy inits, autotuning, workspaces)
+        with torch.cuda.stream(
+            side
+        ):  # warm up outside the capture (lazy inits, autotuning, workspaces)
             for _ in range(warmup):
                 fn(*static_inputs)
         torch.cuda.current_stream().wait_stream(side)
@@ -51,8 +58,13 @@ class StaticGraph:
 class GraphedBucket:
     """A bucket's packed forward (`fn(padded_batch) -> hidden`) behind a CUDA graph."""
 
-    def __init__(self, fn: Callable[[PackedBatch], torch.Tensor], bucket: Bucket, device: torch.device,
-                 pool=None) -> None:
+    def __init__(
+        self,
+        fn: Callable[[PackedBatch], torch.Tensor],
+        bucket: Bucket,
+        device: torch.device,
+        pool=None,
+    ) -> None:
         self.bucket = bucket
         self.static = bucket.example(device)
         self._fn = fn

@@ -1,9 +1,11 @@
 """Build many buckets at once: one process per job, each with its own copy of the model.
 
 AOTInductor compiles are long (41–82 s per graph on the GPU machine, DESIGN §10) and mostly
-single-threaded host work (lowering, C++ compile), so N buckets on a machine with many cores take about
+single-threaded host work (lowering, C++ compile), so N buckets on a machine with many cores take
+about
 N/jobs compile times. Each worker loads the checkpoint once (same device, dtype and attention as the
-parent, hence the same model fingerprint) and writes through the shared, lock-protected `ArtifactCache`.
+parent, hence the same model fingerprint) and writes through the shared, lock-protected
+`ArtifactCache`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ def _init(model_dir: str, device: str, dtype: str | None, attention: str) -> Non
 
     logging.getLogger("torch").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    engine = Engine.from_pretrained(model_dir, device=device, dtype=dtype, attention=attention,
-                                    **eager_overrides())
+    engine = Engine.from_pretrained(
+        model_dir, device=device, dtype=dtype, attention=attention, **eager_overrides()
+    )
     _WORKER["model"], _WORKER["device"] = engine.model, engine.device
 
 
@@ -37,37 +40,68 @@ def _build_one(bucket_name: str, cache_dir: str | None, quant: str, rebuild: boo
     from boundgen.compile.cache import ArtifactCache
     from boundgen.compile.runner import build_aoti
 
-    entries = build_aoti(_WORKER["model"], _WORKER["device"], [Bucket.parse(bucket_name)],
-                         ArtifactCache(cache_dir), quant, rebuild)
+    entries = build_aoti(
+        _WORKER["model"],
+        _WORKER["device"],
+        [Bucket.parse(bucket_name)],
+        ArtifactCache(cache_dir),
+        quant,
+        rebuild,
+    )
     return entries[0][2]
 
 
-def build_parallel(model_dir: str | Path, device: str, dtype: str | None, attention: str, buckets: list,
-                   cache_dir: str | Path | None, quant: str = "none", rebuild: bool = True, jobs: int = 2,
-                   on_done: Callable[[dict], None] | None = None,
-                   timeout_s: float | None = None) -> list[dict]:
+def build_parallel(
+    model_dir: str | Path,
+    device: str,
+    dtype: str | None,
+    attention: str,
+    buckets: list,
+    cache_dir: str | Path | None,
+    quant: str = "none",
+    rebuild: bool = True,
+    jobs: int = 2,
+    on_done: Callable[[dict], None] | None = None,
+    timeout_s: float | None = None,
+) -> list[dict]:
     """Build (or verify) every bucket in `jobs` worker processes; returns one info dict per bucket.
     A bucket that fails (or is still building after `timeout_s`) gives {"bucket", "event": "error",
     "error"} instead of stopping the rest; workers still running at the timeout are terminated."""
     ctx = mp.get_context("spawn")
     results: dict[str, dict] = {}
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init,
-                               initargs=(str(model_dir), device, dtype, attention))
-    futs = {pool.submit(_build_one, b.name, None if cache_dir is None else str(cache_dir), quant,
-                        rebuild): b.name for b in buckets}
+    pool = ProcessPoolExecutor(
+        max_workers=jobs,
+        mp_context=ctx,
+        initializer=_init,
+        initargs=(str(model_dir), device, dtype, attention),
+    )
+    futs = {
+        pool.submit(
+            _build_one, b.name, None if cache_dir is None else str(cache_dir), quant, rebuild
+        ): b.name
+        for b in buckets
+    }
     try:
         for fut in as_completed(futs, timeout=timeout_s):
             name = futs[fut]
             try:
                 info = fut.result()
-            except Exception as exc:  # noqa: BLE001 - reported per bucket
-                info = {"bucket": name, "event": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}
+            except Exception as exc:
+                info = {
+                    "bucket": name,
+                    "event": "error",
+                    "error": f"{type(exc).__name__}: {exc}"[:500],
+                }
             results[name] = info
             if on_done:
                 on_done(info)
     except FuturesTimeout:
         for name in set(futs.values()) - set(results):
-            results[name] = {"bucket": name, "event": "error", "error": f"not built within {timeout_s:.0f}s"}
+            results[name] = {
+                "bucket": name,
+                "event": "error",
+                "error": f"not built within {timeout_s:.0f}s",
+            }
         procs = list(getattr(pool, "_processes", {}).values())
         pool.shutdown(wait=False, cancel_futures=True)
         for p in procs:  # our own workers: stop the compiles still running

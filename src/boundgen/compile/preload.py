@@ -1,8 +1,11 @@
 """Guard against the AOTInductor load crash (DESIGN §10): probe in a subprocess, fix by preloading libstdc++.
 
-On the GPU image, `aoti_load_package` segfaults inside the package's `std::regex` (`parse_device_str`)
-unless the process started with `LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6`: the package `.so` is
-built by the system g++, and two C++ runtimes' regex/locale code get mixed in the process; preloading
+On the GPU image, `aoti_load_package` segfaults inside the package's `std::regex`
+(`parse_device_str`)
+unless the process started with `LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6`: the package `.so`
+is
+built by the system g++, and two C++ runtimes' regex/locale code get mixed in the process;
+preloading
 the system libstdc++ makes its symbols win everywhere. Which definitions loaded libraries bind to is
 settled when the process starts, so the only in-process-safe fix is to start it with the preload:
 re-exec with `LD_PRELOAD` before anything heavy runs.
@@ -10,9 +13,11 @@ re-exec with `LD_PRELOAD` before anything heavy runs.
     probe(package)            load (and run nothing) in a child process; True when it survives
     diagnose(package)         "ok" | "preload" (+ the library) | "broken", cached per platform
     ensure_loadable(package)  returns when loading is safe here; otherwise re-execs with the preload
-                              (when allowed) or raises `AOTIUnsafe` — never loads into a crashing process
+                              (when allowed) or raises `AOTIUnsafe` — never loads into a crashing
+                              process
     reexec_if_needed()        for CLI entry points: re-exec early if an earlier diagnosis said so
-    cli_startup()             first thing in `boundgen serve`: re-exec-safe process + reexec_if_needed
+    cli_startup()             first thing in `boundgen serve`: re-exec-safe process +
+    reexec_if_needed
 
 `BOUNDGEN_AOTI_PRELOAD=off` disables the re-exec (the caller then gets `AOTIUnsafe` and falls back).
 """
@@ -57,8 +62,12 @@ def libstdcxx_candidates() -> list[str]:
                 found.append(line.split("=>")[-1].strip())
     except (OSError, subprocess.SubprocessError):
         pass
-    found += ["/lib/x86_64-linux-gnu/libstdc++.so.6", "/usr/lib/x86_64-linux-gnu/libstdc++.so.6",
-              "/usr/lib64/libstdc++.so.6", "/lib/aarch64-linux-gnu/libstdc++.so.6"]
+    found += [
+        "/lib/x86_64-linux-gnu/libstdc++.so.6",
+        "/usr/lib/x86_64-linux-gnu/libstdc++.so.6",
+        "/usr/lib64/libstdc++.so.6",
+        "/lib/aarch64-linux-gnu/libstdc++.so.6",
+    ]
     found += sorted(glob.glob("/usr/lib/gcc/*/*/libstdc++.so"))
     seen, out_ = set(), []
     for p in found:
@@ -81,12 +90,19 @@ def loaded_libstdcxx() -> str | None:
 
 
 def _preloaded(lib: str) -> bool:
-    return any(os.path.realpath(p) == os.path.realpath(lib)
-               for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if p)
+    return any(
+        os.path.realpath(p) == os.path.realpath(lib)
+        for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
+        if p
+    )
 
 
-def probe(package: str | Path, preload: str | None = None, timeout: float = PROBE_TIMEOUT_S,
-          command: list[str] | None = None) -> tuple[bool, str]:
+def probe(
+    package: str | Path,
+    preload: str | None = None,
+    timeout: float = PROBE_TIMEOUT_S,
+    command: list[str] | None = None,
+) -> tuple[bool, str]:
     """Load `package` in a child process (optionally with `LD_PRELOAD=preload`) → (survived, detail)."""
     env = dict(os.environ)
     if preload:
@@ -103,7 +119,12 @@ def probe(package: str | Path, preload: str | None = None, timeout: float = PROB
 
 
 def _platform_key() -> str:
-    parts = [sys.executable, torch.__version__, loaded_libstdcxx() or "", os.environ.get("LD_PRELOAD", "")]
+    parts = [
+        sys.executable,
+        torch.__version__,
+        loaded_libstdcxx() or "",
+        os.environ.get("LD_PRELOAD", ""),
+    ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -127,19 +148,27 @@ def _write_state(cache_root: Path, key: str, value: dict) -> None:
     os.replace(tmp, _state_file(cache_root))
 
 
-def diagnose(package: str | Path, cache_root: Path | None = None, command: list[str] | None = None) -> dict:
+def diagnose(
+    package: str | Path, cache_root: Path | None = None, command: list[str] | None = None
+) -> dict:
     """{"status": "ok" | "preload" | "broken", "preload": lib?, "detail": str}; cached per platform."""
     key = _platform_key()
     if cache_root is not None:
         cached = _read_state(cache_root).get(key)
         if cached:
             return cached
-    # NOTE: the child runs in this process's environment. Preloading changes symbol interposition, so
-    # the child preloads nothing extra, except a non-system libstdc++ this process has mapped (a wheel's
+    # NOTE: the child runs in this process's environment. Preloading changes symbol interposition,
+    # so
+    # the child preloads nothing extra, except a non-system libstdc++ this process has mapped (a
+    # wheel's
     # or the Python build's), which it maps first too: it then crashes exactly when we would.
     mapped = loaded_libstdcxx()
     system = {os.path.realpath(p) for p in libstdcxx_candidates()}
-    mimic = mapped if mapped and os.path.realpath(mapped) not in system and not _preloaded(mapped) else None
+    mimic = (
+        mapped
+        if mapped and os.path.realpath(mapped) not in system and not _preloaded(mapped)
+        else None
+    )
     ok, detail = probe(package, preload=mimic, command=command)
     if ok:
         result = {"status": "ok", "detail": detail}
@@ -150,8 +179,11 @@ def diagnose(package: str | Path, cache_root: Path | None = None, command: list[
                 continue
             ok2, detail2 = probe(package, preload=lib, command=command)
             if ok2:
-                result = {"status": "preload", "preload": lib,
-                          "detail": f"load crashed ({detail}); works with LD_PRELOAD={lib}"}
+                result = {
+                    "status": "preload",
+                    "preload": lib,
+                    "detail": f"load crashed ({detail}); works with LD_PRELOAD={lib}",
+                }
                 break
     if cache_root is not None:
         _write_state(cache_root, key, result)
@@ -178,8 +210,12 @@ def _reexec_allowed(allow: bool | None) -> bool:
     return bool(allow) or os.environ.get(_CLI_MARK) == "1"
 
 
-def ensure_loadable(package: str | Path, cache_root: Path | None = None, allow_reexec: bool = False,
-                    command: list[str] | None = None) -> dict:
+def ensure_loadable(
+    package: str | Path,
+    cache_root: Path | None = None,
+    allow_reexec: bool = False,
+    command: list[str] | None = None,
+) -> dict:
     """Return when `package` can be loaded in this process; else re-exec (if allowed) or raise."""
     result = diagnose(package, cache_root, command)
     if result["status"] == "ok":

@@ -1,7 +1,8 @@
 """Seeded synthetic product catalog for the built-in demo model.
 
 Items have structured attributes (category, product type, brand, color, price band, city) and are
-rendered as titles. Semantic IDs are three tokens derived from the attributes, so similar items share
+rendered as titles. Semantic IDs are three tokens derived from the attributes, so similar items
+share
 prefixes:
 
 - level 1 `<a_i>`: category

@@ -91,7 +91,8 @@ def build_model(c: TinyConfig, eos_id: int) -> DecoderModel:
 
 def hidden_states(model: DecoderModel, ids: torch.Tensor) -> torch.Tensor:
     """Right-padded ids [B, T] → hidden [B, T, H]. Each row is one causal segment of length T, so the
-    padding (after a row's real tokens) never reaches a real token, and equal segments batch into one
+    padding (after a row's real tokens) never reaches a real token, and equal segments batch into
+    one
     attention call."""
     b, t = ids.shape
     cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=ids.device)
@@ -339,7 +340,9 @@ def build_trie(enc: Encoder) -> dict:
 
 
 @torch.no_grad()
-def model_beam(model: DecoderModel, prompt: list[int], trie: dict, width: int = 10) -> list[list[int]]:
+def model_beam(
+    model: DecoderModel, prompt: list[int], trie: dict, width: int = 10
+) -> list[list[int]]:
     """Trie-constrained beam search by full recompute (3 steps, tiny model): the reference the
     engine's `beam_search(..., trie=...)` should agree with."""
     beams: list[tuple[list[int], float, dict]] = [([], 0.0, trie)]
@@ -364,7 +367,9 @@ def evaluate(
     for g in test["relevance"][:limit]:
         seqs = [enc.relevance(g["query"], c["item_id"]) for c in g["candidates"]]
         ids, *_ = collate([Example(s, []) for s in seqs], enc.label_ids[0])
-        h = hidden_states(model, ids)[torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])]
+        h = hidden_states(model, ids)[
+            torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])
+        ]
         lg = model.head(h)[:, enc.label_ids]
         scores += (lg[:, 0] - lg[:, 1]).tolist()
         labels += [c["label"] for c in g["candidates"]]
@@ -414,8 +419,14 @@ def load_model(path: Path) -> DecoderModel:
 
 
 def save_checkpoint(
-    model: DecoderModel, hf_config: dict, tok, enc: Encoder, catalog: cat.Catalog, splits: dict,
-    out: Path, meta: dict,
+    model: DecoderModel,
+    hf_config: dict,
+    tok,
+    enc: Encoder,
+    catalog: cat.Catalog,
+    splits: dict,
+    out: Path,
+    meta: dict,
 ) -> None:
     save_model(model, hf_config, tok, out)
     with open(out / "catalog_trie.jsonl", "w") as f:

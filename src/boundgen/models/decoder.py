@@ -1,6 +1,7 @@
 """One decoder for Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) and Llama (llama3 RoPE scaling).
 
-The forward takes every per-batch tensor explicitly (packed tokens, positions, attention metadata, KV
+The forward takes every per-batch tensor explicitly (packed tokens, positions, attention metadata,
+KV
 state), so `torch.export` sees them as inputs. Output rows are gathered by the caller before `head`.
 """
 
@@ -22,7 +23,9 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_heads, config.num_kv_heads, config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
         )
         self.qkv_proj = nn.Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
@@ -79,8 +82,13 @@ class DecoderModel(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnInputs,
-                kv: PromptKV | DecodeKV | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttnInputs,
+        kv: PromptKV | DecodeKV | None = None,
+    ) -> torch.Tensor:
         """input_ids, positions: [T] → final-normed hidden states [T, H]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)

@@ -56,7 +56,9 @@ class RotaryEmbedding(nn.Module):
         """Recompute the buffer (after `to_empty` materialises the model from the meta device)."""
         self.inv_freq = rope_inv_freq(self.config, device=self.inv_freq.device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] → cos, sin [T, 1, D/2] in `dtype` (computed in float32, as HF does)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)

@@ -30,7 +30,9 @@ def checkpoint_files(path: Path) -> list[Path]:
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise FileNotFoundError(f"shards named in {index.name} are missing: {', '.join(missing)}")
+            raise FileNotFoundError(
+                f"shards named in {index.name} are missing: {', '.join(missing)}"
+            )
         return files
     single = path / "model.safetensors"
     if single.is_file():
@@ -102,7 +104,9 @@ def load_weights(model: DecoderModel, path: str | Path) -> None:
                 seen.add(hf_name)
     missing = sorted(expected_hf_names(model) - seen)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        )
         raise ValueError(f"checkpoint {path} is missing tensors: {shown}")
 
 

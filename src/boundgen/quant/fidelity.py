@@ -1,11 +1,13 @@
 """Fidelity gate: does an FP8 policy rank and decode like the bf16 model?
 
-On a fixed, deterministic evaluation set (W1/W2/W4-style inputs from DESIGN §9 plus a held-out set) the
+On a fixed, deterministic evaluation set (W1/W2/W4-style inputs from DESIGN §9 plus a held-out set)
+the
 candidate's outputs are compared with the reference's:
 - score Spearman (per ranking group, mean per set) ≥ 0.995
 - top-10 overlap (per ranking group, mean per set) ≥ 0.95
 - beam top-1 agreement (all beam prompts) ≥ 0.98
-The gate only needs two small callables per model, so it runs against an `Engine` (see `engine_runner`),
+The gate only needs two small callables per model, so it runs against an `Engine` (see
+`engine_runner`),
 or anything else with the same shape:
     score(query_ids, items_ids, label_token_ids) -> [[label score per label] per item]   (logits)
     beam(prompt_ids, beam_width, steps) -> [(tokens, logprob), ...] best first
@@ -16,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import time
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,7 +119,7 @@ class EvalSet:
     score_cases: list[ScoreCase] = field(default_factory=list)
     beam_cases: list[BeamCase] = field(default_factory=list)
 
-    def extend(self, other: "EvalSet") -> "EvalSet":
+    def extend(self, other: EvalSet) -> EvalSet:
         return EvalSet(
             f"{self.name}+{other.name}",
             self.score_cases + other.score_cases,
@@ -133,7 +135,7 @@ class EvalSet:
             }
         )
 
-    def fit(self, max_len: int | None) -> "EvalSet":
+    def fit(self, max_len: int | None) -> EvalSet:
         """Trim sequences to a model's length limit (query + item ≤ max_len, prompt + steps ≤ max_len),
         keeping the last tokens of queries/prompts; unchanged when everything fits or max_len is None."""
         if not max_len:
@@ -152,7 +154,7 @@ class EvalSet:
         return EvalSet(self.name, cases, beams)
 
     @classmethod
-    def from_json(cls, text: str) -> "EvalSet":
+    def from_json(cls, text: str) -> EvalSet:
         d = json.loads(text)
         return cls(
             d.get("name", "custom"),
@@ -168,9 +170,10 @@ class EvalSet:
         groups: int = 80,
         prompts: int = 100,
         beam_width: int = 10,
-    ) -> "EvalSet | None":
+    ) -> EvalSet | None:
         """The held-out set shipped with a demo checkpoint (`eval.json` + `demo.json` + `catalog.json`,
-        see boundgen.demo): relevance groups scored per query and pooled over all (query, item) pairs,
+        see boundgen.demo): relevance groups scored per query and pooled over all (query, item)
+        pairs,
         and retrieval prompts decoded with `sid_levels` unconstrained beam steps. None if absent."""
         model_dir = Path(model_dir)
         files = [model_dir / n for n in ("eval.json", "demo.json", "catalog.json")]
@@ -203,12 +206,13 @@ class EvalSet:
         return cls(f"demo:{model_dir.name}", cases, beams)
 
     @classmethod
-    def load(cls, path: str | Path) -> "EvalSet":
+    def load(cls, path: str | Path) -> EvalSet:
         """A held-out set saved with `to_json` (e.g. the demo model's real queries, as token ids)."""
         return cls.from_json(Path(path).read_text())
 
 
-# Sizes per scale: "full" is DESIGN §9's shapes (GPU), "small" keeps CPU runs to seconds on tiny models.
+# Sizes per scale: "full" is DESIGN §9's shapes (GPU), "small" keeps CPU runs to seconds on tiny
+# models.
 _SCALES = {
     "full": dict(
         w1_prompts=256,
@@ -277,8 +281,10 @@ def make_eval_set(
 ) -> EvalSet:
     """W1 (independent prompts), W2 (shared prefix + candidates), W4 (beam) inputs and a held-out set.
 
-    Deterministic in (vocab_size, labels, scale, seed). W1-W4 draw token ids uniformly; the held-out set
-    uses a different seed, Zipf-like token ids and other shapes, so a policy is not tuned to one shape.
+    Deterministic in (vocab_size, labels, scale, seed). W1-W4 draw token ids uniformly; the held-out
+    set
+    uses a different seed, Zipf-like token ids and other shapes, so a policy is not tuned to one
+    shape.
     """
     if scale not in _SCALES:
         raise ValueError(f"unknown eval scale {scale!r}; choose from {list(_SCALES)}")
@@ -348,18 +354,20 @@ class ModelRunner:
 
     score: ScoreFn
     beam: BeamFn | None = None
-    # optional: (prompts, beam_width, steps) -> one beam list per prompt (faster than `beam` per prompt)
+    # optional: (prompts, beam_width, steps) -> one beam list per prompt (faster than `beam` per
+    # prompt)
     beam_batch: Callable[[list[list[int]], int, int], Sequence] | None = None
 
 
 def _beam_tokens(entry) -> list[int]:
-    tokens = entry[0] if isinstance(entry, (tuple, list)) else getattr(entry, "tokens")
+    tokens = entry[0] if isinstance(entry, (tuple, list)) else entry.tokens
     return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
 
 
 def engine_runner(engine) -> ModelRunner:
     """Adapt `Engine.score(query, items, label_token_ids, apply_softmax=False)` and
-    `Engine.beam_search(prompt, beam_width, steps)`; without `beam_search`, an unconstrained log-prob beam
+    `Engine.beam_search(prompt, beam_width, steps)`; without `beam_search`, an unconstrained
+    log-prob beam
     search over the engine's packed forward (`engine.runner`) stands in."""
 
     def score(query, items, labels):
@@ -384,7 +392,8 @@ def forward_beam_search(
     runner, prompt: list[int], beam_width: int, steps: int
 ) -> list[tuple[list[int], float]]:
     """Exactly `steps` steps of log-prob beam search (no EOS stop), recomputing prompt + beam tokens each
-    step with the prompt as a shared prefix. Reference quality, not speed: the gate only needs the same
+    step with the prompt as a shared prefix. Reference quality, not speed: the gate only needs the
+    same
     algorithm on both sides. `runner`: has `hidden_rows(groups)` and `head(rows, columns)`."""
     import torch
 

@@ -3,11 +3,14 @@
 `Fp8Linear` keeps `weight` as float8_e4m3fn `[N, K]` with one fp32 scale per output channel
 (`weight_scale [1, N]`), quantizes its input per token (`a_scale [M, 1]`) and calls
 `torch._scaled_mm(a8, w8.t(), scale_a, scale_b, out_dtype=bf16)`; the bias is added after, in bf16.
-In `emulate` mode the same quantized values are multiplied in fp32 on any device (CPU CI, pre-Hopper GPUs),
+In `emulate` mode the same quantized values are multiplied in fp32 on any device (CPU CI, pre-Hopper
+GPUs),
 so tests and the fidelity gate see the numerics of the real kernel.
 
-NOTE: forward only reads buffers and fixed attributes (mode, act_quant), so `torch.export`/AOTInductor see
-plain tensors and `torch._scaled_mm`. The Triton activation quantizer is used in eager mode only; under
+NOTE: forward only reads buffers and fixed attributes (mode, act_quant), so
+`torch.export`/AOTInductor see
+plain tensors and `torch._scaled_mm`. The Triton activation quantizer is used in eager mode only;
+under
 torch.compile/export the plain-torch quantizer is traced and Inductor fuses it with its producer.
 """
 
@@ -20,7 +23,8 @@ from torch import nn
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
-# Smallest scale: keeps all-zero rows (padding) finite; 1e-12 * 448 is far below any real activation.
+# Smallest scale: keeps all-zero rows (padding) finite; 1e-12 * 448 is far below any real
+# activation.
 SCALE_EPS = 1e-12
 MODES = ("scaled_mm", "emulate")
 ACT_QUANTS = ("auto", "torch", "triton")
@@ -40,7 +44,8 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     The max-abs element of each row maps to ±448 exactly; elements keep e4m3's 3 mantissa bits
     (relative error ≤ 2^-4 for normal values).
     """
-    # NOTE: few passes in eager (max-abs in one reduction, bf16 * fp32 promotes without an fp32 copy of x);
+    # NOTE: few passes in eager (max-abs in one reduction, bf16 * fp32 promotes without an fp32 copy
+    # of x);
     # Inductor fuses all of it. triton_quant.py computes exactly these expressions.
     amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
     amax = amax.clamp(min=SCALE_EPS * FP8_MAX)
@@ -63,7 +68,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # Device support
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe_scaled_mm(device_index: int) -> str | None:
     """Run a tiny rowwise `_scaled_mm`; None if it works, else the error text."""
     try:
@@ -76,7 +81,7 @@ def _probe_scaled_mm(device_index: int) -> str | None:
         if not torch.allclose(out.float(), ref, rtol=2e-2, atol=1e-2):
             return "rowwise _scaled_mm returned wrong values"
         return None
-    except Exception as exc:  # noqa: BLE001 - any failure means "not supported here"
+    except Exception as exc:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
@@ -120,7 +125,7 @@ def _triton_available(device: torch.device | None = None) -> bool:
             index = device.index if device.index is not None else torch.cuda.current_device()
             return triton_quant.self_test(index) is None
         return True
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
@@ -128,8 +133,10 @@ class Fp8Linear(nn.Module):
     """Drop-in for `nn.Linear` with rowwise FP8 weights and per-token dynamic FP8 activations.
 
     Buffers: `weight` [N, K] e4m3, `weight_scale` [1, N] fp32, `bias` [N] (original dtype) or None.
-    `mode`: "scaled_mm" (Hopper/Ada kernel) or "emulate" (same quantized values, fp32 matmul, any device).
-    `act_quant`: "torch" (plain ops; fused by Inductor when compiled) or "triton" (one-pass kernel, eager).
+    `mode`: "scaled_mm" (Hopper/Ada kernel) or "emulate" (same quantized values, fp32 matmul, any
+    device).
+    `act_quant`: "torch" (plain ops; fused by Inductor when compiled) or "triton" (one-pass kernel,
+    eager).
     """
 
     def __init__(
@@ -178,7 +185,7 @@ class Fp8Linear(nn.Module):
         mode: str = "scaled_mm",
         act_quant: str = "torch",
         fast_accum: bool = False,
-    ) -> "Fp8Linear":
+    ) -> Fp8Linear:
         w = linear.weight
         out_dtype = (
             w.dtype if w.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
@@ -201,8 +208,10 @@ class Fp8Linear(nn.Module):
         return layer
 
     def _apply(self, fn, recurse=True):
-        # NOTE: `model.to(dtype)` / `.half()` must not cast the e4m3 weight or its fp32 scales (a round
-        # trip through bf16 would lose scale bits); device moves still apply. The bias follows the model.
+        # NOTE: `model.to(dtype)` / `.half()` must not cast the e4m3 weight or its fp32 scales (a
+        # round
+        # trip through bf16 would lose scale bits); device moves still apply. The bias follows the
+        # model.
         keep = {k: self._buffers[k] for k in ("weight", "weight_scale")}
         super()._apply(fn, recurse)
         for k, old in keep.items():
@@ -240,7 +249,8 @@ class Fp8Linear(nn.Module):
                 use_fast_accum=self.fast_accum,
             )
         else:
-            # e4m3 x e4m3 products are exact in fp32; accumulate in fp32, scale in fp32 (as the kernel does).
+            # e4m3 x e4m3 products are exact in fp32; accumulate in fp32, scale in fp32 (as the
+            # kernel does).
             # The kernel writes bf16: round there too, so emulation matches it in every model dtype.
             y = ((a8.float() @ self.weight.float().t()) * a_scale * self.weight_scale).to(
                 torch.bfloat16
@@ -297,8 +307,10 @@ def apply_fp8(
 ) -> nn.Module:
     """Swap the projections that `policy` names for `Fp8Linear`, in place; returns `model`.
 
-    policy: "none" | "mlp" | "mlp+attn-proj" (see `boundgen.quant.policy`). Embeddings, norms, attention,
-    LM/score heads are never touched. Raises `Fp8NotSupportedError` when real FP8 is asked for on a device
+    policy: "none" | "mlp" | "mlp+attn-proj" (see `boundgen.quant.policy`). Embeddings, norms,
+    attention,
+    LM/score heads are never touched. Raises `Fp8NotSupportedError` when real FP8 is asked for on a
+    device
     that lacks it (pass `emulate=True` for quantize→dequantize numerics on any device).
     """
     from boundgen.quant.policy import select_modules

@@ -1,7 +1,8 @@
 """A small JSON store of fidelity-gate results, keyed by checkpoint content hash + FP8 policy.
 
 Location: `$BOUNDGEN_FP8_GATE_CACHE` (a file path), else `$XDG_CACHE_HOME/boundgen/fp8_gate.json`,
-else `~/.cache/boundgen/fp8_gate.json`. Checkpoint hashes are memoized by (path, size, mtime) so a 1 GB
+else `~/.cache/boundgen/fp8_gate.json`. Checkpoint hashes are memoized by (path, size, mtime) so a 1
+GB
 checkpoint is read once, not on every engine start.
 """
 

@@ -1,8 +1,11 @@
 """FP8 layer policies: which projections run in FP8, and whether a policy may be used for a model.
 
-A policy names module suffixes under `layers.<i>.`; everything else (embed_tokens, norms, attention math,
-lm_head / score head, softmax) stays in bf16/fp32. The engine asks `check_policy_allowed` before applying a
-policy: it refuses one that failed the fidelity gate for this checkpoint (or was never checked) unless forced.
+A policy names module suffixes under `layers.<i>.`; everything else (embed_tokens, norms, attention
+math,
+lm_head / score head, softmax) stays in bf16/fp32. The engine asks `check_policy_allowed` before
+applying a
+policy: it refuses one that failed the fidelity gate for this checkpoint (or was never checked)
+unless forced.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ POLICIES: dict[str, tuple[str, ...]] = {
         "self_attn.o_proj",
     ),
 }
-# DESIGN §7: MLP in FP8 by default; confirm with benchmarks/bench_fp8.py (docs/fp8.md has the numbers).
+# DESIGN §7: MLP in FP8 by default; confirm with benchmarks/bench_fp8.py (docs/fp8.md has the
+# numbers).
 DEFAULT_POLICY = "mlp"
 # Never quantized, whatever the policy (checked by select_modules as a guard).
 KEEP_HIGH_PRECISION = ("embed_tokens", "lm_head", "score", "norm", "q_norm", "k_norm")
@@ -79,7 +83,8 @@ def check_policy_allowed(
 ) -> dict | None:
     """Whether the engine may run `policy` for the checkpoint in `model_dir`.
 
-    Returns the stored gate record (None for "none" or a forced/unchecked policy). Raises `Fp8PolicyError`
+    Returns the stored gate record (None for "none" or a forced/unchecked policy). Raises
+    `Fp8PolicyError`
     saying why when the policy failed the fidelity gate for this checkpoint, or has not been checked
     (unless `allow_unchecked`); `force=True` logs a warning instead of raising.
     """
@@ -125,9 +130,11 @@ def enable_fp8(
     allow_unchecked: bool = False,
 ) -> str:
     """The engine's one call: normalize `policy`, refuse it if the gate failed (or never ran) for the
-    checkpoint in `model_dir` unless forced, then swap the projections in place. Returns the policy name.
+    checkpoint in `model_dir` unless forced, then swap the projections in place. Returns the policy
+    name.
 
-    Raises Fp8PolicyError (refused / names do not fit) or Fp8NotSupportedError (no FP8 on this device
+    Raises Fp8PolicyError (refused / names do not fit) or Fp8NotSupportedError (no FP8 on this
+    device
     and not `emulate`) before touching the model.
     """
     from boundgen.quant.fp8 import _model_device, apply_fp8, resolve_mode

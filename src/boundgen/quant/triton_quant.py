@@ -1,8 +1,10 @@
 """One-pass per-token FP8 activation quantizer (Triton), for eager CUDA runs.
 
 Plain torch needs ~5 kernels (abs, amax, div, clamp, cast) and several passes over the [M, K] bf16
-activation; this kernel reads each row once and writes e4m3 + one fp32 scale. Under torch.compile/export
-`Fp8Linear` uses the plain-torch quantizer instead, which Inductor fuses with the op producing the input.
+activation; this kernel reads each row once and writes e4m3 + one fp32 scale. Under
+torch.compile/export
+`Fp8Linear` uses the plain-torch quantizer instead, which Inductor fuses with the op producing the
+input.
 Numerics match `boundgen.quant.fp8.quantize_rowwise` (same expressions for amax, scale and the
 reciprocal, clamp, round-to-nearest-even cast).
 """
@@ -18,7 +20,7 @@ try:
     import triton.language as tl
 
     AVAILABLE = True
-except Exception:  # noqa: BLE001 - CPU builds have no triton
+except Exception:
     AVAILABLE = False
 
 FP8_MAX = 448.0
@@ -82,7 +84,7 @@ def quantize_rowwise_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, s
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def self_test(device_index: int = 0) -> str | None:
     """Compare the kernel with the torch quantizer once per device; None if they agree, else why not."""
     if not AVAILABLE:
@@ -102,5 +104,5 @@ def self_test(device_index: int = 0) -> str | None:
         if mismatch > 1e-3:  # division rounding may differ in the last bit for a few elements
             return f"{mismatch:.2%} of quantized values differ from the torch quantizer"
         return None
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return f"{type(exc).__name__}: {exc}"

@@ -1,12 +1,19 @@
 """Cross-request batching: one node merges ready model inputs from concurrent requests into one call.
 
-Leader/follower: a request that reaches the node while no batch is being formed or run becomes the leader and
-runs the batch on its own thread (no thread hop at low load). Requests that arrive while a batch runs wait;
-when it ends, a batcher thread leads the next batch with everything that waited (so batches grow with load).
-A leader takes everything already waiting, then waits for more up to `max_wait_ms` (counted from the first
-request's arrival, and never past what the earliest deadline in the batch allows) until `token_budget`. It calls `merge(list[inputs]) -> (batch, sizes)`, runs
-`fn(batch)` once (under its own CUDA stream when the executor has CUDA), and `split(output, sizes)` gives each
-request its outputs back. The token budget and max wait are the knob between throughput (large forwards,
+Leader/follower: a request that reaches the node while no batch is being formed or run becomes the
+leader and
+runs the batch on its own thread (no thread hop at low load). Requests that arrive while a batch
+runs wait;
+when it ends, a batcher thread leads the next batch with everything that waited (so batches grow
+with load).
+A leader takes everything already waiting, then waits for more up to `max_wait_ms` (counted from the
+first
+request's arrival, and never past what the earliest deadline in the batch allows) until
+`token_budget`. It calls `merge(list[inputs]) -> (batch, sizes)`, runs
+`fn(batch)` once (under its own CUDA stream when the executor has CUDA), and `split(output, sizes)`
+gives each
+request its outputs back. The token budget and max wait are the knob between throughput (large
+forwards,
 DESIGN §11) and latency (not waiting for them).
 """
 
@@ -36,14 +43,18 @@ class _Item:
 class BatchingNode(Node):
     """A node whose calls from concurrent requests are merged into one `fn(batch)` call.
 
-    - `merge(list_of_input_dicts) -> (batch, sizes)`: one dict of this node's inputs per request, in order;
+    - `merge(list_of_input_dicts) -> (batch, sizes)`: one dict of this node's inputs per request, in
+      order;
       `sizes` is whatever `split` needs (e.g. output rows per request).
     - `fn(batch) -> output`, run once per merged batch.
-    - `split(output, sizes) -> list` of per-request outputs, in order: the value (one output port) or a
+    - `split(output, sizes) -> list` of per-request outputs, in order: the value (one output port)
+      or a
       tuple/dict (several).
-    - `size(inputs) -> int`: tokens a request adds to the batch (default 1), counted against `token_budget`.
+    - `size(inputs) -> int`: tokens a request adds to the batch (default 1), counted against
+      `token_budget`.
     - `max_batch`: at most this many requests per batch (default unbounded).
-    - `lanes`: batches formed/run at the same time (each lane has its own CUDA stream); 1 keeps one forward
+    - `lanes`: batches formed/run at the same time (each lane has its own CUDA stream); 1 keeps one
+      forward
       in flight, so requests that arrive meanwhile are merged into the next one.
     """
 
@@ -94,7 +105,8 @@ class BatchingNode(Node):
         self.batched_tokens = 0
         self.max_requests_in_batch = 0
 
-    # ---- executor side -----------------------------------------------------------------------------------
+    # ---- executor side
+    # -----------------------------------------------------------------------------------
 
     def start(self, req: Any, args: dict[str, Any], done: Callable[..., None]) -> None:
         size = self.size(args) if self.size is not None else 1
@@ -138,7 +150,8 @@ class BatchingNode(Node):
             "max_requests_in_batch": self.max_requests_in_batch,
         }
 
-    # ---- leaders -----------------------------------------------------------------------------------------
+    # ---- leaders
+    # -----------------------------------------------------------------------------------------
 
     def _as_tuple(self, part: Any) -> tuple[Any, ...]:
         names = self._result_keys
@@ -261,7 +274,8 @@ class BatchingNode(Node):
             if executor._cuda and self.kind is NodeKind.DEVICE:
                 torch = executor._torch
                 stream = self._stream(executor)
-                # inputs were made by CPU nodes: order after anything they queued on the default stream
+                # inputs were made by CPU nodes: order after anything they queued on the default
+                # stream
                 stream.wait_stream(torch.cuda.default_stream(executor.device))
                 with torch.cuda.stream(stream):
                     parts = self._run(live)
@@ -269,7 +283,7 @@ class BatchingNode(Node):
                 event.record(stream)
             else:
                 parts = self._run(live)
-        except Exception as exc:  # noqa: BLE001 - every request of the batch gets the node's error
+        except Exception as exc:
             for it in live:
                 it.done(None, exc)
             return
@@ -288,7 +302,7 @@ class BatchingNode(Node):
         for it, part in zip(live, parts):
             try:
                 outs = self._as_tuple(part)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 it.done(None, exc)
                 continue
             it.done(

@@ -1,8 +1,11 @@
 """Static pipelines: a DAG of nodes validated once when built, then compiled into an index-based plan.
 
-Values are named: a pipeline input or a node output. Every value has exactly one producer; every node input
-reads one value. Validation (at build time, never while serving) rejects duplicate node names, duplicate
-outputs, unbound inputs, unknown names, type mismatches and cycles, naming the nodes and ports involved.
+Values are named: a pipeline input or a node output. Every value has exactly one producer; every
+node input
+reads one value. Validation (at build time, never while serving) rejects duplicate node names,
+duplicate
+outputs, unbound inputs, unknown names, type mismatches and cycles, naming the nodes and ports
+involved.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class _NodePlan:
 class Pipeline:
     """A static DAG: `Pipeline(name, inputs={...}, nodes=[...], outputs=[...])`.
 
-    `inputs` maps pipeline input names to types; `outputs` lists the value names returned (a dict), or maps
+    `inputs` maps pipeline input names to types; `outputs` lists the value names returned (a dict),
+    or maps
     returned names to value names. Immutable after construction; `extend` returns a new pipeline.
     """
 
@@ -52,7 +56,7 @@ class Pipeline:
         self.name = name
         self.defaults: dict[str, Any] = dict(defaults or {})
         self.inputs: dict[str, Any] = (
-            dict(inputs) if isinstance(inputs, dict) else {n: Any for n in inputs}
+            dict(inputs) if isinstance(inputs, dict) else dict.fromkeys(inputs, Any)
         )
         self.nodes: tuple[Node, ...] = tuple(nodes)
         self.outputs: dict[str, str] = (
@@ -61,7 +65,8 @@ class Pipeline:
         self._validate()
         self._compile()
 
-    # ---- validation ------------------------------------------------------------------------------------
+    # ---- validation
+    # ------------------------------------------------------------------------------------
 
     def _err(self, msg: str) -> PipelineError:
         return PipelineError(f"pipeline {self.name!r}: {msg}")
@@ -160,7 +165,8 @@ class Pipeline:
                     order.append(by_name[name])
         return order
 
-    # ---- compiled plan ---------------------------------------------------------------------------------
+    # ---- compiled plan
+    # ---------------------------------------------------------------------------------
 
     def _compile(self) -> None:
         slot_of: dict[str, int] = {}
@@ -209,7 +215,8 @@ class Pipeline:
         self.node_by_name: dict[str, Node] = {n.name: n for n in self.nodes}
         self.has_device_nodes = any(p.node.kind is NodeKind.DEVICE for p in self.plan)
 
-    # ---- building new pipelines ------------------------------------------------------------------------
+    # ---- building new pipelines
+    # ------------------------------------------------------------------------
 
     def extend(
         self,
@@ -219,7 +226,8 @@ class Pipeline:
     ) -> Pipeline:
         """A new pipeline with `nodes` added (plain functions become CPU nodes) and, optionally, new outputs.
 
-        This is how users append business post-logic (calibration, filtering, top-n) to a built-in pipeline.
+        This is how users append business post-logic (calibration, filtering, top-n) to a built-in
+        pipeline.
         """
         extra = [n if isinstance(n, Node) else node_from_function(n) for n in nodes]
         return Pipeline(

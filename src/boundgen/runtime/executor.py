@@ -1,17 +1,24 @@
 """The executor: runs pipelines for many concurrent requests on CPU worker threads and CUDA streams.
 
 Scheduling, per request:
-- A node starts as soon as its inputs are ready. The thread that finishes a node runs its first ready
+- A node starts as soon as its inputs are ready. The thread that finishes a node runs its first
+  ready
   successor inline (no thread hop for a chain); further ready successors go to the worker pool, so
-  independent branches overlap. `run()` makes the calling thread work for its own request, so a synchronous
+  independent branches overlap. `run()` makes the calling thread work for its own request, so a
+  synchronous
   request normally touches no other thread at all (except inside a batching node).
 - Joins are counted with `itertools.count` (atomic under the GIL): no lock on the hot path.
-- DEVICE nodes run under a stream from the stream pool; each records an event, which is the edge: a device
-  successor on another stream waits on it (`stream.wait_event`), a CPU successor synchronizes it. Without
+- DEVICE nodes run under a stream from the stream pool; each records an event, which is the edge: a
+  device
+  successor on another stream waits on it (`stream.wait_event`), a CPU successor synchronizes it.
+  Without
   CUDA, device nodes are plain calls.
-- Deadlines: before a node starts, the request fails with `DeadlineExceeded` when the time left is less than
-  the estimated time of the rest of its critical path (running averages per node), so work that cannot
-  make it is not started. An exception in a node fails that request only (`NodeError` names the node).
+- Deadlines: before a node starts, the request fails with `DeadlineExceeded` when the time left is
+  less than
+  the estimated time of the rest of its critical path (running averages per node), so work that
+  cannot
+  make it is not started. An exception in a node fails that request only (`NodeError` names the
+  node).
 """
 
 from __future__ import annotations
@@ -64,7 +71,9 @@ class NodeTime(NamedTuple):
     node: str
     wait_ms: float
     run_ms: float
-    info: dict[str, Any] | None = None  # what the node annotated (a batching node: its batch, its wait)
+    info: dict[str, Any] | None = (
+        None  # what the node annotated (a batching node: its batch, its wait)
+    )
 
 
 class RequestFuture(Future):
@@ -116,9 +125,12 @@ class _PipelineStats:
 class RequestContext:
     """One request in flight. Nodes that take a `ctx` parameter receive it.
 
-    Public: `request_id`, `pipeline` (name), `deadline_ns` (perf_counter_ns, or None), `remaining_ms()`,
-    `stream` (the CUDA stream of the running device node, else None), `lease` (pooled buffers released when
-    the request ends: `ctx.lease.host(shape, dtype)`, `.device(...)`, `.stage(cpu_tensor)`), `annotate(**kw)`
+    Public: `request_id`, `pipeline` (name), `deadline_ns` (perf_counter_ns, or None),
+    `remaining_ms()`,
+    `stream` (the CUDA stream of the running device node, else None), `lease` (pooled buffers
+    released when
+    the request ends: `ctx.lease.host(shape, dtype)`, `.device(...)`, `.stage(cpu_tensor)`),
+    `annotate(**kw)`
     (extra fields on the running node's trace span).
     """
 
@@ -176,7 +188,8 @@ class RequestContext:
         self._result: Any = None
         self._error: BaseException | None = None
         self._home: queue.SimpleQueue | None = None
-        # (node, start, end, thread, ready, annotations) per node run: the request's Chrome trace when the
+        # (node, start, end, thread, ready, annotations) per node run: the request's Chrome trace
+        # when the
         # tracer keeps requests, and its `RequestFuture.timings`
         self._spans: list[tuple] = []
         self._events: list[Any] | None = (
@@ -215,8 +228,10 @@ class RequestContext:
 class Executor:
     """Runs pipelines: `run(pipeline, inputs, timeout_ms)` (blocking) or `submit(...) -> Future`.
 
-    Results are dicts keyed by the pipeline's output names. Thread-safe; one executor serves every pipeline.
-    `cpu_workers` threads serve fan-out branches, `submit()`ed requests and completions of async nodes;
+    Results are dicts keyed by the pipeline's output names. Thread-safe; one executor serves every
+    pipeline.
+    `cpu_workers` threads serve fan-out branches, `submit()`ed requests and completions of async
+    nodes;
     `device_streams` CUDA streams serve device nodes (`device="cpu"` or no CUDA: plain calls).
     """
 
@@ -270,7 +285,8 @@ class Executor:
         for t in self._workers:
             t.start()
 
-    # ---- public API -------------------------------------------------------------------------------------
+    # ---- public API
+    # -------------------------------------------------------------------------------------
 
     def submit(
         self,
@@ -280,7 +296,8 @@ class Executor:
         unwrap: bool = False,
     ) -> RequestFuture:
         """Start a request on the worker pool; the Future resolves to the outputs dict (the single output's
-        value with `unwrap`) or raises `DeadlineExceeded` / `NodeError` / a node's pass-through error, and
+        value with `unwrap`) or raises `DeadlineExceeded` / `NodeError` / a node's pass-through
+        error, and
         then carries the request's node `timings`."""
         fut = RequestFuture()
         req = self._new_request(pipeline, inputs, timeout_ms, unwrap, fut)
@@ -310,7 +327,8 @@ class Executor:
                 if req.deadline_ns is None:
                     item = home.get()
                 else:
-                    # Wait for async nodes (batching) at most until the deadline (+ a grace for the last step).
+                    # Wait for async nodes (batching) at most until the deadline (+ a grace for the
+                    # last step).
                     wait_s = max(0.0, (req.deadline_ns - _now()) / 1e9) + 0.05
                     try:
                         item = home.get(timeout=wait_s)
@@ -370,7 +388,8 @@ class Executor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- internals --------------------------------------------------------------------------------------
+    # ---- internals
+    # --------------------------------------------------------------------------------------
 
     def _stats_for(self, pipeline: Pipeline) -> _PipelineStats:
         st = self._stats.get(id(pipeline))
@@ -551,7 +570,8 @@ class Executor:
             for ev in waits:
                 stream.wait_event(ev)
             if host_inputs:
-                # NOTE: a CPU node (or the caller) may have queued device work on the default stream, e.g. a
+                # NOTE: a CPU node (or the caller) may have queued device work on the default
+                # stream, e.g. a
                 # .to("cuda"); pool streams do not synchronize with it implicitly.
                 stream.wait_stream(self._torch.cuda.default_stream(self.device))
             return stream
@@ -705,7 +725,9 @@ class Executor:
         tracer = self.tracer
         tracer.request_histogram(req.pipeline).record_ns(end - req.start_ns)
         fut = req._future
-        if isinstance(fut, RequestFuture):  # before the result is set: a waiter may read them at once
+        if isinstance(
+            fut, RequestFuture
+        ):  # before the result is set: a waiter may read them at once
             fut._spans = req._spans
             fut.total_ms = (end - req.start_ns) / 1e6
         if status != "ok":

@@ -1,10 +1,13 @@
 """Nodes: one step of a business request (tokenize, pack, forward, post-process, business logic).
 
-A `Node` wraps a plain Python callable with named, typed input and output ports and a kind: `CPU` nodes run
-on the executor's worker threads (inline where possible), `DEVICE` nodes run under a CUDA stream from the
+A `Node` wraps a plain Python callable with named, typed input and output ports and a kind: `CPU`
+nodes run
+on the executor's worker threads (inline where possible), `DEVICE` nodes run under a CUDA stream
+from the
 stream pool with events as edges (plain CPU calls when CUDA is absent).
 
-Values flow by name: a node's input port reads the value of the same name (or the name given in `bind`),
+Values flow by name: a node's input port reads the value of the same name (or the name given in
+`bind`),
 which is either a pipeline input or exactly one node's output.
 """
 
@@ -90,8 +93,10 @@ def _as_ports(spec: Any, what: str, node: str) -> dict[str, Any]:
 class Node:
     """One step of a pipeline.
 
-    `fn(**inputs)` returns the single output's value, or (for several outputs) a tuple in declared order or a
-    dict by name. When `fn` has a parameter named `ctx`, it also receives the request's `RequestContext`
+    `fn(**inputs)` returns the single output's value, or (for several outputs) a tuple in declared
+    order or a
+    dict by name. When `fn` has a parameter named `ctx`, it also receives the request's
+    `RequestContext`
     (deadline, stream, memory pools). Safe to share between pipelines and threads when `fn` is.
     """
 
@@ -102,9 +107,11 @@ class Node:
     kind: NodeKind = NodeKind.CPU
     bind: dict[str, str] = field(default_factory=dict)
     wants_ctx: bool = False
-    # Set for asynchronous nodes (the batching node): start(ctx, inputs, done) instead of fn(**inputs).
+    # Set for asynchronous nodes (the batching node): start(ctx, inputs, done) instead of
+    # fn(**inputs).
     is_async: bool = False
-    # Exception types that fail the request as themselves (e.g. ValueError from input validation, so a
+    # Exception types that fail the request as themselves (e.g. ValueError from input validation, so
+    # a
     # server can answer 4xx) instead of being wrapped in NodeError; a note names the node.
     raises: tuple[type[BaseException], ...] = ()
 
@@ -228,7 +235,7 @@ def node_from_function(
         if len(rargs) == len(outputs) and Ellipsis not in rargs:
             outputs = dict(zip(outputs, rargs))
         else:
-            outputs = {o: Any for o in outputs}
+            outputs = dict.fromkeys(outputs, Any)
     return Node(
         name=name,
         fn=fn,
@@ -258,7 +265,8 @@ def node(
     return wrap
 
 
-# ---- registry of user nodes (business post-logic etc.), found by name from pipeline specs -------------
+# ---- registry of user nodes (business post-logic etc.), found by name from pipeline specs
+# -------------
 
 _NODE_REGISTRY: dict[str, Callable[..., Node]] = {}
 

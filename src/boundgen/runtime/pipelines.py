@@ -2,15 +2,20 @@
 
 Each pipeline is the workload's stages as nodes:
 
-    score:    prepare (CPU: tokenize → SequenceGroups) → forward (batching, DEVICE) → head (DEVICE: label
+    score:    prepare (CPU: tokenize → SequenceGroups) → forward (batching, DEVICE) → head (DEVICE:
+    label
               columns of the LM head) → finish (CPU: softmax, lists)
     classify: prepare → forward → head (score head) → finish
-    embed:    prepare → forward (last or mean pooling) → mlp_head (DEVICE: normalize, optional MLP head)
+    embed:    prepare → forward (last or mean pooling) → mlp_head (DEVICE: normalize, optional MLP
+    head)
     beam:     prepare → beam (batching, DEVICE: prefill + S decode steps) → finish
 
-`forward` is one `BatchingNode` shared by score, classify and embed: concurrent requests of any of the three
-are packed into one padding-free forward (within the token budget), and each gets its rows back in order.
-Input validation errors raise `ValueError` unchanged (the server answers 4xx); other node failures raise
+`forward` is one `BatchingNode` shared by score, classify and embed: concurrent requests of any of
+the three
+are packed into one padding-free forward (within the token budget), and each gets its rows back in
+order.
+Input validation errors raise `ValueError` unchanged (the server answers 4xx); other node failures
+raise
 `NodeError`, deadlines `DeadlineExceeded`.
 
 `EngineRuntime` owns an `Executor` and these pipelines; the server and `Engine` call it:
@@ -43,7 +48,8 @@ if TYPE_CHECKING:  # the runtime sits above workloads; engine is imported only f
 KINDS = ("score", "classify", "embed", "beam")
 
 
-# ---- staging a PackedBatch through pooled pinned / device buffers ---------------------------------------
+# ---- staging a PackedBatch through pooled pinned / device buffers
+# ---------------------------------------
 
 
 _ALIGN_BYTES = 16
@@ -74,7 +80,8 @@ def stage_packed(batch: Any, lease: Lease, device: torch.device) -> Any:
 def _stage_many(
     tensors: list[torch.Tensor], dtype: torch.dtype, lease: Lease
 ) -> list[torch.Tensor]:
-    # NOTE: every view starts on a 16-byte boundary: compiled kernels (AOTInductor) assume aligned inputs
+    # NOTE: every view starts on a 16-byte boundary: compiled kernels (AOTInductor) assume aligned
+    # inputs
     # and otherwise copy the tensor on every call (and warn each time).
     step = max(1, _ALIGN_BYTES // dtype.itemsize)
     sizes = [t.numel() for t in tensors]
@@ -95,7 +102,8 @@ def _stage_many(
 class _Forward:
     """The shared model node: packs SequenceGroups of many requests, runs the model, pools rows per request.
 
-    Pooled staging buffers of a batch are returned once the batch's device work is done (an event per
+    Pooled staging buffers of a batch are returned once the batch's device work is done (an event
+    per
     batch on CUDA; immediately on CPU)."""
 
     def __init__(self, engine: Engine, pools: MemoryPools):
@@ -156,7 +164,9 @@ class _Forward:
                         if "mean" in modes:
                             mask = torch.tensor([m == "mean" for m in modes], device=device)
                             idx = mask.nonzero().squeeze(1)
-                            last[idx] = mean_rows(hidden, packed.seq_start[idx], packed.seq_len[idx])
+                            last[idx] = mean_rows(
+                                hidden, packed.seq_start[idx], packed.seq_len[idx]
+                            )
                         outs.append(last)
                 rows = torch.cat(outs) if len(outs) > 1 else outs[0]
         finally:
@@ -231,7 +241,8 @@ def build_pipelines(
 ) -> dict[str, Pipeline]:
     """The built-in pipelines over `engine`, keyed by kind: score, classify, embed, beam.
 
-    `token_budget` (default: the engine's `max_batch_tokens`) and `max_wait_ms` set the cross-request
+    `token_budget` (default: the engine's `max_batch_tokens`) and `max_wait_ms` set the
+    cross-request
     batching of the shared forward node and of the beam node.
     """
     from boundgen.workloads.beam import BeamBounds, BeamRequest, finish_beam, prepare_beam
@@ -434,11 +445,16 @@ def _request_types() -> dict[str, type]:
 class EngineRuntime:
     """An `Engine` served through the DAG runtime: one executor, the built-in pipelines, user pipelines.
 
-    `submit(kind, request, timeout_ms) -> Future` and `run(kind, request, timeout_ms)` take the workload's
-    request dataclass (`ScoreRequest`, `ClassifyRequest`, `EmbedRequest`, `BeamRequest`) or a dict of its
-    fields; extra keyword arguments are further pipeline inputs (`head=` for embed, or inputs of user nodes).
-    The result is the pipeline's output: scores (list[list[float]]), probs, vectors (tensor [N, D]), or beam
-    results (list per prompt of (tokens, logprob)). The Engine-style methods (`score`, `classify`, `embed`,
+    `submit(kind, request, timeout_ms) -> Future` and `run(kind, request, timeout_ms)` take the
+    workload's
+    request dataclass (`ScoreRequest`, `ClassifyRequest`, `EmbedRequest`, `BeamRequest`) or a dict
+    of its
+    fields; extra keyword arguments are further pipeline inputs (`head=` for embed, or inputs of
+    user nodes).
+    The result is the pipeline's output: scores (list[list[float]]), probs, vectors (tensor [N, D]),
+    or beam
+    results (list per prompt of (tokens, logprob)). The Engine-style methods (`score`, `classify`,
+    `embed`,
     `beam_search`, `beam_search_batch`) take the same arguments as `Engine`'s.
     """
 
@@ -469,7 +485,8 @@ class EngineRuntime:
         self._request_types = _request_types()
         self._lock = threading.Lock()
 
-    # ---- generic ------------------------------------------------------------------------------------------
+    # ---- generic
+    # ------------------------------------------------------------------------------------------
 
     def register(self, kind: str, pipeline: Pipeline, replace: bool = False) -> None:
         """Serve `pipeline` under `kind` (e.g. `rt.pipelines["score"].extend(top_n)` as "rerank"). Its first
@@ -497,7 +514,8 @@ class EngineRuntime:
             if not isinstance(rtype, type) or not dataclasses.is_dataclass(rtype):
                 raise ValueError(f"pipeline {kind!r} needs a request object, not a dict")
             fields = {f.name for f in dataclasses.fields(rtype)}
-            # keys that are not request fields but are pipeline inputs (e.g. embed's `head`) go there
+            # keys that are not request fields but are pipeline inputs (e.g. embed's `head`) go
+            # there
             extra = {
                 **{k: v for k, v in request.items() if k not in fields and k in pipe.inputs},
                 **extra,
@@ -547,7 +565,8 @@ class EngineRuntime:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- the Engine API, through the pipelines -------------------------------------------------------------
+    # ---- the Engine API, through the pipelines
+    # -------------------------------------------------------------
 
     def score(
         self,

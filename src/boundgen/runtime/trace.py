@@ -1,7 +1,9 @@
 """Observability: per-node latency histograms and per-request timelines as Chrome-trace JSON.
 
-Histograms are sharded per thread (no lock, no lost updates) and merged when read. Timelines are the spans
-the executor records for every node run anyway; a bounded ring keeps the last requests for export. Open the
+Histograms are sharded per thread (no lock, no lost updates) and merged when read. Timelines are the
+spans
+the executor records for every node run anyway; a bounded ring keeps the last requests for export.
+Open the
 exported JSON in chrome://tracing or https://ui.perfetto.dev.
 """
 
@@ -197,7 +199,8 @@ class Tracer:
                 )
         return "\n".join(rows)
 
-    # ---- Chrome trace --------------------------------------------------------------------------------
+    # ---- Chrome trace
+    # --------------------------------------------------------------------------------
 
     def chrome_trace(self, traces: Iterable[RequestTrace] | None = None) -> dict[str, Any]:
         return chrome_trace(self.recent() if traces is None else traces, self._anchor_ns)
@@ -213,7 +216,8 @@ class Tracer:
 
 def chrome_trace(traces: Iterable[RequestTrace], anchor_ns: int = 0) -> dict[str, Any]:
     """Chrome trace-event JSON: one process per pipeline; node spans on their worker thread's track and a
-    request span (with status and error) on a per-request track, so both "where did the thread go" and
+    request span (with status and error) on a per-request track, so both "where did the thread go"
+    and
     "where did this request's 20 ms go" read off one view."""
 
     def us(ns: int) -> float:

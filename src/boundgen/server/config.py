@@ -1,5 +1,6 @@
 """`ServerConfig`: every `boundgen serve` knob, once. Flags, YAML/TOML config files and `create_app` all
-read this one dataclass (`boundgen.cliargs` turns fields into `--flags`). Engine knobs (device, dtype,
+read this one dataclass (`boundgen.cliargs` turns fields into `--flags`). Engine knobs (device,
+dtype,
 max_items, max_beam_width, ...) stay in `boundgen.config.EngineConfig`; a config file may hold both."""
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **meta})
+        return field(
+            default_factory=lambda: type(default)(default), metadata={"help": help, **meta}
+        )
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -21,30 +24,47 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 class ServerConfig:
     # --- model ---
     model: str | None = _f(None, "checkpoint directory (default: the built-in demo model)")
-    served_model_name: str | None = _f(None, "name reported in responses (default: the model's name)")
+    served_model_name: str | None = _f(
+        None, "name reported in responses (default: the model's name)"
+    )
     # --- network ---
     host: str = _f("127.0.0.1", "bind address (127.0.0.1 unless told otherwise)")
     port: int = _f(8000, "TCP port")
-    api_key: str | None = _f(None, "require `Authorization: Bearer KEY` (also env BOUNDGEN_API_KEY)")
+    api_key: str | None = _f(
+        None, "require `Authorization: Bearer KEY` (also env BOUNDGEN_API_KEY)"
+    )
     log_level: str = _f("info", "uvicorn log level")
     access_log: bool = _f(False, "log every request")
     # --- load control ---
     max_queue: int = _f(256, "requests admitted (queued + running) before answering 429")
-    timeout_ms: int = _f(10_000, "default per-request deadline; requests may set `timeout_ms` lower")
+    timeout_ms: int = _f(
+        10_000, "default per-request deadline; requests may set `timeout_ms` lower"
+    )
     max_timeout_ms: int = _f(60_000, "largest `timeout_ms` a request may ask for")
     retry_after_s: int = _f(1, "`Retry-After` seconds sent with 429")
     drain_timeout_s: float = _f(30.0, "on SIGTERM, wait this long for in-flight requests")
-    runtime: bool = _f(True, "serve through the DAG runtime (cross-request batching); "
-                             "--no-runtime calls the engine on worker threads")
-    batch_token_budget: int | None = _f(None, "runtime: most tokens merged into one forward "
-                                        "(default: the engine's max_batch_tokens)")
+    runtime: bool = _f(
+        True,
+        "serve through the DAG runtime (cross-request batching); "
+        "--no-runtime calls the engine on worker threads",
+    )
+    batch_token_budget: int | None = _f(
+        None,
+        "runtime: most tokens merged into one forward (default: the engine's max_batch_tokens)",
+    )
     batch_max_wait_ms: float = _f(0.0, "runtime: how long a batch may wait for more requests")
     cpu_workers: int | None = _f(None, "runtime: CPU node threads (default: the runtime's choice)")
     workers: int = _f(1, "--no-runtime: model worker threads")
-    server_timing: bool = _f(True, "add a Server-Timing header to responses: time in the handler, in the "
-                                   "runtime and in each DAG node (tells a slow request's cause apart)")
-    gc_freeze: bool = _f(True, "freeze the start-up heap so Python's full garbage collections skip it "
-                               "(a full collection over it pauses requests for ~0.1-0.2 s)")
+    server_timing: bool = _f(
+        True,
+        "add a Server-Timing header to responses: time in the handler, in the "
+        "runtime and in each DAG node (tells a slow request's cause apart)",
+    )
+    gc_freeze: bool = _f(
+        True,
+        "freeze the start-up heap so Python's full garbage collections skip it "
+        "(a full collection over it pauses requests for ~0.1-0.2 s)",
+    )
     # --- request size limits ---
     max_body_bytes: int = _f(8 << 20, "largest request body (413 beyond)")
     max_item_tokens: int = _f(1024, "tokens per item, document or text")
@@ -73,8 +93,16 @@ class ServerConfig:
         return out
 
     def validate(self) -> ServerConfig:
-        for name in ("max_queue", "timeout_ms", "max_timeout_ms", "max_body_bytes",
-                     "max_item_tokens", "max_query_tokens", "max_label_tokens", "workers"):
+        for name in (
+            "max_queue",
+            "timeout_ms",
+            "max_timeout_ms",
+            "max_body_bytes",
+            "max_item_tokens",
+            "max_query_tokens",
+            "max_label_tokens",
+            "workers",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.port < 65536:
@@ -117,8 +145,10 @@ def load_config_file(path: str | os.PathLike) -> tuple[ServerConfig, Any]:
     engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
     for key, value in data.items():
         (engine if key.replace("-", "_") in engine_keys else server)[key] = value
-    return (config_from_dict(server, source=str(path)),
-            _dataclass_from_dict(EngineConfig, engine, source=f"{path} (engine)"))
+    return (
+        config_from_dict(server, source=str(path)),
+        _dataclass_from_dict(EngineConfig, engine, source=f"{path} (engine)"),
+    )
 
 
 def config_from_dict(data: dict[str, Any], source: str = "config") -> ServerConfig:

@@ -11,8 +11,14 @@ class ServerError(Exception):
     status = 500
     type = "internal_error"
 
-    def __init__(self, message: str, *, code: Any = None,
-                 headers: dict[str, str] | None = None, status: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: Any = None,
+        headers: dict[str, str] | None = None,
+        status: int | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.code = code
@@ -58,19 +64,24 @@ class DeadlineExceeded(Exception):
     """Raised in the model worker when a request's deadline passed before it ran."""
 
 
-def error_response(status: int, message: str, type_: str, code: Any = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, type_: str, code: Any = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     # `code`: the HTTP status unless a more specific code is given (vLLM does the same).
-    body = {"error": {"message": message, "type": type_, "code": code if code is not None else status}}
+    body = {
+        "error": {"message": message, "type": type_, "code": code if code is not None else status}
+    }
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def kserve_error_response(status: int, message: str,
-                          headers: dict[str, str] | None = None) -> JSONResponse:
+def kserve_error_response(
+    status: int, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
     # KServe v2 / Triton clients expect `{"error": "<message>"}` (tritonclient fails on an object).
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 def is_deadline_error(exc: BaseException) -> bool:
-    # NOTE: the runtime defines its own `DeadlineExceeded`; match by name so the server does not import it.
+    # NOTE: the runtime defines its own `DeadlineExceeded`; match by name so the server does not
+    # import it.
     return isinstance(exc, DeadlineExceeded) or type(exc).__name__ == "DeadlineExceeded"

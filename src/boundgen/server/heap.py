@@ -1,11 +1,17 @@
 """Keep Python's cyclic garbage collector out of request latency, and measure it.
 
-A serving process holds hundreds of thousands of long-lived objects after start-up (torch, transformers,
-FastAPI, the engine: 345K for the demo server). A full (oldest-generation) collection walks all of them —
-185 ms on the 2-core development machine — and stalls whichever requests are in flight. CPython runs one
-only when the survivors since the last one reach a quarter of the long-lived objects, so it is rare (none
-in 320 requests of a CPU load test), but when it comes it is a p99 event. `gc.freeze()` after start-up
-moves those objects into a permanent generation that collections skip; objects made by requests are still
+A serving process holds hundreds of thousands of long-lived objects after start-up (torch,
+transformers,
+FastAPI, the engine: 345K for the demo server). A full (oldest-generation) collection walks all of
+them —
+185 ms on the 2-core development machine — and stalls whichever requests are in flight. CPython runs
+one
+only when the survivors since the last one reach a quarter of the long-lived objects, so it is rare
+(none
+in 320 requests of a CPU load test), but when it comes it is a p99 event. `gc.freeze()` after
+start-up
+moves those objects into a permanent generation that collections skip; objects made by requests are
+still
 collected as usual. `boundgen_gc_pause_seconds` (per generation) shows whether pauses matter for a
 deployment.
 """
@@ -25,8 +31,11 @@ def freeze_startup_heap() -> dict:
     gc.collect()
     gc.freeze()
     info = {"frozen_objects": gc.get_freeze_count(), "seconds": time.perf_counter() - t0}
-    log.info("gc: froze %d start-up objects (%.2f s); full collections now skip them",
-             info["frozen_objects"], info["seconds"])
+    log.info(
+        "gc: froze %d start-up objects (%.2f s); full collections now skip them",
+        info["frozen_objects"],
+        info["seconds"],
+    )
     return info
 
 
@@ -44,9 +53,9 @@ class GCPauses:
     def __init__(self) -> None:
         self._start: float | None = None
         self.buckets = {g: [0] * len(PAUSE_BUCKETS) for g in range(3)}
-        self.count = {g: 0 for g in range(3)}
-        self.total = {g: 0.0 for g in range(3)}
-        self.max = {g: 0.0 for g in range(3)}
+        self.count = dict.fromkeys(range(3), 0)
+        self.total = dict.fromkeys(range(3), 0.0)
+        self.max = dict.fromkeys(range(3), 0.0)
 
     @classmethod
     def install(cls) -> GCPauses:
@@ -73,10 +82,16 @@ class GCPauses:
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
-        hist = HistogramMetricFamily("boundgen_gc_pause_seconds",
-                                     "Python garbage-collection pauses by generation", labels=["generation"])
-        worst = GaugeMetricFamily("boundgen_gc_pause_max_seconds", "longest collection pause so far",
-                                  labels=["generation"])
+        hist = HistogramMetricFamily(
+            "boundgen_gc_pause_seconds",
+            "Python garbage-collection pauses by generation",
+            labels=["generation"],
+        )
+        worst = GaugeMetricFamily(
+            "boundgen_gc_pause_max_seconds",
+            "longest collection pause so far",
+            labels=["generation"],
+        )
         for g in range(3):
             cum = [(str(edge), float(n)) for edge, n in zip(PAUSE_BUCKETS, self.buckets[g])]
             hist.add_metric([str(g)], cum + [("+Inf", float(self.count[g]))], self.total[g])

@@ -1,13 +1,16 @@
 """`Infer`: the one narrow object HTTP handlers call (text-embeddings-inference style thin handlers).
 
-`await infer(kind, request, timeout_ms)` runs one business request (`kind` in score | classify | embed |
-beam, `request` the keyword arguments of the matching `Engine` method) and returns its result. It owns
+`await infer(kind, request, timeout_ms)` runs one business request (`kind` in score | classify |
+embed |
+beam, `request` the keyword arguments of the matching `Engine` method) and returns its result. It
+owns
 admission (a bounded count of admitted requests → `Overloaded`/429) and deadlines (`Timeout`/504).
 
 Two backends, same contract:
 - an `Engine`: calls run on a small worker thread pool (never on the event loop); a request whose
   deadline passed while it waited is dropped before it reaches the model;
-- an `EngineRuntime` (`runtime.submit(kind, request, timeout_ms) -> concurrent.futures.Future`), which
+- an `EngineRuntime` (`runtime.submit(kind, request, timeout_ms) -> concurrent.futures.Future`),
+  which
   batches across requests and enforces deadlines itself (raising `DeadlineExceeded`).
 """
 
@@ -36,15 +39,27 @@ log = logging.getLogger("boundgen.server")
 KINDS = ("score", "classify", "embed", "beam")
 _ENGINE_METHOD = {"score": "score", "classify": "classify", "embed": "embed", "beam": "beam_search"}
 
-# (name, ms) of where the request this task serves spent its time, for the `Server-Timing` header: set by
+# (name, ms) of where the request this task serves spent its time, for the `Server-Timing` header:
+# set by
 # `Infer` when the work ends, read by the endpoint wrapper in the same task.
-SERVER_TIMES: ContextVar[list[tuple[str, float]] | None] = ContextVar("boundgen_server_times", default=None)
+SERVER_TIMES: ContextVar[list[tuple[str, float]] | None] = ContextVar(
+    "boundgen_server_times", default=None
+)
 
 
 class Infer:
-    def __init__(self, engine: Any, *, metrics: Metrics, max_queue: int = 256, workers: int = 1,
-                 runtime: Any = None, owns_runtime: bool = False, retry_after_s: int = 1,
-                 tries: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        metrics: Metrics,
+        max_queue: int = 256,
+        workers: int = 1,
+        runtime: Any = None,
+        owns_runtime: bool = False,
+        retry_after_s: int = 1,
+        tries: dict[str, Any] | None = None,
+    ):
         self.engine = engine
         self.runtime = runtime
         self.owns_runtime = owns_runtime  # close it on shutdown (not the engine's own runtime)
@@ -66,14 +81,17 @@ class Infer:
             self.metrics.shed.inc()
             raise Overloaded(
                 f"server is at capacity ({self.max_queue} requests admitted); retry after "
-                f"{self.retry_after_s}s", headers={"Retry-After": str(self.retry_after_s)})
+                f"{self.retry_after_s}s",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
         self._admitted += 1
         self.metrics.inflight.set(self._admitted)
 
     def _release(self, fut: Any = None) -> None:
         self._admitted -= 1
         self.metrics.inflight.set(self._admitted)
-        # A request the client already got a 504 for still ends (often in DeadlineExceeded): mark its
+        # A request the client already got a 504 for still ends (often in DeadlineExceeded): mark
+        # its
         # exception as seen, else asyncio logs "Future exception was never retrieved" for each one.
         if fut is not None and fut.done() and not fut.cancelled():
             fut.exception()
@@ -97,8 +115,9 @@ class Infer:
             else:
                 self._waiting += 1
                 self.metrics.queue_depth.set(self._waiting)
-                fut = loop.run_in_executor(self._pool, self._run_engine, kind, request, deadline,
-                                           time.monotonic())
+                fut = loop.run_in_executor(
+                    self._pool, self._run_engine, kind, request, deadline, time.monotonic()
+                )
         except BaseException:
             self._release()
             raise
@@ -106,8 +125,9 @@ class Infer:
         # so a burst of timed-out requests cannot overfill the worker queue.
         fut.add_done_callback(self._release)
         try:
-            out = await asyncio.wait_for(asyncio.shield(fut),
-                                         timeout=max(0.0, deadline - time.monotonic()))
+            out = await asyncio.wait_for(
+                asyncio.shield(fut), timeout=max(0.0, deadline - time.monotonic())
+            )
             if self.runtime is None:
                 out, times = out
                 SERVER_TIMES.set(times)
@@ -126,13 +146,18 @@ class Infer:
             raise BadRequest(str(exc)) from None
         except Exception as exc:
             if is_deadline_error(exc):
-                raise Timeout(f"request did not finish within timeout_ms={timeout_ms}: {exc}") from None
+                raise Timeout(
+                    f"request did not finish within timeout_ms={timeout_ms}: {exc}"
+                ) from None
             raise
 
     # --- engine path, runs on a worker thread ---
-    def _run_engine(self, kind: str, request: dict[str, Any], deadline: float, enqueued: float) -> Any:
+    def _run_engine(
+        self, kind: str, request: dict[str, Any], deadline: float, enqueued: float
+    ) -> Any:
         start = time.monotonic()
-        # NOTE: `_waiting` feeds a gauge only (admission uses `_admitted`); a racy update is harmless.
+        # NOTE: `_waiting` feeds a gauge only (admission uses `_admitted`); a racy update is
+        # harmless.
         self._waiting -= 1
         self.metrics.queue_depth.set(max(0, self._waiting))
         self.metrics.observe_node("queue", start - enqueued)
@@ -162,8 +187,10 @@ class Infer:
 
 def runtime_times(work: Any) -> list[tuple[str, float]]:
     """`Server-Timing` entries of a finished runtime request: its time in the runtime, then each node's
-    run (and its wait for a worker or stream when there was one), in completion order. A batching node's
-    run is split further: `<node>-batch-wait` (queued until its merged batch started, e.g. behind the
+    run (and its wait for a worker or stream when there was one), in completion order. A batching
+    node's
+    run is split further: `<node>-batch-wait` (queued until its merged batch started, e.g. behind
+    the
     batch before it) and `<node>-batch-run` (that batch's run, shared with the requests merged into it)."""
     total = getattr(work, "total_ms", None)
     if total is None:

@@ -1,5 +1,6 @@
 """KServe v2 / Triton HTTP protocol: health, model metadata and `infer` (JSON and the Triton binary
-tensor extension, so `tritonclient.http` works unchanged with its defaults). Errors on these routes follow
+tensor extension, so `tritonclient.http` works unchanged with its defaults). Errors on these routes
+follow
 the KServe protocol, `{"error": "<message>"}`, which Triton clients parse.
 
 One model, three tasks (request parameter `task`, default from the inputs):
@@ -25,9 +26,20 @@ from starlette.responses import Response
 from boundgen.server.errors import BadRequest, NotFound, Unavailable
 from boundgen.server.limits import describe_validation_error, read_body
 
-_NP = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
-       "UINT64": np.uint64, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
-       "FP16": np.float16, "FP32": np.float32, "FP64": np.float64}
+_NP = {
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+}
 _INT_TYPES = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
 _MAX_ELEMENTS = 1 << 24
 
@@ -98,16 +110,24 @@ def _model(request: Request, state: Any) -> str:
 
 
 def _metadata(state: Any) -> dict[str, Any]:
-    outputs = [{"name": "scores", "datatype": "FP32", "shape": [-1, -1]},
-               {"name": "embeddings", "datatype": "FP32", "shape": [-1, state.hidden_size]}]
+    outputs = [
+        {"name": "scores", "datatype": "FP32", "shape": [-1, -1]},
+        {"name": "embeddings", "datatype": "FP32", "shape": [-1, state.hidden_size]},
+    ]
     if state.num_labels > 0:
         outputs.append({"name": "probs", "datatype": "FP32", "shape": [-1, state.num_labels]})
-    return {"name": state.model_name, "versions": ["1"], "platform": "boundgen",
-            "inputs": [{"name": "query", "datatype": "BYTES", "shape": [1]},
-                       {"name": "items", "datatype": "BYTES", "shape": [-1]},
-                       {"name": "label_token_ids", "datatype": "INT64", "shape": [-1]},
-                       {"name": "text", "datatype": "BYTES", "shape": [-1]}],
-            "outputs": outputs}
+    return {
+        "name": state.model_name,
+        "versions": ["1"],
+        "platform": "boundgen",
+        "inputs": [
+            {"name": "query", "datatype": "BYTES", "shape": [1]},
+            {"name": "items", "datatype": "BYTES", "shape": [-1]},
+            {"name": "label_token_ids", "datatype": "INT64", "shape": [-1]},
+            {"name": "text", "datatype": "BYTES", "shape": [-1]},
+        ],
+        "outputs": outputs,
+    }
 
 
 async def model_metadata(request: Request, state: Any) -> Response:
@@ -125,11 +145,25 @@ async def model_ready(request: Request, state: Any) -> Response:
 async def model_config(request: Request, state: Any) -> Response:
     _model(request, state)
     meta = _metadata(state)
-    return _json({"name": state.model_name, "platform": "boundgen", "max_batch_size": 0,
-                  "input": [{"name": t["name"], "data_type": "TYPE_" + t["datatype"].replace(
-                      "BYTES", "STRING"), "dims": t["shape"]} for t in meta["inputs"]],
-                  "output": [{"name": t["name"], "data_type": "TYPE_" + t["datatype"],
-                              "dims": t["shape"]} for t in meta["outputs"]]})
+    return _json(
+        {
+            "name": state.model_name,
+            "platform": "boundgen",
+            "max_batch_size": 0,
+            "input": [
+                {
+                    "name": t["name"],
+                    "data_type": "TYPE_" + t["datatype"].replace("BYTES", "STRING"),
+                    "dims": t["shape"],
+                }
+                for t in meta["inputs"]
+            ],
+            "output": [
+                {"name": t["name"], "data_type": "TYPE_" + t["datatype"], "dims": t["shape"]}
+                for t in meta["outputs"]
+            ],
+        }
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,7 +192,7 @@ def _decode_bytes_tensor(raw: bytes, name: str) -> list[bytes]:
         pos += 4
         if pos + n > len(raw):
             raise BadRequest(f"input {name!r}: BYTES element of {n} bytes runs past the data")
-        out.append(raw[pos:pos + n])
+        out.append(raw[pos : pos + n])
         pos += n
     return out
 
@@ -188,8 +222,10 @@ def _decode_inputs(tensors: list[_Tensor], binary: bytes) -> dict[str, Any]:
         size = (t.parameters or {}).get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise BadRequest(f"input {t.name!r}: binary_data_size must be a non-negative integer")
-            raw = binary[pos:pos + size]
+                raise BadRequest(
+                    f"input {t.name!r}: binary_data_size must be a non-negative integer"
+                )
+            raw = binary[pos : pos + size]
             if len(raw) != size:
                 raise BadRequest(f"input {t.name!r}: binary_data_size={size} runs past the body")
             pos += size
@@ -198,8 +234,10 @@ def _decode_inputs(tensors: list[_Tensor], binary: bytes) -> dict[str, Any]:
             elif t.datatype in _NP:
                 dt = np.dtype(_NP[t.datatype]).newbyteorder("<")
                 if size % dt.itemsize:
-                    raise BadRequest(f"input {t.name!r}: {size} bytes is not a whole number of "
-                                     f"{t.datatype} elements")
+                    raise BadRequest(
+                        f"input {t.name!r}: {size} bytes is not a whole number of "
+                        f"{t.datatype} elements"
+                    )
                 values = np.frombuffer(raw, dtype=dt).tolist()
             else:
                 raise BadRequest(f"input {t.name!r}: unsupported datatype {t.datatype!r}")
@@ -208,8 +246,9 @@ def _decode_inputs(tensors: list[_Tensor], binary: bytes) -> dict[str, Any]:
                 raise BadRequest(f"input {t.name!r} has neither `data` nor binary_data_size")
             values = _flatten(t.data, t.name)
         if len(values) != count:
-            raise BadRequest(f"input {t.name!r}: shape {t.shape} needs {count} elements, "
-                             f"got {len(values)}")
+            raise BadRequest(
+                f"input {t.name!r}: shape {t.shape} needs {count} elements, got {len(values)}"
+            )
         decoded[t.name] = (t, values)
     if pos != len(binary):
         raise BadRequest(f"{len(binary) - pos} bytes of binary data are not claimed by any input")
@@ -267,8 +306,9 @@ async def infer(request: Request, state: Any) -> Response:
     inputs = _decode_inputs(req.inputs, binary)
     task = _param(params, "task", "score" if "items" in inputs else "embed", str)
     timeout_ms = params.get("timeout_ms")
-    if timeout_ms is not None and (not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool)
-                                   or timeout_ms < 1):
+    if timeout_ms is not None and (
+        not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or timeout_ms < 1
+    ):
         raise BadRequest("parameter 'timeout_ms' must be a positive integer")
     timeout_ms = state.timeout_ms(timeout_ms)
 
@@ -283,13 +323,23 @@ async def infer(request: Request, state: Any) -> Response:
         if qt.datatype == "BYTES":
             if len(qv) != 1:
                 raise BadRequest(f"input 'query' must hold one string, got {len(qv)}")
-            query = await handlers._token_ids(state, "query", _texts(qt, qv)[0],
-                                              state.config.max_query_tokens, "max_query_tokens",
-                                              allow_empty=True)
+            query = await handlers._token_ids(
+                state,
+                "query",
+                _texts(qt, qv)[0],
+                state.config.max_query_tokens,
+                "max_query_tokens",
+                allow_empty=True,
+            )
         else:
-            query = await handlers._token_ids(state, "query", _ints(qt, qv),
-                                              state.config.max_query_tokens, "max_query_tokens",
-                                              allow_empty=True)
+            query = await handlers._token_ids(
+                state,
+                "query",
+                _ints(qt, qv),
+                state.config.max_query_tokens,
+                "max_query_tokens",
+                allow_empty=True,
+            )
         if it.datatype == "BYTES":
             items = await handlers._many_token_ids(state, "items", _texts(it, iv))
         else:
@@ -298,7 +348,8 @@ async def infer(request: Request, state: Any) -> Response:
             flat = _ints(it, iv)
             n, length = it.shape
             items = await handlers._many_token_ids(
-                state, "items", [flat[i * length:(i + 1) * length] for i in range(n)])
+                state, "items", [flat[i * length : (i + 1) * length] for i in range(n)]
+            )
         if "label_token_ids" in inputs:
             lt, lv = inputs["label_token_ids"]
             labels = _ints(lt, lv)
@@ -306,13 +357,23 @@ async def infer(request: Request, state: Any) -> Response:
             labels = list(state.rerank_label_ids)
         else:
             raise BadRequest("input 'label_token_ids' is required (no default rerank labels)")
-        state.limits.count("label_token_ids", len(labels), state.config.max_label_tokens,
-                           "max_label_tokens")
+        state.limits.count(
+            "label_token_ids", len(labels), state.config.max_label_tokens, "max_label_tokens"
+        )
         state.limits.token_ids("label_token_ids", labels)
         scores = await handlers._run_score(
-            state, query, items, labels, _param(params, "apply_softmax", True, bool),
-            _param(params, "item_first", False, bool), timeout_ms)
-        name, array = "scores", np.asarray(scores, dtype=np.float32).reshape(len(items), len(labels))
+            state,
+            query,
+            items,
+            labels,
+            _param(params, "apply_softmax", True, bool),
+            _param(params, "item_first", False, bool),
+            timeout_ms,
+        )
+        name, array = (
+            "scores",
+            np.asarray(scores, dtype=np.float32).reshape(len(items), len(labels)),
+        )
     elif task in ("embed", "classify"):
         tt, tv = need("text")
         texts = _texts(tt, tv)
@@ -321,31 +382,43 @@ async def infer(request: Request, state: Any) -> Response:
             state.limits.context(f"text[{i}]", len(seq))
         n_tokens = sum(len(s) for s in ids)
         if task == "embed":
-            array = await state.infer("embed", dict(
-                texts=texts, pooling=state.config.embed_pooling,
-                normalize=_param(params, "normalize", state.config.embed_normalize, bool),
-                _tokens=n_tokens), timeout_ms)
+            array = await state.infer(
+                "embed",
+                dict(
+                    texts=texts,
+                    pooling=state.config.embed_pooling,
+                    normalize=_param(params, "normalize", state.config.embed_normalize, bool),
+                    _tokens=n_tokens,
+                ),
+                timeout_ms,
+            )
             name, array = "embeddings", np.asarray(array, dtype=np.float32)
         else:
             if not state.can_classify:
                 raise BadRequest("this model has no classification head (task 'classify')")
-            logits = np.asarray(await state.infer("classify", dict(texts=texts, _tokens=n_tokens),
-                                                  timeout_ms), dtype=np.float32)
+            logits = np.asarray(
+                await state.infer("classify", dict(texts=texts, _tokens=n_tokens), timeout_ms),
+                dtype=np.float32,
+            )
             e = np.exp(logits - logits.max(axis=-1, keepdims=True))
             name, array = "probs", e / e.sum(axis=-1, keepdims=True)
     else:
         raise BadRequest(f"unknown task {task!r}; use score, embed or classify")
 
     if req.outputs is not None and req.outputs and all(o.name != name for o in req.outputs):
-        raise BadRequest(f"task {task!r} produces output {name!r}; requested "
-                         f"{[o.name for o in req.outputs]}")
+        raise BadRequest(
+            f"task {task!r} produces output {name!r}; requested {[o.name for o in req.outputs]}"
+        )
     binary_out = bool(params.get("binary_data_output", False))
     for o in req.outputs or ():
         if o.name == name and o.parameters and "binary_data" in o.parameters:
             binary_out = bool(o.parameters["binary_data"])
     out: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
-    response: dict[str, Any] = {"model_name": state.model_name, "model_version": "1",
-                                "outputs": [out]}
+    response: dict[str, Any] = {
+        "model_name": state.model_name,
+        "model_version": "1",
+        "outputs": [out],
+    }
     if req.id is not None:
         response["id"] = req.id
     if not binary_out:
@@ -354,5 +427,8 @@ async def infer(request: Request, state: Any) -> Response:
     raw = np.ascontiguousarray(array, dtype="<f4").tobytes()
     out["parameters"] = {"binary_data_size": len(raw)}
     head_out = json.dumps(response).encode()
-    return Response(head_out + raw, media_type="application/octet-stream",
-                    headers={"Inference-Header-Content-Length": str(len(head_out))})
+    return Response(
+        head_out + raw,
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(len(head_out))},
+    )

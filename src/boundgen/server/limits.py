@@ -24,14 +24,18 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         except ValueError:
             raise BadRequest("Content-Length is not an integer") from None
         if declared_n > max_bytes:
-            raise TooLarge(f"request body is {declared_n} bytes; the limit is {max_bytes} "
-                           "(server option max_body_bytes)")
+            raise TooLarge(
+                f"request body is {declared_n} bytes; the limit is {max_bytes} "
+                "(server option max_body_bytes)"
+            )
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                raise TooLarge(f"request body exceeds {max_bytes} bytes (server option max_body_bytes)")
+                raise TooLarge(
+                    f"request body exceeds {max_bytes} bytes (server option max_body_bytes)"
+                )
             chunks.append(chunk)
     except ClientDisconnect:
         raise BadRequest("client disconnected while sending the body") from None
@@ -63,8 +67,12 @@ def describe_validation_error(exc: ValidationError) -> str:
 
 def _is_union_tag(part: Any) -> bool:
     # pydantic puts the union member tried into the location (`query.str`, `items.list[str]`).
-    return isinstance(part, str) and (part in ("str", "int", "bool", "float") or "[" in part
-                                      or part.startswith("function-") or part[:1].isupper())
+    return isinstance(part, str) and (
+        part in ("str", "int", "bool", "float")
+        or "[" in part
+        or part.startswith("function-")
+        or part[:1].isupper()
+    )
 
 
 def parse_json(body: bytes, model: type[M]) -> M:
@@ -100,7 +108,9 @@ class Limits:
         if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):  # C loops: the common case
             return
         bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
-        raise BadRequest(f"{what} contains token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        raise BadRequest(
+            f"{what} contains token id {bad}, outside the vocabulary [0, {self.vocab_size})"
+        )
 
     def tokens(self, what: str, n: int, limit: int, option: str) -> None:
         if n == 0:
@@ -110,5 +120,7 @@ class Limits:
 
     def context(self, what: str, n: int) -> None:
         if self.max_positions and n > self.max_positions:
-            raise BadRequest(f"{what} needs {n} positions; the model's context is "
-                             f"{self.max_positions} (max_position_embeddings)")
+            raise BadRequest(
+                f"{what} needs {n} positions; the model's context is "
+                f"{self.max_positions} (max_position_embeddings)"
+            )

@@ -1,7 +1,8 @@
 """Prometheus metrics, one `Metrics` per app (its own registry, so several apps can live in one process).
 
 Names: `boundgen_request_seconds{endpoint}`, `boundgen_requests_total{endpoint,status}`,
-`boundgen_errors_total{endpoint,type}`, `boundgen_node_seconds{node}` (DAG nodes; the engine path reports
+`boundgen_errors_total{endpoint,type}`, `boundgen_node_seconds{node}` (DAG nodes; the engine path
+reports
 `queue` and the workload), `boundgen_queue_depth`, `boundgen_inflight`, `boundgen_batch_tokens`,
 `boundgen_items_total{endpoint}` (items/s = rate()), `boundgen_device_memory_bytes{device,kind}`.
 """
@@ -20,15 +21,35 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # Latency buckets in seconds: fine around the 20 ms p99 target, coarse beyond.
-LATENCY_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
-                   0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    30.0,
+)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 class _DeviceMemoryCollector:
     def collect(self):
-        family = GaugeMetricFamily("boundgen_device_memory_bytes", "accelerator memory",
-                                   labels=["device", "kind"])
+        family = GaugeMetricFamily(
+            "boundgen_device_memory_bytes", "accelerator memory", labels=["device", "kind"]
+        )
         try:
             import torch
 
@@ -37,8 +58,9 @@ class _DeviceMemoryCollector:
                     dev = f"cuda:{i}"
                     family.add_metric([dev, "allocated"], float(torch.cuda.memory_allocated(i)))
                     family.add_metric([dev, "reserved"], float(torch.cuda.memory_reserved(i)))
-                    family.add_metric([dev, "max_allocated"],
-                                      float(torch.cuda.max_memory_allocated(i)))
+                    family.add_metric(
+                        [dev, "max_allocated"], float(torch.cuda.max_memory_allocated(i))
+                    )
         except Exception:  # metrics must never fail a scrape
             pass
         yield family
@@ -51,18 +73,24 @@ class _RuntimeCollector:
         self.runtime = runtime
 
     def collect(self):
-        hist = HistogramMetricFamily("boundgen_runtime_node_seconds",
-                                     "time in each DAG node of each pipeline (runtime tracer)",
-                                     labels=["pipeline", "node"])
+        hist = HistogramMetricFamily(
+            "boundgen_runtime_node_seconds",
+            "time in each DAG node of each pipeline (runtime tracer)",
+            labels=["pipeline", "node"],
+        )
         inflight = GaugeMetricFamily("boundgen_runtime_inflight", "requests inside the runtime")
-        errors = CounterMetricFamily("boundgen_runtime_errors", "runtime request failures",
-                                     labels=["pipeline", "status"])
-        batches = CounterMetricFamily("boundgen_runtime_batches", "forward batches merged across requests",
-                                      labels=["node"])
-        batched = CounterMetricFamily("boundgen_runtime_batched_requests",
-                                      "requests merged into batches", labels=["node"])
-        batch_tokens = CounterMetricFamily("boundgen_runtime_batched_tokens",
-                                           "tokens in merged batches", labels=["node"])
+        errors = CounterMetricFamily(
+            "boundgen_runtime_errors", "runtime request failures", labels=["pipeline", "status"]
+        )
+        batches = CounterMetricFamily(
+            "boundgen_runtime_batches", "forward batches merged across requests", labels=["node"]
+        )
+        batched = CounterMetricFamily(
+            "boundgen_runtime_batched_requests", "requests merged into batches", labels=["node"]
+        )
+        batch_tokens = CounterMetricFamily(
+            "boundgen_runtime_batched_tokens", "tokens in merged batches", labels=["node"]
+        )
         try:
             for node, st in self.runtime.stats().get("batching", {}).items():
                 batches.add_metric([node], float(st.get("batches", 0)))
@@ -105,22 +133,44 @@ def _prometheus_buckets(h) -> tuple[list[tuple[str, float]], float]:
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.request_seconds = Histogram("boundgen_request_seconds", "request latency by endpoint",
-                                         ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("boundgen_requests", "requests by endpoint and HTTP status",
-                                ["endpoint", "status"], registry=r)
-        self.errors = Counter("boundgen_errors", "errors by endpoint and type",
-                              ["endpoint", "type"], registry=r)
-        self.node_seconds = Histogram("boundgen_node_seconds", "time in each DAG node", ["node"],
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_depth = Gauge("boundgen_queue_depth", "admitted requests waiting for the model",
-                                 registry=r)
-        self.inflight = Gauge("boundgen_inflight", "admitted requests (waiting + running)",
-                              registry=r)
-        self.batch_tokens = Histogram("boundgen_batch_tokens", "tokens per model call",
-                                      buckets=TOKEN_BUCKETS, registry=r)
-        self.items = Counter("boundgen_items", "items scored / texts embedded / beams returned",
-                             ["endpoint"], registry=r)
+        self.request_seconds = Histogram(
+            "boundgen_request_seconds",
+            "request latency by endpoint",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "boundgen_requests",
+            "requests by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "boundgen_errors", "errors by endpoint and type", ["endpoint", "type"], registry=r
+        )
+        self.node_seconds = Histogram(
+            "boundgen_node_seconds",
+            "time in each DAG node",
+            ["node"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "boundgen_queue_depth", "admitted requests waiting for the model", registry=r
+        )
+        self.inflight = Gauge(
+            "boundgen_inflight", "admitted requests (waiting + running)", registry=r
+        )
+        self.batch_tokens = Histogram(
+            "boundgen_batch_tokens", "tokens per model call", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.items = Counter(
+            "boundgen_items",
+            "items scored / texts embedded / beams returned",
+            ["endpoint"],
+            registry=r,
+        )
         self.shed = Counter("boundgen_shed", "requests refused with 429 (queue full)", registry=r)
         r.register(_DeviceMemoryCollector())
         from boundgen.server.heap import GCPauses
@@ -134,12 +184,14 @@ class Metrics:
     def watch_runtime(self, runtime) -> None:
         self.registry.register(_RuntimeCollector(runtime))
 
-    # The runtime calls this for every node it runs; the direct-engine path reports queue + workload.
+    # The runtime calls this for every node it runs; the direct-engine path reports queue +
+    # workload.
     def observe_node(self, node: str, seconds: float) -> None:
         self.node_seconds.labels(node).observe(seconds)
 
-    def observe_request(self, endpoint: str, status: int, seconds: float,
-                        error_type: str | None = None) -> None:
+    def observe_request(
+        self, endpoint: str, status: int, seconds: float, error_type: str | None = None
+    ) -> None:
         self.request_seconds.labels(endpoint).observe(seconds)
         self.requests.labels(endpoint, str(status)).inc()
         if error_type:

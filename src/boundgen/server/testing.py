@@ -36,9 +36,11 @@ class SlowEngine:
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._engine, name)
         if name in ("score", "classify", "embed", "beam_search"):
+
             def slow(*args: Any, **kwargs: Any) -> Any:
                 time.sleep(self.delay_s)
                 return attr(*args, **kwargs)
+
             return slow
         return attr
 
@@ -55,18 +57,34 @@ class ServeProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None, startup_s: float = 120.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "boundgen.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "boundgen.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self._wait_ready(startup_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"boundgen serve exited with {self.proc.returncode}:\n"
-                                   + (self.proc.stdout.read() if self.proc.stdout else ""))
+                raise RuntimeError(
+                    f"boundgen serve exited with {self.proc.returncode}:\n"
+                    + (self.proc.stdout.read() if self.proc.stdout else "")
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
                     return

@@ -23,8 +23,14 @@ class DrainingServer(uvicorn.Server):
 
 def serve(app: Any, config: ServerConfig) -> None:
     uv_config = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level,
-        access_log=config.access_log, lifespan="on",
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=config.access_log,
+        lifespan="on",
         timeout_graceful_shutdown=max(1, int(round(config.drain_timeout_s))),
-        timeout_keep_alive=30, backlog=max(2048, config.max_queue * 2))
+        timeout_keep_alive=30,
+        backlog=max(2048, config.max_queue * 2),
+    )
     DrainingServer(uv_config, app.state.boundgen).run()

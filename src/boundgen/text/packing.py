@@ -1,7 +1,9 @@
 """Pack token sequences into one padding-free batch (the one thing passed from packing to the model).
 
-A `SequenceGroup` is a prefix shared by several suffixes (query + candidates). Groups with a prefix and
-at least two suffixes are laid out for cascade attention: the prefix is computed once and the suffixes
+A `SequenceGroup` is a prefix shared by several suffixes (query + candidates). Groups with a prefix
+and
+at least two suffixes are laid out for cascade attention: the prefix is computed once and the
+suffixes
 attend to it (see `boundgen.attention.metadata`). Everything else is a plain causal sequence.
 """
 
@@ -42,11 +44,16 @@ class PackedBatch:
     def num_rows(self) -> int:
         return int(self.last_index.shape[0])
 
-    def to(self, device, non_blocking: bool = False) -> "PackedBatch":
-        mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+    def to(self, device, non_blocking: bool = False) -> PackedBatch:
+        mv = lambda t: t.to(device, non_blocking=non_blocking)
         return PackedBatch(
-            mv(self.input_ids), mv(self.positions), self.attn.to(device, non_blocking),
-            mv(self.last_index), mv(self.seq_start), mv(self.seq_len), list(self.rows_per_group),
+            mv(self.input_ids),
+            mv(self.positions),
+            self.attn.to(device, non_blocking),
+            mv(self.last_index),
+            mv(self.seq_start),
+            mv(self.seq_len),
+            list(self.rows_per_group),
         )
 
 

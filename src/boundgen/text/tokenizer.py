@@ -14,7 +14,7 @@ class Tokenizer:
         self.eos_token_id = eos_token_id
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():

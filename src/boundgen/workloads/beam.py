@@ -3,8 +3,10 @@ item-ID sequences of a `Trie` (DESIGN §4).
 
 Semantics match HF `generate(num_beams=W, max_new_tokens=S, min_new_tokens=S, length_penalty=0,
 early_stopping=False)`: scores are cumulative full-vocabulary log-probs; EOS is never a continuation
-(every result has exactly S tokens). With a trie, each step keeps only each beam's trie children; when
-fewer continuations than beams exist, the surplus beams die (score −inf) and are dropped from results.
+(every result has exactly S tokens). With a trie, each step keeps only each beam's trie children;
+when
+fewer continuations than beams exist, the surplus beams die (score −inf) and are dropped from
+results.
 
 The prompt KV is computed once per prompt and shared by its beams; generated KV lives in a `BeamKV`
 preallocated for (layers, B·W, S) and beams are reordered by gathering only that buffer.
@@ -49,7 +51,9 @@ def _positive_int(value, name: str, bound: int) -> int:
     return value
 
 
-def prepare_beam(req: BeamRequest, tokenizer: Tokenizer, limits: Limits, bounds: BeamBounds) -> list[list[int]]:
+def prepare_beam(
+    req: BeamRequest, tokenizer: Tokenizer, limits: Limits, bounds: BeamBounds
+) -> list[list[int]]:
     width = _positive_int(req.beam_width, "beam_width", bounds.max_width)
     steps = _positive_int(req.steps, "steps", bounds.max_steps)
     if req.top_k is not None:
@@ -58,8 +62,10 @@ def prepare_beam(req: BeamRequest, tokenizer: Tokenizer, limits: Limits, bounds:
         if not isinstance(req.trie, Trie):
             raise ValueError(f"trie must be a boundgen.Trie, got {type(req.trie).__name__}")
         if req.trie.depth != steps:
-            raise ValueError(f"trie depth {req.trie.depth} != steps {steps}: every item ID must take exactly "
-                             f"`steps` tokens")
+            raise ValueError(
+                f"trie depth {req.trie.depth} != steps {steps}: every item ID must take exactly "
+                f"`steps` tokens"
+            )
         req.trie.check_vocab(limits.vocab_size)
     check_items(req.prompts, limits, "prompts")
     prompts = []
@@ -67,7 +73,9 @@ def prepare_beam(req: BeamRequest, tokenizer: Tokenizer, limits: Limits, bounds:
         ids = to_ids(p, tokenizer, limits, f"prompts[{i}]")
         if not ids:
             raise ValueError(f"prompts[{i}] is empty: beam search needs at least one prompt token")
-        prompts.append(fit_length(ids, limits.max_seq_len - steps, req.truncate, f"prompts[{i}] + steps"))
+        prompts.append(
+            fit_length(ids, limits.max_seq_len - steps, req.truncate, f"prompts[{i}] + steps")
+        )
     return prompts
 
 
@@ -76,10 +84,12 @@ class _Expander:
 
     def __init__(self, trie: Trie | None, banned: list[int], vocab: int, device) -> None:
         self.trie = trie
-        self.banned = torch.tensor(sorted(set(t for t in banned if 0 <= t < vocab)), dtype=torch.long,
-                                   device=device)
+        self.banned = torch.tensor(
+            sorted(set(t for t in banned if 0 <= t < vocab)), dtype=torch.long, device=device
+        )
 
-        # Preallocated trie buffers: one set for the first step (one row per prompt), one for the rest.
+        # Preallocated trie buffers: one set for the first step (one row per prompt), one for the
+        # rest.
         self._ws: dict[int, object] = {}
 
     def __call__(self, depth: int, logp: torch.Tensor, scores: torch.Tensor, node: torch.Tensor):
@@ -99,14 +109,22 @@ class _Expander:
 
 
 @torch.inference_mode()
-def run_beam(runner, prompts: list[list[int]], width: int, steps: int, trie: Trie | None = None,
-             banned_tokens: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+def run_beam(
+    runner,
+    prompts: list[list[int]],
+    width: int,
+    steps: int,
+    trie: Trie | None = None,
+    banned_tokens: list[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
     """→ (tokens [B, W, S] int64, scores [B, W] float32), beams sorted best first, dead beams at −inf."""
     model, dev = runner.model, runner.device
     cfg = model.config
     if trie is not None and trie.device != dev:
         trie = trie.to(dev)
-    graphs = getattr(runner, "decode_graphs", None)  # compiled "+graphs" runners replay decode steps
+    graphs = getattr(
+        runner, "decode_graphs", None
+    )  # compiled "+graphs" runners replay decode steps
     session = graphs.open(prompts, width, steps) if graphs is not None else None
     try:
         return _run_beam(model, dev, cfg, prompts, width, steps, trie, banned_tokens, session)
@@ -125,13 +143,18 @@ def _run_beam(model, dev, cfg, prompts, width, steps, trie, banned_tokens, sessi
     else:
         batch = pack([SequenceGroup([], prompts)], share_prefix=False).to(dev)
         dtype = model.embed_tokens.weight.dtype
-        prompt_kv = PromptKV(cfg.num_layers, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
+        prompt_kv = PromptKV(
+            cfg.num_layers, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, dev
+        )
         hidden = model(batch.input_ids, batch.positions, batch.attn, prompt_kv)
         logp = torch.log_softmax(model.head(hidden.index_select(0, batch.last_index)), dim=-1)
         state = DecodeKV(
-            prompt_kv, batch.attn.cu_seqlens, batch.attn.max_seqlen,
+            prompt_kv,
+            batch.attn.cu_seqlens,
+            batch.attn.max_seqlen,
             BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, dtype, dev),
-            torch.arange(0, n + 1, w, dtype=torch.int32, device=dev), w,
+            torch.arange(0, n + 1, w, dtype=torch.int32, device=dev),
+            w,
         )
     expand = _Expander(trie, banned_tokens, logp.shape[-1], dev)
     hist = torch.zeros(b, w, steps, dtype=torch.long, device=dev)
@@ -172,7 +195,9 @@ def _run_beam(model, dev, cfg, prompts, width, steps, trie, banned_tokens, sessi
     return hist, scores
 
 
-def finish_beam(tokens: torch.Tensor, scores: torch.Tensor, top_k: int) -> list[list[tuple[list[int], float]]]:
+def finish_beam(
+    tokens: torch.Tensor, scores: torch.Tensor, top_k: int
+) -> list[list[tuple[list[int], float]]]:
     tokens, scores = tokens.cpu(), scores.float().cpu()
     out = []
     for b in range(tokens.shape[0]):

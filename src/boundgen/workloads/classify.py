@@ -18,7 +18,9 @@ class ClassifyRequest:
     truncate: bool = False
 
 
-def prepare_texts(texts, tokenizer: Tokenizer, limits: Limits, truncate: bool) -> list[SequenceGroup]:
+def prepare_texts(
+    texts, tokenizer: Tokenizer, limits: Limits, truncate: bool
+) -> list[SequenceGroup]:
     """Each text (or token-id list) as its own sequence; text gets the tokenizer's special tokens."""
     check_items(texts, limits, "texts")
     seqs = []

@@ -2,8 +2,10 @@
 
 An MLP head is a directory (or the JSON file in it) holding `head.json`:
     {"input_dim": H, "hidden_dims": [256], "output_dim": 1,
-     "activation": "relu" | "gelu" | "silu" | "tanh", "output_activation": null | "sigmoid" | "tanh"}
-and `head.safetensors` with `layers.{i}.weight` / `layers.{i}.bias` (bias optional) for each linear layer.
+     "activation": "relu" | "gelu" | "silu" | "tanh", "output_activation": null | "sigmoid" |
+     "tanh"}
+and `head.safetensors` with `layers.{i}.weight` / `layers.{i}.bias` (bias optional) for each linear
+layer.
 """
 
 from __future__ import annotations
@@ -17,8 +19,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh,
-               "sigmoid": torch.sigmoid}
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+}
 
 
 @dataclass
@@ -51,14 +58,18 @@ class MLPHead(nn.Module):
         return ACTIVATIONS[self.output_activation](x) if self.output_activation else x
 
     @classmethod
-    def load(cls, path: str | Path) -> "MLPHead":
+    def load(cls, path: str | Path) -> MLPHead:
         path = Path(path)
         spec_file = path / "head.json" if path.is_dir() else path
         if not spec_file.is_file():
             raise FileNotFoundError(f"no MLP head spec at {spec_file}")
         spec = json.loads(spec_file.read_text())
         try:
-            dims = [int(spec["input_dim"]), *map(int, spec.get("hidden_dims", [])), int(spec["output_dim"])]
+            dims = [
+                int(spec["input_dim"]),
+                *map(int, spec.get("hidden_dims", [])),
+                int(spec["output_dim"]),
+            ]
         except KeyError as exc:
             raise ValueError(f"{spec_file.name} is missing {exc}") from None
         head = cls(dims, spec.get("activation", "relu"), spec.get("output_activation"))
@@ -77,8 +88,10 @@ class MLPHead(nn.Module):
                     continue
                 raise ValueError(f"{weights_file.name} is missing tensor '{name}'")
             if state[name].shape != param.shape:
-                raise ValueError(f"head tensor '{name}' has shape {tuple(state[name].shape)}, "
-                                 f"expected {tuple(param.shape)}")
+                raise ValueError(
+                    f"head tensor '{name}' has shape {tuple(state[name].shape)}, "
+                    f"expected {tuple(param.shape)}"
+                )
             param.copy_(state[name])
         return head
 
@@ -89,7 +102,9 @@ def finish_embed(rows: torch.Tensor, normalize: bool, head: MLPHead | None) -> t
         x = F.normalize(x, dim=-1)
     if head is not None:
         if head.input_dim != x.shape[-1]:
-            raise ValueError(f"MLP head expects {head.input_dim} inputs, the model gives {x.shape[-1]}")
+            raise ValueError(
+                f"MLP head expects {head.input_dim} inputs, the model gives {x.shape[-1]}"
+            )
         head = head.to(x.device)
         with torch.inference_mode():
             x = head(x)

@@ -15,10 +15,14 @@ class Limits:
 
 
 def is_token_ids(x) -> bool:
-    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    return isinstance(x, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x
+    )
 
 
-def to_ids(x, tokenizer: Tokenizer, limits: Limits, what: str, add_special_tokens: bool = False) -> list[int]:
+def to_ids(
+    x, tokenizer: Tokenizer, limits: Limits, what: str, add_special_tokens: bool = False
+) -> list[int]:
     """Text → token ids (tokenized here), or token ids checked against the vocabulary."""
     if isinstance(x, str):
         return tokenizer.encode(x, add_special_tokens=add_special_tokens)
@@ -26,7 +30,9 @@ def to_ids(x, tokenizer: Tokenizer, limits: Limits, what: str, add_special_token
         raise ValueError(f"{what} must be a string or a list of token ids, got {type(x).__name__}")
     bad = [t for t in x if t < 0 or t >= limits.vocab_size]
     if bad:
-        raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
+        raise ValueError(
+            f"{what} has token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})"
+        )
     return list(x)
 
 

@@ -1,7 +1,8 @@
 """`ModelRunner`: the model node. It owns the model on its device and runs packed forwards.
 
 This is the seam where compiled backends (torch.compile, AOTInductor, CUDA graphs) and FP8 plug in:
-the runtime's forward node calls `split`, `pack_chunk` and `forward`, heads call `head`, and `hidden_rows` serves
+the runtime's forward node calls `split`, `pack_chunk` and `forward`, heads call `head`, and
+`hidden_rows` serves
 callers outside the runtime (the FP8 fidelity gate).
 """
 
@@ -14,8 +15,13 @@ from boundgen.text.packing import PackedBatch, SequenceGroup, pack
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, device: torch.device, max_batch_tokens: int,
-                 share_prefix: bool = True) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        device: torch.device,
+        max_batch_tokens: int,
+        share_prefix: bool = True,
+    ) -> None:
         self.model = model
         self.device = device
         self.max_batch_tokens = max_batch_tokens

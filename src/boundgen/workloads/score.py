@@ -1,7 +1,9 @@
 """Label-token scoring (SGLang `/v1/score` semantics).
 
-sequence = query + item (item + query when `item_first`); result[i][j] = logit of label_token_ids[j] at
-item i's last token, or the softmax over the label ids when `apply_softmax`. Only the label columns of
+sequence = query + item (item + query when `item_first`); result[i][j] = logit of label_token_ids[j]
+at
+item i's last token, or the softmax over the label ids when `apply_softmax`. Only the label columns
+of
 the LM head are multiplied. Query-first requests share the query as a cascade prefix.
 """
 
@@ -31,7 +33,9 @@ def check_labels(label_token_ids, limits: Limits) -> list[int]:
         raise ValueError("label_token_ids must be a non-empty list of token ids")
     for t in label_token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size:
-            raise ValueError(f"label token id {t!r} is outside the vocabulary [0, {limits.vocab_size})")
+            raise ValueError(
+                f"label token id {t!r} is outside the vocabulary [0, {limits.vocab_size})"
+            )
     return list(label_token_ids)
 
 
@@ -42,9 +46,13 @@ def prepare_score(req: ScoreRequest, tokenizer: Tokenizer, limits: Limits) -> li
     items = [to_ids(x, tokenizer, limits, f"items[{i}]") for i, x in enumerate(req.items)]
     if not query and any(not x for x in items):
         raise ValueError("query and an item are both empty: nothing to score")
-    query = fit_length(query, limits.max_seq_len - 1 if items else limits.max_seq_len, req.truncate, "query")
+    query = fit_length(
+        query, limits.max_seq_len - 1 if items else limits.max_seq_len, req.truncate, "query"
+    )
     budget = limits.max_seq_len - len(query)
-    items = [fit_length(x, budget, req.truncate, f"query + items[{i}]") for i, x in enumerate(items)]
+    items = [
+        fit_length(x, budget, req.truncate, f"query + items[{i}]") for i, x in enumerate(items)
+    ]
     if req.item_first:
         return [SequenceGroup([], [x + query for x in items])]
     return [SequenceGroup(query, items)]

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Trie", "TrieWorkspace", "NotAnItemError"]
+__all__ = ["NotAnItemError", "Trie", "TrieWorkspace"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _DENSE_LOOKUP_MAX_CHILDREN = 1024  # above this, next_node binary-searches instead of comparing all
