@@ -1,12 +1,10 @@
 """The W5 baseline: the same `/v1/score` (and `/v1/rerank`) HTTP API, served by HF transformers eager (sdpa).
 
 Everything except the model call is boundgen's own server (schemas, limits, admission, metrics,
-uvicorn),
-so a side-by-side run measures the engine, not the web stack. Per request the baseline does what a
-user of
-transformers would write: left-pad query+item sequences into one batch, one forward with an
-attention mask
-and `logits_to_keep=1`, pick the label columns. Requests run one at a time on a worker thread.
+uvicorn), so a side-by-side run measures the engine, not the web stack. Per request the baseline
+does what a user of transformers would write: left-pad query+item sequences into one batch, one
+forward with an attention mask and `logits_to_keep=1`, pick the label columns. Requests run one at a
+time on a worker thread.
 
     python benchmarks/baseline_hf_server.py --model DIR --device cuda --dtype bfloat16 --port 8001
 """

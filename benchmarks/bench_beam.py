@@ -2,9 +2,8 @@
 100K item IDs, against HF `generate` in the same run.
 
 The trie: 3 levels × 256 semantic codes plus a 4th disambiguation code (TIGER-style), so item IDs
-are
-4 tokens long and match S=4. HF's constrained baseline uses `prefix_allowed_tokens_fn` over the same
-items (a Python dict trie), the way a user of HF would constrain it.
+are 4 tokens long and match S=4. HF's constrained baseline uses `prefix_allowed_tokens_fn` over the
+same items (a Python dict trie), the way a user of HF would constrain it.
 
     python benchmarks/bench_beam.py --preset qwen2.5-0.5b --device cuda --out $OUT/beam.json
 """

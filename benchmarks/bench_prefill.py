@@ -4,8 +4,8 @@
     python benchmarks/bench_prefill.py --preset tiny --device cpu --workloads w2     # CPU, W2-style
 
 Every variant first checks its label logits against HF on the same inputs (max |diff| reported),
-then is
-timed (median of repeated end-to-end calls: packing, H2D, forward, label columns, copy back).
+then is timed (median of repeated end-to-end calls: packing, H2D, forward, label columns, copy
+back).
 """
 
 from __future__ import annotations

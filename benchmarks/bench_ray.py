@@ -21,10 +21,9 @@ which runs exactly
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
     \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform
-        manylinux1_x86_64 \
-        -d .whl-ray ray==2.60.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \ --platform
+        manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \ -d
+        .whl-ray ray==2.60.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
         referencing==0.37.0 rpds-py==0.30.0 grpcio==1.85.3 grpcio-reflection==1.85.1
         protobuf==7.36.2
 
@@ -208,9 +207,8 @@ def serial_latency(url: str, workload: str, n: int) -> dict:
 def run_steps(url: str, label: str, workload: str, steps: list[float], args) -> dict:
     """Load steps in increasing QPS; stop after the first saturated one (ok/s < 90 % of offered or > 1 %
     errors): later steps would only queue, and the device time is better spent elsewhere. Then
-    bisect
-    `--refine` times between the last good step and the saturated one, so a coarse grid still pins
-    the
+    bisect `--refine` times between the last good step and the saturated one, so a coarse grid still
+    pins the
     capacity (and max QPS within the SLO) to a few percent."""
     from boundgen.loadtest import LoadConfig, run_loadtest
 

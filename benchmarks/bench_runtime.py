@@ -5,13 +5,10 @@ requests through the engine's score pipeline at 1/2/4/8/16 concurrent clients.
     python benchmarks/bench_runtime.py --preset qwen2.5-0.5b --device cuda --out runtime_h200.json
 
 Part 1 needs no model: pipelines of no-op nodes (chains of 1/4/8 nodes, a diamond with a join), run
-through
-`Executor.run` (the caller's thread does the work), `Executor.submit` (worker pool), and the direct
-call.
-Overhead = runtime time - direct time. Part 2 (skip with --no-engine): W2 (prefix 256 + 100
-candidates x
-16 tokens, DESIGN §9) through `EngineRuntime` vs `Engine.score` directly, then closed-loop
-concurrency.
+through `Executor.run` (the caller's thread does the work), `Executor.submit` (worker pool), and the
+direct call. Overhead = runtime time - direct time. Part 2 (skip with --no-engine): W2 (prefix 256 +
+100 candidates x 16 tokens, DESIGN §9) through `EngineRuntime` vs `Engine.score` directly, then
+closed-loop concurrency.
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 p99 <= 20 ms — boundgen and the HF transformers eager baseline side by side, in the same run.
 
 Each server runs alone on the device (one after the other) on the same synthetic checkpoint; the
-load
-generator is `boundgen.loadtest`. Writes `<out-dir>/w5_<workload>.json`, a PNG plot and a Markdown
-table
-for BENCHMARKS.md.
+load generator is `boundgen.loadtest`. Writes `<out-dir>/w5_<workload>.json`, a PNG plot and a
+Markdown table for BENCHMARKS.md.
 
     python benchmarks/bench_serving.py --device cuda --qps-steps 25 50 100 200 400 800 --duration 15
 """

@@ -1,8 +1,7 @@
 """Compiled model nodes: buckets/padding, masked attention, AOTInductor parity, artifact cache, preload guard.
 
 The tiny model is AOTInductor-compiled once per session into one cascade bucket (which also takes
-plain
-batches), ~40 s on a CI CPU; every cache test reuses that artifact or a stub builder.
+plain batches), ~40 s on a CI CPU; every cache test reuses that artifact or a stub builder.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """`boundgen` command line: one subcommand per module in `boundgen.commands`.
 
 Each command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`, so
-adding a
-command touches one file. Modules are imported lazily only to build the parser, never at package
-import.
+adding a command touches one file. Modules are imported lazily only to build the parser, never at
+package import.
 """
 
 from __future__ import annotations

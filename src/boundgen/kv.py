@@ -1,10 +1,9 @@
 """Request-scoped KV state for bounded beam search (DESIGN §3–4).
 
 The prompt KV is captured once at prefill and shared by every beam of that prompt. Each beam's
-generated
-KV lives in a buffer preallocated for (layers, beams, steps); beams are reordered by gathering that
-small
-buffer (double-buffered, so the step loop allocates no KV), never the prompt KV.
+generated KV lives in a buffer preallocated for (layers, beams, steps); beams are reordered by
+gathering that small buffer (double-buffered, so the step loop allocates no KV), never the prompt
+KV.
 """
 
 from __future__ import annotations

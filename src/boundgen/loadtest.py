@@ -1,11 +1,9 @@
 """Open-loop HTTP load generator for the serving API (DESIGN §9, W5).
 
 Requests arrive on a fixed schedule (Poisson or uniform) whatever the server does, so queueing shows
-up
-as latency instead of silently lowering the offered load. Latency is measured from each request's
-scheduled arrival (no coordinated omission). Workloads (DESIGN §9 shapes by default):
-- `score`: `/v1/score`, a 256-token query + 100 candidates × 16 tokens, 2 label tokens (W2 over
-  HTTP);
+up as latency instead of silently lowering the offered load. Latency is measured from each request's
+scheduled arrival (no coordinated omission). Workloads (DESIGN §9 shapes by default): - `score`:
+`/v1/score`, a 256-token query + 100 candidates × 16 tokens, 2 label tokens (W2 over HTTP);
 - `beam`: `/v1/beam`, a 128-token prompt, beam width 16, 4 steps (W4 over HTTP);
 - `mixed`: 80 % score, 20 % beam.
 Token ids are random in the served model's vocabulary (read from `/v1/models`), seeded.
@@ -264,9 +262,8 @@ def summarize(samples: list[Sample], qps: float, duration: float, items: int) ->
 def _server_side(samples: list[Sample]) -> dict[str, Any]:
     """Where the time went, from the servers' `Server-Timing`: `server_ms` percentiles of the handler
     time, and `slowest`: the slowest 1 % of answered requests (at least one), mean client latency,
-    mean
-    time inside the server and outside it (network, client, event loop), and mean per reported entry
-    —
+    mean time inside the server and outside it (network, client, event loop), and mean per reported
+    entry —
     so a p99 can be traced to a node, to waiting, or to outside the server."""
     timed = sorted(
         (s for s in samples if s.status == 200 and s.server and "app" in s.server),

@@ -208,9 +208,9 @@ def replica_engine_config(engine: EngineConfig, num_gpus: float) -> EngineConfig
 # ------------------------------------------------------------------------------------------ replica
 
 # This process's app. A Serve replica is one Ray actor, i.e. one worker process: one app per
-# process.
-# Read and written through `_this_module()`, never as a bare global: a class cloudpickled by value
-# (as happens when this file runs as `__main__`) would otherwise get a private copy of the globals.
+# process. Read and written through `_this_module()`, never as a bare global: a class cloudpickled
+# by value (as happens when this file runs as `__main__`) would otherwise get a private copy of the
+# globals.
 _APP: Any = None
 
 

@@ -1,8 +1,7 @@
 """Attention backends behind one interface, found through a small registry.
 
 A backend computes variable-length attention over packed segments and returns the output together
-with
-the log-sum-exp of the scores, so partial results can be merged (cascade, decode).
+with the log-sum-exp of the scores, so partial results can be merged (cascade, decode).
 """
 
 from __future__ import annotations
@@ -20,10 +19,9 @@ class AttentionBackend(Protocol):
 
     q: [Tq, Hq, D]; k, v: [Tk, Hkv, D] (Hq a multiple of Hkv); cu_q, cu_k: int32 [B+1] segment
     boundaries.
-    `causal` aligns bottom-right: query i of a segment with Lq queries and Lk keys sees keys
-    0..i + Lk - Lq. Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] float32 (−inf for no
-    keys).
-    Safe to call from any thread; holds no per-call state.
+    `causal` aligns bottom-right: query i of a segment with Lq queries and Lk keys sees keys 0..i +
+    Lk - Lq. Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] float32 (−inf for no keys). Safe
+    to call from any thread; holds no per-call state.
     """
 
     name: str
@@ -88,8 +86,7 @@ def _segment_attention(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tenso
     rep = hq // hkv
     if q.device.type == "cpu" and (not causal or lq == lk):
         # PyTorch's fused CPU flash kernel returns the LSE too: ~10x the naive path, fp32
-        # accumulation.
-        # (Its causal mask is top-left aligned, identical to ours when Lq == Lk.)
+        # accumulation. (Its causal mask is top-left aligned, identical to ours when Lq == Lk.)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(1, 2),
             k.repeat_interleave(rep, dim=2).transpose(1, 2),

@@ -7,11 +7,9 @@ Packed token layout (see `boundgen.text.packing`):
       `-- num_prefix_tokens --' `---------- num_shared_tokens -----------'
 
 Every prefix, every suffix and every plain sequence is one causal segment of `cu_seqlens`. Suffix
-tokens of
-group g additionally attend, non-causally, to prefix g: one varlen call whose query segments are
-`cu_group_q` (over the shared-suffix span) and whose key segments are `cu_prefix` (over the prefix
-span).
-The two partial results are merged with their log-sum-exps (DESIGN §3).
+tokens of group g additionally attend, non-causally, to prefix g: one varlen call whose query
+segments are `cu_group_q` (over the shared-suffix span) and whose key segments are `cu_prefix` (over
+the prefix span). The two partial results are merged with their log-sum-exps (DESIGN §3).
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """AOTInductor: export the packed forward per bucket, package it without weights, load it with shared weights.
 
     build_package(model, bucket, path, device)   torch.export → aoti_compile_and_package (weights
-    not in .so)
-    SharedWeights(model)                         FQN → the live model's tensors (one copy for every
-    bucket)
-    AOTIBucket.load(path, weights)               aoti_load_package +
+    not in .so) SharedWeights(model)                         FQN → the live model's tensors (one
+    copy for every bucket) AOTIBucket.load(path, weights)               aoti_load_package +
     load_constants(user_managed=True)
 
 Weights stay out of the `.so` (`aot_inductor.package_constants_in_so: False`), so an artifact
-depends only
-on the graph (config, tensor names/shapes/dtypes, bucket, torch, device) and never on weight values;
-every
-loaded bucket points at the same model tensors (`user_managed=True`: no copy, the caller keeps them
-alive).
+depends only on the graph (config, tensor names/shapes/dtypes, bucket, torch, device) and never on
+weight values; every loaded bucket points at the same model tensors (`user_managed=True`: no copy,
+the caller keeps them alive).
 """
 
 from __future__ import annotations
@@ -66,8 +62,8 @@ class PackedForward(nn.Module):
     """`model(input_ids, positions, attn)` with an export-friendly attention backend.
 
     A shallow copy of the model: parameters are shared, only the attention backend differs. Constant
-    FQNs
-    of compiled artifacts are therefore `model.<name>` of the plain model's parameters and buffers.
+    FQNs of compiled artifacts are therefore `model.<name>` of the plain model's parameters and
+    buffers.
     """
 
     def __init__(self, model: DecoderModel, attention: AttentionBackend | None = None) -> None:

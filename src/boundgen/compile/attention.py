@@ -1,16 +1,11 @@
 """`masked`: an export-friendly attention backend for compiled buckets on any device.
 
 The `reference` backend loops over segments with `.tolist()`, which `torch.export` cannot trace.
-This
-backend computes the same thing with tensor ops only: every query attends to every key of the batch
-under
-a mask built from `cu_q`/`cu_k` (same segment, and bottom-right causal when asked), in float32, with
-the
-same conventions as `reference` (queries without keys get out = 0, lse = −inf). It is O(Tq·Tk) in
-memory,
-so it is meant for CPU buckets and small GPU buckets; large CUDA buckets use `varlen` (a custom op
-that
-exports as is).
+This backend computes the same thing with tensor ops only: every query attends to every key of the
+batch under a mask built from `cu_q`/`cu_k` (same segment, and bottom-right causal when asked), in
+float32, with the same conventions as `reference` (queries without keys get out = 0, lse = −inf). It
+is O(Tq·Tk) in memory, so it is meant for CPU buckets and small GPU buckets; large CUDA buckets use
+`varlen` (a custom op that exports as is).
 """
 
 from __future__ import annotations
@@ -26,8 +21,7 @@ def _segments(
     """For rows 0..n-1 of a packed span: (segment id, offset in segment, segment length, valid)."""
     rows = torch.arange(n, device=cu.device, dtype=cu.dtype)
     # NOTE: zero-length segments repeat a boundary; right=True picks the last segment starting at a
-    # row,
-    # which is the non-empty one. Rows at or past cu[-1] belong to no segment (valid = False).
+    # row, which is the non-empty one. Rows at or past cu[-1] belong to no segment (valid = False).
     seg = torch.searchsorted(cu, rows, right=True) - 1
     nseg = cu.shape[0] - 1
     seg = seg.clamp(0, nseg - 1)
@@ -69,8 +63,8 @@ class FlashBackend:
     """CUDA flash attention through the aten op itself (`aten._flash_attention_forward`).
 
     Same kernel and conventions as the `varlen` backend (`varlen_attn` is a Python custom op around
-    this
-    op), but an aten op has an AOTInductor C shim, so the exported graph calls it from C++ directly.
+    this op), but an aten op has an AOTInductor C shim, so the exported graph calls it from C++
+    directly.
     """
 
     name = "flash"

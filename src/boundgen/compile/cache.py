@@ -1,24 +1,20 @@
 """Artifact cache for compiled buckets: one directory per slot, a meta.json per entry, a manifest.
 
 A **slot** is what the artifact computes: the model graph fingerprint (config + every
-parameter/buffer's
-name, shape, dtype and module type — so dtype and quantization policy are part of it), the
-quantization
-label, the attention backend, the bucket and the device type. The **platform** is what it was built
-with: torch version, CUDA version and GPU name/arch (or the CPU's vector ISA), and this module's
-format.
+parameter/buffer's name, shape, dtype and module type — so dtype and quantization policy are part of
+it), the quantization label, the attention backend, the bucket and the device type. The **platform**
+is what it was built with: torch version, CUDA version and GPU name/arch (or the CPU's vector ISA),
+and this module's format.
 
     <root>/manifest.json            index of every entry (rebuilt from meta.json files when damaged)
-    <root>/<slot>/package.pt2       the AOTInductor package (no weights)
-    <root>/<slot>/meta.json         slot fields, platform, sha256 and size of package.pt2, build
-    times
+    <root>/<slot>/package.pt2       the AOTInductor package (no weights) <root>/<slot>/meta.json
+    slot fields, platform, sha256 and size of package.pt2, build times
 
 `lookup` never hands out an artifact it cannot vouch for: a platform or format mismatch is *stale*,
-a
-missing file, bad meta.json or a sha256 mismatch is *corrupt*; both raise `ArtifactError` with the
-reason,
-and `get_or_build` rebuilds them (or re-raises with the command to run when rebuilding is off).
-Weight values are deliberately not in the key: weights are loaded from the live model at run time.
+a missing file, bad meta.json or a sha256 mismatch is *corrupt*; both raise `ArtifactError` with the
+reason, and `get_or_build` rebuilds them (or re-raises with the command to run when rebuilding is
+off). Weight values are deliberately not in the key: weights are loaded from the live model at run
+time.
 """
 
 from __future__ import annotations

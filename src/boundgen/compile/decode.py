@@ -1,12 +1,9 @@
 """CUDA graphs for beam decode steps: persistent KV per decode bucket, one graph per step index.
 
 A decode step (W·B rows, one token each) is pure launch overhead on a GPU, and its shapes are fixed
-by
-(prompts B, width W, steps S, padded prompt tokens T). A `DecodeGraphs` keeps, per such bucket, the
-prompt
-KV, the beam KV, `cu_beams`/`cu_prompt` and the step inputs in **persistent** buffers, so a graph
-captured
-for step s in one request replays in every later request:
+by (prompts B, width W, steps S, padded prompt tokens T). A `DecodeGraphs` keeps, per such bucket,
+the prompt KV, the beam KV, `cu_beams`/`cu_prompt` and the step inputs in **persistent** buffers, so
+a graph captured for step s in one request replays in every later request:
 
 - the prompt batch is padded into a plain bucket (`BucketSet.pad`), prefilled eagerly into the
   persistent
@@ -20,8 +17,7 @@ for step s in one request replays in every later request:
   request gets None and runs the plain path).
 
 Used by `workloads.beam.run_beam` through `runner.decode_graphs` (see docs/compile.md);
-`use_graphs=False`
-runs the same persistent-buffer path without graphs (CPU tests).
+`use_graphs=False` runs the same persistent-buffer path without graphs (CPU tests).
 """
 
 from __future__ import annotations

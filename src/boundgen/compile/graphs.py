@@ -1,18 +1,16 @@
 """CUDA graphs for fixed shapes: capture once per bucket (or decode step), replay with static buffers.
 
 Launch cost dominates small forwards (DESIGN §11: HF eager spends 22.9 ms on one 64-token prompt,
-mostly
-launches). A captured graph replays every kernel with one launch. Rules that make replay correct:
+mostly launches). A captured graph replays every kernel with one launch. Rules that make replay
+correct:
 
 - inputs are copied into the graph's own static buffers before each replay (`copy_`, never
   rebinding);
 - every tensor the graph reads besides its inputs (weights, KV buffers) must keep its storage: no
   reallocation or buffer swapping between capture and replay (e.g. a beam KV that swaps double
-  buffers
-  needs one graph per buffer parity, or a copy-back reorder);
+  buffers needs one graph per buffer parity, or a copy-back reorder);
 - the output is a static buffer too: it is overwritten by the next replay, so read it first (the
-  caller
-  holds `lock` across replay and read when several threads share a graph);
+  caller holds `lock` across replay and read when several threads share a graph);
 - AOTInductor packages must be loaded with `run_single_threaded=True` to be capturable (DESIGN §10).
 """
 

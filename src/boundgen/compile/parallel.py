@@ -2,9 +2,8 @@
 
 AOTInductor compiles are long (41–82 s per graph on the GPU machine, DESIGN §10) and mostly
 single-threaded host work (lowering, C++ compile), so N buckets on a machine with many cores take
-about
-N/jobs compile times. Each worker loads the checkpoint once (same device, dtype and attention as the
-parent, hence the same model fingerprint) and writes through the shared, lock-protected
+about N/jobs compile times. Each worker loads the checkpoint once (same device, dtype and attention
+as the parent, hence the same model fingerprint) and writes through the shared, lock-protected
 `ArtifactCache`.
 """
 

@@ -1,14 +1,12 @@
 """Guard against the AOTInductor load crash (DESIGN §10): probe in a subprocess, fix by preloading libstdc++.
 
 On the GPU image, `aoti_load_package` segfaults inside the package's `std::regex`
-(`parse_device_str`)
-unless the process started with `LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6`: the package `.so`
-is
-built by the system g++, and two C++ runtimes' regex/locale code get mixed in the process;
-preloading
-the system libstdc++ makes its symbols win everywhere. Which definitions loaded libraries bind to is
-settled when the process starts, so the only in-process-safe fix is to start it with the preload:
-re-exec with `LD_PRELOAD` before anything heavy runs.
+(`parse_device_str`) unless the process started with
+`LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6`: the package `.so` is built by the system g++, and
+two C++ runtimes' regex/locale code get mixed in the process; preloading the system libstdc++ makes
+its symbols win everywhere. Which definitions loaded libraries bind to is settled when the process
+starts, so the only in-process-safe fix is to start it with the preload: re-exec with `LD_PRELOAD`
+before anything heavy runs.
 
     probe(package)            load (and run nothing) in a child process; True when it survives
     diagnose(package)         "ok" | "preload" (+ the library) | "broken", cached per platform
@@ -158,10 +156,9 @@ def diagnose(
         if cached:
             return cached
     # NOTE: the child runs in this process's environment. Preloading changes symbol interposition,
-    # so
-    # the child preloads nothing extra, except a non-system libstdc++ this process has mapped (a
-    # wheel's
-    # or the Python build's), which it maps first too: it then crashes exactly when we would.
+    # so the child preloads nothing extra, except a non-system libstdc++ this process has mapped (a
+    # wheel's or the Python build's), which it maps first too: it then crashes exactly when we
+    # would.
     mapped = loaded_libstdcxx()
     system = {os.path.realpath(p) for p in libstdcxx_candidates()}
     mimic = (

@@ -1,8 +1,8 @@
 """One decoder for Qwen2 (qkv bias), Qwen3 (q/k RMSNorm) and Llama (llama3 RoPE scaling).
 
 The forward takes every per-batch tensor explicitly (packed tokens, positions, attention metadata,
-KV
-state), so `torch.export` sees them as inputs. Output rows are gathered by the caller before `head`.
+KV state), so `torch.export` sees them as inputs. Output rows are gathered by the caller before
+`head`.
 """
 
 from __future__ import annotations

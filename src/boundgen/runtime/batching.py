@@ -1,20 +1,15 @@
 """Cross-request batching: one node merges ready model inputs from concurrent requests into one call.
 
 Leader/follower: a request that reaches the node while no batch is being formed or run becomes the
-leader and
-runs the batch on its own thread (no thread hop at low load). Requests that arrive while a batch
-runs wait;
-when it ends, a batcher thread leads the next batch with everything that waited (so batches grow
-with load).
-A leader takes everything already waiting, then waits for more up to `max_wait_ms` (counted from the
-first
-request's arrival, and never past what the earliest deadline in the batch allows) until
-`token_budget`. It calls `merge(list[inputs]) -> (batch, sizes)`, runs
-`fn(batch)` once (under its own CUDA stream when the executor has CUDA), and `split(output, sizes)`
-gives each
-request its outputs back. The token budget and max wait are the knob between throughput (large
-forwards,
-DESIGN §11) and latency (not waiting for them).
+leader and runs the batch on its own thread (no thread hop at low load). Requests that arrive while
+a batch runs wait; when it ends, a batcher thread leads the next batch with everything that waited
+(so batches grow with load). A leader takes everything already waiting, then waits for more up to
+`max_wait_ms` (counted from the first request's arrival, and never past what the earliest deadline
+in the batch allows) until
+`token_budget`. It calls `merge(list[inputs]) -> (batch, sizes)`, runs `fn(batch)` once (under its
+own CUDA stream when the executor has CUDA), and `split(output, sizes)` gives each request its
+outputs back. The token budget and max wait are the knob between throughput (large forwards, DESIGN
+§11) and latency (not waiting for them).
 """
 
 from __future__ import annotations
@@ -46,16 +41,13 @@ class BatchingNode(Node):
     - `merge(list_of_input_dicts) -> (batch, sizes)`: one dict of this node's inputs per request, in
       order;
       `sizes` is whatever `split` needs (e.g. output rows per request).
-    - `fn(batch) -> output`, run once per merged batch.
-    - `split(output, sizes) -> list` of per-request outputs, in order: the value (one output port)
-      or a
-      tuple/dict (several).
-    - `size(inputs) -> int`: tokens a request adds to the batch (default 1), counted against
-      `token_budget`.
-    - `max_batch`: at most this many requests per batch (default unbounded).
-    - `lanes`: batches formed/run at the same time (each lane has its own CUDA stream); 1 keeps one
-      forward
-      in flight, so requests that arrive meanwhile are merged into the next one.
+    - `fn(batch) -> output`, run once per merged batch. - `split(output, sizes) -> list` of
+    per-request outputs, in order: the value (one output port) or a tuple/dict (several). -
+    `size(inputs) -> int`: tokens a request adds to the batch (default 1), counted against
+    `token_budget`.
+    - `max_batch`: at most this many requests per batch (default unbounded). - `lanes`: batches
+    formed/run at the same time (each lane has its own CUDA stream); 1 keeps one forward in flight,
+    so requests that arrive meanwhile are merged into the next one.
     """
 
     def __init__(

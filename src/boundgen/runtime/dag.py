@@ -1,11 +1,9 @@
 """Static pipelines: a DAG of nodes validated once when built, then compiled into an index-based plan.
 
 Values are named: a pipeline input or a node output. Every value has exactly one producer; every
-node input
-reads one value. Validation (at build time, never while serving) rejects duplicate node names,
-duplicate
-outputs, unbound inputs, unknown names, type mismatches and cycles, naming the nodes and ports
-involved.
+node input reads one value. Validation (at build time, never while serving) rejects duplicate node
+names, duplicate outputs, unbound inputs, unknown names, type mismatches and cycles, naming the
+nodes and ports involved.
 """
 
 from __future__ import annotations
@@ -41,8 +39,8 @@ class Pipeline:
     """A static DAG: `Pipeline(name, inputs={...}, nodes=[...], outputs=[...])`.
 
     `inputs` maps pipeline input names to types; `outputs` lists the value names returned (a dict),
-    or maps
-    returned names to value names. Immutable after construction; `extend` returns a new pipeline.
+    or maps returned names to value names. Immutable after construction; `extend` returns a new
+    pipeline.
     """
 
     def __init__(

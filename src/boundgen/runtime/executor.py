@@ -1,24 +1,17 @@
 """The executor: runs pipelines for many concurrent requests on CPU worker threads and CUDA streams.
 
-Scheduling, per request:
-- A node starts as soon as its inputs are ready. The thread that finishes a node runs its first
-  ready
-  successor inline (no thread hop for a chain); further ready successors go to the worker pool, so
-  independent branches overlap. `run()` makes the calling thread work for its own request, so a
-  synchronous
-  request normally touches no other thread at all (except inside a batching node).
-- Joins are counted with `itertools.count` (atomic under the GIL): no lock on the hot path.
-- DEVICE nodes run under a stream from the stream pool; each records an event, which is the edge: a
-  device
-  successor on another stream waits on it (`stream.wait_event`), a CPU successor synchronizes it.
-  Without
-  CUDA, device nodes are plain calls.
-- Deadlines: before a node starts, the request fails with `DeadlineExceeded` when the time left is
-  less than
-  the estimated time of the rest of its critical path (running averages per node), so work that
-  cannot
-  make it is not started. An exception in a node fails that request only (`NodeError` names the
-  node).
+Scheduling, per request: - A node starts as soon as its inputs are ready. The thread that finishes a
+node runs its first ready successor inline (no thread hop for a chain); further ready successors go
+to the worker pool, so independent branches overlap. `run()` makes the calling thread work for its
+own request, so a synchronous request normally touches no other thread at all (except inside a
+batching node).
+- Joins are counted with `itertools.count` (atomic under the GIL): no lock on the hot path. - DEVICE
+nodes run under a stream from the stream pool; each records an event, which is the edge: a device
+successor on another stream waits on it (`stream.wait_event`), a CPU successor synchronizes it.
+Without CUDA, device nodes are plain calls. - Deadlines: before a node starts, the request fails
+with `DeadlineExceeded` when the time left is less than the estimated time of the rest of its
+critical path (running averages per node), so work that cannot make it is not started. An exception
+in a node fails that request only (`NodeError` names the node).
 """
 
 from __future__ import annotations
@@ -126,10 +119,9 @@ class RequestContext:
     """One request in flight. Nodes that take a `ctx` parameter receive it.
 
     Public: `request_id`, `pipeline` (name), `deadline_ns` (perf_counter_ns, or None),
-    `remaining_ms()`,
-    `stream` (the CUDA stream of the running device node, else None), `lease` (pooled buffers
-    released when
-    the request ends: `ctx.lease.host(shape, dtype)`, `.device(...)`, `.stage(cpu_tensor)`),
+    `remaining_ms()`, `stream` (the CUDA stream of the running device node, else None), `lease`
+    (pooled buffers released when the request ends: `ctx.lease.host(shape, dtype)`, `.device(...)`,
+    `.stage(cpu_tensor)`),
     `annotate(**kw)`
     (extra fields on the running node's trace span).
     """
@@ -189,8 +181,7 @@ class RequestContext:
         self._error: BaseException | None = None
         self._home: queue.SimpleQueue | None = None
         # (node, start, end, thread, ready, annotations) per node run: the request's Chrome trace
-        # when the
-        # tracer keeps requests, and its `RequestFuture.timings`
+        # when the tracer keeps requests, and its `RequestFuture.timings`
         self._spans: list[tuple] = []
         self._events: list[Any] | None = (
             [None] * len(pipe.plan) if executor._cuda and pipe.has_device_nodes else None
@@ -229,9 +220,8 @@ class Executor:
     """Runs pipelines: `run(pipeline, inputs, timeout_ms)` (blocking) or `submit(...) -> Future`.
 
     Results are dicts keyed by the pipeline's output names. Thread-safe; one executor serves every
-    pipeline.
-    `cpu_workers` threads serve fan-out branches, `submit()`ed requests and completions of async
-    nodes;
+    pipeline. `cpu_workers` threads serve fan-out branches, `submit()`ed requests and completions of
+    async nodes;
     `device_streams` CUDA streams serve device nodes (`device="cpu"` or no CUDA: plain calls).
     """
 
@@ -571,8 +561,7 @@ class Executor:
                 stream.wait_event(ev)
             if host_inputs:
                 # NOTE: a CPU node (or the caller) may have queued device work on the default
-                # stream, e.g. a
-                # .to("cuda"); pool streams do not synchronize with it implicitly.
+                # stream, e.g. a .to("cuda"); pool streams do not synchronize with it implicitly.
                 stream.wait_stream(self._torch.cuda.default_stream(self.device))
             return stream
         for slot in p.arg_slots:

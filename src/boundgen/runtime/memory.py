@@ -1,12 +1,10 @@
 """Buffer pools: pinned host buffers for packing, device buffers per shape bucket, reused across requests.
 
 Shapes come from a small set of buckets (DESIGN §1), so after warm-up every `acquire` is served from
-a free
-list and the allocator is never called on the hot path; `allocations` and `reuses` show it. A
-request takes
-buffers through its `RequestContext`, which returns them when the request ends (after its device
-work is
-synchronized), so a buffer is never reused while a copy or kernel may still read it.
+a free list and the allocator is never called on the hot path; `allocations` and `reuses` show it. A
+request takes buffers through its `RequestContext`, which returns them when the request ends (after
+its device work is synchronized), so a buffer is never reused while a copy or kernel may still read
+it.
 """
 
 from __future__ import annotations
@@ -47,9 +45,8 @@ class BufferPool:
     """Free lists of tensors keyed by (shape, dtype) on one device.
 
     `acquire` returns a tensor with undefined contents; `release` makes it available again.
-    Thread-safe: one
-    short lock around the free-list operation (uncontended it costs ~0.1 µs; the allocator costs far
-    more).
+    Thread-safe: one short lock around the free-list operation (uncontended it costs ~0.1 µs; the
+    allocator costs far more).
     """
 
     def __init__(

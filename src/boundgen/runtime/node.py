@@ -1,14 +1,11 @@
 """Nodes: one step of a business request (tokenize, pack, forward, post-process, business logic).
 
 A `Node` wraps a plain Python callable with named, typed input and output ports and a kind: `CPU`
-nodes run
-on the executor's worker threads (inline where possible), `DEVICE` nodes run under a CUDA stream
-from the
-stream pool with events as edges (plain CPU calls when CUDA is absent).
+nodes run on the executor's worker threads (inline where possible), `DEVICE` nodes run under a CUDA
+stream from the stream pool with events as edges (plain CPU calls when CUDA is absent).
 
 Values flow by name: a node's input port reads the value of the same name (or the name given in
-`bind`),
-which is either a pipeline input or exactly one node's output.
+`bind`), which is either a pipeline input or exactly one node's output.
 """
 
 from __future__ import annotations
@@ -94,8 +91,7 @@ class Node:
     """One step of a pipeline.
 
     `fn(**inputs)` returns the single output's value, or (for several outputs) a tuple in declared
-    order or a
-    dict by name. When `fn` has a parameter named `ctx`, it also receives the request's
+    order or a dict by name. When `fn` has a parameter named `ctx`, it also receives the request's
     `RequestContext`
     (deadline, stream, memory pools). Safe to share between pipelines and threads when `fn` is.
     """
@@ -111,8 +107,7 @@ class Node:
     # fn(**inputs).
     is_async: bool = False
     # Exception types that fail the request as themselves (e.g. ValueError from input validation, so
-    # a
-    # server can answer 4xx) instead of being wrapped in NodeError; a note names the node.
+    # a server can answer 4xx) instead of being wrapped in NodeError; a note names the node.
     raises: tuple[type[BaseException], ...] = ()
 
     def __post_init__(self) -> None:

@@ -5,17 +5,14 @@ Each pipeline is the workload's stages as nodes:
     score:    prepare (CPU: tokenize → SequenceGroups) → forward (batching, DEVICE) → head (DEVICE:
     label
               columns of the LM head) → finish (CPU: softmax, lists)
-    classify: prepare → forward → head (score head) → finish
-    embed:    prepare → forward (last or mean pooling) → mlp_head (DEVICE: normalize, optional MLP
-    head)
+    classify: prepare → forward → head (score head) → finish embed:    prepare → forward (last or
+    mean pooling) → mlp_head (DEVICE: normalize, optional MLP head)
     beam:     prepare → beam (batching, DEVICE: prefill + S decode steps) → finish
 
 `forward` is one `BatchingNode` shared by score, classify and embed: concurrent requests of any of
-the three
-are packed into one padding-free forward (within the token budget), and each gets its rows back in
-order.
-Input validation errors raise `ValueError` unchanged (the server answers 4xx); other node failures
-raise
+the three are packed into one padding-free forward (within the token budget), and each gets its rows
+back in order. Input validation errors raise `ValueError` unchanged (the server answers 4xx); other
+node failures raise
 `NodeError`, deadlines `DeadlineExceeded`.
 
 `EngineRuntime` owns an `Executor` and these pipelines; the server and `Engine` call it:
@@ -81,8 +78,7 @@ def _stage_many(
     tensors: list[torch.Tensor], dtype: torch.dtype, lease: Lease
 ) -> list[torch.Tensor]:
     # NOTE: every view starts on a 16-byte boundary: compiled kernels (AOTInductor) assume aligned
-    # inputs
-    # and otherwise copy the tensor on every call (and warn each time).
+    # inputs and otherwise copy the tensor on every call (and warn each time).
     step = max(1, _ALIGN_BYTES // dtype.itemsize)
     sizes = [t.numel() for t in tensors]
     starts, off = [], 0
@@ -242,8 +238,7 @@ def build_pipelines(
     """The built-in pipelines over `engine`, keyed by kind: score, classify, embed, beam.
 
     `token_budget` (default: the engine's `max_batch_tokens`) and `max_wait_ms` set the
-    cross-request
-    batching of the shared forward node and of the beam node.
+    cross-request batching of the shared forward node and of the beam node.
     """
     from boundgen.workloads.beam import BeamBounds, BeamRequest, finish_beam, prepare_beam
     from boundgen.workloads.classify import ClassifyRequest, finish_classify, prepare_texts
@@ -446,14 +441,11 @@ class EngineRuntime:
     """An `Engine` served through the DAG runtime: one executor, the built-in pipelines, user pipelines.
 
     `submit(kind, request, timeout_ms) -> Future` and `run(kind, request, timeout_ms)` take the
-    workload's
-    request dataclass (`ScoreRequest`, `ClassifyRequest`, `EmbedRequest`, `BeamRequest`) or a dict
-    of its
-    fields; extra keyword arguments are further pipeline inputs (`head=` for embed, or inputs of
-    user nodes).
-    The result is the pipeline's output: scores (list[list[float]]), probs, vectors (tensor [N, D]),
-    or beam
-    results (list per prompt of (tokens, logprob)). The Engine-style methods (`score`, `classify`,
+    workload's request dataclass (`ScoreRequest`, `ClassifyRequest`, `EmbedRequest`, `BeamRequest`)
+    or a dict of its fields; extra keyword arguments are further pipeline inputs (`head=` for embed,
+    or inputs of user nodes). The result is the pipeline's output: scores (list[list[float]]),
+    probs, vectors (tensor [N, D]), or beam results (list per prompt of (tokens, logprob)). The
+    Engine-style methods (`score`, `classify`,
     `embed`,
     `beam_search`, `beam_search_batch`) take the same arguments as `Engine`'s.
     """

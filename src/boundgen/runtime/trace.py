@@ -1,10 +1,8 @@
 """Observability: per-node latency histograms and per-request timelines as Chrome-trace JSON.
 
 Histograms are sharded per thread (no lock, no lost updates) and merged when read. Timelines are the
-spans
-the executor records for every node run anyway; a bounded ring keeps the last requests for export.
-Open the
-exported JSON in chrome://tracing or https://ui.perfetto.dev.
+spans the executor records for every node run anyway; a bounded ring keeps the last requests for
+export. Open the exported JSON in chrome://tracing or https://ui.perfetto.dev.
 """
 
 from __future__ import annotations

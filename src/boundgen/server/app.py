@@ -2,8 +2,7 @@
 
 `create_app(engine, config)` serves an `Engine` (or anything with its methods: `score`, `classify`,
 `embed`, `beam_search`, `tokenizer`, `config`, `model_name`); pass `runtime=` to serve through the
-DAG
-runtime instead. Nothing here blocks the event loop on the model.
+DAG runtime instead. Nothing here blocks the event loop on the model.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Keep Python's cyclic garbage collector out of request latency, and measure it.
 
 A serving process holds hundreds of thousands of long-lived objects after start-up (torch,
-transformers,
-FastAPI, the engine: 345K for the demo server). A full (oldest-generation) collection walks all of
-them —
-185 ms on the 2-core development machine — and stalls whichever requests are in flight. CPython runs
-one
-only when the survivors since the last one reach a quarter of the long-lived objects, so it is rare
-(none
-in 320 requests of a CPU load test), but when it comes it is a p99 event. `gc.freeze()` after
-start-up
-moves those objects into a permanent generation that collections skip; objects made by requests are
-still
-collected as usual. `boundgen_gc_pause_seconds` (per generation) shows whether pauses matter for a
-deployment.
+transformers, FastAPI, the engine: 345K for the demo server). A full (oldest-generation) collection
+walks all of them — 185 ms on the 2-core development machine — and stalls whichever requests are in
+flight. CPython runs one only when the survivors since the last one reach a quarter of the
+long-lived objects, so it is rare (none in 320 requests of a CPU load test), but when it comes it is
+a p99 event. `gc.freeze()` after start-up moves those objects into a permanent generation that
+collections skip; objects made by requests are still collected as usual. `boundgen_gc_pause_seconds`
+(per generation) shows whether pauses matter for a deployment.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
 """`Infer`: the one narrow object HTTP handlers call (text-embeddings-inference style thin handlers).
 
 `await infer(kind, request, timeout_ms)` runs one business request (`kind` in score | classify |
-embed |
-beam, `request` the keyword arguments of the matching `Engine` method) and returns its result. It
-owns
-admission (a bounded count of admitted requests → `Overloaded`/429) and deadlines (`Timeout`/504).
+embed | beam, `request` the keyword arguments of the matching `Engine` method) and returns its
+result. It owns admission (a bounded count of admitted requests → `Overloaded`/429) and deadlines
+(`Timeout`/504).
 
 Two backends, same contract:
 - an `Engine`: calls run on a small worker thread pool (never on the event loop); a request whose
   deadline passed while it waited is dropped before it reaches the model;
 - an `EngineRuntime` (`runtime.submit(kind, request, timeout_ms) -> concurrent.futures.Future`),
-  which
-  batches across requests and enforces deadlines itself (raising `DeadlineExceeded`).
+  which batches across requests and enforces deadlines itself (raising `DeadlineExceeded`).
 """
 
 from __future__ import annotations
@@ -91,8 +89,8 @@ class Infer:
         self._admitted -= 1
         self.metrics.inflight.set(self._admitted)
         # A request the client already got a 504 for still ends (often in DeadlineExceeded): mark
-        # its
-        # exception as seen, else asyncio logs "Future exception was never retrieved" for each one.
+        # its exception as seen, else asyncio logs "Future exception was never retrieved" for each
+        # one.
         if fut is not None and fut.done() and not fut.cancelled():
             fut.exception()
 
@@ -188,9 +186,8 @@ class Infer:
 def runtime_times(work: Any) -> list[tuple[str, float]]:
     """`Server-Timing` entries of a finished runtime request: its time in the runtime, then each node's
     run (and its wait for a worker or stream when there was one), in completion order. A batching
-    node's
-    run is split further: `<node>-batch-wait` (queued until its merged batch started, e.g. behind
-    the
+    node's run is split further: `<node>-batch-wait` (queued until its merged batch started, e.g.
+    behind the
     batch before it) and `<node>-batch-run` (that batch's run, shared with the requests merged into it)."""
     total = getattr(work, "total_ms", None)
     if total is None:

@@ -1,7 +1,6 @@
 """KServe v2 / Triton HTTP protocol: health, model metadata and `infer` (JSON and the Triton binary
 tensor extension, so `tritonclient.http` works unchanged with its defaults). Errors on these routes
-follow
-the KServe protocol, `{"error": "<message>"}`, which Triton clients parse.
+follow the KServe protocol, `{"error": "<message>"}`, which Triton clients parse.
 
 One model, three tasks (request parameter `task`, default from the inputs):
 - `score`: inputs `query` BYTES [1] (or INT64 token ids [L]), `items` BYTES [N] (or INT64 [N, L]),

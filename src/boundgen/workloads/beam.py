@@ -4,8 +4,7 @@ item-ID sequences of a `Trie` (DESIGN §4).
 Semantics match HF `generate(num_beams=W, max_new_tokens=S, min_new_tokens=S, length_penalty=0,
 early_stopping=False)`: scores are cumulative full-vocabulary log-probs; EOS is never a continuation
 (every result has exactly S tokens). With a trie, each step keeps only each beam's trie children;
-when
-fewer continuations than beams exist, the surplus beams die (score −inf) and are dropped from
+when fewer continuations than beams exist, the surplus beams die (score −inf) and are dropped from
 results.
 
 The prompt KV is computed once per prompt and shared by its beams; generated KV lives in a `BeamKV`

@@ -1,10 +1,8 @@
 """Label-token scoring (SGLang `/v1/score` semantics).
 
 sequence = query + item (item + query when `item_first`); result[i][j] = logit of label_token_ids[j]
-at
-item i's last token, or the softmax over the label ids when `apply_softmax`. Only the label columns
-of
-the LM head are multiplied. Query-first requests share the query as a cascade prefix.
+at item i's last token, or the softmax over the label ids when `apply_softmax`. Only the label
+columns of the LM head are multiplied. Query-first requests share the query as a cascade prefix.
 """
 
 from __future__ import annotations
