@@ -1,24 +1,22 @@
 """Model backends on W1–W4 (DESIGN §9): eager vs torch.compile vs AOTInductor (± CUDA graphs) vs HF eager.
 
-    python benchmarks/bench_backends.py --device cuda --out $OUT/backends.json           # H200, ≤
-    10 min python benchmarks/bench_backends.py --preset tiny --device cpu --variants eager compile
-    aoti \\
-        --buckets t64 t256-s16-m64-g2-p64-q128 --budget-s 300                            # CPU smoke
-        run
+    # H200, ≤ 10 min:
+    python benchmarks/bench_backends.py --device cuda --out $OUT/backends.json
+    # CPU smoke run:
+    python benchmarks/bench_backends.py --preset tiny --device cpu --variants eager compile aoti \\
+        --buckets t64 t256-s16-m64-g2-p64-q128 --budget-s 300
 
 Order (so one device call is enough and numbers are honest):
-1. model (random weights, cached), eager engine; 2. AOTInductor buckets: cache hits are verified,
-misses built in `--jobs` processes *before* any timing
-   (so compiles never share the machine with a timed run); compile time per bucket is reported, for
-   hits the time recorded when the artifact was built;
+1. model (random weights, cached), eager engine;
+2. AOTInductor buckets: cache hits are verified, misses built in `--jobs` processes *before* any
+   timing (so compiles never share the machine with a timed run); compile time per bucket is
+   reported, for hits the time recorded when the artifact was built;
 3. libstdc++ guard: a probe load in a child process; if loading needs the preload, the benchmark
-re-execs
-   itself with it (the time budget is absolute, so the re-exec does not extend it);
+   re-execs itself with it (the time budget is absolute, so the re-exec does not extend it);
 4. per workload: HF eager baseline, then every variant: max |Δ| of its scores vs boundgen eager,
-median /
-   p90 latency of the end-to-end call, host time per call (time until the call returns, no device
-   sync), throughput; padding per bucket; W4 = one beam decode step (W=16) eager vs CUDA graph, +
-   full beam.
+   median / p90 latency of the end-to-end call, host time per call (time until the call returns,
+   no device sync), throughput; padding per bucket; W4 = one beam decode step (W=16) eager vs CUDA
+   graph, + full beam.
 Every variant is guarded: one failure is recorded as {"error": ...} and the rest still run. The JSON
 is rewritten after every phase, so a timeout still leaves the numbers measured so far.
 """

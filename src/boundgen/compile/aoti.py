@@ -1,9 +1,10 @@
 """AOTInductor: export the packed forward per bucket, package it without weights, load it with shared weights.
 
-    build_package(model, bucket, path, device)   torch.export → aoti_compile_and_package (weights
-    not in .so) SharedWeights(model)                         FQN → the live model's tensors (one
-    copy for every bucket) AOTIBucket.load(path, weights)               aoti_load_package +
-    load_constants(user_managed=True)
+    build_package(model, bucket, path, device)  torch.export → aoti_compile_and_package
+                                                (weights not in the .so)
+    SharedWeights(model)                        FQN → the live model's tensors (one copy for
+                                                every bucket)
+    AOTIBucket.load(path, weights)              aoti_load_package + load_constants(user_managed=True)
 
 Weights stay out of the `.so` (`aot_inductor.package_constants_in_so: False`), so an artifact
 depends only on the graph (config, tensor names/shapes/dtypes, bucket, torch, device) and never on

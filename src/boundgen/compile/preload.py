@@ -15,7 +15,7 @@ before anything heavy runs.
                               process
     reexec_if_needed()        for CLI entry points: re-exec early if an earlier diagnosis said so
     cli_startup()             first thing in `boundgen serve`: re-exec-safe process +
-    reexec_if_needed
+                              reexec_if_needed
 
 `BOUNDGEN_AOTI_PRELOAD=off` disables the re-exec (the caller then gets `AOTIUnsafe` and falls back).
 """
