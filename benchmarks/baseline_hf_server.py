@@ -1,10 +1,11 @@
-"""The W5 baseline: the same `/v1/score` (and `/v1/rerank`) HTTP API, served by HF transformers eager (sdpa).
+"""The W5 baseline: the same `/v1/score` (and `/v1/rerank`) HTTP API, served by HF transformers eager
+(sdpa).
 
-Everything except the model call is boundgen's own server (schemas, limits, admission, metrics,
-uvicorn), so a side-by-side run measures the engine, not the web stack. Per request the baseline
-does what a user of transformers would write: left-pad query+item sequences into one batch, one
-forward with an attention mask and `logits_to_keep=1`, pick the label columns. Requests run one at a
-time on a worker thread.
+Everything except the model call is boundgen's own server and runtime (schemas, limits, admission,
+batching, metrics, uvicorn), so a side-by-side run measures the engine, not the web stack: the
+`Engine` runs an `HFRunner` instead of boundgen's runner. Per forward the runner does what a user of
+transformers would write: left-pad the full query+item sequences into one batch, one forward with an
+attention mask, take each sequence's last hidden state; the head multiplies the label columns.
 
     python benchmarks/baseline_hf_server.py --model DIR --device cuda --dtype bfloat16 --port 8001
 """
@@ -13,21 +14,27 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from boundgen.cliargs import add_dataclass_args, from_args
+from boundgen.config import DTYPES, EngineConfig, ModelConfig
+from boundgen.engine import Engine
+from boundgen.runner import split_groups
+from boundgen.runtime.memory import MemoryPools
 from boundgen.server.app import create_app
 from boundgen.server.config import ServerConfig
+from boundgen.settings import add_flags, from_args
+from boundgen.text.packing import SequenceGroup
 from boundgen.text.tokenizer import Tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+class HFRunner:
+    """`ModelRunner`'s interface over `AutoModelForCausalLM` (sdpa attention): rows and head only."""
 
-class HFScorer:
-    """An engine stand-in with `score` only, over `AutoModelForCausalLM` (sdpa attention)."""
+    backend_name = "hf-eager"
+    share_prefix = False
 
     def __init__(
         self,
@@ -40,46 +47,30 @@ class HFScorer:
 
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
-        self.model = (
+        self.hf = (
             AutoModelForCausalLM.from_pretrained(
                 self.model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa"
             )
             .to(self.device)
             .eval()
         )
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)  # same tokenization as boundgen
-        hf = self.model.config
-        self.config = types.SimpleNamespace(
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            task="causal_lm",
-            max_position_embeddings=hf.max_position_embeddings,
-            num_labels=0,
-            id2label=(),
-        )
-        self.model_name = self.model_dir.name
-        self.pad_id = 0
+        self.config = ModelConfig.from_dir(self.model_dir)
+        self.dtype = DTYPES[dtype]
         self.max_batch_tokens = max_batch_tokens
+        self.pools = MemoryPools(self.device)
+        self.pad_id = 0
 
     @torch.inference_mode()
-    def score(
-        self, query, items, label_token_ids, apply_softmax: bool = False, item_first: bool = False
-    ) -> list[list[float]]:
-        if isinstance(query, str) or (items and isinstance(items[0], str)):
-            raise ValueError("the HF baseline takes token ids (the server tokenizes text)")
-        seqs = [
-            list(item) + list(query) if item_first else list(query) + list(item) for item in items
-        ]
-        labels = torch.tensor(label_token_ids, device=self.device)
+    def rows(self, groups: list[SequenceGroup], pooling: str | list[str] = "last") -> torch.Tensor:
+        if "mean" in ([pooling] if isinstance(pooling, str) else pooling):
+            raise ValueError("the HF baseline pools the last token only")
+        seqs = [g.prefix + s for g in groups for s in g.suffixes]
         out = []
-        for chunk in _chunks(seqs, self.max_batch_tokens):
-            out.append(self._forward(chunk)[:, labels].float())
-        logits = torch.cat(out)
-        if apply_softmax:
-            logits = torch.softmax(logits, dim=-1)
-        return logits.cpu().tolist()
+        for chunk in split_groups([SequenceGroup([], seqs)], self.max_batch_tokens):
+            out.append(self._last_hidden([s for g in chunk for s in g.suffixes]))
+        return torch.cat(out)
 
-    def _forward(self, seqs: list[list[int]]) -> torch.Tensor:
+    def _last_hidden(self, seqs: list[list[int]]) -> torch.Tensor:
         n, length = len(seqs), max(len(s) for s in seqs)
         ids = torch.full((n, length), self.pad_id, dtype=torch.long)
         mask = torch.zeros((n, length), dtype=torch.long)
@@ -88,48 +79,48 @@ class HFScorer:
             mask[i, length - len(s) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1
-        ).logits
-        return logits[:, -1, :]
+        out = self.hf.model(input_ids=ids, attention_mask=mask, position_ids=positions)
+        return out.last_hidden_state[:, -1, :]
 
-    def _unsupported(self, *args, **kwargs):
+    @torch.inference_mode()
+    def head(self, rows: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.hf.get_output_embeddings().weight
+        if columns is not None:
+            w = w.index_select(0, torch.as_tensor(columns, device=w.device))
+        return F.linear(rows, w).float()
+
+    def decode(self, *args, **kwargs):
         raise ValueError("the HF baseline server implements /v1/score and /v1/rerank only")
 
-    classify = embed = beam_search = _unsupported
+    def stats(self) -> dict:
+        return {"backend": self.backend_name}
 
 
-def _chunks(seqs: list[list[int]], max_tokens: int):
-    start = 0
-    while start < len(seqs):
-        end, longest = start, 0
-        while end < len(seqs) and max(longest, len(seqs[end])) * (end - start + 1) <= max_tokens:
-            longest = max(longest, len(seqs[end]))
-            end += 1
-        end = max(end, start + 1)
-        yield seqs[start:end]
-        start = end
+def hf_engine(model_dir: str | Path, device: str = "cuda", dtype: str = "bfloat16") -> Engine:
+    """An `Engine` whose runner is HF transformers eager, with boundgen's tokenizer and runtime."""
+    runner = HFRunner(model_dir, device, dtype)
+    return Engine(runner, Tokenizer.from_dir(model_dir), EngineConfig(device=device), model_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    add_dataclass_args(parser, ServerConfig)
+    add_flags(parser, ServerConfig)
     args = parser.parse_args(argv)
-    config = from_args(ServerConfig, args, base=ServerConfig(port=8001, runtime=False)).validate()
+    config = from_args(ServerConfig, args, base=ServerConfig(port=8001)).validate()
     if not config.model:
         parser.error("--model is required")
-    scorer = HFScorer(config.model, args.device, args.dtype)
-    scorer.score([1, 2, 3], [[4, 5]] * 4, [6, 7])  # warm up kernels before the first request
+    engine = hf_engine(config.model, args.device, args.dtype)
+    engine.score([1, 2, 3], [[4, 5]] * 4, [6, 7])  # warm up kernels before the first request
     from boundgen.server.uvicorn import serve
 
     print(
-        f"HF baseline: {scorer.model_name} on {scorer.device} at http://{config.host}:{config.port}",
+        f"HF baseline: {engine.model_name} on {engine.device} at http://{config.host}:{config.port}",
         file=sys.stderr,
         flush=True,
     )
-    serve(create_app(scorer, config), config)
+    serve(create_app(engine, config), config)
     return 0
 
 

@@ -24,7 +24,6 @@ is rewritten after every phase, so a timeout still leaves the numbers measured s
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys
@@ -41,13 +40,8 @@ from boundgen import Engine
 from boundgen.checkpoints import ensure_model
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
-from boundgen.compile.runner import (
-    BucketedRunner,
-    CompileOptions,
-    aoti_slots,
-    eager_overrides,
-    make_runner,
-)
+from boundgen.compile.backends import CompiledForwards, CompileOptions, aoti_slots
+from boundgen.runner import ModelRunner, make_runner
 from boundgen.workloads.score import ScoreRequest, prepare_score
 
 # W3 prompt, W2 request (prefix 256 + 100 x 16), W1 chunks (≤ 8192 tokens) and W1's remainder
@@ -206,7 +200,7 @@ def main(argv=None) -> int:
         if args.model
         else ensure_model(args.preset, dtype=dtype_name, root=args.root, progress=False)
     )
-    engine = Engine.from_pretrained(path, device=args.device, dtype=dtype_name, **eager_overrides())
+    engine = Engine.from_pretrained(path, device=args.device, dtype=dtype_name, backend="eager")
     run.results.update(model=str(path), preset=args.preset, dtype=dtype_name)
     buckets = parse_buckets(args.buckets or DEFAULT_BUCKETS)
     run.results["buckets"] = [b.name for b in buckets]
@@ -321,7 +315,7 @@ def main(argv=None) -> int:
             lambda: e.score(query, items, labels), dev, args.iters, args.variant_budget_s
         )
         fwd = host_and_latency(
-            lambda: e.runner.hidden_rows(groups_of[name]),
+            lambda: e.runner.rows(groups_of[name]),
             dev,
             args.iters,
             args.variant_budget_s / 2,
@@ -376,9 +370,10 @@ def main(argv=None) -> int:
                 graph_max_tokens=args.graph_max_tokens,
                 warmup=False,
             )
-            e = copy.copy(engine)
+            cfg = engine.engine_config
+            runner = None
             if variant.startswith("compile"):  # first call per bucket = torch.compile time
-                e.runner = make_runner(
+                runner = make_runner(
                     engine.model,
                     dev,
                     engine.engine_config.max_batch_tokens,
@@ -395,31 +390,26 @@ def main(argv=None) -> int:
                             setup.append({"bucket": b.name, "skipped": "budget"})
                             continue
                         t1 = time.perf_counter()
-                        e.runner.fns[b](b.example(dev))
+                        runner.forwards.fns[b](b.example(dev))
                         common.sync(dev)
                         setup.append({"bucket": b.name, "compile_s": time.perf_counter() - t1})
                         warmed.append(b)
                 if not warmed:
                     raise RuntimeError("no bucket compiled within the budget")
                 # only warmed buckets: a cold one would compile inside a timed call
-                e.runner = BucketedRunner(
+                fns = {b: runner.forwards.fns[b] for b in warmed}
+                runner = ModelRunner(
                     engine.model,
                     dev,
-                    engine.engine_config.max_batch_tokens,
-                    engine.engine_config.share_prefix,
-                    warmed,
-                    {b: e.runner.fns[b] for b in warmed},
-                    "compile",
+                    CompiledForwards("compile", warmed, fns, True),
+                    cfg.max_batch_tokens,
+                    cfg.share_prefix,
                 )
             if variant != "compile":
-                e.runner = make_runner(
-                    engine.model,
-                    dev,
-                    engine.engine_config.max_batch_tokens,
-                    engine.engine_config.share_prefix,
-                    variant,
-                    opts,
+                runner = make_runner(
+                    engine.model, dev, cfg.max_batch_tokens, cfg.share_prefix, variant, opts
                 )
+            e = engine.with_runner(runner)
             return e, {"setup_s": time.perf_counter() - t0, "per_bucket": setup}
 
         made = run.guard(
@@ -435,7 +425,8 @@ def main(argv=None) -> int:
             t = run.guard(f"{name} {variant}", lambda name=name, e=e: measure(name, e))
             run.results["workloads"][name][variant] = t
             run.save()
-        if "w4" in args.workloads and getattr(e.runner, "decode_graphs", None) is not None:
+        decode = e.runner.forwards.decode if e.runner.forwards else None
+        if "w4" in args.workloads and decode is not None:
             w4 = run.results["workloads"].setdefault("W4", {}) or {}
             for b in (
                 1,
@@ -453,6 +444,7 @@ def main(argv=None) -> int:
                 )
             run.results["workloads"]["W4"] = w4
             run.save()
+        e.close()
         del e
 
     for name in work:

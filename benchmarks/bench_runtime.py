@@ -7,8 +7,8 @@ requests through the engine's score pipeline at 1/2/4/8/16 concurrent clients.
 Part 1 needs no model: pipelines of no-op nodes (chains of 1/4/8 nodes, a diamond with a join), run
 through `Executor.run` (the caller's thread does the work), `Executor.submit` (worker pool), and the
 direct call. Overhead = runtime time - direct time. Part 2 (skip with --no-engine): W2 (prefix 256 +
-100 candidates x 16 tokens, DESIGN §9) through `EngineRuntime` vs `Engine.score` directly, then
-closed-loop concurrency.
+100 candidates x 16 tokens, DESIGN §9) through the engine's runtime (`Engine.score`) vs the score
+pipeline's functions called directly on this thread, then closed-loop concurrency.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def engine_part(args) -> dict:
 
     from boundgen import Engine
     from boundgen.checkpoints import ensure_model
-    from boundgen.runtime.pipelines import EngineRuntime
     from boundgen.workloads.score import ScoreRequest
+    from boundgen.workloads.service import EngineRuntime
 
     path = args.model or ensure_model(args.preset, root=args.root, progress=False)
     engine = Engine.from_pretrained(path, device=args.device, dtype=args.dtype)
@@ -113,8 +113,13 @@ def engine_part(args) -> dict:
     labels = [100, 200]
     device = engine.device
 
+    req = ScoreRequest(query, items, labels)
+    context = engine.workload_context()
+    context.max_wait_ms = args.max_wait_ms
+
     def direct():
-        return engine.score(query, items, labels)
+        with torch.inference_mode():
+            return call_directly(engine.runtime.pipelines["score"], {"request": req})["scores"]
 
     out: dict = {
         "model": str(path),
@@ -126,18 +131,17 @@ def engine_part(args) -> dict:
     d = common.timed(direct, device, warmup=3, iters=args.iters)
     out["direct_ms"] = d
     results = {}
-    with EngineRuntime(engine, max_wait_ms=args.max_wait_ms, trace_requests=0) as rt:
-        r = common.timed(lambda: rt.score(query, items, labels), device, warmup=3, iters=args.iters)
+    with EngineRuntime(context, trace_requests=0) as rt:
+        r = common.timed(lambda: rt.run("score", req), device, warmup=3, iters=args.iters)
         out["runtime_1client_ms"] = r
         out["runtime_overhead_ms"] = r["median_ms"] - d["median_ms"]
         same = torch.allclose(
-            torch.tensor(rt.score(query, items, labels)),
+            torch.tensor(rt.run("score", req)),
             torch.tensor(direct()),
             atol=1e-3,
             rtol=1e-3,
         )
         out["same_result"] = bool(same)
-        req = ScoreRequest(query, items, labels)
         for c in args.concurrency:
             lat: list[float] = []
             lock = threading.Lock()

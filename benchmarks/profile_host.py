@@ -63,7 +63,7 @@ def main() -> int:
         f"varlen backend call: {per_call_us(lambda: backend.varlen(q, k, k, cu, cu, 64, 64, True)):.1f} us",
         f"aten._flash_attention_forward: {per_call_us(lambda: torch.ops.aten._flash_attention_forward(q, k, k, cu, cu, 64, 64, 0.0, True, False)):.1f} us",
         f"linear 64x896x4864: {per_call_us(lambda: torch.nn.functional.linear(torch.randn(64, 896, device='cuda', dtype=torch.bfloat16), engine.model.layers[0].mlp.gate_up_proj.weight)):.1f} us",
-        f"one forward, host only (no sync): {per_call_us(lambda: engine.runner.hidden_rows(groups), 20):.1f} us",
+        f"one forward, host only (no sync): {per_call_us(lambda: engine.runner.rows(groups), 20):.1f} us",
     ]
     try:
         lines.insert(

@@ -19,13 +19,14 @@ from boundgen.compile import preload
 from boundgen.compile.attention import MaskedBackend
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets, parse_buckets
 from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
-from boundgen.compile.runner import (
-    BucketedRunner,
+from boundgen.compile.backends import (
+    CompiledForwards,
     CompileOptions,
+    _eager_fns,
     aoti_slots,
     build_aoti,
-    make_runner,
 )
+from boundgen.runner import ModelRunner, make_runner, split_groups
 from boundgen.text.packing import SequenceGroup, pack
 
 BUCKET = Bucket.parse("t64-s12-m32-g3-p24-q24")
@@ -135,22 +136,22 @@ def aoti_cache(tmp_path_factory, engine_for):
 
 
 def _aoti_engine(engine, root, **kw):
-    e = copy.copy(engine)
-    e.runner = make_runner(
-        engine.model,
-        engine.device,
-        4096,
-        True,
-        "aoti",
-        CompileOptions(buckets=[BUCKET], cache_dir=root, **kw),
+    return engine.with_runner(
+        make_runner(
+            engine.model,
+            engine.device,
+            4096,
+            True,
+            "aoti",
+            CompileOptions(buckets=[BUCKET], cache_dir=root, **kw),
+        )
     )
-    return e
 
 
 def test_aoti_scores_match_eager(engine_for, aoti_cache):
     eager = engine_for("qwen2")
     aoti = _aoti_engine(eager, aoti_cache, rebuild=False)
-    assert isinstance(aoti.runner, BucketedRunner)
+    assert aoti.runner.backend_name == "aoti"
     query, items = "the quick brown fox", ["jumps over", "a lazy dog today", "x"]
     labels = [5, 17, 99]
     want = eager.score(query, items, labels, apply_softmax=True)
@@ -168,9 +169,9 @@ def test_aoti_scores_match_eager(engine_for, aoti_cache):
         torch.testing.assert_close(
             aoti.runner.forward(batch), eager.runner.forward(batch), atol=1e-5, rtol=1e-5
         )
-    # the runtime's path: pack_chunk (pack + pad on the host) → stage → forward on the padded batch
+    # the runtime's path: pieces (pack + pad on the host) → stage → forward on the padded batch
     batch = pack(_groups(4)[:2])  # two shared-prefix groups: fits BUCKET
-    (padded,) = aoti.runner.pack_chunk(_groups(4)[:2], share_prefix=True)
+    (padded,) = aoti.runner.pieces(_groups(4)[:2], ["last"] * 5)
     assert padded.num_tokens == BUCKET.tokens
     with torch.inference_mode():
         got = aoti.runner.forward(padded).index_select(0, padded.last_index)
@@ -194,7 +195,7 @@ def test_aoti_buckets_share_one_weight_copy(engine_for, aoti_cache):
         CompileOptions(buckets=None, cache_dir=aoti_cache, rebuild=False),
     )
     assert [b.name for b in runner.buckets] == [BUCKET.name]  # found through the manifest
-    fn = runner.fns[BUCKET]
+    fn = runner.forwards.fns[BUCKET]
     consts = fn.compiled.get_constant_fqns()
     assert consts and all(c.startswith("model.") for c in consts)
 
@@ -202,7 +203,7 @@ def test_aoti_buckets_share_one_weight_copy(engine_for, aoti_cache):
 def test_cache_hit_does_not_build(engine_for, aoti_cache, monkeypatch):
     engine = engine_for("qwen2")
     monkeypatch.setattr(
-        "boundgen.compile.runner.build_package",
+        "boundgen.compile.backends.build_package",
         lambda *a, **k: pytest.fail("cache hit must not rebuild"),
     )
     ((_, _, info),) = build_aoti(
@@ -368,42 +369,31 @@ def test_real_package_probe_loads(engine_for, aoti_cache):
 
 def test_chunks_resplit_to_fit_buckets(engine_for):
     """A chunk larger than every bucket is cut at the largest bucket when all pieces then fit, in
-    `hidden_rows` and in the runtime's forward node (both pack through `runner.pack_chunk`)."""
-    from boundgen.compile.runner import _eager_fns
-
+    `rows` and so in the runtime's forward node (both pack through `runner.pieces`)."""
     engine = engine_for("qwen2")
     buckets = parse_buckets(["t64-s8-m64-g2-p32-q16", "t128"])
-    runner = BucketedRunner(
-        engine.model,
-        engine.device,
-        32768,
-        True,
-        buckets,
-        _eager_fns(engine.model, buckets),
-        "compile",
-    )
+    forwards = CompiledForwards("compile", buckets, _eager_fns(engine.model, buckets), True)
+    runner = ModelRunner(engine.model, engine.device, forwards)
     g = torch.Generator().manual_seed(5)
     plain = [SequenceGroup([], [_ids(g, 50) for _ in range(9)])]
     with torch.inference_mode():
-        torch.testing.assert_close(runner.hidden_rows(plain), engine.runner.hidden_rows(plain))
+        torch.testing.assert_close(runner.rows(plain), engine.runner.rows(plain))
     s = runner.stats()
     assert s["misses"] == 0 and s["batches"] == {"t128-s4-m128": 5}
     # a shared prefix longer than any bucket's P: runs eagerly (counted), never split into 9
     # forwards
     shared = [SequenceGroup(_ids(g, 100), [_ids(g, 5) for _ in range(9)])]
     with torch.inference_mode():
-        torch.testing.assert_close(runner.hidden_rows(shared), engine.runner.hidden_rows(shared))
+        torch.testing.assert_close(runner.rows(shared), engine.runner.rows(shared))
     assert runner.stats()["misses"] == 1
-    (chunk,) = runner.split(
-        plain
-    )  # under the token budget: one chunk, cut into bucket-sized pieces
-    pieces = runner.pack_chunk(chunk, share_prefix=True)
+    # under the token budget: one chunk, cut into bucket-sized pieces
+    assert len(split_groups(plain, runner.max_batch_tokens)) == 1
+    pieces = list(runner.pieces(plain, ["last"] * 9))
     assert [p.num_tokens for p in pieces] == [128] * 5
     assert [sum(p.rows_per_group) for p in pieces] == [2] * 4 + [1]
-    assert len(runner.pack_chunk(runner.split(shared)[0], share_prefix=True)) == 1
+    assert len(list(runner.pieces(shared, ["last"] * 9))) == 1
     # through the runtime's forward node: same rows, every piece run by its bucket
-    compiled = copy.copy(engine)
-    compiled.runner = runner
+    compiled = engine.with_runner(runner)
     texts = [_ids(g, 50) for _ in range(9)]
     try:
         before = runner.stats()["batches"]["t128-s4-m128"]
@@ -454,10 +444,11 @@ def _decode_run(model, prompts, w, steps, session=None, seed=0):
             torch.arange(0, n + 1, w, dtype=torch.int32),
             w,
         )
+        lengths = batch.seq_len
     else:
-        batch, state = session.batch, session.state
+        lengths, state = session.prompt_lengths, session.state
     g = torch.Generator().manual_seed(seed)
-    base = torch.repeat_interleave(batch.seq_len, w)
+    base = torch.repeat_interleave(lengths, w)
     out = []
     for step in range(1, steps):
         tokens = torch.randint(1, 400, (n,), generator=g)

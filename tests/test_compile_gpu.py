@@ -5,13 +5,12 @@ The AOTInductor test compiles the tiny model once (≈ 40–80 s on the GPU mach
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from boundgen.compile.buckets import Bucket
-from boundgen.compile.runner import BucketedRunner, CompileOptions, make_runner
+from boundgen.compile.backends import CompileOptions
+from boundgen.runner import make_runner
 
 pytestmark = pytest.mark.gpu
 
@@ -56,16 +55,17 @@ def _scores(engine):
 
 
 def test_eager_graphs_match_eager(cuda_engine):
-    e = copy.copy(cuda_engine)
-    e.runner = make_runner(
-        cuda_engine.model,
-        cuda_engine.device,
-        4096,
-        True,
-        "eager+graphs",
-        CompileOptions(buckets=BUCKETS, graph_max_tokens=128),
+    e = cuda_engine.with_runner(
+        make_runner(
+            cuda_engine.model,
+            cuda_engine.device,
+            4096,
+            True,
+            "eager+graphs",
+            CompileOptions(buckets=BUCKETS, graph_max_tokens=128),
+        )
     )
-    assert isinstance(e.runner, BucketedRunner)
+    assert e.runner.backend_name == "eager+graphs"
     for _ in range(2):  # replays reuse the static buffers
         torch.testing.assert_close(_scores(e), _scores(cuda_engine), atol=2e-2, rtol=0)
     torch.testing.assert_close(
@@ -78,17 +78,18 @@ def test_eager_graphs_match_eager(cuda_engine):
 
 def test_auto_on_cuda_is_eager_graphs_without_artifacts(cuda_engine, tmp_path):
     """The default backend on CUDA with an empty artifact cache: eager + CUDA graphs, same scores."""
-    e = copy.copy(cuda_engine)
-    e.runner = make_runner(
-        cuda_engine.model,
-        cuda_engine.device,
-        4096,
-        True,
-        "auto",
-        CompileOptions(cache_dir=tmp_path),
+    e = cuda_engine.with_runner(
+        make_runner(
+            cuda_engine.model,
+            cuda_engine.device,
+            4096,
+            True,
+            "auto",
+            CompileOptions(cache_dir=tmp_path),
+        )
     )
     assert e.runner.backend_name == "eager+graphs"
-    assert max(b.tokens for b in e.runner.buckets) <= CompileOptions().graph_max_tokens
+    assert max(b.tokens for b in e.runner.forwards.buckets) <= CompileOptions().graph_max_tokens
     torch.testing.assert_close(
         _scores(e), _scores(cuda_engine), atol=2e-2, rtol=0
     )  # cascade: eager
@@ -102,9 +103,8 @@ def test_aoti_cuda_matches_eager(cuda_engine, tmp_path):
     from boundgen.compile.preload import AOTIUnsafe
 
     for backend in ("aoti", "aoti+graphs"):
-        e = copy.copy(cuda_engine)
         try:
-            e.runner = make_runner(
+            runner = make_runner(
                 cuda_engine.model,
                 cuda_engine.device,
                 4096,
@@ -116,6 +116,7 @@ def test_aoti_cuda_matches_eager(cuda_engine, tmp_path):
             )
         except AOTIUnsafe as exc:  # the guard worked (no segfault); the process needs the preload
             pytest.skip(f"AOTInductor load needs a preload in this process: {exc}")
+        e = cuda_engine.with_runner(runner)
         torch.testing.assert_close(_scores(e), _scores(cuda_engine), atol=2e-2, rtol=0)
         assert e.runner.stats()["misses"] == 0
 

@@ -22,18 +22,22 @@ pytest.importorskip("fastapi")
 
 from boundgen.config import EngineConfig
 from boundgen.serve_ray import (
-    INSTALL_HINT,
     REPLICA_HEADER,
     RayNotInstalled,
-    RayServeConfig,
-    add_ray_arguments,
+    builder_settings,
     deployment_options,
-    load_configs,
     replica_engine_config,
     require_ray,
+)
+from boundgen.server.config import (
+    RAY_INSTALL_HINT,
+    RayServeConfig,
+    ServerConfig,
+    add_serve_flags,
+    load_settings,
+    settings_from_args,
     wants_ray,
 )
-from boundgen.server.config import ServerConfig
 
 # ---------------------------------------------------------------------------------- without Ray
 
@@ -89,20 +93,20 @@ def test_one_config_file_for_server_engine_and_ray(tmp_path):
         "engine: {device: cuda, dtype: bfloat16}\n"
         "ray: {min_replicas: 2, max_replicas: 16, target_ongoing_requests: 24}\n"
     )
-    server, engine, ray_cfg = load_configs(path)
+    settings = load_settings(path)
+    server, engine, ray_cfg = settings.server, settings.engine, settings.ray
     assert (server.model, server.port, server.max_queue) == ("/models/m", 9000, 300)
     assert (engine.device, engine.dtype) == ("cuda", "bfloat16")
     assert ray_cfg == RayServeConfig(min_replicas=2, max_replicas=16, target_ongoing_requests=24)
+    assert settings.ray_section
     bad = tmp_path / "bad.yaml"
     bad.write_text("ray: {replica: 2}\n")
     with pytest.raises(ValueError, match="unknown keys \\['replica'\\]"):
-        load_configs(bad)
+        load_settings(bad)
 
 
 def test_kuberay_manifest_args_build_the_same_configs():
     import yaml
-
-    from boundgen.serve_ray import configs_from_builder_args
 
     root = Path(__file__).resolve().parents[1]
     docs = list(yaml.safe_load_all((root / "deploy" / "kuberay-rayservice.yaml").read_text()))
@@ -110,7 +114,8 @@ def test_kuberay_manifest_args_build_the_same_configs():
     serve_cfg = yaml.safe_load(service["spec"]["serveConfigV2"])
     app = serve_cfg["applications"][0]
     assert app["import_path"] == "boundgen.serve_ray:app_builder"
-    server, engine, ray_cfg = configs_from_builder_args(app["args"])
+    settings = builder_settings(app["args"])
+    server, engine, ray_cfg = settings.server, settings.engine, settings.ray
     assert server.model and engine.device == "cuda" and ray_cfg.autoscaling
     opts = deployment_options(server, engine, ray_cfg)
     assert opts["ray_actor_options"]["num_gpus"] == 1
@@ -125,16 +130,22 @@ def test_kuberay_manifest_args_build_the_same_configs():
 
 def test_flags_and_when_ray_is_used(tmp_path):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", default=None)
-    add_ray_arguments(parser)
-    args = parser.parse_args(["--replicas", "3", "--target-ongoing-requests", "16"])
-    assert wants_ray(args) and args.replicas == 3 and args.target_ongoing_requests == 16
-    assert not wants_ray(parser.parse_args([]))
-    assert wants_ray(parser.parse_args(["--ray"]))
-    assert not wants_ray(parser.parse_args(["--replicas", "2", "--no-ray"]))
+    add_serve_flags(parser)
+
+    def ray(*argv: str) -> bool:
+        args = parser.parse_args(argv)
+        return wants_ray(args, settings_from_args(args))
+
+    args = parser.parse_args(["--replicas", "3", "--max-replicas", "5"])
+    assert settings_from_args(args).ray == RayServeConfig(replicas=3, max_replicas=5)
+    assert ray("--replicas", "3") and not ray()
+    assert ray("--ray")
+    assert not ray("--replicas", "2", "--no-ray")
     path = tmp_path / "c.toml"
     path.write_text("port = 8001\n[ray]\nreplicas = 2\n")
-    assert wants_ray(parser.parse_args(["--config", str(path)]))
+    assert ray("--config", str(path))
+    path.write_text("port = 8001\ntarget_ongoing_requests = 16\n")  # a ray key, no ray section
+    assert not ray("--config", str(path))
 
 
 def test_without_ray_the_error_says_how_to_install(monkeypatch):
@@ -146,12 +157,12 @@ def test_without_ray_the_error_says_how_to_install(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_ray)
-    with pytest.raises(RayNotInstalled, match=re.escape(INSTALL_HINT)):
+    with pytest.raises(RayNotInstalled, match=re.escape(RAY_INSTALL_HINT)):
         require_ray()
     assert issubclass(RayNotInstalled, RuntimeError)  # the CLI prints it as one line
     from boundgen.serve_ray import build_app
 
-    with pytest.raises(RayNotInstalled, match=re.escape(INSTALL_HINT)):
+    with pytest.raises(RayNotInstalled, match=re.escape(RAY_INSTALL_HINT)):
         build_app("/nonexistent")
 
 
@@ -229,7 +240,7 @@ def _spray(url: str, reqs: list[tuple[str, dict]], timeout_s: float = 60.0):
 
 @pytest.fixture(scope="module")
 def ray_server(tmp_path_factory):
-    pytest.importorskip("ray.serve", reason=f"Ray Serve not installed ({INSTALL_HINT})")
+    pytest.importorskip("ray.serve", reason=f"Ray Serve not installed ({RAY_INSTALL_HINT})")
     import ray
 
     from boundgen.serve_ray import shutdown, start

@@ -21,11 +21,8 @@ from boundgen.runtime import (
     Pipeline,
     PipelineError,
     call_directly,
-    get_node,
     node,
     node_from_function,
-    register_node,
-    unregister_node,
 )
 
 # ---- a small "business request": tokenize -> (model || features) -> post
@@ -114,8 +111,6 @@ def test_unknown_names_rejected():
         _n("a", ["x"], ["y"], bind={"nope": "x"})
     with pytest.raises(PipelineError, match=r"output 'z' names unknown value 'z'"):
         Pipeline("p", ["x"], [_n("a", ["x"], ["y"])], ["z"])
-    with pytest.raises(PipelineError, match=r"unknown node type 'no_such'"):
-        get_node("no_such")
 
 
 def test_duplicates_rejected():
@@ -332,37 +327,24 @@ def test_bad_inputs_are_rejected_clearly(ex):
 # ----------------------------------------------------------------------------------------
 
 
-def test_user_registered_post_logic_node(ex):
-    @register_node("top_n", outputs="top")
+def test_user_post_logic_node_extends_a_pipeline(ex):
+    @node(outputs="top")
     def top_n(scores: list[float], n: int) -> list[int]:
         return sorted(range(len(scores)), key=lambda i: -scores[i])[:n]
 
-    try:
-        assert top_n([0.1, 0.9, 0.5], 2) == [1, 2]  # still a plain function
-        base = Pipeline(
-            "scorer",
-            {"items": list},
-            [
-                node_from_function(
-                    lambda items: [len(s) / 10 for s in items], name="score", outputs="scores"
-                )
-            ],
-            ["scores"],
-        )
-        pipe = base.with_inputs(n=int).extend(get_node("top_n"), outputs=["scores", "top"])
-        out = ex.run(pipe, {"items": ["aaa", "a", "aaaaa", "aa"], "n": 2})
-        assert out == {"scores": [0.3, 0.1, 0.5, 0.2], "top": [2, 0]}
-        spec = {
-            "name": "from_yaml",
-            "inputs": ["scores", "n"],
-            "nodes": [{"use": "top_n"}],
-            "outputs": ["top"],
-        }
-        assert ex.run(Pipeline.from_spec(spec), {"scores": [1.0, 3.0], "n": 1}) == {"top": [1]}
-        with pytest.raises(PipelineError, match="already registered"):
-            register_node("top_n")(top_n)
-    finally:
-        unregister_node("top_n")
+    base = Pipeline(
+        "scorer",
+        {"items": list},
+        [
+            node_from_function(
+                lambda items: [len(s) / 10 for s in items], name="score", outputs="scores"
+            )
+        ],
+        ["scores"],
+    )
+    pipe = base.with_inputs(n=int).extend(top_n, outputs=["scores", "top"])
+    out = ex.run(pipe, {"items": ["aaa", "a", "aaaaa", "aa"], "n": 2})
+    assert out == {"scores": [0.3, 0.1, 0.5, 0.2], "top": [2, 0]}
 
 
 # ---- memory pools

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from boundgen.runtime import DeadlineExceeded, NodeError, node
-from boundgen.runtime.pipelines import EngineRuntime, build_pipelines
 from boundgen.workloads.beam import BeamRequest
+from boundgen.workloads.classify import ClassifyRequest
 from boundgen.workloads.embed import EmbedRequest, MLPHead
+from boundgen.workloads.registry import build_pipelines
 from boundgen.workloads.score import ScoreRequest
+from boundgen.workloads.service import EngineRuntime
 from boundgen.workloads.trie import Trie
 
 QUERY = "the user searched for running shoes"
@@ -30,32 +32,49 @@ def _close(a, b, tol=1e-5):
     return torch.allclose(torch.as_tensor(a), torch.as_tensor(b), atol=tol, rtol=0)
 
 
+def _runtime(engine, max_wait_ms: float = 0.0, **kw) -> EngineRuntime:
+    context = engine.workload_context()
+    context.max_wait_ms = max_wait_ms
+    return EngineRuntime(context, **kw)
+
+
+def _score(rt, *args, timeout_ms=None, **kw):
+    return rt.run("score", ScoreRequest(*args, **kw), timeout_ms)
+
+
+def _embed(rt, texts, **kw):
+    return rt.run("embed", EmbedRequest(texts, **kw))
+
+
+def _beam(rt, prompt, width, steps, trie=None):
+    return rt.run("beam", BeamRequest([prompt], width, steps, trie=trie))[0]
+
+
 @pytest.fixture(scope="module")
 def runtime(engine_for):
-    rt = EngineRuntime(engine_for("qwen2"), cpu_workers=4, max_wait_ms=5.0, trace_requests=256)
+    rt = _runtime(engine_for("qwen2"), max_wait_ms=5.0, cpu_workers=4, trace_requests=256)
     yield rt
     rt.close()
 
 
 def test_pipelines_match_engine(runtime, engine_for):
+    """A runtime that batches across requests (5 ms window) answers like the engine's own calls."""
     eng = engine_for("qwen2")
-    assert set(build_pipelines(eng)) == {"score", "classify", "embed", "beam"}
+    assert set(build_pipelines(eng.workload_context())) == {"score", "classify", "embed", "beam"}
     for softmax in (False, True):
         for item_first in (False, True):
             assert _close(
-                runtime.score(QUERY, ITEMS, LABELS, softmax, item_first),
+                _score(runtime, QUERY, ITEMS, LABELS, softmax, item_first),
                 eng.score(QUERY, ITEMS, LABELS, softmax, item_first),
             )
     for pooling in ("last", "mean"):
         assert _close(
-            runtime.embed(ITEMS, pooling=pooling, normalize=True),
+            _embed(runtime, ITEMS, pooling=pooling, normalize=True),
             eng.embed(ITEMS, pooling=pooling, normalize=True),
         )
-    assert runtime.beam_search("hello there", 4, 3) == eng.beam_search("hello there", 4, 3)
+    assert _beam(runtime, "hello there", 4, 3) == eng.beam_search("hello there", 4, 3)
     trie = Trie.from_sequences([[1, 2, 3], [1, 2, 4], [5, 6, 7], [5, 8, 9]])
-    assert runtime.beam_search("hello", 3, 3, trie=trie) == eng.beam_search(
-        "hello", 3, 3, trie=trie
-    )
+    assert _beam(runtime, "hello", 3, 3, trie=trie) == eng.beam_search("hello", 3, 3, trie=trie)
     # request objects and dicts work through the generic entry points too
     assert _close(
         runtime.run("score", {"query": QUERY, "items": ITEMS, "label_token_ids": LABELS}),
@@ -65,17 +84,20 @@ def test_pipelines_match_engine(runtime, engine_for):
 
 def test_classify_pipeline(engine_for):
     eng = engine_for("qwen2", seq_cls=3)
-    with EngineRuntime(eng, cpu_workers=2) as rt:
-        assert _close(rt.classify(ITEMS), eng.classify(ITEMS))
+    with _runtime(eng, cpu_workers=2) as rt:
+        logits = rt.run("classify", ClassifyRequest(ITEMS))
+        assert _close(logits, eng.classify(ITEMS))
+        probs = rt.run("classify", ClassifyRequest(ITEMS, softmax=True))
+        assert _close(probs, torch.softmax(torch.tensor(logits), -1))
         with pytest.raises(ValueError, match="needs a \\*ForCausalLM"):
-            rt.score(QUERY, ITEMS, LABELS)
+            _score(rt, QUERY, ITEMS, LABELS)
 
 
 def test_embed_with_mlp_head_node(runtime, engine_for):
     eng = engine_for("qwen2")
     torch.manual_seed(0)
     head = MLPHead([eng.config.hidden_size, 8, 2], "relu", "sigmoid")
-    out = runtime.embed(ITEMS, head=head)
+    out = runtime.run("embed", EmbedRequest(ITEMS), head=head)
     assert out.shape == (len(ITEMS), 2)
     assert _close(out, eng.embed(ITEMS, head=head))
     # a dict request (as the server sends) may carry pipeline inputs such as `head` beside its
@@ -139,20 +161,20 @@ def test_16_clients_mixed_requests_match_sequential_and_get_batched(runtime, eng
 
 def test_input_errors_are_value_errors_and_runtime_keeps_serving(runtime):
     with pytest.raises(ValueError, match="items is empty"):
-        runtime.score(QUERY, [], LABELS)
+        _score(runtime, QUERY, [], LABELS)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        runtime.score(QUERY, ITEMS, [10**9])
+        _score(runtime, QUERY, ITEMS, [10**9])
     with pytest.raises(ValueError, match="unknown pipeline 'nope'"):
         runtime.run("nope", {})
     with pytest.raises(ValueError, match="unknown pooling"):
-        runtime.embed(ITEMS, pooling="max")
-    assert len(runtime.score(QUERY, ITEMS, LABELS)) == len(ITEMS)
+        _embed(runtime, ITEMS, pooling="max")
+    assert len(_score(runtime, QUERY, ITEMS, LABELS)) == len(ITEMS)
 
 
 def test_deadline_on_engine_pipeline(runtime):
     with pytest.raises(DeadlineExceeded, match="pipeline 'score'"):
-        runtime.score(QUERY, ITEMS, LABELS, timeout_ms=0.001)
-    assert len(runtime.score(QUERY, ITEMS, LABELS, timeout_ms=60_000)) == len(ITEMS)
+        _score(runtime, QUERY, ITEMS, LABELS, timeout_ms=0.001)
+    assert len(_score(runtime, QUERY, ITEMS, LABELS, timeout_ms=60_000)) == len(ITEMS)
 
 
 def test_user_post_logic_on_score_pipeline(runtime, engine_for):
@@ -192,8 +214,8 @@ def test_user_post_logic_on_score_pipeline(runtime, engine_for):
 
 def test_trace_of_engine_requests(runtime, tmp_path):
     runtime.executor.tracer.clear()
-    runtime.score(QUERY, ITEMS, LABELS)
-    runtime.embed(ITEMS)
+    _score(runtime, QUERY, ITEMS, LABELS)
+    _embed(runtime, ITEMS)
     import json
 
     runtime.export_trace(tmp_path / "t.json")
@@ -213,17 +235,17 @@ def test_pipelines_on_cuda(tiny_model):
     eng = Engine.from_pretrained(
         tiny_model("qwen2"), device="cuda", dtype="float32", attention="reference"
     )
-    with EngineRuntime(eng, max_wait_ms=2.0) as rt:
+    with _runtime(eng, max_wait_ms=2.0) as rt:
         futs = [
             rt.submit("score", ScoreRequest(QUERY, ITEMS[: i % 5 + 1], LABELS)) for i in range(32)
         ]
         for i, f in enumerate(futs):
             assert _close(f.result(timeout=60), eng.score(QUERY, ITEMS[: i % 5 + 1], LABELS), 1e-4)
         for i in range(20):  # warm-up: every staging bucket these sizes use
-            rt.score(QUERY, ITEMS[: i % 5 + 1], LABELS)
+            _score(rt, QUERY, ITEMS[: i % 5 + 1], LABELS)
         before = rt.executor.pools.stats()["allocations"]
         for i in range(200):
-            rt.score(QUERY, ITEMS[: i % 5 + 1], LABELS)
+            _score(rt, QUERY, ITEMS[: i % 5 + 1], LABELS)
         assert rt.executor.pools.stats()["allocations"] == before  # pinned/device staging reused
 
 
@@ -231,7 +253,7 @@ def test_staged_views_start_on_16_byte_boundaries():
     """AOTInductor kernels assume 16-byte aligned inputs (else a copy + warning per call): the packed
     staging buffer must place every tensor, e.g. cu_prefix after a 129-entry cu_seqlens, on a boundary."""
     from boundgen.runtime.memory import Lease, MemoryPools
-    from boundgen.runtime.pipelines import _stage_many
+    from boundgen.runner import _stage_many
 
     lease = Lease(MemoryPools("cpu"))
     ints = [

@@ -25,8 +25,8 @@ from fastapi.testclient import TestClient
 
 from boundgen import Engine, Trie
 from boundgen.server.app import create_app
-from boundgen.server.config import ServerConfig, config_from_dict, load_config_file
-from boundgen.server.testing import SlowEngine, tiny_model_dir
+from boundgen.server.config import ServerConfig, load_settings
+from boundgen.server.testing import slow_engine, tiny_model_dir
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 MODEL = "tiny-server-test"
@@ -50,16 +50,14 @@ def trie_path(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=["runtime", "direct"])
-def client(request, engine, trie_path):
-    """The app served through the DAG runtime, and with the engine called directly."""
+@pytest.fixture(scope="module")
+def client(engine, trie_path):
     app = create_app(
         engine,
         ServerConfig(
             tries=(f"catalog={trie_path}",),
             max_body_bytes=1 << 16,
             max_item_tokens=64,
-            runtime=request.param == "runtime",
         ),
     )
     with TestClient(app) as c:
@@ -386,15 +384,10 @@ def test_models_health_metrics(client):
     client.post("/v1/score", json={"query": [1], "items": [[2]], "label_token_ids": [3]})
     client.post("/v1/score", json={"query": [1], "items": [[-2]], "label_token_ids": [3]})
     text = client.get("/metrics").text
-    node_hist = (
-        "boundgen_runtime_node_seconds_bucket"
-        if "boundgen_runtime_inflight" in text
-        else "boundgen_node_seconds_bucket"
-    )
     for name in (
         "boundgen_request_seconds_bucket",
-        node_hist,
-        "boundgen_queue_depth",
+        "boundgen_runtime_node_seconds_bucket",
+        "boundgen_inflight",
         "boundgen_batch_tokens",
         "boundgen_items_total",
         "boundgen_errors_total",
@@ -413,29 +406,20 @@ def test_server_timing_header(client, engine):
     )
     timing = parse_server_timing(r.headers["server-timing"])
     assert r.headers["server-timing"].startswith("app;dur=")
-    through_runtime = client.app.state.boundgen.infer.runtime is not None
-    inner = (
-        {
-            "runtime",
-            "prepare",
-            "forward",
-            "forward-batch-wait",
-            "forward-batch-run",
-            "head",
-            "finish",
-        }
-        if through_runtime
-        else {"queue", "score"}
-    )
+    inner = {
+        "runtime",
+        "prepare",
+        "forward",
+        "forward-batch-wait",
+        "forward-batch-run",
+        "head",
+        "finish",
+    }
     assert inner <= set(timing), timing
     assert all(v >= 0 for v in timing.values())
-    assert timing["runtime" if through_runtime else "score"] <= timing["app"]
-    if (
-        through_runtime
-    ):  # the batching node's run = waiting for its batch + the batch's run (+ hand-offs)
-        assert (
-            timing["forward-batch-wait"] + timing["forward-batch-run"] <= timing["forward"] + 0.01
-        )
+    assert timing["runtime"] <= timing["app"]
+    # the batching node's run = waiting for its batch + the batch's run (+ hand-offs)
+    assert timing["forward-batch-wait"] + timing["forward-batch-run"] <= timing["forward"] + 0.01
     bad = client.post("/v1/score", json={"query": [1], "items": [[-2]], "label_token_ids": [3]})
     assert set(parse_server_timing(bad.headers["server-timing"])) == {
         "app"
@@ -476,7 +460,7 @@ async def _concurrent(app, requests):
 
 
 def test_overload_sheds_with_429_and_accepted_succeed(engine):
-    app = create_app(SlowEngine(engine, 0.2), ServerConfig(max_queue=2, retry_after_s=3))
+    app = create_app(slow_engine(engine, 0.2), ServerConfig(max_queue=2, retry_after_s=3))
     body = {"query": [1, 2], "items": [[3]], "label_token_ids": [4]}
     responses = asyncio.run(_concurrent(app, [("/v1/score", body)] * 8))
     codes = sorted(r.status_code for r in responses)
@@ -490,7 +474,7 @@ def test_overload_sheds_with_429_and_accepted_succeed(engine):
 
 
 def test_timeout_504_and_event_loop_stays_free(engine):
-    app = create_app(SlowEngine(engine, 0.6), ServerConfig(timeout_ms=5000))
+    app = create_app(slow_engine(engine, 0.6), ServerConfig(timeout_ms=5000))
 
     async def run():
         transport = httpx.ASGITransport(app=app)
@@ -520,32 +504,31 @@ def test_config_file_and_validation(tmp_path):
     (tmp_path / "s.yaml").write_text(
         "port: 9001\nmax_queue: 7\ntries: {a: /x}\nengine:\n  max_items: 12\n"
     )
-    server, eng = load_config_file(tmp_path / "s.yaml")
+    settings = load_settings(tmp_path / "s.yaml")
+    server, eng = settings.server, settings.engine
     assert server.port == 9001 and server.max_queue == 7 and server.tries == ("a=/x",)
     assert eng.max_items == 12
     (tmp_path / "s.toml").write_text('host = "0.0.0.0"\ndevice = "cpu"\n')
-    server, eng = load_config_file(tmp_path / "s.toml")
-    assert server.host == "0.0.0.0" and eng.device == "cpu"
+    settings = load_settings(tmp_path / "s.toml")
+    assert settings.server.host == "0.0.0.0" and settings.engine.device == "cpu"
     with pytest.raises(ValueError, match="unknown keys"):
-        config_from_dict({"nope": 1})
+        load_settings({"nope": 1})
     with pytest.raises(ValueError, match="max_queue"):
-        config_from_dict({"max_queue": 0})
+        load_settings({"max_queue": 0})
     assert ServerConfig().host == "127.0.0.1"
 
 
 def test_default_model_is_the_demo_with_its_catalog_trie():
-    from boundgen.commands import serve
     from boundgen.demo import default_model_path, default_trie_path
-    from boundgen.server.config import ServerConfig
 
-    path, config = serve.resolve_model(ServerConfig())
+    path, config = ServerConfig().with_default_model()
     assert path == default_model_path() and (path / "config.json").exists()
     assert config.tries == (f"catalog={default_trie_path()}",)
-    given, kept = serve.resolve_model(ServerConfig(model="/some/dir", tries=("x=/t.jsonl",)))
+    given, kept = ServerConfig(model="/some/dir", tries=("x=/t.jsonl",)).with_default_model()
     assert str(given) == "/some/dir" and kept.tries == ("x=/t.jsonl",)
 
 
-def test_deadline_504_on_both_paths(client):
+def test_deadline_504(client):
     items = [[(7 * i + j) % 2000 + 1 for j in range(48)] for i in range(64)]
     r = client.post(
         "/v1/score",
@@ -567,7 +550,7 @@ def test_deadline_504_on_both_paths(client):
 
 def test_serve_flags_override_config_file(tmp_path):
     from boundgen.cli import build_parser
-    from boundgen.commands.serve import resolve_configs
+    from boundgen.server.config import settings_from_args
 
     (tmp_path / "c.toml").write_text("port = 9100\nmax_queue = 5\n[engine]\nmax_items = 7\n")
     args = build_parser().parse_args(
@@ -579,12 +562,14 @@ def test_serve_flags_override_config_file(tmp_path):
             "9200",
             "--device",
             "cpu",
-            "--no-runtime",
+            "--batch-max-wait-ms",
+            "2",
         ]
     )
-    server, engine = resolve_configs(args)
-    assert (server.port, server.max_queue, server.runtime) == (9200, 5, False)
-    assert (engine.max_items, engine.device) == (7, "cpu")
+    settings = settings_from_args(args)
+    server, engine = settings.server, settings.engine
+    assert (server.port, server.max_queue) == (9200, 5)
+    assert (engine.max_items, engine.device, engine.batch_max_wait_ms) == (7, "cpu", 2.0)
 
 
 def test_openapi_documents_request_bodies(client):

@@ -198,11 +198,9 @@ def client(tmp_path_factory):
         max_beam_steps=4,
     )
     assert engine.config.vocab_size == VOCAB
-    # Direct engine path: no request here may reach the model, so nothing waits on it.
     app = create_app(
         engine,
         ServerConfig(
-            runtime=False,
             max_item_tokens=16,
             max_query_tokens=48,
             max_label_tokens=64,

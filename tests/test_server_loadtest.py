@@ -28,7 +28,7 @@ from boundgen.loadtest import (
 )
 from boundgen.server.app import create_app
 from boundgen.server.config import ServerConfig
-from boundgen.server.testing import SlowEngine, free_port, tiny_model_dir
+from boundgen.server.testing import free_port, slow_engine, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -138,13 +138,11 @@ def test_hf_baseline_server_matches_engine(model_dir):
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:
-        from baseline_hf_server import HFScorer
+        from baseline_hf_server import hf_engine
     finally:
         sys.path.pop(0)
     engine = Engine.from_pretrained(model_dir, device="cpu", dtype="float32")
-    with TestClient(
-        create_app(HFScorer(model_dir, "cpu", "float32"), ServerConfig(runtime=False))
-    ) as c:
+    with TestClient(create_app(hf_engine(model_dir, "cpu", "float32"))) as c:
         for body in (
             {
                 "query": "the user likes",
@@ -174,8 +172,8 @@ def test_hf_baseline_server_matches_engine(model_dir):
 
 
 def test_loadtest_stops_at_saturation(model_dir):
-    engine = SlowEngine(Engine.from_pretrained(model_dir, device="cpu"), 0.25)
-    app = create_app(engine, ServerConfig(runtime=False, max_queue=4))
+    engine = slow_engine(Engine.from_pretrained(model_dir, device="cpu"), 0.25)
+    app = create_app(engine, ServerConfig(max_queue=4))
     lines = []
     with _ThreadServer(app) as srv:
         cfg = LoadConfig(

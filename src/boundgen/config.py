@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from boundgen.models.registry import lookup_architecture
+from boundgen.settings import option
 
 # The dtypes a checkpoint may be written in or run with, by their config/CLI names.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -156,21 +157,18 @@ class ModelConfig:
         return cls.from_hf(json.loads(p.read_text()))
 
 
-def _opt(default, help: str, **meta):
-    return field(default=default, metadata={"help": help, **meta})
-
-
 @dataclass(frozen=True)
 class EngineConfig:
-    """How an `Engine` runs a checkpoint. Every field is also a CLI flag (`boundgen.cliargs`)."""
+    """How an `Engine` runs a checkpoint. Fields are flags of every engine command and keys of the
+    `engine:` section of a config file (`boundgen.settings`); `flag=False` ones are config-file only."""
 
-    device: str = _opt("cpu", "cpu, cuda or cuda:N")
-    dtype: str | None = _opt(
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    dtype: str | None = option(
         None,
         "float32 | bfloat16 | float16 (default: float32 on CPU, the checkpoint's dtype on CUDA)",
     )
-    attention: str = _opt("auto", "attention backend: auto | reference | varlen")
-    backend: str = _opt(
+    attention: str = option("auto", "attention backend: auto | reference | varlen")
+    backend: str = option(
         "auto",
         "model backend: auto | eager | compile | aoti; on CUDA also eager+graphs | compile+graphs | "
         "aoti+graphs (auto on CUDA: aoti+graphs when its buckets are cached and load safely, else "
@@ -185,31 +183,45 @@ class EngineConfig:
             "aoti+graphs",
         ),
     )
-    compile_buckets: str | None = _opt(
+    compile_buckets: str | None = option(
         None, "buckets for compile/aoti, e.g. 't64,t8192-s256-m512' (aoti default: the cached ones)"
     )
-    compile_cache: str | None = _opt(
-        None, "compiled-artifact cache (default: $BOUNDGEN_CACHE/compiled)"
+    compile_cache: str | None = option(
+        None, "compiled-artifact cache (default: $BOUNDGEN_CACHE/compiled)", flag=False
     )
-    max_seq_len: int | None = _opt(None, "longest sequence accepted (default: the model's maximum)")
-    max_batch_tokens: int = _opt(
+    max_seq_len: int | None = option(
+        None, "longest sequence accepted (default: the model's maximum)"
+    )
+    max_batch_tokens: int = option(
         32768, "most tokens in one packed forward; larger requests are split"
     )
-    max_items: int = _opt(4096, "most items/texts in one request")
-    max_beam_width: int = _opt(64, "largest beam width accepted")
-    max_beam_steps: int = _opt(16, "most decode steps accepted")
-    share_prefix: bool = _opt(
-        True, "compute a prefix shared by all candidates once (cascade attention)"
+    max_items: int = option(4096, "most items/texts in one request")
+    max_beam_width: int = option(64, "largest beam width accepted", flag=False)
+    max_beam_steps: int = option(16, "most decode steps accepted", flag=False)
+    share_prefix: bool = option(
+        True,
+        "compute a prefix shared by all candidates once (cascade attention)",
+        flag=False,
     )
-    fp8: str = _opt(
+    fp8: str = option(
         "none",
         "FP8 projections: none | mlp | mlp+attn-proj (refused unless the policy passed "
         "`boundgen quant-check` for this checkpoint)",
         choices=("none", "mlp", "mlp+attn-proj"),
     )
-    fp8_force: bool = _opt(
-        False, "use the FP8 policy even if its fidelity gate failed or never ran"
+    fp8_force: bool = option(
+        False, "use the FP8 policy even if its fidelity gate failed or never ran", flag=False
     )
-    fp8_emulate: bool = _opt(
-        False, "emulate FP8 numerics (quantize→dequantize) on devices without FP8"
+    fp8_emulate: bool = option(
+        False, "emulate FP8 numerics (quantize→dequantize) on devices without FP8", flag=False
+    )
+    batch_token_budget: int | None = option(
+        None,
+        "most tokens merged from concurrent requests into one forward (default: max_batch_tokens)",
+    )
+    batch_max_wait_ms: float = option(
+        0.0, "how long a forming batch may wait for more requests (0: never wait)"
+    )
+    cpu_workers: int | None = option(
+        None, "threads for CPU pipeline nodes (default: 2 per core, at most 8)", flag=False
     )

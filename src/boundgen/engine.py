@@ -1,25 +1,33 @@
 """`Engine`: the Python API over a checkpoint (score, classify, embed, beam search).
 
-Every call runs as a DAG through `boundgen.runtime` (the same pipelines the HTTP server uses), so
-concurrent calls from several threads are batched together and carry optional deadlines
-(`timeout_ms`).
+Every call runs as a pipeline through the engine's one `EngineRuntime` (the same runtime the HTTP
+server submits to), so concurrent calls from several threads are batched together and carry optional
+deadlines (`timeout_ms`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from pathlib import Path
 
 import torch
 
 from boundgen.attention.backends import get_backend
+from boundgen.compile.backends import CompileOptions
 from boundgen.config import DTYPES, EngineConfig, ModelConfig
 from boundgen.models.decoder import DecoderModel
 from boundgen.models.weights import load_weights
+from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.tokenizer import Tokenizer
-from boundgen.workloads.embed import MLPHead
+from boundgen.workloads.base import BeamBounds, WorkloadContext
+from boundgen.workloads.beam import BeamRequest
+from boundgen.workloads.classify import ClassifyRequest
+from boundgen.workloads.embed import EmbedRequest, MLPHead
 from boundgen.workloads.inputs import Limits
+from boundgen.workloads.score import ScoreRequest
+from boundgen.workloads.service import EngineRuntime
 
 log = logging.getLogger("boundgen")
 
@@ -54,31 +62,20 @@ def resolve_dtype(
 
 
 class Engine:
+    """A checkpoint served by one `ModelRunner` through one `EngineRuntime`. Build it with
+    `Engine.from_pretrained`; `Engine(runner, tokenizer, config, path)` serves any runner (the HF
+    baseline server passes one over transformers)."""
+
     def __init__(
-        self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig, model_path: Path
+        self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, model_path: Path
     ) -> None:
-        self.model = model
+        self.runner = runner
         self.tokenizer = tokenizer
         self.engine_config = config
-        self.model_path = model_path
+        self.model_path = Path(model_path)
+        mc = runner.config
         # The checkpoint's own name (HF `_name_or_path`) when it has one, else its directory's name.
-        self.model_name = Path(model.config.extra.get("_name_or_path") or model_path.name).name
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        from boundgen.compile import CompileOptions, make_runner
-
-        self.runner = make_runner(
-            model,
-            self.device,
-            config.max_batch_tokens,
-            config.share_prefix,
-            backend=config.backend,
-            options=CompileOptions(
-                buckets=config.compile_buckets, cache_dir=config.compile_cache, quant=config.fp8
-            ),
-        )
-        self._runtime = self._runtime_runner = None
-        mc = model.config
+        self.model_name = Path(mc.extra.get("_name_or_path") or self.model_path.name).name
         self.limits = Limits(
             vocab_size=mc.vocab_size,
             max_seq_len=min(
@@ -86,10 +83,24 @@ class Engine:
             ),
             max_items=config.max_items,
         )
+        self._runtime: EngineRuntime | None = None
+        self._runtime_lock = threading.Lock()
 
     @property
     def config(self) -> ModelConfig:
-        return self.model.config
+        return self.runner.config
+
+    @property
+    def model(self) -> DecoderModel:
+        return self.runner.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
 
     @classmethod
     def from_pretrained(
@@ -100,8 +111,8 @@ class Engine:
         config: EngineConfig | None = None,
         **overrides,
     ) -> Engine:
-        """Load an HF model directory. `device`/`dtype` and `overrides` (any `EngineConfig` field, e.g.
-        attention="reference") take precedence over `config`; device defaults to "cpu"."""
+        """Load an HF model directory. `device`/`dtype` and `overrides` (any `EngineConfig` field,
+        e.g. attention="reference") take precedence over `config`; device defaults to "cpu"."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"model path {path} does not exist or is not a directory")
@@ -131,6 +142,16 @@ class Engine:
 
             enable_fp8(model, path, config.fp8, force=config.fp8_force, emulate=config.fp8_emulate)
         model.eval().requires_grad_(False)
+        runner = make_runner(
+            model,
+            dev,
+            config.max_batch_tokens,
+            config.share_prefix,
+            backend=config.backend,
+            options=CompileOptions(
+                buckets=config.compile_buckets, cache_dir=config.compile_cache, quant=config.fp8
+            ),
+        )
         tokenizer = Tokenizer.from_dir(path)
         log.info(
             "loaded %s (%s) on %s in %s with %s attention",
@@ -140,29 +161,7 @@ class Engine:
             torch_dtype,
             backend.name,
         )
-        return cls(model, tokenizer, config, path)
-
-    def _need_task(self, task: str, what: str) -> None:
-        if self.config.task != task:
-            kind = "a *ForCausalLM" if task == "causal_lm" else "a *ForSequenceClassification"
-            raise ValueError(
-                f"{what} needs {kind} checkpoint; {self.model_name} is {self.config.architecture}"
-            )
-
-    @property
-    def runtime(self):
-        """The DAG runtime every public call runs through (built on first use, and again if `runner` was
-        swapped: its pipelines bind the runner)."""
-        if self._runtime is None or self._runtime_runner is not self.runner:
-            from boundgen.runtime.pipelines import EngineRuntime
-
-            self._runtime, self._runtime_runner = EngineRuntime(self), self.runner
-        return self._runtime
-
-    def close(self) -> None:
-        if self._runtime is not None:
-            self._runtime.close()
-            self._runtime = None
+        return cls(runner, tokenizer, config, path)
 
     def eos_token_ids(self) -> list[int]:
         ids = self.config.extra.get("eos_token_id")
@@ -170,6 +169,39 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return sorted(set(ids))
+
+    def workload_context(self) -> WorkloadContext:
+        """What the workload pipelines are built from: this engine's runner, tokenizer and limits."""
+        cfg = self.engine_config
+        return WorkloadContext(
+            self.runner,
+            self.tokenizer,
+            self.limits,
+            beam_bounds=BeamBounds(cfg.max_beam_width, cfg.max_beam_steps),
+            eos_token_ids=tuple(self.eos_token_ids()),
+            token_budget=cfg.batch_token_budget,
+            max_wait_ms=cfg.batch_max_wait_ms,
+        )
+
+    def with_runner(self, runner: ModelRunner) -> Engine:
+        """The same checkpoint served through another runner (e.g. another backend)."""
+        return Engine(runner, self.tokenizer, self.engine_config, self.model_path)
+
+    @property
+    def runtime(self) -> EngineRuntime:
+        """The runtime every call runs through (built on first use)."""
+        if self._runtime is None:
+            with self._runtime_lock:
+                if self._runtime is None:
+                    self._runtime = EngineRuntime(
+                        self.workload_context(), cpu_workers=self.engine_config.cpu_workers
+                    )
+        return self._runtime
+
+    def close(self) -> None:
+        if self._runtime is not None:
+            self._runtime.close()
+            self._runtime = None
 
     def score(
         self,
@@ -181,21 +213,16 @@ class Engine:
         truncate: bool = False,
         timeout_ms: float | None = None,
     ) -> list[list[float]]:
-        """result[i][j]: logit of label_token_ids[j] at the last token of query + items[i] (SGLang /v1/score)."""
-        return self.runtime.score(
-            query,
-            items,
-            label_token_ids,
-            apply_softmax,
-            item_first,
-            truncate,
-            timeout_ms=timeout_ms,
-        )
+        """result[i][j]: logit of label_token_ids[j] at the last token of query + items[i] (SGLang
+        /v1/score); the softmax over the label ids with `apply_softmax`."""
+        request = ScoreRequest(query, items, label_token_ids, apply_softmax, item_first, truncate)
+        return self.runtime.run("score", request, timeout_ms)
 
     def classify(
         self, texts, truncate: bool = False, timeout_ms: float | None = None
     ) -> list[list[float]]:
-        return self.runtime.classify(texts, truncate, timeout_ms=timeout_ms)
+        """Class logits per text ([N, num_labels]) of a *ForSequenceClassification checkpoint."""
+        return self.runtime.run("classify", ClassifyRequest(texts, truncate), timeout_ms)
 
     def embed(
         self,
@@ -206,7 +233,9 @@ class Engine:
         truncate: bool = False,
         timeout_ms: float | None = None,
     ) -> torch.Tensor:
-        return self.runtime.embed(texts, pooling, normalize, head, truncate, timeout_ms=timeout_ms)
+        """[N, hidden] (or [N, head outputs]): last-token or mean hidden state per text."""
+        request = EmbedRequest(texts, pooling, normalize, truncate)
+        return self.runtime.run("embed", request, timeout_ms, head=head)
 
     def beam_search_batch(
         self,
@@ -219,9 +248,8 @@ class Engine:
         timeout_ms: float | None = None,
     ) -> list[list[tuple[list[int], float]]]:
         """Beam search for many prompts in one packed prefill and one decode loop."""
-        return self.runtime.beam_search_batch(
-            prompts, beam_width, steps, top_k, trie, truncate, timeout_ms=timeout_ms
-        )
+        request = BeamRequest(prompts, beam_width, steps, top_k, trie, truncate)
+        return self.runtime.run("beam", request, timeout_ms)
 
     def beam_search(
         self,
@@ -234,6 +262,10 @@ class Engine:
         timeout_ms: float | None = None,
     ) -> list[tuple[list[int], float]]:
         """Top sequences (generated token ids, cumulative log-prob), best first."""
-        return self.runtime.beam_search(
-            prompt, beam_width, steps, top_k, trie, truncate, timeout_ms
-        )
+        if not isinstance(prompt, str) and not (
+            isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt)
+        ):
+            raise ValueError("prompt must be a string or a non-empty list of token ids")
+        return self.beam_search_batch(
+            [prompt], beam_width, steps, top_k, trie, truncate, timeout_ms
+        )[0]

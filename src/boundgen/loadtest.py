@@ -2,8 +2,9 @@
 
 Requests arrive on a fixed schedule (Poisson or uniform) whatever the server does, so queueing shows
 up as latency instead of silently lowering the offered load. Latency is measured from each request's
-scheduled arrival (no coordinated omission). Workloads (DESIGN §9 shapes by default): - `score`:
-`/v1/score`, a 256-token query + 100 candidates × 16 tokens, 2 label tokens (W2 over HTTP);
+scheduled arrival (no coordinated omission). Workloads (DESIGN §9 shapes by default):
+- `score`: `/v1/score`, a 256-token query + 100 candidates × 16 tokens, 2 label tokens (W2 over
+  HTTP);
 - `beam`: `/v1/beam`, a 128-token prompt, beam width 16, 4 steps (W4 over HTTP);
 - `mixed`: 80 % score, 20 % beam.
 Token ids are random in the served model's vocabulary (read from `/v1/models`), seeded.
@@ -18,61 +19,59 @@ import math
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-
-def _f(default: Any, help: str, **meta: Any) -> Any:
-    if isinstance(default, (list, tuple)):
-        return field(default_factory=lambda: default, metadata={"help": help, **meta})
-    return field(default=default, metadata={"help": help, **meta})
+from boundgen.settings import option
 
 
 @dataclass(frozen=True)
 class LoadConfig:
-    url: str = _f("http://127.0.0.1:8000", "server base URL")
-    workload: str = _f("score", "score | beam | mixed", choices=("score", "beam", "mixed"))
-    qps: float = _f(50.0, "offered requests per second (one step)")
-    qps_steps: tuple[float, ...] = _f(
+    url: str = option("http://127.0.0.1:8000", "server base URL")
+    workload: str = option("score", "score | beam | mixed", choices=("score", "beam", "mixed"))
+    qps: float = option(50.0, "offered requests per second (one step)")
+    qps_steps: tuple[float, ...] = option(
         (),
         "run these QPS steps in turn (overrides --qps) and report the max QPS that meets --slo-ms",
     )
-    duration: float = _f(10.0, "seconds per step")
-    warmup: int = _f(20, "requests sent one by one before measuring")
-    slo_ms: float = _f(20.0, "p99 latency target for max-QPS search")
-    max_error_rate: float = _f(0.01, "a step with more errors than this fails the SLO")
-    arrivals: str = _f("poisson", "poisson | uniform", choices=("poisson", "uniform"))
-    items: int = _f(100, "score: candidates per request")
-    item_tokens: int = _f(16, "score: tokens per candidate")
-    query_tokens: int = _f(256, "score: query tokens")
-    labels: int = _f(2, "score: label tokens")
-    prompt_tokens: int = _f(128, "beam: prompt tokens")
-    beam_width: int = _f(16, "beam: width")
-    steps: int = _f(4, "beam: decode steps")
-    trie: str | None = _f(None, "beam: trie name on the server")
-    beam_fraction: float = _f(0.2, "mixed: share of beam requests")
-    distinct: int = _f(64, "distinct request bodies (generated once, sent round-robin)")
-    vocab_size: int | None = _f(None, "token id range (default: from /v1/models)")
-    api_key: str | None = _f(None, "send `Authorization: Bearer KEY`")
-    timeout_s: float = _f(30.0, "client timeout per request")
-    max_inflight: int = _f(4096, "client connections; arrivals beyond it count as client errors")
-    stop_when_saturated: bool = _f(
+    duration: float = option(10.0, "seconds per step")
+    warmup: int = option(20, "requests sent one by one before measuring")
+    slo_ms: float = option(20.0, "p99 latency target for max-QPS search")
+    max_error_rate: float = option(0.01, "a step with more errors than this fails the SLO")
+    arrivals: str = option("poisson", "poisson | uniform", choices=("poisson", "uniform"))
+    items: int = option(100, "score: candidates per request")
+    item_tokens: int = option(16, "score: tokens per candidate")
+    query_tokens: int = option(256, "score: query tokens")
+    labels: int = option(2, "score: label tokens")
+    prompt_tokens: int = option(128, "beam: prompt tokens")
+    beam_width: int = option(16, "beam: width")
+    steps: int = option(4, "beam: decode steps")
+    trie: str | None = option(None, "beam: trie name on the server")
+    beam_fraction: float = option(0.2, "mixed: share of beam requests")
+    distinct: int = option(64, "distinct request bodies (generated once, sent round-robin)")
+    vocab_size: int | None = option(None, "token id range (default: from /v1/models)")
+    api_key: str | None = option(None, "send `Authorization: Bearer KEY`")
+    timeout_s: float = option(30.0, "client timeout per request")
+    max_inflight: int = option(
+        4096, "client connections; arrivals beyond it count as client errors"
+    )
+    stop_when_saturated: bool = option(
         True,
         "skip the higher QPS steps once a step completes under half "
         "its offered load or fails half its requests",
     )
-    processes: int = _f(
+    processes: int = option(
         1,
         "client processes, each sending qps/processes (one event loop tops out "
         "near 1-2k requests/s)",
     )
-    seed: int = _f(0, "random seed (arrivals and token ids)")
-    label: str | None = _f(None, "name of this run in results and plots (default: the URL)")
-    out: str | None = _f(None, "write results JSON here")
-    plot: str | None = _f(None, "write a PNG latency plot here")
+    seed: int = option(0, "random seed (arrivals and token ids)")
+    label: str | None = option(None, "name of this run in results and plots (default: the URL)")
+    out: str | None = option(None, "write results JSON here")
+    plot: str | None = option(None, "write a PNG latency plot here")
 
 
 @dataclass

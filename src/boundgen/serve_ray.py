@@ -3,12 +3,11 @@
 Every replica builds the very app `boundgen serve` runs (`boundgen.server.app.create_app` over an
 `Engine` loaded in the replica), and Serve's HTTP proxy routes requests to the replicas through its
 ASGI ingress: same routes, schemas, errors, auth, limits and per-replica `/metrics`. Nothing here
-re-declares a handler. Replica count, autoscaling and actor resources come from `RayServeConfig`,
-which lives in the same config file as `ServerConfig` and `EngineConfig` (a `ray:` section) and
-whose fields are also flags (`--replicas`, `--max-replicas`, `--target-ongoing-requests`, ...).
+re-declares a handler. Replica count, autoscaling and actor resources come from `RayServeConfig`
+(`boundgen.server.config`), which lives in the same config file as the server and engine settings (a
+`ray:` section) and whose main fields are also flags (`--replicas`, `--max-replicas`, ...).
 
-    boundgen serve --replicas 2 ...             # via `commands/serve.py` (see `add_ray_arguments`)
-    python -m boundgen.serve_ray --replicas 2   # the same, without the hook in `commands/serve.py`
+    boundgen serve --replicas 2 ...             # `commands/serve.py` calls `run(settings)`
 
     from boundgen.serve_ray import build_app    # an Application for `serve.run`
     serve.run(build_app(model_dir, ServerConfig(), EngineConfig(device="cuda"),
@@ -26,24 +25,26 @@ every entry point raises `RayNotInstalled` saying `pip install 'boundgen[ray]'`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from boundgen.config import EngineConfig
-from boundgen.server.config import ServerConfig, read_config_file
+from boundgen.server.config import (
+    RAY_INSTALL_HINT,
+    RayServeConfig,
+    ServerConfig,
+    ServeSettings,
+    load_settings,
+)
 
 log = logging.getLogger("boundgen.serve_ray")
 
 REPLICA_HEADER = "x-boundgen-replica"
-INSTALL_HINT = "pip install 'boundgen[ray]'"
 
 
 class RayNotInstalled(RuntimeError):
@@ -58,103 +59,9 @@ def require_ray() -> Any:
     except ImportError as exc:
         raise RayNotInstalled(
             f"serving with Ray needs Ray Serve, which is not installed ({exc}); "
-            f"install it with: {INSTALL_HINT}"
+            f"install it with: {RAY_INSTALL_HINT}"
         ) from None
     return serve
-
-
-def _f(default: Any, help: str, **meta: Any) -> Any:
-    return field(default=default, metadata={"help": help, **meta})
-
-
-@dataclass(frozen=True)
-class RayServeConfig:
-    """How many engine replicas, how they scale and what each reserves. Flags and the `ray:` section of a
-    `boundgen serve --config` file are this one dataclass (`boundgen.cliargs`)."""
-
-    replicas: int | None = _f(
-        None,
-        "Ray Serve: fixed number of replicas (one per GPU on CUDA); giving it serves through Ray",
-    )
-    min_replicas: int | None = _f(None, "Ray Serve autoscaling: fewest replicas (default 1)")
-    max_replicas: int | None = _f(
-        None, "Ray Serve autoscaling: most replicas; giving it turns autoscaling on"
-    )
-    target_ongoing_requests: float = _f(
-        32.0,
-        "Ray Serve autoscaling: requests in flight per replica to aim for (batching wants several)",
-    )
-    upscale_delay_s: float | None = _f(
-        None,
-        "Ray Serve autoscaling: load must stay high this long "
-        "before adding replicas (Ray's default)",
-    )
-    downscale_delay_s: float | None = _f(
-        None,
-        "Ray Serve autoscaling: load must stay low this long "
-        "before removing replicas (Ray's default)",
-    )
-    max_ongoing_requests: int | None = _f(
-        None,
-        "Ray Serve: requests the proxy sends one replica at once (default: the server's max_queue)",
-    )
-    num_gpus: float | None = _f(
-        None, "GPUs per replica (default: 1 when the engine device is CUDA, else 0)"
-    )
-    num_cpus: float = _f(1.0, "CPUs reserved per replica")
-    ray_address: str | None = _f(
-        None, "Ray cluster to join (default: RAY_ADDRESS, else start one locally)"
-    )
-    app_name: str = _f("boundgen", "Ray Serve application (and deployment) name")
-    replica_metrics_port: int | None = _f(
-        None, "each replica serves its own Prometheus /metrics on the first free port from this one"
-    )
-    health_check_period_s: float = _f(10.0, "Ray Serve: seconds between replica health checks")
-    health_check_timeout_s: float = _f(30.0, "Ray Serve: a health check slower than this fails")
-
-    @property
-    def autoscaling(self) -> bool:
-        return self.max_replicas is not None
-
-    def validate(self) -> RayServeConfig:
-        for name in ("replicas", "min_replicas", "max_replicas"):
-            value = getattr(self, name)
-            if value is not None and value < (0 if name == "min_replicas" else 1):
-                raise ValueError(
-                    f"{name} must be >= {0 if name == 'min_replicas' else 1}, got {value}"
-                )
-        if self.autoscaling:
-            lo = 1 if self.min_replicas is None else self.min_replicas
-            if lo > self.max_replicas:
-                raise ValueError(f"min_replicas={lo} > max_replicas={self.max_replicas}")
-            if self.target_ongoing_requests <= 0:
-                raise ValueError("target_ongoing_requests must be > 0")
-        elif self.min_replicas is not None:
-            raise ValueError(
-                "min_replicas needs max_replicas (autoscaling); for a fixed count use replicas"
-            )
-        if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
-            raise ValueError("num_cpus and num_gpus must be >= 0")
-        if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
-            raise ValueError("max_ongoing_requests must be >= 1")
-        return self
-
-
-# ------------------------------------------------------------------------------------------ config
-
-
-def load_configs(path: str | os.PathLike) -> tuple[ServerConfig, EngineConfig, RayServeConfig]:
-    """A `boundgen serve --config` file (YAML or TOML) with an optional `ray:` section."""
-    from boundgen.server.config import _dataclass_from_dict, load_config_file
-
-    server, engine = load_config_file(path)
-    ray_section = dict(read_config_file(Path(path)).get("ray") or {})
-    ray = _dataclass_from_dict(RayServeConfig, ray_section, source=f"{path} (ray)").validate()
-    return server, engine, ray
-
-
-def config_has_ray_section(path: str | os.PathLike | None) -> bool:
-    return bool(path) and "ray" in read_config_file(Path(path))
 
 
 def deployment_options(server: ServerConfig, engine: EngineConfig, ray_cfg: RayServeConfig) -> dict:
@@ -376,37 +283,25 @@ def build_app(
 
 def app_builder(args: dict[str, Any]) -> Any:
     """Serve config-file entry (`import_path: boundgen.serve_ray:app_builder`, e.g. in a KubeRay
-    `RayService`): `args` holds the same keys as a `boundgen serve --config` file (top-level server
-    and engine keys, or `server:` / `engine:` / `ray:` sections), or `config_file: PATH`."""
-    server, engine, ray_cfg = configs_from_builder_args(args)
-    return build_app(server.model, server, engine, ray_cfg)
+    `RayService`): `args` holds the same keys as a `boundgen serve --config` file (top-level keys,
+    or `server:` / `engine:` / `ray:` sections), or `config_file: PATH`."""
+    settings = builder_settings(args)
+    return build_app(settings.server.model, settings.server, settings.engine, settings.ray)
 
 
-def configs_from_builder_args(
-    args: dict[str, Any],
-) -> tuple[ServerConfig, EngineConfig, RayServeConfig]:
-    from boundgen.server.config import _dataclass_from_dict, config_from_dict
-
+def builder_settings(args: dict[str, Any]) -> ServeSettings:
+    """The settings `app_builder` serves: `args` itself, or the file it names."""
     args = dict(args or {})
     if "config_file" in args:
-        server, engine, ray_cfg = load_configs(args.pop("config_file"))
+        path = args.pop("config_file")
         if args:
             raise ValueError(f"app_builder: config_file cannot be combined with {sorted(args)}")
+        settings = load_settings(path)
     else:
-        ray_section = dict(args.pop("ray", None) or {})
-        server_d = dict(args.pop("server", None) or {})
-        engine_d = dict(args.pop("engine", None) or {})
-        engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
-        for key, value in args.items():
-            (engine_d if key.replace("-", "_") in engine_keys else server_d)[key] = value
-        server = config_from_dict(server_d, source="app_builder args")
-        engine = _dataclass_from_dict(EngineConfig, engine_d, source="app_builder args (engine)")
-        ray_cfg = _dataclass_from_dict(
-            RayServeConfig, ray_section, source="app_builder args (ray)"
-        ).validate()
-    if not server.model:
+        settings = load_settings(args)
+    if not settings.server.model:
         raise ValueError("app_builder: `model` (checkpoint directory on every node) is required")
-    return server, engine, ray_cfg
+    return settings
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -486,59 +381,8 @@ def shutdown() -> None:
             ray.shutdown()
 
 
-def add_ray_arguments(parser: Any) -> None:
-    """`--ray/--no-ray` and the `RayServeConfig` flags (no Ray import). For `commands/serve.py`."""
-    from boundgen.cliargs import add_dataclass_args
-
-    parser.add_argument(
-        "--ray",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="serve through Ray Serve (also implied by --replicas, --max-replicas or a "
-        f"`ray:` section in --config); needs {INSTALL_HINT}",
-    )
-    add_dataclass_args(parser, RayServeConfig)
-
-
-def wants_ray(args: argparse.Namespace) -> bool:
-    flag = getattr(args, "ray", None)
-    if flag is not None:
-        return bool(flag)
-    if (
-        getattr(args, "replicas", None) is not None
-        or getattr(args, "max_replicas", None) is not None
-    ):
-        return True
-    return config_has_ray_section(getattr(args, "config", None))
-
-
-def resolve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig, RayServeConfig]:
-    """Like `commands.serve.resolve_configs`, plus the `ray:` section / flags. Without `--device`, the
-    engine uses CUDA when the Ray cluster (not only this driver) has GPUs."""
-    from boundgen.cliargs import from_args
-
-    if getattr(args, "config", None):
-        server, engine, ray_cfg = load_configs(args.config)
-        engine_given = engine != EngineConfig()
-    else:
-        server, engine, ray_cfg, engine_given = (
-            ServerConfig(),
-            EngineConfig(),
-            RayServeConfig(),
-            False,
-        )
-    server = from_args(ServerConfig, args, base=server).validate()
-    engine = from_args(EngineConfig, args, base=engine)
-    ray_cfg = from_args(RayServeConfig, args, base=ray_cfg).validate()
-    device_given = getattr(args, "device", None) is not None or (
-        engine_given and engine.device != "cpu"
-    )
-    if not device_given:
-        engine = dataclasses.replace(engine, device="cuda" if _cluster_has_gpus(ray_cfg) else "cpu")
-    return server, engine, ray_cfg
-
-
-def _cluster_has_gpus(ray_cfg: RayServeConfig) -> bool:
+def cluster_has_gpus(ray_cfg: RayServeConfig) -> bool:
+    """Whether the Ray cluster (not only this driver) has GPUs: the engine's default device."""
     address = ray_cfg.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         try:
@@ -554,16 +398,11 @@ def _cluster_has_gpus(ray_cfg: RayServeConfig) -> bool:
     return torch.cuda.is_available()
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def run(
+    model: str | os.PathLike, server: ServerConfig, engine: EngineConfig, ray_cfg: RayServeConfig
+) -> int:
     """`boundgen serve --ray|--replicas N ...`: serve until SIGTERM/SIGINT, then drain and stop."""
     require_ray()
-    server, engine, ray_cfg = resolve_configs(args)
-    logging.basicConfig(
-        level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    from boundgen.commands.serve import resolve_model
-
-    model, server = resolve_model(server)
     opts = deployment_options(server, engine, ray_cfg)
     count = (
         f"{opts['autoscaling_config']['min_replicas']}..{ray_cfg.max_replicas} (autoscaling)"
@@ -572,9 +411,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     )
     stop = threading.Event()
 
-    def on_signals() -> (
-        None
-    ):  # again after ray.init, whose handler would abort the process on SIGTERM
+    def on_signals() -> None:  # again after ray.init, whose handler would abort on SIGTERM
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
 
@@ -596,30 +433,3 @@ def run_from_args(args: argparse.Namespace) -> int:
     finally:
         shutdown()
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m boundgen.serve_ray`: every `boundgen serve` flag plus the Ray Serve ones."""
-    from boundgen.commands import serve as serve_cmd
-    from boundgen.compile import cli_startup
-
-    cli_startup()  # the libstdc++ preload AOTInductor needs (DESIGN §10); local replicas inherit it
-    parser = argparse.ArgumentParser(
-        prog="python -m boundgen.serve_ray", description="boundgen HTTP API on Ray Serve replicas"
-    )
-    serve_cmd.add_arguments(parser)
-    if "--replicas" not in parser._option_string_actions:  # commands/serve.py may add them already
-        add_ray_arguments(parser.add_argument_group("ray serve"))
-    args = parser.parse_args(argv)
-    try:
-        return run_from_args(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"boundgen serve: error: {exc}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    # Run the imported module's `main`, so Ray pickles `boundgen.serve_ray` classes by reference.
-    from boundgen.serve_ray import main as _main
-
-    sys.exit(_main())

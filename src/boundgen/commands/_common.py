@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from boundgen.cliargs import add_dataclass_args, from_args
+from boundgen.settings import add_flags, from_args
 from boundgen.config import EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
     parser.add_argument("--model", required=model_required, help="HF model directory")
-    add_dataclass_args(parser.add_argument_group("engine"), EngineConfig)
+    add_flags(parser.add_argument_group("engine"), EngineConfig)
 
 
 def load_engine(args: argparse.Namespace):

@@ -126,11 +126,10 @@ def _load_eager(args):
     import dataclasses
 
     from boundgen import Engine
-    from boundgen.cliargs import from_args
-    from boundgen.compile.runner import eager_overrides
+    from boundgen.settings import from_args
     from boundgen.config import EngineConfig
 
-    config = dataclasses.replace(from_args(EngineConfig, args), **eager_overrides())
+    config = dataclasses.replace(from_args(EngineConfig, args), backend="eager")
     return Engine.from_pretrained(args.model, config=config)
 
 
@@ -141,7 +140,7 @@ def run(args) -> int:
 
     from boundgen.compile.buckets import parse_buckets
     from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
-    from boundgen.compile.runner import aoti_slots, build_aoti
+    from boundgen.compile.backends import aoti_slots, build_aoti
 
     engine = _load_eager(args)
     buckets = parse_buckets(args.buckets, engine.engine_config.max_batch_tokens)

@@ -63,7 +63,7 @@ def run(args) -> int:
     import math
 
     from boundgen import Engine, Trie
-    from boundgen.cliargs import from_args
+    from boundgen.settings import from_args
     from boundgen.config import EngineConfig
     from boundgen.demo import default_model_path
     from boundgen.demo.evaluate import (

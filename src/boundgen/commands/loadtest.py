@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from boundgen.cliargs import add_dataclass_args, from_args
+from boundgen.settings import add_flags, from_args
 
 HELP = "open-loop HTTP load test of a server (/v1/score, /v1/beam): p50/p90/p99, errors, max QPS at a p99 SLO"
 
@@ -12,7 +12,7 @@ HELP = "open-loop HTTP load test of a server (/v1/score, /v1/beam): p50/p90/p99,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from boundgen.loadtest import LoadConfig
 
-    add_dataclass_args(parser, LoadConfig)
+    add_flags(parser, LoadConfig)
 
 
 def run(args: argparse.Namespace) -> int:

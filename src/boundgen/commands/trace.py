@@ -1,4 +1,5 @@
-"""boundgen trace: run requests through the DAG runtime and write a Chrome-trace timeline + node latencies."""
+"""boundgen trace: run requests through the DAG runtime and write a Chrome-trace timeline and the
+node latencies."""
 
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--max-wait-ms", type=float, default=1.0, help="batching node max wait")
     parser.add_argument("--timeout-ms", type=float, default=None, help="per-request deadline")
     parser.add_argument("--out", default="boundgen-trace.json", help="Chrome-trace JSON to write")
     parser.add_argument(
@@ -141,12 +141,12 @@ def run(args) -> int:
     else:
         from boundgen.checkpoints import ensure_model
         from boundgen.commands._common import load_engine
-        from boundgen.runtime.pipelines import EngineRuntime
+        from boundgen.workloads.service import EngineRuntime
 
         if not args.model:
             args.model = str(ensure_model("tiny", progress=False))
         engine = load_engine(args)
-        with EngineRuntime(engine, max_wait_ms=args.max_wait_ms, trace_requests=keep) as rt:
+        with EngineRuntime(engine.workload_context(), trace_requests=keep) as rt:
             reqs = _requests(args, engine)
             rt.run(args.workload, reqs[0])  # warm-up, not traced
             rt.executor.tracer.reset()
@@ -158,7 +158,8 @@ def run(args) -> int:
             table = rt.executor.tracer.format_stats()
             b = stats["batching"]
             table += "\n\nbatching: " + ", ".join(
-                f"{k}: {v['requests']} requests in {v['batches']} forwards (max {v['max_requests_in_batch']})"
+                f"{k}: {v['requests']} requests in {v['batches']} forwards "
+                f"(max {v['max_requests_in_batch']})"
                 for k, v in b.items()
                 if v["requests"]
             )

@@ -1,35 +1,35 @@
-"""CUDA graphs for beam decode steps: persistent KV per decode bucket, one graph per step index.
+"""Beam-search decode sessions: the prompts prefilled once, then one token per beam per step.
 
-A decode step (W·B rows, one token each) is pure launch overhead on a GPU, and its shapes are fixed
-by (prompts B, width W, steps S, padded prompt tokens T). A `DecodeGraphs` keeps, per such bucket,
-the prompt KV, the beam KV, `cu_beams`/`cu_prompt` and the step inputs in **persistent** buffers, so
-a graph captured for step s in one request replays in every later request:
+`PlainDecode` allocates a session's KV per request and runs the model as is. `DecodeGraphs` keeps
+persistent decode buckets for CUDA graphs: a decode step (W·B rows, one token each) is pure launch
+overhead on a GPU, and its shapes are fixed by (prompts B, width W, steps S, padded prompt tokens
+T). Per such bucket the prompt KV, the beam KV, `cu_beams`/`cu_prompt` and the step inputs live in
+**persistent** buffers, so a graph captured for step s in one request replays in every later one:
 
 - the prompt batch is padded into a plain bucket (`BucketSet.pad`), prefilled eagerly into the
-  persistent
-  `PromptKV`; `cu_prompt` is the first B+1 boundaries (pad segments come after the real prompts);
+  persistent `PromptKV`; `cu_prompt` is the first B+1 boundaries (pad segments come after the real
+  prompts);
 - `BeamKV.reorder` swaps its double buffers at every step > 0, so the buffers step s reads are fixed
-  by s;
-  `open()` restores the initial buffer assignment, so every request sees the same sequence;
+  by s; `open()` restores the initial buffer assignment, so every request sees the same sequence;
 - `state.step` is a Python int baked into each graph: one graph per step index, captured on first
   use;
 - one request at a time per bucket (`open` takes the bucket's lock without blocking; a busy or unfit
-  request gets None and runs the plain path).
+  request gets None and the runner opens a plain session).
 
-Used by `workloads.beam.run_beam` through `runner.decode_graphs` (see docs/compile.md);
 `use_graphs=False` runs the same persistent-buffer path without graphs (CPU tests).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
-from boundgen.text.packing import PackedBatch, SequenceGroup, pack
+from boundgen.text.packing import SequenceGroup, pack
 
 
 @dataclass
@@ -46,19 +46,52 @@ class _Slot:
 
 
 class DecodeSession:
-    """One request on a decode bucket: `last_hidden` [B, H] from the prefill, `step()`, `close()`."""
+    """One beam search's decode state: `prompt_lengths` [B] and `last_hidden` [B, H] from the
+    prefill; `step(i, tokens, positions)` → logits [N, V] of decode step i (N = B·W rows, one token
+    each; a static buffer when graphed: consume it before the next step); `reorder(parent)` makes
+    beam n continue beam parent[n]; `close()` when done."""
 
-    def __init__(self, owner: DecodeGraphs, slot: _Slot, batch: PackedBatch, last_hidden) -> None:
-        self.owner, self.slot, self.batch, self.last_hidden = owner, slot, batch, last_hidden
-        self.state = slot.state
+    def __init__(
+        self,
+        state: DecodeKV,
+        prompt_lengths: torch.Tensor,
+        last_hidden: torch.Tensor,
+        step: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.state, self.prompt_lengths, self.last_hidden = state, prompt_lengths, last_hidden
+        self.step = step
+        self._on_close = on_close
 
-    def step(self, step_index: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] of one decode step (`state.step = step_index`). The returned tensor is a static
-        buffer when graphed: consume it before the next step."""
-        return self.owner._step(self.slot, step_index, tokens, positions)
+    def reorder(self, parent: torch.Tensor) -> None:
+        self.state.beams.reorder(parent)
 
     def close(self) -> None:
-        self.slot.lock.release()
+        if self._on_close is not None:
+            self._on_close()
+
+
+def plain_session(model, device, prompts: list[list[int]], width: int, steps: int) -> DecodeSession:
+    """A session whose KV is allocated for this request alone (any shape, no graphs)."""
+    cfg = model.config
+    batch = pack([SequenceGroup([], prompts)], share_prefix=False).to(device)
+    dtype = model.embed_tokens.weight.dtype
+    n = len(prompts) * width
+    prompt_kv = PromptKV(
+        cfg.num_layers, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, dtype, device
+    )
+    hidden = model(batch.input_ids, batch.positions, batch.attn, prompt_kv)
+    beams = BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    cu_beams = torch.arange(0, n + 1, width, dtype=torch.int32, device=device)
+    state = DecodeKV(
+        prompt_kv, batch.attn.cu_seqlens, batch.attn.max_seqlen, beams, cu_beams, width
+    )
+
+    def step(i: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        state.step = i
+        return model.head(model(tokens, positions, None, state))
+
+    return DecodeSession(state, batch.seq_len, hidden.index_select(0, batch.last_index), step)
 
 
 class DecodeGraphs:
@@ -124,7 +157,13 @@ class DecodeGraphs:
             dev = padded.to(self.device, non_blocking=True)
             slot.cu_prompt.copy_(dev.attn.cu_seqlens[: b + 1])
             hidden = self.model(dev.input_ids, dev.positions, dev.attn, slot.prompt)
-            return DecodeSession(self, slot, dev, hidden.index_select(0, dev.last_index))
+            return DecodeSession(
+                slot.state,
+                dev.seq_len,
+                hidden.index_select(0, dev.last_index),
+                lambda i, tokens, positions: self._step(slot, i, tokens, positions),
+                slot.lock.release,
+            )
         except BaseException:
             slot.lock.release()
             raise

@@ -23,13 +23,12 @@ def _init(model_dir: str, device: str, dtype: str | None, attention: str) -> Non
 
     import torch
 
-    from boundgen.compile.runner import eager_overrides
     from boundgen.engine import Engine
 
     logging.getLogger("torch").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     engine = Engine.from_pretrained(
-        model_dir, device=device, dtype=dtype, attention=attention, **eager_overrides()
+        model_dir, device=device, dtype=dtype, attention=attention, backend="eager"
     )
     _WORKER["model"], _WORKER["device"] = engine.model, engine.device
 
@@ -37,7 +36,7 @@ def _init(model_dir: str, device: str, dtype: str | None, attention: str) -> Non
 def _build_one(bucket_name: str, cache_dir: str | None, quant: str, rebuild: bool) -> dict:
     from boundgen.compile.buckets import Bucket
     from boundgen.compile.cache import ArtifactCache
-    from boundgen.compile.runner import build_aoti
+    from boundgen.compile.backends import build_aoti
 
     entries = build_aoti(
         _WORKER["model"],

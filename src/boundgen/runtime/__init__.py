@@ -31,12 +31,8 @@ from boundgen.runtime.node import (
     Node,
     NodeKind,
     PipelineError,
-    get_node,
     node,
     node_from_function,
-    register_node,
-    registered_nodes,
-    unregister_node,
 )
 from boundgen.runtime.trace import LatencyHistogram, RequestTrace, Span, Tracer, chrome_trace
 
@@ -64,10 +60,6 @@ __all__ = [
     "bucket_for",
     "call_directly",
     "chrome_trace",
-    "get_node",
     "node",
     "node_from_function",
-    "register_node",
-    "registered_nodes",
-    "unregister_node",
 ]

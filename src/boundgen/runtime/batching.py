@@ -5,16 +5,14 @@ leader and runs the batch on its own thread (no thread hop at low load). Request
 a batch runs wait; when it ends, a batcher thread leads the next batch with everything that waited
 (so batches grow with load). A leader takes everything already waiting, then waits for more up to
 `max_wait_ms` (counted from the first request's arrival, and never past what the earliest deadline
-in the batch allows) until
-`token_budget`. It calls `merge(list[inputs]) -> (batch, sizes)`, runs `fn(batch)` once (under its
-own CUDA stream when the executor has CUDA), and `split(output, sizes)` gives each request its
-outputs back. The token budget and max wait are the knob between throughput (large forwards, DESIGN
+in the batch allows) until `token_budget`. It calls `merge(list[inputs]) -> (batch, sizes)`, runs
+`fn(batch)` once (under its own CUDA stream when the executor has CUDA), and `split(output, sizes)`
+gives each request its outputs back. The token budget and max wait are the knob between throughput (large forwards, DESIGN
 §11) and latency (not waiting for them).
 """
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
@@ -22,6 +20,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
+from boundgen.runtime.executor import DeadlineExceeded
 from boundgen.runtime.node import Node, NodeKind, PipelineError
 
 _now = time.perf_counter_ns
@@ -38,16 +39,15 @@ class _Item:
 class BatchingNode(Node):
     """A node whose calls from concurrent requests are merged into one `fn(batch)` call.
 
-    - `merge(list_of_input_dicts) -> (batch, sizes)`: one dict of this node's inputs per request, in
-      order;
-      `sizes` is whatever `split` needs (e.g. output rows per request).
-    - `fn(batch) -> output`, run once per merged batch. - `split(output, sizes) -> list` of
-    per-request outputs, in order: the value (one output port) or a tuple/dict (several). -
-    `size(inputs) -> int`: tokens a request adds to the batch (default 1), counted against
-    `token_budget`.
-    - `max_batch`: at most this many requests per batch (default unbounded). - `lanes`: batches
-    formed/run at the same time (each lane has its own CUDA stream); 1 keeps one forward in flight,
-    so requests that arrive meanwhile are merged into the next one.
+    - `merge(list_of_input_dicts) -> (batch, sizes)`: one dict of this node's inputs per request,
+      in order; `sizes` is whatever `split` needs (e.g. output rows per request).
+    - `fn(batch) -> output`, run once per merged batch, on the node's own CUDA stream: one forward
+      in flight, so requests that arrive meanwhile are merged into the next one.
+    - `split(output, sizes) -> list` of per-request outputs, in order: the value (one output port)
+      or a tuple/dict (several).
+    - `size(inputs) -> int`: tokens a request adds to the batch (default 1), counted against
+      `token_budget`.
+    - `max_batch`: at most this many requests per batch (default unbounded).
     """
 
     def __init__(
@@ -64,7 +64,7 @@ class BatchingNode(Node):
         max_batch: int | None = None,
         kind: NodeKind | str = NodeKind.DEVICE,
         bind: dict[str, str] | None = None,
-        lanes: int = 1,
+        raises: tuple[type[BaseException], ...] = (),
     ) -> None:
         super().__init__(
             name=name,
@@ -74,6 +74,7 @@ class BatchingNode(Node):
             kind=kind,
             bind=dict(bind or {}),
             is_async=True,
+            raises=raises,
         )
         if token_budget <= 0:
             raise PipelineError(f"batching node {name!r}: token_budget must be positive")
@@ -81,14 +82,12 @@ class BatchingNode(Node):
         self.token_budget = int(token_budget)
         self.max_wait_ns = int(max_wait_ms * 1e6)
         self.max_batch = max_batch
-        self.lanes = max(1, lanes)
         self._waiting: deque[_Item] = deque()
         self._cv = threading.Condition(threading.Lock())
         self._leaders = 0
         self._kick: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._streams: list[Any] = []
-        self._lane_rr = itertools.count()
+        self._cuda_stream: Any = None
         self._closed = False
         self._run_ema_ns = 0.0
         # Counters, updated under the condition's lock.
@@ -105,7 +104,7 @@ class BatchingNode(Node):
         item = _Item(req, args, done, size)
         with self._cv:
             self._waiting.append(item)
-            if self._leaders >= self.lanes:
+            if self._leaders:
                 self._cv.notify()  # a leader that is waiting for more may take it now
                 return
             self._leaders += 1
@@ -177,9 +176,8 @@ class BatchingNode(Node):
                 return
             self._threads = [
                 threading.Thread(
-                    target=self._background, name=f"boundgen-batch-{self.name}-{i}", daemon=True
+                    target=self._background, name=f"boundgen-batch-{self.name}", daemon=True
                 )
-                for i in range(self.lanes)
             ]
             threads = list(self._threads)
         for t in threads:
@@ -225,18 +223,13 @@ class BatchingNode(Node):
             return batch
 
     def _stream(self, executor: Any) -> Any:
-        torch = executor._torch
-        if not self._streams:
+        if self._cuda_stream is None:
             with self._cv:
-                if not self._streams:
-                    self._streams = [
-                        torch.cuda.Stream(device=executor.device) for _ in range(self.lanes)
-                    ]
-        return self._streams[next(self._lane_rr) % self.lanes]
+                if self._cuda_stream is None:
+                    self._cuda_stream = torch.cuda.Stream(device=executor.device)
+        return self._cuda_stream
 
     def _run_batch(self, batch: list[_Item]) -> None:
-        from boundgen.runtime.executor import DeadlineExceeded
-
         start = _now()
         live = []
         for it in batch:
@@ -260,11 +253,10 @@ class BatchingNode(Node):
                 live.append(it)
         if not live:
             return
-        executor = live[0].req._executor
+        executor = live[0].req.executor
         event = None
         try:
-            if executor._cuda and self.kind is NodeKind.DEVICE:
-                torch = executor._torch
+            if executor.cuda and self.kind is NodeKind.DEVICE:
                 stream = self._stream(executor)
                 # inputs were made by CPU nodes: order after anything they queued on the default
                 # stream

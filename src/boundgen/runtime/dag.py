@@ -247,51 +247,6 @@ class Pipeline:
             {**self.defaults, **(defaults or {})},
         )
 
-    @classmethod
-    def from_spec(cls, spec: dict[str, Any], nodes: dict[str, Node] | None = None) -> Pipeline:
-        """Build from a dict (e.g. loaded from YAML):
-
-        ```yaml
-        name: rerank
-        inputs: [query, items]
-        nodes:
-          - {use: score_node}                  # a registered node type, or a key of `nodes`
-          - {use: top_n, name: top, bind: {scores: scores}, outputs: [top]}
-        outputs: [top]
-        ```
-        """
-        from boundgen.runtime.node import get_node
-
-        built = []
-        for i, item in enumerate(spec.get("nodes", [])):
-            if "use" not in item:
-                raise PipelineError(f"pipeline {spec.get('name')!r}: nodes[{i}] has no 'use' key")
-            use = item["use"]
-            extra = {k: item[k] for k in ("name", "bind", "outputs", "kind") if k in item}
-            if nodes and use in nodes:
-                base = nodes[use]
-                n = base.renamed(extra.get("name", base.name), bind=extra.get("bind"))
-            else:
-                n = get_node(use, **extra)
-            built.append(n)
-        return cls(
-            spec["name"],
-            spec.get("inputs", {}),
-            built,
-            spec.get("outputs", []),
-            spec.get("defaults"),
-        )
-
-    def describe(self) -> str:
-        lines = [
-            f"pipeline {self.name!r}: inputs {', '.join(self.inputs)} -> outputs {', '.join(self.outputs)}"
-        ]
-        for p in self.plan:
-            n = p.node
-            ins = ", ".join(f"{k}<-{n.source(k)}" for k in n.inputs)
-            lines.append(f"  {n.name} [{n.kind.value}] ({ins}) -> ({', '.join(n.outputs)})")
-        return "\n".join(lines)
-
     def __repr__(self) -> str:
         return f"Pipeline({self.name!r}, nodes={[n.name for n in self._order]})"
 

@@ -1,17 +1,18 @@
 """The executor: runs pipelines for many concurrent requests on CPU worker threads and CUDA streams.
 
-Scheduling, per request: - A node starts as soon as its inputs are ready. The thread that finishes a
-node runs its first ready successor inline (no thread hop for a chain); further ready successors go
-to the worker pool, so independent branches overlap. `run()` makes the calling thread work for its
-own request, so a synchronous request normally touches no other thread at all (except inside a
-batching node).
-- Joins are counted with `itertools.count` (atomic under the GIL): no lock on the hot path. - DEVICE
-nodes run under a stream from the stream pool; each records an event, which is the edge: a device
-successor on another stream waits on it (`stream.wait_event`), a CPU successor synchronizes it.
-Without CUDA, device nodes are plain calls. - Deadlines: before a node starts, the request fails
-with `DeadlineExceeded` when the time left is less than the estimated time of the rest of its
-critical path (running averages per node), so work that cannot make it is not started. An exception
-in a node fails that request only (`NodeError` names the node).
+Scheduling, per request:
+- A node starts as soon as its inputs are ready. The thread that finishes a node runs its first
+  ready successor inline (no thread hop for a chain); further ready successors go to the worker
+  pool, so independent branches overlap. `run()` makes the calling thread work for its own request,
+  so a synchronous request normally touches no other thread at all (except inside a batching node).
+- Joins are counted with `itertools.count` (atomic under the GIL): no lock on the hot path.
+- DEVICE nodes run under a stream from the stream pool; each records an event, which is the edge: a
+  device successor on another stream waits on it (`stream.wait_event`), a CPU successor
+  synchronizes it. Without CUDA, device nodes are plain calls.
+- Deadlines: before a node starts, the request fails with `DeadlineExceeded` when the time left is
+  less than the estimated time of the rest of its critical path (running averages per node), so
+  work that cannot make it is not started. An exception in a node fails that request only
+  (`NodeError` names the node).
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ class RequestContext:
         # when the tracer keeps requests, and its `RequestFuture.timings`
         self._spans: list[tuple] = []
         self._events: list[Any] | None = (
-            [None] * len(pipe.plan) if executor._cuda and pipe.has_device_nodes else None
+            [None] * len(pipe.plan) if executor.cuda and pipe.has_device_nodes else None
         )
         self._streams: list[Any] | None = (
             [None] * len(pipe.plan) if self._events is not None else None
@@ -199,6 +200,10 @@ class RequestContext:
         if self.deadline_ns is None:
             return float("inf")
         return (self.deadline_ns - _now()) / 1e6
+
+    @property
+    def executor(self) -> Executor:
+        return self._executor
 
     @property
     def lease(self) -> Lease:
@@ -240,18 +245,16 @@ class Executor:
 
         self.cpu_workers = max(1, cpu_workers or min(8, (os.cpu_count() or 2) * 2))
         want_cuda = device is None or str(device).startswith("cuda")
-        self._cuda = bool(want_cuda and torch.cuda.is_available())
+        self.cuda = bool(want_cuda and torch.cuda.is_available())
         self.device = (
-            torch.device("cuda" if self._cuda else "cpu")
-            if device is None
-            else torch.device(device)
+            torch.device("cuda" if self.cuda else "cpu") if device is None else torch.device(device)
         )
-        if self.device.type == "cuda" and not self._cuda:
+        if self.device.type == "cuda" and not self.cuda:
             raise RuntimeError("Executor(device='cuda') but CUDA is not available")
         self._torch = torch
         self.streams = (
             [torch.cuda.Stream(device=self.device) for _ in range(max(1, device_streams))]
-            if self._cuda
+            if self.cuda
             else []
         )
         self._stream_rr = itertools.count()
@@ -741,6 +744,3 @@ def call_directly(pipeline: Pipeline, inputs: dict[str, Any]) -> dict[str, Any]:
         for slot, v in zip(p.out_slots, outs):
             values[slot] = v
     return {name: values[slot] for name, slot in pipeline.output_slots}
-
-
-Callback = Callable[..., None]

@@ -1,84 +1,81 @@
-"""`ServerConfig`: every `boundgen serve` knob, once. Flags, YAML/TOML config files and `create_app` all
-read this one dataclass (`boundgen.cliargs` turns fields into `--flags`). Engine knobs (device,
-dtype,
-max_items, max_beam_width, ...) stay in `boundgen.config.EngineConfig`; a config file may hold both."""
+"""Serving settings: `ServerConfig` (HTTP), `EngineConfig` (the model) and `RayServeConfig` (scale-out)
+as one `ServeSettings`, read from one config file and the flags of `boundgen serve`.
+
+A config file (YAML/TOML) holds keys of any of the three at the top level, or `server:`, `engine:` and
+`ray:` sections; a flag overrides the file. Fields with `flag=False` are config-file only (rare knobs),
+so `boundgen serve --help` stays short.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from boundgen.config import EngineConfig
+from boundgen.settings import add_flags, from_args, load_sections, option, read_file
 
-def _f(default: Any, help: str, **meta: Any) -> Any:
-    if isinstance(default, (list, dict)):
-        return field(
-            default_factory=lambda: type(default)(default), metadata={"help": help, **meta}
-        )
-    return field(default=default, metadata={"help": help, **meta})
+RAY_INSTALL_HINT = "pip install 'boundgen[ray]'"
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     # --- model ---
-    model: str | None = _f(None, "checkpoint directory (default: the built-in demo model)")
-    served_model_name: str | None = _f(
+    model: str | None = option(None, "checkpoint directory (default: the built-in demo model)")
+    served_model_name: str | None = option(
         None, "name reported in responses (default: the model's name)"
     )
+    tries: tuple[str, ...] = option((), "beam tries loaded at start, NAME=PATH each")
     # --- network ---
-    host: str = _f("127.0.0.1", "bind address (127.0.0.1 unless told otherwise)")
-    port: int = _f(8000, "TCP port")
-    api_key: str | None = _f(
+    host: str = option("127.0.0.1", "bind address (127.0.0.1 unless told otherwise)")
+    port: int = option(8000, "TCP port")
+    api_key: str | None = option(
         None, "require `Authorization: Bearer KEY` (also env BOUNDGEN_API_KEY)"
     )
-    log_level: str = _f("info", "uvicorn log level")
-    access_log: bool = _f(False, "log every request")
+    log_level: str = option("info", "log level (uvicorn and boundgen)")
+    access_log: bool = option(False, "log every request")
     # --- load control ---
-    max_queue: int = _f(256, "requests admitted (queued + running) before answering 429")
-    timeout_ms: int = _f(
+    max_queue: int = option(256, "requests admitted (queued + running) before answering 429")
+    timeout_ms: int = option(
         10_000, "default per-request deadline; requests may set `timeout_ms` lower"
     )
-    max_timeout_ms: int = _f(60_000, "largest `timeout_ms` a request may ask for")
-    retry_after_s: int = _f(1, "`Retry-After` seconds sent with 429")
-    drain_timeout_s: float = _f(30.0, "on SIGTERM, wait this long for in-flight requests")
-    runtime: bool = _f(
+    max_timeout_ms: int = option(60_000, "largest `timeout_ms` a request may ask for", flag=False)
+    retry_after_s: int = option(1, "`Retry-After` seconds sent with 429", flag=False)
+    drain_timeout_s: float = option(30.0, "on SIGTERM, wait this long for in-flight requests")
+    server_timing: bool = option(
         True,
-        "serve through the DAG runtime (cross-request batching); "
-        "--no-runtime calls the engine on worker threads",
+        "add a Server-Timing header to responses: time in the handler, in the runtime and in each "
+        "DAG node (tells a slow request's cause apart)",
+        flag=False,
     )
-    batch_token_budget: int | None = _f(
-        None,
-        "runtime: most tokens merged into one forward (default: the engine's max_batch_tokens)",
-    )
-    batch_max_wait_ms: float = _f(0.0, "runtime: how long a batch may wait for more requests")
-    cpu_workers: int | None = _f(None, "runtime: CPU node threads (default: the runtime's choice)")
-    workers: int = _f(1, "--no-runtime: model worker threads")
-    server_timing: bool = _f(
+    gc_freeze: bool = option(
         True,
-        "add a Server-Timing header to responses: time in the handler, in the "
-        "runtime and in each DAG node (tells a slow request's cause apart)",
-    )
-    gc_freeze: bool = _f(
-        True,
-        "freeze the start-up heap so Python's full garbage collections skip it "
-        "(a full collection over it pauses requests for ~0.1-0.2 s)",
+        "freeze the start-up heap so Python's full garbage collections skip it (a full collection "
+        "over it pauses requests for ~0.1-0.2 s)",
+        flag=False,
     )
     # --- request size limits ---
-    max_body_bytes: int = _f(8 << 20, "largest request body (413 beyond)")
-    max_item_tokens: int = _f(1024, "tokens per item, document or text")
-    max_query_tokens: int = _f(4096, "tokens in a query or beam prompt")
-    max_label_tokens: int = _f(256, "label_token_ids per score request")
+    max_body_bytes: int = option(8 << 20, "largest request body (413 beyond)", flag=False)
+    max_item_tokens: int = option(1024, "tokens per item, document or text", flag=False)
+    max_query_tokens: int = option(4096, "tokens in a query or beam prompt", flag=False)
+    max_label_tokens: int = option(256, "label_token_ids per score request", flag=False)
     # --- workload defaults ---
-    rerank_label_tokens: tuple[str, ...] = _f(
-        (" yes", " no"), "rerank: relevance = softmax over these tokens' logits, first one"
+    rerank_label_tokens: tuple[str, ...] = option(
+        (" yes", " no"),
+        "rerank: relevance = softmax over these tokens' logits, first one",
+        flag=False,
     )
-    rerank_query_template: str = _f("{query}", "rerank: text before each document")
-    rerank_document_template: str = _f("{document}", "rerank: each document's text")
-    embed_pooling: str = _f("last", "embeddings pooling: last | mean", choices=("last", "mean"))
-    embed_normalize: bool = _f(True, "L2-normalize embeddings (OpenAI returns unit vectors)")
-    tries: tuple[str, ...] = _f((), "beam tries loaded at start, NAME=PATH each")
+    rerank_query_template: str = option("{query}", "rerank: text before each document", flag=False)
+    rerank_document_template: str = option("{document}", "rerank: each document's text", flag=False)
+    embed_pooling: str = option(
+        "last", "embeddings pooling: last | mean", choices=("last", "mean"), flag=False
+    )
+    embed_normalize: bool = option(
+        True, "L2-normalize embeddings (OpenAI returns unit vectors)", flag=False
+    )
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("BOUNDGEN_API_KEY") or None
@@ -101,7 +98,6 @@ class ServerConfig:
             "max_item_tokens",
             "max_query_tokens",
             "max_label_tokens",
-            "workers",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -112,60 +108,159 @@ class ServerConfig:
         self.trie_paths()
         return self
 
+    def with_default_model(self) -> tuple[Path, ServerConfig]:
+        """(checkpoint, config): `model`, or without it the shipped demo model with its catalog trie
+        served as `catalog` (`/v1/beam` with `"trie": "catalog"`), so a new user's first server gives
+        answers a person can judge."""
+        if self.model:
+            return Path(self.model), self
+        from boundgen.demo import default_model_path, default_trie_path
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML (.yaml/.yml) or TOML (.toml) config file."""
-    path = Path(path)
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(text) or {}
-    elif path.suffix == ".toml":
-        import tomllib
-
-        data = tomllib.loads(text)
-    else:
-        raise ValueError(f"config file must end in .yaml, .yml or .toml: {path}")
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")
-    return data
+        tries = self.tries or (f"catalog={default_trie_path()}",)
+        return default_model_path(), dataclasses.replace(self, tries=tries).validate()
 
 
-def load_config_file(path: str | os.PathLike) -> tuple[ServerConfig, Any]:
-    """YAML (.yaml/.yml) or TOML (.toml). Keys of `ServerConfig` and of `EngineConfig` at the top level,
-    or under `server:` and `engine:` sections. Returns (ServerConfig, EngineConfig)."""
-    from boundgen.config import EngineConfig
+@dataclass(frozen=True)
+class RayServeConfig:
+    """How many engine replicas, how they scale and what each reserves (Ray Serve)."""
 
-    path = Path(path)
-    data = read_config_file(path)
-    data.pop("ray", None)  # the Ray Serve section belongs to boundgen.serve_ray
-    server = dict(data.pop("server", None) or {})
-    engine = dict(data.pop("engine", None) or {})
-    engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
-    for key, value in data.items():
-        (engine if key.replace("-", "_") in engine_keys else server)[key] = value
-    return (
-        config_from_dict(server, source=str(path)),
-        _dataclass_from_dict(EngineConfig, engine, source=f"{path} (engine)"),
+    replicas: int | None = option(
+        None,
+        "Ray Serve: fixed number of replicas (one per GPU on CUDA); giving it serves through Ray",
+    )
+    min_replicas: int | None = option(
+        None, "Ray Serve autoscaling: fewest replicas (default 1)", flag=False
+    )
+    max_replicas: int | None = option(
+        None, "Ray Serve autoscaling: most replicas; giving it turns autoscaling on"
+    )
+    target_ongoing_requests: float = option(
+        32.0,
+        "Ray Serve autoscaling: requests in flight per replica to aim for (batching wants several)",
+        flag=False,
+    )
+    upscale_delay_s: float | None = option(
+        None,
+        "Ray Serve autoscaling: load must stay high this long before adding replicas",
+        flag=False,
+    )
+    downscale_delay_s: float | None = option(
+        None,
+        "Ray Serve autoscaling: load must stay low this long before removing replicas",
+        flag=False,
+    )
+    max_ongoing_requests: int | None = option(
+        None,
+        "Ray Serve: requests the proxy sends one replica at once (default: the server's max_queue)",
+        flag=False,
+    )
+    num_gpus: float | None = option(
+        None, "GPUs per replica (default: 1 when the engine device is CUDA, else 0)"
+    )
+    num_cpus: float = option(1.0, "CPUs reserved per replica", flag=False)
+    ray_address: str | None = option(
+        None, "Ray cluster to join (default: RAY_ADDRESS, else start one locally)"
+    )
+    app_name: str = option("boundgen", "Ray Serve application (and deployment) name", flag=False)
+    replica_metrics_port: int | None = option(
+        None,
+        "each replica serves its own Prometheus /metrics on the first free port from this one",
+        flag=False,
+    )
+    health_check_period_s: float = option(
+        10.0, "Ray Serve: seconds between replica health checks", flag=False
+    )
+    health_check_timeout_s: float = option(
+        30.0, "Ray Serve: a health check slower than this fails", flag=False
+    )
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_replicas is not None
+
+    def validate(self) -> RayServeConfig:
+        for name in ("replicas", "min_replicas", "max_replicas"):
+            value = getattr(self, name)
+            least = 0 if name == "min_replicas" else 1
+            if value is not None and value < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
+        if self.autoscaling:
+            lo = 1 if self.min_replicas is None else self.min_replicas
+            if lo > self.max_replicas:
+                raise ValueError(f"min_replicas={lo} > max_replicas={self.max_replicas}")
+            if self.target_ongoing_requests <= 0:
+                raise ValueError("target_ongoing_requests must be > 0")
+        elif self.min_replicas is not None:
+            raise ValueError(
+                "min_replicas needs max_replicas (autoscaling); for a fixed count use replicas"
+            )
+        if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
+            raise ValueError("num_cpus and num_gpus must be >= 0")
+        if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
+            raise ValueError("max_ongoing_requests must be >= 1")
+        return self
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    server: ServerConfig
+    engine: EngineConfig
+    ray: RayServeConfig
+    ray_section: bool = False  # the config file had a `ray:` section (it asks for Ray Serve)
+
+
+_SECTIONS = {"server": ServerConfig, "engine": EngineConfig, "ray": RayServeConfig}
+
+
+def load_settings(source: str | os.PathLike | dict[str, Any]) -> ServeSettings:
+    """The settings in a config file (YAML/TOML path) or in the same mapping given directly."""
+    data = read_file(source) if isinstance(source, (str, os.PathLike)) else dict(source or {})
+    name = str(source) if isinstance(source, (str, os.PathLike)) else "settings"
+    parts = load_sections(data, _SECTIONS, name)
+    return ServeSettings(
+        parts["server"].validate(), parts["engine"], parts["ray"].validate(), "ray" in data
     )
 
 
-def config_from_dict(data: dict[str, Any], source: str = "config") -> ServerConfig:
-    return _dataclass_from_dict(ServerConfig, data, source).validate()
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """`--config`, the server, engine and Ray Serve flags, and `--ray/--no-ray`."""
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="YAML/TOML file with server, engine and ray settings; flags override it",
+    )
+    add_flags(parser.add_argument_group("server"), ServerConfig)
+    add_flags(parser.add_argument_group("engine"), EngineConfig)
+    ray = parser.add_argument_group(f"Ray Serve ({RAY_INSTALL_HINT})")
+    ray.add_argument(
+        "--ray",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve through Ray Serve (also implied by --replicas, --max-replicas or a `ray:` "
+        "section in --config)",
+    )
+    add_flags(ray, RayServeConfig)
 
 
-def _dataclass_from_dict(cls: type, data: dict[str, Any], source: str) -> Any:
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    data = {k.replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ValueError(f"{source}: unknown keys {unknown}; known: {sorted(known)}")
-    values = {}
-    for key, value in data.items():
-        if key == "tries" and isinstance(value, dict):  # `tries: {name: path}` is also accepted
-            value = tuple(f"{k}={v}" for k, v in value.items())
-        elif isinstance(known[key].default, tuple) and isinstance(value, list):
-            value = tuple(value)
-        values[key] = value
-    return cls(**values)
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    """The config file (if any) overridden by the flags that were given."""
+    base = load_settings(args.config) if getattr(args, "config", None) else None
+    server = from_args(ServerConfig, args, base.server if base else None).validate()
+    engine = from_args(EngineConfig, args, base.engine if base else None)
+    ray = from_args(RayServeConfig, args, base.ray if base else None).validate()
+    return ServeSettings(server, engine, ray, bool(base and base.ray_section))
+
+
+def wants_ray(args: argparse.Namespace, settings: ServeSettings) -> bool:
+    """`--ray`/`--no-ray` decide; else replica flags or a `ray:` section in the config file."""
+    flag = getattr(args, "ray", None)
+    if flag is not None:
+        return bool(flag)
+    ray = settings.ray
+    return ray.replicas is not None or ray.max_replicas is not None or settings.ray_section
+
+
+def engine_device_given(args: argparse.Namespace, settings: ServeSettings) -> bool:
+    """Whether the user chose the device (by flag or config file), else the server picks one."""
+    return getattr(args, "device", None) is not None or settings.engine.device != "cpu"

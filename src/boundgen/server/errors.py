@@ -60,10 +60,6 @@ class Timeout(ServerError):
     status, type = 504, "timeout_error"
 
 
-class DeadlineExceeded(Exception):
-    """Raised in the model worker when a request's deadline passed before it ran."""
-
-
 def error_response(
     status: int, message: str, type_: str, code: Any = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
@@ -79,9 +75,3 @@ def kserve_error_response(
 ) -> JSONResponse:
     # KServe v2 / Triton clients expect `{"error": "<message>"}` (tritonclient fails on an object).
     return JSONResponse({"error": message}, status_code=status, headers=headers)
-
-
-def is_deadline_error(exc: BaseException) -> bool:
-    # NOTE: the runtime defines its own `DeadlineExceeded`; match by name so the server does not
-    # import it.
-    return isinstance(exc, DeadlineExceeded) or type(exc).__name__ == "DeadlineExceeded"

@@ -22,8 +22,10 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 from starlette.requests import Request
 from starlette.responses import Response
 
+from boundgen.server import inputs
 from boundgen.server.errors import BadRequest, NotFound, Unavailable
 from boundgen.server.limits import describe_validation_error, read_body
+from boundgen.server.state import ServerState
 
 _NP = {
     "BOOL": np.bool_,
@@ -66,7 +68,7 @@ class InferRequest(BaseModel):
     outputs: list[_Output] | None = None
 
 
-def add_routes(route: Callable[..., None], state: Any) -> None:
+def add_routes(route: Callable[..., None]) -> None:
     get = ("GET",)
     route("/v2", "kserve.server_metadata", server_metadata, get)
     route("/v2/health/live", "kserve.live", live, get)
@@ -82,23 +84,23 @@ def _json(obj: Any) -> Response:
     return Response(json.dumps(obj), media_type="application/json")
 
 
-async def server_metadata(request: Request, state: Any) -> Response:
+async def server_metadata(request: Request, state: ServerState) -> Response:
     from boundgen import __version__
 
     return _json({"name": "boundgen", "version": __version__, "extensions": ["binary_tensor_data"]})
 
 
-async def live(request: Request, state: Any) -> Response:
+async def live(request: Request, state: ServerState) -> Response:
     return _json({"live": True})
 
 
-async def ready(request: Request, state: Any) -> Response:
+async def ready(request: Request, state: ServerState) -> Response:
     if state.draining or not state.ready:
         raise Unavailable("server is not ready" + (" (shutting down)" if state.draining else ""))
     return _json({"ready": True})
 
 
-def _model(request: Request, state: Any) -> str:
+def _model(request: Request, state: ServerState) -> str:
     name = request.path_params["name"]
     if name != state.model_name:
         raise NotFound(f"unknown model {name!r}; this server serves {state.model_name!r}")
@@ -108,7 +110,7 @@ def _model(request: Request, state: Any) -> str:
     return name
 
 
-def _metadata(state: Any) -> dict[str, Any]:
+def _metadata(state: ServerState) -> dict[str, Any]:
     outputs = [
         {"name": "scores", "datatype": "FP32", "shape": [-1, -1]},
         {"name": "embeddings", "datatype": "FP32", "shape": [-1, state.hidden_size]},
@@ -129,19 +131,19 @@ def _metadata(state: Any) -> dict[str, Any]:
     }
 
 
-async def model_metadata(request: Request, state: Any) -> Response:
+async def model_metadata(request: Request, state: ServerState) -> Response:
     _model(request, state)
     return _json(_metadata(state))
 
 
-async def model_ready(request: Request, state: Any) -> Response:
+async def model_ready(request: Request, state: ServerState) -> Response:
     _model(request, state)
     if state.draining or not state.ready:
         raise Unavailable("model is not ready")
     return _json({"name": state.model_name, "ready": True})
 
 
-async def model_config(request: Request, state: Any) -> Response:
+async def model_config(request: Request, state: ServerState) -> Response:
     _model(request, state)
     meta = _metadata(state)
     return _json(
@@ -285,13 +287,52 @@ def _param(params: dict[str, Any], key: str, default: Any, kind: type) -> Any:
     return value
 
 
+async def _score(state: ServerState, need, tensors, params, timeout_ms: int) -> np.ndarray:
+    qt, qv = need("query")
+    it, iv = need("items")
+    cfg = state.config
+    if qt.datatype == "BYTES":
+        if len(qv) != 1:
+            raise BadRequest(f"input 'query' must hold one string, got {len(qv)}")
+        query_value: str | list[int] = _texts(qt, qv)[0]
+    else:
+        query_value = _ints(qt, qv)
+    query = await inputs.token_ids(
+        state, "query", query_value, cfg.max_query_tokens, "max_query_tokens", allow_empty=True
+    )
+    if it.datatype == "BYTES":
+        items = await inputs.many_token_ids(state, "items", _texts(it, iv))
+    else:
+        if len(it.shape) != 2:
+            raise BadRequest("input 'items' as token ids must have shape [N, L]")
+        flat = _ints(it, iv)
+        n, length = it.shape
+        rows = [flat[i * length : (i + 1) * length] for i in range(n)]
+        items = await inputs.many_token_ids(state, "items", rows)
+    if "label_token_ids" in tensors:
+        labels = _ints(*tensors["label_token_ids"])
+    elif state.rerank_label_ids is not None:
+        labels = list(state.rerank_label_ids)
+    else:
+        raise BadRequest("input 'label_token_ids' is required (no default rerank labels)")
+    labels = inputs.label_ids(state, labels)
+    scores = await inputs.score(
+        state,
+        query,
+        items,
+        labels,
+        _param(params, "apply_softmax", True, bool),
+        _param(params, "item_first", False, bool),
+        timeout_ms,
+    )
+    return np.asarray(scores, dtype=np.float32).reshape(len(items), len(labels))
+
+
 # ----------------------------------------------------------------------------------------------
 # infer
 
 
-async def infer(request: Request, state: Any) -> Response:
-    from boundgen.server import app as handlers
-
+async def infer(request: Request, state: ServerState) -> Response:
     _model(request, state)
     body = await read_body(request, state.config.max_body_bytes)
     head, binary = _split_body(request, body)
@@ -302,8 +343,8 @@ async def infer(request: Request, state: Any) -> Response:
     except ValidationError as exc:
         raise BadRequest(describe_validation_error(exc)) from None
     params = req.parameters or {}
-    inputs = _decode_inputs(req.inputs, binary)
-    task = _param(params, "task", "score" if "items" in inputs else "embed", str)
+    tensors = _decode_inputs(req.inputs, binary)
+    task = _param(params, "task", "score" if "items" in tensors else "embed", str)
     timeout_ms = params.get("timeout_ms")
     if timeout_ms is not None and (
         not isinstance(timeout_ms, int) or isinstance(timeout_ms, bool) or timeout_ms < 1
@@ -312,95 +353,24 @@ async def infer(request: Request, state: Any) -> Response:
     timeout_ms = state.timeout_ms(timeout_ms)
 
     def need(name: str) -> tuple[_Tensor, list[Any]]:
-        if name not in inputs:
-            raise BadRequest(f"task {task!r} needs input {name!r}; got {sorted(inputs)}")
-        return inputs[name]
+        if name not in tensors:
+            raise BadRequest(f"task {task!r} needs input {name!r}; got {sorted(tensors)}")
+        return tensors[name]
 
     if task == "score":
-        qt, qv = need("query")
-        it, iv = need("items")
-        if qt.datatype == "BYTES":
-            if len(qv) != 1:
-                raise BadRequest(f"input 'query' must hold one string, got {len(qv)}")
-            query = await handlers._token_ids(
-                state,
-                "query",
-                _texts(qt, qv)[0],
-                state.config.max_query_tokens,
-                "max_query_tokens",
-                allow_empty=True,
-            )
-        else:
-            query = await handlers._token_ids(
-                state,
-                "query",
-                _ints(qt, qv),
-                state.config.max_query_tokens,
-                "max_query_tokens",
-                allow_empty=True,
-            )
-        if it.datatype == "BYTES":
-            items = await handlers._many_token_ids(state, "items", _texts(it, iv))
-        else:
-            if len(it.shape) != 2:
-                raise BadRequest("input 'items' as token ids must have shape [N, L]")
-            flat = _ints(it, iv)
-            n, length = it.shape
-            items = await handlers._many_token_ids(
-                state, "items", [flat[i * length : (i + 1) * length] for i in range(n)]
-            )
-        if "label_token_ids" in inputs:
-            lt, lv = inputs["label_token_ids"]
-            labels = _ints(lt, lv)
-        elif state.rerank_label_ids is not None:
-            labels = list(state.rerank_label_ids)
-        else:
-            raise BadRequest("input 'label_token_ids' is required (no default rerank labels)")
-        state.limits.count(
-            "label_token_ids", len(labels), state.config.max_label_tokens, "max_label_tokens"
-        )
-        state.limits.token_ids("label_token_ids", labels)
-        scores = await handlers._run_score(
-            state,
-            query,
-            items,
-            labels,
-            _param(params, "apply_softmax", True, bool),
-            _param(params, "item_first", False, bool),
-            timeout_ms,
-        )
-        name, array = (
-            "scores",
-            np.asarray(scores, dtype=np.float32).reshape(len(items), len(labels)),
-        )
+        name, array = "scores", await _score(state, need, tensors, params, timeout_ms)
     elif task in ("embed", "classify"):
         tt, tv = need("text")
-        texts = _texts(tt, tv)
-        ids = await handlers._many_token_ids(state, "text", texts, special=True)
-        for i, seq in enumerate(ids):
-            state.limits.context(f"text[{i}]", len(seq))
-        n_tokens = sum(len(s) for s in ids)
+        ids = await inputs.text_inputs(state, "text", _texts(tt, tv))
         if task == "embed":
-            array = await state.infer(
-                "embed",
-                dict(
-                    texts=texts,
-                    pooling=state.config.embed_pooling,
-                    normalize=_param(params, "normalize", state.config.embed_normalize, bool),
-                    _tokens=n_tokens,
-                ),
-                timeout_ms,
+            normalize = _param(params, "normalize", state.config.embed_normalize, bool)
+            vectors = await inputs.embed(
+                state, ids, state.config.embed_pooling, normalize, timeout_ms
             )
-            name, array = "embeddings", np.asarray(array, dtype=np.float32)
+            name, array = "embeddings", vectors
         else:
-            if not state.can_classify:
-                raise BadRequest("this model has no classification head (task 'classify')")
-            logits = np.asarray(
-                await state.infer("classify", dict(texts=texts, _tokens=n_tokens), timeout_ms),
-                dtype=np.float32,
-            )
-            e = np.exp(logits - logits.max(axis=-1, keepdims=True))
-            name, array = "probs", e / e.sum(axis=-1, keepdims=True)
+            probs = await inputs.classify(state, ids, timeout_ms)
+            name, array = "probs", np.asarray(probs, dtype=np.float32)
     else:
         raise BadRequest(f"unknown task {task!r}; use score, embed or classify")
 

@@ -1,10 +1,10 @@
 """Prometheus metrics, one `Metrics` per app (its own registry, so several apps can live in one process).
 
 Names: `boundgen_request_seconds{endpoint}`, `boundgen_requests_total{endpoint,status}`,
-`boundgen_errors_total{endpoint,type}`, `boundgen_node_seconds{node}` (DAG nodes; the engine path
-reports
-`queue` and the workload), `boundgen_queue_depth`, `boundgen_inflight`, `boundgen_batch_tokens`,
-`boundgen_items_total{endpoint}` (items/s = rate()), `boundgen_device_memory_bytes{device,kind}`.
+`boundgen_errors_total{endpoint,type}`, `boundgen_inflight`, `boundgen_batch_tokens`,
+`boundgen_items_total{endpoint}` (items/s = rate()), `boundgen_shed_total`,
+`boundgen_device_memory_bytes{device,kind}`, the runtime's own `boundgen_runtime_node_seconds{pipeline,
+node}` (every DAG node), batching counters, and GC pauses per generation.
 """
 
 from __future__ import annotations
@@ -103,10 +103,8 @@ class _RuntimeCollector:
         yield batch_tokens
         try:
             tracer = self.runtime.executor.tracer
-            for (pipeline, node), h in sorted(tracer._hist.items()):
+            for (pipeline, node), h in sorted(tracer.histograms().items()):
                 hist.add_metric([pipeline, node], *_prometheus_buckets(h))
-            for pipeline, h in sorted(tracer._request_hist.items()):
-                hist.add_metric([pipeline, "<request>"], *_prometheus_buckets(h))
             for key, n in dict(tracer.errors).items():
                 pipeline, _, status = str(key).partition(":")
                 errors.add_metric([str(pipeline), str(status)], float(n))
@@ -149,16 +147,6 @@ class Metrics:
         self.errors = Counter(
             "boundgen_errors", "errors by endpoint and type", ["endpoint", "type"], registry=r
         )
-        self.node_seconds = Histogram(
-            "boundgen_node_seconds",
-            "time in each DAG node",
-            ["node"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_depth = Gauge(
-            "boundgen_queue_depth", "admitted requests waiting for the model", registry=r
-        )
         self.inflight = Gauge(
             "boundgen_inflight", "admitted requests (waiting + running)", registry=r
         )
@@ -183,11 +171,6 @@ class Metrics:
 
     def watch_runtime(self, runtime) -> None:
         self.registry.register(_RuntimeCollector(runtime))
-
-    # The runtime calls this for every node it runs; the direct-engine path reports queue +
-    # workload.
-    def observe_node(self, node: str, seconds: float) -> None:
-        self.node_seconds.labels(node).observe(seconds)
 
     def observe_request(
         self, endpoint: str, status: int, seconds: float, error_type: str | None = None

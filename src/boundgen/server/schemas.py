@@ -4,8 +4,9 @@
 - `/v1/rerank`, `/v2/rerank`: Cohere / vLLM rerank.
 - `/v1/classify`: vLLM / SGLang classify.
 - `/v1/embeddings`: OpenAI embeddings.
-- `/v1/beam`: boundgen's bounded beam search. - `/v2/models/{name}/infer`: KServe v2 (JSON + Triton
-binary tensor extension), parsed in `kserve.py`.
+- `/v1/beam`: boundgen's bounded beam search.
+- `/v2/models/{name}/infer`: KServe v2 (JSON + Triton binary tensor extension), parsed in
+  `kserve.py`.
 
 Requests ignore unknown fields (clients send extras such as `user`), but known fields are strictly
 typed: no silent coercion of `"1"` to `1` or `1` to `true`.

@@ -1,4 +1,4 @@
-"""Helpers for server tests and load tests: a cached tiny checkpoint, an engine wrapper that adds a delay,
+"""Helpers for server tests and load tests: a cached tiny checkpoint, an engine whose model calls are slow,
 a free port, and a `boundgen serve` subprocess that is started and stopped cleanly."""
 
 from __future__ import annotations
@@ -26,23 +26,29 @@ def tiny_model_dir(root: str | os.PathLike | None = None, seq_cls: int | None = 
     return out
 
 
-class SlowEngine:
-    """Wraps an engine; every model call first sleeps `delay_s` (to test queues, deadlines, drains)."""
+class _SlowRunner:
+    """A runner that first sleeps `delay_s` in every forward and every beam search."""
 
-    def __init__(self, engine: Any, delay_s: float):
-        self._engine = engine
+    def __init__(self, runner: Any, delay_s: float):
+        self._runner = runner
         self.delay_s = delay_s
 
+    def rows(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.delay_s)
+        return self._runner.rows(*args, **kwargs)
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.delay_s)
+        return self._runner.decode(*args, **kwargs)
+
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._engine, name)
-        if name in ("score", "classify", "embed", "beam_search"):
+        return getattr(self._runner, name)
 
-            def slow(*args: Any, **kwargs: Any) -> Any:
-                time.sleep(self.delay_s)
-                return attr(*args, **kwargs)
 
-            return slow
-        return attr
+def slow_engine(engine: Any, delay_s: float) -> Any:
+    """An engine over `engine`'s model whose every model call first sleeps `delay_s` (to test
+    queues, deadlines, drains); concurrent requests merged into one batch sleep once."""
+    return engine.with_runner(_SlowRunner(engine.runner, delay_s))
 
 
 def free_port() -> int:

@@ -1,2 +1,2 @@
-"""Workloads as three stages: CPU `prepare_*` (tokenize → SequenceGroups), a device forward on a
-`PackedBatch` through `ModelRunner`, and CPU `finish_*` (format results)."""
+"""Workloads: one module per workload (score, classify, embed, beam), each with its request type,
+its CPU prepare/finish stages and its pipeline, found by `registry.workloads()`."""

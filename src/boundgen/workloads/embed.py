@@ -1,5 +1,8 @@
 """Embeddings: last-token or mean hidden state, optionally normalised or fed to a downstream MLP head.
 
+Pipeline: prepare (CPU: tokenize, load the head) → forward (shared batching node, last or mean
+pooling) → mlp_head (DEVICE: normalize, optional MLP head).
+
 An MLP head is a directory (or the JSON file in it) holding `head.json`:
     {"input_dim": H, "hidden_dims": [256], "output_dim": 1,
      "activation": "relu" | "gelu" | "silu" | "tanh", "output_activation": null | "sigmoid" |
@@ -13,11 +16,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
+
+from boundgen.runtime.dag import Pipeline
+from boundgen.workloads.base import Workload, WorkloadContext, cpu_node, device_node
+from boundgen.workloads.inputs import prepare_texts
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -109,3 +117,39 @@ def finish_embed(rows: torch.Tensor, normalize: bool, head: MLPHead | None) -> t
         with torch.inference_mode():
             x = head(x)
     return x
+
+
+def build(context: WorkloadContext) -> Pipeline:
+    def prepare(request: EmbedRequest, head: Any) -> tuple[list, str, Any]:
+        if request.pooling not in ("last", "mean"):
+            raise ValueError(f"unknown pooling '{request.pooling}'; use 'last' or 'mean'")
+        if head is not None and not isinstance(head, MLPHead):
+            head = MLPHead.load(head)
+        groups = prepare_texts(request.texts, context.tokenizer, context.limits, request.truncate)
+        return groups, request.pooling, head
+
+    return Pipeline(
+        "embed",
+        {"request": EmbedRequest, "head": Any},
+        [
+            cpu_node(
+                "prepare",
+                prepare,
+                {"request": EmbedRequest, "head": Any},
+                {"groups": list, "pooling": str, "mlp": Any},
+                raises=(ValueError, FileNotFoundError),
+            ),
+            context.forward,
+            device_node(
+                "mlp_head",
+                lambda rows, request, mlp: finish_embed(rows, request.normalize, mlp),
+                {"rows": torch.Tensor, "request": EmbedRequest, "mlp": Any},
+                {"vectors": torch.Tensor},
+            ),
+        ],
+        ["vectors"],
+        defaults={"head": None},
+    )
+
+
+WORKLOAD = Workload("embed", EmbedRequest, build)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from boundgen.text.packing import SequenceGroup
 from boundgen.text.tokenizer import Tokenizer
 
 
@@ -54,3 +55,17 @@ def fit_length(ids: list[int], budget: int, truncate: bool, what: str) -> list[i
             f"{what} has {len(ids)} tokens, over the limit of {budget}; shorten it or pass truncate=True"
         )
     return ids[: max(budget, 0)]
+
+
+def prepare_texts(
+    texts, tokenizer: Tokenizer, limits: Limits, truncate: bool
+) -> list[SequenceGroup]:
+    """Each text (or token-id list) as its own sequence; text gets the tokenizer's special tokens."""
+    check_items(texts, limits, "texts")
+    seqs = []
+    for i, t in enumerate(texts):
+        ids = to_ids(t, tokenizer, limits, f"texts[{i}]", add_special_tokens=True)
+        if not ids:
+            raise ValueError(f"texts[{i}] is empty")
+        seqs.append(fit_length(ids, limits.max_seq_len, truncate, f"texts[{i}]"))
+    return [SequenceGroup([], seqs)]

@@ -1,0 +1,260 @@
+"""Model backends: the packed forward per shape bucket (`eager` | `compile` | `aoti`, each optionally
+`+graphs`), and the choice `"auto"` makes.
+
+A backend is a `CompiledForwards`: the buckets it serves and one function per bucket (`fn(padded batch
+on the device) -> hidden [T, H]`), plus, with CUDA graphs, persistent decode buckets for beam search.
+Plain eager has none (`select_forwards` returns None): the runner then runs the model as is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from boundgen.compile.aoti import AOTIBucket, PackedForward, SharedWeights, build_package
+from boundgen.compile.buckets import Bucket, BucketSet, parse_buckets
+from boundgen.compile.cache import (
+    ArtifactCache,
+    ArtifactError,
+    Slot,
+    model_fingerprint,
+    platform_info,
+)
+from boundgen.compile.decode import DecodeGraphs
+from boundgen.compile.preload import AOTIUnsafe, ensure_loadable
+from boundgen.models.decoder import DecoderModel
+
+log = logging.getLogger("boundgen.compile")
+
+BACKENDS = ("auto", "eager", "compile", "aoti", "eager+graphs", "compile+graphs", "aoti+graphs")
+# NOTE: what "auto" tries on CUDA, in order, before plain eager. Only backends that need no compile
+# at start-up belong here (aoti uses `boundgen compile`'s cached buckets; graph capture takes ~0.1 s
+# a bucket). Measured on the H200 (BENCHMARKS.md, bench_backends.py): graphs cut W3 from 3.5 to
+# 1.65 ms on aoti and from 25 to 3.8 ms on eager, W2 from 7.2 to 6.6 / 27 to 11 ms; nothing changes
+# at 8192 tokens.
+AUTO_CUDA = ("aoti+graphs", "eager+graphs")
+
+
+@dataclass
+class CompileOptions:
+    """How compiled backends are built (one place, so CLI flags and the engine agree)."""
+
+    buckets: list[Bucket] | str | None = None  # None: aoti uses the cached buckets of this model
+    cache_dir: str | Path | None = None
+    rebuild: bool | None = None  # None: True for an explicit "aoti", False for "auto"
+    quant: str = (
+        "none"  # label of the quantization policy (the model fingerprint covers its effect)
+    )
+    # +graphs: capture buckets up to this many tokens (graphs paid up to W2's 2048-token bucket on
+    # the H200 and made no difference at 8192, where the GPU, not the launches, sets the time)
+    graph_max_tokens: int = 2048
+    warmup: bool = True  # compile/aoti: run every bucket once at start-up, not in the first request
+    allow_reexec: bool = False  # may re-exec the process with LD_PRELOAD (CLI entry points only)
+    progress: Callable[[str, dict], None] | None = None  # progress(event, info) per bucket
+    build_log: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class CompiledForwards:
+    """What a non-eager backend gives the runner."""
+
+    name: str  # the backend, e.g. "aoti+graphs"
+    buckets: list[Bucket]
+    fns: dict[Bucket, Callable]  # bucket → fn(padded batch on the device) -> hidden [T, H]
+    # compiled buckets also take big chunks (cut into bucket-sized pieces); eager buckets (graphs of
+    # the plain model) only the small ones: an uncompiled forward runs any size as it is
+    cut_large_chunks: bool
+    decode: DecodeGraphs | None = None  # persistent decode buckets (beam search) when graphed
+
+
+# -- backends ----------------------------------------------------------------------------------------
+def _eager_fns(model: DecoderModel, buckets: list[Bucket]) -> dict[Bucket, Callable]:
+    fn = lambda b: model(b.input_ids, b.positions, b.attn)
+    return {b: fn for b in buckets}
+
+
+def _compile_fns(model: DecoderModel, buckets: list[Bucket], device, warmup: bool) -> dict:
+    import torch._dynamo
+
+    # NOTE: one compiled function, one specialisation per bucket (shapes and AttnInputs' static
+    # ints).
+    torch._dynamo.config.cache_size_limit = max(
+        torch._dynamo.config.cache_size_limit, 4 * len(buckets)
+    )
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, 4 * len(buckets)
+        )
+    compiled = torch.compile(PackedForward(model), fullgraph=True, dynamic=False)
+    fn = lambda b: compiled(b.input_ids, b.positions, b.attn)
+    if warmup:
+        with torch.inference_mode():
+            for b in buckets:
+                fn(b.example(device))
+    return {b: fn for b in buckets}
+
+
+def aoti_slots(
+    model: DecoderModel, device: torch.device, buckets: list[Bucket], quant: str
+) -> list[Slot]:
+    fp = model_fingerprint(model)
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    attention = PackedForward(model).model.backend.name
+    return [Slot(fp, dtype, quant, attention, b.name, device.type) for b in buckets]
+
+
+def cached_buckets(
+    model: DecoderModel, device: torch.device, cache: ArtifactCache, quant: str
+) -> list[Bucket]:
+    """Buckets the cache holds for this exact model, dtype, quantization and device type."""
+    probe = aoti_slots(model, device, [Bucket.parse("t1")], quant)[0]
+    out = []
+    for meta in cache.entries():
+        s = meta.get("slot", {})
+        keys = ("model", "dtype", "quant", "attention", "device")
+        if all(s.get(k) == getattr(probe, k) for k in keys):
+            out.append(Bucket.parse(s["bucket"]))
+    return sorted(set(out))
+
+
+def build_aoti(
+    model: DecoderModel,
+    device: torch.device,
+    buckets: list[Bucket],
+    cache: ArtifactCache,
+    quant: str = "none",
+    rebuild: bool = True,
+    progress=None,
+) -> list:
+    """Verified cache entries for every bucket, building the missing/stale/corrupt ones if allowed."""
+    plat = platform_info(device)
+    entries = []
+    for bucket, slot in zip(buckets, aoti_slots(model, device, buckets, quant)):
+        t0 = time.perf_counter()
+        status = {"event": "hit"}
+
+        def on_event(kind, why, status=status, bucket=bucket):
+            if kind == "hit":
+                return
+            status.update(event="built" if kind == "missing" else f"rebuilt ({kind})", reason=why)
+            if progress:
+                progress("building", {"bucket": bucket.name, "reason": kind})
+
+        def build(path: Path, bucket=bucket) -> dict:
+            return build_package(model, bucket, path, device).__dict__
+
+        entry = cache.get_or_build(slot, plat, build, rebuild=rebuild, on_event=on_event)
+        info = {
+            "bucket": bucket.name,
+            "event": status["event"],
+            "seconds": time.perf_counter() - t0,
+            "export_s": entry.meta.get("export_s"),
+            "compile_s": entry.meta.get("compile_s"),
+            "size_bytes": entry.meta.get("size_bytes"),
+            "path": str(entry.path),
+        }
+        if status.get("reason"):
+            log.info("bucket %s: %s → rebuilt", bucket.name, status["reason"])
+        if progress:
+            progress("done", info)
+        entries.append((bucket, entry, info))
+    return entries
+
+
+def _aoti_fns(model, device, buckets, opts: CompileOptions, graphs: bool) -> tuple[list, dict]:
+    cache = ArtifactCache(opts.cache_dir)
+    rebuild = True if opts.rebuild is None else opts.rebuild
+    if opts.buckets is None:
+        buckets = cached_buckets(model, device, cache, opts.quant)
+        if not buckets:
+            raise ArtifactError(
+                "missing",
+                f"no compiled buckets for this model in {cache.root}; run "
+                f"`boundgen compile --model DIR --device {device.type}` first",
+            )
+    entries = build_aoti(model, device, buckets, cache, opts.quant, rebuild, opts.progress)
+    opts.build_log.extend(info for _, _, info in entries)
+    ensure_loadable(entries[0][1].path, cache.root, allow_reexec=opts.allow_reexec)
+    weights = SharedWeights(model)
+    fns = {}
+    for bucket, entry, _ in entries:
+        single = graphs and bucket.tokens <= opts.graph_max_tokens
+        fns[bucket] = AOTIBucket.load(entry.path, bucket, weights, device, single_threaded=single)
+        if opts.warmup and not single:  # graph capture warms the others
+            # NOTE: a bucket's first run loads its kernels (tens of ms on CUDA): not in a request
+            with torch.inference_mode():
+                fns[bucket](bucket.example(device))
+    return buckets, fns
+
+
+def _build(
+    model, device, max_batch_tokens, backend: str, opts: CompileOptions
+) -> CompiledForwards | None:
+    base, _, extra = backend.partition("+")
+    graphs = extra == "graphs"
+    if (extra and not graphs) or base not in ("eager", "compile", "aoti"):
+        raise ValueError(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}")
+    if graphs and device.type != "cuda":
+        raise ValueError(f"backend '{backend}' needs CUDA (CUDA graphs)")
+    if base == "eager" and not graphs:
+        return None
+    buckets = parse_buckets(opts.buckets, max_batch_tokens)
+    if base == "eager":
+        # an uncaptured eager bucket would only add padding: larger batches run eagerly as they are
+        buckets = [b for b in buckets if b.tokens <= opts.graph_max_tokens]
+        if not buckets:
+            raise ValueError(
+                f"backend '{backend}': no bucket of at most {opts.graph_max_tokens} tokens "
+                f"to capture"
+            )
+        fns = _eager_fns(model, buckets)
+    elif base == "compile":
+        fns = _compile_fns(model, buckets, device, opts.warmup)
+    else:
+        buckets, fns = _aoti_fns(model, device, buckets, opts, graphs)
+    decode = None
+    if graphs:
+        from boundgen.compile.graphs import capture_buckets
+
+        with torch.inference_mode():
+            fns = capture_buckets(fns, device, opts.graph_max_tokens)
+        # beam decode steps: persistent per-bucket KV + one graph per step (workloads.beam)
+        decode = DecodeGraphs(model, device)
+    return CompiledForwards(backend, buckets, fns, base != "eager", decode)
+
+
+def select_forwards(
+    model: DecoderModel,
+    device: torch.device | str,
+    max_batch_tokens: int = 32768,
+    backend: str = "auto",
+    options: CompileOptions | None = None,
+) -> CompiledForwards | None:
+    """The forwards `backend` asks for (None: plain eager). `"auto"` on CUDA: AOTInductor + CUDA
+    graphs when this model's artifacts are cached and load safely here, else eager + CUDA graphs,
+    else eager; on CPU eager. The choice and the reason are logged."""
+    device = torch.device(device)
+    opts = options or CompileOptions()
+    if backend != "auto":
+        log.info("model backend: %s", backend)
+        return _build(model, device, max_batch_tokens, backend, opts)
+    if device.type != "cuda":
+        log.info(
+            "model backend: eager (auto; compiled CPU forwards are not faster for these shapes)"
+        )
+        return None
+    auto = CompileOptions(**{**opts.__dict__, "rebuild": bool(opts.rebuild)})
+    for choice in AUTO_CUDA:
+        try:
+            forwards = _build(model, device, max_batch_tokens, choice, auto)
+            log.info("model backend: %s (auto; %d buckets)", choice, len(forwards.buckets))
+            return forwards
+        except (ArtifactError, AOTIUnsafe, RuntimeError) as exc:
+            log.warning("model backend: %s not used (auto): %s", choice, exc)
+    log.warning("model backend: eager (auto)")
+    return None

@@ -1,0 +1,299 @@
+"""`ModelRunner`: the model on its device; it alone turns sequence groups into rows, for every backend
+(nano-vllm's `model_runner`).
+
+    rows(groups, pooling)      split to the token budget → pack, padded into a compiled bucket when
+                               one fits → stage through pooled pinned/device buffers → forward → each
+                               output sequence's row (its last token, or the mean of its tokens)
+    head(rows, columns)        the LM head (or score head) on those rows, optionally some columns only
+    decode(prompts, w, steps)  a beam-search session: prompts prefilled once, then one token per beam
+
+Compiled backends (`compile.backends`) plug in as `CompiledForwards`; without them the plain model
+runs. Pieces are packed lazily, so the host packs piece n+1 while the device runs piece n.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+
+from boundgen.compile.backends import CompileOptions, CompiledForwards, select_forwards
+from boundgen.compile.buckets import Bucket, BucketSet
+from boundgen.compile.decode import DecodeSession, plain_session
+from boundgen.config import ModelConfig
+from boundgen.models.decoder import DecoderModel
+from boundgen.runtime.memory import Lease, MemoryPools
+from boundgen.text.packing import PackedBatch, SequenceGroup, pack
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DecoderModel,
+        device: torch.device | str,
+        forwards: CompiledForwards | None = None,
+        max_batch_tokens: int = 32768,
+        share_prefix: bool = True,
+        pools: MemoryPools | None = None,
+    ) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.forwards = forwards
+        self.max_batch_tokens = max_batch_tokens
+        self.share_prefix = share_prefix
+        self.pools = pools or MemoryPools(self.device)
+        self.backend_name = forwards.name if forwards else "eager"
+        self.buckets = BucketSet(forwards.buckets) if forwards else None
+        self._by_layout = {_bucket_key(b): f for b, f in (forwards.fns if forwards else {}).items()}
+        self._largest = max((b.tokens for b in forwards.buckets), default=0) if forwards else 0
+        # staging leases of batches whose device work may still read them (CUDA), oldest first
+        self._pending: deque[tuple[torch.cuda.Event, Lease]] = deque()
+        self._lock = threading.Lock()
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    # ---- groups → rows ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def rows(self, groups: list[SequenceGroup], pooling: str | list[str] = "last") -> torch.Tensor:
+        """[N, H] hidden state per output sequence (one per suffix), in input order. `pooling`:
+        "last" (the sequence's last token) or "mean" (over all its tokens), for all or per sequence."""
+        n = sum(len(g.suffixes) for g in groups)
+        modes = [pooling] * n if isinstance(pooling, str) else list(pooling)
+        outs, row = [], 0
+        with self._staging() as lease:
+            for packed in self.pieces(groups, modes):
+                k = packed.num_rows
+                piece_modes = modes[row : row + k]
+                row += k
+                packed = stage_packed(packed, lease, self.device)
+                hidden = self.forward(packed)
+                out = hidden.index_select(0, packed.last_index)
+                if "mean" in piece_modes:
+                    idx = [i for i, m in enumerate(piece_modes) if m == "mean"]
+                    idx_dev = lease.stage(torch.tensor(idx, dtype=torch.int64), bucket=False)
+                    starts = packed.seq_start.index_select(0, idx_dev)
+                    lengths = packed.seq_len.index_select(0, idx_dev)
+                    out[idx_dev] = mean_rows(hidden, starts, lengths)
+                outs.append(out)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    @contextlib.contextmanager
+    def _staging(self) -> Iterator[Lease]:
+        """Pooled pinned/device buffers for one call; they go back to the pools once the device work
+        that reads them is done (an event on CUDA, at once on CPU)."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            with self._lock:
+                while self._pending and self._pending[0][0].query():
+                    self._pending.popleft()[1].release_all()
+        lease = Lease(self.pools)
+        try:
+            yield lease
+        finally:
+            if cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+                with self._lock:
+                    self._pending.append((ev, lease))
+            else:
+                lease.release_all()
+
+    def pieces(self, groups: list[SequenceGroup], modes: list[str]) -> Iterator[PackedBatch]:
+        """Host-side packed batches of `groups`, in row order, each within the token budget and, with
+        compiled buckets, padded into the smallest bucket that fits (a batch no bucket takes comes as
+        is, counted as a miss, and runs eagerly). Compiled buckets also take chunks larger than the
+        largest bucket, cut at that size. A prefix is shared (cascade) unless a row wants mean pooling.
+        """
+        row = 0
+        for chunk in split_groups(groups, self.max_batch_tokens):
+            k = sum(len(g.suffixes) for g in chunk)
+            share = self.share_prefix and "mean" not in modes[row : row + k]
+            row += k
+            if self.buckets is None:
+                yield pack(chunk, share_prefix=share)
+                continue
+            if self.forwards.cut_large_chunks and _tokens(chunk) > self._largest:
+                parts = [pack(p, share_prefix=share) for p in split_groups(chunk, self._largest)]
+                # NOTE: only when every piece then has a bucket (a prefix longer than every
+                # bucket's P runs eagerly anyway, and then better as one forward than as several)
+                if all(self.buckets.choose(p) is not None for p in parts):
+                    yield from (self.buckets.pad(p)[1] for p in parts)
+                    continue
+            yield self.buckets.pad(pack(chunk, share_prefix=share))[1]
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Final hidden states of every token of a packed device batch: [T, H]. A batch in a bucket's
+        exact layout (from `pieces`) runs that bucket; another batch that fits a bucket is padded
+        first; one that fits none runs the plain model."""
+        fn = self._by_layout.get(_layout_key(batch))
+        if fn is not None:
+            return fn(batch)
+        bucket = self.buckets.choose(batch.to("cpu")) if self.buckets is not None else None
+        if bucket is None:
+            return self.model(batch.input_ids, batch.positions, batch.attn)
+        padded = self.buckets.pad(batch.to("cpu"))[1].to(self.device, non_blocking=True)
+        return _unpad(self.forwards.fns[bucket](padded), batch, padded)
+
+    @torch.inference_mode()
+    def head(self, rows: torch.Tensor, columns: list[int] | None = None) -> torch.Tensor:
+        """float32 logits [N, C] of the LM head (or score head); `columns` picks vocabulary ids
+        (staged through a pinned buffer: no pageable, blocking host-to-device copy)."""
+        if columns is None:
+            return self.model.head(rows)
+        with self._staging() as lease:
+            cols = lease.stage(torch.tensor(columns, dtype=torch.int64), bucket=False)
+            return self.model.head(rows, cols)
+
+    def decode(self, prompts: list[list[int]], width: int, steps: int) -> DecodeSession:
+        """A beam-search session over `prompts` (prefilled now): persistent graphed buckets when the
+        backend has them and one fits and is free, else a plain per-request one."""
+        decode = self.forwards.decode if self.forwards else None
+        session = decode.open(prompts, width, steps) if decode is not None else None
+        return session or plain_session(self.model, self.device, prompts, width, steps)
+
+    def stats(self) -> dict:
+        out = {"backend": self.backend_name}
+        if self.buckets is not None:
+            out["buckets"] = [b.name for b in self.buckets]
+            out.update(self.buckets.stats.as_dict())
+        return out
+
+
+def make_runner(
+    model: DecoderModel,
+    device: torch.device | str,
+    max_batch_tokens: int = 32768,
+    share_prefix: bool = True,
+    backend: str = "auto",
+    options: CompileOptions | None = None,
+) -> ModelRunner:
+    """The runner for `backend` (see `compile.backends.select_forwards`; `"auto"` picks the best that
+    works here and logs why)."""
+    forwards = select_forwards(model, device, max_batch_tokens, backend, options)
+    return ModelRunner(model, device, forwards, max_batch_tokens, share_prefix)
+
+
+def split_groups(groups: list[SequenceGroup], budget: int) -> list[list[SequenceGroup]]:
+    """Chunks of whole groups that each fit `budget` tokens, in order (a group larger than it is split
+    into groups with the same prefix, so any request runs)."""
+    chunks: list[list[SequenceGroup]] = [[]]
+    used = 0
+    for g in groups:
+        parts = [g]
+        if g.num_tokens > budget and len(g.suffixes) > 1:
+            parts, cur, cur_tokens = [], [], len(g.prefix)
+            for s in g.suffixes:
+                if cur and cur_tokens + len(s) > budget:
+                    parts.append(SequenceGroup(g.prefix, cur))
+                    cur, cur_tokens = [], len(g.prefix)
+                cur.append(s)
+                cur_tokens += len(s)
+            parts.append(SequenceGroup(g.prefix, cur))
+        for part in parts:
+            if chunks[-1] and used + part.num_tokens > budget:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(part)
+            used += part.num_tokens
+    return chunks
+
+
+def mean_rows(hidden: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """Mean of hidden rows [start, start+length) per sequence ([n, H]), as one segment sum."""
+    n = start.shape[0]
+    seq_id = torch.repeat_interleave(torch.arange(n, device=hidden.device), length)
+    base = torch.repeat_interleave(start - (torch.cumsum(length, 0) - length), length)
+    rows = base + torch.arange(seq_id.shape[0], device=hidden.device)
+    sums = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    sums.index_add_(0, seq_id, hidden.index_select(0, rows).float())
+    return (sums / length[:, None].float()).to(hidden.dtype)
+
+
+# ---- staging a PackedBatch through pooled pinned / device buffers ----------------------------------
+
+_ALIGN_BYTES = 16
+
+
+def stage_packed(batch: PackedBatch, lease: Lease, device: torch.device) -> PackedBatch:
+    """Move a CPU `PackedBatch` to `device` with two copies: every int64 tensor through one pooled
+    pinned buffer into one pooled device buffer (bucketed size), the same for the int32 offsets."""
+    if device.type == "cpu":
+        return batch
+    attn = batch.attn
+    longs = [batch.input_ids, batch.positions, batch.last_index, batch.seq_start, batch.seq_len]
+    ints = [t for t in (attn.cu_seqlens, attn.cu_prefix, attn.cu_group_q) if t is not None]
+    l_dev = _stage_many(longs, torch.int64, lease)
+    i_dev = iter(_stage_many(ints, torch.int32, lease))
+    new_attn = dataclasses.replace(
+        attn,
+        cu_seqlens=next(i_dev),
+        cu_prefix=next(i_dev) if attn.cu_prefix is not None else None,
+        cu_group_q=next(i_dev) if attn.cu_group_q is not None else None,
+    )
+    return PackedBatch(*l_dev[:2], new_attn, *l_dev[2:], list(batch.rows_per_group))
+
+
+def _stage_many(
+    tensors: list[torch.Tensor], dtype: torch.dtype, lease: Lease
+) -> list[torch.Tensor]:
+    # NOTE: every view starts on a 16-byte boundary: compiled kernels (AOTInductor) assume aligned
+    # inputs and otherwise copy the tensor on every call (and warn each time).
+    step = max(1, _ALIGN_BYTES // dtype.itemsize)
+    sizes = [t.numel() for t in tensors]
+    starts, off = [], 0
+    for n in sizes:
+        starts.append(off)
+        off += -(-n // step) * step
+    rows = lease.pools.bucket(off)
+    host = lease.host(rows, dtype)
+    for t, start, n in zip(tensors, starts, sizes):
+        host[start : start + n].copy_(t.reshape(-1))
+    dev = lease.device(rows, dtype)
+    dev[:off].copy_(host[:off], non_blocking=True)
+    return [dev[start : start + n].view(t.shape) for t, start, n in zip(tensors, starts, sizes)]
+
+
+# ---- bucket lookup -----------------------------------------------------------------------------
+
+
+def _tokens(groups: list[SequenceGroup]) -> int:
+    return sum(g.num_tokens for g in groups)
+
+
+def _bucket_key(b: Bucket) -> tuple:
+    return (b.tokens, b.segments, b.max_seqlen, b.groups, b.prefix_tokens, b.shared_tokens)
+
+
+def _layout_key(batch: PackedBatch) -> tuple:
+    """The same tuple as `_bucket_key` for a batch in a bucket's exact layout: the bucket's compiled
+    function takes it as is."""
+    a = batch.attn
+    if a.has_shared_prefix:
+        if (a.max_prefix, a.max_group_q) != (a.num_prefix_tokens, a.num_shared_tokens):
+            return ()
+        cascade = (a.cu_prefix.shape[0] - 1, a.num_prefix_tokens, a.num_shared_tokens)
+    else:
+        cascade = (0, 0, 0)
+    return (batch.num_tokens, a.cu_seqlens.shape[0] - 1, a.max_seqlen, *cascade)
+
+
+def _unpad(hidden: torch.Tensor, batch: PackedBatch, padded: PackedBatch) -> torch.Tensor:
+    """Rows of `batch`'s own tokens out of the hidden states of its padded layout, in order."""
+    a, pa = batch.attn, padded.attn
+    p = a.num_prefix_tokens if a.has_shared_prefix else 0
+    q = a.num_shared_tokens if a.has_shared_prefix else 0
+    P = pa.num_prefix_tokens if pa.has_shared_prefix else 0
+    Q = pa.num_shared_tokens if pa.has_shared_prefix else 0
+    tail = batch.num_tokens - p - q
+    return torch.cat([hidden[:p], hidden[P : P + q], hidden[P + Q : P + Q + tail]])

@@ -1,0 +1,76 @@
+"""`ServerState`: everything a handler needs — the config, the engine's facts, the loaded tries, the
+one `Infer` object, limits and metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from boundgen.engine import Engine
+from boundgen.server.config import ServerConfig
+from boundgen.server.infer import Infer
+from boundgen.server.limits import Limits
+from boundgen.server.metrics import Metrics
+from boundgen.workloads.trie import Trie
+
+log = logging.getLogger("boundgen.server")
+
+
+class ServerState:
+    def __init__(self, engine: Engine, config: ServerConfig, tries: dict[str, Trie] | None = None):
+        self.engine = engine
+        self.config = config
+        self.metrics = Metrics()
+        self.tries = dict(tries) if tries is not None else load_tries(config, engine.device)
+        runtime = engine.runtime
+        self.metrics.watch_runtime(runtime)
+        self.infer = Infer(
+            runtime,
+            metrics=self.metrics,
+            max_queue=config.max_queue,
+            retry_after_s=config.retry_after_s,
+        )
+        mc, ec = engine.config, engine.engine_config
+        self.max_items = ec.max_items
+        self.max_beam_width = ec.max_beam_width
+        self.max_beam_steps = ec.max_beam_steps
+        self.model_name = config.served_model_name or engine.model_name
+        self.vocab_size = mc.vocab_size
+        self.hidden_size = mc.hidden_size
+        self.can_classify = mc.task == "seq_cls"
+        self.num_labels = mc.num_labels if self.can_classify else 0
+        self.id2label = list(mc.id2label)
+        self.max_positions = engine.limits.max_seq_len
+        self.limits = Limits(config, self.vocab_size, self.max_positions)
+        self.api_key = config.resolved_api_key()
+        self.rerank_label_ids = self._rerank_labels()
+        self.started = time.time()
+        self.ready = True
+        self.draining = False
+
+    def _rerank_labels(self) -> list[int] | None:
+        ids = []
+        for label in self.config.rerank_label_tokens:
+            toks = self.engine.tokenizer.encode(label)
+            if len(toks) != 1:
+                log.warning(
+                    "rerank label %r is %d tokens %s, not 1: /v1/rerank is disabled",
+                    label,
+                    len(toks),
+                    toks,
+                )
+                return None
+            ids.append(int(toks[0]))
+        return ids
+
+    def timeout_ms(self, requested: int | None) -> int:
+        return min(requested or self.config.timeout_ms, self.config.max_timeout_ms)
+
+    def label(self, index: int) -> str:
+        return str(self.id2label[index]) if index < len(self.id2label) else f"LABEL_{index}"
+
+
+def load_tries(config: ServerConfig, device: Any = "cpu") -> dict[str, Trie]:
+    """The config's tries, on the engine's device (a beam request never copies a trie)."""
+    return {name: Trie.from_file(path, device=device) for name, path in config.trie_paths().items()}
