@@ -348,7 +348,7 @@ def beam_items(model: DecoderModel, prompts: list[list[int]], trie: Trie) -> lis
     """Item ids of the top beams per prompt, best first: the engine's trie-constrained beam search
     (`run_beam`, the code behind `engine.beam_search(..., trie=...)`) on the training model."""
     # run_beam runs all prompts in one packed prefill; it does not read the runner's token budget.
-    runner = ModelRunner(model, torch.device("cpu"), max_batch_tokens=1 << 20)
+    runner = ModelRunner(model, model.embed_tokens.weight.device, max_batch_tokens=1 << 20)
     tokens, scores = run_beam(runner, prompts, SID_BEAM_WIDTH, trie.depth, trie)
     # tokens: [B, W, depth]; scores: [B, W], dead beams (fewer items than W) at -inf
     return [trie.item_ids(tokens[b][torch.isfinite(scores[b])]) for b in range(tokens.shape[0])]
@@ -359,7 +359,8 @@ def evaluate(
     model: DecoderModel, enc: Encoder, test: dict, limit: int = 100, beams: bool = True
 ) -> dict:
     """Held-out relevance AUC (label logits of the scoring prompt) and, with `beams`, recall@10 of
-    trie-constrained beam search for query and history prompts. `model` must be on the CPU."""
+    trie-constrained beam search for query and history prompts. `model` on the CPU (the batches
+    are built there)."""
     model.eval()
     scores, labels = [], []
     for g in test["relevance"][:limit]:
