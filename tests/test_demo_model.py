@@ -19,8 +19,8 @@ shipped = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    """A random demo model (the engine's decoder) saved by the demo's writer, with a tokenizer trained on
-    a few titles."""
+    """A random demo model (the engine's decoder) saved by the demo's writer, with a tokenizer
+    trained on a few titles."""
     torch.manual_seed(0)
     catalog = cat.make_catalog(0, 200)
     tok = tr.train_tokenizer(
@@ -152,38 +152,3 @@ def test_demo_command_runs(capsys):
     assert rc == 0
     assert "P(yes)" in out and "Recommendations" in out and "relevance AUC" in out
     assert "recommended ids not in the catalog: 0" in out
-
-
-@pytest.mark.slow
-def test_train_script_writes_a_loadable_checkpoint(tmp_path, monkeypatch):
-    import functools
-
-    from boundgen import Engine, Trie
-
-    small = {
-        "train_rel": 100,
-        "train_ret": 50,
-        "train_hist": 20,
-        "test_rel": 10,
-        "test_ret": 5,
-        "test_hist": 5,
-    }
-    monkeypatch.setattr(tr.cat, "make_splits", functools.partial(cat.make_splits, **small))
-    meta = tr.train(tmp_path, steps=2, num_items=300, eval_limit=2, hidden_size=32, rel_batch=4)
-    assert meta["steps"] == 2
-    names = {p.name for p in tmp_path.iterdir()}
-    assert {
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "catalog_trie.jsonl",
-        "catalog.json",
-        "eval.json",
-        "demo.json",
-    } <= names
-    engine = Engine.from_pretrained(tmp_path)
-    trie = Trie.from_file(tmp_path / "catalog_trie.jsonl")
-    beams = engine.beam_search(cat.RETRIEVAL_TEMPLATE.format(query="red shoes"), 4, 3, trie=trie)
-    assert len(beams) == 4 and all(trie.item_ids(t) is not None for t, _ in beams)

@@ -3,12 +3,12 @@
 One model, two tasks: relevance ("query + item -> ' yes'/' no'" at the last token) and generative
 retrieval ("query or history -> 3 semantic-ID tokens"), plus an index task (title -> semantic ID).
 Writes a standard HF Qwen2 checkpoint (loads in `transformers`) plus the catalog, its trie and the
-held-out eval sets. `python -m boundgen.demo.train --out DIR` or `boundgen train-demo --out DIR`.
+held-out eval sets. `train(TrainConfig(), out_dir)`, or `boundgen train-demo --out DIR`.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import random
@@ -25,6 +25,9 @@ from boundgen.config import ModelConfig
 from boundgen.demo import catalog as cat
 from boundgen.models.decoder import DecoderModel
 from boundgen.models.weights import hf_state_dict, load_weights
+from boundgen.workloads.beam import run_beam
+from boundgen.workloads.runner import ModelRunner
+from boundgen.workloads.trie import Trie
 
 EOS = "<|endoftext|>"
 
@@ -90,10 +93,9 @@ def build_model(c: TinyConfig, eos_id: int) -> DecoderModel:
 
 
 def hidden_states(model: DecoderModel, ids: torch.Tensor) -> torch.Tensor:
-    """Right-padded ids [B, T] → hidden [B, T, H]. Each row is one causal segment of length T, so the
-    padding (after a row's real tokens) never reaches a real token, and equal segments batch into
-    one
-    attention call."""
+    """Right-padded ids [B, T] → hidden [B, T, H]. Each row is one causal segment of length T, so
+    the padding (after a row's real tokens) never reaches a real token, and equal segments batch
+    into one attention call."""
     b, t = ids.shape
     cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=ids.device)
     positions = torch.arange(t, device=ids.device).repeat(b)
@@ -286,7 +288,8 @@ def build_examples(
 
 
 def collate(batch: list[Example], pad_id: int):
-    """Right-padded ids [B, T], target rows/cols/tokens, next-token targets [B, T-1] (-100 on pad)."""
+    """Right-padded ids [B, T], target rows/cols/tokens, next-token targets [B, T-1] (-100 on pad),
+    auxiliary targets [A, 3] (row, position, token)."""
     t = max(len(e.ids) for e in batch)
     ids = torch.full((len(batch), t), pad_id, dtype=torch.long)
     nxt = torch.full((len(batch), max(1, t - 1)), -100, dtype=torch.long)
@@ -330,38 +333,34 @@ def recall_at_k(retrieved: list[int], relevant: list[int], k: int = 10) -> float
     return len(set(retrieved[:k]) & rel) / min(k, len(rel))
 
 
-def build_trie(enc: Encoder) -> dict:
-    trie: dict = {}
-    for it in enc.catalog.items:
-        node = trie
-        for t in enc.sid_ids(it.item_id):
-            node = node.setdefault(t, {})
-    return trie
+def catalog_trie(enc: Encoder) -> Trie:
+    """Every catalog item's semantic-ID tokens, keyed by item id (as `catalog_trie.jsonl`)."""
+    items = enc.catalog.items
+    return Trie.from_sequences(
+        [enc.sid_ids(it.item_id) for it in items], [it.item_id for it in items]
+    )
 
 
-@torch.no_grad()
-def model_beam(
-    model: DecoderModel, prompt: list[int], trie: dict, width: int = 10
-) -> list[list[int]]:
-    """Trie-constrained beam search by full recompute (3 steps, tiny model): the reference the
-    engine's `beam_search(..., trie=...)` should agree with."""
-    beams: list[tuple[list[int], float, dict]] = [([], 0.0, trie)]
-    for _ in range(3):
-        ids = torch.tensor([prompt + b[0] for b in beams])
-        logp = torch.log_softmax(lm_logits(model, ids)[:, -1].float(), -1)
-        cand = []
-        for (toks, lp, node), row in zip(beams, logp):
-            for t, child in node.items():
-                cand.append((toks + [t], lp + row[t].item(), child))
-        cand.sort(key=lambda c: -c[1])
-        beams = cand[:width]
-    return [b[0] for b in beams]
+SID_BEAM_WIDTH = 10  # the beam width and k of recall@k in the held-out retrieval evaluation
+
+
+def beam_items(model: DecoderModel, prompts: list[list[int]], trie: Trie) -> list[list[int]]:
+    """Item ids of the top beams per prompt, best first: the engine's trie-constrained beam search
+    (`run_beam`, the code behind `engine.beam_search(..., trie=...)`) on the training model."""
+    # run_beam runs all prompts in one packed prefill; it does not read the runner's token budget.
+    runner = ModelRunner(model, model.embed_tokens.weight.device, max_batch_tokens=1 << 20)
+    tokens, scores = run_beam(runner, prompts, SID_BEAM_WIDTH, trie.depth, trie)
+    # tokens: [B, W, depth]; scores: [B, W], dead beams (fewer items than W) at -inf
+    return [trie.item_ids(tokens[b][torch.isfinite(scores[b])]) for b in range(tokens.shape[0])]
 
 
 @torch.no_grad()
 def evaluate(
     model: DecoderModel, enc: Encoder, test: dict, limit: int = 100, beams: bool = True
 ) -> dict:
+    """Held-out relevance AUC (label logits of the scoring prompt) and, with `beams`, recall@10 of
+    trie-constrained beam search for query and history prompts. `model` on the CPU (the batches
+    are built there)."""
     model.eval()
     scores, labels = [], []
     for g in test["relevance"][:limit]:
@@ -376,17 +375,15 @@ def evaluate(
     if not beams:
         model.train()
         return {"auc": auc(scores, labels)}
-    trie = build_trie(enc)
-    sid_to_item = {tuple(enc.sid_ids(it.item_id)): it.item_id for it in enc.catalog.items}
+    trie = catalog_trie(enc)
     rec = {}
-    for name, key, prompt_of in (
-        ("retrieval", "retrieval", lambda q: enc.retrieval_prompt(q["query"])),
-        ("history", "history", lambda h: enc.history_prompt(h["history"])),
+    for name, prompt_of in (
+        ("retrieval", lambda q: enc.retrieval_prompt(q["query"])),
+        ("history", lambda h: enc.history_prompt(h["history"])),
     ):
-        vals = []
-        for q in test[key][:limit]:
-            got = [sid_to_item[tuple(s)] for s in model_beam(model, prompt_of(q), trie)]
-            vals.append(recall_at_k(got, q["relevant"]))
+        cases = test[name][:limit]
+        got = beam_items(model, [prompt_of(q) for q in cases], trie)
+        vals = [recall_at_k(items, q["relevant"], SID_BEAM_WIDTH) for items, q in zip(got, cases)]
         rec[name] = sum(vals) / len(vals)
     model.train()
     return {
@@ -470,52 +467,97 @@ def save_checkpoint(
 
 # ---------------------------------------------------------------- training
 
-BATCH = {"relevance": 16, "retrieval": 16, "history": 8, "index": 12}  # relevance: packed groups
+
+def _knob(default, help: str):
+    return field(default=default, metadata={"help": help})
 
 
-def train(
-    out: Path,
-    *,
-    seed: int = 0,
-    steps: int = 1600,
-    lr: float = 2e-3,
-    threads: int = 2,
-    num_items: int = 3000,
-    max_minutes: float = 10.0,
-    eval_limit: int = 100,
-    log_every: int = 50,
-    lm_weight: float = 0.0,
-    device: str = "cpu",
-    hidden_size: int = 128,
-    num_layers: int = 4,
-    pack_relevance: bool = False,
-    rel_batch: int | None = 128,
-    aux_weight: float = 1.0,
-    eval_every: int = 0,
-    rel_weight: float = 2.0,
-) -> dict:
-    """Build catalog + tokenizer, train, evaluate (own trie beam search), write the checkpoint.
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every knob of a demo training run; the defaults are the recipe of the shipped model. Each
+    field is also a `boundgen train-demo` flag (`boundgen.cliargs`)."""
 
-    `lm_weight`: weight of an auxiliary next-token loss on every prompt token (dense signal that
-    teaches the model to read the query before the sparse label/ID losses can)."""
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
+    seed: int = _knob(0, "seed of the catalog, splits, tokenizer, initial weights and batches")
+    steps: int = _knob(1600, "optimizer steps")
+    lr: float = _knob(2e-3, "peak AdamW learning rate (linear warmup, then cosine decay)")
+    # NOTE: 2 threads is the shipped recipe (8.6 min of training on an idle 2-core machine), and
+    # the weights are bit-identical only at the same thread count. On a CPU shared with other
+    # processes OpenMP spin-waiting made 2 threads 20x slower than 1; OMP_WAIT_POLICY=PASSIVE
+    # avoids that.
+    threads: int = _knob(
+        2, "torch CPU threads (same count for the same weights; busy CPU: OMP_WAIT_POLICY=PASSIVE)"
+    )
+    device: str = _knob("cpu", "torch device (the shipped model is trained on cpu)")
+    num_items: int = _knob(3000, "catalog size")
+    bpe_vocab_size: int = _knob(1536, "BPE vocabulary trained on the catalog text (before IDs)")
+    hidden_size: int = _knob(128, "model width (MLP width: 8/3 of it, rounded down to 32)")
+    num_layers: int = _knob(4, "decoder layers")
+    rel_batch: int = _knob(128, "relevance sequences per step (query-item pairs, or packed groups)")
+    retrieval_batch: int = _knob(16, "query -> ID examples per step")
+    history_batch: int = _knob(8, "history -> ID examples per step")
+    index_batch: int = _knob(12, "title -> ID examples per step")
+    rel_weight: float = _knob(2.0, "weight of the relevance label loss")
+    aux_weight: float = _knob(
+        1.0, "weight of the per-attribute match flags in relevance training (0: off)"
+    )
+    lm_weight: float = _knob(0.0, "weight of an auxiliary next-token loss on every token (0: off)")
+    pack_relevance: bool = _knob(
+        False, "all candidates of a query in one relevance sequence instead of one pair each"
+    )
+    eval_every: int = _knob(200, "quick held-out relevance AUC every N steps (0: never)")
+    eval_limit: int = _knob(100, "held-out examples per task evaluated at the end")
+    log_every: int = _knob(50, "print the losses every N steps")
+    max_minutes: float | None = _knob(
+        None, "stop training after this many minutes (the result is then not the recipe's)"
+    )
+
+    def __post_init__(self) -> None:
+        positive = (
+            "steps threads num_items bpe_vocab_size hidden_size num_layers rel_batch "
+            "retrieval_batch history_batch index_batch eval_limit log_every"
+        )
+        for name in positive.split():
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("lr", "rel_weight", "aux_weight", "lm_weight", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"max_minutes must be positive, got {self.max_minutes}")
+
+    @property
+    def batch_sizes(self) -> dict[str, int]:
+        # NOTE: the order is the order in which each step samples the tasks (part of the recipe).
+        return {
+            "relevance": self.rel_batch,
+            "retrieval": self.retrieval_batch,
+            "history": self.history_batch,
+            "index": self.index_batch,
+        }
+
+
+def train(config: TrainConfig, out_dir: Path) -> dict:
+    """Build catalog + tokenizer, train, evaluate, write the checkpoint to `out_dir`; returns the
+    run's record (also written to demo.json)."""
+    c = config
+    torch.set_num_threads(c.threads)
+    torch.manual_seed(c.seed)
+    rng = random.Random(c.seed)
     t0 = time.time()
-    catalog = cat.make_catalog(seed, num_items)
-    splits = cat.make_splits(catalog, seed)
-    tok = train_tokenizer(cat.corpus_lines(catalog, splits), vocab_size=1536)
+    catalog = cat.make_catalog(c.seed, c.num_items)
+    splits = cat.make_splits(catalog, c.seed)
+    tok = train_tokenizer(cat.corpus_lines(catalog, splits), vocab_size=c.bpe_vocab_size)
     enc = Encoder(tok, catalog)
     vocab = (tok.get_vocab_size() + 63) // 64 * 64
-    config = TinyConfig(
+    model_config = TinyConfig(
         vocab_size=vocab,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        intermediate_size=hidden_size * 8 // 3 // 32 * 32,
+        hidden_size=c.hidden_size,
+        num_hidden_layers=c.num_layers,
+        intermediate_size=c.hidden_size * 8 // 3 // 32 * 32,
     )
-    model = build_model(config, tok.token_to_id(EOS)).to(device)
-    data = build_examples(enc, splits, pack_relevance, seed)
-    batch_sizes = dict(BATCH, relevance=rel_batch or (BATCH["relevance"] if pack_relevance else 32))
+    model = build_model(model_config, tok.token_to_id(EOS)).to(c.device)
+    data = build_examples(enc, splits, c.pack_relevance, c.seed)
+    batch_sizes = c.batch_sizes
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"catalog {len(catalog.items)} items, vocab {vocab}, {n_params / 1e6:.2f}M params, "
@@ -523,21 +565,21 @@ def train(
         flush=True,
     )
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = max(1, steps // 20)
+    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    warmup = max(1, c.steps // 20)
 
     def lr_at(step):
         if step < warmup:
-            return lr * (step + 1) / warmup
-        p = (step - warmup) / max(1, steps - warmup)
-        return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
+            return c.lr * (step + 1) / warmup
+        p = (step - warmup) / max(1, c.steps - warmup)
+        return c.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
 
     pad = tok.token_to_id(EOS)
     t_train, cpu_train = time.time(), time.process_time()
     done = 0
-    for step in range(steps):
-        if time.time() - t_train > max_minutes * 60:
-            print(f"stopping at step {step}: --max-minutes {max_minutes} reached", flush=True)
+    for step in range(c.steps):
+        if c.max_minutes is not None and time.time() - t_train > c.max_minutes * 60:
+            print(f"stopping at step {step}: --max-minutes {c.max_minutes} reached", flush=True)
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
@@ -545,30 +587,30 @@ def train(
         losses = {}
         for task, bs in batch_sizes.items():
             batch = rng.sample(data[task], bs)
-            ids, rows, cols, tgt, nxt, aux = (x.to(device) for x in collate(batch, pad))
+            ids, rows, cols, tgt, nxt, aux = (x.to(c.device) for x in collate(batch, pad))
             hidden = hidden_states(model, ids)
             loss = F.cross_entropy(model.head(hidden[rows, cols]), tgt)
             losses[task] = loss.item()
-            total = total + (rel_weight if task == "relevance" else 1.0) * loss
-            if aux_weight > 0 and len(aux):
+            total = total + (c.rel_weight if task == "relevance" else 1.0) * loss
+            if c.aux_weight > 0 and len(aux):
                 aux_loss = F.cross_entropy(model.head(hidden[aux[:, 0], aux[:, 1]]), aux[:, 2])
                 losses["aux"] = aux_loss.item()
-                total = total + aux_weight * aux_loss
-            if lm_weight > 0:
+                total = total + c.aux_weight * aux_loss
+            if c.lm_weight > 0:
                 lm = F.cross_entropy(model.head(hidden[:, :-1]).flatten(0, 1), nxt.flatten())
-                total = total + lm_weight * lm
+                total = total + c.lm_weight * lm
         opt.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         done = step + 1
-        if eval_every and step and step % eval_every == 0:
+        if c.eval_every and step and step % c.eval_every == 0:
             quick = evaluate(model.cpu(), enc, splits["test"], limit=20, beams=False)
-            model.to(device)
+            model.to(c.device)
             print(
                 f"step {step:5d}  held-out relevance AUC (20 groups) {quick['auc']:.3f}", flush=True
             )
-        if step % log_every == 0 or step == steps - 1:
+        if step % c.log_every == 0 or step == c.steps - 1:
             el = time.time() - t_train
             print(
                 f"step {step:5d}  {el:5.0f}s  "
@@ -577,40 +619,17 @@ def train(
             )
     train_s, cpu_s = time.time() - t_train, time.process_time() - cpu_train
     model = model.cpu()
-    metrics = evaluate(model, enc, splits["test"], eval_limit)
+    metrics = evaluate(model, enc, splits["test"], c.eval_limit)
     print(f"trained {done} steps in {train_s:.0f}s; held-out {metrics}", flush=True)
     meta = {
-        "seed": seed,
+        **dataclasses.asdict(c),
         "steps": done,
         "train_seconds": round(train_s, 1),
         "cpu_seconds": round(cpu_s, 1),
-        "threads": threads,
-        "device": device,
-        "lr": lr,
-        "lm_weight": lm_weight,
-        "pack_relevance": pack_relevance,
-        "aux_weight": aux_weight,
-        "rel_weight": rel_weight,
         "batch_sizes": batch_sizes,
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "num_items": num_items,
         "params": n_params,
         "heldout_metrics_at_training": metrics,
     }
-    save_checkpoint(model, config.to_hf(pad), tok, enc, catalog, splits, Path(out), meta)
-    print(f"wrote {out}", flush=True)
+    save_checkpoint(model, model_config.to_hf(pad), tok, enc, catalog, splits, Path(out_dir), meta)
+    print(f"wrote {out_dir}", flush=True)
     return meta
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m boundgen.demo.train`: the same flags and behaviour as `boundgen train-demo`."""
-    from boundgen.commands.train_demo import add_arguments, run
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
