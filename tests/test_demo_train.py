@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from boundgen.cli import build_parser
-from boundgen.cliargs import from_args
 from boundgen.demo import ASSETS
 from boundgen.demo import catalog as cat
 from boundgen.demo import train as tr
+from boundgen.settings import from_args
 
 shipped = pytest.mark.skipif(
     not (ASSETS / "model.safetensors").exists(),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from boundgen.cliargs import add_dataclass_args, from_args
 from boundgen.demo.train import TrainConfig, train
+from boundgen.settings import add_flags, from_args
 
 HELP = (
     "train the built-in demo model on the synthetic catalog (CPU, minutes); writes an HF checkpoint"
@@ -14,9 +14,7 @@ HELP = (
 
 def add_arguments(parser) -> None:
     parser.add_argument("--out", default="boundgen-demo-model", help="output checkpoint directory")
-    add_dataclass_args(
-        parser.add_argument_group("training (defaults: the shipped model)"), TrainConfig
-    )
+    add_flags(parser.add_argument_group("training (defaults: the shipped model)"), TrainConfig)
 
 
 def run(args) -> int:

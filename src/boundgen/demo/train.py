@@ -25,8 +25,9 @@ from boundgen.config import ModelConfig
 from boundgen.demo import catalog as cat
 from boundgen.models.decoder import DecoderModel
 from boundgen.models.weights import hf_state_dict, load_weights
-from boundgen.workloads.beam import run_beam
-from boundgen.workloads.runner import ModelRunner
+from boundgen.runner import ModelRunner
+from boundgen.settings import option
+from boundgen.workloads.beam_search import run_beam
 from boundgen.workloads.trie import Trie
 
 EOS = "<|endoftext|>"
@@ -347,8 +348,7 @@ SID_BEAM_WIDTH = 10  # the beam width and k of recall@k in the held-out retrieva
 def beam_items(model: DecoderModel, prompts: list[list[int]], trie: Trie) -> list[list[int]]:
     """Item ids of the top beams per prompt, best first: the engine's trie-constrained beam search
     (`run_beam`, the code behind `engine.beam_search(..., trie=...)`) on the training model."""
-    # run_beam runs all prompts in one packed prefill; it does not read the runner's token budget.
-    runner = ModelRunner(model, model.embed_tokens.weight.device, max_batch_tokens=1 << 20)
+    runner = ModelRunner(model, model.embed_tokens.weight.device)
     tokens, scores = run_beam(runner, prompts, SID_BEAM_WIDTH, trie.depth, trie)
     # tokens: [B, W, depth]; scores: [B, W], dead beams (fewer items than W) at -inf
     return [trie.item_ids(tokens[b][torch.isfinite(scores[b])]) for b in range(tokens.shape[0])]
@@ -468,46 +468,44 @@ def save_checkpoint(
 # ---------------------------------------------------------------- training
 
 
-def _knob(default, help: str):
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     """Every knob of a demo training run; the defaults are the recipe of the shipped model. Each
-    field is also a `boundgen train-demo` flag (`boundgen.cliargs`)."""
+    field is also a `boundgen train-demo` flag (`boundgen.settings`)."""
 
-    seed: int = _knob(0, "seed of the catalog, splits, tokenizer, initial weights and batches")
-    steps: int = _knob(1600, "optimizer steps")
-    lr: float = _knob(2e-3, "peak AdamW learning rate (linear warmup, then cosine decay)")
+    seed: int = option(0, "seed of the catalog, splits, tokenizer, initial weights and batches")
+    steps: int = option(1600, "optimizer steps")
+    lr: float = option(2e-3, "peak AdamW learning rate (linear warmup, then cosine decay)")
     # NOTE: 2 threads is the shipped recipe (8.6 min of training on an idle 2-core machine), and
     # the weights are bit-identical only at the same thread count. On a CPU shared with other
     # processes OpenMP spin-waiting made 2 threads 20x slower than 1; OMP_WAIT_POLICY=PASSIVE
     # avoids that.
-    threads: int = _knob(
+    threads: int = option(
         2, "torch CPU threads (same count for the same weights; busy CPU: OMP_WAIT_POLICY=PASSIVE)"
     )
-    device: str = _knob("cpu", "torch device (the shipped model is trained on cpu)")
-    num_items: int = _knob(3000, "catalog size")
-    bpe_vocab_size: int = _knob(1536, "BPE vocabulary trained on the catalog text (before IDs)")
-    hidden_size: int = _knob(128, "model width (MLP width: 8/3 of it, rounded down to 32)")
-    num_layers: int = _knob(4, "decoder layers")
-    rel_batch: int = _knob(128, "relevance sequences per step (query-item pairs, or packed groups)")
-    retrieval_batch: int = _knob(16, "query -> ID examples per step")
-    history_batch: int = _knob(8, "history -> ID examples per step")
-    index_batch: int = _knob(12, "title -> ID examples per step")
-    rel_weight: float = _knob(2.0, "weight of the relevance label loss")
-    aux_weight: float = _knob(
+    device: str = option("cpu", "torch device (the shipped model is trained on cpu)")
+    num_items: int = option(3000, "catalog size")
+    bpe_vocab_size: int = option(1536, "BPE vocabulary trained on the catalog text (before IDs)")
+    hidden_size: int = option(128, "model width (MLP width: 8/3 of it, rounded down to 32)")
+    num_layers: int = option(4, "decoder layers")
+    rel_batch: int = option(
+        128, "relevance sequences per step (query-item pairs, or packed groups)"
+    )
+    retrieval_batch: int = option(16, "query -> ID examples per step")
+    history_batch: int = option(8, "history -> ID examples per step")
+    index_batch: int = option(12, "title -> ID examples per step")
+    rel_weight: float = option(2.0, "weight of the relevance label loss")
+    aux_weight: float = option(
         1.0, "weight of the per-attribute match flags in relevance training (0: off)"
     )
-    lm_weight: float = _knob(0.0, "weight of an auxiliary next-token loss on every token (0: off)")
-    pack_relevance: bool = _knob(
+    lm_weight: float = option(0.0, "weight of an auxiliary next-token loss on every token (0: off)")
+    pack_relevance: bool = option(
         False, "all candidates of a query in one relevance sequence instead of one pair each"
     )
-    eval_every: int = _knob(200, "quick held-out relevance AUC every N steps (0: never)")
-    eval_limit: int = _knob(100, "held-out examples per task evaluated at the end")
-    log_every: int = _knob(50, "print the losses every N steps")
-    max_minutes: float | None = _knob(
+    eval_every: int = option(200, "quick held-out relevance AUC every N steps (0: never)")
+    eval_limit: int = option(100, "held-out examples per task evaluated at the end")
+    log_every: int = option(50, "print the losses every N steps")
+    max_minutes: float | None = option(
         None, "stop training after this many minutes (the result is then not the recipe's)"
     )
 
