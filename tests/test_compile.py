@@ -17,8 +17,6 @@ import torch
 from boundgen.attention.backends import ReferenceBackend
 from boundgen.compile import preload
 from boundgen.compile.attention import MaskedBackend
-from boundgen.compile.buckets import Bucket, BucketSet, default_buckets, parse_buckets
-from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
 from boundgen.compile.backends import (
     CompiledForwards,
     CompileOptions,
@@ -26,6 +24,8 @@ from boundgen.compile.backends import (
     aoti_slots,
     build_aoti,
 )
+from boundgen.compile.buckets import Bucket, BucketSet, default_buckets, parse_buckets
+from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
 from boundgen.runner import ModelRunner, make_runner, split_groups
 from boundgen.text.packing import SequenceGroup, pack
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from boundgen.compile.buckets import Bucket
 from boundgen.compile.backends import CompileOptions
+from boundgen.compile.buckets import Bucket
 from boundgen.runner import make_runner
 
 pytestmark = pytest.mark.gpu

@@ -252,8 +252,8 @@ def test_pipelines_on_cuda(tiny_model):
 def test_staged_views_start_on_16_byte_boundaries():
     """AOTInductor kernels assume 16-byte aligned inputs (else a copy + warning per call): the packed
     staging buffer must place every tensor, e.g. cu_prefix after a 129-entry cu_seqlens, on a boundary."""
-    from boundgen.runtime.memory import Lease, MemoryPools
     from boundgen.runner import _stage_many
+    from boundgen.runtime.memory import Lease, MemoryPools
 
     lease = Lease(MemoryPools("cpu"))
     ints = [

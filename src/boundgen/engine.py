@@ -14,11 +14,10 @@ from pathlib import Path
 
 import torch
 
-from boundgen.attention.backends import get_backend
 from boundgen.compile.backends import CompileOptions
-from boundgen.config import DTYPES, EngineConfig, ModelConfig
+from boundgen.config import EngineConfig, ModelConfig
 from boundgen.models.decoder import DecoderModel
-from boundgen.models.weights import load_weights
+from boundgen.models.loading import load_model
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.tokenizer import Tokenizer
 from boundgen.workloads.base import BeamBounds, WorkloadContext
@@ -30,35 +29,6 @@ from boundgen.workloads.score import ScoreRequest
 from boundgen.workloads.service import EngineRuntime
 
 log = logging.getLogger("boundgen")
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device '{device}'; use 'cpu', 'cuda' or 'cuda:N'") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device '{device}'; use 'cpu', 'cuda' or 'cuda:N'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but CUDA is not available on this machine")
-    return dev
-
-
-def resolve_dtype(
-    dtype: str | torch.dtype | None, device: torch.device, config: ModelConfig
-) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(DTYPES)}")
-        return dtype
-    if dtype is None:
-        # CPU matmuls are fastest and exact in float32; on GPUs keep the checkpoint's precision.
-        if device.type == "cpu":
-            return torch.float32
-        return DTYPES.get(config.torch_dtype or "bfloat16", torch.bfloat16)
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
 
 
 class Engine:
@@ -114,8 +84,6 @@ class Engine:
         """Load an HF model directory. `device`/`dtype` and `overrides` (any `EngineConfig` field,
         e.g. attention="reference") take precedence over `config`; device defaults to "cpu"."""
         path = Path(path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model path {path} does not exist or is not a directory")
         config = config or EngineConfig()
         if device is not None:
             overrides["device"] = str(device)
@@ -128,20 +96,12 @@ class Engine:
             raise ValueError(
                 f"unknown engine option in {sorted(overrides)}; known: {known}"
             ) from None
-        model_config = ModelConfig.from_dir(path)
-        dev = resolve_device(config.device)
-        torch_dtype = resolve_dtype(config.dtype, dev, model_config)
-        backend = get_backend(config.attention, dev, torch_dtype)
-        with torch.device("meta"):
-            model = DecoderModel(model_config, backend)
-        model = model.to_empty(device=dev).to(torch_dtype)
-        model.rotary.reset()
-        load_weights(model, path)
+        model = load_model(path, config.device, config.dtype, config.attention)
         if config.fp8 != "none":
             from boundgen.quant.policy import enable_fp8
 
             enable_fp8(model, path, config.fp8, force=config.fp8_force, emulate=config.fp8_emulate)
-        model.eval().requires_grad_(False)
+        dev = next(model.parameters()).device
         runner = make_runner(
             model,
             dev,
@@ -156,10 +116,10 @@ class Engine:
         log.info(
             "loaded %s (%s) on %s in %s with %s attention",
             path.name,
-            model_config.architecture,
+            model.config.architecture,
             dev,
-            torch_dtype,
-            backend.name,
+            next(model.parameters()).dtype,
+            model.backend.name,
         )
         return cls(runner, tokenizer, config, path)
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from boundgen.compile.backends import CompileOptions, CompiledForwards, select_forwards
+from boundgen.compile.backends import CompiledForwards, CompileOptions, select_forwards
 from boundgen.compile.buckets import Bucket, BucketSet
 from boundgen.compile.decode import DecodeSession, plain_session
 from boundgen.config import ModelConfig

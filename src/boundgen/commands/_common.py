@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from boundgen.settings import add_flags, from_args
 from boundgen.config import EngineConfig
+from boundgen.settings import add_flags, from_args
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:

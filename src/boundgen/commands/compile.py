@@ -126,8 +126,8 @@ def _load_eager(args):
     import dataclasses
 
     from boundgen import Engine
-    from boundgen.settings import from_args
     from boundgen.config import EngineConfig
+    from boundgen.settings import from_args
 
     config = dataclasses.replace(from_args(EngineConfig, args), backend="eager")
     return Engine.from_pretrained(args.model, config=config)
@@ -138,9 +138,9 @@ def run(args) -> int:
 
     from tqdm import tqdm
 
+    from boundgen.compile.backends import aoti_slots, build_aoti
     from boundgen.compile.buckets import parse_buckets
     from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
-    from boundgen.compile.backends import aoti_slots, build_aoti
 
     engine = _load_eager(args)
     buckets = parse_buckets(args.buckets, engine.engine_config.max_batch_tokens)

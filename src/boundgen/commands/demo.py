@@ -63,7 +63,6 @@ def run(args) -> int:
     import math
 
     from boundgen import Engine, Trie
-    from boundgen.settings import from_args
     from boundgen.config import EngineConfig
     from boundgen.demo import default_model_path
     from boundgen.demo.evaluate import (
@@ -75,6 +74,7 @@ def run(args) -> int:
         retrieval_recall,
         score_items,
     )
+    from boundgen.settings import from_args
 
     t0 = time.perf_counter()
     path = args.model or default_model_path()

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from boundgen.compile.aoti import AOTIBucket, PackedForward, SharedWeights, build_package
-from boundgen.compile.buckets import Bucket, BucketSet, parse_buckets
+from boundgen.compile.buckets import Bucket, parse_buckets
 from boundgen.compile.cache import (
     ArtifactCache,
     ArtifactError,

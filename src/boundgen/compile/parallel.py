@@ -23,20 +23,18 @@ def _init(model_dir: str, device: str, dtype: str | None, attention: str) -> Non
 
     import torch
 
-    from boundgen.engine import Engine
+    from boundgen.models.loading import load_model
 
     logging.getLogger("torch").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    engine = Engine.from_pretrained(
-        model_dir, device=device, dtype=dtype, attention=attention, backend="eager"
-    )
-    _WORKER["model"], _WORKER["device"] = engine.model, engine.device
+    model = load_model(model_dir, device, dtype, attention)
+    _WORKER["model"], _WORKER["device"] = model, next(model.parameters()).device
 
 
 def _build_one(bucket_name: str, cache_dir: str | None, quant: str, rebuild: bool) -> dict:
+    from boundgen.compile.backends import build_aoti
     from boundgen.compile.buckets import Bucket
     from boundgen.compile.cache import ArtifactCache
-    from boundgen.compile.backends import build_aoti
 
     entries = build_aoti(
         _WORKER["model"],

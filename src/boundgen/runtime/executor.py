@@ -22,7 +22,6 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 

@@ -11,6 +11,7 @@ label columns of the LM head) → finish (CPU: softmax, lists).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import torch
 
 from boundgen.runtime.dag import Pipeline
