@@ -1,11 +1,12 @@
-"""The W5 baseline: the same `/v1/score` (and `/v1/rerank`) HTTP API, served by HF transformers eager
-(sdpa).
+"""The W5 baseline: the same `/v1/score` (and `/v1/rerank`) HTTP API, served by HF transformers
+eager (sdpa).
 
-Everything except the model call is boundgen's own server and runtime (schemas, limits, admission,
-batching, metrics, uvicorn), so a side-by-side run measures the engine, not the web stack: the
-`Engine` runs an `HFRunner` instead of boundgen's runner. Per forward the runner does what a user of
-transformers would write: left-pad the full query+item sequences into one batch, one forward with an
-attention mask, take each sequence's last hidden state; the head multiplies the label columns.
+Everything except the model call is boundgen's own server and runtime (schemas, limits,
+admission, batching, metrics, uvicorn), so a side-by-side run measures the engine, not the web
+stack: the `Engine` runs an `HFRunner` instead of boundgen's runner. Per forward the runner does
+what a user of transformers would write: left-pad the full query+item sequences into one batch,
+one forward with an attention mask, take each sequence's last hidden state; the head multiplies
+the label columns.
 
     python benchmarks/baseline_hf_server.py --model DIR --device cuda --dtype bfloat16 --port 8001
 """
@@ -31,7 +32,8 @@ from boundgen.text.tokenizer import Tokenizer
 
 
 class HFRunner:
-    """`ModelRunner`'s interface over `AutoModelForCausalLM` (sdpa attention): rows and head only."""
+    """`ModelRunner`'s interface over `AutoModelForCausalLM` (sdpa attention): rows and head
+    only."""
 
     backend_name = "hf-eager"
     share_prefix = False

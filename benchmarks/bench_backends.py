@@ -1,4 +1,5 @@
-"""Model backends on W1–W4 (DESIGN §9): eager vs torch.compile vs AOTInductor (± CUDA graphs) vs HF eager.
+"""Model backends on W1–W4 (DESIGN §9): eager vs torch.compile vs AOTInductor (± CUDA graphs) vs HF
+eager.
 
     # H200, ≤ 10 min:
     python benchmarks/bench_backends.py --device cuda --out $OUT/backends.json
@@ -14,11 +15,11 @@ Order (so one device call is enough and numbers are honest):
 3. libstdc++ guard: a probe load in a child process; if loading needs the preload, the benchmark
    re-execs itself with it (the time budget is absolute, so the re-exec does not extend it);
 4. per workload: HF eager baseline, then every variant: max |Δ| of its scores vs boundgen eager,
-   median / p90 latency of the end-to-end call, host time per call (time until the call returns,
-   no device sync), throughput; padding per bucket; W4 = one beam decode step (W=16) eager vs CUDA
+   median / p90 latency of the end-to-end call, host time per call (time until the call returns, no
+   device sync), throughput; padding per bucket; W4 = one beam decode step (W=16) eager vs CUDA
    graph, + full beam.
-Every variant is guarded: one failure is recorded as {"error": ...} and the rest still run. The JSON
-is rewritten after every phase, so a timeout still leaves the numbers measured so far.
+Every variant is guarded: one failure is recorded as {"error": ...} and the rest still run. The
+JSON is rewritten after every phase, so a timeout still leaves the numbers measured so far.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ import common
 
 from boundgen import Engine
 from boundgen.checkpoints import ensure_model
+from boundgen.compile.backends import CompiledForwards, CompileOptions, aoti_slots
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
-from boundgen.compile.backends import CompiledForwards, CompileOptions, aoti_slots
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.workloads.score import ScoreRequest, prepare_score
 
@@ -120,7 +121,8 @@ class Run:
 
 
 def host_and_latency(fn, device, iters: int, budget_s: float) -> dict:
-    """Latency (call + sync) and host time (until the call returns, device idle before each call)."""
+    """Latency (call + sync) and host time (until the call returns, device idle before each
+    call)."""
     fn()
     common.sync(device)
     host, lat = [], []
@@ -147,7 +149,8 @@ def host_and_latency(fn, device, iters: int, budget_s: float) -> dict:
 
 
 def build_aoti_buckets(run: Run, engine, buckets, path) -> dict:
-    """Verify cache hits in process; build the misses in worker processes; returns per-bucket info."""
+    """Verify cache hits in process; build the misses in worker processes; returns per-bucket
+    info."""
     from boundgen.compile.parallel import build_parallel
 
     cache = ArtifactCache(run.args.cache_dir)
@@ -477,7 +480,8 @@ def main(argv=None) -> int:
 
 @torch.inference_mode()
 def bench_decode(run: Run, engine, vocab: int) -> dict:
-    """One beam decode step (prompt 128, W=16, S=4), eager vs CUDA graph; then the full beam search."""
+    """One beam decode step (prompt 128, W=16, S=4), eager vs CUDA graph; then the full beam
+    search."""
     from boundgen.kv import BeamKV, DecodeKV, PromptKV
     from boundgen.text.packing import SequenceGroup, pack
 

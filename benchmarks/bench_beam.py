@@ -1,9 +1,9 @@
-"""W4 (DESIGN §9): bounded beam search, prompt 128, W=16, S=4, batch 1 and 8, with and without a trie of
-100K item IDs, against HF `generate` in the same run.
+"""W4 (DESIGN §9): bounded beam search, prompt 128, W=16, S=4, batch 1 and 8, with and without a
+trie of 100K item IDs, against HF `generate` in the same run.
 
 The trie: 3 levels × 256 semantic codes plus a 4th disambiguation code (TIGER-style), so item IDs
-are 4 tokens long and match S=4. HF's constrained baseline uses `prefix_allowed_tokens_fn` over the
-same items (a Python dict trie), the way a user of HF would constrain it.
+are 4 tokens long and match S=4. HF's constrained baseline uses `prefix_allowed_tokens_fn` over
+the same items (a Python dict trie), the way a user of HF would constrain it.
 
     python benchmarks/bench_beam.py --preset qwen2.5-0.5b --device cuda --out $OUT/beam.json
 """
@@ -26,8 +26,8 @@ from boundgen.checkpoints import ensure_model
 
 
 def make_items(num_items: int, vocab_lo: int, seed: int = 0) -> torch.Tensor:
-    """[items, 4] unique token ids: 3 semantic codes (distinct 3-code prefixes) + a disambiguation code;
-    each level uses its own 256-token range starting at `vocab_lo`."""
+    """[items, 4] unique token ids: 3 semantic codes (distinct 3-code prefixes) + a
+    disambiguation code; each level uses its own 256-token range starting at `vocab_lo`."""
     g = torch.Generator().manual_seed(seed)
     flat = torch.randperm(256**3, generator=g)[:num_items]
     codes = torch.stack([flat // 65536, (flat // 256) % 256, flat % 256], 1)
@@ -171,7 +171,8 @@ def main() -> int:
                     entry[f"boundgen-{backend}"] = {"error": repr(exc)}
                     traceback.print_exc()
     print(
-        f"trie: {trie.num_items} items, depth {trie.depth}, built in {build_s:.2f}s, {trie.nbytes / 1e6:.1f} MB"
+        f"trie: {trie.num_items} items, depth {trie.depth}, built in {build_s:.2f}s, "
+        f"{trie.nbytes / 1e6:.1f} MB"
     )
     common.print_table(
         rows,

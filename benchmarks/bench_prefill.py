@@ -1,4 +1,5 @@
-"""Prefill-only workloads W1–W3 (DESIGN §9): boundgen vs HF transformers eager (+ torch.compile), one run.
+"""Prefill-only workloads W1–W3 (DESIGN §9): boundgen vs HF transformers eager (+ torch.compile),
+one run.
 
     python benchmarks/bench_prefill.py --preset qwen2.5-0.5b --device cuda --out $OUT/prefill.json
     python benchmarks/bench_prefill.py --preset tiny --device cpu --workloads w2     # CPU, W2-style

@@ -21,8 +21,8 @@ which runs exactly
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
     \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \ --platform
-        manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \ -d
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \\ --platform
+        manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \\ -d
         .whl-ray ray==2.60.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
         referencing==0.37.0 rpds-py==0.30.0 grpcio==1.85.3 grpcio-reflection==1.85.1
         protobuf==7.36.2
@@ -102,7 +102,8 @@ def download_cmd(dest: str) -> list[str]:
 
 
 def slim_wheel(path: Path, strip: tuple[str, ...] = RAY_STRIP) -> Path:
-    """Rewrite a wheel without the files under `strip` (RECORD updated; pip installs it as usual)."""
+    """Rewrite a wheel without the files under `strip` (RECORD updated; pip installs it as
+    usual)."""
     tmp = path.with_suffix(".slim")
     with (
         zipfile.ZipFile(path) as src,
@@ -172,7 +173,8 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30) -> None:
 
 
 def serial_latency(url: str, workload: str, n: int) -> dict:
-    """`n` requests one at a time (1 in flight): the per-request cost of each hop, without queueing."""
+    """`n` requests one at a time (1 in flight): the per-request cost of each hop, without
+    queueing."""
     import statistics
 
     import httpx
@@ -205,11 +207,10 @@ def serial_latency(url: str, workload: str, n: int) -> dict:
 
 
 def run_steps(url: str, label: str, workload: str, steps: list[float], args) -> dict:
-    """Load steps in increasing QPS; stop after the first saturated one (ok/s < 90 % of offered or > 1 %
-    errors): later steps would only queue, and the device time is better spent elsewhere. Then
-    bisect `--refine` times between the last good step and the saturated one, so a coarse grid still
-    pins the
-    capacity (and max QPS within the SLO) to a few percent."""
+    """Load steps in increasing QPS; stop after the first saturated one (ok/s < 90 % of offered
+    or > 1 % errors): later steps would only queue, and the device time is better spent
+    elsewhere. Then bisect `--refine` times between the last good step and the saturated one, so
+    a coarse grid still pins the capacity (and max QPS within the SLO) to a few percent."""
     from boundgen.loadtest import LoadConfig, run_loadtest
 
     fields = {f.name for f in dataclasses.fields(LoadConfig)}
@@ -454,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}"
         if name == "plain":
             cmd = [sys.executable, "-m", "boundgen.cli", "serve", *common, "--port", str(port)]
-        else:  # the same flags on Ray Serve: ray-N = N replicas of one GPU each (on CUDA), -shared = one GPU
+        else:  # the same flags on Ray Serve: ray-N = N replicas of one GPU each, -shared: one GPU
             cmd = [
                 sys.executable,
                 "-m",

@@ -1,14 +1,15 @@
-"""Runtime overhead (per node, per request) against calling the same functions directly, and W2-style
-requests through the engine's score pipeline at 1/2/4/8/16 concurrent clients.
+"""Runtime overhead (per node, per request) against calling the same functions directly, and
+W2-style requests through the engine's score pipeline at 1/2/4/8/16 concurrent clients.
 
     python benchmarks/bench_runtime.py --out runtime.json                       # CPU: tiny model
     python benchmarks/bench_runtime.py --preset qwen2.5-0.5b --device cuda --out runtime_h200.json
 
-Part 1 needs no model: pipelines of no-op nodes (chains of 1/4/8 nodes, a diamond with a join), run
-through `Executor.run` (the caller's thread does the work), `Executor.submit` (worker pool), and the
-direct call. Overhead = runtime time - direct time. Part 2 (skip with --no-engine): W2 (prefix 256 +
-100 candidates x 16 tokens, DESIGN §9) through the engine's runtime (`Engine.score`) vs the score
-pipeline's functions called directly on this thread, then closed-loop concurrency.
+Part 1 needs no model: pipelines of no-op nodes (chains of 1/4/8 nodes, a diamond with a join),
+run through `Executor.run` (the caller's thread does the work), `Executor.submit` (worker pool),
+and the direct call. Overhead = runtime time - direct time. Part 2 (skip with --no-engine): W2
+(prefix 256 + 100 candidates x 16 tokens, DESIGN §9) through the engine's runtime
+(`Engine.score`) vs the score pipeline's functions called directly on this thread, then
+closed-loop concurrency.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def _diamond() -> Pipeline:
 
 
 def _per_call_us(fn, iters: int, repeats: int = 5) -> float:
-    """Median over `repeats` of the mean time per call (µs); the machine may be shared, so take medians."""
+    """Median over `repeats` of the mean time per call (µs); the machine may be shared, so take
+    medians."""
     for _ in range(min(200, iters)):
         fn()
     samples = []
@@ -212,12 +214,15 @@ def main() -> int:
     result["overhead"] = rows
     print("Runtime overhead vs direct calls (no-op nodes; µs per request, median of 5 runs)")
     print(
-        f"{'pipeline':<10} {'nodes':>5} {'direct':>8} {'run':>8} {'submit':>8} {'run+ddl':>8} {'ovh/req':>8} {'ovh/node':>9}"
+        f"{'pipeline':<10} {'nodes':>5} {'direct':>8} {'run':>8} {'submit':>8} {'run+ddl':>8} "
+        f"{'ovh/req':>8} {'ovh/node':>9}"
     )
     for r in rows:
         print(
-            f"{r['pipeline']:<10} {r['nodes']:>5} {r['direct_us']:>8.1f} {r['run_us']:>8.1f} {r['submit_us']:>8.1f} "
-            f"{r['run_deadline_us']:>8.1f} {r['run_overhead_per_request_us']:>8.1f} {r['run_overhead_per_node_us']:>9.1f}"
+            f"{r['pipeline']:<10} {r['nodes']:>5} {r['direct_us']:>8.1f} {r['run_us']:>8.1f} "
+            f"{r['submit_us']:>8.1f} "
+            f"{r['run_deadline_us']:>8.1f} {r['run_overhead_per_request_us']:>8.1f} "
+            f"{r['run_overhead_per_node_us']:>9.1f}"
         )
 
     if not args.no_engine:
@@ -226,13 +231,16 @@ def main() -> int:
         result["engine_w2"] = eng
         print(
             f"\nW2 score ({eng['w2_items']} candidates) on {eng['device']} {eng['dtype']}: direct "
-            f"{eng['direct_ms']['median_ms']:.2f} ms, runtime {eng['runtime_1client_ms']['median_ms']:.2f} ms "
-            f"(overhead {eng['runtime_overhead_ms'] * 1e3:.0f} µs), same result: {eng['same_result']}"
+            f"{eng['direct_ms']['median_ms']:.2f} ms, runtime "
+            f"{eng['runtime_1client_ms']['median_ms']:.2f} ms "
+            f"(overhead {eng['runtime_overhead_ms'] * 1e3:.0f} µs), same result: "
+            f"{eng['same_result']}"
         )
         print(f"{'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/forward':>12}")
         for c in eng["concurrency"]:
             print(
-                f"{c['clients']:>7} {c['req_per_s']:>8.1f} {c['p50_ms']:>8.2f} {c['p99_ms']:>8.2f} {c['requests_per_forward']:>12.2f}"
+                f"{c['clients']:>7} {c['req_per_s']:>8.1f} {c['p50_ms']:>8.2f} {c['p99_ms']:>8.2f} "
+                f"{c['requests_per_forward']:>12.2f}"
             )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2, default=str))

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def start(cmd: list[str], url: str, log_path: Path, timeout_s: float = 600) -> subprocess.Popen:
-    log = open(log_path, "w")
+    log = open(log_path, "w")  # noqa: SIM115 - the server process writes to it until it stops
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -73,8 +73,9 @@ def make_trie(
 
 
 def markdown(reports: list[dict], slo_ms: float) -> str:
-    """The steps table; `server` columns come from the responses' Server-Timing (the HF baseline sends
-    none), and the slowest 1 % of each step are split into time inside and outside the server."""
+    """The steps table; `server` columns come from the responses' Server-Timing (the HF baseline
+    sends none), and the slowest 1 % of each step are split into time inside and outside the
+    server."""
     rows = [
         "| server | offered QPS | ok/s | p50 ms | p90 ms | p99 ms | server p50 / p99 ms | errors |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

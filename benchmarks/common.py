@@ -43,7 +43,8 @@ def sync(device) -> None:
 
 
 def timed(fn, device, warmup: int = 2, iters: int = 10, budget_s: float = 30.0) -> dict:
-    """Median/min/p90 wall time (ms) of `fn()` including a device sync; stops early past `budget_s`."""
+    """Median/min/p90 wall time (ms) of `fn()` including a device sync; stops early past
+    `budget_s`."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -118,7 +119,8 @@ def hf_model(path, device, dtype, compile_mode: str | None = None):
 def hf_last_logits(
     model, seqs: list[list[int]], device, batch_size: int = 64, columns=None
 ) -> torch.Tensor:
-    """HF server-style scoring: left-padded batches, explicit positions, logits of the last token only."""
+    """HF server-style scoring: left-padded batches, explicit positions, logits of the last token
+    only."""
     outs = []
     for i in range(0, len(seqs), batch_size):
         chunk = seqs[i : i + batch_size]

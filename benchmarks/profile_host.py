@@ -59,17 +59,20 @@ def main() -> int:
     cu = torch.tensor([0, 64], device="cuda", dtype=torch.int32)
     backend = engine.model.backend
     groups = [SequenceGroup([], prompt)]
-    lines = [
-        f"varlen backend call: {per_call_us(lambda: backend.varlen(q, k, k, cu, cu, 64, 64, True)):.1f} us",
-        f"aten._flash_attention_forward: {per_call_us(lambda: torch.ops.aten._flash_attention_forward(q, k, k, cu, cu, 64, 64, 0.0, True, False)):.1f} us",
-        f"linear 64x896x4864: {per_call_us(lambda: torch.nn.functional.linear(torch.randn(64, 896, device='cuda', dtype=torch.bfloat16), engine.model.layers[0].mlp.gate_up_proj.weight)):.1f} us",
-        f"one forward, host only (no sync): {per_call_us(lambda: engine.runner.rows(groups), 20):.1f} us",
-    ]
+    flash = torch.ops.aten._flash_attention_forward
+    x = torch.randn(64, 896, device="cuda", dtype=torch.bfloat16)
+    w = engine.model.layers[0].mlp.gate_up_proj.weight
+    calls = {
+        "varlen backend call": lambda: backend.varlen(q, k, k, cu, cu, 64, 64, True),
+        "aten._flash_attention_forward": lambda: flash(q, k, k, cu, cu, 64, 64, 0.0, True, False),
+        "linear 64x896x4864": lambda: torch.nn.functional.linear(x, w),
+    }
+    lines = [f"{name}: {per_call_us(fn):.1f} us" for name, fn in calls.items()]
+    forward_us = per_call_us(lambda: engine.runner.rows(groups), 20)
+    lines.append(f"one forward, host only (no sync): {forward_us:.1f} us")
     try:
-        lines.insert(
-            1,
-            f"varlen_attn (public API): {per_call_us(lambda: varlen_attn(q, k, k, cu, cu, 64, 64, window_size=(-1, 0))):.1f} us",
-        )
+        public = lambda: varlen_attn(q, k, k, cu, cu, 64, 64, window_size=(-1, 0))
+        lines.insert(1, f"varlen_attn (public API): {per_call_us(public):.1f} us")
     except Exception as exc:
         lines.insert(1, f"varlen_attn failed: {exc}")
     print("\n".join(lines))

@@ -16,7 +16,8 @@ settings.load_profile("boundgen")
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """tiny_model(arch="qwen2", seq_cls=None) → path of a tiny checkpoint (cached for the session)."""
+    """tiny_model(arch="qwen2", seq_cls=None) → path of a tiny checkpoint (cached for the
+    session)."""
     made = {}
 
     def get(arch: str = "qwen2", seq_cls: int | None = None):

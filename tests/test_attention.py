@@ -76,7 +76,8 @@ def test_merge_of_split_keys_equals_attention_over_all_keys():
 
 
 def test_causal_alignment_is_bottom_right():
-    """Fewer queries than keys: the last query sees every key, the first sees all but the last Lq-1."""
+    """Fewer queries than keys: the last query sees every key, the first sees all but the last
+    Lq-1."""
     backend = get_backend("reference", "cpu")
     q, k, v = random_qkv(6, seed=4)
     cu = lambda *xs: torch.tensor(xs, dtype=torch.int32)

@@ -33,9 +33,10 @@ def hf_model(tiny_model):
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("width,steps", [(4, 3), (16, 4)])
 def test_unconstrained_matches_hf_generate(arch, width, steps, engine_for, hf_model):
-    """Same sequences in the same order. Scores are compared with HF's `sequences_scores`, which with
-    length_penalty=0 are the cumulative log-probs of the generated tokens (log_softmax over the full
-    vocabulary; EOS excluded from selection by min_new_tokens, as in our bounded search)."""
+    """Same sequences in the same order. Scores are compared with HF's `sequences_scores`, which
+    with length_penalty=0 are the cumulative log-probs of the generated tokens (log_softmax over
+    the full vocabulary; EOS excluded from selection by min_new_tokens, as in our bounded
+    search)."""
     engine = engine_for(arch)
     prompt = engine.tokenizer.encode(PROMPT)
     ours = engine.beam_search(prompt, width, steps)

@@ -170,7 +170,7 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path):
 
 
 def test_sharded_matches_single_file(tmp_path, tiny_dirs):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     path = make_model(
         "tiny", tmp_path / "sharded", arch="llama", max_shard_bytes=200_000, progress=False
     )

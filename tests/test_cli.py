@@ -1,4 +1,5 @@
-"""The `boundgen` dispatcher: every command listed, optional dependencies reported, not crashed on."""
+"""The `boundgen` dispatcher: every command listed, optional dependencies reported, not crashed
+on."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Compiled model nodes: buckets/padding, masked attention, AOTInductor parity, artifact cache, preload guard.
+"""Compiled model nodes: buckets/padding, masked attention, AOTInductor parity, artifact cache,
+preload guard.
 
 The tiny model is AOTInductor-compiled once per session into one cascade bucket (which also takes
 plain batches), ~40 s on a CI CPU; every cache test reuses that artifact or a stub builder.
@@ -83,7 +84,8 @@ def test_masked_attention_matches_reference(causal):
 
 
 def test_padding_keeps_real_rows_exact(engine_for):
-    """Padded into a bucket, every real output row equals the unpadded forward (reference and masked)."""
+    """Padded into a bucket, every real output row equals the unpadded forward (reference and
+    masked)."""
     model = engine_for("qwen2").model
     masked = copy.copy(model)
     masked.backend = MaskedBackend()
@@ -130,7 +132,7 @@ def aoti_cache(tmp_path_factory, engine_for):
     """A cache holding the tiny qwen2 model compiled for BUCKET (built once)."""
     root = tmp_path_factory.mktemp("aoti-cache")
     engine = engine_for("qwen2")
-    ((_, entry, info),) = build_aoti(engine.model, engine.device, [BUCKET], ArtifactCache(root))
+    ((_, _entry, info),) = build_aoti(engine.model, engine.device, [BUCKET], ArtifactCache(root))
     assert info["event"] == "built"
     return root
 
@@ -318,7 +320,8 @@ def _fake_probe(lib):
     """A 'load' that segfaults unless LD_PRELOAD contains `lib` (what the GPU image does)."""
     code = (
         "import os, signal, sys\n"
-        f"if {lib!r} not in os.environ.get('LD_PRELOAD', '').split(): os.kill(os.getpid(), signal.SIGSEGV)\n"
+        f"if {lib!r} not in os.environ.get('LD_PRELOAD', '').split(): os.kill(os.getpid(), "
+        "signal.SIGSEGV)\n"
         "print('boundgen-probe-ok')\n"
     )
     return [sys.executable, "-c", code]
@@ -425,7 +428,8 @@ def test_compile_cli_check(tiny_model, aoti_cache, capsys):
 
 
 def _decode_run(model, prompts, w, steps, session=None, seed=0):
-    """A beam-like loop (fixed tokens/parents) → logits of every decode step; plain or through `session`."""
+    """A beam-like loop (fixed tokens/parents) → logits of every decode step; plain or through
+    `session`."""
     from boundgen.kv import BeamKV, DecodeKV, PromptKV
 
     cfg, b = model.config, len(prompts)
@@ -463,8 +467,8 @@ def _decode_run(model, prompts, w, steps, session=None, seed=0):
 
 
 def test_decode_buckets_reuse_persistent_kv(engine_for):
-    """Persistent decode buckets (the CUDA-graph layout, here without graphs) = the plain decode path,
-    across requests that reuse the same buffers."""
+    """Persistent decode buckets (the CUDA-graph layout, here without graphs) = the plain decode
+    path, across requests that reuse the same buffers."""
     from boundgen.compile.decode import DecodeGraphs
 
     model = engine_for("qwen2").model

@@ -1,6 +1,8 @@
-"""Compiled backends on CUDA (skipped without it): flash export attention, CUDA graphs, AOTInductor parity.
+"""Compiled backends on CUDA (skipped without it): flash export attention, CUDA graphs, AOTInductor
+parity.
 
-The AOTInductor test compiles the tiny model once (≈ 40–80 s on the GPU machine) and is marked slow.
+The AOTInductor test compiles the tiny model once (≈ 40–80 s on the GPU machine) and is marked
+slow.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def test_eager_graphs_match_eager(cuda_engine):
 
 
 def test_auto_on_cuda_is_eager_graphs_without_artifacts(cuda_engine, tmp_path):
-    """The default backend on CUDA with an empty artifact cache: eager + CUDA graphs, same scores."""
+    """The default backend on CUDA with an empty artifact cache: eager + CUDA graphs, same
+    scores."""
     e = cuda_engine.with_runner(
         make_runner(
             cuda_engine.model,

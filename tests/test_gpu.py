@@ -1,9 +1,10 @@
-"""CUDA checks (skipped without a GPU): bf16 parity with HF and the varlen backend against the reference.
+"""CUDA checks (skipped without a GPU): bf16 parity with HF and the varlen backend against the
+reference.
 
-bf16 tolerance: both engines round differently (kernel order, fused vs unfused ops), so we compare
-each against the float32 HF result and require our error to stay within 2x HF's own bf16 error
-(+0.02 for logits near zero). That says "as faithful as HF in bf16", independent of the model's
-logit scale.
+bf16 tolerance: both engines round differently (kernel order, fused vs unfused ops), so we
+compare each against the float32 HF result and require our error to stay within 2x HF's own bf16
+error (+0.02 for logits near zero). That says "as faithful as HF in bf16", independent of the
+model's logit scale.
 """
 
 from __future__ import annotations

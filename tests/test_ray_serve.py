@@ -1,6 +1,7 @@
-"""Ray Serve deployment (`boundgen.serve_ray`): config → deployment options anywhere; with Ray installed, a
-local Ray with 2 CPU replicas of the tiny model behind Serve's HTTP proxy, concurrent requests, the
-same answers as the single-process server, both replicas used, per-replica health and metrics.
+"""Ray Serve deployment (`boundgen.serve_ray`): config → deployment options anywhere; with Ray
+installed, a local Ray with 2 CPU replicas of the tiny model behind Serve's HTTP proxy, concurrent
+requests, the same answers as the single-process server, both replicas used, per-replica health and
+metrics.
 
 The live part needs `pip install 'boundgen[ray]'` (skipped without it) and takes ~30-60 s on 2
 cores.
@@ -220,8 +221,8 @@ def _close(a, b, tol=1e-4) -> bool:
 
 
 def _spray(url: str, reqs: list[tuple[str, dict]], timeout_s: float = 60.0):
-    """Send `reqs` concurrently (16 at a time) until two replicas have answered; the proxy picks replicas
-    by load, so one concurrent round nearly always reaches both."""
+    """Send `reqs` concurrently (16 at a time) until two replicas have answered; the proxy picks
+    replicas by load, so one concurrent round nearly always reaches both."""
 
     def send(req):
         path, body = req
@@ -295,7 +296,7 @@ def test_two_replicas_same_answers_as_single_process_server(ray_server):
         ray_server["model"], device="cpu", dtype="float32", config=ray_server["engine"]
     )
     with TestClient(create_app(engine, ray_server["server"])) as local:
-        for (path, body), (_, rid, got) in zip(reqs, results):
+        for (path, body), (_, _rid, got) in zip(reqs, results):
             want = local.post(path, json=body)
             assert want.status_code == 200, want.text
             assert REPLICA_HEADER not in want.headers  # only the Ray replicas add it
@@ -345,7 +346,8 @@ def test_health_and_metrics_per_replica(ray_server):
             ok = sum(
                 float(v)
                 for v in re.findall(
-                    r'boundgen_requests_total\{endpoint="(?:score|beam|embeddings)",status="200"\} (\S+)',
+                    r'boundgen_requests_total\{endpoint="(?:score|beam|embeddings)",status="200"\} '
+                    r"(\S+)",
                     text,
                 )
             )

@@ -1,4 +1,5 @@
-"""Static DAG runtime: validation, concurrency, deadlines, failure isolation, pools, batching, tracing."""
+"""Static DAG runtime: validation, concurrency, deadlines, failure isolation, pools, batching,
+tracing."""
 
 from __future__ import annotations
 

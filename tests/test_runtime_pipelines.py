@@ -1,5 +1,6 @@
-"""Built-in pipelines over a tiny Engine: parity with the direct Engine calls, cross-request batching under
-16 concurrent clients, input errors, deadlines, and a user post-logic node on top of score."""
+"""Built-in pipelines over a tiny Engine: parity with the direct Engine calls, cross-request
+batching under 16 concurrent clients, input errors, deadlines, and a user post-logic node on top
+of score."""
 
 from __future__ import annotations
 
@@ -178,7 +179,8 @@ def test_deadline_on_engine_pipeline(runtime):
 
 
 def test_user_post_logic_on_score_pipeline(runtime, engine_for):
-    """Business post-logic as a plain function: calibrate, filter, top-n — registered as 'rerank'."""
+    """Business post-logic as a plain function: calibrate, filter, top-n — registered as
+    'rerank'."""
 
     @node(outputs="ranked")
     def calibrate_and_rank(scores: list, top_n: int, min_score: float) -> list:
@@ -250,8 +252,9 @@ def test_pipelines_on_cuda(tiny_model):
 
 
 def test_staged_views_start_on_16_byte_boundaries():
-    """AOTInductor kernels assume 16-byte aligned inputs (else a copy + warning per call): the packed
-    staging buffer must place every tensor, e.g. cu_prefix after a 129-entry cu_seqlens, on a boundary."""
+    """AOTInductor kernels assume 16-byte aligned inputs (else a copy + warning per call): the
+    packed staging buffer must place every tensor, e.g. cu_prefix after a 129-entry cu_seqlens,
+    on a boundary."""
     from boundgen.runner import _stage_many
     from boundgen.runtime.memory import Lease, MemoryPools
 

@@ -1,6 +1,6 @@
-"""HTTP API through TestClient on a tiny synthetic checkpoint: every endpoint, parity with the engine,
-response snapshots (tests/snapshots/*.json, floats rounded), limits, auth, overload (429), deadlines
-(504).
+"""HTTP API through TestClient on a tiny synthetic checkpoint: every endpoint, parity with the
+engine, response snapshots (tests/snapshots/*.json, floats rounded), limits, auth, overload (429),
+deadlines (504).
 
 Refresh snapshots with `BOUNDGEN_UPDATE_SNAPSHOTS=1 pytest tests/test_server.py`.
 """

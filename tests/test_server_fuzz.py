@@ -1,7 +1,7 @@
-"""Property-based fuzz of the HTTP API: ≥ 500 generated bad requests (wrong types, missing fields, huge and
-empty lists, bad token ids, non-UTF-8, deeply nested JSON, broken KServe tensors). Every answer must
-be a 4xx
-with a clear error message, never a 5xx, and the server must still answer correctly afterwards."""
+"""Property-based fuzz of the HTTP API: ≥ 500 generated bad requests (wrong types, missing
+fields, huge and empty lists, bad token ids, non-UTF-8, deeply nested JSON, broken KServe
+tensors). Every answer must be a 4xx with a clear error message, never a 5xx, and the server must
+still answer correctly afterwards."""
 
 from __future__ import annotations
 

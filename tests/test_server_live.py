@@ -1,5 +1,6 @@
-"""A real `boundgen serve` subprocess on 127.0.0.1 (free port, API key on): every endpoint over HTTP, the
-official openai / cohere / tritonclient clients unchanged, and a graceful SIGTERM drain (last test)."""
+"""A real `boundgen serve` subprocess on 127.0.0.1 (free port, API key on): every endpoint over
+HTTP, the official openai / cohere / tritonclient clients unchanged, and a graceful SIGTERM drain
+(last test)."""
 
 from __future__ import annotations
 
@@ -177,7 +178,8 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_sigterm_drains_in_flight_requests(server):
-    """Last test: SIGTERM while requests run; every admitted request still gets its 200, then exit 0."""
+    """Last test: SIGTERM while requests run; every admitted request still gets its 200, then
+    exit 0."""
     body = {"prompt": list(range(1, 257)), "beam_width": 32, "steps": 8}
 
     def call() -> tuple[int, float]:

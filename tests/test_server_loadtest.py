@@ -1,5 +1,5 @@
-"""`boundgen loadtest` against a real uvicorn server in a thread, its statistics, and the HF baseline
-server's parity with the engine through the same HTTP API."""
+"""`boundgen loadtest` against a real uvicorn server in a thread, its statistics, and the HF
+baseline server's parity with the engine through the same HTTP API."""
 
 from __future__ import annotations
 

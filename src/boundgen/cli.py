@@ -28,7 +28,8 @@ EXTRAS = {
 
 
 def _missing_dependency(name: str, exc: ImportError):
-    """A command whose optional dependency is not installed: listed, and says how to get it when run."""
+    """A command whose optional dependency is not installed: listed, and says how to get it when
+    run."""
     extra = EXTRAS.get((exc.name or "").split(".")[0], "dev")
 
     def run(_args) -> int:

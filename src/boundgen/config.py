@@ -159,8 +159,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How an `Engine` runs a checkpoint. Fields are flags of every engine command and keys of the
-    `engine:` section of a config file (`boundgen.settings`); `flag=False` ones are config-file only."""
+    """How an `Engine` runs a checkpoint. Fields are flags of every engine command and keys of
+    the `engine:` section of a config file (`boundgen.settings`); `flag=False` ones are
+    config-file only."""
 
     device: str = option("cpu", "cpu, cuda or cuda:N")
     dtype: str | None = option(
@@ -170,7 +171,8 @@ class EngineConfig:
     attention: str = option("auto", "attention backend: auto | reference | varlen")
     backend: str = option(
         "auto",
-        "model backend: auto | eager | compile | aoti; on CUDA also eager+graphs | compile+graphs | "
+        "model backend: auto | eager | compile | aoti; on CUDA also eager+graphs | "
+        "compile+graphs | "
         "aoti+graphs (auto on CUDA: aoti+graphs when its buckets are cached and load safely, else "
         "eager+graphs; on CPU eager)",
         choices=(

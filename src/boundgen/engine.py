@@ -131,7 +131,8 @@ class Engine:
         return sorted(set(ids))
 
     def workload_context(self) -> WorkloadContext:
-        """What the workload pipelines are built from: this engine's runner, tokenizer and limits."""
+        """What the workload pipelines are built from: this engine's runner, tokenizer and
+        limits."""
         cfg = self.engine_config
         return WorkloadContext(
             self.runner,

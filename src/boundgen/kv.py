@@ -28,7 +28,8 @@ class PromptKV:
 
 
 class BeamKV:
-    """Generated-token K/V of every live beam: k, v [L, N, S, Hkv, D], allocated once per request."""
+    """Generated-token K/V of every live beam: k, v [L, N, S, Hkv, D], allocated once per
+    request."""
 
     def __init__(self, num_layers, num_beams, steps, kv_heads, head_dim, dtype, device) -> None:
         shape = (num_layers, num_beams, max(steps, 1), kv_heads, head_dim)
@@ -46,7 +47,8 @@ class BeamKV:
 
 
 class DecodeKV:
-    """Everything a decode step's attention needs. Beams of prompt b are rows cu_beams[b]:cu_beams[b+1]."""
+    """Everything a decode step's attention needs. Beams of prompt b are rows
+    cu_beams[b]:cu_beams[b+1]."""
 
     def __init__(
         self,

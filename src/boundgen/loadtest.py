@@ -85,8 +85,8 @@ class Sample:
 
 
 def parse_server_timing(value: str | None) -> dict[str, float] | None:
-    """`app;dur=12.3, forward;dur=9.1` → {"app": 12.3, "forward": 9.1} (entries without dur are left out;
-    a name that repeats is summed)."""
+    """`app;dur=12.3, forward;dur=9.1` → {"app": 12.3, "forward": 9.1} (entries without dur are
+    left out; a name that repeats is summed)."""
     if not value:
         return None
     out: dict[str, float] = {}
@@ -259,11 +259,10 @@ def summarize(samples: list[Sample], qps: float, duration: float, items: int) ->
 
 
 def _server_side(samples: list[Sample]) -> dict[str, Any]:
-    """Where the time went, from the servers' `Server-Timing`: `server_ms` percentiles of the handler
-    time, and `slowest`: the slowest 1 % of answered requests (at least one), mean client latency,
-    mean time inside the server and outside it (network, client, event loop), and mean per reported
-    entry —
-    so a p99 can be traced to a node, to waiting, or to outside the server."""
+    """Where the time went, from the servers' `Server-Timing`: `server_ms` percentiles of the
+    handler time, and `slowest`: the slowest 1 % of answered requests (at least one), mean client
+    latency, mean time inside the server and outside it (network, client, event loop), and mean
+    per reported entry — so a p99 can be traced to a node, to waiting, or to outside the server."""
     timed = sorted(
         (s for s in samples if s.status == 200 and s.server and "app" in s.server),
         key=lambda s: s.latency_s,
@@ -328,7 +327,8 @@ def run_loadtest(cfg: LoadConfig, log=print) -> dict[str, Any]:
         results.append(summary)
         lat = summary["latency_ms"]
         log(
-            f"qps {qps:8.1f}: offered {summary['offered_qps']:8.1f}  ok/s {summary['throughput_qps']:8.1f}"
+            f"qps {qps:8.1f}: offered {summary['offered_qps']:8.1f}  ok/s "
+            f"{summary['throughput_qps']:8.1f}"
             f"  p50 {lat['p50']:8.2f} ms  p90 {lat['p90']:8.2f} ms  p99 {lat['p99']:8.2f} ms"
             + (
                 f"  (server p99 {summary['server_ms']['p99']:.2f} ms)"

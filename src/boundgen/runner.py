@@ -1,14 +1,16 @@
-"""`ModelRunner`: the model on its device; it alone turns sequence groups into rows, for every backend
-(nano-vllm's `model_runner`).
+"""`ModelRunner`: the model on its device; it alone turns sequence groups into rows, for every
+backend (nano-vllm's `model_runner`).
 
-    rows(groups, pooling)      split to the token budget → pack, padded into a compiled bucket when
-                               one fits → stage through pooled pinned/device buffers → forward → each
-                               output sequence's row (its last token, or the mean of its tokens)
-    head(rows, columns)        the LM head (or score head) on those rows, optionally some columns only
-    decode(prompts, w, steps)  a beam-search session: prompts prefilled once, then one token per beam
+    rows(groups, pooling)      split to the token budget → pack, padded into a compiled bucket
+                               when one fits → stage through pooled pinned/device buffers →
+                               forward → each output sequence's row (its last token, or the mean
+                               of its tokens)
+    head(rows, columns)        the LM head (or score head) on those rows, or some columns of it
+    decode(prompts, w, steps)  a beam-search session: prompts prefilled once, then one token per
+                               beam per step
 
-Compiled backends (`compile.backends`) plug in as `CompiledForwards`; without them the plain model
-runs. Pieces are packed lazily, so the host packs piece n+1 while the device runs piece n.
+Compiled backends (`compile.backends`) plug in as `CompiledForwards`; without them the plain
+model runs. Pieces are packed lazily, so the host packs piece n+1 while the device runs piece n.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class ModelRunner:
     @torch.inference_mode()
     def rows(self, groups: list[SequenceGroup], pooling: str | list[str] = "last") -> torch.Tensor:
         """[N, H] hidden state per output sequence (one per suffix), in input order. `pooling`:
-        "last" (the sequence's last token) or "mean" (over all its tokens), for all or per sequence."""
+        "last" (the sequence's last token) or "mean" (over all its tokens), for all or per
+        sequence."""
         n = sum(len(g.suffixes) for g in groups)
         modes = [pooling] * n if isinstance(pooling, str) else list(pooling)
         outs, row = [], 0
@@ -110,10 +113,11 @@ class ModelRunner:
                 lease.release_all()
 
     def pieces(self, groups: list[SequenceGroup], modes: list[str]) -> Iterator[PackedBatch]:
-        """Host-side packed batches of `groups`, in row order, each within the token budget and, with
-        compiled buckets, padded into the smallest bucket that fits (a batch no bucket takes comes as
-        is, counted as a miss, and runs eagerly). Compiled buckets also take chunks larger than the
-        largest bucket, cut at that size. A prefix is shared (cascade) unless a row wants mean pooling.
+        """Host-side packed batches of `groups`, in row order, each within the token budget and,
+        with compiled buckets, padded into the smallest bucket that fits (a batch no bucket takes
+        comes as is, counted as a miss, and runs eagerly). Compiled buckets also take chunks
+        larger than the largest bucket, cut at that size. A prefix is shared (cascade) unless a
+        row wants mean pooling.
         """
         row = 0
         for chunk in split_groups(groups, self.max_batch_tokens):
@@ -133,9 +137,9 @@ class ModelRunner:
             yield self.buckets.pad(pack(chunk, share_prefix=share))[1]
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Final hidden states of every token of a packed device batch: [T, H]. A batch in a bucket's
-        exact layout (from `pieces`) runs that bucket; another batch that fits a bucket is padded
-        first; one that fits none runs the plain model."""
+        """Final hidden states of every token of a packed device batch: [T, H]. A batch in a
+        bucket's exact layout (from `pieces`) runs that bucket; another batch that fits a bucket
+        is padded first; one that fits none runs the plain model."""
         fn = self._by_layout.get(_layout_key(batch))
         if fn is not None:
             return fn(batch)
@@ -178,15 +182,15 @@ def make_runner(
     backend: str = "auto",
     options: CompileOptions | None = None,
 ) -> ModelRunner:
-    """The runner for `backend` (see `compile.backends.select_forwards`; `"auto"` picks the best that
-    works here and logs why)."""
+    """The runner for `backend` (see `compile.backends.select_forwards`; `"auto"` picks the best
+    that works here and logs why)."""
     forwards = select_forwards(model, device, max_batch_tokens, backend, options)
     return ModelRunner(model, device, forwards, max_batch_tokens, share_prefix)
 
 
 def split_groups(groups: list[SequenceGroup], budget: int) -> list[list[SequenceGroup]]:
-    """Chunks of whole groups that each fit `budget` tokens, in order (a group larger than it is split
-    into groups with the same prefix, so any request runs)."""
+    """Chunks of whole groups that each fit `budget` tokens, in order (a group larger than it is
+    split into groups with the same prefix, so any request runs)."""
     chunks: list[list[SequenceGroup]] = [[]]
     used = 0
     for g in groups:
@@ -220,7 +224,7 @@ def mean_rows(hidden: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -
     return (sums / length[:, None].float()).to(hidden.dtype)
 
 
-# ---- staging a PackedBatch through pooled pinned / device buffers ----------------------------------
+# ---- staging a PackedBatch through pooled pinned / device buffers -------------------------------
 
 _ALIGN_BYTES = 16
 

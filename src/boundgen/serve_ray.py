@@ -52,7 +52,8 @@ class RayNotInstalled(RuntimeError):
 
 
 def require_ray() -> Any:
-    """Import `ray.serve` or fail with the install command (a RuntimeError: the CLI prints one line)."""
+    """Import `ray.serve` or fail with the install command (a RuntimeError: the CLI prints one
+    line)."""
     try:
         import ray  # noqa: F401
         from ray import serve
@@ -105,8 +106,8 @@ def deployment_options(server: ServerConfig, engine: EngineConfig, ray_cfg: RayS
 
 
 def replica_engine_config(engine: EngineConfig, num_gpus: float) -> EngineConfig:
-    """Inside a replica Ray shows only its GPU(s) (CUDA_VISIBLE_DEVICES, also for a fraction of one):
-    `cuda:3` becomes `cuda`."""
+    """Inside a replica Ray shows only its GPU(s) (CUDA_VISIBLE_DEVICES, also for a fraction of
+    one): `cuda:3` becomes `cuda`."""
     if engine.device.startswith("cuda") and num_gpus > 0:
         return dataclasses.replace(engine, device="cuda")
     return engine
@@ -128,9 +129,9 @@ def _this_module() -> Any:
 
 
 class _ReplicaASGI:
-    """What `serve.ingress` gets: a tiny picklable ASGI callable that forwards to the app built inside
-    the replica (the engine is never loaded on, or pickled from, the driver). Works with every Ray
-    that accepts an ASGI app in `serve.ingress`."""
+    """What `serve.ingress` gets: a tiny picklable ASGI callable that forwards to the app built
+    inside the replica (the engine is never loaded on, or pickled from, the driver). Works with
+    every Ray that accepts an ASGI app in `serve.ingress`."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         app = _this_module()._APP
@@ -170,7 +171,8 @@ class _ReplicaHeader:
 
 
 class BoundgenReplica:
-    """One Serve replica: loads the engine on its device and builds `create_app(engine, server_config)`."""
+    """One Serve replica: loads the engine on its device and builds `create_app(engine,
+    server_config)`."""
 
     def __init__(
         self,
@@ -317,10 +319,10 @@ def start(
     after_init: Any = None,
     timeout_s: float | None = None,
 ) -> str:
-    """Join (or start) Ray, start Serve's HTTP proxy on `server.host:server.port`, deploy, wait until every
-    replica is up (at most `timeout_s`: replicas that cannot be placed make Serve wait forever).
-    Returns the base URL. `shutdown()` undoes it. `after_init()` runs right after `ray.init` (which
-    installs Ray's own fatal-signal handlers: re-install yours there)."""
+    """Join (or start) Ray, start Serve's HTTP proxy on `server.host:server.port`, deploy, wait
+    until every replica is up (at most `timeout_s`: replicas that cannot be placed make Serve
+    wait forever). Returns the base URL. `shutdown()` undoes it. `after_init()` runs right after
+    `ray.init` (which installs Ray's own fatal-signal handlers: re-install yours there)."""
     serve = require_ray()
     import ray
 
@@ -367,7 +369,8 @@ def start(
 
 
 def shutdown() -> None:
-    """Stop Serve (replicas drain: Serve waits `graceful_shutdown_timeout_s`) and disconnect from Ray."""
+    """Stop Serve (replicas drain: Serve waits `graceful_shutdown_timeout_s`) and disconnect from
+    Ray."""
     try:
         import ray
         from ray import serve

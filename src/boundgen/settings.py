@@ -1,9 +1,10 @@
 """Settings as frozen dataclasses: one definition per knob, read from flags and from config files.
 
-`option(default, help)` declares a field. `add_flags` turns a dataclass's fields into `--field-name`
-flags (booleans become `--flag/--no-flag`; a field with `flag=False` lives in config files only) and
-`from_args` builds the dataclass back, keeping defaults for flags not given. `from_dict` builds one from
-a config-file section and `read_file` reads a YAML (.yaml/.yml) or TOML (.toml) file.
+`option(default, help)` declares a field. `add_flags` turns a dataclass's fields into
+`--field-name` flags (booleans become `--flag/--no-flag`; a field with `flag=False` lives in
+config files only) and `from_args` builds the dataclass back, keeping defaults for flags not
+given. `from_dict` builds one from a config-file section and `read_file` reads a YAML
+(.yaml/.yml) or TOML (.toml) file.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def read_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_sections(data: dict[str, Any], sections: dict[str, type], source: str) -> dict[str, Any]:
-    """Build one dataclass per section: `{name: cls}` read from `name:` sections of `data`, where keys at
-    the top level belong to the first class that has a field of that name."""
+    """Build one dataclass per section: `{name: cls}` read from `name:` sections of `data`, where
+    keys at the top level belong to the first class that has a field of that name."""
     data = dict(data)
     parts: dict[str, dict[str, Any]] = {name: dict(data.pop(name, None) or {}) for name in sections}
     for key, value in data.items():

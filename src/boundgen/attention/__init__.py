@@ -1,4 +1,5 @@
-"""Attention: packed metadata, backends (reference / CUDA varlen) and cascade (shared-prefix) merging."""
+"""Attention: packed metadata, backends (reference / CUDA varlen) and cascade (shared-prefix)
+merging."""
 
 from boundgen.attention.backends import AttentionBackend, available_backends, get_backend
 from boundgen.attention.metadata import AttnInputs

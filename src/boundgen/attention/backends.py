@@ -80,8 +80,9 @@ def get_backend(
 
 
 def _segment_attention(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batched dense attention. q: [n, Lq, Hq, D]; k, v: [n, Lk, Hkv, D] → ([n, Lq, Hq, D], [n, Lq, Hq])."""
-    n, lq, hq, d = q.shape
+    """Batched dense attention. q: [n, Lq, Hq, D]; k, v: [n, Lk, Hkv, D] → ([n, Lq, Hq, D], [n,
+    Lq, Hq])."""
+    _n, lq, hq, d = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     rep = hq // hkv
     if q.device.type == "cpu" and (not causal or lq == lk):
@@ -111,7 +112,8 @@ def _segment_attention(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tenso
 
 @register("reference")
 class ReferenceBackend:
-    """Correct on any device; the oracle for the fast backends. Segments of equal shape are batched."""
+    """Correct on any device; the oracle for the fast backends. Segments of equal shape are
+    batched."""
 
     name = "reference"
 
@@ -128,23 +130,23 @@ class ReferenceBackend:
             if n == len(bq) - 1 and q.shape[0] == n * lq and k.shape[0] == n * lk:
                 # Equal segments tiling q and k (a padded training batch, same-length prompts):
                 # views, no gather/scatter.
-                o, l = _segment_attention(
+                o, seg_lse = _segment_attention(
                     q.reshape(n, lq, *q.shape[1:]),
                     k.reshape(n, lk, *k.shape[1:]),
                     v.reshape(n, lk, *v.shape[1:]),
                     causal,
                 )
-                return o.reshape(q.shape), l.reshape(q.shape[0], q.shape[1])
+                return o.reshape(q.shape), seg_lse.reshape(q.shape[0], q.shape[1])
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         for (lq, lk), segs in groups.items():
             qs = torch.stack([q[bq[s] : bq[s] + lq] for s in segs])
             ks = torch.stack([k[bk[s] : bk[s] + lk] for s in segs])
             vs = torch.stack([v[bk[s] : bk[s] + lk] for s in segs])
-            o, l = _segment_attention(qs, ks, vs, causal)
+            o, seg_lse = _segment_attention(qs, ks, vs, causal)
             rows = torch.cat([torch.arange(bq[s], bq[s] + lq, device=q.device) for s in segs])
             out[rows] = o.reshape(-1, *o.shape[2:])
-            lse[rows] = l.reshape(-1, l.shape[-1])
+            lse[rows] = seg_lse.reshape(-1, seg_lse.shape[-1])
         return out, lse
 
 
@@ -168,7 +170,8 @@ class VarlenBackend:
         self._lse_heads_first: bool | None = None
 
     def _lse_layout(self, device) -> bool:
-        """True when this torch returns lse as [heads, tokens] (2.11) rather than [tokens, heads]."""
+        """True when this torch returns lse as [heads, tokens] (2.11) rather than [tokens,
+        heads]."""
         if self._lse_heads_first is None:
             q = torch.randn(3, 2, 64, device=device, dtype=torch.bfloat16)
             cu = torch.tensor([0, 3], device=device, dtype=torch.int32)

@@ -24,7 +24,8 @@ def merge_partial(oa, lsea, ob, lseb) -> torch.Tensor:
 
 
 def prefill_attention(q, k, v, attn: AttnInputs, backend: AttentionBackend) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hkv, D] → [T, Hq, D]. Causal per segment, plus shared-prefix groups."""
+    """q: [T, Hq, D], k/v: [T, Hkv, D] → [T, Hq, D]. Causal per segment, plus shared-prefix
+    groups."""
     out, lse = backend.varlen(
         q, k, v, attn.cu_seqlens, attn.cu_seqlens, attn.max_seqlen, attn.max_seqlen, True
     )
@@ -46,8 +47,9 @@ def prefill_attention(q, k, v, attn: AttnInputs, backend: AttentionBackend) -> t
 
 
 def own_keys_attention(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query row attends to its own few keys. q: [N, Hq, D]; k, v: [N, L, Hkv, D] → ([N,Hq,D], [N,Hq])."""
-    n, hq, d = q.shape
+    """Each query row attends to its own few keys. q: [N, Hq, D]; k, v: [N, L, Hkv, D] →
+    ([N,Hq,D], [N,Hq])."""
+    _n, hq, d = q.shape
     rep = hq // k.shape[2]
     kf = k.float().repeat_interleave(rep, dim=2)  # [N, L, Hq, D]
     vf = v.float().repeat_interleave(rep, dim=2)

@@ -1,4 +1,5 @@
-"""Per-batch attention metadata, passed explicitly to the model (no global context, so export sees it).
+"""Per-batch attention metadata, passed explicitly to the model (no global context, so export sees
+it).
 
 Packed token layout (see `boundgen.text.packing`):
 
@@ -8,8 +9,8 @@ Packed token layout (see `boundgen.text.packing`):
 
 Every prefix, every suffix and every plain sequence is one causal segment of `cu_seqlens`. Suffix
 tokens of group g additionally attend, non-causally, to prefix g: one varlen call whose query
-segments are `cu_group_q` (over the shared-suffix span) and whose key segments are `cu_prefix` (over
-the prefix span). The two partial results are merged with their log-sum-exps (DESIGN §3).
+segments are `cu_group_q` (over the shared-suffix span) and whose key segments are `cu_prefix`
+(over the prefix span). The two partial results are merged with their log-sum-exps (DESIGN §3).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ def parse_labels(engine, labels: list[str]) -> list[int]:
         tokens = engine.tokenizer.encode(label)
         if len(tokens) != 1:
             raise ValueError(
-                f"label {label!r} is {len(tokens)} tokens {tokens}; give a single-token text or an id"
+                f"label {label!r} is {len(tokens)} tokens {tokens}; give a single-token text or an "
+                "id"
             )
         ids.append(tokens[0])
     return ids

@@ -109,12 +109,14 @@ def run(args) -> int:
 
     # 2. Generative retrieval: trie-constrained beam search over the catalog's semantic IDs.
     print(
-        f"\nRecommendations  engine.beam_search(prompt, beam_width=10, steps=3, trie=<{len(trie)} items>)"
+        f"\nRecommendations  engine.beam_search(prompt, beam_width=10, steps=3, trie=<{len(trie)} "
+        "items>)"
     )
     print(f'query: "{query}"')
     for item, lp in recommend(engine, trie, retrieval_prompt(query))[: args.top]:
         print(
-            f"  {math.exp(lp):6.3f}  {assets.catalog.items[item].sid_text():<22} {assets.title(item)}"
+            f"  {math.exp(lp):6.3f}  {assets.catalog.items[item].sid_text():<22} "
+            f"{assets.title(item)}"
         )
     hist = assets.eval["history"][0]["history"]
     print("user history:")
@@ -123,7 +125,8 @@ def run(args) -> int:
     print("next (history items excluded):")
     for item, lp in recommend(engine, trie, history_prompt(assets, hist), exclude=hist)[: args.top]:
         print(
-            f"  {math.exp(lp):6.3f}  {assets.catalog.items[item].sid_text():<22} {assets.title(item)}"
+            f"  {math.exp(lp):6.3f}  {assets.catalog.items[item].sid_text():<22} "
+            f"{assets.title(item)}"
         )
 
     # 3. Held-out quality, computed now through the same calls.
@@ -132,7 +135,8 @@ def run(args) -> int:
         t = time.perf_counter()
         value, n = relevance_auc(engine, assets, args.eval_groups)
         print(
-            f"  relevance AUC          {value:.3f}  ({n} query-item pairs, {time.perf_counter() - t:.1f}s)"
+            f"  relevance AUC          {value:.3f}  ({n} query-item pairs, "
+            f"{time.perf_counter() - t:.1f}s)"
         )
     if args.eval_queries > 0 or args.eval_histories > 0:
         t = time.perf_counter()

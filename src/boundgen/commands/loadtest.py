@@ -1,4 +1,5 @@
-"""`boundgen loadtest`: open-loop HTTP load against a running server (throughput, p50/p90/p99, errors)."""
+"""`boundgen loadtest`: open-loop HTTP load against a running server (throughput, p50/p90/p99,
+errors)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import argparse
 
 from boundgen.settings import add_flags, from_args
 
-HELP = "open-loop HTTP load test of a server (/v1/score, /v1/beam): p50/p90/p99, errors, max QPS at a p99 SLO"
+HELP = (
+    "open-loop HTTP load test of a server (/v1/score, /v1/beam): p50/p90/p99, errors, "
+    "max QPS at a p99 SLO"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

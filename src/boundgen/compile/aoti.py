@@ -1,15 +1,17 @@
-"""AOTInductor: export the packed forward per bucket, package it without weights, load it with shared weights.
+"""AOTInductor: export the packed forward per bucket, package it without weights, load it with
+shared weights.
 
     build_package(model, bucket, path, device)  torch.export → aoti_compile_and_package
                                                 (weights not in the .so)
     SharedWeights(model)                        FQN → the live model's tensors (one copy for
                                                 every bucket)
-    AOTIBucket.load(path, weights)              aoti_load_package + load_constants(user_managed=True)
+    AOTIBucket.load(path, weights)              aoti_load_package +
+                                                load_constants(user_managed=True)
 
 Weights stay out of the `.so` (`aot_inductor.package_constants_in_so: False`), so an artifact
-depends only on the graph (config, tensor names/shapes/dtypes, bucket, torch, device) and never on
-weight values; every loaded bucket points at the same model tensors (`user_managed=True`: no copy,
-the caller keeps them alive).
+depends only on the graph (config, tensor names/shapes/dtypes, bucket, torch, device) and never
+on weight values; every loaded bucket points at the same model tensors (`user_managed=True`: no
+copy, the caller keeps them alive).
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
 
 def export_attention(model: DecoderModel, device: torch.device) -> AttentionBackend:
-    """The attention a compiled bucket traces: `flash` (aten op, C shim) on CUDA, `masked` elsewhere.
+    """The attention a compiled bucket traces: `flash` (aten op, C shim) on CUDA, `masked`
+    elsewhere.
 
-    `BOUNDGEN_EXPORT_ATTENTION=varlen|flash|masked` overrides (the name is part of the cache key)."""
+    `BOUNDGEN_EXPORT_ATTENTION=varlen|flash|masked` overrides (the name is part of the cache
+    key)."""
     device = torch.device(device)
     choice = os.environ.get("BOUNDGEN_EXPORT_ATTENTION") or (
         "flash" if device.type == "cuda" else "masked"
@@ -93,7 +97,8 @@ class BuildInfo:
 def build_package(
     model: DecoderModel, bucket: Bucket, path: str | Path, device: torch.device | str | None = None
 ) -> BuildInfo:
-    """Export `model`'s packed forward at `bucket`'s shapes and write an AOTInductor package to `path`."""
+    """Export `model`'s packed forward at `bucket`'s shapes and write an AOTInductor package to
+    `path`."""
     device = torch.device(device or next(model.parameters()).device)
     fwd = PackedForward(model).eval()
     ex = bucket.example(device)
@@ -111,7 +116,8 @@ def build_package(
 
 
 class SharedWeights:
-    """FQN → tensor of the live model, built once; every loaded bucket is pointed at these tensors."""
+    """FQN → tensor of the live model, built once; every loaded bucket is pointed at these
+    tensors."""
 
     def __init__(self, model: DecoderModel) -> None:
         self.model = (
@@ -125,8 +131,10 @@ class SharedWeights:
         missing = [f for f in fqns if f not in self.tensors]
         if missing:
             raise RuntimeError(
-                f"compiled artifact needs constants the model does not have: {', '.join(missing[:5])}"
-                f"{' ...' if len(missing) > 5 else ''} (artifact built for another model or quantization)"
+                "compiled artifact needs constants the model does not have: "
+                f"{', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''} (artifact built for another model or "
+                "quantization)"
             )
         return {f: self.tensors[f] for f in fqns}
 

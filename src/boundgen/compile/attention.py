@@ -82,7 +82,8 @@ class FlashBackend:
         )
 
     def prepare(self, device) -> None:
-        """Probe (eagerly, before tracing) the op's keyword support and its LSE layout on this torch."""
+        """Probe (eagerly, before tracing) the op's keyword support and its LSE layout on this
+        torch."""
         if self._heads_first is not None:
             return
         q = torch.randn(3, 2, 64, device=device, dtype=torch.bfloat16)

@@ -1,9 +1,10 @@
-"""Model backends: the packed forward per shape bucket (`eager` | `compile` | `aoti`, each optionally
-`+graphs`), and the choice `"auto"` makes.
+"""Model backends: the packed forward per shape bucket (`eager` | `compile` | `aoti`, each
+optionally `+graphs`), and the choice `"auto"` makes.
 
-A backend is a `CompiledForwards`: the buckets it serves and one function per bucket (`fn(padded batch
-on the device) -> hidden [T, H]`), plus, with CUDA graphs, persistent decode buckets for beam search.
-Plain eager has none (`select_forwards` returns None): the runner then runs the model as is.
+A backend is a `CompiledForwards`: the buckets it serves and one function per bucket (`fn(padded
+batch on the device) -> hidden [T, H]`), plus, with CUDA graphs, persistent decode buckets for
+beam search. Plain eager has none (`select_forwards` returns None): the runner then runs the
+model as is.
 """
 
 from __future__ import annotations
@@ -72,10 +73,10 @@ class CompiledForwards:
     decode: DecodeGraphs | None = None  # persistent decode buckets (beam search) when graphed
 
 
-# -- backends ----------------------------------------------------------------------------------------
+# -- backends ------------------------------------------------------------------------------------
 def _eager_fns(model: DecoderModel, buckets: list[Bucket]) -> dict[Bucket, Callable]:
     fn = lambda b: model(b.input_ids, b.positions, b.attn)
-    return {b: fn for b in buckets}
+    return dict.fromkeys(buckets, fn)
 
 
 def _compile_fns(model: DecoderModel, buckets: list[Bucket], device, warmup: bool) -> dict:
@@ -96,7 +97,7 @@ def _compile_fns(model: DecoderModel, buckets: list[Bucket], device, warmup: boo
         with torch.inference_mode():
             for b in buckets:
                 fn(b.example(device))
-    return {b: fn for b in buckets}
+    return dict.fromkeys(buckets, fn)
 
 
 def aoti_slots(
@@ -131,7 +132,8 @@ def build_aoti(
     rebuild: bool = True,
     progress=None,
 ) -> list:
-    """Verified cache entries for every bucket, building the missing/stale/corrupt ones if allowed."""
+    """Verified cache entries for every bucket, building the missing/stale/corrupt ones if
+    allowed."""
     plat = platform_info(device)
     entries = []
     for bucket, slot in zip(buckets, aoti_slots(model, device, buckets, quant)):

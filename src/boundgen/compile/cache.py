@@ -63,7 +63,8 @@ def _sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """Hash of everything the compiled graph depends on: config, tensor names/shapes/dtypes, module types."""
+    """Hash of everything the compiled graph depends on: config, tensor names/shapes/dtypes,
+    module types."""
     h = hashlib.sha256()
     cfg = getattr(model, "config", None)
     if cfg is not None and dataclasses.is_dataclass(cfg):
@@ -80,7 +81,8 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 def platform_info(device: torch.device | str) -> dict[str, str]:
-    """What an artifact is only valid for: torch build, and the exact device kind it was compiled for."""
+    """What an artifact is only valid for: torch build, and the exact device kind it was compiled
+    for."""
     dev = torch.device(device)
     info = {
         "torch": torch.__version__,
@@ -204,7 +206,7 @@ class ArtifactCache:
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
             manifest = self._read_manifest()
-            manifest.setdefault("entries", {})[slot.key] = {k: v for k, v in meta.items()}
+            manifest.setdefault("entries", {})[slot.key] = dict(meta.items())
             self._write_manifest(manifest)
         return Entry(slot, d / PACKAGE, meta)
 
@@ -223,8 +225,9 @@ class ArtifactCache:
         rebuild: bool = True,
         on_event: Callable[[str, str], None] | None = None,
     ) -> Entry:
-        """The verified entry for `slot`; a missing/stale/corrupt one is rebuilt with `build(path)` (which
-        writes a package to `path` and returns build info), or refused when `rebuild` is False."""
+        """The verified entry for `slot`; a missing/stale/corrupt one is rebuilt with
+        `build(path)` (which writes a package to `path` and returns build info), or refused when
+        `rebuild` is False."""
         try:
             entry = self.lookup(slot, platform_)
             if on_event:

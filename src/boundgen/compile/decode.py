@@ -141,7 +141,8 @@ class DecodeGraphs:
             return slot
 
     def open(self, prompts: list[list[int]], width: int, steps: int) -> DecodeSession | None:
-        """Prefill `prompts` into a decode bucket's persistent KV; None when no bucket fits or it is busy."""
+        """Prefill `prompts` into a decode bucket's persistent KV; None when no bucket fits or it
+        is busy."""
         batch = pack([SequenceGroup([], prompts)], share_prefix=False)
         bucket, padded = self.buckets.pad(batch)
         if bucket is None:

@@ -1,4 +1,5 @@
-"""CUDA graphs for fixed shapes: capture once per bucket (or decode step), replay with static buffers.
+"""CUDA graphs for fixed shapes: capture once per bucket (or decode step), replay with static
+buffers.
 
 Launch cost dominates small forwards (DESIGN §11: HF eager spends 22.9 ms on one 64-token prompt,
 mostly launches). A captured graph replays every kernel with one launch. Rules that make replay
@@ -11,7 +12,8 @@ correct:
   buffers needs one graph per buffer parity, or a copy-back reorder);
 - the output is a static buffer too: it is overwritten by the next replay, so read it first (the
   caller holds `lock` across replay and read when several threads share a graph);
-- AOTInductor packages must be loaded with `run_single_threaded=True` to be capturable (DESIGN §10).
+- AOTInductor packages must be loaded with `run_single_threaded=True` to be capturable (DESIGN
+  §10).
 """
 
 from __future__ import annotations

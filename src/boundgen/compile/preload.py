@@ -1,4 +1,5 @@
-"""Guard against the AOTInductor load crash (DESIGN §10): probe in a subprocess, fix by preloading libstdc++.
+"""Guard against the AOTInductor load crash (DESIGN §10): probe in a subprocess, fix by preloading
+libstdc++.
 
 On the GPU image, `aoti_load_package` segfaults inside the package's `std::regex`
 (`parse_device_str`) unless the process started with
@@ -17,7 +18,8 @@ before anything heavy runs.
     cli_startup()             first thing in `boundgen serve`: re-exec-safe process +
                               reexec_if_needed
 
-`BOUNDGEN_AOTI_PRELOAD=off` disables the re-exec (the caller then gets `AOTIUnsafe` and falls back).
+`BOUNDGEN_AOTI_PRELOAD=off` disables the re-exec (the caller then gets `AOTIUnsafe` and falls
+back).
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def probe(
     timeout: float = PROBE_TIMEOUT_S,
     command: list[str] | None = None,
 ) -> tuple[bool, str]:
-    """Load `package` in a child process (optionally with `LD_PRELOAD=preload`) → (survived, detail)."""
+    """Load `package` in a child process (optionally with `LD_PRELOAD=preload`) → (survived,
+    detail)."""
     env = dict(os.environ)
     if preload:
         env["LD_PRELOAD"] = " ".join(p for p in [preload, env.get("LD_PRELOAD", "")] if p)
@@ -149,7 +152,8 @@ def _write_state(cache_root: Path, key: str, value: dict) -> None:
 def diagnose(
     package: str | Path, cache_root: Path | None = None, command: list[str] | None = None
 ) -> dict:
-    """{"status": "ok" | "preload" | "broken", "preload": lib?, "detail": str}; cached per platform."""
+    """{"status": "ok" | "preload" | "broken", "preload": lib?, "detail": str}; cached per
+    platform."""
     key = _platform_key()
     if cache_root is not None:
         cached = _read_state(cache_root).get(key)
@@ -174,7 +178,7 @@ def diagnose(
         for lib in libstdcxx_candidates():
             if _preloaded(lib):
                 continue
-            ok2, detail2 = probe(package, preload=lib, command=command)
+            ok2, _detail2 = probe(package, preload=lib, command=command)
             if ok2:
                 result = {
                     "status": "preload",
@@ -224,14 +228,16 @@ def ensure_loadable(
         if _reexec_allowed(allow_reexec):
             reexec_with_preload(lib)
         raise AOTIUnsafe(
-            f"loading AOTInductor packages crashes this process ({result['detail']}); start it with "
+            f"loading AOTInductor packages crashes this process ({result['detail']}); start it "
+            "with "
             f"LD_PRELOAD={lib} (the boundgen CLI does this itself)"
         )
     raise AOTIUnsafe(f"AOTInductor packages cannot be loaded here: {result['detail']}")
 
 
 def reexec_if_needed(cache_root: Path | None = None) -> None:
-    """Cheap check for CLI entry points (no probe): re-exec when a cached diagnosis asks for a preload."""
+    """Cheap check for CLI entry points (no probe): re-exec when a cached diagnosis asks for a
+    preload."""
     from boundgen.compile.cache import default_cache_dir
 
     if not sys.platform.startswith("linux") or not _reexec_allowed(True):
@@ -243,8 +249,9 @@ def reexec_if_needed(cache_root: Path | None = None) -> None:
 
 
 def cli_startup() -> None:
-    """Call first thing in a CLI entry point: this process may be re-exec'd (now, from a cached diagnosis,
-    or later, when the first AOTInductor load is probed), which a library caller's process may not."""
+    """Call first thing in a CLI entry point: this process may be re-exec'd (now, from a cached
+    diagnosis, or later, when the first AOTInductor load is probed), which a library caller's
+    process may not."""
     os.environ[_CLI_MARK] = "1"
     try:
         reexec_if_needed()

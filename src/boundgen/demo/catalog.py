@@ -421,7 +421,8 @@ def _same_category(catalog: Catalog, category: str) -> list[Item]:
 def relevance_groups(
     catalog: Catalog, seed: int, n_groups: int, items: list[Item] | None = None, candidates: int = 5
 ) -> list[dict]:
-    """Groups of {query, attrs, candidates: [{item_id, label}]}: positives, hard and easy negatives."""
+    """Groups of {query, attrs, candidates: [{item_id, label}]}: positives, hard and easy
+    negatives."""
     rng = random.Random(seed)
     pool = items or catalog.items
     groups = []
@@ -509,7 +510,8 @@ def make_splits(
     test_hist: int = 200,
 ) -> dict:
     """Train and held-out sets. Held-out queries never occur verbatim in training, and 10% of the
-    items never appear as a training query's source (they are learned through the index task only)."""
+    items never appear as a training query's source (they are learned through the index task
+    only)."""
     rng = random.Random(seed + 1)
     ids = list(range(len(catalog.items)))
     rng.shuffle(ids)

@@ -79,7 +79,8 @@ def recommend(engine, trie, prompt: str, k: int = 10, exclude=()) -> list[tuple[
 def recommend_many(
     engine, trie, prompts: list[str], k: int = 10, exclude: list | None = None, chunk: int = 64
 ):
-    """`recommend` for many prompts via `engine.beam_search_batch` (one packed prefill per chunk)."""
+    """`recommend` for many prompts via `engine.beam_search_batch` (one packed prefill per
+    chunk)."""
     exclude = exclude or [()] * len(prompts)
     width = k + max((len(e) for e in exclude), default=0)
     out = []

@@ -12,8 +12,9 @@ from boundgen.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """HF-exact RMSNorm: normalise in float32, cast back, then scale (the numerics measured against HF
-    on the H200; a fused `F.rms_norm` would save memory passes in eager bf16 but is not yet measured)."""
+    """HF-exact RMSNorm: normalise in float32, cast back, then scale (the numerics measured
+    against HF on the H200; a fused `F.rms_norm` would save memory passes in eager bf16 but is
+    not yet measured)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()

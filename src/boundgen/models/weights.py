@@ -1,6 +1,8 @@
-"""Load HF safetensors (single file or sharded index) into a `DecoderModel`, merging q/k/v and gate/up.
+"""Load HF safetensors (single file or sharded index) into a `DecoderModel`, merging q/k/v and
+gate/up.
 
-Every tensor is checked: a missing, unexpected or mis-shaped tensor raises a `ValueError` naming it.
+Every tensor is checked: a missing, unexpected or mis-shaped tensor raises a `ValueError` naming
+it.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def load_weights(model: DecoderModel, path: str | Path) -> None:
     seen: set[str] = set()
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():
+            for hf_name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 if tied and hf_name == "lm_head.weight":
                     continue  # some tied checkpoints also store the (identical) head
                 name, slot = _target(hf_name, model)
@@ -112,8 +114,8 @@ def load_weights(model: DecoderModel, path: str | Path) -> None:
 
 @torch.no_grad()
 def hf_state_dict(model: DecoderModel) -> dict[str, torch.Tensor]:
-    """The model's parameters under HF tensor names (merged q/k/v and gate/up split back), the inverse of
-    `load_weights`; a tied head is stored once, as the embedding."""
+    """The model's parameters under HF tensor names (merged q/k/v and gate/up split back), the
+    inverse of `load_weights`; a tied head is stored once, as the embedding."""
     out = {}
     for name, param in model.named_parameters():
         prefix = "" if name.split(".")[0] in ("lm_head", "score") else "model."

@@ -1,13 +1,13 @@
-"""Static DAG runtime: a business request is one pipeline of nodes run by worker threads and CUDA streams.
+"""Static DAG runtime: a business request is one pipeline of nodes run by worker threads and CUDA
+streams.
 
 ```python
 from boundgen.runtime import Executor, Pipeline, node
 
-@node(outputs="tokens")
-def tokenize(text: str) -> list[int]: ...
+@node(outputs="tokens") def tokenize(text: str) -> list[int]: ...
 
-pipe = Pipeline("demo", inputs={"text": str}, nodes=[tokenize, ...], outputs=["scores"])
-with Executor() as ex:
+pipe = Pipeline("demo", inputs={"text": str}, nodes=[tokenize, ...], outputs=["scores"]) with
+Executor() as ex:
     out = ex.run(pipe, {"text": "hi"}, timeout_ms=20)
 ```
 See docs/runtime.md.

@@ -1,14 +1,15 @@
-"""Cross-request batching: one node merges ready model inputs from concurrent requests into one call.
+"""Cross-request batching: one node merges ready model inputs from concurrent requests into one
+call.
 
-Leader/follower: a request that reaches the node while no batch is being formed or run becomes the
-leader and runs the batch on its own thread (no thread hop at low load). Requests that arrive while
-a batch runs wait; when it ends, a batcher thread leads the next batch with everything that waited
-(so batches grow with load). A leader takes everything already waiting, then waits for more up to
-`max_wait_ms` (counted from the first request's arrival, and never past what the earliest deadline
-in the batch allows) until `token_budget`. It calls `merge(list[inputs]) -> (batch, sizes)`, runs
-`fn(batch)` once (under its own CUDA stream when the executor has CUDA), and `split(output, sizes)`
-gives each request its outputs back. The token budget and max wait are the knob between throughput (large forwards, DESIGN
-§11) and latency (not waiting for them).
+Leader/follower: a request that reaches the node while no batch is being formed or run becomes
+the leader and runs the batch on its own thread (no thread hop at low load). Requests that arrive
+while a batch runs wait; when it ends, a batcher thread leads the next batch with everything that
+waited (so batches grow with load). A leader takes everything already waiting, then waits for
+more up to `max_wait_ms` (counted from the first request's arrival, and never past what the
+earliest deadline in the batch allows) until `token_budget`. It calls `merge(list[inputs]) ->
+(batch, sizes)`, runs `fn(batch)` once (under its own CUDA stream when the executor has CUDA),
+and `split(output, sizes)` gives each request its outputs back. The token budget and max wait are
+the knob between throughput (large forwards, DESIGN §11) and latency (not waiting for them).
 """
 
 from __future__ import annotations
@@ -153,8 +154,8 @@ class BatchingNode(Node):
         return tuple(part)
 
     def _lead(self) -> None:
-        """Form and run one batch; the caller holds a leader slot, released here. If requests are still
-        waiting afterwards, a batcher thread takes the slot and leads the next batch."""
+        """Form and run one batch; the caller holds a leader slot, released here. If requests are
+        still waiting afterwards, a batcher thread takes the slot and leads the next batch."""
         try:
             batch = self._take()
             if batch:
@@ -242,8 +243,10 @@ class BatchingNode(Node):
                     None,
                     DeadlineExceeded(
                         f"request {req.request_id} (pipeline {req.pipeline!r}): deadline of "
-                        f"{req.timeout_ms:g} ms cannot be met in batching node {self.name!r} (waited "
-                        f"{(start - it.arrival_ns) / 1e6:.2f} ms, batch run ~{self._run_ema_ns / 1e6:.2f} ms)",
+                        f"{req.timeout_ms:g} ms cannot be met in batching node {self.name!r} "
+                        "(waited "
+                        f"{(start - it.arrival_ns) / 1e6:.2f} ms, batch run "
+                        f"~{self._run_ema_ns / 1e6:.2f} ms)",
                         req.pipeline,
                         self.name,
                         req.request_id,

@@ -1,9 +1,10 @@
-"""Static pipelines: a DAG of nodes validated once when built, then compiled into an index-based plan.
+"""Static pipelines: a DAG of nodes validated once when built, then compiled into an index-based
+plan.
 
 Values are named: a pipeline input or a node output. Every value has exactly one producer; every
-node input reads one value. Validation (at build time, never while serving) rejects duplicate node
-names, duplicate outputs, unbound inputs, unknown names, type mismatches and cycles, naming the
-nodes and ports involved.
+node input reads one value. Validation (at build time, never while serving) rejects duplicate
+node names, duplicate outputs, unbound inputs, unknown names, type mismatches and cycles, naming
+the nodes and ports involved.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class Pipeline:
             for out, tp in n.outputs.items():
                 if out in producers:
                     raise self._err(
-                        f"duplicate output {out!r}: produced by node {n.name!r} and by {producers[out][0]}"
+                        f"duplicate output {out!r}: produced by node {n.name!r} and by "
+                        f"{producers[out][0]}"
                     )
                 producers[out] = (f"node {n.name!r}", tp, n.name)
         self._producers = producers
@@ -106,13 +108,15 @@ class Pipeline:
                 if src not in producers:
                     near = _closest(src, producers)
                     raise self._err(
-                        f"node {n.name!r} input {port!r} is unbound: no pipeline input or node output named "
+                        f"node {n.name!r} input {port!r} is unbound: no pipeline input or node "
+                        "output named "
                         f"{src!r}" + (f" (did you mean {near!r}?)" if near else "")
                     )
                 desc, produced, _ = producers[src]
                 if not types_compatible(produced, expected):
                     raise self._err(
-                        f"type mismatch: node {n.name!r} input {port!r} expects {_type_name(expected)}, "
+                        f"type mismatch: node {n.name!r} input {port!r} expects "
+                        f"{_type_name(expected)}, "
                         f"but {desc} produces {src!r} as {_type_name(produced)}"
                     )
         for ret, src in self.outputs.items():
@@ -222,10 +226,11 @@ class Pipeline:
         outputs: Iterable[str] | dict[str, str] | None = None,
         name: str | None = None,
     ) -> Pipeline:
-        """A new pipeline with `nodes` added (plain functions become CPU nodes) and, optionally, new outputs.
+        """A new pipeline with `nodes` added (plain functions become CPU nodes) and, optionally, new
+        outputs.
 
-        This is how users append business post-logic (calibration, filtering, top-n) to a built-in
-        pipeline.
+        This is how users append business post-logic (calibration, filtering, top-n) to a
+        built-in pipeline.
         """
         extra = [n if isinstance(n, Node) else node_from_function(n) for n in nodes]
         return Pipeline(
@@ -237,8 +242,8 @@ class Pipeline:
         )
 
     def with_inputs(self, defaults: dict[str, Any] | None = None, **types: Any) -> Pipeline:
-        """A new pipeline with extra pipeline inputs (e.g. a business parameter for a user node), optionally
-        with default values used when a request leaves them out."""
+        """A new pipeline with extra pipeline inputs (e.g. a business parameter for a user node),
+        optionally with default values used when a request leaves them out."""
         return Pipeline(
             self.name,
             {**self.inputs, **types},

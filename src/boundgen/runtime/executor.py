@@ -39,7 +39,8 @@ class RuntimeRequestError(RuntimeError):
 
 
 class DeadlineExceeded(RuntimeRequestError, TimeoutError):
-    """The request could not finish within its `timeout_ms`; it was dropped before starting more work."""
+    """The request could not finish within its `timeout_ms`; it was dropped before starting more
+    work."""
 
     def __init__(self, message: str, pipeline: str = "", node: str = "", request_id: int = -1):
         super().__init__(message)
@@ -47,7 +48,8 @@ class DeadlineExceeded(RuntimeRequestError, TimeoutError):
 
 
 class NodeError(RuntimeRequestError):
-    """A node raised; `node`, `pipeline`, `request_id` say where, `__cause__` is the original exception."""
+    """A node raised; `node`, `pipeline`, `request_id` say where, `__cause__` is the original
+    exception."""
 
     def __init__(self, message: str, pipeline: str = "", node: str = "", request_id: int = -1):
         super().__init__(message)
@@ -59,7 +61,8 @@ class ExecutorClosed(RuntimeRequestError):
 
 
 class NodeTime(NamedTuple):
-    """One node run of one request: time from ready to started (a free worker/stream) and running."""
+    """One node run of one request: time from ready to started (a free worker/stream) and
+    running."""
 
     node: str
     wait_ms: float
@@ -70,8 +73,9 @@ class NodeTime(NamedTuple):
 
 
 class RequestFuture(Future):
-    """The Future `Executor.submit` returns. Once it is done, `timings` lists the request's node runs in
-    completion order and `total_ms` its time in the runtime (what a server reports as `Server-Timing`)."""
+    """The Future `Executor.submit` returns. Once it is done, `timings` lists the request's node
+    runs in completion order and `total_ms` its time in the runtime (what a server reports as
+    `Server-Timing`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -84,7 +88,8 @@ class RequestFuture(Future):
 
 
 class _PipelineStats:
-    """Running per-node duration estimates and the derived rest-of-critical-path estimate per node."""
+    """Running per-node duration estimates and the derived rest-of-critical-path estimate per
+    node."""
 
     __slots__ = ("ema_ns", "finished", "pipeline", "refresh_every", "rest_ns")
 
@@ -287,10 +292,9 @@ class Executor:
         timeout_ms: float | None = None,
         unwrap: bool = False,
     ) -> RequestFuture:
-        """Start a request on the worker pool; the Future resolves to the outputs dict (the single output's
-        value with `unwrap`) or raises `DeadlineExceeded` / `NodeError` / a node's pass-through
-        error, and
-        then carries the request's node `timings`."""
+        """Start a request on the worker pool; the Future resolves to the outputs dict (the
+        single output's value with `unwrap`) or raises `DeadlineExceeded` / `NodeError` / a
+        node's pass-through error, and then carries the request's node `timings`."""
         fut = RequestFuture()
         req = self._new_request(pipeline, inputs, timeout_ms, unwrap, fut)
         if not req._done:
@@ -306,7 +310,8 @@ class Executor:
         timeout_ms: float | None = None,
         unwrap: bool = False,
     ) -> Any:
-        """Run a request, the calling thread doing the work (plus pool threads for parallel branches)."""
+        """Run a request, the calling thread doing the work (plus pool threads for parallel
+        branches)."""
         req = self._new_request(pipeline, inputs, timeout_ms, unwrap)
         if not req._done:
             home = req._home = queue.SimpleQueue()
@@ -331,7 +336,8 @@ class Executor:
                         self._fail(
                             req,
                             DeadlineExceeded(
-                                f"request {req.request_id} (pipeline {pipeline.name!r}): deadline of "
+                                f"request {req.request_id} (pipeline {pipeline.name!r}): deadline "
+                                "of "
                                 f"{req.timeout_ms:g} ms passed while waiting for node(s) "
                                 f"{', '.join(running) or '?'}",
                                 pipeline.name,
@@ -357,7 +363,8 @@ class Executor:
         }
 
     def estimate_ms(self, pipeline: Pipeline) -> float:
-        """Current estimate of the pipeline's critical path (what fail-fast compares with the deadline)."""
+        """Current estimate of the pipeline's critical path (what fail-fast compares with the
+        deadline)."""
         st = self._stats_for(pipeline)
         return max(st.rest_ns[i] for i in pipeline.sources) / 1e6
 
@@ -405,7 +412,8 @@ class Executor:
     ) -> RequestContext:
         if unwrap and len(pipeline.output_slots) != 1:
             raise ValueError(
-                f"unwrap needs a pipeline with one output; {pipeline.name!r} has {len(pipeline.outputs)}"
+                f"unwrap needs a pipeline with one output; {pipeline.name!r} has "
+                f"{len(pipeline.outputs)}"
             )
         if self._closed:
             raise ExecutorClosed("executor is closed")
@@ -427,13 +435,15 @@ class Executor:
                     values[slot] = defaults[name]
                 else:
                     raise ValueError(
-                        f"pipeline {pipeline.name!r} needs input {name!r} (inputs: {', '.join(pipeline.inputs)})"
+                        f"pipeline {pipeline.name!r} needs input {name!r} (inputs: "
+                        f"{', '.join(pipeline.inputs)})"
                     ) from None
         if len(inputs) != len(pipeline.input_slots):
             extra = sorted(set(inputs) - pipeline.inputs.keys())
             if extra:
                 raise ValueError(
-                    f"pipeline {pipeline.name!r} got unknown input(s) {', '.join(map(repr, extra))} "
+                    f"pipeline {pipeline.name!r} got unknown input(s) "
+                    f"{', '.join(map(repr, extra))} "
                     f"(inputs: {', '.join(pipeline.inputs)})"
                 )
         with self._inflight_lock:
@@ -442,7 +452,8 @@ class Executor:
             self._fail(
                 req,
                 DeadlineExceeded(
-                    f"request {req.request_id} (pipeline {pipeline.name!r}): timeout_ms={timeout_ms:g} leaves no time",
+                    f"request {req.request_id} (pipeline {pipeline.name!r}): "
+                    f"timeout_ms={timeout_ms:g} leaves no time",
                     pipeline.name,
                     "",
                     req.request_id,
@@ -465,8 +476,9 @@ class Executor:
             self._queue.put((req, i, ready_ns))
 
     def _drive(self, req: RequestContext, i: int, ready_ns: int) -> None:
-        """Run node i, then keep running ready successors on this thread; hand a successor to the pool only
-        when it is expected to take long enough (`fanout_us`) for overlap to pay for the thread hop."""
+        """Run node i, then keep running ready successors on this thread; hand a successor to the
+        pool only when it is expected to take long enough (`fanout_us`) for overlap to pay for
+        the thread hop."""
         try:
             pending = [(i, ready_ns)]
             ema = req._stats.ema_ns
@@ -536,7 +548,8 @@ class Executor:
         return self._complete(req, p)
 
     def _device_prologue(self, req: RequestContext, p: Any) -> Any:
-        """Events as edges: wait (device node) or synchronize (CPU node) on device-produced inputs."""
+        """Events as edges: wait (device node) or synchronize (CPU node) on device-produced
+        inputs."""
         producers = req._pipe.slot_producer
         events = req._events
         if p.node.kind is NodeKind.DEVICE:
@@ -637,31 +650,21 @@ class Executor:
     def _succeed(self, req: RequestContext) -> None:
         if next(req._once) != 0:
             return
+        self._settle(req, "ok", "")
         values = req._values
-        try:
-            if req._events is not None:
-                for ev in req._events:
-                    if ev is not None:
-                        ev.synchronize()
-            if req._unwrap:
-                result = values[req._pipe.output_slots[0][1]]
-            else:
-                result = {name: values[slot] for name, slot in req._pipe.output_slots}
-        finally:
-            self._end(req, "ok", "")
-        req._result = result
-        req._done = True
-        if req._future is not None:
-            req._future.set_result(result)
-        if req._home is not None:
-            req._home.put(None)
+        if req._unwrap:
+            result = values[req._pipe.output_slots[0][1]]
+        else:
+            result = {name: values[slot] for name, slot in req._pipe.output_slots}
+        self._resolve(req, result, None)
 
     def _deadline(self, req: RequestContext, p: Any, now: int) -> None:
         elapsed = (now - req.start_ns) / 1e6
         est = req._rest[p.index] / 1e6
         node = p.node.name
         msg = (
-            f"request {req.request_id} (pipeline {req.pipeline!r}): deadline of {req.timeout_ms:g} ms cannot be met "
+            f"request {req.request_id} (pipeline {req.pipeline!r}): deadline of {req.timeout_ms:g} "
+            "ms cannot be met "
             f"before node {node!r} (elapsed {elapsed:.2f} ms, estimated rest {est:.2f} ms)"
         )
         self._fail(req, DeadlineExceeded(msg, req.pipeline, node, req.request_id))
@@ -688,18 +691,28 @@ class Executor:
         req._failed = True
         if next(req._once) != 0:
             return
-        status = "deadline" if isinstance(err, DeadlineExceeded) else "error"
+        self._settle(req, "deadline" if isinstance(err, DeadlineExceeded) else "error", str(err))
+        self._resolve(req, None, err)
+
+    def _settle(self, req: RequestContext, status: str, error: str) -> None:
+        """Wait for the request's device work, then account for its end (once per request)."""
         try:
             if req._events is not None:
                 for ev in req._events:
                     if ev is not None:
                         ev.synchronize()
         finally:
-            self._end(req, status, str(err))
-        req._error = err
+            self._end(req, status, error)
+
+    def _resolve(self, req: RequestContext, result: Any, error: BaseException | None) -> None:
+        """Hand the outcome to whoever waits: the Future of `submit`, the home queue of `run`."""
+        req._result, req._error = result, error
         req._done = True
         if req._future is not None:
-            req._future.set_exception(err)
+            if error is None:
+                req._future.set_result(result)
+            else:
+                req._future.set_exception(error)
         if req._home is not None:
             req._home.put(None)
 
@@ -730,8 +743,8 @@ class Executor:
 
 
 def call_directly(pipeline: Pipeline, inputs: dict[str, Any]) -> dict[str, Any]:
-    """Run a pipeline's functions in topological order on this thread, with no executor (the baseline the
-    overhead benchmark compares against, and a debugging aid)."""
+    """Run a pipeline's functions in topological order on this thread, with no executor (the
+    baseline the overhead benchmark compares against, and a debugging aid)."""
     values: list[Any] = [None] * pipeline.num_slots
     for name, slot in pipeline.input_slots:
         values[slot] = inputs[name]

@@ -1,10 +1,11 @@
-"""Buffer pools: pinned host buffers for packing, device buffers per shape bucket, reused across requests.
+"""Buffer pools: pinned host buffers for packing, device buffers per shape bucket, reused across
+requests.
 
-Shapes come from a small set of buckets (DESIGN §1), so after warm-up every `acquire` is served from
-a free list and the allocator is never called on the hot path; `allocations` and `reuses` show it. A
-request takes buffers through its `RequestContext`, which returns them when the request ends (after
-its device work is synchronized), so a buffer is never reused while a copy or kernel may still read
-it.
+Shapes come from a small set of buckets (DESIGN §1), so after warm-up every `acquire` is served
+from a free list and the allocator is never called on the hot path; `allocations` and `reuses`
+show it. A request takes buffers through its `RequestContext`, which returns them when the
+request ends (after its device work is synchronized), so a buffer is never reused while a copy or
+kernel may still read it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ DEFAULT_BUCKETS: tuple[int, ...] = (
 
 
 def bucket_for(n: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
-    """The smallest bucket >= n (n itself beyond the largest bucket, rounded up to a multiple of it)."""
+    """The smallest bucket >= n (n itself beyond the largest bucket, rounded up to a multiple of
+    it)."""
     for b in buckets:
         if n <= b:
             return b
@@ -110,7 +112,8 @@ class BufferPool:
 
 
 class MemoryPools:
-    """The host pool (pinned when CUDA is present) and the device pool the executor hands to requests."""
+    """The host pool (pinned when CUDA is present) and the device pool the executor hands to
+    requests."""
 
     def __init__(
         self, device: str | torch.device = "cpu", buckets: Sequence[int] = DEFAULT_BUCKETS
@@ -135,7 +138,8 @@ class MemoryPools:
 
 
 class Lease:
-    """Buffers taken for one request; `release_all` returns them (called by the executor at request end)."""
+    """Buffers taken for one request; `release_all` returns them (called by the executor at
+    request end)."""
 
     __slots__ = ("_taken", "pools")
 
@@ -154,8 +158,9 @@ class Lease:
         return t
 
     def stage(self, src: torch.Tensor, bucket: bool = True) -> torch.Tensor:
-        """Copy a CPU tensor to the device through a pooled pinned buffer, into a pooled device buffer of the
-        bucketed leading size; returns the `[:len(src)]` view on the device (async on the current stream)."""
+        """Copy a CPU tensor to the device through a pooled pinned buffer, into a pooled device
+        buffer of the bucketed leading size; returns the `[:len(src)]` view on the device (async
+        on the current stream)."""
         n = src.shape[0] if src.dim() else 1
         rows = self.pools.bucket(n) if bucket else n
         shape = (rows, *src.shape[1:])

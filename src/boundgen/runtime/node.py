@@ -193,8 +193,8 @@ def node_from_function(
     bind: dict[str, str] | None = None,
     raises: tuple[type[BaseException], ...] = (),
 ) -> Node:
-    """Make a `Node` from a plain function: inputs are its parameters (types from annotations, `Any` when
-    missing), outputs default to one value named after the function with its return annotation.
+    """Make a `Node` from a plain function: inputs are its parameters (types from annotations, `Any`
+    when missing), outputs default to one value named after the function with its return annotation.
 
     ```python
     def top_n(scores: list[float], n: int) -> list[int]:

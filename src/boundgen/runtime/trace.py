@@ -62,7 +62,8 @@ class LatencyHistogram:
         return total
 
     def snapshot(self) -> dict[str, float]:
-        """count, mean_us, p50_us, p90_us, p99_us, max_us (percentiles at bucket upper bounds, capped by max)."""
+        """count, mean_us, p50_us, p90_us, p99_us, max_us (percentiles at bucket upper bounds,
+        capped by max)."""
         t = self._merged()
         n = len(_BOUNDS_US) + 1
         count = int(t[n])
@@ -72,7 +73,8 @@ class LatencyHistogram:
         return out
 
     def buckets(self) -> list[tuple[float, int]]:
-        """(upper bound in µs, count) for non-empty buckets; the last bound is +inf (Prometheus style)."""
+        """(upper bound in µs, count) for non-empty buckets; the last bound is +inf (Prometheus
+        style)."""
         t = self._merged()
         bounds = list(_BOUNDS_US) + [math.inf]
         return [(bounds[i], int(t[i])) for i in range(len(bounds)) if t[i]]
@@ -119,7 +121,8 @@ class RequestTrace:
 
 
 class Tracer:
-    """Node histograms (always on: two clock reads per node) and a ring of recent request timelines."""
+    """Node histograms (always on: two clock reads per node) and a ring of recent request
+    timelines."""
 
     def __init__(self, keep_requests: int = 0) -> None:
         self._hist: dict[tuple[str, str], LatencyHistogram] = {}
@@ -147,7 +150,8 @@ class Tracer:
         return h
 
     def histograms(self) -> dict[tuple[str, str], LatencyHistogram]:
-        """{(pipeline, node): histogram}, with node "<request>" for whole requests (e.g. for Prometheus)."""
+        """{(pipeline, node): histogram}, with node "<request>" for whole requests (e.g. for
+        Prometheus)."""
         out = dict(self._hist)
         out.update({(pipe, "<request>"): h for pipe, h in self._request_hist.items()})
         return out
@@ -187,12 +191,14 @@ class Tracer:
 
     def format_stats(self) -> str:
         rows = [
-            f"{'pipeline':<12} {'node':<20} {'count':>7} {'mean µs':>9} {'p50 µs':>9} {'p99 µs':>9} {'max µs':>9}"
+            f"{'pipeline':<12} {'node':<20} {'count':>7} {'mean µs':>9} {'p50 µs':>9} "
+            f"{'p99 µs':>9} {'max µs':>9}"
         ]
         for pipe, nodes in self.node_stats().items():
             for node, s in nodes.items():
                 rows.append(
-                    f"{pipe:<12} {node:<20} {s['count']:>7} {s['mean_us']:>9.1f} {s['p50_us']:>9.1f} "
+                    f"{pipe:<12} {node:<20} {s['count']:>7} {s['mean_us']:>9.1f} "
+                    f"{s['p50_us']:>9.1f} "
                     f"{s['p99_us']:>9.1f} {s['max_us']:>9.1f}"
                 )
         return "\n".join(rows)
@@ -213,10 +219,9 @@ class Tracer:
 
 
 def chrome_trace(traces: Iterable[RequestTrace], anchor_ns: int = 0) -> dict[str, Any]:
-    """Chrome trace-event JSON: one process per pipeline; node spans on their worker thread's track and a
-    request span (with status and error) on a per-request track, so both "where did the thread go"
-    and
-    "where did this request's 20 ms go" read off one view."""
+    """Chrome trace-event JSON: one process per pipeline; node spans on their worker thread's
+    track and a request span (with status and error) on a per-request track, so both "where did
+    the thread go" and "where did this request's 20 ms go" read off one view."""
 
     def us(ns: int) -> float:
         return (ns + anchor_ns) / 1000.0

@@ -88,10 +88,10 @@ def endpoint(
 
 
 def server_timing(app_ms: float, times: list[tuple[str, float]] | None) -> str:
-    """`Server-Timing` header value (W3C): `app` (the whole handler: parse, checks, model, response) first,
-    then what `Infer` recorded (`runtime`, and each DAG node, or `queue` + the call without the
-    runtime).
-    A client subtracts `app` from its own latency to see time spent outside the server."""
+    """`Server-Timing` header value (W3C): `app` (the whole handler: parse, checks, model,
+    response) first, then what `Infer` recorded (`runtime`, and each DAG node, or `queue` + the
+    call without the runtime). A client subtracts `app` from its own latency to see time spent
+    outside the server."""
     parts = [f"app;dur={app_ms:.3f}"]
     for name, ms in times or ():
         parts.append(f"{_TOKEN_UNSAFE.sub('_', name)};dur={ms:.3f}")

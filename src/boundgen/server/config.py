@@ -1,9 +1,9 @@
-"""Serving settings: `ServerConfig` (HTTP), `EngineConfig` (the model) and `RayServeConfig` (scale-out)
-as one `ServeSettings`, read from one config file and the flags of `boundgen serve`.
+"""Serving settings: `ServerConfig` (HTTP), `EngineConfig` (the model) and `RayServeConfig`
+(scale-out) as one `ServeSettings`, read from one config file and the flags of `boundgen serve`.
 
-A config file (YAML/TOML) holds keys of any of the three at the top level, or `server:`, `engine:` and
-`ray:` sections; a flag overrides the file. Fields with `flag=False` are config-file only (rare knobs),
-so `boundgen serve --help` stays short.
+A config file (YAML/TOML) holds keys of any of the three at the top level, or `server:`,
+`engine:` and `ray:` sections; a flag overrides the file. Fields with `flag=False` are
+config-file only (rare knobs), so `boundgen serve --help` stays short.
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ class ServerConfig:
         return self
 
     def with_default_model(self) -> tuple[Path, ServerConfig]:
-        """(checkpoint, config): `model`, or without it the shipped demo model with its catalog trie
-        served as `catalog` (`/v1/beam` with `"trie": "catalog"`), so a new user's first server gives
-        answers a person can judge."""
+        """(checkpoint, config): `model`, or without it the shipped demo model with its catalog
+        trie served as `catalog` (`/v1/beam` with `"trie": "catalog"`), so a new user's first
+        server gives answers a person can judge."""
         if self.model:
             return Path(self.model), self
         from boundgen.demo import default_model_path, default_trie_path

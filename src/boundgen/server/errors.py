@@ -1,4 +1,5 @@
-"""HTTP errors as `{"error": {"message", "type", "code"}}` (the OpenAI shape clients already parse)."""
+"""HTTP errors as `{"error": {"message", "type", "code"}}` (the OpenAI shape clients already
+parse)."""
 
 from __future__ import annotations
 

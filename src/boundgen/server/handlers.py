@@ -1,5 +1,5 @@
-"""HTTP handlers in the shapes users' clients speak: each parses its body (`schemas`), calls the shared
-core (`inputs`), and shapes the response. Nothing here blocks the event loop on the model."""
+"""HTTP handlers in the shapes users' clients speak: each parses its body (`schemas`), calls the
+shared core (`inputs`), and shapes the response. Nothing here blocks the event loop on the model."""
 
 from __future__ import annotations
 

@@ -39,8 +39,9 @@ PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 
 
 class GCPauses:
-    """Process-wide timing of every collection, per generation (one `gc.callbacks` hook however many apps
-    the process builds). `collect()` makes it a Prometheus collector: `boundgen_gc_pause_seconds`."""
+    """Process-wide timing of every collection, per generation (one `gc.callbacks` hook however
+    many apps the process builds). `collect()` makes it a Prometheus collector:
+    `boundgen_gc_pause_seconds`."""
 
     _instance: GCPauses | None = None
 

@@ -2,8 +2,9 @@
 (a bounded count of admitted requests → `Overloaded`/429), one queue (the runtime's), deadlines
 (`Timeout`/504).
 
-`await infer(kind, request, timeout_ms)` submits one business request (`kind`: a registered workload,
-`request`: its fields as a dict) to the engine's runtime and returns the pipeline's result.
+`await infer(kind, request, timeout_ms)` submits one business request (`kind`: a registered
+workload, `request`: its fields as a dict) to the engine's runtime and returns the pipeline's
+result.
 """
 
 from __future__ import annotations

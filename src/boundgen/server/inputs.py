@@ -16,7 +16,8 @@ _INLINE_TOKENIZE_CHARS = 16_384
 
 
 async def encode(state: ServerState, texts: list[str], special: bool = False) -> list[list[int]]:
-    """`special`: add the tokenizer's special tokens (as the engine does for embed/classify texts)."""
+    """`special`: add the tokenizer's special tokens (as the engine does for embed/classify
+    texts)."""
     tok = state.engine.tokenizer
 
     def run() -> list[list[int]]:

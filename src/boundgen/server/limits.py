@@ -1,4 +1,5 @@
-"""Request-size limits and body parsing: every bad request ends here as a 400/413 with a clear message."""
+"""Request-size limits and body parsing: every bad request ends here as a 400/413 with a clear
+message."""
 
 from __future__ import annotations
 

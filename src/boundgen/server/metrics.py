@@ -1,10 +1,12 @@
-"""Prometheus metrics, one `Metrics` per app (its own registry, so several apps can live in one process).
+"""Prometheus metrics, one `Metrics` per app (its own registry, so several apps can live in one
+process).
 
 Names: `boundgen_request_seconds{endpoint}`, `boundgen_requests_total{endpoint,status}`,
 `boundgen_errors_total{endpoint,type}`, `boundgen_inflight`, `boundgen_batch_tokens`,
 `boundgen_items_total{endpoint}` (items/s = rate()), `boundgen_shed_total`,
-`boundgen_device_memory_bytes{device,kind}`, the runtime's own `boundgen_runtime_node_seconds{pipeline,
-node}` (every DAG node), batching counters, and GC pauses per generation.
+`boundgen_device_memory_bytes{device,kind}`, the runtime's own
+`boundgen_runtime_node_seconds{pipeline, node}` (every DAG node), batching counters, and GC
+pauses per generation.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class _DeviceMemoryCollector:
 
 
 class _RuntimeCollector:
-    """The DAG runtime's own node histograms (`runtime.executor.tracer`) as Prometheus histograms."""
+    """The DAG runtime's own node histograms (`runtime.executor.tracer`) as Prometheus
+    histograms."""
 
     def __init__(self, runtime) -> None:
         self.runtime = runtime

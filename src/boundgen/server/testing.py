@@ -1,5 +1,5 @@
-"""Helpers for server tests and load tests: a cached tiny checkpoint, an engine whose model calls are slow,
-a free port, and a `boundgen serve` subprocess that is started and stopped cleanly."""
+"""Helpers for server tests and load tests: a cached tiny checkpoint, an engine whose model calls
+are slow, a free port, and a `boundgen serve` subprocess that is started and stopped cleanly."""
 
 from __future__ import annotations
 

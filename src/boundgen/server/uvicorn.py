@@ -1,5 +1,6 @@
-"""Run an app under uvicorn with a graceful drain: on SIGTERM/SIGINT readiness turns 503 at once, the
-listening socket closes, in-flight requests finish (up to `drain_timeout_s`), then the model pool stops."""
+"""Run an app under uvicorn with a graceful drain: on SIGTERM/SIGINT readiness turns 503 at once,
+the listening socket closes, in-flight requests finish (up to `drain_timeout_s`), then the model
+pool stops."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def serve(app: Any, config: ServerConfig) -> None:
         log_level=config.log_level,
         access_log=config.access_log,
         lifespan="on",
-        timeout_graceful_shutdown=max(1, int(round(config.drain_timeout_s))),
+        timeout_graceful_shutdown=max(1, round(config.drain_timeout_s)),
         timeout_keep_alive=30,
         backlog=max(2048, config.max_queue * 2),
     )

@@ -26,9 +26,9 @@ class BeamBounds:
 
 
 class WorkloadContext:
-    """The runner, tokenizer and input limits a pipeline works with, the model's task and EOS ids, and
-    the cross-request batching knobs (`token_budget` tokens per merged batch, `max_wait_ms` a forming
-    batch may wait, `max_batch_requests`)."""
+    """The runner, tokenizer and input limits a pipeline works with, the model's task and EOS
+    ids, and the cross-request batching knobs (`token_budget` tokens per merged batch,
+    `max_wait_ms` a forming batch may wait, `max_batch_requests`)."""
 
     def __init__(
         self,
@@ -63,8 +63,8 @@ class WorkloadContext:
 
     @functools.cached_property
     def forward(self) -> BatchingNode:
-        """The one model node score, classify and embed share: concurrent requests of any of them are
-        packed into one forward within the token budget."""
+        """The one model node score, classify and embed share: concurrent requests of any of them
+        are packed into one forward within the token budget."""
         return self.batching(
             "forward",
             Forward(self.runner),
@@ -94,7 +94,8 @@ class WorkloadContext:
 
 @dataclass(frozen=True)
 class Workload:
-    """A workload as the registry knows it: its kind, its request dataclass, its pipeline builder."""
+    """A workload as the registry knows it: its kind, its request dataclass, its pipeline
+    builder."""
 
     kind: str
     request: type

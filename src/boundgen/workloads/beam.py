@@ -67,7 +67,8 @@ def prepare_beam(
 
 
 class _Beam:
-    """The beam node: requests with the same (width, steps, trie) share one prefill + decode loop."""
+    """The beam node: requests with the same (width, steps, trie) share one prefill + decode
+    loop."""
 
     def __init__(self, context: WorkloadContext) -> None:
         self.context = context

@@ -1,5 +1,6 @@
 """Sequence classification: the score head of a `*ForSequenceClassification` checkpoint on each
-text's last token (HF pools the last non-pad token; packing has no padding, so it is the last token).
+text's last token (HF pools the last non-pad token; packing has no padding, so it is the last
+token).
 
 Pipeline: prepare (CPU: tokenize) → forward (shared batching node) → head (DEVICE: score head) →
 finish (CPU: logits, or class probabilities when asked, as lists).

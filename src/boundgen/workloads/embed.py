@@ -1,4 +1,5 @@
-"""Embeddings: last-token or mean hidden state, optionally normalised or fed to a downstream MLP head.
+"""Embeddings: last-token or mean hidden state, optionally normalised or fed to a downstream MLP
+head.
 
 Pipeline: prepare (CPU: tokenize, load the head) → forward (shared batching node, last or mean
 pooling) → mlp_head (DEVICE: normalize, optional MLP head).
@@ -7,12 +8,13 @@ An MLP head is a directory (or the JSON file in it) holding `head.json`:
     {"input_dim": H, "hidden_dims": [256], "output_dim": 1,
      "activation": "relu" | "gelu" | "silu" | "tanh", "output_activation": null | "sigmoid" |
      "tanh"}
-and `head.safetensors` with `layers.{i}.weight` / `layers.{i}.bias` (bias optional) for each linear
-layer.
+and `head.safetensors` with `layers.{i}.weight` / `layers.{i}.bias` (bias optional) for each
+linear layer.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +52,7 @@ class MLPHead(nn.Module):
         for name in (activation, output_activation):
             if name is not None and name not in ACTIVATIONS:
                 raise ValueError(f"unknown activation '{name}'; known: {', '.join(ACTIVATIONS)}")
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
         self.activation = activation
         self.output_activation = output_activation
 

@@ -52,7 +52,8 @@ def fit_length(ids: list[int], budget: int, truncate: bool, what: str) -> list[i
         return ids
     if not truncate:
         raise ValueError(
-            f"{what} has {len(ids)} tokens, over the limit of {budget}; shorten it or pass truncate=True"
+            f"{what} has {len(ids)} tokens, over the limit of {budget}; shorten it or pass "
+            "truncate=True"
         )
     return ids[: max(budget, 0)]
 
@@ -60,7 +61,8 @@ def fit_length(ids: list[int], budget: int, truncate: bool, what: str) -> list[i
 def prepare_texts(
     texts, tokenizer: Tokenizer, limits: Limits, truncate: bool
 ) -> list[SequenceGroup]:
-    """Each text (or token-id list) as its own sequence; text gets the tokenizer's special tokens."""
+    """Each text (or token-id list) as its own sequence; text gets the tokenizer's special
+    tokens."""
     check_items(texts, limits, "texts")
     seqs = []
     for i, t in enumerate(texts):

@@ -1,5 +1,6 @@
-"""The workload registry: every module of `boundgen.workloads` that defines `WORKLOAD` (a `Workload`:
-kind, request dataclass, pipeline builder) is a workload, so a new one is one new file plus its test.
+"""The workload registry: every module of `boundgen.workloads` that defines `WORKLOAD` (a
+`Workload`: kind, request dataclass, pipeline builder) is a workload, so a new one is one new file
+plus its test.
 
 Modules are imported on first use, not when the package is (mini-sglang's lazy registry).
 """

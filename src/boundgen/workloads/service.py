@@ -4,10 +4,10 @@
     rt.run("score", ScoreRequest(query, items, [yes, no]), timeout_ms=20)
     fut = rt.submit("embed", {"texts": texts}, timeout_ms=20)
 
-`submit(kind, request, timeout_ms) -> Future` and `run(...)` take the workload's request dataclass or a
-dict of its fields; extra keyword arguments are further pipeline inputs (`head=` for embed, or inputs of
-user nodes). Input validation errors raise `ValueError` unchanged; other node failures raise
-`NodeError`, deadlines `DeadlineExceeded`.
+`submit(kind, request, timeout_ms) -> Future` and `run(...)` take the workload's request
+dataclass or a dict of its fields; extra keyword arguments are further pipeline inputs (`head=`
+for embed, or inputs of user nodes). Input validation errors raise `ValueError` unchanged; other
+node failures raise `NodeError`, deadlines `DeadlineExceeded`.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class EngineRuntime:
             if not isinstance(rtype, type) or not dataclasses.is_dataclass(rtype):
                 raise ValueError(f"pipeline {kind!r} needs a request object, not a dict")
             fields = {f.name for f in dataclasses.fields(rtype)}
-            # keys that are not request fields but are pipeline inputs (e.g. embed's `head`) go there
+            # keys that are pipeline inputs rather than request fields (embed's `head`) go there
             extra = {
                 **{k: v for k, v in request.items() if k not in fields and k in pipe.inputs},
                 **extra,
