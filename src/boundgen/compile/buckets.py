@@ -28,6 +28,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from boundgen.attention.metadata import AttnInputs
@@ -116,46 +117,42 @@ class Bucket:
 
     def example(self, device: torch.device | str = "cpu") -> PackedBatch:
         """A padded batch of this exact layout (all padding): the shapes `torch.export` traces."""
-        return _build(self, _Layout(0, 0, 0, [], [], [], [0], [0]), None).to(device)
+        return _build(self, _EMPTY, None).to(device)
 
 
 @dataclass
 class _Layout:
-    """The real batch, split into its three spans (host-side ints)."""
+    """The real batch, split into its three spans (host-side)."""
 
     p: int  # real prefix tokens
     q: int  # real shared-suffix tokens
     tail: int  # real plain tokens
-    prefix_segs: list[int]
-    shared_segs: list[int]
-    tail_segs: list[int]
-    cu_prefix: list[int]
-    cu_group_q: list[int]
+    prefix_segs: np.ndarray  # int64 segment lengths of each span
+    shared_segs: np.ndarray
+    tail_segs: np.ndarray
+    cu_prefix: np.ndarray  # int32 [g+1]
+    cu_group_q: np.ndarray
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+_EMPTY = _Layout(0, 0, 0, _NONE, _NONE, _NONE, np.zeros(1, np.int32), np.zeros(1, np.int32))
 
 
 def _layout(batch: PackedBatch) -> _Layout:
     a = batch.attn
-    cu = a.cu_seqlens.tolist()
-    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    cu = a.cu_seqlens.numpy().astype(np.int64)
+    lens, starts = np.diff(cu), cu[:-1]
     p = a.num_prefix_tokens if a.has_shared_prefix else 0
     q = a.num_shared_tokens if a.has_shared_prefix else 0
-    pre, sh, tail = [], [], []
-    for start, n in zip(cu, lens):
-        (pre if start < p else sh if start < p + q else tail).append(n)
-    cu_prefix = a.cu_prefix.tolist() if a.has_shared_prefix else [0]
-    cu_group_q = a.cu_group_q.tolist() if a.has_shared_prefix else [0]
-    return _Layout(p, q, batch.num_tokens - p - q, pre, sh, tail, cu_prefix, cu_group_q)
+    i, j = np.searchsorted(starts, (p, p + q))  # segments are in span order
+    cu_prefix = a.cu_prefix.numpy() if a.has_shared_prefix else _EMPTY.cu_prefix
+    cu_group_q = a.cu_group_q.numpy() if a.has_shared_prefix else _EMPTY.cu_group_q
+    tail = batch.num_tokens - p - q
+    return _Layout(p, q, tail, lens[:i], lens[i:j], lens[j:], cu_prefix, cu_group_q)
 
 
 def _pad_segments(n: int, m: int) -> list[int]:
     return [] if n <= 0 else [m] * (n // m) + ([n % m] if n % m else [])
-
-
-def _cu(lengths: list[int]) -> torch.Tensor:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32)
 
 
 def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
@@ -163,32 +160,35 @@ def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
     P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
     pad_p, pad_q = P - lay.p, Q - lay.q
     pad_t = b.tokens - P - Q - lay.tail
-    segs = (
-        lay.prefix_segs
-        + _pad_segments(pad_p, m)
-        + lay.shared_segs
-        + _pad_segments(pad_q, m)
-        + lay.tail_segs
-        + _pad_segments(pad_t, m)
+    cu = np.zeros(b.segments + 1, dtype=np.int32)  # unused segments: zero-length at the end
+    segs = np.concatenate(
+        [
+            lay.prefix_segs,
+            _pad_segments(pad_p, m),
+            lay.shared_segs,
+            _pad_segments(pad_q, m),
+            lay.tail_segs,
+            _pad_segments(pad_t, m),
+        ]
     )
-    segs += [0] * (b.segments - len(segs))
-    ids = torch.zeros(b.tokens, dtype=torch.int64)
-    pos = torch.zeros(b.tokens, dtype=torch.int64)
-    spans = [(0, 0, lay.p), (lay.p, P, lay.q), (lay.p + lay.q, P + Q, lay.tail)]  # (src, dst, n)
+    np.cumsum(segs, out=cu[1 : len(segs) + 1])
+    cu[len(segs) + 1 :] = b.tokens
+    ids = np.zeros(b.tokens, dtype=np.int64)
+    pos = np.zeros(b.tokens, dtype=np.int64)
     if batch is not None:
-        for src, dst, n in spans:
-            ids[dst : dst + n] = batch.input_ids[src : src + n]
-            pos[dst : dst + n] = batch.positions[src : src + n]
+        src_ids, src_pos = batch.input_ids.numpy(), batch.positions.numpy()
+        spans = [(0, 0, lay.p), (lay.p, P, lay.q), (lay.p + lay.q, P + Q, lay.tail)]
+        for src, dst, n in spans:  # (from, to, tokens)
+            ids[dst : dst + n] = src_ids[src : src + n]
+            pos[dst : dst + n] = src_pos[src : src + n]
     cu_prefix = cu_group_q = None
     if b.cascade:
-        cp, cq = list(lay.cu_prefix), list(lay.cu_group_q)
         # the pad group (and any unused group) gets the pad prefix tokens as keys
-        cp += [P] * (b.groups + 1 - len(cp))
-        cq += [Q] * (b.groups + 1 - len(cq))
-        cu_prefix = torch.tensor(cp, dtype=torch.int32)
-        cu_group_q = torch.tensor(cq, dtype=torch.int32)
+        unused = b.groups + 1 - len(lay.cu_prefix)
+        cu_prefix = torch.from_numpy(np.append(lay.cu_prefix, [P] * unused).astype(np.int32))
+        cu_group_q = torch.from_numpy(np.append(lay.cu_group_q, [Q] * unused).astype(np.int32))
     attn = AttnInputs(
-        cu_seqlens=_cu(segs),
+        cu_seqlens=torch.from_numpy(cu),
         max_seqlen=m,
         cu_prefix=cu_prefix,
         cu_group_q=cu_group_q,
@@ -197,16 +197,18 @@ def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
         num_prefix_tokens=P,
         num_shared_tokens=Q,
     )
-
-    def remap(idx: torch.Tensor) -> torch.Tensor:
-        shift = torch.where(idx >= lay.p, P - lay.p, 0) + torch.where(
-            idx >= lay.p + lay.q, Q - lay.q, 0
-        )
-        return torch.where(idx >= 0, idx + shift, idx)
-
+    ids, pos = torch.from_numpy(ids), torch.from_numpy(pos)
     if batch is None:
         empty = torch.zeros(0, dtype=torch.int64)
         return PackedBatch(ids, pos, attn, empty, empty, empty, [])
+
+    def remap(idx: torch.Tensor) -> torch.Tensor:
+        if (P, Q) == (lay.p, lay.q):  # no pad before the last span: rows keep their index
+            return idx.clone()
+        idx = idx.numpy()
+        shift = (idx >= lay.p) * (P - lay.p) + (idx >= lay.p + lay.q) * (Q - lay.q)
+        return torch.from_numpy(np.where(idx >= 0, idx + shift, idx))
+
     return PackedBatch(
         ids,
         pos,
