@@ -161,16 +161,15 @@ def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
     pad_p, pad_q = P - lay.p, Q - lay.q
     pad_t = b.tokens - P - Q - lay.tail
     cu = np.zeros(b.segments + 1, dtype=np.int32)  # unused segments: zero-length at the end
-    segs = np.concatenate(
-        [
-            lay.prefix_segs,
-            _pad_segments(pad_p, m),
-            lay.shared_segs,
-            _pad_segments(pad_q, m),
-            lay.tail_segs,
-            _pad_segments(pad_t, m),
-        ]
-    )
+    segs = [
+        lay.prefix_segs,
+        _pad_segments(pad_p, m),
+        lay.shared_segs,
+        _pad_segments(pad_q, m),
+        lay.tail_segs,
+        _pad_segments(pad_t, m),
+    ]
+    segs = np.concatenate([x for x in segs if len(x)])
     np.cumsum(segs, out=cu[1 : len(segs) + 1])
     cu[len(segs) + 1 :] = b.tokens
     ids = np.zeros(b.tokens, dtype=np.int64)
@@ -178,7 +177,7 @@ def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
     if batch is not None:
         src_ids, src_pos = batch.input_ids.numpy(), batch.positions.numpy()
         spans = [(0, 0, lay.p), (lay.p, P, lay.q), (lay.p + lay.q, P + Q, lay.tail)]
-        for src, dst, n in spans:  # (from, to, tokens)
+        for src, dst, n in (span for span in spans if span[2]):  # (from, to, tokens)
             ids[dst : dst + n] = src_ids[src : src + n]
             pos[dst : dst + n] = src_pos[src : src + n]
     cu_prefix = cu_group_q = None
@@ -203,7 +202,7 @@ def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
         return PackedBatch(ids, pos, attn, empty, empty, empty, [])
 
     def remap(idx: torch.Tensor) -> torch.Tensor:
-        if (P, Q) == (lay.p, lay.q):  # no pad before the last span: rows keep their index
+        if (lay.p, lay.q) == (P, Q):  # no pad before the last span: rows keep their index
             return idx.clone()
         idx = idx.numpy()
         shift = (idx >= lay.p) * (P - lay.p) + (idx >= lay.p + lay.q) * (Q - lay.q)
