@@ -135,6 +135,13 @@ def test_shared_prefix_without_cascade_bucket_is_one_miss():
     pieces = chunk(w2, BUDGET, LADDER)
     assert [(p.groups, p.bucket) for p in pieces] == [(w2, None)]
     assert predicted_stats(pieces).misses == 1
+    # over the largest bucket too (16,256 tokens): still one eager forward within the budget
+    big = [SequenceGroup([1] * 256, [[2] * 16 for _ in range(1000)])]
+    assert [(p.groups, p.bucket) for p in chunk(big, BUDGET, LADDER)] == [(big, None)]
+    # over the budget: same-prefix parts of at most the budget each
+    pieces = chunk(big, 10000, LADDER)
+    check_pieces(big, pieces, 10000, LADDER, True)
+    assert [len(p.groups[0].suffixes) for p in pieces] == [609, 391]
 
 
 def test_huge_sequence_is_its_own_miss():

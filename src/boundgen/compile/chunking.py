@@ -42,10 +42,6 @@ class Piece:
     footprint: Footprint
     bucket: Bucket | None
 
-    @property
-    def padded_tokens(self) -> int:
-        return self.footprint.tokens if self.bucket is None else self.bucket.tokens
-
 
 def predicted_stats(pieces: list[Piece]) -> PaddingStats:
     """The padding `BucketSet.pad` will count for these pieces (a piece without bucket: a miss)."""
@@ -76,7 +72,7 @@ def chunk(
         buckets = BucketSet(buckets)
     if buckets is None or not buckets.largest:
         within = lambda fp: fp.tokens <= max_tokens
-        units = _Units(groups, share_prefix, within, max_tokens, rows=False)
+        units = _Units(groups, share_prefix, within, max_tokens, max_tokens, rows=False)
         return _cut(units, max_tokens, max_tokens, within, lambda fp: None)
     fp = sum((Footprint.of(g, share_prefix) for g in groups), Footprint())
     if fp.tokens <= max_tokens:  # the whole forward in one bucket: nothing to search
@@ -85,7 +81,7 @@ def chunk(
             return [Piece(list(groups), fp, bucket)]
     cap = min(max_tokens, buckets.largest)
     fits = lambda fp: fp.tokens <= cap and buckets.smallest(fp) is not None
-    units = _Units(groups, share_prefix, fits, cap, rows=True)
+    units = _Units(groups, share_prefix, fits, cap, max_tokens, rows=True)
     return _cut(units, cap, max_tokens, fits, buckets.smallest)
 
 
@@ -109,7 +105,9 @@ class _Units:
     any run of units is O(1) plus a max): plain rows (or whole plain groups without buckets), whole
     shared-prefix groups, or same-prefix parts of a group that does not fit whole."""
 
-    def __init__(self, groups, share_prefix: bool, fits, cap: int, rows: bool) -> None:
+    def __init__(
+        self, groups, share_prefix: bool, fits, cap: int, max_tokens: int, rows: bool
+    ) -> None:
         self.groups = groups
         self.group: list[int] = []  # input group of each unit
         self.lo: list[int] = []  # its suffixes [lo, hi)
@@ -139,7 +137,11 @@ class _Units:
                 cascade_groups += [0] * k
             else:
                 whole = Footprint.of(g, share_prefix)
-                parts = [(0, n)] if fits(whole) or n < 2 else _split(g, share_prefix, fits, cap)
+                parts = (
+                    [(0, n)]
+                    if fits(whole) or n < 2
+                    else _split(g, share_prefix, fits, cap, max_tokens)
+                )
                 fps = [_part_footprint(g, lo, hi, share_prefix) for lo, hi in parts]
                 k = len(parts)
                 self.lo += [lo for lo, _ in parts]
@@ -197,15 +199,19 @@ def _part_footprint(g: SequenceGroup, lo: int, hi: int, share_prefix: bool) -> F
     return Footprint.of(SequenceGroup(g.prefix, g.suffixes[lo:hi]), share_prefix)
 
 
-def _split(g: SequenceGroup, share_prefix: bool, fits, cap: int) -> list[tuple[int, int]]:
+def _split(
+    g: SequenceGroup, share_prefix: bool, fits, cap: int, max_tokens: int
+) -> list[tuple[int, int]]:
     """Same-prefix parts [lo, hi) of a group too big for a piece, each as many suffixes as fit (at
-    least one). When no part of two suffixes fits (their prefix would be computed once per suffix),
-    the parts are cut at `cap` tokens only: they miss every bucket, as fewer, larger forwards."""
+    least one) in `cap` tokens. When no part of two suffixes fits (their prefix would be computed
+    once per suffix), the parts are cut at the budget only: they miss every bucket, as fewer,
+    larger forwards."""
     p, n = len(g.prefix), len(g.suffixes)
     sep = not shares_prefix(g, share_prefix)  # plain rows each carry the prefix
     cum = list(accumulate((len(s) + (p if sep else 0) for s in g.suffixes), initial=0))
     if not fits(_part_footprint(g, 0, 2, share_prefix)):
-        fits = lambda fp: fp.tokens <= cap
+        cap = max_tokens
+        fits = lambda fp: fp.tokens <= max_tokens
     parts, lo = [], 0
     while lo < n:
         bound = bisect_right(cum, cap - (0 if sep else p) + cum[lo], lo=lo) - 1

@@ -171,7 +171,7 @@ def _up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def _pad_segments(fp: Footprint, spans: tuple[int, int, int], m: int) -> int:
+def _segments_padded(fp: Footprint, spans: tuple[int, int, int], m: int) -> int:
     """Segments a piece of footprint `fp` takes in a bucket of spans (P, Q, tail) and max len m."""
     p, q = (fp.prefix_tokens, fp.shared_tokens) if fp.cascade else (0, 0)
     pads = (spans[0] - p, spans[1] - q, spans[2] - (fp.tokens - p - q))
@@ -209,7 +209,7 @@ class _Shape:
 
     def bucket(self) -> Bucket:
         spans = (self.prefix, self.shared, self.tail)
-        segments = max(_pad_segments(fp, spans, self.max_seqlen) for fp, _ in self.members)
+        segments = max(_segments_padded(fp, spans, self.max_seqlen) for fp, _ in self.members)
         return Bucket(
             self.tokens, _up(segments, 8), self.max_seqlen, self.groups, self.prefix, self.shared
         )
@@ -366,7 +366,7 @@ def plan(
         longest = max(fp.max_seqlen for fps in plain.values() for fp in fps)
         for t in (t for t in sizes if min(plain) <= t <= max(plain)):
             m = _longest_segment(longest, t, align)
-            need = [_pad_segments(fp, (0, 0, t), m) for fp in plain.get(t, [])]
+            need = [_segments_padded(fp, (0, 0, t), m) for fp in plain.get(t, [])]
             buckets.append(Bucket(t, _up(max([max(4, t // 32), *need]), 8), m))
     merged = _merge(list(cascade.values()), max_cascade_buckets, max_bucket_tokens)
     buckets += [s.bucket() for s in merged]

@@ -53,7 +53,8 @@ class Footprint:
         if shares_prefix(group, share_prefix):
             nonempty = sum(1 for n in lens if n)
             return cls(p, sum(lens), 0, 1 + nonempty, 1, max(p, *lens))
-        return cls(0, 0, p * len(lens) + sum(lens), len(lens), 0, p + max(lens, default=-p))
+        longest = max((p + n for n in lens), default=0)
+        return cls(0, 0, p * len(lens) + sum(lens), len(lens), 0, longest)
 
     def __add__(self, other: Footprint) -> Footprint:
         return Footprint(
@@ -102,6 +103,7 @@ class PackedBatch:
 
     @property
     def footprint(self) -> Footprint:
+        """This batch's sizes, read from its metadata (equal to the groups' `Footprint.of` sum)."""
         a = self.attn
         p, q, g = 0, 0, 0
         if a.has_shared_prefix:
