@@ -1,12 +1,12 @@
-"""Host-side cost of preparing one forward (CPU only): `pack` before and after vectorization, the
-bucket chunker, padding into a bucket; and the padding W1/W2/W3 (DESIGN §9) get from the old cut
-(token budget, then the largest bucket) and from `compile.chunking` with the default ladder.
+"""Host-side cost of preparing one forward (CPU only): `pack` and bucket padding before and after
+vectorization, the bucket chunker; the padding W1/W2/W3 (DESIGN §9) get from the old cut (token
+budget, then the largest bucket) and from `compile.chunking`; buckets planned for varied W2 traffic.
 
     python benchmarks/bench_host.py [--before ae374ee] [--repeats 50] [--json $OUT/host.json]
 
-`--before REV`: the git revision whose `text/packing.py` is the per-token baseline (ae374ee: the
-last one before vectorization). Times are the best of `--repeats` rounds (least disturbed by other
-processes on the machine), in µs per call.
+`--before REV`: the git revision whose `text/packing.py` and `compile/buckets.py` are the baseline
+(ae374ee: the last one before vectorization). Times are the best of `--repeats` short rounds (the
+least disturbed by other processes on the machine), in µs per forward.
 """
 
 from __future__ import annotations
@@ -56,20 +56,17 @@ def varied_w2(seed: int, forwards: int) -> list:
     return traffic_entries(lines)
 
 
-def old_pack(rev: str):
-    """`pack` as of git revision `rev` (a module built from that file's text)."""
+def old_module(rev: str, name: str) -> types.ModuleType:
+    """`boundgen.<name>` as of git revision `rev` (a module built from that file's text)."""
     root = Path(__file__).resolve().parent.parent
+    path = f"src/boundgen/{name.replace('.', '/')}.py"
     source = subprocess.run(
-        ["git", "show", f"{rev}:src/boundgen/text/packing.py"],
-        cwd=root,
-        check=True,
-        capture_output=True,
-        text=True,
+        ["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True, text=True
     ).stdout
-    module = types.ModuleType(f"packing_{rev}")
+    module = types.ModuleType(f"{name}_{rev}")
     sys.modules[module.__name__] = module  # dataclasses look their module up
-    exec(compile(source, f"{rev}:packing.py", "exec"), module.__dict__)
-    return module.pack
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
+    return module
 
 
 def best_us(fn, repeats: int, round_s: float = 0.005) -> float:
@@ -119,24 +116,33 @@ def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def host_times(work, before, buckets: BucketSet, repeats: int) -> list[dict]:
+def host_times(work, rev: str, buckets: BucketSet, repeats: int) -> list[dict]:
+    """Before: `rev`'s pack and pad over the old cut's pieces; after: chunk, pack and pad."""
+    old_pack = old_module(rev, "text.packing").pack
+    old_buckets = old_module(rev, "compile.buckets")
+    old_set = old_buckets.BucketSet([old_buckets.Bucket.parse(b.name) for b in buckets])
     rows = []
     for name, groups in work.items():
         packed = [pack(p.groups) for p in chunk(groups, BUDGET, buckets)]
+        old_pieces = old_cut(groups, buckets)
         row = {
             "workload": name,
             "tokens": sum(g.num_tokens for g in groups),
-            "rows": sum(len(g.suffixes) for g in groups),
-            "before": best_us(lambda g=groups: before(g), repeats),
-            "after": best_us(lambda g=groups: pack(g), repeats),
+            "pack before": best_us(lambda g=groups: old_pack(g), repeats),
+            "pack after": best_us(lambda g=groups: pack(g), repeats),
             "chunk": best_us(lambda g=groups: chunk(g, BUDGET, buckets), repeats),
-            "pad": best_us(lambda p=packed: [buckets.pad(b) for b in p], repeats),
-            "all": best_us(
+            "pad before": best_us(lambda p=packed: [old_set.pad(b) for b in p], repeats),
+            "pad after": best_us(lambda p=packed: [buckets.pad(b) for b in p], repeats),
+            "all before": best_us(
+                lambda: [old_set.pad(old_pack(g)) for g in old_pieces],
+                repeats,
+            ),
+            "all after": best_us(
                 lambda g=groups: [buckets.pad(pack(p.groups)) for p in chunk(g, BUDGET, buckets)],
                 repeats,
             ),
         }
-        rows.append({**row, "speedup": row["before"] / row["after"]})
+        rows.append(row)
     return rows
 
 
@@ -172,11 +178,10 @@ def main() -> int:
     args = ap.parse_args()
     work = workloads()
     ladder = BucketSet([*default_buckets(8192), *parse_buckets(W2_BUCKET)])
-    timings = host_times(work, old_pack(args.before), ladder, args.repeats)
-    print(f"host time per call, µs (best of {args.repeats}; pack before = {args.before})")
-    cols = ["workload", "tokens", "rows", "before", "after", "speedup", "chunk", "pad", "all"]
-    heads = ["pack before", "pack after", "x", "chunk", "pad pieces", "chunk+pack+pad"]
-    print(table(timings, list(zip(cols, ["workload", "tokens", "rows", *heads]))))
+    timings = host_times(work, args.before, ladder, args.repeats)
+    print(f"host time per forward, µs (best of {args.repeats}; before = {args.before}: old cut,")
+    print("pack and pad; after: chunk, pack, pad; pad = every piece of the forward)")
+    print(table(timings, [(c, c) for c in timings[0]]))
 
     w1_lens = [len(s) for s in work["W1"][0].suffixes]
     profile = [
