@@ -175,6 +175,8 @@ def test_compile_plan_only_cli(tmp_path, capsys):
     assert "pieces per bucket" in capsys.readouterr().out
     for argv, message in [
         (["--plan-only"], "needs --profile or --from-traffic"),
+        (["--profile", str(profile), "--plan-only", "--max-cascade-buckets", "-1"], "≥ 0"),
+        (["--profile", str(profile), "--plan-only", "--max-bucket-tokens", "32"], "≥ align"),
         (["--profile", str(profile), "--buckets", "t64"], "not both"),
         (["--profile", str(profile)], "--model is required"),
     ]:

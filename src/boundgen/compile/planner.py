@@ -344,6 +344,8 @@ def plan(
     `max_tokens`: the engine's batch token budget; `max_bucket_tokens`: the largest bucket."""
     if max_bucket_tokens < align:
         raise ValueError(f"max_bucket_tokens ({max_bucket_tokens}) must be ≥ align ({align})")
+    if max_cascade_buckets < 0:
+        raise ValueError(f"max_cascade_buckets must be ≥ 0, got {max_cascade_buckets}")
     sizes = ladder(max_bucket_tokens)
     ideal = _Ideal(sizes, max_bucket_tokens, align)
     plain: dict[int, list[Footprint]] = {}  # ladder size → its pieces
