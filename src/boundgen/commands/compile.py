@@ -1,4 +1,5 @@
-"""boundgen compile: AOTInductor packages of the packed forward, one per shape bucket, into the cache."""
+"""boundgen compile: AOTInductor packages of the packed forward, one per shape bucket, into the
+cache; the buckets given, or planned from a profile of typical requests or logged traffic."""
 
 from __future__ import annotations
 
@@ -12,12 +13,37 @@ HELP = "export + AOTInductor-compile the model's packed forward per shape bucket
 
 
 def add_arguments(parser) -> None:
-    add_engine_args(parser)
+    add_engine_args(parser, model_required=False)
     parser.add_argument(
         "--buckets",
         default=None,
         help="comma-separated buckets, e.g. 't64,t256,t2048-s64-m256,t4096-g8-p2048-q1536' "
-        "(default: powers of two from 64 to --max-batch-tokens, see docs/compile.md)",
+        "(default: the ladder from 64 to --max-batch-tokens, see docs/compile.md)",
+    )
+    plan = parser.add_argument_group("planning buckets from traffic (instead of --buckets)")
+    plan.add_argument(
+        "--profile",
+        default=None,
+        help="JSON list of typical requests, e.g. "
+        '\'[{"kind": "score", "query_tokens": 256, "items": 100, "item_tokens": 16, '
+        '"count": 4}]\' (docs/compile.md)',
+    )
+    plan.add_argument(
+        "--from-traffic",
+        default=None,
+        help="JSON lines of forward shapes a server logged (docs/compile.md)",
+    )
+    plan.add_argument(
+        "--plan-only", action="store_true", help="print the planned buckets and padding, build none"
+    )
+    plan.add_argument(
+        "--max-bucket-tokens", type=int, default=8192, help="tokens of the largest planned bucket"
+    )
+    plan.add_argument(
+        "--max-cascade-buckets",
+        type=int,
+        default=8,
+        help="most shared-prefix buckets (the closest shapes are merged)",
     )
     parser.add_argument(
         "--cache-dir", default=None, help="artifact cache (default: $BOUNDGEN_CACHE/compiled)"
@@ -71,7 +97,8 @@ def _table(rows: list[dict]) -> str:
 
 
 def _verify(engine, entries, cache_root) -> str:
-    """Probe-load in a child process first (never crash this one), then compare each bucket with eager."""
+    """Probe-load in a child process first (never crash this one), then compare each bucket with
+    eager."""
     import torch
 
     from boundgen.compile.aoti import AOTIBucket, SharedWeights
@@ -122,7 +149,8 @@ def _verify(engine, entries, cache_root) -> str:
 
 
 def _load_eager(args):
-    """The plain model (this command builds artifacts; it must not load them through `backend=auto`)."""
+    """The plain model (this command builds artifacts; it must not load them through
+    `backend=auto`)."""
     import dataclasses
 
     from boundgen import Engine
@@ -131,6 +159,26 @@ def _load_eager(args):
 
     config = dataclasses.replace(from_args(EngineConfig, args), backend="eager")
     return Engine.from_pretrained(args.model, config=config)
+
+
+def _plan(args):
+    """The planned buckets (printed with their predicted padding), or None without a profile."""
+    from boundgen.cliargs import from_args
+    from boundgen.compile import planner
+    from boundgen.config import EngineConfig
+
+    if args.profile and args.from_traffic:
+        raise ValueError("give --profile or --from-traffic, not both")
+    if args.buckets:
+        raise ValueError("give --buckets or a profile to plan them from, not both")
+    if args.profile:
+        entries = planner.load_profile(args.profile)
+    else:
+        entries = planner.load_traffic(args.from_traffic)
+    budget = from_args(EngineConfig, args).max_batch_tokens
+    plan = planner.plan(entries, budget, args.max_bucket_tokens, args.max_cascade_buckets)
+    print(plan.report())
+    return plan.buckets
 
 
 def run(args) -> int:
@@ -142,8 +190,15 @@ def run(args) -> int:
     from boundgen.compile.buckets import parse_buckets
     from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
 
+    planned = _plan(args) if args.profile or args.from_traffic else None
+    if args.plan_only:
+        if planned is None:
+            raise ValueError("--plan-only needs --profile or --from-traffic")
+        return 0
+    if not args.model:
+        raise ValueError("--model is required to compile")
     engine = _load_eager(args)
-    buckets = parse_buckets(args.buckets, engine.engine_config.max_batch_tokens)
+    buckets = planned or parse_buckets(args.buckets, engine.engine_config.max_batch_tokens)
     cache = ArtifactCache(args.cache_dir)
     t0 = time.perf_counter()
     if args.check:
@@ -189,7 +244,7 @@ def run(args) -> int:
     else:
         for b in buckets:
             try:
-                ((_, entry, info),) = build_aoti(
+                ((_, _, info),) = build_aoti(
                     engine.model, engine.device, [b], cache, args.quant, True
                 )
             except Exception as exc:

@@ -1,38 +1,38 @@
-"""Shape buckets for compiled forwards: a fixed packed layout, the smallest that fits chosen per batch.
+"""Shape buckets for compiled forwards: fixed packed layouts; per batch, the smallest that fits.
 
 A compiled graph is specialised on every shape and on the static ints of `AttnInputs`, so a bucket
-fixes
-them all. Two kinds:
+fixes them all. Two kinds:
 
 - plain   `t{T}-s{S}-m{M}`: T tokens in S causal segments (cu_seqlens has S+1 entries), each ≤ M
   tokens.
 - cascade `t{T}-s{S}-m{M}-g{G}-p{P}-q{Q}`: the shared-prefix layout of `text.packing`: P prefix
-  tokens
-  (G groups), then Q suffix tokens that also attend to their group's prefix, then T-P-Q plain
-  tokens.
-  A batch without shared prefixes fits it too (all P + Q tokens are then padding).
+  tokens (G groups), then Q suffix tokens that also attend to their group's prefix, then T-P-Q
+  plain tokens. A batch without shared prefixes fits it too (all P + Q tokens are then padding).
 
-Padding a real batch into a bucket (`pad_batch`), in token order:
+Whether a batch fits is decided on its `Footprint` (sizes only), so a batch can be placed before
+it is packed (`compile.chunking`). Padding a real batch into a bucket (`BucketSet.pad`), in token
+order:
 
     [ real prefixes | pad | real suffixes | pad | real plain | pad | ... zero-length segments ]
 
 Pad tokens (id 0, position 0) form their own causal segments (≤ M each), so they never touch a real
 token. In a cascade bucket the pad suffix tokens form one extra group whose keys are the pad prefix
 tokens, so every row stays finite on every backend. Real rows keep their values exactly;
-`last_index`
-and `seq_start` are remapped, so the padded batch is a valid `PackedBatch` of its own.
+`last_index` and `seq_start` are remapped, so the padded batch is a valid `PackedBatch` of its own.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from boundgen.attention.metadata import AttnInputs
-from boundgen.text.packing import PackedBatch
+from boundgen.text.packing import Footprint, PackedBatch
 
 _PART = re.compile(r"([tsmgpq])(\d+)")
 
@@ -76,9 +76,10 @@ class Bucket:
 
     @classmethod
     def parse(cls, spec: str) -> Bucket:
-        """`t256` (defaults: s = max(4, t/32), m = min(t, 512)), `t2048-s64-m256`, `t2048-g4-p512-q1536`."""
+        """`t256` (defaults: s = max(4, t/32), m = min(t, 512)), `t2048-s64-m256`,
+        `t2048-g4-p512-q1536`."""
         spec = spec.strip()
-        parts = dict((k, int(v)) for k, v in _PART.findall(spec))
+        parts = {k: int(v) for k, v in _PART.findall(spec)}
         if not parts or _PART.sub("", spec).strip("-") or "t" not in parts:
             raise ValueError(
                 f"bad bucket spec '{spec}': use t<T>[-s<S>][-m<M>][-g<G>-p<P>-q<Q>], e.g. t256"
@@ -93,74 +94,65 @@ class Bucket:
             shared_tokens=parts.get("q", 0),
         )
 
+    def fits(self, fp: Footprint) -> bool:
+        """Whether a packed batch of footprint `fp` pads into this bucket (`PackedBatch.footprint`,
+        or `Footprint.of` summed over groups before packing)."""
+        m = self.max_seqlen
+        if fp.max_seqlen > m:
+            return False
+        p, q, g = (fp.prefix_tokens, fp.shared_tokens, fp.groups) if fp.cascade else (0, 0, 0)
+        tail = fp.tokens - p - q
+        if not self.cascade:
+            pad = self.tokens - tail
+            return not (p or q) and pad >= 0 and fp.segments + math.ceil(pad / m) <= self.segments
+        pad_p = self.prefix_tokens - p
+        pad_q = self.shared_tokens - q
+        pad_t = self.tokens - self.prefix_tokens - self.shared_tokens - tail
+        if min(pad_p, pad_q, pad_t) < 0 or g > self.groups:
+            return False
+        if pad_q and (not pad_p or g + 1 > self.groups):  # pad suffix rows need a pad group's keys
+            return False
+        pad_segments = sum(math.ceil(x / m) for x in (pad_p, pad_q, pad_t))
+        return fp.segments + pad_segments <= self.segments
+
     def example(self, device: torch.device | str = "cpu") -> PackedBatch:
-        """A padded batch of this exact layout (all padding): the shapes `torch.export` traces with."""
-        return _build(self, _Layout(0, 0, 0, [], [], [], [0], [0]), None).to(device)
+        """A padded batch of this exact layout (all padding): the shapes `torch.export` traces."""
+        return _build(self, _EMPTY, None).to(device)
 
 
 @dataclass
 class _Layout:
-    """The real batch, split into its three spans (host-side ints)."""
+    """The real batch, split into its three spans (host-side)."""
 
     p: int  # real prefix tokens
     q: int  # real shared-suffix tokens
     tail: int  # real plain tokens
-    prefix_segs: list[int]
-    shared_segs: list[int]
-    tail_segs: list[int]
-    cu_prefix: list[int]
-    cu_group_q: list[int]
+    prefix_segs: np.ndarray  # int64 segment lengths of each span
+    shared_segs: np.ndarray
+    tail_segs: np.ndarray
+    cu_prefix: np.ndarray  # int32 [g+1]
+    cu_group_q: np.ndarray
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+_EMPTY = _Layout(0, 0, 0, _NONE, _NONE, _NONE, np.zeros(1, np.int32), np.zeros(1, np.int32))
 
 
 def _layout(batch: PackedBatch) -> _Layout:
     a = batch.attn
-    cu = a.cu_seqlens.tolist()
-    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    cu = a.cu_seqlens.numpy().astype(np.int64)
+    lens, starts = np.diff(cu), cu[:-1]
     p = a.num_prefix_tokens if a.has_shared_prefix else 0
     q = a.num_shared_tokens if a.has_shared_prefix else 0
-    pre, sh, tail = [], [], []
-    for start, n in zip(cu, lens):
-        (pre if start < p else sh if start < p + q else tail).append(n)
-    cu_prefix = a.cu_prefix.tolist() if a.has_shared_prefix else [0]
-    cu_group_q = a.cu_group_q.tolist() if a.has_shared_prefix else [0]
-    return _Layout(p, q, batch.num_tokens - p - q, pre, sh, tail, cu_prefix, cu_group_q)
+    i, j = np.searchsorted(starts, (p, p + q))  # segments are in span order
+    cu_prefix = a.cu_prefix.numpy() if a.has_shared_prefix else _EMPTY.cu_prefix
+    cu_group_q = a.cu_group_q.numpy() if a.has_shared_prefix else _EMPTY.cu_group_q
+    tail = batch.num_tokens - p - q
+    return _Layout(p, q, tail, lens[:i], lens[i:j], lens[j:], cu_prefix, cu_group_q)
 
 
 def _pad_segments(n: int, m: int) -> list[int]:
     return [] if n <= 0 else [m] * (n // m) + ([n % m] if n % m else [])
-
-
-def _fits(b: Bucket, lay: _Layout, max_seqlen: int) -> bool:
-    if max_seqlen > b.max_seqlen:
-        return False
-    m = b.max_seqlen
-    if not b.cascade:
-        if lay.p or lay.q:
-            return False
-        pad = b.tokens - lay.tail
-        return pad >= 0 and len(lay.tail_segs) + math.ceil(pad / m) <= b.segments
-    g = len(lay.cu_prefix) - 1
-    pad_p, pad_q, pad_t = (
-        b.prefix_tokens - lay.p,
-        b.shared_tokens - lay.q,
-        b.tokens - b.prefix_tokens - b.shared_tokens - lay.tail,
-    )
-    if min(pad_p, pad_q, pad_t) < 0:
-        return False
-    if pad_q and (not pad_p or g + 1 > b.groups):  # pad suffix rows need a pad group with pad keys
-        return False
-    if g > b.groups:
-        return False
-    nseg = len(lay.prefix_segs) + len(lay.shared_segs) + len(lay.tail_segs)
-    nseg += sum(math.ceil(x / m) for x in (pad_p, pad_q, pad_t))
-    return nseg <= b.segments
-
-
-def _cu(lengths: list[int]) -> torch.Tensor:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32)
 
 
 def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
@@ -168,32 +160,34 @@ def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
     P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
     pad_p, pad_q = P - lay.p, Q - lay.q
     pad_t = b.tokens - P - Q - lay.tail
-    segs = (
-        lay.prefix_segs
-        + _pad_segments(pad_p, m)
-        + lay.shared_segs
-        + _pad_segments(pad_q, m)
-        + lay.tail_segs
-        + _pad_segments(pad_t, m)
-    )
-    segs += [0] * (b.segments - len(segs))
-    ids = torch.zeros(b.tokens, dtype=torch.int64)
-    pos = torch.zeros(b.tokens, dtype=torch.int64)
-    spans = [(0, 0, lay.p), (lay.p, P, lay.q), (lay.p + lay.q, P + Q, lay.tail)]  # (src, dst, n)
+    cu = np.zeros(b.segments + 1, dtype=np.int32)  # unused segments: zero-length at the end
+    segs = [
+        lay.prefix_segs,
+        _pad_segments(pad_p, m),
+        lay.shared_segs,
+        _pad_segments(pad_q, m),
+        lay.tail_segs,
+        _pad_segments(pad_t, m),
+    ]
+    segs = np.concatenate([x for x in segs if len(x)])
+    np.cumsum(segs, out=cu[1 : len(segs) + 1])
+    cu[len(segs) + 1 :] = b.tokens
+    ids = np.zeros(b.tokens, dtype=np.int64)
+    pos = np.zeros(b.tokens, dtype=np.int64)
     if batch is not None:
-        for src, dst, n in spans:
-            ids[dst : dst + n] = batch.input_ids[src : src + n]
-            pos[dst : dst + n] = batch.positions[src : src + n]
+        src_ids, src_pos = batch.input_ids.numpy(), batch.positions.numpy()
+        spans = [(0, 0, lay.p), (lay.p, P, lay.q), (lay.p + lay.q, P + Q, lay.tail)]
+        for src, dst, n in (span for span in spans if span[2]):  # (from, to, tokens)
+            ids[dst : dst + n] = src_ids[src : src + n]
+            pos[dst : dst + n] = src_pos[src : src + n]
     cu_prefix = cu_group_q = None
     if b.cascade:
-        cp, cq = list(lay.cu_prefix), list(lay.cu_group_q)
         # the pad group (and any unused group) gets the pad prefix tokens as keys
-        cp += [P] * (b.groups + 1 - len(cp))
-        cq += [Q] * (b.groups + 1 - len(cq))
-        cu_prefix = torch.tensor(cp, dtype=torch.int32)
-        cu_group_q = torch.tensor(cq, dtype=torch.int32)
+        unused = b.groups + 1 - len(lay.cu_prefix)
+        cu_prefix = torch.from_numpy(np.append(lay.cu_prefix, [P] * unused).astype(np.int32))
+        cu_group_q = torch.from_numpy(np.append(lay.cu_group_q, [Q] * unused).astype(np.int32))
     attn = AttnInputs(
-        cu_seqlens=_cu(segs),
+        cu_seqlens=torch.from_numpy(cu),
         max_seqlen=m,
         cu_prefix=cu_prefix,
         cu_group_q=cu_group_q,
@@ -202,16 +196,18 @@ def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
         num_prefix_tokens=P,
         num_shared_tokens=Q,
     )
-
-    def remap(idx: torch.Tensor) -> torch.Tensor:
-        shift = torch.where(idx >= lay.p, P - lay.p, 0) + torch.where(
-            idx >= lay.p + lay.q, Q - lay.q, 0
-        )
-        return torch.where(idx >= 0, idx + shift, idx)
-
+    ids, pos = torch.from_numpy(ids), torch.from_numpy(pos)
     if batch is None:
         empty = torch.zeros(0, dtype=torch.int64)
         return PackedBatch(ids, pos, attn, empty, empty, empty, [])
+
+    def remap(idx: torch.Tensor) -> torch.Tensor:
+        if (lay.p, lay.q) == (P, Q):  # no pad before the last span: rows keep their index
+            return idx.clone()
+        idx = idx.numpy()
+        shift = (idx >= lay.p) * (P - lay.p) + (idx >= lay.p + lay.q) * (Q - lay.q)
+        return torch.from_numpy(np.where(idx >= 0, idx + shift, idx))
+
     return PackedBatch(
         ids,
         pos,
@@ -253,6 +249,7 @@ class BucketSet:
         self.buckets = sorted(
             set(buckets), key=lambda b: (b.tokens, b.segments, b.max_seqlen, b.groups)
         )
+        self._tokens = [b.tokens for b in self.buckets]
         self.stats = PaddingStats()
 
     def __iter__(self):
@@ -261,31 +258,48 @@ class BucketSet:
     def __len__(self) -> int:
         return len(self.buckets)
 
+    @property
+    def largest(self) -> int:
+        """Most tokens any bucket takes (0 for an empty set)."""
+        return self._tokens[-1] if self.buckets else 0
+
+    def smallest(self, fp: Footprint) -> Bucket | None:
+        """The first bucket (tokens, then segments) that a batch of footprint `fp` fits, or None."""
+        first = bisect.bisect_left(self._tokens, fp.tokens)
+        return next((b for b in self.buckets[first:] if b.fits(fp)), None)
+
     def choose(self, batch: PackedBatch) -> Bucket | None:
-        lay = _layout(batch)
-        return next((b for b in self.buckets if _fits(b, lay, batch.attn.max_seqlen)), None)
+        return self.smallest(batch.footprint)
 
     def pad(self, batch: PackedBatch) -> tuple[Bucket | None, PackedBatch]:
-        """(bucket, padded CPU batch), or (None, batch) when no bucket fits (the caller runs eager)."""
-        lay = _layout(batch)
-        bucket = next((b for b in self.buckets if _fits(b, lay, batch.attn.max_seqlen)), None)
+        """(bucket, padded CPU batch), or (None, batch) when no bucket fits (caller runs eager)."""
+        bucket = self.smallest(batch.footprint)
         if bucket is None:
             self.stats.misses += 1
             return None, batch
         self.stats.real_tokens += batch.num_tokens
         self.stats.padded_tokens += bucket.tokens
         self.stats.batches[bucket.name] = self.stats.batches.get(bucket.name, 0) + 1
-        return bucket, _build(bucket, lay, batch)
+        return bucket, _build(bucket, _layout(batch), batch)
+
+
+def ladder(max_batch_tokens: int = 8192, smallest: int = 64) -> list[int]:
+    """Bucket sizes: powers of two from `smallest` to 1024, then 1.5x rungs (1536, 2048, 3072,
+    4096, 6144, ...), and `max_batch_tokens` itself. A forward's GPU time has a floor (64 tokens:
+    1.0 ms, 8,192 tokens: ~14 ms on the H200, DESIGN §12), so padding a small bucket costs little;
+    in large ones it costs its share, and the half-rungs halve a remainder's padding there."""
+    out, t = [], smallest
+    while t < max_batch_tokens:
+        out.append(t)
+        if t >= 1024 and t * 3 // 2 < max_batch_tokens:
+            out.append(t * 3 // 2)
+        t *= 2
+    return out + [max_batch_tokens]
 
 
 def default_buckets(max_batch_tokens: int = 8192, smallest: int = 64) -> list[Bucket]:
-    """Plain buckets at powers of two from `smallest` to `max_batch_tokens` (≤ 2x padding)."""
-    out, t = [], smallest
-    while t < max_batch_tokens:
-        out.append(Bucket.parse(f"t{t}"))
-        t *= 2
-    out.append(Bucket.parse(f"t{max_batch_tokens}"))
-    return out
+    """Plain buckets at the `ladder` sizes (`t{T}`: T/32 segments of ≤ 512 tokens)."""
+    return [Bucket.parse(f"t{t}") for t in ladder(max_batch_tokens, smallest)]
 
 
 def parse_buckets(specs: str | list[str] | None, max_batch_tokens: int = 8192) -> list[Bucket]:

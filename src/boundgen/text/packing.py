@@ -1,16 +1,20 @@
-"""Pack token sequences into one padding-free batch (the one thing passed from packing to the model).
+"""Pack token sequences into one padding-free batch (the one thing passed from packing to model).
 
 A `SequenceGroup` is a prefix shared by several suffixes (query + candidates). Groups with a prefix
-and
-at least two suffixes are laid out for cascade attention: the prefix is computed once and the
-suffixes
-attend to it (see `boundgen.attention.metadata`). Everything else is a plain causal sequence.
+and at least two suffixes are laid out for cascade attention: the prefix is computed once and the
+suffixes attend to it (see `boundgen.attention.metadata`). Everything else is a plain causal
+sequence. `Footprint` gives the sizes of that layout without packing (what chooses a bucket).
+
+Packing works on lengths with numpy, one vector op per field: Python touches each sequence once
+(its length), never each token; the tokens themselves go through one `np.fromiter`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 
 from boundgen.attention.metadata import AttnInputs
@@ -24,6 +28,59 @@ class SequenceGroup:
     @property
     def num_tokens(self) -> int:
         return len(self.prefix) + sum(len(s) for s in self.suffixes)
+
+
+def shares_prefix(group: SequenceGroup, share_prefix: bool = True) -> bool:
+    """Whether `pack` lays `group` out for cascade attention (a prefix, at least two suffixes)."""
+    return share_prefix and bool(group.prefix) and len(group.suffixes) >= 2
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """Sizes of the layout `pack` gives some groups, known without packing them. Footprints add up:
+    consecutive groups packed together have the sum of their footprints (`max_seqlen`: the max)."""
+
+    prefix_tokens: int = 0  # prefixes of shared-prefix groups
+    shared_tokens: int = 0  # their suffixes
+    plain_tokens: int = 0
+    segments: int = 0  # causal segments (cu_seqlens has segments + 1 entries)
+    groups: int = 0  # shared-prefix groups
+    max_seqlen: int = 0
+
+    @classmethod
+    def of(cls, group: SequenceGroup, share_prefix: bool = True) -> Footprint:
+        p, lens = len(group.prefix), [len(s) for s in group.suffixes]
+        if shares_prefix(group, share_prefix):
+            nonempty = sum(1 for n in lens if n)
+            return cls(p, sum(lens), 0, 1 + nonempty, 1, max(p, *lens))
+        longest = max((p + n for n in lens), default=0)
+        return cls(0, 0, p * len(lens) + sum(lens), len(lens), 0, longest)
+
+    def __add__(self, other: Footprint) -> Footprint:
+        return Footprint(
+            self.prefix_tokens + other.prefix_tokens,
+            self.shared_tokens + other.shared_tokens,
+            self.plain_tokens + other.plain_tokens,
+            self.segments + other.segments,
+            self.groups + other.groups,
+            max(self.max_seqlen, other.max_seqlen),
+        )
+
+    @property
+    def tokens(self) -> int:
+        return self.prefix_tokens + self.shared_tokens + self.plain_tokens
+
+    @property
+    def cascade(self) -> bool:
+        """Whether the packed batch carries cascade metadata: `pack` drops it when every shared
+        suffix is empty, and the prefixes are then plain causal segments."""
+        return self.shared_tokens > 0
+
+    def as_packed(self) -> Footprint:
+        """These sizes as `PackedBatch.footprint` reads them (without cascade: prefixes plain)."""
+        if self.cascade or not self.groups:
+            return self
+        return Footprint(0, 0, self.tokens, self.segments, 0, self.max_seqlen)
 
 
 @dataclass
@@ -44,6 +101,16 @@ class PackedBatch:
     def num_rows(self) -> int:
         return int(self.last_index.shape[0])
 
+    @property
+    def footprint(self) -> Footprint:
+        """This batch's sizes, read from its metadata (equal to the groups' `Footprint.of` sum)."""
+        a = self.attn
+        p, q, g = 0, 0, 0
+        if a.has_shared_prefix:
+            p, q, g = a.num_prefix_tokens, a.num_shared_tokens, int(a.cu_prefix.shape[0]) - 1
+        segments = int(a.cu_seqlens.shape[0]) - 1
+        return Footprint(p, q, self.num_tokens - p - q, segments, g, a.max_seqlen)
+
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
         mv = lambda t: t.to(device, non_blocking=non_blocking)
         return PackedBatch(
@@ -57,70 +124,98 @@ class PackedBatch:
         )
 
 
-def _cu(lengths: list[int]) -> torch.Tensor:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32)
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """[0, l0, l0+l1, ...] (int64 [n+1])."""
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _int32(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a.astype(np.int32))
 
 
 def pack(groups: list[SequenceGroup], share_prefix: bool = True) -> PackedBatch:
-    shared = [g for g in groups if share_prefix and g.prefix and len(g.suffixes) >= 2]
-    shared_ids = {id(g) for g in shared}
-    ids: list[int] = []
-    pos: list[int] = []
-    segments: list[int] = []
-    prefix_start: dict[int, int] = {}
+    """Token layout: [ shared prefixes | their non-empty suffixes | plain sequences ], each
+    prefix, suffix and plain sequence (prefix + suffix of a group without sharing) one causal
+    segment; output rows (one per suffix) stay in input order."""
+    shared_mask = [shares_prefix(g, share_prefix) for g in groups]
+    shared = [g for g, s in zip(groups, shared_mask) if s]
+    plain = [g for g, s in zip(groups, shared_mask) if not s]
+    prefix_lens = [len(g.prefix) for g in shared]  # [G]
+    suffix_lens = [len(s) for g in shared for s in g.suffixes]  # one per shared row
+    plain_lens = [len(g.prefix) + len(s) for g in plain for s in g.suffixes]  # one per plain row
+    if 0 in plain_lens:
+        raise ValueError("cannot pack an empty sequence (prefix and suffix both empty)")
+    shared_segs = [n for n in suffix_lens if n]
+    seg_len = np.array(prefix_lens + shared_segs + plain_lens, dtype=np.int64)
+    if not len(seg_len):
+        raise ValueError("cannot pack a batch without sequences")
+    cu = _offsets(seg_len)
+    total = int(cu[-1])
+    # position of every token = its row minus the row where its segment's positions would start
+    # (a shared suffix continues after its group's prefix)
+    pos0_row = cu[:-1]
+    if shared_segs:
+        first, n = len(shared), len(shared_segs)
+        nonempty = [sum(1 for s in g.suffixes if s) for g in shared]
+        pos0_row = pos0_row.copy()
+        pos0_row[first : first + n] -= np.repeat(seg_len[:first], nonempty)
+    positions = np.arange(total, dtype=np.int64) - np.repeat(pos0_row, seg_len)
+
+    parts: list[list[int]] = [g.prefix for g in shared]
     for g in shared:
-        prefix_start[id(g)] = len(ids)
-        ids += g.prefix
-        pos += range(len(g.prefix))
-        segments.append(len(g.prefix))
-    num_prefix = len(ids)
-    group_q: list[int] = []
-    row_of: dict[tuple[int, int], tuple[int, int, int]] = {}  # (group, suffix) → (last, start, len)
-    for g in shared:
-        p, start_tokens = len(g.prefix), len(ids)
-        for j, s in enumerate(g.suffixes):
-            if s:
-                ids += s
-                pos += range(p, p + len(s))
-                segments.append(len(s))
-                row_of[id(g), j] = (len(ids) - 1, -1, p + len(s))
-            else:  # an empty suffix scores the prefix's own last token
-                row_of[id(g), j] = (prefix_start[id(g)] + p - 1, -1, p)
-        group_q.append(len(ids) - start_tokens)
-    num_shared = len(ids) - num_prefix
-    for g in groups:
-        if id(g) in shared_ids:
-            continue
-        for j, s in enumerate(g.suffixes):
-            seq = g.prefix + s
-            if not seq:
-                raise ValueError("cannot pack an empty sequence (prefix and suffix both empty)")
-            start = len(ids)
-            ids += seq
-            pos += range(len(seq))
-            segments.append(len(seq))
-            row_of[id(g), j] = (len(ids) - 1, start, len(seq))
-    rows = [row_of[id(g), j] for g in groups for j in range(len(g.suffixes))]
-    prefix_lens = [len(g.prefix) for g in shared]
+        parts += g.suffixes
+    for g in plain:
+        parts += [x for s in g.suffixes for x in (g.prefix, s)] if g.prefix else g.suffixes
+    input_ids = np.fromiter(chain.from_iterable(parts), np.int64, total)
+
+    # output rows: plain ones are the last segments; shared ones end at their suffix (an empty
+    # suffix scores its prefix's last token)
+    n_plain = len(plain_lens)
+    plain_len = seg_len[len(seg_len) - n_plain :]
+    plain_end = cu[len(cu) - n_plain :]
+    last, start, length = plain_end - 1, plain_end - plain_len, plain_len
+    num_prefix = sum(prefix_lens)
+    group_q = [sum(map(len, g.suffixes)) for g in shared]  # [G]
+    if shared:
+        counts = [len(g.suffixes) for g in shared]
+        s_len = np.array(suffix_lens, dtype=np.int64)
+        prefix_end = np.repeat(cu[1 : len(shared) + 1], counts)
+        s_end = np.where(s_len > 0, num_prefix + np.cumsum(s_len), prefix_end)
+        s_rows = (
+            s_end - 1,
+            np.full(len(s_len), -1, dtype=np.int64),
+            s_len + np.repeat(seg_len[: len(shared)], counts),
+        )
+        if not n_plain:
+            last, start, length = s_rows
+        else:  # interleave both kinds back into input order
+            row_shared = np.repeat(np.array(shared_mask), [len(g.suffixes) for g in groups])
+            merged = []
+            for s_arr, p_arr in zip(s_rows, (last, start, length)):
+                out = np.empty(len(row_shared), dtype=np.int64)
+                out[row_shared], out[~row_shared] = s_arr, p_arr
+                merged.append(out)
+            last, start, length = merged
+
+    cascade = bool(shared_segs)
     attn = AttnInputs(
-        cu_seqlens=_cu(segments),
-        max_seqlen=max(segments),
-        cu_prefix=_cu(prefix_lens) if shared and num_shared else None,
-        cu_group_q=_cu(group_q) if shared and num_shared else None,
+        cu_seqlens=_int32(cu),
+        max_seqlen=int(seg_len.max()),
+        cu_prefix=_int32(_offsets(np.array(prefix_lens))) if cascade else None,
+        cu_group_q=_int32(_offsets(np.array(group_q))) if cascade else None,
         max_prefix=max(prefix_lens, default=0),
         max_group_q=max(group_q, default=0),
         num_prefix_tokens=num_prefix,
-        num_shared_tokens=num_shared,
+        num_shared_tokens=sum(group_q),
     )
     return PackedBatch(
-        input_ids=torch.tensor(ids, dtype=torch.int64),
-        positions=torch.tensor(pos, dtype=torch.int64),
+        input_ids=torch.from_numpy(input_ids),
+        positions=torch.from_numpy(positions),
         attn=attn,
-        last_index=torch.tensor([r[0] for r in rows], dtype=torch.int64),
-        seq_start=torch.tensor([r[1] for r in rows], dtype=torch.int64),
-        seq_len=torch.tensor([r[2] for r in rows], dtype=torch.int64),
+        last_index=torch.from_numpy(last),
+        seq_start=torch.from_numpy(start),
+        seq_len=torch.from_numpy(length),
         rows_per_group=[len(g.suffixes) for g in groups],
     )

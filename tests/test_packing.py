@@ -1,0 +1,144 @@
+"""Packing: the vectorized `pack` equals the per-token implementation it replaced (the oracle
+below), and `Footprint` predicts the packed layout's sizes without packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from boundgen.attention.metadata import AttnInputs
+from boundgen.text.packing import Footprint, PackedBatch, SequenceGroup, pack
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def reference_pack(groups: list[SequenceGroup], share_prefix: bool = True) -> PackedBatch:
+    """`pack` as it was before vectorization (one Python step per token): the oracle."""
+    shared = [g for g in groups if share_prefix and g.prefix and len(g.suffixes) >= 2]
+    shared_ids = {id(g) for g in shared}
+    ids: list[int] = []
+    pos: list[int] = []
+    segments: list[int] = []
+    prefix_start: dict[int, int] = {}
+    for g in shared:
+        prefix_start[id(g)] = len(ids)
+        ids += g.prefix
+        pos += range(len(g.prefix))
+        segments.append(len(g.prefix))
+    num_prefix = len(ids)
+    group_q: list[int] = []
+    row_of: dict[tuple[int, int], tuple[int, int, int]] = {}
+    for g in shared:
+        p, start_tokens = len(g.prefix), len(ids)
+        for j, s in enumerate(g.suffixes):
+            if s:
+                ids += s
+                pos += range(p, p + len(s))
+                segments.append(len(s))
+                row_of[id(g), j] = (len(ids) - 1, -1, p + len(s))
+            else:
+                row_of[id(g), j] = (prefix_start[id(g)] + p - 1, -1, p)
+        group_q.append(len(ids) - start_tokens)
+    num_shared = len(ids) - num_prefix
+    for g in groups:
+        if id(g) in shared_ids:
+            continue
+        for j, s in enumerate(g.suffixes):
+            seq = g.prefix + s
+            if not seq:
+                raise ValueError("cannot pack an empty sequence (prefix and suffix both empty)")
+            start = len(ids)
+            ids += seq
+            pos += range(len(seq))
+            segments.append(len(seq))
+            row_of[id(g), j] = (len(ids) - 1, start, len(seq))
+    rows = [row_of[id(g), j] for g in groups for j in range(len(g.suffixes))]
+    prefix_lens = [len(g.prefix) for g in shared]
+    attn = AttnInputs(
+        cu_seqlens=_cu(segments),
+        max_seqlen=max(segments),
+        cu_prefix=_cu(prefix_lens) if shared and num_shared else None,
+        cu_group_q=_cu(group_q) if shared and num_shared else None,
+        max_prefix=max(prefix_lens, default=0),
+        max_group_q=max(group_q, default=0),
+        num_prefix_tokens=num_prefix,
+        num_shared_tokens=num_shared,
+    )
+    return PackedBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.tensor(pos, dtype=torch.int64),
+        attn=attn,
+        last_index=torch.tensor([r[0] for r in rows], dtype=torch.int64),
+        seq_start=torch.tensor([r[1] for r in rows], dtype=torch.int64),
+        seq_len=torch.tensor([r[2] for r in rows], dtype=torch.int64),
+        rows_per_group=[len(g.suffixes) for g in groups],
+    )
+
+
+def assert_same_batch(got: PackedBatch, want: PackedBatch) -> None:
+    for name in ("input_ids", "positions", "last_index", "seq_start", "seq_len"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for name in ("cu_seqlens", "cu_prefix", "cu_group_q"):
+        a, b = getattr(got.attn, name), getattr(want.attn, name)
+        assert (a is None) == (b is None), name
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), name
+    for name in (
+        "max_seqlen",
+        "max_prefix",
+        "max_group_q",
+        "num_prefix_tokens",
+        "num_shared_tokens",
+    ):
+        a, b = getattr(got.attn, name), getattr(want.attn, name)
+        assert type(a) is int and a == b, name
+    assert got.rows_per_group == want.rows_per_group
+
+
+tokens = st.lists(st.integers(0, 1000), max_size=6)
+groups_st = st.lists(
+    st.builds(SequenceGroup, tokens, st.lists(tokens, max_size=5)), min_size=1, max_size=6
+)
+
+
+@settings(max_examples=400)
+@given(groups_st, st.booleans())
+def test_pack_equals_per_token_oracle(groups, share_prefix):
+    try:
+        want = reference_pack(groups, share_prefix)
+    except ValueError:  # an empty sequence, or nothing to pack
+        with pytest.raises(ValueError):
+            pack(groups, share_prefix)
+        return
+    got = pack(groups, share_prefix)
+    assert_same_batch(got, want)
+    fp = sum((Footprint.of(g, share_prefix) for g in groups), Footprint())
+    assert fp.as_packed() == got.footprint and fp.tokens == got.num_tokens
+
+
+def test_pack_big_mixed_batch_equals_oracle():
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(1, 50000, (n,), generator=g).tolist()
+    lens = lambda k, lo, hi: torch.randint(lo, hi + 1, (k,), generator=g).tolist()
+    groups = [
+        SequenceGroup([], [ids(n) for n in lens(64, 64, 256)]),  # W1-like
+        SequenceGroup(ids(256), [ids(n) for n in lens(100, 8, 24)]),  # W2-like
+        SequenceGroup(ids(7), [ids(5)]),  # one suffix: plain
+        SequenceGroup(ids(30), [ids(3), [], ids(9)]),  # an empty suffix scores the prefix
+    ]
+    for share in (True, False):
+        assert_same_batch(pack(groups, share), reference_pack(groups, share))
+
+
+def test_empty_inputs_are_rejected():
+    with pytest.raises(ValueError, match="empty sequence"):
+        pack([SequenceGroup([], [[]])])
+    with pytest.raises(ValueError, match="without sequences"):
+        pack([SequenceGroup([1, 2], [])])
