@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from boundgen.config import DTYPES, EngineConfig, ModelConfig
 from boundgen.engine import Engine
-from boundgen.runner import split_groups
+from boundgen.compile.chunking import chunk
 from boundgen.runtime.memory import MemoryPools
 from boundgen.server.app import create_app
 from boundgen.server.config import ServerConfig
@@ -68,8 +68,8 @@ class HFRunner:
             raise ValueError("the HF baseline pools the last token only")
         seqs = [g.prefix + s for g in groups for s in g.suffixes]
         out = []
-        for chunk in split_groups([SequenceGroup([], seqs)], self.max_batch_tokens):
-            out.append(self._last_hidden([s for g in chunk for s in g.suffixes]))
+        for piece in chunk([SequenceGroup([], seqs)], self.max_batch_tokens):
+            out.append(self._last_hidden([s for g in piece.groups for s in g.suffixes]))
         return torch.cat(out)
 
     def _last_hidden(self, seqs: list[list[int]]) -> torch.Tensor:

@@ -4,7 +4,6 @@ padding on W1/W2/W3-like traffic, the budget split without buckets, and the edge
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -13,7 +12,6 @@ from hypothesis import strategies as st
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets, parse_buckets
 from boundgen.compile.chunking import chunk, predicted_stats
 from boundgen.text.packing import SequenceGroup, pack
-from boundgen.workloads.runner import ModelRunner
 
 LADDER = default_buckets(8192)
 BUDGET = 32768
@@ -87,9 +85,10 @@ def test_pieces_keep_rows_and_fit_their_buckets(groups, specs, max_tokens, share
     st.integers(8, 200),
 )
 def test_without_buckets_it_is_the_budget_split(groups, max_tokens):
-    """Equal to `ModelRunner.split` for groups with rows (it counts a group's prefix also when the
-    group has no rows; the chunker counts what `pack` lays out)."""
-    want = ModelRunner.split(SimpleNamespace(max_batch_tokens=max_tokens), groups)
+    """Equal to the token-budget split the runner did before buckets were filled (the oracle
+    below) for groups with rows (it counts a group's prefix also when the group has no rows; the
+    chunker counts what `pack` lays out)."""
+    want = _budget_split(groups, max_tokens)
     got = [p.groups for p in chunk(groups, max_tokens)]
     assert [[(g.prefix, g.suffixes) for g in c] for c in got] == [
         [(g.prefix, g.suffixes) for g in c] for c in want
@@ -179,3 +178,28 @@ def test_no_groups_and_bad_budget():
     assert chunk([], BUDGET, LADDER) == []
     with pytest.raises(ValueError, match="max_tokens"):
         chunk([SequenceGroup([], [[1]])], 0)
+
+
+def _budget_split(groups: list[SequenceGroup], budget: int) -> list[list[SequenceGroup]]:
+    """The runner's former split (the oracle): chunks of whole groups within `budget`, a group
+    over it cut into groups with the same prefix."""
+    chunks: list[list[SequenceGroup]] = [[]]
+    used = 0
+    for g in groups:
+        parts = [g]
+        if g.num_tokens > budget and len(g.suffixes) > 1:
+            parts, cur, cur_tokens = [], [], len(g.prefix)
+            for s in g.suffixes:
+                if cur and cur_tokens + len(s) > budget:
+                    parts.append(SequenceGroup(g.prefix, cur))
+                    cur, cur_tokens = [], len(g.prefix)
+                cur.append(s)
+                cur_tokens += len(s)
+            parts.append(SequenceGroup(g.prefix, cur))
+        for part in parts:
+            if chunks[-1] and used + part.num_tokens > budget:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(part)
+            used += part.num_tokens
+    return chunks

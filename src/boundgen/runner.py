@@ -25,6 +25,7 @@ import torch
 
 from boundgen.compile.backends import CompiledForwards, CompileOptions, select_forwards
 from boundgen.compile.buckets import Bucket, BucketSet
+from boundgen.compile.chunking import chunk
 from boundgen.compile.decode import DecodeSession, plain_session
 from boundgen.config import ModelConfig
 from boundgen.models.decoder import DecoderModel
@@ -51,7 +52,6 @@ class ModelRunner:
         self.backend_name = forwards.name if forwards else "eager"
         self.buckets = BucketSet(forwards.buckets) if forwards else None
         self._by_layout = {_bucket_key(b): f for b, f in (forwards.fns if forwards else {}).items()}
-        self._largest = max((b.tokens for b in forwards.buckets), default=0) if forwards else 0
         # staging leases of batches whose device work may still read them (CUDA), oldest first
         self._pending: deque[tuple[torch.cuda.Event, Lease]] = deque()
         self._lock = threading.Lock()
@@ -113,28 +113,16 @@ class ModelRunner:
                 lease.release_all()
 
     def pieces(self, groups: list[SequenceGroup], modes: list[str]) -> Iterator[PackedBatch]:
-        """Host-side packed batches of `groups`, in row order, each within the token budget and,
-        with compiled buckets, padded into the smallest bucket that fits (a batch no bucket takes
-        comes as is, counted as a miss, and runs eagerly). Compiled buckets also take chunks
-        larger than the largest bucket, cut at that size. A prefix is shared (cascade) unless a
-        row wants mean pooling.
-        """
-        row = 0
-        for chunk in split_groups(groups, self.max_batch_tokens):
-            k = sum(len(g.suffixes) for g in chunk)
-            share = self.share_prefix and "mean" not in modes[row : row + k]
-            row += k
-            if self.buckets is None:
-                yield pack(chunk, share_prefix=share)
-                continue
-            if self.forwards.cut_large_chunks and _tokens(chunk) > self._largest:
-                parts = [pack(p, share_prefix=share) for p in split_groups(chunk, self._largest)]
-                # NOTE: only when every piece then has a bucket (a prefix longer than every
-                # bucket's P runs eagerly anyway, and then better as one forward than as several)
-                if all(self.buckets.choose(p) is not None for p in parts):
-                    yield from (self.buckets.pad(p)[1] for p in parts)
-                    continue
-            yield self.buckets.pad(pack(chunk, share_prefix=share))[1]
+        """Host-side packed batches of `groups` (rows in order), each within the token budget and,
+        with compiled buckets, cut at sequence boundaries to fill the buckets and padded into the
+        smallest that fits (`compile.chunking`; a batch no bucket takes comes as is, counted as a
+        miss, and runs eagerly). Eager buckets (graphs of the plain model) only pad what fits: an
+        uncompiled forward runs any size. Packed lazily: piece n+1 is packed while n runs."""
+        share = self.share_prefix and not _mean_rows_with_prefix(groups, modes)
+        cut = self.buckets if self.forwards and self.forwards.cut_large_chunks else None
+        for piece in chunk(groups, self.max_batch_tokens, cut, share):
+            packed = pack(piece.groups, share_prefix=share)
+            yield packed if self.buckets is None else self.buckets.pad(packed)[1]
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Final hidden states of every token of a packed device batch: [T, H]. A batch in a
@@ -186,31 +174,6 @@ def make_runner(
     that works here and logs why)."""
     forwards = select_forwards(model, device, max_batch_tokens, backend, options)
     return ModelRunner(model, device, forwards, max_batch_tokens, share_prefix)
-
-
-def split_groups(groups: list[SequenceGroup], budget: int) -> list[list[SequenceGroup]]:
-    """Chunks of whole groups that each fit `budget` tokens, in order (a group larger than it is
-    split into groups with the same prefix, so any request runs)."""
-    chunks: list[list[SequenceGroup]] = [[]]
-    used = 0
-    for g in groups:
-        parts = [g]
-        if g.num_tokens > budget and len(g.suffixes) > 1:
-            parts, cur, cur_tokens = [], [], len(g.prefix)
-            for s in g.suffixes:
-                if cur and cur_tokens + len(s) > budget:
-                    parts.append(SequenceGroup(g.prefix, cur))
-                    cur, cur_tokens = [], len(g.prefix)
-                cur.append(s)
-                cur_tokens += len(s)
-            parts.append(SequenceGroup(g.prefix, cur))
-        for part in parts:
-            if chunks[-1] and used + part.num_tokens > budget:
-                chunks.append([])
-                used = 0
-            chunks[-1].append(part)
-            used += part.num_tokens
-    return chunks
 
 
 def mean_rows(hidden: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
@@ -271,8 +234,18 @@ def _stage_many(
 # ---- bucket lookup -----------------------------------------------------------------------------
 
 
-def _tokens(groups: list[SequenceGroup]) -> int:
-    return sum(g.num_tokens for g in groups)
+def _mean_rows_with_prefix(groups: list[SequenceGroup], modes: list[str]) -> bool:
+    """Whether a row that wants mean pooling belongs to a group with a prefix (its tokens must
+    then stay one contiguous sequence: no cascade layout)."""
+    if "mean" not in modes:
+        return False
+    row = 0
+    for g in groups:
+        n = len(g.suffixes)
+        if g.prefix and "mean" in modes[row : row + n]:
+            return True
+        row += n
+    return False
 
 
 def _bucket_key(b: Bucket) -> tuple:

@@ -163,7 +163,7 @@ def _load_eager(args):
 
 def _plan(args):
     """The planned buckets (printed with their predicted padding), or None without a profile."""
-    from boundgen.cliargs import from_args
+    from boundgen.settings import from_args
     from boundgen.compile import planner
     from boundgen.config import EngineConfig
 
