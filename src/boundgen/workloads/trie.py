@@ -14,10 +14,10 @@ So the child of node `i` reached by the `j`-th token of its range is node `child
 Leaf `j` is item index `leaf_item[j]` (host int64 array), whose id is `item_ids[leaf_item[j]]`.
 
 Step functions (`children`, `next_node`) are pure tensor ops on the trie's device: no host sync, no
-per-beam Python loop, and with a `TrieWorkspace` no allocation, so the beam search's step
-(`children`, then gathers on logits and child ids) can sit inside a CUDA-graph-captured decode step.
-A node id of `-1` means "dead beam": it has no children and every transition from it is `-1` (other
-negative ids are not supported).
+per-beam Python loop. `children` with a `TrieWorkspace` also allocates nothing, so the beam search's
+step (`children`, then gathers on logits and child ids) can sit inside a CUDA-graph-captured decode
+step. A node id of `-1` means "dead beam": it has no children and every transition from it is `-1`
+(other negative ids are not supported).
 
 NOTE: duplicate token sequences are an error by default (the result could not be mapped back to one
 item id); `on_duplicate="first"` keeps the first item instead. Item ids need not be unique.
@@ -291,7 +291,7 @@ class Trie:
     # ------------------------------------------------------------ step functions
 
     def workspace(self, num_rows: int) -> TrieWorkspace:
-        """Buffers for the step functions' `ws=` on `num_rows` beams, at every depth."""
+        """Buffers for `children(..., ws=)` on `num_rows` beams, at every depth."""
         return TrieWorkspace(num_rows, max(self._max_children), self.device)
 
     def children(
@@ -323,19 +323,10 @@ class Trie:
         v.tokens.copy_(v.tok32)
         return v.tokens, v.child, v.valid
 
-    def next_node(
-        self,
-        depth: int,
-        node: torch.Tensor,
-        token: torch.Tensor,
-        *,
-        ws: TrieWorkspace | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def next_node(self, depth: int, node: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """Child id (at `depth + 1`) of each `node[N]` (at `depth`) via `token[N]`; -1 if none.
 
-        Dead nodes (-1) and tokens that are not children give -1. Returns int64 `[N]` (`out` if
-        given; `out` may alias `node`).
+        Dead nodes (-1) and tokens that are not children give -1. Returns a new int64 `[N]`.
         """
         self._check_depth(depth)
         node = self._check_node(node)
@@ -343,21 +334,13 @@ class Trie:
             raise ValueError(f"token shape {tuple(token.shape)} != node shape {tuple(node.shape)}")
         if not _same_device(token.device, self.device):
             raise ValueError(f"token is on {token.device}, trie on {self.device}")
-        c = self._max_children[depth]
-        if c > _DENSE_LOOKUP_MAX_CHILDREN:
-            result = self._next_node_bsearch(depth, node, token.long())
-            return result if out is None else out.copy_(result)
-        n = node.shape[0]
-        ws = self._workspace_for(ws, n, c)
-        tokens, child, _ = self.children(depth, node, ws=ws)
-        v = ws.views(c)
+        if self._max_children[depth] > _DENSE_LOOKUP_MAX_CHILDREN:
+            return self._next_node_bsearch(depth, node, token.long())
+        tokens, child, _ = self.children(depth, node)  # [N, C] each
         # Invalid slots have child -1, so a match there (token 0 vs padding) still yields -1; child
         # ids are >= 0 and tokens are unique within a node, so the row max is the match or -1.
-        torch.eq(tokens, token.unsqueeze(1), out=v.hit)
-        torch.where(v.hit, child, self._minus_one, out=v.slot)
-        if out is None:
-            out = torch.empty(n, dtype=torch.int64, device=self.device)
-        return torch.amax(v.slot, 1, out=out)
+        hit = tokens == token.unsqueeze(1)
+        return torch.where(hit, child, self._minus_one).amax(1)
 
     def _next_node_bsearch(self, depth: int, node: torch.Tensor, token: torch.Tensor):
         ptr, toks = self._ptr_ext[depth][1:], self._child_token[depth]
@@ -451,7 +434,7 @@ class Trie:
 
 
 class TrieWorkspace:
-    """Buffers for the step functions of one trie at a fixed number of beams (one per bucket).
+    """Buffers for `Trie.children` of one trie at a fixed number of beams (one per bucket).
 
     Not thread-safe: one workspace per concurrent decode loop. Results returned from calls that take
     it are views of these buffers and are overwritten by the next call.
@@ -471,7 +454,6 @@ class TrieWorkspace:
             "slot": torch.empty(size, **i64),
             "tok32": torch.empty(size, dtype=torch.int32, device=self.device),
             "valid": torch.empty(size, dtype=torch.bool, device=self.device),
-            "hit": torch.empty(size, dtype=torch.bool, device=self.device),
         }
         self._views: dict[int, _Views] = {}
 
