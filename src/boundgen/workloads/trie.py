@@ -183,8 +183,6 @@ class Trie:
                 raise ValueError(f"{path}: {exc}") from None
         raise ValueError(f"{path}: unknown trie file type {path.suffix!r} (use .jsonl or .npy)")
 
-    load = from_file
-
     def save(self, path: str | os.PathLike) -> None:
         """Write the items in their original order as `.jsonl` or `.npy` (+ `<stem>.ids.json`)."""
         path = Path(path)
@@ -403,8 +401,6 @@ class Trie:
         if arr.ndim != 1 or arr.shape[0] != self.depth:
             return False
         return bool(self.leaf_nodes(arr[None, :])[0] >= 0)
-
-    __contains__ = contains
 
     # ------------------------------------------------------------ helpers
 
