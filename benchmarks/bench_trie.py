@@ -1,11 +1,14 @@
-"""Trie build time/memory and per-step cost of children / mask_logits_ / next_node.
+"""Trie build time/memory and per-step cost of children / next_node / the beam search's trie step.
 
     python benchmarks/bench_trie.py --sizes 1e5,1e6,1e7 --beams 16,128
 
 Items are random `depth`-level semantic IDs with `codes` codes per level (duplicates dropped).
 Build peak memory is the numpy/Python peak seen by tracemalloc; `nbytes` is what the trie keeps.
-Step times use a preallocated `TrieWorkspace` (the decode-loop path), fp32 logits over the W4
-vocabulary (151936) for the mask, at depth `depth - 2` (many nodes, real fan-out).
+Timed at depth `depth - 2` (many nodes, real fan-out), N beams of one prompt on real items:
+`children` with a preallocated `TrieWorkspace` (the decode-loop path); `next_node` as the item
+lookup calls it (no workspace); `step`: what `beam_search.run_beam` does with a trie per step
+(children, gather of the children's fp32 log-probs over the W4 vocabulary (151936), top N of all
+candidates, child lookup), eager and, on CUDA, captured in one CUDA graph (`graph`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,16 @@ def bench_build(num_items: int, depth: int, codes: int, seed: int):
     return trie, seqs, build_s, peak
 
 
+def beam_step(trie: Trie, depth: int, node, logp, scores, ws):
+    """One trie step of `run_beam` for one prompt of N beams → (scores, tokens, next nodes)."""
+    tokens, child, valid = trie.children(depth, node, ws=ws)  # [N, C] each
+    lp = logp.gather(1, tokens).masked_fill_(~valid, float("-inf"))
+    top, idx = torch.topk((scores.unsqueeze(1) + lp).view(1, -1), node.shape[0], dim=1)
+    token = tokens.reshape(1, -1).gather(1, idx)
+    nxt = child.reshape(1, -1).gather(1, idx).masked_fill_(top == float("-inf"), -1)
+    return top.view(-1), token.view(-1), nxt.view(-1)
+
+
 def bench_steps(trie: Trie, seqs: np.ndarray, device, beams: int, vocab: int, iters: int, seed):
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randint(0, len(seqs), (beams,), generator=gen)
@@ -61,24 +74,17 @@ def bench_steps(trie: Trie, seqs: np.ndarray, device, beams: int, vocab: int, it
     node = torch.zeros(beams, dtype=torch.int64, device=device)
     for d in range(depth):
         node = trie.next_node(d, node, path[:, d].contiguous())
-    logits = torch.randn(beams, vocab, device=device)
-    ws = trie.workspace(beams, logits.dtype)
+    logp = torch.randn(beams, vocab, device=device).log_softmax(1)
+    scores = torch.zeros(beams, device=device)
+    ws = trie.workspace(beams)
     token = path[:, depth].contiguous()
-    out = torch.empty(beams, dtype=torch.int64, device=device)
+    step = lambda: beam_step(trie, depth, node, logp, scores, ws)
     result = {
         "children": time_call(lambda: trie.children(depth, node, ws=ws), device, iters),
-        "mask_logits_": time_call(
-            lambda: trie.mask_logits_(logits, depth, node, ws=ws), device, iters
-        ),
-        "next_node": time_call(
-            lambda: trie.next_node(depth, node, token, ws=ws, out=out), device, iters
-        ),
+        "next_node": time_call(lambda: trie.next_node(depth, node, token), device, iters),
+        "step": time_call(step, device, iters),
         "graph": float("nan"),
     }
-
-    def step():  # what one constrained decode step asks of the trie
-        trie.mask_logits_(logits, depth, node, ws=ws)
-        trie.next_node(depth, node, token, ws=ws, out=out)
 
     if device.type == "cuda":
         stream = torch.cuda.Stream(device)
@@ -131,10 +137,12 @@ def main() -> None:
         built.append((size, trie, seqs))
 
     print()
-    print("graph: mask_logits_ + next_node captured in one CUDA graph, per replay")
     print(
-        f"{'items':>10} {'device':>6} {'N':>5} {'children us':>12} {'mask_logits_ us':>16} "
-        f"{'next_node us':>13} {'graph us':>9}"
+        "step: children + gather of log-probs + top N + child lookup; graph: step in a CUDA graph"
+    )
+    print(
+        f"{'items':>10} {'device':>6} {'N':>5} {'children us':>12} {'next_node us':>13} "
+        f"{'step us':>9} {'graph us':>9}"
     )
     for size, trie, seqs in built:
         for device in devices:
@@ -143,7 +151,7 @@ def main() -> None:
                 t = bench_steps(on_device, seqs, device, n, args.vocab, args.iters, args.seed)
                 print(
                     f"{size:>10} {device.type:>6} {n:>5} {t['children']:>12.1f} "
-                    f"{t['mask_logits_']:>16.1f} {t['next_node']:>13.1f} {t['graph']:>9.1f}"
+                    f"{t['next_node']:>13.1f} {t['step']:>9.1f} {t['graph']:>9.1f}"
                 )
 
 

@@ -15,6 +15,7 @@ from boundgen.workloads import trie as trie_mod
 from boundgen.workloads.trie import NotAnItemError, Trie
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+NEG_INF = float("-inf")
 
 
 # ----------------------------------------------------------------- helpers
@@ -36,6 +37,7 @@ def prefixes(items, d):
 
 
 def check_against_brute_force(trie: Trie, items: list[list[int]], vocab: int) -> None:
+    """`children` and `next_node` (every token below `vocab`) of every node against the item set."""
     depth = len(items[0])
     dev = trie.device
     assert trie.depth == depth and trie.num_items == len(items)
@@ -55,12 +57,34 @@ def check_against_brute_force(trie: Trie, items: list[list[int]], vocab: int) ->
             assert (tokens[i][~valid[i]] == 0).all() and (child[i][~valid[i]] == -1).all()
         assert trie.max_children[d] == max(int(valid[i].sum()) for i in range(len(here)))
 
-        logits = torch.randn(len(here), vocab, device=dev)
-        masked = trie.mask_logits(logits, d, nodes)
-        for i, p in enumerate(here):
-            finite = torch.isfinite(masked[i]).nonzero().flatten().tolist()
-            assert finite == sorted({s[d] for s in items if tuple(s[:d]) == p})
-            assert torch.equal(masked[i, finite], logits[i, finite])
+        # next_node for every (node, token) pair, plus a dead node: the child's index or -1.
+        node = torch.cat([nodes, torch.tensor([-1], device=dev)]).repeat_interleave(vocab)
+        token = torch.arange(vocab, device=dev).repeat(len(here) + 1)
+        expect = [
+            index_below.get(here[i] + (t,), -1) for i in range(len(here)) for t in range(vocab)
+        ]
+        assert trie.next_node(d, node, token).tolist() == expect + [-1] * vocab
+
+
+def tables(trie: Trie) -> list[tuple[torch.Tensor, ...]]:
+    """`children` of every node at every depth, on the CPU: the trie's tables seen from outside."""
+    return [
+        tuple(t.cpu() for t in trie.children(d, torch.arange(n, device=trie.device)))
+        for d, n in enumerate(trie.nodes_per_depth[:-1])
+    ]
+
+
+def beam_step(trie, depth, node, logp, scores, ws=None):
+    """One constrained step of `beam_search.run_beam` for one prompt of N beams: the beams' trie
+    children, their log-probs gathered from `logp` [N, V], top N of all candidates, then the child
+    lookup. → (scores, parent beams, tokens, next nodes), each [N]; dead beams: -inf and node -1."""
+    tokens, child, valid = trie.children(depth, node, ws=ws)  # [N, C] each
+    lp = logp.gather(1, tokens).masked_fill_(~valid, NEG_INF)
+    cand = (scores.unsqueeze(1) + lp).view(1, -1)
+    top, idx = torch.topk(cand, node.shape[0], dim=1)
+    token = tokens.reshape(1, -1).gather(1, idx)
+    nxt = child.reshape(1, -1).gather(1, idx).masked_fill_(top == NEG_INF, -1)
+    return top.view(-1), (idx // tokens.shape[1]).view(-1), token.view(-1), nxt.view(-1)
 
 
 def walk(trie: Trie, seqs: torch.Tensor) -> torch.Tensor:
@@ -78,11 +102,11 @@ def walk(trie: Trie, seqs: torch.Tensor) -> torch.Tensor:
 def test_random_tries_match_brute_force(items):
     trie = Trie.from_sequences(items, [f"id{i}" for i in range(len(items))])
     check_against_brute_force(trie, items, vocab=8)
-    seqs = torch.tensor(items)
-    leaves = walk(trie, seqs)
-    assert sorted(leaves.tolist()) == list(range(len(items)))
+    leaves = walk(trie, torch.tensor(items))
+    leaf_of = {p: i for i, p in enumerate(prefixes(items, len(items[0])))}
+    assert leaves.tolist() == [leaf_of[tuple(s)] for s in items]
+    assert torch.equal(trie.leaf_nodes(items), leaves)
     assert trie.item_ids(items) == [f"id{i}" for i in range(len(items))]
-    assert trie.item_ids_of_leaves(leaves) == [f"id{i}" for i in range(len(items))]
     assert all(trie.contains(s) for s in items)
     np.testing.assert_array_equal(trie.sequences(), np.array(items))
 
@@ -132,8 +156,9 @@ def test_sort_paths_agree(items, scale):
     wide = [[t * scale + 3 for t in s] for s in items]  # monotonic: same order, more bits per token
     trie = Trie.from_sequences(wide, on_duplicate="error")
     assert trie.nodes_per_depth == ref.nodes_per_depth
-    assert all(torch.equal(a, b) for a, b in zip(trie.child_ptr, ref.child_ptr))
-    assert all(torch.equal(a, b * scale + 3) for a, b in zip(trie.child_token, ref.child_token))
+    for (tok, child, valid), (ref_tok, ref_child, ref_valid) in zip(tables(trie), tables(ref)):
+        assert torch.equal(valid, ref_valid) and torch.equal(child, ref_child)
+        assert torch.equal(tok[valid], ref_tok[valid] * scale + 3)
     np.testing.assert_array_equal(trie.sequences(), np.array(wide))
     assert trie.item_ids(wide) == list(range(len(items)))
 
@@ -147,43 +172,46 @@ def test_device_tables_and_workspace(device):
     seqs = np.unique(rng.integers(0, 5, (200, 3)), axis=0)
     trie = Trie.from_sequences(seqs).to(device)
     assert trie.device.type == device
-    assert all(t.device.type == device for t in trie.child_ptr + trie.child_token)
     assert trie.to(device) is trie
     check_against_brute_force(trie, seqs.tolist(), vocab=7)
 
     n, vocab = 16, 7
-    ws = trie.workspace(n, torch.float32)
-    node = torch.zeros(n, dtype=torch.int64, device=device)
-    node[3] = -1
+    ws = trie.workspace(n)
+    # Step 0 has one live beam at the root (one prompt), the rest dead, as in `run_beam`.
+    node = torch.full((n,), -1, dtype=torch.int64, device=device)
+    node[0] = 0
+    scores = torch.full((n,), NEG_INF, device=device)
+    scores[0] = 0.0
+    paths = torch.zeros(n, 0, dtype=torch.int64, device=device)
+    path_logp = torch.zeros(n, device=device)  # the same sum, from the chosen tokens' log-probs
     ptrs = None
     for d in range(trie.depth):
-        logits = torch.randn(n, vocab, device=device)
-        expect = trie.mask_logits(logits, d, node)
         tokens, child, valid = trie.children(d, node, ws=ws)
+        assert all(t.device.type == device for t in (tokens, child, valid))
         ref = trie.children(d, node)
         assert all(torch.equal(a, b) for a, b in zip((tokens, child, valid), ref))
-        got = trie.mask_logits_(logits, d, node, ws=ws)
-        assert got is logits and torch.equal(got, expect)
-        assert torch.isinf(got[3]).all()  # dead beam: nothing allowed
-        choice = got.argmax(dim=1)
-        out = torch.empty(n, dtype=torch.int64, device=device)
-        node = trie.next_node(d, node, choice, ws=ws, out=out)
-        buffers = (tokens.data_ptr(), child.data_ptr(), ws._values[torch.float32].data_ptr())
-        assert ptrs is None or ptrs == buffers
+        assert not valid[node < 0].any()
+        buffers = (tokens.data_ptr(), child.data_ptr(), valid.data_ptr())
+        assert ptrs is None or ptrs == buffers  # one set of buffers for every depth
         ptrs = buffers
-    assert node[3] == -1 and (node[torch.arange(n, device=device) != 3] >= 0).all()
-    walked = trie.sequences()[trie._leaf_item[node[node >= 0].cpu().numpy()]]
-    assert trie.item_ids(walked) == trie.item_ids_of_leaves(node[node >= 0])
 
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_mask_keeps_dtype_and_fill(device):
-    trie = Trie.from_sequences([[1, 2], [3, 4]]).to(device)
-    logits = torch.zeros(2, 6, dtype=torch.bfloat16, device=device)
-    node = torch.zeros(2, dtype=torch.int64, device=device)
-    out = trie.mask_logits(logits, 0, node, fill=-1024.0)
-    assert out.dtype == torch.bfloat16 and (logits == 0).all()
-    assert out[0].tolist() == [-1024, 0, -1024, 0, -1024, -1024]
+        logp = torch.randn(n, vocab, device=device).log_softmax(1)
+        eager = beam_step(trie, d, node, logp, scores)
+        top, parent, token, nxt = beam_step(trie, d, node, logp, scores, ws=ws)
+        assert all(torch.equal(a, b) for a, b in zip((top, parent, token, nxt), eager))
+        live = top > NEG_INF
+        # The child lookup agrees with next_node; dead beams get node -1.
+        assert torch.equal(nxt[live], trie.next_node(d, node[parent], token)[live])
+        assert (nxt[~live] == -1).all()
+        path_logp = path_logp[parent] + logp[parent, token]
+        paths = torch.cat([paths[parent], token.unsqueeze(1)], 1)
+        node, scores = nxt, top
+    assert (node >= 0).all()  # 16 beams of depth-2 nodes, each with a child: all survive
+    assert torch.allclose(scores, path_logp)
+    assert len({tuple(p) for p in paths.tolist()}) == n  # distinct items
+    assert torch.equal(trie.leaf_nodes(paths), node)
+    row_of = {tuple(s): i for i, s in enumerate(seqs.tolist())}
+    assert trie.item_ids(paths) == [row_of[tuple(p)] for p in paths.tolist()]
 
 
 def test_narrow_trie_fewer_children_than_beams():
@@ -193,19 +221,25 @@ def test_narrow_trie_fewer_children_than_beams():
     assert trie.max_children == (2, 1, 1, 2)
     assert trie.nodes_per_depth == (1, 2, 2, 2, 3)
     n = 16
-    node = torch.zeros(n, dtype=torch.int64)
-    node[2:] = -1  # beams that died or were never filled
+    node = torch.full((n,), -1, dtype=torch.int64)  # beams that died or were never filled
+    node[0] = 0
+    scores = torch.full((n,), NEG_INF)
+    scores[0] = 0.0
+    paths = torch.zeros(n, 0, dtype=torch.int64)
     ws = trie.workspace(n)
-    for d in range(4):
-        tokens, child, valid = trie.children(d, node, ws=ws)
+    for d, live_children in enumerate([2, 2, 2, 3]):
+        tokens, _, valid = trie.children(d, node, ws=ws)
         assert tokens.shape == (n, trie.max_children[d])
-        assert not valid[2:].any()
-        logits = trie.mask_logits_(torch.zeros(n, 10), d, node, ws=ws)
-        assert not torch.isnan(logits).any()
-        assert int(torch.isfinite(logits).sum()) == int(valid.sum())
-        node = trie.next_node(d, node, tokens[:, 0].clone())  # first child
-    assert trie.item_ids_of_leaves(node[:2]) == ["a", "a"]
-    assert (node[2:] == -1).all()
+        assert not valid[node < 0].any() and int(valid.sum()) == live_children
+        logp = torch.zeros(n, 10).log_softmax(1)
+        top, parent, token, node = beam_step(trie, d, node, logp, scores, ws=ws)
+        assert not torch.isnan(top).any()
+        assert int((top > NEG_INF).sum()) == live_children  # the surplus beams die
+        paths = torch.cat([paths[parent], token.unsqueeze(1)], 1)
+        scores = top
+    alive = node >= 0
+    assert sorted(trie.item_ids(paths[alive])) == ["a", "b", "c"]
+    assert int(alive.sum()) == 3 and (scores[~alive] == NEG_INF).all()
 
 
 # ----------------------------------------------------------------- files
@@ -229,19 +263,20 @@ def test_from_file_jsonl_npy_and_round_trip(tmp_path):
     from_jsonl, from_npy = Trie.from_file(jsonl), Trie.from_file(npy)
     for t in (from_jsonl, from_npy):
         assert t.nodes_per_depth == ref.nodes_per_depth
-        assert all(torch.equal(a, b) for a, b in zip(t.child_ptr, ref.child_ptr))
-        assert all(torch.equal(a, b) for a, b in zip(t.child_token, ref.child_token))
+        for got, expect in zip(tables(t), tables(ref)):
+            assert all(torch.equal(a, b) for a, b in zip(got, expect))
+        np.testing.assert_array_equal(t.sequences(), seqs)
     assert from_jsonl.item_ids(seqs[:5].tolist()) == ids[:5]
     assert from_npy.item_ids(seqs[:5].tolist()) == [0, 1, 2, 3, 4]
 
     for name in ("out.jsonl", "out.npy"):
         ref.save(tmp_path / name)
-        back = Trie.load(tmp_path / name)
+        back = Trie.from_file(tmp_path / name)
         np.testing.assert_array_equal(back.sequences(), seqs)
         assert back.item_ids(seqs.tolist()) == ids
     Trie.from_sequences(seqs).save(tmp_path / "out.npy")  # default ids: stale ids file removed
     assert not (tmp_path / "out.ids.json").exists()
-    assert Trie.load(tmp_path / "out.npy").item_ids(seqs[3].tolist()) == 3
+    assert Trie.from_file(tmp_path / "out.npy").item_ids(seqs[3].tolist()) == 3
 
 
 def test_jsonl_blank_lines_and_int_ids(tmp_path):
@@ -255,7 +290,7 @@ def test_jsonl_blank_lines_and_int_ids(tmp_path):
 
 
 def test_file_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
         Trie.from_file(tmp_path / "nope.jsonl")
 
     bad = tmp_path / "bad.jsonl"
@@ -341,12 +376,10 @@ def test_lookup_and_vocab_errors():
         trie.item_ids([[1, 2, 3], [9, 9, 9]])
     with pytest.raises(ValueError, match="3 tokens"):
         trie.item_ids([1, 2])
-    assert not trie.contains([1, 2]) and [1, 2, 300] in trie
+    assert not trie.contains([1, 2]) and trie.contains([1, 2, 300])
     trie.check_vocab(301)
     with pytest.raises(ValueError, match=r"token 300 .*item 'b'.*size 256"):
         trie.check_vocab(256)
-    with pytest.raises(ValueError, match="token 300"):
-        trie.mask_logits(torch.zeros(1, 256), 2, torch.zeros(1, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"depth must be in \[0, 3\)"):
         trie.children(3, torch.zeros(1, dtype=torch.int64))
     ws = trie.workspace(4)
@@ -378,28 +411,38 @@ def test_million_items_depth4_builds_fast():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_step_functions_capture_in_cuda_graph():
+def test_beam_step_captures_in_cuda_graph():
+    """The beam search's trie step at every depth (children with a workspace, gathers on logits,
+    top-N, child lookup) in one CUDA graph gives the eager result."""
     rng = np.random.default_rng(2)
     seqs = np.unique(rng.integers(0, 40, (5000, 3)), axis=0)
     trie = Trie.from_sequences(seqs).to("cuda")
     n, vocab = 16, 64
-    ws = trie.workspace(n, torch.float32)
-    node = torch.zeros(n, dtype=torch.int64, device="cuda")
-    logits = torch.randn(n, vocab, device="cuda")
-    nxt = torch.empty(n, dtype=torch.int64, device="cuda")
-    expect = trie.mask_logits(logits, 0, node)
-    expect_next = trie.next_node(0, node, expect.argmax(1))
+    ws = trie.workspace(n)
+    start = torch.full((n,), -1, dtype=torch.int64, device="cuda")
+    start[0] = 0  # one live beam at the root, as in `run_beam`'s first step
+    start_scores = torch.where(start == 0, 0.0, NEG_INF)
+    logp = torch.randn(trie.depth, n, vocab, device="cuda").log_softmax(-1)
+
+    def decode(use_ws):
+        node, scores, hist = start, start_scores, []
+        for d in range(trie.depth):
+            scores, parent, token, node = beam_step(trie, d, node, logp[d], scores, ws=use_ws)
+            hist = [h[parent] for h in hist] + [token]
+        return scores, torch.stack(hist, 1), node
+
+    expect = decode(None)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up outside the graph
-        trie.next_node(0, node, trie.mask_logits_(logits.clone(), 0, node, ws=ws).argmax(1), ws=ws)
+        decode(ws)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    work = logits.clone()
     with torch.cuda.graph(graph):
-        trie.mask_logits_(work, 0, node, ws=ws)
-        trie.next_node(0, node, work.argmax(1), ws=ws, out=nxt)
-    work.copy_(logits)
+        got = decode(ws)
+    logp.copy_(torch.randn_like(logp).log_softmax(-1))  # replay reads the static input anew
+    expect = decode(None)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(work, expect) and torch.equal(nxt, expect_next)
+    assert (got[2] >= 0).all()
+    assert all(torch.equal(a, b) for a, b in zip(got, expect))

@@ -1,7 +1,7 @@
 """Prefix trie of valid item IDs (semantic IDs) for constrained beam search (DESIGN §4).
 
 Every item is a fixed-depth token sequence of length `depth` with an item id. The trie is stored as
-per-depth CSR tables on one device:
+per-depth CSR tables on one device (private: `_child_ptr`, `_child_token`):
 
 - depth `d` has `n_d = nodes_per_depth[d]` nodes numbered `0..n_d-1`; depth 0 is the root (node 0),
   depth `depth` holds the leaves (one per item);
@@ -13,10 +13,11 @@ per-depth CSR tables on one device:
 So the child of node `i` reached by the `j`-th token of its range is node `child_ptr[d][i] + j`.
 Leaf `j` is item index `leaf_item[j]` (host int64 array), whose id is `item_ids[leaf_item[j]]`.
 
-Step functions (`children`, `mask_logits_`, `next_node`) are pure tensor ops on the trie's device:
-no host sync, no per-beam Python loop, and with a `TrieWorkspace` no allocation, so they can sit
-inside a CUDA-graph-captured decode step. A node id of `-1` means "dead beam": it has no children
-and every transition from it is `-1` (other negative ids are not supported).
+Step functions (`children`, `next_node`) are pure tensor ops on the trie's device: no host sync, no
+per-beam Python loop. `children` with a `TrieWorkspace` also allocates nothing, so the beam search's
+step (`children`, then gathers on logits and child ids) can sit inside a CUDA-graph-captured decode
+step. A node id of `-1` means "dead beam": it has no children and every transition from it is `-1`
+(other negative ids are not supported).
 
 NOTE: duplicate token sequences are an error by default (the result could not be mapped back to one
 item id); `on_duplicate="first"` keeps the first item instead. Item ids need not be unique.
@@ -182,8 +183,6 @@ class Trie:
                 raise ValueError(f"{path}: {exc}") from None
         raise ValueError(f"{path}: unknown trie file type {path.suffix!r} (use .jsonl or .npy)")
 
-    load = from_file
-
     def save(self, path: str | os.PathLike) -> None:
         """Write the items in their original order as `.jsonl` or `.npy` (+ `<stem>.ids.json`)."""
         path = Path(path)
@@ -245,18 +244,6 @@ class Trie:
         return self._max_children
 
     @property
-    def max_token(self) -> int:
-        return self._max_token
-
-    @property
-    def child_ptr(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self._child_ptr)
-
-    @property
-    def child_token(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self._child_token)
-
-    @property
     def nbytes(self) -> int:
         """Bytes of the device tables plus the host leaf→item map (not counting Python item ids)."""
         tables = sum(t.numel() * t.element_size() for t in self._ptr_ext + self._tok_ext)
@@ -301,12 +288,9 @@ class Trie:
 
     # ------------------------------------------------------------ step functions
 
-    def workspace(self, num_rows: int, logits_dtype: torch.dtype | None = None) -> TrieWorkspace:
-        """Buffers for `num_rows` beams (all depths); `logits_dtype` for `mask_logits_`."""
-        ws = TrieWorkspace(num_rows, max(self._max_children), self.device)
-        if logits_dtype is not None:
-            ws._values_flat(logits_dtype)
-        return ws
+    def workspace(self, num_rows: int) -> TrieWorkspace:
+        """Buffers for `children(..., ws=)` on `num_rows` beams, at every depth."""
+        return TrieWorkspace(num_rows, max(self._max_children), self.device)
 
     def children(
         self, depth: int, node: torch.Tensor, *, ws: TrieWorkspace | None = None
@@ -337,67 +321,10 @@ class Trie:
         v.tokens.copy_(v.tok32)
         return v.tokens, v.child, v.valid
 
-    def mask_logits_(
-        self,
-        logits: torch.Tensor,
-        depth: int,
-        node: torch.Tensor,
-        fill: float = float("-inf"),
-        *,
-        ws: TrieWorkspace | None = None,
-    ) -> torch.Tensor:
-        """In place: set `logits[N, V]` to `fill` outside each node's children; returns `logits`.
-
-        Rows of dead beams (node -1) become all `fill`. Requires every trie token < V.
-        """
-        if logits.dim() != 2 or logits.shape[0] != node.shape[0]:
-            raise ValueError(
-                f"logits must be [N, V] with N = len(node) = {node.shape[0]}, "
-                f"got {tuple(logits.shape)}"
-            )
-        vocab = logits.shape[1]
-        if self._max_token >= vocab:
-            self.check_vocab(vocab)
-        self._check_depth(depth)
-        ws = self._workspace_for(ws, node.shape[0], self._max_children[depth])
-        tokens, _, valid = self.children(depth, node, ws=ws)
-        v = ws.views(tokens.shape[1])
-        # Keep the children's logits, fill the row, write them back. Invalid slots point at the
-        # row's first child (same column, same value) so duplicate scatter indices agree; a dead row
-        # (valid[:, 0] False) reads column 0 and writes `fill` there.
-        torch.where(v.valid, v.tokens, v.tokens[:, :1], out=v.slot)
-        kept = v.values(logits.dtype)
-        torch.gather(logits, 1, v.slot, out=kept)
-        torch.lt(node, 0, out=ws.dead)
-        kept.masked_fill_(ws.dead.unsqueeze(1), fill)
-        logits.fill_(fill)
-        return logits.scatter_(1, v.slot, kept)
-
-    def mask_logits(
-        self,
-        logits: torch.Tensor,
-        depth: int,
-        node: torch.Tensor,
-        fill: float = float("-inf"),
-        *,
-        ws: TrieWorkspace | None = None,
-    ) -> torch.Tensor:
-        """Out-of-place `mask_logits_`: a new `[N, V]` tensor, `logits` untouched."""
-        return self.mask_logits_(logits.clone(), depth, node, fill, ws=ws)
-
-    def next_node(
-        self,
-        depth: int,
-        node: torch.Tensor,
-        token: torch.Tensor,
-        *,
-        ws: TrieWorkspace | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def next_node(self, depth: int, node: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """Child id (at `depth + 1`) of each `node[N]` (at `depth`) via `token[N]`; -1 if none.
 
-        Dead nodes (-1) and tokens that are not children give -1. Returns int64 `[N]` (`out` if
-        given; `out` may alias `node`).
+        Dead nodes (-1) and tokens that are not children give -1. Returns a new int64 `[N]`.
         """
         self._check_depth(depth)
         node = self._check_node(node)
@@ -405,21 +332,13 @@ class Trie:
             raise ValueError(f"token shape {tuple(token.shape)} != node shape {tuple(node.shape)}")
         if not _same_device(token.device, self.device):
             raise ValueError(f"token is on {token.device}, trie on {self.device}")
-        c = self._max_children[depth]
-        if c > _DENSE_LOOKUP_MAX_CHILDREN:
-            result = self._next_node_bsearch(depth, node, token.long())
-            return result if out is None else out.copy_(result)
-        n = node.shape[0]
-        ws = self._workspace_for(ws, n, c)
-        tokens, child, _ = self.children(depth, node, ws=ws)
-        v = ws.views(c)
+        if self._max_children[depth] > _DENSE_LOOKUP_MAX_CHILDREN:
+            return self._next_node_bsearch(depth, node, token.long())
+        tokens, child, _ = self.children(depth, node)  # [N, C] each
         # Invalid slots have child -1, so a match there (token 0 vs padding) still yields -1; child
         # ids are >= 0 and tokens are unique within a node, so the row max is the match or -1.
-        torch.eq(tokens, token.unsqueeze(1), out=v.hit)
-        torch.where(v.hit, child, self._minus_one, out=v.slot)
-        if out is None:
-            out = torch.empty(n, dtype=torch.int64, device=self.device)
-        return torch.amax(v.slot, 1, out=out)
+        hit = tokens == token.unsqueeze(1)
+        return torch.where(hit, child, self._minus_one).amax(1)
 
     def _next_node_bsearch(self, depth: int, node: torch.Tensor, token: torch.Tensor):
         ptr, toks = self._ptr_ext[depth][1:], self._child_token[depth]
@@ -452,11 +371,6 @@ class Trie:
             node = self.next_node(d, node, seqs[:, d].contiguous())
         return node
 
-    def item_ids_of_leaves(self, leaf: torch.Tensor) -> list[Any]:
-        """Item ids of leaf node ids `[K]` (`node` after the last `next_node`); -1 gives None."""
-        leaves = leaf.detach().cpu().numpy()
-        return [None if j < 0 else self._item_id(int(self._leaf_item[j])) for j in leaves]
-
     def item_ids(self, tokens: Sequence[int] | Sequence[Sequence[int]] | np.ndarray | torch.Tensor):
         """Item id of one sequence (list[int]) or the list of ids of many sequences `[K, depth]`.
 
@@ -488,8 +402,6 @@ class Trie:
             return False
         return bool(self.leaf_nodes(arr[None, :])[0] >= 0)
 
-    __contains__ = contains
-
     # ------------------------------------------------------------ helpers
 
     def _item_id(self, index: int) -> Any:
@@ -518,7 +430,7 @@ class Trie:
 
 
 class TrieWorkspace:
-    """Buffers for the step functions of one trie at a fixed number of beams (one per bucket).
+    """Buffers for `Trie.children` of one trie at a fixed number of beams (one per bucket).
 
     Not thread-safe: one workspace per concurrent decode loop. Results returned from calls that take
     it are views of these buffers and are overwritten by the next call.
@@ -532,16 +444,13 @@ class TrieWorkspace:
         self.node = torch.empty(n, **i64)
         self.start = torch.empty(n, **i64)
         self.end = torch.empty(n, **i64)
-        self.dead = torch.empty(n, dtype=torch.bool, device=self.device)
         self._flat = {
             "tokens": torch.empty(size, **i64),
             "child": torch.empty(size, **i64),
             "slot": torch.empty(size, **i64),
             "tok32": torch.empty(size, dtype=torch.int32, device=self.device),
             "valid": torch.empty(size, dtype=torch.bool, device=self.device),
-            "hit": torch.empty(size, dtype=torch.bool, device=self.device),
         }
-        self._values: dict[torch.dtype, torch.Tensor] = {}
         self._views: dict[int, _Views] = {}
 
     def views(self, c: int) -> _Views:
@@ -551,16 +460,9 @@ class TrieWorkspace:
             v = self._views[c] = _Views(self, c)
         return v
 
-    def _values_flat(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._values:  # first use allocates: warm up before CUDA-graph capture
-            size = self.num_rows * self.max_children
-            self._values[dtype] = torch.empty(size, dtype=dtype, device=self.device)
-        return self._values[dtype]
-
 
 class _Views:
     def __init__(self, ws: TrieWorkspace, c: int) -> None:
-        self._ws, self._c = ws, c
         n = ws.num_rows
         for name, flat in ws._flat.items():
             setattr(self, name, flat[: n * c].view(n, c))
@@ -568,14 +470,6 @@ class _Views:
         self.tok32_flat = self.tok32.view(-1)
         self.start_col = ws.start.unsqueeze(1)
         self.end_col = ws.end.unsqueeze(1)
-        self._values: dict[torch.dtype, torch.Tensor] = {}
-
-    def values(self, dtype: torch.dtype) -> torch.Tensor:
-        v = self._values.get(dtype)
-        if v is None:
-            n = self._ws.num_rows
-            v = self._values[dtype] = self._ws._values_flat(dtype)[: n * self._c].view(n, self._c)
-        return v
 
 
 # ---------------------------------------------------------------- build helpers
@@ -662,8 +556,6 @@ def _raise_ragged(sequences, ids: list | None):
 
 
 def _check_token_range(seqs: np.ndarray, ids: list | None) -> None:
-    if seqs.shape[1] == 0:
-        raise ValueError("items must have at least one token (depth 0)")
     if seqs.min() < 0:
         row = int(np.flatnonzero((seqs < 0).any(axis=1))[0])
         raise ValueError(f"negative token in item {_id_of(ids, row)!r}: {seqs[row].tolist()}")
