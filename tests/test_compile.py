@@ -426,71 +426,58 @@ def test_compile_cli_check(tiny_model, aoti_cache, capsys):
     assert "missing" in capsys.readouterr().out
 
 
-def _decode_run(model, prompts, w, steps, session=None, seed=0):
-    """A beam-like loop (fixed tokens/parents) → logits of every decode step; plain or through
-    `session`."""
-    from boundgen.kv import BeamKV, DecodeKV, PromptKV
+def test_search_buckets_equal_the_plain_search(engine_for):
+    """The whole-search buckets (the CUDA-graph layout, here run without graphs) give the plain
+    search's results, across requests that reuse a bucket's buffers, with and without a trie, with
+    padded prompt counts."""
+    from boundgen.compile.decode import SearchGraphs
+    from boundgen.workloads.trie import Trie
 
-    cfg, b = model.config, len(prompts)
-    n = b * w
-    if session is None:
-        batch = pack([SequenceGroup([], prompts)], share_prefix=False)
-        pkv = PromptKV(
-            cfg.num_layers, batch.num_tokens, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu"
-        )
-        model(batch.input_ids, batch.positions, batch.attn, pkv)
-        state = DecodeKV(
-            pkv,
-            batch.attn.cu_seqlens,
-            batch.attn.max_seqlen,
-            BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu"),
-            torch.arange(0, n + 1, w, dtype=torch.int32),
-            w,
-        )
-        lengths = batch.seq_len
-    else:
-        lengths, state = session.prompt_lengths, session.state
-    g = torch.Generator().manual_seed(seed)
-    base = torch.repeat_interleave(lengths, w)
-    out = []
-    for step in range(1, steps):
-        tokens = torch.randint(1, 400, (n,), generator=g)
-        if session is None:
-            state.step = step - 1
-            logits = model.head(model(tokens, base + step - 1, None, state))
-        else:
-            logits = session.step(step - 1, tokens, base + step - 1)
-        out.append(logits.clone())
-        state.beams.reorder(torch.randint(0, n, (n,), generator=g))
-    return out
-
-
-def test_decode_buckets_reuse_persistent_kv(engine_for):
-    """Persistent decode buckets (the CUDA-graph layout, here without graphs) = the plain decode
-    path, across requests that reuse the same buffers."""
-    from boundgen.compile.decode import DecodeGraphs
-
-    model = engine_for("qwen2").model
-    dg = DecodeGraphs(model, torch.device("cpu"), parse_buckets(["t32", "t64"]), use_graphs=False)
+    engine = engine_for("qwen2")
+    model = engine.model
+    sg = SearchGraphs(
+        model,
+        torch.device("cpu"),
+        model.backend,
+        parse_buckets(["t32-s8", "t64-s8"]),
+        use_graphs=False,
+    )
+    trie = Trie.from_sequences([[5, 6, 7], [5, 6, 8], [5, 9, 10], [11, 12, 13]])
     g = torch.Generator().manual_seed(9)
+    for lens in [(7, 12), (9, 5), (7, 12), (3,), (4, 4, 4)]:
+        prompts = [_ids(g, k) for k in lens]
+        for t in (None, trie):
+            with torch.inference_mode():
+                got = sg.run(prompts, 3, 3, t, (1,))
+                want = engine.runner.beam_search(prompts, 3, 3, t, (1,))
+            assert got is not None and torch.equal(got[0], want[0])
+            torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    # two prompts and three pad to the same 4-prompt bucket; one prompt has its own
+    assert {k[1] for k in sg.slots} == {1, 2, 4}
+    assert sg.run([_ids(g, 100)], 3, 3) is None  # no bucket fits → the caller's plain path
+
+
+@pytest.mark.slow
+def test_compiled_search_layers_equal_the_plain_search(engine_for):
+    """Prefill and decode layers through torch.compile (one compiled graph each for every layer and
+    step) give the plain search's results."""
+    from boundgen.compile.aoti import export_attention
+    from boundgen.compile.decode import SearchGraphs
+
+    engine = engine_for("qwen2")
+    model = engine.model
+    sg = SearchGraphs(
+        model,
+        torch.device("cpu"),
+        export_attention(model, "cpu"),
+        parse_buckets(["t32"]),
+        compile_layers=True,
+        use_graphs=False,
+    )
+    g = torch.Generator().manual_seed(3)
+    prompts = [_ids(g, 7), _ids(g, 11)]
     with torch.inference_mode():
-        for seed, lens in enumerate([(7, 12), (9, 5), (7, 12)]):
-            prompts = [_ids(g, k) for k in lens]
-            s = dg.open(prompts, 3, 4)
-            assert (
-                s is not None and dg.open(prompts, 3, 4) is None
-            )  # one request per bucket at a time
-            try:
-                plain = pack([SequenceGroup([], prompts)], share_prefix=False)
-                want_last = model(plain.input_ids, plain.positions, plain.attn).index_select(
-                    0, plain.last_index
-                )
-                torch.testing.assert_close(s.last_hidden, want_last, atol=1e-5, rtol=1e-5)
-                got = _decode_run(model, prompts, 3, 4, s, seed)
-            finally:
-                s.close()
-            want = _decode_run(model, prompts, 3, 4, None, seed)
-            for a, b in zip(got, want):
-                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert len(dg.slots) == 1  # all three requests used the t32 bucket's buffers
-    assert dg.open([_ids(g, 100)], 3, 4) is None  # no bucket fits → caller runs the plain path
+        got = sg.run(prompts, 4, 3)
+        want = engine.runner.beam_search(prompts, 4, 3)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)

@@ -6,8 +6,8 @@ backend (nano-vllm's `model_runner`).
                                forward → each output sequence's row (its last token, or the mean
                                of its tokens)
     head(rows, columns)        the LM head (or score head) on those rows, or some columns of it
-    decode(prompts, w, steps)  a beam-search session: prompts prefilled once, then one token per
-                               beam per step
+    beam_search(prompts, ...)  bounded beam search: a whole-search CUDA graph per bucket, or a plain
+                               per-request session
 
 Compiled backends (`compile.backends`) plug in as `CompiledForwards`; without them the plain
 model runs. Pieces are packed lazily, so the host packs piece n+1 while the device runs piece n.
@@ -20,16 +20,18 @@ import dataclasses
 import threading
 from collections import deque
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from boundgen.compile.backends import CompiledForwards, CompileOptions, select_forwards
 from boundgen.compile.buckets import Bucket, BucketSet
 from boundgen.compile.chunking import chunk
-from boundgen.compile.decode import DecodeSession, plain_session
+from boundgen.compile.decode import plain_session
 from boundgen.config import ModelConfig
 from boundgen.models.decoder import DecoderModel
 from boundgen.runtime.memory import Lease, MemoryPools
+from boundgen.search import search
 from boundgen.text.packing import PackedBatch, SequenceGroup, pack
 
 
@@ -55,6 +57,7 @@ class ModelRunner:
         # staging leases of batches whose device work may still read them (CUDA), oldest first
         self._pending: deque[tuple[torch.cuda.Event, Lease]] = deque()
         self._lock = threading.Lock()
+        self._tries: dict[int, tuple] = {}  # id(trie) → (trie, its copy on this device)
 
     @property
     def config(self) -> ModelConfig:
@@ -147,12 +150,36 @@ class ModelRunner:
             cols = lease.stage(torch.tensor(columns, dtype=torch.int64), bucket=False)
             return self.model.head(rows, cols)
 
-    def decode(self, prompts: list[list[int]], width: int, steps: int) -> DecodeSession:
-        """A beam-search session over `prompts` (prefilled now): persistent graphed buckets when the
-        backend has them and one fits and is free, else a plain per-request one."""
-        decode = self.forwards.decode if self.forwards else None
-        session = decode.open(prompts, width, steps) if decode is not None else None
-        return session or plain_session(self.model, self.device, prompts, width, steps)
+    @torch.inference_mode()
+    def beam_search(
+        self,
+        prompts: list[list[int]],
+        width: int,
+        steps: int,
+        trie: Any = None,
+        banned: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bounded beam search (`search.search`) over `prompts`: (tokens [B, W, S], scores [B, W]).
+        A whole-search CUDA graph when the backend has them and a bucket fits and is free, else a
+        plain session per request (`trie`: a `boundgen.Trie`, moved to this device once)."""
+        trie = self._on_device(trie)
+        graphs = self.forwards.search if self.forwards else None
+        if graphs is not None:
+            out = graphs.run(prompts, width, steps, trie, tuple(banned))
+            if out is not None:
+                return out
+        session = plain_session(self.model, self.device, prompts, width, steps)
+        return search(session, self.model.head, width, steps, trie, banned)
+
+    def _on_device(self, trie: Any) -> Any:
+        """The trie on this runner's device, copied once per trie (a graph keeps reading it)."""
+        if trie is None or _same_device(trie.device, self.device):
+            return trie
+        with self._lock:
+            moved = self._tries.get(id(trie))
+            if moved is None or moved[0] is not trie:
+                moved = self._tries[id(trie)] = (trie, trie.to(self.device))
+            return moved[1]
 
     def stats(self) -> dict:
         out = {"backend": self.backend_name}
@@ -232,6 +259,15 @@ def _stage_many(
 
 
 # ---- bucket lookup -----------------------------------------------------------------------------
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 def _mean_rows_with_prefix(groups: list[SequenceGroup], modes: list[str]) -> bool:

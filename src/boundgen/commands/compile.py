@@ -163,9 +163,9 @@ def _load_eager(args):
 
 def _plan(args):
     """The planned buckets (printed with their predicted padding), or None without a profile."""
-    from boundgen.settings import from_args
     from boundgen.compile import planner
     from boundgen.config import EngineConfig
+    from boundgen.settings import from_args
 
     if args.profile and args.from_traffic:
         raise ValueError("give --profile or --from-traffic, not both")

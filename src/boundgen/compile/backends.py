@@ -26,7 +26,7 @@ from boundgen.compile.cache import (
     model_fingerprint,
     platform_info,
 )
-from boundgen.compile.decode import DecodeGraphs
+from boundgen.compile.decode import SearchGraphs
 from boundgen.compile.preload import AOTIUnsafe, ensure_loadable
 from boundgen.models.decoder import DecoderModel
 
@@ -56,6 +56,9 @@ class CompileOptions:
     graph_max_tokens: int = 2048
     warmup: bool = True  # compile/aoti: run every bucket once at start-up, not in the first request
     allow_reexec: bool = False  # may re-exec the process with LD_PRELOAD (CLI entry points only)
+    # +graphs: the beam search's prefill and decode layers through torch.compile (one compiled
+    # graph for all layers); None: for the compile and aoti backends, not for eager
+    compile_decode: bool | None = None
     progress: Callable[[str, dict], None] | None = None  # progress(event, info) per bucket
     build_log: list[dict] = field(default_factory=list)
 
@@ -70,7 +73,7 @@ class CompiledForwards:
     # compiled buckets also take big chunks (cut into bucket-sized pieces); eager buckets (graphs of
     # the plain model) only the small ones: an uncompiled forward runs any size as it is
     cut_large_chunks: bool
-    decode: DecodeGraphs | None = None  # persistent decode buckets (beam search) when graphed
+    search: SearchGraphs | None = None  # whole beam searches as CUDA graphs (with +graphs)
 
 
 # -- backends ------------------------------------------------------------------------------------
@@ -219,15 +222,17 @@ def _build(
         fns = _compile_fns(model, buckets, device, opts.warmup)
     else:
         buckets, fns = _aoti_fns(model, device, buckets, opts, graphs)
-    decode = None
+    search = None
     if graphs:
+        from boundgen.compile.aoti import export_attention
         from boundgen.compile.graphs import capture_buckets
 
         with torch.inference_mode():
             fns = capture_buckets(fns, device, opts.graph_max_tokens)
-        # beam decode steps: persistent per-bucket KV + one graph per step (workloads.beam)
-        decode = DecodeGraphs(model, device)
-    return CompiledForwards(backend, buckets, fns, base != "eager", decode)
+        compile_decode = base != "eager" if opts.compile_decode is None else opts.compile_decode
+        attention = export_attention(model, device) if compile_decode else model.backend
+        search = SearchGraphs(model, device, attention, compile_layers=compile_decode)
+    return CompiledForwards(backend, buckets, fns, base != "eager", search)
 
 
 def select_forwards(

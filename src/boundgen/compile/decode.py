@@ -1,55 +1,45 @@
-"""Beam-search decode sessions: the prompts prefilled once, then one token per beam per step.
+"""Beam-search decoding: a plain session per request, and `SearchGraphs`, the whole search as one CUDA
+graph per bucket.
 
-`PlainDecode` allocates a session's KV per request and runs the model as is. `DecodeGraphs` keeps
-persistent decode buckets for CUDA graphs: a decode step (W·B rows, one token each) is pure launch
-overhead on a GPU, and its shapes are fixed by (prompts B, width W, steps S, padded prompt tokens
-T). Per such bucket the prompt KV, the beam KV, `cu_beams`/`cu_prompt` and the step inputs live in
-**persistent** buffers, so a graph captured for step s in one request replays in every later one:
+A decode step (B·W rows, one token each) is pure launch overhead on a GPU: the eager model is ~75
+kernels a layer, and the selection, KV reorder and history gather between steps add more. A
+`SearchGraphs` bucket (padded prompt tokens T, prompts B, width W, steps S, trie) keeps the prompt
+KV, the beams' KV, the step inputs and the results in persistent buffers, and captures one call of
+`search.search` over them — prefill, S decode steps, selection and reorders — as a single graph.
+A request copies its padded prompts in and replays it.
 
-- the prompt batch is padded into a plain bucket (`BucketSet.pad`), prefilled eagerly into the
-  persistent `PromptKV`; `cu_prompt` is the first B+1 boundaries (pad segments come after the real
-  prompts);
-- `BeamKV.reorder` swaps its double buffers at every step > 0, so the buffers step s reads are fixed
-  by s; `open()` restores the initial buffer assignment, so every request sees the same sequence;
-- `state.step` is a Python int baked into each graph: one graph per step index, captured on first
-  use;
-- one request at a time per bucket (`open` takes the bucket's lock without blocking; a busy or unfit
-  request gets None and the runner opens a plain session).
+With `compile_layers` the prefill and the decode step run per layer through one `torch.compile`d
+function each (regional compilation: the layer module is an argument, so one compiled graph serves
+all layers, and the decode step takes its index as a tensor, so one graph serves all steps):
+RMSNorm, RoPE, SiLU·mul, residuals and the KV writes fuse.
 
-`use_graphs=False` runs the same persistent-buffer path without graphs (CPU tests).
+Rules that keep replays correct (see compile/graphs.py): inputs are copied into the bucket's static
+buffers; `BeamKV.reorder` swaps its double buffers while the graph is captured, so every replay
+reads and writes the same buffers in the same order; a trie's tensors keep their storage (the
+bucket is keyed by the trie object, which holds them).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from boundgen.attention.cascade import merge_partial
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
+from boundgen.search import banned_tensor, search
 from boundgen.text.packing import SequenceGroup, pack
-
-
-@dataclass
-class _Slot:
-    prompt: PromptKV
-    beams: BeamKV
-    state: DecodeKV
-    cu_prompt: torch.Tensor
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    initial: tuple  # (k, v, k_spare, v_spare) at creation
-    graphs: dict = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class DecodeSession:
     """One beam search's decode state: `prompt_lengths` [B] and `last_hidden` [B, H] from the
     prefill; `step(i, tokens, positions)` → logits [N, V] of decode step i (N = B·W rows, one token
-    each; a static buffer when graphed: consume it before the next step); `reorder(parent)` makes
-    beam n continue beam parent[n]; `close()` when done."""
+    each); `reorder(parent)` makes beam n continue beam parent[n]; `close()` when done."""
 
     def __init__(
         self,
@@ -94,26 +84,194 @@ def plain_session(model, device, prompts: list[list[int]], width: int, steps: in
     return DecodeSession(state, batch.seq_len, hidden.index_select(0, batch.last_index), step)
 
 
-class DecodeGraphs:
+# ---- one layer of the prefill and of a decode step, as functions of their tensors ---------------
+
+
+def prefill_layer(layer, x, cos, sin, cu_seqlens, max_seqlen: int, pk, pv, backend):
+    """A decoder layer over packed prompts (causal per segment), storing k/v into `pk`/`pv`
+    [T, Hkv, D]. x [T, hidden] → [T, hidden]."""
+    h = layer.input_layernorm(x)
+    q, k, v = layer.self_attn.project(h, cos, sin)
+    pk.copy_(k)
+    pv.copy_(v)
+    o, _ = backend.varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True)
+    x = x + layer.self_attn.o_proj(o.reshape(x.shape[0], -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def decode_layer(
+    layer, x, cos, sin, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams, max_prompt, backend
+):
+    """A decoder layer for one token per beam. The beam's k/v go into slot `step` (an int64 tensor
+    [1]) of `bk`/`bv` [N, S, Hkv, D]; queries attend to their prompt's KV (`pk`/`pv` [T, Hkv, D],
+    segments `cu_prompt`, shared by the prompt's beams `cu_beams`) and to their own slots ≤ step,
+    merged by log-sum-exp. x [N, hidden] → [N, hidden]."""
+    n = x.shape[0]
+    h = layer.input_layernorm(x)
+    q, k, v = layer.self_attn.project(h, cos, sin)
+    bk.index_copy_(1, step, k.unsqueeze(1))
+    bv.index_copy_(1, step, v.unsqueeze(1))
+    shared, shared_lse = backend.varlen(
+        q, pk, pv, cu_beams, cu_prompt, max_beams, max_prompt, False
+    )
+    own, own_lse = _own_slots_attention(q, bk, bv, step)
+    o = merge_partial(shared, shared_lse, own, own_lse)
+    x = x + layer.self_attn.o_proj(o.reshape(n, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _own_slots_attention(q, k, v, step) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, Hq, D]; k, v [N, S, Hkv, D] of which slots > step are not written yet (masked).
+    → out [N, Hq, D], lse [N, Hq] float32."""
+    n, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    qf = q.float().view(n, hkv, hq // hkv, d)
+    scores = torch.einsum("ngrd,nsgd->ngrs", qf, k.float()) * (1.0 / math.sqrt(d))
+    later = torch.arange(s, device=q.device) > step  # [S]
+    scores = scores.masked_fill(later, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [N, Hkv, rep]
+    out = torch.einsum("ngrs,nsgd->ngrd", torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    return out.reshape(n, hq, d).to(q.dtype), lse.reshape(n, hq)
+
+
+class ModelSteps:
+    """The prefill and the decode step of `model` over explicit buffers, per layer (compiled once
+    for all layers when `compile_layers`)."""
+
+    def __init__(self, model, backend, compile_layers: bool) -> None:
+        self.model, self.backend = model, backend
+        self._prefill, self._decode = prefill_layer, decode_layer
+        if compile_layers:
+            self._prefill = torch.compile(prefill_layer, fullgraph=True, dynamic=False)
+            self._decode = torch.compile(decode_layer, fullgraph=True, dynamic=False)
+
+    def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, prompt: PromptKV):
+        m = self.model
+        x = m.embed_tokens(ids)
+        cos, sin = m.rotary(positions, x.dtype)
+        for i, layer in enumerate(m.layers):
+            x = self._prefill(
+                layer, x, cos, sin, cu_seqlens, max_seqlen, prompt.k[i], prompt.v[i], self.backend
+            )
+        return m.norm(x)
+
+    def decode(self, tokens, positions, state: DecodeKV, step: torch.Tensor) -> torch.Tensor:
+        m, b = self.model, state.beams
+        x = m.embed_tokens(tokens)
+        cos, sin = m.rotary(positions, x.dtype)
+        for i, layer in enumerate(m.layers):
+            x = self._decode(
+                layer,
+                x,
+                cos,
+                sin,
+                state.prompt.k[i],
+                state.prompt.v[i],
+                b.k[i],
+                b.v[i],
+                step,
+                state.cu_beams,
+                state.cu_prompt,
+                state.max_beams,
+                state.max_prompt,
+                self.backend,
+            )
+        return m.head(m.norm(x))
+
+
+# ---- the whole search, captured per bucket --------------------------------------------------------
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # prompts per search: a request's count is padded up
+
+
+@dataclass
+class _Slot:
+    """One bucket's persistent buffers, its graph (once captured) and its lock."""
+
+    ids: torch.Tensor  # [T] padded prompt tokens
+    positions: torch.Tensor  # [T]
+    cu_seqlens: torch.Tensor  # int32, the bucket's segments
+    max_seqlen: int
+    last_index: torch.Tensor  # [B] row of each prompt's last token
+    lengths: torch.Tensor  # [B]
+    state: DecodeKV
+    initial: tuple  # the beam KV's buffers in their initial order
+    steps: torch.Tensor  # int64 [S]: step i's slot index, sliced [i:i+1] per step
+    banned: torch.Tensor  # int64 token ids no beam continues with
+    workspaces: dict = field(default_factory=dict)  # the trie's buffers per row count
+    trie: Any = None  # kept alive: the graph reads its tensors
+    tokens: torch.Tensor | None = None  # results [B, W, S]
+    scores: torch.Tensor | None = None  # [B, W]
+    graph: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SearchGraphs:
+    """Whole-search buckets: `run(prompts, width, steps, trie, banned)` → (tokens [B, W, S], scores
+    [B, W]), or None when no bucket fits (too many or too long prompts) or the bucket is busy (the
+    caller then runs the plain path). `use_graphs=False` runs the same buffers without graphs."""
+
     def __init__(
         self,
         model,
         device: torch.device,
+        backend,
         prompt_buckets: list[Bucket] | None = None,
+        compile_layers: bool = False,
         use_graphs: bool | None = None,
-        max_slots: int = 16,
+        max_slots: int = 32,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
         plain = [b for b in (prompt_buckets or default_buckets(4096, 64)) if not b.cascade]
         self.buckets = BucketSet(plain)
+        self.steps = ModelSteps(model, backend, compile_layers)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.max_slots = max_slots
         self.slots: dict[tuple, _Slot] = {}
+        self.compile_layers = compile_layers
         self._lock = threading.Lock()
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
-    def _slot(self, key: tuple, bucket: Bucket, b: int, w: int, steps: int) -> _Slot | None:
+    def run(
+        self,
+        prompts: list[list[int]],
+        width: int,
+        steps: int,
+        trie: Any = None,
+        banned: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        b = len(prompts)
+        b_pad = next((s for s in BATCH_SIZES if s >= b), None)
+        if b_pad is None:
+            return None
+        padded_prompts = list(prompts) + [[0]] * (b_pad - b)  # dummy prompts, results dropped
+        batch = pack([SequenceGroup([], padded_prompts)], share_prefix=False)
+        bucket, padded = self.buckets.pad(batch)
+        if bucket is None:
+            return None
+        key = (bucket, b_pad, width, steps, id(trie) if trie is not None else None, tuple(banned))
+        slot = self._slot(key, bucket, b_pad, width, steps, banned)
+        if slot is None or not slot.lock.acquire(blocking=False):
+            return None
+        slot.trie = trie
+        try:
+            slot.ids.copy_(padded.input_ids, non_blocking=True)
+            slot.positions.copy_(padded.positions, non_blocking=True)
+            slot.cu_seqlens.copy_(padded.attn.cu_seqlens, non_blocking=True)
+            slot.last_index.copy_(padded.last_index, non_blocking=True)
+            slot.lengths.copy_(padded.seq_len, non_blocking=True)
+            if slot.graph is None:
+                self._prepare(slot, width, steps, trie)
+            else:
+                slot.graph.replay()
+            return slot.tokens[:b].clone(), slot.scores[:b].clone()
+        finally:
+            slot.lock.release()
+
+    def _slot(
+        self, key: tuple, bucket: Bucket, b: int, w: int, steps: int, banned: tuple
+    ) -> _Slot | None:
         with self._lock:
             slot = self.slots.get(key)
             if slot is not None or len(self.slots) >= self.max_slots:
@@ -121,71 +279,67 @@ class DecodeGraphs:
             cfg, dev = self.model.config, self.device
             dtype = self.model.embed_tokens.weight.dtype
             n = b * w
+            example = bucket.example(dev)
             prompt = PromptKV(
                 cfg.num_layers, bucket.tokens, cfg.num_kv_heads, cfg.head_dim, dtype, dev
             )
             beams = BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
-            cu_prompt = torch.zeros(b + 1, dtype=torch.int32, device=dev)
             cu_beams = torch.arange(0, n + 1, w, dtype=torch.int32, device=dev)
-            state = DecodeKV(prompt, cu_prompt, bucket.max_seqlen, beams, cu_beams, w)
+            cu_seqlens = example.attn.cu_seqlens.clone()
+            # NOTE: the prompts are the first b segments of the padded layout (pad segments after)
+            state = DecodeKV(prompt, cu_seqlens[: b + 1], bucket.max_seqlen, beams, cu_beams, w)
             slot = _Slot(
-                prompt,
-                beams,
-                state,
-                cu_prompt,
-                torch.zeros(n, dtype=torch.long, device=dev),
-                torch.zeros(n, dtype=torch.long, device=dev),
-                (beams.k, beams.v, beams._k_spare, beams._v_spare),
+                ids=example.input_ids.clone(),
+                positions=example.positions.clone(),
+                cu_seqlens=cu_seqlens,
+                max_seqlen=bucket.max_seqlen,
+                last_index=torch.zeros(b, dtype=torch.int64, device=dev),
+                lengths=torch.ones(b, dtype=torch.int64, device=dev),
+                state=state,
+                initial=(beams.k, beams.v, beams._k_spare, beams._v_spare),
+                steps=torch.arange(max(steps, 1), dtype=torch.int64, device=dev),
+                banned=banned_tensor(banned, cfg.vocab_size, dev),
             )
             self.slots[key] = slot
             return slot
 
-    def open(self, prompts: list[list[int]], width: int, steps: int) -> DecodeSession | None:
-        """Prefill `prompts` into a decode bucket's persistent KV; None when no bucket fits or it
-        is busy."""
-        batch = pack([SequenceGroup([], prompts)], share_prefix=False)
-        bucket, padded = self.buckets.pad(batch)
-        if bucket is None:
-            return None
-        b = len(prompts)
-        slot = self._slot((bucket, b, width, steps), bucket, b, width, steps)
-        if slot is None or not slot.lock.acquire(blocking=False):
-            return None
-        try:
-            beams = slot.beams
-            beams.k, beams.v, beams._k_spare, beams._v_spare = slot.initial
-            slot.state.step = 0
-            dev = padded.to(self.device, non_blocking=True)
-            slot.cu_prompt.copy_(dev.attn.cu_seqlens[: b + 1])
-            hidden = self.model(dev.input_ids, dev.positions, dev.attn, slot.prompt)
-            return DecodeSession(
-                slot.state,
-                dev.seq_len,
-                hidden.index_select(0, dev.last_index),
-                lambda i, tokens, positions: self._step(slot, i, tokens, positions),
-                slot.lock.release,
-            )
-        except BaseException:
-            slot.lock.release()
-            raise
-
-    def _step(self, slot: _Slot, step_index: int, tokens, positions) -> torch.Tensor:
-        model, state = self.model, slot.state
-        if not self.use_graphs:
-            state.step = step_index
-            return model.head(model(tokens, positions, None, state))
-        graph = slot.graphs.get(step_index)
-        if graph is None:
-            from boundgen.compile.graphs import StaticGraph
-
-            def fn(t, p, s=step_index):
-                state.step = s
-                return model.head(model(t, p, None, state))
-
+    def _search(self, slot: _Slot, width: int, steps: int, trie: Any) -> None:
+        """One search over the slot's buffers (what the graph captures)."""
+        beams = slot.state.beams
+        beams.k, beams.v, beams._k_spare, beams._v_spare = slot.initial
+        hidden = self.steps.prefill(
+            slot.ids, slot.positions, slot.cu_seqlens, slot.max_seqlen, slot.state.prompt
+        )
+        session = DecodeSession(
+            slot.state,
+            slot.lengths,
+            hidden.index_select(0, slot.last_index),
+            lambda i, tokens, positions: self.steps.decode(
+                tokens, positions, slot.state, slot.steps[i : i + 1]
+            ),
+        )
+        tokens, scores = search(
+            session, self.model.head, width, steps, trie, slot.banned, slot.workspaces
+        )
+        if slot.tokens is None:
+            slot.tokens, slot.scores = tokens, scores
+        else:
             slot.tokens.copy_(tokens)
-            slot.positions.copy_(positions)
-            # NOTE: warm-up runs of the step rewrite the same KV slot with the same values
-            # (idempotent)
-            graph = StaticGraph(fn, [slot.tokens, slot.positions], pool=self._pool)
-            slot.graphs[step_index] = graph
-        return graph(tokens, positions)
+            slot.scores.copy_(scores)
+
+    def _prepare(self, slot: _Slot, width: int, steps: int, trie: Any) -> None:
+        """First use of a bucket: run it (results for this request), then capture it for the next."""
+        if not self.use_graphs:
+            self._search(slot, width, steps, trie)
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (and compile) outside the capture
+            for _ in range(2):
+                self._search(slot, width, steps, trie)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._search(slot, width, steps, trie)
+        graph.replay()  # this request's results (the capture itself computes nothing)
+        slot.graph = graph

@@ -27,7 +27,6 @@ from boundgen.models.decoder import DecoderModel
 from boundgen.models.weights import hf_state_dict, load_weights
 from boundgen.runner import ModelRunner
 from boundgen.settings import option
-from boundgen.workloads.beam_search import run_beam
 from boundgen.workloads.trie import Trie
 
 EOS = "<|endoftext|>"
@@ -347,9 +346,9 @@ SID_BEAM_WIDTH = 10  # the beam width and k of recall@k in the held-out retrieva
 
 def beam_items(model: DecoderModel, prompts: list[list[int]], trie: Trie) -> list[list[int]]:
     """Item ids of the top beams per prompt, best first: the engine's trie-constrained beam search
-    (`run_beam`, the code behind `engine.beam_search(..., trie=...)`) on the training model."""
+    (`ModelRunner.beam_search`, the code behind `engine.beam_search(..., trie=...)`) on the training model."""
     runner = ModelRunner(model, model.embed_tokens.weight.device)
-    tokens, scores = run_beam(runner, prompts, SID_BEAM_WIDTH, trie.depth, trie)
+    tokens, scores = runner.beam_search(prompts, SID_BEAM_WIDTH, trie.depth, trie)
     # tokens: [B, W, depth]; scores: [B, W], dead beams (fewer items than W) at -inf
     return [trie.item_ids(tokens[b][torch.isfinite(scores[b])]) for b in range(tokens.shape[0])]
 

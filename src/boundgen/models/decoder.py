@@ -34,7 +34,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x, cos, sin, attn: AttnInputs, kv, layer: int, backend: AttentionBackend):
+    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] → q [T, Hq, D], k and v [T, Hkv, D], q and k normed (Qwen3) and rotated."""
         t = x.shape[0]
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
@@ -43,7 +44,11 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, attn: AttnInputs, kv, layer: int, backend: AttentionBackend):
+        t = x.shape[0]
+        q, k, v = self.project(x, cos, sin)
         if isinstance(kv, DecodeKV):
             o = decode_attention(q, k, v, layer, kv, backend)
         else:

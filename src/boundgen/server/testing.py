@@ -37,9 +37,9 @@ class _SlowRunner:
         time.sleep(self.delay_s)
         return self._runner.rows(*args, **kwargs)
 
-    def decode(self, *args: Any, **kwargs: Any) -> Any:
+    def beam_search(self, *args: Any, **kwargs: Any) -> Any:
         time.sleep(self.delay_s)
-        return self._runner.decode(*args, **kwargs)
+        return self._runner.beam_search(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)

@@ -1,8 +1,8 @@
 """Beam search as a workload: the request, its validation, and the pipeline.
 
 Pipeline: prepare (CPU: validate, tokenize) → beam (batching, DEVICE: requests with the same width,
-steps and trie share one packed prefill and decode loop, `beam_search.run_beam`) → finish (CPU: the
-top results per prompt as lists).
+steps and trie share one search, `ModelRunner.beam_search`) → finish (CPU: the top results per
+prompt as lists). The search itself (HF `generate` semantics) is `boundgen.search`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 from boundgen.runtime.dag import Pipeline
 from boundgen.text.tokenizer import Tokenizer
 from boundgen.workloads.base import BeamBounds, Workload, WorkloadContext, cpu_node
-from boundgen.workloads.beam_search import finish_beam, run_beam
 from boundgen.workloads.inputs import Limits, check_items, fit_length, to_ids
 from boundgen.workloads.trie import Trie
 
@@ -94,8 +93,8 @@ class _Beam:
         for key, prompts in batch["groups"].items():
             width, steps, trie_id = key
             trie = batch["tries"].get(trie_id) if trie_id is not None else None
-            out[key] = run_beam(
-                self.context.runner, prompts, width, steps, trie, self.context.eos_token_ids
+            out[key] = self.context.runner.beam_search(
+                prompts, width, steps, trie, self.context.eos_token_ids
             )
         return out
 
@@ -146,6 +145,21 @@ def build(context: WorkloadContext) -> Pipeline:
         ],
         ["results"],
     )
+
+
+def finish_beam(
+    tokens: torch.Tensor, scores: torch.Tensor, top_k: int
+) -> list[list[tuple[list[int], float]]]:
+    tokens, scores = tokens.cpu(), scores.float().cpu()
+    out = []
+    for b in range(tokens.shape[0]):
+        rows = [
+            (tokens[b, j].tolist(), float(scores[b, j]))
+            for j in range(min(top_k, tokens.shape[1]))
+            if torch.isfinite(scores[b, j])
+        ]
+        out.append(rows)
+    return out
 
 
 WORKLOAD = Workload("beam", BeamRequest, build)

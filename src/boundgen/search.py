@@ -1,0 +1,136 @@
+"""Bounded beam search: exactly `steps` decode steps at width `width`, optionally restricted to the
+item-ID sequences of a trie (DESIGN §4). The selection runs on the device with static shapes and no
+host synchronisation, so a whole search can be captured as one CUDA graph (`compile/decode.py`).
+
+Semantics match HF `generate(num_beams=W, max_new_tokens=S, min_new_tokens=S, length_penalty=0,
+early_stopping=False)`: scores are cumulative full-vocabulary log-probs; banned tokens (EOS) are
+never a continuation (every result has exactly S tokens). With a trie, each step keeps only each
+beam's trie children; when fewer continuations than beams exist, the surplus beams die (score −inf)
+and are dropped from results.
+
+`search(session, ...)` drives a decode session (`compile/decode.py`): the prompts are prefilled
+once and shared by their beams; each step feeds one token per beam and reorders the beams' own KV
+by gathering it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+NEG_INF = float("-inf")
+# Without a trie the top W of a prompt's W·V candidates are found in two stages: the top W of each
+# beam's vocabulary cut into chunks of this size, then the top W of the survivors. One top-k over
+# 151,936 columns cost 109 µs a call on the H200 (issue 15); chunked rows run on many more blocks.
+TOPK_CHUNK = 4096
+
+
+class Expander:
+    """Candidate continuations of every beam: scores [B, Wc·C], their tokens and trie child ids.
+
+    `trie` is any object with `children(depth, node, ws=...) -> (tokens, child, valid)` and
+    `workspace(rows)` (`boundgen.Trie`); its buffers are preallocated per row count.
+    """
+
+    def __init__(self, trie: Any, banned: torch.Tensor, workspaces: dict | None = None) -> None:
+        self.trie = trie
+        self.banned = banned
+        self._ws: dict[int, object] = {} if workspaces is None else workspaces
+
+    def __call__(self, depth: int, logp: torch.Tensor, scores: torch.Tensor, node: torch.Tensor):
+        b, wc, v = logp.shape
+        if self.trie is None:
+            if self.banned.numel():
+                logp.index_fill_(2, self.banned, NEG_INF)
+            cand = (scores.unsqueeze(-1) + logp).view(b, wc * v)
+            return cand, None, None, v
+        rows = node.shape[0]
+        if rows not in self._ws:
+            self._ws[rows] = self.trie.workspace(rows)
+        tokens, child, valid = self.trie.children(depth, node, ws=self._ws[rows])
+        lp = logp.view(b * wc, v).gather(1, tokens).masked_fill_(~valid, NEG_INF)
+        cand = (scores.view(-1, 1) + lp).view(b, -1)
+        return cand, tokens.reshape(b, -1), child.reshape(b, -1), tokens.shape[1]
+
+
+def top_candidates(cand: torch.Tensor, k: int, per_beam: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top `k` of each row of `cand` [B, Wc·C] (best first), as (values, column indices).
+
+    Rows made of Wc blocks of `per_beam` columns (a beam's vocabulary) are reduced in two stages
+    when the blocks are long: the top k of every `TOPK_CHUNK`-wide chunk, then the top k of those.
+    Exact: the overall top k is among the chunks' top k."""
+    b, cols = cand.shape
+    if per_beam <= TOPK_CHUNK or k > TOPK_CHUNK:
+        return torch.topk(cand, k, dim=1)
+    pad = -cols % TOPK_CHUNK
+    if pad:  # whole chunks; the padding can never be chosen over a real column
+        cand = torch.nn.functional.pad(cand, (0, pad), value=NEG_INF)
+    n_chunks = (cols + pad) // TOPK_CHUNK
+    vals, idx = torch.topk(cand.view(b, n_chunks, TOPK_CHUNK), k, dim=2)  # [B, n_chunks, k]
+    base = torch.arange(n_chunks, device=cand.device).mul_(TOPK_CHUNK).view(1, -1, 1)
+    top, pos = torch.topk(vals.view(b, -1), k, dim=1)
+    return top, (idx + base).view(b, -1).gather(1, pos)
+
+
+def banned_tensor(banned: Any, vocab: int, device) -> torch.Tensor:
+    """The banned token ids inside the vocabulary, as an int64 tensor on `device` (made before a
+    CUDA-graph capture: a host-to-device copy cannot be captured)."""
+    ids = sorted({int(t) for t in banned if 0 <= int(t) < vocab})
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def search(
+    session: Any,
+    head: Any,
+    width: int,
+    steps: int,
+    trie: Any = None,
+    banned: torch.Tensor | list[int] | tuple[int, ...] = (),
+    workspaces: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ (tokens [B, W, S] int64, scores [B, W] float32), beams sorted best first, dead beams at
+    −inf. `session`: `last_hidden` [B, H], `prompt_lengths` [B], `step(i, tokens, positions)` →
+    logits [B·W, V], `reorder(parent)`; `head(rows)` → full-vocabulary logits; `banned`: token ids
+    never continued (a tensor from `banned_tensor` inside a CUDA-graph capture); `workspaces`: the
+    trie's buffers per row count, kept across searches (a graph's buffers)."""
+    last = session.last_hidden
+    dev = last.device
+    b, w = last.shape[0], width
+    n = b * w
+    logp = torch.log_softmax(head(last), dim=-1)
+    if not isinstance(banned, torch.Tensor):
+        banned = banned_tensor(banned, logp.shape[-1], dev)
+    expand = Expander(trie, banned, workspaces)
+    hist = torch.zeros(b, w, steps, dtype=torch.long, device=dev)
+    scores = torch.zeros(b, 1, device=dev)
+    node = torch.zeros(b, dtype=torch.long, device=dev)  # trie root; unused without a trie
+    base_pos = torch.repeat_interleave(session.prompt_lengths, w)
+    row_base = torch.arange(b, device=dev).unsqueeze(1)
+    for step in range(steps):
+        if step > 0:
+            tokens, positions = hist[:, :, step - 1].reshape(n), base_pos + (step - 1)
+            logits = session.step(step - 1, tokens, positions)
+            logp = torch.log_softmax(logits, dim=-1).view(b, w, -1)
+        else:
+            logp = logp.unsqueeze(1)
+        wc = logp.shape[1]
+        cand, cand_tokens, cand_child, c = expand(step, logp, scores, node)
+        k = min(w, cand.shape[1])
+        top, idx = top_candidates(cand, k, c)
+        if k < w:  # fewer continuations than beams: pad with dead beams
+            top = torch.cat([top, top.new_full((b, w - k), NEG_INF)], 1)
+            idx = torch.cat([idx, idx.new_zeros((b, w - k))], 1)
+        parent = (idx // c) if wc > 1 else torch.zeros_like(idx)
+        if cand_tokens is None:
+            token = idx % c
+        else:
+            token = cand_tokens.gather(1, idx)
+            node = cand_child.gather(1, idx).masked_fill_(top == NEG_INF, -1).view(n)
+        if step > 0:
+            global_parent = (row_base * w + parent).view(n)
+            session.reorder(global_parent)
+            hist = hist.view(n, steps).index_select(0, global_parent).view(b, w, steps)
+        hist[:, :, step] = token.masked_fill(top == NEG_INF, 0)
+        scores = top
+    return hist, scores
