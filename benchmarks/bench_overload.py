@@ -3,11 +3,12 @@ saturation throughput, and a long soak with the server's resident memory sampled
 
 Overload (default):
 1. nominal latency: closed loop, one request at a time (p50/p99 of an unloaded server);
-2. saturation: closed loop with 4, 8, 16, ... concurrent clients until ok/s stops growing (by 5 %);
-   the best ok/s is the saturation throughput;
+2. saturation: closed loop with 2, 4, 8, 16, 32 concurrent clients; the best ok/s is the
+   saturation throughput;
 3. open-loop Poisson arrivals (`boundgen.loadtest`) at 1×, 2×, 3× saturation, --duration s each:
    accepted (200) p50/p99 and p99 / nominal p99, the 429 and 504 shares, goodput (200/s) and
-   goodput / saturation. Issue 19's targets at 3×: p99 ≤ 2× nominal, goodput ≥ 90 % of saturation.
+   goodput / saturation. Before each step the script waits until the server has no request left
+   running. Issue 19's targets at 3×: p99 ≤ 2× nominal, goodput ≥ 90 % of saturation.
 
 `--soak MINUTES`: open-loop at --soak-load × saturation (mixed score + trie beam by default) for
 MINUTES, sampling the server's RSS every --rss-every-s seconds (from /proc when this script started
@@ -99,27 +100,25 @@ def _pct(sorted_ms: list[float], p: float) -> float:
     return sorted_ms[min(len(sorted_ms) - 1, round((len(sorted_ms) - 1) * p / 100))]
 
 
-def find_saturation(cfg: LoadConfig, bodies: list[bytes], seconds: float, log=print) -> dict:
-    """Nominal latency at concurrency 1, then double the concurrency until ok/s grows < 5 %."""
+def find_saturation(
+    cfg: LoadConfig, bodies: list[bytes], seconds: float, concurrency: list[int], log=print
+) -> dict:
+    """Nominal latency at concurrency 1, then ok/s at each concurrency; the best is saturation."""
     nominal = closed_loop(cfg, bodies, 1, seconds)
     log(
         f"nominal (1 client): {nominal['ok_per_s']:.1f} ok/s, p50 {nominal['p50_ms']:.1f} ms, "
         f"p99 {nominal['p99_ms']:.1f} ms"
     )
-    sweep, best = [], None
-    concurrency = 4
-    while concurrency <= 256:
-        step = closed_loop(cfg, bodies, concurrency, seconds)
+    sweep = []
+    for c in concurrency:
+        wait_idle(cfg)
+        step = closed_loop(cfg, bodies, c, seconds)
         sweep.append(step)
         log(
-            f"closed loop, {concurrency} clients: {step['ok_per_s']:.1f} ok/s, "
-            f"p50 {step['p50_ms']:.1f} ms, p99 {step['p99_ms']:.1f} ms, errors {step['errors']}"
+            f"closed loop, {c} clients: {step['ok_per_s']:.1f} ok/s, p50 {step['p50_ms']:.1f} ms, "
+            f"p99 {step['p99_ms']:.1f} ms, errors {step['errors']}"
         )
-        if best is not None and step["ok_per_s"] < 1.05 * best["ok_per_s"]:
-            best = max(best, step, key=lambda s: s["ok_per_s"])
-            break
-        best = step
-        concurrency *= 2
+    best = max(sweep, key=lambda s: s["ok_per_s"])
     return {
         "nominal": nominal,
         "sweep": sweep,
@@ -128,18 +127,33 @@ def find_saturation(cfg: LoadConfig, bodies: list[bytes], seconds: float, log=pr
     }
 
 
+def wait_idle(cfg: LoadConfig, limit_s: float = 300.0) -> None:
+    """Until the server has no admitted request left (`boundgen_inflight` 0): work a step left
+    behind (requests answered 504 may still run) must not count against the next step."""
+    headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        text = httpx.get(cfg.url + "/metrics", headers=headers, timeout=30).text
+        m = re.search(r"^boundgen_inflight ([0-9.e+]+)$", text, re.MULTILINE)
+        if not m or float(m.group(1)) == 0:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"server still busy {limit_s} s after the last step")
+
+
 # --------------------------------------------------------------------------------------- overload
 
 
 def overload(cfg: LoadConfig, sat: dict, multiples: list[float], log=print) -> list[dict]:
-    qps = [m * sat["saturation_ok_per_s"] for m in multiples]
-    report = run_loadtest(
-        dataclasses.replace(cfg, qps_steps=tuple(qps), stop_when_saturated=False, warmup=0),
-        log=log,
-    )
+    steps = []
+    for m in multiples:
+        wait_idle(cfg)
+        qps = m * sat["saturation_ok_per_s"]
+        one = dataclasses.replace(cfg, qps_steps=(qps,), stop_when_saturated=False, warmup=0)
+        steps.append(run_loadtest(one, log=log)["steps"][0])
     nominal_p99 = sat["nominal"]["p99_ms"]
     rows = []
-    for m, step in zip(multiples, report["steps"]):
+    for m, step in zip(multiples, steps):
         n = step["requests"] or 1
         errors = step["errors"]
         shed = sum(v for k, v in errors.items() if k.startswith("429"))
@@ -285,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--item-tokens", type=int, default=16)
     p.add_argument("--query-tokens", type=int, default=16)
     p.add_argument("--probe-s", type=float, default=8.0, help="seconds per closed-loop probe")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[2, 4, 8, 16, 32],
+        help="closed-loop clients to try; the best ok/s is the saturation",
+    )
     p.add_argument("--multiples", type=float, nargs="+", default=[1.0, 2.0, 3.0])
     p.add_argument("--duration", type=float, default=20.0, help="seconds per open-loop step")
     p.add_argument("--soak", type=float, default=None, metavar="MINUTES")
@@ -294,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/...)")
     args = p.parse_args(argv)
 
+    name = "soak" if args.soak is not None else "overload"
+    out = Path(args.out or HERE / "results" / f"{name}_{args.device}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     proc, log_path, pid = None, None, None
     url = args.url
     if url is None:
@@ -303,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd += ["--device", args.device, "--log-level", "warning", *args.serve_args.split()]
         if args.model:
             cmd += ["--model", args.model]
-        log_path = HERE / "results" / f"overload_server_{port}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path = out.with_suffix(".server.log")
         print(f"== {' '.join(cmd)}", flush=True)
         proc = start(cmd, url, log_path)
         pid = proc.pid
@@ -328,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, vocab_size=vocab)
         bodies = make_bodies(cfg, vocab)["score"]
         closed_loop(cfg, bodies, 4, 2.0)  # warm-up: first calls pay one-off costs
-        sat = find_saturation(cfg, bodies, args.probe_s)
+        sat = find_saturation(cfg, bodies, args.probe_s, args.concurrency)
         result = {"env": env_info(), "config": vars(args), "saturation": sat}
         if args.soak is not None:
             qps = args.soak_load * sat["saturation_ok_per_s"]
@@ -336,17 +359,13 @@ def main(argv: list[str] | None = None) -> int:
             scfg = dataclasses.replace(cfg, workload=args.soak_workload)
             result["soak"] = soak(scfg, qps, args.soak, sampler)
             table = soak_table(result["soak"])
-            name = "soak"
         else:
             result["overload"] = overload(cfg, sat, args.multiples)
             table = overload_table(sat, result["overload"])
-            name = "overload"
         result["metrics_tail"] = httpx.get(url + "/metrics", headers=headers).text[-20000:]
     finally:
         if proc is not None:
             stop(proc)
-    out = Path(args.out or HERE / "results" / f"{name}_{args.device}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(table)
     print(f"wrote {out}" + (f" (server log {log_path})" if log_path else ""))
