@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the H200: correctness first, then the benchmarks named as arguments, each under its
 # own time budget so one slow phase cannot eat the call. Results land in $OUT (JSON + logs).
+#   bash benchmarks/run_h200.sh gpu-tests gpu:300              # GPU tests, then bench_gpu.py (GPU_ARGS)
 #   bash benchmarks/run_h200.sh gpu-tests prefill beam          # core engine (≈ 4 min)
 #   bash benchmarks/run_h200.sh backends                        # eager/compile/aoti/+graphs, W1-W4 (≈ 9.5 min)
 #   bash benchmarks/run_h200.sh fp8-kernels fp8-model           # selective FP8 + fidelity gate (≈ 8 min)
@@ -20,7 +21,8 @@ phase() { local name=$1 budget=${B:-$2}; shift 2; echo "=== $name (budget ${budg
 for spec in "$@"; do
   p=${spec%%:*}; B=; [ "$p" != "$spec" ] && B=${spec#*:}
   case $p in
-    gpu-tests) phase gpu-tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_attention.py tests/test_compile_gpu.py tests/test_trie.py tests/test_fp8.py ;;
+    gpu-tests) phase gpu-tests 240 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/ ;;
+    gpu) phase gpu 560 python3 benchmarks/bench_gpu.py --root $ROOT --out "$OUT/gpu.json" --budget-s $(( ${B:-560} - 20 )) ${GPU_ARGS:-} ;;
     prefill) phase prefill 290 python3 benchmarks/bench_prefill.py --root $ROOT --out "$OUT/prefill.json" ;;
     beam) phase beam 140 python3 benchmarks/bench_beam.py --root $ROOT --out "$OUT/beam.json" ;;
     profile) phase profile 90 python3 benchmarks/profile_host.py --root $ROOT --out "$OUT/profile.txt" ;;
