@@ -91,7 +91,7 @@ class HFRunner:
             w = w.index_select(0, torch.as_tensor(columns, device=w.device))
         return F.linear(rows, w).float()
 
-    def decode(self, *args, **kwargs):
+    def beam_search(self, *args, **kwargs):
         raise ValueError("the HF baseline server implements /v1/score and /v1/rerank only")
 
     def stats(self) -> dict:
