@@ -254,6 +254,20 @@ def test_quant_check_cli(tiny_model_dir, gate_cache, capsys):
     assert rc == 1 and "real FP8 is not available" in err and "--emulate" in err
 
 
+def test_gate_needs_an_eager_runner():
+    """Swapped FP8 modules are invisible to captured graphs: such an engine is refused, not
+    measured as bf16 against bf16."""
+    from types import SimpleNamespace
+
+    from boundgen.quant.fidelity import gate_engine
+
+    engine = SimpleNamespace(
+        model=ToyDecoder(), runner=SimpleNamespace(backend_name="eager+graphs")
+    )
+    with pytest.raises(ValueError, match=r"'eager\+graphs'.*backend='eager'"):
+        gate_engine(engine, ["mlp"], make_eval_set(96, scale="ci"), emulate=True)
+
+
 def test_quant_check_cli_selective_policy(tiny_model_dir, gate_cache, capsys):
     from boundgen.cli import main
 

@@ -549,7 +549,16 @@ def gate_engine(
 ) -> dict[str, GateReport]:
     """Run the gate for each policy on one loaded (bf16) engine, keyed by canonical policy name:
     the reference outputs are collected once, then each policy is applied in place to
-    `engine.model`, measured, and undone (original modules restored)."""
+    `engine.model`, measured, and undone (original modules restored).
+
+    The engine must run its model eagerly: captured CUDA graphs or compiled buckets would replay
+    the bf16 kernels whatever modules the policy swaps in (ValueError otherwise)."""
+    backend = getattr(engine.runner, "backend_name", "eager")
+    if backend != "eager":
+        raise ValueError(
+            f"the gate swaps FP8 modules into the engine's model in place, but its runner is "
+            f"{backend!r}, which would not run them: load the engine with backend='eager'"
+        )
     model = engine.model
     callables = engine_callables(engine)
     t0 = time.perf_counter()
