@@ -47,7 +47,7 @@ def load_engine(args, dtype: str, **overrides):
 
 
 def _fp32_head(self, rows: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
-    """`DecoderModel.head` with the matmul in fp32: rows [N, H] -> logits [N, C], not bf16-rounded."""
+    """`DecoderModel.head` in fp32: rows [N, H] -> logits [N, C], not rounded to bf16."""
     w = self.head_weight if columns is None else self.head_weight.index_select(0, columns)
     return F.linear(rows.float(), w.float())
 
