@@ -1,15 +1,19 @@
-"""Selective FP8 on CUDA: GEMM-level and full-model W1/W2 throughput, bf16 vs each policy, and the gate.
+"""Selective FP8 on CUDA: GEMM-level and full-model W1/W2 throughput, bf16 vs each policy, the gate.
 
     python benchmarks/bench_fp8.py --out $OUT/fp8.json            # default sections, one process
     # under a 10-minute limit per command, split it (each part still writes its JSON as it goes):
     python benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out $OUT/fp8_kernels.json
     python benchmarks/bench_fp8.py --sections env,model,gate --out $OUT/fp8_model.json
     python benchmarks/bench_fp8.py --sections env,compiled --out $OUT/fp8_compiled.json
-    python benchmarks/bench_fp8.py --dry-run-cpu --out /tmp/fp8.json  # code paths on CPU, no
-    timings
+    # a selective policy against bf16 and full `mlp`, same process, compiled backend:
+    python benchmarks/bench_fp8.py --sections env,compiled --policies none mlp mlp:skip=0,-1 \
+        --out $OUT/fp8_selective.json
+    python benchmarks/bench_fp8.py --dry-run-cpu --out /tmp/fp8.json  # code paths on CPU, untimed
 
-Sections (each isolated: a failure is recorded under "errors" and the others still run; the JSON is
-rewritten after every section, so a timeout keeps what finished):
+`--policies` takes any policy `boundgen.quant.policy` parses (presets or selective ones such as
+`mlp:layers=1-22`, `mlp:skip=0,-1`, `gate_up_proj`); the first should be `none` (speed-ups are
+against it). Sections (each isolated: a failure is recorded under "errors" and the others still
+run; the JSON is rewritten after every section, so a timeout keeps what finished):
 - env:    torch/GPU, fp8_supported, Triton quantizer self-test.
 - gemm:   every projection of the real preset shapes (0.5B, 0.6B, 1B) at M tokens: bf16 F.linear,
           FP8 `_scaled_mm` alone (pre-quantized input; fast_accum off/on), and the full Fp8Linear
@@ -17,19 +21,15 @@ rewritten after every section, so a timeout keeps what finished):
           torch.compile.
 - quant:  the activation quantizer alone (torch eager / Triton / torch.compile) on [M, K].
 - mlp:    one compiled MLP block (RMSNorm -> gate_up -> SiLU*mul -> down, Inductor fuses the
-  quantize
-          into its producer) bf16 vs FP8, per preset shape.
+          quantize into its producer) bf16 vs FP8, per preset shape.
 - model:  the engine (eager, bf16 weights of the seeded synthetic qwen2.5-0.5b checkpoint) on W1
-  (256
-          prompts, 64-256 tokens, 2 labels: tok/s) and W2 (prefix 256 + 100 x 16: ms) for none, mlp
-          (Triton and torch quantizer), mlp+attn-proj; bf16 again at the end to show drift.
+          (256 prompts, 64-256 tokens, 2 labels: tok/s) and W2 (prefix 256 + 100 x 16: ms) for each
+          policy (`mlp` also with the torch quantizer); bf16 again at the end to show drift.
 - compiled (not in the default list; run alone, each policy compiles the model per bucket): W1/W2
-          through boundgen.compile's torch.compile backend, bf16 vs each policy.
-- gate:   the fidelity gate (full eval set) for each policy with real FP8, emulated-vs-real
-  agreement, and
-          the bf16-vs-fp32 noise floor on the same eval set (how close two "exact" runs get), and a
-          sensitivity table (one projection kind in FP8 at a time; MLP without the first/last
-          layer).
+          through boundgen.compile's `--compiled-backend` (torch.compile by default), each policy.
+- gate:   the fidelity gate (the eval set of `boundgen quant-check`) for each policy with real FP8,
+          emulated-vs-real agreement, and the bf16-vs-fp32 noise floor on the same eval set (how
+          close two "exact" runs get). Per-projection sensitivity: benchmarks/fp8_sensitivity.py.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from boundgen.quant.fp8 import Fp8Linear, fp8_supported, quantize_rowwise, quantize_weight
+from boundgen.quant import fp8_modules, fp8_swapped, select_modules
+from boundgen.quant.fp8 import Fp8Linear, fp8_supported
+from boundgen.quant.rowwise import quantize_rowwise, quantize_weight
 
 SECTIONS = ("env", "gemm", "quant", "mlp", "model", "gate")
-EMULATE_ALL = (
-    False  # --dry-run-cpu: every policy emulated (exercises the model/gate code paths on CPU)
-)
-POLICIES = ("none", "mlp", "mlp+attn-proj")
+# --dry-run-cpu: every policy emulated (exercises the model/gate code paths on CPU)
+EMULATE_ALL = False
 
 
 def cuda_time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -110,7 +110,7 @@ def preset_shapes(presets: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 
 def section_env(res: dict, args) -> None:
@@ -179,7 +179,6 @@ def section_gemm(res: dict, args) -> None:
                         v for k_, v in row.items() if k_.startswith("fp8_") and k_.endswith("_ms")
                     )
                     row["speedup_best_fp8_vs_bf16"] = row["bf16_ms"] / best_fp8
-                    del x, lin, w, a8, w8
                 except Exception as exc:
                     row["error"] = repr(exc)[:300]
                 out.append(row)
@@ -305,7 +304,7 @@ def section_mlp(res: dict, args) -> None:
             print("mlp_block", row, flush=True)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 
 def _load_engine(args, dtype="bfloat16", **overrides):
@@ -356,32 +355,15 @@ def _speedups(runs: list[dict]) -> None:
             row["w2_speedup"] = base["w2_ms"] / row["w2_ms"]
 
 
-class _Policy:
-    """Apply a policy in place on engine.model and restore the bf16 modules on exit."""
-
-    def __init__(
-        self, engine, policy: str | list[str], act_quant: str = "auto", emulate: bool = False
-    ):
-        """`policy`: a policy name, or an explicit list of module names (sensitivity runs)."""
-        self.engine, self.policy, self.act_quant = engine, policy, act_quant
-        self.emulate = emulate or EMULATE_ALL
-
-    def __enter__(self):
-        from boundgen.quant import select_modules
-        from boundgen.quant.fp8 import quantize_modules
-
-        model = self.engine.model
-        names = self.policy if isinstance(self.policy, list) else select_modules(model, self.policy)
-        self.originals = {n: model.get_submodule(n) for n in names}
-        quantize_modules(model, names, act_quant=self.act_quant, emulate=self.emulate)
-        return self
-
-    def __exit__(self, *exc):
-        model = self.engine.model
-        for n, m in self.originals.items():
-            parent, _, child = n.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, m)
-        return False
+def _fp8(engine, policy: str, act_quant: str = "auto", emulate: bool = False):
+    """`policy` applied in place to engine.model for a `with` block, the bf16 modules back after."""
+    model = engine.model
+    return fp8_swapped(
+        model,
+        select_modules(model, policy),
+        act_quant=act_quant,
+        emulate=emulate or EMULATE_ALL,
+    )
 
 
 def section_model(res: dict, args) -> None:
@@ -391,20 +373,15 @@ def section_model(res: dict, args) -> None:
     )
     w1_tokens = sum(len(p) for p in w1)
     out = res.setdefault("model", {"checkpoint": str(path), "w1_tokens": w1_tokens, "runs": []})
-    runs = [
-        ("none", "auto"),
-        ("mlp", "auto"),
-        ("mlp", "torch"),
-        ("mlp+attn-proj", "auto"),
-        ("none", "auto"),
-    ]
+    runs = [("none", "auto")] + [(p, "auto") for p in args.policies if p != "none"]
+    if "mlp" in args.policies:
+        runs.append(("mlp", "torch"))
+    runs.append(("none", "auto"))
     for policy, aq in runs:
         label = policy if aq == "auto" else f"{policy}[{aq}]"
         row = {"policy": label}
         try:
-            with _Policy(engine, policy, act_quant=aq):
-                from boundgen.quant import fp8_modules
-
+            with _fp8(engine, policy, act_quant=aq):
                 mods = fp8_modules(engine.model)
                 row["fp8_modules"] = len(mods)
                 if mods:
@@ -420,10 +397,10 @@ def section_model(res: dict, args) -> None:
 
 
 def section_compiled(res: dict, args) -> None:
-    """W1/W2 through the torch.compile backend (boundgen.compile.runner), where Inductor fuses the
-    activation quantize into its producer: bf16 vs each policy. Not in the default sections (each
-    policy
-    compiles the whole model per bucket): run it alone, `--sections env,compiled`."""
+    """W1/W2 through a compiled backend (boundgen.compile.runner; torch.compile by default), where
+    Inductor fuses the activation quantize into its producer: each policy, bf16 first. Not in the
+    default sections (each policy compiles the whole model per bucket): run it alone,
+    `--sections env,compiled`."""
     from boundgen.compile.runner import CompileOptions, make_runner
 
     engine, path = _load_engine(args)
@@ -435,6 +412,7 @@ def section_compiled(res: dict, args) -> None:
         "compiled",
         {
             "checkpoint": str(path),
+            "backend": args.compiled_backend,
             "buckets": args.compiled_buckets,
             "budget": args.compiled_budget,
             "w1_tokens": w1_tokens,
@@ -442,17 +420,17 @@ def section_compiled(res: dict, args) -> None:
         },
     )
     eager_runner = engine.runner
-    for policy in args.compiled_policies:
+    for policy in args.policies:
         row = {"policy": policy}
         try:
-            with _Policy(engine, policy, act_quant="torch"):
+            with _fp8(engine, policy, act_quant="torch"):
                 t0 = time.perf_counter()
                 runner = make_runner(
                     engine.model,
                     engine.device,
                     max_batch_tokens=args.compiled_budget,
                     share_prefix=True,
-                    backend="compile",
+                    backend=args.compiled_backend,
                     options=CompileOptions(buckets=args.compiled_buckets, warmup=True),
                 )
                 row["compile_s"] = time.perf_counter() - t0
@@ -473,30 +451,25 @@ def section_compiled(res: dict, args) -> None:
 
 def section_gate(res: dict, args) -> None:
     from boundgen.quant.fidelity import (
-        EvalSet,
         collect_outputs,
         compare_outputs,
-        engine_runner,
-        make_eval_set,
+        engine_callables,
+        gate_eval_set,
     )
 
     engine, path = _load_engine(args)
-    ev = make_eval_set(engine.config.vocab_size, scale=args.gate_scale)
-    demo = EvalSet.from_demo_dir(path, engine.tokenizer.encode)  # a demo checkpoint's held-out set
-    if demo is not None:
-        ev = ev.extend(demo)
-    ev = ev.fit(engine.limits.max_seq_len)
+    ev = gate_eval_set(engine, path, scale=args.gate_scale)
     out = res.setdefault("gate", {"checkpoint": str(path), "eval_set": ev.name, "reports": {}})
-    runner = engine_runner(engine)
+    callables = engine_callables(engine)
     t0 = time.perf_counter()
-    ref = collect_outputs(runner, ev)
+    ref = collect_outputs(callables, ev)
     out["bf16_eval_s"] = time.perf_counter() - t0
     print(f"gate: bf16 reference on {ev.name} in {out['bf16_eval_s']:.1f}s", flush=True)
-    for policy in POLICIES[1:]:
+    for policy in [p for p in args.policies if p != "none"]:
         try:
-            with _Policy(engine, policy):
+            with _fp8(engine, policy):
                 t0 = time.perf_counter()
-                cand = collect_outputs(runner, ev)
+                cand = collect_outputs(callables, ev)
                 report = compare_outputs(ref, cand, ev, policy)
                 report.notes["eval_seconds"] = f"{time.perf_counter() - t0:.1f}"
             out["reports"][policy] = report.to_dict()
@@ -505,51 +478,14 @@ def section_gate(res: dict, args) -> None:
             out["reports"][policy] = {"error": repr(exc)[:500]}
             print(f"gate {policy} failed: {exc!r}", flush=True)
         save(res, args)
-    # sensitivity: which projections cost fidelity (one kind at a time; MLP without the first/last
-    # layer)
-    if not args.no_sensitivity:
-        sens = out.setdefault("sensitivity", {})
-        model = engine.model
-        n_layers = len(model.layers)
-        kinds = ["mlp.gate_up_proj", "mlp.down_proj", "self_attn.qkv_proj", "self_attn.o_proj"]
-        variants = {k: [f"layers.{i}.{k}" for i in range(n_layers)] for k in kinds}
-        variants["mlp (layers 1..L-2)"] = [
-            f"layers.{i}.{k}" for i in range(1, n_layers - 1) for k in kinds[:2]
-        ]
-        for label, names in variants.items():
-            try:
-                with _Policy(engine, names):
-                    cand = collect_outputs(runner, ev)
-                rep = compare_outputs(ref, cand, ev, label)
-                sens[label] = {
-                    "passed": rep.passed,
-                    "beam_top1": rep.beam_top1,
-                    "failures": rep.failures,
-                    "sets": {
-                        x.name: {
-                            "spearman": x.spearman_mean,
-                            "topk": x.topk_mean,
-                            "beam_top1": x.beam_top1,
-                        }
-                        for x in rep.sets
-                    },
-                }
-                print(
-                    f"sensitivity {label}: {'PASS' if rep.passed else 'FAIL'} beam top-1 {rep.beam_top1} "
-                    + "; ".join(rep.failures),
-                    flush=True,
-                )
-            except Exception as exc:
-                sens[label] = {"error": repr(exc)[:500]}
-        save(res, args)
     # emulation must reproduce the kernel's numerics: compare emulated and real FP8 on W2-style
     # groups
     try:
         sub = type(ev)(ev.name + "-W2", [c for c in ev.score_cases if c.set_name == "W2"], [])
-        with _Policy(engine, "mlp"):
-            real = collect_outputs(runner, sub)
-        with _Policy(engine, "mlp", emulate=True):
-            emu = collect_outputs(runner, sub)
+        with _fp8(engine, "mlp"):
+            real = collect_outputs(callables, sub)
+        with _fp8(engine, "mlp", emulate=True):
+            emu = collect_outputs(callables, sub)
         diff = max(
             float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(real.scores, emu.scores)
         )
@@ -566,11 +502,11 @@ def section_gate(res: dict, args) -> None:
     # noise floor: bf16 (the gate's reference) against fp32 on the same eval set
     if not args.no_noise_floor:
         try:
-            del engine, runner
+            del engine, callables
             _empty_cache()
             # flash varlen has no fp32 kernel: the fp32 run uses the reference (SDPA) attention
             engine32, _ = _load_engine(args, dtype="float32", attention="reference")
-            ref32 = collect_outputs(engine_runner(engine32), ev)
+            ref32 = collect_outputs(engine_callables(engine32), ev)
             report = compare_outputs(ref32, ref, ev, "bf16 vs fp32 (noise floor)")
             out["noise_floor_note"] = (
                 "reference = fp32 engine (SDPA attention), candidate = bf16 engine"
@@ -581,7 +517,7 @@ def section_gate(res: dict, args) -> None:
             out["noise_floor_bf16_vs_fp32"] = {"error": repr(exc)[:500]}
 
 
-# ---------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 
 def _empty_cache() -> None:
@@ -625,6 +561,15 @@ def summary(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _policy_name(text: str) -> str:
+    from boundgen.quant.policy import parse_policy
+
+    try:
+        return parse_policy(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="fp8.json")
@@ -651,8 +596,19 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--compiled-budget", type=int, default=8192, help="compiled section token budget"
     )
-    ap.add_argument("--compiled-policies", default="none,mlp,mlp+attn-proj")
-    ap.add_argument("--no-sensitivity", action="store_true", help="skip per-projection gate runs")
+    ap.add_argument(
+        "--compiled-backend",
+        default="compile",
+        help="backend of the compiled section: compile | compile+graphs | aoti | aoti+graphs",
+    )
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=["none", "mlp", "mlp+attn-proj"],
+        type=_policy_name,
+        help="FP8 policies of the model/compiled/gate sections, e.g. none mlp mlp:skip=0,-1 "
+        "(bf16 'none' first: speed-ups are against it)",
+    )
     ap.add_argument(
         "--dry-run-cpu",
         action="store_true",
@@ -660,18 +616,17 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     args.compile_tokens = [int(float(t)) for t in args.compile_tokens.split(",") if t]
-    args.compiled_policies = [p for p in args.compiled_policies.split(",") if p]
     args.device = "cuda"
     if args.dry_run_cpu:
         global EMULATE_ALL
         EMULATE_ALL = True
         args.device, args.model_preset, args.gate_scale, args.iters = "cpu", "tiny", "ci", 1
         args.presets, args.tokens, args.no_compile, args.w1_prompts = "tiny", "64", True, 16
-        args.sections = "gemm,quant,mlp,model,gate"
+        args.sections, args.compiled_buckets = "gemm,quant,mlp,model,compiled,gate", "t512-s16-m256"
     args.presets = [p for p in args.presets.split(",") if p]
     args.tokens = [int(float(t)) for t in args.tokens.split(",") if t]
     sections = [s for s in args.sections.split(",") if s]
-    res: dict = {"args": {k: v for k, v in vars(args).items()}, "errors": {}, "timings_s": {}}
+    res: dict = {"args": dict(vars(args)), "errors": {}, "timings_s": {}}
     if not torch.cuda.is_available() and not args.dry_run_cpu:
         res["errors"]["env"] = "CUDA is not available: this benchmark measures FP8 kernels on a GPU"
         save(res, args)

@@ -1,4 +1,4 @@
-"""A small stand-in decoder with boundgen's module names, plus score/beam callables over it (CPU tests)."""
+"""A small stand-in decoder with boundgen's module names, and score/beam callables over it (CPU)."""
 
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ class ToyDecoder(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def toy_runner(model: ToyDecoder):
-    from boundgen.quant.fidelity import ModelRunner
+def toy_callables(model: ToyDecoder):
+    from boundgen.quant.fidelity import GateCallables
 
     @torch.no_grad()
     def score(query, items, labels):
@@ -89,4 +89,4 @@ def toy_runner(model: ToyDecoder):
             beams = sorted(cand, key=lambda b: -b[1])[:width]
         return [(toks[len(prompt) :], lp) for toks, lp in beams]
 
-    return ModelRunner(score, beam)
+    return GateCallables(score, beam)

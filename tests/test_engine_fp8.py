@@ -1,4 +1,5 @@
-"""FP8 through `Engine.from_pretrained(fp8=...)`: refused without FP8 hardware or a passed gate, emulated on CPU."""
+"""FP8 through `Engine.from_pretrained(fp8=...)`: refused without FP8 hardware or a passed gate,
+emulated on CPU."""
 
 from __future__ import annotations
 

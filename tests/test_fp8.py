@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,12 +19,13 @@ from boundgen.quant import (
     apply_fp8,
     fp8_modules,
     fp8_supported,
+    fp8_swapped,
     parse_policy,
     quantize_rowwise,
     quantize_weight,
     select_modules,
 )
-from boundgen.quant.fp8 import FP8_MAX, dequantize_rowwise
+from boundgen.quant.rowwise import FP8_MAX
 
 E4M3_REL = 2.0**-4  # half an ulp of a 3-bit mantissa
 
@@ -33,7 +37,7 @@ def test_quantize_rowwise_round_trip_bounds():
     assert (
         q.dtype == torch.float8_e4m3fn and scale.shape == (64, 1) and scale.dtype == torch.float32
     )
-    back = dequantize_rowwise(q, scale)
+    back = q.float() * scale
     # per-row max maps to ±448 exactly, so the row max survives the round trip
     amax = x.abs().amax(-1)
     assert torch.equal(q.float().abs().amax(-1), torch.full((64,), FP8_MAX))
@@ -118,8 +122,8 @@ def test_policy_swaps_exactly_the_named_modules(policy, suffixes):
 def test_policy_none_and_errors():
     model = ToyDecoder()
     assert apply_fp8(model, "none") is model and fp8_modules(model) == []
-    assert parse_policy(" MLP ") == "mlp" and parse_policy(None) == "none"
-    with pytest.raises(ValueError, match="unknown FP8 policy 'attn'.*none, mlp, mlp\\+attn-proj"):
+    assert parse_policy(" MLP ").name == "mlp" and parse_policy(None).name == "none"
+    with pytest.raises(ValueError, match=r"unknown FP8 policy 'attn'.*none, mlp, mlp\+attn-proj"):
         parse_policy("attn")
     with pytest.raises(Fp8PolicyError, match="matched no modules"):
         select_modules(nn.Sequential(nn.Linear(4, 4)), "mlp")
@@ -128,10 +132,117 @@ def test_policy_none_and_errors():
         apply_fp8(model, "mlp", emulate=True)
 
 
+@pytest.mark.parametrize(
+    "spelling, canonical",
+    [
+        ("gate_up_proj+down_proj", "mlp"),
+        ("attn-proj + MLP", "mlp+attn-proj"),
+        ("o_proj+mlp", "mlp+o_proj"),
+        ("mlp:layers=2,1", "mlp:layers=1,2"),
+        ("mlp:layers=3,0-2", "mlp:layers=0-3"),
+        ("mlp:skip=-1,0", "mlp:skip=0,-1"),
+        ("down_proj:skip=1:layers=0-1", "down_proj:layers=0,1:skip=1"),
+    ],
+)
+def test_policy_spellings_have_one_name(spelling, canonical):
+    assert parse_policy(spelling).name == canonical
+    assert parse_policy(canonical).name == canonical
+
+
+@pytest.mark.parametrize(
+    "policy, why",
+    [
+        ("fp4", "no projection or group named 'fp4'"),
+        ("mlp+", "no projection or group named ''"),
+        ("mlp:layers=2-1", "range 2-1 is empty"),
+        ("mlp:layers=a", "'a' is not N, -N or A-B"),
+        ("mlp:layers=", "is not layers=LIST or skip=LIST"),
+        ("mlp:depth=1", "'depth=1' is not layers=LIST or skip=LIST"),
+        ("mlp:skip=0:skip=1", "skip is given twice"),
+    ],
+)
+def test_policy_syntax_errors_say_what_is_wrong(policy, why):
+    with pytest.raises(ValueError, match=re.escape(why) + r".*PROJ\[\+PROJ\]"):
+        parse_policy(policy)
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    [
+        (
+            "mlp:layers=1-2",
+            [f"layers.{i}.mlp.{p}" for i in (1, 2) for p in ("gate_up_proj", "down_proj")],
+        ),
+        (
+            "mlp:skip=0,-1",
+            [f"layers.{i}.mlp.{p}" for i in (1, 2) for p in ("gate_up_proj", "down_proj")],
+        ),
+        ("down_proj:layers=-1", ["layers.3.mlp.down_proj"]),
+        (
+            "gate_up_proj+o_proj:layers=0",
+            ["layers.0.self_attn.o_proj", "layers.0.mlp.gate_up_proj"],
+        ),
+    ],
+)
+def test_selective_policy_selects_those_layers(policy, expected):
+    model = ToyDecoder(layers=4)
+    assert select_modules(model, policy) == expected
+    apply_fp8(model, policy, emulate=True)
+    assert fp8_modules(model) == expected
+
+
+def test_selective_policy_must_fit_the_model():
+    model = ToyDecoder(layers=4)
+    with pytest.raises(Fp8PolicyError, match="names layer 4, but the model has 4 layers"):
+        select_modules(model, "mlp:layers=2-4")
+    with pytest.raises(Fp8PolicyError, match="names layer -5"):
+        select_modules(model, "mlp:skip=-5")
+    with pytest.raises(Fp8PolicyError, match="leaves none of 4 layers in FP8"):
+        select_modules(model, "mlp:layers=1:skip=1")
+
+
+def test_fp8_swapped_puts_the_bf16_modules_back():
+    model = ToyDecoder(layers=2)
+    ids = torch.randint(0, model.vocab, (9,))
+    names = select_modules(model, "mlp+attn-proj")
+    with torch.no_grad():
+        before = model(ids)
+        with fp8_swapped(model, names, emulate=True):
+            assert fp8_modules(model) == names
+            assert not torch.equal(model(ids), before)
+        assert fp8_modules(model) == []
+        assert torch.equal(model(ids), before)
+
+
+def test_quant_imports_only_go_down():
+    """rowwise <- triton_quant <- fp8 <- policy <- fidelity (gate_cache is a leaf): no module
+    imports one above it or beside it, at the top or inside a function."""
+    order = ["rowwise", "gate_cache", "triton_quant", "fp8", "policy", "fidelity"]
+    allowed = {"triton_quant": {"rowwise"}, "fp8": {"rowwise", "triton_quant"}}
+    allowed["policy"] = allowed["fp8"] | {"fp8", "gate_cache"}
+    allowed["fidelity"] = allowed["policy"] | {"policy"}
+    folder = Path(fp8_modules.__code__.co_filename).parent
+    assert sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__") == sorted(order)
+    for module in order:
+        imported = set()
+        for node in ast.walk(ast.parse((folder / f"{module}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "boundgen.quant":
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "boundgen.quant."
+            ):
+                imported.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                imported.update(
+                    a.name.split(".")[2] for a in node.names if a.name.startswith("boundgen.quant.")
+                )
+        assert imported <= allowed.get(module, set()), (module, imported)
+
+
 def test_real_fp8_on_cpu_is_a_clear_error():
     ok, reason = fp8_supported("cpu")
     assert not ok and "emulate" in reason
-    with pytest.raises(Fp8NotSupportedError, match="real FP8 is not available.*sm_89"):
+    with pytest.raises(Fp8NotSupportedError, match=r"real FP8 is not available.*sm_89"):
         apply_fp8(ToyDecoder(), "mlp")
 
 
@@ -168,7 +279,7 @@ def test_export_scaled_mm_path():
     torch.testing.assert_close(ep.module()(x), lin(x))
 
 
-# ---------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # CUDA (skipped without an FP8-capable GPU)
 
 _fp8_gpu = pytest.mark.skipif(

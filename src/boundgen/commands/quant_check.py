@@ -7,18 +7,34 @@ import json
 import sys
 from pathlib import Path
 
-HELP = "check an FP8 policy against bf16 (score Spearman, top-10 overlap, beam top-1) and record the result"
+HELP = (
+    "check an FP8 policy against bf16 (score Spearman, top-10 overlap, beam top-1) and record the "
+    "result"
+)
+
+
+def _policy_arg(text: str) -> str:
+    """argparse type: 'all' or a policy's canonical name (a bad one is a usage error)."""
+    from boundgen.quant.policy import parse_policy
+
+    if text.strip().lower() == "all":
+        return "all"
+    try:
+        return parse_policy(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from boundgen.quant.policy import POLICIES
-
     parser.add_argument("--model", required=True, help="HF model directory")
     parser.add_argument(
         "--fp8",
         default="mlp",
-        choices=[*POLICIES, "all"],
-        help="policy to check ('all': every policy except none); default mlp",
+        type=_policy_arg,
+        metavar="POLICY",
+        help="policy to check: none | mlp | mlp+attn-proj | a selective one such as "
+        "mlp:layers=1-2, mlp:skip=0,-1, gate_up_proj (docs/fp8.md); 'all': every preset except "
+        "none; default mlp",
     )
     parser.add_argument(
         "--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)"
@@ -35,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scale",
         choices=["full", "small", "ci"],
         default=None,
-        help="eval-set size: full = DESIGN §9 shapes (default on cuda), small (default on cpu), ci (seconds)",
+        help="eval-set size: full = DESIGN §9 shapes (default on cuda), small (default on cpu), "
+        "ci (seconds)",
     )
     parser.add_argument(
         "--eval-set",
@@ -70,14 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_reference_engine(model_dir, device, dtype="bfloat16", **overrides):
-    """The engine in plain precision (FP8 explicitly off, whatever the engine's default policy)."""
-    import dataclasses
-
-    from boundgen.config import EngineConfig
+    """The engine in plain precision (FP8 off, whatever the engine's default policy) on the eager
+    runner: the gate swaps projections in place, which captured CUDA graphs and compiled buckets
+    would not see (they would replay the bf16 kernels)."""
+    from boundgen.compile.runner import eager_overrides
     from boundgen.engine import Engine
 
-    if "fp8" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        overrides.setdefault("fp8", "none")
+    overrides = {"fp8": "none", **eager_overrides(), **overrides}
     return Engine.from_pretrained(model_dir, device=device, dtype=dtype, **overrides)
 
 
@@ -85,39 +101,39 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from boundgen.quant.fidelity import (
-        EvalSet,
         collect_outputs,
         compare_outputs,
-        engine_runner,
+        engine_callables,
         gate_engine,
-        make_eval_set,
+        gate_eval_set,
     )
     from boundgen.quant.fp8 import fp8_supported
     from boundgen.quant.gate_cache import cache_path, record_gate_result
-    from boundgen.quant.policy import POLICIES
+    from boundgen.quant.policy import PRESETS
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not args.emulate:
         ok, reason = fp8_supported(device)
         if not ok:
             raise RuntimeError(f"real FP8 is not available: {reason}")
-    policies = [p for p in POLICIES if p != "none"] if args.fp8 == "all" else [args.fp8]
+    policies = [p for p in PRESETS if p != "none"] if args.fp8 == "all" else [args.fp8]
     engine = load_reference_engine(args.model, device, args.dtype, attention=args.attention)
-    scale = args.scale or ("full" if engine.device.type == "cuda" else "small")
-    eval_set = make_eval_set(engine.config.vocab_size, args.labels, scale=scale, seed=args.seed)
-    for path in args.eval_set:
-        eval_set = eval_set.extend(EvalSet.load(path))
-    demo = None if args.no_demo_set else EvalSet.from_demo_dir(args.model, engine.tokenizer.encode)
-    if demo is not None:
-        eval_set = eval_set.extend(demo)
-    eval_set = eval_set.fit(engine.limits.max_seq_len)  # e.g. the demo model's short context
+    eval_set = gate_eval_set(
+        engine,
+        args.model,
+        scale=args.scale,
+        seed=args.seed,
+        labels=args.labels,
+        extra=args.eval_set,
+        demo=not args.no_demo_set,
+    )
     print(
         f"model {args.model} on {engine.device} ({engine.dtype}); eval set {eval_set.name}: "
-        f"{sum(len(c.items) for c in eval_set.score_cases)} scored items in {len(eval_set.score_cases)} "
-        f"groups, {len(eval_set.beam_cases)} beam prompts",
+        f"{sum(len(c.items) for c in eval_set.score_cases)} scored items in "
+        f"{len(eval_set.score_cases)} groups, {len(eval_set.beam_cases)} beam prompts",
         flush=True,
     )
-    ref = collect_outputs(engine_runner(engine), eval_set)
+    ref = collect_outputs(engine_callables(engine), eval_set)
     reports = gate_engine(
         engine,
         policies,
@@ -132,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         del engine
         engine32 = load_reference_engine(args.model, device, "float32", attention="reference")
         floor = compare_outputs(
-            collect_outputs(engine_runner(engine32), eval_set),
+            collect_outputs(engine_callables(engine32), eval_set),
             ref,
             eval_set,
             "bf16 vs fp32 (noise floor, not recorded)",

@@ -1,14 +1,12 @@
 """Fidelity gate: does an FP8 policy rank and decode like the bf16 model?
 
 On a fixed, deterministic evaluation set (W1/W2/W4-style inputs from DESIGN §9 plus a held-out set)
-the
-candidate's outputs are compared with the reference's:
+the candidate's outputs are compared with the reference's:
 - score Spearman (per ranking group, mean per set) ≥ 0.995
 - top-10 overlap (per ranking group, mean per set) ≥ 0.95
 - beam top-1 agreement (all beam prompts) ≥ 0.98
-The gate only needs two small callables per model, so it runs against an `Engine` (see
-`engine_runner`),
-or anything else with the same shape:
+The gate only needs a few small callables per model (`GateCallables`), so it runs against an
+`Engine` (see `engine_callables`) or anything else with the same shape:
     score(query_ids, items_ids, label_token_ids) -> [[label score per label] per item]   (logits)
     beam(prompt_ids, beam_width, steps) -> [(tokens, logprob), ...] best first
 """
@@ -16,7 +14,6 @@ or anything else with the same shape:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import time
@@ -25,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from boundgen.quant.fp8 import fp8_swapped
+from boundgen.quant.policy import parse_policy, select_modules
 
 ScoreFn = Callable[[list[int], list[list[int]], list[int]], Sequence[Sequence[float]]]
 BeamFn = Callable[[list[int], int, int], Sequence]
@@ -38,7 +38,7 @@ class GateThresholds:
     k: int = 10
 
 
-# ---------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Metrics (numpy only)
 
 
@@ -82,8 +82,9 @@ def topk_overlap(ref: Sequence[float], cand: Sequence[float], k: int = 10) -> fl
 
 
 def ranking_score(label_scores: Sequence[float]) -> float:
-    """One ranking value per item from its label logits: log-softmax of the first label over the labels
-    (monotonic in P(first label), e.g. P("yes") against "no"); the logit itself for a single label."""
+    """One ranking value per item from its label logits: log-softmax of the first label over the
+    labels (monotonic in P(first label), e.g. P("yes") against "no"); the logit itself for a single
+    label."""
     s = np.asarray(label_scores, dtype=np.float64)
     if s.size == 1:
         return float(s[0])
@@ -91,7 +92,7 @@ def ranking_score(label_scores: Sequence[float]) -> float:
     return float(s[0] - (m + math.log(np.exp(s - m).sum())))
 
 
-# ---------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Evaluation set
 
 
@@ -136,8 +137,9 @@ class EvalSet:
         )
 
     def fit(self, max_len: int | None) -> EvalSet:
-        """Trim sequences to a model's length limit (query + item ≤ max_len, prompt + steps ≤ max_len),
-        keeping the last tokens of queries/prompts; unchanged when everything fits or max_len is None."""
+        """Trim sequences to a model's length limit (query + item ≤ max_len, prompt + steps ≤
+        max_len), keeping the last tokens of queries/prompts; unchanged when everything fits or
+        max_len is None."""
         if not max_len:
             return self
         cases = []
@@ -171,10 +173,10 @@ class EvalSet:
         prompts: int = 100,
         beam_width: int = 10,
     ) -> EvalSet | None:
-        """The held-out set shipped with a demo checkpoint (`eval.json` + `demo.json` + `catalog.json`,
-        see boundgen.demo): relevance groups scored per query and pooled over all (query, item)
-        pairs,
-        and retrieval prompts decoded with `sid_levels` unconstrained beam steps. None if absent."""
+        """The held-out set shipped with a demo checkpoint (`eval.json` + `demo.json` +
+        `catalog.json`, see boundgen.demo): relevance groups scored per query and pooled over all
+        (query, item) pairs, and retrieval prompts decoded with `sid_levels` unconstrained beam
+        steps. None if absent."""
         model_dir = Path(model_dir)
         files = [model_dir / n for n in ("eval.json", "demo.json", "catalog.json")]
         if not all(f.is_file() for f in files):
@@ -207,7 +209,7 @@ class EvalSet:
 
     @classmethod
     def load(cls, path: str | Path) -> EvalSet:
-        """A held-out set saved with `to_json` (e.g. the demo model's real queries, as token ids)."""
+        """A held-out set saved with `to_json` (e.g. a model's real queries, as token ids)."""
         return cls.from_json(Path(path).read_text())
 
 
@@ -279,12 +281,12 @@ def make_eval_set(
     scale: str = "full",
     seed: int = 0,
 ) -> EvalSet:
-    """W1 (independent prompts), W2 (shared prefix + candidates), W4 (beam) inputs and a held-out set.
+    """W1 (independent prompts), W2 (shared prefix + candidates), W4 (beam) inputs and a held-out
+    set.
 
-    Deterministic in (vocab_size, labels, scale, seed). W1-W4 draw token ids uniformly; the held-out
-    set
-    uses a different seed, Zipf-like token ids and other shapes, so a policy is not tuned to one
-    shape.
+    Deterministic in (vocab_size, labels, scale, seed). W1-W4 draw token ids uniformly; the
+    held-out set uses a different seed, Zipf-like token ids and other shapes, so a policy is not
+    tuned to one shape.
     """
     if scale not in _SCALES:
         raise ValueError(f"unknown eval scale {scale!r}; choose from {list(_SCALES)}")
@@ -344,76 +346,36 @@ def make_eval_set(
     return EvalSet(f"{scale}-seed{seed}", cases, beams)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Running
 
 
 @dataclass
-class ModelRunner:
-    """The two callables the gate needs from one model configuration (bf16 or an FP8 policy)."""
+class GateCallables:
+    """The callables the gate needs from one model configuration (bf16 or an FP8 policy)."""
 
     score: ScoreFn
     beam: BeamFn | None = None
-    # optional: (prompts, beam_width, steps) -> one beam list per prompt (faster than `beam` per
-    # prompt)
+    # (prompts, beam_width, steps) -> one beam list per prompt; used instead of `beam` when given
     beam_batch: Callable[[list[list[int]], int, int], Sequence] | None = None
 
 
-def _beam_tokens(entry) -> list[int]:
-    tokens = entry[0] if isinstance(entry, (tuple, list)) else entry.tokens
-    return [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
-
-
-def engine_runner(engine) -> ModelRunner:
-    """Adapt `Engine.score(query, items, label_token_ids, apply_softmax=False)` and
-    `Engine.beam_search(prompt, beam_width, steps)`; without `beam_search`, an unconstrained
-    log-prob beam
-    search over the engine's packed forward (`engine.runner`) stands in."""
+def engine_callables(engine) -> GateCallables:
+    """`Engine.score(query, items, label_token_ids, apply_softmax=False)` and
+    `Engine.beam_search_batch(prompts, beam_width, steps)` as the gate's callables."""
 
     def score(query, items, labels):
         return engine.score(query, items, label_token_ids=labels, apply_softmax=False)
 
-    beam = beam_batch = None
-    if hasattr(engine, "beam_search_batch"):
+    def beam_batch(prompts, width, steps):
+        return engine.beam_search_batch(prompts, beam_width=width, steps=steps)
 
-        def beam_batch(prompts, width, steps):
-            return engine.beam_search_batch(prompts, beam_width=width, steps=steps)
-
-    if hasattr(engine, "beam_search"):
-
-        def beam(prompt, width, steps):
-            return engine.beam_search(prompt, beam_width=width, steps=steps)
-    elif hasattr(engine, "runner"):
-        beam = functools.partial(forward_beam_search, engine.runner)
-    return ModelRunner(score, beam, beam_batch)
+    return GateCallables(score, beam_batch=beam_batch)
 
 
-def forward_beam_search(
-    runner, prompt: list[int], beam_width: int, steps: int
-) -> list[tuple[list[int], float]]:
-    """Exactly `steps` steps of log-prob beam search (no EOS stop), recomputing prompt + beam tokens each
-    step with the prompt as a shared prefix. Reference quality, not speed: the gate only needs the
-    same
-    algorithm on both sides. `runner`: has `hidden_rows(groups)` and `head(rows, columns)`."""
-    import torch
-
-    from boundgen.text.packing import SequenceGroup
-
-    if len(prompt) < 1:
-        raise ValueError("beam search needs a non-empty prompt")
-    prefix, last = list(prompt[:-1]), [prompt[-1]]
-    beams: list[list[int]] = [[]]
-    scores = None
-    for _ in range(steps):
-        rows = runner.hidden_rows([SequenceGroup(prefix, [last + b for b in beams])])
-        logp = torch.log_softmax(runner.head(rows).float(), dim=-1)  # [B, V]
-        total = logp if scores is None else logp + scores[:, None]
-        top = torch.topk(total.flatten(), min(beam_width, total.numel()))
-        vocab = logp.shape[1]
-        src, tok = (top.indices // vocab).tolist(), (top.indices % vocab).tolist()
-        beams = [beams[b] + [t] for b, t in zip(src, tok)]
-        scores = top.values
-    return [(b, float(v)) for b, v in zip(beams, scores.tolist())]
+def _top1_tokens(beams: Sequence) -> list[int]:
+    """Token ids of the best beam of one result ([] when there is none)."""
+    return [int(t) for t in beams[0][0]] if len(beams) else []
 
 
 @dataclass
@@ -423,31 +385,30 @@ class EvalOutputs:
 
 
 def collect_outputs(
-    runner: ModelRunner, eval_set: EvalSet, beam_batch_size: int = 16
+    model: GateCallables, eval_set: EvalSet, beam_batch_size: int = 16
 ) -> EvalOutputs:
     scores = []
     for case in eval_set.score_cases:
-        out = runner.score(case.query, case.items, case.label_token_ids)
+        out = model.score(case.query, case.items, case.label_token_ids)
         if len(out) != len(case.items):
             raise RuntimeError(f"score returned {len(out)} rows for {len(case.items)} items")
         scores.append([ranking_score(row) for row in out])
     beams: list[list[int] | None] = [None] * len(eval_set.beam_cases)
-    if runner.beam_batch is not None:
+    if model.beam_batch is not None:
         shapes: dict[tuple[int, int], list[int]] = {}
         for i, case in enumerate(eval_set.beam_cases):
             shapes.setdefault((case.beam_width, case.steps), []).append(i)
         for (width, steps), idx in shapes.items():
             for start in range(0, len(idx), beam_batch_size):
                 chunk = idx[start : start + beam_batch_size]
-                results = runner.beam_batch(
+                results = model.beam_batch(
                     [eval_set.beam_cases[i].prompt for i in chunk], width, steps
                 )
                 for i, result in zip(chunk, results):
-                    beams[i] = _beam_tokens(result[0]) if len(result) else []
-    elif runner.beam is not None:
+                    beams[i] = _top1_tokens(result)
+    elif model.beam is not None:
         for i, case in enumerate(eval_set.beam_cases):
-            result = runner.beam(case.prompt, case.beam_width, case.steps)
-            beams[i] = _beam_tokens(result[0]) if len(result) else []
+            beams[i] = _top1_tokens(model.beam(case.prompt, case.beam_width, case.steps))
     return EvalOutputs(scores, beams)
 
 
@@ -537,7 +498,8 @@ def compare_outputs(
             )
         if rep.topk_mean < thresholds.topk_overlap:
             failures.append(
-                f"{name}: top-{thresholds.k} overlap {rep.topk_mean:.3f} < {thresholds.topk_overlap}"
+                f"{name}: top-{thresholds.k} overlap {rep.topk_mean:.3f} < "
+                f"{thresholds.topk_overlap}"
             )
 
     agree_all: list[bool] = []
@@ -574,23 +536,6 @@ def compare_outputs(
     )
 
 
-def run_gate(
-    reference: ModelRunner,
-    candidate: ModelRunner,
-    eval_set: EvalSet,
-    policy: str,
-    thresholds: GateThresholds = GateThresholds(),
-    reference_outputs: EvalOutputs | None = None,
-) -> GateReport:
-    """Compare `candidate` (FP8 policy) with `reference` (bf16) on `eval_set`. Pass `reference_outputs`
-    to reuse one bf16 run for several policies."""
-    ref = (
-        reference_outputs if reference_outputs is not None else collect_outputs(reference, eval_set)
-    )
-    cand = collect_outputs(candidate, eval_set)
-    return compare_outputs(ref, cand, eval_set, policy, thresholds)
-
-
 def gate_engine(
     engine,
     policies: Sequence[str],
@@ -602,40 +547,64 @@ def gate_engine(
     log: Callable[[str], None] | None = None,
     reference_outputs: EvalOutputs | None = None,
 ) -> dict[str, GateReport]:
-    """Run the gate for each policy on one loaded (bf16) engine: the reference outputs are collected once,
-    each policy is applied in place to `engine.model`, measured, and undone (original modules restored)."""
-    from boundgen.quant.fp8 import apply_fp8
-    from boundgen.quant.policy import parse_policy, select_modules
+    """Run the gate for each policy on one loaded (bf16) engine, keyed by canonical policy name:
+    the reference outputs are collected once, then each policy is applied in place to
+    `engine.model`, measured, and undone (original modules restored).
 
+    The engine must run its model eagerly: captured CUDA graphs or compiled buckets would replay
+    the bf16 kernels whatever modules the policy swaps in (ValueError otherwise)."""
+    backend = getattr(engine.runner, "backend_name", "eager")
+    if backend != "eager":
+        raise ValueError(
+            f"the gate swaps FP8 modules into the engine's model in place, but its runner is "
+            f"{backend!r}, which would not run them: load the engine with backend='eager'"
+        )
     model = engine.model
-    runner = engine_runner(engine)
+    callables = engine_callables(engine)
     t0 = time.perf_counter()
-    ref = reference_outputs if reference_outputs is not None else collect_outputs(runner, eval_set)
+    ref = (
+        reference_outputs if reference_outputs is not None else collect_outputs(callables, eval_set)
+    )
     ref_s = time.perf_counter() - t0
     if log:
         log(
-            f"reference outputs: {len(eval_set.score_cases)} score groups, {len(eval_set.beam_cases)} beam "
-            f"prompts in {ref_s:.1f}s"
+            f"reference outputs: {len(eval_set.score_cases)} score groups, "
+            f"{len(eval_set.beam_cases)} beam prompts in {ref_s:.1f}s"
         )
     reports = {}
     for policy in policies:
-        policy = parse_policy(policy)
-        names = select_modules(model, policy)
-        originals = {n: model.get_submodule(n) for n in names}
-        try:
-            apply_fp8(model, policy, emulate=emulate, act_quant=act_quant)
+        name = parse_policy(policy).name
+        with fp8_swapped(model, select_modules(model, name), emulate=emulate, act_quant=act_quant):
             t0 = time.perf_counter()
-            cand = collect_outputs(runner, eval_set)
-            report = compare_outputs(ref, cand, eval_set, policy, thresholds)
-            report.notes["mode"] = "emulated" if emulate else "scaled_mm"
-            report.notes["eval_seconds"] = (
-                f"bf16 {ref_s:.1f}, {policy} {time.perf_counter() - t0:.1f}"
-            )
-            reports[policy] = report
-        finally:
-            for n, m in originals.items():
-                parent, _, child = n.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, child, m)
+            cand = collect_outputs(callables, eval_set)
+        report = compare_outputs(ref, cand, eval_set, name, thresholds)
+        report.notes["mode"] = "emulated" if emulate else "scaled_mm"
+        report.notes["eval_seconds"] = f"bf16 {ref_s:.1f}, {name} {time.perf_counter() - t0:.1f}"
+        reports[name] = report
         if log:
             log(report.format())
     return reports
+
+
+def gate_eval_set(
+    engine,
+    model_dir: str | Path,
+    *,
+    scale: str | None = None,
+    seed: int = 0,
+    labels: Sequence[int] | None = None,
+    extra: Sequence[str | Path] = (),
+    demo: bool = True,
+) -> EvalSet:
+    """The eval set `boundgen quant-check` gates a loaded engine on: W1/W2/W4 and held-out inputs at
+    `scale` (default: "full" on CUDA, "small" elsewhere), the `extra` sets (`EvalSet.to_json`
+    files), and the held-out set a demo checkpoint ships (unless `demo=False`), fitted to the
+    model's context."""
+    scale = scale or ("full" if engine.device.type == "cuda" else "small")
+    eval_set = make_eval_set(engine.config.vocab_size, labels, scale=scale, seed=seed)
+    for path in extra:
+        eval_set = eval_set.extend(EvalSet.load(path))
+    shipped = EvalSet.from_demo_dir(model_dir, engine.tokenizer.encode) if demo else None
+    if shipped is not None:
+        eval_set = eval_set.extend(shipped)
+    return eval_set.fit(engine.limits.max_seq_len)

@@ -1,31 +1,31 @@
-"""Rowwise FP8 (e4m3) linear layers: weights quantized once at load, activations per token at run time.
+"""Rowwise FP8 (e4m3) linear layers: weights quantized once at load, activations per token.
 
 `Fp8Linear` keeps `weight` as float8_e4m3fn `[N, K]` with one fp32 scale per output channel
 (`weight_scale [1, N]`), quantizes its input per token (`a_scale [M, 1]`) and calls
 `torch._scaled_mm(a8, w8.t(), scale_a, scale_b, out_dtype=bf16)`; the bias is added after, in bf16.
 In `emulate` mode the same quantized values are multiplied in fp32 on any device (CPU CI, pre-Hopper
-GPUs),
-so tests and the fidelity gate see the numerics of the real kernel.
+GPUs), so tests and the fidelity gate see the numerics of the real kernel. `quantize_modules` is the
+pass that swaps named `nn.Linear` modules for it; which ones is the policy's business
+(`boundgen.quant.policy`).
 
 NOTE: forward only reads buffers and fixed attributes (mode, act_quant), so
-`torch.export`/AOTInductor see
-plain tensors and `torch._scaled_mm`. The Triton activation quantizer is used in eager mode only;
-under
-torch.compile/export the plain-torch quantizer is traced and Inductor fuses it with its producer.
+`torch.export`/AOTInductor see plain tensors and `torch._scaled_mm`. The Triton activation quantizer
+is used in eager mode only; under torch.compile/export the plain-torch quantizer is traced and
+Inductor fuses it with its producer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
-# Smallest scale: keeps all-zero rows (padding) finite; 1e-12 * 448 is far below any real
-# activation.
-SCALE_EPS = 1e-12
+from boundgen.quant import triton_quant
+from boundgen.quant.rowwise import FP8_DTYPE, quantize_rowwise, quantize_weight
+
 MODES = ("scaled_mm", "emulate")
 ACT_QUANTS = ("auto", "torch", "triton")
 
@@ -34,37 +34,7 @@ class Fp8NotSupportedError(RuntimeError):
     """Real FP8 was asked for on a device without rowwise FP8 matmul support."""
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Quantization primitives (pure torch: run on any device, traceable by export/Inductor)
-
-
-def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [M, K] (any float dtype) -> (q [M, K] e4m3, scale [M, 1] fp32) with x ≈ q * scale.
-
-    The max-abs element of each row maps to ±448 exactly; elements keep e4m3's 3 mantissa bits
-    (relative error ≤ 2^-4 for normal values).
-    """
-    # NOTE: few passes in eager (max-abs in one reduction, bf16 * fp32 promotes without an fp32 copy
-    # of x);
-    # Inductor fuses all of it. triton_quant.py computes exactly these expressions.
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
-    amax = amax.clamp(min=SCALE_EPS * FP8_MAX)
-    scale = amax * (1.0 / FP8_MAX)
-    q = (x * (FP8_MAX / amax)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
-def dequantize_rowwise(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    return (q.float() * scale).to(dtype)
-
-
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight: [N, K] -> (w8 [N, K] e4m3 contiguous, scale [1, N] fp32), one scale per output channel."""
-    w8, scale = quantize_rowwise(weight.detach())
-    return w8.contiguous(), scale.reshape(1, -1).contiguous()
-
-
-# ---------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Device support
 
 
@@ -110,23 +80,18 @@ def fp8_supported(device: torch.device | str | None = None) -> tuple[bool, str]:
     return True, f"{name} (sm_{major}{minor}): rowwise FP8 via torch._scaled_mm"
 
 
-# ---------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # The layer
 
 
 def _triton_available(device: torch.device | None = None) -> bool:
     """Triton importable and, on `device`, agreeing with the torch quantizer (checked once)."""
-    try:
-        from boundgen.quant import triton_quant
-
-        if not triton_quant.AVAILABLE:
-            return False
-        if device is not None and device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            return triton_quant.self_test(index) is None
-        return True
-    except Exception:
+    if not triton_quant.AVAILABLE:
         return False
+    if device is not None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return triton_quant.self_test(index) is None
+    return True
 
 
 class Fp8Linear(nn.Module):
@@ -134,9 +99,8 @@ class Fp8Linear(nn.Module):
 
     Buffers: `weight` [N, K] e4m3, `weight_scale` [1, N] fp32, `bias` [N] (original dtype) or None.
     `mode`: "scaled_mm" (Hopper/Ada kernel) or "emulate" (same quantized values, fp32 matmul, any
-    device).
-    `act_quant`: "torch" (plain ops; fused by Inductor when compiled) or "triton" (one-pass kernel,
-    eager).
+    device). `act_quant`: "torch" (plain ops; fused by Inductor when compiled) or "triton" (one-pass
+    kernel, eager).
     """
 
     def __init__(
@@ -148,7 +112,6 @@ class Fp8Linear(nn.Module):
         mode: str = "scaled_mm",
         act_quant: str = "torch",
         out_dtype: torch.dtype = torch.bfloat16,
-        fast_accum: bool = False,
         device=None,
     ):
         super().__init__()
@@ -158,14 +121,14 @@ class Fp8Linear(nn.Module):
             raise ValueError(f"unknown activation quantizer {act_quant!r}; choose torch or triton")
         if mode == "scaled_mm" and (in_features % 16 or out_features % 16):
             raise ValueError(
-                f"torch._scaled_mm needs in/out features divisible by 16, got {in_features}x{out_features}"
+                "torch._scaled_mm needs in/out features divisible by 16, got "
+                f"{in_features}x{out_features}"
             )
         self.in_features = in_features
         self.out_features = out_features
         self.mode = mode
         self.act_quant = act_quant
         self.out_dtype = out_dtype
-        self.fast_accum = fast_accum
         self.register_buffer(
             "weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device)
         )
@@ -184,7 +147,6 @@ class Fp8Linear(nn.Module):
         *,
         mode: str = "scaled_mm",
         act_quant: str = "torch",
-        fast_accum: bool = False,
     ) -> Fp8Linear:
         w = linear.weight
         out_dtype = (
@@ -197,7 +159,6 @@ class Fp8Linear(nn.Module):
             mode=mode,
             act_quant=act_quant,
             out_dtype=out_dtype,
-            fast_accum=fast_accum,
             device=w.device,
         )
         w8, scale = quantize_weight(w)
@@ -209,9 +170,8 @@ class Fp8Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # NOTE: `model.to(dtype)` / `.half()` must not cast the e4m3 weight or its fp32 scales (a
-        # round
-        # trip through bf16 would lose scale bits); device moves still apply. The bias follows the
-        # model.
+        # round trip through bf16 would lose scale bits); device moves still apply. The bias
+        # follows the model.
         keep = {k: self._buffers[k] for k in ("weight", "weight_scale")}
         super()._apply(fn, recurse)
         for k, old in keep.items():
@@ -228,9 +188,7 @@ class Fp8Linear(nn.Module):
 
     def _quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.act_quant == "triton" and x2.is_cuda and not torch.compiler.is_compiling():
-            from boundgen.quant.triton_quant import quantize_rowwise_triton
-
-            return quantize_rowwise_triton(x2)
+            return triton_quant.quantize_rowwise_triton(x2)
         return quantize_rowwise(x2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -246,12 +204,11 @@ class Fp8Linear(nn.Module):
                 scale_a=a_scale,
                 scale_b=self.weight_scale,
                 out_dtype=torch.bfloat16,
-                use_fast_accum=self.fast_accum,
             )
         else:
             # e4m3 x e4m3 products are exact in fp32; accumulate in fp32, scale in fp32 (as the
-            # kernel does).
-            # The kernel writes bf16: round there too, so emulation matches it in every model dtype.
+            # kernel does). The kernel writes bf16: round there too, so emulation matches it in
+            # every model dtype.
             y = ((a8.float() @ self.weight.float().t()) * a_scale * self.weight_scale).to(
                 torch.bfloat16
             )
@@ -262,11 +219,11 @@ class Fp8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
-# ---------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # The pass
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
     for t in model.parameters():
         return t.device
     for t in model.buffers():
@@ -297,46 +254,17 @@ def resolve_act_quant(act_quant: str, device: torch.device) -> str:
     return act_quant
 
 
-def apply_fp8(
-    model: nn.Module,
-    policy: str,
-    *,
-    emulate: bool = False,
-    act_quant: str = "auto",
-    fast_accum: bool = False,
-) -> nn.Module:
-    """Swap the projections that `policy` names for `Fp8Linear`, in place; returns `model`.
-
-    policy: "none" | "mlp" | "mlp+attn-proj" (see `boundgen.quant.policy`). Embeddings, norms,
-    attention,
-    LM/score heads are never touched. Raises `Fp8NotSupportedError` when real FP8 is asked for on a
-    device
-    that lacks it (pass `emulate=True` for quantize→dequantize numerics on any device).
-    """
-    from boundgen.quant.policy import select_modules
-
-    return quantize_modules(
-        model,
-        select_modules(model, policy),
-        emulate=emulate,
-        act_quant=act_quant,
-        fast_accum=fast_accum,
-    )
-
-
 def quantize_modules(
-    model: nn.Module,
-    names: list[str],
-    *,
-    emulate: bool = False,
-    act_quant: str = "auto",
-    fast_accum: bool = False,
+    model: nn.Module, names: list[str], *, emulate: bool = False, act_quant: str = "auto"
 ) -> nn.Module:
-    """Swap the named `nn.Linear` modules for `Fp8Linear` in place (the mechanism under `apply_fp8`;
-    also used by the benchmark's per-projection sensitivity runs)."""
+    """Swap the named `nn.Linear` modules for `Fp8Linear` in place; returns `model`.
+
+    Raises `Fp8NotSupportedError` when real FP8 is asked for on a device that lacks it (pass
+    `emulate=True` for quantize→dequantize numerics on any device).
+    """
     if not names:
         return model
-    device = _model_device(model)
+    device = model_device(model)
     mode = resolve_mode(device, emulate)
     aq = resolve_act_quant(act_quant, device)
     for name in names:
@@ -345,23 +273,24 @@ def quantize_modules(
         linear = getattr(parent, child)
         if type(linear) is not nn.Linear:
             raise TypeError(f"{name} is {type(linear).__name__}, not nn.Linear")
-        setattr(
-            parent,
-            child,
-            Fp8Linear.from_linear(linear, mode=mode, act_quant=aq, fast_accum=fast_accum),
-        )
+        setattr(parent, child, Fp8Linear.from_linear(linear, mode=mode, act_quant=aq))
         del linear
     return model
 
 
-def set_act_quant(model: nn.Module, act_quant: str) -> nn.Module:
-    """Switch every Fp8Linear's activation quantizer (e.g. to "torch" before export/compile)."""
-    for m in model.modules():
-        if isinstance(m, Fp8Linear):
-            if act_quant not in ("torch", "triton"):
-                raise ValueError(f"unknown activation quantizer {act_quant!r}")
-            m.act_quant = act_quant
-    return model
+@contextlib.contextmanager
+def fp8_swapped(
+    model: nn.Module, names: list[str], *, emulate: bool = False, act_quant: str = "auto"
+) -> Iterator[nn.Module]:
+    """`quantize_modules` for the length of a `with` block, then the original `nn.Linear` modules
+    come back: one loaded bf16 model serves the gate's reference and every candidate."""
+    originals = {name: model.get_submodule(name) for name in names}
+    try:
+        yield quantize_modules(model, names, emulate=emulate, act_quant=act_quant)
+    finally:
+        for name, linear in originals.items():
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
 
 
 def fp8_modules(model: nn.Module) -> list[str]:

@@ -1,13 +1,13 @@
 """A small JSON store of fidelity-gate results, keyed by checkpoint content hash + FP8 policy.
 
 Location: `$BOUNDGEN_FP8_GATE_CACHE` (a file path), else `$XDG_CACHE_HOME/boundgen/fp8_gate.json`,
-else `~/.cache/boundgen/fp8_gate.json`. Checkpoint hashes are memoized by (path, size, mtime) so a 1
-GB
-checkpoint is read once, not on every engine start.
+else `~/.cache/boundgen/fp8_gate.json`. Checkpoint hashes are memoized by (path, size, mtime) so a
+1 GB checkpoint is read once, not on every engine start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -79,10 +79,8 @@ def checkpoint_hash(model_dir: str | Path) -> str:
     digest = h.hexdigest()
     data = _load()
     data["hashes"][str(model_dir)] = {"stamp": stamp, "sha256": digest}
-    try:
+    with contextlib.suppress(OSError):  # a read-only cache only costs a re-hash
         _save(data)
-    except OSError:
-        pass  # a read-only cache only costs a re-hash
     return digest
 
 
@@ -91,7 +89,8 @@ def _key(digest: str, policy: str) -> str:
 
 
 def record_gate_result(model_dir: str | Path, policy: str, report: dict) -> dict:
-    """Store a gate report (a `GateReport.to_dict()`) for this checkpoint + policy; returns the record."""
+    """Store a gate report (a `GateReport.to_dict()`) for this checkpoint + policy; returns the
+    record."""
     digest = checkpoint_hash(model_dir)
     record = dict(report)
     record.update(

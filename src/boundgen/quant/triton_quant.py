@@ -2,11 +2,9 @@
 
 Plain torch needs ~5 kernels (abs, amax, div, clamp, cast) and several passes over the [M, K] bf16
 activation; this kernel reads each row once and writes e4m3 + one fp32 scale. Under
-torch.compile/export
-`Fp8Linear` uses the plain-torch quantizer instead, which Inductor fuses with the op producing the
-input.
-Numerics match `boundgen.quant.fp8.quantize_rowwise` (same expressions for amax, scale and the
-reciprocal, clamp, round-to-nearest-even cast).
+torch.compile/export `Fp8Linear` uses the plain-torch quantizer instead, which Inductor fuses with
+the op producing the input. Numerics match `boundgen.quant.rowwise.quantize_rowwise` (same
+expressions for amax, scale and the reciprocal, clamp, round-to-nearest-even cast).
 """
 
 from __future__ import annotations
@@ -15,6 +13,8 @@ import functools
 
 import torch
 
+from boundgen.quant.rowwise import FP8_MAX, SCALE_EPS, quantize_rowwise
+
 try:
     import triton
     import triton.language as tl
@@ -22,9 +22,6 @@ try:
     AVAILABLE = True
 except Exception:
     AVAILABLE = False
-
-FP8_MAX = 448.0
-SCALE_EPS = 1e-12
 
 if AVAILABLE:
 
@@ -86,12 +83,11 @@ def quantize_rowwise_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 @functools.cache
 def self_test(device_index: int = 0) -> str | None:
-    """Compare the kernel with the torch quantizer once per device; None if they agree, else why not."""
+    """Compare the kernel with the torch quantizer once per device; None if they agree, else why
+    not."""
     if not AVAILABLE:
         return "triton is not installed"
     try:
-        from boundgen.quant.fp8 import quantize_rowwise
-
         dev = torch.device("cuda", device_index)
         g = torch.Generator(device=dev).manual_seed(0)  # leave the global RNG alone
         x = torch.randn(37, 896, device=dev, dtype=torch.bfloat16, generator=g) * 3
