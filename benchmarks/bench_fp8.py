@@ -397,11 +397,12 @@ def section_model(res: dict, args) -> None:
 
 
 def section_compiled(res: dict, args) -> None:
-    """W1/W2 through a compiled backend (boundgen.compile.runner; torch.compile by default), where
+    """W1/W2 through a compiled backend (boundgen.compile.backends; torch.compile by default), where
     Inductor fuses the activation quantize into its producer: each policy, bf16 first. Not in the
     default sections (each policy compiles the whole model per bucket): run it alone,
     `--sections env,compiled`."""
-    from boundgen.compile.runner import CompileOptions, make_runner
+    from boundgen.compile.backends import CompileOptions
+    from boundgen.runner import make_runner
 
     engine, path = _load_engine(args)
     w1, (w2_prefix, w2_items), labels = _workloads(
@@ -419,7 +420,6 @@ def section_compiled(res: dict, args) -> None:
             "runs": [],
         },
     )
-    eager_runner = engine.runner
     for policy in args.policies:
         row = {"policy": policy}
         try:
@@ -434,12 +434,12 @@ def section_compiled(res: dict, args) -> None:
                     options=CompileOptions(buckets=args.compiled_buckets, warmup=True),
                 )
                 row["compile_s"] = time.perf_counter() - t0
-                engine.runner = runner
+                compiled = engine.with_runner(runner)
                 try:
-                    _time_w1_w2(row, engine, w1, w1_tokens, w2_prefix, w2_items, labels, args)
-                    row["runner_stats"] = runner.stats() if hasattr(runner, "stats") else None
+                    _time_w1_w2(row, compiled, w1, w1_tokens, w2_prefix, w2_items, labels, args)
+                    row["runner_stats"] = runner.stats()
                 finally:
-                    engine.runner = eager_runner
+                    compiled.close()
         except Exception as exc:
             row["error"] = repr(exc)[:800]
         out["runs"].append(row)

@@ -90,10 +90,9 @@ def load_reference_engine(model_dir, device, dtype="bfloat16", **overrides):
     """The engine in plain precision (FP8 off, whatever the engine's default policy) on the eager
     runner: the gate swaps projections in place, which captured CUDA graphs and compiled buckets
     would not see (they would replay the bf16 kernels)."""
-    from boundgen.compile.runner import eager_overrides
     from boundgen.engine import Engine
 
-    overrides = {"fp8": "none", **eager_overrides(), **overrides}
+    overrides = {"fp8": "none", "backend": "eager", **overrides}
     return Engine.from_pretrained(model_dir, device=device, dtype=dtype, **overrides)
 
 

@@ -553,7 +553,7 @@ def gate_engine(
 
     The engine must run its model eagerly: captured CUDA graphs or compiled buckets would replay
     the bf16 kernels whatever modules the policy swaps in (ValueError otherwise)."""
-    backend = getattr(engine.runner, "backend_name", "eager")
+    backend = engine.runner.backend_name
     if backend != "eager":
         raise ValueError(
             f"the gate swaps FP8 modules into the engine's model in place, but its runner is "
