@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from boundgen.compile.chunking import chunk
 from boundgen.config import DTYPES, EngineConfig, ModelConfig
 from boundgen.engine import Engine
-from boundgen.compile.chunking import chunk
 from boundgen.runtime.memory import MemoryPools
 from boundgen.server.app import create_app
 from boundgen.server.config import ServerConfig

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -75,7 +74,8 @@ class Run:
 def profile(fn, device) -> dict:
     """One call under torch.profiler: wall ms, kernels, GPU busy ms (union of kernel intervals),
     and the top kernels by total time."""
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
 
     if device.type != "cuda":
         return {}
@@ -146,7 +146,7 @@ def section_hf(run: Run, path, dev, dtype, work: dict):
     hf = common.hf_model(path, dev, dtype)
     for w, spec in work.items():
         seqs = [spec["query"] + it for it in spec["items"]]
-        call = lambda s=seqs: common.hf_last_logits(hf, s, dev, columns=LABELS)
+        call = lambda s=seqs, m=hf: common.hf_last_logits(m, s, dev, columns=LABELS)
         ref[w] = call().cpu()
         t = common.timed(
             call, dev, warmup=1, iters=run.args.iters, budget_s=run.args.variant_budget_s
