@@ -137,7 +137,7 @@ def test_search_graphs_match_plain_search(cuda_engine, compile_layers):
     model, dev = cuda_engine.model, cuda_engine.device
     backend = export_attention(model, dev) if compile_layers else model.backend
     sg = SearchGraphs(
-        model, dev, backend, parse_buckets(["t32", "t64"]), compile_layers=compile_layers
+        model, dev, backend, parse_buckets(["t32-s8", "t64-s8"]), compile_layers=compile_layers
     )
     g = torch.Generator().manual_seed(0)
     items = torch.randint(1, 400, (300, 3), generator=g).unique(dim=0).tolist()

@@ -122,15 +122,18 @@ def decode_layer(
 
 def _own_slots_attention(q, k, v, step) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, Hq, D]; k, v [N, S, Hkv, D] of which slots > step are not written yet (masked).
-    → out [N, Hq, D], lse [N, Hq] float32."""
+    → out [N, Hq, D], lse [N, Hq] float32. Products and sums, not matmuls: S is a handful of
+    slots, and Inductor fuses these into the kernels around them (an einsum became two fp32 GEMM
+    launches per layer and step on the H200)."""
     n, hq, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
-    qf = q.float().view(n, hkv, hq // hkv, d)
-    scores = torch.einsum("ngrd,nsgd->ngrs", qf, k.float()) * (1.0 / math.sqrt(d))
-    later = torch.arange(s, device=q.device) > step  # [S]
+    qf = q.float().view(n, 1, hkv, hq // hkv, d)
+    scores = (qf * k.float().unsqueeze(3)).sum(-1) * (1.0 / math.sqrt(d))  # [N, S, Hkv, rep]
+    later = (torch.arange(s, device=q.device) > step).view(1, s, 1, 1)
     scores = scores.masked_fill(later, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [N, Hkv, rep]
-    out = torch.einsum("ngrs,nsgd->ngrd", torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    lse = torch.logsumexp(scores, dim=1)  # [N, Hkv, rep]
+    p = torch.exp(scores - lse.unsqueeze(1))
+    out = (p.unsqueeze(-1) * v.float().unsqueeze(3)).sum(1)  # [N, Hkv, rep, D]
     return out.reshape(n, hq, d).to(q.dtype), lse.reshape(n, hq)
 
 
@@ -142,6 +145,12 @@ class ModelSteps:
         self.model, self.backend = model, backend
         self._prefill, self._decode = prefill_layer, decode_layer
         if compile_layers:
+            import torch._inductor.config as inductor
+
+            # NOTE: round fused intermediates to the model dtype as eager does (RoPE, RMSNorm in
+            # bf16), so a compiled search picks the beams the eager one picks up to kernel order
+            if hasattr(inductor, "emulate_precision_casts"):
+                inductor.emulate_precision_casts = True
             self._prefill = torch.compile(prefill_layer, fullgraph=True, dynamic=False)
             self._decode = torch.compile(decode_layer, fullgraph=True, dynamic=False)
 
