@@ -154,7 +154,13 @@ def section_hf(run: Run, path, dev, dtype, work: dict):
         t["tok_per_s"] = spec["tokens"] / (t["median_ms"] / 1e3)
         res[f"{w} hf-eager"] = t
     del hf
-    if "hf-compile" in run.args.hf and dev.type == "cuda":
+    return res, ref
+
+
+def section_hf_compile(run: Run, path, dev, dtype, work: dict) -> dict:
+    """HF + torch.compile: W1 (default mode) and W3 (reduce-overhead: CUDA graphs)."""
+    res = {}
+    if dev.type == "cuda":
         for w, mode in (("W1", "default"), ("W3", "reduce-overhead")):
             model = common.hf_model(path, dev, dtype, compile_mode=mode)
             spec = work[w]
@@ -170,7 +176,7 @@ def section_hf(run: Run, path, dev, dtype, work: dict):
             t["tok_per_s"] = spec["tokens"] / (t["median_ms"] / 1e3)
             res[f"{w} hf-compile-{mode}"] = t
             del model
-    return res, ref
+    return res
 
 
 def section_hf_generate(run: Run, hf, dev, items, prompt_len: int) -> dict:
@@ -329,8 +335,7 @@ def main() -> int:
     ap.add_argument("--preset", default="qwen2.5-0.5b")
     ap.add_argument("--root", default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--sections", default="hf,eager,aoti,beam")
-    ap.add_argument("--hf", nargs="*", default=["hf-compile"], help="hf: also HF + torch.compile")
+    ap.add_argument("--sections", default="hf,eager,aoti,beam,hf-compile")
     ap.add_argument("--beam-hf", nargs="*", default=["hf"], help="beam: also HF generate")
     ap.add_argument("--w1-prompts", type=int, default=256)
     ap.add_argument("--items", type=int, default=100_000)
@@ -358,11 +363,7 @@ def main() -> int:
     res = run.results["sections"]
     if "hf" in sections:
         out = run.guard(
-            "hf",
-            lambda: section_hf(
-                run, path, dev, getattr(torch, dtype_name), work, items, args.prompt_len
-            ),
-            60,
+            "hf", lambda: section_hf(run, path, dev, getattr(torch, dtype_name), work), 30
         )
         if out:
             res["hf"], ref = out
@@ -393,6 +394,13 @@ def main() -> int:
             "beam", lambda: section_beam(run, path, dev, dtype_name, items, args.prompt_len), 60
         )
         run.save()
+    if "hf-compile" in sections:
+        res["hf-compile"] = run.guard(
+            "hf-compile",
+            lambda: section_hf_compile(run, path, dev, getattr(torch, dtype_name), work),
+            60,
+        )
+        run.save()
     run.results["wall_s"] = time.perf_counter() - run.t0
     run.save()
     print(summary(run.results), flush=True)
@@ -421,8 +429,9 @@ def summary(r: dict) -> str:
             f"| {run_} | {variant} | {t['median_ms']:.2f} | {tok} | {busy} | {kern} | {note} |"
         )
 
-    for k, t in (s.get("hf") or {}).items():
-        add(k.split()[0], k.split(" ", 1)[1], t)
+    for sec in ("hf", "hf-compile"):
+        for k, t in (s.get(sec) or {}).items():
+            add(k.split()[0], k.split(" ", 1)[1], t)
     for k, t in ((s.get("beam") or {}).get("hf-generate") or {}).items():
         add(f"W4 {k}", "hf-generate", t)
     for sec, name in (("eager", "eager+graphs"), ("aoti", "aoti+graphs")):

@@ -127,8 +127,10 @@ def test_aoti_cuda_matches_eager(cuda_engine, tmp_path):
 @pytest.mark.parametrize("compile_layers", [False, True])
 def test_search_graphs_match_plain_search(cuda_engine, compile_layers):
     """A whole search replayed from one CUDA graph (prefill, steps, selection) = the plain search:
-    the same best beam, ≥ 95 % of the same results (bf16 rounding may reorder near-ties), across
-    replays that reuse the bucket, with and without a trie."""
+    the same best beam and most of the same results, across replays that reuse the bucket, with
+    and without a trie. Random weights give near-uniform next-token distributions, so bf16
+    rounding in fused kernels reorders near-ties (0.88-0.96 overlap measured on the 0.5B shape):
+    exact equality is checked on the trained demo model below."""
     from boundgen.compile.aoti import export_attention
     from boundgen.compile.buckets import parse_buckets
     from boundgen.compile.decode import SearchGraphs
@@ -160,5 +162,29 @@ def test_search_graphs_match_plain_search(cuda_engine, compile_layers):
             )
             / got[0][:, :, 0].numel()
         )
-        assert overlap >= 0.95, (same, overlap)
+        assert overlap >= (1.0 if not compile_layers else 0.85), (same, overlap)
     assert all(s.graph is not None for s in sg.slots.values())
+
+
+def test_compiled_search_is_exact_on_the_demo_model():
+    """On a trained model (the demo) the compiled, graphed search returns exactly the plain
+    search's recommendations for held-out histories, with the catalog trie."""
+    from boundgen import Engine
+    from boundgen.compile.aoti import export_attention
+    from boundgen.compile.decode import SearchGraphs
+    from boundgen.demo import default_model_path, default_trie_path
+    from boundgen.workloads.trie import Trie
+
+    engine = Engine.from_pretrained(
+        default_model_path(), device="cuda", dtype="bfloat16", backend="eager"
+    )
+    model, dev = engine.model, engine.device
+    trie = Trie.from_file(default_trie_path()).to(dev)
+    sg = SearchGraphs(model, dev, export_attention(model, dev), compile_layers=True)
+    prompts = [engine.tokenizer.encode(f"history: item {i} item {i + 7} next:") for i in range(6)]
+    with torch.inference_mode():
+        for _ in range(2):
+            got = sg.run(prompts, 8, trie.depth, trie)
+            want = engine.runner.beam_search(prompts, 8, trie.depth, trie)
+            assert torch.equal(got[0], want[0])
+            torch.testing.assert_close(got[1], want[1], atol=2e-2, rtol=0)
