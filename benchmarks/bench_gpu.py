@@ -1,6 +1,6 @@
-"""Issues 15 and 16 on one GPU, in one process: W1–W4 (DESIGN §9) through boundgen's backends next to
-HF transformers eager (and HF + torch.compile for W1/W3), with a torch.profiler view of one call each
-(wall, GPU busy %, kernels per call, the top kernels).
+"""Issues 15 and 16 on one GPU, in one process: W1–W4 (DESIGN §9) through boundgen's backends next
+to HF transformers eager (and HF + torch.compile for W1/W3), with a torch.profiler view of one call
+each (wall, GPU busy %, kernels per call, the top kernels).
 
     python benchmarks/bench_gpu.py --out $OUT/gpu.json                 # H200, ≈ 8 min
     python benchmarks/bench_gpu.py --preset tiny --device cpu --sections hf,eager,beam --items 300
@@ -11,9 +11,9 @@ Sections (each under the global budget; one failure is recorded and the others s
 - aoti:  the AOTInductor buckets W1–W3 use (chunked against the default ladder, W2's cascade bucket
          planned), built in parallel worker processes first, then `aoti+graphs` W1/W2/W3 and the
          padding the chunker gave each
-- beam:  W4 (prompt 128, W=16, S=4, batch 1 and 8, free and with a 100K-item depth-4 trie): the plain
-         per-request path, the whole search as one CUDA graph with eager layers, and with the
-         prefill and decode layers through torch.compile; HF generate (b1, b8 free; b1 trie)
+- beam:  W4 (prompt 128, W=16, S=4, batch 1 and 8, free and with a 100K-item depth-4 trie): the
+         plain per-request path, the whole search as one CUDA graph with eager layers, and with
+         the prefill and decode layers through torch.compile; HF generate (b1, b8 free; b1 trie)
 """
 
 from __future__ import annotations
@@ -417,9 +417,8 @@ def summary(r: dict) -> str:
 
     def add(run_, variant, t, note=""):
         if not isinstance(t, dict) or "median_ms" not in t:
-            rows.append(
-                f"| {run_} | {variant} | – | – | – | – | {t.get('error', t.get('skipped', '')) if isinstance(t, dict) else ''} |"
-            )
+            why = t.get("error", t.get("skipped", "")) if isinstance(t, dict) else ""
+            rows.append(f"| {run_} | {variant} | – | – | – | – | {why} |")
             return
         p = t.get("profile") or {}
         tok = f"{t['tok_per_s'] / 1e3:.0f}K" if "tok_per_s" in t else ""

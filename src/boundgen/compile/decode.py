@@ -1,22 +1,22 @@
-"""Beam-search decoding: a plain session per request, and `SearchGraphs`, the whole search as one CUDA
-graph per bucket.
+"""Beam-search decoding: a plain session per request, and `SearchGraphs`, the whole search as one
+CUDA graph per bucket.
 
 A decode step (B·W rows, one token each) is pure launch overhead on a GPU: the eager model is ~75
 kernels a layer, and the selection, KV reorder and history gather between steps add more. A
 `SearchGraphs` bucket (padded prompt tokens T, prompts B, width W, steps S, trie) keeps the prompt
 KV, the beams' KV, the step inputs and the results in persistent buffers, and captures one call of
-`search.search` over them — prefill, S decode steps, selection and reorders — as a single graph.
-A request copies its padded prompts in and replays it.
+`search.search` over them — prefill, S decode steps, selection and reorders — as a single graph. A
+request copies its padded prompts in and replays it.
 
 With `compile_layers` the prefill and the decode step run per layer through one `torch.compile`d
 function each (regional compilation: the layer module is an argument, so one compiled graph serves
 all layers, and the decode step takes its index as a tensor, so one graph serves all steps):
 RMSNorm, RoPE, SiLU·mul, residuals and the KV writes fuse.
 
-Rules that keep replays correct (see compile/graphs.py): inputs are copied into the bucket's static
-buffers; `BeamKV.reorder` swaps its double buffers while the graph is captured, so every replay
-reads and writes the same buffers in the same order; a trie's tensors keep their storage (the
-bucket is keyed by the trie object, which holds them).
+Rules that keep replays correct (see compile/graphs.py): inputs are copied into the bucket's
+static buffers; `BeamKV.reorder` swaps its double buffers while the graph is captured, so every
+replay reads and writes the same buffers in the same order; a trie's tensors keep their storage
+(the bucket is keyed by the trie object, which holds them).
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ class ModelSteps:
         return m.head(m.norm(x))
 
 
-# ---- the whole search, captured per bucket --------------------------------------------------------
+# ---- the whole search, captured per bucket ------------------------------------------------------
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # prompts per search: a request's count is padded up
 
@@ -337,7 +337,8 @@ class SearchGraphs:
             slot.scores.copy_(scores)
 
     def _prepare(self, slot: _Slot, width: int, steps: int, trie: Any) -> None:
-        """First use of a bucket: run it (results for this request), then capture it for the next."""
+        """First use of a bucket: run it (results for this request), then capture it for the
+        next."""
         if not self.use_graphs:
             self._search(slot, width, steps, trie)
             return

@@ -345,8 +345,9 @@ SID_BEAM_WIDTH = 10  # the beam width and k of recall@k in the held-out retrieva
 
 
 def beam_items(model: DecoderModel, prompts: list[list[int]], trie: Trie) -> list[list[int]]:
-    """Item ids of the top beams per prompt, best first: the engine's trie-constrained beam search
-    (`ModelRunner.beam_search`, the code behind `engine.beam_search(..., trie=...)`) on the training model."""
+    """Item ids of the top beams per prompt, best first: the engine's trie-constrained beam
+    search (`ModelRunner.beam_search`, the code behind `engine.beam_search(..., trie=...)`) on
+    the training model."""
     runner = ModelRunner(model, model.embed_tokens.weight.device)
     tokens, scores = runner.beam_search(prompts, SID_BEAM_WIDTH, trie.depth, trie)
     # tokens: [B, W, depth]; scores: [B, W], dead beams (fewer items than W) at -inf
