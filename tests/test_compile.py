@@ -481,3 +481,24 @@ def test_compiled_search_layers_equal_the_plain_search(engine_for):
         want = engine.runner.beam_search(prompts, 4, 3)
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+
+
+def test_parallel_workers_build_the_slots_the_fp8_engine_looks_up(
+    tiny_model, tmp_path, monkeypatch
+):
+    """`boundgen compile --fp8 P --jobs N`: each worker swaps the same projections as the engine
+    that will serve, so its artifact slots are the ones that engine asks the cache for."""
+    from boundgen import Engine
+    from boundgen.compile import parallel
+
+    monkeypatch.setenv("BOUNDGEN_FP8_GATE_CACHE", str(tmp_path / "gate.json"))
+    path = tiny_model("qwen2")
+    engine = Engine.from_pretrained(path, fp8="MLP", fp8_emulate=True, fp8_force=True)
+    monkeypatch.setattr(parallel, "_WORKER", {})
+    parallel._init(str(path), "cpu", None, engine.engine_config.attention, "mlp", True)
+    worker = parallel._WORKER["model"]
+    served = aoti_slots(engine.model, engine.device, [BUCKET], "mlp")[0]
+    built = aoti_slots(worker, torch.device("cpu"), [BUCKET], "mlp")[0]
+    plain_model = Engine.from_pretrained(path).model
+    plain = aoti_slots(plain_model, engine.device, [BUCKET], "none")[0]
+    assert built.key == served.key != plain.key

@@ -34,3 +34,21 @@ def test_unchecked_policy_is_refused_unless_forced(tiny_model, tmp_path, monkeyp
 def test_unknown_policy(tiny_model):
     with pytest.raises(ValueError, match="unknown FP8 policy"):
         Engine.from_pretrained(tiny_model("qwen2"), fp8="all-of-it", fp8_emulate=True)
+
+
+def test_policy_grammar_reaches_the_engine(tiny_model, tmp_path, monkeypatch):
+    """Any policy `parse_policy` takes is accepted (not just the presets), spelt any way."""
+    monkeypatch.setenv("BOUNDGEN_FP8_GATE_CACHE", str(tmp_path / "gate.json"))
+    engine = Engine.from_pretrained(
+        tiny_model("qwen2"), fp8="Down_Proj:layers=0", fp8_emulate=True, fp8_force=True
+    )
+    first, second = engine.model.layers[0], engine.model.layers[1]
+    assert isinstance(first.mlp.down_proj, Fp8Linear)
+    assert not isinstance(first.mlp.gate_up_proj, Fp8Linear)
+    assert not isinstance(second.mlp.down_proj, Fp8Linear)
+
+
+def test_bad_policy_fails_before_the_weights_are_read(tmp_path):
+    """An empty directory: the policy error comes first, not a missing-checkpoint one."""
+    with pytest.raises(ValueError, match="unknown FP8 policy"):
+        Engine.from_pretrained(tmp_path, fp8="mlp:layers=x")

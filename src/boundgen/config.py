@@ -207,9 +207,9 @@ class EngineConfig:
     )
     fp8: str = option(
         "none",
-        "FP8 projections: none | mlp | mlp+attn-proj (refused unless the policy passed "
-        "`boundgen quant-check` for this checkpoint)",
-        choices=("none", "mlp", "mlp+attn-proj"),
+        "FP8 projections: none | mlp | mlp+attn-proj | PROJ[+PROJ][:layers=LIST][:skip=LIST] "
+        "(docs/fp8.md; refused unless the policy passed `boundgen quant-check` for this "
+        "checkpoint)",
     )
     fp8_force: bool = option(
         False, "use the FP8 policy even if its fidelity gate failed or never ran", flag=False

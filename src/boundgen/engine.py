@@ -96,11 +96,14 @@ class Engine:
             raise ValueError(
                 f"unknown engine option in {sorted(overrides)}; known: {known}"
             ) from None
-        model = load_model(path, config.device, config.dtype, config.attention)
-        if config.fp8 != "none":
-            from boundgen.quant.policy import enable_fp8
+        from boundgen.quant.policy import enable_fp8, parse_policy
 
-            enable_fp8(model, path, config.fp8, force=config.fp8_force, emulate=config.fp8_emulate)
+        # a misspelt policy fails before any weight is read; the canonical name keys the compiled
+        # artifacts, so "MLP" and "gate_up_proj+down_proj" share them
+        fp8 = parse_policy(config.fp8).name
+        model = load_model(path, config.device, config.dtype, config.attention)
+        if fp8 != "none":
+            enable_fp8(model, path, fp8, force=config.fp8_force, emulate=config.fp8_emulate)
         dev = next(model.parameters()).device
         runner = make_runner(
             model,
@@ -109,7 +112,7 @@ class Engine:
             config.share_prefix,
             backend=config.backend,
             options=CompileOptions(
-                buckets=config.compile_buckets, cache_dir=config.compile_cache, quant=config.fp8
+                buckets=config.compile_buckets, cache_dir=config.compile_cache, quant=fp8
             ),
         )
         tokenizer = Tokenizer.from_dir(path)

@@ -48,9 +48,6 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--cache-dir", default=None, help="artifact cache (default: $BOUNDGEN_CACHE/compiled)"
     )
-    parser.add_argument(
-        "--quant", default="none", help="label of the quantization policy the model runs"
-    )
     parser.add_argument("--jobs", type=int, default=1, help="build buckets in this many processes")
     parser.add_argument(
         "--force", action="store_true", help="rebuild even when a valid artifact exists"
@@ -161,6 +158,14 @@ def _load_eager(args):
     return Engine.from_pretrained(args.model, config=config)
 
 
+def _fp8_policy(engine) -> str:
+    """The FP8 policy the model runs, by its canonical name: the same label `Engine` looks its
+    artifacts up with (`--fp8`, as for `boundgen serve`)."""
+    from boundgen.quant.policy import parse_policy
+
+    return parse_policy(engine.engine_config.fp8).name
+
+
 def _plan(args):
     """The planned buckets (printed with their predicted padding), or None without a profile."""
     from boundgen.compile import planner
@@ -198,13 +203,14 @@ def run(args) -> int:
     if not args.model:
         raise ValueError("--model is required to compile")
     engine = _load_eager(args)
+    quant = _fp8_policy(engine)
     buckets = planned or parse_buckets(args.buckets, engine.engine_config.max_batch_tokens)
     cache = ArtifactCache(args.cache_dir)
     t0 = time.perf_counter()
     if args.check:
         plat = platform_info(engine.device)
         rows = []
-        for b, slot in zip(buckets, aoti_slots(engine.model, engine.device, buckets, args.quant)):
+        for b, slot in zip(buckets, aoti_slots(engine.model, engine.device, buckets, quant)):
             try:
                 cache.lookup(slot, plat)
                 rows.append({"bucket": b.name, "event": "hit"})
@@ -216,7 +222,7 @@ def run(args) -> int:
                 print(f"  {r['bucket']}: {r['reason']}")
         return 0 if all(r["event"] == "hit" for r in rows) else 1
     if args.force:
-        for slot in aoti_slots(engine.model, engine.device, buckets, args.quant):
+        for slot in aoti_slots(engine.model, engine.device, buckets, quant):
             cache.remove(slot)
     bar = tqdm(total=len(buckets), desc="compile", unit="bucket", file=sys.stderr)
     rows: list[dict] = []
@@ -236,17 +242,16 @@ def run(args) -> int:
             cfg.attention,
             buckets,
             cache.root,
-            args.quant,
+            quant,
             True,
             args.jobs,
             on_done=done,
+            fp8_emulate=cfg.fp8_emulate,
         )
     else:
         for b in buckets:
             try:
-                ((_, _, info),) = build_aoti(
-                    engine.model, engine.device, [b], cache, args.quant, True
-                )
+                ((_, _, info),) = build_aoti(engine.model, engine.device, [b], cache, quant, True)
             except Exception as exc:
                 info = {
                     "bucket": b.name,

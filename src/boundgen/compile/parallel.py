@@ -2,9 +2,9 @@
 
 AOTInductor compiles are long (41–82 s per graph on the GPU machine, DESIGN §10) and mostly
 single-threaded host work (lowering, C++ compile), so N buckets on a machine with many cores take
-about N/jobs compile times. Each worker loads the checkpoint once (same device, dtype and attention
-as the parent, hence the same model fingerprint) and writes through the shared, lock-protected
-`ArtifactCache`.
+about N/jobs compile times. Each worker loads the checkpoint once (same device, dtype, attention
+and FP8 policy as the parent, hence the same model fingerprint) and writes through the shared,
+lock-protected `ArtifactCache`.
 """
 
 from __future__ import annotations
@@ -18,16 +18,21 @@ from pathlib import Path
 _WORKER: dict = {}
 
 
-def _init(model_dir: str, device: str, dtype: str | None, attention: str) -> None:
+def _init(
+    model_dir: str, device: str, dtype: str | None, attention: str, quant: str, emulate: bool
+) -> None:
     import logging
 
     import torch
 
     from boundgen.models.loading import load_model
+    from boundgen.quant.policy import apply_fp8
 
     logging.getLogger("torch").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     model = load_model(model_dir, device, dtype, attention)
+    if quant != "none":  # the parent already passed (or forced) the fidelity gate
+        apply_fp8(model, quant, emulate=emulate)
     _WORKER["model"], _WORKER["device"] = model, next(model.parameters()).device
 
 
@@ -59,8 +64,11 @@ def build_parallel(
     jobs: int = 2,
     on_done: Callable[[dict], None] | None = None,
     timeout_s: float | None = None,
+    fp8_emulate: bool = False,
 ) -> list[dict]:
     """Build (or verify) every bucket in `jobs` worker processes; returns one info dict per bucket.
+    `quant` is the FP8 policy's canonical name: each worker swaps the same projections as the
+    parent's model, so the artifacts are the ones that model looks up.
     A bucket that fails (or is still building after `timeout_s`) gives {"bucket", "event": "error",
     "error"} instead of stopping the rest; workers still running at the timeout are terminated."""
     ctx = mp.get_context("spawn")
@@ -69,7 +77,7 @@ def build_parallel(
         max_workers=jobs,
         mp_context=ctx,
         initializer=_init,
-        initargs=(str(model_dir), device, dtype, attention),
+        initargs=(str(model_dir), device, dtype, attention, quant, fp8_emulate),
     )
     futs = {
         pool.submit(
