@@ -57,7 +57,10 @@ def test_default_shapes_fit_the_served_model():
     card = {"max_model_len": 256, "trie_depths": {"catalog": 3}}
     fitted, notes = fit_to_server(LoadConfig(trie="catalog"), card)
     assert (fitted.query_tokens, fitted.prompt_tokens, fitted.steps) == (240, 128, 3)
-    assert len(notes) == 2 and all("to fit the served model" in n for n in notes)
+    assert notes == [
+        "steps 4 -> 3: the depth of trie 'catalog'",
+        "query_tokens 256 -> 240: to fit the served model's 256-token context",
+    ]
     given = LoadConfig(query_tokens=300, steps=5, trie="catalog")  # explicit: kept as given
     assert fit_to_server(given, card)[0] == given
     assert fit_to_server(LoadConfig(), {})[0] == LoadConfig()  # a server without a card

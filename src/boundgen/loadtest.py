@@ -121,23 +121,21 @@ def fit_to_server(cfg: LoadConfig, card: dict[str, Any]) -> tuple[LoadConfig, li
     shortened to its `max_model_len`, beam steps set to the trie's depth), and what changed. Shapes
     given explicitly are kept: the server's error then says what does not fit."""
     defaults = {f.name: f.default for f in dataclasses.fields(LoadConfig)}
-    changes: dict[str, int] = {}
+    changes: dict[str, tuple[int, str]] = {}
     depth = card.get("trie_depths", {}).get(cfg.trie) if cfg.trie else None
     if depth and cfg.steps == defaults["steps"] and depth != cfg.steps:
-        changes["steps"] = depth
+        changes["steps"] = depth, f"the depth of trie {cfg.trie!r}"
     context = card.get("max_model_len")
     if context:
-        steps = changes.get("steps", cfg.steps)
+        steps = changes.get("steps", (cfg.steps,))[0]
         room = {"query_tokens": context - cfg.item_tokens, "prompt_tokens": context - steps}
         for name, most in room.items():
             if getattr(cfg, name) == defaults[name] and 0 < most < getattr(cfg, name):
-                changes[name] = most
+                changes[name] = most, f"to fit the served model's {context}-token context"
     notes = [
-        f"{name} {getattr(cfg, name)} -> {value} (to fit the served model; "
-        f"max_model_len {context}, trie depth {depth})"
-        for name, value in changes.items()
+        f"{name} {getattr(cfg, name)} -> {value}: {why}" for name, (value, why) in changes.items()
     ]
-    return dataclasses.replace(cfg, **changes), notes
+    return dataclasses.replace(cfg, **{k: v for k, (v, _) in changes.items()}), notes
 
 
 def make_bodies(cfg: LoadConfig, vocab: int) -> dict[str, list[bytes]]:
