@@ -96,7 +96,7 @@ def test_max_tokens_per_doc_cuts_only_the_documents_own_tokens(client, engine):
     short = ok(client.post("/v2/rerank", json={**body, "truncate_prompt_tokens": n}))
     assert short["usage"]["prompt_tokens"] == n
     msg = error(client.post("/v2/rerank", json={**body, "truncate_prompt_tokens": 3}), 400)
-    assert "query and template text alone" in msg["message"]
+    assert "query and template text alone take" in msg["message"]
 
 
 def test_cohere_document_objects_rank_fields(client):

@@ -23,6 +23,7 @@ from boundgen.server.schemas.cohere import RerankRequest
 from boundgen.server.schemas.common import Usage
 from boundgen.server.schemas.openai import Embedding, EmbeddingsRequest, EmbeddingsResponse
 from boundgen.server.schemas.sglang import RerankResult, ScoreRequest, ScoreResponse
+from boundgen.server.schemas.vllm import TokenizeRequest
 from boundgen.server.state import ServerState
 
 # ---- /v1/score: SGLang, or vLLM's ScoreRequest -------------------------------------------------
@@ -243,6 +244,7 @@ REQUEST_MODELS = {
     rerank: RerankRequest,
     rerank_v1: RerankRequest,
     rerank_v2: RerankRequest,
+    tokenize: TokenizeRequest,
     embeddings: EmbeddingsRequest,
     beam: BeamRequest,
     **vllm.REQUEST_MODELS,

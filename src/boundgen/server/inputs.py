@@ -356,8 +356,8 @@ def _cut_document(
         if excess > len(doc):
             raise BadRequest(
                 f"documents[{index}]: the query and template text alone take "
-                f"{len(ids) - len(drop) - len(doc)} tokens, more than "
-                f"truncate_prompt_tokens={total.tokens}. Please reduce the length of the input."
+                f"{len(ids) - len(drop) - len(doc)} tokens, more than the {total.tokens} a pair "
+                "may keep (only document tokens are cut). Please reduce the length of the input."
             )
         more = doc[:excess] if total.side == "left" else doc[len(doc) - excess :]
         drop += more
