@@ -41,6 +41,7 @@ class RerankRequest(_Request):
             "documents are never chunked; cut them with max_tokens_per_doc",
         ),
         "priority": (0, NO_PRIORITY),
+        "mm_processor_kwargs": (None, NO_MULTIMODAL),  # vLLM's
     }
 
 
