@@ -73,7 +73,7 @@ def test_score_input_errors(engine_for):
     vocab = engine.config.vocab_size
     with pytest.raises(ValueError, match="items is empty"):
         engine.score(QUERY, [], [1])
-    with pytest.raises(ValueError, match=f"label token id {vocab} is outside"):
+    with pytest.raises(ValueError, match=f"Token ID {vocab} is out of vocabulary range"):
         engine.score(QUERY, ITEMS, [1, vocab])
     with pytest.raises(ValueError, match="label_token_ids must be a non-empty list"):
         engine.score(QUERY, ITEMS, [])

@@ -50,6 +50,8 @@ def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("item_first", [False, True])
 @pytest.mark.parametrize("share_prefix", [True, False])
 def test_score_matches_hf(arch, item_first, share_prefix, tiny_model, hf_causal):
+    """SGLang semantics (issue 18): the joined text tokenized, each label's probability under the
+    full vocabulary's softmax."""
     model, tok = hf_causal(arch)
     engine = Engine.from_pretrained(tiny_model(arch), share_prefix=share_prefix)
     labels = [
@@ -58,11 +60,10 @@ def test_score_matches_hf(arch, item_first, share_prefix, tiny_model, hf_causal)
         7,
     ]
     ours = torch.tensor(engine.score(QUERY, ITEMS, labels, item_first=item_first))
-    q = tok.encode(QUERY, add_special_tokens=False)
     ref = []
     for item in ITEMS:
-        it = tok.encode(item, add_special_tokens=False)
-        ref.append(hf_last_logits(model, it + q if item_first else q + it)[labels])
+        ids = tok.encode(item + QUERY if item_first else QUERY + item, add_special_tokens=False)
+        ref.append(torch.log_softmax(hf_last_logits(model, ids), -1)[labels].exp())
     assert torch.allclose(ours, torch.stack(ref), atol=TOL, rtol=0)
 
 
@@ -112,6 +113,20 @@ def test_embed_matches_hf(arch, pooling, engine_for, hf_causal):
     ref = torch.nn.functional.normalize(torch.stack(refs), dim=-1)
     assert ours.shape == (len(texts), engine_for(arch).config.hidden_size)
     assert torch.allclose(ours, ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_per_token_embeddings_match_hf(arch, engine_for, hf_causal):
+    """pooling="tokens": every token's final hidden state, one [L, H] tensor per text."""
+    model, tok = hf_causal(arch)
+    texts = ITEMS + [QUERY]
+    ours = engine_for(arch).embed(texts, pooling="tokens")
+    assert len(ours) == len(texts)
+    with torch.no_grad():
+        for got, t in zip(ours, texts):
+            want = model.model(torch.tensor([tok.encode(t)])).last_hidden_state[0]
+            assert got.shape == want.shape
+            assert torch.allclose(got, want, atol=TOL, rtol=0)
 
 
 def test_embed_through_mlp_head(engine_for, tmp_path):

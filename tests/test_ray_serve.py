@@ -302,7 +302,7 @@ def test_two_replicas_same_answers_as_single_process_server(ray_server):
             assert REPLICA_HEADER not in want.headers  # only the Ray replicas add it
             assert _close(want.json(), got), (path, body, want.json(), got)
         # Errors are the server's own JSON, through the proxy too.
-        bad = {"query": [1], "items": [], "label_token_ids": [1]}
+        bad = {"query": [1], "items": [[2]], "label_token_ids": []}
         r = httpx.post(url + "/v1/score", json=bad, timeout=30)
         assert r.status_code == local.post("/v1/score", json=bad).status_code == 400
         assert r.json()["error"]["type"] == "invalid_request_error"

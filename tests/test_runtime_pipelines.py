@@ -122,7 +122,8 @@ def test_16_clients_mixed_requests_match_sequential_and_get_batched(runtime, eng
                 ("score", ScoreRequest(f"{QUERY} {i}", items, LABELS, apply_softmax=i % 2 == 0))
             )
         elif kind == "embed":
-            work.append(("embed", EmbedRequest(items, pooling=("last", "mean")[i % 8 // 4])))
+            pooling = ("last", "mean", "tokens")[i % 12 // 4]  # per-token rows merge with the rest
+            work.append(("embed", EmbedRequest(items, pooling=pooling)))
         else:
             work.append(("beam", BeamRequest([f"prompt {i}"], 2 + i % 3, 2)))
     expected = []
@@ -153,6 +154,8 @@ def test_16_clients_mixed_requests_match_sequential_and_get_batched(runtime, eng
         if kind == "beam":
             assert [t for t, _ in got[0]] == [t for t, _ in want[0]]
             assert _close([s for _, s in got[0]], [s for _, s in want[0]], 1e-4)
+        elif isinstance(want, list):  # per-token embeddings: one [L, H] per text
+            assert len(got) == len(want) and all(map(_close, got, want))
         else:
             assert _close(got, want), kind
     stats = runtime.stats()["batching"]["forward"]
@@ -163,7 +166,7 @@ def test_16_clients_mixed_requests_match_sequential_and_get_batched(runtime, eng
 def test_input_errors_are_value_errors_and_runtime_keeps_serving(runtime):
     with pytest.raises(ValueError, match="items is empty"):
         _score(runtime, QUERY, [], LABELS)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="Token ID 1000000000 is out of vocabulary range"):
         _score(runtime, QUERY, ITEMS, [10**9])
     with pytest.raises(ValueError, match="unknown pipeline 'nope'"):
         runtime.run("nope", {})
@@ -270,3 +273,21 @@ def test_staged_views_start_on_16_byte_boundaries():
         assert got.data_ptr() % 16 == 0
         assert torch.equal(got, src)
     lease.release_all()
+
+
+def test_runner_per_token_rows_next_to_pooled_rows(engine_for):
+    """`ModelRunner.rows` with "tokens" beside "last"/"mean" rows in one call, a shared-prefix
+    group among them: each sequence's rows are what it gives alone."""
+    from boundgen.text.packing import SequenceGroup
+
+    runner = engine_for("qwen2").runner
+    prefix, suffixes = [5, 6, 7, 8], [[9, 10], [11], [12, 13, 14]]
+    plain = [[20, 21, 22], [23]]
+    groups = [SequenceGroup(prefix, suffixes), SequenceGroup([], plain)]
+    modes = ["tokens", "last", "mean", "tokens", "last"]
+    rows = runner.rows(groups, modes)
+    seqs = [prefix + s for s in suffixes] + plain
+    assert rows.shape[0] == len(seqs[0]) + 1 + 1 + len(seqs[3]) + 1
+    alone = [runner.rows([SequenceGroup([], [s])], "tokens") for s in seqs]
+    want = [alone[0], alone[1][-1:], alone[2].mean(0, keepdim=True), alone[3], alone[4][-1:]]
+    assert _close(rows, torch.cat(want), 1e-5)

@@ -47,7 +47,8 @@ REQUIRED = {
 BAD_IDS = [[-1], [VOCAB], [2**70], [1, -5]]
 HUGE = ["x"] * (MAX_ITEMS + 1)
 LONG_TEXT = "word " * 64
-# For each field, values that can never be valid there.
+# For each field, values that can never be valid there. (SGLang's `items: []` and `[""]` are: no
+# scores, and the query scored alone.)
 BAD_VALUES = {
     "query": [1, 1.5, True, None, {"a": 1}, [1.5], ["a"], [[1]], *BAD_IDS, LONG_TEXT],
     "items": [
@@ -55,7 +56,6 @@ BAD_VALUES = {
         None,
         True,
         {"a": 1},
-        [],
         [1],
         [None],
         [[1.5]],
@@ -63,7 +63,6 @@ BAD_VALUES = {
         HUGE,
         [[t] for t in (-1, VOCAB)],
         [[]],
-        [""],
         [LONG_TEXT],
         ["a", [1]],
     ],

@@ -22,6 +22,7 @@ from boundgen.loadtest import (
     LoadConfig,
     Sample,
     arrival_times,
+    fit_to_server,
     parse_server_timing,
     run_loadtest,
     summarize,
@@ -50,6 +51,21 @@ def test_arrivals_and_summary():
     ] == pytest.approx(99)
     assert s["error_rate"] == pytest.approx(0.01)
     assert math.isnan(summarize([], 1, 1, 1)["latency_ms"]["p99"])
+
+
+def test_default_shapes_fit_the_served_model():
+    card = {"max_model_len": 256, "trie_depths": {"catalog": 3}}
+    fitted, notes = fit_to_server(LoadConfig(trie="catalog"), card)
+    assert (fitted.query_tokens, fitted.prompt_tokens, fitted.steps) == (240, 128, 3)
+    assert notes == [
+        "steps 4 -> 3: the depth of trie 'catalog'",
+        "query_tokens 256 -> 240: to fit the served model's 256-token context",
+    ]
+    given = LoadConfig(query_tokens=300, steps=5, trie="catalog")  # explicit: kept as given
+    assert fit_to_server(given, card)[0] == given
+    assert fit_to_server(LoadConfig(), {})[0] == LoadConfig()  # a server without a card
+    small = fit_to_server(LoadConfig(), {"max_model_len": 100})[0]
+    assert (small.query_tokens, small.prompt_tokens) == (84, 96)
 
 
 def test_server_timing_parse_and_tail_attribution():

@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(_run=_missing_dependency(name, module), _missing=True)
             continue
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        p.set_defaults(_parser=p)
         try:
             module.add_arguments(p)
         except ImportError as exc:  # flags built from an optional package's types
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "_missing", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # the command's own usage, not the top level's: the flag is unknown to that command
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

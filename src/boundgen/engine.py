@@ -177,8 +177,11 @@ class Engine:
         truncate: bool = False,
         timeout_ms: float | None = None,
     ) -> list[list[float]]:
-        """result[i][j]: logit of label_token_ids[j] at the last token of query + items[i] (SGLang
-        /v1/score); the softmax over the label ids with `apply_softmax`."""
+        """result[i][j]: the probability of label_token_ids[j] after query + items[i] (SGLang
+        /v1/score): under the softmax over the full vocabulary, or with `apply_softmax` over the
+        label ids only. Text is joined before it is tokenized (query + item, or item + query with
+        `item_first`); token ids are concatenated. (Before issue 18 the default returned raw label
+        logits and text was tokenized in parts.)"""
         request = ScoreRequest(query, items, label_token_ids, apply_softmax, item_first, truncate)
         return self.runtime.run("score", request, timeout_ms)
 

@@ -1,13 +1,15 @@
-"""Open-loop HTTP load generator for the serving API (DESIGN §9, W5).
+"""Open-loop HTTP load generator for the serving API (W5 of the benchmarks).
 
 Requests arrive on a fixed schedule (Poisson or uniform) whatever the server does, so queueing shows
 up as latency instead of silently lowering the offered load. Latency is measured from each request's
-scheduled arrival (no coordinated omission). Workloads (DESIGN §9 shapes by default):
+scheduled arrival (no coordinated omission). Workloads (the W2/W4 benchmark shapes by default):
 - `score`: `/v1/score`, a 256-token query + 100 candidates × 16 tokens, 2 label tokens (W2 over
   HTTP);
 - `beam`: `/v1/beam`, a 128-token prompt, beam width 16, 4 steps (W4 over HTTP);
 - `mixed`: 80 % score, 20 % beam.
-Token ids are random in the served model's vocabulary (read from `/v1/models`), seeded.
+Token ids are random in the served model's vocabulary (read from `/v1/models`), seeded. Default
+shapes that do not fit the served model are fitted to it (`fit_to_server`): the query and prompt
+shortened to its context, the steps set to the trie's depth.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Sample:
     status: int  # HTTP status; 0 = client-side error (connect, timeout)
     error: str | None = None
     server: dict[str, float] | None = None  # the response's Server-Timing: name → ms
+    message: str | None = None  # the server's error message
 
 
 def parse_server_timing(value: str | None) -> dict[str, float] | None:
@@ -105,14 +108,34 @@ def parse_server_timing(value: str | None) -> dict[str, float] | None:
 # ---------------------------------------------------------------------------------------- bodies
 
 
-def _vocab_size(cfg: LoadConfig, client: httpx.Client) -> int:
-    if cfg.vocab_size:
-        return cfg.vocab_size
+def server_card(client: httpx.Client) -> dict[str, Any]:
+    """The served model's card from `/v1/models` (empty when the server does not answer one)."""
     try:
-        data = client.get("/v1/models").json()["data"][0]
-        return int(data.get("vocab_size") or 1000)
+        return dict(client.get("/v1/models").json()["data"][0])
     except Exception:
-        return 1000
+        return {}
+
+
+def fit_to_server(cfg: LoadConfig, card: dict[str, Any]) -> tuple[LoadConfig, list[str]]:
+    """`cfg` with the shapes left at their defaults fitted to the served model (the query or prompt
+    shortened to its `max_model_len`, beam steps set to the trie's depth), and what changed. Shapes
+    given explicitly are kept: the server's error then says what does not fit."""
+    defaults = {f.name: f.default for f in dataclasses.fields(LoadConfig)}
+    changes: dict[str, tuple[int, str]] = {}
+    depth = card.get("trie_depths", {}).get(cfg.trie) if cfg.trie else None
+    if depth and cfg.steps == defaults["steps"] and depth != cfg.steps:
+        changes["steps"] = depth, f"the depth of trie {cfg.trie!r}"
+    context = card.get("max_model_len")
+    if context:
+        steps = changes.get("steps", (cfg.steps,))[0]
+        room = {"query_tokens": context - cfg.item_tokens, "prompt_tokens": context - steps}
+        for name, most in room.items():
+            if getattr(cfg, name) == defaults[name] and 0 < most < getattr(cfg, name):
+                changes[name] = most, f"to fit the served model's {context}-token context"
+    notes = [
+        f"{name} {getattr(cfg, name)} -> {value}: {why}" for name, (value, why) in changes.items()
+    ]
+    return dataclasses.replace(cfg, **{k: v for k, (v, _) in changes.items()}), notes
 
 
 def make_bodies(cfg: LoadConfig, vocab: int) -> dict[str, list[bytes]]:
@@ -182,19 +205,15 @@ async def _run_step(cfg: LoadConfig, bodies: dict[str, list[bytes]], qps: float)
     ) as client:
 
         async def one(start: float, scheduled: float, kind: str, body: bytes) -> None:
-            status, error, server = 0, None, None
+            status, error, server, message = 0, None, None, None
             try:
                 r = await client.post(paths[kind], content=body)
                 status = r.status_code
                 server = parse_server_timing(r.headers.get("server-timing"))
                 if status != 200:
-                    try:
-                        err = r.json().get("error")
-                        error = err.get("type") if isinstance(err, dict) else str(err)[:80]
-                    except Exception:
-                        error = f"http_{status}"
+                    error, message = error_of(r)
             except httpx.HTTPError as exc:
-                error = type(exc).__name__
+                error, message = type(exc).__name__, str(exc) or type(exc).__name__
             samples.append(
                 Sample(
                     kind,
@@ -203,6 +222,7 @@ async def _run_step(cfg: LoadConfig, bodies: dict[str, list[bytes]], qps: float)
                     status,
                     error,
                     server,
+                    message,
                 )
             )
 
@@ -215,6 +235,18 @@ async def _run_step(cfg: LoadConfig, bodies: dict[str, list[bytes]], qps: float)
             tasks.append(asyncio.create_task(one(start, scheduled, kind, body)))
         await asyncio.gather(*tasks)
     return samples
+
+
+def error_of(r: httpx.Response) -> tuple[str, str]:
+    """(error type, message) of an error reply (boundgen's `{"error": {"message", "type"}}`, or
+    whatever else the server sent)."""
+    try:
+        err = r.json().get("error")
+    except Exception:
+        return f"http_{r.status_code}", r.text[:200]
+    if isinstance(err, dict):
+        return str(err.get("type")), str(err.get("message"))
+    return str(err)[:80], str(err)
 
 
 def _warmup(cfg: LoadConfig, client: httpx.Client, bodies: dict[str, list[bytes]]) -> None:
@@ -313,7 +345,11 @@ def _run_step_processes(cfg: LoadConfig, vocab: int, qps: float) -> list[Sample]
 def run_loadtest(cfg: LoadConfig, log=print) -> dict[str, Any]:
     headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     with httpx.Client(base_url=cfg.url, headers=headers, timeout=cfg.timeout_s) as client:
-        vocab = _vocab_size(cfg, client)
+        card = server_card(client)
+        cfg, notes = fit_to_server(cfg, card)
+        for note in notes:
+            log(note)
+        vocab = cfg.vocab_size or int(card.get("vocab_size") or 1000)
         bodies = make_bodies(cfg, vocab)
         _warmup(cfg, client, bodies)
     steps = list(cfg.qps_steps) or [cfg.qps]
@@ -338,6 +374,9 @@ def run_loadtest(cfg: LoadConfig, log=print) -> dict[str, Any]:
             + f"  errors {summary['requests'] - summary['ok']}"
             + (f" {summary['errors']}" if summary["errors"] else "")
         )
+        failed = next((x for x in samples if x.status != 200), None)
+        if failed is not None:
+            log(f"  first error: {failed.status or 'client'} {failed.error}: {failed.message}")
         saturated = (
             summary["throughput_qps"] < 0.5 * summary["offered_qps"] or summary["error_rate"] > 0.5
         )

@@ -4,7 +4,7 @@ backend (nano-vllm's `model_runner`).
     rows(groups, pooling)      split to the token budget → pack, padded into a compiled bucket
                                when one fits → stage through pooled pinned/device buffers →
                                forward → each output sequence's row (its last token, or the mean
-                               of its tokens)
+                               of its tokens), or all its token rows
     head(rows, columns)        the LM head (or score head) on those rows, or some columns of it
     beam_search(prompts, ...)  bounded beam search: a whole-search CUDA graph per bucket, or a plain
                                per-request session
@@ -72,8 +72,8 @@ class ModelRunner:
     @torch.inference_mode()
     def rows(self, groups: list[SequenceGroup], pooling: str | list[str] = "last") -> torch.Tensor:
         """[N, H] hidden state per output sequence (one per suffix), in input order. `pooling`:
-        "last" (the sequence's last token) or "mean" (over all its tokens), for all or per
-        sequence."""
+        "last" (the sequence's last token), "mean" (over all its tokens) or "tokens" (every token's
+        row: a sequence of L tokens gives L rows in its place), for all or per sequence."""
         n = sum(len(g.suffixes) for g in groups)
         modes = [pooling] * n if isinstance(pooling, str) else list(pooling)
         outs, row = [], 0
@@ -82,6 +82,9 @@ class ModelRunner:
                 k = packed.num_rows
                 piece_modes = modes[row : row + k]
                 row += k
+                token_rows = (
+                    token_row_index(packed, piece_modes) if "tokens" in piece_modes else None
+                )
                 packed = stage_packed(packed, lease, self.device)
                 hidden = self.forward(packed)
                 out = hidden.index_select(0, packed.last_index)
@@ -91,6 +94,8 @@ class ModelRunner:
                     starts = packed.seq_start.index_select(0, idx_dev)
                     lengths = packed.seq_len.index_select(0, idx_dev)
                     out[idx_dev] = mean_rows(hidden, starts, lengths)
+                if token_rows is not None:
+                    out = torch.cat([hidden, out]).index_select(0, lease.stage(token_rows, False))
                 outs.append(out)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -121,7 +126,7 @@ class ModelRunner:
         smallest that fits (`compile.chunking`; a batch no bucket takes comes as is, counted as a
         miss, and runs eagerly). Eager buckets (graphs of the plain model) only pad what fits: an
         uncompiled forward runs any size. Packed lazily: piece n+1 is packed while n runs."""
-        share = self.share_prefix and not _mean_rows_with_prefix(groups, modes)
+        share = self.share_prefix and not _whole_rows_with_prefix(groups, modes)
         cut = self.buckets if self.forwards and self.forwards.cut_large_chunks else None
         for piece in chunk(groups, self.max_batch_tokens, cut, share):
             packed = pack(piece.groups, share_prefix=share)
@@ -270,15 +275,28 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
-def _mean_rows_with_prefix(groups: list[SequenceGroup], modes: list[str]) -> bool:
-    """Whether a row that wants mean pooling belongs to a group with a prefix (its tokens must
-    then stay one contiguous sequence: no cascade layout)."""
-    if "mean" not in modes:
+def token_row_index(packed: PackedBatch, modes: list[str]) -> torch.Tensor:
+    """int64 rows of cat([hidden [T, H], pooled [n, H]]) that make a piece's output: each "tokens"
+    sequence's own token rows, every other sequence's pooled row (host side, before staging)."""
+    total = packed.num_tokens
+    starts, lengths = packed.seq_start.tolist(), packed.seq_len.tolist()
+    return torch.cat(
+        [
+            torch.arange(start, start + n) if mode == "tokens" else torch.tensor([total + i])
+            for i, (mode, start, n) in enumerate(zip(modes, starts, lengths))
+        ]
+    )
+
+
+def _whole_rows_with_prefix(groups: list[SequenceGroup], modes: list[str]) -> bool:
+    """Whether a row that wants mean or per-token pooling belongs to a group with a prefix (its
+    tokens must then stay one contiguous sequence: no cascade layout)."""
+    if "mean" not in modes and "tokens" not in modes:
         return False
     row = 0
     for g in groups:
         n = len(g.suffixes)
-        if g.prefix and "mean" in modes[row : row + n]:
+        if g.prefix and ({"mean", "tokens"} & set(modes[row : row + n])):
             return True
         row += n
     return False

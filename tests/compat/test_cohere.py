@@ -25,8 +25,6 @@ import pytest
 
 cohere = pytest.importorskip("cohere")
 
-EMBED = "issue 18: Cohere /v1/embed and /v2/embed do not exist"
-
 RERANK_DOCS = [
     "Carson City is the capital city of the American state of Nevada.",
     "The Commonwealth of the Northern Mariana Islands is a group of islands in the Pacific "
@@ -74,9 +72,6 @@ def test_rerank_v2(co_v2, demo_model_name):
     assert scores == sorted(scores, reverse=True)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 18: Cohere v1 rerank documents keep their extra fields (title)"
-)
 def test_rerank_document_objects_keep_their_fields(co, demo_model_name):
     """Cohere v1: a document may be an object; `text` is ranked, every field comes back."""
     documents = [{"title": f"doc {i}", "text": text} for i, text in enumerate(RERANK_DOCS)]
@@ -91,7 +86,6 @@ def test_rerank_document_objects_keep_their_fields(co, demo_model_name):
         assert result.document.title == f"doc {result.index}"
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_embed(co, demo_model_name):
     response = co.embed(
         texts=["hello", "goodbye"],
@@ -108,7 +102,6 @@ def test_embed(co, demo_model_name):
         assert type(values[0][0]) is int, kind
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_embed_floats_response(co, demo_model_name):
     """No `embedding_types`: Cohere v1 answers the `embeddings_floats` response type."""
     response = co.embed(texts=["hello", "goodbye"], model=demo_model_name, input_type="clustering")
@@ -117,7 +110,6 @@ def test_embed_floats_response(co, demo_model_name):
     assert response.texts == ["hello", "goodbye"]
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_embed_v2(co_v2, demo_model_name):
     response = co_v2.embed(
         model=demo_model_name,
@@ -138,7 +130,6 @@ def cohere_embed(demo_http, body):
     return response.json()
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_basic_embed(demo_http, demo_model_name):
     body = {"model": demo_model_name, "texts": ["hello world"], "embedding_types": ["float"]}
     r = cohere_embed(demo_http, body)
@@ -147,7 +138,6 @@ def test_basic_embed(demo_http, demo_model_name):
     assert len(r["embeddings"]["float"][0]) > 0
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_unsupported_input_type_rejected(demo_http, demo_model_name):
     body = {
         "model": demo_model_name,
@@ -160,7 +150,6 @@ def test_unsupported_input_type_rejected(demo_http, demo_model_name):
     assert "Unsupported input_type" in response.json()["error"]["message"]
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_v1_v2_parity(demo_http, demo_model_name):
     texts = ["hello world"]
     v2 = cohere_embed(
@@ -173,7 +162,6 @@ def test_v1_v2_parity(demo_http, demo_model_name):
     assert cos > 0.9999, f"v1/v2 parity failed, cosine={cos}"
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_embedding_types(demo_http, demo_model_name):
     body = {
         "model": demo_model_name,
@@ -186,7 +174,6 @@ def test_embedding_types(demo_http, demo_model_name):
     assert len(r["embeddings"]["ubinary"][0]) == dim // 8
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_response_structure(demo_http, demo_model_name):
     body = {"model": demo_model_name, "texts": ["test"], "embedding_types": ["float"]}
     r = cohere_embed(demo_http, body)
@@ -197,7 +184,6 @@ def test_response_structure(demo_http, demo_model_name):
     assert r["meta"]["tokens"]["input_tokens"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_batch(demo_http, demo_model_name):
     texts = ["apple", "banana", "cherry"]
     body = {"model": demo_model_name, "texts": texts, "embedding_types": ["float"]}
@@ -207,20 +193,17 @@ def test_batch(demo_http, demo_model_name):
     assert all(len(emb) == dim for emb in r["embeddings"]["float"])
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_l2_normalized(demo_http, demo_model_name):
     body = {"model": demo_model_name, "texts": ["hello world"], "embedding_types": ["float"]}
     r = cohere_embed(demo_http, body)
     assert abs(float(np.linalg.norm(r["embeddings"]["float"][0])) - 1.0) < 0.01
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_missing_input_returns_error(demo_http, demo_model_name):
     response = demo_http.post("/v2/embed", json={"model": demo_model_name})
     assert response.status_code == 400
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_base64_embedding_type(demo_http, demo_model_name):
     body = {
         "model": demo_model_name,
@@ -236,7 +219,6 @@ def test_base64_embedding_type(demo_http, demo_model_name):
 LONG_TEXT = " ".join(["word"] * 2000)  # 4001 demo tokens > 256
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 @pytest.mark.parametrize("truncate", ["END", "START"])
 def test_truncate_succeeds(demo_http, demo_model_name, truncate):
     body = {
@@ -249,7 +231,6 @@ def test_truncate_succeeds(demo_http, demo_model_name, truncate):
     assert len(r["embeddings"]["float"]) == 1
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_truncate_none_rejects_long_input(demo_http, demo_model_name):
     body = {
         "model": demo_model_name,
@@ -260,7 +241,6 @@ def test_truncate_none_rejects_long_input(demo_http, demo_model_name):
     assert demo_http.post("/v2/embed", json=body).status_code == 400
 
 
-@pytest.mark.xfail(strict=True, reason=EMBED)
 def test_truncate_start_vs_end_differ(demo_http, demo_model_name):
     start_words = " ".join(f"alpha{i}" for i in range(300))
     end_words = " ".join(f"omega{i}" for i in range(300))

@@ -6,13 +6,12 @@ The documented commands themselves run in `test_docs.py`.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from boundgen.demo import default_model_path
 
@@ -35,11 +34,6 @@ def boundgen(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 18: the default server's rerank templates are not the demo's trained "
-    "'Query: {query}\\n' / 'Item: {document}\\nRelevant:' (every document scores ~0.999)",
-)
 def test_default_rerank_ranks_like_the_demo_was_trained(demo_http):
     body = {"query": QUERY, "documents": [WRONG, OTHER, RIGHT], "return_documents": True}
     results = demo_http.post("/v1/rerank", json=body).json()["results"]
@@ -65,38 +59,23 @@ def loadtest(server, *args: str, blocked: str | None = None) -> subprocess.Compl
     return boundgen("loadtest", "--url", server.url, *short, *args, blocked=blocked)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 18: loadtest's default score shape (256-token query + 16-token items) exceeds "
-    "the demo's 256-token context: every request fails",
-)
 def test_loadtest_defaults_fit_the_default_server(demo_server):
     run = loadtest(demo_server, "--workload", "score")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "errors 0" in run.stdout
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 18: loadtest hides the server's error message (400s, no reason)"
-)
 def test_loadtest_prints_the_servers_error(demo_server):
     run = loadtest(demo_server, "--workload", "score", "--query-tokens", "300")
     assert "context is 256" in run.stdout + run.stderr  # the server's own 400 message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 18: loadtest --workload beam defaults to 4 steps; the catalog trie has depth 3",
-)
 def test_loadtest_beam_defaults_fit_the_catalog_trie(demo_server):
     run = loadtest(demo_server, "--workload", "beam", "--trie", "catalog")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "errors 0" in run.stdout
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 18: loadtest --plot without matplotlib dies with a traceback"
-)
 def test_loadtest_plot_without_matplotlib_names_the_extra(demo_server, tmp_path):
     run = loadtest(
         demo_server,
@@ -113,9 +92,6 @@ def test_loadtest_plot_without_matplotlib_names_the_extra(demo_server, tmp_path)
 # --------------------------------------------------------------------------- the command line
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 18: boundgen serve without fastapi dies with ModuleNotFoundError"
-)
 def test_serve_without_fastapi_names_the_extra():
     run = boundgen("serve", "--port", "1", blocked="fastapi", timeout=120)
     assert run.returncode != 0
@@ -123,16 +99,10 @@ def test_serve_without_fastapi_names_the_extra():
     assert "Traceback" not in run.stderr
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 18: `boundgen beam --width` where loadtest says --beam-width"
-)
 def test_beam_width_flag_is_named_as_everywhere_else():
     assert "--beam-width" in boundgen("beam", "--help").stdout
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 18: an unknown flag prints the top-level usage, not the command's"
-)
 def test_unknown_flag_prints_the_commands_usage():
     run = boundgen("serve", "--bogus")
     assert run.returncode == 2
@@ -143,9 +113,6 @@ def test_unknown_flag_prints_the_commands_usage():
 # -------------------------------------------------------------------------------- the docs
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 18: the docs cite DESIGN.md, which is not in the repo"
-)
 def test_docs_cite_only_files_in_the_repo():
     cited = [
         f"{path.name}: {m.group(0)}"
@@ -155,17 +122,13 @@ def test_docs_cite_only_files_in_the_repo():
     assert not cited or (REPO / "DESIGN.md").exists(), cited
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 18: deploy.md says a plain `serve --config` ignores the `ray:` section; "
-    "a `ray:` section turns Ray on",
-)
 def test_deploy_doc_says_what_a_ray_section_does(tmp_path):
-    from boundgen.serve_ray import config_has_ray_section
+    from boundgen.server.config import load_settings, wants_ray
 
     config = tmp_path / "serve.yaml"
     config.write_text("ray:\n  replicas: 2\n")
-    assert config_has_ray_section(str(config))  # the code: a `ray:` section turns Ray on
+    # the code: a `ray:` section turns Ray on (unless --no-ray)
+    assert wants_ray(argparse.Namespace(ray=None), load_settings(str(config)))
     assert "ignores the `ray:`" not in " ".join((REPO / "docs" / "deploy.md").read_text().split())
 
 
@@ -174,10 +137,6 @@ def catalog_titles() -> list[set[str]]:
     return [set(re.findall(r"[a-z0-9]+", item["title"].lower())) for item in items]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 18: demo.md's example query ('red Soldal running shoes') matches no item",
-)
 def test_demo_doc_example_query_matches_an_item():
     queries = re.findall(
         r'boundgen demo --query "([^"]+)"', (REPO / "docs" / "demo.md").read_text()

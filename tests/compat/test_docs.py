@@ -33,22 +33,6 @@ SERVER_ADDRESS = re.compile(r"(?:localhost|127\.0\.0\.1):8000")
 COMMAND_TIMEOUT_S = 300
 CURL = 'curl() { command curl --fail-with-body --silent --show-error "$@"; }\n'
 
-# Blocks that fail today, by file and first command; each names what is missing. An entry that
-# no longer matches a block (the doc was fixed) fails test_known_failures_are_current.
-KNOWN_FAILURES = {
-    ("docs/serving.md", "curl -s localhost:8000/v1/score"): (
-        "issue 18: the example's label ids 9454, 2753 are outside the demo vocabulary (1856)"
-    ),
-    ("docs/serving.md", "boundgen loadtest --url http://127.0.0.1:8000 --workload score"): (
-        "issue 18: loadtest's default shapes exceed the demo's 256-token context; the second "
-        "command's `--url ...` is a placeholder"
-    ),
-    ("docs/runtime.md", "boundgen trace --model DIR"): "issue 18: `DIR` is a placeholder",
-    ("docs/fp8.md", "boundgen quant-check --model DIR"): (
-        "issue 18: a synopsis with `DIR` and `[...]` placeholders, not a runnable example"
-    ),
-}
-
 
 @dataclass(frozen=True)
 class Block:
@@ -64,13 +48,22 @@ class Block:
 
     @property
     def commands(self) -> list[str]:
-        """One entry per command: continuation lines joined, comment-only lines dropped."""
+        """One entry per command: continuation lines joined, a quote left open (a JSON body over
+        several lines) continued on the next line, comment-only lines dropped."""
         joined = re.sub(r"\\\n\s*", " ", self.text)
-        return [c for c in joined.splitlines() if c.strip() and not c.lstrip().startswith("#")]
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return str(self.path.relative_to(REPO)), self.commands[0] if self.commands else ""
+        commands, pending = [], ""
+        for line in joined.splitlines():
+            if not pending and (not line.strip() or line.lstrip().startswith("#")):
+                continue
+            pending = f"{pending}\n{line}" if pending else line
+            try:
+                shlex.split(pending, comments=True)
+            except ValueError:  # no closing quotation yet
+                continue
+            commands.append(pending)
+            pending = ""
+        assert not pending, f"{self.name}: a quote is never closed: {pending!r}"
+        return commands
 
 
 def fenced_blocks() -> list[Block]:
@@ -90,18 +83,9 @@ BLOCKS = fenced_blocks()
 SHELL_BLOCKS = [b for b in BLOCKS if b.lang in SHELL]
 
 
-def matches(known: tuple[str, str], block: Block) -> bool:
-    return known[0] == block.key[0] and block.key[1].startswith(known[1])
-
-
 def block_params():
     for block in SHELL_BLOCKS:
-        marks = []
-        if block.no_ci:
-            marks.append(pytest.mark.skip(reason=f"no-ci: {block.no_ci}"))
-        reasons = [reason for known, reason in KNOWN_FAILURES.items() if matches(known, block)]
-        if reasons:
-            marks.append(pytest.mark.xfail(strict=True, reason=reasons[0]))
+        marks = [pytest.mark.skip(reason=f"no-ci: {block.no_ci}")] if block.no_ci else []
         yield pytest.param(block, id=block.name, marks=marks)
 
 
@@ -113,11 +97,6 @@ def test_every_fence_says_what_it_holds():
 def test_no_ci_markers_sit_on_shell_blocks():
     misplaced = [b.name for b in BLOCKS if b.no_ci and b.lang not in SHELL]
     assert not misplaced, misplaced
-
-
-def test_known_failures_are_current():
-    stale = [k for k in KNOWN_FAILURES if not any(matches(k, b) for b in SHELL_BLOCKS)]
-    assert not stale, f"these docs changed; drop their KNOWN_FAILURES entries: {stale}"
 
 
 def run_serve(argv: list[str]) -> None:

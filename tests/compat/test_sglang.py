@@ -104,11 +104,6 @@ def test_score_token_input(run_score, demo_tokenizer):
     assert_score_usage(response)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 18: the out-of-vocabulary message must read 'Token ID 999999 is out of "
-    "vocabulary' (today: 'contains token id 999999, outside the vocabulary')",
-)
 def test_score_error_handling(demo_http, demo_model_name):
     body = {
         "model": demo_model_name,
@@ -126,9 +121,6 @@ def test_score_error_handling(demo_http, demo_model_name):
 # ---------------------------------------------------- TestScoreAPI (test/srt/test_score_api.py)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 18: an empty-string item is scored (the query alone); today 400"
-)
 def test_score_consistency_empty_item(run_score, demo_tokenizer):
     """test_score_consistency's "default case"; the HF numbers are checked in
     test_sglang_score_hf.py, here the shape and the [0, 1] range as SGLang asserts them."""
@@ -185,7 +177,6 @@ def test_multi_item_scoring_different_sizes(run_score, items):
     assert_probability_rows(response, len(items), 5)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: items [] answers scores []; today 400")
 def test_multi_item_scoring_empty_items(run_score):
     response = run_score("Test query", [], [1, 2], apply_softmax=True)
     assert response["scores"] == [], "Should return empty list for empty items"
@@ -261,12 +252,6 @@ def run_rerank(server, query, docs, **extra):
     ).json()
 
 
-SGLANG_SHAPE = "issue 18: /v1/rerank in SGLang's shape (a list of {score, document, index}) " + (
-    "behind --rerank-v1-format sglang; the flag does not exist yet"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=SGLANG_SHAPE)
 def test_rerank_single(sglang_rerank_server):
     case = TEST_RERANK_QUERY_DOCS[0]
     response = run_rerank(sglang_rerank_server, case["query"], case["documents"])
@@ -276,7 +261,6 @@ def test_rerank_single(sglang_rerank_server):
     assert isinstance(response[0]["index"], int)
 
 
-@pytest.mark.xfail(strict=True, reason=SGLANG_SHAPE)
 def test_rerank_batch(sglang_rerank_server):
     case = TEST_RERANK_QUERY_DOCS[1]
     response = run_rerank(sglang_rerank_server, case["query"], case["documents"])
@@ -291,7 +275,6 @@ def test_rerank_batch(sglang_rerank_server):
 # the scores come from the model, so the checks are on order, count and the document field.
 
 
-@pytest.mark.xfail(strict=True, reason=SGLANG_SHAPE)
 def test_rerank_sorted_descending_with_documents(sglang_rerank_server):
     response = run_rerank(sglang_rerank_server, "q", ["a", "b", "c"], return_documents=True)
     assert sorted(r["index"] for r in response) == [0, 1, 2]
@@ -300,13 +283,11 @@ def test_rerank_sorted_descending_with_documents(sglang_rerank_server):
     assert [r["document"] for r in response] == [["a", "b", "c"][r["index"]] for r in response]
 
 
-@pytest.mark.xfail(strict=True, reason=SGLANG_SHAPE)
 def test_rerank_return_documents_false(sglang_rerank_server):
     response = run_rerank(sglang_rerank_server, "q", ["a", "b", "c"], return_documents=False)
     assert [r["document"] for r in response] == [None, None, None]
 
 
-@pytest.mark.xfail(strict=True, reason=SGLANG_SHAPE)
 def test_rerank_top_n(sglang_rerank_server):
     full = run_rerank(sglang_rerank_server, "q", ["a", "b", "c"], return_documents=True)
     top = run_rerank(sglang_rerank_server, "q", ["a", "b", "c"], return_documents=True, top_n=2)
@@ -314,13 +295,11 @@ def test_rerank_top_n(sglang_rerank_server):
     assert [r["index"] for r in top] == [r["index"] for r in full[:2]]
 
 
-@pytest.mark.xfail(strict=True, reason=SGLANG_SHAPE)
 def test_rerank_top_n_greater_than_total(sglang_rerank_server):
     response = run_rerank(sglang_rerank_server, "q", ["a", "b"], return_documents=True, top_n=10)
     assert len(response) == 2
 
 
-@pytest.mark.xfail(strict=True, reason=SGLANG_SHAPE)
 def test_rerank_top_n_with_return_documents_false(sglang_rerank_server):
     response = run_rerank(
         sglang_rerank_server, "q", ["a", "b", "c"], return_documents=False, top_n=1

@@ -27,7 +27,7 @@ ITEMS = ["Item: Astora Core sneakers, red, $999, Vienna\nRelevant:", "Item: Nimt
 # SGLang's own item_first case, " is a city" after the item, with the demo's words
 ITEM_FIRST_QUERY = " is a red item. Relevant:"
 ITEM_FIRST_ITEMS = ["Item: Astora Core sneakers", "Item: Nimtra Max sofa"]
-# A join inside a word: SGLang scores "... running shoes", boundgen today "... running sho|es"
+# A join inside a word: SGLang (and boundgen) score "... running shoes", not "... running sho|es"
 SPLIT_QUERY = "Query: Soldal running sho"
 SPLIT_ITEMS = ["es\nItem: Soldal Max running shoes, blue, $24, Berlin\nRelevant:", "es"]
 
@@ -89,15 +89,7 @@ def as_ids(hf_causal_lm, query, items):
     return tokenizer.encode(query), [tokenizer.encode(item) for item in items]
 
 
-RAW_LOGITS = (
-    "issue 18: apply_softmax=false returns raw label logits, not full-vocabulary probabilities"
-)
-
-
-@pytest.mark.parametrize(
-    "apply_softmax",
-    [True, pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=RAW_LOGITS))],
-)
+@pytest.mark.parametrize("apply_softmax", [True, False])
 @pytest.mark.parametrize("item_first", [False, True])
 def test_token_ids(demo_http, hf_causal_lm, apply_softmax, item_first):
     query, items = (QUERY, ITEMS) if not item_first else (ITEM_FIRST_QUERY, ITEM_FIRST_ITEMS)
@@ -105,10 +97,7 @@ def test_token_ids(demo_http, hf_causal_lm, apply_softmax, item_first):
     check(demo_http, hf_causal_lm, query_ids, item_ids, apply_softmax, item_first)
 
 
-@pytest.mark.parametrize(
-    "apply_softmax",
-    [True, pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=RAW_LOGITS))],
-)
+@pytest.mark.parametrize("apply_softmax", [True, False])
 @pytest.mark.parametrize("item_first", [False, True])
 def test_text_joined_at_a_token_boundary(demo_http, hf_causal_lm, apply_softmax, item_first):
     """Joins at a newline or a space tokenize the same joined or apart."""
@@ -116,23 +105,17 @@ def test_text_joined_at_a_token_boundary(demo_http, hf_causal_lm, apply_softmax,
     check(demo_http, hf_causal_lm, query, items, apply_softmax, item_first)
 
 
-JOINED = "issue 18: text is tokenized as the joined string (query + item); today the parts apart"
-
-
-@pytest.mark.xfail(strict=True, reason=JOINED)
 @pytest.mark.parametrize("apply_softmax", [True, False])
 def test_text_joined_inside_a_word(demo_http, hf_causal_lm, apply_softmax):
     check(demo_http, hf_causal_lm, SPLIT_QUERY, SPLIT_ITEMS, apply_softmax, item_first=False)
 
 
-@pytest.mark.xfail(strict=True, reason=JOINED)
 @pytest.mark.parametrize("apply_softmax", [True, False])
 def test_text_item_first_joined_inside_a_word(demo_http, hf_causal_lm, apply_softmax):
     items = ["Query: Soldal running sho", "Query: Soldal sandals and sho"]
     check(demo_http, hf_causal_lm, "es\nRelevant:", items, apply_softmax, item_first=True)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: an empty item scores the query alone; today 400")
 @pytest.mark.parametrize("apply_softmax", [True, False])
 def test_empty_item_scores_the_query_alone(demo_http, hf_causal_lm, apply_softmax):
     check(
@@ -157,9 +140,9 @@ def test_split_inside_a_word_tokenizes_differently(hf_causal_lm):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="found porting issue 18: AutoTokenizer on the demo directory builds a Qwen2Tokenizer "
-    "(Qwen2's split rules: one token per digit) instead of the shipped tokenizer.json, so "
-    "transformers users tokenize '$999' differently from the server",
+    reason="transformers 5: AutoTokenizer builds Qwen2Tokenizer for any qwen2 checkpoint (Qwen2's "
+    "split rules: one token per digit) instead of the shipped tokenizer.json, so '$999' tokenizes "
+    "differently from the server; not fixable without retraining the demo (docs/compat.md)",
 )
 def test_autotokenizer_matches_the_served_tokenizer(demo_tokenizer):
     transformers = pytest.importorskip("transformers")

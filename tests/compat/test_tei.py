@@ -25,9 +25,6 @@ from peer_shapes import Info, Prediction, Rank, SimpleToken, TeiError
 EMBED_DIM = 128
 SEQ_CLS_LABELS = {"LABEL_0", "LABEL_1", "LABEL_2"}
 
-TEI_ROUTE = "issue 18: TEI's {route} does not exist"
-TEI_RERANK = "issue 18: /rerank in TEI's shape ({query, texts} → [{index, score}]); today 400"
-
 
 def post(http, route, body):
     response = http.post(route, json=body)
@@ -38,20 +35,17 @@ def post(http, route, body):
 # ------------------------------------------------------------------------------------- /embed
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_ROUTE.format(route="/embed"))
 def test_embed(demo_http):
     embeddings = post(demo_http, "/embed", {"inputs": "What is Deep Learning?"})
     assert len(embeddings) == 1 and len(embeddings[0]) == EMBED_DIM
     assert np.linalg.norm(embeddings[0]) == pytest.approx(1.0, abs=1e-3)  # normalize: true
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_ROUTE.format(route="/embed"))
 def test_embed_batch(demo_http):
     embeddings = post(demo_http, "/embed", {"inputs": ["Today is a nice day", "I like you"]})
     assert len(embeddings) == 2 and all(len(e) == EMBED_DIM for e in embeddings)
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_ROUTE.format(route="/embed"))
 def test_embed_matches_openai_route(demo_http):
     tei = post(demo_http, "/embed", {"inputs": ["I like you"]})
     openai = post(
@@ -60,7 +54,6 @@ def test_embed_matches_openai_route(demo_http):
     np.testing.assert_allclose(tei[0], openai["data"][0]["embedding"], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_ROUTE.format(route="/embed_all"))
 def test_embed_all(demo_http, demo_tokenizer):
     text = "What is Deep Learning?"
     embeddings = post(demo_http, "/embed_all", {"inputs": text})
@@ -83,7 +76,6 @@ def test_openai_embeddings_as_tei_documents_it(demo_http):
 # ----------------------------------------------------------------------------------- /rerank
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_RERANK)
 def test_rerank(demo_http):
     body = {
         "query": "What is Deep Learning?",
@@ -96,7 +88,6 @@ def test_rerank(demo_http):
     assert all(0.0 <= r.score <= 1.0 for r in ranks)  # raw_scores defaults to false
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_RERANK)
 def test_rerank_identical_texts_tie_higher_index_first(demo_http):
     body = {"query": "test", "texts": ["test", "other", "test"], "return_text": True}
     ranks = [Rank.model_validate(r) for r in post(demo_http, "/rerank", body)]
@@ -106,7 +97,6 @@ def test_rerank_identical_texts_tie_higher_index_first(demo_http):
     assert [r.text for r in ranks] == [["test", "other", "test"][r.index] for r in ranks]
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_RERANK)
 def test_rerank_raw_scores(demo_http):
     body = {
         "query": "What is Deep Learning?",
@@ -118,7 +108,6 @@ def test_rerank_raw_scores(demo_http):
         assert 1 / (1 + np.exp(-raw[i])) == pytest.approx(p, abs=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_RERANK)
 def test_rerank_empty_texts(demo_http):
     response = demo_http.post("/rerank", json={"query": "q", "texts": []})
     assert response.status_code == 400
@@ -129,7 +118,6 @@ def test_rerank_empty_texts(demo_http):
 # ---------------------------------------------------------------------- /predict (classifier)
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_ROUTE.format(route="/predict"))
 def test_predict(seqcls_http):
     predictions = [
         Prediction.model_validate(p)
@@ -141,7 +129,6 @@ def test_predict(seqcls_http):
     assert sum(scores) == pytest.approx(1.0, abs=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_ROUTE.format(route="/predict"))
 def test_predict_batch(seqcls_http):
     batch = post(seqcls_http, "/predict", {"inputs": [["I like you."], ["I hate pineapples"]]})
     assert len(batch) == 2
@@ -154,7 +141,6 @@ def test_predict_batch(seqcls_http):
 # ------------------------------------------------------------------------------- /similarity
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_ROUTE.format(route="/similarity"))
 def test_similarity(demo_http):
     body = {
         "inputs": {
@@ -170,7 +156,6 @@ def test_similarity(demo_http):
 # ------------------------------------------------------------------- /tokenize, /decode, /info
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_ROUTE.format(route="/tokenize"))
 def test_tokenize(demo_http, demo_tokenizer):
     text = "test"
     tokens = [
@@ -180,14 +165,12 @@ def test_tokenize(demo_http, demo_tokenizer):
     assert "".join(text[t.start : t.stop] for t in tokens) == text
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_ROUTE.format(route="/decode"))
 def test_decode(demo_http, demo_tokenizer):
     ids = demo_tokenizer.encode("Today is a nice day")
     assert post(demo_http, "/decode", {"ids": ids}) == ["Today is a nice day"]
     assert post(demo_http, "/decode", {"ids": [ids, ids]}) == ["Today is a nice day"] * 2
 
 
-@pytest.mark.xfail(strict=True, reason=TEI_ROUTE.format(route="/info"))
 def test_info(demo_http, demo_model_name):
     response = demo_http.get("/info")
     response.raise_for_status()

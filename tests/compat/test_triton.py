@@ -27,9 +27,6 @@ ITEMS = [
     b"Item: Astora Core sneakers, red, $999, Vienna\nRelevant:",
     b"Item: Soldal Neo sneakers, red, $249, Rome\nRelevant:",
 ]
-UNKNOWN_MODEL = (
-    "issue 18: KServe errors for an unknown model must start 'Request for unknown model'"
-)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +53,6 @@ def test_health_metadata(triton_client, demo_model_name):
     assert metadata["name"] == demo_model_name
 
 
-@pytest.mark.xfail(strict=True, reason=UNKNOWN_MODEL)
 def test_metadata_of_unknown_model(triton_client):
     with pytest.raises(InferenceServerException) as raised:
         triton_client.get_model_metadata("wrong_model_name")
@@ -95,11 +91,6 @@ def test_infer_response_compression(triton_client, demo_model_name, algorithm):
     np.testing.assert_allclose(compressed, plain, rtol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 18: gzip/deflate request bodies (Content-Encoding); today a 400 about "
-    "Inference-Header-Content-Length",
-)
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 def test_infer_request_compression(triton_client, demo_model_name, algorithm):
     plain = infer_scores(triton_client, demo_model_name, requested_outputs=True)
@@ -126,7 +117,6 @@ def test_string_infer(triton_client, demo_model_name, binary):
     assert scores[0, 0] > scores[1, 0]  # the matching title is the more relevant
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: /v2/models/{m}/stats does not exist")
 def test_inference_statistics(triton_client, demo_model_name):
     infer_scores(triton_client, demo_model_name, requested_outputs=True)
     statistics = triton_client.get_inference_statistics(model_name=demo_model_name)
@@ -137,18 +127,12 @@ def test_inference_statistics(triton_client, demo_model_name):
     assert stats["inference_stats"]["success"]["count"] >= 1
 
 
-@pytest.mark.xfail(strict=True, reason=UNKNOWN_MODEL)
 def test_infer_with_wrong_model_name(triton_client):
     with pytest.raises(InferenceServerException) as raised:
         triton_client.infer("wrong_model_name", score_inputs(False, True))
     assert raised.value.message().startswith("Request for unknown model")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 18: unknown /v2 routes answer {'error': '<message>'} (today an object, which "
-    "tritonclient cannot read as a message)",
-)
 def test_unknown_v2_route_error_is_readable(triton_client):
     """`get_model_repository_index` is a Triton extension boundgen does not serve."""
     with pytest.raises(InferenceServerException) as raised:

@@ -52,13 +52,6 @@ TEXTS_2 = [RIGHT, "Solsen One fleece jacket, grey, $15, Prague"]
 
 input_text = "This product was excellent and exceeded my expectations"
 
-SCORE_ROUTE = "issue 18: vLLM's /score and /v1/score ScoreRequest shapes (404 / 400 today)"
-RERANK_USAGE = "issue 18: rerank usage lacks prompt_tokens, default templates are not the demo's"
-POOLING = "issue 18: /pooling does not exist"
-TOKENIZE = "issue 18: /tokenize and /detokenize do not exist"
-CLASSIFY_PATH = "issue 18: vLLM's /classify path (only /v1/classify exists)"
-IGNORED = "issue 18: the field is accepted and silently ignored"
-
 
 @pytest.fixture(params=["/score", "/v1/score"])
 def score_route(request):
@@ -91,7 +84,6 @@ def check_scores(demo_http, model, response, pairs):
         assert want == pytest.approx(score.data[i].score, rel=0.01)
 
 
-@pytest.mark.xfail(strict=True, reason=SCORE_ROUTE)
 @pytest.mark.parametrize(
     "fields",
     [("queries", "documents"), ("queries", "items"), ("text_1", "text_2"), ("data_1", "data_2")],
@@ -104,28 +96,24 @@ def test_score_api_n_vs_n(demo_http, demo_model_name, score_route, fields):
     check_scores(demo_http, demo_model_name, response, pairs)
 
 
-@pytest.mark.xfail(strict=True, reason=SCORE_ROUTE)
 def test_score_api_queries_str_1_documents_str_1(demo_http, demo_model_name, score_route):
     body = {"model": demo_model_name, "queries": QUERY, "documents": RIGHT}
     response = demo_http.post(score_route, json=body)
     check_scores(demo_http, demo_model_name, response, [(QUERY, RIGHT)])
 
 
-@pytest.mark.xfail(strict=True, reason=SCORE_ROUTE)
 def test_score_api_queries_str_1_documents_str_n(demo_http, demo_model_name, score_route):
     body = {"model": demo_model_name, "queries": QUERY, "documents": [WRONG, RIGHT]}
     response = demo_http.post(score_route, json=body)
     check_scores(demo_http, demo_model_name, response, [(QUERY, WRONG), (QUERY, RIGHT)])
 
 
-@pytest.mark.xfail(strict=True, reason=SCORE_ROUTE)
 def test_text_1_str_text_2_list(demo_http, demo_model_name, score_route):
     body = {"model": demo_model_name, "text_1": QUERY, "text_2": [WRONG, RIGHT]}
     response = demo_http.post(score_route, json=body)
     check_scores(demo_http, demo_model_name, response, [(QUERY, WRONG), (QUERY, RIGHT)])
 
 
-@pytest.mark.xfail(strict=True, reason=SCORE_ROUTE)
 def test_score_api_max_model_len(demo_http, demo_model_name, score_route):
     queries = "What is the capital of France?" * 20  # 340 demo tokens > 256
     body = {"model": demo_model_name, "queries": queries, "documents": [WRONG, RIGHT]}
@@ -138,7 +126,6 @@ def test_score_api_max_model_len(demo_http, demo_model_name, score_route):
     assert "Please request a smaller truncation size." in response.text
 
 
-@pytest.mark.xfail(strict=True, reason=SCORE_ROUTE)
 def test_score_use_activation(demo_http, demo_model_name, score_route):
     def get_outputs(use_activation):
         body = {"model": demo_model_name, "text_1": QUERY, "text_2": [WRONG, RIGHT]}
@@ -158,7 +145,6 @@ def test_score_use_activation(demo_http, demo_model_name, score_route):
 # ---------------------------------------- /v1/score with label_token_ids (generative scores)
 
 
-@pytest.mark.xfail(strict=True, reason=SCORE_ROUTE)
 def test_generative_score_basic(demo_http, demo_model_name):
     body = {
         "model": demo_model_name,
@@ -179,10 +165,6 @@ def test_generative_score_basic(demo_http, demo_model_name):
         assert 0.0 <= result["score"] <= 1.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 18: vLLM-shaped /v1/score: 'label_token_ids must contain at least one token ID'",
-)
 def test_generative_score_validation_empty_label_tokens(demo_http, demo_model_name):
     body = {
         "model": demo_model_name,
@@ -195,9 +177,6 @@ def test_generative_score_validation_empty_label_tokens(demo_http, demo_model_na
     assert "at least one token" in response.json()["error"]["message"].lower()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 18: the message must read 'Token ID ... is out of vocabulary range'"
-)
 def test_generative_score_validation_invalid_token_id(demo_http, demo_model_name):
     body = {
         "model": demo_model_name,
@@ -219,7 +198,6 @@ def rerank(demo_http, route, body):
     return RerankResponse.model_validate(response.json())
 
 
-@pytest.mark.xfail(strict=True, reason=RERANK_USAGE)
 def test_rerank_texts(demo_http, demo_model_name, rerank_route):
     body = {"model": demo_model_name, "query": QUERY, "documents": [WRONG, RIGHT]}
     result = rerank(demo_http, rerank_route, body)
@@ -230,7 +208,6 @@ def test_rerank_texts(demo_http, demo_model_name, rerank_route):
     assert result.results[1].relevance_score <= 0.01
 
 
-@pytest.mark.xfail(strict=True, reason=RERANK_USAGE)
 def test_rerank_top_n(demo_http, demo_model_name, rerank_route):
     body = {
         "model": demo_model_name,
@@ -245,9 +222,6 @@ def test_rerank_top_n(demo_http, demo_model_name, rerank_route):
     assert result.results[1].relevance_score <= 0.01
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 18: rerank top_n 0 means all documents (vLLM's default)"
-)
 def test_rerank_top_n_zero_means_all(demo_http, demo_model_name, rerank_route):
     """vLLM's RerankRequest: `top_n: int = 0`, and 0 returns every document."""
     body = {
@@ -261,9 +235,6 @@ def test_rerank_top_n_zero_means_all(demo_http, demo_model_name, rerank_route):
     assert len(response.json()["results"]) == 3
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 18: context errors must say 'Please reduce the length of the input'"
-)
 def test_rerank_max_model_len(demo_http, demo_model_name, rerank_route):
     body = {
         "model": demo_model_name,
@@ -275,7 +246,6 @@ def test_rerank_max_model_len(demo_http, demo_model_name, rerank_route):
     assert "Please reduce the length of the input" in response.text
 
 
-@pytest.mark.xfail(strict=True, reason=IGNORED + " (use_activation on rerank)")
 def test_rerank_use_activation(demo_http, demo_model_name, rerank_route):
     def get_outputs(use_activation):
         body = {"model": demo_model_name, "query": QUERY, "documents": [WRONG, RIGHT]}
@@ -291,7 +261,6 @@ def test_rerank_use_activation(demo_http, demo_model_name, rerank_route):
     np.testing.assert_allclose(1 / (1 + np.exp(-wo_activation)), w_activation, atol=1e-2)
 
 
-@pytest.mark.xfail(strict=True, reason=IGNORED + " (max_tokens_per_doc)")
 def test_rerank_max_tokens_per_doc_reduces_tokens(demo_http, demo_model_name, rerank_route):
     long_doc = "The capital of France is Paris. " * 5
     base = {"model": demo_model_name, "query": QUERY, "documents": [long_doc]}
@@ -302,7 +271,6 @@ def test_rerank_max_tokens_per_doc_reduces_tokens(demo_http, demo_model_name, re
     assert with_limit.usage.prompt_tokens < no_limit.usage.prompt_tokens
 
 
-@pytest.mark.xfail(strict=True, reason=IGNORED + " (max_tokens_per_doc 0 and -5)")
 @pytest.mark.parametrize("value", [0, -5])
 def test_rerank_max_tokens_per_doc_validation(demo_http, demo_model_name, rerank_route, value):
     body = {
@@ -319,12 +287,7 @@ def test_rerank_max_tokens_per_doc_validation(demo_http, demo_model_name, rerank
 # ------------------------------------------------------------------------- /classify (seq-cls)
 
 
-@pytest.fixture(
-    params=[
-        "/v1/classify",
-        pytest.param("/classify", marks=pytest.mark.xfail(strict=True, reason=CLASSIFY_PATH)),
-    ]
-)
+@pytest.fixture(params=["/v1/classify", "/classify"])
 def classify_route(request):
     return request.param
 
@@ -381,7 +344,6 @@ def test_classify_add_special_tokens(seqcls_http, seqcls_model_name, classify_ro
         classify(seqcls_http, classify_route, body)
 
 
-@pytest.mark.xfail(strict=True, reason=IGNORED + " (truncate_prompt_tokens)")
 def test_classify_truncate_prompt_tokens(seqcls_http, seqcls_model_name):
     body = {"model": seqcls_model_name, "input": "hello " * 600, "truncate_prompt_tokens": 5}
     output = classify(seqcls_http, "/v1/classify", body)
@@ -399,7 +361,6 @@ def test_classify_truncate_prompt_tokens(seqcls_http, seqcls_model_name):
     assert "truncate_prompt_tokens" in response.json()["error"]["message"]
 
 
-@pytest.mark.xfail(strict=True, reason=IGNORED + " (use_activation on classify)")
 def test_classify_use_activation(seqcls_http, seqcls_model_name):
     def get_outputs(use_activation):
         body = {"model": seqcls_model_name, "input": input_text, "use_activation": use_activation}
@@ -447,7 +408,6 @@ def test_embedding_completion_request_batched(demo_http, demo_model_name, demo_t
         assert embeddings.usage.total_tokens == len(input_tokens) * n
 
 
-@pytest.mark.xfail(strict=True, reason=IGNORED + " (truncate_prompt_tokens)")
 def test_embedding_truncate_prompt_tokens(demo_http, demo_model_name):
     text = "Como o Brasil pode fomentar o desenvolvimento de modelos de IA?"
     body = {"model": demo_model_name, "input": [text], "truncate_prompt_tokens": 10}
@@ -475,17 +435,8 @@ def test_base64_embedding(demo_http, demo_model_name):
         np.testing.assert_allclose(decoded, f["embedding"], rtol=1e-6)
 
 
-def dtype_cases():
-    """vLLM's EMBED_DTYPES x ENDIANNESS; float32 in native or little order is what boundgen
-    sends whatever the fields say, so those pass today."""
-    for embed_dtype in ("float32", "float16", "bfloat16"):
-        for endianness in ("native", "big", "little"):
-            ignored = embed_dtype != "float32" or endianness == "big"
-            marks = pytest.mark.xfail(strict=True, reason=IGNORED) if ignored else ()
-            yield pytest.param(embed_dtype, endianness, marks=marks)
-
-
-@pytest.mark.parametrize(("embed_dtype", "endianness"), list(dtype_cases()))
+@pytest.mark.parametrize("embed_dtype", ["float32", "float16", "bfloat16"])  # vLLM's EMBED_DTYPES
+@pytest.mark.parametrize("endianness", ["native", "big", "little"])
 def test_base64_embed_dtype_and_endianness(demo_http, demo_model_name, embed_dtype, endianness):
     texts = [input_text] * 3
     floats = embed(
@@ -510,7 +461,6 @@ def test_base64_embed_dtype_and_endianness(demo_http, demo_model_name, embed_dty
         np.testing.assert_allclose(decoded.astype(np.float32), f["embedding"], atol=1e-2)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: encoding_format 'bytes' (vLLM's binary reply)")
 def test_bytes_embed(demo_http, demo_model_name):
     body = {"model": demo_model_name, "input": [input_text] * 3, "encoding_format": "bytes"}
     response = embed(demo_http, body)
@@ -518,11 +468,6 @@ def test_bytes_embed(demo_http, demo_model_name):
     assert len(response.content) == 3 * EMBED_DIM * 4  # float32 by default
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 18: validation messages name pydantic's error type ('literal_error'); "
-    "embed_dtype and endianness are ignored today",
-)
 @pytest.mark.parametrize("param_name", ["encoding_format", "embed_dtype", "endianness"])
 def test_embedding_params_not_supported(demo_http, demo_model_name, param_name):
     body = {
@@ -537,7 +482,6 @@ def test_embedding_params_not_supported(demo_http, demo_model_name, param_name):
     assert f"bad_{param_name}" in response.json()["error"]["message"]
 
 
-@pytest.mark.xfail(strict=True, reason=IGNORED + " (use_activation on embeddings)")
 def test_embedding_use_activation(demo_http, demo_model_name):
     def get_outputs(use_activation):
         body = {
@@ -556,9 +500,6 @@ def test_embedding_use_activation(demo_http, demo_model_name):
     np.testing.assert_allclose(w_normal, normalized, atol=1e-2)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 18: chat `messages` must be a clear 400, not 'input: field required'"
-)
 def test_embedding_messages_rejected_clearly(demo_http, demo_model_name):
     """vLLM embeds chat `messages` through a chat template; the demo model has none, so boundgen
     refuses them by name (docs/compat.md)."""
@@ -571,7 +512,6 @@ def test_embedding_messages_rejected_clearly(demo_http, demo_model_name):
 # --------------------------------------------------------------------------------- /pooling
 
 
-@pytest.mark.xfail(strict=True, reason=POOLING)
 def test_pooling_embed(demo_http, demo_model_name):
     body = {
         "model": demo_model_name,
@@ -585,7 +525,6 @@ def test_pooling_embed(demo_http, demo_model_name):
     assert len(poolings.data[0].data) == EMBED_DIM
 
 
-@pytest.mark.xfail(strict=True, reason=POOLING)
 def test_pooling_classify(seqcls_http, seqcls_model_name):
     body = {
         "model": seqcls_model_name,
@@ -599,7 +538,6 @@ def test_pooling_classify(seqcls_http, seqcls_model_name):
     assert len(poolings.data[0].data) == len(SEQ_CLS_LABELS)
 
 
-@pytest.mark.xfail(strict=True, reason=POOLING)
 def test_pooling_completion_request_batched(demo_http, demo_model_name, demo_tokenizer):
     n = 10
     input_tokens = demo_tokenizer.encode(input_text)
@@ -620,7 +558,6 @@ def test_pooling_completion_request_batched(demo_http, demo_model_name, demo_tok
         assert poolings.usage.total_tokens == len(input_tokens) * n
 
 
-@pytest.mark.xfail(strict=True, reason=POOLING)
 def test_pooling_token_embed(demo_http, demo_model_name, demo_tokenizer):
     body = {
         "model": demo_model_name,
@@ -635,7 +572,6 @@ def test_pooling_token_embed(demo_http, demo_model_name, demo_tokenizer):
     assert len(poolings.data[0].data[0]) == EMBED_DIM
 
 
-@pytest.mark.xfail(strict=True, reason=POOLING)
 @pytest.mark.parametrize("task", ["token_classify", "plugin"])
 def test_pooling_not_supported(demo_http, demo_model_name, task):
     body = {"model": demo_model_name, "input": "test", "encoding_format": "float", "task": task}
@@ -647,7 +583,6 @@ def test_pooling_not_supported(demo_http, demo_model_name, task):
 # ----------------------------------------------------------------- /tokenize, /detokenize
 
 
-@pytest.mark.xfail(strict=True, reason=TOKENIZE)
 def test_basic_tokenize(demo_http, demo_model_name, demo_tokenizer):
     response = demo_http.get("/v1/models")
     assert response.json()["data"][0]["id"] == demo_model_name
@@ -655,7 +590,6 @@ def test_basic_tokenize(demo_http, demo_model_name, demo_tokenizer):
     assert response.json()["tokens"] == demo_tokenizer.encode(input_text)
 
 
-@pytest.mark.xfail(strict=True, reason=TOKENIZE)
 def test_tokenize_completions(demo_http, demo_model_name, demo_tokenizer):
     for add_special in (False, True):
         prompt = "vllm1 This is a test prompt."
@@ -670,7 +604,6 @@ def test_tokenize_completions(demo_http, demo_model_name, demo_tokenizer):
         assert result["token_strs"] is None
 
 
-@pytest.mark.xfail(strict=True, reason=TOKENIZE)
 def test_tokenize_with_return_token_strs(demo_http, demo_model_name, demo_tokenizer):
     prompt = "This is a token_strs test prompt! vllm1"
     body = {"prompt": prompt, "model": demo_model_name, "return_token_strs": True}
@@ -684,7 +617,6 @@ def test_tokenize_with_return_token_strs(demo_http, demo_model_name, demo_tokeni
     assert result["token_strs"] == demo_tokenizer.convert_ids_to_tokens(tokens)
 
 
-@pytest.mark.xfail(strict=True, reason=TOKENIZE)
 def test_detokenize(demo_http, demo_model_name, demo_tokenizer):
     prompt = "This is a test prompt. vllm1"
     tokens = demo_tokenizer.encode(prompt, add_special_tokens=False)

@@ -12,7 +12,9 @@ HELP = "bounded beam search for one prompt, optionally constrained to the item I
 def add_arguments(parser) -> None:
     add_engine_args(parser)
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--width", type=int, default=16, help="beam width")
+    parser.add_argument(
+        "--beam-width", "--width", dest="beam_width", type=int, default=16, help="beam width"
+    )
     parser.add_argument(
         "--steps", type=int, default=4, help="decode steps (= item ID length with a trie)"
     )
@@ -27,7 +29,9 @@ def run(args) -> int:
 
     engine = load_engine(args)
     trie = Trie.from_file(args.trie) if args.trie else None
-    results = engine.beam_search(args.prompt, args.width, args.steps, top_k=args.top_k, trie=trie)
+    results = engine.beam_search(
+        args.prompt, args.beam_width, args.steps, top_k=args.top_k, trie=trie
+    )
     rows = []
     for tokens, logprob in results:
         row = {"tokens": tokens, "logprob": logprob, "text": engine.tokenizer.decode(tokens)}

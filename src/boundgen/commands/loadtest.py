@@ -25,6 +25,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = from_args(LoadConfig, args)
     if cfg.qps <= 0 or any(q <= 0 for q in cfg.qps_steps) or cfg.duration <= 0:
         raise ValueError("--qps, --qps-steps and --duration must be positive")
+    if cfg.plot:  # before the load runs, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise RuntimeError("--plot needs matplotlib: pip install 'boundgen[bench]'") from None
     report = run_loadtest(cfg)
     if cfg.out:
         print(f"wrote {cfg.out}")

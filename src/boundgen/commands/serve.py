@@ -25,6 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # the server's packages come with an extra: say which, before loading anything
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(
+            f"needs the '{exc.name}' package: pip install 'boundgen[server]'"
+        ) from None
     from boundgen.compile.preload import cli_startup
 
     cli_startup()  # may re-exec with the libstdc++ preload AOTInductor needs (DESIGN §10)

@@ -82,8 +82,9 @@ def topk_overlap(ref: Sequence[float], cand: Sequence[float], k: int = 10) -> fl
 
 
 def ranking_score(label_scores: Sequence[float]) -> float:
-    """One ranking value per item from its label logits: log-softmax of the first label over the
-    labels (monotonic in P(first label), e.g. P("yes") against "no"); the logit itself for a single
+    """One ranking value per item from its label log-scores (logits, or log-probabilities under the
+    full vocabulary: the same value for several labels): log-softmax of the first label over the
+    labels (monotonic in P(first label), e.g. P("yes") against "no"); the score itself for a single
     label."""
     s = np.asarray(label_scores, dtype=np.float64)
     if s.size == 1:
@@ -361,11 +362,16 @@ class GateCallables:
 
 
 def engine_callables(engine) -> GateCallables:
-    """`Engine.score(query, items, label_token_ids, apply_softmax=False)` and
-    `Engine.beam_search_batch(prompts, beam_width, steps)` as the gate's callables."""
+    """`Engine.score(query, items, label_token_ids)` and `Engine.beam_search_batch(prompts,
+    beam_width, steps)` as the gate's callables."""
 
     def score(query, items, labels):
-        return engine.score(query, items, label_token_ids=labels, apply_softmax=False)
+        # Engine.score gives each label's probability under the full vocabulary; its log is the
+        # label logit minus the row's log-sum-exp, so `ranking_score` ranks as on the logits
+        # (a probability that underflows float32 becomes the smallest normal's log, not -inf)
+        probs = engine.score(query, items, label_token_ids=labels)
+        tiny = np.finfo(np.float32).tiny
+        return np.log(np.maximum(np.asarray(probs, dtype=np.float64), tiny)).tolist()
 
     def beam_batch(prompts, width, steps):
         return engine.beam_search_batch(prompts, beam_width=width, steps=steps)

@@ -1,4 +1,5 @@
-"""HTTP serving: FastAPI app (`create_app`), request schemas, metrics, limits, KServe v2."""
+"""HTTP serving: FastAPI app (`create_app`) speaking the peers' APIs (SGLang, vLLM, OpenAI, Cohere,
+TEI, KServe v2 / Triton; docs/compat.md), request schemas, metrics, limits."""
 
 from boundgen.server.config import ServerConfig
 

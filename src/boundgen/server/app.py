@@ -19,9 +19,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from boundgen.engine import Engine
-from boundgen.server import handlers, kserve
+from boundgen.server import cohere, handlers, kserve, tei, vllm
 from boundgen.server.config import ServerConfig
-from boundgen.server.errors import NotFound, ServerError, Unauthorized, error_response
+from boundgen.server.errors import (
+    NotFound,
+    ServerError,
+    Unauthorized,
+    error_response,
+    kserve_error_response,
+)
 from boundgen.server.infer import SERVER_TIMES
 from boundgen.server.state import ServerState
 from boundgen.workloads.trie import Trie
@@ -36,6 +42,14 @@ _OPEN_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})
 
 
 Handler = Callable[[Request, ServerState], Awaitable[Response]]
+
+# How a route answers errors: OpenAI's object, KServe's `{"error": str}`, TEI's `{error,
+# error_type}` (a handler of a shared path may switch its request to TEI's: `tei.mark`).
+ERROR_STYLES: dict[str, Callable[[ServerError], Response]] = {
+    "openai": lambda exc: exc.response(),
+    "kserve": lambda exc: exc.response(kserve=True),
+    "tei": tei.error_response,
+}
 
 
 def _check_auth(request: Request, state: ServerState) -> None:
@@ -55,9 +69,10 @@ def _check_auth(request: Request, state: ServerState) -> None:
 
 
 def endpoint(
-    name: str, state: ServerState, fn: Handler
+    name: str, state: ServerState, fn: Handler, errors: str = "openai"
 ) -> Callable[[Request], Awaitable[Response]]:
-    kserve_errors = name.startswith("kserve.")
+    def render(request: Request, exc: ServerError) -> Response:
+        return ERROR_STYLES[getattr(request.state, "error_style", errors)](exc)
 
     async def handle(request: Request) -> Response:
         start = time.perf_counter()
@@ -67,14 +82,12 @@ def endpoint(
             _check_auth(request, state)
             response = await fn(request, state)
         except ServerError as exc:
-            status, error_type = exc.status, exc.type
-            response = exc.response(kserve_errors)
+            response = render(request, exc)
+            status, error_type = response.status_code, exc.type
         except Exception:
             log.exception("internal error in %s", name)
             status, error_type = 500, "internal_error"
-            response = ServerError("internal server error (see the server log)").response(
-                kserve_errors
-            )
+            response = render(request, ServerError("internal server error (see the server log)"))
         else:
             status = response.status_code
         elapsed = time.perf_counter() - start
@@ -123,7 +136,16 @@ def create_app(
 
     schemas: dict[str, Any] = {}
 
-    def route(path: str, name: str, fn: Handler, methods: tuple[str, ...] = ("POST",)) -> None:
+    def route(
+        path: str,
+        name: str,
+        fn: Handler,
+        methods: tuple[str, ...] = ("POST",),
+        errors: str | None = None,
+    ) -> None:
+        """`errors`: the route's error style (default: KServe's for `kserve.*` names, else
+        OpenAI's)."""
+        errors = errors or ("kserve" if name.startswith("kserve.") else "openai")
         body = handlers.REQUEST_MODELS.get(fn)
         extra = None
         if body is not None:
@@ -137,7 +159,7 @@ def create_app(
             }
         app.add_api_route(
             path,
-            endpoint(name, state, fn),
+            endpoint(name, state, fn, errors),
             methods=list(methods),
             name=name,
             response_model=None,
@@ -145,16 +167,26 @@ def create_app(
             summary=fn.__doc__,
         )
 
+    # SGLang, vLLM, Cohere, OpenAI (docs/compat.md); a path two peers share dispatches on the body
     route("/v1/score", "score", handlers.score)
-    route("/v1/rerank", "rerank", handlers.rerank)
-    route("/v2/rerank", "rerank", handlers.rerank)
+    route("/score", "score", vllm.score)
+    route("/v1/rerank", "rerank", handlers.rerank_v1)
+    route("/v2/rerank", "rerank", handlers.rerank_v2)
     route("/rerank", "rerank", handlers.rerank)
-    route("/v1/classify", "classify", handlers.classify)
+    route("/v1/classify", "classify", vllm.classify)
+    route("/classify", "classify", vllm.classify)
     route("/v1/embeddings", "embeddings", handlers.embeddings)
+    route("/pooling", "pooling", vllm.pooling)
+    route("/tokenize", "tokenize", handlers.tokenize)
+    route("/detokenize", "detokenize", vllm.detokenize)
+    route("/v1/embed", "embed", cohere.embed_v1)
+    route("/v2/embed", "embed", cohere.embed_v2)
+    # boundgen's own
     route("/v1/beam", "beam", handlers.beam)
     route("/v1/models", "models", handlers.models, ("GET",))
     route("/health", "health", handlers.health, ("GET",))
     route("/metrics", "metrics", handlers.metrics, ("GET",))
+    tei.add_routes(route)
     kserve.add_routes(route)
 
     default_openapi = app.openapi
@@ -168,6 +200,12 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        path = request.url.path
+        if path == "/v2" or path.startswith("/v2/"):  # tritonclient reads `{"error": "<string>"}`
+            message = f"no route {request.method} {path}"
+            if exc.status_code == 405:
+                message = f"method {request.method} is not allowed on {path}"
+            return kserve_error_response(exc.status_code, message, getattr(exc, "headers", None))
         if exc.status_code == 404:
             return NotFound(f"no route {request.method} {request.url.path}").response()
         if exc.status_code == 405:

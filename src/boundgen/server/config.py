@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +66,28 @@ class ServerConfig:
     # --- workload defaults ---
     rerank_label_tokens: tuple[str, ...] = option(
         (" yes", " no"),
-        "rerank: relevance = softmax over these tokens' logits, first one",
+        "rerank: relevance = softmax over these tokens' logits, first one (one token: the sigmoid "
+        "of its logit)",
         flag=False,
     )
-    rerank_query_template: str = option("{query}", "rerank: text before each document", flag=False)
-    rerank_document_template: str = option("{document}", "rerank: each document's text", flag=False)
+    rerank_query_template: str = option(
+        "{query}", "rerank: text before each document (default model: its trained one)", flag=False
+    )
+    rerank_document_template: str = option(
+        "{document}", "rerank: each document's text (default model: its trained one)", flag=False
+    )
+    rerank_v1_format: str = option(
+        "cohere",
+        "reply of /v1/rerank: cohere ({results: [...]}) or sglang (a list of {score, document, "
+        "index}); both peers send the same request fields",
+        choices=("cohere", "sglang"),
+    )
+    embed_input_types: tuple[str, ...] = option(
+        (),
+        "Cohere embed input_type prefixes, TYPE=PREFIX each (e.g. 'search_query=query: '); a type "
+        "without one embeds the text as it is",
+        flag=False,
+    )
     embed_pooling: str = option(
         "last", "embeddings pooling: last | mean", choices=("last", "mean"), flag=False
     )
@@ -106,18 +124,43 @@ class ServerConfig:
         if len(self.rerank_label_tokens) < 1:
             raise ValueError("rerank_label_tokens needs at least one token")
         self.trie_paths()
+        self.input_type_prefixes()
         return self
+
+    def input_type_prefixes(self) -> dict[str, str]:
+        """`embed_input_types` as input_type → prefix."""
+        out = {}
+        for spec in self.embed_input_types:
+            name, sep, prefix = spec.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"embed_input_types: expected TYPE=PREFIX, got {spec!r}")
+            out[name.strip()] = prefix
+        return out
 
     def with_default_model(self) -> tuple[Path, ServerConfig]:
         """(checkpoint, config): `model`, or without it the shipped demo model with its catalog
-        trie served as `catalog` (`/v1/beam` with `"trie": "catalog"`), so a new user's first
-        server gives answers a person can judge."""
+        trie served as `catalog` (`/v1/beam` with `"trie": "catalog"`) and rerank asking what it
+        was trained on (its relevance templates and label words, unless set), so a new user's
+        first server gives answers a person can judge."""
         if self.model:
             return Path(self.model), self
         from boundgen.demo import default_model_path, default_trie_path
 
-        tries = self.tries or (f"catalog={default_trie_path()}",)
-        return default_model_path(), dataclasses.replace(self, tries=tries).validate()
+        path = default_model_path()
+        trained = json.loads((path / "demo.json").read_text())
+        changes: dict[str, Any] = {"tries": self.tries or (f"catalog={default_trie_path()}",)}
+        defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+        demo_rerank = {
+            "rerank_query_template": trained["templates"]["relevance_query"],
+            "rerank_document_template": trained["templates"]["relevance_item"].replace(
+                "{title}", "{document}"
+            ),
+            "rerank_label_tokens": tuple(trained["label_words"]),
+        }
+        for name, value in demo_rerank.items():
+            if getattr(self, name) == defaults[name]:
+                changes[name] = value
+        return path, dataclasses.replace(self, **changes).validate()
 
 
 @dataclass(frozen=True)

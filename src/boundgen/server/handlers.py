@@ -1,68 +1,63 @@
-"""HTTP handlers in the shapes users' clients speak: each parses its body (`schemas`), calls the
-shared core (`inputs`), and shapes the response. Nothing here blocks the event loop on the model."""
+"""HTTP handlers of boundgen's own routes and of the routes several peers share: each reads its
+body, calls the shared core (`inputs`), and shapes the response. Peer-only routes live in
+`vllm.py`, `cohere.py`, `tei.py` and `kserve.py`. Nothing here blocks the event loop on the model.
+
+Shared paths pick the peer from the body (docs/compat.md): `/v1/score` is vLLM's with `queries`,
+`text_1` or `data_1`, else SGLang's; `/rerank` is TEI's with `texts`; `/tokenize` is TEI's with
+`inputs`; `/v1/rerank` answers in the format the server option `rerank_v1_format` names.
+"""
 
 from __future__ import annotations
 
-import base64
 import json
-import time
-import uuid
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from boundgen.server import inputs
+from boundgen.server import cohere, encodings, inputs, tei, vllm
+from boundgen.server.bodies import json_response, parse, read, read_object
 from boundgen.server.errors import BadRequest, TooLarge, Unavailable
-from boundgen.server.limits import parse_request
-from boundgen.server.schemas import (
-    BeamRequest,
-    BeamResponse,
-    BeamResult,
-    ClassifyData,
-    ClassifyRequest,
-    ClassifyResponse,
-    Embedding,
-    EmbeddingsRequest,
-    EmbeddingsResponse,
-    RerankDocument,
-    RerankRequest,
-    RerankResponse,
-    RerankResult,
-    ScoreRequest,
-    ScoreResponse,
-    Usage,
-)
+from boundgen.server.schemas.boundgen import BeamRequest, BeamResponse, BeamResult
+from boundgen.server.schemas.cohere import RerankRequest
+from boundgen.server.schemas.common import Usage
+from boundgen.server.schemas.openai import Embedding, EmbeddingsRequest, EmbeddingsResponse
+from boundgen.server.schemas.sglang import RerankResult, ScoreRequest, ScoreResponse
+from boundgen.server.schemas.vllm import TokenizeRequest
 from boundgen.server.state import ServerState
 
-
-def json_response(model: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        model.model_dump_json(exclude_none=True),
-        status_code=status,
-        media_type="application/json",
-        headers=headers,
-    )
+# ---- /v1/score: SGLang, or vLLM's ScoreRequest -------------------------------------------------
 
 
 async def score(request: Request, state: ServerState) -> Response:
-    req = await parse_request(request, ScoreRequest, state.config)
+    body = await read_object(request, state)
+    if body.keys() & vllm.SCORE_PAIRS.keys():
+        return await vllm.score_pairs(body, state)
+    req = parse(ScoreRequest, body)
     items = [req.items] if isinstance(req.items, str) else req.items
-    if items and isinstance(req.query, str) != isinstance(items[0], str):
+    if not items:  # SGLang answers no scores, without a model call
+        usage = Usage(prompt_tokens=0, total_tokens=0, completion_tokens=0)
+        return json_response(ScoreResponse(scores=[], model=state.model_name, usage=usage))
+    if isinstance(req.query, str) != isinstance(items[0], str):
         raise BadRequest("query and items must both be text or both be token ids")
     labels = inputs.label_ids(state, req.label_token_ids)
-    item_ids = await inputs.many_token_ids(state, "items", items)
-    cfg = state.config
-    query = await inputs.token_ids(
-        state, "query", req.query, cfg.max_query_tokens, "max_query_tokens", allow_empty=True
-    )
+    item_first = req.item_first
+    if isinstance(req.query, str):
+        group = await inputs.joined_text(state, req.query, items, item_first)
+        query, item_ids, item_first = group.prefix, group.suffixes, False
+    else:
+        item_ids = await inputs.many_token_ids(state, "items", items)
+        cfg = state.config
+        query = await inputs.token_ids(
+            state, "query", req.query, cfg.max_query_tokens, "max_query_tokens", allow_empty=True
+        )
     scores = await inputs.score(
         state,
         query,
         item_ids,
         labels,
         req.apply_softmax,
-        req.item_first,
+        item_first,
         state.timeout_ms(req.timeout_ms),
     )
     n = len(query) * len(item_ids) + sum(len(i) for i in item_ids)
@@ -70,100 +65,92 @@ async def score(request: Request, state: ServerState) -> Response:
     return json_response(ScoreResponse(scores=scores, model=state.model_name, usage=usage))
 
 
+# ---- rerank: Cohere / vLLM, SGLang's reply, TEI's {query, texts} --------------------------------
+
+
 async def rerank(request: Request, state: ServerState) -> Response:
-    req = await parse_request(request, RerankRequest, state.config)
-    if state.rerank_label_ids is None:
-        raise BadRequest(
-            "rerank is not available: the server's rerank_label_tokens "
-            f"{list(state.config.rerank_label_tokens)} are not single tokens of this "
-            "model's vocabulary"
-        )
-    cfg = state.config
-    docs = [d if isinstance(d, str) else d.text for d in req.documents]
-    state.limits.count("documents", len(docs), state.max_items, "max_items")
-    doc_ids = await inputs.many_token_ids(
-        state, "documents", [cfg.rerank_document_template.format(document=d) for d in docs]
-    )
-    query = await inputs.token_ids(
-        state,
-        "query",
-        cfg.rerank_query_template.format(query=req.query),
-        cfg.max_query_tokens,
-        "max_query_tokens",
-        allow_empty=True,
-    )
-    scores = await inputs.score(
-        state, query, doc_ids, state.rerank_label_ids, True, False, state.timeout_ms(req.timeout_ms)
-    )
-    order = sorted(range(len(docs)), key=lambda i: -scores[i][0])
-    if req.top_n is not None:
-        order = order[: req.top_n]
+    """`/rerank`: TEI's with `texts`, else Cohere's / vLLM's."""
+    body = await read_object(request, state)
+    if "texts" in body:
+        return await tei.rerank_body(request, body, state)
+    return await cohere.rerank_body(body, state)
+
+
+async def rerank_v1(request: Request, state: ServerState) -> Response:
+    """`/v1/rerank`: Cohere's reply, or SGLang's with `rerank_v1_format: sglang`."""
+    body = await read_object(request, state)
+    if state.config.rerank_v1_format == "sglang":
+        return await sglang_rerank(body, state)
+    return await cohere.rerank_body(body, state)
+
+
+async def rerank_v2(request: Request, state: ServerState) -> Response:
+    return await cohere.rerank_body(await read_object(request, state), state)
+
+
+async def sglang_rerank(body: dict[str, Any], state: ServerState) -> Response:
+    """SGLang's `/v1/rerank` reply: a list of `{score, document, index}`, best first (`document`
+    null when `return_documents` is false)."""
+    req = parse(RerankRequest, body)
+    ranking = await cohere.rank(state, req)
     with_docs = req.return_documents is not False
-    results = [
-        RerankResult(
-            index=i,
-            relevance_score=scores[i][0],
-            document=RerankDocument(text=docs[i]) if with_docs else None,
-        )
-        for i in order
-    ]
-    n = len(query) * len(doc_ids) + sum(len(d) for d in doc_ids)
     return json_response(
-        RerankResponse(
-            id=f"rerank-{uuid.uuid4().hex}",
-            model=state.model_name,
-            results=results,
-            usage={"total_tokens": n},
-            meta={"api_version": {"version": "2"}, "billed_units": {"search_units": 1}},
-        )
+        [
+            RerankResult(
+                score=ranking.scores[i],
+                document=ranking.texts[i] if with_docs else None,
+                index=i,
+            )
+            for i in ranking.order
+        ],
+        exclude_none=False,
     )
 
 
-async def classify(request: Request, state: ServerState) -> Response:
-    req = await parse_request(request, ClassifyRequest, state.config)
-    ids = await inputs.text_inputs(state, "input", req.input)
-    probs = await inputs.classify(state, ids, state.timeout_ms(req.timeout_ms))
-    data = []
-    for i, p in enumerate(probs):
-        best = max(range(len(p)), key=p.__getitem__)
-        data.append(ClassifyData(index=i, label=state.label(best), probs=p, num_classes=len(p)))
-    n = sum(len(s) for s in ids)
-    return json_response(
-        ClassifyResponse(
-            id=f"classify-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=state.model_name,
-            data=data,
-            usage=Usage(prompt_tokens=n, total_tokens=n),
-        )
-    )
+# ---- /tokenize: vLLM's {prompt} or TEI's {inputs} ------------------------------------------------
+
+
+async def tokenize(request: Request, state: ServerState) -> Response:
+    body = await read_object(request, state)
+    if "inputs" in body:
+        return await tei.tokenize_body(request, body, state)
+    return await vllm.tokenize_body(body, state)
+
+
+# ---- /v1/embeddings (OpenAI, with vLLM's extras) -------------------------------------------------
 
 
 async def embeddings(request: Request, state: ServerState) -> Response:
-    req = await parse_request(request, EmbeddingsRequest, state.config)
-    if req.dimensions is not None and req.dimensions != state.hidden_size:
-        raise BadRequest(
-            f"dimensions={req.dimensions} is not supported: model {state.model_name!r} "
-            f"returns {state.hidden_size}-dimensional embeddings (omit `dimensions`)"
-        )
-    ids = await inputs.text_inputs(state, "input", req.input)
+    req = await read(request, state, EmbeddingsRequest)
+    inputs.check_dimensions(state, "dimensions", req.dimensions)
+    encodings.check_binary_options(req.encoding_format, req.embed_dtype, req.endianness)
+    normalize = inputs.normalize_flag(state, req.use_activation, req.normalize)
+    cut = inputs.truncation(state, req.truncate_prompt_tokens, req.truncation_side)
+    ids = await inputs.prompts(state, "input", req.input, req.add_special_tokens, cut)
     pooling = req.pooling or state.config.embed_pooling
-    normalize = state.config.embed_normalize if req.normalize is None else req.normalize
     vectors = await inputs.embed(state, ids, pooling, normalize, state.timeout_ms(req.timeout_ms))
-    if req.encoding_format == "base64":
-        data = [
-            Embedding(index=i, embedding=base64.b64encode(v.astype("<f4").tobytes()).decode())
-            for i, v in enumerate(vectors)
-        ]
-    else:
-        data = [Embedding(index=i, embedding=v.tolist()) for i, v in enumerate(vectors)]
     n = sum(len(s) for s in ids)
     usage = Usage(prompt_tokens=n, total_tokens=n)
-    return json_response(EmbeddingsResponse(data=data, model=state.model_name, usage=usage))
+    reply = dict(model=state.model_name, usage=usage)
+    if req.encoding_format in ("bytes", "bytes_only"):
+        return encodings.bytes_response(
+            list(vectors), req.embed_dtype, req.endianness, reply, req.encoding_format
+        )
+    data = [
+        Embedding(
+            index=i,
+            embedding=encodings.json_value(v, req.encoding_format, req.embed_dtype, req.endianness),
+        )
+        for i, v in enumerate(vectors)
+    ]
+    return json_response(EmbeddingsResponse(data=data, **reply))
+
+
+# ---- /v1/beam (boundgen) ------------------------------------------------------------------------
 
 
 async def beam(request: Request, state: ServerState) -> Response:
-    req = await parse_request(request, BeamRequest, state.config)
+    req = await read(request, state, BeamRequest)
     if req.beam_width > state.max_beam_width:
         raise TooLarge(
             f"beam_width={req.beam_width}; the limit is {state.max_beam_width} "
@@ -227,6 +214,7 @@ def model_card(state: ServerState) -> dict[str, Any]:
         "num_labels": state.num_labels,
         "tasks": tasks,
         "tries": sorted(state.tries),
+        "trie_depths": {name: trie.depth for name, trie in sorted(state.tries.items())},
         "rerank_label_token_ids": state.rerank_label_ids,
     }
 
@@ -249,11 +237,17 @@ async def metrics(request: Request, state: ServerState) -> Response:
     return Response(body, media_type=content_type)
 
 
-# body schema of each handler, for /docs (handlers parse bodies themselves, with clear 400s)
+# body schema of each handler, for /docs (handlers parse bodies themselves, with clear 400s); a
+# shared path shows its first peer's type
 REQUEST_MODELS = {
     score: ScoreRequest,
     rerank: RerankRequest,
-    classify: ClassifyRequest,
+    rerank_v1: RerankRequest,
+    rerank_v2: RerankRequest,
+    tokenize: TokenizeRequest,
     embeddings: EmbeddingsRequest,
     beam: BeamRequest,
+    **vllm.REQUEST_MODELS,
+    **cohere.REQUEST_MODELS,
+    **tei.REQUEST_MODELS,
 }

@@ -5,11 +5,15 @@ translate request and response shapes around these calls."""
 from __future__ import annotations
 
 import asyncio
+import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from boundgen.server.errors import BadRequest
 from boundgen.server.state import ServerState
+from boundgen.text.packing import SequenceGroup
+from boundgen.workloads.score import joined_sequences, out_of_vocabulary, shared_prefix_group
 
 # Text longer than this (total characters) is tokenized on a thread, not on the event loop.
 _INLINE_TOKENIZE_CHARS = 16_384
@@ -68,7 +72,9 @@ def label_ids(state: ServerState, ids: list[int]) -> list[int]:
     """Score label token ids: how many, and each inside the vocabulary."""
     cfg = state.config
     state.limits.count("label_token_ids", len(ids), cfg.max_label_tokens, "max_label_tokens")
-    state.limits.token_ids("label_token_ids", ids)
+    bad = [t for t in ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise BadRequest(out_of_vocabulary(bad[0], state.vocab_size))
     return list(ids)
 
 
@@ -95,7 +101,9 @@ async def score(
     apply_softmax: bool,
     item_first: bool,
     timeout_ms: int,
+    raw_logits: bool = False,
 ) -> list[list[float]]:
+    """Per item: the label scores of `workloads.score` (`raw_logits`: the label logits)."""
     state.limits.context("query + longest item", len(query) + max(len(i) for i in items))
     request = dict(
         query=query,
@@ -103,6 +111,7 @@ async def score(
         label_token_ids=label_ids,
         apply_softmax=apply_softmax,
         item_first=item_first,
+        raw_logits=raw_logits,
     )
     tokens = len(query) + sum(len(i) for i in items)
     scores = await state.infer("score", request, timeout_ms, tokens)
@@ -110,15 +119,17 @@ async def score(
     return scores
 
 
-async def classify(state: ServerState, ids: list[list[int]], timeout_ms: int) -> list[list[float]]:
-    """Class probabilities per text."""
+async def classify(
+    state: ServerState, ids: list[list[int]], timeout_ms: int, softmax: bool = True
+) -> list[list[float]]:
+    """Class probabilities per text (logits unless `softmax`)."""
     if not state.can_classify:
         raise BadRequest(
             f"model {state.model_name!r} has no classification head; classify needs a "
             "*ForSequenceClassification checkpoint"
         )
     tokens = sum(len(s) for s in ids)
-    probs = await state.infer("classify", dict(texts=ids, softmax=True), timeout_ms, tokens)
+    probs = await state.infer("classify", dict(texts=ids, softmax=softmax), timeout_ms, tokens)
     state.metrics.items.labels("classify").inc(len(ids))
     return probs
 
@@ -132,3 +143,245 @@ async def embed(
     state.metrics.items.labels("embeddings").inc(len(ids))
     # a device tensor: the copy waits for the GPU, so not on the event loop
     return await asyncio.to_thread(lambda: vectors.float().cpu().numpy())
+
+
+async def token_embeddings(
+    state: ServerState, ids: list[list[int]], normalize: bool, timeout_ms: int
+) -> list[np.ndarray]:
+    """float32 [L, D] per text: every token's hidden state (each row normalized when asked)."""
+    request = dict(texts=ids, pooling="tokens", normalize=normalize)
+    vectors = await state.infer("embed", request, timeout_ms, sum(len(s) for s in ids))
+    state.metrics.items.labels("embeddings").inc(len(ids))
+    return await asyncio.to_thread(lambda: [v.float().cpu().numpy() for v in vectors])
+
+
+# ---- the peers' inputs: truncation, prompts, joined text, pair relevance (issue 18) -------------
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """Keep at most `tokens` tokens: the first ones (`side` "right": the end is cut) or the last
+    ones ("left")."""
+
+    tokens: int
+    side: str = "right"
+
+    def apply(self, ids: list[int]) -> list[int]:
+        if len(ids) <= self.tokens:
+            return ids
+        return ids[len(ids) - self.tokens :] if self.side == "left" else ids[: self.tokens]
+
+
+def truncation(
+    state: ServerState,
+    tokens: int | None,
+    side: str = "right",
+    what: str = "truncate_prompt_tokens",
+) -> Truncation | None:
+    """vLLM's `truncate_prompt_tokens` (-1: the model's context) as a `Truncation`."""
+    if tokens is None:
+        return None
+    context = state.max_positions
+    if tokens == -1:
+        tokens = context
+    if tokens > context:
+        raise BadRequest(
+            f"{what}={tokens} is greater than max_model_len={context}. Please request a smaller "
+            "truncation size."
+        )
+    if tokens < 1:
+        raise BadRequest(f"{what}={tokens} keeps no tokens; give a positive count, or -1")
+    return Truncation(tokens, side.lower())
+
+
+async def prompts(
+    state: ServerState,
+    what: str,
+    value: str | list,
+    special: bool = True,
+    cut: Truncation | None = None,
+) -> list[list[int]]:
+    """A text, texts, token ids or lists of them → token ids per prompt: text tokenized (with the
+    tokenizer's special tokens when `special`), each cut by `cut` before the checks (vocabulary,
+    max_item_tokens, the model's context)."""
+    if isinstance(value, str):
+        value = [value]
+    if not value:
+        raise BadRequest(f"{what} is empty")
+    if isinstance(value[0], int):
+        value = [value]
+    state.limits.count(what, len(value), state.max_items, "max_items")
+    if isinstance(value[0], str):
+        if not all(isinstance(v, str) for v in value):
+            raise BadRequest(f"{what}: mix of text and token ids; use one kind")
+        seqs = await encode(state, value, special)
+    else:
+        seqs = [list(v) for v in value]
+        for i, ids in enumerate(seqs):
+            state.limits.token_ids(f"{what}[{i}]", ids)
+    if cut is not None:
+        seqs = [cut.apply(ids) for ids in seqs]
+    for i, ids in enumerate(seqs):  # the context first: it is the limit a peer's client knows
+        state.limits.context(f"{what}[{i}]", len(ids))
+        state.limits.tokens(
+            f"{what}[{i}]", len(ids), state.config.max_item_tokens, "max_item_tokens"
+        )
+    return seqs
+
+
+async def joined_text(
+    state: ServerState, query: str, items: list[str], item_first: bool
+) -> SequenceGroup:
+    """SGLang's text scoring: each joined string tokenized (`workloads.score`), the sequences'
+    common prefix shared; checked like a query and its items."""
+    tok = state.engine.tokenizer
+    state.limits.count("items", len(items), state.max_items, "max_items")
+
+    def run() -> tuple[list[list[int]], int]:
+        return joined_sequences(tok, query, items, item_first), len(tok.encode(query))
+
+    long = len(query) * len(items) + sum(map(len, items)) > _INLINE_TOKENIZE_CHARS
+    seqs, query_tokens = await asyncio.to_thread(run) if long else run()
+    check_joined(state, seqs, query_tokens, "items")
+    return shared_prefix_group(seqs)
+
+
+def check_joined(state: ServerState, seqs: list[list[int]], query_tokens: int, what: str) -> None:
+    """Joined query + item sequences against the limits: the query's tokens (`query_tokens`, as
+    tokenized alone) and what each item adds to them, and the model's context."""
+    cfg = state.config
+    if query_tokens:
+        state.limits.tokens("query", query_tokens, cfg.max_query_tokens, "max_query_tokens")
+    for i, ids in enumerate(seqs):
+        if not ids:
+            raise BadRequest(f"query and {what}[{i}] are both empty: nothing to score")
+        state.limits.context(f"query + {what}[{i}]", len(ids))
+        if len(ids) > query_tokens:
+            n = len(ids) - query_tokens
+            state.limits.tokens(f"{what}[{i}]", n, cfg.max_item_tokens, "max_item_tokens")
+
+
+def rerank_labels(state: ServerState) -> list[int]:
+    """The server's rerank label token ids (400 when they are not single tokens)."""
+    if state.rerank_label_ids is None:
+        raise BadRequest(
+            "rerank is not available: the server's rerank_label_tokens "
+            f"{list(state.config.rerank_label_tokens)} are not single tokens of this "
+            "model's vocabulary"
+        )
+    return state.rerank_label_ids
+
+
+@dataclass(frozen=True)
+class Relevance:
+    """Per pair: P(first label) under the softmax over the label tokens (one label: the sigmoid of
+    its logit), its logit, and the tokens the pairs took."""
+
+    probability: list[float]
+    logit: list[float]
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class DocumentCut:
+    """How a pair's second text (a document) is cut; the query and template text stay whole:
+    `doc_tokens` keeps that many of the document's tokens, `total` (then) cuts more of them until
+    the whole pair fits."""
+
+    doc_tokens: int | None = None
+    total: Truncation | None = None
+
+
+async def relevance(
+    state: ServerState,
+    query: str,
+    documents: list[str],
+    labels: list[int],
+    timeout_ms: int,
+    templates: bool = True,
+    cut: DocumentCut = DocumentCut(),
+) -> Relevance:
+    """The relevance of (query, document) pairs: sequence = query template + document template
+    (`templates`; else the two texts), tokenized joined as `/v1/score` does, the label tokens read
+    at its last token."""
+    cfg, tok = state.config, state.engine.tokenizer
+    q_text = cfg.rerank_query_template.format(query=query) if templates else query
+    before, after = "", ""
+    if templates:
+        before, _, after = cfg.rerank_document_template.format(document="\0").partition("\0")
+    texts = [q_text + before + d + after for d in documents]
+    spans = [(len(q_text) + len(before), len(q_text) + len(before) + len(d)) for d in documents]
+
+    def run() -> tuple[list[list[int]], int]:
+        seqs = [
+            _cut_document(e.ids, e.offsets, span, cut, i)
+            for i, (e, span) in enumerate(zip(tok.encode_with_offsets(texts), spans))
+        ]
+        return seqs, len(tok.encode(q_text))
+
+    state.limits.count("documents", len(documents), state.max_items, "max_items")
+    long = sum(map(len, texts)) > _INLINE_TOKENIZE_CHARS
+    seqs, query_tokens = await asyncio.to_thread(run) if long else run()
+    check_joined(state, seqs, query_tokens, "documents")
+    group = shared_prefix_group(seqs)
+    logits = await score(
+        state, group.prefix, group.suffixes, labels, False, False, timeout_ms, raw_logits=True
+    )
+    logit = [_first_label_logit(row) for row in logits]
+    probability = [1.0 / (1.0 + math.exp(-x)) if x > -700 else 0.0 for x in logit]
+    return Relevance(probability, logit, sum(map(len, seqs)))
+
+
+def _first_label_logit(row: list[float]) -> float:
+    """logit of P(first label) under the softmax over the labels: l0 - logsumexp(others)."""
+    if len(row) == 1:
+        return row[0]
+    others = np.asarray(row[1:], dtype=np.float64)
+    return float(row[0] - np.logaddexp.reduce(others))
+
+
+def _cut_document(
+    ids: list[int], offsets: list, span: tuple[int, int], cut: DocumentCut, index: int
+) -> list[int]:
+    """`ids` with some of the document's own tokens (those overlapping its character `span`)
+    removed, as `cut` says."""
+    a, b = span
+    doc = [i for i, (s, e) in enumerate(offsets) if s < b and e > a]
+    drop: list[int] = []
+    if cut.doc_tokens is not None and len(doc) > cut.doc_tokens:
+        drop, doc = doc[cut.doc_tokens :], doc[: cut.doc_tokens]
+    total = cut.total
+    excess = len(ids) - len(drop) - total.tokens if total is not None else 0
+    if excess > 0:
+        if excess > len(doc):
+            raise BadRequest(
+                f"documents[{index}]: the query and template text alone take "
+                f"{len(ids) - len(drop) - len(doc)} tokens, more than the {total.tokens} a pair "
+                "may keep (only document tokens are cut). Please reduce the length of the input."
+            )
+        more = doc[:excess] if total.side == "left" else doc[len(doc) - excess :]
+        drop += more
+    if not drop:
+        return ids
+    gone = set(drop)
+    return [t for i, t in enumerate(ids) if i not in gone]
+
+
+def normalize_flag(state: ServerState, use_activation: bool | None, normalize: bool | None) -> bool:
+    """vLLM's `use_activation` and boundgen's `normalize` mean the same for embeddings; the server
+    option `embed_normalize` when neither is given."""
+    if use_activation is not None and normalize is not None and use_activation != normalize:
+        raise BadRequest(
+            f"use_activation={use_activation} and normalize={normalize} disagree; they are the "
+            "same switch (vLLM's and boundgen's names): send one"
+        )
+    chosen = normalize if use_activation is None else use_activation
+    return state.config.embed_normalize if chosen is None else chosen
+
+
+def check_dimensions(state: ServerState, what: str, value: int | None) -> None:
+    if value is not None and value != state.hidden_size:
+        raise BadRequest(
+            f"{what}={value} is not supported: model {state.model_name!r} returns "
+            f"{state.hidden_size}-dimensional embeddings (omit `{what}`)"
+        )

@@ -1,6 +1,7 @@
-"""KServe v2 / Triton HTTP protocol: health, model metadata and `infer` (JSON and the Triton binary
-tensor extension, so `tritonclient.http` works unchanged with its defaults). Errors on these routes
-follow the KServe protocol, `{"error": "<message>"}`, which Triton clients parse.
+"""KServe v2 / Triton HTTP protocol: health, model metadata, statistics and `infer` (JSON and the
+Triton binary tensor extension, request bodies plain or gzip/deflate, so `tritonclient.http` works
+unchanged). Errors on these routes (unknown ones included, see `app.py`) follow the KServe protocol,
+`{"error": "<message>"}`, which Triton clients parse.
 
 One model, three tasks (request parameter `task`, default from the inputs):
 - `score`: inputs `query` BYTES [1] (or INT64 token ids [L]), `items` BYTES [N] (or INT64 [N, L]),
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import json
 import struct
+import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +26,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from boundgen.server import inputs
-from boundgen.server.errors import BadRequest, NotFound, Unavailable
+from boundgen.server.errors import BadRequest, NotFound, ServerError, TooLarge, Unavailable
+from boundgen.server.infer import SERVER_TIMES
 from boundgen.server.limits import describe_validation_error, read_body
 from boundgen.server.state import ServerState
 
@@ -73,10 +77,12 @@ def add_routes(route: Callable[..., None]) -> None:
     route("/v2", "kserve.server_metadata", server_metadata, get)
     route("/v2/health/live", "kserve.live", live, get)
     route("/v2/health/ready", "kserve.ready", ready, get)
+    route("/v2/models/stats", "kserve.stats", statistics, get)
     for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
         route(base, "kserve.model_metadata", model_metadata, get)
         route(base + "/ready", "kserve.model_ready", model_ready, get)
         route(base + "/config", "kserve.model_config", model_config, get)
+        route(base + "/stats", "kserve.stats", statistics, get)
         route(base + "/infer", "kserve.infer", infer)
 
 
@@ -103,7 +109,11 @@ async def ready(request: Request, state: ServerState) -> Response:
 def _model(request: Request, state: ServerState) -> str:
     name = request.path_params["name"]
     if name != state.model_name:
-        raise NotFound(f"unknown model {name!r}; this server serves {state.model_name!r}")
+        # Triton's words, which its clients' users know; then the one name that works
+        raise NotFound(
+            f"Request for unknown model: {name!r} is not found (this server serves "
+            f"{state.model_name!r})"
+        )
     version = request.path_params.get("version")
     if version not in (None, "", "1"):
         raise NotFound(f"unknown version {version!r} of model {name!r}; the only version is '1'")
@@ -143,6 +153,14 @@ async def model_ready(request: Request, state: ServerState) -> Response:
     return _json({"name": state.model_name, "ready": True})
 
 
+async def statistics(request: Request, state: ServerState) -> Response:
+    """Triton's inference statistics (`get_inference_statistics`): of the one model, also when
+    asked for every model (`/v2/models/stats`)."""
+    if "name" in request.path_params:
+        _model(request, state)
+    return _json({"model_stats": [state.kserve_stats.as_triton(state.model_name)]})
+
+
 async def model_config(request: Request, state: ServerState) -> Response:
     _model(request, state)
     meta = _metadata(state)
@@ -169,6 +187,31 @@ async def model_config(request: Request, state: ServerState) -> Response:
 
 # ----------------------------------------------------------------------------------------------
 # decoding inputs
+
+
+def _decompress(request: Request, body: bytes, limit: int) -> bytes:
+    """A body sent with `Content-Encoding: gzip` or `deflate` (tritonclient's
+    `request_compression_algorithm`), inflated to at most `limit` bytes."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise BadRequest(f"Content-Encoding {encoding!r} is not supported; use gzip or deflate")
+    # gzip: its header; deflate: zlib-wrapped (what HTTP and tritonclient send) or raw
+    tries = [zlib.MAX_WBITS | 16] if encoding == "gzip" else [zlib.MAX_WBITS, -zlib.MAX_WBITS]
+    for wbits in tries:
+        inflate = zlib.decompressobj(wbits)
+        try:
+            out = inflate.decompress(body, limit + 1)
+        except zlib.error:
+            continue
+        if len(out) > limit:
+            raise TooLarge(
+                f"request body inflates past {limit} bytes (server option max_body_bytes)"
+            )
+        if inflate.eof:
+            return out
+    raise BadRequest(f"request body is not valid {encoding} data")
 
 
 def _split_body(request: Request, body: bytes) -> tuple[bytes, bytes]:
@@ -291,24 +334,27 @@ async def _score(state: ServerState, need, tensors, params, timeout_ms: int) -> 
     qt, qv = need("query")
     it, iv = need("items")
     cfg = state.config
-    if qt.datatype == "BYTES":
-        if len(qv) != 1:
-            raise BadRequest(f"input 'query' must hold one string, got {len(qv)}")
-        query_value: str | list[int] = _texts(qt, qv)[0]
+    item_first = _param(params, "item_first", False, bool)
+    if qt.datatype == "BYTES" and len(qv) != 1:
+        raise BadRequest(f"input 'query' must hold one string, got {len(qv)}")
+    if qt.datatype == "BYTES" and it.datatype == "BYTES":
+        # text: each joined string tokenized, as /v1/score does
+        group = await inputs.joined_text(state, _texts(qt, qv)[0], _texts(it, iv), item_first)
+        query, items, item_first = group.prefix, group.suffixes, False
     else:
-        query_value = _ints(qt, qv)
-    query = await inputs.token_ids(
-        state, "query", query_value, cfg.max_query_tokens, "max_query_tokens", allow_empty=True
-    )
-    if it.datatype == "BYTES":
-        items = await inputs.many_token_ids(state, "items", _texts(it, iv))
-    else:
-        if len(it.shape) != 2:
-            raise BadRequest("input 'items' as token ids must have shape [N, L]")
-        flat = _ints(it, iv)
-        n, length = it.shape
-        rows = [flat[i * length : (i + 1) * length] for i in range(n)]
-        items = await inputs.many_token_ids(state, "items", rows)
+        query_value = _texts(qt, qv)[0] if qt.datatype == "BYTES" else _ints(qt, qv)
+        query = await inputs.token_ids(
+            state, "query", query_value, cfg.max_query_tokens, "max_query_tokens", allow_empty=True
+        )
+        if it.datatype == "BYTES":
+            items = await inputs.many_token_ids(state, "items", _texts(it, iv))
+        else:
+            if len(it.shape) != 2:
+                raise BadRequest("input 'items' as token ids must have shape [N, L]")
+            flat = _ints(it, iv)
+            n, length = it.shape
+            rows = [flat[i * length : (i + 1) * length] for i in range(n)]
+            items = await inputs.many_token_ids(state, "items", rows)
     if "label_token_ids" in tensors:
         labels = _ints(*tensors["label_token_ids"])
     elif state.rerank_label_ids is not None:
@@ -322,7 +368,7 @@ async def _score(state: ServerState, need, tensors, params, timeout_ms: int) -> 
         items,
         labels,
         _param(params, "apply_softmax", True, bool),
-        _param(params, "item_first", False, bool),
+        item_first,
         timeout_ms,
     )
     return np.asarray(scores, dtype=np.float32).reshape(len(items), len(labels))
@@ -334,7 +380,31 @@ async def _score(state: ServerState, need, tensors, params, timeout_ms: int) -> 
 
 async def infer(request: Request, state: ServerState) -> Response:
     _model(request, state)
-    body = await read_body(request, state.config.max_body_bytes)
+    start = time.perf_counter_ns()
+    try:
+        response, output_ns = await _infer(request, state)
+    except ServerError:
+        state.kserve_stats.record(False, time.perf_counter_ns() - start)
+        raise
+    total = time.perf_counter_ns() - start
+    times = dict(SERVER_TIMES.get() or ())
+    runtime_ns = int(times.get("runtime", 0.0) * 1e6)
+    queue_ns = int(sum(ms for name, ms in times.items() if name.endswith("wait")) * 1e6)
+    state.kserve_stats.record(
+        True,
+        total,
+        queue=queue_ns,
+        compute_input=total - runtime_ns - output_ns,
+        compute_infer=runtime_ns - queue_ns,
+        compute_output=output_ns,
+    )
+    return response
+
+
+async def _infer(request: Request, state: ServerState) -> tuple[Response, int]:
+    """The reply, and the nanoseconds spent encoding it."""
+    max_bytes = state.config.max_body_bytes
+    body = _decompress(request, await read_body(request, max_bytes), max_bytes)
     head, binary = _split_body(request, body)
     if not head.strip():
         raise BadRequest("request body is empty; expected a KServe v2 inference request")
@@ -374,6 +444,7 @@ async def infer(request: Request, state: ServerState) -> Response:
     else:
         raise BadRequest(f"unknown task {task!r}; use score, embed or classify")
 
+    encode_start = time.perf_counter_ns()
     if req.outputs is not None and req.outputs and all(o.name != name for o in req.outputs):
         raise BadRequest(
             f"task {task!r} produces output {name!r}; requested {[o.name for o in req.outputs]}"
@@ -392,12 +463,13 @@ async def infer(request: Request, state: ServerState) -> Response:
         response["id"] = req.id
     if not binary_out:
         out["data"] = array.reshape(-1).tolist()
-        return _json(response)
+        return _json(response), time.perf_counter_ns() - encode_start
     raw = np.ascontiguousarray(array, dtype="<f4").tobytes()
     out["parameters"] = {"binary_data_size": len(raw)}
     head_out = json.dumps(response).encode()
-    return Response(
+    reply = Response(
         head_out + raw,
         media_type="application/octet-stream",
         headers={"Inference-Header-Content-Length": str(len(head_out))},
     )
+    return reply, time.perf_counter_ns() - encode_start

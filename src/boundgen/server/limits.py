@@ -59,7 +59,8 @@ def describe_validation_error(exc: ValidationError) -> str:
         echo = repr(given)
         if len(echo) > _MAX_INPUT_ECHO:
             echo = echo[:_MAX_INPUT_ECHO] + "..."
-        parts.append(f"{loc}: {msg} (got {type(given).__name__} {echo})")
+        # pydantic's error type in brackets, as vLLM's messages carry it ([literal_error])
+        parts.append(f"{loc}: {msg} [{err.get('type')}] (got {type(given).__name__} {echo})")
     more = exc.error_count() - _MAX_ERRORS
     if more > 0:
         parts.append(f"and {more} more errors")
@@ -123,5 +124,6 @@ class Limits:
         if self.max_positions and n > self.max_positions:
             raise BadRequest(
                 f"{what} needs {n} positions; the model's context is "
-                f"{self.max_positions} (max_position_embeddings)"
+                f"{self.max_positions} (max_position_embeddings). Please reduce the length of "
+                "the input."  # vLLM's words, which its clients' users look for
             )

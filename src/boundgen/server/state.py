@@ -1,10 +1,12 @@
 """`ServerState`: everything a handler needs — the config, the engine's facts, the loaded tries, the
-one `Infer` object, limits and metrics."""
+one `Infer` object, limits, metrics and the KServe statistics."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from boundgen.engine import Engine
@@ -45,6 +47,8 @@ class ServerState:
         self.limits = Limits(config, self.vocab_size, self.max_positions)
         self.api_key = config.resolved_api_key()
         self.rerank_label_ids = self._rerank_labels()
+        self.input_type_prefixes = config.input_type_prefixes()
+        self.kserve_stats = InferenceStats()
         self.started = time.time()
         self.ready = True
         self.draining = False
@@ -74,3 +78,52 @@ class ServerState:
 def load_tries(config: ServerConfig, device: Any = "cpu") -> dict[str, Trie]:
     """The config's tries, on the engine's device (a beam request never copies a trie)."""
     return {name: Trie.from_file(path, device=device) for name, path in config.trie_paths().items()}
+
+
+_PHASES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+
+
+@dataclass
+class InferenceStats:
+    """Triton's statistics of the one model (`/v2/models/{m}/stats`): per phase a count and the
+    nanoseconds spent in it. `success`/`fail`: whole requests; `queue`: waits inside the runtime
+    (a node waiting for a worker or for its batch); `compute_infer`: the rest of the runtime;
+    `compute_input`/`compute_output`: the handler before and after it (parse, tokenize; encode the
+    reply)."""
+
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    phases: dict[str, list[int]] = field(default_factory=lambda: {p: [0, 0] for p in _PHASES})
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, ok: bool, total_ns: int, **phase_ns: int) -> None:
+        """One request: whether it succeeded, its whole time, and `queue`, `compute_input`,
+        `compute_infer`, `compute_output` nanoseconds (a successful one)."""
+        with self._lock:
+            self._add("success" if ok else "fail", total_ns)
+            if ok:
+                self.inference_count += 1
+                self.execution_count += 1
+                self.last_inference_ms = int(time.time() * 1000)
+                for name, ns in phase_ns.items():
+                    self._add(name, ns)
+
+    def _add(self, phase: str, ns: int) -> None:
+        entry = self.phases[phase]
+        entry[0] += 1
+        entry[1] += max(0, int(ns))
+
+    def as_triton(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "name": name,
+                "version": "1",
+                "last_inference": self.last_inference_ms,
+                "inference_count": self.inference_count,
+                "execution_count": self.execution_count,
+                "inference_stats": {
+                    p: {"count": c, "ns": ns} for p, (c, ns) in self.phases.items()
+                },
+                "batch_stats": [],
+            }

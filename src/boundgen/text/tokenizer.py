@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One text's tokens with where each came from: `offsets[i]` is token i's character span in the
+    text ((0, 0) for a special token the tokenizer added), `special[i]` whether it is one."""
+
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+    special: list[bool]
 
 
 class Tokenizer:
@@ -38,6 +49,14 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def encode_with_offsets(
+        self, texts: list[str], add_special_tokens: bool = False
+    ) -> list[Encoded]:
+        return [
+            Encoded(e.ids, e.offsets, [bool(m) for m in e.special_tokens_mask])
+            for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)
+        ]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

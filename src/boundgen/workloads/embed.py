@@ -1,8 +1,8 @@
 """Embeddings: last-token or mean hidden state, optionally normalised or fed to a downstream MLP
-head.
+head; or every token's hidden state (`pooling="tokens"`: one [L, H] tensor per text).
 
-Pipeline: prepare (CPU: tokenize, load the head) → forward (shared batching node, last or mean
-pooling) → mlp_head (DEVICE: normalize, optional MLP head).
+Pipeline: prepare (CPU: tokenize, load the head) → forward (shared batching node, last, mean or
+per-token pooling) → mlp_head (DEVICE: normalize each row, optional MLP head).
 
 An MLP head is a directory (or the JSON file in it) holding `head.json`:
     {"input_dim": H, "hidden_dims": [256], "output_dim": 1,
@@ -106,6 +106,9 @@ class MLPHead(nn.Module):
         return head
 
 
+POOLINGS = ("last", "mean", "tokens")
+
+
 def finish_embed(rows: torch.Tensor, normalize: bool, head: MLPHead | None) -> torch.Tensor:
     x = rows.float()
     if normalize:
@@ -123,12 +126,21 @@ def finish_embed(rows: torch.Tensor, normalize: bool, head: MLPHead | None) -> t
 
 def build(context: WorkloadContext) -> Pipeline:
     def prepare(request: EmbedRequest, head: Any) -> tuple[list, str, Any]:
-        if request.pooling not in ("last", "mean"):
-            raise ValueError(f"unknown pooling '{request.pooling}'; use 'last' or 'mean'")
+        if request.pooling not in POOLINGS:
+            raise ValueError(
+                f"unknown pooling '{request.pooling}'; use {', '.join(map(repr, POOLINGS))}"
+            )
         if head is not None and not isinstance(head, MLPHead):
             head = MLPHead.load(head)
         groups = prepare_texts(request.texts, context.tokenizer, context.limits, request.truncate)
         return groups, request.pooling, head
+
+    def finish(rows: torch.Tensor, request: EmbedRequest, mlp: Any, groups: list) -> Any:
+        """[N, D]; with per-token pooling a list of [L, D], one per text."""
+        vectors = finish_embed(rows, request.normalize, mlp)
+        if request.pooling != "tokens":
+            return vectors
+        return list(vectors.split([len(s) for g in groups for s in g.suffixes]))
 
     return Pipeline(
         "embed",
@@ -144,9 +156,9 @@ def build(context: WorkloadContext) -> Pipeline:
             context.forward,
             device_node(
                 "mlp_head",
-                lambda rows, request, mlp: finish_embed(rows, request.normalize, mlp),
-                {"rows": torch.Tensor, "request": EmbedRequest, "mlp": Any},
-                {"vectors": torch.Tensor},
+                finish,
+                {"rows": torch.Tensor, "request": EmbedRequest, "mlp": Any, "groups": list},
+                {"vectors": torch.Tensor | list},
             ),
         ],
         ["vectors"],

@@ -12,7 +12,8 @@ from boundgen.runner import ModelRunner
 
 class Forward:
     """A batching node's function: inputs `groups` (list of SequenceGroup) and `pooling` ("last" |
-    "mean") of each request → output `rows` [N, H], split back per request."""
+    "mean" | "tokens") of each request → output `rows` [N, H] (N: one row per output sequence, or
+    one per token with "tokens"), split back per request."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -26,6 +27,11 @@ class Forward:
             n = sum(len(g.suffixes) for g in it["groups"])
             groups += it["groups"]
             pooling += [it["pooling"]] * n
+            if it["pooling"] == "tokens":  # every token of every sequence (prefix + suffix)
+                n = sum(
+                    len(g.prefix) * len(g.suffixes) + g.num_tokens - len(g.prefix)
+                    for g in it["groups"]
+                )
             sizes.append(n)
         return (groups, pooling), sizes
 

@@ -46,8 +46,11 @@ def check_items(items, limits: Limits, what: str = "items") -> None:
         raise ValueError(f"{what} has {len(items)} entries; the limit is {limits.max_items}")
 
 
-def fit_length(ids: list[int], budget: int, truncate: bool, what: str) -> list[int]:
-    """Keep a sequence within `budget` tokens: error, or cut its tail when `truncate`."""
+def fit_length(
+    ids: list[int], budget: int, truncate: bool, what: str, keep: str = "first"
+) -> list[int]:
+    """Keep a sequence within `budget` tokens: error, or when `truncate` keep its `first` (cut the
+    tail) or `last` (cut the head) `budget` tokens."""
     if len(ids) <= budget:
         return ids
     if not truncate:
@@ -55,7 +58,8 @@ def fit_length(ids: list[int], budget: int, truncate: bool, what: str) -> list[i
             f"{what} has {len(ids)} tokens, over the limit of {budget}; shorten it or pass "
             "truncate=True"
         )
-    return ids[: max(budget, 0)]
+    budget = max(budget, 0)
+    return ids[len(ids) - budget :] if keep == "last" else ids[:budget]
 
 
 def prepare_texts(

@@ -1,11 +1,17 @@
 """Label-token scoring (SGLang `/v1/score` semantics).
 
-sequence = query + item (item + query when `item_first`); result[i][j] = logit of label_token_ids[j]
-at item i's last token, or the softmax over the label ids when `apply_softmax`. Only the label
-columns of the LM head are multiplied. Query-first requests share the query as a cascade prefix.
+sequence = query + item (item + query when `item_first`). Text is joined first and the joined string
+is tokenized, so a join inside a word tokenizes as that word; token ids are concatenated as given.
+result[i][j] for label_token_ids[j] at the last token of item i's sequence:
+- `apply_softmax`: the softmax over the label tokens' logits (only the label columns of the LM head
+  are multiplied);
+- otherwise: the label's probability under the softmax over the FULL vocabulary,
+  exp(log_softmax(logits)[label]), in [0, 1].
+The sequences' longest common token prefix (the query, for query-first text) is computed once for
+all items (cascade); so is a token-id query.
 
 Pipeline: prepare (CPU: tokenize → SequenceGroups) → forward (shared batching node) → head (DEVICE:
-label columns of the LM head) → finish (CPU: softmax, lists).
+label columns, and the full vocabulary's log-sum-exp when asked) → finish (CPU: softmax, lists).
 """
 
 from __future__ import annotations
@@ -14,11 +20,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from boundgen.runner import ModelRunner
 from boundgen.runtime.dag import Pipeline
 from boundgen.text.packing import SequenceGroup
 from boundgen.text.tokenizer import Tokenizer
 from boundgen.workloads.base import Workload, WorkloadContext, cpu_node, device_node
 from boundgen.workloads.inputs import Limits, check_items, fit_length, to_ids
+
+# Full-vocabulary logits are made this many elements at a time (128 MiB of float32), so a request of
+# many items never holds [N, vocab] at once.
+_FULL_LOGITS_ELEMENTS = 1 << 25
 
 
 @dataclass
@@ -29,6 +40,9 @@ class ScoreRequest:
     apply_softmax: bool = False
     item_first: bool = False
     truncate: bool = False
+    # The label tokens' raw logits instead of either probability (what the server's rerank
+    # relevance and its logit are computed from).
+    raw_logits: bool = False
 
 
 def check_labels(label_token_ids, limits: Limits) -> list[int]:
@@ -36,15 +50,39 @@ def check_labels(label_token_ids, limits: Limits) -> list[int]:
         raise ValueError("label_token_ids must be a non-empty list of token ids")
     for t in label_token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size:
-            raise ValueError(
-                f"label token id {t!r} is outside the vocabulary [0, {limits.vocab_size})"
-            )
+            raise ValueError(out_of_vocabulary(t, limits.vocab_size))
     return list(label_token_ids)
+
+
+def out_of_vocabulary(token, vocab_size: int) -> str:
+    # SGLang's words ("Token ID 9 is out of vocabulary") and vLLM's ("out of vocabulary range")
+    return f"label_token_ids: Token ID {token!r} is out of vocabulary range [0, {vocab_size})"
+
+
+def shared_prefix_group(seqs: list[list[int]]) -> SequenceGroup:
+    """The sequences as one group whose prefix is their longest common token prefix (computed once
+    for all of them); a single sequence stays whole."""
+    if len(seqs) < 2:
+        return SequenceGroup([], [list(s) for s in seqs])
+    # the lexicographically first and last sequences share exactly what all of them share
+    first, last = min(seqs), max(seqs)
+    n = next((i for i, (a, b) in enumerate(zip(first, last)) if a != b), min(len(first), len(last)))
+    return SequenceGroup(list(seqs[0][:n]), [list(s[n:]) for s in seqs])
+
+
+def joined_sequences(
+    tokenizer: Tokenizer, query: str, items: list[str], item_first: bool
+) -> list[list[int]]:
+    """SGLang's text semantics: each item's sequence is the tokenized joined string."""
+    texts = [item + query if item_first else query + item for item in items]
+    return tokenizer.encode_batch(texts)
 
 
 def prepare_score(req: ScoreRequest, tokenizer: Tokenizer, limits: Limits) -> list[SequenceGroup]:
     check_labels(req.label_token_ids, limits)
     check_items(req.items, limits)
+    if isinstance(req.query, str) and all(isinstance(x, str) for x in req.items):
+        return [_prepare_joined_text(req, tokenizer, limits)]
     query = to_ids(req.query, tokenizer, limits, "query")
     items = [to_ids(x, tokenizer, limits, f"items[{i}]") for i, x in enumerate(req.items)]
     if not query and any(not x for x in items):
@@ -60,9 +98,35 @@ def prepare_score(req: ScoreRequest, tokenizer: Tokenizer, limits: Limits) -> li
     return [SequenceGroup(query, items)]
 
 
+def _prepare_joined_text(req: ScoreRequest, tokenizer: Tokenizer, limits: Limits) -> SequenceGroup:
+    seqs = joined_sequences(tokenizer, req.query, req.items, req.item_first)
+    for i, seq in enumerate(seqs):
+        if not seq:
+            raise ValueError(f"query and items[{i}] are both empty: nothing to score")
+        if len(seq) > limits.max_seq_len:
+            what = f"items[{i}] + query" if req.item_first else f"query + items[{i}]"
+            # `truncate` cuts the item's side: its end after the query, its start before it
+            keep = "last" if req.item_first else "first"
+            seqs[i] = fit_length(seq, limits.max_seq_len, req.truncate, what, keep)
+    return shared_prefix_group(seqs)
+
+
+def label_scores(runner: ModelRunner, rows: torch.Tensor, request: ScoreRequest) -> torch.Tensor:
+    """rows [N, H] → float32 [N, C]: label logits (for softmax over them, or raw), or each label's
+    probability under the full vocabulary."""
+    labels = request.label_token_ids
+    logits = runner.head(rows, labels)  # [N, C]
+    if request.apply_softmax or request.raw_logits:
+        return logits
+    vocab = runner.config.vocab_size
+    step = max(1, _FULL_LOGITS_ELEMENTS // vocab)
+    lse = torch.cat([torch.logsumexp(runner.head(part), dim=-1) for part in rows.split(step)])
+    return (logits - lse[:, None]).exp()
+
+
 def finish_score(label_logits: torch.Tensor, request: ScoreRequest) -> list[list[float]]:
-    """label_logits: float32 [N, C] → python lists (softmax over the label ids when asked)."""
-    if request.apply_softmax:
+    """label scores float32 [N, C] → python lists (softmax over the label ids when asked)."""
+    if request.apply_softmax and not request.raw_logits:
         label_logits = torch.softmax(label_logits, dim=-1)
     return label_logits.cpu().tolist()
 
@@ -73,7 +137,7 @@ def build(context: WorkloadContext) -> Pipeline:
         return prepare_score(request, context.tokenizer, context.limits), "last"
 
     def head(rows: torch.Tensor, request: ScoreRequest) -> torch.Tensor:
-        return context.runner.head(rows, request.label_token_ids)
+        return label_scores(context.runner, rows, request)
 
     return Pipeline(
         "score",

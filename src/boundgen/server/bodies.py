@@ -1,0 +1,75 @@
+"""Request bodies in, JSON replies out: what every handler module shares.
+
+Bodies are read once into a dict, so a route several peers share can pick the peer's type from the
+fields sent (`/v1/score`, `/rerank`, `/tokenize`) and a refused field is named before validation
+(a chat `messages` body is "messages: not supported", not "input: field required").
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
+from starlette.requests import Request
+from starlette.responses import Response
+
+from boundgen.server.errors import BadRequest
+from boundgen.server.limits import describe_validation_error, read_body
+from boundgen.server.schemas.common import _Request
+from boundgen.server.state import ServerState
+
+M = TypeVar("M", bound=_Request)
+
+
+async def read_object(request: Request, state: ServerState) -> dict[str, Any]:
+    """The body as a JSON object (400 for anything else)."""
+    body = await read_body(request, state.config.max_body_bytes)
+    if not body.strip():
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:  # pydantic's parser: strict JSON (no lone surrogates, no NaN), and fast
+        data = from_json(body)
+    except (RecursionError, ValueError) as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse(model: type[M], data: dict[str, Any]) -> M:
+    """`data` as the peer's request type: refused fields by name first, then strict validation."""
+    for name, (unused, why) in model.UNSUPPORTED.items():
+        if name in data and data[name] != unused:
+            raise BadRequest(f"{name}: not supported: {why}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise BadRequest(describe_validation_error(exc)) from None
+
+
+async def read(request: Request, state: ServerState, model: type[M]) -> M:
+    return parse(model, await read_object(request, state))
+
+
+def json_response(
+    model: BaseModel | list[BaseModel] | Any,
+    status: int = 200,
+    headers: dict[str, str] | None = None,
+    exclude_none: bool = True,
+) -> Response:
+    """A pydantic model (None fields left out unless `exclude_none` is false), a list of them, or
+    plain JSON data."""
+    if isinstance(model, BaseModel):
+        body = model.model_dump_json(exclude_none=exclude_none)
+    else:
+        body = json.dumps(_plain(model, exclude_none))
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def _plain(value: Any, exclude_none: bool) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_none=exclude_none)
+    if isinstance(value, list):
+        return [_plain(v, exclude_none) for v in value]
+    return value
