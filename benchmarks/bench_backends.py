@@ -268,7 +268,7 @@ def main(argv=None) -> int:
         groups_of[name] = prepare_score(
             ScoreRequest(query, items, labels), engine.tokenizer, engine.limits
         )
-        refs[name] = torch.tensor(engine.score(query, items, labels))
+        refs[name] = torch.tensor(engine.score(query, items, labels, apply_softmax=True))
         for mode, model in hf.items():
             entry[f"hf-{mode}"] = run.guard(
                 f"{name} hf-{mode}",
@@ -313,9 +313,12 @@ def main(argv=None) -> int:
 
     def measure(name, e):
         query, items, _, _, real_tokens = work[name]
-        out = torch.tensor(e.score(query, items, labels))
+        out = torch.tensor(e.score(query, items, labels, apply_softmax=True))
         t = host_and_latency(
-            lambda: e.score(query, items, labels), dev, args.iters, args.variant_budget_s
+            lambda: e.score(query, items, labels, apply_softmax=True),
+            dev,
+            args.iters,
+            args.variant_budget_s,
         )
         fwd = host_and_latency(
             lambda: e.runner.rows(groups_of[name]),

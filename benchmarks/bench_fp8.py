@@ -334,12 +334,15 @@ def _workloads(vocab: int, seed: int = 0, w1_prompts: int = 256):
 def _time_w1_w2(row, engine, w1, w1_tokens, w2_prefix, w2_items, labels, args) -> None:
     """W1 tok/s and W2 ms into `row`; each workload on its own, so one failing keeps the other."""
     try:
-        t = wall_time_s(lambda: engine.score([], w1, labels), iters=args.iters)
+        t = wall_time_s(lambda: engine.score([], w1, labels, apply_softmax=True), iters=args.iters)
         row["w1_s"], row["w1_tok_s"] = t, w1_tokens / t
     except Exception as exc:
         row["w1_error"] = repr(exc)[:500]
     try:
-        t = wall_time_s(lambda: engine.score(w2_prefix, w2_items, labels), iters=max(5, args.iters))
+        t = wall_time_s(
+            lambda: engine.score(w2_prefix, w2_items, labels, apply_softmax=True),
+            iters=max(5, args.iters),
+        )
         row["w2_ms"] = t * 1e3
     except Exception as exc:
         row["w2_error"] = repr(exc)[:500]

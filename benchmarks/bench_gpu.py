@@ -125,7 +125,9 @@ def workloads(vocab: int, args) -> dict:
 def time_engine(run: Run, name: str, engine, work: dict, ref: dict, dev) -> dict:
     out = {}
     for w, spec in work.items():
-        call = lambda s=spec: engine.score(s["query"], s["items"], LABELS)
+        # the label-softmax head (label columns only), as measured since 2026-11; compared with the
+        # softmax of HF's label logits
+        call = lambda s=spec: engine.score(s["query"], s["items"], LABELS, apply_softmax=True)
         got = torch.tensor(call())
         t = common.timed(
             call, dev, warmup=2, iters=run.args.iters, budget_s=run.args.variant_budget_s
@@ -147,7 +149,7 @@ def section_hf(run: Run, path, dev, dtype, work: dict):
     for w, spec in work.items():
         seqs = [spec["query"] + it for it in spec["items"]]
         call = lambda s=seqs, m=hf: common.hf_last_logits(m, s, dev, columns=LABELS)
-        ref[w] = call().cpu()
+        ref[w] = call().cpu().softmax(-1)
         t = common.timed(
             call, dev, warmup=1, iters=run.args.iters, budget_s=run.args.variant_budget_s
         )

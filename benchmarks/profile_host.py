@@ -42,7 +42,7 @@ def main() -> int:
     path = ensure_model(args.preset, dtype="bfloat16", root=args.root)
     engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16")
     prompt = common.w1_prompts(1000, n=1, lo=64, hi=64, seed=3)
-    call = lambda: engine.score([], prompt, [514, 371])
+    call = lambda: engine.score([], prompt, [514, 371], apply_softmax=True)
     t = common.timed(call, "cuda", warmup=3, iters=20)
     print(f"W3 end to end: {t['median_ms']:.2f} ms")
     from torch.profiler import ProfilerActivity, profile
