@@ -6,9 +6,9 @@ it), the quantization label, the attention backend, the bucket and the device ty
 is what it was built with: torch version, CUDA version and GPU name/arch (or the CPU's vector ISA),
 and this module's format.
 
-    <root>/manifest.json            index of every entry (rebuilt from meta.json files when damaged)
-    <root>/<slot>/package.pt2       the AOTInductor package (no weights) <root>/<slot>/meta.json
-    slot fields, platform, sha256 and size of package.pt2, build times
+    <root>/manifest.json        index of every entry (rebuilt from meta.json files when damaged)
+    <root>/<slot>/package.pt2   the AOTInductor package (no weights)
+    <root>/<slot>/meta.json     slot fields, platform, sha256 and size of package.pt2, build times
 
 `lookup` never hands out an artifact it cannot vouch for: a platform or format mismatch is *stale*,
 a missing file, bad meta.json or a sha256 mismatch is *corrupt*; both raise `ArtifactError` with the

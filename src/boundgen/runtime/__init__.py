@@ -4,10 +4,11 @@ streams.
 ```python
 from boundgen.runtime import Executor, Pipeline, node
 
-@node(outputs="tokens") def tokenize(text: str) -> list[int]: ...
+@node(outputs="tokens")
+def tokenize(text: str) -> list[int]: ...
 
-pipe = Pipeline("demo", inputs={"text": str}, nodes=[tokenize, ...], outputs=["scores"]) with
-Executor() as ex:
+pipe = Pipeline("demo", inputs={"text": str}, nodes=[tokenize, ...], outputs=["scores"])
+with Executor() as ex:
     out = ex.run(pipe, {"text": "hi"}, timeout_ms=20)
 ```
 See docs/runtime.md.
