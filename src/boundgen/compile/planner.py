@@ -72,7 +72,8 @@ _PROFILE_KEYS = {
     "score": ({"query_tokens", "items", "item_tokens"}, {"count", "item_first"}),
     "embed": ({"texts"}, {"count"}),
     "classify": ({"texts"}, {"count"}),
-    "beam": ({"prompt_tokens"}, {"count", "width", "steps"}),
+    # "trie" names a server trie (used by warm-up, see boundgen.warmup; the plan ignores it)
+    "beam": ({"prompt_tokens"}, {"count", "width", "steps", "trie"}),
 }
 
 

@@ -1,0 +1,131 @@
+"""Warm an engine up before it takes traffic: run requests shaped like the expected ones once.
+
+What the first request of a shape would otherwise pay: a beam search's whole-search CUDA graph is
+compiled and captured on its first use (6–11 s for the Qwen2.5-0.5B shape on the H200, per
+(prompt bucket, batch, width, steps, trie)); cuBLAS handles, the allocator's first blocks and the
+eager head's kernels load on first use too. Compiled forward buckets are warmed when they load
+(`CompileOptions.warmup`), so a warm-up request per kind is enough for them.
+
+The shapes are the profile format of `boundgen compile --profile` (`compile.planner`), so one file
+plans the buckets and warms them:
+
+    [{"kind": "score", "query_tokens": 256, "items": 100, "item_tokens": 16, "count": 10},
+     {"kind": "embed", "texts": [64, 128]},
+     {"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": 8, "trie": "items"}]
+
+A beam entry warms every batch size its searches can be padded to (1, 2, 4, ... up to `count`
+prompts: concurrent requests are merged); `trie` names one of the tries given (the server's
+`--trie NAME=FILE`), and its `steps` default to the trie's depth. Token ids are drawn from a fixed
+seed, so a warm-up is the same every start.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from boundgen.compile.decode import BATCH_SIZES
+from boundgen.compile.planner import profile_entries
+
+
+def default_profile(engine: Any, tries: dict[str, Any] | None = None) -> list[dict]:
+    """One small request per workload the model serves, and one beam search per trie (its depth as
+    steps): what a server warms when it is given no profile."""
+    if engine.config.task != "causal_lm":
+        return [{"kind": "classify", "texts": [64]}]
+    profile: list[dict] = [
+        {"kind": "score", "query_tokens": 64, "items": 4, "item_tokens": 16},
+        {"kind": "embed", "texts": [64]},
+        {"kind": "beam", "prompt_tokens": 64, "width": 4, "steps": 2},
+    ]
+    for name in sorted(tries or {}):
+        profile.append({"kind": "beam", "prompt_tokens": 64, "width": 16, "trie": name})
+    return profile
+
+
+def warm_up(
+    engine: Any,
+    profile: list[dict],
+    tries: dict[str, Any] | None = None,
+    progress: bool | Callable[[dict], None] = False,
+) -> list[dict]:
+    """Run every request the profile describes once through `engine`'s public calls. Returns one
+    row per request run: {"what", "seconds"}. Raises ValueError for a profile that is not valid
+    (the planner's checks, plus an unknown trie name) before anything runs."""
+    tries = tries or {}
+    calls = _calls(engine, profile, tries)
+    bar = None
+    if progress is True:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(calls), desc="warm-up", unit="request", file=sys.stderr)
+    rows = []
+    for what, call in calls:
+        t0 = time.perf_counter()
+        call()
+        row = {"what": what, "seconds": round(time.perf_counter() - t0, 3)}
+        rows.append(row)
+        if bar is not None:
+            bar.set_postfix_str(what)
+            bar.update(1)
+        elif callable(progress):
+            progress(row)
+    if bar is not None:
+        bar.close()
+    return rows
+
+
+def _calls(engine: Any, profile: list[dict], tries: dict[str, Any]) -> list[tuple[str, Callable]]:
+    profile_entries(profile)  # the planner's checks: a list, kinds, keys, positive sizes
+    entries = [dict(item) for item in profile]
+    for i, item in enumerate(entries):
+        if item["kind"] == "beam" and "trie" in item:
+            name = item["trie"]
+            if name not in tries:
+                known = ", ".join(sorted(tries)) or "none"
+                raise ValueError(f"profile entry {i}: unknown trie {name!r} (tries: {known})")
+            item.setdefault("steps", tries[name].depth)
+    rng = random.Random(0)
+    low, high = 10, max(11, min(engine.config.vocab_size, 50_000))
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(low, high) for _ in range(n)]
+
+    calls: list[tuple[str, Callable]] = []
+    for item in entries:
+        kind = item["kind"]
+        if kind == "score":
+            query = ids(item["query_tokens"])
+            items = [ids(item["item_tokens"]) for _ in range(item["items"])]
+            first = bool(item.get("item_first", False))
+            what = f"score {len(query)}+{len(items)}x{len(items[0])}"
+            calls.append(
+                (what, lambda q=query, it=items, f=first: engine.score(q, it, [1, 2], item_first=f))
+            )
+        elif kind in ("embed", "classify"):
+            texts = [ids(n) for n in item["texts"]]
+            fn = engine.embed if kind == "embed" else engine.classify
+            calls.append((f"{kind} {len(texts)} texts", lambda t=texts, fn=fn: fn(t)))
+        else:
+            trie = tries[item["trie"]] if "trie" in item else None
+            width, steps = item.get("width", 1), item.get("steps", 1)
+            count = item.get("count", 1)
+            for b in BATCH_SIZES:  # the batch sizes a whole-search graph pads to
+                prompts = [ids(item["prompt_tokens"]) for _ in range(b)]
+                what = f"beam {b}x{item['prompt_tokens']} W{width} S{steps}" + (
+                    f" trie {item['trie']}" if trie is not None else ""
+                )
+                calls.append(
+                    (
+                        what,
+                        lambda p=prompts, w=width, s=steps, t=trie: engine.beam_search_batch(
+                            p, w, s, trie=t
+                        ),
+                    )
+                )
+                if b >= count:
+                    break
+    return calls
