@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from boundgen.compile.chunking import chunk
 from boundgen.config import DTYPES, EngineConfig, ModelConfig
 from boundgen.engine import Engine
-from boundgen.compile.chunking import chunk
 from boundgen.runtime.memory import MemoryPools
 from boundgen.server.app import create_app
 from boundgen.server.config import ServerConfig
@@ -63,7 +63,10 @@ class HFRunner:
         self.pad_id = 0
 
     @torch.inference_mode()
-    def rows(self, groups: list[SequenceGroup], pooling: str | list[str] = "last") -> torch.Tensor:
+    def rows(
+        self, groups: list[SequenceGroup], pooling: str | list[str] = "last", wanted=None
+    ) -> torch.Tensor:
+        # `wanted` (which rows are still wanted) is not asked: the baseline runs every piece
         if "mean" in ([pooling] if isinstance(pooling, str) else pooling):
             raise ValueError("the HF baseline pools the last token only")
         seqs = [g.prefix + s for g in groups for s in g.suffixes]
