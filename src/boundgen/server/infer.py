@@ -1,19 +1,35 @@
-"""`Infer`: the one narrow object HTTP handlers call (text-embeddings-inference's `Infer`): a permit
-(a bounded count of admitted requests → `Overloaded`/429), one queue (the runtime's), deadlines
-(`Timeout`/504).
+"""`Infer`: the one narrow object HTTP handlers call (text-embeddings-inference's `Infer`):
+admission by expected latency (`Overloaded`/429 + Retry-After, or `Timeout`/504 "not run"), one
+queue (the runtime's), deadlines that cancel (`Timeout`/504).
 
-`await infer(kind, request, timeout_ms)` submits one business request (`kind`: a registered
-workload, `request`: its fields as a dict) to the engine's runtime and returns the pipeline's
-result.
+`await infer(kind, request, timeout_ms, tokens)` submits one business request (`kind`: a registered
+workload, `request`: its fields as a dict, `tokens`: its size in its model node's units) to the
+engine's runtime and returns the pipeline's result.
+
+Admission. Each workload's model node (a `BatchingNode`) predicts the run time of a batch from its
+size (`CostModel`); `Infer` keeps the units admitted and not yet done per node, so the predicted
+wait of a new request is the time those need. A request is shed (429) when that wait exceeds the
+queue budget (`max_queue_ms`; by default the p90 of recent unqueued service times, at least 10
+ms), so accepted requests wait about one service time at most; it is refused at once (504, "not
+run") when the wait plus its own predicted run time exceeds its deadline. `max_queue` stays a hard
+cap on admitted requests (their memory), and is the only check while the cost models are cold.
+
+Deadlines. The runtime stops a request past its deadline at its model node's next piece of work;
+a request whose client went away (its task is cancelled) or whose wait here runs out is cancelled
+in the runtime too, so the rest of its work is dropped and the model is free for the next one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+from collections import deque
 from contextvars import ContextVar
 from typing import Any
 
+from boundgen.runtime.batching import BatchingNode
+from boundgen.runtime.dag import Pipeline
 from boundgen.runtime.executor import DeadlineExceeded
 from boundgen.server.errors import BadRequest, Overloaded, Timeout, Unavailable
 from boundgen.server.metrics import Metrics
@@ -27,6 +43,11 @@ SERVER_TIMES: ContextVar[list[tuple[str, float]] | None] = ContextVar(
     "boundgen_server_times", default=None
 )
 
+_SERVICE_SAMPLES = 256  # recent unqueued service times the automatic queue budget is taken from
+_MIN_SAMPLES = 8  # fewer: no automatic budget yet (admission by count only)
+_MIN_BUDGET_MS = 10.0
+_MAX_RETRY_AFTER_S = 30
+
 
 class Infer:
     def __init__(
@@ -36,12 +57,18 @@ class Infer:
         metrics: Metrics,
         max_queue: int = 256,
         retry_after_s: int = 1,
+        max_queue_ms: float | None = None,
     ):
         self.runtime = runtime
         self.metrics = metrics
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
-        self._admitted = 0  # NOTE: touched only on the event loop thread, so no lock.
+        self.max_queue_ms = max_queue_ms
+        # NOTE: the counters below are touched only on the event loop thread, so no lock.
+        self._admitted = 0
+        self._pending: dict[BatchingNode, float] = {}  # model node → units admitted, not done
+        self._service_ms: deque[float] = deque(maxlen=_SERVICE_SAMPLES)
+        self._nodes: dict[str, tuple[Pipeline | None, BatchingNode | None]] = {}
         self.closed = False
 
     @property
@@ -52,7 +79,41 @@ class Infer:
         """Admit nothing more (the server is shutting down; in-flight requests still finish)."""
         self.closed = True
 
-    def _admit(self) -> None:
+    # ---- predictions -------------------------------------------------------------------------
+
+    def model_node(self, kind: str) -> BatchingNode | None:
+        """The batching node that runs `kind`'s model work (None: unknown kind, or none)."""
+        pipe = self.runtime.pipelines.get(kind)
+        known = self._nodes.get(kind)
+        if known is None or known[0] is not pipe:
+            plan = pipe.plan if pipe is not None else ()
+            node = next((p.node for p in plan if isinstance(p.node, BatchingNode)), None)
+            known = self._nodes[kind] = (pipe, node)
+        return known[1]
+
+    def predicted_wait_ms(self) -> float:
+        """Time the model needs for the work admitted and not done yet (0 while cold)."""
+        total = 0.0
+        for node, units in self._pending.items():
+            if units > 0:
+                total += node.cost.predict_ms(units) or 0.0
+        return total
+
+    def queue_budget_ms(self) -> float | None:
+        """The predicted wait beyond which requests are shed (None: no service times yet)."""
+        if self.max_queue_ms is not None:
+            return self.max_queue_ms
+        if len(self._service_ms) < _MIN_SAMPLES:
+            return None
+        ordered = sorted(self._service_ms)
+        return max(_MIN_BUDGET_MS, ordered[int(0.9 * (len(ordered) - 1))])
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def check_load(self) -> None:
+        """Refuse a request before any work for it when the server cannot take one now: it is
+        shutting down (503), it has `max_queue` requests admitted, or the predicted wait exceeds
+        the queue budget (429 + Retry-After)."""
         if self.closed:
             raise Unavailable("server is shutting down")
         if self._admitted >= self.max_queue:
@@ -62,42 +123,91 @@ class Infer:
                 f"{self.retry_after_s}s",
                 headers={"Retry-After": str(self.retry_after_s)},
             )
+        budget = self.queue_budget_ms()
+        if budget is None:
+            return
+        wait = self.predicted_wait_ms()
+        if wait > budget:
+            self.metrics.shed.inc()
+            retry = min(_MAX_RETRY_AFTER_S, max(1, math.ceil((wait - budget) / 1e3)))
+            raise Overloaded(
+                f"server is overloaded: the model is busy for the next {wait:.0f} ms, over the "
+                f"queue budget of {budget:.0f} ms (server option max_queue_ms); retry after "
+                f"{retry}s",
+                headers={"Retry-After": str(retry)},
+            )
+
+    def _admit(self, node: BatchingNode | None, units: float, timeout_ms: int) -> None:
+        self.check_load()
+        if node is not None:
+            pending = self._pending.get(node, 0.0)
+            expected = node.cost.predict_ms(pending + units)
+            if expected is not None and expected > timeout_ms:
+                wait = node.cost.predict_ms(pending) if pending > 0 else 0.0
+                raise Timeout(
+                    f"request not run: timeout_ms={timeout_ms} is shorter than the "
+                    f"{expected:.0f} ms it is expected to take ({wait:.0f} ms waiting for the "
+                    f"model, {expected - wait:.0f} ms running)"
+                )
+            self._pending[node] = pending + units
         self._admitted += 1
         self.metrics.inflight.set(self._admitted)
 
-    def _release(self, fut: Any = None) -> None:
+    def _release(self, node: BatchingNode | None, units: float, fut: Any = None) -> None:
         self._admitted -= 1
         self.metrics.inflight.set(self._admitted)
+        if node is not None:
+            self._pending[node] -= units
         # A request the client already got a 504 for still ends (often in DeadlineExceeded): mark
         # its exception as seen, else asyncio logs "Future exception was never retrieved".
         if fut is not None and fut.done() and not fut.cancelled():
             fut.exception()
 
+    # ---- one request -------------------------------------------------------------------------
+
     async def __call__(
         self, kind: str, request: dict[str, Any], timeout_ms: int, tokens: int = 0
     ) -> Any:
-        self._admit()
+        node = self.model_node(kind)
+        self._admit(node, tokens, timeout_ms)
         try:
             if tokens:
                 self.metrics.batch_tokens.observe(tokens)
             work = self.runtime.submit(kind, request, timeout_ms)
             fut = asyncio.wrap_future(work)
         except BaseException:
-            self._release()
+            self._release(node, tokens)
             raise
-        # NOTE: the admission slot is freed when the work really ends, not when the client gives
-        # up, so a burst of timed-out requests cannot overfill the queue.
-        fut.add_done_callback(self._release)
+        # NOTE: the admission slot is freed when the work really ends (cancelled work ends at once),
+        # not when the client gives up, so a burst of timed-out requests cannot overfill the queue.
+        fut.add_done_callback(lambda f: self._release(node, tokens, f))
         try:
             out = await asyncio.wait_for(asyncio.shield(fut), timeout=timeout_ms / 1000.0)
         except TimeoutError:
+            work.cancel()
             raise Timeout(f"request did not finish within timeout_ms={timeout_ms}") from None
+        except asyncio.CancelledError:  # the client went away
+            work.cancel()
+            raise
         except DeadlineExceeded as exc:
-            raise Timeout(f"request did not finish within timeout_ms={timeout_ms}: {exc}") from None
+            if exc.started:
+                message = f"request did not finish within timeout_ms={timeout_ms}: {exc}"
+            else:
+                message = f"request dropped: timeout_ms={timeout_ms} cannot be met ({exc})"
+            raise Timeout(message) from None
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         SERVER_TIMES.set(runtime_times(work))
+        self._learn(work)
         return out
+
+    def _learn(self, work: Any) -> None:
+        """A service time for the automatic queue budget: the model batch of a request that had
+        it to itself."""
+        for t in work.timings:
+            info = t.info or {}
+            if info.get("batch_requests") == 1 and "batch_run_us" in info:
+                self._service_ms.append(info["batch_run_us"] / 1e3)
 
 
 def runtime_times(work: Any) -> list[tuple[str, float]]:
