@@ -67,8 +67,8 @@ class ServerConfig:
     max_queue: int = option(256, "requests admitted (queued + running) before answering 429")
     max_queue_ms: float | None = option(
         None,
-        "shed (429) a request when the predicted wait for the model exceeds this; default: the "
-        "p90 of recent unqueued service times, at least 10 ms",
+        "shed (429) a request when the predicted wait for the model exceeds this; default: 1.5 × "
+        "the median recent unqueued service time, at least 10 ms",
         flag=False,
     )
     timeout_ms: int = option(

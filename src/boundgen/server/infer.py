@@ -9,10 +9,12 @@ engine's runtime and returns the pipeline's result.
 Admission. Each workload's model node (a `BatchingNode`) predicts the run time of a batch from its
 size (`CostModel`); `Infer` keeps the units admitted and not yet done per node, so the predicted
 wait of a new request is the time those need. A request is shed (429) when that wait exceeds the
-queue budget (`max_queue_ms`; by default the p90 of recent unqueued service times, at least 10
-ms), so accepted requests wait about one service time at most; it is refused at once (504, "not
-run") when the wait plus its own predicted run time exceeds its deadline. `max_queue` stays a hard
-cap on admitted requests (their memory), and is the only check while the cost models are cold.
+queue budget (`max_queue_ms`; by default 1.5 × the median of recent unqueued service times, at
+least 10 ms: one request's work ahead is admitted, so the model never idles between batches; two
+are not, so an accepted request waits about one service time at most). It is refused at once (504,
+"not run") when the wait plus its own predicted run time exceeds its deadline. `max_queue` stays a
+hard cap on admitted requests (their memory), and is the only check while the cost models are
+cold.
 
 Deadlines. The runtime stops a request past its deadline at its model node's next piece of work;
 a request whose client went away (its task is cancelled) or whose wait here runs out is cancelled
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import statistics
 from collections import deque
 from contextvars import ContextVar
 from typing import Any
@@ -45,6 +48,7 @@ SERVER_TIMES: ContextVar[list[tuple[str, float]] | None] = ContextVar(
 
 _SERVICE_SAMPLES = 256  # recent unqueued service times the automatic queue budget is taken from
 _MIN_SAMPLES = 8  # fewer: no automatic budget yet (admission by count only)
+_BUDGET_SERVICES = 1.5  # the automatic budget in typical service times: more than 1, less than 2
 _MIN_BUDGET_MS = 10.0
 _MAX_RETRY_AFTER_S = 30
 
@@ -105,8 +109,8 @@ class Infer:
             return self.max_queue_ms
         if len(self._service_ms) < _MIN_SAMPLES:
             return None
-        ordered = sorted(self._service_ms)
-        return max(_MIN_BUDGET_MS, ordered[int(0.9 * (len(ordered) - 1))])
+        typical = statistics.median(self._service_ms)
+        return max(_MIN_BUDGET_MS, _BUDGET_SERVICES * typical)
 
     # ---- admission ---------------------------------------------------------------------------
 
