@@ -553,3 +553,26 @@ def test_valid_requests_still_pass_the_new_checks(server):
         for path, body in valid_bodies(server).items():
             status, text = send(server, path, body)
             assert status == (400 if path == "/v1/classify" else 200), (path, text[:300])
+
+
+# ------------------------------------------------------------------------------ large responses
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 19 (left): float JSON responses are built on the event loop in one piece "
+    "(handlers.embeddings, kserve.infer's output)",
+)
+def test_large_float_responses_do_not_stall_the_server(server):
+    """4096 one-word texts embedded: 4096 × 128 floats as JSON (~10 MiB). Building that text in
+    one call holds the GIL ~0.15 s (OpenAI shape) or ~0.6 s (KServe JSON) on the dev CPU; in
+    slices, yielding between them, it does not stall /health."""
+    texts = ["shoes"] * 4096
+    kserve = {
+        "inputs": [{"name": "text", "shape": [len(texts)], "datatype": "BYTES", "data": texts}],
+        "parameters": {"task": "embed"},
+    }
+    for path, body in (("/v1/embeddings", {"input": texts}), (infer_path(server), kserve)):
+        with bounded(server, 10.0, rss_growth_mib=256.0):
+            status, text = send(server, path, body, timeout_s=30)
+        assert status == 200, (path, text[:300])
