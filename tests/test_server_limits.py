@@ -265,3 +265,26 @@ def test_overload_sheds_by_predicted_wait(engine):
     assert first.status_code == 200
     assert shed.status_code == 429 and "max_queue_ms" in message(shed)
     assert 1 <= int(shed.headers["Retry-After"]) <= 30
+
+
+def test_admission_tells_overload_from_a_burst():
+    """A queue of 2 budgets' work is a burst while requests arrive slower than the model serves
+    them, and is shed once they arrive faster (budget 30 ms: a typical service of 20 ms, 50/s)."""
+    from boundgen.runtime.batching import CostModel
+    from boundgen.server.errors import Overloaded
+    from boundgen.server.infer import Infer
+    from boundgen.server.metrics import Metrics
+
+    class Node:
+        cost = CostModel(warm_batches=1, warm_units=1)
+
+    Node.cost.observe(100, 100_000_000)  # 1 ms per unit
+    infer = Infer(runtime=None, metrics=Metrics(), max_queue_ms=30)
+    infer._pending[Node()] = 60  # 60 ms of work ahead
+    infer.check_load()  # one arrival: a burst, admitted up to 3 × 30 ms
+    admitted = 0
+    with pytest.raises(Overloaded, match="over 30 ms"):
+        for _ in range(100):  # ~100 arrivals at once: faster than 50/s
+            infer.check_load()
+            admitted += 1
+    assert 40 <= admitted <= 55

@@ -68,7 +68,7 @@ class ServerConfig:
     max_queue_ms: float | None = option(
         None,
         "shed (429) a request when the predicted wait for the model exceeds this; default: 1.5 × "
-        "the median recent unqueued service time, at least 10 ms",
+        "the slowest workload's median recent unqueued service time, at least 10 ms",
         flag=False,
     )
     timeout_ms: int = option(

@@ -118,7 +118,7 @@ class Guard:
         origin = origin.lower().rstrip("/")
         if "*" in self.allowed_origins or origin in self.allowed_origins:
             return
-        if _same_origin(origin, scope, headers.get("host", "")):
+        if _same_origin(origin, headers.get("host", "")):
             return
         raise Forbidden(
             f"requests from web pages of origin {origin[:60]!r} are not allowed "
@@ -276,17 +276,21 @@ def _is_loopback(server: tuple[str, int] | None) -> bool:
     return server is not None and _is_loopback_name(str(server[0]).lower())
 
 
-def _same_origin(origin: str, scope: dict, host: str) -> bool:
-    parts = urlsplit(origin)
-    scheme = scope.get("scheme", "http")
-    default = "443" if scheme == "https" else "80"
-    own = host.strip().lower()
-    if own and ":" not in own.rpartition("]")[2]:
-        own += ":" + default
-    theirs = parts.netloc
-    if theirs and parts.port is None:
-        theirs += ":" + default
-    return parts.scheme == scheme and theirs == own
+def _same_origin(origin: str, host: str) -> bool:
+    """Whether a page of `origin` addressed this server by its own name and port (`Host`). The
+    scheme is not compared: behind a TLS proxy the page is https and the server sees http."""
+    try:
+        parts = urlsplit(origin)
+        port = parts.port
+    except ValueError:
+        return False
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return False
+    default = 443 if parts.scheme == "https" else 80
+    name, _, own_port = host.strip().lower().rpartition(":")
+    if not name or "]" in own_port:  # no port given: the page's default one
+        name, own_port = host.strip().lower(), str(default)
+    return parts.hostname == _host_name(name) and str(port or default) == own_port
 
 
 def _is_preflight(scope: dict, headers: dict[str, str]) -> bool:

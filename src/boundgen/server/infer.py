@@ -9,12 +9,15 @@ engine's runtime and returns the pipeline's result.
 Admission. Each workload's model node (a `BatchingNode`) predicts the run time of a batch from its
 size (`CostModel`); `Infer` keeps the units admitted and not yet done per node, so the predicted
 wait of a new request is the time those need. A request is shed (429) when that wait exceeds the
-queue budget (`max_queue_ms`; by default 1.5 × the median of recent unqueued service times, at
-least 10 ms: one request's work ahead is admitted, so the model never idles between batches; two
-are not, so an accepted request waits about one service time at most). It is refused at once (504,
-"not run") when the wait plus its own predicted run time exceeds its deadline. `max_queue` stays a
-hard cap on admitted requests (their memory), and is the only check while the cost models are
-cold.
+queue budget (`max_queue_ms`; by default 1.5 × the median recent unqueued service time of the
+slowest workload, at least 10 ms: one request's work ahead is admitted, so the model never idles
+between batches; two are not, so an accepted request waits about one service time at most). That
+holds under overload, when requests arrive faster than the model serves them; below that a queue is
+a burst that drains again, and is shed only beyond 3 × the budget (with Poisson arrivals at half
+load, a budget of 1.5 services alone would shed ~1 request in 7).
+A request is refused at once (504, "not run") when the wait plus its own predicted run time exceeds
+its deadline. `max_queue` stays a hard cap on admitted requests (their memory), and is the only
+check while the cost models are cold.
 
 Deadlines. The runtime stops a request past its deadline at its model node's next piece of work;
 a request whose client went away (its task is cancelled) or whose wait here runs out is cancelled
@@ -27,6 +30,7 @@ import asyncio
 import logging
 import math
 import statistics
+import time
 from collections import deque
 from contextvars import ContextVar
 from typing import Any
@@ -50,6 +54,11 @@ _SERVICE_SAMPLES = 256  # recent unqueued service times the automatic queue budg
 _MIN_SAMPLES = 8  # fewer: no automatic budget yet (admission by count only)
 _BUDGET_SERVICES = 1.5  # the automatic budget in typical service times: more than 1, less than 2
 _MIN_BUDGET_MS = 10.0
+# Requests arrive faster than the model serves them (their rate × the typical service time > 1,
+# over the last _RATE_WINDOW_S): overload, shed beyond the budget. Else the queue is a burst that
+# will drain, shed only beyond _BURST × the budget.
+_RATE_WINDOW_S = 1.0
+_BURST = 3
 _MAX_RETRY_AFTER_S = 30
 
 
@@ -71,8 +80,9 @@ class Infer:
         # NOTE: the counters below are touched only on the event loop thread, so no lock.
         self._admitted = 0
         self._pending: dict[BatchingNode, float] = {}  # model node → units admitted, not done
-        self._service_ms: deque[float] = deque(maxlen=_SERVICE_SAMPLES)
+        self._service_ms: dict[str, deque[float]] = {}  # per workload
         self._nodes: dict[str, tuple[Pipeline | None, BatchingNode | None]] = {}
+        self._rate, self._rate_at = 0.0, time.monotonic()  # arrivals per second, and when
         self.closed = False
 
     @property
@@ -107,17 +117,22 @@ class Infer:
         """The predicted wait beyond which requests are shed (None: no service times yet)."""
         if self.max_queue_ms is not None:
             return self.max_queue_ms
-        if len(self._service_ms) < _MIN_SAMPLES:
+        known = [statistics.median(d) for d in self._service_ms.values() if len(d) >= _MIN_SAMPLES]
+        if not known:
             return None
-        typical = statistics.median(self._service_ms)
-        return max(_MIN_BUDGET_MS, _BUDGET_SERVICES * typical)
+        # the slowest workload's: a small request may wait behind one large one
+        return max(_MIN_BUDGET_MS, _BUDGET_SERVICES * max(known))
 
     # ---- admission ---------------------------------------------------------------------------
 
     def check_load(self) -> None:
         """Refuse a request before any work for it when the server cannot take one now: it is
         shutting down (503), it has `max_queue` requests admitted, or the predicted wait exceeds
-        the queue budget (429 + Retry-After)."""
+        the queue budget (429 + Retry-After). Call it once per arriving request: it counts the
+        arrival rate that tells overload from a burst."""
+        self._check(arrived=True)
+
+    def _check(self, arrived: bool) -> None:
         if self.closed:
             raise Unavailable("server is shutting down")
         if self._admitted >= self.max_queue:
@@ -131,18 +146,29 @@ class Infer:
         if budget is None:
             return
         wait = self.predicted_wait_ms()
-        if wait > budget:
+        overloaded = self._arrival_rate(arrived) * budget / _BUDGET_SERVICES / 1e3 > 1.0
+        limit = budget if overloaded else _BURST * budget
+        if wait > limit:
             self.metrics.shed.inc()
             retry = min(_MAX_RETRY_AFTER_S, max(1, math.ceil((wait - budget) / 1e3)))
             raise Overloaded(
-                f"server is overloaded: the model is busy for the next {wait:.0f} ms, over the "
-                f"queue budget of {budget:.0f} ms (server option max_queue_ms); retry after "
-                f"{retry}s",
+                f"server is overloaded: the model is busy for the next {wait:.0f} ms, over "
+                f"{limit:.0f} ms (queue budget max_queue_ms={budget:.0f}"
+                f"{'' if overloaded else f', ×{_BURST} for a burst'}); retry after {retry}s",
                 headers={"Retry-After": str(retry)},
             )
 
+    def _arrival_rate(self, arrived: bool) -> float:
+        """Requests per second arriving lately (`arrived`: one more now): an exponentially
+        decaying count over `_RATE_WINDOW_S`."""
+        now = time.monotonic()
+        decay = math.exp((self._rate_at - now) / _RATE_WINDOW_S)
+        self._rate = self._rate * decay + (1.0 / _RATE_WINDOW_S if arrived else 0.0)
+        self._rate_at = now
+        return self._rate
+
     def _admit(self, node: BatchingNode | None, units: float, timeout_ms: int) -> None:
-        self.check_load()
+        self._check(arrived=False)  # the endpoint counted it in `check_load`
         if node is not None:
             pending = self._pending.get(node, 0.0)
             expected = node.cost.predict_ms(pending + units)
@@ -202,16 +228,17 @@ class Infer:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         SERVER_TIMES.set(runtime_times(work))
-        self._learn(work)
+        self._learn(kind, work)
         return out
 
-    def _learn(self, work: Any) -> None:
+    def _learn(self, kind: str, work: Any) -> None:
         """A service time for the automatic queue budget: the model batch of a request that had
         it to itself."""
         for t in work.timings:
             info = t.info or {}
             if info.get("batch_requests") == 1 and "batch_run_us" in info:
-                self._service_ms.append(info["batch_run_us"] / 1e3)
+                samples = self._service_ms.setdefault(kind, deque(maxlen=_SERVICE_SAMPLES))
+                samples.append(info["batch_run_us"] / 1e3)
 
 
 def runtime_times(work: Any) -> list[tuple[str, float]]:
