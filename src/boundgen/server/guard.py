@@ -77,7 +77,7 @@ class Guard:
         body = None
         try:
             self._check_host(scope, headers)
-            self._check_origin(scope, headers)
+            self._check_origin(headers)
             if not (self.cors and _is_preflight(scope, headers)):  # a preflight carries no key
                 self._check_key(scope, headers)
             self._check_length(headers)
@@ -111,7 +111,7 @@ class Guard:
             "address only localhost and loopback IPs are)"
         )
 
-    def _check_origin(self, scope: dict, headers: dict[str, str]) -> None:
+    def _check_origin(self, headers: dict[str, str]) -> None:
         origin = headers.get("origin")
         if origin is None:  # servers and SDKs send none; a browser always does cross-origin
             return
@@ -188,7 +188,7 @@ class Guard:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > self.max_body_bytes:
-                        raise TooLarge(self._too_large(f"request body exceeds {size} bytes"))
+                        raise TooLarge(self._too_large(f"request body is at least {size} bytes"))
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         return b"".join(chunks)
