@@ -34,8 +34,8 @@ from boundgen.runtime.memory import Lease, MemoryPools
 from boundgen.search import search
 from boundgen.text.packing import PackedBatch, SequenceGroup, pack
 
-# Tokens per forward piece on CPU: ~0.15 s of the demo model on 2 cores, so a cancelled or late
-# request leaves the model that soon (BENCHMARKS.md: the throughput this costs).
+# Tokens per forward piece on CPU: at most ~0.15 s of the demo model on 2 cores, so a cancelled or
+# late request leaves the model that soon; it costs no throughput there (BENCHMARKS.md, issue 19).
 CPU_PIECE_TOKENS = 2048
 
 
