@@ -63,7 +63,10 @@ class HFRunner:
         self.pad_id = 0
 
     @torch.inference_mode()
-    def rows(self, groups: list[SequenceGroup], pooling: str | list[str] = "last") -> torch.Tensor:
+    def rows(
+        self, groups: list[SequenceGroup], pooling: str | list[str] = "last", wanted=None
+    ) -> torch.Tensor:
+        # `wanted` (which rows are still wanted) is not asked: the baseline runs every piece
         if "mean" in ([pooling] if isinstance(pooling, str) else pooling):
             raise ValueError("the HF baseline pools the last token only")
         seqs = [g.prefix + s for g in groups for s in g.suffixes]

@@ -18,7 +18,8 @@ the server, else from its /metrics); reports RSS at start, end, max and the slop
 half, and the errors.
 
 The server is started with its defaults (what issue 19 judges; add flags with --serve-args) on the
-built-in demo model on CPU, unless --url points at a running one.
+built-in demo model on CPU, unless --url points at a running one. On a small machine the load
+generator takes CPU from the server; `--server-cpus 0 --client-cpus 1` pins them apart (taskset).
 
     python benchmarks/bench_overload.py --duration 20
     python benchmarks/bench_overload.py --soak 10
@@ -31,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import statistics
 import sys
@@ -47,6 +49,9 @@ from boundgen.server.testing import free_port
 
 HERE = Path(__file__).resolve().parent
 PATHS = {"score": "/v1/score", "beam": "/v1/beam"}
+# A closed-loop client refused with 429 waits this long before its next request: resending at
+# once would spin, and on a machine the client shares with the server, take the server's CPU.
+SHED_BACKOFF_S = 0.005
 
 
 # ------------------------------------------------------------------------------------ closed loop
@@ -55,8 +60,9 @@ PATHS = {"score": "/v1/score", "beam": "/v1/beam"}
 async def _closed_loop(
     cfg: LoadConfig, bodies: list[bytes], concurrency: int, seconds: float
 ) -> list[tuple[float, int]]:
-    """`concurrency` clients, each sending its next request as soon as the last one is answered:
-    (latency s, status) per request; status 0 is a client-side error."""
+    """`concurrency` clients, each sending its next request as soon as the last one is answered
+    (after a 429, SHED_BACKOFF_S later): (latency s, status) per request; status 0 is a
+    client-side error."""
     headers = {"content-type": "application/json"}
     if cfg.api_key:
         headers["authorization"] = f"Bearer {cfg.api_key}"
@@ -78,6 +84,8 @@ async def _closed_loop(
                     status = 0
                 out.append((time.perf_counter() - t0, status))
                 i += concurrency
+                if status == 429:
+                    await asyncio.sleep(SHED_BACKOFF_S)
 
         await asyncio.gather(*(worker(k) for k in range(concurrency)))
     return out
@@ -318,9 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--soak-load", type=float, default=0.5, help="soak QPS / saturation")
     p.add_argument("--soak-workload", default="mixed", choices=["score", "beam", "mixed"])
     p.add_argument("--rss-every-s", type=float, default=5.0)
+    p.add_argument("--server-cpus", default=None, help="run the server on these CPUs (taskset -c)")
+    p.add_argument("--client-cpus", default=None, help="run this load generator on these CPUs")
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/...)")
     args = p.parse_args(argv)
 
+    if args.client_cpus:
+        os.sched_setaffinity(0, _cpus(args.client_cpus))
     name = "soak" if args.soak is not None else "overload"
     out = Path(args.out or HERE / "results" / f"{name}_{args.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -330,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "boundgen.cli", "serve", "--port", str(port)]
+        if args.server_cpus:
+            cmd = ["taskset", "-c", args.server_cpus, *cmd]
         cmd += ["--device", args.device, "--log-level", "warning", *args.serve_args.split()]
         if args.model:
             cmd += ["--model", args.model]
@@ -376,6 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"wrote {out}" + (f" (server log {log_path})" if log_path else ""))
     return 0
+
+
+def _cpus(spec: str) -> set[int]:
+    """`0,2-3` → {0, 2, 3} (taskset's list format)."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 if __name__ == "__main__":

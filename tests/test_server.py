@@ -156,7 +156,8 @@ def test_score_bad_inputs(client):
         413,
     )
     assert "max_body_bytes" in err["message"]
-    assert "not valid JSON" in error_of(client.post("/v1/score", content=b"{"), 400)["message"]
+    broken = client.post("/v1/score", content=b"{", headers={"content-type": "application/json"})
+    assert "not valid JSON" in error_of(broken, 400)["message"]
     check_snapshot("error_400", client.post("/v1/score", json={"query": "q"}).json())
 
 

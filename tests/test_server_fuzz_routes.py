@@ -6,7 +6,7 @@ server).
 
 A live server rather than an in-process app: a request that wedges the event loop, or allocates
 without bound, must fail the test, not hang or exhaust the test process. The KServe shapes whose
-element count overflows int64 get their own test and a server of their own (see its mark).
+element count overflows int64 get their own test and a server of their own.
 """
 
 from __future__ import annotations
@@ -350,8 +350,8 @@ def huge_shape_request(draw) -> bytes:
 
 @pytest.fixture(scope="module")
 def own_client():
-    """A server of its own, with an address-space cap: on the code this test was written against,
-    one of these requests wedges its event loop and allocates until stopped."""
+    """A server of its own, with an address-space cap: before issue 19's fixes, one of these
+    requests wedged its event loop and allocated until stopped."""
     server = ServeProcess("--device", "cpu")
     with open(f"/proc/{server.proc.pid}/status") as f:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
@@ -364,10 +364,6 @@ def own_client():
 WEDGED: list[bytes] = []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 19: KServe element counts are int64 products; rows are sliced on the event loop",
-)
 @settings(
     max_examples=200,
     deadline=None,

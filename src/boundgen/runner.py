@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,6 +33,10 @@ from boundgen.models.decoder import DecoderModel
 from boundgen.runtime.memory import Lease, MemoryPools
 from boundgen.search import search
 from boundgen.text.packing import PackedBatch, SequenceGroup, pack
+
+# Tokens per forward piece on CPU: at most ~0.15 s of the demo model on 2 cores, so a cancelled or
+# late request leaves the model that soon; it costs no throughput there (BENCHMARKS.md, issue 19).
+CPU_PIECE_TOKENS = 2048
 
 
 class ModelRunner:
@@ -70,21 +74,39 @@ class ModelRunner:
     # ---- groups → rows ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def rows(self, groups: list[SequenceGroup], pooling: str | list[str] = "last") -> torch.Tensor:
+    def rows(
+        self,
+        groups: list[SequenceGroup],
+        pooling: str | list[str] = "last",
+        wanted: Callable[[int, int], bool] | None = None,
+    ) -> torch.Tensor:
         """[N, H] hidden state per output sequence (one per suffix), in input order. `pooling`:
         "last" (the sequence's last token), "mean" (over all its tokens) or "tokens" (every token's
-        row: a sequence of L tokens gives L rows in its place), for all or per sequence."""
+        row: a sequence of L tokens gives L rows in its place), for all or per sequence.
+        `wanted(first, end)`, asked before each piece of output sequences [first, end): False skips
+        the piece (its rows stay zero), so work nobody waits for any more stops within one piece.
+        On CPU a piece is at most `CPU_PIECE_TOKENS` (~0.15 s of a small model)."""
         n = sum(len(g.suffixes) for g in groups)
         modes = [pooling] * n if isinstance(pooling, str) else list(pooling)
+        budget = self.max_batch_tokens
+        if self.device.type == "cpu":
+            budget = min(budget, CPU_PIECE_TOKENS)
         outs, row = [], 0
         with self._staging() as lease:
-            for packed in self.pieces(groups, modes):
+            for packed in self.pieces(groups, modes, budget):
                 k = packed.num_rows
                 piece_modes = modes[row : row + k]
                 row += k
                 token_rows = (
                     token_row_index(packed, piece_modes) if "tokens" in piece_modes else None
                 )
+                if wanted is not None and not wanted(row - k, row):
+                    rows_out = k if token_rows is None else len(token_rows)
+                    hidden_size = self.config.hidden_size
+                    outs.append(
+                        torch.zeros(rows_out, hidden_size, dtype=self.dtype, device=self.device)
+                    )
+                    continue
                 packed = stage_packed(packed, lease, self.device)
                 hidden = self.forward(packed)
                 out = hidden.index_select(0, packed.last_index)
@@ -120,15 +142,18 @@ class ModelRunner:
             else:
                 lease.release_all()
 
-    def pieces(self, groups: list[SequenceGroup], modes: list[str]) -> Iterator[PackedBatch]:
+    def pieces(
+        self, groups: list[SequenceGroup], modes: list[str], budget: int | None = None
+    ) -> Iterator[PackedBatch]:
         """Host-side packed batches of `groups` (rows in order), each within the token budget and,
         with compiled buckets, cut at sequence boundaries to fill the buckets and padded into the
         smallest that fits (`compile.chunking`; a batch no bucket takes comes as is, counted as a
         miss, and runs eagerly). Eager buckets (graphs of the plain model) only pad what fits: an
-        uncompiled forward runs any size. Packed lazily: piece n+1 is packed while n runs."""
+        uncompiled forward runs any size. Packed lazily: piece n+1 is packed while n runs.
+        `budget`: tokens per piece (default `max_batch_tokens`)."""
         share = self.share_prefix and not _whole_rows_with_prefix(groups, modes)
         cut = self.buckets if self.forwards and self.forwards.cut_large_chunks else None
-        for piece in chunk(groups, self.max_batch_tokens, cut, share):
+        for piece in chunk(groups, budget or self.max_batch_tokens, cut, share):
             packed = pack(piece.groups, share_prefix=share)
             yield packed if self.buckets is None else self.buckets.pad(packed)[1]
 

@@ -67,7 +67,8 @@ def test_loadtest_defaults_fit_the_default_server(demo_server):
 
 def test_loadtest_prints_the_servers_error(demo_server):
     run = loadtest(demo_server, "--workload", "score", "--query-tokens", "300")
-    assert "context is 256" in run.stdout + run.stderr  # the server's own 400 message
+    # the server's own message (413: a query over the token limit, which the context caps)
+    assert "query has 300 tokens; the limit is 256" in run.stdout + run.stderr
 
 
 def test_loadtest_beam_defaults_fit_the_catalog_trie(demo_server):

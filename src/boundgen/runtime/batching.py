@@ -10,10 +10,17 @@ earliest deadline in the batch allows) until `token_budget`. It calls `merge(lis
 (batch, sizes)`, runs `fn(batch)` once (under its own CUDA stream when the executor has CUDA),
 and `split(output, sizes)` gives each request its outputs back. The token budget and max wait are
 the knob between throughput (large forwards, DESIGN §11) and latency (not waiting for them).
+
+A function that works in pieces takes an `alive` argument as well: one callable per merged
+request, in merge order, true while the request still wants its result (not cancelled, not past
+its deadline). It asks between pieces and drops a dead request's rest. Every batch's size and run
+time feed a `CostModel`, which predicts the run time of a batch of a given size (what admission
+control and deadlines compare against).
 """
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 import time
@@ -27,6 +34,62 @@ from boundgen.runtime.executor import DeadlineExceeded
 from boundgen.runtime.node import Node, NodeKind, PipelineError
 
 _now = time.perf_counter_ns
+
+
+class CostModel:
+    """Predicted run time of a batch from its size in units (tokens): `fixed + per_unit × units`,
+    a least-squares fit over recent batches with exponentially decaying weights (`decay` per
+    batch). With sizes too alike to tell the fixed part, it is the mean time per unit. None
+    until `warm_batches` batches of `warm_units` in all were seen (a first tiny batch is all
+    fixed cost, and would make every large request look far too slow)."""
+
+    def __init__(self, decay: float = 0.05, warm_batches: int = 2, warm_units: int = 2048) -> None:
+        self.decay = decay
+        self.warm_batches = warm_batches
+        self.warm_units = warm_units
+        self.batches = 0
+        self.units = 0
+        # decayed sums: weight, units, ns, units², units·ns
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._fixed_ns = 0.0
+        self._per_unit_ns = 0.0
+
+    def observe(self, units: int, ns: int) -> None:
+        # NOTE: called by the one thread that runs the node's batches.
+        keep = 1.0 - self.decay
+        x, y = float(units), float(ns)
+        self._w = self._w * keep + 1.0
+        self._x = self._x * keep + x
+        self._y = self._y * keep + y
+        self._xx = self._xx * keep + x * x
+        self._xy = self._xy * keep + x * y
+        self.batches += 1
+        self.units += units
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        cov = self._xy / self._w - mx * my
+        slope = cov / var if var > (0.05 * mx) ** 2 else 0.0
+        fixed = my - slope * mx
+        if slope <= 0.0 or fixed < 0.0:  # sizes too alike (or noise): time per unit
+            slope, fixed = my / max(mx, 1.0), 0.0
+        self._per_unit_ns, self._fixed_ns = slope, fixed
+
+    @property
+    def warm(self) -> bool:
+        return self.batches >= self.warm_batches and self.units >= self.warm_units
+
+    def predict_ms(self, units: float) -> float | None:
+        """Run time of one batch of `units` (None while cold)."""
+        if not self.warm:
+            return None
+        return (self._fixed_ns + self._per_unit_ns * units) / 1e6
+
+
+def _takes_alive(fn: Callable[..., Any]) -> bool:
+    try:
+        return "alive" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
 
 
 class _Item:
@@ -43,7 +106,9 @@ class BatchingNode(Node):
     - `merge(list_of_input_dicts) -> (batch, sizes)`: one dict of this node's inputs per request,
       in order; `sizes` is whatever `split` needs (e.g. output rows per request).
     - `fn(batch) -> output`, run once per merged batch, on the node's own CUDA stream: one forward
-      in flight, so requests that arrive meanwhile are merged into the next one.
+      in flight, so requests that arrive meanwhile are merged into the next one. When `fn` has a
+      parameter `alive`, it is called as `fn(batch, alive=[...])`: per request, in merge order, a
+      callable that is false once the request's result is no longer wanted.
     - `split(output, sizes) -> list` of per-request outputs, in order: the value (one output port)
       or a tuple/dict (several).
     - `size(inputs) -> int`: tokens a request adds to the batch (default 1), counted against
@@ -91,6 +156,8 @@ class BatchingNode(Node):
         self._cuda_stream: Any = None
         self._closed = False
         self._run_ema_ns = 0.0
+        self._pass_alive = _takes_alive(fn)
+        self.cost = CostModel()
         # Counters, updated under the condition's lock.
         self.batches = 0
         self.batched_requests = 0
@@ -193,6 +260,8 @@ class BatchingNode(Node):
     def _take(self) -> list[_Item]:
         with self._cv:
             waiting = self._waiting
+            while waiting and waiting[0].req.failed:  # cancelled or failed while it waited
+                waiting.popleft()
             if not waiting:
                 return []
             first = waiting.popleft()
@@ -205,6 +274,9 @@ class BatchingNode(Node):
             ):
                 if waiting:
                     nxt = waiting[0]
+                    if nxt.req.failed:
+                        waiting.popleft()
+                        continue
                     if tokens + nxt.size > self.token_budget:
                         break  # starts the next batch
                     waiting.popleft()
@@ -279,6 +351,8 @@ class BatchingNode(Node):
             ran if self._run_ema_ns == 0 else self._run_ema_ns + 0.2 * (ran - self._run_ema_ns)
         )
         tokens = sum(it.size for it in live)
+        if not any(it.req.failed for it in live):  # a dropped request's work was not all run
+            self.cost.observe(tokens, ran)
         with self._cv:
             self._count(len(live), tokens)
         info = {
@@ -298,7 +372,10 @@ class BatchingNode(Node):
 
     def _run(self, live: list[_Item]) -> Sequence[Any]:
         batch, sizes = self.merge([it.args for it in live])
-        out = self.fn(batch)
+        if self._pass_alive:
+            out = self.fn(batch, alive=[it.req.alive for it in live])
+        else:
+            out = self.fn(batch)
         parts = self.split(out, sizes)
         if len(parts) != len(live):
             raise RuntimeError(f"split returned {len(parts)} parts for {len(live)} requests")

@@ -13,10 +13,15 @@ Scheduling, per request:
   less than the estimated time of the rest of its critical path (running averages per node), so
   work that cannot make it is not started. An exception in a node fails that request only
   (`NodeError` names the node).
+- Cancellation: `RequestFuture.cancel()` ends a request at once (its Future is cancelled); a node
+  that runs long asks `ctx.alive()` between its pieces of work and drops the rest of a request
+  that was cancelled or passed its deadline (the batching node hands each request's `alive` to
+  its function), so a dead request holds the device for one piece at most.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import queue
@@ -40,11 +45,20 @@ class RuntimeRequestError(RuntimeError):
 
 class DeadlineExceeded(RuntimeRequestError, TimeoutError):
     """The request could not finish within its `timeout_ms`; it was dropped before starting more
-    work."""
+    work. `started`: it was stopped while a node ran its work (between two pieces of it), rather
+    than refused before a node."""
 
-    def __init__(self, message: str, pipeline: str = "", node: str = "", request_id: int = -1):
+    def __init__(
+        self,
+        message: str,
+        pipeline: str = "",
+        node: str = "",
+        request_id: int = -1,
+        started: bool = False,
+    ):
         super().__init__(message)
         self.pipeline, self.node, self.request_id = pipeline, node, request_id
+        self.started = started
 
 
 class NodeError(RuntimeRequestError):
@@ -75,12 +89,23 @@ class NodeTime(NamedTuple):
 class RequestFuture(Future):
     """The Future `Executor.submit` returns. Once it is done, `timings` lists the request's node
     runs in completion order and `total_ms` its time in the runtime (what a server reports as
-    `Server-Timing`)."""
+    `Server-Timing`).
+
+    `cancel()` ends the request, not only this Future: nodes not started yet never run, and a
+    node that is running drops the request's remaining work at its next piece (`ctx.alive()`).
+    It returns False once the request has ended."""
 
     def __init__(self) -> None:
         super().__init__()
         self._spans: list[tuple] = []  # the request's span records, converted only when asked for
         self.total_ms: float | None = None
+        self._request: RequestContext | None = None
+
+    def cancel(self) -> bool:
+        req = self._request
+        if req is None:
+            return super().cancel()
+        return req._executor._cancel(req)
 
     @property
     def timings(self) -> list[NodeTime]:
@@ -205,6 +230,30 @@ class RequestContext:
             return float("inf")
         return (self.deadline_ns - _now()) / 1e6
 
+    def alive(self) -> bool:
+        """Whether work for this request is still wanted: False once it failed or was cancelled,
+        or when its deadline has passed (it then fails with `DeadlineExceeded` at once). A node
+        that works in pieces asks before each one and drops the rest of a dead request."""
+        if self._failed:
+            return False
+        if self.deadline_ns is not None and _now() > self.deadline_ns:
+            running = [p.node.name for p in self._pipe.plan if self._node_state[p.index] == 1]
+            node = running[0] if running else ""
+            self._executor._fail(
+                self,
+                DeadlineExceeded(
+                    f"request {self.request_id} (pipeline {self.pipeline!r}): deadline of "
+                    f"{self.timeout_ms:g} ms passed while node {node or '?'!r} ran; the rest of "
+                    "its work was dropped",
+                    self.pipeline,
+                    node,
+                    self.request_id,
+                    started=True,
+                ),
+            )
+            return False
+        return True
+
     @property
     def executor(self) -> Executor:
         return self._executor
@@ -297,6 +346,7 @@ class Executor:
         node's pass-through error, and then carries the request's node `timings`."""
         fut = RequestFuture()
         req = self._new_request(pipeline, inputs, timeout_ms, unwrap, fut)
+        fut._request = req
         if not req._done:
             now = _now()
             for i in pipeline.sources:
@@ -467,7 +517,10 @@ class Executor:
             item = get()
             if item is None:
                 return
-            self._drive(*item)
+            if type(item) is tuple:
+                self._drive(*item)
+            else:  # a chore handed over by another thread (settling a cancelled request)
+                item()
 
     def _dispatch(self, req: RequestContext, i: int, ready_ns: int, home: bool) -> None:
         if home and req._home is not None:
@@ -693,6 +746,18 @@ class Executor:
             return
         self._settle(req, "deadline" if isinstance(err, DeadlineExceeded) else "error", str(err))
         self._resolve(req, None, err)
+
+    def _cancel(self, req: RequestContext) -> bool:
+        """End a request for its caller: its Future is cancelled now; its accounting (and the wait
+        for device work already queued for it) is left to a worker thread, so that a caller on an
+        event loop never blocks."""
+        req._failed = True
+        if next(req._once) != 0:
+            return False
+        req._done = True
+        Future.cancel(req._future)
+        self._queue.put(functools.partial(self._settle, req, "cancelled", "cancelled"))
+        return True
 
     def _settle(self, req: RequestContext, status: str, error: str) -> None:
         """Wait for the request's device work, then account for its end (once per request)."""

@@ -1,12 +1,14 @@
-"""The FastAPI app: routes, and the plumbing around every handler (API key, JSON errors, metrics,
-`Server-Timing`). `create_app(engine, config)` serves an `Engine`: HTTP → handler → `Infer` → the
-engine's runtime → its runner.
+"""The FastAPI app: routes, the guard in front of them (`guard.py`: Host, Origin, API key,
+Content-Type, body size and deadline), and the plumbing around every handler (load shedding, JSON
+errors, metrics, `Server-Timing`). `create_app(engine, config)` serves an `Engine`: HTTP → guard →
+handler → `Infer` → the engine's runtime → its runner.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import hmac
+import ipaddress
 import logging
 import re
 import time
@@ -15,6 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -24,21 +27,18 @@ from boundgen.server.config import ServerConfig
 from boundgen.server.errors import (
     NotFound,
     ServerError,
-    Unauthorized,
     error_response,
     kserve_error_response,
 )
+from boundgen.server.guard import Guard
 from boundgen.server.infer import SERVER_TIMES
 from boundgen.server.state import ServerState
 from boundgen.workloads.trie import Trie
 
 log = logging.getLogger("boundgen.server")
 
-# Health probes answer without an API key (orchestrators cannot always send one).
-_OPEN_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})
-
 # ----------------------------------------------------------------------------------------------
-# handler plumbing: auth, error JSON and metrics around every endpoint
+# handler plumbing: load shedding, error JSON and metrics around every endpoint
 
 
 Handler = Callable[[Request, ServerState], Awaitable[Response]]
@@ -52,22 +52,6 @@ ERROR_STYLES: dict[str, Callable[[ServerError], Response]] = {
 }
 
 
-def _check_auth(request: Request, state: ServerState) -> None:
-    if state.api_key is None or request.url.path in _OPEN_PATHS:
-        return
-    header = request.headers.get("authorization", "")
-    given = (
-        header[7:].strip()
-        if header[:7].lower() == "bearer "
-        else request.headers.get("x-api-key", "")
-    )
-    if not given or not hmac.compare_digest(given.encode(), state.api_key.encode()):
-        raise Unauthorized(
-            "missing or wrong API key: send `Authorization: Bearer <key>`",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-
-
 def endpoint(
     name: str, state: ServerState, fn: Handler, errors: str = "openai"
 ) -> Callable[[Request], Awaitable[Response]]:
@@ -79,8 +63,12 @@ def endpoint(
         status, error_type = 200, None
         SERVER_TIMES.set(None)  # this task's: never a previous request's on the same connection
         try:
-            _check_auth(request, state)
+            if request.method == "POST":  # shed before parsing what would be refused anyway
+                state.infer.check_load()
             response = await fn(request, state)
+        except asyncio.CancelledError:  # the client went away (the guard cancelled the request)
+            state.metrics.observe_request(name, 499, time.perf_counter() - start, "client_closed")
+            raise
         except ServerError as exc:
             response = render(request, exc)
             status, error_type = response.status_code, exc.type
@@ -121,6 +109,7 @@ def create_app(
     (`NAME=PATH`) tries."""
     config = (config or ServerConfig()).validate()
     state = ServerState(engine, config, tries=tries)
+    _log_exposure(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -198,6 +187,19 @@ def create_app(
 
     app.openapi = openapi
 
+    if config.allowed_origins:  # browser pages of these origins: answer their CORS preflights
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type", "x-api-key"],
+        )
+
+    def refused(status: int, error_type: str) -> None:
+        state.metrics.observe_request("guard", status, 0.0, error_type)
+
+    app.add_middleware(Guard, config=config, api_key=state.api_key, on_refuse=refused)  # outermost
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         path = request.url.path
@@ -219,6 +221,31 @@ def create_app(
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
 
     return app
+
+
+def _log_exposure(config: ServerConfig) -> None:
+    """Say where the API key came from (never the key), and warn about an open server."""
+    key, source = config.api_key_source()
+    if key is not None:
+        log.info("API key from %s", source)
+        if config.api_key:
+            log.warning(
+                "the API key was given as an option: on the command line it is visible to every "
+                "user in `ps`; prefer --api-key-file or BOUNDGEN_API_KEY(_FILE)"
+            )
+    elif not _is_loopback_host(config.host):
+        log.warning(
+            "serving on %s without an API key: anyone who can reach it may use it "
+            "(set --api-key-file or BOUNDGEN_API_KEY_FILE; docs/security.md)",
+            config.host,
+        )
+
+
+def _is_loopback_host(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _version() -> str:

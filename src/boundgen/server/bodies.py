@@ -11,12 +11,11 @@ import json
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from pydantic_core import from_json
 from starlette.requests import Request
 from starlette.responses import Response
 
 from boundgen.server.errors import BadRequest
-from boundgen.server.limits import describe_validation_error, read_body
+from boundgen.server.limits import JsonBounds, describe_validation_error, load_json, read_body
 from boundgen.server.schemas.common import _Request
 from boundgen.server.state import ServerState
 
@@ -25,13 +24,12 @@ M = TypeVar("M", bound=_Request)
 
 async def read_object(request: Request, state: ServerState) -> dict[str, Any]:
     """The body as a JSON object (400 for anything else)."""
-    body = await read_body(request, state.config.max_body_bytes)
+    body = await read_body(request)  # the guard has read it whole, within max_body_bytes
     if not body.strip():
         raise BadRequest("request body is empty; expected a JSON object")
-    try:  # pydantic's parser: strict JSON (no lone surrogates, no NaN), and fast
-        data = from_json(body)
-    except (RecursionError, ValueError) as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    # bounded before parsing (containers counted), strict while parsing (duplicate keys, NaN, lone
+    # surrogates refused), every list's length checked before pydantic sees it
+    data = load_json(body, JsonBounds.for_server(state.config, state.max_items))
     if not isinstance(data, dict):
         raise BadRequest(f"body must be a JSON object, got {type(data).__name__}")
     return data

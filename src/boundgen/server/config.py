@@ -34,12 +34,44 @@ class ServerConfig:
     host: str = option("127.0.0.1", "bind address (127.0.0.1 unless told otherwise)")
     port: int = option(8000, "TCP port")
     api_key: str | None = option(
-        None, "require `Authorization: Bearer KEY` (also env BOUNDGEN_API_KEY)"
+        None,
+        "require `Authorization: Bearer KEY` (also env BOUNDGEN_API_KEY; prefer a file or the env: "
+        "a flag shows in `ps`)",
+    )
+    api_key_file: str | None = option(
+        None, "file whose first line is the API key (also env BOUNDGEN_API_KEY_FILE)"
+    )
+    allowed_hosts: tuple[str, ...] = option(
+        (),
+        "Host names requests may carry (port ignored; `*`: any). Default: the loopback names on "
+        "a connection to a loopback address, any name on another address",
+        flag=False,
+    )
+    allowed_origins: tuple[str, ...] = option(
+        (),
+        "origins (`https://app.example`) whose browser pages may call the API; `*`: any. "
+        "Default: none (same-origin only)",
+        flag=False,
+    )
+    header_timeout_s: float = option(
+        5.0,
+        "a request head must arrive whole within this many seconds of its first byte (or of the "
+        "connection); trickling bytes does not extend it",
+        flag=False,
+    )
+    body_timeout_s: float = option(
+        10.0, "a request body must arrive whole within this many seconds of its head", flag=False
     )
     log_level: str = option("info", "log level (uvicorn and boundgen)")
     access_log: bool = option(False, "log every request")
     # --- load control ---
     max_queue: int = option(256, "requests admitted (queued + running) before answering 429")
+    max_queue_ms: float | None = option(
+        None,
+        "shed (429) a request when the predicted wait for the model exceeds this; default: 1.5 × "
+        "the slowest workload's median recent unqueued service time, at least 10 ms",
+        flag=False,
+    )
     timeout_ms: int = option(
         10_000, "default per-request deadline; requests may set `timeout_ms` lower"
     )
@@ -59,7 +91,15 @@ class ServerConfig:
         flag=False,
     )
     # --- request size limits ---
-    max_body_bytes: int = option(8 << 20, "largest request body (413 beyond)", flag=False)
+    max_body_bytes: int = option(
+        1 << 20,
+        "largest request body (413 before it is read); 16 bytes per token of max_request_tokens "
+        "holds the largest valid request twice",
+        flag=False,
+    )
+    max_request_tokens: int = option(
+        65_536, "tokens one request may have the model process (413 beyond)", flag=False
+    )
     max_item_tokens: int = option(1024, "tokens per item, document or text", flag=False)
     max_query_tokens: int = option(4096, "tokens in a query or beam prompt", flag=False)
     max_label_tokens: int = option(256, "label_token_ids per score request", flag=False)
@@ -96,7 +136,21 @@ class ServerConfig:
     )
 
     def resolved_api_key(self) -> str | None:
-        return self.api_key or os.environ.get("BOUNDGEN_API_KEY") or None
+        return self.api_key_source()[0]
+
+    def api_key_source(self) -> tuple[str | None, str]:
+        """(the API key or None, where it came from): the first that is set of `api_key`,
+        `api_key_file`, env BOUNDGEN_API_KEY, a file named by env BOUNDGEN_API_KEY_FILE."""
+        if self.api_key:
+            return self.api_key, "the api_key option"
+        if self.api_key_file:
+            return _read_key_file(self.api_key_file, "api_key_file"), "api_key_file"
+        if os.environ.get("BOUNDGEN_API_KEY"):
+            return os.environ["BOUNDGEN_API_KEY"], "env BOUNDGEN_API_KEY"
+        if os.environ.get("BOUNDGEN_API_KEY_FILE"):
+            path = os.environ["BOUNDGEN_API_KEY_FILE"]
+            return _read_key_file(path, "BOUNDGEN_API_KEY_FILE"), "env BOUNDGEN_API_KEY_FILE"
+        return None, "none"
 
     def trie_paths(self) -> dict[str, Path]:
         out = {}
@@ -113,12 +167,18 @@ class ServerConfig:
             "timeout_ms",
             "max_timeout_ms",
             "max_body_bytes",
+            "max_request_tokens",
             "max_item_tokens",
             "max_query_tokens",
             "max_label_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_queue_ms is not None and not self.max_queue_ms > 0:
+            raise ValueError(f"max_queue_ms must be > 0, got {self.max_queue_ms}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if len(self.rerank_label_tokens) < 1:
@@ -161,6 +221,18 @@ class ServerConfig:
             if getattr(self, name) == defaults[name]:
                 changes[name] = value
         return path, dataclasses.replace(self, **changes).validate()
+
+
+def _read_key_file(path: str, source: str) -> str:
+    """The key on the first line of `path`; trailing whitespace (the newline) is not part of it."""
+    try:
+        with open(Path(path).expanduser()) as f:
+            key = f.readline().rstrip()
+    except OSError as exc:
+        raise ValueError(f"{source}: cannot read the API key file: {exc}") from None
+    if not key:
+        raise ValueError(f"{source}: the API key file {path} is empty")
+    return key
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,24 @@ class Unauthorized(ServerError):
     status, type = 401, "authentication_error"
 
 
+class Forbidden(ServerError):
+    status, type = 403, "permission_error"
+
+
 class NotFound(ServerError):
     status, type = 404, "not_found_error"
 
 
+class RequestTimeout(ServerError):
+    status, type = 408, "request_timeout"
+
+
 class TooLarge(ServerError):
     status, type = 413, "request_too_large"
+
+
+class UnsupportedMediaType(ServerError):
+    status, type = 415, "invalid_request_error"
 
 
 class Overloaded(ServerError):

@@ -1,35 +1,89 @@
 """The handler core the HTTP routes and KServe v2 share: text or token ids → checked token ids
 (tokenized once, off the event loop when long), then the workload through `Infer`. Handlers only
-translate request and response shapes around these calls."""
+translate request and response shapes around these calls.
+
+Every limit is checked before the work it bounds: a text's length in characters before it is
+tokenized (`CHARS_PER_TOKEN` per token of its limit), its tokens after, and the request's tokens
+for the model (`max_request_tokens`) before `Infer` admits it. Token limits are at most the
+model's context.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
-from boundgen.server.errors import BadRequest
+from boundgen.server.errors import BadRequest, TooLarge
 from boundgen.server.state import ServerState
 from boundgen.text.packing import SequenceGroup
 from boundgen.workloads.score import joined_sequences, out_of_vocabulary, shared_prefix_group
 
-# Text longer than this (total characters) is tokenized on a thread, not on the event loop.
-_INLINE_TOKENIZE_CHARS = 16_384
+# No tokenizer averages more than this many characters per token on real text (English ~4), so a
+# text longer than this many per token of its limit is refused without tokenizing it.
+CHARS_PER_TOKEN = 16
+# Texts longer than this in all (characters) are tokenized off the event loop, by `encode_batch`
+# (which releases the GIL) on one thread of their own; shorter ones inline (~1 ms).
+_INLINE_TOKENIZE_CHARS = 2048
+_tokenizer_thread: ThreadPoolExecutor | None = None
+T = TypeVar("T")
+
+
+def _tokenizer_pool() -> ThreadPoolExecutor:
+    global _tokenizer_thread
+    if _tokenizer_thread is None:
+        _tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="boundgen-tokenize")
+    return _tokenizer_thread
+
+
+def token_limit(state: ServerState, limit: int, option: str) -> tuple[int, str]:
+    """(`limit` at most the model's context, how to name it in a message)."""
+    context = state.max_positions
+    if context and context < limit:
+        return context, f"{option}, at most the model's context"
+    return limit, option
+
+
+def check_chars(state: ServerState, what: str, texts: list[str], limit: int, option: str) -> None:
+    """Before tokenizing: each text at most CHARS_PER_TOKEN × its token limit in characters, and
+    all of them at most CHARS_PER_TOKEN × max_request_tokens (413)."""
+    cap = CHARS_PER_TOKEN * limit
+    for i, text in enumerate(texts):
+        if len(text) > cap:
+            name = what if len(texts) == 1 else f"{what}[{i}]"
+            raise TooLarge(
+                f"{name} has {len(text)} characters; the limit is {cap} "
+                f"({CHARS_PER_TOKEN} per token of the {limit}-token limit, server option {option})"
+            )
+    budget = state.config.max_request_tokens
+    total = sum(len(t) for t in texts)
+    if total > CHARS_PER_TOKEN * budget:
+        raise TooLarge(
+            f"{what} has {total} characters in all; the limit is {CHARS_PER_TOKEN * budget} "
+            f"({CHARS_PER_TOKEN} per token of server option max_request_tokens={budget})"
+        )
+
+
+async def tokenizing(work: Callable[[], T], chars: int) -> T:
+    """`work` (tokenizer calls that release the GIL: `encode_batch`, `encode_with_offsets`) inline
+    when it is short, else on the tokenizer's own thread, so the event loop keeps serving."""
+    if chars <= _INLINE_TOKENIZE_CHARS:
+        return work()
+    return await asyncio.get_running_loop().run_in_executor(_tokenizer_pool(), work)
 
 
 async def encode(state: ServerState, texts: list[str], special: bool = False) -> list[list[int]]:
-    """`special`: add the tokenizer's special tokens (as the engine does for embed/classify
-    texts)."""
+    """Token ids of texts whose length was checked (`check_chars`). `special`: add the
+    tokenizer's special tokens (as the engine does for embed/classify texts)."""
     tok = state.engine.tokenizer
-
-    def run() -> list[list[int]]:
-        return [tok.encode(t, add_special_tokens=special) for t in texts]
-
     if sum(len(t) for t in texts) <= _INLINE_TOKENIZE_CHARS:
-        return run()
-    return await asyncio.to_thread(run)
+        return [tok.encode(t, add_special_tokens=special) for t in texts]
+    return await tokenizing(lambda: tok.encode_batch(texts, special), _INLINE_TOKENIZE_CHARS + 1)
 
 
 async def token_ids(
@@ -40,8 +94,12 @@ async def token_ids(
     option: str,
     allow_empty: bool = False,
 ) -> list[int]:
-    ids = (await encode(state, [value]))[0] if isinstance(value, str) else value
-    if isinstance(value, list):
+    limit, option = token_limit(state, limit, option)
+    if isinstance(value, str):
+        check_chars(state, what, [value], limit, option)
+        ids = (await encode(state, [value]))[0]
+    else:
+        ids = value
         state.limits.token_ids(what, ids)
     if ids or not allow_empty:
         state.limits.tokens(what, len(ids), limit, option)
@@ -53,18 +111,18 @@ async def many_token_ids(
 ) -> list[list[int]]:
     """Texts (tokenized, with special tokens when `special`) or token-id lists, each checked."""
     state.limits.count(what, len(values), state.max_items, "max_items")
+    limit, option = token_limit(state, state.config.max_item_tokens, "max_item_tokens")
     if isinstance(values[0], str):
         if not all(isinstance(v, str) for v in values):
             raise BadRequest(f"{what}: mix of text and token ids; use one kind")
+        check_chars(state, what, values, limit, option)  # type: ignore[arg-type]
         seqs = await encode(state, values, special)  # type: ignore[arg-type]
     else:
         seqs = values  # type: ignore[assignment]
         for i, ids in enumerate(seqs):
             state.limits.token_ids(f"{what}[{i}]", ids)
     for i, ids in enumerate(seqs):
-        state.limits.tokens(
-            f"{what}[{i}]", len(ids), state.config.max_item_tokens, "max_item_tokens"
-        )
+        state.limits.tokens(f"{what}[{i}]", len(ids), limit, option)
     return [list(s) for s in seqs]
 
 
@@ -113,7 +171,9 @@ async def score(
         item_first=item_first,
         raw_logits=raw_logits,
     )
-    tokens = len(query) + sum(len(i) for i in items)
+    # what the model runs: the query once as the items' shared prefix, or before each item
+    tokens = len(query) * (len(items) if item_first else 1) + sum(len(i) for i in items)
+    state.limits.request_tokens(tokens)
     scores = await state.infer("score", request, timeout_ms, tokens)
     state.metrics.items.labels("score").inc(len(items))
     return scores
@@ -129,6 +189,7 @@ async def classify(
             "*ForSequenceClassification checkpoint"
         )
     tokens = sum(len(s) for s in ids)
+    state.limits.request_tokens(tokens)
     probs = await state.infer("classify", dict(texts=ids, softmax=softmax), timeout_ms, tokens)
     state.metrics.items.labels("classify").inc(len(ids))
     return probs
@@ -139,7 +200,9 @@ async def embed(
 ) -> np.ndarray:
     """float32 [N, D] embeddings."""
     request = dict(texts=ids, pooling=pooling, normalize=normalize)
-    vectors = await state.infer("embed", request, timeout_ms, sum(len(s) for s in ids))
+    tokens = sum(len(s) for s in ids)
+    state.limits.request_tokens(tokens)
+    vectors = await state.infer("embed", request, timeout_ms, tokens)
     state.metrics.items.labels("embeddings").inc(len(ids))
     # a device tensor: the copy waits for the GPU, so not on the event loop
     return await asyncio.to_thread(lambda: vectors.float().cpu().numpy())
@@ -214,6 +277,9 @@ async def prompts(
     if isinstance(value[0], str):
         if not all(isinstance(v, str) for v in value):
             raise BadRequest(f"{what}: mix of text and token ids; use one kind")
+        # a text `cut` shortens (a peer's truncation) may be longer than the context: its
+        # characters are bounded by max_item_tokens, not by the context
+        check_chars(state, what, value, state.config.max_item_tokens, "max_item_tokens")
         seqs = await encode(state, value, special)
     else:
         seqs = [list(v) for v in value]
@@ -234,14 +300,17 @@ async def joined_text(
 ) -> SequenceGroup:
     """SGLang's text scoring: each joined string tokenized (`workloads.score`), the sequences'
     common prefix shared; checked like a query and its items."""
-    tok = state.engine.tokenizer
+    tok, cfg = state.engine.tokenizer, state.config
     state.limits.count("items", len(items), state.max_items, "max_items")
+    check_chars(
+        state, "query", [query], *token_limit(state, cfg.max_query_tokens, "max_query_tokens")
+    )
+    check_chars(state, "items", items, *token_limit(state, cfg.max_item_tokens, "max_item_tokens"))
 
     def run() -> tuple[list[list[int]], int]:
-        return joined_sequences(tok, query, items, item_first), len(tok.encode(query))
+        return joined_sequences(tok, query, items, item_first), len(tok.encode_batch([query])[0])
 
-    long = len(query) * len(items) + sum(map(len, items)) > _INLINE_TOKENIZE_CHARS
-    seqs, query_tokens = await asyncio.to_thread(run) if long else run()
+    seqs, query_tokens = await tokenizing(run, len(query) * len(items) + sum(map(len, items)))
     check_joined(state, seqs, query_tokens, "items")
     return shared_prefix_group(seqs)
 
@@ -317,11 +386,16 @@ async def relevance(
             _cut_document(e.ids, e.offsets, span, cut, i)
             for i, (e, span) in enumerate(zip(tok.encode_with_offsets(texts), spans))
         ]
-        return seqs, len(tok.encode(q_text))
+        return seqs, len(tok.encode_batch([q_text])[0])
 
     state.limits.count("documents", len(documents), state.max_items, "max_items")
-    long = sum(map(len, texts)) > _INLINE_TOKENIZE_CHARS
-    seqs, query_tokens = await asyncio.to_thread(run) if long else run()
+    check_chars(
+        state, "query", [query], *token_limit(state, cfg.max_query_tokens, "max_query_tokens")
+    )
+    # a document the request cuts (`max_tokens_per_doc`, truncation) may be longer than the
+    # context: its characters are bounded by max_item_tokens, not by the context
+    check_chars(state, "documents", documents, cfg.max_item_tokens, "max_item_tokens")
+    seqs, query_tokens = await tokenizing(run, sum(map(len, texts)))
     check_joined(state, seqs, query_tokens, "documents")
     group = shared_prefix_group(seqs)
     logits = await score(

@@ -13,7 +13,9 @@ One model, three tasks (request parameter `task`, default from the inputs):
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import struct
 import time
 import zlib
@@ -28,7 +30,7 @@ from starlette.responses import Response
 from boundgen.server import inputs
 from boundgen.server.errors import BadRequest, NotFound, ServerError, TooLarge, Unavailable
 from boundgen.server.infer import SERVER_TIMES
-from boundgen.server.limits import describe_validation_error, read_body
+from boundgen.server.limits import JsonBounds, describe_validation_error, load_json, read_body
 from boundgen.server.state import ServerState
 
 _NP = {
@@ -46,7 +48,7 @@ _NP = {
     "FP64": np.float64,
 }
 _INT_TYPES = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
-_MAX_ELEMENTS = 1 << 24
+_MAX_RANK = 8
 
 
 class _Tensor(BaseModel):
@@ -227,9 +229,12 @@ def _split_body(request: Request, body: bytes) -> tuple[bytes, bytes]:
     return body[:n], body[n:]
 
 
-def _decode_bytes_tensor(raw: bytes, name: str) -> list[bytes]:
-    out, pos = [], 0
+def _decode_bytes_tensor(raw: bytes, name: str, count: int) -> list[bytes]:
+    out: list[bytes] = []
+    pos = 0
     while pos < len(raw):
+        if len(out) == count:
+            raise BadRequest(f"input {name!r}: more than the {count} BYTES elements of its shape")
         if pos + 4 > len(raw):
             raise BadRequest(f"input {name!r}: truncated BYTES element length")
         (n,) = struct.unpack_from("<I", raw, pos)
@@ -252,17 +257,36 @@ def _flatten(data: Any, name: str, depth: int = 0) -> list[Any]:
     return out
 
 
-def _decode_inputs(tensors: list[_Tensor], binary: bytes) -> dict[str, Any]:
+def _element_count(t: _Tensor, max_elements: int) -> int:
+    """The elements `t.shape` declares, an exact integer product, each dimension and the product
+    checked against `max_elements` before anything is allocated for them."""
+    shown = repr(t.shape) if len(t.shape) <= _MAX_RANK else f"of {len(t.shape)} dimensions"
+    if len(t.shape) > _MAX_RANK:
+        raise BadRequest(f"input {t.name!r}: shape {shown}; at most {_MAX_RANK} dimensions")
+    if any(d < 0 for d in t.shape):
+        raise BadRequest(f"input {t.name!r}: negative dimension in shape {shown}")
+    if any(d > max_elements for d in t.shape):
+        raise TooLarge(
+            f"input {t.name!r}: shape {shown} has a dimension over {max_elements}, the most "
+            "elements a tensor may have (server option max_request_tokens)"
+        )
+    count = math.prod(t.shape)
+    if count > max_elements:
+        raise TooLarge(
+            f"input {t.name!r}: shape {shown} declares {count} elements; the limit is "
+            f"{max_elements} (server option max_request_tokens)"
+        )
+    return count
+
+
+def _decode_inputs(tensors: list[_Tensor], binary: bytes, max_elements: int) -> dict[str, Any]:
+    """name → (tensor, its values as a flat list); each shape checked before its data is read."""
     decoded: dict[str, Any] = {}
     pos = 0
     for t in tensors:
         if t.name in decoded:
             raise BadRequest(f"input {t.name!r} given twice")
-        if any(d < 0 for d in t.shape):
-            raise BadRequest(f"input {t.name!r}: negative dimension in shape {t.shape}")
-        count = int(np.prod(t.shape)) if t.shape else 1
-        if count > _MAX_ELEMENTS:
-            raise BadRequest(f"input {t.name!r}: {count} elements is too many")
+        count = _element_count(t, max_elements)
         size = (t.parameters or {}).get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -274,13 +298,13 @@ def _decode_inputs(tensors: list[_Tensor], binary: bytes) -> dict[str, Any]:
                 raise BadRequest(f"input {t.name!r}: binary_data_size={size} runs past the body")
             pos += size
             if t.datatype == "BYTES":
-                values: list[Any] = _decode_bytes_tensor(raw, t.name)
+                values: list[Any] = _decode_bytes_tensor(raw, t.name, count)
             elif t.datatype in _NP:
                 dt = np.dtype(_NP[t.datatype]).newbyteorder("<")
-                if size % dt.itemsize:
+                if size != count * dt.itemsize:
                     raise BadRequest(
-                        f"input {t.name!r}: {size} bytes is not a whole number of "
-                        f"{t.datatype} elements"
+                        f"input {t.name!r}: shape {t.shape} of {t.datatype} needs "
+                        f"{count * dt.itemsize} bytes; binary_data_size is {size}"
                     )
                 values = np.frombuffer(raw, dtype=dt).tolist()
             else:
@@ -351,8 +375,11 @@ async def _score(state: ServerState, need, tensors, params, timeout_ms: int) -> 
         else:
             if len(it.shape) != 2:
                 raise BadRequest("input 'items' as token ids must have shape [N, L]")
-            flat = _ints(it, iv)
             n, length = it.shape
+            state.limits.count("items", n, state.max_items, "max_items")  # before slicing n rows
+            if length == 0:
+                raise BadRequest(f"input 'items': shape {it.shape}: the items have no tokens")
+            flat = _ints(it, iv)
             rows = [flat[i * length : (i + 1) * length] for i in range(n)]
             items = await inputs.many_token_ids(state, "items", rows)
     if "label_token_ids" in tensors:
@@ -372,6 +399,16 @@ async def _score(state: ServerState, need, tensors, params, timeout_ms: int) -> 
         timeout_ms,
     )
     return np.asarray(scores, dtype=np.float32).reshape(len(items), len(labels))
+
+
+def _binary_output(req: InferRequest, params: dict[str, Any]) -> dict[str | None, bool]:
+    """Whether each requested output goes as binary data (None: an output not named), checked
+    before any work: `binary_data_output` and `outputs[].parameters.binary_data` are booleans."""
+    default = _param(params, "binary_data_output", False, bool)
+    out: dict[str | None, bool] = {None: default}
+    for o in req.outputs or ():
+        out[o.name] = _param(o.parameters or {}, "binary_data", default, bool)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,16 +441,22 @@ async def infer(request: Request, state: ServerState) -> Response:
 async def _infer(request: Request, state: ServerState) -> tuple[Response, int]:
     """The reply, and the nanoseconds spent encoding it."""
     max_bytes = state.config.max_body_bytes
-    body = _decompress(request, await read_body(request, max_bytes), max_bytes)
+    body = _decompress(request, await read_body(request), max_bytes)
     head, binary = _split_body(request, body)
     if not head.strip():
         raise BadRequest("request body is empty; expected a KServe v2 inference request")
+    cfg = state.config
+    # a tensor's `data` is one flat list of up to max_request_tokens values
+    bounds = dataclasses.replace(
+        JsonBounds.for_server(cfg, state.max_items), list_entries=cfg.max_request_tokens
+    )
     try:
-        req = InferRequest.model_validate_json(head)
+        req = InferRequest.model_validate(load_json(head, bounds))
     except ValidationError as exc:
         raise BadRequest(describe_validation_error(exc)) from None
     params = req.parameters or {}
-    tensors = _decode_inputs(req.inputs, binary)
+    binary_outputs = _binary_output(req, params)
+    tensors = _decode_inputs(req.inputs, binary, cfg.max_request_tokens)
     task = _param(params, "task", "score" if "items" in tensors else "embed", str)
     timeout_ms = params.get("timeout_ms")
     if timeout_ms is not None and (
@@ -449,10 +492,7 @@ async def _infer(request: Request, state: ServerState) -> tuple[Response, int]:
         raise BadRequest(
             f"task {task!r} produces output {name!r}; requested {[o.name for o in req.outputs]}"
         )
-    binary_out = bool(params.get("binary_data_output", False))
-    for o in req.outputs or ():
-        if o.name == name and o.parameters and "binary_data" in o.parameters:
-            binary_out = bool(o.parameters["binary_data"])
+    binary_out = binary_outputs.get(name, binary_outputs[None])
     out: dict[str, Any] = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
     response: dict[str, Any] = {
         "model_name": state.model_name,

@@ -1,8 +1,18 @@
 """Request-size limits and body parsing: every bad request ends here as a 400/413 with a clear
-message."""
+message, each limit checked before the work it bounds.
+
+A body's size and arrival are checked before it is read whole (`guard.py`). Parsing then costs at
+most what `JsonBounds` allows: the number of JSON arrays and objects is counted in the raw bytes
+before parsing (building one costs ~1 µs of GIL time, so a megabyte of `[1],` would stall the
+server for half a second), duplicate keys and NaN/Infinity are refused while parsing, and every
+list's length is checked before pydantic validates its elements.
+"""
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -17,30 +27,105 @@ _MAX_ERRORS = 3
 _MAX_INPUT_ECHO = 60
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            declared_n = int(declared)
-        except ValueError:
-            raise BadRequest("Content-Length is not an integer") from None
-        if declared_n > max_bytes:
-            raise TooLarge(
-                f"request body is {declared_n} bytes; the limit is {max_bytes} "
-                "(server option max_body_bytes)"
-            )
-    chunks, size = [], 0
+@dataclass(frozen=True)
+class JsonBounds:
+    """What a request body may hold: `containers` JSON arrays + objects in all, `list_entries`
+    entries in any one array."""
+
+    containers: int
+    list_entries: int
+
+    @classmethod
+    def for_server(cls, config: ServerConfig, max_items: int) -> JsonBounds:
+        """A request needs about one array per item (its token ids) and a few more; its longest
+        list is its items, or the token ids of its query, an item or its labels."""
+        longest = max(
+            max_items, config.max_query_tokens, config.max_item_tokens, config.max_label_tokens
+        )
+        return cls(4 * max_items + 64, longest)
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, which the guard has already read whole within its limits."""
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise TooLarge(
-                    f"request body exceeds {max_bytes} bytes (server option max_body_bytes)"
-                )
-            chunks.append(chunk)
+        return await request.body()
     except ClientDisconnect:
         raise BadRequest("client disconnected while sending the body") from None
-    return b"".join(chunks)
+
+
+def load_json(body: bytes, bounds: JsonBounds) -> Any:
+    """Parse `body` within `bounds`: 413 when it holds too many arrays and objects (counted before
+    parsing) or a list too long; 400 on bad JSON, a duplicate key, NaN or Infinity."""
+    containers = body.count(b"[") + body.count(b"{")  # brackets in strings count too: an overcount
+    if containers > bounds.containers:
+        raise TooLarge(
+            f"request body holds {containers} JSON arrays and objects; the limit is "
+            f"{bounds.containers} (4 per item of max_items, and 64)"
+        )
+    try:
+        text = body.decode("utf-8")  # JSON is UTF-8 (RFC 8259); json.loads would pass surrogates
+        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except _Refused as exc:
+        raise BadRequest(str(exc)) from None
+    except (RecursionError, UnicodeDecodeError, ValueError) as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    try:
+        _check_values(value, bounds.list_entries, "body", bool(_SURROGATE_ESCAPE.search(text)))
+    except RecursionError:
+        raise BadRequest("body is nested too deeply") from None
+    return value
+
+
+class _Refused(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Refused(f"duplicate key {key[:_MAX_INPUT_ECHO]!r} in a JSON object")
+            seen.add(key)
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise _Refused(f"{name} is not a JSON number")
+
+
+def _check_values(value: Any, limit: int, where: str, strings: bool) -> None:
+    """Every list at most `limit` long (413); with `strings`, every string valid Unicode (400:
+    JSON's `\\ud800` escapes make lone surrogates, which no tokenizer takes)."""
+    kind = type(value)
+    if kind is list:
+        if len(value) > limit:
+            raise TooLarge(
+                f"{where} has {len(value)} entries; no list in a request may have more than "
+                f"{limit} (server options max_items and max_*_tokens)"
+            )
+        kinds = set(map(type, value))  # at C speed: most lists are flat token ids
+        if kinds & _NESTED or (strings and str in kinds):
+            for i, v in enumerate(value):
+                if type(v) in _NESTED or (strings and type(v) is str):
+                    _check_values(v, limit, f"{where}[{i}]", strings)
+    elif kind is dict:
+        for k, v in value.items():
+            if type(v) in _NESTED or (strings and type(v) is str):
+                _check_values(v, limit, k if where == "body" else f"{where}.{k}", strings)
+    elif kind is str and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest(
+                f"{where}: a string holds a lone surrogate (\\ud800-\\udfff)"
+            ) from None
+
+
+_NESTED = frozenset({list, dict})
+# a \uD800-\uDFFF escape: only then can a parsed string hold a lone surrogate
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def describe_validation_error(exc: ValidationError) -> str:
@@ -48,10 +133,6 @@ def describe_validation_error(exc: ValidationError) -> str:
     for err in exc.errors(include_url=False)[:_MAX_ERRORS]:
         loc = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_tag(p)) or "body"
         msg = err.get("msg", "invalid")
-        if err.get("type") == "json_invalid":
-            ctx = err.get("ctx", {}).get("error", "")
-            parts.append(f"body is not valid JSON: {ctx}".rstrip(": "))
-            continue
         if err.get("type") == "missing":
             parts.append(f"{loc}: field required")
             continue
@@ -75,21 +156,6 @@ def _is_union_tag(part: Any) -> bool:
         or part.startswith("function-")
         or part[:1].isupper()
     )
-
-
-def parse_json(body: bytes, model: type[M]) -> M:
-    if not body.strip():
-        raise BadRequest(f"request body is empty; expected a JSON object for {model.__name__}")
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise BadRequest(describe_validation_error(exc)) from None
-    except (RecursionError, UnicodeDecodeError, ValueError) as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from None
-
-
-async def parse_request(request: Request, model: type[M], config: ServerConfig) -> M:
-    return parse_json(await read_body(request, config.max_body_bytes), model)
 
 
 class Limits:
@@ -119,6 +185,15 @@ class Limits:
             raise BadRequest(f"{what} has no tokens")
         if n > limit:
             raise TooLarge(f"{what} has {n} tokens; the limit is {limit} (server option {option})")
+
+    def request_tokens(self, n: int) -> None:
+        """The tokens a request has the model process, within `max_request_tokens` (413)."""
+        limit = self.config.max_request_tokens
+        if n > limit:
+            raise TooLarge(
+                f"request has {n} tokens for the model; the limit is {limit} (server option "
+                "max_request_tokens)"
+            )
 
     def context(self, what: str, n: int) -> None:
         if self.max_positions and n > self.max_positions:

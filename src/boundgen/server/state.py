@@ -32,6 +32,7 @@ class ServerState:
             metrics=self.metrics,
             max_queue=config.max_queue,
             retry_after_s=config.retry_after_s,
+            max_queue_ms=config.max_queue_ms,
         )
         mc, ec = engine.config, engine.engine_config
         self.max_items = ec.max_items

@@ -1,8 +1,11 @@
 """The shared model node: packs the sequence groups of many requests into padding-free forwards
-(`ModelRunner.rows`) and gives each request its rows back, in order."""
+(`ModelRunner.rows`) and gives each request its rows back, in order. A piece of the forward whose
+rows all belong to requests no longer wanted (cancelled, past their deadline) is skipped."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,12 +22,15 @@ class Forward:
         self.runner = runner
 
     @staticmethod
-    def merge(items: list[dict[str, Any]]) -> tuple[tuple[list, list[str]], list[int]]:
+    def merge(items: list[dict[str, Any]]) -> tuple[tuple[list, list[str], list[int]], list[int]]:
+        """((groups, pooling per row, first row of each request), rows per request)."""
         groups: list = []
         pooling: list[str] = []
         sizes: list[int] = []
+        starts: list[int] = []
         for it in items:
             n = sum(len(g.suffixes) for g in it["groups"])
+            starts.append(len(pooling))
             groups += it["groups"]
             pooling += [it["pooling"]] * n
             if it["pooling"] == "tokens":  # every token of every sequence (prefix + suffix)
@@ -33,7 +39,7 @@ class Forward:
                     for g in it["groups"]
                 )
             sizes.append(n)
-        return (groups, pooling), sizes
+        return (groups, pooling, starts), sizes
 
     @staticmethod
     def split(rows: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -43,6 +49,28 @@ class Forward:
     def size(inputs: dict[str, Any]) -> int:
         return sum(g.num_tokens for g in inputs["groups"])
 
-    def __call__(self, batch: tuple[list, list[str]]) -> torch.Tensor:
-        groups, pooling = batch
-        return self.runner.rows(groups, pooling)
+    def __call__(
+        self,
+        batch: tuple[list, list[str], list[int]],
+        alive: Sequence[Callable[[], bool]] | None = None,
+    ) -> torch.Tensor:
+        groups, pooling, starts = batch
+        wanted = None if alive is None else _rows_wanted(starts, alive)
+        return self.runner.rows(groups, pooling, wanted)
+
+
+def _rows_wanted(
+    starts: list[int], alive: Sequence[Callable[[], bool]]
+) -> Callable[[int, int], bool]:
+    """`wanted(first, end)`: whether a request owning a row in [first, end) is alive (requests
+    own consecutive rows, request i from `starts[i]`)."""
+
+    def wanted(first: int, end: int) -> bool:
+        i = bisect_right(starts, first) - 1
+        while i < len(starts) and starts[i] < end:
+            if alive[i]():
+                return True
+            i += 1
+        return False
+
+    return wanted
