@@ -136,7 +136,7 @@ class Infer:
         if self.closed:
             raise Unavailable("server is shutting down")
         if self._admitted >= self.max_queue:
-            self.metrics.shed.inc()
+            self.metrics.shed.labels("capacity").inc()
             raise Overloaded(
                 f"server is at capacity ({self.max_queue} requests admitted); retry after "
                 f"{self.retry_after_s}s",
@@ -149,7 +149,7 @@ class Infer:
         overloaded = self._arrival_rate(arrived) * budget / _BUDGET_SERVICES / 1e3 > 1.0
         limit = budget if overloaded else _BURST * budget
         if wait > limit:
-            self.metrics.shed.inc()
+            self.metrics.shed.labels("predicted_wait").inc()
             retry = min(_MAX_RETRY_AFTER_S, max(1, math.ceil((wait - budget) / 1e3)))
             raise Overloaded(
                 f"server is overloaded: the model is busy for the next {wait:.0f} ms, over "
@@ -173,6 +173,7 @@ class Infer:
             pending = self._pending.get(node, 0.0)
             expected = node.cost.predict_ms(pending + units)
             if expected is not None and expected > timeout_ms:
+                self.metrics.shed.labels("not_run").inc()
                 wait = node.cost.predict_ms(pending) if pending > 0 else 0.0
                 raise Timeout(
                     f"request not run: timeout_ms={timeout_ms} is shorter than the "

@@ -3,10 +3,12 @@ process).
 
 Names: `boundgen_request_seconds{endpoint}`, `boundgen_requests_total{endpoint,status}`,
 `boundgen_errors_total{endpoint,type}`, `boundgen_inflight`, `boundgen_batch_tokens`,
-`boundgen_items_total{endpoint}` (items/s = rate()), `boundgen_shed_total`,
+`boundgen_items_total{endpoint}` (items/s = rate()), `boundgen_shed_total{reason}`,
+`boundgen_predicted_wait_seconds` and `boundgen_queue_budget_seconds` (admission),
 `boundgen_device_memory_bytes{device,kind}`, the runtime's own
-`boundgen_runtime_node_seconds{pipeline, node}` (every DAG node), batching counters, and GC
-pauses per generation.
+`boundgen_runtime_node_seconds{pipeline, node}` (every DAG node), batching counters, the compiled
+buckets' use (`boundgen_bucket_batches_total{bucket}`, `boundgen_bucket_misses_total`, real and
+padded tokens), and GC pauses per generation.
 """
 
 from __future__ import annotations
@@ -117,6 +119,62 @@ class _RuntimeCollector:
         yield hist
         yield inflight
         yield errors
+        yield from _bucket_families(self.runtime)
+
+
+def _bucket_families(runtime):
+    """The runner's bucket statistics (`ModelRunner.stats`): batches per compiled bucket, batches
+    no bucket took (run eagerly), real and padded tokens. Hit rate = batches / (batches + misses);
+    padding = 1 − real / padded."""
+    batches = CounterMetricFamily(
+        "boundgen_bucket_batches", "forwards run by each compiled bucket", labels=["bucket"]
+    )
+    misses = CounterMetricFamily(
+        "boundgen_bucket_misses", "forwards no compiled bucket took (run eagerly)"
+    )
+    real = CounterMetricFamily("boundgen_bucket_real_tokens", "real tokens in compiled buckets")
+    padded = CounterMetricFamily(
+        "boundgen_bucket_padded_tokens", "tokens compiled buckets ran, padding included"
+    )
+    backend = GaugeMetricFamily("boundgen_model_backend", "the model backend", labels=["backend"])
+    try:
+        stats = runtime.stats()["runner"]
+        backend.add_metric([str(stats.get("backend", "eager"))], 1.0)
+        if "buckets" in stats:
+            for name in stats["buckets"]:
+                batches.add_metric([name], float(stats["batches"].get(name, 0)))
+            misses.add_metric([], float(stats["misses"]))
+            real.add_metric([], float(stats["real_tokens"]))
+            padded.add_metric([], float(stats["padded_tokens"]))
+    except Exception:  # metrics must never fail a scrape
+        pass
+    yield from (backend, batches, misses, real, padded)
+
+
+class _AdmissionCollector:
+    """What admission sees now: the predicted wait for the model and the budget it sheds at."""
+
+    def __init__(self, infer) -> None:
+        self.infer = infer
+
+    def collect(self):
+        wait = GaugeMetricFamily(
+            "boundgen_predicted_wait_seconds",
+            "predicted time the model needs for the work admitted and not done yet",
+        )
+        budget = GaugeMetricFamily(
+            "boundgen_queue_budget_seconds",
+            "predicted wait beyond which requests are shed (429); absent before the first samples",
+        )
+        try:
+            wait.add_metric([], self.infer.predicted_wait_ms() / 1e3)
+            ms = self.infer.queue_budget_ms()
+            if ms is not None:
+                budget.add_metric([], ms / 1e3)
+        except Exception:  # metrics must never fail a scrape
+            pass
+        yield wait
+        yield budget
 
 
 def _prometheus_buckets(h) -> tuple[list[tuple[str, float]], float]:
@@ -162,7 +220,13 @@ class Metrics:
             ["endpoint"],
             registry=r,
         )
-        self.shed = Counter("boundgen_shed", "requests refused with 429 (queue full)", registry=r)
+        self.shed = Counter(
+            "boundgen_shed",
+            "requests refused before any work: 429 at capacity (max_queue) or over the queue "
+            "budget (predicted_wait), 504 when their deadline cannot be met (not_run)",
+            ["reason"],
+            registry=r,
+        )
         r.register(_DeviceMemoryCollector())
         from boundgen.server.heap import GCPauses
 
@@ -174,6 +238,9 @@ class Metrics:
 
     def watch_runtime(self, runtime) -> None:
         self.registry.register(_RuntimeCollector(runtime))
+
+    def watch_admission(self, infer) -> None:
+        self.registry.register(_AdmissionCollector(infer))
 
     def observe_request(
         self, endpoint: str, status: int, seconds: float, error_type: str | None = None

@@ -34,6 +34,7 @@ class ServerState:
             retry_after_s=config.retry_after_s,
             max_queue_ms=config.max_queue_ms,
         )
+        self.metrics.watch_admission(self.infer)
         mc, ec = engine.config, engine.engine_config
         self.max_items = ec.max_items
         self.max_beam_width = ec.max_beam_width

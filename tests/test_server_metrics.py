@@ -1,0 +1,73 @@
+"""`/metrics` beyond the per-endpoint counters: the compiled buckets' use (hit rate and padding),
+admission's predicted wait and budget, and sheds by reason."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from boundgen.compile.backends import CompiledForwards, _eager_fns
+from boundgen.compile.buckets import parse_buckets
+from boundgen.runner import ModelRunner
+from boundgen.server.app import create_app
+from boundgen.server.config import ServerConfig
+from boundgen.server.errors import Overloaded
+
+LOCAL = "http://localhost"
+BUCKETS = "t64-s4-m64,t256-s8-m128"
+
+
+def metric(text: str, name: str, labels: str = "") -> float | None:
+    """The value of `name{labels}` in a Prometheus text page (None when absent)."""
+    pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)"
+    m = re.search(r"^" + pattern + r"$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+@pytest.fixture(scope="module")
+def bucketed(engine_for):
+    """The tiny engine through two bucket-shaped forwards (the plain model per bucket: what a
+    compiled backend looks like to the runner, without a compile)."""
+    engine = engine_for()
+    buckets = parse_buckets(BUCKETS, engine.engine_config.max_batch_tokens)
+    forwards = CompiledForwards("eager-buckets", buckets, _eager_fns(engine.model, buckets), True)
+    runner = ModelRunner(engine.model, engine.device, forwards, share_prefix=False)
+    return engine.with_runner(runner)
+
+
+def test_bucket_batches_misses_and_padding(bucketed):
+    client = TestClient(create_app(bucketed, ServerConfig()), base_url=LOCAL)
+    body = {"query": [11] * 10, "items": [[12] * 5, [13] * 7], "label_token_ids": [1, 2]}
+    assert client.post("/v1/score", json=body).status_code == 200
+    page = client.get("/metrics").text
+    assert metric(page, "boundgen_model_backend", 'backend="eager-buckets"') == 1.0
+    assert metric(page, "boundgen_bucket_batches_total", 'bucket="t64-s4-m64"') == 1.0
+    assert metric(page, "boundgen_bucket_batches_total", 'bucket="t256-s8-m128"') == 0.0
+    assert metric(page, "boundgen_bucket_misses_total") == 0.0
+    assert metric(page, "boundgen_bucket_real_tokens_total") == 10 + 5 + 10 + 7  # no sharing
+    assert metric(page, "boundgen_bucket_padded_tokens_total") == 64
+
+
+def test_an_eager_runner_has_no_bucket_series(engine_for):
+    page = TestClient(create_app(engine_for(), ServerConfig()), base_url=LOCAL).get("/metrics")
+    assert metric(page.text, "boundgen_model_backend", 'backend="eager"') == 1.0
+    assert "boundgen_bucket_batches_total{" not in page.text
+
+
+def test_admission_gauges_and_shed_reasons(engine_for):
+    app = create_app(engine_for(), ServerConfig(max_queue=1, max_queue_ms=50))
+    client = TestClient(app, base_url=LOCAL)
+    page = client.get("/metrics").text
+    assert metric(page, "boundgen_predicted_wait_seconds") == 0.0
+    assert metric(page, "boundgen_queue_budget_seconds") == 0.05
+    infer = app.state.boundgen.infer
+    infer._admitted = 1  # as if one request were being served
+    try:
+        with pytest.raises(Overloaded):
+            infer.check_load()
+    finally:
+        infer._admitted = 0
+    page = client.get("/metrics").text
+    assert metric(page, "boundgen_shed_total", 'reason="capacity"') == 1.0
