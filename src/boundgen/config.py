@@ -224,6 +224,11 @@ class EngineConfig:
     batch_max_wait_ms: float = option(
         0.0, "how long a forming batch may wait for more requests (0: never wait)"
     )
+    traffic_log: str | None = option(
+        None,
+        "append the shape of every model forward (lengths only) to this JSON-lines file, for "
+        "`boundgen compile --from-traffic`",
+    )
     cpu_workers: int | None = option(
         None, "threads for CPU pipeline nodes (default: 2 per core, at most 8)", flag=False
     )

@@ -27,6 +27,7 @@ from boundgen.workloads.embed import EmbedRequest, MLPHead
 from boundgen.workloads.inputs import Limits
 from boundgen.workloads.score import ScoreRequest
 from boundgen.workloads.service import EngineRuntime
+from boundgen.workloads.traffic import TrafficLog
 
 log = logging.getLogger("boundgen")
 
@@ -54,7 +55,8 @@ class Engine:
             max_items=config.max_items,
         )
         self._runtime: EngineRuntime | None = None
-        self._runtime_lock = threading.Lock()
+        self._traffic: TrafficLog | None = None
+        self._runtime_lock = threading.RLock()  # the runtime's context opens the traffic log
 
     @property
     def config(self) -> ModelConfig:
@@ -145,7 +147,18 @@ class Engine:
             eos_token_ids=tuple(self.eos_token_ids()),
             token_budget=cfg.batch_token_budget,
             max_wait_ms=cfg.batch_max_wait_ms,
+            traffic=self._traffic_log(),
         )
+
+    def _traffic_log(self) -> TrafficLog | None:
+        """The one log of forward shapes (`EngineConfig.traffic_log`), opened on first use."""
+        path = self.engine_config.traffic_log
+        if path is None:
+            return None
+        with self._runtime_lock:
+            if self._traffic is None:
+                self._traffic = TrafficLog(path)
+            return self._traffic
 
     def with_runner(self, runner: ModelRunner) -> Engine:
         """The same checkpoint served through another runner (e.g. another backend)."""
@@ -166,6 +179,9 @@ class Engine:
         if self._runtime is not None:
             self._runtime.close()
             self._runtime = None
+        if self._traffic is not None:
+            self._traffic.close()
+            self._traffic = None
 
     def score(
         self,

@@ -151,11 +151,16 @@ class ModelRunner:
         miss, and runs eagerly). Eager buckets (graphs of the plain model) only pad what fits: an
         uncompiled forward runs any size. Packed lazily: piece n+1 is packed while n runs.
         `budget`: tokens per piece (default `max_batch_tokens`)."""
-        share = self.share_prefix and not _whole_rows_with_prefix(groups, modes)
+        share = self.shares_prefix(groups, modes)
         cut = self.buckets if self.forwards and self.forwards.cut_large_chunks else None
         for piece in chunk(groups, budget or self.max_batch_tokens, cut, share):
             packed = pack(piece.groups, share_prefix=share)
             yield packed if self.buckets is None else self.buckets.pad(packed)[1]
+
+    def shares_prefix(self, groups: list[SequenceGroup], modes: list[str]) -> bool:
+        """Whether `groups` are packed with their prefixes shared (cascade): unless this runner
+        never shares, or a row that wants all its tokens (mean, per-token pooling) has a prefix."""
+        return self.share_prefix and not _whole_rows_with_prefix(groups, modes)
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Final hidden states of every token of a packed device batch: [T, H]. A batch in a

@@ -17,6 +17,7 @@ from boundgen.runtime.node import Node, NodeKind
 from boundgen.text.tokenizer import Tokenizer
 from boundgen.workloads.forward import Forward
 from boundgen.workloads.inputs import Limits
+from boundgen.workloads.traffic import TrafficLog
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,9 @@ class BeamBounds:
 
 class WorkloadContext:
     """The runner, tokenizer and input limits a pipeline works with, the model's task and EOS
-    ids, and the cross-request batching knobs (`token_budget` tokens per merged batch,
-    `max_wait_ms` a forming batch may wait, `max_batch_requests`)."""
+    ids, the cross-request batching knobs (`token_budget` tokens per merged batch,
+    `max_wait_ms` a forming batch may wait, `max_batch_requests`), and where the model nodes log
+    the shapes of their forwards (`traffic`, None: nowhere)."""
 
     def __init__(
         self,
@@ -41,6 +43,7 @@ class WorkloadContext:
         token_budget: int | None = None,
         max_wait_ms: float = 0.0,
         max_batch_requests: int | None = None,
+        traffic: TrafficLog | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -50,6 +53,7 @@ class WorkloadContext:
         self.token_budget = token_budget or runner.max_batch_tokens
         self.max_wait_ms = max_wait_ms
         self.max_batch_requests = max_batch_requests
+        self.traffic = traffic
 
     @property
     def task(self) -> str:
@@ -67,7 +71,7 @@ class WorkloadContext:
         are packed into one forward within the token budget."""
         return self.batching(
             "forward",
-            Forward(self.runner),
+            Forward(self.runner, self.traffic),
             inputs={"groups": list, "pooling": str},
             outputs={"rows": torch.Tensor},
         )

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from boundgen.runtime.dag import Pipeline
+from boundgen.text.packing import SequenceGroup
 from boundgen.text.tokenizer import Tokenizer
 from boundgen.workloads.base import BeamBounds, Workload, WorkloadContext, cpu_node
 from boundgen.workloads.inputs import Limits, check_items, fit_length, to_ids
@@ -93,6 +94,8 @@ class _Beam:
         for key, prompts in batch["groups"].items():
             width, steps, trie_id = key
             trie = batch["tries"].get(trie_id) if trie_id is not None else None
+            if self.context.traffic is not None:  # the prompt prefill is a plain forward
+                self.context.traffic.forward([SequenceGroup([], prompts)], False, "beam")
             out[key] = self.context.runner.beam_search(
                 prompts, width, steps, trie, self.context.eos_token_ids
             )

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from boundgen.runner import ModelRunner
+from boundgen.workloads.traffic import TrafficLog
 
 
 class Forward:
@@ -18,8 +19,9 @@ class Forward:
     "mean" | "tokens") of each request → output `rows` [N, H] (N: one row per output sequence, or
     one per token with "tokens"), split back per request."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, traffic: TrafficLog | None = None) -> None:
         self.runner = runner
+        self.traffic = traffic
 
     @staticmethod
     def merge(items: list[dict[str, Any]]) -> tuple[tuple[list, list[str], list[int]], list[int]]:
@@ -55,6 +57,8 @@ class Forward:
         alive: Sequence[Callable[[], bool]] | None = None,
     ) -> torch.Tensor:
         groups, pooling, starts = batch
+        if self.traffic is not None:
+            self.traffic.forward(groups, self.runner.shares_prefix(groups, pooling))
         wanted = None if alive is None else _rows_wanted(starts, alive)
         return self.runner.rows(groups, pooling, wanted)
 
