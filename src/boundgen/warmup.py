@@ -21,6 +21,7 @@ seed, so a warm-up is the same every start.
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import time
@@ -55,8 +56,22 @@ def warm_up(
     """Run every request the profile describes once through `engine`'s public calls. Returns one
     row per request run: {"what", "seconds"}. Raises ValueError for a profile that is not valid
     (the planner's checks, plus an unknown trie name) before anything runs."""
-    tries = tries or {}
-    calls = _calls(engine, profile, tries)
+    return run(requests(engine, profile, tries), progress)
+
+
+def requests(
+    engine: Any, profile: list[dict], tries: dict[str, Any] | None = None
+) -> list[tuple[str, Callable[[], Any]]]:
+    """The warm-up requests of `profile` as (what, call) pairs, checked but not run (ValueError
+    for a profile that is not valid)."""
+    return _calls(engine, profile, tries or {})
+
+
+def run(
+    calls: list[tuple[str, Callable[[], Any]]], progress: bool | Callable[[dict], None] = False
+) -> list[dict]:
+    """Run warm-up requests in order; `progress`: True for a progress bar on stderr, or a
+    callable given each {"what", "seconds"} row as it finishes."""
     bar = None
     if progress is True:
         from tqdm import tqdm
@@ -76,6 +91,15 @@ def warm_up(
     if bar is not None:
         bar.close()
     return rows
+
+
+def load_profile(path: str) -> list[dict]:
+    """A profile file (JSON list), ValueError naming the file when it cannot be read."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"warm-up profile {path}: {exc}") from None
 
 
 def _calls(engine: Any, profile: list[dict], tries: dict[str, Any]) -> list[tuple[str, Callable]]:

@@ -113,6 +113,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.start_warm_up()
         yield
         # uvicorn has drained in-flight requests by now (SIGTERM → graceful shutdown).
         state.draining = True

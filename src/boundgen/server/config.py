@@ -78,6 +78,12 @@ class ServerConfig:
     max_timeout_ms: int = option(60_000, "largest `timeout_ms` a request may ask for", flag=False)
     retry_after_s: int = option(1, "`Retry-After` seconds sent with 429", flag=False)
     drain_timeout_s: float = option(30.0, "on SIGTERM, wait this long for in-flight requests")
+    warmup: str = option(
+        "default",
+        "before /health and /v2/health/ready say ready, run: `default` (one small request per "
+        "workload and a beam search per trie), a profile file (JSON, the `boundgen compile "
+        "--profile` format: compiles each beam search's graph before traffic), or `off`",
+    )
     server_timing: bool = option(
         True,
         "add a Server-Timing header to responses: time in the handler, in the runtime and in each "

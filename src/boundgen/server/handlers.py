@@ -228,7 +228,7 @@ async def health(request: Request, state: ServerState) -> Response:
     if state.draining:
         raise Unavailable("server is shutting down")
     if not state.ready:
-        raise Unavailable("model is not ready")
+        raise Unavailable(f"model is not ready: {state.unready}")
     return Response('{"status":"ok"}', media_type="application/json")
 
 

@@ -104,7 +104,8 @@ async def live(request: Request, state: ServerState) -> Response:
 
 async def ready(request: Request, state: ServerState) -> Response:
     if state.draining or not state.ready:
-        raise Unavailable("server is not ready" + (" (shutting down)" if state.draining else ""))
+        why = "shutting down" if state.draining else state.unready
+        raise Unavailable(f"server is not ready ({why})")
     return _json({"ready": True})
 
 
@@ -151,7 +152,9 @@ async def model_metadata(request: Request, state: ServerState) -> Response:
 async def model_ready(request: Request, state: ServerState) -> Response:
     _model(request, state)
     if state.draining or not state.ready:
-        raise Unavailable("model is not ready")
+        raise Unavailable(
+            f"model is not ready ({'shutting down' if state.draining else state.unready})"
+        )
     return _json({"name": state.model_name, "ready": True})
 
 

@@ -52,8 +52,60 @@ class ServerState:
         self.input_type_prefixes = config.input_type_prefixes()
         self.kserve_stats = InferenceStats()
         self.started = time.time()
+        self.warmup = self._warmup_requests()  # checked now: a bad profile stops the start
+        # not ready while the app warms up (`start_warm_up`); `unready` says why (/health's 503)
         self.ready = True
+        self.unready = ""
         self.draining = False
+
+    def _warmup_requests(self) -> list:
+        from boundgen import warmup
+
+        spec = self.config.warmup
+        if spec == "off":
+            return []
+        if spec == "default":
+            profile = warmup.default_profile(self.engine, self.tries)
+        else:
+            profile = warmup.load_profile(spec)
+        return warmup.requests(self.engine, profile, self.tries)
+
+    def start_warm_up(self) -> None:
+        """At start-up (the app's lifespan): not ready until the warm-up requests have run on a
+        worker thread; the event loop serves meanwhile (liveness, metrics, 503 on readiness)."""
+        if not self.warmup:
+            return
+        self.ready, self.unready = False, "warming up"
+        threading.Thread(target=self.warm_up, name="boundgen-warmup", daemon=True).start()
+
+    def warm_up(self) -> None:
+        """Run the warm-up requests (a worker thread at start-up), then say ready; a failing
+        request keeps the server not ready, its error in /health's message."""
+        from boundgen import warmup
+
+        t0 = time.perf_counter()
+        done = []
+
+        def progress(row: dict) -> None:
+            done.append(row)
+            self.unready = f"warming up ({len(done)}/{len(self.warmup)} requests done)"
+
+        try:
+            warmup.run(self.warmup, progress)
+        except Exception as exc:
+            log.exception("warm-up failed; the server stays not ready")
+            self.unready = f"warm-up failed: {type(exc).__name__}: {exc}"
+            return
+        slowest = max(done, key=lambda r: r["seconds"])
+        log.info(
+            "warm-up: %d requests in %.2f s (slowest: %s, %.2f s); ready",
+            len(done),
+            time.perf_counter() - t0,
+            slowest["what"],
+            slowest["seconds"],
+        )
+        self.unready = ""
+        self.ready = True
 
     def _rerank_labels(self) -> list[int] | None:
         ids = []
