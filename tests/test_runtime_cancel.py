@@ -149,3 +149,33 @@ def test_forward_skips_pieces_whose_requests_are_all_dead(engine_for):
     asked = []
     runner.rows([SequenceGroup([1, 2], long)], "last", lambda a, b: asked.append((a, b)) or True)
     assert asked[0][0] == 0 and asked[-1][1] == 12 and len(asked) >= 3  # per piece, in row order
+
+
+def test_beam_node_skips_a_search_nobody_waits_for(engine_for):
+    """Merged beam requests: a (width, steps, trie) group whose requests all stopped waiting runs
+    no search (its rows come back empty); the other group's search runs as usual."""
+    from boundgen.workloads.beam import BeamRequest, _Beam
+
+    engine = engine_for()
+    calls = []
+    real = engine.runner.beam_search
+
+    class Runner:
+        def beam_search(self, prompts, width, steps, trie=None, banned=()):
+            calls.append((len(prompts), width))
+            return real(prompts, width, steps, trie, banned)
+
+    context = engine.workload_context()
+    context.runner = Runner()
+    node = _Beam(context)
+    items = [
+        {"request": BeamRequest([[11, 12]], 2, 2), "prompts": [[11, 12]]},
+        {"request": BeamRequest([[13]], 3, 2), "prompts": [[13]]},
+        {"request": BeamRequest([[14, 15]], 2, 2), "prompts": [[14, 15]]},
+    ]
+    batch, sizes = node.merge(items)
+    out = node.split(node(batch, alive=[lambda: False, lambda: True, lambda: False]), sizes)
+    assert calls == [(1, 3)]  # the width-2 search had no live request
+    tokens, scores = out[0]
+    assert tokens.shape == (1, 2, 2) and torch.isinf(scores).all()
+    assert torch.isfinite(out[1][1]).all()

@@ -178,9 +178,9 @@ async def beam(request: Request, state: ServerState) -> Response:
     request_fields = dict(
         prompts=[prompt], beam_width=req.beam_width, steps=req.steps, top_k=req.top_k, trie=trie
     )
-    (beams,) = await state.infer(
-        "beam", request_fields, state.timeout_ms(req.timeout_ms), len(prompt)
-    )
+    # admission counts what the beam node counts: the prompt and every beam's decoded tokens
+    units = len(prompt) + req.beam_width * req.steps
+    (beams,) = await state.infer("beam", request_fields, state.timeout_ms(req.timeout_ms), units)
     results = []
     for tokens, score_ in beams:
         item_id = None

@@ -7,6 +7,7 @@ prompt as lists). The search itself (HF `generate` semantics) is `boundgen.searc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,23 +77,33 @@ class _Beam:
     @staticmethod
     def merge(items: list[dict[str, Any]]) -> tuple[dict, list[tuple]]:
         by_key: dict[tuple, list[list[int]]] = {}
+        owners: dict[tuple, list[int]] = {}  # key → the requests (merge order) in its search
         tries: dict[int, Trie] = {}
         sizes = []
-        for it in items:
+        for n, it in enumerate(items):
             req = it["request"]
             trie_id = id(req.trie) if req.trie is not None else None
             if req.trie is not None:
                 tries[trie_id] = req.trie
             key = (req.beam_width, req.steps, trie_id)
             prompts = by_key.setdefault(key, [])
+            owners.setdefault(key, []).append(n)
             sizes.append((key, len(prompts), len(it["prompts"])))
             prompts.extend(it["prompts"])
-        return {"groups": by_key, "tries": tries}, sizes
+        return {"groups": by_key, "tries": tries, "owners": owners}, sizes
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch: dict, alive: list[Callable[[], bool]] | None = None) -> dict:
+        """One search per (width, steps, trie) group; a group whose requests all stopped waiting
+        (cancelled, past their deadline) is skipped: its results are empty."""
         out = {}
         for key, prompts in batch["groups"].items():
             width, steps, trie_id = key
+            if alive is not None and not any(alive[i]() for i in batch["owners"][key]):
+                out[key] = (
+                    torch.zeros(len(prompts), width, steps, dtype=torch.long),
+                    torch.full((len(prompts), width), float("-inf")),
+                )
+                continue
             trie = batch["tries"].get(trie_id) if trie_id is not None else None
             if self.context.traffic is not None:  # the prompt prefill is a plain forward
                 self.context.traffic.forward([SequenceGroup([], prompts)], False, "beam")
