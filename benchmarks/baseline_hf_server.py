@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     add_flags(parser, ServerConfig)
     args = parser.parse_args(argv)
-    config = from_args(ServerConfig, args, base=ServerConfig(port=8001)).validate()
+    # no warm-up: the HF runner has no beam search, and a baseline is timed as it comes
+    config = from_args(ServerConfig, args, base=ServerConfig(port=8001, warmup="off")).validate()
     if not config.model:
         parser.error("--model is required")
     engine = hf_engine(config.model, args.device, args.dtype)

@@ -61,7 +61,15 @@ def client(engine, trie_path):
         ),
     )
     with TestClient(app) as c:
+        wait_ready(c)  # the warm-up (a score, an embed, a beam per trie) runs at start-up
         yield c
+
+
+def wait_ready(client, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < end, client.get("/health").text
+        time.sleep(0.01)
 
 
 def rounded(obj, digits=3):
@@ -449,7 +457,7 @@ def test_api_key(engine, monkeypatch):
             c.post("/v1/score", json=body, headers={"Authorization": "Bearer s3cret"}).status_code
             == 200
         )
-        assert c.get("/health").status_code == 200  # probes stay open
+        wait_ready(c)  # probes stay open: readiness answers without the key
 
 
 # ------------------------------------------------------------------------------ load control

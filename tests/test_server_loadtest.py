@@ -158,7 +158,8 @@ def test_hf_baseline_server_matches_engine(model_dir):
     finally:
         sys.path.pop(0)
     engine = Engine.from_pretrained(model_dir, device="cpu", dtype="float32")
-    with TestClient(create_app(hf_engine(model_dir, "cpu", "float32"))) as c:
+    hf = create_app(hf_engine(model_dir, "cpu", "float32"), ServerConfig(warmup="off"))
+    with TestClient(hf) as c:
         for body in (
             {
                 "query": "the user likes",
