@@ -136,16 +136,20 @@ def label_ids(state: ServerState, ids: list[int]) -> list[int]:
     return list(ids)
 
 
+def as_sequences(what: str, value) -> list:
+    """A text, texts, token ids or lists of token ids as a list of texts or id lists (400 when
+    empty): the shapes OpenAI-style `input` fields take."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise BadRequest(f"{what} is empty")
+    return [value] if isinstance(value[0], int) else value
+
+
 async def text_inputs(state: ServerState, what: str, value) -> list[list[int]]:
     """OpenAI-style `input` (str | list[str] | list[int] | list[list[int]]) → token ids per text,
     text with the tokenizer's special tokens (what classify and embed run on)."""
-    if isinstance(value, str):
-        value = [value]
-    if not value:
-        raise BadRequest(f"{what} is empty")
-    if isinstance(value[0], int):
-        value = [value]
-    ids = await many_token_ids(state, what, value, special=True)
+    ids = await many_token_ids(state, what, as_sequences(what, value), special=True)
     for i, seq in enumerate(ids):
         state.limits.context(f"{what}[{i}]", len(seq))
     return ids
@@ -267,12 +271,7 @@ async def prompts(
     """A text, texts, token ids or lists of them → token ids per prompt: text tokenized (with the
     tokenizer's special tokens when `special`), each cut by `cut` before the checks (vocabulary,
     max_item_tokens, the model's context)."""
-    if isinstance(value, str):
-        value = [value]
-    if not value:
-        raise BadRequest(f"{what} is empty")
-    if isinstance(value[0], int):
-        value = [value]
+    value = as_sequences(what, value)
     state.limits.count(what, len(value), state.max_items, "max_items")
     if isinstance(value[0], str):
         if not all(isinstance(v, str) for v in value):
