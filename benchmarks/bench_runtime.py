@@ -100,6 +100,20 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))]
 
 
+def beam_request(engine, args):
+    """One prompt of `--prompt-len` tokens, W × S beam search over a trie of `--trie-items`
+    random item IDs of S tokens (the closed loop's beam workload)."""
+    from boundgen import Trie
+    from boundgen.workloads.beam import BeamRequest
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.config.vocab_size
+    items = torch.randint(10, vocab, (args.trie_items, args.beam_steps), generator=gen)
+    trie = Trie.from_sequences(items.tolist(), device=engine.device, on_duplicate="first")
+    prompt = torch.randint(10, vocab, (args.prompt_len,), generator=gen).tolist()
+    return BeamRequest([prompt], args.beam_width, args.beam_steps, trie=trie)
+
+
 def engine_part(args) -> dict:
     import common
 
@@ -118,6 +132,9 @@ def engine_part(args) -> dict:
     req = ScoreRequest(query, items, labels)
     context = engine.workload_context()
     context.max_wait_ms = args.max_wait_ms
+    kind, node, loaded = "score", "forward", req
+    if args.workload == "beam":  # closed loop over beam searches instead (one prompt each)
+        kind, node, loaded = "beam", "beam", beam_request(engine, args)
 
     def direct():
         with torch.inference_mode():
@@ -148,19 +165,19 @@ def engine_part(args) -> dict:
             lat: list[float] = []
             lock = threading.Lock()
             n_per = max(1, args.requests // c)
-            before = rt.stats()["batching"]["forward"]
+            before = rt.stats()["batching"][node]
 
             def client(n_per: int = n_per, lat: list = lat, lock: threading.Lock = lock) -> None:
                 mine = []
                 for _ in range(n_per):
                     t = time.perf_counter()
-                    rt.run("score", req)
+                    rt.run(kind, loaded)
                     mine.append((time.perf_counter() - t) * 1e3)
                 with lock:
                     lat.extend(mine)
 
             for _ in range(2):  # warm-up at this concurrency
-                rt.run("score", req)
+                rt.run(kind, loaded)
             sync()
             threads = [threading.Thread(target=client) for _ in range(c)]
             t0 = time.perf_counter()
@@ -169,7 +186,7 @@ def engine_part(args) -> dict:
             for t in threads:
                 t.join()
             wall = time.perf_counter() - t0
-            after = rt.stats()["batching"]["forward"]
+            after = rt.stats()["batching"][node]
             batches = after["batches"] - before["batches"]
             reqs = after["requests"] - before["requests"]
             results[c] = {
@@ -181,6 +198,7 @@ def engine_part(args) -> dict:
                 "mean_ms": statistics.mean(lat),
                 "requests_per_forward": reqs / batches if batches else 0.0,
             }
+        out["workload"] = kind
         out["concurrency"] = list(results.values())
         out["node_stats"] = rt.executor.tracer.node_stats().get("score", {})
         out["memory"] = rt.executor.pools.stats()
@@ -201,6 +219,13 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     ap.add_argument("--max-wait-ms", type=float, default=0.0, help="batching node max wait")
+    ap.add_argument(
+        "--workload", choices=("score", "beam"), default="score", help="the closed loop's requests"
+    )
+    ap.add_argument("--beam-width", type=int, default=16)
+    ap.add_argument("--beam-steps", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--trie-items", type=int, default=10_000)
     args = ap.parse_args()
     result: dict = {}
     try:
@@ -236,6 +261,7 @@ def main() -> int:
             f"(overhead {eng['runtime_overhead_ms'] * 1e3:.0f} µs), same result: "
             f"{eng['same_result']}"
         )
+        print(f"closed loop: {eng['workload']}")
         print(f"{'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/forward':>12}")
         for c in eng["concurrency"]:
             print(
