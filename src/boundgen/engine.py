@@ -145,6 +145,7 @@ class Engine:
             eos_token_ids=tuple(self.eos_token_ids()),
             token_budget=cfg.batch_token_budget,
             max_wait_ms=cfg.batch_max_wait_ms,
+            latency_target_ms=cfg.batch_latency_target_ms,
         )
 
     def with_runner(self, runner: ModelRunner) -> Engine:

@@ -28,7 +28,8 @@ class BeamBounds:
 class WorkloadContext:
     """The runner, tokenizer and input limits a pipeline works with, the model's task and EOS
     ids, and the cross-request batching knobs (`token_budget` tokens per merged batch,
-    `max_wait_ms` a forming batch may wait, `max_batch_requests`)."""
+    `max_wait_ms` a forming batch may wait, `max_batch_requests`, `latency_target_ms` that adapts
+    the token budget to the measured batch cost)."""
 
     def __init__(
         self,
@@ -41,6 +42,7 @@ class WorkloadContext:
         token_budget: int | None = None,
         max_wait_ms: float = 0.0,
         max_batch_requests: int | None = None,
+        latency_target_ms: float | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -50,6 +52,7 @@ class WorkloadContext:
         self.token_budget = token_budget or runner.max_batch_tokens
         self.max_wait_ms = max_wait_ms
         self.max_batch_requests = max_batch_requests
+        self.latency_target_ms = latency_target_ms
 
     @property
     def task(self) -> str:
@@ -88,6 +91,7 @@ class WorkloadContext:
             token_budget=self.token_budget,
             max_wait_ms=self.max_wait_ms,
             max_batch=self.max_batch_requests,
+            latency_target_ms=self.latency_target_ms,
             raises=raises,
         )
 
