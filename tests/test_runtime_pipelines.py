@@ -291,3 +291,19 @@ def test_runner_per_token_rows_next_to_pooled_rows(engine_for):
     alone = [runner.rows([SequenceGroup([], [s])], "tokens") for s in seqs]
     want = [alone[0], alone[1][-1:], alone[2].mean(0, keepdim=True), alone[3], alone[4][-1:]]
     assert _close(rows, torch.cat(want), 1e-5)
+
+
+def test_engine_config_sets_the_batching_knobs(tiny_model):
+    """`EngineConfig`'s batching knobs reach the model node the score, classify and embed share."""
+    from boundgen import Engine
+
+    eng = Engine.from_pretrained(
+        tiny_model("qwen2"),
+        device="cpu",
+        dtype="float32",
+        batch_token_budget=512,
+        batch_max_wait_ms=3.0,
+        batch_latency_target_ms=40.0,
+    )
+    node = eng.workload_context().forward
+    assert (node.token_budget, node.max_wait_ns, node.latency_target_ms) == (512, 3_000_000, 40.0)

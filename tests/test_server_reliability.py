@@ -558,15 +558,11 @@ def test_valid_requests_still_pass_the_new_checks(server):
 # ------------------------------------------------------------------------------ large responses
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 19 (left): float JSON responses are built on the event loop in one piece "
-    "(handlers.embeddings, kserve.infer's output)",
-)
 def test_large_float_responses_do_not_stall_the_server(server):
     """4096 one-word texts embedded: 4096 × 128 floats as JSON (~10 MiB). Building that text in
-    one call holds the GIL ~0.15 s (OpenAI shape) or ~0.6 s (KServe JSON) on the dev CPU; in
-    slices, yielding between them, it does not stall /health."""
+    one call held the GIL ~0.15 s (OpenAI shape) or ~0.6 s (KServe JSON) on the dev CPU; written
+    by orjson in slices (`server.json.encode_async`), yielding between them, it does not stall
+    /health."""
     texts = ["shoes"] * 4096
     kserve = {
         "inputs": [{"name": "text", "shape": [len(texts)], "datatype": "BYTES", "data": texts}],

@@ -229,6 +229,12 @@ class EngineConfig:
         "append the shape of every model forward (lengths only) to this JSON-lines file, for "
         "`boundgen compile --from-traffic`",
     )
+    batch_latency_target_ms: float | None = option(
+        None,
+        "adapt the batch token budget so a batch runs at most half this long by the measured cost "
+        "(a request that arrives meanwhile waits for it, then runs in the next); default: always "
+        "the full budget",
+    )
     cpu_workers: int | None = option(
         None, "threads for CPU pipeline nodes (default: 2 per core, at most 8)", flag=False
     )

@@ -148,6 +148,7 @@ class Engine:
             token_budget=cfg.batch_token_budget,
             max_wait_ms=cfg.batch_max_wait_ms,
             traffic=self._traffic_log(),
+            latency_target_ms=cfg.batch_latency_target_ms,
         )
 
     def _traffic_log(self) -> TrafficLog | None:

@@ -11,6 +11,15 @@ earliest deadline in the batch allows) until `token_budget`. It calls `merge(lis
 and `split(output, sizes)` gives each request its outputs back. The token budget and max wait are
 the knob between throughput (large forwards, DESIGN §11) and latency (not waiting for them).
 
+A request that arrives while a batch runs is taken into the very next batch, which starts as soon
+as the running one ends (with `max_wait_ms=0`, the default, nothing ever waits for more). With a
+`latency_target_ms`, the token budget adapts to the measured cost: a batch may take at most the
+tokens the cost model predicts to run in half the target (a request that arrives meanwhile waits
+for the running batch, then runs in the next: about the target in all), and never more than let
+its oldest request finish before its deadline; the first request always runs. The budget is
+recomputed for every batch from the recent batches' fit, so it shrinks when batches get slower and
+grows back (up to `token_budget`) when they get faster.
+
 A function that works in pieces takes an `alive` argument as well: one callable per merged
 request, in merge order, true while the request still wants its result (not cancelled, not past
 its deadline). It asks between pieces and drops a dead request's rest. Every batch's size and run
@@ -32,8 +41,6 @@ import torch
 
 from boundgen.runtime.executor import DeadlineExceeded
 from boundgen.runtime.node import Node, NodeKind, PipelineError
-
-_now = time.perf_counter_ns
 
 
 class CostModel:
@@ -78,6 +85,13 @@ class CostModel:
     def warm(self) -> bool:
         return self.batches >= self.warm_batches and self.units >= self.warm_units
 
+    def units_within(self, ms: float) -> float | None:
+        """Units of one batch predicted to run in `ms` (0 when even the fixed part takes longer;
+        None while cold)."""
+        if not self.warm:
+            return None
+        return max(0.0, (ms * 1e6 - self._fixed_ns) / self._per_unit_ns)
+
     def predict_ms(self, units: float) -> float | None:
         """Run time of one batch of `units` (None while cold)."""
         if not self.warm:
@@ -95,9 +109,11 @@ def _takes_alive(fn: Callable[..., Any]) -> bool:
 class _Item:
     __slots__ = ("args", "arrival_ns", "done", "req", "size")
 
-    def __init__(self, req: Any, args: dict[str, Any], done: Callable[..., None], size: int):
+    def __init__(
+        self, req: Any, args: dict[str, Any], done: Callable[..., None], size: int, now: int
+    ):
         self.req, self.args, self.done, self.size = req, args, done, size
-        self.arrival_ns = _now()
+        self.arrival_ns = now
 
 
 class BatchingNode(Node):
@@ -114,6 +130,9 @@ class BatchingNode(Node):
     - `size(inputs) -> int`: tokens a request adds to the batch (default 1), counted against
       `token_budget`.
     - `max_batch`: at most this many requests per batch (default unbounded).
+    - `latency_target_ms`: adapt the token budget to the cost model (module docstring); None:
+      always `token_budget`.
+    - `clock`: nanoseconds, monotonic (tests inject one).
     """
 
     def __init__(
@@ -128,9 +147,11 @@ class BatchingNode(Node):
         token_budget: int = 8192,
         max_wait_ms: float = 0.0,
         max_batch: int | None = None,
+        latency_target_ms: float | None = None,
         kind: NodeKind | str = NodeKind.DEVICE,
         bind: dict[str, str] | None = None,
         raises: tuple[type[BaseException], ...] = (),
+        clock: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
         super().__init__(
             name=name,
@@ -144,10 +165,14 @@ class BatchingNode(Node):
         )
         if token_budget <= 0:
             raise PipelineError(f"batching node {name!r}: token_budget must be positive")
+        if latency_target_ms is not None and latency_target_ms <= 0:
+            raise PipelineError(f"batching node {name!r}: latency_target_ms must be positive")
         self.merge, self.split, self.size = merge, split, size
         self.token_budget = int(token_budget)
         self.max_wait_ns = int(max_wait_ms * 1e6)
         self.max_batch = max_batch
+        self.latency_target_ms = latency_target_ms
+        self._clock = clock
         self._waiting: deque[_Item] = deque()
         self._cv = threading.Condition(threading.Lock())
         self._leaders = 0
@@ -163,13 +188,14 @@ class BatchingNode(Node):
         self.batched_requests = 0
         self.batched_tokens = 0
         self.max_requests_in_batch = 0
+        self.last_budget = self.token_budget  # the budget the last batch was formed under
 
     # ---- executor side
     # -----------------------------------------------------------------------------------
 
     def start(self, req: Any, args: dict[str, Any], done: Callable[..., None]) -> None:
         size = self.size(args) if self.size is not None else 1
-        item = _Item(req, args, done, size)
+        item = _Item(req, args, done, size, self._clock())
         with self._cv:
             self._waiting.append(item)
             if self._leaders:
@@ -207,6 +233,7 @@ class BatchingNode(Node):
             "tokens": self.batched_tokens,
             "mean_requests_per_batch": self.batched_requests / b if b else 0.0,
             "max_requests_in_batch": self.max_requests_in_batch,
+            "token_budget": self.last_budget,
         }
 
     # ---- leaders
@@ -269,15 +296,14 @@ class BatchingNode(Node):
             tokens = first.size
             deadline = first.req.deadline_ns
             wait_until = first.arrival_ns + self.max_wait_ns
-            while tokens < self.token_budget and (
-                self.max_batch is None or len(batch) < self.max_batch
-            ):
+            budget = self.last_budget = self._budget(first, waiting)
+            while tokens < budget and (self.max_batch is None or len(batch) < self.max_batch):
                 if waiting:
                     nxt = waiting[0]
                     if nxt.req.failed:
                         waiting.popleft()
                         continue
-                    if tokens + nxt.size > self.token_budget:
+                    if tokens + nxt.size > budget:
                         break  # starts the next batch
                     waiting.popleft()
                     batch.append(nxt)
@@ -289,11 +315,30 @@ class BatchingNode(Node):
                 limit = wait_until
                 if deadline is not None:
                     limit = min(limit, deadline - int(self._run_ema_ns))
-                remaining = limit - _now()
+                remaining = limit - self._clock()
                 if remaining <= 0:
                     break
                 self._cv.wait(remaining / 1e9)
             return batch
+
+    def _budget(self, oldest: _Item, waiting: deque[_Item]) -> int:
+        """Tokens the next batch may take: `token_budget`, or with a latency target what the cost
+        model predicts to run in half the target and before the oldest request's deadline (at
+        least 1: the oldest request always runs) — unless more is waiting than two such batches
+        hold: then the queue cannot drain within the target anyway, and smaller batches would
+        only lose throughput (each pays the fixed cost), so the batch takes the whole budget."""
+        target = self.latency_target_ms
+        if target is None:
+            return self.token_budget
+        units = self.cost.units_within(target / 2)
+        if units is None:  # cold: no measured cost yet
+            return self.token_budget
+        if oldest.size + sum(it.size for it in waiting) > 2 * units:
+            return self.token_budget
+        if oldest.req.deadline_ns is not None:
+            left_ms = (oldest.req.deadline_ns - self._clock()) / 1e6
+            units = min(units, self.cost.units_within(left_ms) or 0.0)
+        return max(1, min(self.token_budget, int(units)))
 
     def _stream(self, executor: Any) -> Any:
         if self._cuda_stream is None:
@@ -303,7 +348,7 @@ class BatchingNode(Node):
         return self._cuda_stream
 
     def _run_batch(self, batch: list[_Item]) -> None:
-        start = _now()
+        start = self._clock()
         live = []
         for it in batch:
             req = it.req
@@ -346,7 +391,7 @@ class BatchingNode(Node):
             for it in live:
                 it.done(None, exc)
             return
-        ran = _now() - start
+        ran = self._clock() - start
         self._run_ema_ns = (
             ran if self._run_ema_ns == 0 else self._run_ema_ns + 0.2 * (ran - self._run_ema_ns)
         )

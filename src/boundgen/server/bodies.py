@@ -7,13 +7,13 @@ fields sent (`/v1/score`, `/rerank`, `/tokenize`) and a refused field is named b
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from boundgen.server import json
 from boundgen.server.errors import BadRequest
 from boundgen.server.limits import JsonBounds, describe_validation_error, load_json, read_body
 from boundgen.server.schemas.common import _Request
@@ -58,16 +58,20 @@ def json_response(
 ) -> Response:
     """A pydantic model (None fields left out unless `exclude_none` is false), a list of them, or
     plain JSON data."""
-    if isinstance(model, BaseModel):
-        body = model.model_dump_json(exclude_none=exclude_none)
-    else:
-        body = json.dumps(_plain(model, exclude_none))
+    body = json.encode(_plain(model, exclude_none))
     return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+async def large_json_response(value: Any) -> Response:
+    """Plain JSON data whose long parts are marked `json.Slices`: written a slice at a time, so
+    the event loop keeps serving other requests while a reply of millions of floats is built."""
+    body = await json.encode_async(value)
+    return Response(body, media_type="application/json")
 
 
 def _plain(value: Any, exclude_none: bool) -> Any:
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json", exclude_none=exclude_none)
-    if isinstance(value, list):
+    if isinstance(value, list) and value and isinstance(value[0], BaseModel):
         return [_plain(v, exclude_none) for v in value]
     return value

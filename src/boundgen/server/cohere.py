@@ -11,8 +11,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from boundgen.server import encodings, inputs
-from boundgen.server.bodies import json_response, parse, read
+from boundgen.server.bodies import json_response, large_json_response, parse, read
 from boundgen.server.errors import BadRequest
+from boundgen.server.json import Slices, floats
 from boundgen.server.schemas.cohere import (
     INPUT_TYPES,
     EmbedRequest,
@@ -153,12 +154,15 @@ async def _embed(req: EmbedRequest, state: ServerState, version: int) -> Respons
     }
     reply: dict[str, Any] = {"id": uuid.uuid4().hex, "texts": req.texts, "meta": meta}
     if version == 1 and req.embedding_types is None:
-        reply.update(response_type="embeddings_floats", embeddings=vectors.tolist())
+        embeddings: Any = Slices(floats(vectors), vectors.shape[-1])
+        reply.update(response_type="embeddings_floats", embeddings=embeddings)
     else:
         types = req.embedding_types or ["float"]
-        embeddings = encodings.cohere_embeddings(vectors, types)
+        by_type = encodings.cohere_embeddings(vectors, types)
+        width = vectors.shape[-1]
+        embeddings = {kind: Slices(values, width) for kind, values in by_type.items()}
         reply.update(response_type="embeddings_by_type", embeddings=embeddings)
-    return json_response(reply)
+    return await large_json_response(reply)
 
 
 REQUEST_MODELS = {embed_v1: EmbedRequest, embed_v2: EmbedRequest}

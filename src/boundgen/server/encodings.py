@@ -20,6 +20,7 @@ import torch
 from starlette.responses import Response
 
 from boundgen.server.errors import BadRequest
+from boundgen.server.json import floats
 
 _ORDER = {"native": "=", "big": ">", "little": "<"}
 
@@ -45,10 +46,11 @@ def raw_bytes(array: np.ndarray, embed_dtype: str, endianness: str) -> bytes:
 
 
 def json_value(array: np.ndarray, encoding_format: str, embed_dtype: str, endianness: str) -> Any:
-    """One vector (or [L, H] rows) as JSON floats or a base64 string of its raw bytes."""
+    """One vector (or [L, H] rows) as JSON floats (float64, the values of the float32 vector, for
+    `server.json`) or a base64 string of its raw bytes."""
     if encoding_format == "base64":
         return base64.b64encode(raw_bytes(array, embed_dtype, endianness)).decode()
-    return np.asarray(array, dtype=np.float32).tolist()
+    return floats(np.asarray(array, dtype=np.float32))
 
 
 def bytes_response(

@@ -9,19 +9,19 @@ Shared paths pick the peer from the body (docs/compat.md): `/v1/score` is vLLM's
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from boundgen.server import cohere, encodings, inputs, tei, vllm
-from boundgen.server.bodies import json_response, parse, read, read_object
+from boundgen.server.bodies import json_response, large_json_response, parse, read, read_object
 from boundgen.server.errors import BadRequest, TooLarge, Unavailable
+from boundgen.server.json import Slices
 from boundgen.server.schemas.boundgen import BeamRequest, BeamResponse, BeamResult
 from boundgen.server.schemas.cohere import RerankRequest
 from boundgen.server.schemas.common import Usage
-from boundgen.server.schemas.openai import Embedding, EmbeddingsRequest, EmbeddingsResponse
+from boundgen.server.schemas.openai import EmbeddingsRequest
 from boundgen.server.schemas.sglang import RerankResult, ScoreRequest, ScoreResponse
 from boundgen.server.schemas.vllm import TokenizeRequest
 from boundgen.server.state import ServerState
@@ -136,14 +136,16 @@ async def embeddings(request: Request, state: ServerState) -> Response:
         return encodings.bytes_response(
             list(vectors), req.embed_dtype, req.endianness, reply, req.encoding_format
         )
+    # EmbeddingsResponse's fields, in its order, without validating every float
+    fmt = req.encoding_format, req.embed_dtype, req.endianness
     data = [
-        Embedding(
-            index=i,
-            embedding=encodings.json_value(v, req.encoding_format, req.embed_dtype, req.endianness),
-        )
+        {"object": "embedding", "index": i, "embedding": encodings.json_value(v, *fmt)}
         for i, v in enumerate(vectors)
     ]
-    return json_response(EmbeddingsResponse(data=data, **reply))
+    width = vectors.shape[-1] if req.encoding_format == "float" else 1
+    return await large_json_response(
+        {"object": "list", "data": Slices(data, width), "model": state.model_name, "usage": usage}
+    )
 
 
 # ---- /v1/beam (boundgen) ------------------------------------------------------------------------
@@ -220,8 +222,7 @@ def model_card(state: ServerState) -> dict[str, Any]:
 
 
 async def models(request: Request, state: ServerState) -> Response:
-    body = json.dumps({"object": "list", "data": [model_card(state)]})
-    return Response(body, media_type="application/json")
+    return json_response({"object": "list", "data": [model_card(state)]})
 
 
 async def health(request: Request, state: ServerState) -> Response:

@@ -14,7 +14,6 @@ One model, three tasks (request parameter `task`, default from the inputs):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import struct
 import time
@@ -30,6 +29,7 @@ from starlette.responses import Response
 from boundgen.server import inputs
 from boundgen.server.errors import BadRequest, NotFound, ServerError, TooLarge, Unavailable
 from boundgen.server.infer import SERVER_TIMES
+from boundgen.server.json import Slices, encode, encode_async, floats
 from boundgen.server.limits import JsonBounds, describe_validation_error, load_json, read_body
 from boundgen.server.state import ServerState
 
@@ -89,7 +89,7 @@ def add_routes(route: Callable[..., None]) -> None:
 
 
 def _json(obj: Any) -> Response:
-    return Response(json.dumps(obj), media_type="application/json")
+    return Response(encode(obj), media_type="application/json")
 
 
 async def server_metadata(request: Request, state: ServerState) -> Response:
@@ -505,11 +505,13 @@ async def _infer(request: Request, state: ServerState) -> tuple[Response, int]:
     if req.id is not None:
         response["id"] = req.id
     if not binary_out:
-        out["data"] = array.reshape(-1).tolist()
-        return _json(response), time.perf_counter_ns() - encode_start
+        out["data"] = Slices(floats(array.reshape(-1)))  # written in slices: the loop keeps serving
+        body = await encode_async(response)
+        reply = Response(body, media_type="application/json")
+        return reply, time.perf_counter_ns() - encode_start
     raw = np.ascontiguousarray(array, dtype="<f4").tobytes()
     out["parameters"] = {"binary_data_size": len(raw)}
-    head_out = json.dumps(response).encode()
+    head_out = encode(response)
     reply = Response(
         head_out + raw,
         media_type="application/octet-stream",

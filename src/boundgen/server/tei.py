@@ -8,11 +8,12 @@ from typing import Any
 
 import numpy as np
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from boundgen.server import inputs
-from boundgen.server.bodies import json_response, parse, read
+from boundgen.server.bodies import json_response, large_json_response, parse, read
 from boundgen.server.errors import BadRequest, ServerError
+from boundgen.server.json import Slices, floats
 from boundgen.server.schemas.tei import (
     DecodeRequest,
     EmbedAllRequest,
@@ -41,7 +42,7 @@ class Empty(BadRequest):
     tei_type = "Empty"
 
 
-def error_response(exc: ServerError) -> JSONResponse:
+def error_response(exc: ServerError) -> Response:
     """A boundgen error in TEI's shape: a bad request is `Validation` (422), a full queue
     `Overloaded` (429), a server shutting down `Unhealthy` (503), a model failure or deadline
     `Backend` (424); an auth or routing error keeps its status."""
@@ -55,7 +56,7 @@ def error_response(exc: ServerError) -> JSONResponse:
             status = _STATUS[kind]
     else:
         status = _STATUS[kind]
-    return JSONResponse({"error": exc.message, "error_type": kind}, status, exc.headers)
+    return json_response({"error": exc.message, "error_type": kind}, status, exc.headers)
 
 
 def mark(request: Request) -> None:
@@ -84,7 +85,7 @@ async def embed(request: Request, state: ServerState) -> Response:
     vectors = await inputs.embed(
         state, ids, state.config.embed_pooling, req.normalize, state.timeout_ms(req.timeout_ms)
     )
-    return json_response(vectors.tolist())
+    return await large_json_response(Slices(floats(vectors), vectors.shape[-1]))
 
 
 async def embed_all(request: Request, state: ServerState) -> Response:
@@ -92,7 +93,8 @@ async def embed_all(request: Request, state: ServerState) -> Response:
     req = await read(request, state, EmbedAllRequest)
     ids = await _prompt_ids(state, req.inputs, req.truncate, req.truncation_direction)
     rows = await inputs.token_embeddings(state, ids, False, state.timeout_ms(req.timeout_ms))
-    return json_response([r.tolist() for r in rows])
+    size = sum(r.size for r in rows) // max(1, len(rows))
+    return await large_json_response(Slices([floats(r) for r in rows], size))
 
 
 async def similarity(request: Request, state: ServerState) -> Response:

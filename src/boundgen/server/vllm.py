@@ -8,12 +8,14 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
 from boundgen.server import encodings, inputs
-from boundgen.server.bodies import json_response, parse, read, read_object
+from boundgen.server.bodies import json_response, large_json_response, parse, read, read_object
 from boundgen.server.errors import BadRequest
+from boundgen.server.json import Slices
 from boundgen.server.schemas.common import Usage
 from boundgen.server.schemas.vllm import (
     SCORE_PAIRS,
@@ -21,9 +23,7 @@ from boundgen.server.schemas.vllm import (
     ClassifyRequest,
     ClassifyResponse,
     DetokenizeRequest,
-    PoolingData,
     PoolingRequest,
-    PoolingResponse,
     ScoreData,
     ScoreRequest,
     ScoreResponse,
@@ -171,14 +171,26 @@ async def pooling(request: Request, state: ServerState) -> Response:
         return encodings.bytes_response(
             outputs, req.embed_dtype, req.endianness, reply, req.encoding_format
         )
+    # PoolingResponse's fields, in its order, without validating every float
     data = [
-        PoolingData(
-            index=i,
-            data=encodings.json_value(out, req.encoding_format, req.embed_dtype, req.endianness),
-        )
+        {
+            "index": i,
+            "object": "pooling",
+            "data": encodings.json_value(out, req.encoding_format, req.embed_dtype, req.endianness),
+        }
         for i, out in enumerate(outputs)
     ]
-    return json_response(PoolingResponse(data=data, **reply))
+    size = sum(np.size(out) for out in outputs) // max(1, len(outputs))
+    return await large_json_response(
+        {
+            "id": reply["id"],
+            "object": "list",
+            "created": reply["created"],
+            "model": reply["model"],
+            "data": Slices(data, size if req.encoding_format == "float" else 1),
+            "usage": usage,
+        }
+    )
 
 
 # ---- /tokenize, /detokenize ---------------------------------------------------------------------

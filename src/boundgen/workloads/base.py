@@ -29,8 +29,9 @@ class BeamBounds:
 class WorkloadContext:
     """The runner, tokenizer and input limits a pipeline works with, the model's task and EOS
     ids, the cross-request batching knobs (`token_budget` tokens per merged batch,
-    `max_wait_ms` a forming batch may wait, `max_batch_requests`), and where the model nodes log
-    the shapes of their forwards (`traffic`, None: nowhere)."""
+    `max_wait_ms` a forming batch may wait, `max_batch_requests`, `latency_target_ms` that adapts
+    the token budget to the measured batch cost), and where the model nodes log the shapes of
+    their forwards (`traffic`, None: nowhere)."""
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class WorkloadContext:
         max_wait_ms: float = 0.0,
         max_batch_requests: int | None = None,
         traffic: TrafficLog | None = None,
+        latency_target_ms: float | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -54,6 +56,7 @@ class WorkloadContext:
         self.max_wait_ms = max_wait_ms
         self.max_batch_requests = max_batch_requests
         self.traffic = traffic
+        self.latency_target_ms = latency_target_ms
 
     @property
     def task(self) -> str:
@@ -92,6 +95,7 @@ class WorkloadContext:
             token_budget=self.token_budget,
             max_wait_ms=self.max_wait_ms,
             max_batch=self.max_batch_requests,
+            latency_target_ms=self.latency_target_ms,
             raises=raises,
         )
 

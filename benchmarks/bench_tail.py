@@ -1,0 +1,373 @@
+"""Issue 17: where the HTTP tail comes from. `/v1/score` (token ids in the JSON, a query + N items,
+the body `boundgen loadtest --workload score` sends) measured by two load generators on the same
+server:
+
+- `wrk` (C, closed loop; a Lua script sends the loadtest's bodies round-robin and reads each 200
+  response's `Server-Timing`): first with 1, 2, 4 connections and no think time (the unloaded
+  latency, and the throughput a closed loop reaches); then, per --rates step, `--wrk-connections`
+  connections each waiting an exponential think time between requests, so that they offer about
+  that rate (a closed loop with many clients and Poisson think times approaches an open loop);
+- `boundgen loadtest` (Python, open loop, Poisson arrivals) at the same rate.
+
+For each: client p50/p99, server p50/p99 (the `app` entry of `Server-Timing`: the handler), and the
+tail outside the server, client p99 − server p99. Server and load generator run on separate CPUs
+(`--server-cpus`, `--client-cpus`, taskset). `--server-prelude CODE` runs Python in the server
+process before `boundgen serve` (an A/B hook: e.g. `import sys; sys.setswitchinterval(0.001)`).
+Writes JSON (every run) and prints a Markdown table.
+
+`--encode`: no server; the time to build and encode replies the old way (pydantic models
+validated float by float and `model_dump_json`, `json.dumps` of `tolist()`) and the new one
+(`server.json`: orjson from float64 arrays), median of --encode-iters, on W2's score reply
+(100 items × 2 labels) and embeddings replies.
+
+    python benchmarks/bench_tail.py --rates 5 10 20 30 --duration 15
+    python benchmarks/bench_tail.py --encode
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from bench_overload import _cpus, wait_idle
+from bench_serving import start, stop
+from common import env_info
+
+from boundgen.loadtest import LoadConfig, make_bodies, run_loadtest
+from boundgen.server.testing import free_port
+
+HERE = Path(__file__).resolve().parent
+
+# wrk's Lua side: args = bodies file (one JSON body a line), path, mean think time in ms (0: none).
+# `done` prints one line `JSON {...}`: client percentiles (µs, every response) and the `app`
+# durations of the 200 responses (ms).
+WRK_SCRIPT = r"""
+local path, think = "/v1/score", 0
+local reqs, n, i = {}, 0, 0
+apps, non200 = {}, 0
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+function init(args)
+  path = args[2] or path; think = tonumber(args[3] or "0")
+  local headers = {["Content-Type"] = "application/json"}
+  for line in io.lines(args[1]) do n = n + 1; reqs[n] = wrk.format("POST", path, headers, line) end
+  math.randomseed(os.time() + n)
+end
+function request() i = i % n + 1; return reqs[i] end
+function delay() if think > 0 then return -math.log(1 - math.random()) * think end return 0 end
+function response(status, headers, body)
+  if status ~= 200 then non200 = non200 + 1; return end
+  local st = headers["server-timing"] or headers["Server-Timing"]
+  local d = st and st:match("app;dur=([%d%.]+)")
+  if d then apps[#apps + 1] = tonumber(d) end
+end
+function done(summary, latency, requests)
+  local all, bad = {}, 0
+  for _, t in ipairs(threads) do
+    for _, v in ipairs(t:get("apps")) do all[#all + 1] = v end
+    bad = bad + t:get("non200")
+  end
+  table.sort(all)
+  local function pct(p)
+    if #all == 0 then return -1 end
+    return all[math.max(1, math.ceil(#all * p / 100))]
+  end
+  local e = summary.errors
+  io.write(string.format('JSON {"requests": %d, "duration_us": %d, "non200": %d, ' ..
+    '"socket_errors": %d, "p50_us": %d, "p90_us": %d, "p99_us": %d, "max_us": %d, ' ..
+    '"server_n": %d, "server_p50_ms": %.3f, "server_p99_ms": %.3f}\n',
+    summary.requests, summary.duration, bad, e.connect + e.read + e.write + e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max,
+    #all, pct(50), pct(99)))
+end
+"""
+
+
+def run_wrk(
+    url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
+) -> dict:
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "--timeout", "30s"]
+    cmd += ["-s", str(script), url, "--", str(bodies), "/v1/score", f"{think_ms:.3f}"]
+    if cpus:
+        cmd = ["taskset", "-c", cpus, *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("JSON "))
+    r = json.loads(line[5:])
+    ok = r["requests"] - r["non200"]
+    return {
+        "generator": "wrk",
+        "connections": connections,
+        "think_ms": think_ms,
+        "requests": r["requests"],
+        "ok_per_s": ok / (r["duration_us"] / 1e6),
+        "errors": r["non200"] + r["socket_errors"],
+        "p50_ms": r["p50_us"] / 1e3,
+        "p90_ms": r["p90_us"] / 1e3,
+        "p99_ms": r["p99_us"] / 1e3,
+        "max_ms": r["max_us"] / 1e3,
+        "server_p50_ms": r["server_p50_ms"],
+        "server_p99_ms": r["server_p99_ms"],
+        "wrk_version": subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split(
+            "\n"
+        )[0],
+    }
+
+
+def run_open_loop(cfg: LoadConfig, rate: float) -> dict:
+    step_cfg = dataclasses.replace(cfg, qps_steps=(rate,), stop_when_saturated=False, warmup=0)
+    step = run_loadtest(step_cfg, log=lambda *a: None)["steps"][0]
+    lat, srv = step["latency_ms"], step.get("server_ms", {})
+    return {
+        "generator": "loadtest",
+        "rate": rate,
+        "requests": step["requests"],
+        "ok_per_s": step["throughput_qps"],
+        "errors": step["requests"] - step["ok"],
+        "p50_ms": lat["p50"],
+        "p90_ms": lat["p90"],
+        "p99_ms": lat["p99"],
+        "max_ms": lat["max"],
+        "server_p50_ms": srv.get("p50", math.nan),
+        "server_p99_ms": srv.get("p99", math.nan),
+        "slowest": step.get("slowest"),
+    }
+
+
+def gc_pauses(url: str) -> dict[str, float]:
+    """The server's collection pauses so far: count, sum and max per generation (/metrics)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for m in re.finditer(
+        r'^boundgen_gc_pause_(seconds_count|seconds_sum|max_seconds)\{generation="(\d)"\} (\S+)$',
+        text,
+        re.MULTILINE,
+    ):
+        out[f"gen{m.group(2)}_{m.group(1)}"] = float(m.group(3))
+    return out
+
+
+def encode_times(iters: int) -> list[dict]:
+    """Old vs new reply encoding, ms (median of `iters`)."""
+    import asyncio
+    import json as std_json
+    import statistics
+
+    import numpy as np
+
+    from boundgen.server.json import Slices, encode, encode_async, floats
+    from boundgen.server.schemas.common import Usage
+    from boundgen.server.schemas.openai import Embedding, EmbeddingsResponse
+    from boundgen.server.schemas.sglang import ScoreResponse
+
+    def median_ms(fn) -> float:
+        fn()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    loop = asyncio.new_event_loop()  # one loop: asyncio.run's set-up would dominate small replies
+    rng = np.random.default_rng(0)
+    usage = Usage(prompt_tokens=1856, total_tokens=1856, completion_tokens=0)
+    scores = rng.random((100, 2)).astype(np.float32)
+    rows = [
+        {
+            "reply": "score, W2 (100 items × 2 labels)",
+            "old_ms": median_ms(
+                lambda: ScoreResponse(
+                    scores=scores.tolist(), model="m", usage=usage
+                ).model_dump_json(exclude_none=True)
+            ),
+            "new_ms": median_ms(
+                lambda: encode(
+                    {"scores": floats(scores), "model": "m", "usage": usage, "object": "scoring"}
+                )
+            ),
+        }
+    ]
+    for n, dim in ((64, 896), (4096, 128), (4096, 896)):
+        vectors = rng.standard_normal((n, dim)).astype(np.float32)
+
+        def old_openai(vectors=vectors):
+            data = [Embedding(index=i, embedding=v.tolist()) for i, v in enumerate(vectors)]
+            return EmbeddingsResponse(data=data, model="m", usage=usage).model_dump_json(
+                exclude_none=True
+            )
+
+        def new_openai(vectors=vectors, dim=dim):
+            data = [
+                {"object": "embedding", "index": i, "embedding": floats(v)}
+                for i, v in enumerate(vectors)
+            ]
+            reply = {"object": "list", "data": Slices(data, dim), "model": "m", "usage": usage}
+            return loop.run_until_complete(encode_async(reply))
+
+        def old_kserve(vectors=vectors):
+            return std_json.dumps({"outputs": [{"data": vectors.reshape(-1).tolist()}]})
+
+        def new_kserve(vectors=vectors):
+            reply = {"outputs": [{"data": Slices(floats(vectors.reshape(-1)))}]}
+            return loop.run_until_complete(encode_async(reply))
+
+        rows.append(
+            {
+                "reply": f"embeddings, OpenAI, {n} × {dim}",
+                "old_ms": median_ms(old_openai),
+                "new_ms": median_ms(new_openai),
+            }
+        )
+        rows.append(
+            {
+                "reply": f"embeddings, KServe JSON, {n} × {dim}",
+                "old_ms": median_ms(old_kserve),
+                "new_ms": median_ms(new_kserve),
+            }
+        )
+    loop.close()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| generator | load | ok/s | p50 ms | p99 ms | server p50 / p99 ms | p99 − server p99 ms "
+        "| errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if r["generator"] == "wrk":
+            load = f"{r['connections']} conn" + (
+                f", think {r['think_ms']:.0f} ms" if r["think_ms"] else ""
+            )
+        else:
+            load = f"open loop {r['rate']:g}/s"
+        lines.append(
+            f"| {r['generator']} | {load} | {r['ok_per_s']:.1f} | {r['p50_ms']:.1f} | "
+            f"{r['p99_ms']:.1f} | {r['server_p50_ms']:.1f} / {r['server_p99_ms']:.1f} | "
+            f"{r['p99_ms'] - r['server_p99_ms']:.1f} | {r['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=None, help="a running server (default: start one)")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    p.add_argument("--serve-args", default="", help="extra `boundgen serve` flags, one string")
+    p.add_argument("--server-prelude", default="", help="Python run in the server process first")
+    p.add_argument("--items", type=int, default=20)
+    p.add_argument("--item-tokens", type=int, default=16)
+    p.add_argument("--query-tokens", type=int, default=64)
+    p.add_argument("--closed", type=int, nargs="*", default=[1, 2, 4], help="wrk connections")
+    p.add_argument("--rates", type=float, nargs="*", default=[5, 10, 20, 30])
+    p.add_argument("--wrk-connections", type=int, default=16, help="wrk clients per rate step")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds per run")
+    p.add_argument("--server-cpus", default="0")
+    p.add_argument("--client-cpus", default="1")
+    p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/...)")
+    p.add_argument("--encode", action="store_true", help="reply encoding times only (no server)")
+    p.add_argument("--encode-iters", type=int, default=20)
+    args = p.parse_args(argv)
+
+    if args.encode:
+        if args.client_cpus:
+            os.sched_setaffinity(0, _cpus(args.client_cpus))
+        rows = encode_times(args.encode_iters)
+        out = Path(args.out or HERE / "results" / "encode_cpu.json")
+        out.write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
+        print("| reply | before ms | after ms | speed-up |\n| --- | ---: | ---: | ---: |")
+        for r in rows:
+            speedup = r["old_ms"] / r["new_ms"]
+            print(f"| {r['reply']} | {r['old_ms']:.3f} | {r['new_ms']:.3f} | {speedup:.1f}x |")
+        print(f"wrote {out}")
+        return 0
+
+    if args.client_cpus:
+        os.sched_setaffinity(0, _cpus(args.client_cpus))
+    out = Path(args.out or HERE / "results" / "tail_cpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc, url = None, args.url
+    if url is None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        code = f"{args.server_prelude}\nimport sys\nfrom boundgen.cli import main\nsys.exit(main())"
+        cmd = [sys.executable, "-c", code, "serve", "--port", str(port), "--log-level", "warning"]
+        cmd += args.serve_args.split() + (["--model", args.model] if args.model else [])
+        if args.server_cpus:
+            cmd = ["taskset", "-c", args.server_cpus, *cmd]
+        print(f"== {' '.join(cmd)}", flush=True)
+        proc = start(cmd, url, out.with_suffix(".server.log"))
+    cfg = LoadConfig(
+        url=url,
+        workload="score",
+        items=args.items,
+        item_tokens=args.item_tokens,
+        query_tokens=args.query_tokens,
+        duration=args.duration,
+        timeout_s=60.0,
+        label="boundgen",
+    )
+    rows: list[dict] = []
+    try:
+        vocab = httpx.get(url + "/v1/models").json()["data"][0]["vocab_size"]
+        cfg = dataclasses.replace(cfg, vocab_size=vocab)
+        with tempfile.TemporaryDirectory() as tmp:
+            script, bodies = Path(tmp, "score.lua"), Path(tmp, "bodies.jsonl")
+            script.write_text(WRK_SCRIPT)
+            bodies.write_bytes(b"\n".join(make_bodies(cfg, vocab)["score"]) + b"\n")
+            run_wrk(url, script, bodies, 2, 0, 3, args.client_cpus)  # warm-up
+            gc_before = gc_pauses(url)
+
+            def record(row: dict) -> None:
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
+
+            for c in args.closed:
+                wait_idle(cfg)
+                record(run_wrk(url, script, bodies, c, 0, args.duration, args.client_cpus))
+            unloaded = rows[0]["p50_ms"] if rows else 0.0
+            for rate in args.rates:
+                c = args.wrk_connections
+                think = max(0.0, c / rate * 1e3 - unloaded)
+                wait_idle(cfg)
+                record(run_wrk(url, script, bodies, c, think, args.duration, args.client_cpus))
+                wait_idle(cfg)
+                record(run_open_loop(cfg, rate))
+            gc_after = gc_pauses(url)
+    finally:
+        if proc is not None:
+            stop(proc)
+    result = {
+        "env": env_info(),
+        "date": time.strftime("%Y-%m-%d"),
+        "config": vars(args),
+        "rows": rows,
+        "gc_before": gc_before,
+        "gc_after": gc_after,
+    }
+    out.write_text(json.dumps(result, indent=1))
+    print(table(rows))
+    gens = []
+    for g in range(3):
+        count = f"gen{g}_seconds_count"
+        n = gc_after.get(count, 0) - gc_before.get(count, 0)
+        worst = gc_after.get(f"gen{g}_max_seconds", 0) * 1e3
+        gens.append(f"gen{g}: {n:.0f} (max so far {worst:.1f} ms)")
+    print("collections during the runs: " + ", ".join(gens))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""`BatchingNode` scheduling, driven directly with an injected clock: a request that arrives while a
+batch runs is in the very next batch, with no wait; with a latency target the token budget follows
+the cost model (half the target per batch, the oldest request's deadline, the whole budget when the
+queue cannot drain within the target anyway), shrinks when batches get slower and grows back when
+they get faster.
+
+The model is a fake whose cost is `FIXED_NS + PER_TOKEN_NS × tokens` on the injected clock: it
+advances the clock by its cost and lets the arrivals scheduled meanwhile in (`node.start` from
+inside the batch, as a server thread would), so every run is deterministic and reads no wall
+clock.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+
+from boundgen.runtime.batching import BatchingNode, CostModel
+from boundgen.runtime.node import PipelineError
+
+FIXED_NS = 1_000_000  # 1 ms per batch
+PER_TOKEN_NS = 10_000  # 10 µs per token
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def __call__(self) -> int:
+        return self.ns
+
+
+@dataclass
+class FakeRequest:
+    """What a batching node reads of the executor's request."""
+
+    request_id: int
+    deadline_ns: int | None = None
+    timeout_ms: float = 0.0
+    pipeline: str = "fake"
+    failed: bool = False
+    executor: object = field(default_factory=lambda: type("Ex", (), {"cuda": False})())
+
+    def alive(self) -> bool:
+        return not self.failed
+
+
+class Sim:
+    """A batching node over the fake model, and a schedule of arrivals (ns, tokens)."""
+
+    def __init__(self, arrivals: list[tuple[int, int]], cost=None, **node_kw) -> None:
+        self.clock = Clock()
+        self.cost = cost or (lambda tokens: FIXED_NS + PER_TOKEN_NS * tokens)
+        self.pending = sorted(arrivals)
+        self.arrived: dict[int, int] = {}  # request id → arrival ns
+        self.finished: dict[int, int] = {}  # request id → end ns
+        self.batches: list[list[int]] = []  # request ids per batch, in order
+        self.runs_ns: list[int] = []
+        self.budgets: list[int] = []
+        self.warm: list[bool] = []  # whether the cost model was warm when each batch formed
+        self._cv = threading.Condition()
+        self.node = BatchingNode(
+            "forward",
+            self._fn,
+            inputs=["tokens"],
+            outputs=["out"],
+            merge=lambda items: ([it["tokens"] for it in items], None),
+            split=lambda out, sizes: out,
+            size=lambda args: args["tokens"][1],
+            kind="cpu",
+            clock=self.clock,
+            **node_kw,
+        )
+
+    def _fn(self, batch: list[tuple[int, int]]) -> list[int]:
+        self.budgets.append(self.node.last_budget)
+        self.warm.append(self.node.cost.warm)
+        self.batches.append([rid for rid, _ in batch])
+        run = self.cost(sum(tokens for _, tokens in batch))
+        end = self.clock.ns + run
+        while self.pending and self.pending[0][0] <= end:  # they arrive while this batch runs
+            at, tokens = self.pending.pop(0)
+            self.clock.ns = max(self.clock.ns, at)
+            self._start(tokens)
+        self.clock.ns = end
+        self.runs_ns.append(run)
+        return [rid for rid, _ in batch]
+
+    def _start(self, tokens: int, deadline_ms: float | None = None) -> None:
+        rid = len(self.arrived)
+        self.arrived[rid] = self.clock.ns
+        deadline = None if deadline_ms is None else self.clock.ns + int(deadline_ms * 1e6)
+        req = FakeRequest(rid, deadline, deadline_ms or 0.0)
+        self.node.start(req, {"tokens": (rid, tokens)}, self._done)
+
+    def _done(self, outs, exc, info=None, event=None) -> None:
+        assert exc is None, exc
+        with self._cv:
+            self.finished[outs[0]] = self.clock.ns
+            self._cv.notify_all()
+
+    def run(self) -> Sim:
+        """Until every arrival has finished; an idle node gets its next arrival from here."""
+        while self.pending:
+            at, tokens = self.pending.pop(0)
+            self.clock.ns = max(self.clock.ns, at)
+            self._start(tokens)
+            with self._cv:  # the batch (and any that followed) ran on this or the batcher thread
+                assert self._cv.wait_for(lambda: len(self.finished) == len(self.arrived), 10)
+        self.node.close()
+        return self
+
+    def latencies_ms(self) -> list[float]:
+        return sorted((self.finished[r] - self.arrived[r]) / 1e6 for r in self.arrived)
+
+
+def poisson(rate_per_s: float, n: int, tokens: int, seed: int = 0) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate_per_s)
+        out.append((int(t * 1e9), tokens))
+    return out
+
+
+def p99(values: list[float]) -> float:
+    return values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
+
+
+# ---- arrivals while a batch runs ----------------------------------------------------------------
+
+
+def test_a_request_arriving_while_a_batch_runs_is_in_the_very_next_batch():
+    # request 0 alone; 1 and 2 arrive while it runs (2 ms in), 3 after everything
+    sim = Sim([(0, 100), (500_000, 100), (1_500_000, 100), (50_000_000, 100)]).run()
+    assert sim.batches == [[0], [1, 2], [3]]
+    batch_1_end = sim.runs_ns[0]
+    # the next batch started the moment the first one ended: no wait beyond the running batch
+    assert sim.finished[1] == sim.finished[2] == batch_1_end + sim.runs_ns[1]
+
+
+def test_arrivals_beyond_the_budget_start_the_batch_after():
+    arrivals = [(0, 100)] + [(10_000 * i, 100) for i in range(1, 6)]  # 5 arrive during batch 0
+    sim = Sim(arrivals, token_budget=300).run()
+    assert sim.batches == [[0], [1, 2, 3], [4, 5]]
+
+
+# ---- the cost model ------------------------------------------------------------------------------
+
+
+def test_cost_model_units_within_inverts_predict():
+    cost = CostModel(warm_batches=2, warm_units=0)
+    assert cost.units_within(10.0) is None  # cold
+    for units in (100, 400, 200, 800):
+        cost.observe(units, FIXED_NS + PER_TOKEN_NS * units)
+    assert cost.predict_ms(900) == pytest.approx(10.0)
+    assert cost.units_within(10.0) == pytest.approx(900.0)
+    assert cost.units_within(0.5) == 0.0  # less than the fixed part
+
+
+# ---- the adaptive budget -------------------------------------------------------------------------
+
+
+def test_without_a_target_the_budget_is_fixed():
+    sim = Sim(poisson(200, 200, 100), token_budget=8192).run()
+    assert set(sim.budgets) == {8192}
+
+
+def test_with_a_target_every_batch_runs_within_half_of_it_once_warm():
+    # 1.25 requests of 100 tokens per ms: 0.8 ms of model time per ms with the batches the budget
+    # allows (under capacity), in bursts that the fixed budget would merge into long batches
+    arrivals = poisson(700, 600, 100)
+    sim = Sim(arrivals, token_budget=8192, latency_target_ms=20.0).run()
+    warm = [i for i, w in enumerate(sim.warm) if w]
+    assert len(warm) > 0.9 * len(sim.batches)
+    # the fake's cost is exactly linear, so is the fit: no batch runs past half the target
+    assert max(sim.runs_ns[i] for i in warm) <= 10_000_000
+    assert all(sim.budgets[i] < 8192 for i in warm)
+    assert max(len(b) for b in sim.batches) > 1  # it still merges
+
+
+def test_near_saturation_the_target_gives_up_no_throughput():
+    """At 0.95 of the model's capacity the queue often holds more than two capped batches: then a
+    batch takes the whole budget, as without a target (smaller batches would each pay the fixed
+    cost, lose capacity and let the queue grow without bound)."""
+    capacity = 1e9 / PER_TOKEN_NS / 100  # requests of 100 tokens per second, fixed cost aside
+    arrivals = poisson(0.95 * capacity, 2000, 100, seed=1)
+    fixed = Sim(arrivals, token_budget=8192).run()
+    adaptive = Sim(arrivals, token_budget=8192, latency_target_ms=10.0).run()
+    assert 8192 in adaptive.budgets[20:] and min(adaptive.budgets[20:]) < 8192  # both modes
+    makespan = max(adaptive.finished.values()) / max(fixed.finished.values())
+    assert makespan <= 1.02
+    assert p99(adaptive.latencies_ms()) <= 1.1 * p99(fixed.latencies_ms())
+
+
+def test_the_budget_shrinks_when_batches_get_slower_and_grows_back():
+    slow = {"factor": 1}
+
+    def cost(tokens: int) -> int:
+        return slow["factor"] * (FIXED_NS + PER_TOKEN_NS * tokens)
+
+    phases = [poisson(150, 300, 100, seed=s) for s in range(3)]
+    arrivals, offset = [], 0
+    for phase in phases:
+        arrivals += [(offset + at, n) for at, n in phase]
+        offset += phase[-1][0] + 1_000_000_000
+    sim = Sim(arrivals, cost=cost, token_budget=8192, latency_target_ms=60.0)
+    third = len(arrivals) // 3
+
+    def slow_down_in_the_middle(batch, original=sim._fn):
+        done = len(sim.finished)
+        slow["factor"] = 4 if third <= done < 2 * third else 1
+        return original(batch)
+
+    sim.node.fn = slow_down_in_the_middle
+    sim.run()
+    last = {}  # the last capped budget of each phase (the fit has caught up by then)
+    seen = 0
+    for batch, budget in zip(sim.batches, sim.budgets):
+        seen += len(batch)
+        if budget < 8192:
+            last[min(2, (seen - 1) // third)] = budget
+    # (30 ms - fixed) / per token: 2900 tokens, 4x slower 650, then 2900 again
+    assert last[1] < last[0] / 2  # slower per token: a much smaller budget
+    assert last[2] > 2 * last[1]  # fast again: it grew back
+
+
+def test_the_budget_keeps_the_oldest_request_within_its_deadline():
+    sim = Sim([], token_budget=8192, latency_target_ms=1000.0)
+    for units in (100, 400, 200, 800, 300, 600):  # warm the fit: 1 ms + 10 µs per token
+        sim.node.cost.observe(units, FIXED_NS + PER_TOKEN_NS * units)
+    oldest = FakeRequest(0, deadline_ns=sim.clock.ns + 4_000_000)  # 4 ms left: 300 tokens
+    item = type("Item", (), {"req": oldest, "size": 100})()
+    assert sim.node._budget(item, deque()) == 300
+    item.req = FakeRequest(1, deadline_ns=sim.clock.ns - 1)  # already late: it alone
+    assert sim.node._budget(item, deque()) == 1
+    item.req = FakeRequest(2)  # no deadline: half the target, 49,900 tokens, over the budget
+    assert sim.node._budget(item, deque()) == 8192
+
+
+def test_latency_target_must_be_positive():
+    with pytest.raises(PipelineError, match="latency_target_ms must be positive"):
+        Sim([], latency_target_ms=0.0)
