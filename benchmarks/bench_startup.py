@@ -18,6 +18,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -33,12 +34,15 @@ def one_start(serve_args: list[str], timeout_s: float) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "boundgen.cli", "serve", "--port", str(port), *serve_args]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # stderr to a file: a pipe nobody reads while the server starts could fill and stall it
+    err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in the finally below
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
     listening = None
     try:
         while time.monotonic() - t0 < timeout_s:
             if proc.poll() is not None:
-                raise RuntimeError(f"serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+                err.seek(0)
+                raise RuntimeError(f"serve exited {proc.returncode}: {err.read()[-2000:]}")
             try:
                 status = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code
             except httpx.HTTPError:
@@ -56,6 +60,7 @@ def one_start(serve_args: list[str], timeout_s: float) -> dict:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        err.close()
 
 
 def main() -> int:
@@ -67,7 +72,12 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(own)
-    runs = [one_start(serve_args, args.timeout_s) for _ in range(args.runs)]
+    runs = []
+    for i in range(args.runs):  # the first start of a machine can differ (caches): print each
+        runs.append(one_start(serve_args, args.timeout_s))
+        r = runs[-1]
+        ready = f"listening {r['listening_s']:.2f} s, ready {r['ready_s']:.2f} s"
+        print(f"run {i + 1}: {ready}", flush=True)
     out = {"serve_args": serve_args, "runs": runs, "cpu_count": os.cpu_count()}
     for key in ("listening_s", "ready_s"):
         values = sorted(r[key] for r in runs)

@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", type=float, nargs="*", default=[5, 10, 20, 30])
     p.add_argument("--wrk-connections", type=int, default=16, help="wrk clients per rate step")
     p.add_argument("--duration", type=float, default=15.0, help="seconds per run")
+    p.add_argument(
+        "--client-processes", type=int, default=1, help="boundgen loadtest's client processes"
+    )
     p.add_argument("--server-cpus", default="0")
     p.add_argument("--client-cpus", default="1")
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/...)")
@@ -316,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         query_tokens=args.query_tokens,
         duration=args.duration,
         timeout_s=60.0,
+        processes=args.client_processes,
         label="boundgen",
     )
     rows: list[dict] = []

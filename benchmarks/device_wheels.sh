@@ -1,6 +1,8 @@
 # Sourced by the run_h200*.sh scripts on the device machine: install the carried wheels (`.whl`, and
-# `.whl-ray` when present; see fetch_device_wheels.sh) into /tmp/site and put it on PYTHONPATH.
+# `.whl-ray` when present; see fetch_device_wheels.sh) into /tmp/site and put it on PYTHONPATH; a carried
+# `.tools` (wrk) goes on PATH.
 install_device_wheels() {
+  [ -x .tools/wrk ] && export PATH="$PWD/.tools:$PATH"
   ls .whl/*.whl >/dev/null 2>&1 || return 0
   local extra=(.whl/*.whl)
   ls .whl-ray/*.whl >/dev/null 2>&1 && extra+=(.whl-ray/*.whl)

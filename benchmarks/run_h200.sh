@@ -9,19 +9,29 @@
 #   bash benchmarks/run_h200.sh fp8-selective                   # compiled W1/W2: bf16, mlp, mlp:skip=0,-1
 #   bash benchmarks/run_h200.sh serving                         # W5 HTTP vs HF server (carry .whl; ≈ 6 min)
 #   bash benchmarks/run_h200.sh ray                             # Ray Serve 1 replica vs plain (carry .whl .whl-ray)
-# Wheels for the last two: `bash benchmarks/fetch_device_wheels.sh --with-ray` here first.
+#   bash benchmarks/run_h200.sh bg:gpu-tests w5-compile wait tail startup   # issue 17 (carry .whl .tools)
+#   bash benchmarks/run_h200.sh hf-serving beam-serving         # W5 HF server; issue 15: open-loop /v1/beam
+# Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
 set -u
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 BOUNDGEN_CACHE=${BOUNDGEN_CACHE:-/tmp/boundgen-cache} RAY_USAGE_STATS_ENABLED=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ROOT=${ROOT:-/tmp/boundgen-models}
+M=$ROOT/qwen2.5-0.5b-bf16  # the serving phases' checkpoint
+[ -f $M/config.json ] || python3 -c "from boundgen.checkpoints import make_model; make_model('qwen2.5-0.5b', '$M', dtype='bfloat16', overwrite=True, progress=False)"
+# W5: W2 requests merged 1, 2, 3-4, 5-8 at a time (cascade buckets), plus plain buckets for the warm-up
+W5_BUCKETS=t2048-s128-m512-g2-p320-q1728,t4096-s256-m512-g3-p640-q3456,t8192-s512-m512-g5-p1280-q6912,t16384-s1024-m512-g9-p2560-q13824,t256,t1024
+W5_SERVE="--device cuda --dtype bfloat16 --backend aoti+graphs --batch-token-budget 15000"
 . benchmarks/device_wheels.sh
 [ -n "${SKIP_WHEELS:-}" ] || install_device_wheels
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 # A phase's budget can be overridden as NAME:SECONDS (e.g. fp8-model:200) to fit a 10-minute call.
 phase() { local name=$1 budget=${B:-$2}; shift 2; echo "=== $name (budget ${budget}s)"; timeout "$budget" "$@" 2>&1 | tee "$OUT/$name.log" | tail -45; }
-for spec in "$@"; do
-  p=${spec%%:*}; B=; [ "$p" != "$spec" ] && B=${spec#*:}
+# `bg:NAME` runs a phase in the background (e.g. the GPU tests while buckets compile on the CPUs);
+# `wait` waits for it (before anything timed).
+run_phase() {
+  local spec=$1 p B=
+  p=${spec%%:*}; [ "$p" != "$spec" ] && B=${spec#*:}
   case $p in
     gpu-tests) phase gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ${GPU_TEST_ARGS:-} ;;
     gpu) phase gpu 560 python3 benchmarks/bench_gpu.py --root $ROOT --out "$OUT/gpu.json" --budget-s $(( ${B:-560} - 20 )) ${GPU_ARGS:-} ;;
@@ -37,6 +47,21 @@ for spec in "$@"; do
     serving) phase serving 540 python3 benchmarks/bench_serving.py --device cuda --qps-steps 50 100 200 400 800 1600 --duration 15 --out-dir "$OUT" ;;
     runtime) phase runtime 200 python3 benchmarks/bench_runtime.py --preset qwen2.5-0.5b --device cuda --dtype bfloat16 --out "$OUT/runtime.json" ;;
     ray) phase ray 290 python3 benchmarks/bench_ray.py --out-dir "$OUT" ${RAY_ARGS:-} ;;
+    w5-compile) phase w5-compile 200 python3 -m boundgen.cli compile --model $M --device cuda --dtype bfloat16 --buckets $W5_BUCKETS --jobs 12 --no-verify --json "$OUT/w5_compile.json" ;;
+    # without LD_PRELOAD: start-up includes the AOTInductor load check and its re-exec, as a user gets it
+    startup) phase startup 200 env -u LD_PRELOAD python3 benchmarks/bench_startup.py --runs 2 --timeout-s 110 --out "$OUT/startup.json" -- --model $M $W5_SERVE ;;
+    tail) phase tail 200 python3 benchmarks/bench_tail.py --model $M --serve-args "$W5_SERVE" --items 100 --item-tokens 16 --query-tokens 256 --closed 1 4 --rates ${TAIL_RATES:-25 50 100 150 200 300} --wrk-connections 64 --client-processes 4 --duration 6 --server-cpus 0-7 --client-cpus 8-15 --out "$OUT/tail.json" ;;
+    hf-serving) phase hf-serving 90 python3 benchmarks/bench_serving.py --model $M --device cuda --servers hf --qps-steps 5 10 --duration 6 --warmup 5 --out-dir "$OUT/hf" ;;
+    beam-serving) echo '[{"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": 16, "trie": "w4"}]' > /tmp/beam_profile.json
+      phase beam-serving 420 python3 benchmarks/bench_serving.py --model $M --device cuda --workload beam --servers boundgen --trie-items 100000 --qps-steps ${BEAM_QPS:-50 100 200 400 800 1600} --duration 6 --warmup 20 --serve-args "--backend compile+graphs --warmup /tmp/beam_profile.json" --out-dir "$OUT/beam" ;;
     *) echo "unknown phase $p" ;;
   esac
+}
+for spec in "$@"; do
+  case $spec in
+    bg:*) run_phase "${spec#bg:}" > /dev/null & ;;
+    wait) wait ;;
+    *) run_phase "$spec" ;;
+  esac
 done
+wait
