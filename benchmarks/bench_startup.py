@@ -18,7 +18,7 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 
 import httpx
@@ -30,19 +30,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_start(serve_args: list[str], timeout_s: float) -> dict:
+def one_start(serve_args: list[str], timeout_s: float, log_path: str | None = None) -> dict:
+    """Start `boundgen serve`, time it; `log_path`: its stderr, each line stamped with the seconds
+    since the start (where the start-up time goes)."""
     port = free_port()
     cmd = [sys.executable, "-m", "boundgen.cli", "serve", "--port", str(port), *serve_args]
     t0 = time.monotonic()
-    # stderr to a file: a pipe nobody reads while the server starts could fill and stall it
-    err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+
+    def read() -> None:  # drained as it comes: a full pipe would stall the server
+        for line in proc.stderr:
+            lines.append(f"{time.monotonic() - t0:8.2f}  {line}")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     listening = None
     try:
         while time.monotonic() - t0 < timeout_s:
             if proc.poll() is not None:
-                err.seek(0)
-                raise RuntimeError(f"serve exited {proc.returncode}: {err.read()[-2000:]}")
+                reader.join(5)
+                raise RuntimeError(f"serve exited {proc.returncode}: {''.join(lines)[-2000:]}")
             try:
                 status = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code
             except httpx.HTTPError:
@@ -60,7 +68,10 @@ def one_start(serve_args: list[str], timeout_s: float) -> dict:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-        err.close()
+        reader.join(5)
+        if log_path:
+            with open(log_path, "w") as f:
+                f.writelines(lines)
 
 
 def main() -> int:
@@ -71,10 +82,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--log-prefix", default=None, help="write run i's stderr to PREFIX<i>.log")
     args = parser.parse_args(own)
     runs = []
     for i in range(args.runs):  # the first start of a machine can differ (caches): print each
-        runs.append(one_start(serve_args, args.timeout_s))
+        log_path = f"{args.log_prefix}{i + 1}.log" if args.log_prefix else None
+        runs.append(one_start(serve_args, args.timeout_s, log_path))
         r = runs[-1]
         ready = f"listening {r['listening_s']:.2f} s, ready {r['ready_s']:.2f} s"
         print(f"run {i + 1}: {ready}", flush=True)

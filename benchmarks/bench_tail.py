@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, _cpus(args.client_cpus))
     out = Path(args.out or HERE / "results" / "tail_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    proc, url = None, args.url
+    proc, url, ready_s = None, args.url, None
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -310,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.server_cpus:
             cmd = ["taskset", "-c", args.server_cpus, *cmd]
         print(f"== {' '.join(cmd)}", flush=True)
+        t0 = time.monotonic()
         proc = start(cmd, url, out.with_suffix(".server.log"))
+        ready_s = time.monotonic() - t0
+        print(f"server ready in {ready_s:.1f} s", flush=True)
     cfg = LoadConfig(
         url=url,
         workload="score",
@@ -336,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             def record(row: dict) -> None:
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
+                partial = {"env": env_info(), "config": vars(args), "rows": rows}
+                out.write_text(json.dumps(partial | {"server_ready_s": ready_s}, indent=1))
 
             for c in args.closed:
                 wait_idle(cfg)
@@ -357,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "config": vars(args),
         "rows": rows,
+        "server_ready_s": ready_s,
         "gc_before": gc_before,
         "gc_after": gc_after,
     }

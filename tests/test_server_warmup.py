@@ -82,3 +82,25 @@ def test_a_profile_file_and_its_errors(engine_for, tmp_path):
         create_app(engine_for(), ServerConfig(warmup=str(path)))
     with pytest.raises(ValueError, match="warm-up profile .*missing.json"):
         create_app(engine_for(), ServerConfig(warmup=str(tmp_path / "missing.json")))
+
+
+def test_hooks_run_after_a_successful_warm_up_before_readiness(engine_for):
+    """The serving process freezes the heap the warm-up grew (`after_warm_up`) before it says ready;
+    a failing hook is a failed warm-up."""
+    app = create_app(engine_for(), ServerConfig())
+    state = app.state.boundgen
+    seen = []
+    state.after_warm_up.append(lambda: seen.append(state.ready))
+    with TestClient(app, base_url=LOCAL) as client:
+        wait_for(lambda: client.get("/health").status_code == 200)
+    assert seen == [False]
+
+    app = create_app(engine_for(), ServerConfig())
+
+    def broken():
+        raise MemoryError("no room to freeze")
+
+    app.state.boundgen.after_warm_up.append(broken)
+    with TestClient(app, base_url=LOCAL) as client:
+        wait_for(lambda: "failed" in app.state.boundgen.unready)
+        assert "warm-up failed: MemoryError: no room to freeze" in client.get("/health").text

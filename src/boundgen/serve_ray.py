@@ -205,6 +205,7 @@ class BoundgenReplica:
             from boundgen.server.heap import freeze_startup_heap
 
             freeze_startup_heap()
+            self.state.after_warm_up.append(freeze_startup_heap)  # and what warm-up made
         log.info(
             "boundgen replica %s: %s on %s, pid %d, metrics port %s",
             self.replica_id,

@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         from boundgen.server.heap import freeze_startup_heap
 
         freeze_startup_heap()
+        app.state.boundgen.after_warm_up.append(freeze_startup_heap)  # and what warm-up made
     print(
         f"boundgen serve: {engine_obj.model_name} ({model}) on {engine_obj.device} at "
         f"http://{server.host}:{server.port}",

@@ -6,8 +6,9 @@ walks all of them — 185 ms on the 2-core development machine — and stalls wh
 flight. CPython runs one only when the survivors since the last one reach a quarter of the
 long-lived objects, so it is rare (none in 320 requests of a CPU load test), but when it comes it is
 a p99 event. `gc.freeze()` after start-up moves those objects into a permanent generation that
-collections skip; objects made by requests are still collected as usual. `boundgen_gc_pause_seconds`
-(per generation) shows whether pauses matter for a deployment.
+collections skip: once the app is built, and again after the warm-up (compiling the beam searches'
+graphs makes many more long-lived objects). Objects made by requests are still collected as usual.
+`boundgen_gc_pause_seconds` (per generation) shows whether pauses matter for a deployment.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ log = logging.getLogger("boundgen.server")
 
 
 def freeze_startup_heap() -> dict:
-    """Collect once, then freeze what is left (call after the engine and the app are built)."""
+    """Collect once, then freeze what is left (call after the engine and the app are built, and
+    after the warm-up)."""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,9 @@ class ServerState:
         self.ready = True
         self.unready = ""
         self.draining = False
+        # run once the warm-up has succeeded, before readiness (the serving process freezes the
+        # heap the warm-up grew: compiled graphs, dynamo's caches)
+        self.after_warm_up: list[Callable[[], Any]] = []
 
     def _warmup_requests(self) -> list:
         from boundgen import warmup
@@ -92,6 +96,8 @@ class ServerState:
 
         try:
             warmup.run(self.warmup, progress)
+            for hook in self.after_warm_up:
+                hook()
         except Exception as exc:
             log.exception("warm-up failed; the server stays not ready")
             self.unready = f"warm-up failed: {type(exc).__name__}: {exc}"
