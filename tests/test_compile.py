@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import resource
 import shutil
 import sys
 
@@ -361,6 +362,20 @@ def test_preload_broken_and_ok(tmp_path):
     fine = [sys.executable, "-c", "print('boundgen-probe-ok')"]
     assert preload.diagnose("unused", tmp_path, command=fine)["status"] == "ok"
     assert preload.ensure_loadable("unused", tmp_path)["status"] == "ok"  # cached: no probe
+
+
+def test_a_crashing_probe_writes_no_core_file():
+    """A crash is one of the probe's expected answers: its child may not dump core."""
+    check = "import resource; assert resource.getrlimit(resource.RLIMIT_CORE)[0] == 0; "
+    command = [sys.executable, "-c", check + "print('boundgen-probe-ok')"]
+    limit = resource.getrlimit(resource.RLIMIT_CORE)
+    if limit[1] == 0:
+        pytest.skip("core files are off for this user: nothing to prove")
+    resource.setrlimit(resource.RLIMIT_CORE, (limit[1], limit[1]))  # a parent that allows cores
+    try:
+        assert preload.probe("unused", command=command) == (True, "ok")
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, limit)
 
 
 def test_real_package_probe_loads(engine_for, aoti_cache):

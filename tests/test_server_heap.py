@@ -7,7 +7,7 @@ import weakref
 
 from prometheus_client import generate_latest
 
-from boundgen.server.heap import GCPauses, freeze_startup_heap
+from boundgen.server.heap import FULL_COLLECTION_EVERY, GCPauses, freeze_startup_heap
 from boundgen.server.metrics import Metrics
 
 
@@ -38,8 +38,10 @@ def test_freeze_moves_startup_objects_out_of_collections():
     survivor = _Node()
     survivor.self = survivor  # a cycle alive at start-up: frozen with the rest of the heap
     watch = weakref.ref(survivor)
+    thresholds = gc.get_threshold()
     try:
         info = freeze_startup_heap()
+        assert gc.get_threshold()[2] == FULL_COLLECTION_EVERY
         # Other threads may free frozen objects meanwhile, so the live count can only have dropped.
         assert info["frozen_objects"] > 1000 and gc.get_freeze_count() <= info["frozen_objects"]
         del survivor
@@ -53,5 +55,6 @@ def test_freeze_moves_startup_objects_out_of_collections():
         assert watch_later() is None
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
     gc.collect()
     assert watch() is None  # unfrozen garbage is collected again

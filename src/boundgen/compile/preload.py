@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,12 @@ def _preloaded(lib: str) -> bool:
     )
 
 
+def _no_core() -> None:
+    """In the probe child: a crash is an expected answer, so no core file (writing a CUDA
+    process's core can take longer than the probe itself)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
 def probe(
     package: str | Path,
     preload: str | None = None,
@@ -110,7 +117,9 @@ def probe(
         env["LD_PRELOAD"] = " ".join(p for p in [preload, env.get("LD_PRELOAD", "")] if p)
     cmd = command or [sys.executable, "-c", _PROBE, str(package)]
     try:
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=_no_core
+        )
     except subprocess.TimeoutExpired:
         return False, f"probe timed out after {timeout:.0f}s"
     if r.returncode == 0 and "boundgen-probe-ok" in r.stdout:
