@@ -111,6 +111,8 @@ def run_wrk(
         "requests": r["requests"],
         "ok_per_s": ok / (r["duration_us"] / 1e6),
         "errors": r["non200"] + r["socket_errors"],
+        "non200": r["non200"],
+        "socket_errors": r["socket_errors"],  # e.g. a keep-alive connection closed while idle
         "p50_ms": r["p50_us"] / 1e3,
         "p90_ms": r["p90_us"] / 1e3,
         "p99_ms": r["p99_us"] / 1e3,

@@ -50,11 +50,12 @@ run_phase() {
     w5-compile) phase w5-compile 200 python3 -m boundgen.cli compile --model $M --device cuda --dtype bfloat16 --buckets $W5_BUCKETS --jobs 12 --no-verify --json "$OUT/w5_compile.json" ;;
     # without LD_PRELOAD: start-up includes the AOTInductor load check and its re-exec, as a user gets it
     startup) phase startup 240 env -u LD_PRELOAD python3 benchmarks/bench_startup.py --runs ${STARTUP_RUNS:-2} --timeout-s 220 --out "$OUT/startup.json" --log-prefix "$OUT/startup-run" -- --model $M $W5_SERVE --log-level info ;;
-    # without LD_PRELOAD too (after startup, its server start is a warm one: the load check cached)
+    # without LD_PRELOAD too: after `startup` its server start is a warm one (the load check cached);
+    # without `startup` before it, the start includes the load check (~90 s on the H200)
     tail) phase tail 240 env -u LD_PRELOAD python3 benchmarks/bench_tail.py --model $M --serve-args "$W5_SERVE" --items 100 --item-tokens 16 --query-tokens 256 --closed 1 4 --rates ${TAIL_RATES:-25 50 100 150 200 300} --wrk-connections 64 --client-processes 4 --duration 6 --server-cpus 0-7 --client-cpus 8-15 --out "$OUT/tail.json" ;;
     hf-serving) phase hf-serving 90 python3 benchmarks/bench_serving.py --model $M --device cuda --servers hf --qps-steps 5 10 --duration 6 --warmup 5 --out-dir "$OUT/hf" ;;
     beam-serving) echo '[{"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": 16, "trie": "w4"}]' > /tmp/beam_profile.json
-      phase beam-serving 420 python3 benchmarks/bench_serving.py --model $M --device cuda --workload beam --servers boundgen --trie-items 100000 --qps-steps ${BEAM_QPS:-50 100 200 400 800 1600} --duration 6 --warmup 20 --serve-args "--backend compile+graphs --warmup /tmp/beam_profile.json" --out-dir "$OUT/beam" ;;
+      phase beam-serving 420 python3 benchmarks/bench_serving.py --model $M --device cuda --workload beam --servers boundgen --trie-items 100000 --qps-steps ${BEAM_QPS:-50 100 200 400 800 1600} --duration 6 --warmup 20 --serve-args "--backend compile+graphs --compile-buckets t64 --warmup /tmp/beam_profile.json" --out-dir "$OUT/beam" ;;
     *) echo "unknown phase $p" ;;
   esac
 }
