@@ -81,6 +81,11 @@ def test_score_input_errors(engine_for):
         engine.score(QUERY, [[1, 2], [-3]], [1])
     with pytest.raises(ValueError, match=r"items\[0\] must be a string or a list of token ids"):
         engine.score(QUERY, [3.5], [1])
+    for odd in ([1, True], [1, 2.0], [1, "2"], [1, None]):  # booleans are not token ids either
+        with pytest.raises(ValueError, match=r"items\[0\] must be a string or a list of token ids"):
+            engine.score(QUERY, [odd], [1])
+    with pytest.raises(ValueError, match=rf"items\[0\] has token id {vocab} outside"):
+        engine.score(QUERY, [[1, vocab, vocab + 5, -1]], [1])  # the first bad id is named
     with pytest.raises(ValueError, match="needs a \\*ForSequenceClassification"):
         engine.classify(["x"])
     assert len(engine.score(QUERY, ITEMS, [1, 2])) == 2  # still serving
