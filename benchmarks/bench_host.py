@@ -2,10 +2,13 @@
 vectorization, the bucket chunker; the padding W1/W2/W3 (DESIGN §9) get from the old cut (token
 budget, then the largest bucket) and from `compile.chunking`; buckets planned for varied W2 traffic.
 
-    python benchmarks/bench_host.py [--before ae374ee] [--repeats 50] [--json $OUT/host.json]
+    python benchmarks/bench_host.py [--before ae374ee] [--ids-before 3554611] [--repeats 50]
+                                    [--json $OUT/host.json]
 
 `--before REV`: the git revision whose `text/packing.py` and `compile/buckets.py` are the baseline
-(ae374ee: the last one before vectorization). Times are the best of `--repeats` short rounds (the
+(ae374ee: the last one before vectorization). `--ids-before REV`: the revision whose
+`workloads/inputs.to_ids` (checking a request's token ids) is the baseline (3554611: the last one
+with a generator of isinstance calls). Times are the best of `--repeats` short rounds (the
 least disturbed by other processes on the machine), in µs per forward.
 """
 
@@ -170,9 +173,30 @@ def varied_w2_plans() -> list[dict]:
     return rows
 
 
+def id_check_times(rev: str, repeats: int) -> list[dict]:
+    """µs to check a W2 request's token ids (the query and 100 items, as `prepare_score` does) and
+    one 1,856-id list, with `to_ids` as of `rev` and now."""
+    from boundgen.workloads.inputs import Limits, to_ids
+
+    old = old_module(rev, "workloads.inputs").to_ids
+    query, items = common.w2_request(151936)
+    limits = Limits(vocab_size=151936, max_seq_len=32768, max_items=1024)
+    flat = [t for ids in [query, *items] for t in ids]
+    rows = []
+    for what, lists in (("W2 request (query + 100 items)", [query, *items]), ("one list", [flat])):
+        row = {"ids": what, "tokens": sum(map(len, lists))}
+        for name, fn in (("before", old), ("after", to_ids)):
+            row[name] = round(
+                best_us(lambda fn=fn: [fn(x, None, limits, "x") for x in lists], repeats), 1
+            )
+        rows.append(row)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", default="ae374ee", help="git revision of the baseline `pack`")
+    ap.add_argument("--ids-before", default="3554611", help="git revision of the baseline `to_ids`")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -209,8 +233,11 @@ def main() -> int:
     print(table(varied, [(c, c) for c in cols]))
     print(f"\nladder: {', '.join(b.name for b in ladder)}")
     print(f"planned: {', '.join(b.name for b in planned)}")
+    ids = id_check_times(args.ids_before, args.repeats)
+    print(f"\nchecking token ids, µs (best of {args.repeats}; before = {args.ids_before})")
+    print(table(ids, [(c, c) for c in ids[0]]))
     if args.json:
-        results = {"host_us": timings, "padding": pads, "varied_w2": varied}
+        results = {"host_us": timings, "padding": pads, "varied_w2": varied, "ids_us": ids}
         Path(args.json).write_text(json.dumps({"env": common.env_info(), **results}, indent=1))
     return 0
 
