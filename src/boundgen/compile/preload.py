@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -98,12 +97,6 @@ def _preloaded(lib: str) -> bool:
     )
 
 
-def _no_core() -> None:
-    """In the probe child: a crash is an expected answer, so no core file (writing a CUDA
-    process's core can take longer than the probe itself)."""
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
 def probe(
     package: str | Path,
     preload: str | None = None,
@@ -116,10 +109,11 @@ def probe(
     if preload:
         env["LD_PRELOAD"] = " ".join(p for p in [preload, env.get("LD_PRELOAD", "")] if p)
     cmd = command or [sys.executable, "-c", _PROBE, str(package)]
+    # A crash is one of the answers: no core file (writing a CUDA process's core can take longer
+    # than the probe). Through the shell, not `preexec_fn`, which may deadlock in a threaded parent.
+    cmd = ["/bin/sh", "-c", 'ulimit -c 0; exec "$@"', "boundgen-probe", *cmd]
     try:
-        r = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=_no_core
-        )
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, f"probe timed out after {timeout:.0f}s"
     if r.returncode == 0 and "boundgen-probe-ok" in r.stdout:

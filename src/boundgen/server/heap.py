@@ -19,10 +19,10 @@ import time
 
 log = logging.getLogger("boundgen.server")
 
-# A full collection once per this many middle-generation ones (CPython's default: 10). Measured on
-# the H200 (W5 at 5-300 req/s for ~60 s, heap frozen after the warm-up): 53 full collections of
-# 26.5 ms on average, each a p99 event; the frozen heap keeps the long-lived count small, so
-# CPython's "a quarter more long-lived objects" rule no longer holds them back.
+# A full collection once per this many middle-generation ones (CPython's default: 10). Measured
+# on the H200 (W5 at 5-300 req/s, about 96 s of load, heap frozen after the warm-up): 53 full
+# collections of 26.5 ms on average, each a p99 event; the frozen heap keeps the long-lived count
+# small, so CPython's "a quarter more long-lived objects" rule no longer holds them back.
 FULL_COLLECTION_EVERY = 100
 
 
