@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -103,7 +104,9 @@ class Engine:
         # a misspelt policy fails before any weight is read; the canonical name keys the compiled
         # artifacts, so "MLP" and "gate_up_proj+down_proj" share them
         fp8 = parse_policy(config.fp8).name
+        t0 = time.perf_counter()
         model = load_model(path, config.device, config.dtype, config.attention)
+        t_weights = time.perf_counter() - t0
         if fp8 != "none":
             enable_fp8(model, path, fp8, force=config.fp8_force, emulate=config.fp8_emulate)
         dev = next(model.parameters()).device
@@ -119,12 +122,14 @@ class Engine:
         )
         tokenizer = Tokenizer.from_dir(path)
         log.info(
-            "loaded %s (%s) on %s in %s with %s attention",
+            "loaded %s (%s) on %s in %s with %s attention (weights %.1f s, backend %.1f s)",
             path.name,
             model.config.architecture,
             dev,
             next(model.parameters()).dtype,
             model.backend.name,
+            t_weights,
+            time.perf_counter() - t0 - t_weights,
         )
         return cls(runner, tokenizer, config, path)
 

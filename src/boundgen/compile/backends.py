@@ -182,18 +182,29 @@ def _aoti_fns(model, device, buckets, opts: CompileOptions, graphs: bool) -> tup
                 f"no compiled buckets for this model in {cache.root}; run "
                 f"`boundgen compile --model DIR --device {device.type}` first",
             )
+    t0 = time.perf_counter()
     entries = build_aoti(model, device, buckets, cache, opts.quant, rebuild, opts.progress)
     opts.build_log.extend(info for _, _, info in entries)
     ensure_loadable(entries[0][1].path, cache.root, allow_reexec=opts.allow_reexec)
+    log.info("aoti: %d cached buckets checked in %.2f s", len(entries), time.perf_counter() - t0)
     weights = SharedWeights(model)
     fns = {}
     for bucket, entry, _ in entries:
         single = graphs and bucket.tokens <= opts.graph_max_tokens
+        t0 = time.perf_counter()
         fns[bucket] = AOTIBucket.load(entry.path, bucket, weights, device, single_threaded=single)
+        t_load = time.perf_counter() - t0
         if opts.warmup and not single:  # graph capture warms the others
             # NOTE: a bucket's first run loads its kernels (tens of ms on CUDA): not in a request
             with torch.inference_mode():
                 fns[bucket](bucket.example(device))
+        # start-up is mostly these loads on CUDA: say where it goes
+        log.info(
+            "aoti: bucket %s loaded in %.2f s, first run %.2f s",
+            bucket.name,
+            t_load,
+            time.perf_counter() - t0 - t_load,
+        )
     return buckets, fns
 
 
@@ -227,11 +238,18 @@ def _build(
         from boundgen.compile.aoti import export_attention
         from boundgen.compile.graphs import capture_buckets
 
+        t0 = time.perf_counter()
         with torch.inference_mode():
             fns = capture_buckets(fns, device, opts.graph_max_tokens)
+        t1 = time.perf_counter()
         compile_decode = base != "eager" if opts.compile_decode is None else opts.compile_decode
         attention = export_attention(model, device) if compile_decode else model.backend
         search = SearchGraphs(model, device, attention, compile_layers=compile_decode)
+        log.info(
+            "CUDA graphs captured in %.2f s; beam search set up in %.2f s",
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
     return CompiledForwards(backend, buckets, fns, base != "eager", search)
 
 
