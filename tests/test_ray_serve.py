@@ -254,7 +254,6 @@ def ray_server(tmp_path_factory):
     ray_cfg = RayServeConfig(
         replicas=2, num_cpus=0.5, replica_metrics_port=metrics_base, health_check_period_s=2.0
     )
-    t0 = time.monotonic()
     try:
         # Lean: 2 logical CPUs, the smallest object store, no dashboard, replica logs not forwarded.
         ray.init(
@@ -271,7 +270,6 @@ def ray_server(tmp_path_factory):
             "server": server,
             "engine": engine,
             "metrics_base": metrics_base,
-            "startup_s": time.monotonic() - t0,
         }
     finally:
         shutdown()
@@ -359,4 +357,3 @@ def test_health_and_metrics_per_replica(ray_server):
     r = httpx.get(url + "/metrics", timeout=30)
     assert r.status_code == 200 and r.headers[REPLICA_HEADER] in per_replica
     assert "boundgen_request_seconds_bucket" in r.text
-    assert ray_server["startup_s"] < 90, f"Ray + 2 replicas took {ray_server['startup_s']:.0f}s"
