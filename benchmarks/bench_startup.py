@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,11 +22,7 @@ import time
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from boundgen.server.testing import free_port
 
 
 def one_start(serve_args: list[str], timeout_s: float, log_path: str | None = None) -> dict:

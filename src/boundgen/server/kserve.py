@@ -27,9 +27,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from boundgen.server import inputs
+from boundgen.server.bodies import json_response, large_json_response
 from boundgen.server.errors import BadRequest, NotFound, ServerError, TooLarge, Unavailable
 from boundgen.server.infer import SERVER_TIMES
-from boundgen.server.json import Slices, encode, encode_async, floats
+from boundgen.server.json import Slices, encode, floats
 from boundgen.server.limits import JsonBounds, describe_validation_error, load_json, read_body
 from boundgen.server.state import ServerState
 
@@ -88,25 +89,23 @@ def add_routes(route: Callable[..., None]) -> None:
         route(base + "/infer", "kserve.infer", infer)
 
 
-def _json(obj: Any) -> Response:
-    return Response(encode(obj), media_type="application/json")
-
-
 async def server_metadata(request: Request, state: ServerState) -> Response:
     from boundgen import __version__
 
-    return _json({"name": "boundgen", "version": __version__, "extensions": ["binary_tensor_data"]})
+    return json_response(
+        {"name": "boundgen", "version": __version__, "extensions": ["binary_tensor_data"]}
+    )
 
 
 async def live(request: Request, state: ServerState) -> Response:
-    return _json({"live": True})
+    return json_response({"live": True})
 
 
 async def ready(request: Request, state: ServerState) -> Response:
     if state.draining or not state.ready:
         why = "shutting down" if state.draining else state.unready
         raise Unavailable(f"server is not ready ({why})")
-    return _json({"ready": True})
+    return json_response({"ready": True})
 
 
 def _model(request: Request, state: ServerState) -> str:
@@ -146,7 +145,7 @@ def _metadata(state: ServerState) -> dict[str, Any]:
 
 async def model_metadata(request: Request, state: ServerState) -> Response:
     _model(request, state)
-    return _json(_metadata(state))
+    return json_response(_metadata(state))
 
 
 async def model_ready(request: Request, state: ServerState) -> Response:
@@ -155,7 +154,7 @@ async def model_ready(request: Request, state: ServerState) -> Response:
         raise Unavailable(
             f"model is not ready ({'shutting down' if state.draining else state.unready})"
         )
-    return _json({"name": state.model_name, "ready": True})
+    return json_response({"name": state.model_name, "ready": True})
 
 
 async def statistics(request: Request, state: ServerState) -> Response:
@@ -163,13 +162,13 @@ async def statistics(request: Request, state: ServerState) -> Response:
     asked for every model (`/v2/models/stats`)."""
     if "name" in request.path_params:
         _model(request, state)
-    return _json({"model_stats": [state.kserve_stats.as_triton(state.model_name)]})
+    return json_response({"model_stats": [state.kserve_stats.as_triton(state.model_name)]})
 
 
 async def model_config(request: Request, state: ServerState) -> Response:
     _model(request, state)
     meta = _metadata(state)
-    return _json(
+    return json_response(
         {
             "name": state.model_name,
             "platform": "boundgen",
@@ -506,8 +505,7 @@ async def _infer(request: Request, state: ServerState) -> tuple[Response, int]:
         response["id"] = req.id
     if not binary_out:
         out["data"] = Slices(floats(array.reshape(-1)))  # written in slices: the loop keeps serving
-        body = await encode_async(response)
-        reply = Response(body, media_type="application/json")
+        reply = await large_json_response(response)
         return reply, time.perf_counter_ns() - encode_start
     raw = np.ascontiguousarray(array, dtype="<f4").tobytes()
     out["parameters"] = {"binary_data_size": len(raw)}

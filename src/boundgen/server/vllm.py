@@ -171,7 +171,8 @@ async def pooling(request: Request, state: ServerState) -> Response:
         return encodings.bytes_response(
             outputs, req.embed_dtype, req.endianness, reply, req.encoding_format
         )
-    # PoolingResponse's fields, in its order, without validating every float
+    # vLLM's PoolingResponse (id, object, created, model, data, usage; each datum index, object,
+    # data), built as plain JSON: no validation of every float
     data = [
         {
             "index": i,

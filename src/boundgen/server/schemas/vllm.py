@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, StrictBool, StrictInt, StrictStr
 
@@ -107,21 +107,6 @@ class PoolingRequest(_Request):
     endianness: Endianness = "native"
 
     UNSUPPORTED: ClassVar[Refused] = _POOLING_UNSUPPORTED
-
-
-class PoolingData(BaseModel):
-    index: int
-    object: Literal["pooling"] = "pooling"
-    data: Any  # [H], [L, H] or [C] floats, or a base64 string
-
-
-class PoolingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int
-    model: str
-    data: list[PoolingData]
-    usage: Usage
 
 
 class TokenizeRequest(_Request):
