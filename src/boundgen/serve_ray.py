@@ -206,6 +206,13 @@ class BoundgenReplica:
 
             freeze_startup_heap()
             self.state.after_warm_up.append(freeze_startup_heap)  # and what warm-up made
+        # Serve health-checks a replica as soon as this constructor returns, and one that is not
+        # ready then fails to start: warm up here, not on the app's lifespan thread.
+        if self.state.warmup:
+            self.state.warm_up()
+            self.state.warmup = []  # the lifespan finds nothing left to warm
+        if self.state.unready:
+            raise RuntimeError(f"replica {self.replica_id}: {self.state.unready}")
         log.info(
             "boundgen replica %s: %s on %s, pid %d, metrics port %s",
             self.replica_id,
