@@ -356,6 +356,29 @@ def test_preload_detected_and_applied(tmp_path, monkeypatch):
     assert len(execs) == 1
 
 
+def test_preload_verdict_describes_a_process_started_by_hand(tmp_path, monkeypatch):
+    """A compile run under LD_PRELOAD (as the benchmark scripts do) still finds that a process
+    started without it crashes, and the verdict it stores is the one a server started by hand
+    reads."""
+    lib = preload.libstdcxx_candidates()[0] if preload.libstdcxx_candidates() else None
+    if lib is None:
+        pytest.skip("no system libstdc++ found")
+    monkeypatch.setattr(preload, "loaded_libstdcxx", lambda: None)
+    monkeypatch.setenv("LD_PRELOAD", lib)
+    result = preload.diagnose("unused", tmp_path, command=_fake_probe(lib))
+    assert result["status"] == "preload" and result["preload"] == lib
+    monkeypatch.delenv("LD_PRELOAD")
+    monkeypatch.delenv("BOUNDGEN_AOTI_PRELOAD", raising=False)
+    monkeypatch.setenv("BOUNDGEN_AOTI_REEXEC", "1")
+    monkeypatch.delenv("BOUNDGEN_AOTI_REEXECED", raising=False)
+    execs = []
+    monkeypatch.setattr(
+        preload.os, "execve", lambda exe, argv, env: execs.append(env["LD_PRELOAD"])
+    )
+    preload.reexec_if_needed(tmp_path)  # no probe: the stored verdict
+    assert execs == [lib]
+
+
 def test_preload_broken_and_ok(tmp_path):
     crash = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
     assert preload.diagnose("unused", None, command=crash)["status"] == "broken"

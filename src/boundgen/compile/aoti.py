@@ -5,8 +5,9 @@ shared weights.
                                                 (weights not in the .so)
     SharedWeights(model)                        FQN → the live model's tensors (one copy for
                                                 every bucket)
-    AOTIBucket.load(path, weights)              aoti_load_package +
-                                                load_constants(user_managed=True)
+    open_package(path)                          the package's runner, without Inductor's device
+                                                check (its CPU-ISA probe cost ~50 s a process)
+    AOTIBucket.load(path, weights)              open_package + load_constants(user_managed=True)
 
 Weights stay out of the `.so` (`aot_inductor.package_constants_in_so: False`), so an artifact
 depends only on the graph (config, tensor names/shapes/dtypes, bucket, torch, device) and never
@@ -92,6 +93,43 @@ class BuildInfo:
     export_s: float
     compile_s: float
     size_bytes: int
+    # where compile_s went: Inductor's own timed phases (lowering, codegen, the C++ build, ...),
+    # seconds summed per phase over this build, largest first
+    phases_s: dict[str, float]
+
+
+def _phase_seconds() -> dict[str, float]:
+    """Seconds per Inductor/dynamo timed phase so far in this process (`dynamo_timed`)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # pragma: no cover - layout of another torch
+        return {}
+    return {k: float(sum(v)) for k, v in compilation_time_metrics.items()}
+
+
+# Inductor's timed phases that do not nest inside each other (the others wrap these), by what
+# they are: a build's compile_s is about their sum.
+BUILD_PHASES = {
+    "create_aot_dispatcher_function": "trace",
+    "_recursive_joint_graph_passes": "graph passes",
+    "_recursive_post_grad_passes": "graph passes",
+    "GraphLowering.run": "lowering",
+    "Scheduler.__init__": "fusion",
+    "Scheduler.codegen": "codegen",
+    "async_compile.wait": "kernel compile",
+    "aoti_precompile_header": "C++ header",
+    "AotCodeCompiler.compile": "C++ build",
+}
+
+
+def _phases_since(before: dict[str, float]) -> dict[str, float]:
+    after = _phase_seconds()
+    out: dict[str, float] = {}
+    for name, what in BUILD_PHASES.items():
+        spent = after.get(name, 0.0) - before.get(name, 0.0)
+        if spent >= 0.05:
+            out[what] = round(out.get(what, 0.0) + spent, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def build_package(
@@ -108,11 +146,34 @@ def build_package(
     t1 = time.perf_counter()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    before = _phase_seconds()
     torch._inductor.aoti_compile_and_package(
         ep, package_path=str(path), inductor_configs=dict(INDUCTOR_CONFIGS)
     )
     t2 = time.perf_counter()
-    return BuildInfo(bucket.name, t1 - t0, t2 - t1, path.stat().st_size)
+    return BuildInfo(bucket.name, t1 - t0, t2 - t1, path.stat().st_size, _phases_since(before))
+
+
+def open_package(path: str | Path, single_threaded: bool = False, device_index: int = -1):
+    """The package's model runner (`AOTICompiledModel`), loaded in this process.
+
+    `aoti_load_package` first compares the package's recorded device information with this
+    machine's, only to log a warning, and that comparison runs Inductor's CPU vector-ISA probe:
+    in torch 2.11 up to 11 child processes that each import torch, ~50 s of every process's first
+    load on the H200 image (`compile/isa.py`). The artifact cache's platform key already
+    vouches for torch, CUDA and the GPU, so the runner is made directly."""
+    try:
+        from torch._inductor.package.package import AOTICompiledModel
+
+        loader = torch._C._aoti.AOTIModelPackageLoader(
+            str(path), "model", single_threaded, 1, device_index
+        )
+        return AOTICompiledModel(loader)
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another torch's API
+        kwargs = {"run_single_threaded": single_threaded}
+        if device_index > 0:
+            kwargs["device_index"] = device_index
+        return torch._inductor.aoti_load_package(str(path), **kwargs)
 
 
 class SharedWeights:
@@ -163,10 +224,8 @@ class AOTIBucket:
         index = dev.index if dev.type == "cuda" and dev.index is not None else -1
         if dev.type == "cuda" and index < 0:
             index = torch.cuda.current_device()
-        kwargs = {"run_single_threaded": single_threaded}
-        if index > 0:  # NOTE: only pass what differs from the default (older signatures)
-            kwargs["device_index"] = index
-        compiled = torch._inductor.aoti_load_package(str(path), **kwargs)
+        # NOTE: -1 is the runner's default CUDA device; only a non-default one is named
+        compiled = open_package(path, single_threaded, index if index > 0 else -1)
         fqns = list(compiled.get_constant_fqns())
         compiled.load_constants(weights.for_fqns(fqns), check_full_update=True, user_managed=True)
         return cls(compiled, bucket, Path(path))

@@ -27,6 +27,7 @@ from boundgen.compile.cache import (
     platform_info,
 )
 from boundgen.compile.decode import SearchGraphs
+from boundgen.compile.isa import remember_isa_checks
 from boundgen.compile.preload import AOTIUnsafe, ensure_loadable
 from boundgen.models.decoder import DecoderModel
 
@@ -137,6 +138,7 @@ def build_aoti(
 ) -> list:
     """Verified cache entries for every bucket, building the missing/stale/corrupt ones if
     allowed."""
+    remember_isa_checks(cache.root)  # a build asks Inductor for the CPU ISA: once per machine
     plat = platform_info(device)
     entries = []
     for bucket, slot in zip(buckets, aoti_slots(model, device, buckets, quant)):
@@ -161,6 +163,7 @@ def build_aoti(
             "export_s": entry.meta.get("export_s"),
             "compile_s": entry.meta.get("compile_s"),
             "size_bytes": entry.meta.get("size_bytes"),
+            "phases_s": entry.meta.get("phases_s"),
             "path": str(entry.path),
         }
         if status.get("reason"):

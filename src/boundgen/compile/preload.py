@@ -31,6 +31,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,9 +40,14 @@ log = logging.getLogger("boundgen.compile")
 
 _REEXEC_MARK = "BOUNDGEN_AOTI_REEXECED"
 _CLI_MARK = "BOUNDGEN_AOTI_REEXEC"  # set by CLI entry points: re-exec is safe in this process
+# The load itself, as `compile.aoti.open_package` does it (not `aoti_load_package`, whose device
+# check costs ~50 s of CPU-ISA probing on the GPU image): what crashes is the package's own code.
 _PROBE = (
     "import sys, torch\n"
-    "m = torch._inductor.aoti_load_package(sys.argv[1])\n"
+    "try:\n"
+    "    m = torch._C._aoti.AOTIModelPackageLoader(sys.argv[1], 'model', False, 1, -1)\n"
+    "except TypeError:  # another torch's signature\n"
+    "    m = torch._inductor.aoti_load_package(sys.argv[1])\n"
     "m.get_constant_fqns()\n"
     "print('boundgen-probe-ok')\n"
 )
@@ -105,7 +111,7 @@ def probe(
 ) -> tuple[bool, str]:
     """Load `package` in a child process (optionally with `LD_PRELOAD=preload`) → (survived,
     detail)."""
-    env = dict(os.environ)
+    env = _without_system_preload(dict(os.environ))
     if preload:
         env["LD_PRELOAD"] = " ".join(p for p in [preload, env.get("LD_PRELOAD", "")] if p)
     cmd = command or [sys.executable, "-c", _PROBE, str(package)]
@@ -123,13 +129,28 @@ def probe(
 
 
 def _platform_key() -> str:
-    parts = [
-        sys.executable,
-        torch.__version__,
-        loaded_libstdcxx() or "",
-        os.environ.get("LD_PRELOAD", ""),
-    ]
+    """What a verdict is about: this interpreter and this torch install. Not `LD_PRELOAD`: the
+    verdict describes a process started without the preload (`diagnose` probes without it), so a
+    server started by hand and one re-exec'd with the preload read the same verdict."""
+    parts = [os.path.realpath(sys.executable), torch.__version__, os.path.realpath(torch.__file__)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _without_system_preload(env: dict) -> dict:
+    """`env` with the system libstdc++ taken out of `LD_PRELOAD` (the fix under test), the rest
+    kept."""
+    system = {os.path.realpath(p) for p in libstdcxx_candidates()}
+    kept = [
+        p
+        for p in env.get("LD_PRELOAD", "").replace(":", " ").split()
+        if p and os.path.realpath(p) not in system
+    ]
+    out = dict(env)
+    if kept:
+        out["LD_PRELOAD"] = " ".join(kept)
+    else:
+        out.pop("LD_PRELOAD", None)
+    return out
 
 
 def _state_file(cache_root: Path) -> Path:
@@ -162,10 +183,11 @@ def diagnose(
         cached = _read_state(cache_root).get(key)
         if cached:
             return cached
-    # NOTE: the child runs in this process's environment. Preloading changes symbol interposition,
-    # so the child preloads nothing extra, except a non-system libstdc++ this process has mapped (a
-    # wheel's or the Python build's), which it maps first too: it then crashes exactly when we
-    # would.
+    # NOTE: the child runs in this process's environment minus a system libstdc++ preload, i.e. as
+    # a process started by hand would. Preloading changes symbol interposition, so the child
+    # preloads nothing extra, except a non-system libstdc++ this process has mapped (a wheel's or
+    # the Python build's), which it maps first too: it then crashes exactly when we would.
+    t0 = time.perf_counter()
     mapped = loaded_libstdcxx()
     system = {os.path.realpath(p) for p in libstdcxx_candidates()}
     mimic = (
@@ -179,8 +201,6 @@ def diagnose(
     else:
         result = {"status": "broken", "detail": detail}
         for lib in libstdcxx_candidates():
-            if _preloaded(lib):
-                continue
             ok2, _detail2 = probe(package, preload=lib, command=command)
             if ok2:
                 result = {
@@ -189,6 +209,7 @@ def diagnose(
                     "detail": f"load crashed ({detail}); works with LD_PRELOAD={lib}",
                 }
                 break
+    result["seconds"] = round(time.perf_counter() - t0, 2)
     if cache_root is not None:
         _write_state(cache_root, key, result)
     return result

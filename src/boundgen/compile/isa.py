@@ -1,0 +1,117 @@
+"""Inductor's CPU vector-ISA check, paid once per machine instead of once per process.
+
+Compiling an AOTInductor package asks Inductor which CPU vector ISA the machine has
+(`pick_vec_isa`: the package's metadata records it, and `aoti_load_package` compares it with the
+loading machine's). Inductor answers by building a tiny C++ library per candidate ISA and loading
+it in a child `python`; in torch 2.11 every child imports torch, and a Sapphire Rapids host runs up
+to 11 of them (AVX2, AVX512 and its bf16, VNNI, AMX and its fp16 variants). On the H200 image that
+is ~50 s, paid again by every process: each compile worker, the load check's child, and the
+server's first package load (BENCHMARKS.md, 2026-12-02).
+
+The answer depends only on the CPU, the C++ compiler and torch, so `remember_isa_checks(root)`
+keeps each check's verdict in `root/isa-checks.json` (the compile cache: it travels with the
+artifacts to machines of the same image) and makes the child that a missing verdict still needs
+cheap: it maps torch's C++ libraries instead of importing torch (what torch ≥ 2.13 does itself).
+Loading a package never asks (`compile.aoti.open_package` skips the comparison: the cache's
+platform key already vouches for the machine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+VERDICTS = "isa-checks.json"
+
+# The child that loads a check's library: torch's own libraries mapped globally first (the
+# library links against them), no `import torch`. `__lib_path__` is Inductor's placeholder.
+_CHEAP_LOAD = (
+    "import ctypes, os\n"
+    "lib = {lib!r}\n"
+    "for name in ('libc10.so', 'libtorch_cpu.so'):\n"
+    "    path = os.path.join(lib, name)\n"
+    "    if os.path.exists(path):\n"
+    "        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)\n"
+    "ctypes.CDLL('__lib_path__')\n"
+)
+
+
+def _machine_key() -> str:
+    """What a verdict depends on: torch, the CPU's feature flags, the C++ compiler."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or ""
+    try:
+        stamp = f"{os.path.realpath(compiler)}:{os.stat(compiler).st_mtime_ns}"
+    except OSError:
+        stamp = compiler
+    parts = [torch.__version__, sys.platform, platform.machine(), flags, stamp]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, key: str, ok: bool) -> None:
+    data = _read(path)
+    data[key] = ok
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def remember_isa_checks(root: str | Path) -> bool:
+    """Keep Inductor's ISA check verdicts in `root` for this process (idempotent). False when this
+    torch has no such check (nothing to do)."""
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:  # pragma: no cover - a torch without Inductor
+        return False
+    cls = getattr(cpu_vec_isa, "VecISA", None)
+    original = getattr(cls, "check_build", None)
+    if original is None:
+        return False
+    path = Path(root) / VERDICTS
+    if getattr(original, "_boundgen_verdicts", None) == path:
+        return True
+    original = getattr(original, "_boundgen_original", original)
+    machine = _machine_key()
+
+    def check_build(self, code: str) -> bool:
+        # NOTE: the AVX512 and AMX checks widen `_arch_flags` for a moment: it is part of the key
+        raw = f"{machine}\n{type(self).__name__}\n{self._arch_flags}\n{code}"
+        key = hashlib.sha256(raw.encode()).hexdigest()[:24]
+        known = _read(path).get(key)
+        if isinstance(known, bool):
+            return known
+        ok = bool(original(self, code))
+        _write(path, key, ok)
+        return ok
+
+    check_build._boundgen_verdicts = path
+    check_build._boundgen_original = original
+    cls.check_build = check_build
+    load = getattr(cls, "_avx_py_load", "")
+    if "import torch" in load.splitlines() and sys.platform.startswith("linux"):
+        lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+        cls._avx_py_load = _CHEAP_LOAD.format(lib=lib_dir)
+    return True
