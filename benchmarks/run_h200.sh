@@ -11,12 +11,17 @@
 #   bash benchmarks/run_h200.sh ray                             # Ray Serve 1 replica vs plain (carry .whl .whl-ray)
 #   bash benchmarks/run_h200.sh bg:gpu-tests w5-compile wait tail startup   # issue 17 (carry .whl .tools)
 #   bash benchmarks/run_h200.sh hf-serving beam-serving         # W5 HF server; issue 15: open-loop /v1/beam
+#   bash benchmarks/run_h200.sh w5-compile cache-out diag-load startup   # issue 23 (carry .whl)
 # Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
 set -u
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 BOUNDGEN_CACHE=${BOUNDGEN_CACHE:-/tmp/boundgen-cache} RAY_USAGE_STATS_ENABLED=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ROOT=${ROOT:-/tmp/boundgen-models}
 M=$ROOT/qwen2.5-0.5b-bf16  # the serving phases' checkpoint
+# a compile cache carried from an earlier call (`cache-out`): no compiling again
+if ls .cache-h200/cache.tgz.* >/dev/null 2>&1 && [ ! -d $BOUNDGEN_CACHE/compiled ]; then
+  mkdir -p $BOUNDGEN_CACHE && cat .cache-h200/cache.tgz.* | tar -xzf - -C $BOUNDGEN_CACHE && echo "compile cache restored: $(ls $BOUNDGEN_CACHE/compiled | wc -l) entries"
+fi
 [ -f $M/config.json ] || python3 -c "from boundgen.checkpoints import make_model; make_model('qwen2.5-0.5b', '$M', dtype='bfloat16', overwrite=True, progress=False)"
 # W5: W2 requests merged 1, 2, 3-4, 5-8 at a time (cascade buckets), plus plain buckets for the warm-up
 W5_BUCKETS=t2048-s128-m512-g2-p320-q1728,t4096-s256-m512-g3-p640-q3456,t8192-s512-m512-g5-p1280-q6912,t16384-s1024-m512-g9-p2560-q13824,t256,t1024
@@ -47,7 +52,12 @@ run_phase() {
     serving) phase serving 540 python3 benchmarks/bench_serving.py --device cuda --qps-steps 50 100 200 400 800 1600 --duration 15 --out-dir "$OUT" ;;
     runtime) phase runtime 200 python3 benchmarks/bench_runtime.py --preset qwen2.5-0.5b --device cuda --dtype bfloat16 --out "$OUT/runtime.json" ;;
     ray) phase ray 290 python3 benchmarks/bench_ray.py --out-dir "$OUT" ${RAY_ARGS:-} ;;
-    w5-compile) phase w5-compile 200 python3 -m boundgen.cli compile --model $M --device cuda --dtype bfloat16 --buckets $W5_BUCKETS --jobs 12 --no-verify --json "$OUT/w5_compile.json" ;;
+    # as a user would: default --jobs, the load check and the parity check included
+    w5-compile) phase w5-compile 240 python3 -m boundgen.cli compile --model $M --device cuda --dtype bfloat16 --buckets $W5_BUCKETS --json "$OUT/w5_compile.json" ;;
+    # the compile cache back in $OUT as <=15 MiB pieces; carry them as .cache-h200 into the next call
+    cache-out) phase cache-out 60 sh -c "tar -C $BOUNDGEN_CACHE -czf - . | split -b 15m - $OUT/cache.tgz. && ls -la $OUT" ;;
+    # issue 23: where a process's first package load goes (fresh child per variant)
+    diag-load) phase diag-load 300 python3 benchmarks/diag_load.py --package "$(ls $BOUNDGEN_CACHE/compiled/*/package.pt2 | head -1)" --out "$OUT/diag_load.json" ;;
     # without LD_PRELOAD: start-up includes the AOTInductor load check and its re-exec, as a user gets it
     startup) phase startup 240 env -u LD_PRELOAD python3 benchmarks/bench_startup.py --runs ${STARTUP_RUNS:-2} --timeout-s 220 --out "$OUT/startup.json" --log-prefix "$OUT/startup-run" -- --model $M $W5_SERVE --log-level info ;;
     # without LD_PRELOAD too: after `startup` its server start is a warm one (the load check cached);

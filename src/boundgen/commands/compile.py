@@ -48,7 +48,13 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--cache-dir", default=None, help="artifact cache (default: $BOUNDGEN_CACHE/compiled)"
     )
-    parser.add_argument("--jobs", type=int, default=1, help="build buckets in this many processes")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="build buckets in this many processes (default 0: one per bucket, at most half the "
+        "CPU cores and 8)",
+    )
     parser.add_argument(
         "--force", action="store_true", help="rebuild even when a valid artifact exists"
     )
@@ -61,7 +67,8 @@ def add_arguments(parser) -> None:
         "--no-verify",
         dest="verify",
         action="store_false",
-        help="skip the load probe and the parity check against eager",
+        help="skip the parity check against eager (the load check always runs: its verdict is "
+        "stored with the artifacts so servers never pay it)",
     )
     parser.add_argument(
         "--json", dest="json_out", default=None, help="also write the summary as JSON here"
@@ -93,9 +100,16 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _load_note(diag: dict) -> str:
+    note = f"load check: {diag['status']}"
+    if diag["status"] == "preload":
+        note += f" (servers re-exec with LD_PRELOAD={diag['preload']})"
+    return note
+
+
 def _verify(engine, entries, cache_root) -> str:
-    """Probe-load in a child process first (never crash this one), then compare each bucket with
-    eager."""
+    """Compare each bucket with eager, loaded in this process (the load check has passed or this
+    command re-execs itself with the preload first: never a crash)."""
     import torch
 
     from boundgen.compile.aoti import AOTIBucket, SharedWeights
@@ -105,7 +119,7 @@ def _verify(engine, entries, cache_root) -> str:
 
     try:
         # NOTE: this command may re-exec itself with the preload (everything built so far is cached)
-        diag = ensure_loadable(entries[0][1], cache_root, allow_reexec=True)
+        ensure_loadable(entries[0][1], cache_root, allow_reexec=True)
     except AOTIUnsafe as exc:
         return f"not verified in this process: {exc}"
     weights = SharedWeights(engine.model)
@@ -138,11 +152,65 @@ def _verify(engine, entries, cache_root) -> str:
             )
             want = want.index_select(0, batch.last_index.to(engine.device))
         row["max_abs_diff"] = float((got.float() - want.float()).abs().max())
-    return (
-        "load probe: "
-        + diag["status"]
-        + (f" (running with LD_PRELOAD={diag['preload']})" if diag["status"] == "preload" else "")
-    )
+    return "verified against eager"
+
+
+class _LoadCheck:
+    """The AOTInductor load check (`compile.preload.diagnose`), started in the background as soon
+    as the first package exists, so its child process overlaps the other builds; the verdict is
+    stored in the cache when it ends (an interrupted compile keeps it)."""
+
+    def __init__(self, cache_root) -> None:
+        self.cache_root = cache_root
+        self.thread = None
+        self.result: dict | None = None
+
+    def start(self, package) -> None:
+        import threading
+
+        from boundgen.compile.preload import diagnose
+
+        if self.thread is not None:
+            return
+
+        def check() -> None:
+            self.result = diagnose(package, self.cache_root)
+
+        self.thread = threading.Thread(target=check, name="boundgen-load-check", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> dict | None:
+        if self.thread is not None:
+            self.thread.join()
+        return self.result
+
+
+def _jobs(requested: int, buckets: int) -> int:
+    """Worker processes: `requested`, or (0) one per bucket, at most half the cores and 8 — each
+    worker holds a copy of the model and runs Inductor's own compile threads."""
+    import os
+
+    if requested > 0:
+        return requested
+    return max(1, min(buckets, (os.cpu_count() or 2) // 2, 8))
+
+
+def _warm_isa_checks(cache_root):
+    """Inductor's CPU-ISA verdicts, made once in this process (a thread, overlapping the model's
+    load) and stored, so no build worker runs its own ~11 probe children (`compile/isa.py`)."""
+    import threading
+
+    from boundgen.compile.isa import remember_isa_checks
+
+    def warm() -> None:
+        if remember_isa_checks(cache_root):
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+            pick_vec_isa()
+
+    thread = threading.Thread(target=warm, name="boundgen-isa-checks", daemon=True)
+    thread.start()
+    return thread
 
 
 def _load_eager(args):
@@ -202,11 +270,12 @@ def run(args) -> int:
         return 0
     if not args.model:
         raise ValueError("--model is required to compile")
+    t0 = time.perf_counter()
+    cache = ArtifactCache(args.cache_dir)
+    isa = None if args.check else _warm_isa_checks(cache.root)
     engine = _load_eager(args)
     quant = _fp8_policy(engine)
     buckets = planned or parse_buckets(args.buckets, engine.engine_config.max_batch_tokens)
-    cache = ArtifactCache(args.cache_dir)
-    t0 = time.perf_counter()
     if args.check:
         plat = platform_info(engine.device)
         rows = []
@@ -226,12 +295,17 @@ def run(args) -> int:
             cache.remove(slot)
     bar = tqdm(total=len(buckets), desc="compile", unit="bucket", file=sys.stderr)
     rows: list[dict] = []
+    load_check = _LoadCheck(cache.root)
 
     def done(info: dict) -> None:
         bar.set_postfix_str(f"{info['bucket']} {info['event']}")
         bar.update(1)
+        if info.get("path"):
+            load_check.start(info["path"])
 
-    if args.jobs > 1 and len(buckets) > 1:
+    isa.join()  # the workers read its verdicts instead of probing
+    jobs = _jobs(args.jobs, len(buckets))
+    if jobs > 1 and len(buckets) > 1:
         from boundgen.compile.parallel import build_parallel
 
         cfg = engine.engine_config
@@ -244,7 +318,7 @@ def run(args) -> int:
             cache.root,
             quant,
             True,
-            args.jobs,
+            jobs,
             on_done=done,
             fp8_emulate=cfg.fp8_emulate,
         )
@@ -265,11 +339,18 @@ def run(args) -> int:
         if r.get("size_bytes"):
             r["size_mb"] = r["size_bytes"] / 1e6
     ok = [(b, Path(r["path"]), r) for b, r in zip(buckets, rows) if r.get("path")]
-    note = _verify(engine, ok, cache.root) if args.verify and ok else ""
+    diag = load_check.wait()
+    notes = [_load_note(diag)] if diag else []
+    if args.verify and ok:
+        notes.append(_verify(engine, ok, cache.root))
+    note = "; ".join(notes)
     print(_table(rows))
     for r in rows:
         if r.get("error"):
             print(f"  {r['bucket']}: {r['error']}")
+        elif r.get("phases_s") and r.get("event") != "hit":
+            top = list(r["phases_s"].items())[:4]
+            print(f"  {r['bucket']}: " + ", ".join(f"{k} {v:.1f} s" for k, v in top))
     print(
         f"{len(ok)}/{len(rows)} buckets ready in {cache.root} ({time.perf_counter() - t0:.1f} s)"
         + (f"; {note}" if note else "")
