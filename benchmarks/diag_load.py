@@ -3,8 +3,7 @@
 cached in memory:
 
     isa-torch     Inductor's CPU vector-ISA probe as torch runs it (`pick_vec_isa`)
-    isa-cheap     the same through `compile.isa.remember_isa_checks` with no stored verdicts
-                  (the child maps torch's libraries instead of importing torch)
+    isa-remember  the same through `compile.isa.remember_isa_checks`, storing the verdicts
     isa-stored    again, the verdicts now stored: no child at all
     load-torch    `torch._inductor.aoti_load_package` of a cached package
     load-direct   `compile.aoti.open_package` of the same package (no device-information check)
@@ -72,12 +71,13 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         nargs="+",
-        default=["isa-torch", "isa-cheap", "isa-stored", "load-torch", "load-direct"],
+        default=["isa-torch", "isa-remember", "isa-stored", "load-torch", "load-direct"],
     )
     ap.add_argument("--timeout-s", type=float, default=240.0)
+    ap.add_argument("--verdicts", default=None, help="where isa-* keep verdicts (default: temp)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    verdicts = tempfile.mkdtemp(prefix="isa-verdicts-")
+    verdicts = args.verdicts or tempfile.mkdtemp(prefix="isa-verdicts-")
     rows = []
     for v in args.variants:
         if v.startswith("load") and not args.package:

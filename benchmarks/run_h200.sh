@@ -66,6 +66,8 @@ run_phase() {
     hf-serving) phase hf-serving 90 python3 benchmarks/bench_serving.py --model $M --device cuda --servers hf --qps-steps 5 10 --duration 6 --warmup 5 --out-dir "$OUT/hf" ;;
     beam-serving) echo '[{"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": 16, "trie": "w4"}]' > /tmp/beam_profile.json
       phase beam-serving 420 python3 benchmarks/bench_serving.py --model $M --device cuda --workload beam --servers boundgen --slo-ms 50 --trie-items 100000 --qps-steps ${BEAM_QPS:-50 100 200 400 800 1600} --duration 6 --warmup 20 --serve-args "--backend compile+graphs --compile-buckets t64 --warmup /tmp/beam_profile.json" --out-dir "$OUT/beam" ;;
+    # last: every log and JSON in one file (a call brings back at most 8 files)
+    pack-logs) (cd "$OUT" && tar -czf logs.tgz --exclude='cache.tgz.*' --exclude=logs.tgz . && find . -type f ! -name 'cache.tgz.*' ! -name logs.tgz -delete && ls -la) ;;
     *) echo "unknown phase $p" ;;
   esac
 }

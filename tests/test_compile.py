@@ -28,6 +28,7 @@ from boundgen.compile.backends import (
 )
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets, parse_buckets
 from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
+from boundgen.compile.events import COMPILES, TORCH_COMPILE, watch_dynamo
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.packing import SequenceGroup, pack
 
@@ -495,6 +496,44 @@ def test_search_buckets_equal_the_plain_search(engine_for):
     assert sg.run([_ids(g, 100)], 3, 3) is None  # no bucket fits → the caller's plain path
 
 
+def test_sealed_search_graphs_make_nothing_new(engine_for):
+    """After `seal()` (a server after its warm-up) no bucket is made: a search runs in the
+    smallest made bucket that takes it, is cut across made buckets when none takes all its
+    prompts, or falls to the plain path (counted) — and records no compile."""
+    from boundgen.compile.decode import SearchGraphs
+
+    engine = engine_for("qwen2")
+    model = engine.model
+    sg = SearchGraphs(
+        model,
+        torch.device("cpu"),
+        model.backend,
+        parse_buckets(["t32-s8", "t64-s8", "t128-s8"]),
+        use_graphs=False,
+    )
+    g = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        for b in (1, 2):  # the warm-up: one prompt, two prompts of up to 12 tokens
+            sg.run([_ids(g, 12) for _ in range(b)], 3, 3)
+    made = set(sg.slots)
+    assert {(k[0].tokens, k[1]) for k in made} == {(32, 1), (32, 2)}
+    sg.seal()
+    before = COMPILES.total()
+    for lens in [(5,), (12, 3), (7, 7, 7), (12, 12, 12, 12, 12)]:
+        prompts = [_ids(g, k) for k in lens]
+        with torch.inference_mode():
+            got = sg.run(prompts, 3, 3)
+            want = engine.runner.beam_search(prompts, 3, 3)
+        assert got is not None and torch.equal(got[0], want[0])  # 3 and 5 prompts: cut
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    assert set(sg.slots) == made and COMPILES.total() == before
+    assert sg.searches == 2 + 1 + 1 + 2 + 3 and sg.misses == 0
+    # a prompt longer than any made bucket takes, and another width: plain path, counted
+    assert sg.run([_ids(g, 40)], 3, 3) is None
+    assert sg.run([_ids(g, 5)], 2, 3) is None
+    assert sg.misses == 2 and set(sg.slots) == made and COMPILES.total() == before
+
+
 @pytest.mark.slow
 def test_compiled_search_layers_equal_the_plain_search(engine_for):
     """Prefill and decode layers through torch.compile (one compiled graph each for every layer and
@@ -508,17 +547,25 @@ def test_compiled_search_layers_equal_the_plain_search(engine_for):
         model,
         torch.device("cpu"),
         export_attention(model, "cpu"),
-        parse_buckets(["t32"]),
+        parse_buckets(["t32-s8", "t64-s8"]),
         compile_layers=True,
         use_graphs=False,
     )
     g = torch.Generator().manual_seed(3)
-    prompts = [_ids(g, 7), _ids(g, 11)]
-    with torch.inference_mode():
-        got = sg.run(prompts, 4, 3)
-        want = engine.runner.beam_search(prompts, 4, 3)
-    assert torch.equal(got[0], want[0])
-    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+    watch_dynamo()
+    before = COMPILES.total(TORCH_COMPILE)
+    # buckets of other prompt tokens (t32, t64) and rows (B·W = 8, 4, 16): the layers are compiled
+    # with dynamic rows, so new buckets do not compile again (each function: once, then once more
+    # when its max-length ints turn dynamic)
+    for lens in [(7, 11), (3,), (20, 20, 9)]:
+        prompts = [_ids(g, k) for k in lens]
+        with torch.inference_mode():
+            got = sg.run(prompts, 4, 3)
+            want = engine.runner.beam_search(prompts, 4, 3)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+    assert {k[0].tokens for k in sg.slots} == {32, 64}
+    assert COMPILES.total(TORCH_COMPILE) - before <= 4
 
 
 def test_parallel_workers_build_the_slots_the_fp8_engine_looks_up(

@@ -31,10 +31,12 @@ def test_default_profile_runs_each_workload_and_each_trie(engine_for):
     engine = Recorder(engine_for("qwen2"))
     rows = warm_up(engine, default_profile(engine, {"items": trie}), {"items": trie})
     names = [name for name, _, _ in engine.calls]
-    assert names == ["score", "embed", "beam_search_batch", "beam_search_batch"]
+    # each beam entry at every batch size a default server merges into one graph: 1, 2, 4, 8
+    assert names == ["score", "embed"] + ["beam_search_batch"] * 8
+    assert [len(args[0]) for _, args, _ in engine.calls[2:]] == [1, 2, 4, 8] * 2
     _, args, kwargs = engine.calls[-1]
     assert kwargs["trie"] is trie and args[1:] == (16, 3)  # steps: the trie's depth
-    assert [r["what"] for r in rows][-1] == "beam 1x64 W16 S3 trie items"
+    assert [r["what"] for r in rows][-1] == "beam 8x64 W16 S3 trie items"
     assert all(r["seconds"] >= 0 for r in rows)
 
 

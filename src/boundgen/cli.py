@@ -74,7 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# commands that load AOTInductor packages: a stored load-check verdict re-execs them with the
+# libstdc++ preload before anything is imported (building the parser imports torch: ~5 s)
+_REEXEC_EARLY = ("serve", "compile")
+
+
 def main(argv: list[str] | None = None) -> int:
+    first = (sys.argv[1:] if argv is None else argv)[:1]
+    if argv is None and first and first[0] in _REEXEC_EARLY:
+        from boundgen.compile.preload import cli_startup
+
+        cli_startup()
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "_missing", False):

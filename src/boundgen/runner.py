@@ -216,11 +216,25 @@ class ModelRunner:
                 moved = self._tries[id(trie)] = (trie, trie.to(self.device))
             return moved[1]
 
+    def seal(self) -> None:
+        """Compile and capture nothing more (after a warm-up): beam searches run in the
+        whole-search graphs made so far or on the plain path (`SearchGraphs.seal`)."""
+        graphs = self.forwards.search if self.forwards else None
+        if graphs is not None:
+            graphs.seal()
+
     def stats(self) -> dict:
         out = {"backend": self.backend_name}
         if self.buckets is not None:
             out["buckets"] = [b.name for b in self.buckets]
             out.update(self.buckets.stats.as_dict())
+        graphs = self.forwards.search if self.forwards else None
+        if graphs is not None:
+            out["beam_graphs"] = {
+                "made": len(graphs.slots),
+                "searches": graphs.searches,
+                "misses": graphs.misses,
+            }
         return out
 
 

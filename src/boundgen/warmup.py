@@ -1,10 +1,14 @@
 """Warm an engine up before it takes traffic: run requests shaped like the expected ones once.
 
 What the first request of a shape would otherwise pay: a beam search's whole-search CUDA graph is
-compiled and captured on its first use (6–11 s for the Qwen2.5-0.5B shape on the H200, per
-(prompt bucket, batch, width, steps, trie)); cuBLAS handles, the allocator's first blocks and the
-eager head's kernels load on first use too. Compiled forward buckets are warmed when they load
-(`CompileOptions.warmup`), so a warm-up request per kind is enough for them.
+captured on its first use per (prompt bucket, batch, width, steps, trie), and its layers are
+compiled by `torch.compile` once for all shapes (~14 s for the Qwen2.5-0.5B shape on the H200
+the first time; the result is kept in the compile cache, `compile.torch_cache`, so a later start
+or a copied cache loads it); cuBLAS handles, the allocator's first blocks and the eager head's
+kernels load on first use too. Compiled forward buckets are warmed when they load
+(`CompileOptions.warmup`), so a warm-up request per kind is enough for them. A server seals its
+runner after the warm-up: nothing is compiled or captured on a request's path from then on
+(`SearchGraphs.seal`; `boundgen_compiles_after_ready_total` counts any that still happen).
 
 The shapes are the profile format of `boundgen compile --profile` (`compile.planner`), so one file
 plans the buckets and warms them:
@@ -14,9 +18,11 @@ plans the buckets and warms them:
      {"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": 8, "trie": "items"}]
 
 A beam entry warms every batch size its searches can be padded to (1, 2, 4, ... up to `count`
-prompts: concurrent requests are merged); `trie` names one of the tries given (the server's
-`--trie NAME=FILE`), and its `steps` default to the trie's depth. Token ids are drawn from a fixed
-seed, so a warm-up is the same every start.
+prompts: concurrent requests are merged, and more than `count` are cut into these sizes);
+`prompt_tokens` is the longest prompt its graphs take (a longer one runs on the plain path, with
+a WARNING); `trie` names one of the tries given (the server's `--trie NAME=FILE`), and its `steps`
+default to the trie's depth. Token ids are drawn from a fixed seed, so a warm-up is the same
+every start.
 """
 
 from __future__ import annotations
@@ -26,10 +32,17 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from boundgen.compile import torch_cache
 from boundgen.compile.decode import BATCH_SIZES
+from boundgen.compile.events import COMPILES, TORCH_COMPILE, watch_dynamo
 from boundgen.compile.planner import profile_entries
+
+# beam searches merged per whole-search graph that a default warm-up makes (1, 2, 4, 8): more
+# concurrent requests are cut into these (`SearchGraphs`), never compiled on a request's path
+DEFAULT_MERGE = 8
 
 
 def default_profile(engine: Any, tries: dict[str, Any] | None = None) -> list[dict]:
@@ -40,10 +53,12 @@ def default_profile(engine: Any, tries: dict[str, Any] | None = None) -> list[di
     profile: list[dict] = [
         {"kind": "score", "query_tokens": 64, "items": 4, "item_tokens": 16},
         {"kind": "embed", "texts": [64]},
-        {"kind": "beam", "prompt_tokens": 64, "width": 4, "steps": 2},
+        {"kind": "beam", "prompt_tokens": 64, "width": 4, "steps": 2, "count": DEFAULT_MERGE},
     ]
     for name in sorted(tries or {}):
-        profile.append({"kind": "beam", "prompt_tokens": 64, "width": 16, "trie": name})
+        profile.append(
+            {"kind": "beam", "prompt_tokens": 64, "width": 16, "trie": name, "count": DEFAULT_MERGE}
+        )
     return profile
 
 
@@ -68,10 +83,26 @@ def requests(
 
 
 def run(
-    calls: list[tuple[str, Callable[[], Any]]], progress: bool | Callable[[dict], None] = False
+    calls: list[tuple[str, Callable[[], Any]]],
+    progress: bool | Callable[[dict], None] = False,
+    cache_root: str | Path | None = None,
 ) -> list[dict]:
     """Run warm-up requests in order; `progress`: True for a progress bar on stderr, or a
-    callable given each {"what", "seconds"} row as it finishes."""
+    callable given each {"what", "seconds"} row as it finishes. `cache_root`: the compile cache
+    whose `torch.compile` results are loaded first and, when the warm-up compiled, saved after
+    (`compile.torch_cache`: a later start, or a copy of the cache on another machine, then
+    compiles nothing)."""
+    watch_dynamo()
+    if cache_root is not None:
+        torch_cache.load(cache_root)
+    compiled = COMPILES.total(TORCH_COMPILE)
+    rows = _run(calls, progress)
+    if cache_root is not None and COMPILES.total(TORCH_COMPILE) > compiled:
+        torch_cache.save(cache_root)
+    return rows
+
+
+def _run(calls, progress) -> list[dict]:
     bar = None
     if progress is True:
         from tqdm import tqdm

@@ -196,8 +196,10 @@ def _jobs(requested: int, buckets: int) -> int:
 
 
 def _warm_isa_checks(cache_root):
-    """Inductor's CPU-ISA verdicts, made once in this process (a thread, overlapping the model's
-    load) and stored, so no build worker runs its own ~11 probe children (`compile/isa.py`)."""
+    """Inductor's CPU-ISA verdicts, started at once in this process (a thread, overlapping the
+    model's load and the workers' start) and stored: a worker that reaches its C++ build reads them
+    or waits for the check under way, instead of running its own ~11 probe children
+    (`compile/isa.py`)."""
     import threading
 
     from boundgen.compile.isa import remember_isa_checks
@@ -303,7 +305,6 @@ def run(args) -> int:
         if info.get("path"):
             load_check.start(info["path"])
 
-    isa.join()  # the workers read its verdicts instead of probing
     jobs = _jobs(args.jobs, len(buckets))
     if jobs > 1 and len(buckets) > 1:
         from boundgen.compile.parallel import build_parallel
@@ -335,6 +336,7 @@ def run(args) -> int:
             rows.append(info)
             done(info)
     bar.close()
+    isa.join()
     for r in rows:
         if r.get("size_bytes"):
             r["size_mb"] = r["size_bytes"] / 1e6

@@ -21,6 +21,7 @@ replay reads and writes the same buffers in the same order; a trie's tensors kee
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -31,9 +32,12 @@ import torch
 
 from boundgen.attention.cascade import merge_partial
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
+from boundgen.compile.events import BEAM_GRAPH, COMPILES
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
 from boundgen.search import banned_tensor, search
 from boundgen.text.packing import SequenceGroup, pack
+
+log = logging.getLogger("boundgen.compile")
 
 
 class DecodeSession:
@@ -137,13 +141,23 @@ def _own_slots_attention(q, k, v, step) -> tuple[torch.Tensor, torch.Tensor]:
     return out.reshape(n, hq, d).to(q.dtype), lse.reshape(n, hq)
 
 
+def _rows_dynamic(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Mark dim 0 (tokens, rows, segments) dynamic for the compiled layers: one compiled graph
+    serves every bucket (padded prompt tokens T, rows B·W), so a new bucket costs a CUDA-graph
+    capture, not a compile. `maybe_`: a dim of size 1 may stay specialised."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return tensors
+
+
 class ModelSteps:
     """The prefill and the decode step of `model` over explicit buffers, per layer (compiled once
-    for all layers when `compile_layers`)."""
+    for all layers and all buckets when `compile_layers`)."""
 
     def __init__(self, model, backend, compile_layers: bool) -> None:
         self.model, self.backend = model, backend
         self._prefill, self._decode = prefill_layer, decode_layer
+        self.compiled = compile_layers
         if compile_layers:
             import torch._inductor.config as inductor
 
@@ -151,17 +165,21 @@ class ModelSteps:
             # bf16), so a compiled search picks the beams the eager one picks up to kernel order
             if hasattr(inductor, "emulate_precision_casts"):
                 inductor.emulate_precision_casts = True
-            self._prefill = torch.compile(prefill_layer, fullgraph=True, dynamic=False)
-            self._decode = torch.compile(decode_layer, fullgraph=True, dynamic=False)
+            # NOTE: rows are marked dynamic per call (`_rows_dynamic`); the ints (max segment
+            # lengths) specialise once, then turn dynamic at their second value (dynamo's
+            # automatic dynamic shapes): two compiles per function for every bucket there is
+            self._prefill = torch.compile(prefill_layer, fullgraph=True)
+            self._decode = torch.compile(decode_layer, fullgraph=True)
 
     def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, prompt: PromptKV):
         m = self.model
         x = m.embed_tokens(ids)
         cos, sin = m.rotary(positions, x.dtype)
         for i, layer in enumerate(m.layers):
-            x = self._prefill(
-                layer, x, cos, sin, cu_seqlens, max_seqlen, prompt.k[i], prompt.v[i], self.backend
-            )
+            pk, pv = prompt.k[i], prompt.v[i]
+            if self.compiled:
+                _rows_dynamic(x, cos, sin, pk, pv, cu_seqlens)
+            x = self._prefill(layer, x, cos, sin, cu_seqlens, max_seqlen, pk, pv, self.backend)
         return m.norm(x)
 
     def decode(self, tokens, positions, state: DecodeKV, step: torch.Tensor) -> torch.Tensor:
@@ -169,15 +187,18 @@ class ModelSteps:
         x = m.embed_tokens(tokens)
         cos, sin = m.rotary(positions, x.dtype)
         for i, layer in enumerate(m.layers):
+            pk, pv, bk, bv = state.prompt.k[i], state.prompt.v[i], b.k[i], b.v[i]
+            if self.compiled:
+                _rows_dynamic(x, cos, sin, pk, pv, bk, bv, state.cu_beams, state.cu_prompt)
             x = self._decode(
                 layer,
                 x,
                 cos,
                 sin,
-                state.prompt.k[i],
-                state.prompt.v[i],
-                b.k[i],
-                b.v[i],
+                pk,
+                pv,
+                bk,
+                bv,
                 step,
                 state.cu_beams,
                 state.cu_prompt,
@@ -213,12 +234,20 @@ class _Slot:
     scores: torch.Tensor | None = None  # [B, W]
     graph: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    label: str = ""  # the bucket and batch size, for logs
+    used: bool = False  # run once (its layers compiled for it, its graph captured)
 
 
 class SearchGraphs:
     """Whole-search buckets: `run(prompts, width, steps, trie, banned)` → (tokens [B, W, S], scores
-    [B, W]), or None when no bucket fits (too many or too long prompts) or the bucket is busy (the
-    caller then runs the plain path). `use_graphs=False` runs the same buffers without graphs."""
+    [B, W]), or None when no bucket takes the search (the caller then runs the plain path).
+    `use_graphs=False` runs the same buffers without graphs.
+
+    Until `seal()` a search of a new shape makes its bucket (compiling the layers for a new shape
+    where needed, capturing the graph): what a warm-up does. Once sealed (a server after its
+    warm-up) nothing is made on the request path: a search runs in the smallest bucket made for
+    its (width, steps, trie) that takes it, is cut into several searches when no one bucket takes
+    all its prompts, or else falls to the plain path (`misses`, and a WARNING once per shape)."""
 
     def __init__(
         self,
@@ -228,7 +257,7 @@ class SearchGraphs:
         prompt_buckets: list[Bucket] | None = None,
         compile_layers: bool = False,
         use_graphs: bool | None = None,
-        max_slots: int = 32,
+        max_slots: int = 64,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -239,8 +268,16 @@ class SearchGraphs:
         self.max_slots = max_slots
         self.slots: dict[tuple, _Slot] = {}
         self.compile_layers = compile_layers
+        self.sealed = False
+        self.searches = 0  # searches run in a bucket (a cut search counts each piece)
+        self.misses = 0  # searches no bucket took (plain path)
+        self._missed: set[tuple] = set()
         self._lock = threading.Lock()
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    def seal(self) -> None:
+        """Make no bucket from now on (see the class docstring)."""
+        self.sealed = True
 
     def run(
         self,
@@ -250,33 +287,98 @@ class SearchGraphs:
         trie: Any = None,
         banned: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        banned = tuple(banned)
+        if not self.sealed:
+            return self._run_new(prompts, width, steps, trie, banned)
+        out = self._run_sealed(prompts, width, steps, trie, banned)
+        if out is None:
+            self._miss(len(prompts), max(len(p) for p in prompts), width, steps, trie)
+        return out
+
+    def _key_tail(self, width: int, steps: int, trie: Any, banned: tuple) -> tuple:
+        return (width, steps, id(trie) if trie is not None else None, banned)
+
+    def _padded(self, prompts: list[list[int]], b_pad: int):
+        padded_prompts = list(prompts) + [[0]] * (b_pad - len(prompts))  # dummies, dropped
+        return pack([SequenceGroup([], padded_prompts)], share_prefix=False)
+
+    def _run_new(self, prompts, width, steps, trie, banned):
+        """Before sealing: the bucket this search pads to, made on first use."""
         b = len(prompts)
         b_pad = next((s for s in BATCH_SIZES if s >= b), None)
         if b_pad is None:
             return None
-        padded_prompts = list(prompts) + [[0]] * (b_pad - b)  # dummy prompts, results dropped
-        batch = pack([SequenceGroup([], padded_prompts)], share_prefix=False)
-        bucket, padded = self.buckets.pad(batch)
+        bucket, padded = self.buckets.pad(self._padded(prompts, b_pad))
         if bucket is None:
             return None
-        key = (bucket, b_pad, width, steps, id(trie) if trie is not None else None, tuple(banned))
+        key = (bucket, b_pad, *self._key_tail(width, steps, trie, banned))
         slot = self._slot(key, bucket, b_pad, width, steps, banned)
         if slot is None or not slot.lock.acquire(blocking=False):
             return None
-        slot.trie = trie
         try:
-            slot.ids.copy_(padded.input_ids, non_blocking=True)
-            slot.positions.copy_(padded.positions, non_blocking=True)
-            slot.cu_seqlens.copy_(padded.attn.cu_seqlens, non_blocking=True)
-            slot.last_index.copy_(padded.last_index, non_blocking=True)
-            slot.lengths.copy_(padded.seq_len, non_blocking=True)
-            if slot.graph is None:
-                self._prepare(slot, width, steps, trie)
-            else:
-                slot.graph.replay()
-            return slot.tokens[:b].clone(), slot.scores[:b].clone()
+            return self._replay(slot, padded, b, width, steps, trie)
         finally:
             slot.lock.release()
+
+    def _run_sealed(self, prompts, width, steps, trie, banned):
+        """The smallest made bucket that takes all `prompts`, else the search cut in two halves
+        (each its own search, results concatenated), else None."""
+        tail = self._key_tail(width, steps, trie, banned)
+        b = len(prompts)
+        with self._lock:
+            made = sorted(
+                (k for k in self.slots if k[2:] == tail and k[1] >= b),
+                key=lambda k: (k[0].tokens, k[1]),
+            )
+        for key in made:
+            bucket, b_pad = key[0], key[1]
+            chosen, padded = BucketSet([bucket]).pad(self._padded(prompts, b_pad))
+            if chosen is None:
+                continue
+            slot = self.slots[key]
+            with slot.lock:  # sealed: waiting for the bucket beats the plain path by far
+                return self._replay(slot, padded, b, width, steps, trie)
+        if b == 1:
+            return None
+        half = (b + 1) // 2
+        first = self._run_sealed(prompts[:half], width, steps, trie, banned)
+        rest = self._run_sealed(prompts[half:], width, steps, trie, banned) if first else None
+        if first is None or rest is None:
+            return None
+        return torch.cat([first[0], rest[0]]), torch.cat([first[1], rest[1]])
+
+    def _miss(self, b: int, longest: int, width: int, steps: int, trie: Any) -> None:
+        self.misses += 1
+        shape = (b, longest, width, steps, id(trie) if trie is not None else None)
+        if shape not in self._missed:
+            self._missed.add(shape)
+            log.warning(
+                "beam search of %d prompt(s) (longest %d tokens), width %d, %d steps%s: no "
+                "whole-search graph made at warm-up takes it; it runs on the plain path (slow). "
+                "Add it to the warm-up profile (a beam entry with this width and steps, "
+                "prompt_tokens >= %d)",
+                b,
+                longest,
+                width,
+                steps,
+                " with a trie" if trie is not None else "",
+                longest,
+            )
+
+    def _replay(self, slot: _Slot, padded, b: int, width: int, steps: int, trie: Any):
+        """Copy the padded prompts into `slot` (locked by the caller), run or replay it."""
+        slot.trie = trie
+        slot.ids.copy_(padded.input_ids, non_blocking=True)
+        slot.positions.copy_(padded.positions, non_blocking=True)
+        slot.cu_seqlens.copy_(padded.attn.cu_seqlens, non_blocking=True)
+        slot.last_index.copy_(padded.last_index, non_blocking=True)
+        slot.lengths.copy_(padded.seq_len, non_blocking=True)
+        if slot.graph is None:
+            self._prepare(slot, width, steps, trie)
+        else:
+            slot.graph.replay()
+        self.searches += 1
+        return slot.tokens[:b].clone(), slot.scores[:b].clone()
 
     def _slot(
         self, key: tuple, bucket: Bucket, b: int, w: int, steps: int, banned: tuple
@@ -308,6 +410,7 @@ class SearchGraphs:
                 initial=(beams.k, beams.v, beams._k_spare, beams._v_spare),
                 steps=torch.arange(max(steps, 1), dtype=torch.int64, device=dev),
                 banned=banned_tensor(banned, cfg.vocab_size, dev),
+                label=f"{bucket.name} B={b}",
             )
             self.slots[key] = slot
             return slot
@@ -339,6 +442,9 @@ class SearchGraphs:
     def _prepare(self, slot: _Slot, width: int, steps: int, trie: Any) -> None:
         """First use of a bucket: run it (results for this request), then capture it for the
         next."""
+        if not slot.used:  # without graphs every search comes here: count the first
+            slot.used = True
+            COMPILES.record(BEAM_GRAPH, f"{slot.label} W={width} S={steps}")
         if not self.use_graphs:
             self._search(slot, width, steps, trie)
             return

@@ -10,14 +10,17 @@ server's first package load (BENCHMARKS.md, 2026-12-02).
 
 The answer depends only on the CPU, the C++ compiler and torch, so `remember_isa_checks(root)`
 keeps each check's verdict in `root/isa-checks.json` (the compile cache: it travels with the
-artifacts to machines of the same image) and makes the child that a missing verdict still needs
-cheap: it maps torch's C++ libraries instead of importing torch (what torch ≥ 2.13 does itself).
-Loading a package never asks (`compile.aoti.open_package` skips the comparison: the cache's
-platform key already vouches for the machine).
+artifacts to machines of the same image). A check still unknown runs under a file lock, so the
+processes of one `boundgen compile` (its parent starts the checks at once, the workers reach
+theirs ~50 s later) run each check once between them. Loading a package never asks
+(`compile.aoti.open_package` skips the comparison: the cache's platform key already vouches for
+the machine).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -29,18 +32,6 @@ from pathlib import Path
 import torch
 
 VERDICTS = "isa-checks.json"
-
-# The child that loads a check's library: torch's own libraries mapped globally first (the
-# library links against them), no `import torch`. `__lib_path__` is Inductor's placeholder.
-_CHEAP_LOAD = (
-    "import ctypes, os\n"
-    "lib = {lib!r}\n"
-    "for name in ('libc10.so', 'libtorch_cpu.so'):\n"
-    "    path = os.path.join(lib, name)\n"
-    "    if os.path.exists(path):\n"
-    "        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)\n"
-    "ctypes.CDLL('__lib_path__')\n"
-)
 
 
 def _machine_key() -> str:
@@ -60,6 +51,17 @@ def _machine_key() -> str:
         stamp = compiler
     parts = [torch.__version__, sys.platform, platform.machine(), flags, stamp]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _read(path: Path) -> dict:
@@ -103,15 +105,15 @@ def remember_isa_checks(root: str | Path) -> bool:
         known = _read(path).get(key)
         if isinstance(known, bool):
             return known
-        ok = bool(original(self, code))
-        _write(path, key, ok)
-        return ok
+        with _locked(path):  # another process may be running this very check: wait for it
+            known = _read(path).get(key)
+            if isinstance(known, bool):
+                return known
+            ok = bool(original(self, code))
+            _write(path, key, ok)
+            return ok
 
     check_build._boundgen_verdicts = path
     check_build._boundgen_original = original
     cls.check_build = check_build
-    load = getattr(cls, "_avx_py_load", "")
-    if "import torch" in load.splitlines() and sys.platform.startswith("linux"):
-        lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-        cls._avx_py_load = _CHEAP_LOAD.format(lib=lib_dir)
     return True

@@ -34,8 +34,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 log = logging.getLogger("boundgen.compile")
 
 _REEXEC_MARK = "BOUNDGEN_AOTI_REEXECED"
@@ -132,8 +130,23 @@ def _platform_key() -> str:
     """What a verdict is about: this interpreter and this torch install. Not `LD_PRELOAD`: the
     verdict describes a process started without the preload (`diagnose` probes without it), so a
     server started by hand and one re-exec'd with the preload read the same verdict."""
-    parts = [os.path.realpath(sys.executable), torch.__version__, os.path.realpath(torch.__file__)]
+    parts = [os.path.realpath(sys.executable), *_torch_install()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _torch_install() -> tuple[str, str]:
+    """(version, location) of the torch this interpreter imports, without importing it: a CLI
+    re-execs before its imports (`cli_startup`), which cost ~5 s on the GPU image."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        version = ""
+    spec = importlib.util.find_spec("torch")
+    origin = spec.origin if spec is not None and spec.origin else ""
+    return version, os.path.realpath(origin)
 
 
 def _without_system_preload(env: dict) -> dict:

@@ -118,6 +118,7 @@ def create_app(
         # uvicorn has drained in-flight requests by now (SIGTERM → graceful shutdown).
         state.draining = True
         state.infer.close()
+        state.close()
 
     app = FastAPI(
         title="boundgen", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None

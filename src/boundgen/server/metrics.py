@@ -137,9 +137,20 @@ def _bucket_families(runtime):
         "boundgen_bucket_padded_tokens", "tokens compiled buckets ran, padding included"
     )
     backend = GaugeMetricFamily("boundgen_model_backend", "the model backend", labels=["backend"])
+    beam_searches = CounterMetricFamily(
+        "boundgen_beam_graph_searches",
+        "beam searches (or pieces of a cut one) run in a whole-search CUDA graph",
+    )
+    beam_misses = CounterMetricFamily(
+        "boundgen_beam_graph_misses",
+        "beam searches no whole-search graph made at warm-up took (run on the plain path)",
+    )
     try:
         stats = runtime.stats()["runner"]
         backend.add_metric([str(stats.get("backend", "eager"))], 1.0)
+        if "beam_graphs" in stats:
+            beam_searches.add_metric([], float(stats["beam_graphs"]["searches"]))
+            beam_misses.add_metric([], float(stats["beam_graphs"]["misses"]))
         if "buckets" in stats:
             for name in stats["buckets"]:
                 batches.add_metric([name], float(stats["batches"].get(name, 0)))
@@ -148,7 +159,7 @@ def _bucket_families(runtime):
             padded.add_metric([], float(stats["padded_tokens"]))
     except Exception:  # metrics must never fail a scrape
         pass
-    yield from (backend, batches, misses, real, padded)
+    yield from (backend, batches, misses, real, padded, beam_searches, beam_misses)
 
 
 class _AdmissionCollector:
@@ -225,6 +236,13 @@ class Metrics:
             "requests refused before any work: 429 at capacity (max_queue) or over the queue "
             "budget (predicted_wait), 504 when their deadline cannot be met (not_run)",
             ["reason"],
+            registry=r,
+        )
+        self.compiles_after_ready = Counter(
+            "boundgen_compiles_after_ready",
+            "compiles (torch.compile) and whole-search graph captures after the server said "
+            "ready: each one ran on a request's path; should stay 0 (a WARNING names it)",
+            ["kind"],
             registry=r,
         )
         r.register(_DeviceMemoryCollector())

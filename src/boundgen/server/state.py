@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from boundgen.compile.cache import default_cache_dir
+from boundgen.compile.events import COMPILES, watch_dynamo
 from boundgen.engine import Engine
 from boundgen.server.config import ServerConfig
 from boundgen.server.infer import Infer
@@ -61,6 +63,25 @@ class ServerState:
         # run once the warm-up has succeeded, before readiness (the serving process freezes the
         # heap the warm-up grew: compiled graphs, dynamo's caches)
         self.after_warm_up: list[Callable[[], Any]] = []
+        watch_dynamo()
+        self.stop_watching_compiles = COMPILES.listen(self._compiled)
+
+    def _compiled(self, kind: str, detail: str) -> None:
+        """A compile or graph capture anywhere in the process: after readiness it ran on a
+        request's path (a shape the warm-up did not cover)."""
+        if not self.ready or self.draining:
+            return
+        self.metrics.compiles_after_ready.labels(kind).inc()
+        log.warning(
+            "%s after the server said ready (%s): a request paid for it; add its shape to the "
+            "warm-up profile (--warmup FILE)",
+            kind,
+            detail,
+        )
+
+    def close(self) -> None:
+        """Stop listening to the process's compiles (the app is shutting down)."""
+        self.stop_watching_compiles()
 
     def _warmup_requests(self) -> list:
         from boundgen import warmup
@@ -87,6 +108,7 @@ class ServerState:
         request keeps the server not ready, its error in /health's message."""
         from boundgen import warmup
 
+        self.ready, self.unready = False, "warming up"
         t0 = time.perf_counter()
         done = []
 
@@ -95,7 +117,9 @@ class ServerState:
             self.unready = f"warming up ({len(done)}/{len(self.warmup)} requests done)"
 
         try:
-            warmup.run(self.warmup, progress)
+            ec = self.engine.engine_config
+            warmup.run(self.warmup, progress, cache_root=ec.compile_cache or default_cache_dir())
+            self.engine.runner.seal()  # nothing is compiled or captured on a request's path
             for hook in self.after_warm_up:
                 hook()
         except Exception as exc:
