@@ -110,12 +110,9 @@ def _load_note(diag: dict) -> str:
 def _verify(engine, entries, cache_root) -> str:
     """Compare each bucket with eager, loaded in this process (the load check has passed or this
     command re-execs itself with the preload first: never a crash)."""
-    import torch
-
-    from boundgen.compile.aoti import AOTIBucket, SharedWeights
-    from boundgen.compile.buckets import BucketSet
+    from boundgen.compile.aoti import SharedWeights
     from boundgen.compile.preload import AOTIUnsafe, ensure_loadable
-    from boundgen.text.packing import SequenceGroup, pack
+    from boundgen.compile.verify import max_abs_diff
 
     try:
         # NOTE: this command may re-exec itself with the preload (everything built so far is cached)
@@ -123,35 +120,9 @@ def _verify(engine, entries, cache_root) -> str:
     except AOTIUnsafe as exc:
         return f"not verified in this process: {exc}"
     weights = SharedWeights(engine.model)
-    gen = torch.Generator().manual_seed(0)
-    vocab = engine.config.vocab_size
     for bucket, path, row in entries:
-        # a real batch that fills about half of the bucket, in its layout (shared prefix or plain)
-        n = max(1, bucket.tokens // 2)
-        ids = lambda k: torch.randint(1, vocab, (k,), generator=gen).tolist()
-        if bucket.cascade:
-            p = max(1, min(bucket.prefix_tokens - 1, n // 2))
-            s = max(1, min(bucket.shared_tokens // 2, n - p) // 2)
-            groups = [SequenceGroup(ids(p), [ids(s), ids(max(1, s - 1))])]
-        else:
-            seg = max(1, min(bucket.max_seqlen, n) // 2)
-            groups = [SequenceGroup([], [ids(seg), ids(max(1, seg // 2))])]
-        batch = pack(groups)
-        padded_set = BucketSet([bucket])
-        b, padded = padded_set.pad(batch)
-        if b is None:
-            row["max_abs_diff"] = "n/a"
-            continue
-        dev = padded.to(engine.device)
-        with torch.inference_mode():
-            got = AOTIBucket.load(path, bucket, weights, engine.device)(dev).index_select(
-                0, dev.last_index
-            )
-            want = engine.runner.model(
-                *(lambda x: (x.input_ids, x.positions, x.attn))(batch.to(engine.device))
-            )
-            want = want.index_select(0, batch.last_index.to(engine.device))
-        row["max_abs_diff"] = float((got.float() - want.float()).abs().max())
+        diff = max_abs_diff(engine.model, bucket, path, weights)
+        row["max_abs_diff"] = "n/a" if diff is None else diff
     return "verified against eager"
 
 
@@ -256,14 +227,67 @@ def _plan(args):
     return plan.buckets
 
 
+def _check(args, buckets, cache) -> int:
+    """--check: hit / missing / stale / corrupt per bucket (exit 1 unless all hit)."""
+    from boundgen.compile.backends import aoti_slots
+    from boundgen.compile.cache import ArtifactError, platform_info
+
+    engine = _load_eager(args)
+    quant = _fp8_policy(engine)
+    plat = platform_info(engine.device)
+    rows = []
+    for b, slot in zip(buckets, aoti_slots(engine.model, engine.device, buckets, quant)):
+        try:
+            cache.lookup(slot, plat)
+            rows.append({"bucket": b.name, "event": "hit"})
+        except ArtifactError as exc:
+            rows.append({"bucket": b.name, "event": exc.kind, "reason": str(exc)})
+    print(_table(rows))
+    for r in rows:
+        if r.get("reason"):
+            print(f"  {r['bucket']}: {r['reason']}")
+    return 0 if all(r["event"] == "hit" for r in rows) else 1
+
+
+def _start_workers(args, cfg, buckets, cache, jobs: int):
+    """The parallel build, started before this process loads its own model (the workers' start
+    overlaps it). Workers verify their bucket themselves when they can start with the libstdc++
+    preload that makes loading safe (`compile.preload.child_preload`)."""
+    import torch  # noqa: F401 - maps this process's libstdc++, which child_preload looks at
+
+    from boundgen.compile.parallel import ParallelBuild
+    from boundgen.compile.preload import child_preload
+    from boundgen.models.loading import resolve_device
+    from boundgen.quant.policy import parse_policy
+
+    safe, preload = child_preload(cache.root)
+    return ParallelBuild(
+        args.model,
+        str(resolve_device(cfg.device)),
+        cfg.dtype,
+        cfg.attention,
+        buckets,
+        cache.root,
+        parse_policy(cfg.fp8).name,
+        True,
+        jobs,
+        fp8_emulate=cfg.fp8_emulate,
+        verify=args.verify and safe,
+        preload=preload,
+    )
+
+
 def run(args) -> int:
+    import dataclasses
     from pathlib import Path
 
     from tqdm import tqdm
 
     from boundgen.compile.backends import aoti_slots, build_aoti
     from boundgen.compile.buckets import parse_buckets
-    from boundgen.compile.cache import ArtifactCache, ArtifactError, platform_info
+    from boundgen.compile.cache import ArtifactCache
+    from boundgen.config import EngineConfig
+    from boundgen.settings import from_args
 
     planned = _plan(args) if args.profile or args.from_traffic else None
     if args.plan_only:
@@ -274,29 +298,29 @@ def run(args) -> int:
         raise ValueError("--model is required to compile")
     t0 = time.perf_counter()
     cache = ArtifactCache(args.cache_dir)
-    isa = None if args.check else _warm_isa_checks(cache.root)
-    engine = _load_eager(args)
-    quant = _fp8_policy(engine)
-    buckets = planned or parse_buckets(args.buckets, engine.engine_config.max_batch_tokens)
+    cfg = dataclasses.replace(from_args(EngineConfig, args), backend="eager")
+    buckets = planned or parse_buckets(args.buckets, cfg.max_batch_tokens)
     if args.check:
-        plat = platform_info(engine.device)
-        rows = []
-        for b, slot in zip(buckets, aoti_slots(engine.model, engine.device, buckets, quant)):
-            try:
-                cache.lookup(slot, plat)
-                rows.append({"bucket": b.name, "event": "hit"})
-            except ArtifactError as exc:
-                rows.append({"bucket": b.name, "event": exc.kind, "reason": str(exc)})
-        print(_table(rows))
-        for r in rows:
-            if r.get("reason"):
-                print(f"  {r['bucket']}: {r['reason']}")
-        return 0 if all(r["event"] == "hit" for r in rows) else 1
-    if args.force:
-        for slot in aoti_slots(engine.model, engine.device, buckets, quant):
+        return _check(args, buckets, cache)
+    isa = _warm_isa_checks(cache.root)
+    engine = None
+    if args.force:  # the slots to remove come from the model
+        engine = _load_eager(args)
+        for slot in aoti_slots(engine.model, engine.device, buckets, _fp8_policy(engine)):
             cache.remove(slot)
+    jobs = _jobs(args.jobs, len(buckets))
+    workers = (
+        _start_workers(args, cfg, buckets, cache, jobs) if jobs > 1 and len(buckets) > 1 else None
+    )
+    try:
+        # the parent's own model: the FP8 gate for the policy, and the fallback verification
+        engine = engine or _load_eager(args)
+    except BaseException:
+        if workers is not None:
+            workers.cancel()
+        raise
+    quant = _fp8_policy(engine)
     bar = tqdm(total=len(buckets), desc="compile", unit="bucket", file=sys.stderr)
-    rows: list[dict] = []
     load_check = _LoadCheck(cache.root)
 
     def done(info: dict) -> None:
@@ -305,25 +329,10 @@ def run(args) -> int:
         if info.get("path"):
             load_check.start(info["path"])
 
-    jobs = _jobs(args.jobs, len(buckets))
-    if jobs > 1 and len(buckets) > 1:
-        from boundgen.compile.parallel import build_parallel
-
-        cfg = engine.engine_config
-        rows = build_parallel(
-            args.model,
-            str(engine.device),
-            cfg.dtype,
-            cfg.attention,
-            buckets,
-            cache.root,
-            quant,
-            True,
-            jobs,
-            on_done=done,
-            fp8_emulate=cfg.fp8_emulate,
-        )
+    if workers is not None:
+        rows = workers.results(on_done=done)
     else:
+        rows = []
         for b in buckets:
             try:
                 ((_, _, info),) = build_aoti(engine.model, engine.device, [b], cache, quant, True)
@@ -343,8 +352,11 @@ def run(args) -> int:
     ok = [(b, Path(r["path"]), r) for b, r in zip(buckets, rows) if r.get("path")]
     diag = load_check.wait()
     notes = [_load_note(diag)] if diag else []
-    if args.verify and ok:
-        notes.append(_verify(engine, ok, cache.root))
+    unverified = [e for e in ok if "max_abs_diff" not in e[2]]
+    if args.verify and unverified:
+        notes.append(_verify(engine, unverified, cache.root))
+    elif args.verify and ok:
+        notes.append("verified against eager (in the build workers)")
     note = "; ".join(notes)
     print(_table(rows))
     for r in rows:

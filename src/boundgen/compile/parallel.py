@@ -10,6 +10,7 @@ lock-protected `ArtifactCache`.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -36,20 +37,113 @@ def _init(
     _WORKER["model"], _WORKER["device"] = model, next(model.parameters()).device
 
 
-def _build_one(bucket_name: str, cache_dir: str | None, quant: str, rebuild: bool) -> dict:
+def _build_one(
+    bucket_name: str, cache_dir: str | None, quant: str, rebuild: bool, verify: bool
+) -> dict:
     from boundgen.compile.backends import build_aoti
     from boundgen.compile.buckets import Bucket
     from boundgen.compile.cache import ArtifactCache
 
+    bucket = Bucket.parse(bucket_name)
     entries = build_aoti(
-        _WORKER["model"],
-        _WORKER["device"],
-        [Bucket.parse(bucket_name)],
-        ArtifactCache(cache_dir),
-        quant,
-        rebuild,
+        _WORKER["model"], _WORKER["device"], [bucket], ArtifactCache(cache_dir), quant, rebuild
     )
-    return entries[0][2]
+    info = entries[0][2]
+    if verify:  # while the other buckets still build (this worker started with the preload)
+        from boundgen.compile.verify import max_abs_diff
+
+        try:
+            diff = max_abs_diff(_WORKER["model"], bucket, info["path"])
+            info["max_abs_diff"] = "n/a" if diff is None else diff
+        except Exception as exc:  # reported; the parent verifies it instead
+            info["verify_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return info
+
+
+class ParallelBuild:
+    """Every bucket's build (or verification) in `jobs` worker processes, started at once: the
+    caller does its own work meanwhile, then takes `results()`, one info dict per bucket.
+
+    `quant` is the FP8 policy's canonical name: each worker swaps the same projections as the
+    parent's model, so the artifacts are the ones that model looks up. A bucket that fails (or is
+    still building after `timeout_s`) gives {"bucket", "event": "error", "error"} instead of
+    stopping the rest; workers still running at the timeout are terminated. `verify`: each worker
+    compares its bucket with eager right after building it (`preload`: the libstdc++ the workers
+    start with, so that loading a package is safe in them)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str,
+        dtype: str | None,
+        attention: str,
+        buckets: list,
+        cache_dir: str | Path | None,
+        quant: str = "none",
+        rebuild: bool = True,
+        jobs: int = 2,
+        fp8_emulate: bool = False,
+        verify: bool = False,
+        preload: str | None = None,
+    ) -> None:
+        self.buckets = buckets
+        self.pool = ProcessPoolExecutor(
+            max_workers=jobs,
+            mp_context=mp.get_context("spawn"),
+            initializer=_init,
+            initargs=(str(model_dir), device, dtype, attention, quant, fp8_emulate),
+        )
+        cache = None if cache_dir is None else str(cache_dir)
+        # NOTE: spawned workers take this process's environment as they start, in the submits
+        saved = os.environ.get("LD_PRELOAD")
+        if preload:
+            os.environ["LD_PRELOAD"] = " ".join(p for p in (preload, saved) if p)
+        try:
+            self.futs = {
+                self.pool.submit(_build_one, b.name, cache, quant, rebuild, verify): b.name
+                for b in buckets
+            }
+        finally:
+            if saved is None:
+                os.environ.pop("LD_PRELOAD", None)
+            else:
+                os.environ["LD_PRELOAD"] = saved
+
+    def cancel(self) -> None:
+        procs = list(getattr(self.pool, "_processes", {}).values())
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:  # our own workers: stop the compiles still running
+            p.terminate()
+
+    def results(
+        self, on_done: Callable[[dict], None] | None = None, timeout_s: float | None = None
+    ) -> list[dict]:
+        results: dict[str, dict] = {}
+        try:
+            for fut in as_completed(self.futs, timeout=timeout_s):
+                name = self.futs[fut]
+                try:
+                    info = fut.result()
+                except Exception as exc:
+                    info = {
+                        "bucket": name,
+                        "event": "error",
+                        "error": f"{type(exc).__name__}: {exc}"[:500],
+                    }
+                results[name] = info
+                if on_done:
+                    on_done(info)
+        except FuturesTimeout:
+            for name in set(self.futs.values()) - set(results):
+                results[name] = {
+                    "bucket": name,
+                    "event": "error",
+                    "error": f"not built within {timeout_s:.0f}s",
+                }
+            self.cancel()
+        else:
+            self.pool.shutdown(wait=True)
+        return [results[b.name] for b in self.buckets]
 
 
 def build_parallel(
@@ -66,50 +160,8 @@ def build_parallel(
     timeout_s: float | None = None,
     fp8_emulate: bool = False,
 ) -> list[dict]:
-    """Build (or verify) every bucket in `jobs` worker processes; returns one info dict per bucket.
-    `quant` is the FP8 policy's canonical name: each worker swaps the same projections as the
-    parent's model, so the artifacts are the ones that model looks up.
-    A bucket that fails (or is still building after `timeout_s`) gives {"bucket", "event": "error",
-    "error"} instead of stopping the rest; workers still running at the timeout are terminated."""
-    ctx = mp.get_context("spawn")
-    results: dict[str, dict] = {}
-    pool = ProcessPoolExecutor(
-        max_workers=jobs,
-        mp_context=ctx,
-        initializer=_init,
-        initargs=(str(model_dir), device, dtype, attention, quant, fp8_emulate),
+    """`ParallelBuild` started and waited for."""
+    build = ParallelBuild(
+        model_dir, device, dtype, attention, buckets, cache_dir, quant, rebuild, jobs, fp8_emulate
     )
-    futs = {
-        pool.submit(
-            _build_one, b.name, None if cache_dir is None else str(cache_dir), quant, rebuild
-        ): b.name
-        for b in buckets
-    }
-    try:
-        for fut in as_completed(futs, timeout=timeout_s):
-            name = futs[fut]
-            try:
-                info = fut.result()
-            except Exception as exc:
-                info = {
-                    "bucket": name,
-                    "event": "error",
-                    "error": f"{type(exc).__name__}: {exc}"[:500],
-                }
-            results[name] = info
-            if on_done:
-                on_done(info)
-    except FuturesTimeout:
-        for name in set(futs.values()) - set(results):
-            results[name] = {
-                "bucket": name,
-                "event": "error",
-                "error": f"not built within {timeout_s:.0f}s",
-            }
-        procs = list(getattr(pool, "_processes", {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        for p in procs:  # our own workers: stop the compiles still running
-            p.terminate()
-    else:
-        pool.shutdown(wait=True)
-    return [results[b.name] for b in buckets]
+    return build.results(on_done, timeout_s)

@@ -136,16 +136,21 @@ def _platform_key() -> str:
 
 def _torch_install() -> tuple[str, str]:
     """(version, location) of the torch this interpreter imports, without importing it: a CLI
-    re-execs before its imports (`cli_startup`), which cost ~5 s on the GPU image."""
-    import importlib.metadata
+    re-execs before its imports (`cli_startup`), which cost ~5 s on the GPU image. The version is
+    read from torch/version.py (`importlib.metadata` scans every installed distribution)."""
     import importlib.util
+    import re
 
-    try:
-        version = importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        version = ""
     spec = importlib.util.find_spec("torch")
     origin = spec.origin if spec is not None and spec.origin else ""
+    version = ""
+    if origin:
+        try:
+            text = (Path(origin).parent / "version.py").read_text()
+            found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", text, re.M)
+            version = found.group(1) if found else ""
+        except OSError:
+            pass
     return version, os.path.realpath(origin)
 
 
@@ -226,6 +231,25 @@ def diagnose(
     if cache_root is not None:
         _write_state(cache_root, key, result)
     return result
+
+
+def child_preload(cache_root: Path | None) -> tuple[bool, str | None]:
+    """For child processes started now that will load packages: (safe, LD_PRELOAD to start them
+    with). The stored verdict decides when there is one; without one, a child preloading the
+    system libstdc++ this process already maps is safe (the library it would use anyway, only its
+    definitions made to win: the fix); a process mapping none or another one cannot tell."""
+    result = _read_state(cache_root).get(_platform_key()) if cache_root is not None else None
+    if result:
+        if result["status"] == "ok":
+            return True, None
+        if result["status"] == "preload":
+            return True, result["preload"]
+        return False, None
+    mapped = loaded_libstdcxx()
+    system = {os.path.realpath(p) for p in libstdcxx_candidates()}
+    if mapped and os.path.realpath(mapped) in system:
+        return True, mapped
+    return False, None
 
 
 def reexec_with_preload(lib: str) -> None:
