@@ -238,15 +238,16 @@ async def _run_step(cfg: LoadConfig, bodies: dict[str, list[bytes]], qps: float)
 
 
 def error_of(r: httpx.Response) -> tuple[str, str]:
-    """(error type, message) of an error reply (boundgen's `{"error": {"message", "type"}}`, or
-    whatever else the server sent)."""
+    """(error type, message) of an error reply: `{"error": {"message", "type"}}`, SGLang's flat
+    `{"message", "type"}` (`/v1/score`), or whatever else the server sent."""
     try:
-        err = r.json().get("error")
+        body = r.json()
     except Exception:
         return f"http_{r.status_code}", r.text[:200]
-    if isinstance(err, dict):
-        return str(err.get("type")), str(err.get("message"))
-    return str(err)[:80], str(err)
+    err = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(err, dict) and "message" in err:
+        return str(err.get("type") or f"http_{r.status_code}"), str(err["message"])
+    return f"http_{r.status_code}", str(err)[:200]
 
 
 def _warmup(cfg: LoadConfig, client: httpx.Client, bodies: dict[str, list[bytes]]) -> None:
