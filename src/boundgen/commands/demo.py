@@ -5,14 +5,13 @@ from __future__ import annotations
 import re
 import time
 
-from boundgen.commands._common import add_engine_args
+from boundgen.commands._common import DEMO_MODEL, add_engine_args
 
 HELP = "score a query against catalog items, recommend by trie beam search, print held-out quality"
 
 
 def add_arguments(parser) -> None:
-    add_engine_args(parser, model_required=False)
-    parser.set_defaults(model=None)
+    add_engine_args(parser, model_default=DEMO_MODEL)
     parser.add_argument(
         "--query",
         default=None,
