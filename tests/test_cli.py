@@ -4,6 +4,7 @@ on."""
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 
@@ -70,3 +71,32 @@ def test_user_errors_are_one_line(tmp_path, capsys):
         == 1
     )
     assert "does not exist" in capsys.readouterr().err
+
+
+# ---- score and beam run on the built-in demo model without --model, as serve and demo do
+
+
+def test_score_defaults_to_the_demo_model(capsys):
+    query, item = "Query: red Astora sneakers\n", "Item: {}\nRelevant:"
+    right, wrong = "Astora Core sneakers, red, $999, Vienna", "Nimtra Max sofa, red, $1290, Madrid"
+    argv = ["score", "--query", query, "--item", item.format(right), "--item", item.format(wrong)]
+    assert cli.main([*argv, "--labels", " yes", " no", "--softmax", "--device", "cpu"]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    assert reply["model"] == "boundgen-demo"
+    (right_yes, _), (wrong_yes, _) = reply["scores"]
+    assert right_yes > 0.9 > 0.1 > wrong_yes
+
+
+def test_beam_defaults_to_the_demo_model_its_trie_and_its_depth(capsys):
+    prompt = "Query: red Astora sneakers\nID:"
+    assert cli.main(["beam", "--prompt", prompt, "--beam-width", "3", "--device", "cpu"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert len(results) == 3 and all(len(r["tokens"]) == 3 for r in results)  # the trie's depth
+    assert results[0]["title"] == "Astora Core sneakers, red, $999, Vienna"  # the catalog's title
+
+
+@pytest.mark.parametrize("command", ["score", "beam", "demo"])
+def test_model_help_names_the_default(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    assert "(default: the built-in demo model)" in " ".join(capsys.readouterr().out.split())

@@ -152,3 +152,44 @@ def test_demo_command_runs(capsys):
     assert rc == 0
     assert "P(yes)" in out and "Recommendations" in out and "relevance AUC" in out
     assert "recommended ids not in the catalog: 0" in out
+    # every semantic ID is shown with its product's title, and the columns are explained
+    assert "<a_4><b_18><c_39>          yes  Velund Max fitness tracker, pink, $1490, Warsaw" in out
+    assert "P(yes): the probability of" in out and "matches: the catalog's truth" in out
+
+
+@shipped
+def test_demo_first_screen_shows_what_the_model_gets_right():
+    """The showcase (issue 27): the matching products ranked above every other with a wide margin,
+    recommended first, and the history's next products all from its group; if a retrained model
+    no longer gets them right, choose other examples (they are picked, not typical: the held-out
+    numbers say how it does over many)."""
+    from boundgen import Engine, Trie
+    from boundgen.commands import demo
+    from boundgen.demo.evaluate import (
+        DemoAssets,
+        history_prompt,
+        recommend,
+        retrieval_prompt,
+        score_items,
+    )
+
+    engine = Engine.from_pretrained(ASSETS, device="cpu")
+    assets = DemoAssets.load(ASSETS)
+    trie = Trie.from_file(assets.trie_path)
+    query, ids, attrs = demo._showcase(assets)
+    matching = {i for i in ids if demo._matches(assets.catalog.items[i], attrs)}
+    assert 2 <= len(matching) < len(ids)
+    probs = dict(zip(ids, score_items(engine, assets, query, ids)))
+    assert (
+        min(probs[i] for i in matching)
+        > 0.9
+        > 0.1
+        > max(p for i, p in probs.items() if i not in matching)
+    )
+    in_catalog = {it.item_id for it in assets.catalog.items if demo._matches(it, attrs)}
+    recommended = [item for item, _ in recommend(engine, trie, retrieval_prompt(query))]
+    assert set(recommended[: len(in_catalog)]) == in_catalog
+    shown = assets.eval["history"][demo.SHOWCASE_HISTORY]
+    prompt = history_prompt(assets, shown["history"])
+    following = recommend(engine, trie, prompt, exclude=shown["history"])[:5]
+    assert all(item in shown["relevant"] for item, _ in following)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
+pytest.importorskip("prometheus_client")  # server-only: skipped without the server's packages
 from prometheus_client import generate_latest
 
 from boundgen.server.heap import FULL_COLLECTION_EVERY, GCPauses, freeze_startup_heap

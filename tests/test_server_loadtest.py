@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 import uvicorn
 from fastapi.testclient import TestClient
 
-from boundgen import Engine
+from boundgen import Engine, cli
 from boundgen.loadtest import (
     LoadConfig,
     Sample,
@@ -25,6 +25,7 @@ from boundgen.loadtest import (
     fit_to_server,
     parse_server_timing,
     run_loadtest,
+    slowest_line,
     summarize,
 )
 from boundgen.server.app import create_app
@@ -95,6 +96,11 @@ def test_server_timing_parse_and_tail_attribution():
     assert "slowest" not in summarize(
         [Sample("score", 0, 0.001, 200)], 1, 1, 1
     )  # no header: no guess
+    # on the console: the largest entries first
+    assert slowest_line(tail) == (
+        "  slowest 1 % (2 requests): 55.00 ms = server 41.00 ms (forward 20.00, forward-wait 1.00)"
+        " + outside the server 14.00 ms"
+    )
 
 
 class _ThreadServer:
@@ -137,7 +143,11 @@ def test_loadtest_against_live_server(model_dir, tmp_path):
             out=str(tmp_path / "r.json"),
             plot=str(tmp_path / "r.png"),
         )
-        report = run_loadtest(cfg, log=lambda *a: None)
+        lines = []
+        report = run_loadtest(cfg, log=lines.append)
+    # the console: every step with the slowest requests' breakdown, and never a bare None
+    assert sum(line.startswith("  slowest 1 % (") for line in lines) == 2, lines
+    assert not any("None" in line for line in lines), lines
     assert report["vocab_size"] == engine.config.vocab_size
     assert [s["qps_target"] for s in report["steps"]] == [4.0, 8.0]
     assert all(s["ok"] == s["requests"] > 0 for s in report["steps"]), report["steps"]
@@ -210,3 +220,34 @@ def test_loadtest_stops_at_saturation(model_dir):
     assert step["errors"].get("429:overloaded_error", 0) > 0 and step["ok"] > 0
     assert report["max_qps_within_slo"] is None
     assert any("saturated at 40" in line for line in lines), lines
+    assert not any("None" in line for line in lines), lines
+
+
+# ---- the command line: errors in one line, defaults in --help
+
+
+def test_loadtest_without_a_server_is_one_line(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert cli.main(["loadtest", "--url", url, "--duration", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"boundgen loadtest: error: no answer from {url} (ConnectError")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_loadtest_url_without_scheme_is_one_line(capsys):
+    assert cli.main(["loadtest", "--url", "127.0.0.1:8000"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "boundgen loadtest: error: --url '127.0.0.1:8000' needs its scheme: "
+        "e.g. http://127.0.0.1:8000\n"
+    )
+
+
+def test_loadtest_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["loadtest", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    shown_defaults = ("20.0", "http://127.0.0.1:8000", "score", "on")  # --slo-ms ... a flag pair
+    for shown in (f"(default: {value})" for value in shown_defaults):
+        assert shown in out
+    assert "(default: None)" not in out

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
+
+pytest.importorskip("fastapi")  # server-only: skipped, not a collection error, without the server
 from fastapi.testclient import TestClient
 
 from boundgen.compile.backends import CompiledForwards, _eager_fns

@@ -190,7 +190,8 @@ def token_ids(n: int, rng: random.Random) -> list[int]:
 
 
 def error_message(body: bytes) -> str:
-    err = json.loads(body)["error"]
+    data = json.loads(body)
+    err = data.get("error", data)  # SGLang's routes answer a flat error object
     return err if isinstance(err, str) else err["message"]
 
 

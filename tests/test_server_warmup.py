@@ -9,6 +9,8 @@ import threading
 import time
 
 import pytest
+
+pytest.importorskip("fastapi")  # server-only: skipped, not a collection error, without the server
 from fastapi.testclient import TestClient
 
 from boundgen.server.app import create_app

@@ -163,7 +163,9 @@ class EngineConfig:
     the `engine:` section of a config file (`boundgen.settings`); `flag=False` ones are
     config-file only."""
 
-    device: str = option("cpu", "cpu, cuda or cuda:N")
+    device: str = option(
+        "cpu", "cpu, cuda or cuda:N (default: cpu; `boundgen serve`: cuda when there is one)"
+    )
     dtype: str | None = option(
         None,
         "float32 | bfloat16 | float16 (default: float32 on CPU, the checkpoint's dtype on CUDA)",

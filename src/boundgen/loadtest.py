@@ -46,11 +46,15 @@ class LoadConfig:
     arrivals: str = option("poisson", "poisson | uniform", choices=("poisson", "uniform"))
     items: int = option(100, "score: candidates per request")
     item_tokens: int = option(16, "score: tokens per candidate")
-    query_tokens: int = option(256, "score: query tokens")
+    query_tokens: int = option(
+        256, "score: query tokens (if not given: at most the context allows)"
+    )
     labels: int = option(2, "score: label tokens")
-    prompt_tokens: int = option(128, "beam: prompt tokens")
+    prompt_tokens: int = option(
+        128, "beam: prompt tokens (if not given: at most the context allows)"
+    )
     beam_width: int = option(16, "beam: width")
-    steps: int = option(4, "beam: decode steps")
+    steps: int = option(4, "beam: decode steps (if not given: the depth of --trie)")
     trie: str | None = option(None, "beam: trie name on the server")
     beam_fraction: float = option(0.2, "mixed: share of beam requests")
     distinct: int = option(64, "distinct request bodies (generated once, sent round-robin)")
@@ -111,9 +115,20 @@ def parse_server_timing(value: str | None) -> dict[str, float] | None:
 def server_card(client: httpx.Client) -> dict[str, Any]:
     """The served model's card from `/v1/models` (empty when the server does not answer one)."""
     try:
-        return dict(client.get("/v1/models").json()["data"][0])
+        response = client.get("/v1/models")
+    except httpx.TransportError as exc:
+        raise unreachable(client.base_url, exc) from None
+    try:
+        return dict(response.json()["data"][0])
     except Exception:
         return {}
+
+
+def unreachable(url: Any, exc: Exception) -> RuntimeError:
+    """One line for a server that does not answer at all (not started, wrong port, gone)."""
+    return RuntimeError(
+        f"no answer from {url} ({type(exc).__name__}: {exc}); is `boundgen serve` running there?"
+    )
 
 
 def fit_to_server(cfg: LoadConfig, card: dict[str, Any]) -> tuple[LoadConfig, list[str]]:
@@ -238,26 +253,30 @@ async def _run_step(cfg: LoadConfig, bodies: dict[str, list[bytes]], qps: float)
 
 
 def error_of(r: httpx.Response) -> tuple[str, str]:
-    """(error type, message) of an error reply (boundgen's `{"error": {"message", "type"}}`, or
-    whatever else the server sent)."""
+    """(error type, message) of an error reply: `{"error": {"message", "type"}}`, SGLang's flat
+    `{"message", "type"}` (`/v1/score`), or whatever else the server sent."""
     try:
-        err = r.json().get("error")
+        body = r.json()
     except Exception:
         return f"http_{r.status_code}", r.text[:200]
-    if isinstance(err, dict):
-        return str(err.get("type")), str(err.get("message"))
-    return str(err)[:80], str(err)
+    err = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(err, dict) and "message" in err:
+        return str(err.get("type") or f"http_{r.status_code}"), str(err["message"])
+    return f"http_{r.status_code}", str(err)[:200]
 
 
 def _warmup(cfg: LoadConfig, client: httpx.Client, bodies: dict[str, list[bytes]]) -> None:
     kinds = ["score", "beam"] if cfg.workload == "mixed" else [cfg.workload]
     for i in range(cfg.warmup):
         kind = kinds[i % len(kinds)]
-        client.post(
-            "/v1/score" if kind == "score" else "/v1/beam",
-            content=bodies[kind][i % len(bodies[kind])],
-            headers={"content-type": "application/json"},
-        )
+        try:
+            client.post(
+                "/v1/score" if kind == "score" else "/v1/beam",
+                content=bodies[kind][i % len(bodies[kind])],
+                headers={"content-type": "application/json"},
+            )
+        except httpx.TransportError as exc:
+            raise unreachable(cfg.url, exc) from None
 
 
 def summarize(samples: list[Sample], qps: float, duration: float, items: int) -> dict[str, Any]:
@@ -361,19 +380,9 @@ def run_loadtest(cfg: LoadConfig, log=print) -> dict[str, Any]:
             samples = asyncio.run(_run_step(cfg, bodies, qps))
         summary = summarize(samples, qps, cfg.duration, cfg.items)
         results.append(summary)
-        lat = summary["latency_ms"]
-        log(
-            f"qps {qps:8.1f}: offered {summary['offered_qps']:8.1f}  ok/s "
-            f"{summary['throughput_qps']:8.1f}"
-            f"  p50 {lat['p50']:8.2f} ms  p90 {lat['p90']:8.2f} ms  p99 {lat['p99']:8.2f} ms"
-            + (
-                f"  (server p99 {summary['server_ms']['p99']:.2f} ms)"
-                if "server_ms" in summary
-                else ""
-            )
-            + f"  errors {summary['requests'] - summary['ok']}"
-            + (f" {summary['errors']}" if summary["errors"] else "")
-        )
+        log(step_line(qps, summary))
+        if "slowest" in summary:
+            log(slowest_line(summary["slowest"]))
         failed = next((x for x in samples if x.status != 200), None)
         if failed is not None:
             log(f"  first error: {failed.status or 'client'} {failed.error}: {failed.message}")
@@ -397,12 +406,49 @@ def run_loadtest(cfg: LoadConfig, log=print) -> dict[str, Any]:
         "max_qps_within_slo": max(passing) if passing else None,
     }
     if len(steps) > 1:
-        log(f"max QPS with p99 <= {cfg.slo_ms:g} ms: {report['max_qps_within_slo']}")
+        best = report["max_qps_within_slo"]
+        met = f"{best:g}" if best is not None else "none of the steps met it"
+        slo = f"p99 <= {cfg.slo_ms:g} ms and errors <= {cfg.max_error_rate * 100:g} %"
+        log(f"max QPS with {slo}: {met}")
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(report, indent=1))
     if cfg.plot:
         plot_reports([report], cfg.plot)
     return report
+
+
+def step_line(qps: float, summary: dict[str, Any]) -> str:
+    """One step on one line: load, answers per second, latency percentiles, errors."""
+    lat = summary["latency_ms"]
+    line = (
+        f"qps {qps:8.1f}: offered {summary['offered_qps']:8.1f}  ok/s "
+        f"{summary['throughput_qps']:8.1f}  p50 {_ms(lat['p50'])}  p90 {_ms(lat['p90'])}"
+        f"  p99 {_ms(lat['p99'])}"
+    )
+    if "server_ms" in summary:
+        line += f"  (server p99 {summary['server_ms']['p99']:.2f} ms)"
+    line += f"  errors {summary['requests'] - summary['ok']}"
+    return line + (f" {summary['errors']}" if summary["errors"] else "")
+
+
+def slowest_line(tail: dict[str, Any], entries: int = 4) -> str:
+    """Where the slowest 1 % spent their time: inside the server (its largest `Server-Timing`
+    entries; they nest, e.g. `runtime` holds `forward`; all are in the JSON) and outside it
+    (network, client, event loop)."""
+    largest = sorted(tail["entries_ms"].items(), key=lambda kv: -kv[1])
+    inside = ", ".join(f"{name} {ms:.2f}" for name, ms in largest[:entries])
+    inside += ", ..." if len(largest) > entries else ""
+    n = tail["n"]
+    return (
+        f"  slowest 1 % ({n} request{'s' if n != 1 else ''}): {tail['latency_ms']:.2f} ms = "
+        f"server {tail['server_ms']:.2f} ms"
+        + (f" ({inside})" if inside else "")
+        + f" + outside the server {tail['outside_ms']:.2f} ms"
+    )
+
+
+def _ms(value: float) -> str:
+    return "       - ms" if math.isnan(value) else f"{value:8.2f} ms"
 
 
 def plot_reports(reports: list[dict[str, Any]], path: str | Path, title: str | None = None) -> None:

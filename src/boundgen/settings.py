@@ -42,7 +42,7 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         tp = _base_type(hints[f.name])
-        help_ = f.metadata.get("help", "")
+        help_ = _with_default(f.metadata.get("help", ""), _default(f))
         if tp is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_
@@ -53,6 +53,29 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type) -> None:
         else:
             choices = f.metadata.get("choices")
             parser.add_argument(flag, type=tp, default=None, choices=choices, help=help_)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _with_default(help_: str, default: Any) -> str:
+    """The help with the field's default, so `--help` shows what a flag not given means (the flags
+    themselves default to None: only the flags given override a config file). Help that already
+    names its default, and fields without one, are left as they are."""
+    if default is None or default in ("", (), []) or "default:" in help_:
+        return help_
+    if isinstance(default, bool):
+        shown = "on" if default else "off"
+    elif isinstance(default, (tuple, list)):
+        shown = " ".join(map(str, default))
+    else:
+        shown = str(default)
+    return f"{help_} (default: {shown.replace('%', '%%')})"
 
 
 def from_args(cls: type[T], args: argparse.Namespace, base: T | None = None) -> T:

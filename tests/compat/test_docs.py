@@ -1,4 +1,5 @@
-"""Every shell block in README.md and docs/*.md runs, verbatim, against the default server.
+"""Every shell block in README.md and docs/*.md, and every python block of README.md, runs
+verbatim: the shell blocks against the default server, the README's Python as a script.
 
 A fenced block tagged `bash`, `sh`, `shell` or `console` is a list of commands; every other fence
 must say what it holds (`text`, `python`, `yaml`, ...), so no command hides in an untagged block.
@@ -9,6 +10,7 @@ How a block runs: each command in a fresh `bash` in a scratch directory, with `l
 `127.0.0.1:8000` pointing at the session's `boundgen serve` (no `--model`), `curl` failing on any
 HTTP status ≥ 400 (`--fail-with-body`) and its JSON reply checked for an `error` key. A
 `boundgen serve ...` command is started on a free port, must become ready, and is stopped.
+A README python block runs in a fresh interpreter in a scratch directory and must exit 0.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +28,8 @@ import pytest
 from boundgen.server.testing import ServeProcess
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 SHELL = {"bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```\s*$", re.M | re.S)
 NO_CI = re.compile(r"^<!--\s*no-ci:\s*(\S.*?)\s*-->$")
@@ -81,10 +85,12 @@ def fenced_blocks() -> list[Block]:
 
 BLOCKS = fenced_blocks()
 SHELL_BLOCKS = [b for b in BLOCKS if b.lang in SHELL]
+# the README's Python is its users' first program: it runs too (the docs' Python are excerpts)
+PYTHON_BLOCKS = [b for b in BLOCKS if b.lang == "python" and b.path == README]
 
 
-def block_params():
-    for block in SHELL_BLOCKS:
+def block_params(blocks: list[Block] = SHELL_BLOCKS):
+    for block in blocks:
         marks = [pytest.mark.skip(reason=f"no-ci: {block.no_ci}")] if block.no_ci else []
         yield pytest.param(block, id=block.name, marks=marks)
 
@@ -94,9 +100,13 @@ def test_every_fence_says_what_it_holds():
     assert not untagged, f"tag these fences (bash for commands, text for the rest): {untagged}"
 
 
-def test_no_ci_markers_sit_on_shell_blocks():
-    misplaced = [b.name for b in BLOCKS if b.no_ci and b.lang not in SHELL]
+def test_no_ci_markers_sit_on_blocks_that_run():
+    misplaced = [b.name for b in BLOCKS if b.no_ci and b not in SHELL_BLOCKS + PYTHON_BLOCKS]
     assert not misplaced, misplaced
+
+
+def test_the_readme_has_python_to_run():
+    assert PYTHON_BLOCKS
 
 
 def run_serve(argv: list[str]) -> None:
@@ -136,3 +146,15 @@ def test_block_runs(block: Block, demo_server, tmp_path):
     server_address = demo_server.url.removeprefix("http://")
     for command in block.commands:
         run_command(command, server_address, tmp_path)
+
+
+@pytest.mark.parametrize("block", list(block_params(PYTHON_BLOCKS)))
+def test_readme_python_runs(block: Block, tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-c", block.text],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
+    assert run.returncode == 0, f"{block.name}\n{run.stdout}\n{run.stderr}"

@@ -9,11 +9,10 @@ Sources (sgl-project/sglang):
   `_build_rerank_response`;
 - `python/sglang/test/runners.py`: `TEST_RERANK_QUERY_DOCS`.
 
-Adapted: the model name (the served id), label token ids (SGLang's Qwen " Yes"/" No" 9454/2753 →
-the demo tokenizer's " yes"/" no"), and the error object: SGLang answers a flat
-`{"object": "error", "message", "type": "BadRequestError", ...}`, boundgen the OpenAI-style
-`{"error": {"message", "type", "code"}}` (issue 18 keeps it), so the message is read from there.
-The numerical comparison with transformers is in `test_sglang_score_hf.py`.
+Adapted: the model name (the served id) and label token ids (SGLang's Qwen " Yes"/" No" 9454/2753 →
+the demo tokenizer's " yes"/" no"). Errors are SGLang's flat `ErrorResponse` (`{"object": "error",
+"message", "type": "BadRequestError", "param": null, "code": 400}`), read as SGLang's tests read
+them. The numerical comparison with transformers is in `test_sglang_score_hf.py`.
 """
 
 from __future__ import annotations
@@ -114,8 +113,53 @@ def test_score_error_handling(demo_http, demo_model_name):
     }
     response = demo_http.post("/v1/score", json=body)
     assert response.status_code == 400
-    error = response.json()["error"]  # SGLang: the flat body, type "BadRequestError"
-    assert "Token ID 999999 is out of vocabulary" in error["message"]
+    error_response = response.json()
+    assert error_response["type"] == "BadRequestError"
+    assert "Token ID 999999 is out of vocabulary" in error_response["message"]
+
+
+# SGLang's `ErrorResponse` (python/sglang/srt/entrypoints/openai/protocol.py), as
+# `serving_base.create_error_response` fills it for a bad request
+SGLANG_ERROR_KEYS = {"object", "message", "type", "param", "code"}
+
+
+def assert_sglang_error(response, status=400, type_="BadRequestError"):
+    body = response.json()
+    assert response.status_code == status, body
+    assert set(body) == SGLANG_ERROR_KEYS, body
+    assert (body["object"], body["type"], body["param"], body["code"]) == (
+        "error",
+        type_,
+        None,
+        status,
+    )
+    return body["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"query": "q", "items": ["a"], "label_token_ids": [999999]},  # the model refuses it
+        {"query": "q", "items": ["a"]},  # validation: a field missing
+        {"query": "q", "items": ["a"], "label_token_ids": [1], "apply_softmax": "yes"},
+    ],
+    ids=["model", "missing-field", "wrong-type"],
+)
+def test_score_errors_are_sglangs_flat_object(demo_http, body):
+    assert_sglang_error(demo_http.post("/v1/score", json=body))
+
+
+def test_score_error_of_a_vllm_body_stays_vllms(demo_http):
+    """`/v1/score` with vLLM's fields is vLLM's route: its nested error object."""
+    body = {"queries": "q", "documents": ["a"], "label_token_ids": [999999]}
+    response = demo_http.post("/v1/score", json=body)
+    assert response.status_code == 400
+    assert set(response.json()["error"]) >= {"message", "type", "code"}
+
+
+def test_rerank_errors_are_sglangs_flat_object(sglang_rerank_server):
+    response = httpx.post(sglang_rerank_server.url + "/v1/rerank", json={"query": "q"}, timeout=120)
+    assert "documents" in assert_sglang_error(response)
 
 
 # ---------------------------------------------------- TestScoreAPI (test/srt/test_score_api.py)
@@ -239,8 +283,7 @@ def test_multi_item_scoring_error_handling(demo_http, bad):
     """The engine raises ValueError/TypeError; over HTTP that is a 400 naming the field."""
     body = {"query": "Test query", "items": ["Item 1", "Item 2"], "label_token_ids": [1, 2]}
     response = demo_http.post("/v1/score", json={**body, **bad, "apply_softmax": True})
-    assert response.status_code == 400
-    assert next(iter(bad)) in response.json()["error"]["message"]
+    assert next(iter(bad)) in assert_sglang_error(response)
 
 
 # ---------------------------------------------------------------- TestOpenAIV1Rerank (HTTP)

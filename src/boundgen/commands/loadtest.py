@@ -23,6 +23,8 @@ def run(args: argparse.Namespace) -> int:
     from boundgen.loadtest import LoadConfig, run_loadtest
 
     cfg = from_args(LoadConfig, args)
+    if not cfg.url.startswith(("http://", "https://")):
+        raise ValueError(f"--url {cfg.url!r} needs its scheme: e.g. http://{cfg.url}")
     if cfg.qps <= 0 or any(q <= 0 for q in cfg.qps_steps) or cfg.duration <= 0:
         raise ValueError("--qps, --qps-steps and --duration must be positive")
     if cfg.plot:  # before the load runs, not after

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
-from boundgen.commands._common import add_engine_args, load_engine, parse_labels
+from boundgen.commands._common import DEMO_MODEL, add_engine_args, load_engine, parse_labels
 
 HELP = "score a query against items by label-token logits (SGLang /v1/score semantics); prints JSON"
 
 
 def add_arguments(parser) -> None:
-    add_engine_args(parser)
+    add_engine_args(parser, model_default=DEMO_MODEL)
     parser.add_argument("--query", required=True)
     parser.add_argument(
         "--item", action="append", required=True, help="an item (repeat for several)"

@@ -29,6 +29,7 @@ from boundgen.server.errors import (
     ServerError,
     error_response,
     kserve_error_response,
+    sglang_response,
 )
 from boundgen.server.guard import Guard
 from boundgen.server.infer import SERVER_TIMES
@@ -43,10 +44,12 @@ log = logging.getLogger("boundgen.server")
 
 Handler = Callable[[Request, ServerState], Awaitable[Response]]
 
-# How a route answers errors: OpenAI's object, KServe's `{"error": str}`, TEI's `{error,
-# error_type}` (a handler of a shared path may switch its request to TEI's: `tei.mark`).
+# How a route answers errors: OpenAI's object, SGLang's flat one, KServe's `{"error": str}`, TEI's
+# `{error, error_type}` (a handler of a shared path may switch its request to another peer's:
+# `request.state.error_style`, e.g. `tei.mark`).
 ERROR_STYLES: dict[str, Callable[[ServerError], Response]] = {
     "openai": lambda exc: exc.response(),
+    "sglang": sglang_response,
     "kserve": lambda exc: exc.response(kserve=True),
     "tei": tei.error_response,
 }
@@ -158,10 +161,12 @@ def create_app(
             summary=fn.__doc__,
         )
 
-    # SGLang, vLLM, Cohere, OpenAI (docs/compat.md); a path two peers share dispatches on the body
-    route("/v1/score", "score", handlers.score)
+    # SGLang, vLLM, Cohere, OpenAI (docs/compat.md); a path two peers share dispatches on the body.
+    # `/v1/score` is SGLang's unless the body is vLLM's; `/v1/rerank` is the configured peer's.
+    route("/v1/score", "score", handlers.score, errors="sglang")
     route("/score", "score", vllm.score)
-    route("/v1/rerank", "rerank", handlers.rerank_v1)
+    rerank_v1_errors = "sglang" if config.rerank_v1_format == "sglang" else "openai"
+    route("/v1/rerank", "rerank", handlers.rerank_v1, errors=rerank_v1_errors)
     route("/v2/rerank", "rerank", handlers.rerank_v2)
     route("/rerank", "rerank", handlers.rerank)
     route("/v1/classify", "classify", vllm.classify)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from boundgen.server import json
+from boundgen.server import fields, json
 from boundgen.server.errors import BadRequest
 from boundgen.server.limits import JsonBounds, describe_validation_error, load_json, read_body
 from boundgen.server.schemas.common import _Request
@@ -36,10 +36,12 @@ async def read_object(request: Request, state: ServerState) -> dict[str, Any]:
 
 
 def parse(model: type[M], data: dict[str, Any]) -> M:
-    """`data` as the peer's request type: refused fields by name first, then strict validation."""
+    """`data` as the peer's request type: refused fields by name first, then unknown fields (a near
+    miss of a known one is a typo), then strict validation."""
     for name, (unused, why) in model.UNSUPPORTED.items():
         if name in data and data[name] != unused:
             raise BadRequest(f"{name}: not supported: {why}")
+    fields.check(model, data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

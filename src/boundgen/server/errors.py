@@ -1,5 +1,6 @@
 """HTTP errors as `{"error": {"message", "type", "code"}}` (the OpenAI shape clients already
-parse)."""
+parse), or in the shape of the peer whose route answers: SGLang's flat object (`sglang_response`),
+KServe's `{"error": str}` (`kserve_error_response`); TEI's is in `tei.py`."""
 
 from __future__ import annotations
 
@@ -88,3 +89,21 @@ def kserve_error_response(
 ) -> JSONResponse:
     # KServe v2 / Triton clients expect `{"error": "<message>"}` (tritonclient fails on an object).
     return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def sglang_response(exc: ServerError) -> JSONResponse:
+    """SGLang's `ErrorResponse`, flat: its clients and tests read `type` and `message` at the top
+    (`serving_base.create_error_response`)."""
+    body = {
+        "object": "error",
+        "message": exc.message,
+        "type": SGLANG_TYPES.get(exc.status, exc.type),
+        "param": None,
+        "code": exc.status,
+    }
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+# The types SGLang's handlers give a bad request and a server failure; it has no name of its own
+# for the other statuses (a 413, 429, 503, 504 keep boundgen's type).
+SGLANG_TYPES = {400: "BadRequestError", 500: "InternalServerError"}

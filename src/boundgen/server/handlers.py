@@ -30,8 +30,10 @@ from boundgen.server.state import ServerState
 
 
 async def score(request: Request, state: ServerState) -> Response:
+    """SGLang's `/v1/score` (its flat error body), or vLLM's with vLLM's fields (its nested one)."""
     body = await read_object(request, state)
     if body.keys() & vllm.SCORE_PAIRS.keys():
+        request.state.error_style = "openai"
         return await vllm.score_pairs(body, state)
     req = parse(ScoreRequest, body)
     items = [req.items] if isinstance(req.items, str) else req.items

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 from starlette.requests import Request
 from starlette.responses import Response
 
-from boundgen.server import inputs
+from boundgen.server import fields, inputs
 from boundgen.server.bodies import json_response, large_json_response
 from boundgen.server.errors import BadRequest, NotFound, ServerError, TooLarge, Unavailable
 from boundgen.server.infer import SERVER_TIMES
@@ -452,8 +452,11 @@ async def _infer(request: Request, state: ServerState) -> tuple[Response, int]:
     bounds = dataclasses.replace(
         JsonBounds.for_server(cfg, state.max_items), list_entries=cfg.max_request_tokens
     )
+    data = load_json(head, bounds)
+    if isinstance(data, dict):
+        fields.check(InferRequest, data)  # `paramters` must not silently drop the task
     try:
-        req = InferRequest.model_validate(load_json(head, bounds))
+        req = InferRequest.model_validate(data)
     except ValidationError as exc:
         raise BadRequest(describe_validation_error(exc)) from None
     params = req.parameters or {}

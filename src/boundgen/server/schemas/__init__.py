@@ -10,6 +10,8 @@
 - `common`: what they share (the request base, usage, input types).
 
 KServe v2 is parsed in `server/kserve.py`. Requests ignore fields outside the peer's type (clients
-send extras such as `user`); known fields are strictly typed (no silent coercion of `"1"` to `1`),
-and a peer field boundgen does not implement is refused by name (`_Request.UNSUPPORTED`).
+send extras such as `user`), except a near miss of a known one, a typo refused by name
+(`server/fields.py`), and any unknown field on `/v1/beam`; known fields are strictly typed (no
+silent coercion of `"1"` to `1`), and a peer field boundgen does not implement is refused by name
+(`_Request.UNSUPPORTED`).
 """

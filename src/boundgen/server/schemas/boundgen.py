@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from boundgen.server.schemas.common import TokenIds, Usage, _Request
 
 
 class BeamRequest(_Request):
+    # boundgen's own route, so no client's extras to tolerate: an unknown field is refused
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     prompt: StrictStr | TokenIds
     beam_width: Annotated[StrictInt, Field(ge=1)]
     steps: Annotated[StrictInt, Field(ge=1)]
