@@ -12,6 +12,11 @@ Overload (default):
    goodput / saturation. Before each step the script waits until the server has no request left
    running. Issue 19's targets at 3×: p99 ≤ 2× nominal, goodput ≥ 90 % of saturation.
 
+`--retry-after`: closed-loop clients that honour a 429's `Retry-After` (sleep that many seconds
+before their next request), as well-behaved clients do; `--sweep-only` stops after the closed-loop
+sweep (no open loop): with both, `--concurrency 16` compares one connection with 16 (issue 23: ok/s
+and the share answered 429).
+
 `--soak MINUTES`: open-loop at --soak-load × saturation (mixed score + trie beam by default) for
 MINUTES, sampling the server's RSS every --rss-every-s seconds (from /proc when this script started
 the server, else from its /metrics); reports RSS at start, end, max and the slope over the second
@@ -23,6 +28,7 @@ generator takes CPU from the server; `--server-cpus 0 --client-cpus 1` pins them
 
     python benchmarks/bench_overload.py --duration 20
     python benchmarks/bench_overload.py --soak 10
+    python benchmarks/bench_overload.py --retry-after --sweep-only --concurrency 16 --probe-s 20
 """
 
 from __future__ import annotations
@@ -58,11 +64,11 @@ SHED_BACKOFF_S = 0.005
 
 
 async def _closed_loop(
-    cfg: LoadConfig, bodies: list[bytes], concurrency: int, seconds: float
+    cfg: LoadConfig, bodies: list[bytes], concurrency: int, seconds: float, retry_after: bool
 ) -> list[tuple[float, int]]:
     """`concurrency` clients, each sending its next request as soon as the last one is answered
-    (after a 429, SHED_BACKOFF_S later): (latency s, status) per request; status 0 is a
-    client-side error."""
+    (after a 429, SHED_BACKOFF_S later, or with `retry_after` its Retry-After seconds later):
+    (latency s, status) per request; status 0 is a client-side error."""
     headers = {"content-type": "application/json"}
     if cfg.api_key:
         headers["authorization"] = f"Bearer {cfg.api_key}"
@@ -85,20 +91,31 @@ async def _closed_loop(
                 out.append((time.perf_counter() - t0, status))
                 i += concurrency
                 if status == 429:
-                    await asyncio.sleep(SHED_BACKOFF_S)
+                    wait = float(r.headers.get("retry-after", 1)) if retry_after else 0.0
+                    await asyncio.sleep(max(wait, SHED_BACKOFF_S))
 
         await asyncio.gather(*(worker(k) for k in range(concurrency)))
     return out
 
 
-def closed_loop(cfg: LoadConfig, bodies: list[bytes], concurrency: int, seconds: float) -> dict:
-    samples = asyncio.run(_closed_loop(cfg, bodies, concurrency, seconds))
+def closed_loop(
+    cfg: LoadConfig,
+    bodies: list[bytes],
+    concurrency: int,
+    seconds: float,
+    retry_after: bool = False,
+) -> dict:
+    samples = asyncio.run(_closed_loop(cfg, bodies, concurrency, seconds, retry_after))
     ok = sorted(lat * 1e3 for lat, status in samples if status == 200)
+    shed = sum(1 for _, status in samples if status == 429)
     return {
         "concurrency": concurrency,
+        "retry_after": retry_after,
         "requests": len(samples),
         "ok_per_s": len(ok) / seconds,
         "errors": len(samples) - len(ok),
+        "shed_429": shed,
+        "share_429": shed / len(samples) if samples else 0.0,
         "p50_ms": _pct(ok, 50),
         "p99_ms": _pct(ok, 99),
     }
@@ -111,10 +128,15 @@ def _pct(sorted_ms: list[float], p: float) -> float:
 
 
 def find_saturation(
-    cfg: LoadConfig, bodies: list[bytes], seconds: float, concurrency: list[int], log=print
+    cfg: LoadConfig,
+    bodies: list[bytes],
+    seconds: float,
+    concurrency: list[int],
+    retry_after: bool = False,
+    log=print,
 ) -> dict:
     """Nominal latency at concurrency 1, then ok/s at each concurrency; the best is saturation."""
-    nominal = closed_loop(cfg, bodies, 1, seconds)
+    nominal = closed_loop(cfg, bodies, 1, seconds, retry_after)
     log(
         f"nominal (1 client): {nominal['ok_per_s']:.1f} ok/s, p50 {nominal['p50_ms']:.1f} ms, "
         f"p99 {nominal['p99_ms']:.1f} ms"
@@ -122,11 +144,12 @@ def find_saturation(
     sweep = []
     for c in concurrency:
         wait_idle(cfg)
-        step = closed_loop(cfg, bodies, c, seconds)
+        step = closed_loop(cfg, bodies, c, seconds, retry_after)
         sweep.append(step)
         log(
             f"closed loop, {c} clients: {step['ok_per_s']:.1f} ok/s, p50 {step['p50_ms']:.1f} ms, "
-            f"p99 {step['p99_ms']:.1f} ms, errors {step['errors']}"
+            f"p99 {step['p99_ms']:.1f} ms, errors {step['errors']} "
+            f"({step['share_429']:.1%} answered 429)"
         )
     best = max(sweep, key=lambda s: s["ok_per_s"])
     return {
@@ -209,6 +232,21 @@ def overload_table(sat: dict, rows: list[dict]) -> str:
             f"{r['p99_over_nominal']:.1f} | {r['server_p50_ms']:.0f} / {r['server_p99_ms']:.0f} | "
             f"{r['share_429']:.0%} | {r['share_504']:.0%} | "
             f"{r['other_errors'] or '–'} |"
+        )
+    return "\n".join(lines)
+
+
+def sweep_table(sat: dict) -> str:
+    lines = [
+        "| clients | ok/s | vs 1 client | p50 ms | p99 ms | answered 429 | other errors |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    one = sat["nominal"]["ok_per_s"]
+    for s in [sat["nominal"], *sat["sweep"]]:
+        lines.append(
+            f"| {s['concurrency']} | {s['ok_per_s']:.1f} | {s['ok_per_s'] / one:.2f}x | "
+            f"{s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['share_429']:.1%} | "
+            f"{s['errors'] - s['shed_429']} |"
         )
     return "\n".join(lines)
 
@@ -320,6 +358,14 @@ def main(argv: list[str] | None = None) -> int:
         default=[2, 4, 8, 16, 32],
         help="closed-loop clients to try; the best ok/s is the saturation",
     )
+    p.add_argument(
+        "--retry-after",
+        action="store_true",
+        help="closed-loop clients honour a 429's Retry-After (default: retry 5 ms later)",
+    )
+    p.add_argument(
+        "--sweep-only", action="store_true", help="stop after the closed-loop sweep (no open loop)"
+    )
     p.add_argument("--multiples", type=float, nargs="+", default=[1.0, 2.0, 3.0])
     p.add_argument("--duration", type=float, default=20.0, help="seconds per open-loop step")
     p.add_argument("--soak", type=float, default=None, metavar="MINUTES")
@@ -333,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.client_cpus:
         os.sched_setaffinity(0, _cpus(args.client_cpus))
-    name = "soak" if args.soak is not None else "overload"
+    name = "soak" if args.soak is not None else "sweep" if args.sweep_only else "overload"
     out = Path(args.out or HERE / "results" / f"{name}_{args.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     proc, log_path, pid = None, None, None
@@ -371,9 +417,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, vocab_size=vocab)
         bodies = make_bodies(cfg, vocab)["score"]
         closed_loop(cfg, bodies, 4, 2.0)  # warm-up: first calls pay one-off costs
-        sat = find_saturation(cfg, bodies, args.probe_s, args.concurrency)
+        sat = find_saturation(cfg, bodies, args.probe_s, args.concurrency, args.retry_after)
         result = {"env": env_info(), "config": vars(args), "saturation": sat}
-        if args.soak is not None:
+        if args.sweep_only:
+            table = sweep_table(sat)
+        elif args.soak is not None:
             qps = args.soak_load * sat["saturation_ok_per_s"]
             sampler = RssSampler(args.rss_every_s, pid, url, headers)
             scfg = dataclasses.replace(cfg, workload=args.soak_workload)

@@ -12,6 +12,7 @@ clock.
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 from collections import deque
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from boundgen.runtime.batching import BatchingNode, CostModel
+from boundgen.runtime.batching import BatchingNode, CostModel, mark_not_steady
 from boundgen.runtime.node import PipelineError
 
 FIXED_NS = 1_000_000  # 1 ms per batch
@@ -62,6 +63,8 @@ class Sim:
         self.runs_ns: list[int] = []
         self.budgets: list[int] = []
         self.warm: list[bool] = []  # whether the cost model was warm when each batch formed
+        self.tokens: dict[int, int] = {}  # request id → its tokens
+        self.predicted: dict[int, float | None] = {}  # request id → predicted ms on arrival
         self._cv = threading.Condition()
         self.node = BatchingNode(
             "forward",
@@ -92,10 +95,22 @@ class Sim:
 
     def _start(self, tokens: int, deadline_ms: float | None = None) -> None:
         rid = len(self.arrived)
+        self.predicted[rid] = self._predict(tokens)
+        self.tokens[rid] = tokens
         self.arrived[rid] = self.clock.ns
         deadline = None if deadline_ms is None else self.clock.ns + int(deadline_ms * 1e6)
         req = FakeRequest(rid, deadline, deadline_ms or 0.0)
         self.node.start(req, {"tokens": (rid, tokens)}, self._done)
+
+    def _predict(self, tokens: int) -> float | None:
+        """What admission predicts for a request arriving now (`Infer.predicted_ms`): the rest of
+        the running batch, then everything not in it, this request included, as merged
+        forwards."""
+        waiting = [r for r in self.arrived if r not in self.finished]
+        running_tokens, running_requests = self.node.running()
+        queued = sum(self.tokens[r] for r in waiting) - running_tokens + tokens
+        queue = self.node.queue_ms(queued, len(waiting) - running_requests + 1)
+        return None if queue is None else self.node.rest_ms() + queue
 
     def _done(self, outs, exc, info=None, event=None) -> None:
         assert exc is None, exc
@@ -160,6 +175,103 @@ def test_cost_model_units_within_inverts_predict():
     assert cost.predict_ms(900) == pytest.approx(10.0)
     assert cost.units_within(10.0) == pytest.approx(900.0)
     assert cost.units_within(0.5) == 0.0  # less than the fixed part
+
+
+def warmed(cost: CostModel, sizes=(100, 400, 200, 800, 300, 600)) -> CostModel:
+    for units in sizes:
+        cost.observe(units, FIXED_NS + PER_TOKEN_NS * units)
+    return cost
+
+
+def test_the_first_run_and_the_first_of_each_shape_teach_nothing():
+    cost = CostModel(warm_batches=1, warm_units=0)
+    assert not cost.observe(100, 5_000_000_000)  # the node's first run: it may have compiled
+    assert cost.predict_ms(100) is None
+    assert cost.observe(100, FIXED_NS + PER_TOKEN_NS * 100)
+    assert cost.predict_ms(100) == pytest.approx(2.0)
+    assert not cost.observe(100, 5_000_000_000, shape="beam w16 s4 b8")  # a new shape: compiles
+    assert cost.observe(100, FIXED_NS + PER_TOKEN_NS * 100, shape="beam w16 s4 b8")
+    assert cost.skipped["first_of_shape"] == 2 and cost.predict_ms(100) == pytest.approx(2.0)
+
+
+def test_a_run_marked_not_steady_teaches_nothing():
+    cost = warmed(CostModel())
+    before = cost.predict_ms(1000)
+    assert not cost.observe(1000, 10 * FIXED_NS, steady=False)
+    assert cost.predict_ms(1000) == before and cost.skipped["not_steady"] == 1
+
+
+def test_a_batch_marked_not_steady_from_inside_fn_teaches_nothing():
+    marked = {"every": False}
+
+    def cost(tokens: int) -> int:
+        if marked["every"]:
+            mark_not_steady()  # e.g. the runner compiled during this batch
+            return 100 * (FIXED_NS + PER_TOKEN_NS * tokens)
+        return FIXED_NS + PER_TOKEN_NS * tokens
+
+    sim = Sim([(i * 50_000_000, 100 * (1 + i % 4)) for i in range(8)], cost=cost).run()
+    steady = sim.node.cost.batches
+    assert steady == 7  # all but the first
+    marked["every"] = True
+    sim = Sim([(i * 1_000_000_000, 100) for i in range(3)], cost=cost)
+    sim.node.cost = warmed(CostModel())
+    sim.run()
+    assert sim.node.cost.skipped["not_steady"] == 3
+    assert sim.node.cost.predict_ms(100) == pytest.approx(2.0)
+
+
+def test_a_slow_outlier_is_left_out_once_warm():
+    cost = warmed(CostModel())
+    assert not cost.observe(200, 50 * (FIXED_NS + PER_TOKEN_NS * 200))  # a GC pause, a compile
+    assert cost.skipped["outlier"] == 1 and cost.predict_ms(200) == pytest.approx(3.0)
+
+
+def test_a_compile_before_the_model_is_warm_is_dropped_going_warm():
+    cost = CostModel(warm_batches=4, warm_units=0)
+    cost.observe(100, FIXED_NS)  # the first run
+    # the second run compiled a shape the node could not see, before anything could judge it
+    for units, ns in ((300, 6_000_000_000), (100, None), (400, None), (200, None)):
+        cost.observe(units, ns or FIXED_NS + PER_TOKEN_NS * units)
+    assert cost.warm and cost.skipped["outlier"] == 1
+    assert cost.predict_ms(1000) == pytest.approx(11.0, rel=0.01)
+
+
+def test_a_lasting_change_of_cost_is_followed():
+    cost = warmed(CostModel())
+    slower = [(u, 4 * (FIXED_NS + PER_TOKEN_NS * u)) for u in (100, 400, 200, 800, 300, 600) * 3]
+    taken = [cost.observe(u, ns) for u, ns in slower]
+    assert not taken[0]  # at first an outlier
+    assert cost.restarts == 1 and any(taken)
+    assert cost.predict_ms(1000) == pytest.approx(4 * 11.0, rel=0.01)  # then the new cost
+
+
+def test_after_warm_up_a_requests_predicted_time_is_within_2x_of_its_measured_median():
+    """Poisson arrivals at a low, a high and an overloaded rate, one after the other, requests of
+    1-8 × 272 tokens, on a model with the CPU demo server's cost shape (13 ms a forward, 18 µs a
+    token), ±20 % noise, a 5 s compile on the first batch and a 10x pause every 40th batch: at
+    each rate, the median of measured / predicted latency (each request's, predicted as admission
+    does on its arrival) lies in [0.5, 2]."""
+    rng = random.Random(7)
+    runs = itertools.count(1)
+
+    def cost(tokens: int) -> int:
+        n = next(runs)
+        ns = (13_000_000 + 18_000 * tokens) * rng.uniform(0.8, 1.2)
+        return int(ns + 5e9 if n == 1 else ns * 10 if n % 40 == 0 else ns)
+
+    arrivals, phases, offset = [], [], 0
+    for rate in (10, 40, 150):  # per second; this model serves ~40 of these requests a second
+        phase = [(offset + at, 272 * rng.randint(1, 8)) for at, _ in poisson(rate, 400, 0, rate)]
+        phases.append(range(len(arrivals), len(arrivals) + len(phase)))
+        arrivals += phase
+        offset = phase[-1][0] + 20_000_000_000  # the queue drains in between
+    sim = Sim(arrivals, cost=cost, token_budget=8192).run()
+    for rate, ids in zip((10, 40, 150), phases):
+        warm = [r for r in ids if sim.predicted[r] is not None]
+        assert len(warm) > 300, rate  # the first phase warms the model up
+        ratios = sorted((sim.finished[r] - sim.arrived[r]) / 1e6 / sim.predicted[r] for r in warm)
+        assert 0.5 <= ratios[len(ratios) // 2] <= 2.0, (rate, ratios[len(ratios) // 2])
 
 
 # ---- the adaptive budget -------------------------------------------------------------------------

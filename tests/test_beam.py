@@ -164,3 +164,20 @@ def test_trie_depth_and_vocab_are_checked(engine_for):
     too_big = engine.config.vocab_size
     with pytest.raises(ValueError, match=str(too_big)):
         engine.beam_search(PROMPT, 4, 2, trie=Trie.from_sequences([[1, too_big]]))
+
+
+def test_merged_searches_are_the_beam_nodes_forwards_and_shapes():
+    """Each merged search is one forward of its own shape for the cost model: a new width, steps,
+    trie or prompt count is a first run (on a GPU it compiles its whole-search graph)."""
+    from boundgen.workloads.beam import BeamRequest, _Beam
+
+    trie = Trie.from_sequences([[1, 2], [1, 3]])
+
+    def item(width: int, prompts: int, with_trie: bool = False) -> dict:
+        request = BeamRequest(["p"] * prompts, width, 2, trie=trie if with_trie else None)
+        return {"request": request, "prompts": [[5, 6]] * prompts}
+
+    shapes = _Beam.shapes([item(8, 1), item(8, 2), item(4, 1), item(8, 1, with_trie=True)])
+    assert sorted(shapes, key=repr) == sorted(
+        [(8, 2, None, 3), (4, 2, None, 1), (8, 2, id(trie), 1)], key=repr
+    )

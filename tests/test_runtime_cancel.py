@@ -115,6 +115,35 @@ def test_a_cancelled_request_reads_dead_and_a_waiting_one_is_never_run():
     batch.close()
 
 
+def test_a_slow_first_batch_refuses_no_later_request():
+    """A node's first batch may compile (seconds on a GPU): neither the executor's deadline
+    estimate nor the batching node may learn it, or every later request with a shorter deadline
+    would be dropped as too slow, and never run to show otherwise."""
+    runs = []
+
+    def fn(xs: list[int]) -> list[int]:
+        time.sleep(1.0 if not runs else 0.001)  # the first run "compiles"
+        runs.append(len(xs))
+        return xs
+
+    batch = BatchingNode(
+        "b",
+        fn,
+        ["x"],
+        ["y"],
+        merge=lambda items: ([it["x"] for it in items], len(items)),
+        split=lambda out, n: out,
+    )
+    pipe = Pipeline("p", ["x"], [batch], ["y"])
+    with Executor(cpu_workers=2) as ex:
+        assert ex.run(pipe, {"x": 0}) == {"y": 0}
+        for i in range(1, 4):
+            assert ex.run(pipe, {"x": i}, timeout_ms=250) == {"y": i}
+        assert ex.estimate_ms(pipe) < 250
+    assert batch.cost.skipped["first_of_shape"] == 1 and len(runs) == 4
+    batch.close()
+
+
 def test_cost_model_fits_fixed_and_per_unit_cost():
     cost = CostModel(warm_batches=2, warm_units=100)
     assert cost.predict_ms(100) is None  # cold

@@ -238,10 +238,12 @@ def test_a_request_that_cannot_make_its_deadline_is_not_run(engine):
     c = client(engine)
     items = [[10 + (i * 7 + j) % 900 for j in range(200)] for i in range(12)]  # 2.4k tokens
     heavy = {"query": [1, 2], "items": items, "label_token_ids": [5]}
-    for _ in range(2):  # the cost model learns from what ran
-        assert c.post("/v1/score", json=heavy).status_code == 200
     node = c.app.state.boundgen.infer.model_node("score")
-    expected = node.cost.predict_ms(2402)
+    for _ in range(8):  # the cost model learns from what ran (not the first run)
+        assert c.post("/v1/score", json=heavy).status_code == 200
+        if node.cost.warm:
+            break
+    expected = node.queue_ms(2402)
     assert expected is not None and expected > 1
     r = c.post("/v1/score", json=heavy | {"timeout_ms": max(1, int(expected / 4))})
     assert r.status_code == 504
@@ -250,11 +252,11 @@ def test_a_request_that_cannot_make_its_deadline_is_not_run(engine):
     )
 
 
-def test_overload_sheds_by_predicted_wait(engine):
+def test_overload_sheds_by_predicted_wait_over_max_queue_ms(engine):
     app = create_app(slow_engine(engine, 0.3), ServerConfig(max_queue_ms=50))
     infer = app.state.boundgen.infer
     node = infer.model_node("score")
-    for units, ms in ((10, 300), (4000, 301)):  # as if two batches had run: 0.3 s each
+    for units, ms in ((10, 300), (10, 300), (4000, 301), (4000, 301)):  # 0.3 s a batch
         node.cost.observe(units, ms * 1_000_000)
 
     async def run():
@@ -269,28 +271,5 @@ def test_overload_sheds_by_predicted_wait(engine):
 
     first, shed = asyncio.run(run())
     assert first.status_code == 200
-    assert shed.status_code == 429 and "max_queue_ms" in message(shed)
+    assert shed.status_code == 429 and "max_queue_ms=50" in message(shed)
     assert 1 <= int(shed.headers["Retry-After"]) <= 30
-
-
-def test_admission_tells_overload_from_a_burst():
-    """A queue of 2 budgets' work is a burst while requests arrive slower than the model serves
-    them, and is shed once they arrive faster (budget 30 ms: a typical service of 20 ms, 50/s)."""
-    from boundgen.runtime.batching import CostModel
-    from boundgen.server.errors import Overloaded
-    from boundgen.server.infer import Infer
-    from boundgen.server.metrics import Metrics
-
-    class Node:
-        cost = CostModel(warm_batches=1, warm_units=1)
-
-    Node.cost.observe(100, 100_000_000)  # 1 ms per unit
-    infer = Infer(runtime=None, metrics=Metrics(), max_queue_ms=30)
-    infer._pending[Node()] = 60  # 60 ms of work ahead
-    infer.check_load()  # one arrival: a burst, admitted up to 3 × 30 ms
-    admitted = 0
-    with pytest.raises(Overloaded, match="over 30 ms"):
-        for _ in range(100):  # ~100 arrivals at once: faster than 50/s
-            infer.check_load()
-            admitted += 1
-    assert 40 <= admitted <= 55

@@ -23,18 +23,24 @@ grows back (up to `token_budget`) when they get faster.
 A function that works in pieces takes an `alive` argument as well: one callable per merged
 request, in merge order, true while the request still wants its result (not cancelled, not past
 its deadline). It asks between pieces and drops a dead request's rest. Every batch's size and run
-time feed a `CostModel`, which predicts the run time of a batch of a given size (what admission
-control and deadlines compare against).
+time feed a `CostModel`, which predicts the run time of a batch of a given size, and the node turns
+it into the time a queue of requests needs as the merged forwards it will become (what admission
+control and deadlines compare against). The model learns from steady-state runs only: not a
+node's first batch, not the first batch of each shape it can see (`shapes`), not a batch that
+`fn` marked with `mark_not_steady()` (e.g. because it compiled), not a run far slower than the
+recent ones predict.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import queue
+import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -44,59 +50,192 @@ from boundgen.runtime.node import Node, NodeKind, PipelineError
 
 
 class CostModel:
-    """Predicted run time of a batch from its size in units (tokens): `fixed + per_unit × units`,
-    a least-squares fit over recent batches with exponentially decaying weights (`decay` per
-    batch). With sizes too alike to tell the fixed part, it is the mean time per unit. None
-    until `warm_batches` batches of `warm_units` in all were seen (a first tiny batch is all
-    fixed cost, and would make every large request look far too slow)."""
+    """Predicted run time of a batch: `fixed × forwards + per_unit × units` (each forward's fixed
+    cost — launches, host work, reading the weights — plus a cost per token), a least-squares fit
+    over the recent steady-state batches with exponentially decaying weights (`decay` per batch).
+    With sizes too alike to tell the two apart, the per-unit cost last told apart is kept (or,
+    never told apart, it is the mean time per unit).
 
-    def __init__(self, decay: float = 0.05, warm_batches: int = 2, warm_units: int = 2048) -> None:
+    Steady state only. A run that compiled, or the first run of a shape (where a backend may
+    compile), says nothing about the next one: on the H200 a merged beam search's first run took
+    5.3 s and later ones ~8 ms, and a model that learned from it refused every request as too
+    slow. So `observe` does not learn from
+    - a run the caller marks `steady=False` (it knows the run compiled, or was otherwise unusual),
+    - the first run of each `shape` (a hashable the caller can see; None for all: the first run),
+    - once warm, a run over `outlier` × its prediction (a compile nobody marked, a GC pause, a noisy
+      neighbour). When the cost really changes for good — the median of the last 9 runs' ratio
+      to their prediction leaves [1/outlier, outlier] — the model starts over from the runs that
+      follow, so it neither keeps refusing them nor keeps a cost they no longer have.
+    Going warm, the fit is redone from the recent runs without those over `outlier` × the median
+    of them, so a compile in the first runs (while there was nothing to judge it by) is dropped.
+    None until warm: `warm_batches` steady batches of `warm_units` in all (a first tiny batch is
+    all fixed cost, and would make every large request look far too slow)."""
+
+    def __init__(
+        self,
+        decay: float = 0.05,
+        warm_batches: int = 3,
+        warm_units: int = 2048,
+        outlier: float = 3.0,
+        window: int = 32,
+    ) -> None:
         self.decay = decay
         self.warm_batches = warm_batches
         self.warm_units = warm_units
-        self.batches = 0
+        self.outlier = outlier
+        self.batches = 0  # steady runs learned from since the model (re)started
         self.units = 0
-        # decayed sums: weight, units, ns, units², units·ns
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-        self._fixed_ns = 0.0
-        self._per_unit_ns = 0.0
+        self.skipped = {"not_steady": 0, "first_of_shape": 0, "outlier": 0}
+        self.restarts = 0  # times the cost changed for good and the model started over
+        self._shapes: set[Hashable] = set()
+        # recent steady runs as (forwards, units, ns): what the fit is redone from going warm
+        self._recent: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._ratios: deque[float] = deque(maxlen=9)  # recent runs' ns / prediction, once warm
+        # decayed sums over forwards f, units u and ns y: ff, fu, uu, fy, uy
+        self._sums = [0.0] * 5
+        self._told_per_unit_ns: float | None = None  # the per-unit cost, once told from fixed
+        # (fixed ns, per-unit ns): one tuple, so a reader on another thread sees one fit
+        self._fit = (0.0, 0.0)
 
-    def observe(self, units: int, ns: int) -> None:
-        # NOTE: called by the one thread that runs the node's batches.
-        keep = 1.0 - self.decay
-        x, y = float(units), float(ns)
-        self._w = self._w * keep + 1.0
-        self._x = self._x * keep + x
-        self._y = self._y * keep + y
-        self._xx = self._xx * keep + x * x
-        self._xy = self._xy * keep + x * y
+    def observe(
+        self,
+        units: float,
+        ns: float,
+        forwards: int = 1,
+        shape: Hashable = None,
+        steady: bool = True,
+    ) -> bool:
+        """One batch ran `units` in `forwards` forwards in `ns`. Returns whether it was taken as
+        steady state (learned from). NOTE: called by the one thread that runs the node's
+        batches."""
+        if not steady:
+            self.skipped["not_steady"] += 1
+            return False
+        if shape not in self._shapes:
+            self._shapes.add(shape)
+            self.skipped["first_of_shape"] += 1
+            return False
+        if self.warm and not self._usual(units, ns, forwards):
+            return False
+        run = (float(forwards), float(units), float(ns))
+        self._recent.append(run)
+        self._add(run)
+        was_warm = self.warm
         self.batches += 1
         self.units += units
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
-        cov = self._xy / self._w - mx * my
-        slope = cov / var if var > (0.05 * mx) ** 2 else 0.0
-        fixed = my - slope * mx
-        if slope <= 0.0 or fixed < 0.0:  # sizes too alike (or noise): time per unit
-            slope, fixed = my / max(mx, 1.0), 0.0
-        self._per_unit_ns, self._fixed_ns = slope, fixed
+        if self.warm and not was_warm:
+            self._refit_recent()
+        self._solve()
+        return True
+
+    def _usual(self, units: float, ns: float, forwards: int) -> bool:
+        """Whether a run fits the recent ones; restarts the model when the recent runs, taken
+        together, say the cost has changed for good."""
+        ratio = ns / max(self.predict_ns(units, forwards), 1.0)
+        self._ratios.append(ratio)
+        if len(self._ratios) == self._ratios.maxlen and not (
+            1 / self.outlier <= statistics.median(self._ratios) <= self.outlier
+        ):
+            self._restart()
+            return True
+        if ratio > self.outlier:
+            self.skipped["outlier"] += 1
+            return False
+        return True
+
+    def _restart(self) -> None:
+        self.restarts += 1
+        self.batches = self.units = 0
+        self._recent.clear()
+        self._ratios.clear()
+        self._sums = [0.0] * 5
+
+    def _add(self, run: tuple[float, float, float]) -> None:
+        f, u, y = run
+        keep = 1.0 - self.decay
+        for i, term in enumerate((f * f, f * u, u * u, f * y, u * y)):
+            self._sums[i] = self._sums[i] * keep + term
+
+    def _refit_recent(self) -> None:
+        """The sums again from the recent runs, leaving out any whose time is over `outlier` ×
+        what the fit of them all predicts, relative to the median run (a run that compiled before
+        there was anything to judge it by)."""
+        self._sums = [0.0] * 5
+        for run in self._recent:
+            self._add(run)
+        self._solve()
+        ratios = [y / max(self.predict_ns(u, f), 1.0) for f, u, y in self._recent]
+        typical = statistics.median(ratios)
+        kept = [r <= self.outlier * typical for r in ratios]
+        if all(kept):
+            return
+        self.skipped["outlier"] += kept.count(False)
+        self._recent = deque((r for r, k in zip(self._recent, kept) if k), self._recent.maxlen)
+        self._sums = [0.0] * 5
+        for run in self._recent:
+            self._add(run)
+
+    def _solve(self) -> None:
+        ff, fu, uu, fy, uy = self._sums
+        det = ff * uu - fu * fu
+        # sizes differ enough (their spread over 10 % of their scale) to tell fixed from per unit
+        if det > 0.01 * ff * uu:
+            fixed, per_unit = (uu * fy - fu * uy) / det, (ff * uy - fu * fy) / det
+            if fixed >= 0.0 and per_unit > 0.0:
+                self._fit = (fixed, per_unit)
+                self._told_per_unit_ns = per_unit
+                return
+        per_unit = self._told_per_unit_ns
+        if per_unit is not None and fy - per_unit * fu >= 0.0:  # the known slope, through the mean
+            self._fit = ((fy - per_unit * fu) / ff, per_unit)
+            return
+        self._fit = (0.0, uy / uu if uu > 0 else 0.0)
 
     @property
     def warm(self) -> bool:
         return self.batches >= self.warm_batches and self.units >= self.warm_units
 
-    def units_within(self, ms: float) -> float | None:
-        """Units of one batch predicted to run in `ms` (0 when even the fixed part takes longer;
-        None while cold)."""
-        if not self.warm:
-            return None
-        return max(0.0, (ms * 1e6 - self._fixed_ns) / self._per_unit_ns)
+    def predict_ns(self, units: float, forwards: int = 1) -> float:
+        """The fit's run time, warm or not (0 before any run)."""
+        fixed, per_unit = self._fit
+        return fixed * forwards + per_unit * units
 
-    def predict_ms(self, units: float) -> float | None:
-        """Run time of one batch of `units` (None while cold)."""
+    def units_within(self, ms: float) -> float | None:
+        """Units of one forward predicted to run in `ms` (0 when even the fixed part takes
+        longer; None while cold)."""
         if not self.warm:
             return None
-        return (self._fixed_ns + self._per_unit_ns * units) / 1e6
+        fixed, per_unit = self._fit
+        if per_unit <= 0.0:
+            return math.inf
+        return max(0.0, (ms * 1e6 - fixed) / per_unit)
+
+    def predict_ms(self, units: float, forwards: int = 1) -> float | None:
+        """Run time of a batch of `units` in `forwards` forwards (None while cold)."""
+        if not self.warm:
+            return None
+        return self.predict_ns(units, forwards) / 1e6
+
+    def stats(self) -> dict[str, Any]:
+        fixed, per_unit = self._fit
+        return {
+            "warm": self.warm,
+            "fixed_ms": fixed / 1e6,
+            "per_unit_us": per_unit / 1e3,
+            "steady_batches": self.batches,
+            "skipped": dict(self.skipped),
+            "restarts": self.restarts,
+        }
+
+
+_marks = threading.local()
+
+
+def mark_not_steady() -> None:
+    """Called from inside a batching node's `fn` (on the thread that runs the batch), e.g. by
+    code that just compiled: the batch in progress is not steady state, and its run time does
+    not teach the node's cost model."""
+    _marks.unsteady = True
 
 
 def _takes_alive(fn: Callable[..., Any]) -> bool:
@@ -130,6 +269,11 @@ class BatchingNode(Node):
     - `size(inputs) -> int`: tokens a request adds to the batch (default 1), counted against
       `token_budget`.
     - `max_batch`: at most this many requests per batch (default unbounded).
+    - `shapes(list_of_input_dicts) -> list`: one hashable per forward the merged batch runs, the
+      shape it runs at (the beam node: one search per width, steps, trie and prompt count). The
+      cost model counts a fixed cost per forward, and does not learn from a batch with a shape
+      it has not seen (a backend may compile once per shape). Default: one forward, one shape
+      (so only the node's first batch is skipped).
     - `latency_target_ms`: adapt the token budget to the cost model (module docstring); None:
       always `token_budget`.
     - `clock`: nanoseconds, monotonic (tests inject one).
@@ -144,6 +288,7 @@ class BatchingNode(Node):
         merge: Callable[[list[dict[str, Any]]], tuple[Any, Any]],
         split: Callable[[Any, Any], Sequence[Any]],
         size: Callable[[dict[str, Any]], int] | None = None,
+        shapes: Callable[[list[dict[str, Any]]], Sequence[Hashable]] | None = None,
         token_budget: int = 8192,
         max_wait_ms: float = 0.0,
         max_batch: int | None = None,
@@ -167,7 +312,7 @@ class BatchingNode(Node):
             raise PipelineError(f"batching node {name!r}: token_budget must be positive")
         if latency_target_ms is not None and latency_target_ms <= 0:
             raise PipelineError(f"batching node {name!r}: latency_target_ms must be positive")
-        self.merge, self.split, self.size = merge, split, size
+        self.merge, self.split, self.size, self.shapes = merge, split, size, shapes
         self.token_budget = int(token_budget)
         self.max_wait_ns = int(max_wait_ms * 1e6)
         self.max_batch = max_batch
@@ -180,7 +325,9 @@ class BatchingNode(Node):
         self._threads: list[threading.Thread] = []
         self._cuda_stream: Any = None
         self._closed = False
-        self._run_ema_ns = 0.0
+        # (tokens, requests, forwards, start ns) of the batch running now, else None; one tuple
+        # so a reader on another thread sees one batch's values
+        self._running: tuple[int, int, int, int] | None = None
         self._pass_alive = _takes_alive(fn)
         self.cost = CostModel()
         # Counters, updated under the condition's lock.
@@ -225,7 +372,7 @@ class BatchingNode(Node):
             t.join(timeout=5)
         self._threads = []
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         b = self.batches
         return {
             "batches": b,
@@ -234,7 +381,37 @@ class BatchingNode(Node):
             "mean_requests_per_batch": self.batched_requests / b if b else 0.0,
             "max_requests_in_batch": self.max_requests_in_batch,
             "token_budget": self.last_budget,
+            "cost": self.cost.stats(),
         }
+
+    # ---- predictions
+    # -------------------------------------------------------------------------------------
+
+    def running(self) -> tuple[int, int]:
+        """(tokens, requests) of the batch running now; (0, 0) when idle."""
+        run = self._running
+        return (0, 0) if run is None else (run[0], run[1])
+
+    def rest_ms(self) -> float:
+        """Predicted time left of the batch running now (0 when idle or while the cost model is
+        cold)."""
+        run = self._running
+        if run is None or not self.cost.warm:
+            return 0.0
+        tokens, _, forwards, start = run
+        return max(0.0, self.cost.predict_ns(tokens, forwards) - (self._clock() - start)) / 1e6
+
+    def queue_ms(self, units: float, requests: int = 1) -> float | None:
+        """Predicted run time of `units` tokens of `requests` requests as the merged forwards
+        they become: at most `token_budget` tokens and `max_batch` requests each, one fixed cost
+        per forward plus the per-token cost (not a single-request time per request: merging is
+        the point). None while the cost model is cold."""
+        if not self.cost.warm:
+            return None
+        forwards = max(1, math.ceil(units / self.token_budget))
+        if self.max_batch is not None:
+            forwards = max(forwards, math.ceil(requests / self.max_batch))
+        return self.cost.predict_ns(units, forwards) / 1e6
 
     # ---- leaders
     # -----------------------------------------------------------------------------------------
@@ -313,8 +490,8 @@ class BatchingNode(Node):
                         deadline = d
                     continue
                 limit = wait_until
-                if deadline is not None:
-                    limit = min(limit, deadline - int(self._run_ema_ns))
+                if deadline is not None:  # leave the batch time to run
+                    limit = min(limit, deadline - int(self._predicted_ns(tokens, batch)))
                 remaining = limit - self._clock()
                 if remaining <= 0:
                     break
@@ -347,15 +524,24 @@ class BatchingNode(Node):
                     self._cuda_stream = torch.cuda.Stream(device=executor.device)
         return self._cuda_stream
 
+    def _shapes_of(self, items: list[_Item]) -> Sequence[Hashable]:
+        return self.shapes([it.args for it in items]) if self.shapes is not None else (None,)
+
+    def _predicted_ns(self, tokens: int, items: list[_Item]) -> float:
+        """The cost model's run time for these items merged; 0 while it is cold (a cost that was
+        never measured is not assumed)."""
+        if not self.cost.warm:
+            return 0.0
+        return self.cost.predict_ns(tokens, len(self._shapes_of(items)))
+
     def _run_batch(self, batch: list[_Item]) -> None:
         start = self._clock()
+        batch = [it for it in batch if not it.req.failed]
+        run_ns = self._predicted_ns(sum(it.size for it in batch), batch)
         live = []
         for it in batch:
             req = it.req
-            if req.failed:
-                continue
-            d = req.deadline_ns
-            if d is not None and start + self._run_ema_ns > d:
+            if req.deadline_ns is not None and start + run_ns > req.deadline_ns:
                 it.done(
                     None,
                     DeadlineExceeded(
@@ -363,7 +549,7 @@ class BatchingNode(Node):
                         f"{req.timeout_ms:g} ms cannot be met in batching node {self.name!r} "
                         "(waited "
                         f"{(start - it.arrival_ns) / 1e6:.2f} ms, batch run "
-                        f"~{self._run_ema_ns / 1e6:.2f} ms)",
+                        f"~{run_ns / 1e6:.2f} ms)",
                         req.pipeline,
                         self.name,
                         req.request_id,
@@ -373,8 +559,12 @@ class BatchingNode(Node):
                 live.append(it)
         if not live:
             return
+        tokens = sum(it.size for it in live)
+        shapes = self._shapes_of(live)
         executor = live[0].req.executor
         event = None
+        _marks.unsteady = False
+        self._running = (tokens, len(live), len(shapes), start)
         try:
             if executor.cuda and self.kind is NodeKind.DEVICE:
                 stream = self._stream(executor)
@@ -391,19 +581,19 @@ class BatchingNode(Node):
             for it in live:
                 it.done(None, exc)
             return
+        finally:
+            self._running = None
         ran = self._clock() - start
-        self._run_ema_ns = (
-            ran if self._run_ema_ns == 0 else self._run_ema_ns + 0.2 * (ran - self._run_ema_ns)
-        )
-        tokens = sum(it.size for it in live)
-        if not any(it.req.failed for it in live):  # a dropped request's work was not all run
-            self.cost.observe(tokens, ran)
+        # a request dropped while it ran had not all its work run: not the batch's cost
+        steady = not _marks.unsteady and not any(it.req.failed for it in live)
+        steady = self.cost.observe(tokens, ran, len(shapes), frozenset(shapes), steady)
         with self._cv:
             self._count(len(live), tokens)
         info = {
             "batch_requests": len(live),
             "batch_tokens": tokens,
             "batch_run_us": round(ran / 1e3, 1),
+            "batch_steady": steady,  # False: the executor's estimates leave it out too
         }
         for it, part in zip(live, parts):
             try:

@@ -10,7 +10,8 @@ Scheduling, per request:
   device successor on another stream waits on it (`stream.wait_event`), a CPU successor
   synchronizes it. Without CUDA, device nodes are plain calls.
 - Deadlines: before a node starts, the request fails with `DeadlineExceeded` when the time left is
-  less than the estimated time of the rest of its critical path (running averages per node), so
+  less than the estimated time of the rest of its critical path (running averages per node; a
+  batch its batching node did not take as steady state, e.g. one that compiled, is left out), so
   work that cannot make it is not started. An exception in a node fails that request only
   (`NodeError` names the node).
 - Cancellation: `RequestFuture.cancel()` ends a request at once (its Future is cancelled); a node
@@ -683,8 +684,11 @@ class Executor:
 
     def _record(self, req: RequestContext, p: Any, start: int, end: int, ready_ns: int) -> None:
         self.tracer.histogram(req.pipeline, p.node.name).record_ns(end - start)
-        req._stats.observe(p.index, end - start)
         ann, req._annotations = req._annotations, None
+        # a batch its node did not take as steady state (e.g. it compiled) says nothing of the
+        # next: a deadline estimate learned from it would drop requests that would have made it
+        if ann is None or ann.get("batch_steady", True):
+            req._stats.observe(p.index, end - start)
         req._spans.append((p.node.name, start, end, _get_ident(), ready_ns, ann))
 
     def _complete(self, req: RequestContext, p: Any) -> list[int]:

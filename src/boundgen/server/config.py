@@ -68,8 +68,9 @@ class ServerConfig:
     max_queue: int = option(256, "requests admitted (queued + running) before answering 429")
     max_queue_ms: float | None = option(
         None,
-        "shed (429) a request when the predicted wait for the model exceeds this; default: 1.5 × "
-        "the slowest workload's median recent unqueued service time, at least 10 ms",
+        "shed (429) a request when the predicted wait for the model exceeds this; default: none, "
+        "a request is refused only when it cannot meet its own deadline (the queue is what "
+        "cross-request batching merges)",
         flag=False,
     )
     timeout_ms: int = option(

@@ -6,18 +6,19 @@ queue (the runtime's), deadlines that cancel (`Timeout`/504).
 workload, `request`: its fields as a dict, `tokens`: its size in its model node's units) to the
 engine's runtime and returns the pipeline's result.
 
-Admission. Each workload's model node (a `BatchingNode`) predicts the run time of a batch from its
-size (`CostModel`); `Infer` keeps the units admitted and not yet done per node, so the predicted
-wait of a new request is the time those need. A request is shed (429) when that wait exceeds the
-queue budget (`max_queue_ms`; by default 1.5 × the median recent unqueued service time of the
-slowest workload, at least 10 ms: one request's work ahead is admitted, so the model never idles
-between batches; two are not, so an accepted request waits about one service time at most). That
-holds under overload, when requests arrive faster than the model serves them; below that a queue is
-a burst that drains again, and is shed only beyond 3 × the budget (with Poisson arrivals at half
-load, a budget of 1.5 services alone would shed ~1 request in 7).
-A request is refused at once (504, "not run") when the wait plus its own predicted run time exceeds
-its deadline. `max_queue` stays a hard cap on admitted requests (their memory), and is the only
-check while the cost models are cold.
+Admission. Each workload's model node (a `BatchingNode`) has a cost model learned from its
+steady-state batches; `Infer` keeps the units and requests admitted and not yet done per node, so
+a new request's predicted time is the rest of the batch running now plus the queue, itself
+included, as the merged forwards it will become (`BatchingNode.rest_ms`, `queue_ms`). By default
+a request is refused only when it cannot meet its own deadline: at once with 504 ("not run") when
+its own run alone is predicted over its `timeout_ms` (waiting would not help), with 429 +
+Retry-After when the queue ahead of it is what makes it late. A queue is what cross-request
+batching feeds on, so it is not shed for being a queue (16 clients are normal traffic: before
+issue 23 a budget of 1.5 single-request times shed 16.5 % of them on the CPU demo server).
+`max_queue_ms` sets a tighter queue budget explicitly: a request is shed (429) when the model's
+predicted busy time is over it. `max_queue` stays a hard cap on admitted requests (their memory),
+and is the only check while the cost models are cold: no request is refused for a cost that was
+never measured.
 
 Deadlines. The runtime stops a request past its deadline at its model node's next piece of work;
 a request whose client went away (its task is cancelled) or whose wait here runs out is cancelled
@@ -29,9 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import statistics
-import time
-from collections import deque
 from contextvars import ContextVar
 from typing import Any
 
@@ -50,15 +48,6 @@ SERVER_TIMES: ContextVar[list[tuple[str, float]] | None] = ContextVar(
     "boundgen_server_times", default=None
 )
 
-_SERVICE_SAMPLES = 256  # recent unqueued service times the automatic queue budget is taken from
-_MIN_SAMPLES = 8  # fewer: no automatic budget yet (admission by count only)
-_BUDGET_SERVICES = 1.5  # the automatic budget in typical service times: more than 1, less than 2
-_MIN_BUDGET_MS = 10.0
-# Requests arrive faster than the model serves them (their rate × the typical service time > 1,
-# over the last _RATE_WINDOW_S): overload, shed beyond the budget. Else the queue is a burst that
-# will drain, shed only beyond _BURST × the budget.
-_RATE_WINDOW_S = 1.0
-_BURST = 3
 _MAX_RETRY_AFTER_S = 30
 
 
@@ -79,10 +68,9 @@ class Infer:
         self.max_queue_ms = max_queue_ms
         # NOTE: the counters below are touched only on the event loop thread, so no lock.
         self._admitted = 0
-        self._pending: dict[BatchingNode, float] = {}  # model node → units admitted, not done
-        self._service_ms: dict[str, deque[float]] = {}  # per workload
+        # model node → [units, requests] admitted and not done
+        self._pending: dict[BatchingNode, list[float]] = {}
         self._nodes: dict[str, tuple[Pipeline | None, BatchingNode | None]] = {}
-        self._rate, self._rate_at = 0.0, time.monotonic()  # arrivals per second, and when
         self.closed = False
 
     @property
@@ -105,34 +93,37 @@ class Infer:
             known = self._nodes[kind] = (pipe, node)
         return known[1]
 
+    def predicted_ms(
+        self, node: BatchingNode, units: float = 0.0, requests: int = 0
+    ) -> float | None:
+        """Predicted time until `node` has run the work admitted for it and not done, and then
+        `units` of `requests` new requests: the rest of its running batch, then the queue as the
+        merged forwards it will become (None while its cost model is cold)."""
+        pending, admitted = self._pending.get(node, (0.0, 0))
+        running, running_requests = node.running()
+        # what is admitted and not in the running batch waits for a later one (or is still in
+        # another node: counted as waiting, which errs on the side of a longer wait)
+        queued = max(0.0, pending - running) + units
+        queued_requests = max(0, int(admitted) - running_requests) + requests
+        if queued_requests == 0:
+            return node.rest_ms()
+        queue = node.queue_ms(queued, queued_requests)
+        return None if queue is None else node.rest_ms() + queue
+
     def predicted_wait_ms(self) -> float:
-        """Time the model needs for the work admitted and not done yet (0 while cold)."""
-        total = 0.0
-        for node, units in self._pending.items():
-            if units > 0:
-                total += node.cost.predict_ms(units) or 0.0
-        return total
+        """Time the model nodes need for the work admitted and not done yet (0 while cold)."""
+        return sum(self.predicted_ms(node) or 0.0 for node in self._pending)
 
     def queue_budget_ms(self) -> float | None:
-        """The predicted wait beyond which requests are shed (None: no service times yet)."""
-        if self.max_queue_ms is not None:
-            return self.max_queue_ms
-        known = [statistics.median(d) for d in self._service_ms.values() if len(d) >= _MIN_SAMPLES]
-        if not known:
-            return None
-        # the slowest workload's: a small request may wait behind one large one
-        return max(_MIN_BUDGET_MS, _BUDGET_SERVICES * max(known))
+        """The predicted wait beyond which requests are shed (None: only their deadlines)."""
+        return self.max_queue_ms
 
     # ---- admission ---------------------------------------------------------------------------
 
     def check_load(self) -> None:
         """Refuse a request before any work for it when the server cannot take one now: it is
-        shutting down (503), it has `max_queue` requests admitted, or the predicted wait exceeds
-        the queue budget (429 + Retry-After). Call it once per arriving request: it counts the
-        arrival rate that tells overload from a burst."""
-        self._check(arrived=True)
-
-    def _check(self, arrived: bool) -> None:
+        shutting down (503), it has `max_queue` requests admitted, or (with `max_queue_ms` set)
+        the predicted wait exceeds that budget (429 + Retry-After)."""
         if self.closed:
             raise Unavailable("server is shutting down")
         if self._admitted >= self.max_queue:
@@ -142,53 +133,58 @@ class Infer:
                 f"{self.retry_after_s}s",
                 headers={"Retry-After": str(self.retry_after_s)},
             )
-        budget = self.queue_budget_ms()
+        budget = self.max_queue_ms
         if budget is None:
             return
         wait = self.predicted_wait_ms()
-        overloaded = self._arrival_rate(arrived) * budget / _BUDGET_SERVICES / 1e3 > 1.0
-        limit = budget if overloaded else _BURST * budget
-        if wait > limit:
+        if wait > budget:
             self.metrics.shed.labels("predicted_wait").inc()
-            retry = min(_MAX_RETRY_AFTER_S, max(1, math.ceil((wait - budget) / 1e3)))
+            retry = _retry_after_s(wait - budget)
             raise Overloaded(
                 f"server is overloaded: the model is busy for the next {wait:.0f} ms, over "
-                f"{limit:.0f} ms (queue budget max_queue_ms={budget:.0f}"
-                f"{'' if overloaded else f', ×{_BURST} for a burst'}); retry after {retry}s",
+                f"the queue budget max_queue_ms={budget:g}; retry after {retry}s",
                 headers={"Retry-After": str(retry)},
             )
 
-    def _arrival_rate(self, arrived: bool) -> float:
-        """Requests per second arriving lately (`arrived`: one more now): an exponentially
-        decaying count over `_RATE_WINDOW_S`."""
-        now = time.monotonic()
-        decay = math.exp((self._rate_at - now) / _RATE_WINDOW_S)
-        self._rate = self._rate * decay + (1.0 / _RATE_WINDOW_S if arrived else 0.0)
-        self._rate_at = now
-        return self._rate
-
     def _admit(self, node: BatchingNode | None, units: float, timeout_ms: int) -> None:
-        self._check(arrived=False)  # the endpoint counted it in `check_load`
+        self.check_load()  # again: the body was read and parsed since the endpoint checked
         if node is not None:
-            pending = self._pending.get(node, 0.0)
-            expected = node.cost.predict_ms(pending + units)
-            if expected is not None and expected > timeout_ms:
-                self.metrics.shed.labels("not_run").inc()
-                wait = node.cost.predict_ms(pending) if pending > 0 else 0.0
-                raise Timeout(
-                    f"request not run: timeout_ms={timeout_ms} is shorter than the "
-                    f"{expected:.0f} ms it is expected to take ({wait:.0f} ms waiting for the "
-                    f"model, {expected - wait:.0f} ms running)"
-                )
-            self._pending[node] = pending + units
+            self._check_deadline(node, units, timeout_ms)
+            pending = self._pending.setdefault(node, [0.0, 0])
+            pending[0] += units
+            pending[1] += 1
         self._admitted += 1
         self.metrics.inflight.set(self._admitted)
+
+    def _check_deadline(self, node: BatchingNode, units: float, timeout_ms: int) -> None:
+        """Refuse a request that is predicted to miss its deadline: 504 when its own run is over
+        it, 429 when the queue ahead makes it late (it would make it once that drains)."""
+        expected = self.predicted_ms(node, units, 1)
+        if expected is None or expected <= timeout_ms:
+            return
+        alone = node.queue_ms(units) or 0.0
+        wait = expected - alone
+        if alone > timeout_ms:
+            self.metrics.shed.labels("not_run").inc()
+            raise Timeout(
+                f"request not run: timeout_ms={timeout_ms} is shorter than the {alone:.0f} ms "
+                "its model work is expected to take"
+            )
+        self.metrics.shed.labels("deadline").inc()
+        retry = _retry_after_s(expected - timeout_ms)
+        raise Overloaded(
+            f"server is overloaded: timeout_ms={timeout_ms} cannot be met, the model is busy for "
+            f"the next {wait:.0f} ms and this request takes {alone:.0f} ms; retry after {retry}s",
+            headers={"Retry-After": str(retry)},
+        )
 
     def _release(self, node: BatchingNode | None, units: float, fut: Any = None) -> None:
         self._admitted -= 1
         self.metrics.inflight.set(self._admitted)
         if node is not None:
-            self._pending[node] -= units
+            pending = self._pending[node]
+            pending[0] -= units
+            pending[1] -= 1
         # A request the client already got a 504 for still ends (often in DeadlineExceeded): mark
         # its exception as seen, else asyncio logs "Future exception was never retrieved".
         if fut is not None and fut.done() and not fut.cancelled():
@@ -229,17 +225,13 @@ class Infer:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         SERVER_TIMES.set(runtime_times(work))
-        self._learn(kind, work)
         return out
 
-    def _learn(self, kind: str, work: Any) -> None:
-        """A service time for the automatic queue budget: the model batch of a request that had
-        it to itself."""
-        for t in work.timings:
-            info = t.info or {}
-            if info.get("batch_requests") == 1 and "batch_run_us" in info:
-                samples = self._service_ms.setdefault(kind, deque(maxlen=_SERVICE_SAMPLES))
-                samples.append(info["batch_run_us"] / 1e3)
+
+def _retry_after_s(excess_ms: float) -> int:
+    """`Retry-After` for a queue predicted `excess_ms` over what was acceptable: about when it
+    will have drained that much (whole seconds, 1 to 30)."""
+    return min(_MAX_RETRY_AFTER_S, max(1, math.ceil(excess_ms / 1e3)))
 
 
 def runtime_times(work: Any) -> list[tuple[str, float]]:

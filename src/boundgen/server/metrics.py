@@ -175,7 +175,7 @@ class _AdmissionCollector:
         )
         budget = GaugeMetricFamily(
             "boundgen_queue_budget_seconds",
-            "predicted wait beyond which requests are shed (429); absent before the first samples",
+            "predicted wait beyond which requests are shed (429): max_queue_ms; absent unless set",
         )
         try:
             wait.add_metric([], self.infer.predicted_wait_ms() / 1e3)
@@ -233,8 +233,9 @@ class Metrics:
         )
         self.shed = Counter(
             "boundgen_shed",
-            "requests refused before any work: 429 at capacity (max_queue) or over the queue "
-            "budget (predicted_wait), 504 when their deadline cannot be met (not_run)",
+            "requests refused before any work: 429 at capacity (max_queue), over the queue "
+            "budget max_queue_ms (predicted_wait) or late for their deadline behind the queue "
+            "(deadline), 504 when their own run is longer than their deadline (not_run)",
             ["reason"],
             registry=r,
         )

@@ -82,8 +82,8 @@ class WorkloadContext:
     def batching(
         self, name: str, fn: Any, inputs: dict, outputs: dict, raises: tuple = ()
     ) -> BatchingNode:
-        """A batching node with this context's knobs; `fn` has `merge`, `split` and `size`;
-        `raises` pass through as themselves."""
+        """A batching node with this context's knobs; `fn` has `merge`, `split` and `size`, and
+        may have `shapes` (`BatchingNode`); `raises` pass through as themselves."""
         return BatchingNode(
             name,
             fn,
@@ -92,6 +92,7 @@ class WorkloadContext:
             merge=fn.merge,
             split=fn.split,
             size=fn.size,
+            shapes=getattr(fn, "shapes", None),
             token_budget=self.token_budget,
             max_wait_ms=self.max_wait_ms,
             max_batch=self.max_batch_requests,

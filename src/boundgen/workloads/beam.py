@@ -121,6 +121,17 @@ class _Beam:
         return parts
 
     @staticmethod
+    def shapes(items: list[dict[str, Any]]) -> list[tuple]:
+        """One per search a merged batch runs: (width, steps, trie, prompts) — what a whole-search
+        graph is compiled for (with the prompts' bucket, which the node does not see)."""
+        prompts: dict[tuple, int] = {}
+        for it in items:
+            req = it["request"]
+            key = (req.beam_width, req.steps, id(req.trie) if req.trie is not None else None)
+            prompts[key] = prompts.get(key, 0) + len(it["prompts"])
+        return [(*key, n) for key, n in prompts.items()]
+
+    @staticmethod
     def size(inputs: dict[str, Any]) -> int:
         req = inputs["request"]
         prompts = inputs["prompts"]
