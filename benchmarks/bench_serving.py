@@ -219,7 +219,17 @@ def main(argv: list[str] | None = None) -> int:
                 label=name,
             )
             report = run_loadtest(cfg)
-            report["server_metrics_tail"] = httpx.get(url + "/metrics").text[-20000:]
+            metrics = httpx.get(url + "/metrics").text
+            report["server_metrics_tail"] = metrics[-20000:]
+            # what must stay 0 under load (compiles after ready), and what the graphs and the
+            # admission did
+            keys = ("boundgen_compiles_after_ready", "boundgen_beam_graph", "boundgen_shed")
+            report["server_counters"] = {
+                line.split(" ")[0]: float(line.split(" ")[-1])
+                for line in metrics.splitlines()
+                if line.startswith(keys)
+            }
+            print(json.dumps(report["server_counters"]), flush=True)
             reports.append(report)
         finally:
             stop(proc)

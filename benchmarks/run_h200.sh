@@ -60,6 +60,9 @@ run_phase() {
     diag-load) phase diag-load 300 python3 benchmarks/diag_load.py --package "$(ls $BOUNDGEN_CACHE/compiled/*/package.pt2 | head -1)" --out "$OUT/diag_load.json" ;;
     # without LD_PRELOAD: start-up includes the AOTInductor load check and its re-exec, as a user gets it
     startup) phase startup 240 env -u LD_PRELOAD python3 benchmarks/bench_startup.py --runs ${STARTUP_RUNS:-2} --timeout-s 220 --out "$OUT/startup.json" --log-prefix "$OUT/startup-run" -- --model $M $W5_SERVE --log-level info ;;
+    # a start from a cache copied onto a machine of the same image: Inductor's and Triton's local
+    # caches deleted, the boundgen cache copied to a new place (nothing but the copy to start from)
+    copied-start) phase copied-start 150 sh -c "rm -rf /tmp/torchinductor_* ~/.triton/cache /tmp/copied-cache && cp -r $BOUNDGEN_CACHE /tmp/copied-cache && BOUNDGEN_CACHE=/tmp/copied-cache env -u LD_PRELOAD python3 benchmarks/bench_startup.py --runs 1 --timeout-s 140 --out $OUT/copied-start.json --log-prefix $OUT/copied-start-run -- --model $M $W5_SERVE --log-level info" ;;
     # without LD_PRELOAD too: after `startup` its server start is a warm one (the load check cached);
     # without `startup` before it, the start includes the load check (~90 s on the H200)
     tail) phase tail 240 env -u LD_PRELOAD python3 benchmarks/bench_tail.py --model $M --serve-args "$W5_SERVE" --items 100 --item-tokens 16 --query-tokens 256 --closed 1 4 --rates ${TAIL_RATES:-25 50 100 150 200 300} --wrk-connections 64 --client-processes 4 --duration 6 --server-cpus 0-7 --client-cpus 8-15 --out "$OUT/tail.json" ;;
