@@ -16,6 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
+pytest.importorskip("fastapi", reason="the server extra is not installed")
+
 from boundgen.runtime.batching import BatchingNode
 from boundgen.server.errors import Overloaded, Timeout
 from boundgen.server.infer import Infer

@@ -37,11 +37,6 @@ from boundgen.text.packing import PackedBatch
 log = logging.getLogger("boundgen.compile")
 
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
-# The wrapper (the host code launching a bucket's kernels) at -O0: its C++ build was ~25 s of a
-# bucket's ~50 s on the H200 at Inductor's default -O1 (BENCHMARKS.md, 2026-12-02), and at run
-# time graphed buckets never execute it while larger ones are GPU-bound (the host runs ahead).
-if hasattr(torch._inductor.config.aot_inductor, "compile_wrapper_opt_level"):
-    INDUCTOR_CONFIGS["aot_inductor.compile_wrapper_opt_level"] = "O0"
 
 
 def export_attention(model: DecoderModel, device: torch.device) -> AttentionBackend:

@@ -35,6 +35,10 @@ from pathlib import Path
 
 import torch
 
+from boundgen.compile.paths import default_cache_dir
+
+__all__ = ["ArtifactCache", "ArtifactError", "Entry", "Slot", "default_cache_dir"]
+
 FORMAT = 1
 PACKAGE = "package.pt2"
 META = "meta.json"
@@ -47,11 +51,6 @@ class ArtifactError(RuntimeError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind  # "missing" | "stale" | "corrupt"
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("BOUNDGEN_CACHE")
-    return (Path(base) if base else Path.home() / ".cache" / "boundgen") / "compiled"
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -20,9 +20,19 @@ _WORKER: dict = {}
 
 
 def _init(
-    model_dir: str, device: str, dtype: str | None, attention: str, quant: str, emulate: bool
+    model_dir: str,
+    device: str,
+    dtype: str | None,
+    attention: str,
+    quant: str,
+    emulate: bool,
+    compile_threads: int,
 ) -> None:
     import logging
+
+    # NOTE: Inductor starts a pool of this many compile processes per worker (default: one per
+    # core, each importing torch): `jobs` workers share the cores instead
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(compile_threads))
 
     import torch
 
@@ -91,7 +101,15 @@ class ParallelBuild:
             max_workers=jobs,
             mp_context=mp.get_context("spawn"),
             initializer=_init,
-            initargs=(str(model_dir), device, dtype, attention, quant, fp8_emulate),
+            initargs=(
+                str(model_dir),
+                device,
+                dtype,
+                attention,
+                quant,
+                fp8_emulate,
+                max(2, (os.cpu_count() or 2) // jobs),
+            ),
         )
         cache = None if cache_dir is None else str(cache_dir)
         # NOTE: spawned workers take this process's environment as they start, in the submits

@@ -299,7 +299,7 @@ def ensure_loadable(
 def reexec_if_needed(cache_root: Path | None = None) -> None:
     """Cheap check for CLI entry points (no probe): re-exec when a cached diagnosis asks for a
     preload."""
-    from boundgen.compile.cache import default_cache_dir
+    from boundgen.compile.paths import default_cache_dir
 
     if not sys.platform.startswith("linux") or not _reexec_allowed(True):
         return
