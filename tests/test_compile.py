@@ -12,6 +12,7 @@ import json
 import resource
 import shutil
 import sys
+import time
 
 import pytest
 import torch
@@ -463,6 +464,43 @@ def test_compile_cli_check(tiny_model, aoti_cache, capsys):
     assert "hit" in capsys.readouterr().out
     assert main(argv + [f"{BUCKET.name},t32"]) == 1
     assert "missing" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_an_interrupted_compile_keeps_what_it_finished(tiny_model, tmp_path, monkeypatch, capsys):
+    """`boundgen compile` stopped in its second bucket: the first bucket, Inductor's ISA verdicts
+    and the load check's verdict (started with the first package) are in the cache, and the next
+    compile builds only what is missing."""
+    from boundgen.cli import main
+    from boundgen.compile import backends, isa
+
+    cache = tmp_path / "cache"
+    real = backends.build_aoti
+    built = []
+
+    def build_then_stop(model, device, buckets, *args, **kwargs):
+        if built:  # the second bucket: wait for the load check of the first, then stop
+            for _ in range(600):
+                if (cache / "preload-probe.json").exists():
+                    break
+                time.sleep(0.1)
+            raise KeyboardInterrupt
+        built.append(buckets[0].name)
+        return real(model, device, buckets, *args, **kwargs)
+
+    monkeypatch.setattr(backends, "build_aoti", build_then_stop)
+    argv = ["compile", "--model", str(tiny_model("qwen2")), "--dtype", "float32"]
+    argv += ["--cache-dir", str(cache), "--jobs", "1", "--buckets", f"{BUCKET.name},t32"]
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    assert built == [BUCKET.name]
+    assert (cache / isa.VERDICTS).exists()
+    verdict = json.loads((cache / "preload-probe.json").read_text())
+    assert [v["status"] for v in verdict.values()] == ["ok"]
+    monkeypatch.setattr(backends, "build_aoti", real)
+    capsys.readouterr()
+    assert main([*argv[:-1], BUCKET.name, "--check"]) == 0  # the finished bucket is a hit
+    assert " hit " in capsys.readouterr().out
 
 
 def test_search_buckets_equal_the_plain_search(engine_for):

@@ -1,10 +1,11 @@
 """Build many buckets at once: one process per job, each with its own copy of the model.
 
-AOTInductor compiles are long (41–82 s per graph on the GPU machine, DESIGN §10) and mostly
-single-threaded host work (lowering, C++ compile), so N buckets on a machine with many cores take
-about N/jobs compile times. Each worker loads the checkpoint once (same device, dtype, attention
-and FP8 policy as the parent, hence the same model fingerprint) and writes through the shared,
-lock-protected `ArtifactCache`.
+AOTInductor compiles are long (~50 s a bucket on the H200, half of it the C++ build of the
+wrapper; BENCHMARKS.md, 2026-12-02) and mostly host work, so N buckets on a machine with many
+cores take about N/jobs compile times. Each worker loads the checkpoint once (same device, dtype,
+attention and FP8 policy as the parent, hence the same model fingerprint), writes through the
+shared, lock-protected `ArtifactCache` and, when asked, checks its bucket against eager right
+after building it.
 """
 
 from __future__ import annotations
@@ -20,19 +21,12 @@ _WORKER: dict = {}
 
 
 def _init(
-    model_dir: str,
-    device: str,
-    dtype: str | None,
-    attention: str,
-    quant: str,
-    emulate: bool,
-    compile_threads: int,
+    model_dir: str, device: str, dtype: str | None, attention: str, quant: str, emulate: bool
 ) -> None:
+    # NOTE: Inductor's compile pool stays at its default (a process per core in every worker):
+    # capped at cores/jobs, the C++ build of a W5 bucket took 41-50 s on the H200 against 24-27 s
+    # (BENCHMARKS.md, 2026-12-02): the build runs in that pool
     import logging
-
-    # NOTE: Inductor starts a pool of this many compile processes per worker (default: one per
-    # core, each importing torch): `jobs` workers share the cores instead
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(compile_threads))
 
     import torch
 
@@ -101,15 +95,7 @@ class ParallelBuild:
             max_workers=jobs,
             mp_context=mp.get_context("spawn"),
             initializer=_init,
-            initargs=(
-                str(model_dir),
-                device,
-                dtype,
-                attention,
-                quant,
-                fp8_emulate,
-                max(2, (os.cpu_count() or 2) // jobs),
-            ),
+            initargs=(str(model_dir), device, dtype, attention, quant, fp8_emulate),
         )
         cache = None if cache_dir is None else str(cache_dir)
         # NOTE: spawned workers take this process's environment as they start, in the submits
