@@ -6,7 +6,7 @@ shared weights.
     SharedWeights(model)                        FQN → the live model's tensors (one copy for
                                                 every bucket)
     open_package(path)                          the package's runner, without Inductor's device
-                                                check (its CPU-ISA probe cost ~50 s a process)
+                                                check (its CPU-ISA probe cost 57 s a process)
     AOTIBucket.load(path, weights)              open_package + load_constants(user_managed=True)
 
 Weights stay out of the `.so` (`aot_inductor.package_constants_in_so: False`), so an artifact
@@ -159,7 +159,7 @@ def open_package(path: str | Path, single_threaded: bool = False, device_index: 
 
     `aoti_load_package` first compares the package's recorded device information with this
     machine's, only to log a warning, and that comparison runs Inductor's CPU vector-ISA probe:
-    in torch 2.11 up to 11 child processes that each import torch, ~50 s of every process's first
+    in torch 2.11 up to 11 child processes that each import torch, 57 s of every process's first
     load on the H200 image (`compile/isa.py`). The artifact cache's platform key already
     vouches for torch, CUDA and the GPU, so the runner is made directly."""
     try:

@@ -5,7 +5,7 @@ Compiling an AOTInductor package asks Inductor which CPU vector ISA the machine 
 loading machine's). Inductor answers by building a tiny C++ library per candidate ISA and loading
 it in a child `python`; in torch 2.11 every child imports torch, and a Sapphire Rapids host runs up
 to 11 of them (AVX2, AVX512 and its bf16, VNNI, AMX and its fp16 variants). On the H200 image that
-is ~50 s, paid again by every process: each compile worker, the load check's child, and the
+is 57 s, paid again by every process: each compile worker, the load check's child, and the
 server's first package load (BENCHMARKS.md, 2026-12-02).
 
 The answer depends only on the CPU, the C++ compiler and torch, so `remember_isa_checks(root)`

@@ -39,7 +39,7 @@ log = logging.getLogger("boundgen.compile")
 _REEXEC_MARK = "BOUNDGEN_AOTI_REEXECED"
 _CLI_MARK = "BOUNDGEN_AOTI_REEXEC"  # set by CLI entry points: re-exec is safe in this process
 # The load itself, as `compile.aoti.open_package` does it (not `aoti_load_package`, whose device
-# check costs ~50 s of CPU-ISA probing on the GPU image): what crashes is the package's own code.
+# check costs 57 s of CPU-ISA probing on the GPU image): what crashes is the package's own code.
 _PROBE = (
     "import sys, torch\n"
     "try:\n"
