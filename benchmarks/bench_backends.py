@@ -151,7 +151,7 @@ def host_and_latency(fn, device, iters: int, budget_s: float) -> dict:
 def build_aoti_buckets(run: Run, engine, buckets, path) -> dict:
     """Verify cache hits in process; build the misses in worker processes; returns per-bucket
     info."""
-    from boundgen.compile.parallel import build_parallel
+    from boundgen.compile.parallel import ParallelBuild
 
     cache = ArtifactCache(run.args.cache_dir)
     plat = platform_info(engine.device)
@@ -174,7 +174,7 @@ def build_aoti_buckets(run: Run, engine, buckets, path) -> dict:
         # keep time for the measurements: builds get what is left minus a reserve
         timeout = max(30.0, run.left() - run.args.reserve_s)
         run.results["aoti_build_timeout_s"] = timeout
-        for r in build_parallel(
+        build = ParallelBuild(
             path,
             str(engine.device),
             cfg.dtype,
@@ -182,8 +182,8 @@ def build_aoti_buckets(run: Run, engine, buckets, path) -> dict:
             todo,
             cache.root,
             jobs=min(run.args.jobs, len(todo)),
-            timeout_s=timeout,
-        ):
+        )
+        for r in build.results(timeout_s=timeout):
             info[r["bucket"]] = r
             print(
                 f"  built {r['bucket']}: {r.get('event')} export {r.get('export_s')} compile "

@@ -225,21 +225,14 @@ def aoti_buckets(work: dict, max_tokens: int) -> tuple[list, dict]:
 
 def section_aoti(run: Run, path, dev, dtype_name, work, ref) -> dict:
     from boundgen.compile.cache import ArtifactCache
-    from boundgen.compile.parallel import build_parallel
+    from boundgen.compile.parallel import ParallelBuild
 
     buckets, predicted = aoti_buckets(work, 32768)
     print("  aoti buckets:", [b.name for b in buckets], flush=True)
     t0 = time.perf_counter()
-    built = build_parallel(
-        path,
-        "cuda",
-        dtype_name,
-        "auto",
-        buckets,
-        ArtifactCache(None).root,
-        jobs=run.args.jobs,
-        timeout_s=max(60.0, run.left() - 120),
-    )
+    built = ParallelBuild(
+        path, "cuda", dtype_name, "auto", buckets, ArtifactCache(None).root, jobs=run.args.jobs
+    ).results(timeout_s=max(60.0, run.left() - 120))
     res = {
         "buckets": [b.name for b in buckets],
         "build": built,

@@ -148,24 +148,3 @@ class ParallelBuild:
         else:
             self.pool.shutdown(wait=True)
         return [results[b.name] for b in self.buckets]
-
-
-def build_parallel(
-    model_dir: str | Path,
-    device: str,
-    dtype: str | None,
-    attention: str,
-    buckets: list,
-    cache_dir: str | Path | None,
-    quant: str = "none",
-    rebuild: bool = True,
-    jobs: int = 2,
-    on_done: Callable[[dict], None] | None = None,
-    timeout_s: float | None = None,
-    fp8_emulate: bool = False,
-) -> list[dict]:
-    """`ParallelBuild` started and waited for."""
-    build = ParallelBuild(
-        model_dir, device, dtype, attention, buckets, cache_dir, quant, rebuild, jobs, fp8_emulate
-    )
-    return build.results(on_done, timeout_s)
