@@ -42,7 +42,7 @@ run_phase() {
     fp8-kernels) phase fp8-kernels 240 python3 benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out "$OUT/fp8_kernels.json" ;;
     fp8-model) phase fp8-model 330 python3 benchmarks/bench_fp8.py --sections env,model,gate --out "$OUT/fp8_model.json" ;;
     fp8-selective) phase fp8-selective 560 python3 benchmarks/bench_fp8.py --sections env,compiled --policies none mlp mlp:skip=0,-1 --out "$OUT/fp8_selective.json" ;;
-    fp8-demo-gate) phase fp8-demo-gate 240 python3 -m boundgen.cli quant-check --model src/boundgen/demo/assets --fp8 all --scale small --noise-floor --no-record --json "$OUT/fp8_demo_gate.json" ;;
+    fp8-demo-gate) phase fp8-demo-gate 240 python3 -m boundgen.cli quant-check --model src/boundgen/demo/assets --fp8 all --scale small --controls --no-record --json "$OUT/fp8_demo_gate.json" ;;
     fp8-sensitivity) phase fp8-sensitivity 300 python3 benchmarks/fp8_sensitivity.py --device cuda --scale small --out "$OUT/fp8_sensitivity.json" ;;
     serving) phase serving 540 python3 benchmarks/bench_serving.py --device cuda --qps-steps 50 100 200 400 800 1600 --duration 15 --out-dir "$OUT" ;;
     runtime) phase runtime 200 python3 benchmarks/bench_runtime.py --preset qwen2.5-0.5b --device cuda --dtype bfloat16 --out "$OUT/runtime.json" ;;
