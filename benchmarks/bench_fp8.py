@@ -5,9 +5,9 @@
     python benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out $OUT/fp8_kernels.json
     python benchmarks/bench_fp8.py --sections env,model,gate --out $OUT/fp8_model.json
     python benchmarks/bench_fp8.py --sections env,compiled --out $OUT/fp8_compiled.json
-    # a selective policy against bf16 and full `mlp`, same process, compiled backend:
-    python benchmarks/bench_fp8.py --sections env,compiled --policies none mlp mlp:skip=0,-1 \
-        --out $OUT/fp8_selective.json
+    # `selective` against bf16, same process, through aoti+graphs, with the per-kernel tables:
+    python benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs \
+        --policies none selective --profile --out $OUT/fp8_selective.json
     python benchmarks/bench_fp8.py --dry-run-cpu --out /tmp/fp8.json  # code paths on CPU, untimed
 
 `--policies` takes any policy `boundgen.quant.policy` parses (presets or selective ones such as

@@ -1,6 +1,6 @@
 """The fidelity gate on the trained demo model, with `boundgen quant-check`'s eval set, task metrics
-and noise floor: the controls (not FP8) pass with room, `selective` passes, and a damaging
-perturbation fails."""
+and noise floor: the controls (not FP8) pass with room, `selective` passes, and damaging
+perturbations fail."""
 
 from __future__ import annotations
 
@@ -89,24 +89,39 @@ def test_selective_passes(demo):
     assert report.passed, report.format()
 
 
-def test_a_damaging_perturbation_fails(demo):
-    """Every projection's weights moved by 10 % of their spread (deterministic noise): rankings
-    beyond the noise floor, beams and the held-out AUC all suffer."""
+def _add_noise(model, generator) -> None:
+    """Every projection's weights moved by 10 % of their spread."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+            w = module.weight
+            w.add_((torch.randn(w.shape, generator=generator) * w.float().std() * 0.1).to(w.dtype))
+
+
+def _drop_last_mlp(model, generator) -> None:
+    """The last layer's MLP contributes nothing."""
+    model.layers[-1].mlp.down_proj.weight.zero_()
+
+
+@pytest.mark.parametrize(
+    "damage, reasons",
+    [
+        (_add_noise, ["decided pairs reordered", "beam top-1 changed"]),
+        (_drop_last_mlp, ["decided pairs reordered", "relevance AUC", "recall@10 query"]),
+    ],
+)
+def test_damaging_perturbations_fail(demo, damage, reasons):
+    """Random noise barely moves this model's task metrics (AUC -0.0013, at its allowance of
+    0.0012; recall goes up) but reorders what the reference decides; dropping a layer's MLP loses
+    task quality too."""
     model = demo.engine.model
-    g = torch.Generator().manual_seed(0)
-    saved = {}
+    saved = {name: p.clone() for name, p in model.state_dict().items()}
     with torch.inference_mode():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
-                w = module.weight
-                saved[name] = w.clone()
-                w.add_((torch.randn(w.shape, generator=g) * w.float().std() * 0.1).to(w.dtype))
+        damage(model, torch.Generator().manual_seed(0))
         try:
             cand = collect_outputs(engine_callables(demo.engine, demo.task), demo.eval_set)
         finally:
-            for name, w in saved.items():
-                model.get_submodule(name).weight.copy_(w)
-    report = compare_outputs(demo.ref, cand, demo.eval_set, "noise", demo.floor)
+            model.load_state_dict(saved)
+    report = compare_outputs(demo.ref, cand, demo.eval_set, damage.__name__, demo.floor)
     assert not report.passed and report.headroom < 0
-    reasons = " | ".join(report.failures)
-    assert "decided pairs reordered" in reasons and "relevance AUC" in reasons, reasons
+    failures = " | ".join(report.failures)
+    assert all(reason in failures for reason in reasons), failures
