@@ -5,9 +5,9 @@
     python benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out $OUT/fp8_kernels.json
     python benchmarks/bench_fp8.py --sections env,model,gate --out $OUT/fp8_model.json
     python benchmarks/bench_fp8.py --sections env,compiled --out $OUT/fp8_compiled.json
-    # a selective policy against bf16 and full `mlp`, same process, compiled backend:
-    python benchmarks/bench_fp8.py --sections env,compiled --policies none mlp mlp:skip=0,-1 \
-        --out $OUT/fp8_selective.json
+    # `selective` against bf16, same process, through aoti+graphs, with the per-kernel tables:
+    python benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs \
+        --policies none selective --profile --out $OUT/fp8_selective.json
     python benchmarks/bench_fp8.py --dry-run-cpu --out /tmp/fp8.json  # code paths on CPU, untimed
 
 `--policies` takes any policy `boundgen.quant.policy` parses (presets or selective ones such as
@@ -26,15 +26,18 @@ run; the JSON is rewritten after every section, so a timeout keeps what finished
           (256 prompts, 64-256 tokens, 2 labels: tok/s) and W2 (prefix 256 + 100 x 16: ms) for each
           policy (`mlp` also with the torch quantizer); bf16 again at the end to show drift.
 - compiled (not in the default list; run alone, each policy compiles the model per bucket): W1/W2
-          through boundgen.compile's `--compiled-backend` (torch.compile by default), each policy.
-- gate:   the fidelity gate (the eval set of `boundgen quant-check`) for each policy with real FP8,
-          emulated-vs-real agreement, and the bf16-vs-fp32 noise floor on the same eval set (how
-          close two "exact" runs get). Per-projection sensitivity: benchmarks/fp8_sensitivity.py.
+          through boundgen.compile's `--compiled-backend` (torch.compile by default), each policy;
+          with `--profile`, the per-kernel table of one W1 and one W2 call.
+- gate:   the fidelity gate of `boundgen quant-check` (its eval set, task metrics where the
+          checkpoint ships labels, and the bf16-vs-fp32 noise floor on the same set) for each
+          policy with real FP8, and emulated-vs-real agreement. Per-projection sensitivity and the
+          choice of `selective`: benchmarks/fp8_sensitivity.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -348,6 +351,31 @@ def _time_w1_w2(row, engine, w1, w1_tokens, w2_prefix, w2_items, labels, args) -
         row["w2_error"] = repr(exc)[:500]
 
 
+def kernel_table(fn, top: int = 25) -> list[dict]:
+    """One call of `fn` under torch.profiler: its CUDA kernels (CPU ops on a CPU dry run) by their
+    own total time, with calls and share of the call's kernel time — which GEMMs FP8 speeds up
+    and what the quantize costs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    fn()
+    _sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = [
+        {"kernel": a.key[:120], "calls": a.count, "ms": getattr(a, key) / 1e3}
+        for a in prof.key_averages()
+        if getattr(a, key) > 0
+    ]
+    total = sum(r["ms"] for r in rows) or 1.0
+    for r in rows:
+        r["share"] = r["ms"] / total
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
 def _speedups(runs: list[dict]) -> None:
     """Ratios against the first (bf16) run, for whatever both rows measured."""
     base = runs[0] if runs else {}
@@ -434,13 +462,22 @@ def section_compiled(res: dict, args) -> None:
                     max_batch_tokens=args.compiled_budget,
                     share_prefix=True,
                     backend=args.compiled_backend,
-                    options=CompileOptions(buckets=args.compiled_buckets, warmup=True),
+                    options=CompileOptions(
+                        buckets=args.compiled_buckets, warmup=True, quant=policy
+                    ),
                 )
                 row["compile_s"] = time.perf_counter() - t0
                 compiled = engine.with_runner(runner)
                 try:
                     _time_w1_w2(row, compiled, w1, w1_tokens, w2_prefix, w2_items, labels, args)
                     row["runner_stats"] = runner.stats()
+                    if args.profile:
+                        row["kernels_w1"] = kernel_table(
+                            lambda: compiled.score([], w1, labels, apply_softmax=True)
+                        )
+                        row["kernels_w2"] = kernel_table(
+                            lambda: compiled.score(w2_prefix, w2_items, labels, apply_softmax=True)
+                        )
                 finally:
                     compiled.close()
         except Exception as exc:
@@ -453,27 +490,34 @@ def section_compiled(res: dict, args) -> None:
 
 
 def section_gate(res: dict, args) -> None:
-    from boundgen.quant.fidelity import (
-        collect_outputs,
-        compare_outputs,
-        engine_callables,
-        gate_eval_set,
-    )
+    from boundgen.commands.quant_check import EXACT, collect_variant, demo_task
+    from boundgen.quant.evalset import gate_eval_set
+    from boundgen.quant.fidelity import compare_outputs, spearman
+    from boundgen.quant.noise import measure_noise_floor
+    from boundgen.quant.outputs import collect_outputs, engine_callables
 
     engine, path = _load_engine(args)
     ev = gate_eval_set(engine, path, scale=args.gate_scale)
+    task = demo_task(path)
     out = res.setdefault("gate", {"checkpoint": str(path), "eval_set": ev.name, "reports": {}})
-    callables = engine_callables(engine)
+    callables = engine_callables(engine, task)
     t0 = time.perf_counter()
     ref = collect_outputs(callables, ev)
     out["bf16_eval_s"] = time.perf_counter() - t0
     print(f"gate: bf16 reference on {ev.name} in {out['bf16_eval_s']:.1f}s", flush=True)
+    # the gate's noise floor: fp32 (SDPA attention) on the same eval set
+    dtype, overrides = EXACT
+    exact = collect_variant(path, args.device, ev, task, dtype, **overrides)
+    floor = measure_noise_floor(ref, exact, ev)
+    out["noise_floor"] = dataclasses.asdict(floor)
+    print(floor.format(), flush=True)
+    save(res, args)
     for policy in [p for p in args.policies if p != "none"]:
         try:
             with _fp8(engine, policy):
                 t0 = time.perf_counter()
                 cand = collect_outputs(callables, ev)
-                report = compare_outputs(ref, cand, ev, policy)
+                report = compare_outputs(ref, cand, ev, policy, floor)
                 report.notes["eval_seconds"] = f"{time.perf_counter() - t0:.1f}"
             out["reports"][policy] = report.to_dict()
             print(report.format(), flush=True)
@@ -486,38 +530,20 @@ def section_gate(res: dict, args) -> None:
     try:
         sub = type(ev)(ev.name + "-W2", [c for c in ev.score_cases if c.set_name == "W2"], [])
         with _fp8(engine, "mlp"):
-            real = collect_outputs(callables, sub)
+            real = collect_outputs(engine_callables(engine), sub)
         with _fp8(engine, "mlp", emulate=True):
-            emu = collect_outputs(callables, sub)
-        diff = max(
-            float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(real.scores, emu.scores)
-        )
-        rep = compare_outputs(real, emu, sub, "mlp emulated vs real")
+            emu = collect_outputs(engine_callables(engine), sub)
         out["emulation_vs_real"] = {
-            "max_abs_diff": diff,
-            "spearman_mean": rep.sets[0].spearman_mean,
-            "topk_mean": rep.sets[0].topk_mean,
+            "max_abs_diff": max(
+                float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(real.scores, emu.scores)
+            ),
+            "spearman_mean": float(
+                np.mean([spearman(a, b) for a, b in zip(real.scores, emu.scores)])
+            ),
         }
         print("emulation vs real", out["emulation_vs_real"], flush=True)
     except Exception as exc:
         out["emulation_vs_real"] = {"error": repr(exc)[:500]}
-    save(res, args)
-    # noise floor: bf16 (the gate's reference) against fp32 on the same eval set
-    if not args.no_noise_floor:
-        try:
-            del engine, callables
-            _empty_cache()
-            # flash varlen has no fp32 kernel: the fp32 run uses the reference (SDPA) attention
-            engine32, _ = _load_engine(args, dtype="float32", attention="reference")
-            ref32 = collect_outputs(engine_callables(engine32), ev)
-            report = compare_outputs(ref32, ref, ev, "bf16 vs fp32 (noise floor)")
-            out["noise_floor_note"] = (
-                "reference = fp32 engine (SDPA attention), candidate = bf16 engine"
-            )
-            out["noise_floor_bf16_vs_fp32"] = report.to_dict()
-            print(report.format(), flush=True)
-        except Exception as exc:
-            out["noise_floor_bf16_vs_fp32"] = {"error": repr(exc)[:500]}
 
 
 # -------------------------------------------------------------------------------------------------
@@ -590,7 +616,6 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--compile-tokens", default="8192", help="M values that also get torch.compile variants"
     )
-    ap.add_argument("--no-noise-floor", action="store_true")
     ap.add_argument(
         "--compiled-buckets",
         default="t8192-s96-m256,t2048-s112-m256-g2-p320-q1664",
@@ -598,6 +623,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--compiled-budget", type=int, default=8192, help="compiled section token budget"
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="compiled section: also the per-kernel table of one W1 and one W2 call per policy",
     )
     ap.add_argument(
         "--compiled-backend",

@@ -1,76 +1,78 @@
-"""Why an FP8 policy fails the fidelity gate on a checkpoint: the gate per projection, per layer and
-for cumulative sets, next to controls that are not FP8 at all; then input outliers and the error of
-each projection under per-token and per-group scales, and how close the reference's own ties are.
+"""Which FP8 policies pass the fidelity gate on a checkpoint, and why the others do not: the gate's
+controls (not FP8 at all), one projection of one layer at a time, the candidates for `selective`
+ordered by FP8 GEMM FLOPs, and the input outliers and output error of each projection.
 
     python benchmarks/fp8_sensitivity.py                # the demo model, emulated FP8, on CPU
     python benchmarks/fp8_sensitivity.py --model DIR --device cuda  # real FP8 on an sm_89+ GPU
 
-`--fp32-head` computes the label logits in fp32 instead of rounding them to bf16 (an experiment:
-how much of the failure is the reference's own bf16 ties). The eval set is the one `boundgen
-quant-check` uses (`fidelity.gate_eval_set`: "small" scale on
-CPU, plus the demo checkpoint's held-out set). Prints markdown tables (docs/fp8.md quotes them) and
-writes everything to --out as JSON.
+The eval set, task metrics and noise floor are `boundgen quant-check`'s ("small" scale on CPU, plus
+the demo checkpoint's held-out set and labels). Prints markdown tables (docs/fp8.md quotes them)
+and writes everything to --out as JSON. `selective` (boundgen.quant.policy.ALIASES) is the first
+candidate that passes.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
-import types
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-from boundgen.commands.quant_check import load_reference_engine
-from boundgen.quant.fidelity import (
-    GateReport,
-    collect_outputs,
-    compare_outputs,
-    engine_callables,
-    gate_engine,
-    gate_eval_set,
+from boundgen.commands.quant_check import (
+    EXACT,
+    collect_variant,
+    control_reports,
+    demo_task,
+    load_reference_engine,
 )
-from boundgen.quant.fp8 import fp8_swapped
-from boundgen.quant.policy import PROJECTIONS, select_modules
+from boundgen.quant.evalset import gate_eval_set
+from boundgen.quant.fidelity import GateReport, GateThresholds, gate_engine
+from boundgen.quant.noise import measure_noise_floor
+from boundgen.quant.outputs import collect_outputs, engine_callables
+from boundgen.quant.policy import PROJECTIONS, parse_policy, select_modules
 from boundgen.quant.rowwise import quantize_rowwise
 
+# Candidates for `selective`: projection sets x layer choices that mean the same on any depth
+# (every layer, or all but the first and/or the last).
+CANDIDATE_PROJECTIONS = (
+    "mlp+attn-proj",
+    "mlp+qkv_proj",
+    "mlp+o_proj",
+    "gate_up_proj+attn-proj",
+    "mlp",
+    "gate_up_proj",
+    "attn-proj",
+    "down_proj",
+)
+CANDIDATE_LAYERS = ("", ":skip=0", ":skip=-1", ":skip=0,-1")
 
-def load_engine(args, dtype: str, **overrides):
-    engine = load_reference_engine(args.model, args.device, dtype, **overrides)
-    if args.fp32_head:
-        engine.model.head = types.MethodType(_fp32_head, engine.model)
-    return engine
+
+def flop_share(model, policy: str) -> float:
+    """The policy's share of the projections' GEMM FLOPs (per token: in x out of each module)."""
+
+    def flops(p: str) -> int:
+        return sum(
+            model.get_submodule(n).in_features * model.get_submodule(n).out_features
+            for n in select_modules(model, p)
+        )
+
+    return flops(policy) / flops("mlp+attn-proj")
 
 
-def _fp32_head(self, rows: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
-    """`DecoderModel.head` in fp32: rows [N, H] -> logits [N, C], not rounded to bf16."""
-    w = self.head_weight if columns is None else self.head_weight.index_select(0, columns)
-    return F.linear(rows.float(), w.float())
-
-
-def margin(report: GateReport) -> float:
-    """How far the worst gate criterion is above its threshold (negative: failed by that much)."""
-    t = report.thresholds
-    gaps = [report.beam_top1 - t.beam_top1] if report.beam_top1 is not None else []
+def gate_row(label: str, share: float, report: GateReport) -> dict:
+    row = {"policy": label, "FP8 FLOPs": share}
     for s in report.sets:
-        if s.spearman_mean is not None:
-            gaps += [s.spearman_mean - t.spearman, s.topk_mean - t.topk_overlap]
-    return min(gaps)
-
-
-def gate_row(label: str, modules: int, report: GateReport) -> dict:
-    row = {"policy": label, "modules": modules}
-    for s in report.sets:
-        if s.spearman_mean is not None:
-            row[f"ρ {s.name}"] = s.spearman_mean
-    row["top-10 min"] = min(s.topk_mean for s in report.sets if s.topk_mean is not None)
-    row["beam top-1"] = report.beam_top1
+        if s.decided:
+            row[f"pairs {s.name}"] = s.agreement
+    row["beams"] = report.beam_top1
+    for m in report.tasks:
+        row[f"Δ {m.name}"] = -m.loss
     row["verdict"] = "PASS" if report.passed else "FAIL"
-    row["margin"] = margin(report)
+    row["headroom"] = report.headroom
     return row
 
 
@@ -88,54 +90,56 @@ def print_markdown(title: str, rows: list[dict]) -> None:
     sys.stdout.flush()
 
 
-def section_gate(engine, args, eval_set, ref) -> dict:
-    """Controls, one projection at a time, per kind, per layer, presets, cumulative sets."""
-    model = engine.model
-    n_layers = len(model.layers)
-    out: dict[str, list[dict]] = {}
-
-    controls = []
-    for label, dtype, overrides in (
-        ("bf16, share_prefix off (same math, other order)", args.dtype, {"share_prefix": False}),
-        ("fp32, reference attention (noise floor)", "float32", {"attention": "reference"}),
-    ):
-        other = load_engine(args, dtype, **overrides)
-        cand = collect_outputs(engine_callables(other), eval_set)
-        controls.append(gate_row(label, 0, compare_outputs(ref, cand, eval_set, label)))
-        del other
-    out["controls"] = controls
-    print_markdown("Controls: not FP8 at all, compared with the bf16 reference", controls)
-
-    def run(policies: list[str]) -> list[dict]:
-        reports = gate_engine(
-            engine, policies, eval_set, emulate=args.emulate, reference_outputs=ref
-        )
-        return [gate_row(p, len(select_modules(model, p)), r) for p, r in reports.items()]
-
-    singles = run([f"{p}:layers={i}" for i in range(n_layers) for p in PROJECTIONS])
-    out["single"] = singles
-    print_markdown("One projection of one layer in FP8", singles)
-    groups = run([*PROJECTIONS, *(f"mlp:layers={i}" for i in range(n_layers))])
-    groups += run(["mlp", "mlp:skip=0,-1", "mlp+attn-proj"])
-    out["groups"] = groups
-    print_markdown("One kind in every layer, one layer's MLP, presets", groups)
-
-    # Cumulative: the least harmful single projections first, one more per row.
-    order = sorted(singles, key=lambda r: -r["margin"])
-    names: list[str] = []
-    cumulative = []
-    for row in order:
-        names += select_modules(model, row["policy"])
-        with fp8_swapped(model, names, emulate=args.emulate):
-            cand = collect_outputs(engine_callables(engine), eval_set)
-        label = f"+ {row['policy']}"
-        cumulative.append(gate_row(label, len(names), compare_outputs(ref, cand, eval_set, label)))
-    out["cumulative"] = cumulative
-    print_markdown("Cumulative: least harmful projections first", cumulative)
-    return out
+def section_controls(args, eval_set, task, ref, exact, floor, thresholds) -> list[dict]:
+    reports = control_reports(
+        args.model, args.device, eval_set, task, ref, exact, floor, thresholds, args.dtype
+    )
+    rows = []
+    for label, report in reports.items():
+        rows.append(gate_row(label, 0.0, report))
+        print(report.format())
+    print_markdown("Controls: not FP8 at all, judged by the gate", rows)
+    return rows
 
 
-def section_outliers(engine, args, eval_set) -> list[dict]:
+def _gate(engine, args, eval_set, task, ref, floor, thresholds, policies) -> list[dict]:
+    reports = gate_engine(
+        engine,
+        policies,
+        eval_set,
+        floor=floor,
+        reference_outputs=ref,
+        task=task,
+        emulate=args.emulate,
+        thresholds=thresholds,
+        log=lambda text: print(text, flush=True),
+    )
+    return [gate_row(p, flop_share(engine.model, p), r) for p, r in reports.items()]
+
+
+def section_single(engine, *gate_args) -> list[dict]:
+    n_layers = len(engine.model.layers)
+    policies = [f"{p}:layers={i}" for i in range(n_layers) for p in PROJECTIONS]
+    rows = _gate(engine, *gate_args, policies)
+    print_markdown("One projection of one layer in FP8", rows)
+    return rows
+
+
+def section_candidates(engine, *gate_args) -> dict:
+    """Every candidate, most FP8 GEMM FLOPs first; `selective` is the first that passes."""
+    names = {
+        parse_policy(p + layers).name
+        for p, layers in itertools.product(CANDIDATE_PROJECTIONS, CANDIDATE_LAYERS)
+    }
+    order = sorted(names, key=lambda p: (-flop_share(engine.model, p), p))
+    rows = _gate(engine, *gate_args, order)
+    print_markdown("Candidates for `selective`, most FP8 GEMM FLOPs first", rows)
+    best = next((r["policy"] for r in rows if r["verdict"] == "PASS"), None)
+    print(f"\nmost FP8 GEMM FLOPs that pass: {best}")
+    return {"rows": rows, "best": best}
+
+
+def section_outliers(engine, eval_set) -> list[dict]:
     """Per projection: how peaked its inputs are, and its output error under e4m3 rounding with
     per-token / per-channel scales (the kernel's), and with per-group-of-32 scales (finer)."""
     inputs: dict[str, list[torch.Tensor]] = {}
@@ -192,61 +196,7 @@ def section_outliers(engine, args, eval_set) -> list[dict]:
     return table
 
 
-def section_ties(engine, args, eval_set, ref) -> dict:
-    """How much of the `mlp` failure is the reference's own ties: flipped pairs by reference gap,
-    and beam mismatches by the reference's top-1/top-2 log-prob margin."""
-    model = engine.model
-    with fp8_swapped(model, select_modules(model, "mlp"), emulate=args.emulate):
-        cand = collect_outputs(engine_callables(engine), eval_set)
-        beams_fp8 = _beams(engine, eval_set)
-    beams_ref = _beams(engine, eval_set)
-    tied = total = 0
-    gaps = []
-    for case, r, c in zip(eval_set.score_cases, ref.scores, cand.scores):
-        r, c = np.asarray(r), np.asarray(c)
-        total += len(r)
-        tied += len(r) - len(np.unique(r))
-        if case.set_name == "demo-pooled":
-            continue
-        i, j = np.triu_indices(len(r), 1)
-        flipped = np.sign(r[i] - r[j]) != np.sign(c[i] - c[j])
-        gaps += np.abs(r[i] - r[j])[flipped].tolist()
-    margins = [
-        float(ref_b[0][1] - ref_b[1][1])
-        for ref_b, fp8_b in zip(beams_ref, beams_fp8)
-        if list(ref_b[0][0]) != list(fp8_b[0][0])
-    ]
-    gaps_np, margins_np = np.asarray(gaps), np.asarray(margins)
-    out = {
-        "ranking values tied with another item of their group (bf16 reference)": f"{tied} of "
-        f"{total}",
-        "pairs flipped by mlp (groups, not pooled)": len(gaps),
-        "... of which tied in the reference": int((gaps_np == 0).sum()),
-        "... of which reference gap < 0.1 (log-prob)": int((gaps_np < 0.1).sum()),
-        "beam top-1 changed by mlp": len(margins),
-        "... reference top-1/top-2 margin = 0": int((margins_np == 0).sum()),
-        "... reference margin < 0.05": int((margins_np < 0.05).sum()),
-        "median reference margin, all beam prompts": float(
-            np.median([b[0][1] - b[1][1] for b in beams_ref])
-        ),
-    }
-    print("\n### What `mlp` flips\n")
-    for k, v in out.items():
-        print(f"- {k}: {v}")
-    return out
-
-
-def _beams(engine, eval_set) -> list:
-    """The full beam lists (tokens, log-prob) of every beam case, grouped by (width, steps)."""
-    results: list = [None] * len(eval_set.beam_cases)
-    shapes: dict[tuple[int, int], list[int]] = {}
-    for i, case in enumerate(eval_set.beam_cases):
-        shapes.setdefault((case.beam_width, case.steps), []).append(i)
-    for (width, steps), idx in shapes.items():
-        prompts = [eval_set.beam_cases[i].prompt for i in idx]
-        for i, beams in zip(idx, engine.beam_search_batch(prompts, width, steps)):
-            results[i] = beams
-    return results
+SECTIONS = ("controls", "single", "candidates", "outliers")
 
 
 def main(argv=None) -> int:
@@ -257,38 +207,48 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bfloat16", help="reference precision")
     ap.add_argument("--scale", default=None, choices=["full", "small", "ci"])
-    ap.add_argument(
-        "--sections", default="gate,outliers,ties", help="comma list of gate, outliers, ties"
-    )
-    ap.add_argument("--fp32-head", action="store_true", help="label logits in fp32 (experiment)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
     ap.add_argument("--out", default=None, help="write the tables as JSON here")
     args = ap.parse_args(argv)
     args.model = args.model or str(default_model_path())
     args.emulate = torch.device(args.device).type != "cuda"
     sections = [s for s in args.sections.split(",") if s]
-    unknown = set(sections) - {"gate", "outliers", "ties"}
+    unknown = set(sections) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}")
     t0 = time.perf_counter()
-    engine = load_engine(args, args.dtype)
+    thresholds = GateThresholds()
+    engine = load_reference_engine(args.model, args.device, args.dtype)
     eval_set = gate_eval_set(engine, args.model, scale=args.scale)
+    task = demo_task(args.model)
     print(
-        f"{args.model} on {engine.device} ({engine.dtype}{', fp32 head' * args.fp32_head}), FP8 "
+        f"{args.model} on {engine.device} ({engine.dtype}), FP8 "
         f"{'emulated' if args.emulate else 'scaled_mm'}; eval set {eval_set.name}: "
-        f"{len(eval_set.score_cases)} score groups, {len(eval_set.beam_cases)} beam prompts"
+        f"{len(eval_set.score_cases)} score groups, {len(eval_set.beam_cases)} beam prompts; "
+        f"task metrics: {'yes' if task else 'none'}"
     )
     result: dict = {"args": vars(args), "device": str(engine.device), "eval_set": eval_set.name}
     with torch.inference_mode():
-        ref = collect_outputs(engine_callables(engine), eval_set)
-        if "gate" in sections:
-            result["gate"] = section_gate(engine, args, eval_set, ref)
+        ref = collect_outputs(engine_callables(engine, task), eval_set)
+        dtype, overrides = EXACT
+        exact = collect_variant(args.model, args.device, eval_set, task, dtype, **overrides)
+        floor = measure_noise_floor(ref, exact, eval_set, thresholds.quantile)
+        print(floor.format())
+        result["noise_floor"] = floor
+        gate_args = (args, eval_set, task, ref, floor, thresholds)
+        if "controls" in sections:
+            result["controls"] = section_controls(
+                args, eval_set, task, ref, exact, floor, thresholds
+            )
+        if "single" in sections:
+            result["single"] = section_single(engine, *gate_args)
+        if "candidates" in sections:
+            result["candidates"] = section_candidates(engine, *gate_args)
         if "outliers" in sections:
-            result["outliers"] = section_outliers(engine, args, eval_set)
-        if "ties" in sections:
-            result["ties"] = section_ties(engine, args, eval_set, ref)
+            result["outliers"] = section_outliers(engine, eval_set)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        Path(args.out).write_text(json.dumps(result, indent=1, default=vars))
     return 0
 
 

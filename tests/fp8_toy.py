@@ -67,7 +67,7 @@ class ToyDecoder(nn.Module):
 
 
 def toy_callables(model: ToyDecoder):
-    from boundgen.quant.fidelity import GateCallables
+    from boundgen.quant.outputs import GateCallables
 
     @torch.no_grad()
     def score(query, items, labels):

@@ -215,12 +215,16 @@ def test_fp8_swapped_puts_the_bf16_modules_back():
 
 
 def test_quant_imports_only_go_down():
-    """rowwise <- triton_quant <- fp8 <- policy <- fidelity (gate_cache is a leaf): no module
-    imports one above it or beside it, at the top or inside a function."""
-    order = ["rowwise", "gate_cache", "triton_quant", "fp8", "policy", "fidelity"]
+    """rowwise <- triton_quant <- fp8 <- policy <- fidelity and evalset <- outputs <- noise <-
+    fidelity (gate_cache is a leaf): no module imports one above it or beside it, at the top or
+    inside a function."""
+    order = ["rowwise", "gate_cache", "evalset", "outputs", "noise", "triton_quant", "fp8"]
+    order += ["policy", "fidelity"]
     allowed = {"triton_quant": {"rowwise"}, "fp8": {"rowwise", "triton_quant"}}
     allowed["policy"] = allowed["fp8"] | {"fp8", "gate_cache"}
-    allowed["fidelity"] = allowed["policy"] | {"policy"}
+    allowed["outputs"] = {"evalset"}
+    allowed["noise"] = {"evalset", "outputs"}
+    allowed["fidelity"] = allowed["policy"] | allowed["noise"] | {"policy", "noise"}
     folder = Path(fp8_modules.__code__.co_filename).parent
     assert sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__") == sorted(order)
     for module in order:

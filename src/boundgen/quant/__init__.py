@@ -1,7 +1,10 @@
 """Selective FP8: rowwise e4m3 numerics (`rowwise`, `triton_quant`), `Fp8Linear` and the swap pass
-(`fp8`), layer policies (`policy`), fidelity gate (`fidelity`) and its verdicts (`gate_cache`).
+(`fp8`), layer policies (`policy`), the fidelity gate (`fidelity`: its eval set `evalset`, the
+outputs of one configuration `outputs`, the reference's noise floor `noise`) and its verdicts
+(`gate_cache`).
 
-Imports go one way: rowwise ← triton_quant ← fp8 ← policy ← fidelity.
+Imports go one way: rowwise ← triton_quant ← fp8 ← policy ← fidelity, evalset ← outputs ← noise ←
+fidelity.
 """
 
 from boundgen.quant.fp8 import (

@@ -6,6 +6,7 @@ layers:
     none                        nothing in FP8
     mlp                         gate_up_proj and down_proj of every layer
     mlp+attn-proj               the above + qkv_proj and o_proj
+    selective                   the recommended selective policy (`ALIASES`)
     mlp:layers=1-2              the MLP of layers 1 and 2 only
     mlp:skip=0,-1               the MLP of every layer but the first and the last
     gate_up_proj:layers=0,2-3   one kind of projection (down_proj stays bf16) in some layers
@@ -15,7 +16,7 @@ Grammar: `none`, or `PROJ[+PROJ...][:layers=LIST][:skip=LIST]` where PROJ is a p
 counts from the end) or `A-B` (inclusive). Only these projections can be named, so embed_tokens,
 norms, attention math, lm_head / score head and softmax always stay in bf16/fp32. `parse_policy`
 gives every spelling of a policy one canonical name (gate verdicts and compile caches are keyed by
-it).
+it); a named policy's is the policy it stands for.
 
 The engine asks `check_policy_allowed` before applying a policy: it refuses one that failed the
 fidelity gate for this checkpoint (or was never checked) unless forced.
@@ -43,8 +44,12 @@ PROJECTIONS = {
     "o_proj": "self_attn.o_proj",
 }
 GROUPS = {"mlp": ("gate_up_proj", "down_proj"), "attn-proj": ("qkv_proj", "o_proj")}
+# Named policies that stand for a selective one. `selective`: of the policies tried on the trained
+# demo model, the one with the most FP8 GEMM FLOPs that passes the fidelity gate (docs/fp8.md,
+# "Choosing `selective`"); whether it pays is measured on the GPU.
+ALIASES = {"selective": "mlp+qkv_proj:skip=0"}
 # The named policies (`quant-check --fp8 all` checks every one but none); DESIGN §7 suggests mlp.
-PRESETS = ("none", "mlp", "mlp+attn-proj")
+PRESETS = ("none", "mlp", "mlp+attn-proj", *ALIASES)
 _ITEM = re.compile(r"^(?:(-?\d+)|(\d+)-(\d+))$")  # a LIST item: N, -N or A-B
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
 
@@ -143,6 +148,7 @@ def parse_policy(policy: str | None) -> Fp8Policy:
     """Parse a policy string (case and spaces ignored; None means "none"); ValueError saying what is
     wrong with it otherwise."""
     text = (policy or "none").strip().lower().replace(" ", "")
+    text = ALIASES.get(text, text)
     if text == "none":
         return Fp8Policy(())
     head, *options = text.split(":")
