@@ -105,9 +105,12 @@ def closed_loop(
     seconds: float,
     retry_after: bool = False,
 ) -> dict:
+    before = forward_batches(cfg)
     samples = asyncio.run(_closed_loop(cfg, bodies, concurrency, seconds, retry_after))
+    after = forward_batches(cfg)
     ok = sorted(lat * 1e3 for lat, status in samples if status == 200)
     shed = sum(1 for _, status in samples if status == 429)
+    batches, requests = (a - b for a, b in zip(after, before))
     return {
         "concurrency": concurrency,
         "retry_after": retry_after,
@@ -118,7 +121,21 @@ def closed_loop(
         "share_429": shed / len(samples) if samples else 0.0,
         "p50_ms": _pct(ok, 50),
         "p99_ms": _pct(ok, 99),
+        # how the server merged them: requests per forward, and a forward every so many ms
+        "requests_per_forward": requests / batches if batches else float("nan"),
+        "ms_per_forward": seconds * 1e3 / batches if batches else float("nan"),
     }
+
+
+def forward_batches(cfg: LoadConfig) -> tuple[float, float]:
+    """The server's forward node counters so far: (batches, requests in them)."""
+    headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    text = httpx.get(cfg.url + "/metrics", headers=headers, timeout=30).text
+    out = []
+    for name in ("boundgen_runtime_batches_total", "boundgen_runtime_batched_requests_total"):
+        m = re.search(rf'^{name}{{node="forward"}} ([0-9.e+]+)$', text, re.MULTILINE)
+        out.append(float(m.group(1)) if m else 0.0)
+    return out[0], out[1]
 
 
 def _pct(sorted_ms: list[float], p: float) -> float:
@@ -238,15 +255,17 @@ def overload_table(sat: dict, rows: list[dict]) -> str:
 
 def sweep_table(sat: dict) -> str:
     lines = [
-        "| clients | ok/s | vs 1 client | p50 ms | p99 ms | answered 429 | other errors |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| clients | ok/s | vs 1 client | p50 ms | p99 ms | answered 429 | other errors | "
+        "requests per forward | ms per forward |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     one = sat["nominal"]["ok_per_s"]
     for s in [sat["nominal"], *sat["sweep"]]:
         lines.append(
             f"| {s['concurrency']} | {s['ok_per_s']:.1f} | {s['ok_per_s'] / one:.2f}x | "
             f"{s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['share_429']:.1%} | "
-            f"{s['errors'] - s['shed_429']} |"
+            f"{s['errors'] - s['shed_429']} | {s['requests_per_forward']:.1f} | "
+            f"{s['ms_per_forward']:.1f} |"
         )
     return "\n".join(lines)
 
