@@ -221,6 +221,27 @@ def test_a_batch_marked_not_steady_from_inside_fn_teaches_nothing():
     assert sim.node.cost.predict_ms(100) == pytest.approx(2.0)
 
 
+def test_a_batch_during_which_the_process_compiled_teaches_nothing():
+    """Any compile or graph capture in the process while a batch runs (`compile.events`, e.g. a
+    beam shape the warm-up missed) makes the batch not steady, without the node being told."""
+    from boundgen.compile.events import BEAM_GRAPH, COMPILES
+
+    compiling = {"now": False}
+
+    def cost(tokens: int) -> int:
+        if compiling["now"]:
+            COMPILES.record(BEAM_GRAPH, "test")
+            return 100 * (FIXED_NS + PER_TOKEN_NS * tokens)
+        return FIXED_NS + PER_TOKEN_NS * tokens
+
+    compiling["now"] = True
+    sim = Sim([(i * 1_000_000_000, 100) for i in range(3)], cost=cost)
+    sim.node.cost = warmed(CostModel())
+    sim.run()
+    assert sim.node.cost.skipped["not_steady"] == 3
+    assert sim.node.cost.predict_ms(100) == pytest.approx(2.0)
+
+
 def test_a_slow_outlier_is_left_out_once_warm():
     cost = warmed(CostModel())
     assert not cost.observe(200, 50 * (FIXED_NS + PER_TOKEN_NS * 200))  # a GC pause, a compile

@@ -27,8 +27,8 @@ time feed a `CostModel`, which predicts the run time of a batch of a given size,
 it into the time a queue of requests needs as the merged forwards it will become (what admission
 control and deadlines compare against). The model learns from steady-state runs only: not a
 node's first batch, not the first batch of each shape it can see (`shapes`), not a batch that
-`fn` marked with `mark_not_steady()` (e.g. because it compiled), not a run far slower than the
-recent ones predict.
+`fn` marked with `mark_not_steady()`, not one during which anything in the process compiled or
+captured a graph (`compile.events`), not a run far slower than the recent ones predict.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from boundgen.compile.events import COMPILES
 from boundgen.runtime.executor import DeadlineExceeded
 from boundgen.runtime.node import Node, NodeKind, PipelineError
 
@@ -564,6 +565,7 @@ class BatchingNode(Node):
         executor = live[0].req.executor
         event = None
         _marks.unsteady = False
+        compiles = COMPILES.total()  # a compile anywhere in the process meanwhile: not steady
         self._running = (tokens, len(live), len(shapes), start)
         try:
             if executor.cuda and self.kind is NodeKind.DEVICE:
@@ -586,6 +588,7 @@ class BatchingNode(Node):
         ran = self._clock() - start
         # a request dropped while it ran had not all its work run: not the batch's cost
         steady = not _marks.unsteady and not any(it.req.failed for it in live)
+        steady = steady and COMPILES.total() == compiles
         steady = self.cost.observe(tokens, ran, len(shapes), frozenset(shapes), steady)
         with self._cv:
             self._count(len(live), tokens)
