@@ -186,25 +186,30 @@ def _warm_isa_checks(cache_root):
     return thread
 
 
-def _load_eager(args):
-    """The plain model (this command builds artifacts; it must not load them through
-    `backend=auto`)."""
+def _eager_config(args):
+    """The engine options of this command, backend eager: it builds artifacts, it must not load
+    them through `backend=auto`."""
     import dataclasses
 
-    from boundgen import Engine
     from boundgen.config import EngineConfig
     from boundgen.settings import from_args
 
-    config = dataclasses.replace(from_args(EngineConfig, args), backend="eager")
-    return Engine.from_pretrained(args.model, config=config)
+    return dataclasses.replace(from_args(EngineConfig, args), backend="eager")
 
 
-def _fp8_policy(engine) -> str:
+def _load_eager(model_dir, cfg):
+    """The plain model, as `cfg` says (the FP8 gate runs here for an FP8 policy)."""
+    from boundgen import Engine
+
+    return Engine.from_pretrained(model_dir, config=cfg)
+
+
+def _fp8_policy(cfg) -> str:
     """The FP8 policy the model runs, by its canonical name: the same label `Engine` looks its
     artifacts up with (`--fp8`, as for `boundgen serve`)."""
     from boundgen.quant.policy import parse_policy
 
-    return parse_policy(engine.engine_config.fp8).name
+    return parse_policy(cfg.fp8).name
 
 
 def _plan(args):
@@ -227,13 +232,12 @@ def _plan(args):
     return plan.buckets
 
 
-def _check(args, buckets, cache) -> int:
+def _check(model_dir, cfg, quant: str, buckets, cache) -> int:
     """--check: hit / missing / stale / corrupt per bucket (exit 1 unless all hit)."""
     from boundgen.compile.backends import aoti_slots
     from boundgen.compile.cache import ArtifactError, platform_info
 
-    engine = _load_eager(args)
-    quant = _fp8_policy(engine)
+    engine = _load_eager(model_dir, cfg)
     plat = platform_info(engine.device)
     rows = []
     for b, slot in zip(buckets, aoti_slots(engine.model, engine.device, buckets, quant)):
@@ -249,7 +253,7 @@ def _check(args, buckets, cache) -> int:
     return 0 if all(r["event"] == "hit" for r in rows) else 1
 
 
-def _start_workers(args, cfg, buckets, cache, jobs: int):
+def _start_workers(args, cfg, quant: str, buckets, cache, jobs: int):
     """The parallel build, started before this process loads its own model (the workers' start
     overlaps it). Workers verify their bucket themselves when they can start with the libstdc++
     preload that makes loading safe (`compile.preload.child_preload`)."""
@@ -258,7 +262,6 @@ def _start_workers(args, cfg, buckets, cache, jobs: int):
     from boundgen.compile.parallel import ParallelBuild
     from boundgen.compile.preload import child_preload
     from boundgen.models.loading import resolve_device
-    from boundgen.quant.policy import parse_policy
 
     safe, preload = child_preload(cache.root)
     return ParallelBuild(
@@ -268,7 +271,7 @@ def _start_workers(args, cfg, buckets, cache, jobs: int):
         cfg.attention,
         buckets,
         cache.root,
-        parse_policy(cfg.fp8).name,
+        quant,
         True,
         jobs,
         fp8_emulate=cfg.fp8_emulate,
@@ -278,7 +281,6 @@ def _start_workers(args, cfg, buckets, cache, jobs: int):
 
 
 def run(args) -> int:
-    import dataclasses
     from pathlib import Path
 
     from tqdm import tqdm
@@ -286,8 +288,6 @@ def run(args) -> int:
     from boundgen.compile.backends import aoti_slots, build_aoti
     from boundgen.compile.buckets import parse_buckets
     from boundgen.compile.cache import ArtifactCache
-    from boundgen.config import EngineConfig
-    from boundgen.settings import from_args
 
     planned = _plan(args) if args.profile or args.from_traffic else None
     if args.plan_only:
@@ -298,28 +298,28 @@ def run(args) -> int:
         raise ValueError("--model is required to compile")
     t0 = time.perf_counter()
     cache = ArtifactCache(args.cache_dir)
-    cfg = dataclasses.replace(from_args(EngineConfig, args), backend="eager")
+    cfg = _eager_config(args)
+    quant = _fp8_policy(cfg)
     buckets = planned or parse_buckets(args.buckets, cfg.max_batch_tokens)
     if args.check:
-        return _check(args, buckets, cache)
+        return _check(args.model, cfg, quant, buckets, cache)
     isa = _warm_isa_checks(cache.root)
     engine = None
     if args.force:  # the slots to remove come from the model
-        engine = _load_eager(args)
-        for slot in aoti_slots(engine.model, engine.device, buckets, _fp8_policy(engine)):
+        engine = _load_eager(args.model, cfg)
+        for slot in aoti_slots(engine.model, engine.device, buckets, quant):
             cache.remove(slot)
     jobs = _jobs(args.jobs, len(buckets))
-    workers = (
-        _start_workers(args, cfg, buckets, cache, jobs) if jobs > 1 and len(buckets) > 1 else None
-    )
+    workers = None
+    if jobs > 1 and len(buckets) > 1:
+        workers = _start_workers(args, cfg, quant, buckets, cache, jobs)
     try:
         # the parent's own model: the FP8 gate for the policy, and the fallback verification
-        engine = engine or _load_eager(args)
+        engine = engine or _load_eager(args.model, cfg)
     except BaseException:
         if workers is not None:
             workers.cancel()
         raise
-    quant = _fp8_policy(engine)
     bar = tqdm(total=len(buckets), desc="compile", unit="bucket", file=sys.stderr)
     load_check = _LoadCheck(cache.root)
 
