@@ -24,6 +24,7 @@ back).
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -80,6 +81,16 @@ def libstdcxx_candidates() -> list[str]:
             seen.add(real)
             out_.append(p)
     return out_
+
+
+@functools.cache
+def _system_libstdcxx() -> frozenset[str]:
+    """The real paths of `libstdcxx_candidates()` (one `ldconfig -p` per process)."""
+    return frozenset(os.path.realpath(p) for p in libstdcxx_candidates())
+
+
+def _is_system(lib: str) -> bool:
+    return os.path.realpath(lib) in _system_libstdcxx()
 
 
 def loaded_libstdcxx() -> str | None:
@@ -157,11 +168,8 @@ def _torch_install() -> tuple[str, str]:
 def _without_system_preload(env: dict) -> dict:
     """`env` with the system libstdc++ taken out of `LD_PRELOAD` (the fix under test), the rest
     kept."""
-    system = {os.path.realpath(p) for p in libstdcxx_candidates()}
     kept = [
-        p
-        for p in env.get("LD_PRELOAD", "").replace(":", " ").split()
-        if p and os.path.realpath(p) not in system
+        p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p and not _is_system(p)
     ]
     out = dict(env)
     if kept:
@@ -207,12 +215,7 @@ def diagnose(
     # the Python build's), which it maps first too: it then crashes exactly when we would.
     t0 = time.perf_counter()
     mapped = loaded_libstdcxx()
-    system = {os.path.realpath(p) for p in libstdcxx_candidates()}
-    mimic = (
-        mapped
-        if mapped and os.path.realpath(mapped) not in system and not _preloaded(mapped)
-        else None
-    )
+    mimic = mapped if mapped and not _is_system(mapped) and not _preloaded(mapped) else None
     ok, detail = probe(package, preload=mimic, command=command)
     if ok:
         result = {"status": "ok", "detail": detail}
@@ -246,8 +249,7 @@ def child_preload(cache_root: Path | None) -> tuple[bool, str | None]:
             return True, result["preload"]
         return False, None
     mapped = loaded_libstdcxx()
-    system = {os.path.realpath(p) for p in libstdcxx_candidates()}
-    if mapped and os.path.realpath(mapped) in system:
+    if mapped and _is_system(mapped):
         return True, mapped
     return False, None
 
