@@ -141,13 +141,12 @@ def _own_slots_attention(q, k, v, step) -> tuple[torch.Tensor, torch.Tensor]:
     return out.reshape(n, hq, d).to(q.dtype), lse.reshape(n, hq)
 
 
-def _rows_dynamic(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _rows_dynamic(*tensors: torch.Tensor) -> None:
     """Mark dim 0 (tokens, rows, segments) dynamic for the compiled layers: one compiled graph
     serves every bucket (padded prompt tokens T, rows B·W), so a new bucket costs a CUDA-graph
     capture, not a compile. `maybe_`: a dim of size 1 may stay specialised."""
     for t in tensors:
         torch._dynamo.maybe_mark_dynamic(t, 0)
-    return tensors
 
 
 class ModelSteps:
@@ -247,7 +246,8 @@ class SearchGraphs:
     where needed, capturing the graph): what a warm-up does. Once sealed (a server after its
     warm-up) nothing is made on the request path: a search runs in the smallest bucket made for
     its (width, steps, trie) that takes it, is cut into several searches when no one bucket takes
-    all its prompts, or else falls to the plain path (`misses`, and a WARNING once per shape)."""
+    all its prompts, or else falls to the plain path (`misses`, and a WARNING once per width,
+    steps and trie)."""
 
     def __init__(
         self,
@@ -271,7 +271,7 @@ class SearchGraphs:
         self.sealed = False
         self.searches = 0  # searches run in a bucket (a cut search counts each piece)
         self.misses = 0  # searches no bucket took (plain path)
-        self._missed: set[tuple] = set()
+        self._missed: set[tuple] = set()  # (width, steps, trie) already warned about
         self._lock = threading.Lock()
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -349,7 +349,9 @@ class SearchGraphs:
 
     def _miss(self, b: int, longest: int, width: int, steps: int, trie: Any) -> None:
         self.misses += 1
-        shape = (b, longest, width, steps, id(trie) if trie is not None else None)
+        # once per (width, steps, trie): keyed by prompt counts and lengths too, the set would
+        # grow with the traffic
+        shape = (width, steps, id(trie) if trie is not None else None)
         if shape not in self._missed:
             self._missed.add(shape)
             log.warning(
