@@ -214,6 +214,11 @@ def test_a_batch_marked_not_steady_from_inside_fn_teaches_nothing():
     steady = sim.node.cost.batches
     assert steady == 7  # all but the first
     marked["every"] = True
+    assert_slow_batches_teach_nothing(cost)
+
+
+def assert_slow_batches_teach_nothing(cost) -> None:
+    """Three batches 100x slower than the warmed model, each one not steady: none is learned."""
     sim = Sim([(i * 1_000_000_000, 100) for i in range(3)], cost=cost)
     sim.node.cost = warmed(CostModel())
     sim.run()
@@ -226,20 +231,11 @@ def test_a_batch_during_which_the_process_compiled_teaches_nothing():
     beam shape the warm-up missed) makes the batch not steady, without the node being told."""
     from boundgen.compile.events import BEAM_GRAPH, COMPILES
 
-    compiling = {"now": False}
-
     def cost(tokens: int) -> int:
-        if compiling["now"]:
-            COMPILES.record(BEAM_GRAPH, "test")
-            return 100 * (FIXED_NS + PER_TOKEN_NS * tokens)
-        return FIXED_NS + PER_TOKEN_NS * tokens
+        COMPILES.record(BEAM_GRAPH, "test")
+        return 100 * (FIXED_NS + PER_TOKEN_NS * tokens)
 
-    compiling["now"] = True
-    sim = Sim([(i * 1_000_000_000, 100) for i in range(3)], cost=cost)
-    sim.node.cost = warmed(CostModel())
-    sim.run()
-    assert sim.node.cost.skipped["not_steady"] == 3
-    assert sim.node.cost.predict_ms(100) == pytest.approx(2.0)
+    assert_slow_batches_teach_nothing(cost)
 
 
 def test_a_slow_outlier_is_left_out_once_warm():

@@ -502,22 +502,24 @@ def test_an_interrupted_compile_keeps_what_it_finished(tiny_model, tmp_path, mon
     assert " hit " in capsys.readouterr().out
 
 
+def _cpu_search_buckets(engine, buckets: list[str]):
+    """Whole-search buckets over the engine's model on the CPU (the graph layout, no graphs)."""
+    from boundgen.compile.decode import SearchGraphs
+
+    model = engine.model
+    return SearchGraphs(
+        model, torch.device("cpu"), model.backend, parse_buckets(buckets), use_graphs=False
+    )
+
+
 def test_search_buckets_equal_the_plain_search(engine_for):
     """The whole-search buckets (the CUDA-graph layout, here run without graphs) give the plain
     search's results, across requests that reuse a bucket's buffers, with and without a trie, with
     padded prompt counts."""
-    from boundgen.compile.decode import SearchGraphs
     from boundgen.workloads.trie import Trie
 
     engine = engine_for("qwen2")
-    model = engine.model
-    sg = SearchGraphs(
-        model,
-        torch.device("cpu"),
-        model.backend,
-        parse_buckets(["t32-s8", "t64-s8"]),
-        use_graphs=False,
-    )
+    sg = _cpu_search_buckets(engine, ["t32-s8", "t64-s8"])
     trie = Trie.from_sequences([[5, 6, 7], [5, 6, 8], [5, 9, 10], [11, 12, 13]])
     g = torch.Generator().manual_seed(9)
     for lens in [(7, 12), (9, 5), (7, 12), (3,), (4, 4, 4)]:
@@ -537,17 +539,8 @@ def test_sealed_search_graphs_make_nothing_new(engine_for):
     """After `seal()` (a server after its warm-up) no bucket is made: a search runs in the
     smallest made bucket that takes it, is cut across made buckets when none takes all its
     prompts, or falls to the plain path (counted) — and records no compile."""
-    from boundgen.compile.decode import SearchGraphs
-
     engine = engine_for("qwen2")
-    model = engine.model
-    sg = SearchGraphs(
-        model,
-        torch.device("cpu"),
-        model.backend,
-        parse_buckets(["t32-s8", "t64-s8", "t128-s8"]),
-        use_graphs=False,
-    )
+    sg = _cpu_search_buckets(engine, ["t32-s8", "t64-s8", "t128-s8"])
     g = torch.Generator().manual_seed(4)
     with torch.inference_mode():
         for b in (1, 2):  # the warm-up: one prompt, two prompts of up to 12 tokens

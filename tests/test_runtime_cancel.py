@@ -78,6 +78,11 @@ def _alive_pipeline(seen: list, max_wait_ms: float) -> tuple[Pipeline, BatchingN
         seen.append([f() for f in alive])
         return xs
 
+    return _merging_pipeline(fn, max_wait_ms=max_wait_ms)
+
+
+def _merging_pipeline(fn, **kwargs) -> tuple[Pipeline, BatchingNode]:
+    """One batching node `x → y` that runs `fn` over the merged list of xs."""
     batch = BatchingNode(
         "b",
         fn,
@@ -85,7 +90,7 @@ def _alive_pipeline(seen: list, max_wait_ms: float) -> tuple[Pipeline, BatchingN
         ["y"],
         merge=lambda items: ([it["x"] for it in items], len(items)),
         split=lambda out, n: out,
-        max_wait_ms=max_wait_ms,
+        **kwargs,
     )
     return Pipeline("p", ["x"], [batch], ["y"]), batch
 
@@ -126,15 +131,7 @@ def test_a_slow_first_batch_refuses_no_later_request():
         runs.append(len(xs))
         return xs
 
-    batch = BatchingNode(
-        "b",
-        fn,
-        ["x"],
-        ["y"],
-        merge=lambda items: ([it["x"] for it in items], len(items)),
-        split=lambda out, n: out,
-    )
-    pipe = Pipeline("p", ["x"], [batch], ["y"])
+    pipe, batch = _merging_pipeline(fn)
     with Executor(cpu_workers=2) as ex:
         assert ex.run(pipe, {"x": 0}) == {"y": 0}
         for i in range(1, 4):
