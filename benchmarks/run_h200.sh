@@ -6,7 +6,7 @@
 #   bash benchmarks/run_h200.sh backends                        # eager/compile/aoti/+graphs, W1-W4 (≈ 9.5 min)
 #   bash benchmarks/run_h200.sh fp8-kernels fp8-model           # selective FP8 + fidelity gate (≈ 8 min)
 #   bash benchmarks/run_h200.sh fp8-demo-gate fp8-sensitivity   # the gate on the demo model, real FP8
-#   bash benchmarks/run_h200.sh fp8-selective                   # aoti+graphs W1/W2 + kernels: bf16, selective
+#   bash benchmarks/run_h200.sh fp8-selective fp8-check         # aoti+graphs W1/W2 + kernels; the gate (issue 26)
 #   bash benchmarks/run_h200.sh serving                         # W5 HTTP vs HF server (carry .whl; ≈ 6 min)
 #   bash benchmarks/run_h200.sh ray                             # Ray Serve 1 replica vs plain (carry .whl .whl-ray)
 #   bash benchmarks/run_h200.sh bg:gpu-tests w5-compile wait tail startup   # issue 17 (carry .whl .tools)
@@ -48,6 +48,8 @@ run_phase() {
     fp8-model) phase fp8-model 330 python3 benchmarks/bench_fp8.py --sections env,model,gate --out "$OUT/fp8_model.json" ;;
     fp8-selective) phase fp8-selective 560 python3 benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs --policies none selective --profile --out "$OUT/fp8_selective.json" ;;
     fp8-demo-gate) phase fp8-demo-gate 240 python3 -m boundgen.cli quant-check --model src/boundgen/demo/assets --fp8 all --scale small --controls --no-record --json "$OUT/fp8_demo_gate.json" ;;
+    # issue 26's proof on the GPU: the recommended policy, real FP8, controls judged too (exit 0 = pass)
+    fp8-check) phase fp8-check 300 python3 -m boundgen.cli quant-check --model src/boundgen/demo/assets --fp8 selective --controls --no-record --json "$OUT/fp8_check.json" ;;
     fp8-sensitivity) phase fp8-sensitivity 300 python3 benchmarks/fp8_sensitivity.py --device cuda --scale small --out "$OUT/fp8_sensitivity.json" ;;
     serving) phase serving 540 python3 benchmarks/bench_serving.py --device cuda --qps-steps 50 100 200 400 800 1600 --duration 15 --out-dir "$OUT" ;;
     runtime) phase runtime 200 python3 benchmarks/bench_runtime.py --preset qwen2.5-0.5b --device cuda --dtype bfloat16 --out "$OUT/runtime.json" ;;

@@ -18,7 +18,7 @@ import torch
 from boundgen.compile.backends import CompileOptions
 from boundgen.config import EngineConfig, ModelConfig
 from boundgen.models.decoder import DecoderModel
-from boundgen.models.loading import load_model
+from boundgen.models.loading import load_model, open_device
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.tokenizer import Tokenizer
 from boundgen.workloads.base import BeamBounds, WorkloadContext
@@ -104,9 +104,11 @@ class Engine:
         # a misspelt policy fails before any weight is read; the canonical name keys the compiled
         # artifacts, so "MLP" and "gate_up_proj+down_proj" share them
         fp8 = parse_policy(config.fp8).name
+        log.info("loading %s on %s", path, config.device)  # start-up stamps: imports end here
         t0 = time.perf_counter()
+        t_context = open_device(config.device)
         model = load_model(path, config.device, config.dtype, config.attention)
-        t_weights = time.perf_counter() - t0
+        t_weights = time.perf_counter() - t0 - t_context
         if fp8 != "none":
             enable_fp8(model, path, fp8, force=config.fp8_force, emulate=config.fp8_emulate)
         dev = next(model.parameters()).device
@@ -122,14 +124,16 @@ class Engine:
         )
         tokenizer = Tokenizer.from_dir(path)
         log.info(
-            "loaded %s (%s) on %s in %s with %s attention (weights %.1f s, backend %.1f s)",
+            "loaded %s (%s) on %s in %s with %s attention "
+            "(device context %.1f s, weights %.1f s, backend %.1f s)",
             path.name,
             model.config.architecture,
             dev,
             next(model.parameters()).dtype,
             model.backend.name,
+            t_context,
             t_weights,
-            time.perf_counter() - t0 - t_weights,
+            time.perf_counter() - t0 - t_context - t_weights,
         )
         return cls(runner, tokenizer, config, path)
 

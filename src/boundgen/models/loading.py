@@ -3,6 +3,7 @@ backend: what `Engine.from_pretrained` and the parallel compile workers share.""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +24,18 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but CUDA is not available on this machine")
     return dev
+
+
+def open_device(device: str | torch.device) -> float:
+    """Create the device's context now; the seconds it took. On CUDA the first allocation pays the
+    driver's and the context's set-up (seconds on some machines), which start-up reports apart
+    from reading the weights."""
+    dev = resolve_device(device)
+    t0 = time.perf_counter()
+    if dev.type == "cuda":
+        torch.empty(1, device=dev)
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0
 
 
 def resolve_dtype(
