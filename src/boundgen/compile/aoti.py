@@ -21,6 +21,7 @@ import copy
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,9 +123,46 @@ BUILD_PHASES = {
 }
 
 
-def _phases_since(before: dict[str, float]) -> dict[str, float]:
+def _cpp_build_kind(builder) -> str:
+    """What one of Inductor's C++ builder runs is for (the `C++ build` phase split by part)."""
+    if getattr(builder, "_preprocessing", False):
+        return "C++ header preprocess"
+    if getattr(builder, "_precompiling", False):
+        return "C++ header precompile"
+    if getattr(builder, "_do_link", False):
+        return "C++ link"
+    return "C++ compile " + ("kernels" if "kernel" in str(builder._name) else "wrapper")
+
+
+@contextmanager
+def _timed_cpp_builds(into: dict[str, float]):
+    """Adds the seconds of each C++ builder run to `into`, by `_cpp_build_kind`; a torch without
+    that builder is measured as a whole only."""
+    try:
+        from torch._inductor.cpp_builder import CppBuilder
+    except ImportError:  # pragma: no cover - layout of another torch
+        yield
+        return
+    original = CppBuilder.build
+
+    def build(self):
+        t0 = time.perf_counter()
+        try:
+            return original(self)
+        finally:
+            kind = _cpp_build_kind(self)
+            into[kind] = into.get(kind, 0.0) + time.perf_counter() - t0
+
+    CppBuilder.build = build
+    try:
+        yield
+    finally:
+        CppBuilder.build = original
+
+
+def _phases_since(before: dict[str, float], cpp: dict[str, float]) -> dict[str, float]:
     after = _phase_seconds()
-    out: dict[str, float] = {}
+    out: dict[str, float] = {k: round(v, 2) for k, v in cpp.items() if v >= 0.05}
     for name, what in BUILD_PHASES.items():
         spent = after.get(name, 0.0) - before.get(name, 0.0)
         if spent >= 0.05:
@@ -146,12 +184,13 @@ def build_package(
     t1 = time.perf_counter()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    before = _phase_seconds()
-    torch._inductor.aoti_compile_and_package(
-        ep, package_path=str(path), inductor_configs=dict(INDUCTOR_CONFIGS)
-    )
+    before, cpp = _phase_seconds(), {}
+    with _timed_cpp_builds(cpp):
+        torch._inductor.aoti_compile_and_package(
+            ep, package_path=str(path), inductor_configs=dict(INDUCTOR_CONFIGS)
+        )
     t2 = time.perf_counter()
-    return BuildInfo(bucket.name, t1 - t0, t2 - t1, path.stat().st_size, _phases_since(before))
+    return BuildInfo(bucket.name, t1 - t0, t2 - t1, path.stat().st_size, _phases_since(before, cpp))
 
 
 def open_package(path: str | Path, single_threaded: bool = False, device_index: int = -1):

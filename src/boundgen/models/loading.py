@@ -71,7 +71,8 @@ def load_model(
     backend = get_backend(attention, dev, torch_dtype)
     with torch.device("meta"):
         model = DecoderModel(config, backend)
-    model = model.to_empty(device=dev).to(torch_dtype)
+    # the dtype is set while the model is still on meta: no float32 copy is allocated and converted
+    model = model.to(torch_dtype).to_empty(device=dev)
     model.rotary.reset()
     load_weights(model, path)
     return model.eval().requires_grad_(False)
