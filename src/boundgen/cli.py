@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         from boundgen.compile.preload import cli_startup
 
         cli_startup()
+        if first[0] == "serve":
+            from boundgen import startup_profile
+
+            startup_profile.start_from_env()  # written when the server says ready
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "_missing", False):

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from boundgen import startup_profile
 from boundgen.compile.cache import default_cache_dir
 from boundgen.compile.events import COMPILES, watch_dynamo
 from boundgen.engine import Engine
@@ -99,6 +100,7 @@ class ServerState:
         """At start-up (the app's lifespan): not ready until the warm-up requests have run on a
         worker thread; the event loop serves meanwhile (liveness, metrics, 503 on readiness)."""
         if not self.warmup:
+            startup_profile.stop()
             return
         self.ready, self.unready = False, "warming up"
         threading.Thread(target=self.warm_up, name="boundgen-warmup", daemon=True).start()
@@ -136,6 +138,7 @@ class ServerState:
         )
         self.unready = ""
         self.ready = True
+        startup_profile.stop()
 
     def _rerank_labels(self) -> list[int] | None:
         ids = []
