@@ -106,3 +106,35 @@ def test_hooks_run_after_a_successful_warm_up_before_readiness(engine_for):
     with TestClient(app, base_url=LOCAL) as client:
         wait_for(lambda: "failed" in app.state.boundgen.unready)
         assert "warm-up failed: MemoryError: no room to freeze" in client.get("/health").text
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_collector_paused_during_start_up_resumes_at_ready_or_failure(engine_for, fails):
+    """`boundgen serve` pauses the cyclic collector until ready (the warm-up's tracing made it run
+    collection after collection); it resumes after the warm-up, and after a failed one too."""
+    import gc
+
+    from boundgen.server.heap import freeze_startup_heap, pause_until_ready
+
+    app = create_app(engine_for(), ServerConfig())
+    state = app.state.boundgen
+    if fails:
+
+        def broken():
+            raise MemoryError("no room")
+
+        state.after_warm_up.append(broken)
+    try:
+        pause_until_ready()
+        freeze_startup_heap(ready=False)
+        assert not gc.isenabled()
+        state.after_warm_up.append(freeze_startup_heap)
+        with TestClient(app, base_url=LOCAL) as client:
+            if fails:
+                wait_for(lambda: "failed" in state.unready)
+            else:
+                wait_for(lambda: client.get("/health").status_code == 200)
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()

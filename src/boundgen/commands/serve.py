@@ -61,13 +61,17 @@ def run(args: argparse.Namespace) -> int:
     from boundgen.server.app import create_app
     from boundgen.server.uvicorn import serve
 
+    if server.gc_freeze:
+        from boundgen.server.heap import freeze_startup_heap, pause_until_ready
+
+        pause_until_ready()
     engine_obj = Engine.from_pretrained(model, config=engine)
     app = create_app(engine_obj, server)
     if server.gc_freeze:
-        from boundgen.server.heap import freeze_startup_heap
-
-        freeze_startup_heap()
-        app.state.boundgen.after_warm_up.append(freeze_startup_heap)  # and what warm-up made
+        warming = bool(app.state.boundgen.warmup)
+        freeze_startup_heap(ready=not warming)
+        if warming:  # and what the warm-up made; the collector resumes then
+            app.state.boundgen.after_warm_up.append(freeze_startup_heap)
     print(
         f"boundgen serve: {engine_obj.model_name} ({model}) on {engine_obj.device} at "
         f"http://{server.host}:{server.port}",

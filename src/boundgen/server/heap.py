@@ -9,6 +9,11 @@ a p99 event. `gc.freeze()` after start-up moves those objects into a permanent g
 collections skip: once the app is built, and again after the warm-up (compiling the beam searches'
 graphs makes many more long-lived objects). Objects made by requests are still collected as usual.
 `boundgen_gc_pause_seconds` (per generation) shows whether pauses matter for a deployment.
+
+The collector is paused from the start of `boundgen serve` until the server is ready
+(`pause_until_ready`): the warm-up's `torch.compile` tracing allocates fast enough to run
+collection after collection over the start-up heap — about a second of a later start on the H200
+(`BOUNDGEN_STARTUP_PROFILE`, 2026-12-02). The freeze at readiness collects once instead.
 """
 
 from __future__ import annotations
@@ -26,15 +31,22 @@ log = logging.getLogger("boundgen.server")
 FULL_COLLECTION_EVERY = 100
 
 
-def freeze_startup_heap() -> dict:
+def pause_until_ready() -> None:
+    """No automatic collections until `freeze_startup_heap(ready=True)` (start-up only)."""
+    gc.disable()
+
+
+def freeze_startup_heap(ready: bool = True) -> dict:
     """Collect once, then freeze what is left (call after the engine and the app are built, and
     after the warm-up); from then on a full collection runs once per `FULL_COLLECTION_EVERY`
-    middle-generation ones."""
+    middle-generation ones. `ready`: the start-up is over, automatic collections resume."""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
+    if ready:
+        gc.enable()
     info = {"frozen_objects": gc.get_freeze_count(), "seconds": time.perf_counter() - t0}
     log.info(
         "gc: froze %d start-up objects (%.2f s); full collections now skip them",

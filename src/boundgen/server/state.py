@@ -3,6 +3,7 @@ one `Infer` object, limits, metrics and the KServe statistics."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -127,6 +128,10 @@ class ServerState:
         except Exception as exc:
             log.exception("warm-up failed; the server stays not ready")
             self.unready = f"warm-up failed: {type(exc).__name__}: {exc}"
+            for hook in self.after_warm_up:  # what start-up paused resumes all the same
+                with contextlib.suppress(Exception):
+                    hook()
+            startup_profile.stop()
             return
         slowest = max(done, key=lambda r: r["seconds"])
         log.info(
