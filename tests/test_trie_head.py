@@ -1,0 +1,219 @@
+"""A trie with `softmax="children"`: the LM head on each step's level tokens only (issue 24).
+
+The candidate-only search must give exactly the beams, scores and items of the same semantics
+computed from the full-vocabulary head (full logits → each beam's children → log-softmax over
+them), on the plain path and in the whole-search buckets; the default ("vocab") is untouched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from boundgen import Trie
+from boundgen.compile.decode import plain_session
+from boundgen.search import search
+
+PROMPTS = [[5, 17, 99, 3], [250, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+
+
+def semantic_items(g, n, codes, depth, lo=1000, disambiguate=0):
+    """Up to n unique items: `depth` levels of `codes` codes, each level its own token range from
+    `lo`, plus a disambiguation level of `disambiguate` codes (TIGER-style: items sharing their
+    semantic codes get different last codes)."""
+    flat = torch.randint(0, codes**depth, (n,), generator=g)
+    cols = [(flat // codes**k) % codes + lo + (depth - 1 - k) * codes for k in range(depth)][::-1]
+    items = torch.stack(cols, 1)
+    if disambiguate:
+        extra = torch.randint(0, disambiguate, (n, 1), generator=g) + lo + depth * codes
+        items = torch.cat([items, extra], 1)
+    return items.unique(dim=0).tolist()
+
+
+def tries(g) -> list[tuple[str, list[list[int]]]]:
+    out = [
+        ("semantic+disambiguation", semantic_items(g, 60, 5, 2, disambiguate=4)),
+        ("semantic-depth3", semantic_items(g, 40, 4, 3)),
+        ("narrow", [[1, 2, 3], [1, 2, 4], [9, 9, 9]]),  # width > every fan-out: dead beams
+        ("one-item", [[7, 8]]),
+    ]
+    rand = torch.randint(0, 300, (50, 3), generator=g)
+    rand[:20, 0] = 5  # one crowded root child next to sparse ones; tokens shared across levels
+    out.append(("random-shared-tokens", rand.unique(dim=0).tolist()))
+    wide = torch.stack([torch.arange(120) % 3 + 40, torch.arange(120) + 600], 1)  # fan-out 40
+    out.append(("wide", wide.tolist()))
+    return out
+
+
+def full_head(model):
+    """The full-vocabulary head, column-picked afterwards: the reference for `head(rows, cols)`."""
+
+    def head(rows, columns=None):
+        logits = model.head(rows)
+        return logits if columns is None else logits.index_select(1, columns)
+
+    return head
+
+
+def run_plain(engine, prompts, width, trie, head=None):
+    model = engine.model
+    session = plain_session(model, engine.device, prompts, width, trie.depth)
+    return search(session, head or model.head, width, trie.depth, trie)
+
+
+def check_valid(trie, tokens, scores):
+    for b in range(tokens.shape[0]):
+        live = [tokens[b, j].tolist() for j in range(tokens.shape[1]) if scores[b, j] > -math.inf]
+        assert len({tuple(x) for x in live}) == len(live)
+        assert all(trie.contains(x) for x in live)  # 0 invalid item ids
+        s = scores[b].tolist()
+        assert s == sorted(s, reverse=True) and all(x <= 1e-6 for x in s)
+
+
+def test_level_tokens_and_candidate_columns():
+    trie = Trie.from_sequences([[3, 10, 7], [3, 11, 7], [5, 10, 8], [5, 12, 9], [6, 10, 7]])
+    assert trie.level_sizes == (3, 3, 3)
+    assert trie.level_tokens(1).tolist() == [10, 11, 12]
+    node = torch.tensor([0, 1, 2, -1])  # depth-1 nodes 3, 5, 6 and a dead beam
+    tokens, child, valid, cols = trie.candidates(1, node, ws=trie.workspace(4))
+    t2, c2, v2 = trie.children(1, node)
+    assert torch.equal(tokens, t2) and torch.equal(child, c2) and torch.equal(valid, v2)
+    assert torch.equal(trie.level_tokens(1)[cols][valid], tokens[valid])
+    assert not valid[3].any() and (cols[~valid] == 0).all()
+    assert trie.softmax == "vocab" and trie.with_softmax("vocab") is trie
+    kids = trie.with_softmax("children")
+    assert kids.softmax == "children" and kids.to("cpu") is kids and trie.softmax == "vocab"
+    assert kids.depth == trie.depth and kids.num_items == trie.num_items
+    with pytest.raises(ValueError, match="softmax"):
+        Trie.from_sequences([[1]], softmax="allowed")
+
+
+@pytest.mark.parametrize("width", [1, 3, 8, 20])
+def test_candidate_head_equals_full_head(width, engine_for):
+    """The candidate-only head = the full head picked at each beam's children, then renormalised:
+    the same beams and items, the same scores; batch > 1; varied fan-outs and depths; dead beams
+    (width > fan-out); the disambiguation level."""
+    engine = engine_for("qwen2")
+    g = torch.Generator().manual_seed(width)
+    for name, items in tries(g):
+        trie = Trie.from_sequences(items, softmax="children")
+        with torch.inference_mode():
+            got = run_plain(engine, PROMPTS, width, trie)
+            want = run_plain(engine, PROMPTS, width, trie, full_head(engine.model))
+        assert torch.equal(got[0], want[0]), name
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[1] == -math.inf, want[1] == -math.inf)
+        check_valid(trie, *got)
+        alive = (got[1] > -math.inf).sum(1)
+        assert (alive == min(width, len(items))).all(), name  # every item, or `width` beams
+
+
+def test_children_semantics_brute_force(engine_for):
+    """Scores are log-probs normalised over each beam's trie children (teacher-forced check over
+    every item), and the default trie keeps the full-vocabulary scores."""
+    engine = engine_for("llama")
+    model = engine.model
+    g = torch.Generator().manual_seed(1)
+    items = semantic_items(g, 30, 4, 2, disambiguate=3)
+    trie = Trie.from_sequences(items)
+    prompt = PROMPTS[0]
+    depth = len(items[0])
+    with torch.inference_mode():
+        logits = {
+            tuple(it): model.head(model(*_plain_inputs(prompt + it)))[len(prompt) - 1 :]
+            for it in items
+        }
+    kids: dict[tuple, set] = {}
+    for it in items:
+        for d in range(depth):
+            kids.setdefault(tuple(it[:d]), set()).add(it[d])
+
+    def step_logp(prefix, token, norm):
+        row = logits[next(tuple(it) for it in items if tuple(it[: len(prefix)]) == prefix)]
+        z = row[len(prefix)]
+        if norm == "vocab":
+            return torch.log_softmax(z, -1)[token].item()
+        allowed = sorted(kids[prefix])
+        return torch.log_softmax(z[allowed], -1)[allowed.index(token)].item()
+
+    for norm in ("vocab", "children"):
+        beams = [((), 0.0)]
+        for _ in range(depth):
+            cands = [(p + (t,), s + step_logp(p, t, norm)) for p, s in beams for t in kids[p]]
+            beams = sorted(cands, key=lambda x: -x[1])[:6]
+        with torch.inference_mode():
+            tokens, scores = run_plain(engine, [prompt], 6, trie.with_softmax(norm))
+        assert [tuple(x) for x in tokens[0].tolist()] == [p for p, _ in beams], norm
+        want = torch.tensor([s for _, s in beams])
+        torch.testing.assert_close(scores[0], want, atol=1e-4, rtol=0)
+
+
+def _plain_inputs(ids):
+    from boundgen.text.packing import SequenceGroup, pack
+
+    batch = pack([SequenceGroup([], [ids])], share_prefix=False)
+    return batch.input_ids, batch.positions, batch.attn
+
+
+def test_search_buckets_with_candidate_head(engine_for):
+    """The whole-search bucket layout (the CUDA-graph path, here without graphs) with the
+    candidate head = the plain search with the full head, across reused buckets; and the runner
+    takes a children trie as is."""
+    from boundgen.compile.buckets import parse_buckets
+    from boundgen.compile.decode import SearchGraphs
+
+    engine = engine_for("qwen2")
+    model = engine.model
+    sg = SearchGraphs(
+        model, torch.device("cpu"), model.backend, parse_buckets(["t32-s8"]), use_graphs=False
+    )
+    g = torch.Generator().manual_seed(5)
+    trie = Trie.from_sequences(semantic_items(g, 50, 5, 2, disambiguate=4), softmax="children")
+    for prompts in (PROMPTS, PROMPTS[:1], PROMPTS[1:], PROMPTS):
+        for width in (4, 9):
+            with torch.inference_mode():
+                got = sg.run(prompts, width, trie.depth, trie, (1,))
+                want = run_plain(engine, prompts, width, trie, full_head(model))
+                runner = engine.runner.beam_search(prompts, width, trie.depth, trie, (1,))
+            assert got is not None and torch.equal(got[0], want[0])
+            torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+            assert torch.equal(runner[0], want[0])
+            check_valid(trie, *got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_layers", [False, True])
+def test_candidate_head_on_cuda(tiny_model, compile_layers):
+    """On CUDA, in the whole-search CUDA graph: the candidate head equals the full head path
+    (float32 weights: no bf16 near-ties), 0 invalid items; bf16 gives valid items."""
+    from boundgen import Engine
+    from boundgen.compile.aoti import export_attention
+    from boundgen.compile.buckets import parse_buckets
+    from boundgen.compile.decode import SearchGraphs
+
+    g = torch.Generator().manual_seed(2)
+    items = semantic_items(g, 2000, 16, 3, disambiguate=8)
+    for dtype in ("float32", "bfloat16"):
+        engine = Engine.from_pretrained(
+            tiny_model("qwen2"), device="cuda", dtype=dtype, attention="varlen", backend="eager"
+        )
+        model, dev = engine.model, engine.device
+        backend = export_attention(model, dev) if compile_layers else model.backend
+        sg = SearchGraphs(
+            model, dev, backend, parse_buckets(["t32-s8"]), compile_layers=compile_layers
+        )
+        trie = Trie.from_sequences(items, softmax="children").to(dev)
+        for prompts in (PROMPTS, PROMPTS[:1], PROMPTS):
+            with torch.inference_mode():
+                got = sg.run(prompts, 16, trie.depth, trie)
+                want = run_plain(engine, prompts, 16, trie, full_head(model))
+            assert got is not None
+            check_valid(trie, got[0].cpu(), got[1].cpu())
+            if dtype == "float32" and not compile_layers:
+                assert torch.equal(got[0], want[0])
+                torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+            else:
+                assert torch.equal(got[0][:, 0], want[0][:, 0])
+        assert all(s.graph is not None for s in sg.slots.values())
