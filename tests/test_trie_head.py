@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+import boundgen.search
 from boundgen import Trie
 from boundgen.compile.decode import plain_session
 from boundgen.search import search
@@ -90,11 +91,15 @@ def test_level_tokens_and_candidate_columns():
         Trie.from_sequences([[1]], softmax="allowed")
 
 
-@pytest.mark.parametrize("width", [1, 3, 8, 20])
-def test_candidate_head_equals_full_head(width, engine_for):
+@pytest.mark.parametrize(
+    "width,level_head_max", [(1, None), (3, None), (8, None), (20, None), (8, 4)]
+)
+def test_candidate_head_equals_full_head(width, level_head_max, engine_for, monkeypatch):
     """The candidate-only head = the full head picked at each beam's children, then renormalised:
     the same beams and items, the same scores; batch > 1; varied fan-outs and depths; dead beams
-    (width > fan-out); the disambiguation level."""
+    (width > fan-out); the disambiguation level; levels too wide for the level head (full head)."""
+    if level_head_max is not None:
+        monkeypatch.setattr(boundgen.search, "LEVEL_HEAD_MAX", level_head_max)
     engine = engine_for("qwen2")
     g = torch.Generator().manual_seed(width)
     for name, items in tries(g):

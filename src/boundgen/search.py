@@ -30,6 +30,10 @@ NEG_INF = float("-inf")
 # beam's vocabulary cut into chunks of this size, then the top W of the survivors. One top-k over
 # 151,936 columns cost 109 µs a call on the H200 (issue 15); chunked rows run on many more blocks.
 TOPK_CHUNK = 4096
+# With a `softmax="children"` trie a step's LM head runs on its level's distinct tokens (their head
+# rows gathered, then one GEMM) up to this many; a level with more runs the full head (the gathered
+# copy of the rows would cost more than the full GEMM's weight read it saves, past about V/3).
+LEVEL_HEAD_MAX = 16384
 
 
 class Expander:
@@ -57,9 +61,13 @@ class Expander:
         tokens, child, valid, cols = self.trie.candidates(
             depth, node, ws=self._workspace(node.shape[0])
         )
-        z = head(rows, self.trie.level_tokens(depth)).gather(1, cols).masked_fill_(~valid, NEG_INF)
-        # a dead beam (no valid child) has lse −inf: its NaNs are masked back to −inf
-        lp = (z - torch.logsumexp(z, 1, keepdim=True)).masked_fill_(~valid, NEG_INF)
+        if self.trie.level_sizes[depth] <= LEVEL_HEAD_MAX:
+            z = head(rows, self.trie.level_tokens(depth)).gather(1, cols)
+        else:
+            z = head(rows).gather(1, tokens)
+        z.masked_fill_(~valid, NEG_INF)
+        # one kernel (a logsumexp is seven); a dead beam's row (no valid child) is NaN: masked
+        lp = torch.log_softmax(z, 1).masked_fill_(~valid, NEG_INF)
         b = scores.shape[0]
         cand = (scores.view(-1, 1) + lp).view(b, -1)
         return cand, tokens.reshape(b, -1), child.reshape(b, -1), tokens.shape[1]
