@@ -11,6 +11,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import boundgen.search
 from boundgen import Trie
@@ -188,11 +190,54 @@ def test_search_buckets_with_candidate_head(engine_for):
             check_valid(trie, *got)
 
 
+def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    same = sum(
+        len(set(map(tuple, a[i].tolist())) & set(map(tuple, b[i].tolist())))
+        for i in range(a.shape[0])
+    )
+    return same / (a.shape[0] * a.shape[1])
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    items=st.lists(
+        st.lists(st.integers(0, 40), min_size=2, max_size=2),
+        min_size=1,
+        max_size=40,
+        unique_by=tuple,
+    ),
+    width=st.integers(1, 10),
+    batch=st.integers(1, 3),
+)
+def test_candidate_head_equals_full_head_on_random_tries(items, width, batch, engine_for):
+    engine = engine_for("qwen3")
+    trie = Trie.from_sequences(items, softmax="children")
+    with torch.inference_mode():
+        got = run_plain(engine, PROMPTS[:batch], width, trie)
+        want = run_plain(engine, PROMPTS[:batch], width, trie, full_head(engine.model))
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    check_valid(trie, *got)
+
+
+def test_engine_takes_a_children_trie(engine_for):
+    engine = engine_for("qwen2")
+    trie = Trie.from_sequences([[1, 2, 3], [1, 2, 4], [9, 9, 9]], item_ids=["a", "b", "c"])
+    results = engine.beam_search(PROMPTS[0], 4, 3, trie=trie.with_softmax("children"))
+    assert sorted(trie.item_ids(t) for t, _ in results) == ["a", "b", "c"]
+    assert math.isclose(sum(math.exp(s) for _, s in results), 1.0, rel_tol=1e-5)  # all items
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile_layers", [False, True])
-def test_candidate_head_on_cuda(tiny_model, compile_layers):
-    """On CUDA, in the whole-search CUDA graph: the candidate head equals the full head path
-    (float32 weights: no bf16 near-ties), 0 invalid items; bf16 gives valid items."""
+@pytest.mark.parametrize(
+    "dtype,compile_layers", [("float32", False), ("bfloat16", False), ("bfloat16", True)]
+)
+def test_candidate_head_on_cuda(tiny_model, dtype, compile_layers):
+    """On CUDA, in the whole-search CUDA graph: the candidate head equals the full-head path
+    exactly in float32, 0 invalid items; in bf16 (GEMMs of other shapes round differently, random
+    weights give near-ties) the same items mostly."""
     from boundgen import Engine
     from boundgen.compile.aoti import export_attention
     from boundgen.compile.buckets import parse_buckets
@@ -200,25 +245,23 @@ def test_candidate_head_on_cuda(tiny_model, compile_layers):
 
     g = torch.Generator().manual_seed(2)
     items = semantic_items(g, 2000, 16, 3, disambiguate=8)
-    for dtype in ("float32", "bfloat16"):
-        engine = Engine.from_pretrained(
-            tiny_model("qwen2"), device="cuda", dtype=dtype, attention="varlen", backend="eager"
-        )
-        model, dev = engine.model, engine.device
-        backend = export_attention(model, dev) if compile_layers else model.backend
-        sg = SearchGraphs(
-            model, dev, backend, parse_buckets(["t32-s8"]), compile_layers=compile_layers
-        )
-        trie = Trie.from_sequences(items, softmax="children").to(dev)
-        for prompts in (PROMPTS, PROMPTS[:1], PROMPTS):
-            with torch.inference_mode():
-                got = sg.run(prompts, 16, trie.depth, trie)
-                want = run_plain(engine, prompts, 16, trie, full_head(model))
-            assert got is not None
-            check_valid(trie, got[0].cpu(), got[1].cpu())
-            if dtype == "float32" and not compile_layers:
-                assert torch.equal(got[0], want[0])
-                torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
-            else:
-                assert torch.equal(got[0][:, 0], want[0][:, 0])
-        assert all(s.graph is not None for s in sg.slots.values())
+    attention = "reference" if dtype == "float32" else "varlen"
+    engine = Engine.from_pretrained(
+        tiny_model("qwen2"), device="cuda", dtype=dtype, attention=attention, backend="eager"
+    )
+    model, dev = engine.model, engine.device
+    backend = export_attention(model, dev) if compile_layers else model.backend
+    sg = SearchGraphs(model, dev, backend, parse_buckets(["t32-s8"]), compile_layers=compile_layers)
+    trie = Trie.from_sequences(items, softmax="children").to(dev)
+    for prompts in (PROMPTS, PROMPTS[:1], PROMPTS):
+        with torch.inference_mode():
+            got = sg.run(prompts, 16, trie.depth, trie)
+            want = run_plain(engine, prompts, 16, trie, full_head(model))
+        assert got is not None
+        check_valid(trie, got[0].cpu(), got[1].cpu())
+        if dtype == "float32":
+            assert torch.equal(got[0], want[0])
+            torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+        else:
+            assert overlap(got[0], want[0]) >= 0.75
+    assert all(s.graph is not None for s in sg.slots.values())
