@@ -93,6 +93,37 @@ def test_level_tokens_and_candidate_columns():
         Trie.from_sequences([[1]], softmax="allowed")
 
 
+def test_children_tables_equal_the_csr_path(monkeypatch, engine_for):
+    """A depth's padded children table (one gather a step) gives what the CSR kernels give: every
+    node and dead nodes, every depth; and the same searches. Too much padding: no table."""
+    import boundgen.workloads.trie as trie_mod
+
+    engine = engine_for("qwen2")
+    g = torch.Generator().manual_seed(3)
+    for _, items in tries(g):
+        dense = Trie.from_sequences(items)
+        monkeypatch.setattr(trie_mod, "_TABLE_SLACK", (0, 0))
+        csr = Trie.from_sequences(items)
+        monkeypatch.undo()
+        assert all(t is not None for t in dense._tables)
+        assert all(t is None for t in csr._tables)
+        for d in range(dense.depth):
+            node = torch.cat([torch.arange(dense.nodes_per_depth[d]), torch.tensor([-1, -1])])
+            node = node[torch.randperm(len(node), generator=g)]
+            a = dense.candidates(d, node, ws=dense.workspace(len(node)))
+            b = csr.candidates(d, node)
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+        with torch.inference_mode():
+            for t in (dense, dense.with_softmax("children")):
+                other = csr.with_softmax(t.softmax)
+                got, want = run_plain(engine, PROMPTS, 5, t), run_plain(engine, PROMPTS, 5, other)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    skewed = [[0, i] for i in range(300)] + [[i, 0] for i in range(1, 300)]  # 300 x 300 padded
+    monkeypatch.setattr(trie_mod, "_TABLE_SLACK", (2, 1000))
+    assert Trie.from_sequences(skewed)._tables[1] is None
+
+
 @pytest.mark.parametrize(
     "width,level_head_max", [(1, None), (3, None), (8, None), (20, None), (8, 4)]
 )

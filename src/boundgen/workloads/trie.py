@@ -46,6 +46,9 @@ __all__ = ["NotAnItemError", "Trie", "TrieWorkspace"]
 _INT32_MAX = np.iinfo(np.int32).max
 _DENSE_LOOKUP_MAX_CHILDREN = 1024  # above this, next_node binary-searches instead of comparing all
 SOFTMAX = ("vocab", "children")
+# A depth's children as a padded table [3, n_d + 1, C] (tokens, child ids, level columns) when it
+# has at most this many more slots than children: one gather a step instead of ten CSR kernels.
+_TABLE_SLACK = (2, 65536)  # entries <= 2 * children + 65536
 
 
 class NotAnItemError(KeyError, ValueError):
@@ -94,6 +97,10 @@ class Trie:
             level, col = torch.unique(t.to(torch.int64), sorted=True, return_inverse=True)
             self._level_tokens.append(level)
             self._col_ext.append(torch.cat([col.view(-1), zero]))
+        self._tables = [
+            _children_table(p, t, c, k)
+            for p, t, c, k in zip(self._ptr_ext, self._tok_ext, self._col_ext, max_children)
+        ]
 
     # ------------------------------------------------------------------ build
 
@@ -274,7 +281,11 @@ class Trie:
         """Bytes of the device tables plus the host leaf→item map (not counting Python item ids)."""
         tables = sum(
             t.numel() * t.element_size()
-            for t in self._ptr_ext + self._tok_ext + self._level_tokens + self._col_ext
+            for t in self._ptr_ext
+            + self._tok_ext
+            + self._level_tokens
+            + self._col_ext
+            + [t for t in self._tables if t is not None]
         )
         return tables + self._arange.numel() * 8 + self._leaf_item.nbytes
 
@@ -372,6 +383,14 @@ class Trie:
         v = ws.views(c)
 
         torch.add(node, 1, out=ws.node)  # index into ptr_ext; a dead node reads [0, 0)
+        table = self._tables[depth]
+        if table is not None:  # row node + 1 (row 0: the dead node, no children)
+            torch.index_select(table, 1, ws.node, out=v.table32)
+            v.table.copy_(v.table32)
+            torch.ge(v.table_child, 0, out=v.valid)
+            if not columns:
+                return v.table_tokens, v.table_child, v.valid
+            return v.table_tokens, v.table_child, v.valid, v.table_cols
         torch.index_select(ptr, 0, ws.node, out=ws.start)
         torch.index_select(self._child_ptr[depth], 0, ws.node, out=ws.end)
         torch.add(v.start_col, self._arange[:c], out=v.slot)  # candidate child ids [N, C]
@@ -515,6 +534,8 @@ class TrieWorkspace:
             "slot": torch.empty(size, **i64),
             "tok32": torch.empty(size, dtype=torch.int32, device=self.device),
             "valid": torch.empty(size, dtype=torch.bool, device=self.device),
+            "table": torch.empty(3 * size, **i64),
+            "table32": torch.empty(3 * size, dtype=torch.int32, device=self.device),
         }
         self._views: dict[int, _Views] = {}
 
@@ -530,7 +551,11 @@ class _Views:
     def __init__(self, ws: TrieWorkspace, c: int) -> None:
         n = ws.num_rows
         for name, flat in ws._flat.items():
-            setattr(self, name, flat[: n * c].view(n, c))
+            if name.startswith("table"):
+                setattr(self, name, flat[: 3 * n * c].view(3, n, c))
+            else:
+                setattr(self, name, flat[: n * c].view(n, c))
+        self.table_tokens, self.table_child, self.table_cols = self.table.unbind(0)
         self.slot_flat = self.slot.view(-1)
         self.tok32_flat = self.tok32.view(-1)
         self.cols_flat = self.cols.view(-1)
@@ -539,6 +564,19 @@ class _Views:
 
 
 # ---------------------------------------------------------------- build helpers
+
+
+def _children_table(ptr_ext, tok_ext, col_ext, c: int) -> torch.Tensor | None:
+    """int32 [3, n + 1, c]: row r = node r - 1's children (tokens, child ids, level columns),
+    padded with (0, -1, 0); row 0 is the dead node. None when the padding would be too large."""
+    rows, children = len(ptr_ext) - 1, len(tok_ext) - 1
+    if rows * c > _TABLE_SLACK[0] * children + _TABLE_SLACK[1]:
+        return None
+    slot = ptr_ext[:-1].unsqueeze(1) + torch.arange(c, device=ptr_ext.device)
+    valid = slot < ptr_ext[1:].unsqueeze(1)
+    safe = torch.where(valid, slot, children)  # the sentinel slot: token 0, column 0
+    child = torch.where(valid, slot, -1)
+    return torch.stack([tok_ext[safe].long(), child, col_ext[safe]]).to(torch.int32)
 
 
 def _check_softmax(softmax: str) -> str:
