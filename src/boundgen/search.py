@@ -40,7 +40,9 @@ class Expander:
     """Candidate continuations of every beam: scores [B, Wc·C], their tokens and trie child ids.
 
     `trie` is any object with `children(depth, node, ws=...) -> (tokens, child, valid)` and
-    `workspace(rows)` (`boundgen.Trie`); its buffers are preallocated per row count.
+    `workspace(rows)` (`boundgen.Trie`); its buffers are preallocated per row count. A trie whose
+    `softmax` is "children" also needs `candidates` (+ level columns), `level_tokens(depth)` and
+    `level_sizes`.
     """
 
     def __init__(self, trie: Any, banned: torch.Tensor, workspaces: dict | None = None) -> None:
