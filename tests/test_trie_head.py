@@ -103,6 +103,7 @@ def test_children_tables_equal_the_csr_path(monkeypatch, engine_for):
     for _, items in tries(g):
         dense = Trie.from_sequences(items)
         monkeypatch.setattr(trie_mod, "_TABLE_SLACK", (0, 0))
+        monkeypatch.setattr(trie_mod, "_TABLE_SMALL", 0)
         csr = Trie.from_sequences(items)
         monkeypatch.undo()
         assert all(t is not None for t in dense._tables)
@@ -121,6 +122,7 @@ def test_children_tables_equal_the_csr_path(monkeypatch, engine_for):
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     skewed = [[0, i] for i in range(300)] + [[i, 0] for i in range(1, 300)]  # 300 x 300 padded
     monkeypatch.setattr(trie_mod, "_TABLE_SLACK", (2, 1000))
+    monkeypatch.setattr(trie_mod, "_TABLE_SMALL", 1000)
     assert Trie.from_sequences(skewed)._tables[1] is None
 
 

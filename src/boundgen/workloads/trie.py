@@ -46,9 +46,12 @@ __all__ = ["NotAnItemError", "Trie", "TrieWorkspace"]
 _INT32_MAX = np.iinfo(np.int32).max
 _DENSE_LOOKUP_MAX_CHILDREN = 1024  # above this, next_node binary-searches instead of comparing all
 SOFTMAX = ("vocab", "children")
-# A depth's children as a padded table [3, n_d + 1, C] (tokens, child ids, level columns) when it
-# has at most this many more slots than children: one gather a step instead of ten CSR kernels.
-_TABLE_SLACK = (2, 65536)  # entries <= 2 * children + 65536
+# A depth's children as a padded table [3, n_d + 1, C] int32 (tokens, child ids, level columns)
+# when its padding is bounded: one gather a step instead of ten CSR kernels. Entries (12 bytes
+# each) <= 2 * children + 65536, or any table up to _TABLE_SMALL entries (the W4 100K-item trie's
+# depth 2, 51K nodes of up to 10 children: 513K entries, 6 MB).
+_TABLE_SLACK = (2, 65536)
+_TABLE_SMALL = 1 << 20
 
 
 class NotAnItemError(KeyError, ValueError):
@@ -570,7 +573,8 @@ def _children_table(ptr_ext, tok_ext, col_ext, c: int) -> torch.Tensor | None:
     """int32 [3, n + 1, c]: row r = node r - 1's children (tokens, child ids, level columns),
     padded with (0, -1, 0); row 0 is the dead node. None when the padding would be too large."""
     rows, children = len(ptr_ext) - 1, len(tok_ext) - 1
-    if rows * c > _TABLE_SLACK[0] * children + _TABLE_SLACK[1]:
+    entries = rows * c
+    if entries > _TABLE_SMALL and entries > _TABLE_SLACK[0] * children + _TABLE_SLACK[1]:
         return None
     slot = ptr_ext[:-1].unsqueeze(1) + torch.arange(c, device=ptr_ext.device)
     valid = slot < ptr_ext[1:].unsqueeze(1)
