@@ -6,6 +6,16 @@ are 4 tokens long and match S=4. HF's constrained baseline uses `prefix_allowed_
 the same items (a Python dict trie), the way a user of HF would constrain it.
 
     python benchmarks/bench_beam.py --preset qwen2.5-0.5b --device cuda --out $OUT/beam.json
+
+Trie heads (issue 24, `--heads`; `--heads-only` skips HF and the engine runs): the
+W4 trie searches in whole-search CUDA graphs (`SearchGraphs`) with the trie's default
+full-vocabulary scores ("vocab": the full LM head every step) against `softmax="children"` (the
+head on each step's level tokens only): search time, kernels per search (one un-graphed search
+under the profiler), the per-step head time (head + normalisation + candidate gather at B·W rows,
+replayed from a CUDA graph), and the children search's results against the same semantics
+computed from the full head.
+
+    python benchmarks/bench_beam.py --heads-only --head-compile --out $OUT/beam_heads.json
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ import common
 
 from boundgen import Engine, Trie
 from boundgen.checkpoints import ensure_model
+from boundgen.compile.decode import SearchGraphs, plain_session
+from boundgen.search import search
 
 
 def make_items(num_items: int, vocab_lo: int, seed: int = 0) -> torch.Tensor:
@@ -48,6 +60,145 @@ def hf_prefix_fn(items: torch.Tensor, prompt_len: int):
     return allowed
 
 
+def full_head(model):
+    """The full-vocabulary head, columns picked afterwards (the children semantics' reference)."""
+
+    def head(rows, columns=None):
+        logits = model.head(rows)
+        return logits if columns is None else logits.index_select(1, columns)
+
+    return head
+
+
+def kernels(fn, dev) -> dict:
+    """One call under the profiler: kernels launched, GPU busy ms, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if dev.type != "cuda":
+        return {}
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    spans = [e.time_range for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+    return {
+        "kernels": len(spans),
+        "kernel_ms": sum(r.end - r.start for r in spans) / 1e3,
+        "top": table,
+    }
+
+
+def step_head_us(fn, dev, reps: int = 20, iters: int = 20) -> float:
+    """Device µs of `fn()` (one step's head), from a CUDA graph of `reps` calls (no launch gaps);
+    wall time per call on the CPU."""
+    if dev.type != "cuda":
+        fn()
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t) / iters * 1e6
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (iters * reps)
+
+
+def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) -> dict:
+    """The W4 trie searches with the full head ("vocab") and the candidate head ("children")."""
+    model, dev = engine.model, engine.device
+    eos = tuple(engine.eos_token_ids())
+    kids = trie.with_softmax("children")
+    w, s = args.width, args.steps
+    variants = {"graph": SearchGraphs(model, dev, model.backend)}
+    if args.head_compile:
+        from boundgen.compile.aoti import export_attention
+
+        variants["graph+compile"] = SearchGraphs(
+            model, dev, export_attention(model, dev), compile_layers=True
+        )
+    ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
+    out = {}
+    g = torch.Generator().manual_seed(11)
+    h = engine.config.hidden_size
+    for batch, prompts in prompts_by_batch.items():
+        n = batch * w
+        hidden = torch.randn(n, h, generator=g).to(dev, model.head_weight.dtype)
+        node = torch.randint(0, trie.nodes_per_depth[1], (n,), generator=g).to(dev)
+        ws = trie.workspace(n)
+        tokens, _, valid, cols = trie.candidates(1, node, ws=ws)
+        level = trie.level_tokens(1)
+        heads = {
+            "vocab": lambda: torch.log_softmax(model.head(hidden), -1).gather(1, tokens),
+            "children": lambda: torch.log_softmax(
+                model.head(hidden, level).gather(1, cols).masked_fill_(~valid, float("-inf")), 1
+            ),
+        }
+        with torch.inference_mode():
+            ref = run_reference(engine, prompts, w, kids)
+        for softmax, t_ in (("vocab", trie), ("children", kids)):
+            name = f"W4 b{batch} trie {softmax}"
+            entry = out.setdefault(name, {})
+            try:
+                with torch.inference_mode():
+                    entry["step_head_us"] = step_head_us(heads[softmax], dev)
+                    entry.update(kernels(lambda: ungraphed.run(prompts, w, s, t_, eos), dev))
+                    for vname, sg in variants.items():
+                        call = lambda sg=sg: sg.run(prompts, w, s, t_, eos)
+                        got = call()
+                        tm = common.timed(call, dev, warmup=2, iters=args.iters)
+                        tm["invalid_ids"] = sum(
+                            not t_.contains(x)
+                            for b in range(batch)
+                            for x, sc in zip(got[0][b].tolist(), got[1][b].tolist())
+                            if sc > float("-inf")
+                        )
+                        if softmax == "children":  # the same semantics from the full head
+                            tm["equal_to_full_head"] = bool(torch.equal(got[0], ref[0]))
+                            tm["top1_equal_to_full_head"] = bool(
+                                torch.equal(got[0][:, 0], ref[0][:, 0])
+                            )
+                            tm["max_score_diff"] = float((got[1] - ref[1]).abs().max())
+                        entry[vname] = tm
+                        rows.append(
+                            {
+                                "run": name,
+                                "variant": vname,
+                                "median_ms": tm["median_ms"],
+                                "step_head_us": entry["step_head_us"],
+                                "kernels": entry.get("kernels"),
+                                "invalid_ids": tm["invalid_ids"],
+                                "equal_to_full_head": tm.get("equal_to_full_head"),
+                            }
+                        )
+                print(f"  {name}: {entry.get('step_head_us', 0):.1f} µs/step head", flush=True)
+            except Exception as exc:
+                entry["error"] = f"{type(exc).__name__}: {exc}"[:1000]
+                traceback.print_exc()
+    return out
+
+
+def run_reference(engine, prompts, width: int, trie: Trie):
+    """The children semantics from the full-vocabulary head (plain path)."""
+    model = engine.model
+    session = plain_session(model, engine.device, prompts, width, trie.depth)
+    return search(session, full_head(model), width, trie.depth, trie)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen2.5-0.5b")
@@ -64,7 +215,12 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=15.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--heads", action="store_true", help="also the trie heads section")
+    ap.add_argument("--heads-only", action="store_true", help="only the trie heads section")
+    ap.add_argument("--head-compile", action="store_true", help="heads: also compiled layers")
     args = ap.parse_args()
+    if args.heads_only:
+        args.heads, args.hf, args.backends = True, [], args.backends[:1]
     dev = torch.device(args.device)
     dtype_name = "bfloat16" if dev.type == "cuda" else "float32"
     path = (
@@ -106,12 +262,14 @@ def main() -> int:
     }
     rows = []
     g = torch.Generator().manual_seed(7)
+    prompts_by_batch = {}
     for batch in args.batches:
         prompts = [
             torch.randint(100, vocab, (args.prompt_len,), generator=g).tolist()
             for _ in range(batch)
         ]
-        for constrained in (False, True):
+        prompts_by_batch[batch] = prompts
+        for constrained in (False, True) if not args.heads_only else ():
             name = f"W4 b{batch} {'trie' if constrained else 'free'}"
             entry = results["runs"].setdefault(name, {})
             ref = None
@@ -170,23 +328,40 @@ def main() -> int:
                 except Exception as exc:
                     entry[f"boundgen-{backend}"] = {"error": repr(exc)}
                     traceback.print_exc()
+    head_rows = []
+    if args.heads:
+        results["heads"] = section_heads(args, engine, trie, prompts_by_batch, head_rows)
     print(
         f"trie: {trie.num_items} items, depth {trie.depth}, built in {build_s:.2f}s, "
         f"{trie.nbytes / 1e6:.1f} MB"
     )
-    common.print_table(
-        rows,
-        [
-            "run",
-            "variant",
-            "median_ms",
-            "p90_ms",
-            "speedup_vs_hf_eager",
-            "top1_agreement_vs_hf",
-            "set_overlap_vs_hf",
-            "invalid_ids",
-        ],
-    )
+    if rows:
+        common.print_table(
+            rows,
+            [
+                "run",
+                "variant",
+                "median_ms",
+                "p90_ms",
+                "speedup_vs_hf_eager",
+                "top1_agreement_vs_hf",
+                "set_overlap_vs_hf",
+                "invalid_ids",
+            ],
+        )
+    if head_rows:
+        common.print_table(
+            head_rows,
+            [
+                "run",
+                "variant",
+                "median_ms",
+                "step_head_us",
+                "kernels",
+                "invalid_ids",
+                "equal_to_full_head",
+            ],
+        )
     common.write_json(args.out, results)
     return 0
 

@@ -93,6 +93,12 @@ def test_beam_defaults_to_the_demo_model_its_trie_and_its_depth(capsys):
     results = json.loads(capsys.readouterr().out)["results"]
     assert len(results) == 3 and all(len(r["tokens"]) == 3 for r in results)  # the trie's depth
     assert results[0]["title"] == "Astora Core sneakers, red, $999, Vienna"  # the catalog's title
+    # log-probs renormalised over each step's trie children: the same best item, no lower a score
+    argv = ["beam", "--prompt", prompt, "--beam-width", "3", "--trie-softmax", "children"]
+    assert cli.main([*argv, "--device", "cpu"]) == 0
+    children = json.loads(capsys.readouterr().out)["results"]
+    assert children[0]["title"] == results[0]["title"]
+    assert children[0]["logprob"] >= results[0]["logprob"] - 1e-6
 
 
 @pytest.mark.parametrize("command", ["score", "beam", "demo"])

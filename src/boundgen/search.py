@@ -8,6 +8,12 @@ never a continuation (every result has exactly S tokens). With a trie, each step
 beam's trie children; when fewer continuations than beams exist, the surplus beams die (score −inf)
 and are dropped from results.
 
+A trie made with `softmax="children"` scores each step over the beam's trie children instead of
+the full vocabulary (log-probs renormalised over the allowed tokens; `boundgen.Trie`). Such a
+step needs no full-vocabulary logits: the LM head runs on the step's level tokens only
+(`Trie.level_tokens`, e.g. 256 semantic codes instead of 151,936 columns), from the hidden state
+(`session.hidden`), and each beam's candidates are gathered from those columns.
+
 `search(session, ...)` drives a decode session (`compile/decode.py`): the prompts are prefilled
 once and shared by their beams; each step feeds one token per beam and reorders the beams' own KV
 by gathering it.
@@ -24,19 +30,49 @@ NEG_INF = float("-inf")
 # beam's vocabulary cut into chunks of this size, then the top W of the survivors. One top-k over
 # 151,936 columns cost 109 µs a call on the H200 (issue 15); chunked rows run on many more blocks.
 TOPK_CHUNK = 4096
+# With a `softmax="children"` trie a step's LM head runs on its level's distinct tokens (their head
+# rows gathered, then one GEMM) up to this many; a level with more runs the full head (the gathered
+# copy of the rows would cost more than the full GEMM's weight read it saves, past about V/3).
+LEVEL_HEAD_MAX = 16384
 
 
 class Expander:
     """Candidate continuations of every beam: scores [B, Wc·C], their tokens and trie child ids.
 
     `trie` is any object with `children(depth, node, ws=...) -> (tokens, child, valid)` and
-    `workspace(rows)` (`boundgen.Trie`); its buffers are preallocated per row count.
+    `workspace(rows)` (`boundgen.Trie`); its buffers are preallocated per row count. A trie whose
+    `softmax` is "children" also needs `candidates` (+ level columns), `level_tokens(depth)` and
+    `level_sizes`.
     """
 
     def __init__(self, trie: Any, banned: torch.Tensor, workspaces: dict | None = None) -> None:
         self.trie = trie
         self.banned = banned
         self._ws: dict[int, object] = {} if workspaces is None else workspaces
+
+    def _workspace(self, rows: int):
+        if rows not in self._ws:
+            self._ws[rows] = self.trie.workspace(rows)
+        return self._ws[rows]
+
+    def children(
+        self, depth: int, rows: torch.Tensor, scores: torch.Tensor, node: torch.Tensor, head
+    ):
+        """Candidates scored over each beam's trie children alone (`softmax="children"`): the LM
+        head on the level's tokens, not the vocabulary. rows [B·Wc, H] hidden states."""
+        tokens, child, valid, cols = self.trie.candidates(
+            depth, node, ws=self._workspace(node.shape[0])
+        )
+        if self.trie.level_sizes[depth] <= LEVEL_HEAD_MAX:
+            z = head(rows, self.trie.level_tokens(depth)).gather(1, cols)
+        else:
+            z = head(rows).gather(1, tokens)
+        z.masked_fill_(~valid, NEG_INF)
+        # one kernel (a logsumexp is seven); a dead beam's row (no valid child) is NaN: masked
+        lp = torch.log_softmax(z, 1).masked_fill_(~valid, NEG_INF)
+        b = scores.shape[0]
+        cand = (scores.view(-1, 1) + lp).view(b, -1)
+        return cand, tokens.reshape(b, -1), child.reshape(b, -1), tokens.shape[1]
 
     def __call__(self, depth: int, logp: torch.Tensor, scores: torch.Tensor, node: torch.Tensor):
         b, wc, v = logp.shape
@@ -45,10 +81,7 @@ class Expander:
                 logp.index_fill_(2, self.banned, NEG_INF)
             cand = (scores.unsqueeze(-1) + logp).view(b, wc * v)
             return cand, None, None, v
-        rows = node.shape[0]
-        if rows not in self._ws:
-            self._ws[rows] = self.trie.workspace(rows)
-        tokens, child, valid = self.trie.children(depth, node, ws=self._ws[rows])
+        tokens, child, valid = self.trie.children(depth, node, ws=self._workspace(node.shape[0]))
         lp = logp.view(b * wc, v).gather(1, tokens).masked_fill_(~valid, NEG_INF)
         cand = (scores.view(-1, 1) + lp).view(b, -1)
         return cand, tokens.reshape(b, -1), child.reshape(b, -1), tokens.shape[1]
@@ -91,16 +124,19 @@ def search(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """→ (tokens [B, W, S] int64, scores [B, W] float32), beams sorted best first, dead beams at
     −inf. `session`: `last_hidden` [B, H], `prompt_lengths` [B], `step(i, tokens, positions)` →
-    logits [B·W, V], `reorder(parent)`; `head(rows)` → full-vocabulary logits; `banned`: token ids
+    logits [B·W, V] (with a `softmax="children"` trie: `hidden(i, tokens, positions)` → final
+    hidden states [B·W, H] instead), `reorder(parent)`; `head(rows, columns=None)` → float32
+    logits of the full vocabulary or of `columns`; `banned`: token ids
     never continued (a tensor from `banned_tensor` inside a CUDA-graph capture); `workspaces`: the
     trie's buffers per row count, kept across searches (a graph's buffers)."""
     last = session.last_hidden
     dev = last.device
     b, w = last.shape[0], width
     n = b * w
-    logp = torch.log_softmax(head(last), dim=-1)
-    if not isinstance(banned, torch.Tensor):
-        banned = banned_tensor(banned, logp.shape[-1], dev)
+    children = trie is not None and getattr(trie, "softmax", "vocab") == "children"
+    logp = None if children else torch.log_softmax(head(last), dim=-1)
+    if not isinstance(banned, torch.Tensor):  # unused with a trie
+        banned = banned_tensor(banned, logp.shape[-1] if logp is not None else 0, dev)
     expand = Expander(trie, banned, workspaces)
     hist = torch.zeros(b, w, steps, dtype=torch.long, device=dev)
     scores = torch.zeros(b, 1, device=dev)
@@ -108,14 +144,19 @@ def search(
     base_pos = torch.repeat_interleave(session.prompt_lengths, w)
     row_base = torch.arange(b, device=dev).unsqueeze(1)
     for step in range(steps):
+        wc = w if step > 0 else 1
         if step > 0:
             tokens, positions = hist[:, :, step - 1].reshape(n), base_pos + (step - 1)
-            logits = session.step(step - 1, tokens, positions)
-            logp = torch.log_softmax(logits, dim=-1).view(b, w, -1)
+        if children:
+            rows = session.hidden(step - 1, tokens, positions) if step > 0 else last
+            cand, cand_tokens, cand_child, c = expand.children(step, rows, scores, node, head)
         else:
-            logp = logp.unsqueeze(1)
-        wc = logp.shape[1]
-        cand, cand_tokens, cand_child, c = expand(step, logp, scores, node)
+            if step > 0:
+                logits = session.step(step - 1, tokens, positions)
+                logp = torch.log_softmax(logits, dim=-1).view(b, w, -1)
+            else:
+                logp = logp.unsqueeze(1)
+            cand, cand_tokens, cand_child, c = expand(step, logp, scores, node)
         k = min(w, cand.shape[1])
         top, idx = top_candidates(cand, k, c)
         if k < w:  # fewer continuations than beams: pad with dead beams

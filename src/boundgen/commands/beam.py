@@ -28,6 +28,13 @@ def add_arguments(parser) -> None:
         help="item IDs: JSONL {item_id, tokens} or .npy [items, depth] (default: with the "
         "built-in model, its catalog's trie)",
     )
+    parser.add_argument(
+        "--trie-softmax",
+        choices=("vocab", "children"),
+        default="vocab",
+        help="a step's log-probs over the full vocabulary (default, as HF generate) or over the "
+        "beam's trie children (the LM head then runs on the trie's tokens only)",
+    )
 
 
 def run(args) -> int:
@@ -36,7 +43,7 @@ def run(args) -> int:
 
     engine = load_engine(args)
     trie_path = args.trie or (default_trie_path() if args.model is None else None)
-    trie = Trie.from_file(trie_path) if trie_path else None
+    trie = Trie.from_file(trie_path, softmax=args.trie_softmax) if trie_path else None
     steps = args.steps or (trie.depth if trie is not None else 4)
     results = engine.beam_search(args.prompt, args.beam_width, steps, top_k=args.top_k, trie=trie)
     titles = _catalog_titles() if args.model is None else {}

@@ -42,20 +42,25 @@ log = logging.getLogger("boundgen.compile")
 
 class DecodeSession:
     """One beam search's decode state: `prompt_lengths` [B] and `last_hidden` [B, H] from the
-    prefill; `step(i, tokens, positions)` → logits [N, V] of decode step i (N = B·W rows, one token
-    each); `reorder(parent)` makes beam n continue beam parent[n]; `close()` when done."""
+    prefill; `hidden(i, tokens, positions)` → final hidden states [N, H] of decode step i (N = B·W
+    rows, one token each) and `step(...)` → their logits [N, V] (`head`); `reorder(parent)` makes
+    beam n continue beam parent[n]; `close()` when done."""
 
     def __init__(
         self,
         state: DecodeKV,
         prompt_lengths: torch.Tensor,
         last_hidden: torch.Tensor,
-        step: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+        hidden: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+        head: Callable[[torch.Tensor], torch.Tensor],
         on_close: Callable[[], None] | None = None,
     ) -> None:
         self.state, self.prompt_lengths, self.last_hidden = state, prompt_lengths, last_hidden
-        self.step = step
+        self.hidden, self.head = hidden, head
         self._on_close = on_close
+
+    def step(self, i: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(i, tokens, positions))
 
     def reorder(self, parent: torch.Tensor) -> None:
         self.state.beams.reorder(parent)
@@ -81,11 +86,12 @@ def plain_session(model, device, prompts: list[list[int]], width: int, steps: in
         prompt_kv, batch.attn.cu_seqlens, batch.attn.max_seqlen, beams, cu_beams, width
     )
 
-    def step(i: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def step_hidden(i: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         state.step = i
-        return model.head(model(tokens, positions, None, state))
+        return model(tokens, positions, None, state)
 
-    return DecodeSession(state, batch.seq_len, hidden.index_select(0, batch.last_index), step)
+    last = hidden.index_select(0, batch.last_index)
+    return DecodeSession(state, batch.seq_len, last, step_hidden, model.head)
 
 
 # ---- one layer of the prefill and of a decode step, as functions of their tensors ---------------
@@ -182,6 +188,11 @@ class ModelSteps:
         return m.norm(x)
 
     def decode(self, tokens, positions, state: DecodeKV, step: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] of one decode step."""
+        return self.model.head(self.decode_hidden(tokens, positions, state, step))
+
+    def decode_hidden(self, tokens, positions, state: DecodeKV, step: torch.Tensor):
+        """Final-normed hidden states [N, H] of one decode step."""
         m, b = self.model, state.beams
         x = m.embed_tokens(tokens)
         cos, sin = m.rotary(positions, x.dtype)
@@ -205,7 +216,7 @@ class ModelSteps:
                 state.max_prompt,
                 self.backend,
             )
-        return m.head(m.norm(x))
+        return m.norm(x)
 
 
 # ---- the whole search, captured per bucket ------------------------------------------------------
@@ -428,9 +439,10 @@ class SearchGraphs:
             slot.state,
             slot.lengths,
             hidden.index_select(0, slot.last_index),
-            lambda i, tokens, positions: self.steps.decode(
+            lambda i, tokens, positions: self.steps.decode_hidden(
                 tokens, positions, slot.state, slot.steps[i : i + 1]
             ),
+            self.model.head,
         )
         tokens, scores = search(
             session, self.model.head, width, steps, trie, slot.banned, slot.workspaces

@@ -19,12 +19,19 @@ step (`children`, then gathers on logits and child ids) can sit inside a CUDA-gr
 step. A node id of `-1` means "dead beam": it has no children and every transition from it is `-1`
 (other negative ids are not supported).
 
+Scores (`softmax`): by default ("vocab") a beam's step log-prob is normalised over the full
+vocabulary (HF `generate` with `prefix_allowed_tokens_fn`), so every step needs the full LM head.
+A trie made with `softmax="children"` (`with_softmax`) normalises over the beam's trie children
+instead; then a step only needs the logits of its level's tokens (`level_tokens`), and the search
+runs the LM head on those columns alone (`candidates` gives each candidate's column there).
+
 NOTE: duplicate token sequences are an error by default (the result could not be mapped back to one
 item id); `on_duplicate="first"` keeps the first item instead. Item ids need not be unique.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Sequence
@@ -38,6 +45,13 @@ __all__ = ["NotAnItemError", "Trie", "TrieWorkspace"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _DENSE_LOOKUP_MAX_CHILDREN = 1024  # above this, next_node binary-searches instead of comparing all
+SOFTMAX = ("vocab", "children")
+# A depth's children as a padded table [3, n_d + 1, C] int32 (tokens, child ids, level columns)
+# when its padding is bounded: one gather a step instead of ten CSR kernels. Entries (12 bytes
+# each) <= 2 * children + 65536, or any table up to _TABLE_SMALL entries (the W4 100K-item trie's
+# depth 2, 51K nodes of up to 10 children: 513K entries, 6 MB).
+_TABLE_SLACK = (2, 65536)
+_TABLE_SMALL = 1 << 20
 
 
 class NotAnItemError(KeyError, ValueError):
@@ -58,6 +72,7 @@ class Trie:
         item_ids: Sequence[Any] | None,
         max_children: tuple[int, ...],
         max_token: int,
+        softmax: str = "vocab",
     ) -> None:
         # Use `from_sequences` / `from_file`; this only wires already-validated tables together.
         # NOTE: stored with one extra entry each, so the step functions need no special cases:
@@ -77,6 +92,18 @@ class Trie:
         self._max_token = max_token
         device = child_ptr[0].device
         self._arange = torch.arange(max(max_children), dtype=torch.int64, device=device)
+        self.softmax = _check_softmax(softmax)
+        # Per depth: the distinct tokens there (sorted), and per child node (+ the sentinel slot,
+        # column 0) the column of its token among them: a step's LM head on its level alone.
+        self._level_tokens, self._col_ext = [], []
+        for t in self._child_token:
+            level, col = torch.unique(t.to(torch.int64), sorted=True, return_inverse=True)
+            self._level_tokens.append(level)
+            self._col_ext.append(torch.cat([col.view(-1), zero]))
+        self._tables = [
+            _children_table(p, t, c, k)
+            for p, t, c, k in zip(self._ptr_ext, self._tok_ext, self._col_ext, max_children)
+        ]
 
     # ------------------------------------------------------------------ build
 
@@ -88,11 +115,14 @@ class Trie:
         *,
         device: torch.device | str = "cpu",
         on_duplicate: str = "error",
+        softmax: str = "vocab",
     ) -> Trie:
         """Build from `sequences` `[items, depth]` (non-negative ints); ids default to row index.
 
         `on_duplicate`: "error" (default) raises naming both items; "first" keeps the first one.
+        `softmax`: "vocab" (default) or "children" (see the module docstring).
         """
+        _check_softmax(softmax)
         if on_duplicate not in ("error", "first"):
             raise ValueError(f"on_duplicate must be 'error' or 'first', got {on_duplicate!r}")
         ids = _normalize_ids(item_ids)
@@ -143,6 +173,7 @@ class Trie:
             ids,
             tuple(max_children),
             int(seqs.max()),
+            softmax,
         )
 
     @classmethod
@@ -152,6 +183,7 @@ class Trie:
         *,
         device: torch.device | str = "cpu",
         on_duplicate: str = "error",
+        softmax: str = "vocab",
     ) -> Trie:
         """Load `.jsonl` (`{"item_id": ..., "tokens": [...]}` per line) or `.npy` `[items, depth]`.
 
@@ -172,13 +204,17 @@ class Trie:
                 if not isinstance(ids, list):
                     raise ValueError(f"{ids_path}: expected a JSON list of item ids")
             try:
-                return cls.from_sequences(seqs, ids, device=device, on_duplicate=on_duplicate)
+                return cls.from_sequences(
+                    seqs, ids, device=device, on_duplicate=on_duplicate, softmax=softmax
+                )
             except ValueError as exc:
                 raise ValueError(f"{path}: {exc}") from None
         if path.suffix in (".jsonl", ".json"):
             ids, seqs = _read_jsonl(path)
             try:
-                return cls.from_sequences(seqs, ids, device=device, on_duplicate=on_duplicate)
+                return cls.from_sequences(
+                    seqs, ids, device=device, on_duplicate=on_duplicate, softmax=softmax
+                )
             except ValueError as exc:
                 raise ValueError(f"{path}: {exc}") from None
         raise ValueError(f"{path}: unknown trie file type {path.suffix!r} (use .jsonl or .npy)")
@@ -246,13 +282,21 @@ class Trie:
     @property
     def nbytes(self) -> int:
         """Bytes of the device tables plus the host leaf→item map (not counting Python item ids)."""
-        tables = sum(t.numel() * t.element_size() for t in self._ptr_ext + self._tok_ext)
+        tables = sum(
+            t.numel() * t.element_size()
+            for t in self._ptr_ext
+            + self._tok_ext
+            + self._level_tokens
+            + self._col_ext
+            + [t for t in self._tables if t is not None]
+        )
         return tables + self._arange.numel() * 8 + self._leaf_item.nbytes
 
     def __repr__(self) -> str:
         return (
             f"Trie(items={self.num_items}, depth={self.depth}, nodes={self.nodes_per_depth}, "
-            f"max_children={self.max_children}, device={self.device}, nbytes={self.nbytes})"
+            f"max_children={self.max_children}, softmax={self.softmax!r}, device={self.device}, "
+            f"nbytes={self.nbytes})"
         )
 
     def to(self, device: torch.device | str) -> Trie:
@@ -267,7 +311,27 @@ class Trie:
             self._item_ids,
             self._max_children,
             self._max_token,
+            self.softmax,
         )
+
+    def with_softmax(self, softmax: str) -> Trie:
+        """This trie (self when unchanged) with its scores normalised over `softmax`: "vocab" or
+        "children" (a new object on the same tables: searches key their graphs by the trie)."""
+        if _check_softmax(softmax) == self.softmax:
+            return self
+        out = copy.copy(self)
+        out.softmax = softmax
+        return out
+
+    @property
+    def level_sizes(self) -> tuple[int, ...]:
+        """Number of distinct tokens at each depth `0..depth-1` (the columns of `level_tokens`)."""
+        return tuple(len(t) for t in self._level_tokens)
+
+    def level_tokens(self, depth: int) -> torch.Tensor:
+        """The distinct tokens at `depth`, sorted, int64 `[level_sizes[depth]]` (device)."""
+        self._check_depth(depth)
+        return self._level_tokens[depth]
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError naming a token (and an item holding it) if any token >= vocab_size."""
@@ -303,6 +367,17 @@ class Trie:
         `depth + 1` (-1 where invalid), valid bool. Children are in ascending token order.
         With `ws`, the results are views into its buffers, overwritten by its next use.
         """
+        return self._children(depth, node, ws)[:3]
+
+    def candidates(
+        self, depth: int, node: torch.Tensor, *, ws: TrieWorkspace | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`children` plus each candidate's column in `level_tokens(depth)`: `(tokens, child,
+        valid, cols)`, cols int64 `[N, C]` (0 where invalid), so that
+        `level_tokens(depth)[cols] == tokens`."""
+        return self._children(depth, node, ws, columns=True)
+
+    def _children(self, depth: int, node: torch.Tensor, ws, columns: bool = False) -> tuple:
         self._check_depth(depth)
         node = self._check_node(node)
         n, c = node.shape[0], self._max_children[depth]
@@ -311,6 +386,14 @@ class Trie:
         v = ws.views(c)
 
         torch.add(node, 1, out=ws.node)  # index into ptr_ext; a dead node reads [0, 0)
+        table = self._tables[depth]
+        if table is not None:  # row node + 1 (row 0: the dead node, no children)
+            torch.index_select(table, 1, ws.node, out=v.table32)
+            v.table.copy_(v.table32)
+            torch.ge(v.table_child, 0, out=v.valid)
+            if not columns:
+                return v.table_tokens, v.table_child, v.valid
+            return v.table_tokens, v.table_child, v.valid, v.table_cols
         torch.index_select(ptr, 0, ws.node, out=ws.start)
         torch.index_select(self._child_ptr[depth], 0, ws.node, out=ws.end)
         torch.add(v.start_col, self._arange[:c], out=v.slot)  # candidate child ids [N, C]
@@ -319,7 +402,10 @@ class Trie:
         torch.where(v.valid, v.slot, self._sentinel[depth], out=v.slot)
         torch.index_select(self._tok_ext[depth], 0, v.slot_flat, out=v.tok32_flat)
         v.tokens.copy_(v.tok32)
-        return v.tokens, v.child, v.valid
+        if not columns:
+            return v.tokens, v.child, v.valid
+        torch.index_select(self._col_ext[depth], 0, v.slot_flat, out=v.cols_flat)
+        return v.tokens, v.child, v.valid, v.cols
 
     def next_node(self, depth: int, node: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """Child id (at `depth + 1`) of each `node[N]` (at `depth`) via `token[N]`; -1 if none.
@@ -447,9 +533,12 @@ class TrieWorkspace:
         self._flat = {
             "tokens": torch.empty(size, **i64),
             "child": torch.empty(size, **i64),
+            "cols": torch.empty(size, **i64),
             "slot": torch.empty(size, **i64),
             "tok32": torch.empty(size, dtype=torch.int32, device=self.device),
             "valid": torch.empty(size, dtype=torch.bool, device=self.device),
+            "table": torch.empty(3 * size, **i64),
+            "table32": torch.empty(3 * size, dtype=torch.int32, device=self.device),
         }
         self._views: dict[int, _Views] = {}
 
@@ -465,14 +554,39 @@ class _Views:
     def __init__(self, ws: TrieWorkspace, c: int) -> None:
         n = ws.num_rows
         for name, flat in ws._flat.items():
-            setattr(self, name, flat[: n * c].view(n, c))
+            if name.startswith("table"):
+                setattr(self, name, flat[: 3 * n * c].view(3, n, c))
+            else:
+                setattr(self, name, flat[: n * c].view(n, c))
+        self.table_tokens, self.table_child, self.table_cols = self.table.unbind(0)
         self.slot_flat = self.slot.view(-1)
         self.tok32_flat = self.tok32.view(-1)
+        self.cols_flat = self.cols.view(-1)
         self.start_col = ws.start.unsqueeze(1)
         self.end_col = ws.end.unsqueeze(1)
 
 
 # ---------------------------------------------------------------- build helpers
+
+
+def _children_table(ptr_ext, tok_ext, col_ext, c: int) -> torch.Tensor | None:
+    """int32 [3, n + 1, c]: row r = node r - 1's children (tokens, child ids, level columns),
+    padded with (0, -1, 0); row 0 is the dead node. None when the padding would be too large."""
+    rows, children = len(ptr_ext) - 1, len(tok_ext) - 1
+    entries = rows * c
+    if entries > _TABLE_SMALL and entries > _TABLE_SLACK[0] * children + _TABLE_SLACK[1]:
+        return None
+    slot = ptr_ext[:-1].unsqueeze(1) + torch.arange(c, device=ptr_ext.device)
+    valid = slot < ptr_ext[1:].unsqueeze(1)
+    safe = torch.where(valid, slot, children)  # the sentinel slot: token 0, column 0
+    child = torch.where(valid, slot, -1)
+    return torch.stack([tok_ext[safe].long(), child, col_ext[safe]]).to(torch.int32)
+
+
+def _check_softmax(softmax: str) -> str:
+    if softmax not in SOFTMAX:
+        raise ValueError(f"softmax must be one of {SOFTMAX}, got {softmax!r}")
+    return softmax
 
 
 def _i64(device) -> dict:
