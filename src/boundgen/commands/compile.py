@@ -169,19 +169,15 @@ def _jobs(requested: int, buckets: int) -> int:
 def _warm_isa_checks(cache_root):
     """Inductor's CPU-ISA verdicts, started at once in this process (a thread, overlapping the
     model's load and the workers' start) and stored: a worker that reaches its C++ build reads them
-    or waits for the check under way, instead of running its own ~11 probe children
-    (`compile/isa.py`)."""
+    or waits for the check under way, instead of running its own ~11 probe children; the ISAs'
+    check chains run side by side (`compile/isa.py`)."""
     import threading
 
-    from boundgen.compile.isa import remember_isa_checks
+    from boundgen.compile.isa import warm_isa_checks
 
-    def warm() -> None:
-        if remember_isa_checks(cache_root):
-            from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-            pick_vec_isa()
-
-    thread = threading.Thread(target=warm, name="boundgen-isa-checks", daemon=True)
+    thread = threading.Thread(
+        target=warm_isa_checks, args=(cache_root,), name="boundgen-isa-checks", daemon=True
+    )
     thread.start()
     return thread
 

@@ -27,6 +27,7 @@ import os
 import platform
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -54,9 +55,12 @@ def _machine_key() -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
+def _locked(path: Path, what: str = ""):
+    """An exclusive lock between processes (and threads): `what` names one check's lock, "" the
+    verdict file's."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.lock"), "a+") as f:
+    suffix = f".{what}" if what else ""
+    with open(path.with_name(f".{path.name}{suffix}.lock"), "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -73,12 +77,12 @@ def _read(path: Path) -> dict:
 
 
 def _write(path: Path, key: str, ok: bool) -> None:
-    data = _read(path)
-    data[key] = ok
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    with _locked(path):  # checks finish in parallel: no verdict may overwrite another's
+        data = _read(path)
+        data[key] = ok
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
 
 
 def remember_isa_checks(root: str | Path) -> bool:
@@ -105,7 +109,7 @@ def remember_isa_checks(root: str | Path) -> bool:
         known = _read(path).get(key)
         if isinstance(known, bool):
             return known
-        with _locked(path):  # another process may be running this very check: wait for it
+        with _locked(path, key):  # another process may be running this very check: wait for it
             known = _read(path).get(key)
             if isinstance(known, bool):
                 return known
@@ -117,3 +121,30 @@ def remember_isa_checks(root: str | Path) -> bool:
     check_build._boundgen_original = original
     cls.check_build = check_build
     return True
+
+
+def warm_isa_checks(root: str | Path) -> None:
+    """Every check Inductor's `pick_vec_isa` may ask for on this CPU, run now and stored in `root`:
+    one thread per candidate ISA. Each ISA's own checks are a chain (AMX: its base build, AVX512's
+    bf16, VNNI, AMX, AMX-fp16) but the chains are independent, so the ~11 probe children of an AMX
+    host overlap instead of following each other (~57 s on the H200 host, one after another)."""
+    if not remember_isa_checks(root):
+        return
+    from torch._inductor import cpu_vec_isa
+
+    candidates = list(getattr(cpu_vec_isa, "supported_vec_isa_list", []))
+    checker = getattr(cpu_vec_isa, "x86_isa_checker", None)
+    if platform.machine() in ("x86_64", "AMD64") and checker is not None:
+        flags = checker()
+        candidates = [i for i in candidates if all(f in flags for f in str(i).split())]
+    else:
+        candidates = []  # other architectures have one or two cheap candidates: let torch pick
+    threads = [
+        threading.Thread(target=bool, args=(isa,), name=f"isa-{isa}", daemon=True)
+        for isa in candidates
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cpu_vec_isa.pick_vec_isa()
