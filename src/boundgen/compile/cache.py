@@ -75,6 +75,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\n".encode())
     for name, m in model.named_modules():
         h.update(f"{name}:{type(m).__module__}.{type(m).__qualname__}\n".encode())
+        recipe = getattr(type(m), "COMPILE_RECIPE", "")  # how a module type asks to be compiled
+        if recipe:
+            h.update(f"{name}:recipe:{recipe}\n".encode())
     h.update(type(getattr(model, "backend", None)).__name__.encode())
     return h.hexdigest()[:24]
 

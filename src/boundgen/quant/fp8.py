@@ -103,6 +103,10 @@ class Fp8Linear(nn.Module):
     kernel, eager).
     """
 
+    # compiled with Inductor's reductions kept on chip up to 8,192-wide rows: the input quantize's
+    # amax is one (`compile.aoti.WIDE_ROW_MAX`); part of the compile cache key
+    COMPILE_RECIPE = "wide-row-reductions"
+
     def __init__(
         self,
         in_features: int,
