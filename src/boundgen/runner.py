@@ -2,9 +2,10 @@
 backend (nano-vllm's `model_runner`).
 
     rows(groups, pooling)      split to the token budget → pack, padded into a compiled bucket
-                               when one fits → stage through pooled pinned/device buffers →
-                               forward → each output sequence's row (its last token, or the mean
-                               of its tokens), or all its token rows
+                               when one fits → a captured bucket's last-token rows: one staged
+                               buffer, one copy, one replay (`compile.staging`); else stage through
+                               pooled pinned/device buffers → forward → each output sequence's row
+                               (its last token, or the mean of its tokens), or all its token rows
     head(rows, columns)        the LM head (or score head) on those rows, or some columns of it
     beam_search(prompts, ...)  bounded beam search: a whole-search CUDA graph per bucket, or a plain
                                per-request session
@@ -204,6 +205,18 @@ class ModelRunner:
             cols = lease.stage(torch.tensor(columns, dtype=torch.int64), bucket=False)
             out = self.model.head(rows, cols)
         self._keep_columns(columns, cols)
+        return out
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the host through one non-blocking copy into pinned memory (torch's caching host
+        allocator: a block is reused once its copy has run), readable once the caller's stream
+        work is synchronized: in a pipeline, return it from a device node, whose event the
+        executor synchronizes before any CPU node reads it (that event sync is then the only
+        one; `.cpu()` would add a stream sync of its own). A CPU tensor is returned as is."""
+        if t.device.type == "cpu":
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
         return out
 
     def _keep_columns(self, columns: list[int], staged: torch.Tensor) -> None:
