@@ -195,7 +195,8 @@ class ModelRunner:
     @torch.inference_mode()
     def head(self, rows: torch.Tensor, columns: list[int] | None = None) -> torch.Tensor:
         """float32 logits [N, C] of the LM head (or score head); `columns` picks vocabulary ids
-        (staged through a pinned buffer: no pageable, blocking host-to-device copy)."""
+        (staged through a pinned buffer the first time, then kept on the device: a request with the
+        same label ids copies nothing)."""
         if columns is None:
             return self.model.head(rows)
         cols = self._columns.get(tuple(columns))
