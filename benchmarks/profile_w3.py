@@ -289,4 +289,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from boundgen.compile.preload import cli_startup
+
+    cli_startup()  # AOTInductor packages may need the libstdc++ preload: re-exec as the CLI does
     sys.exit(main())
