@@ -94,6 +94,9 @@ class HFRunner:
             w = w.index_select(0, torch.as_tensor(columns, device=w.device))
         return F.linear(rows, w).float()
 
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.cpu()
+
     def beam_search(self, *args, **kwargs):
         raise ValueError("the HF baseline server implements /v1/score and /v1/rerank only")
 

@@ -13,6 +13,7 @@
 #   bash benchmarks/run_h200.sh hf-serving beam-serving         # W5 HF server; issue 15: open-loop /v1/beam
 #   bash benchmarks/run_h200.sh w5-compile cache-out diag-load startup   # issue 23 (carry .whl)
 #   bash benchmarks/run_h200.sh beam-heads                      # issue 24: trie full vs candidate head
+#   bash benchmarks/run_h200.sh w3                              # issue 25 item 1: one W3 call, before/after staging
 # Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
 set -u
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 BOUNDGEN_CACHE=${BOUNDGEN_CACHE:-/tmp/boundgen-cache} RAY_USAGE_STATS_ENABLED=0
@@ -46,6 +47,8 @@ run_phase() {
     # issue 24: W4 trie searches, full-vocabulary head vs the head on the trie level's tokens
     beam-heads) phase beam-heads 300 python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --out "$OUT/beam_heads.json" ;;
     profile) phase profile 90 python3 benchmarks/profile_host.py --root $ROOT --out "$OUT/profile.txt" ;;
+    # issue 25 item 1: one W3 call before/after the staged bucket inputs (eager+graphs; W3_ARGS="--backend aoti+graphs" builds t64 first)
+    w3) phase w3 300 python3 benchmarks/profile_w3.py --root $ROOT --json "$OUT/w3.json" ${W3_ARGS:-} ;;
     backends) phase backends 575 python3 benchmarks/bench_backends.py --root $ROOT --out "$OUT/backends.json" --budget-s $(( ${B:-575} - 15 )) ;;
     fp8-kernels) phase fp8-kernels 240 python3 benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out "$OUT/fp8_kernels.json" ;;
     fp8-model) phase fp8-model 330 python3 benchmarks/bench_fp8.py --sections env,model,gate --out "$OUT/fp8_model.json" ;;

@@ -2,9 +2,10 @@
 backend (nano-vllm's `model_runner`).
 
     rows(groups, pooling)      split to the token budget → pack, padded into a compiled bucket
-                               when one fits → stage through pooled pinned/device buffers →
-                               forward → each output sequence's row (its last token, or the mean
-                               of its tokens), or all its token rows
+                               when one fits → a captured bucket's last-token rows: one staged
+                               buffer, one copy, one replay (`compile.staging`); else stage through
+                               pooled pinned/device buffers → forward → each output sequence's row
+                               (its last token, or the mean of its tokens), or all its token rows
     head(rows, columns)        the LM head (or score head) on those rows, or some columns of it
     beam_search(prompts, ...)  bounded beam search: a whole-search CUDA graph per bucket, or a plain
                                per-request session
@@ -28,6 +29,7 @@ from boundgen.compile.backends import CompiledForwards, CompileOptions, select_f
 from boundgen.compile.buckets import Bucket, BucketSet
 from boundgen.compile.chunking import chunk
 from boundgen.compile.decode import plain_session
+from boundgen.compile.staging import StagedBucket
 from boundgen.config import ModelConfig
 from boundgen.models.decoder import DecoderModel
 from boundgen.runtime.memory import Lease, MemoryPools
@@ -37,6 +39,8 @@ from boundgen.text.packing import PackedBatch, SequenceGroup, pack
 # Tokens per forward piece on CPU: at most ~0.15 s of the demo model on 2 cores, so a cancelled or
 # late request leaves the model that soon; it costs no throughput there (BENCHMARKS.md, issue 19).
 CPU_PIECE_TOKENS = 2048
+# label-column sets `head` keeps on the device (a few per deployment: each task's label ids)
+_MAX_COLUMN_SETS = 64
 
 
 class ModelRunner:
@@ -62,6 +66,7 @@ class ModelRunner:
         self._pending: deque[tuple[torch.cuda.Event, Lease]] = deque()
         self._lock = threading.Lock()
         self._tries: dict[int, tuple] = {}  # id(trie) → (trie, its copy on this device)
+        self._columns: dict[tuple[int, ...], torch.Tensor] = {}  # label ids → on this device
 
     @property
     def config(self) -> ModelConfig:
@@ -107,6 +112,10 @@ class ModelRunner:
                         torch.zeros(rows_out, hidden_size, dtype=self.dtype, device=self.device)
                     )
                     continue
+                staged = self._staged(packed, piece_modes)
+                if staged is not None:  # one fill, one copy, one replay (compile/staging.py)
+                    outs.append(staged.rows(packed))
+                    continue
                 packed = stage_packed(packed, lease, self.device)
                 hidden = self.forward(packed)
                 out = hidden.index_select(0, packed.last_index)
@@ -121,6 +130,14 @@ class ModelRunner:
                 outs.append(out)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
+    def _staged(self, packed: PackedBatch, modes: list[str]) -> StagedBucket | None:
+        """The staged graph of a host batch in a bucket's exact layout, when every row it wants
+        is a last-token row and their number fits its gather (else None: the general path)."""
+        fn = self._by_layout.get(_layout_key(packed)) if self._by_layout else None
+        if not isinstance(fn, StagedBucket) or packed.num_rows > fn.inputs.capacity:
+            return None
+        return fn if all(m == "last" for m in modes) else None
+
     @contextlib.contextmanager
     def _staging(self) -> Iterator[Lease]:
         """Pooled pinned/device buffers for one call; they go back to the pools once the device work
@@ -134,7 +151,7 @@ class ModelRunner:
         try:
             yield lease
         finally:
-            if cuda:
+            if cuda and lease.taken:  # a staged graph's call takes nothing: no event to record
                 ev = torch.cuda.Event()
                 ev.record()
                 with self._lock:
@@ -178,12 +195,44 @@ class ModelRunner:
     @torch.inference_mode()
     def head(self, rows: torch.Tensor, columns: list[int] | None = None) -> torch.Tensor:
         """float32 logits [N, C] of the LM head (or score head); `columns` picks vocabulary ids
-        (staged through a pinned buffer: no pageable, blocking host-to-device copy)."""
+        (staged through a pinned buffer the first time, then kept on the device: a request with the
+        same label ids copies nothing)."""
         if columns is None:
             return self.model.head(rows)
+        cols = self._columns.get(tuple(columns))
+        if cols is not None:
+            return self.model.head(rows, cols)
         with self._staging() as lease:
             cols = lease.stage(torch.tensor(columns, dtype=torch.int64), bucket=False)
-            return self.model.head(rows, cols)
+            out = self.model.head(rows, cols)
+        self._keep_columns(columns, cols)
+        return out
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the host through one non-blocking copy into pinned memory (torch's caching host
+        allocator: a block is reused once its copy has run), readable once the caller's stream
+        work is synchronized: in a pipeline, return it from a device node, whose event the
+        executor synchronizes before any CPU node reads it (that event sync is then the only
+        one; `.cpu()` would add a stream sync of its own). A CPU tensor is returned as is."""
+        if t.device.type == "cpu":
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+
+    def _keep_columns(self, columns: list[int], staged: torch.Tensor) -> None:
+        """Keep a label-column set on the device (label ids repeat across requests: a later head
+        on them copies nothing). At most `_MAX_COLUMN_SETS` sets, never evicted (a kept tensor
+        may be read on any stream; freeing it would need stream bookkeeping). The copy is waited
+        for once, here, so that any stream may read it at once."""
+        if len(self._columns) >= _MAX_COLUMN_SETS:
+            return
+        kept = staged.clone()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        with self._lock:
+            if len(self._columns) < _MAX_COLUMN_SETS:
+                self._columns.setdefault(tuple(columns), kept)
 
     @torch.inference_mode()
     def beam_search(
@@ -228,6 +277,9 @@ class ModelRunner:
         if self.buckets is not None:
             out["buckets"] = [b.name for b in self.buckets]
             out.update(self.buckets.stats.as_dict())
+        staged = [f.inputs.stats() for f in self._by_layout.values() if isinstance(f, StagedBucket)]
+        if staged:
+            out["staged"] = {k: sum(s[k] for s in staged) for k in staged[0]}
         graphs = self.forwards.search if self.forwards else None
         if graphs is not None:
             out["beam_graphs"] = {

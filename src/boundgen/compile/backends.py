@@ -55,6 +55,10 @@ class CompileOptions:
     # +graphs: capture buckets up to this many tokens (graphs paid up to W2's 2048-token bucket on
     # the H200 and made no difference at 8192, where the GPU, not the launches, sets the time)
     graph_max_tokens: int = 2048
+    # +graphs: each captured bucket reads its inputs from one staged buffer (one H2D copy per call)
+    # and gathers its output rows in the graph (`compile.staging`); False: the older graphs that
+    # copy each input in and leave the gather to the runner (bench "before" runs)
+    staged_inputs: bool = True
     warmup: bool = True  # compile/aoti: run every bucket once at start-up, not in the first request
     allow_reexec: bool = False  # may re-exec the process with LD_PRELOAD (CLI entry points only)
     # +graphs: the beam search's prefill and decode layers through torch.compile (one compiled
@@ -239,11 +243,13 @@ def _build(
     search = None
     if graphs:
         from boundgen.compile.aoti import export_attention
-        from boundgen.compile.graphs import capture_buckets
+        from boundgen.compile.graphs import GraphedBucket, capture_buckets
+        from boundgen.compile.staging import StagedBucket
 
         t0 = time.perf_counter()
         with torch.inference_mode():
-            fns = capture_buckets(fns, device, opts.graph_max_tokens)
+            make = StagedBucket if opts.staged_inputs else GraphedBucket
+            fns = capture_buckets(fns, device, opts.graph_max_tokens, make)
         t1 = time.perf_counter()
         compile_decode = base != "eager" if opts.compile_decode is None else opts.compile_decode
         attention = export_attention(model, device) if compile_decode else model.backend

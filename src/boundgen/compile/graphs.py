@@ -76,10 +76,15 @@ class GraphedBucket:
         return self.graph(*flat_inputs(batch))
 
 
-def capture_buckets(fns: dict[Bucket, Callable], device: torch.device, max_tokens: int) -> dict:
-    """Graph every bucket up to `max_tokens` tokens (largest first, one shared memory pool)."""
+def capture_buckets(
+    fns: dict[Bucket, Callable], device: torch.device, max_tokens: int, make: Callable | None = None
+) -> dict:
+    """Graph every bucket up to `max_tokens` tokens (largest first, one shared memory pool) with
+    `make(fn, bucket, device, pool=pool)`: `GraphedBucket` by default, or
+    `compile.staging.StagedBucket` (one staged input buffer, rows gathered in the graph)."""
+    make = make or GraphedBucket
     pool = torch.cuda.graph_pool_handle()
     out = dict(fns)
     for bucket in sorted((b for b in fns if b.tokens <= max_tokens), key=lambda b: -b.tokens):
-        out[bucket] = GraphedBucket(fns[bucket], bucket, device, pool=pool)
+        out[bucket] = make(fns[bucket], bucket, device, pool=pool)
     return out

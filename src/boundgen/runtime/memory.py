@@ -172,6 +172,11 @@ class Lease:
         dev[:n].copy_(host[:n], non_blocking=True)
         return dev[:n]
 
+    @property
+    def taken(self) -> int:
+        """Buffers this lease holds."""
+        return len(self._taken)
+
     def release_all(self) -> None:
         taken, self._taken = self._taken, []
         for pool, t in taken:

@@ -11,7 +11,8 @@ The sequences' longest common token prefix (the query, for query-first text) is 
 all items (cascade); so is a token-id query.
 
 Pipeline: prepare (CPU: tokenize → SequenceGroups) → forward (shared batching node) → head (DEVICE:
-label columns, and the full vocabulary's log-sum-exp when asked) → finish (CPU: softmax, lists).
+label columns, and the full vocabulary's log-sum-exp when asked, the softmax over the labels when
+asked, one copy to pinned host memory) → finish (CPU: lists).
 """
 
 from __future__ import annotations
@@ -124,10 +125,18 @@ def label_scores(runner: ModelRunner, rows: torch.Tensor, request: ScoreRequest)
     return (logits - lse[:, None]).exp()
 
 
-def finish_score(label_logits: torch.Tensor, request: ScoreRequest) -> list[list[float]]:
-    """label scores float32 [N, C] → python lists (softmax over the label ids when asked)."""
+def request_scores(runner: ModelRunner, rows: torch.Tensor, request: ScoreRequest) -> torch.Tensor:
+    """The head node: `label_scores`, softmaxed over the label ids when asked, on the host (one
+    non-blocking copy into pinned memory; the executor's event sync before `finish` is the only
+    sync of the request: `runner.to_host`)."""
+    scores = label_scores(runner, rows, request)
     if request.apply_softmax and not request.raw_logits:
-        label_logits = torch.softmax(label_logits, dim=-1)
+        scores = torch.softmax(scores, dim=-1)
+    return runner.to_host(scores)
+
+
+def finish_score(label_logits: torch.Tensor, request: ScoreRequest) -> list[list[float]]:
+    """The request's final label scores float32 [N, C] (`request_scores`) → python lists."""
     return label_logits.cpu().tolist()
 
 
@@ -137,7 +146,7 @@ def build(context: WorkloadContext) -> Pipeline:
         return prepare_score(request, context.tokenizer, context.limits), "last"
 
     def head(rows: torch.Tensor, request: ScoreRequest) -> torch.Tensor:
-        return label_scores(context.runner, rows, request)
+        return request_scores(context.runner, rows, request)
 
     return Pipeline(
         "score",

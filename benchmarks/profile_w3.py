@@ -1,0 +1,295 @@
+"""Issue 25 item 1, "one replay per small request": what one W3 call (one 64-token prompt scored
+for two label tokens, `apply_softmax=True`) costs on the host and the device, before and after the
+staged bucket inputs (`compile/staging.py`).
+
+    python benchmarks/profile_w3.py --json $OUT/w3.json                       # H200, ≈ 1 min
+    python benchmarks/profile_w3.py --backend aoti+graphs --json $OUT/w3.json # builds t64 first
+    python benchmarks/profile_w3.py --preset tiny --device cpu --iters 50     # smoke test
+
+Variants (one model, one engine each, the same bucket `t64-s4-m64`):
+- before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
+          rows gathered after the replay, two pooled H2D copies), label columns staged on every
+          call, the scores read back by `.cpu()` in the finish node: the path before issue 25
+          (only the label softmax runs in the head node, as now);
+- after:  staged inputs (one host buffer, one H2D, rows gathered in the graph), label columns
+          kept on the device, the scores copied to pinned memory in the head node.
+
+Per variant, through `Engine.score` (executor, batching node, four pipeline nodes) and through the
+runner alone (`rows` + `head` + softmax + `to_host` + sync):
+- wall: median ms per call (N calls after a warm-up);
+- under torch.profiler over `--profile-calls` calls, per call: CUDA runtime API calls by name
+  (cudaMemcpyAsync, cudaStreamSynchronize, cudaEventSynchronize, cudaGraphLaunch, kernel launches,
+  cudaEventRecord/Query/Create, cudaStreamWaitEvent, cudaMalloc, cudaHostAlloc) and the host time
+  inside them; device-side copies by kind (HtoD, DtoH, DtoD), kernels, GPU busy time;
+- device tensor allocations per call (the caching allocator's `allocation.all.allocated`), pinned
+  host allocations per call (`torch.cuda.host_memory_stats`, where this torch has it).
+
+`--backend`: eager+graphs (default: no compile; the host path is the same as aoti+graphs, only
+the graph's kernels differ) or aoti+graphs (builds the t64 bucket into `--cache-dir` when missing,
+about a minute, then loads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common
+
+from boundgen import Engine
+from boundgen.checkpoints import ensure_model
+from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
+from boundgen.compile.buckets import parse_buckets
+from boundgen.compile.staging import StagedBucket
+from boundgen.runner import ModelRunner, make_runner
+from boundgen.text.packing import SequenceGroup
+
+BUCKET = "t64-s4-m64"
+LABELS = [514, 371]
+API = (
+    "cudaMemcpyAsync",
+    "cudaMemcpy",
+    "cudaStreamSynchronize",
+    "cudaEventSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaGraphLaunch",
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaEventRecord",
+    "cudaEventRecordWithFlags",
+    "cudaEventQuery",
+    "cudaEventCreateWithFlags",
+    "cudaEventDestroy",
+    "cudaStreamWaitEvent",
+    "cudaMalloc",
+    "cudaFree",
+    "cudaHostAlloc",
+    "cudaFreeHost",
+    "cudaStreamIsCapturing",
+)
+
+
+def old_path(runner: ModelRunner) -> ModelRunner:
+    """The label columns staged on every call and the scores left on the device (`.cpu()` in the
+    finish node), as before issue 25."""
+    runner._keep_columns = lambda columns, staged: None
+    runner.to_host = lambda t: t
+    return runner
+
+
+def build_runner(engine: Engine, args, staged: bool) -> ModelRunner:
+    cfg = engine.engine_config
+    if engine.device.type == "cpu":  # smoke test: the staged path without a graph
+        buckets = parse_buckets([BUCKET])
+        fns = _eager_fns(engine.model, buckets)
+        if staged:
+            fns = {b: StagedBucket(fns[b], b, engine.device) for b in buckets}
+        forwards = CompiledForwards("eager-buckets", buckets, fns, False)
+        return ModelRunner(engine.model, engine.device, forwards, cfg.max_batch_tokens)
+    opts = CompileOptions(buckets=BUCKET, cache_dir=args.cache_dir, staged_inputs=staged)
+    return make_runner(
+        engine.model,
+        engine.device,
+        cfg.max_batch_tokens,
+        cfg.share_prefix,
+        backend=args.backend,
+        options=opts,
+    )
+
+
+def device_allocs() -> int:
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory_stats().get("allocation.all.allocated", 0))
+
+
+def host_allocs() -> dict:
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "host_memory_stats"):
+        return {}
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except Exception:  # a torch without it: nothing to report
+        return {}
+    return {k: v for k, v in stats.items() if isinstance(v, int) and "alloc" in k}
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy
+
+
+def profiled(fn, calls: int, cuda: bool) -> dict:
+    """Per-call counts of one `fn()` under torch.profiler (mean over `calls`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, profile_memory=True) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    api, api_us = Counter(), Counter()
+    copies, kernels, spans = Counter(), 0, []
+    cpu_allocs = dev_allocs = 0
+    for e in prof.events():
+        name = e.name
+        if name == "[memory]":
+            cpu_allocs += getattr(e, "cpu_memory_usage", 0) > 0
+            dev = getattr(e, "device_memory_usage", None)
+            dev_allocs += (getattr(e, "cuda_memory_usage", 0) if dev is None else dev) > 0
+            continue
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            spans.append((e.time_range.start, e.time_range.end))
+            if name.startswith("Memcpy"):
+                kind = name.split()[1] if len(name.split()) > 1 else name
+                copies[kind] += 1
+            elif name.startswith("Memset"):
+                copies["Memset"] += 1
+            else:
+                kernels += 1
+            continue
+        if name in API or name.startswith(("cuda", "cuLaunch")):
+            api[name] += 1
+            api_us[name] += e.time_range.end - e.time_range.start
+    per = lambda c: {k: round(v / calls, 2) for k, v in sorted(c.items())}
+    return {
+        "api_calls": per(api),
+        "api_host_us": per(api_us),
+        "api_host_us_total": round(sum(api_us.values()) / calls, 1),
+        "device_copies": per(copies),
+        "kernels": round(kernels / calls, 2),
+        "gpu_busy_us": round(busy_us(spans) / calls, 1),
+        "cpu_tensor_allocations": round(cpu_allocs / calls, 2),
+        "device_tensor_allocations": round(dev_allocs / calls, 2),
+    }
+
+
+def measure(name: str, fn, args, cuda: bool) -> dict:
+    for _ in range(args.warmup):
+        fn()
+    common.sync("cuda" if cuda else "cpu")
+    times = []
+    d0, h0 = device_allocs(), host_allocs()
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        fn()
+        common.sync("cuda" if cuda else "cpu")
+        times.append((time.perf_counter() - t0) * 1e3)
+    d1, h1 = device_allocs(), host_allocs()
+    out = {
+        "wall_ms_median": round(statistics.median(times), 4),
+        "wall_ms_min": round(min(times), 4),
+        "device_allocations_per_call": round((d1 - d0) / args.iters, 2),
+        "pinned_host_allocations_per_call": {
+            k: round((h1[k] - h0.get(k, 0)) / args.iters, 2) for k in h1
+        },
+    }
+    out.update(profiled(fn, args.profile_calls, cuda))
+    print(f"\n== {name}", flush=True)
+    print(json.dumps(out, indent=1), flush=True)
+    return out
+
+
+def runner_call(runner: ModelRunner, groups: list[SequenceGroup], cuda: bool):
+    def call():
+        with torch.inference_mode():
+            rows = runner.rows(groups)
+            scores = torch.softmax(runner.head(rows, LABELS), dim=-1)
+            host = runner.to_host(scores)
+            if host.device.type != "cpu":  # before: `.cpu()` (a copy and a stream sync)
+                return host.cpu().tolist()
+            if cuda:  # after: the copy to pinned memory is waited for once
+                torch.cuda.current_stream().synchronize()
+            return host.tolist()
+
+    return call
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen2.5-0.5b")
+    ap.add_argument("--root", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--backend", default="eager+graphs", choices=["eager+graphs", "aoti+graphs"])
+    ap.add_argument("--cache-dir", default=None, help="AOTInductor artifacts (aoti+graphs)")
+    ap.add_argument("--variants", default="before,after")
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--profile-calls", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    path = ensure_model(args.preset, dtype=dtype, root=args.root)
+    base = Engine.from_pretrained(path, device=args.device, dtype=dtype, backend="eager")
+    vocab = base.config.vocab_size
+    prompt = common.w1_prompts(vocab, n=1, lo=64, hi=64, seed=3)
+    groups = [SequenceGroup([], prompt)]
+    want = base.score([], prompt, LABELS, apply_softmax=True)
+    res = {"env": common.env_info(), "backend": args.backend, "bucket": BUCKET, "variants": {}}
+    for variant in args.variants.split(","):
+        t0 = time.perf_counter()
+        runner = build_runner(base, args, staged=variant == "after")
+        if variant == "before":
+            old_path(runner)
+        print(f"[{variant}] runner built in {time.perf_counter() - t0:.1f} s", flush=True)
+        engine = base.with_runner(runner)
+        try:
+            got = engine.score([], prompt, LABELS, apply_softmax=True)
+            diff = max(abs(a - b) for a, b in zip(got[0], want[0]))
+            call = lambda e=engine: e.score([], prompt, LABELS, apply_softmax=True)
+            out = {
+                "max_abs_diff_vs_eager": diff,
+                "engine": measure(f"{variant}: Engine.score", call, args, cuda),
+                "runner": measure(
+                    f"{variant}: runner only", runner_call(runner, groups, cuda), args, cuda
+                ),
+                "runner_stats": runner.stats(),
+            }
+        finally:
+            engine.close()
+        res["variants"][variant] = out
+    print(
+        "\nvariant  path    wall ms  GPU busy us  API host us  H2D  D2H  DtoD  syncs  graphs  "
+        "launches  dev allocs"
+    )
+    for variant, out in res["variants"].items():
+        for path_ in ("engine", "runner"):
+            m = out[path_]
+            c, a = m["device_copies"], m["api_calls"]
+            syncs = sum(v for k, v in a.items() if "Synchronize" in k)
+            launches = sum(v for k, v in a.items() if "LaunchKernel" in k or "cuLaunch" in k)
+            print(
+                f"{variant:8s} {path_:7s} {m['wall_ms_median']:7.3f} {m['gpu_busy_us']:12.1f} "
+                f"{m['api_host_us_total']:12.1f} {c.get('HtoD', 0):4} {c.get('DtoH', 0):4} "
+                f"{c.get('DtoD', 0):5} {syncs:6} {a.get('cudaGraphLaunch', 0):7} {launches:9} "
+                f"{m['device_allocations_per_call']:11}"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    from boundgen.compile.preload import cli_startup
+
+    cli_startup()  # AOTInductor packages may need the libstdc++ preload: re-exec as the CLI does
+    sys.exit(main())

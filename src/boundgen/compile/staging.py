@@ -1,0 +1,238 @@
+"""One replay per small request: a bucket's per-call inputs staged through ONE host buffer (pinned
+on CUDA) and ONE device buffer whose views are the bucket graph's static inputs (issue 25).
+
+    StagedInputs(bucket, device)   the two buffers and their views, laid out once per bucket
+    StagedBucket(fn, bucket, ...)  the bucket's forward + the gather of its output rows over those
+                                   views, captured as one CUDA graph (a plain call off CUDA)
+
+Per call (`StagedBucket.rows`): the padded host batch is written into the host buffer through
+numpy views, copied with one non-blocking H2D into the device buffer, the graph is replayed (the
+forward, then `hidden[rows]` into its static output), and the k wanted rows are copied out once.
+No pooled buffer, no per-call event object, no per-input device-to-device copy.
+
+Buffer layout (byte offsets, each field on a 16-byte boundary: AOTInductor kernels assume aligned
+inputs and copy a misaligned one on every call):
+
+    [ input_ids i64 [T] | positions i64 [T] | rows i64 [R] | cu_seqlens i32 [S+1]
+      | cu_prefix i32 [G+1] | cu_group_q i32 [G+1] ]          (the last two in cascade buckets)
+
+Every field but `rows` is written whole on each call (a padded batch has the bucket's exact
+shapes), so nothing of an earlier, larger request survives; `rows` beyond the request's k rows is
+zeroed (row 0: a valid row whose gathered copy is never returned).
+
+Reuse rules: the host buffer is rewritten only once the previous call's copy out of it has run
+(its event, queried; waited on only if the device is that far behind, counted in `waits`); a call
+on another stream than the previous one first waits (on the device) for the previous call's
+replay, so the device buffer is never rewritten under a replay that still reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+
+import torch
+
+from boundgen.compile.buckets import Bucket
+from boundgen.compile.graphs import StaticGraph
+from boundgen.text.packing import PackedBatch
+
+_ALIGN = 16
+
+
+def _fields(bucket: Bucket, rows: int) -> list[tuple[str, torch.dtype, int]]:
+    out = [
+        ("input_ids", torch.int64, bucket.tokens),
+        ("positions", torch.int64, bucket.tokens),
+        ("rows", torch.int64, rows),
+        ("cu_seqlens", torch.int32, bucket.segments + 1),
+    ]
+    if bucket.cascade:
+        out += [("cu_prefix", torch.int32, bucket.groups + 1)]
+        out += [("cu_group_q", torch.int32, bucket.groups + 1)]
+    return out
+
+
+class StagedInputs:
+    """A bucket's per-call inputs: one host buffer (pinned when CUDA is present), one buffer on
+    `device` (a second plain buffer on CPU, so the same copy runs there), typed views of both, and
+    the static device `PackedBatch` the bucket's graph reads. `capacity`: most output rows a call
+    may ask for (default: the bucket's segments)."""
+
+    def __init__(self, bucket: Bucket, device: torch.device | str, rows: int | None = None) -> None:
+        self.bucket = bucket
+        self.device = torch.device(device)
+        self.capacity = rows or bucket.segments
+        self.layout: dict[str, tuple[torch.dtype, int, int]] = {}  # name → (dtype, byte, numel)
+        off = 0
+        for name, dtype, n in _fields(bucket, self.capacity):
+            self.layout[name] = (dtype, off, n)
+            off += -(-(n * dtype.itemsize) // _ALIGN) * _ALIGN
+        self.nbytes = off
+        cuda = self.device.type == "cuda"
+        self.host = torch.zeros(off, dtype=torch.uint8, pin_memory=cuda)
+        self.staged = torch.zeros(off, dtype=torch.uint8, device=self.device)
+        self.allocations = 2  # the two buffers above; nothing else is ever allocated here
+        self.host_views = self._views(self.host)
+        self.views = self._views(self.staged)
+        self._np = {k: v.numpy() for k, v in self.host_views.items()}
+        example = bucket.example("cpu").attn
+        v = self.views
+        self.batch = PackedBatch(
+            v["input_ids"],
+            v["positions"],
+            dataclasses.replace(
+                example,
+                cu_seqlens=v["cu_seqlens"],
+                cu_prefix=v.get("cu_prefix"),
+                cu_group_q=v.get("cu_group_q"),
+            ),
+            v["rows"],
+            v["rows"][:0],
+            v["rows"][:0],
+            [],
+        )
+        self.rows = v["rows"]
+        self.fills = 0
+        self.copies = 0  # host → device copies
+        self.waits = 0  # fills that had to wait for the previous copy out of the host buffer
+        self._copied = torch.cuda.Event() if cuda else None  # the last copy out of `host` ran
+        self._done = torch.cuda.Event() if cuda else None  # the last replay over `staged` ran
+        self._stream = None  # the stream of the last call
+
+    def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            name: buf[off : off + n * dtype.itemsize].view(dtype)
+            for name, (dtype, off, n) in self.layout.items()
+        }
+
+    def fill(self, padded: PackedBatch) -> int:
+        """Write a padded host batch of this bucket's exact layout into the host buffer; returns
+        its number of output rows k (`padded.last_index`, gathered by the graph)."""
+        a = padded.attn
+        k = padded.num_rows
+        if padded.num_tokens != self.bucket.tokens or k > self.capacity:
+            raise ValueError(
+                f"staging {self.bucket.name}: a batch of {padded.num_tokens} tokens and {k} rows "
+                f"does not fit (capacity {self.capacity} rows)"
+            )
+        if self._copied is not None and not self._copied.query():
+            self.waits += 1
+            self._copied.synchronize()
+        np_ = self._np
+        np_["input_ids"][:] = padded.input_ids.numpy()
+        np_["positions"][:] = padded.positions.numpy()
+        np_["cu_seqlens"][:] = a.cu_seqlens.numpy()
+        if self.bucket.cascade:
+            np_["cu_prefix"][:] = a.cu_prefix.numpy()
+            np_["cu_group_q"][:] = a.cu_group_q.numpy()
+        rows = np_["rows"]
+        rows[:k] = padded.last_index.numpy()
+        rows[k:] = 0
+        self.fills += 1
+        return k
+
+    def copy(self) -> None:
+        """The one host → device copy of this call (non-blocking: the host buffer is pinned)."""
+        self._order()
+        self.staged.copy_(self.host, non_blocking=True)
+        self.copies += 1
+        if self._copied is not None:
+            self._copied.record()
+
+    def assign(self, batch: PackedBatch) -> None:
+        """Copy a device batch of this layout into the static views (`StagedBucket.__call__`: a
+        caller that staged its batch itself)."""
+        self._order()
+        v, a = self.views, batch.attn
+        v["input_ids"].copy_(batch.input_ids, non_blocking=True)
+        v["positions"].copy_(batch.positions, non_blocking=True)
+        v["cu_seqlens"].copy_(a.cu_seqlens, non_blocking=True)
+        if self.bucket.cascade:
+            v["cu_prefix"].copy_(a.cu_prefix, non_blocking=True)
+            v["cu_group_q"].copy_(a.cu_group_q, non_blocking=True)
+
+    def _order(self) -> None:
+        """On another stream than the previous call: wait (on the device) for that call's replay
+        before the device buffer is rewritten. Same stream: stream order suffices."""
+        if self._done is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if self._stream is not None and stream != self._stream:
+            stream.wait_event(self._done)
+        self._stream = stream
+
+    def done(self) -> None:
+        """After the replay and the read of its output: the device buffer may be rewritten."""
+        if self._done is not None:
+            self._done.record()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "fills": self.fills,
+            "copies": self.copies,
+            "waits": self.waits,
+            "allocations": self.allocations,
+            "bytes": self.nbytes,
+        }
+
+
+class StagedBucket:
+    """A bucket's packed forward `fn(batch) -> hidden [T, H]` over `StagedInputs`' device views,
+    with the gather of the wanted rows (`hidden[rows]` into a static [capacity, H] output); on
+    CUDA captured as one CUDA graph (`capture`), elsewhere called as is (CPU tests: same buffers,
+    same copies, no graph)."""
+
+    def __init__(
+        self,
+        fn: Callable[[PackedBatch], torch.Tensor],
+        bucket: Bucket,
+        device: torch.device | str,
+        pool=None,
+        capture: bool | None = None,
+        rows: int | None = None,
+    ) -> None:
+        self.bucket = bucket
+        self.inputs = StagedInputs(bucket, device, rows)
+        self.inputs.fill(bucket.example("cpu"))  # valid inputs for the warm-up and the capture
+        self.inputs.copy()
+        self._fn = fn
+        self.lock = threading.Lock()
+        self.replays = 0
+        capture = self.inputs.device.type == "cuda" if capture is None else capture
+        self.graph = None
+        if capture:
+            self.graph = StaticGraph(lambda: self._body(), [], pool=pool)
+
+    def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self._fn(self.inputs.batch)
+        return hidden, hidden.index_select(0, self.inputs.rows)
+
+    def _replay(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.replays += 1
+        if self.graph is None:
+            return self._body()
+        self.graph.graph.replay()
+        return self.graph.output
+
+    def rows(self, padded: PackedBatch) -> torch.Tensor:
+        """Hidden rows [k, H] of a padded host batch in this bucket's layout at its `last_index`
+        rows: one fill, one H2D copy, one replay, one copy of the k rows out of the static
+        output (a tensor of the caller's, valid after the next call)."""
+        with self.lock:
+            k = self.inputs.fill(padded)
+            self.inputs.copy()
+            _, out = self._replay()
+            out = out[:k].clone()
+            self.inputs.done()
+            return out
+
+    def __call__(self, batch: PackedBatch) -> torch.Tensor:
+        """`GraphedBucket`'s call: a device batch of this layout → hidden [T, H] (the graph's static
+        output on CUDA: valid until the next call; hold `lock` to share)."""
+        with self.lock:
+            self.inputs.assign(batch)
+            hidden, _ = self._replay()
+            self.inputs.done()
+            return hidden
