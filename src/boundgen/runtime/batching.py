@@ -20,6 +20,13 @@ its oldest request finish before its deadline; the first request always runs. Th
 recomputed for every batch from the recent batches' fit, so it shrinks when batches get slower and
 grows back (up to `token_budget`) when they get faster.
 
+"While a batch runs" is while the device runs it only when `fn` waits for its device work
+(`host_outputs`, the beam node: its search's results come to the host inside the batch); a
+function that only queues device work ends at once, and its batches do not merge by the device's
+time. Lanes (`lane`): requests of different keys (the beam node: width, steps, trie) queue and
+merge apart, each lane with its own leader, and at most `lane_max` of `count` per batch (the
+beam node: the prompts of the largest whole-search graph made for the lane).
+
 A function that works in pieces takes an `alive` argument as well: one callable per merged
 request, in merge order, true while the request still wants its result (not cancelled, not past
 its deadline). It asks between pieces and drops a dead request's rest. Every batch's size and run
@@ -264,11 +271,12 @@ class _Item:
 
 
 class _Lane:
-    """One queue of a batching node: its waiting requests, its leader slot, its batcher thread,
-    its CUDA stream and the batch it runs now. Requests of different lanes never share a batch,
-    and lanes run side by side."""
+    """One queue of a batching node: its waiting requests, its leader slot, its batcher thread
+    and the batch it runs now. Requests of different lanes never share a batch, and lanes are
+    formed and run side by side (their device work goes to the node's one CUDA stream: CUDA
+    graphs that share a memory pool must not run concurrently)."""
 
-    __slots__ = ("key", "kick", "leaders", "running", "stream", "thread", "waiting")
+    __slots__ = ("key", "kick", "leaders", "running", "thread", "waiting")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key
@@ -276,7 +284,6 @@ class _Lane:
         self.leaders = 0
         self.kick: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
-        self.stream: Any = None
         # (tokens, requests, forwards, start ns) of the batch running now, else None; one tuple
         # so a reader on another thread sees one batch's values
         self.running: tuple[int, int, int, int] | None = None
@@ -307,12 +314,17 @@ class BatchingNode(Node):
     - `latency_target_ms`: adapt the token budget to the cost model (module docstring); None:
       always `token_budget`.
     - `lane(inputs) -> hashable`: requests of different lanes never share a batch; each lane has
-      its own queue, leader, batcher thread and CUDA stream, so a batch of one lane never waits
-      behind a batch of another (the beam node: one lane per width, steps and trie). At most
-      `max_lanes` lanes; requests of further keys share one more lane. Default: one lane.
+      its own queue, leader and batcher thread, so a batch of one lane is never formed behind a
+      batch of another, nor answered after it (with `host_outputs`; their device work shares the
+      node's stream). The beam node: one lane per width, steps and trie. At most `max_lanes`
+      lanes; requests of further keys share one more lane. Default: one lane.
     - `count(inputs) -> int` (default 1) and `lane_max(lane_key, inputs) -> int | None`: a batch
       of a lane takes at most `lane_max` of `count` (the beam node: prompts, up to the largest
       whole-search graph made for the lane; `inputs` are the batch's first request's).
+    - `host_outputs`: `fn` waits for its own device work and returns host data (the beam node:
+      one device→host copy per search), so the batch's run time is the device's and no CUDA
+      event is handed to the requests (a later batch of another lane, queued on the same stream,
+      would otherwise hold up their completion).
     - `clock`: nanoseconds, monotonic (tests inject one).
     """
 
@@ -334,6 +346,7 @@ class BatchingNode(Node):
         count: Callable[[dict[str, Any]], int] | None = None,
         lane_max: Callable[[Hashable, dict[str, Any]], int | None] | None = None,
         max_lanes: int = 16,
+        host_outputs: bool = False,
         kind: NodeKind | str = NodeKind.DEVICE,
         bind: dict[str, str] | None = None,
         raises: tuple[type[BaseException], ...] = (),
@@ -363,6 +376,8 @@ class BatchingNode(Node):
         self._clock = clock
         self._cv = threading.Condition(threading.Lock())
         self._lanes: dict[Hashable, _Lane] = {}
+        self._cuda_stream: Any = None
+        self.host_outputs = host_outputs
         self._closed = False
         self._pass_alive = _takes_alive(fn)
         self.cost = CostModel()
@@ -584,12 +599,12 @@ class BatchingNode(Node):
             units = min(units, self.cost.units_within(left_ms) or 0.0)
         return max(1, min(self.token_budget, int(units)))
 
-    def _stream(self, lane: _Lane, executor: Any) -> Any:
-        if lane.stream is None:
+    def _stream(self, executor: Any) -> Any:
+        if self._cuda_stream is None:
             with self._cv:
-                if lane.stream is None:
-                    lane.stream = torch.cuda.Stream(device=executor.device)
-        return lane.stream
+                if self._cuda_stream is None:
+                    self._cuda_stream = torch.cuda.Stream(device=executor.device)
+        return self._cuda_stream
 
     def _shapes_of(self, items: list[_Item]) -> Sequence[Hashable]:
         return self.shapes([it.args for it in items]) if self.shapes is not None else (None,)
@@ -635,14 +650,15 @@ class BatchingNode(Node):
         lane.running = (tokens, len(live), len(shapes), start)
         try:
             if executor.cuda and self.kind is NodeKind.DEVICE:
-                stream = self._stream(lane, executor)
+                stream = self._stream(executor)
                 # inputs were made by CPU nodes: order after anything they queued on the default
                 # stream
                 stream.wait_stream(torch.cuda.default_stream(executor.device))
                 with torch.cuda.stream(stream):
                     parts = self._run(live)
-                event = torch.cuda.Event()
-                event.record(stream)
+                if not self.host_outputs:
+                    event = torch.cuda.Event()
+                    event.record(stream)
             else:
                 parts = self._run(live)
         except Exception as exc:

@@ -123,11 +123,13 @@ def to_host(tokens: torch.Tensor, scores: torch.Tensor) -> tuple[np.ndarray, np.
     """A merged search's results on the host: both copies queued, then one wait (on a GPU: one
     device→host sync per search, whatever the number of requests and beams in it)."""
     scores = scores.float()
-    device = tokens.device
-    if device.type == "cuda":
-        # non-blocking copies to the host land in pinned memory; one wait for both
+    if tokens.device.type == "cuda":
+        # non-blocking copies to the host land in pinned memory; one wait for both, on an event
+        # (not the stream: a search of another lane may be queued on it after this one)
         tokens, scores = tokens.to("cpu", non_blocking=True), scores.to("cpu", non_blocking=True)
-        torch.cuda.current_stream(device).synchronize()
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
     return tokens.numpy(), scores.numpy()
 
 
@@ -139,6 +141,7 @@ class _Beam:
     search at once."""
 
     to_host = staticmethod(to_host)  # a test counts the transfers through it
+    host_outputs = True  # the rows are on the host when a search's batch ends
 
     def __init__(self, context: WorkloadContext) -> None:
         self.context = context
