@@ -10,10 +10,11 @@ through the bodies and reads every 200 response's `Server-Timing`:
   between requests, so that together they offer about that rate (bench_tail.py's approximation of
   an open loop).
 
-Each run reports ok/s, client p50/p99 and the server's split: the mean of every `Server-Timing`
-entry over the run (`app` the whole handler; `parse`, `prep`, `infer`, `hops`, `reply` the beam
-handler's stages; `runtime` and its nodes, `beam-batch-wait` / `beam-batch-run` the merge wait and
-the merged search, `beam-batch` the requests merged; `docs/serving.md`) and `app`'s p50/p99.
+Each run reports ok/s, client p50/p99, the requests per merged search (the beam node's counters
+in /metrics) and the server's split: the mean of every `Server-Timing` entry over the run (`app`
+the whole handler; `parse`, `prep`, `infer`, `hops`, `reply` the beam handler's stages; `runtime`
+and its nodes, `beam-batch-wait` / `beam-batch-run` the merge wait and the merged search;
+docs/serving.md) and `app`'s p50/p99.
 
 `--fake-search FIXED_MS[,PER_PROMPT_MS]` (CPU): the server's `ModelRunner.beam_search` is replaced
 by a sleep of FIXED + PER_PROMPT × prompts ms that returns the trie's first items (or fixed tokens
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -129,7 +131,29 @@ def wrk_binary() -> str:
     return str(carried) if carried.exists() else "wrk"
 
 
+def beam_batches(url: str) -> tuple[float, float]:
+    """(merged searches, requests in them) the server's beam node has run so far (/metrics)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+
+    def value(name: str) -> float:
+        m = re.search(rf'^{name}(?:_total)?\{{node="beam"\}} (\S+)$', text, re.MULTILINE)
+        return float(m.group(1)) if m else 0.0
+
+    return value("boundgen_runtime_batches"), value("boundgen_runtime_batched_requests")
+
+
 def run_wrk(
+    url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
+) -> dict:
+    b0, r0 = beam_batches(url)
+    row = _run_wrk(url, script, bodies, connections, think_ms, seconds, cpus)
+    b1, r1 = beam_batches(url)
+    row["beam_batches"] = b1 - b0
+    row["requests_per_batch"] = (r1 - r0) / (b1 - b0) if b1 > b0 else 0.0
+    return row
+
+
+def _run_wrk(
     url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
 ) -> dict:
     threads = max(1, min(4, connections // 16 or 1))
@@ -175,9 +199,9 @@ SPLIT = (
 
 
 def table(rows: list[dict]) -> str:
-    head = "| load | ok/s | p50 ms | p99 ms | app p50 / p99 ms | " + " | ".join(SPLIT)
-    head += " | errors |"
-    lines = [head, "| --- |" + " ---: |" * (len(SPLIT) + 5)]
+    head = "| load | ok/s | p50 ms | p99 ms | app p50 / p99 ms | req/search | "
+    head += " | ".join(SPLIT) + " | errors |"
+    lines = [head, "| --- |" + " ---: |" * (len(SPLIT) + 6)]
     for r in rows:
         load = f"{r['connections']} conn" + (
             f", think {r['think_ms']:.0f} ms" if r["think_ms"] else ""
@@ -186,7 +210,8 @@ def table(rows: list[dict]) -> str:
         split = " | ".join(f"{means[k]:.3f}" if k in means else "–" for k in SPLIT)
         lines.append(
             f"| {load} | {r['ok_per_s']:.1f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-            f"{r['server_p50_ms']:.2f} / {r['server_p99_ms']:.2f} | {split} | {r['errors']} |"
+            f"{r['server_p50_ms']:.2f} / {r['server_p99_ms']:.2f} | "
+            f"{r.get('requests_per_batch', 0):.1f} | {split} | {r['errors']} |"
         )
     return "\n".join(lines)
 
