@@ -17,8 +17,11 @@ and its nodes, `beam-batch-wait` / `beam-batch-run` the merge wait and the merge
 docs/serving.md) and `app`'s p50/p99.
 
 `--fake-search FIXED_MS[,PER_PROMPT_MS]` (CPU): the server's `ModelRunner.beam_search` is replaced
-by a sleep of FIXED + PER_PROMPT × prompts ms that returns the trie's first items (or fixed tokens
-without a trie): a search of known cost, so what is measured is everything around it.
+by a fake of FIXED + PER_PROMPT × prompts ms that returns the trie's first items (or fixed tokens
+without a trie): a search of known cost, so what is measured is everything around it. Like a GPU
+search it returns at once with results that are not ready: searches queue one after the other
+(one stream), and reading a result on the host (`.cpu()`, `.tolist()`, `.numpy()`, `float()`, ...)
+waits until its search has ended; `--fake-sync`: the call itself sleeps instead.
 
     # CPU, the tiny model, a fake 5 ms search
     python benchmarks/bench_beam_wrk.py --fake-search 5,0.1 --connections 1 8 32 --rates 100 200
@@ -51,15 +54,40 @@ HERE = Path(__file__).resolve().parent
 # Run in the server process before `boundgen serve` with --fake-search: the search as a sleep of
 # known cost returning the trie's first items (what the real search returns is the same shape).
 FAKE_SEARCH = r"""
-import os, time, numpy as np, torch
+import os, threading, time, numpy as np, torch
 import boundgen.runner as _r
 _fixed, _, _per = os.environ["BOUNDGEN_FAKE_SEARCH"].partition(",")
 _fixed, _per = float(_fixed) / 1e3, float(_per or 0) / 1e3
+_sync = os.environ.get("BOUNDGEN_FAKE_SYNC") == "1"
 _trie = os.environ.get("BOUNDGEN_FAKE_TRIE")
 _items = torch.as_tensor(np.load(_trie)[:64]) if _trie else None
+_HOST_READS = {"cpu", "to", "tolist", "item", "numpy", "__float__", "__int__", "__bool__",
+               "__index__", "__repr__", "__format__", "__array__"}
+_gpu = {"free_at": 0.0}
+_gpu_lock = threading.Lock()
+
+class _Pending(torch.Tensor):
+    # a result "on the GPU": ready at `_ready`; reading it on the host waits until then, other
+    # ops give results ready at the same time (as kernels queued behind it would)
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        flat = list(args) + list((kwargs or {}).values())
+        ready = max((a._ready for a in flat if isinstance(a, _Pending)), default=0.0)
+        if name in _HOST_READS:
+            wait = ready - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if name not in _HOST_READS and name != "__get__" and isinstance(out, torch.Tensor):
+            out = out.as_subclass(_Pending)
+            out._ready = ready
+        return out
+
 def _fake(self, prompts, width, steps, trie=None, banned=()):
     b = len(prompts)
-    time.sleep(_fixed + _per * b)
+    cost = _fixed + _per * b
     if trie is not None and _items is not None:
         rows = _items[:width, :steps]
     else:
@@ -67,6 +95,13 @@ def _fake(self, prompts, width, steps, trie=None, banned=()):
     tokens = rows.unsqueeze(0).expand(b, width, steps).clone()
     first = torch.tensor([float(p[0]) for p in prompts]).unsqueeze(1)
     scores = -torch.arange(width, dtype=torch.float32).unsqueeze(0) - first * 1e-3
+    if _sync:
+        time.sleep(cost)
+        return tokens, scores
+    with _gpu_lock:  # one stream: a search starts when the one queued before it ends
+        ready = _gpu["free_at"] = max(time.perf_counter(), _gpu["free_at"]) + cost
+    tokens, scores = tokens.as_subclass(_Pending), scores.as_subclass(_Pending)
+    tokens._ready = scores._ready = ready
     return tokens, scores
 _r.ModelRunner.beam_search = _fake
 """
@@ -222,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="checkpoint dir (default: the tiny test model)")
     p.add_argument("--serve-args", default="", help="extra `boundgen serve` flags, one string")
     p.add_argument("--fake-search", default=None, help="FIXED_MS[,PER_PROMPT_MS]: see above")
+    p.add_argument("--fake-sync", action="store_true", help="the fake search sleeps in the call")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--steps", type=int, default=4)
@@ -259,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = ["taskset", "-c", args.server_cpus, *cmd]
         if args.fake_search:
             env["BOUNDGEN_FAKE_SEARCH"] = args.fake_search
+            env["BOUNDGEN_FAKE_SYNC"] = "1" if args.fake_sync else "0"
             if trie_path is not None:
                 env["BOUNDGEN_FAKE_TRIE"] = str(trie_path)  # the items' sequences, in order
         print(f"== {' '.join(cmd[:3])} ... {' '.join(cmd[5:])}", flush=True)
