@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-args", default="", help="extra `boundgen serve` flags, one string")
     p.add_argument("--fake-search", default=None, help="FIXED_MS[,PER_PROMPT_MS]: see above")
     p.add_argument("--fake-sync", action="store_true", help="the fake search sleeps in the call")
+    p.add_argument("--server-prelude", default="", help="Python run in the server process first")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--steps", type=int, default=4)
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        prelude = FAKE_SEARCH if args.fake_search else ""
+        prelude = (FAKE_SEARCH if args.fake_search else "") + "\n" + args.server_prelude
         code = f"{prelude}\nimport sys\nfrom boundgen.cli import main\nsys.exit(main())"
         model = args.model or str(tiny_model_dir())
         cmd = [sys.executable, "-c", code, "serve", "--port", str(port), "--log-level", "warning"]
