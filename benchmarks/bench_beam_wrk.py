@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     trie_path = None
     if args.trie_items:
-        trie_path = make_trie(out.parent, args.trie_items, args.steps)
+        # not next to the results: a device call brings back a few files only
+        trie_path = make_trie(Path(tempfile.gettempdir()), args.trie_items, args.steps)
     proc, url, ready_s = None, args.url, None
     env = dict(os.environ)
     if url is None:
