@@ -14,6 +14,7 @@
 #   bash benchmarks/run_h200.sh w5-compile cache-out diag-load startup   # issue 23 (carry .whl)
 #   bash benchmarks/run_h200.sh beam-heads                      # issue 24: trie full vs candidate head
 #   bash benchmarks/run_h200.sh w3                              # issue 25 item 1: one W3 call, before/after staging
+#   bash benchmarks/run_h200.sh beam-wrk                        # issue 24: /v1/beam under wrk (carry .whl .tools; ≤ 5 min)
 # Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
 set -u
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 BOUNDGEN_CACHE=${BOUNDGEN_CACHE:-/tmp/boundgen-cache} RAY_USAGE_STATS_ENABLED=0
@@ -77,6 +78,11 @@ run_phase() {
     hf-serving) phase hf-serving 90 python3 benchmarks/bench_serving.py --model $M --device cuda --servers hf --qps-steps 5 10 --duration 6 --warmup 5 --out-dir "$OUT/hf" ;;
     beam-serving) echo '[{"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": 16, "trie": "w4"}]' > /tmp/beam_profile.json
       phase beam-serving 420 python3 benchmarks/bench_serving.py --model $M --device cuda --workload beam --servers boundgen --slo-ms 50 --trie-items 100000 --qps-steps ${BEAM_QPS:-50 100 200 400 800 1600} --duration 6 --warmup 20 --serve-args "--backend compile+graphs --compile-buckets t64 --warmup /tmp/beam_profile.json" --out-dir "$OUT/beam" ;;
+    # issue 24: /v1/beam driven by wrk (carry .whl .tools): closed-loop connection sweep, then
+    # think-time steps offering ~BEAM_WRK_RATES req/s; ok/s, p50/p99 and the server's split
+    # (A/B: BEAM_WRK_PRELUDE="import sys; sys.setswitchinterval(0.0005)" BEAM_WRK_NAME=beam_wrk_si)
+    beam-wrk) echo '[{"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": 16, "trie": "w4"}]' > /tmp/beam_profile.json
+      phase beam-wrk 300 python3 benchmarks/bench_beam_wrk.py --model $M --trie-items 100000 --connections ${BEAM_WRK_CONNS:-1 4 16 64 256} --rates ${BEAM_WRK_RATES:-250 500 1000} --wrk-connections 256 --duration ${BEAM_WRK_S:-8} --budget-s $(( ${B:-300} - 10 )) --server-cpus 0-7 --client-cpus 8-15 --serve-args "--device cuda --dtype bfloat16 --backend compile+graphs --compile-buckets t64 --warmup /tmp/beam_profile.json" --server-prelude "${BEAM_WRK_PRELUDE:-}" --out "$OUT/${BEAM_WRK_NAME:-beam_wrk}.json" ;;
     # last: every log and JSON in one file (a call brings back at most 8 files)
     pack-logs) (cd "$OUT" && tar -czf logs.tgz --exclude='cache.tgz.*' --exclude=logs.tgz . && find . -type f ! -name 'cache.tgz.*' ! -name logs.tgz -delete && ls -la) ;;
     *) echo "unknown phase $p" ;;

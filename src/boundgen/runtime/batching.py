@@ -20,6 +20,13 @@ its oldest request finish before its deadline; the first request always runs. Th
 recomputed for every batch from the recent batches' fit, so it shrinks when batches get slower and
 grows back (up to `token_budget`) when they get faster.
 
+"While a batch runs" is while the device runs it only when `fn` waits for its device work
+(`host_outputs`, the beam node: its search's results come to the host inside the batch); a
+function that only queues device work ends at once, and its batches do not merge by the device's
+time. Lanes (`lane`): requests of different keys (the beam node: width, steps, trie) queue and
+merge apart, each lane with its own leader, and at most `lane_max` of `count` per batch (the
+beam node: the prompts of the largest whole-search graph made for the lane).
+
 A function that works in pieces takes an `alive` argument as well: one callable per merged
 request, in merge order, true while the request still wants its result (not cancelled, not past
 its deadline). It asks between pieces and drops a dead request's rest. Every batch's size and run
@@ -247,13 +254,42 @@ def _takes_alive(fn: Callable[..., Any]) -> bool:
 
 
 class _Item:
-    __slots__ = ("args", "arrival_ns", "done", "req", "size")
+    __slots__ = ("args", "arrival_ns", "count", "done", "req", "size")
 
     def __init__(
-        self, req: Any, args: dict[str, Any], done: Callable[..., None], size: int, now: int
+        self,
+        req: Any,
+        args: dict[str, Any],
+        done: Callable[..., None],
+        size: int,
+        now: int,
+        count: int = 1,
     ):
         self.req, self.args, self.done, self.size = req, args, done, size
         self.arrival_ns = now
+        self.count = count
+
+
+class _Lane:
+    """One queue of a batching node: its waiting requests, its leader slot, its batcher thread
+    and the batch it runs now. Requests of different lanes never share a batch, and lanes are
+    formed and run side by side (their device work goes to the node's one CUDA stream: CUDA
+    graphs that share a memory pool must not run concurrently)."""
+
+    __slots__ = ("key", "kick", "leaders", "running", "thread", "waiting")
+
+    def __init__(self, key: Hashable) -> None:
+        self.key = key
+        self.waiting: deque[_Item] = deque()
+        self.leaders = 0
+        self.kick: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        # (tokens, requests, forwards, start ns) of the batch running now, else None; one tuple
+        # so a reader on another thread sees one batch's values
+        self.running: tuple[int, int, int, int] | None = None
+
+
+_OVERFLOW = ("<overflow>",)  # the lane of every key past `max_lanes` (their requests may merge)
 
 
 class BatchingNode(Node):
@@ -277,6 +313,18 @@ class BatchingNode(Node):
       (so only the node's first batch is skipped).
     - `latency_target_ms`: adapt the token budget to the cost model (module docstring); None:
       always `token_budget`.
+    - `lane(inputs) -> hashable`: requests of different lanes never share a batch; each lane has
+      its own queue, leader and batcher thread, so a batch of one lane is never formed behind a
+      batch of another, nor answered after it (with `host_outputs`; their device work shares the
+      node's stream). The beam node: one lane per width, steps and trie. At most `max_lanes`
+      lanes; requests of further keys share one more lane. Default: one lane.
+    - `count(inputs) -> int` (default 1) and `lane_max(lane_key, inputs) -> int | None`: a batch
+      of a lane takes at most `lane_max` of `count` (the beam node: prompts, up to the largest
+      whole-search graph made for the lane; `inputs` are the batch's first request's).
+    - `host_outputs`: `fn` waits for its own device work and returns host data (the beam node:
+      one device→host copy per search), so the batch's run time is the device's and no CUDA
+      event is handed to the requests (a later batch of another lane, queued on the same stream,
+      would otherwise hold up their completion).
     - `clock`: nanoseconds, monotonic (tests inject one).
     """
 
@@ -294,6 +342,11 @@ class BatchingNode(Node):
         max_wait_ms: float = 0.0,
         max_batch: int | None = None,
         latency_target_ms: float | None = None,
+        lane: Callable[[dict[str, Any]], Hashable] | None = None,
+        count: Callable[[dict[str, Any]], int] | None = None,
+        lane_max: Callable[[Hashable, dict[str, Any]], int | None] | None = None,
+        max_lanes: int = 16,
+        host_outputs: bool = False,
         kind: NodeKind | str = NodeKind.DEVICE,
         bind: dict[str, str] | None = None,
         raises: tuple[type[BaseException], ...] = (),
@@ -318,17 +371,14 @@ class BatchingNode(Node):
         self.max_wait_ns = int(max_wait_ms * 1e6)
         self.max_batch = max_batch
         self.latency_target_ms = latency_target_ms
+        self.lane, self.count, self.lane_max = lane, count, lane_max
+        self.max_lanes = max(1, int(max_lanes))
         self._clock = clock
-        self._waiting: deque[_Item] = deque()
         self._cv = threading.Condition(threading.Lock())
-        self._leaders = 0
-        self._kick: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        self._lanes: dict[Hashable, _Lane] = {}
         self._cuda_stream: Any = None
+        self.host_outputs = host_outputs
         self._closed = False
-        # (tokens, requests, forwards, start ns) of the batch running now, else None; one tuple
-        # so a reader on another thread sees one batch's values
-        self._running: tuple[int, int, int, int] | None = None
         self._pass_alive = _takes_alive(fn)
         self.cost = CostModel()
         # Counters, updated under the condition's lock.
@@ -343,14 +393,28 @@ class BatchingNode(Node):
 
     def start(self, req: Any, args: dict[str, Any], done: Callable[..., None]) -> None:
         size = self.size(args) if self.size is not None else 1
-        item = _Item(req, args, done, size, self._clock())
+        count = self.count(args) if self.count is not None else 1
+        item = _Item(req, args, done, size, self._clock(), count)
+        key = self.lane(args) if self.lane is not None else None
         with self._cv:
-            self._waiting.append(item)
-            if self._leaders:
-                self._cv.notify()  # a leader that is waiting for more may take it now
+            lane = self._lane_of(key)
+            lane.waiting.append(item)
+            if lane.leaders:
+                self._cv.notify_all()  # a leader that is waiting for more may take it now
                 return
-            self._leaders += 1
-        self._lead()  # this thread runs the batch
+            lane.leaders += 1
+        self._lead(lane)  # this thread runs the batch
+
+    def _lane_of(self, key: Hashable) -> _Lane:
+        """The lane of `key` (made on first use); the caller holds the lock."""
+        lane = self._lanes.get(key)
+        if lane is None:
+            if len(self._lanes) >= self.max_lanes:
+                key = _OVERFLOW
+                lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = _Lane(key)
+        return lane
 
     def call_unbatched(self, args: dict[str, Any]) -> tuple[Any, ...]:
         batch, sizes = self.merge([args])
@@ -361,17 +425,22 @@ class BatchingNode(Node):
         """Stop the batcher threads; requests still waiting fail with a clear error."""
         with self._cv:
             self._closed = True
-            left = list(self._waiting)
-            self._waiting.clear()
+            lanes = list(self._lanes.values())
+            left = [it for lane in lanes for it in lane.waiting]
+            for lane in lanes:
+                lane.waiting.clear()
         for it in left:
             it.done(
                 None, RuntimeError(f"batching node {self.name!r} was closed before the request ran")
             )
-        for _ in self._threads:
-            self._kick.put(None)
-        for t in self._threads:
+        threads = [lane.thread for lane in lanes if lane.thread is not None]
+        for lane in lanes:
+            if lane.thread is not None:
+                lane.kick.put(None)
+        for t in threads:
             t.join(timeout=5)
-        self._threads = []
+        for lane in lanes:
+            lane.thread = None
 
     def stats(self) -> dict[str, Any]:
         b = self.batches
@@ -382,25 +451,31 @@ class BatchingNode(Node):
             "mean_requests_per_batch": self.batched_requests / b if b else 0.0,
             "max_requests_in_batch": self.max_requests_in_batch,
             "token_budget": self.last_budget,
+            "lanes": len(self._lanes),
             "cost": self.cost.stats(),
         }
 
     # ---- predictions
     # -------------------------------------------------------------------------------------
 
+    def _runs(self) -> list[tuple[int, int, int, int]]:
+        return [r for lane in list(self._lanes.values()) if (r := lane.running) is not None]
+
     def running(self) -> tuple[int, int]:
-        """(tokens, requests) of the batch running now; (0, 0) when idle."""
-        run = self._running
-        return (0, 0) if run is None else (run[0], run[1])
+        """(tokens, requests) of the batches running now (one per busy lane); (0, 0) when
+        idle."""
+        runs = self._runs()
+        return (sum(r[0] for r in runs), sum(r[1] for r in runs))
 
     def rest_ms(self) -> float:
-        """Predicted time left of the batch running now (0 when idle or while the cost model is
-        cold)."""
-        run = self._running
-        if run is None or not self.cost.warm:
+        """Predicted time left of the batches running now, the longest of them (lanes run side
+        by side; 0 when idle or while the cost model is cold)."""
+        if not self.cost.warm:
             return 0.0
-        tokens, _, forwards, start = run
-        return max(0.0, self.cost.predict_ns(tokens, forwards) - (self._clock() - start)) / 1e6
+        now, rest = self._clock(), 0.0
+        for tokens, _, forwards, start in self._runs():
+            rest = max(rest, self.cost.predict_ns(tokens, forwards) - (now - start))
+        return rest / 1e6
 
     def queue_ms(self, units: float, requests: int = 1) -> float | None:
         """Predicted run time of `units` tokens of `requests` requests as the merged forwards
@@ -425,57 +500,60 @@ class BatchingNode(Node):
             return tuple(part[n] for n in names)
         return tuple(part)
 
-    def _lead(self) -> None:
-        """Form and run one batch; the caller holds a leader slot, released here. If requests are
-        still waiting afterwards, a batcher thread takes the slot and leads the next batch."""
+    def _lead(self, lane: _Lane) -> None:
+        """Form and run one batch of `lane`; the caller holds the lane's leader slot, released
+        here. If requests are still waiting afterwards, the lane's batcher thread takes the slot
+        and leads the next batch."""
         try:
-            batch = self._take()
+            batch = self._take(lane)
             if batch:
-                self._run_batch(batch)
+                self._run_batch(lane, batch)
         finally:
             with self._cv:
-                more = bool(self._waiting) and not self._closed
+                more = bool(lane.waiting) and not self._closed
                 if not more:
-                    self._leaders -= 1
+                    lane.leaders -= 1
             if more:  # keep the slot and hand it to a batcher thread
-                self._ensure_threads()
-                self._kick.put(1)
+                self._ensure_thread(lane)
+                lane.kick.put(1)
 
-    def _ensure_threads(self) -> None:
-        if self._threads:
-            return
+    def _ensure_thread(self, lane: _Lane) -> None:
         with self._cv:
-            if self._threads:
+            if lane.thread is not None:
                 return
-            self._threads = [
-                threading.Thread(
-                    target=self._background, name=f"boundgen-batch-{self.name}", daemon=True
-                )
-            ]
-            threads = list(self._threads)
-        for t in threads:
-            t.start()
+            lane.thread = thread = threading.Thread(
+                target=self._background,
+                args=(lane,),
+                name=f"boundgen-batch-{self.name}-{len(self._lanes)}",
+                daemon=True,
+            )
+        thread.start()
 
-    def _background(self) -> None:
+    def _background(self, lane: _Lane) -> None:
         while True:
-            if self._kick.get() is None:
+            if lane.kick.get() is None:
                 return
-            self._lead()
+            self._lead(lane)
 
-    def _take(self) -> list[_Item]:
+    def _take(self, lane: _Lane) -> list[_Item]:
         with self._cv:
-            waiting = self._waiting
+            waiting = lane.waiting
             while waiting and waiting[0].req.failed:  # cancelled or failed while it waited
                 waiting.popleft()
             if not waiting:
                 return []
             first = waiting.popleft()
             batch = [first]
-            tokens = first.size
+            tokens, count = first.size, first.count
+            most = None
+            if self.lane_max is not None and lane.key is not _OVERFLOW:
+                most = self.lane_max(lane.key, first.args)
             deadline = first.req.deadline_ns
             wait_until = first.arrival_ns + self.max_wait_ns
             budget = self.last_budget = self._budget(first, waiting)
             while tokens < budget and (self.max_batch is None or len(batch) < self.max_batch):
+                if most is not None and count >= most:
+                    break
                 if waiting:
                     nxt = waiting[0]
                     if nxt.req.failed:
@@ -483,9 +561,12 @@ class BatchingNode(Node):
                         continue
                     if tokens + nxt.size > budget:
                         break  # starts the next batch
+                    if most is not None and count + nxt.count > most:
+                        break  # a search of its own: the lane's largest graph is full
                     waiting.popleft()
                     batch.append(nxt)
                     tokens += nxt.size
+                    count += nxt.count
                     d = nxt.req.deadline_ns
                     if d is not None and (deadline is None or d < deadline):
                         deadline = d
@@ -535,7 +616,7 @@ class BatchingNode(Node):
             return 0.0
         return self.cost.predict_ns(tokens, len(self._shapes_of(items)))
 
-    def _run_batch(self, batch: list[_Item]) -> None:
+    def _run_batch(self, lane: _Lane, batch: list[_Item]) -> None:
         start = self._clock()
         batch = [it for it in batch if not it.req.failed]
         run_ns = self._predicted_ns(sum(it.size for it in batch), batch)
@@ -566,7 +647,7 @@ class BatchingNode(Node):
         event = None
         _marks.unsteady = False
         compiles = COMPILES.total()  # a compile anywhere in the process meanwhile: not steady
-        self._running = (tokens, len(live), len(shapes), start)
+        lane.running = (tokens, len(live), len(shapes), start)
         try:
             if executor.cuda and self.kind is NodeKind.DEVICE:
                 stream = self._stream(executor)
@@ -575,8 +656,9 @@ class BatchingNode(Node):
                 stream.wait_stream(torch.cuda.default_stream(executor.device))
                 with torch.cuda.stream(stream):
                     parts = self._run(live)
-                event = torch.cuda.Event()
-                event.record(stream)
+                if not self.host_outputs:
+                    event = torch.cuda.Event()
+                    event.record(stream)
             else:
                 parts = self._run(live)
         except Exception as exc:
@@ -584,7 +666,7 @@ class BatchingNode(Node):
                 it.done(None, exc)
             return
         finally:
-            self._running = None
+            lane.running = None
         ran = self._clock() - start
         # a request dropped while it ran had not all its work run: not the batch's cost
         steady = not _marks.unsteady and not any(it.req.failed for it in live)

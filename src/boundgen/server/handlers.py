@@ -9,6 +9,7 @@ Shared paths pick the peer from the body (docs/compat.md): `/v1/score` is vLLM's
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from starlette.requests import Request
@@ -17,8 +18,9 @@ from starlette.responses import Response
 from boundgen.server import cohere, encodings, inputs, tei, vllm
 from boundgen.server.bodies import json_response, large_json_response, parse, read, read_object
 from boundgen.server.errors import BadRequest, TooLarge, Unavailable
+from boundgen.server.infer import SERVER_TIMES
 from boundgen.server.json import Slices
-from boundgen.server.schemas.boundgen import BeamRequest, BeamResponse, BeamResult
+from boundgen.server.schemas.boundgen import BeamRequest
 from boundgen.server.schemas.cohere import RerankRequest
 from boundgen.server.schemas.common import Usage
 from boundgen.server.schemas.openai import EmbeddingsRequest
@@ -154,7 +156,9 @@ async def embeddings(request: Request, state: ServerState) -> Response:
 
 
 async def beam(request: Request, state: ServerState) -> Response:
+    t0 = time.perf_counter()
     req = await read(request, state, BeamRequest)
+    t_parse = time.perf_counter()
     if req.beam_width > state.max_beam_width:
         raise TooLarge(
             f"beam_width={req.beam_width}; the limit is {state.max_beam_width} "
@@ -180,24 +184,54 @@ async def beam(request: Request, state: ServerState) -> Response:
     )
     state.limits.context("prompt + steps", len(prompt) + req.steps)
     request_fields = dict(
-        prompts=[prompt], beam_width=req.beam_width, steps=req.steps, top_k=req.top_k, trie=trie
+        prompts=[prompt],
+        beam_width=req.beam_width,
+        steps=req.steps,
+        top_k=req.top_k,
+        trie=trie,
+        item_ids=trie is not None,  # looked up for the whole merged search, off the event loop
     )
     # admission counts what the beam node counts: the prompt and every beam's decoded tokens
     units = len(prompt) + req.beam_width * req.steps
+    t_prep = time.perf_counter()
     (beams,) = await state.infer("beam", request_fields, state.timeout_ms(req.timeout_ms), units)
-    results = []
-    for tokens, score_ in beams:
-        item_id = None
-        if trie is not None:
-            try:
-                item_id = trie.item_ids(tokens[-trie.depth :])
-            except (KeyError, ValueError):
-                item_id = None
-        results.append(BeamResult(tokens=tokens, score=score_, item_id=item_id))
+    t_infer = time.perf_counter()
+    # the rows come back as lists (made once per merged search): the reply is plain data, its
+    # keys those of `BeamResponse` (None left out, as `json_response` leaves it)
+    if trie is not None:
+        results = [
+            {"tokens": t, "score": s} if i is None else {"tokens": t, "score": s, "item_id": i}
+            for t, s, i in beams
+        ]
+    else:
+        results = [{"tokens": t, "score": s} for t, s in beams]
     state.metrics.items.labels("beam").inc(len(results))
     n = len(prompt)
-    usage = Usage(prompt_tokens=n, total_tokens=n + req.steps, completion_tokens=req.steps)
-    return json_response(BeamResponse(model=state.model_name, results=results, usage=usage))
+    usage = {"prompt_tokens": n, "total_tokens": n + req.steps, "completion_tokens": req.steps}
+    reply = {"object": "beam", "model": state.model_name, "results": results, "usage": usage}
+    response = json_response(reply)
+    stages(t0, t_parse, t_prep, t_infer)
+    return response
+
+
+def stages(t0: float, t_parse: float, t_prep: float, t_infer: float) -> None:
+    """The handler's own stages in `Server-Timing`, before the runtime's entries: `parse` (body,
+    JSON, schema), `prep` (checks, token ids), `infer` (submit to the runtime until the result is
+    back on the event loop), `hops` (`infer` less the runtime's own time: the hand-over to a
+    worker thread and back to the loop), `reply` (results to JSON bytes)."""
+    ms = 1e3
+    times = SERVER_TIMES.get() or []
+    runtime = next((v for k, v in times if k == "runtime"), None)
+    infer = (t_infer - t_prep) * ms
+    own = [
+        ("parse", (t_parse - t0) * ms),
+        ("prep", (t_prep - t_parse) * ms),
+        ("infer", infer),
+    ]
+    if runtime is not None:
+        own.append(("hops", max(0.0, infer - runtime)))
+    own.append(("reply", (time.perf_counter() - t_infer) * ms))
+    SERVER_TIMES.set(own + times)
 
 
 # ---- models, health, metrics --------------------------------------------------------------------

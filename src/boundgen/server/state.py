@@ -19,6 +19,7 @@ from boundgen.server.config import ServerConfig
 from boundgen.server.infer import Infer
 from boundgen.server.limits import Limits
 from boundgen.server.metrics import Metrics
+from boundgen.workloads.beam import item_index
 from boundgen.workloads.trie import Trie
 
 log = logging.getLogger("boundgen.server")
@@ -30,6 +31,8 @@ class ServerState:
         self.config = config
         self.metrics = Metrics()
         self.tries = dict(tries) if tries is not None else load_tries(config, engine.device)
+        for trie in self.tries.values():  # the item-id lookup of /v1/beam, made once now
+            item_index(trie)
         runtime = engine.runtime
         self.metrics.watch_runtime(runtime)
         self.infer = Infer(

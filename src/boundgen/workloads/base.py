@@ -83,7 +83,8 @@ class WorkloadContext:
         self, name: str, fn: Any, inputs: dict, outputs: dict, raises: tuple = ()
     ) -> BatchingNode:
         """A batching node with this context's knobs; `fn` has `merge`, `split` and `size`, and
-        may have `shapes` (`BatchingNode`); `raises` pass through as themselves."""
+        may have `shapes`, `lane`, `count`, `lane_max` and `host_outputs` (`BatchingNode`);
+        `raises` pass through as themselves."""
         return BatchingNode(
             name,
             fn,
@@ -93,6 +94,10 @@ class WorkloadContext:
             split=fn.split,
             size=fn.size,
             shapes=getattr(fn, "shapes", None),
+            lane=getattr(fn, "lane", None),
+            count=getattr(fn, "count", None),
+            lane_max=getattr(fn, "lane_max", None),
+            host_outputs=getattr(fn, "host_outputs", False),
             token_budget=self.token_budget,
             max_wait_ms=self.max_wait_ms,
             max_batch=self.max_batch_requests,

@@ -1,16 +1,21 @@
 """Beam search as a workload: the request, its validation, and the pipeline.
 
 Pipeline: prepare (CPU: validate, tokenize) → beam (batching, DEVICE: requests with the same width,
-steps and trie share one search, `ModelRunner.beam_search`) → finish (CPU: the top results per
-prompt as lists). The search itself (HF `generate` semantics) is `boundgen.search`.
+steps and trie share one search, `ModelRunner.beam_search`; one lane per such key, so searches of
+different keys run side by side; each search's results come to the host once and become every
+merged request's rows there: the top results per prompt as lists, with the trie's item ids when
+asked). The search itself (HF `generate` semantics) is `boundgen.search`.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from boundgen.runtime.dag import Pipeline
@@ -29,6 +34,9 @@ class BeamRequest:
     top_k: int | None = None
     trie: Trie | None = None
     truncate: bool = False
+    # each result row as (tokens, score, item id) — the trie's id of the beam's tokens, None
+    # when they are no item — instead of (tokens, score)
+    item_ids: bool = False
 
 
 def _positive_int(value, name: str, bound: int) -> int:
@@ -67,18 +75,101 @@ def prepare_beam(
     return prompts
 
 
+class ItemIndex:
+    """A trie's items as a sorted array of their token rows: the item id of many beams in one
+    vectorized lookup on the host (`lookup`), none where a row is not an item. What the server
+    answers a beam's `item_id` with; a lookup per beam through the trie's own tensors was a few
+    hundred small tensor ops each (with the trie on the GPU: kernel launches and a sync each)."""
+
+    def __init__(self, trie: Trie) -> None:
+        # row i is item i (the trie's item order); big-endian, so the rows' bytes sort as ints
+        seqs = np.ascontiguousarray(trie.sequences(), dtype=">i8")
+        self.depth = trie.depth
+        keys = seqs.view(f"V{8 * self.depth}").ravel()
+        order = np.argsort(keys, kind="stable")
+        self._keys, self._order = keys[order], order  # 8 · (depth + 1) bytes per item
+        # NOTE: item i's id by its index, only for the rows found (`trie.item_ids` of every item
+        # walks the trie's tensors: 4.7 s for 100K items on the CPU)
+        self._item_id = trie._item_id
+
+    def lookup(self, rows: np.ndarray) -> list:
+        """Item id (None: not an item) of each row of `rows` `[K, depth]`."""
+        if len(rows) == 0 or len(self._keys) == 0:
+            return [None] * len(rows)
+        q = np.ascontiguousarray(rows, dtype=">i8").view(f"V{8 * self.depth}").ravel()
+        pos = np.searchsorted(self._keys, q).clip(max=len(self._keys) - 1)
+        hit = (self._keys[pos] == q).tolist()
+        item_id = self._item_id
+        return [item_id(i) if h else None for i, h in zip(self._order[pos].tolist(), hit)]
+
+
+_INDEXES: dict[int, tuple[Trie, ItemIndex]] = {}
+_INDEXES_LOCK = threading.Lock()
+_MAX_INDEXES = 64
+
+
+def item_index(trie: Trie) -> ItemIndex:
+    """The `ItemIndex` of `trie`, made once per trie (a server makes its tries' at start-up)."""
+    known = _INDEXES.get(id(trie))
+    if known is not None and known[0] is trie:
+        return known[1]
+    index = ItemIndex(trie)
+    with _INDEXES_LOCK:
+        if len(_INDEXES) >= _MAX_INDEXES:  # tries made per call: do not keep them all alive
+            _INDEXES.clear()
+        _INDEXES[id(trie)] = (trie, index)
+    return index
+
+
+def to_host(tokens: torch.Tensor, scores: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """A merged search's results on the host: both copies queued, then one wait (on a GPU: one
+    device→host sync per search, whatever the number of requests and beams in it)."""
+    scores = scores.float()
+    if tokens.device.type == "cuda":
+        # non-blocking copies to the host land in pinned memory; one wait for both, on an event
+        # (not the stream: a search of another lane may be queued on it after this one)
+        tokens, scores = tokens.to("cpu", non_blocking=True), scores.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+    return tokens.numpy(), scores.numpy()
+
+
 class _Beam:
     """The beam node: requests with the same (width, steps, trie) share one prefill + decode
-    loop."""
+    loop (the node keeps one lane per such key, so a search of one never waits behind a search
+    of another). Each search's results come to the host once (`to_host`) and are made into
+    every request's result rows there: Python lists, the trie's item ids looked up for the whole
+    search at once."""
+
+    to_host = staticmethod(to_host)  # a test counts the transfers through it
+    host_outputs = True  # the rows are on the host when a search's batch ends
 
     def __init__(self, context: WorkloadContext) -> None:
         self.context = context
+
+    @staticmethod
+    def lane(inputs: dict[str, Any]) -> tuple:
+        req = inputs["request"]
+        return (req.beam_width, req.steps, id(req.trie) if req.trie is not None else None)
+
+    @staticmethod
+    def count(inputs: dict[str, Any]) -> int:
+        return len(inputs["prompts"])
+
+    def lane_max(self, key: tuple, inputs: dict[str, Any]) -> int | None:
+        """The most prompts one search of lane `key` takes: the largest whole-search graph made
+        for its width, steps and trie once the runner is sealed (more would be cut into several
+        searches run one after the other, and every request in them answered after the last),
+        else no limit (the token budget)."""
+        return largest_bucket(self.context.runner, inputs["request"])
 
     @staticmethod
     def merge(items: list[dict[str, Any]]) -> tuple[dict, list[tuple]]:
         by_key: dict[tuple, list[list[int]]] = {}
         owners: dict[tuple, list[int]] = {}  # key → the requests (merge order) in its search
         tries: dict[int, Trie] = {}
+        ids: dict[tuple, bool] = {}  # key → whether a request in it wants item ids
         sizes = []
         for n, it in enumerate(items):
             req = it["request"]
@@ -88,36 +179,62 @@ class _Beam:
             key = (req.beam_width, req.steps, trie_id)
             prompts = by_key.setdefault(key, [])
             owners.setdefault(key, []).append(n)
-            sizes.append((key, len(prompts), len(it["prompts"])))
+            ids[key] = ids.get(key, False) or (bool(req.item_ids) and req.trie is not None)
+            top_k = req.top_k or req.beam_width
+            sizes.append((key, len(prompts), len(it["prompts"]), top_k, bool(req.item_ids)))
             prompts.extend(it["prompts"])
-        return {"groups": by_key, "tries": tries, "owners": owners}, sizes
+        return {"groups": by_key, "tries": tries, "owners": owners, "ids": ids}, sizes
 
     def __call__(self, batch: dict, alive: list[Callable[[], bool]] | None = None) -> dict:
         """One search per (width, steps, trie) group; a group whose requests all stopped waiting
-        (cancelled, past their deadline) is skipped: its results are empty."""
+        (cancelled, past their deadline) is skipped: its results are empty. → per group (tokens
+        [B][W][S] lists, scores [B][W] lists, item ids [B·W] or None)."""
         out = {}
         for key, prompts in batch["groups"].items():
             width, steps, trie_id = key
             if alive is not None and not any(alive[i]() for i in batch["owners"][key]):
-                out[key] = (
-                    torch.zeros(len(prompts), width, steps, dtype=torch.long),
-                    torch.full((len(prompts), width), float("-inf")),
-                )
+                out[key] = None
                 continue
             trie = batch["tries"].get(trie_id) if trie_id is not None else None
             if self.context.traffic is not None:  # the prompt prefill is a plain forward
                 self.context.traffic.forward([SequenceGroup([], prompts)], False, "beam")
-            out[key] = self.context.runner.beam_search(
+            tokens, scores = self.context.runner.beam_search(
                 prompts, width, steps, trie, self.context.eos_token_ids
             )
+            tokens, scores = self.to_host(tokens, scores)
+            ids = None
+            if batch["ids"][key]:
+                ids = item_index(trie).lookup(tokens.reshape(-1, tokens.shape[-1]))
+            out[key] = (tokens.tolist(), scores.tolist(), ids)
         return out
 
     @staticmethod
-    def split(out: dict, sizes: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def split(out: dict, sizes: list[tuple]) -> list[list]:
+        """Each request's results: per prompt, its best `top_k` beams with a finite score as
+        (tokens, score) — (tokens, score, item id) when it asked for item ids."""
         parts = []
-        for key, start, n in sizes:
-            tokens, scores = out[key]
-            parts.append((tokens[start : start + n], scores[start : start + n]))
+        for key, start, n, top_k, want_ids in sizes:
+            found = out[key]
+            if found is None:  # nobody waited for this search
+                parts.append([[] for _ in range(n)])
+                continue
+            tokens, scores, ids = found
+            width = key[0]
+            rows_of = []
+            for b in range(start, start + n):
+                row_tokens, row_scores = tokens[b], scores[b]
+                rows = []
+                for j in range(min(top_k, width)):
+                    score = row_scores[j]
+                    if not math.isfinite(score):
+                        continue
+                    if want_ids:
+                        item = ids[b * width + j] if ids is not None else None
+                        rows.append((row_tokens[j], score, item))
+                    else:
+                        rows.append((row_tokens[j], score))
+                rows_of.append(rows)
+            parts.append(rows_of)
         return parts
 
     @staticmethod
@@ -138,19 +255,32 @@ class _Beam:
         return sum(len(p) for p in prompts) + len(prompts) * req.beam_width * req.steps
 
 
+def largest_bucket(runner: Any, req: BeamRequest) -> int | None:
+    """The most prompts a whole-search graph made for `req`'s width, steps and trie takes, once
+    the runner's graphs are sealed (None: not sealed, no graphs, or none made for it)."""
+    graphs = getattr(getattr(runner, "forwards", None), "search", None)
+    if graphs is None or not getattr(graphs, "sealed", False):
+        return None
+    trie = req.trie
+    if trie is not None:
+        on_device = getattr(runner, "_on_device", None)
+        trie = on_device(trie) if on_device is not None else trie
+    trie_id = id(trie) if trie is not None else None
+    made = [k[1] for k in list(graphs.slots) if k[2:5] == (req.beam_width, req.steps, trie_id)]
+    return max(made, default=None)
+
+
 def build(context: WorkloadContext) -> Pipeline:
     def prepare(request: BeamRequest) -> list:
         context.need_task("causal_lm", "beam search")
         return prepare_beam(request, context.tokenizer, context.limits, context.beam_bounds)
 
-    def finish(tokens: torch.Tensor, beam_scores: torch.Tensor, request: BeamRequest) -> list:
-        return finish_beam(tokens, beam_scores, request.top_k or request.beam_width)
-
+    fn = _Beam(context)
     beam = context.batching(
         "beam",
-        _Beam(context),
+        fn,
         inputs={"request": BeamRequest, "prompts": list},
-        outputs={"tokens": torch.Tensor, "beam_scores": torch.Tensor},
+        outputs={"results": list},
         raises=(ValueError,),  # a runner that cannot decode says so (the HF baseline runner)
     )
     return Pipeline(
@@ -161,30 +291,9 @@ def build(context: WorkloadContext) -> Pipeline:
                 "prepare", prepare, {"request": BeamRequest}, {"prompts": list}, (ValueError,)
             ),
             beam,
-            cpu_node(
-                "finish",
-                finish,
-                {"tokens": torch.Tensor, "beam_scores": torch.Tensor, "request": BeamRequest},
-                {"results": list},
-            ),
         ],
         ["results"],
     )
-
-
-def finish_beam(
-    tokens: torch.Tensor, scores: torch.Tensor, top_k: int
-) -> list[list[tuple[list[int], float]]]:
-    tokens, scores = tokens.cpu(), scores.float().cpu()
-    out = []
-    for b in range(tokens.shape[0]):
-        rows = [
-            (tokens[b, j].tolist(), float(scores[b, j]))
-            for j in range(min(top_k, tokens.shape[1]))
-            if torch.isfinite(scores[b, j])
-        ]
-        out.append(rows)
-    return out
 
 
 WORKLOAD = Workload("beam", BeamRequest, build)

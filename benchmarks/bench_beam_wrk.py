@@ -1,0 +1,386 @@
+"""Issue 24: `/v1/beam` over HTTP driven by wrk (C), and where a request's time goes in the server.
+
+W4 requests by default (a 128-token prompt, width 16, 4 steps, a random 100K-item trie of depth 4,
+64 distinct prompts: `boundgen loadtest`'s bodies) sent by wrk with a Lua script that cycles
+through the bodies and reads every 200 response's `Server-Timing`:
+
+- closed loop, `--connections` each (no think time): the throughput a closed loop reaches and its
+  latency;
+- then per `--rates` step, `--wrk-connections` connections each waiting an exponential think time
+  between requests, so that together they offer about that rate (bench_tail.py's approximation of
+  an open loop).
+
+Each run reports ok/s, client p50/p99, the requests per merged search (the beam node's counters
+in /metrics) and the server's split: the mean of every `Server-Timing` entry over the run (`app`
+the whole handler; `parse`, `prep`, `infer`, `hops`, `reply` the beam handler's stages; `runtime`
+and its nodes, `beam-batch-wait` / `beam-batch-run` the merge wait and the merged search;
+docs/serving.md) and `app`'s p50/p99.
+
+`--fake-search FIXED_MS[,PER_PROMPT_MS]` (CPU): the server's `ModelRunner.beam_search` is replaced
+by a fake of FIXED + PER_PROMPT × prompts ms that returns the trie's first items (or fixed tokens
+without a trie): a search of known cost, so what is measured is everything around it. Like a GPU
+search it returns at once with results that are not ready: searches queue one after the other
+(one stream), and reading a result on the host (`.cpu()`, `.tolist()`, `.numpy()`, `float()`, ...)
+waits until its search has ended; `--fake-sync`: the call itself sleeps instead.
+
+    # CPU, the tiny model, a fake 5 ms search
+    python benchmarks/bench_beam_wrk.py --fake-search 5,0.1 --connections 1 8 32 --rates 100 200
+    # H200 (run_h200.sh beam-wrk)
+    python benchmarks/bench_beam_wrk.py --model M --serve-args "--device cuda ..." \\
+        --connections 1 16 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from bench_serving import make_trie, start, stop
+from common import env_info
+
+from boundgen.loadtest import LoadConfig, make_bodies
+from boundgen.server.testing import free_port, tiny_model_dir
+
+HERE = Path(__file__).resolve().parent
+
+# Run in the server process before `boundgen serve` with --fake-search: the search as a sleep of
+# known cost returning the trie's first items (what the real search returns is the same shape).
+FAKE_SEARCH = r"""
+import os, threading, time, numpy as np, torch
+import boundgen.runner as _r
+_fixed, _, _per = os.environ["BOUNDGEN_FAKE_SEARCH"].partition(",")
+_fixed, _per = float(_fixed) / 1e3, float(_per or 0) / 1e3
+_sync = os.environ.get("BOUNDGEN_FAKE_SYNC") == "1"
+_trie = os.environ.get("BOUNDGEN_FAKE_TRIE")
+_items = torch.as_tensor(np.load(_trie)[:64]) if _trie else None
+_HOST_READS = {"cpu", "to", "tolist", "item", "numpy", "__float__", "__int__", "__bool__",
+               "__index__", "__repr__", "__format__", "__array__"}
+_gpu = {"free_at": 0.0}
+_gpu_lock = threading.Lock()
+
+class _Pending(torch.Tensor):
+    # a result "on the GPU": ready at `_ready`; reading it on the host waits until then, other
+    # ops give results ready at the same time (as kernels queued behind it would)
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        flat = list(args) + list((kwargs or {}).values())
+        ready = max((a._ready for a in flat if isinstance(a, _Pending)), default=0.0)
+        if name in _HOST_READS:
+            wait = ready - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if name not in _HOST_READS and name != "__get__" and isinstance(out, torch.Tensor):
+            out = out.as_subclass(_Pending)
+            out._ready = ready
+        return out
+
+def _fake(self, prompts, width, steps, trie=None, banned=()):
+    b = len(prompts)
+    cost = _fixed + _per * b
+    if trie is not None and _items is not None:
+        rows = _items[:width, :steps]
+    else:
+        rows = torch.arange(width * steps).view(width, steps) + 10
+    tokens = rows.unsqueeze(0).expand(b, width, steps).clone()
+    first = torch.tensor([float(p[0]) for p in prompts]).unsqueeze(1)
+    scores = -torch.arange(width, dtype=torch.float32).unsqueeze(0) - first * 1e-3
+    if _sync:
+        time.sleep(cost)
+        return tokens, scores
+    with _gpu_lock:  # one stream: a search starts when the one queued before it ends
+        ready = _gpu["free_at"] = max(time.perf_counter(), _gpu["free_at"]) + cost
+    tokens, scores = tokens.as_subclass(_Pending), scores.as_subclass(_Pending)
+    tokens._ready = scores._ready = ready
+    return tokens, scores
+_r.ModelRunner.beam_search = _fake
+"""
+
+# wrk's Lua side: args = bodies file (one JSON body a line), path, mean think time in ms (0: none).
+# `done` prints one line `JSON {...}`: client percentiles (µs), the `app` p50/p99 of the 200
+# responses, and the mean of every Server-Timing entry over them.
+WRK_SCRIPT = r"""
+local path, think = "/v1/beam", 0
+local reqs, n, i = {}, 0, 0
+apps, non200, sums, counts = {}, 0, {}, {}
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+function init(args)
+  path = args[2] or path; think = tonumber(args[3] or "0")
+  local headers = {["Content-Type"] = "application/json"}
+  for line in io.lines(args[1]) do n = n + 1; reqs[n] = wrk.format("POST", path, headers, line) end
+  math.randomseed(os.time() + n)
+end
+function request() i = i % n + 1; return reqs[i] end
+function delay() if think > 0 then return -math.log(1 - math.random()) * think end return 0 end
+function response(status, headers, body)
+  if status ~= 200 then non200 = non200 + 1; return end
+  local st = headers["server-timing"] or headers["Server-Timing"]
+  if not st then return end
+  for name, d in st:gmatch("([%w%-_%.]+);dur=([%d%.]+)") do
+    local v = tonumber(d)
+    sums[name] = (sums[name] or 0) + v; counts[name] = (counts[name] or 0) + 1
+    if name == "app" then apps[#apps + 1] = v end
+  end
+end
+function done(summary, latency, requests)
+  local all, bad, s, c = {}, 0, {}, {}
+  for _, t in ipairs(threads) do
+    for _, v in ipairs(t:get("apps")) do all[#all + 1] = v end
+    bad = bad + t:get("non200")
+    for k, v in pairs(t:get("sums")) do s[k] = (s[k] or 0) + v end
+    for k, v in pairs(t:get("counts")) do c[k] = (c[k] or 0) + v end
+  end
+  table.sort(all)
+  local function pct(p)
+    if #all == 0 then return -1 end
+    return all[math.max(1, math.ceil(#all * p / 100))]
+  end
+  local means = {}
+  for k, v in pairs(s) do means[#means + 1] = string.format('"%s": %.4f', k, v / c[k]) end
+  local e = summary.errors
+  io.write(string.format('JSON {"requests": %d, "duration_us": %d, "non200": %d, ' ..
+    '"socket_errors": %d, "p50_us": %d, "p90_us": %d, "p99_us": %d, "max_us": %d, ' ..
+    '"server_n": %d, "server_p50_ms": %.3f, "server_p99_ms": %.3f, "means": {%s}}\n',
+    summary.requests, summary.duration, bad, e.connect + e.read + e.write + e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max,
+    #all, pct(50), pct(99), table.concat(means, ", ")))
+end
+"""
+
+
+def wrk_binary() -> str:
+    """The repository's carried wrk (`.tools/wrk`, fetch_device_wheels.sh --with-wrk), else
+    PATH's."""
+    carried = HERE.parent / ".tools" / "wrk"
+    return str(carried) if carried.exists() else "wrk"
+
+
+def beam_batches(url: str) -> tuple[float, float]:
+    """(merged searches, requests in them) the server's beam node has run so far (/metrics)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+
+    def value(name: str) -> float:
+        m = re.search(rf'^{name}(?:_total)?\{{node="beam"\}} (\S+)$', text, re.MULTILINE)
+        return float(m.group(1)) if m else 0.0
+
+    return value("boundgen_runtime_batches"), value("boundgen_runtime_batched_requests")
+
+
+def run_wrk(
+    url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
+) -> dict:
+    b0, r0 = beam_batches(url)
+    row = _run_wrk(url, script, bodies, connections, think_ms, seconds, cpus)
+    b1, r1 = beam_batches(url)
+    row["beam_batches"] = b1 - b0
+    row["requests_per_batch"] = (r1 - r0) / (b1 - b0) if b1 > b0 else 0.0
+    return row
+
+
+def _run_wrk(
+    url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
+) -> dict:
+    threads = max(1, min(4, connections // 16 or 1))
+    cmd = [wrk_binary(), f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency"]
+    cmd += ["--timeout", "30s", "-s", str(script), url, "--", str(bodies), "/v1/beam"]
+    cmd += [f"{think_ms:.3f}"]
+    if cpus:
+        cmd = ["taskset", "-c", cpus, *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("JSON "))
+    r = json.loads(line[5:])
+    ok = r["requests"] - r["non200"]
+    return {
+        "connections": connections,
+        "think_ms": think_ms,
+        "requests": r["requests"],
+        "ok_per_s": ok / (r["duration_us"] / 1e6),
+        "errors": r["non200"] + r["socket_errors"],
+        "non200": r["non200"],
+        "socket_errors": r["socket_errors"],
+        "p50_ms": r["p50_us"] / 1e3,
+        "p90_ms": r["p90_us"] / 1e3,
+        "p99_ms": r["p99_us"] / 1e3,
+        "max_ms": r["max_us"] / 1e3,
+        "server_p50_ms": r["server_p50_ms"],
+        "server_p99_ms": r["server_p99_ms"],
+        "server_means_ms": dict(sorted(r["means"].items())),
+    }
+
+
+# the split's columns, in the order a request meets them (missing entries print as –)
+SPLIT = (
+    "parse",
+    "prep",
+    "hops",
+    "prepare",
+    "beam-batch-wait",
+    "beam-batch-run",
+    "finish-wait",
+    "finish",
+    "reply",
+)
+
+
+def table(rows: list[dict]) -> str:
+    head = "| load | ok/s | p50 ms | p99 ms | app p50 / p99 ms | req/search | "
+    head += " | ".join(SPLIT) + " | errors |"
+    lines = [head, "| --- |" + " ---: |" * (len(SPLIT) + 6)]
+    for r in rows:
+        load = f"{r['connections']} conn" + (
+            f", think {r['think_ms']:.0f} ms" if r["think_ms"] else ""
+        )
+        means = r["server_means_ms"]
+        split = " | ".join(f"{means[k]:.3f}" if k in means else "–" for k in SPLIT)
+        lines.append(
+            f"| {load} | {r['ok_per_s']:.1f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+            f"{r['server_p50_ms']:.2f} / {r['server_p99_ms']:.2f} | "
+            f"{r.get('requests_per_batch', 0):.1f} | {split} | {r['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=None, help="a running server (default: start one)")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the tiny test model)")
+    p.add_argument("--serve-args", default="", help="extra `boundgen serve` flags, one string")
+    p.add_argument("--fake-search", default=None, help="FIXED_MS[,PER_PROMPT_MS]: see above")
+    p.add_argument("--fake-sync", action="store_true", help="the fake search sleeps in the call")
+    p.add_argument("--server-prelude", default="", help="Python run in the server process first")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--trie-items", type=int, default=100_000, help="0: no trie")
+    p.add_argument("--connections", type=int, nargs="*", default=[1, 16, 64])
+    p.add_argument("--rates", type=float, nargs="*", default=[])
+    p.add_argument("--wrk-connections", type=int, default=64, help="connections per rate step")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per run")
+    p.add_argument("--budget-s", type=float, default=None, help="skip runs past this many seconds")
+    p.add_argument("--server-cpus", default="")
+    p.add_argument("--client-cpus", default="")
+    p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/...)")
+    args = p.parse_args(argv)
+
+    t_start = time.monotonic()
+    out = Path(args.out or HERE / "results" / "beam_wrk_cpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    trie_path = None
+    if args.trie_items:
+        # not next to the results: a device call brings back a few files only
+        trie_path = make_trie(Path(tempfile.gettempdir()), args.trie_items, args.steps)
+    proc, url, ready_s = None, args.url, None
+    env = dict(os.environ)
+    if url is None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        prelude = (FAKE_SEARCH if args.fake_search else "") + "\n" + args.server_prelude
+        code = f"{prelude}\nimport sys\nfrom boundgen.cli import main\nsys.exit(main())"
+        model = args.model or str(tiny_model_dir())
+        cmd = [sys.executable, "-c", code, "serve", "--port", str(port), "--log-level", "warning"]
+        cmd += ["--model", model, "--max-queue", "4096", "--timeout-ms", "2000"]
+        if trie_path is not None:
+            cmd += ["--tries", f"w4={trie_path}"]
+        cmd += args.serve_args.split()
+        if args.server_cpus:
+            cmd = ["taskset", "-c", args.server_cpus, *cmd]
+        if args.fake_search:
+            env["BOUNDGEN_FAKE_SEARCH"] = args.fake_search
+            env["BOUNDGEN_FAKE_SYNC"] = "1" if args.fake_sync else "0"
+            if trie_path is not None:
+                env["BOUNDGEN_FAKE_TRIE"] = str(trie_path)  # the items' sequences, in order
+        print(f"== {' '.join(cmd[:3])} ... {' '.join(cmd[5:])}", flush=True)
+        t0 = time.monotonic()
+        proc = _start(cmd, url, out.with_suffix(".server.log"), env)
+        ready_s = time.monotonic() - t0
+        print(f"server ready in {ready_s:.1f} s", flush=True)
+    rows: list[dict] = []
+    try:
+        vocab = httpx.get(url + "/v1/models").json()["data"][0]["vocab_size"]
+        cfg = LoadConfig(
+            url=url,
+            workload="beam",
+            prompt_tokens=args.prompt_tokens,
+            beam_width=args.width,
+            steps=args.steps,
+            trie="w4" if trie_path is not None else None,
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            script, bodies = Path(tmp, "beam.lua"), Path(tmp, "bodies.jsonl")
+            script.write_text(WRK_SCRIPT)
+            bodies.write_bytes(b"\n".join(make_bodies(cfg, vocab)["beam"]) + b"\n")
+            run_wrk(url, script, bodies, 2, 0, 2, args.client_cpus)  # warm-up
+
+            def record(row: dict) -> None:
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
+                partial = {"env": env_info(), "config": vars(args), "rows": rows}
+                out.write_text(json.dumps(partial | {"server_ready_s": ready_s}, indent=1))
+
+            def left() -> bool:
+                if args.budget_s is None:
+                    return True
+                return time.monotonic() - t_start + args.duration + 3 < args.budget_s
+
+            for c in args.connections:
+                if not left():
+                    print(f"skipped {c} connections: out of budget", flush=True)
+                    continue
+                record(run_wrk(url, script, bodies, c, 0, args.duration, args.client_cpus))
+            unloaded = rows[0]["p50_ms"] if rows else 0.0
+            for rate in args.rates:
+                if not left():
+                    print(f"skipped rate {rate:g}: out of budget", flush=True)
+                    continue
+                c = args.wrk_connections
+                think = max(0.0, c / rate * 1e3 - unloaded)
+                row = run_wrk(url, script, bodies, c, think, args.duration, args.client_cpus)
+                record(row | {"rate": rate})
+            metrics = httpx.get(url + "/metrics", timeout=30).text
+            keys = ("boundgen_compiles_after_ready", "boundgen_beam_graph", "boundgen_shed")
+            counters = {
+                line.split(" ")[0]: float(line.split(" ")[-1])
+                for line in metrics.splitlines()
+                if line.startswith(keys)
+            }
+    finally:
+        if proc is not None:
+            stop(proc)
+    result = {
+        "env": env_info(),
+        "date": time.strftime("%Y-%m-%d"),
+        "config": vars(args),
+        "rows": rows,
+        "server_ready_s": ready_s,
+        "server_counters": counters,
+    }
+    out.write_text(json.dumps(result, indent=1))
+    print(table(rows))
+    print(json.dumps(counters))
+    print(f"wrote {out}")
+    return 0
+
+
+def _start(cmd: list[str], url: str, log_path: Path, env: dict) -> subprocess.Popen:
+    old = dict(os.environ)
+    os.environ.update(env)
+    try:
+        return start(cmd, url, log_path)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
