@@ -595,3 +595,15 @@ def test_openapi_documents_request_bodies(client):
     ]
     assert body == {"$ref": "#/components/schemas/ScoreRequest"}
     assert {"ScoreRequest", "RerankRequest", "RerankDocument"} <= set(spec["components"]["schemas"])
+
+
+def test_trie_softmax_setting_reaches_the_loaded_tries(trie_path):
+    """`--trie-softmax children`: the server's tries renormalise over children (the LM head then
+    runs on a trie level's tokens only); anything else is refused at start."""
+    from boundgen.server.state import load_tries
+
+    cfg = ServerConfig(tries=(f"catalog={trie_path}",), trie_softmax="children").validate()
+    assert load_tries(cfg)["catalog"].softmax == "children"
+    assert load_tries(ServerConfig(tries=(f"catalog={trie_path}",)))["catalog"].softmax == "vocab"
+    with pytest.raises(ValueError, match="trie_softmax must be vocab or children"):
+        ServerConfig(trie_softmax="items").validate()

@@ -30,6 +30,12 @@ class ServerConfig:
         None, "name reported in responses (default: the model's name)"
     )
     tries: tuple[str, ...] = option((), "beam tries loaded at start, NAME=PATH each")
+    trie_softmax: str = option(
+        "vocab",
+        "what a trie search's scores are normalised over: vocab (the full vocabulary, as HF "
+        "generate with prefix_allowed_tokens_fn) | children (each step's trie children; the LM "
+        "head then runs on the trie level's tokens only)",
+    )
     # --- network ---
     host: str = option("127.0.0.1", "bind address (127.0.0.1 unless told otherwise)")
     port: int = option(8000, "TCP port")
@@ -190,6 +196,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if len(self.rerank_label_tokens) < 1:
             raise ValueError("rerank_label_tokens needs at least one token")
+        if self.trie_softmax not in ("vocab", "children"):
+            raise ValueError(f"trie_softmax must be vocab or children, got {self.trie_softmax!r}")
         self.trie_paths()
         self.input_type_prefixes()
         return self

@@ -172,7 +172,10 @@ class ServerState:
 
 def load_tries(config: ServerConfig, device: Any = "cpu") -> dict[str, Trie]:
     """The config's tries, on the engine's device (a beam request never copies a trie)."""
-    return {name: Trie.from_file(path, device=device) for name, path in config.trie_paths().items()}
+    return {
+        name: Trie.from_file(path, device=device, softmax=config.trie_softmax)
+        for name, path in config.trie_paths().items()
+    }
 
 
 _PHASES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
