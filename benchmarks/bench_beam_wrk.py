@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import httpx
+import wrk
 from bench_serving import make_trie, start, stop
 from common import env_info
 
@@ -109,61 +110,6 @@ _r.ModelRunner.beam_search = _fake
 # wrk's Lua side: args = bodies file (one JSON body a line), path, mean think time in ms (0: none).
 # `done` prints one line `JSON {...}`: client percentiles (µs), the `app` p50/p99 of the 200
 # responses, and the mean of every Server-Timing entry over them.
-WRK_SCRIPT = r"""
-local path, think = "/v1/beam", 0
-local reqs, n, i = {}, 0, 0
-apps, non200, sums, counts = {}, 0, {}, {}
-local threads = {}
-function setup(thread) table.insert(threads, thread) end
-function init(args)
-  path = args[2] or path; think = tonumber(args[3] or "0")
-  local headers = {["Content-Type"] = "application/json"}
-  for line in io.lines(args[1]) do n = n + 1; reqs[n] = wrk.format("POST", path, headers, line) end
-  math.randomseed(os.time() + n)
-end
-function request() i = i % n + 1; return reqs[i] end
-function delay() if think > 0 then return -math.log(1 - math.random()) * think end return 0 end
-function response(status, headers, body)
-  if status ~= 200 then non200 = non200 + 1; return end
-  local st = headers["server-timing"] or headers["Server-Timing"]
-  if not st then return end
-  for name, d in st:gmatch("([%w%-_%.]+);dur=([%d%.]+)") do
-    local v = tonumber(d)
-    sums[name] = (sums[name] or 0) + v; counts[name] = (counts[name] or 0) + 1
-    if name == "app" then apps[#apps + 1] = v end
-  end
-end
-function done(summary, latency, requests)
-  local all, bad, s, c = {}, 0, {}, {}
-  for _, t in ipairs(threads) do
-    for _, v in ipairs(t:get("apps")) do all[#all + 1] = v end
-    bad = bad + t:get("non200")
-    for k, v in pairs(t:get("sums")) do s[k] = (s[k] or 0) + v end
-    for k, v in pairs(t:get("counts")) do c[k] = (c[k] or 0) + v end
-  end
-  table.sort(all)
-  local function pct(p)
-    if #all == 0 then return -1 end
-    return all[math.max(1, math.ceil(#all * p / 100))]
-  end
-  local means = {}
-  for k, v in pairs(s) do means[#means + 1] = string.format('"%s": %.4f', k, v / c[k]) end
-  local e = summary.errors
-  io.write(string.format('JSON {"requests": %d, "duration_us": %d, "non200": %d, ' ..
-    '"socket_errors": %d, "p50_us": %d, "p90_us": %d, "p99_us": %d, "max_us": %d, ' ..
-    '"server_n": %d, "server_p50_ms": %.3f, "server_p99_ms": %.3f, "means": {%s}}\n',
-    summary.requests, summary.duration, bad, e.connect + e.read + e.write + e.timeout,
-    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max,
-    #all, pct(50), pct(99), table.concat(means, ", ")))
-end
-"""
-
-
-def wrk_binary() -> str:
-    """The repository's carried wrk (`.tools/wrk`, fetch_device_wheels.sh --with-wrk), else
-    PATH's."""
-    carried = HERE.parent / ".tools" / "wrk"
-    return str(carried) if carried.exists() else "wrk"
 
 
 def beam_batches(url: str) -> tuple[float, float]:
@@ -181,42 +127,14 @@ def run_wrk(
     url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
 ) -> dict:
     b0, r0 = beam_batches(url)
-    row = _run_wrk(url, script, bodies, connections, think_ms, seconds, cpus)
+    threads = max(1, min(4, connections // 16 or 1))
+    row = wrk.run_wrk(
+        url, script, bodies, "/v1/beam", connections, think_ms, seconds, cpus, threads
+    )
     b1, r1 = beam_batches(url)
     row["beam_batches"] = b1 - b0
     row["requests_per_batch"] = (r1 - r0) / (b1 - b0) if b1 > b0 else 0.0
     return row
-
-
-def _run_wrk(
-    url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
-) -> dict:
-    threads = max(1, min(4, connections // 16 or 1))
-    cmd = [wrk_binary(), f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency"]
-    cmd += ["--timeout", "30s", "-s", str(script), url, "--", str(bodies), "/v1/beam"]
-    cmd += [f"{think_ms:.3f}"]
-    if cpus:
-        cmd = ["taskset", "-c", cpus, *cmd]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    line = next(x for x in out.splitlines() if x.startswith("JSON "))
-    r = json.loads(line[5:])
-    ok = r["requests"] - r["non200"]
-    return {
-        "connections": connections,
-        "think_ms": think_ms,
-        "requests": r["requests"],
-        "ok_per_s": ok / (r["duration_us"] / 1e6),
-        "errors": r["non200"] + r["socket_errors"],
-        "non200": r["non200"],
-        "socket_errors": r["socket_errors"],
-        "p50_ms": r["p50_us"] / 1e3,
-        "p90_ms": r["p90_us"] / 1e3,
-        "p99_ms": r["p99_us"] / 1e3,
-        "max_ms": r["max_us"] / 1e3,
-        "server_p50_ms": r["server_p50_ms"],
-        "server_p99_ms": r["server_p99_ms"],
-        "server_means_ms": dict(sorted(r["means"].items())),
-    }
 
 
 # the split's columns, in the order a request meets them (missing entries print as –)
@@ -318,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         with tempfile.TemporaryDirectory() as tmp:
             script, bodies = Path(tmp, "beam.lua"), Path(tmp, "bodies.jsonl")
-            script.write_text(WRK_SCRIPT)
+            script.write_text(wrk.WRK_SCRIPT)
             bodies.write_bytes(b"\n".join(make_bodies(cfg, vocab)["beam"]) + b"\n")
             run_wrk(url, script, bodies, 2, 0, 2, args.client_cpus)  # warm-up
 

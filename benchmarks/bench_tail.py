@@ -32,13 +32,13 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+import wrk
 from bench_overload import _cpus, wait_idle
 from bench_serving import start, stop
 from common import env_info
@@ -51,78 +51,12 @@ HERE = Path(__file__).resolve().parent
 # wrk's Lua side: args = bodies file (one JSON body a line), path, mean think time in ms (0: none).
 # `done` prints one line `JSON {...}`: client percentiles (µs, every response) and the `app`
 # durations of the 200 responses (ms).
-WRK_SCRIPT = r"""
-local path, think = "/v1/score", 0
-local reqs, n, i = {}, 0, 0
-apps, non200 = {}, 0
-local threads = {}
-function setup(thread) table.insert(threads, thread) end
-function init(args)
-  path = args[2] or path; think = tonumber(args[3] or "0")
-  local headers = {["Content-Type"] = "application/json"}
-  for line in io.lines(args[1]) do n = n + 1; reqs[n] = wrk.format("POST", path, headers, line) end
-  math.randomseed(os.time() + n)
-end
-function request() i = i % n + 1; return reqs[i] end
-function delay() if think > 0 then return -math.log(1 - math.random()) * think end return 0 end
-function response(status, headers, body)
-  if status ~= 200 then non200 = non200 + 1; return end
-  local st = headers["server-timing"] or headers["Server-Timing"]
-  local d = st and st:match("app;dur=([%d%.]+)")
-  if d then apps[#apps + 1] = tonumber(d) end
-end
-function done(summary, latency, requests)
-  local all, bad = {}, 0
-  for _, t in ipairs(threads) do
-    for _, v in ipairs(t:get("apps")) do all[#all + 1] = v end
-    bad = bad + t:get("non200")
-  end
-  table.sort(all)
-  local function pct(p)
-    if #all == 0 then return -1 end
-    return all[math.max(1, math.ceil(#all * p / 100))]
-  end
-  local e = summary.errors
-  io.write(string.format('JSON {"requests": %d, "duration_us": %d, "non200": %d, ' ..
-    '"socket_errors": %d, "p50_us": %d, "p90_us": %d, "p99_us": %d, "max_us": %d, ' ..
-    '"server_n": %d, "server_p50_ms": %.3f, "server_p99_ms": %.3f}\n',
-    summary.requests, summary.duration, bad, e.connect + e.read + e.write + e.timeout,
-    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max,
-    #all, pct(50), pct(99)))
-end
-"""
 
 
 def run_wrk(
     url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
 ) -> dict:
-    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "--timeout", "30s"]
-    cmd += ["-s", str(script), url, "--", str(bodies), "/v1/score", f"{think_ms:.3f}"]
-    if cpus:
-        cmd = ["taskset", "-c", cpus, *cmd]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    line = next(x for x in out.splitlines() if x.startswith("JSON "))
-    r = json.loads(line[5:])
-    ok = r["requests"] - r["non200"]
-    return {
-        "generator": "wrk",
-        "connections": connections,
-        "think_ms": think_ms,
-        "requests": r["requests"],
-        "ok_per_s": ok / (r["duration_us"] / 1e6),
-        "errors": r["non200"] + r["socket_errors"],
-        "non200": r["non200"],
-        "socket_errors": r["socket_errors"],  # e.g. a keep-alive connection closed while idle
-        "p50_ms": r["p50_us"] / 1e3,
-        "p90_ms": r["p90_us"] / 1e3,
-        "p99_ms": r["p99_us"] / 1e3,
-        "max_ms": r["max_us"] / 1e3,
-        "server_p50_ms": r["server_p50_ms"],
-        "server_p99_ms": r["server_p99_ms"],
-        "wrk_version": subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split(
-            "\n"
-        )[0],
-    }
+    return wrk.run_wrk(url, script, bodies, "/v1/score", connections, think_ms, seconds, cpus)
 
 
 def run_open_loop(cfg: LoadConfig, rate: float) -> dict:
@@ -333,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, vocab_size=vocab)
         with tempfile.TemporaryDirectory() as tmp:
             script, bodies = Path(tmp, "score.lua"), Path(tmp, "bodies.jsonl")
-            script.write_text(WRK_SCRIPT)
+            script.write_text(wrk.WRK_SCRIPT)
             bodies.write_bytes(b"\n".join(make_bodies(cfg, vocab)["score"]) + b"\n")
             run_wrk(url, script, bodies, 2, 0, 3, args.client_cpus)  # warm-up
             gc_before = gc_pauses(url)

@@ -1,0 +1,114 @@
+"""wrk (C) driving a route with a body list: the open-loop-ish load generator the HTTP benchmarks
+share (`bench_tail.py` for `/v1/score`, `bench_beam_wrk.py` for `/v1/beam`).
+
+The Lua script cycles through a JSON-lines body file, POSTs each to the route, waits an exponential
+think time between requests when asked, and reads every 200 response's `Server-Timing`: the
+server's own `app` p50/p99 and the mean of every timing entry, printed as one `JSON ...` line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+WRK_SCRIPT = r"""
+local path, think = "/", 0
+local reqs, n, i = {}, 0, 0
+apps, non200, sums, counts = {}, 0, {}, {}
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+function init(args)
+  path = args[2] or path; think = tonumber(args[3] or "0")
+  local headers = {["Content-Type"] = "application/json"}
+  for line in io.lines(args[1]) do n = n + 1; reqs[n] = wrk.format("POST", path, headers, line) end
+  math.randomseed(os.time() + n)
+end
+function request() i = i % n + 1; return reqs[i] end
+function delay() if think > 0 then return -math.log(1 - math.random()) * think end return 0 end
+function response(status, headers, body)
+  if status ~= 200 then non200 = non200 + 1; return end
+  local st = headers["server-timing"] or headers["Server-Timing"]
+  if not st then return end
+  for name, d in st:gmatch("([%w%-_%.]+);dur=([%d%.]+)") do
+    local v = tonumber(d)
+    sums[name] = (sums[name] or 0) + v; counts[name] = (counts[name] or 0) + 1
+    if name == "app" then apps[#apps + 1] = v end
+  end
+end
+function done(summary, latency, requests)
+  local all, bad, s, c = {}, 0, {}, {}
+  for _, t in ipairs(threads) do
+    for _, v in ipairs(t:get("apps")) do all[#all + 1] = v end
+    bad = bad + t:get("non200")
+    for k, v in pairs(t:get("sums")) do s[k] = (s[k] or 0) + v end
+    for k, v in pairs(t:get("counts")) do c[k] = (c[k] or 0) + v end
+  end
+  table.sort(all)
+  local function pct(p)
+    if #all == 0 then return -1 end
+    return all[math.max(1, math.ceil(#all * p / 100))]
+  end
+  local means = {}
+  for k, v in pairs(s) do means[#means + 1] = string.format('"%s": %.4f', k, v / c[k]) end
+  local e = summary.errors
+  io.write(string.format('JSON {"requests": %d, "duration_us": %d, "non200": %d, ' ..
+    '"socket_errors": %d, "p50_us": %d, "p90_us": %d, "p99_us": %d, "max_us": %d, ' ..
+    '"server_n": %d, "server_p50_ms": %.3f, "server_p99_ms": %.3f, "means": {%s}}\n',
+    summary.requests, summary.duration, bad, e.connect + e.read + e.write + e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max,
+    #all, pct(50), pct(99), table.concat(means, ", ")))
+end
+"""
+
+
+def wrk_binary() -> str:
+    """The repository's carried wrk (`.tools/wrk`, fetch_device_wheels.sh --with-wrk), else
+    PATH's."""
+    carried = HERE.parent / ".tools" / "wrk"
+    return str(carried) if carried.exists() else "wrk"
+
+
+def run_wrk(
+    url: str,
+    script: Path,
+    bodies: Path,
+    route: str,
+    connections: int,
+    think_ms: float,
+    seconds: float,
+    cpus: str | None,
+    threads: int = 1,
+) -> dict:
+    """One wrk run: ok/s, client percentiles, the server's `app` p50/p99 and per-entry means."""
+    wrk = wrk_binary()
+    cmd = [wrk, f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency"]
+    cmd += ["--timeout", "30s", "-s", str(script), url, "--", str(bodies), route]
+    cmd += [f"{think_ms:.3f}"]
+    if cpus:
+        cmd = ["taskset", "-c", cpus, *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("JSON "))
+    r = json.loads(line[5:])
+    ok = r["requests"] - r["non200"]
+    version = subprocess.run([wrk, "-v"], capture_output=True, text=True).stdout
+    return {
+        "generator": "wrk",
+        "wrk_version": version.split("\n")[0],
+        "connections": connections,
+        "think_ms": think_ms,
+        "requests": r["requests"],
+        "ok_per_s": ok / (r["duration_us"] / 1e6),
+        "errors": r["non200"] + r["socket_errors"],
+        "non200": r["non200"],
+        "socket_errors": r["socket_errors"],  # e.g. a keep-alive connection closed while idle
+        "p50_ms": r["p50_us"] / 1e3,
+        "p90_ms": r["p90_us"] / 1e3,
+        "p99_ms": r["p99_us"] / 1e3,
+        "max_ms": r["max_us"] / 1e3,
+        "server_p50_ms": r["server_p50_ms"],
+        "server_p99_ms": r["server_p99_ms"],
+        "server_means_ms": dict(sorted(r["means"].items())),
+    }
