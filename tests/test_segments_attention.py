@@ -8,7 +8,10 @@ inside `torch.compile` and through `torch.export` + AOTInductor. Skipped when tr
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -156,6 +159,39 @@ def test_backend_names_and_device_checks():
             get_backend(name, "cpu")
     with pytest.raises(ValueError, match="'always' or 'cascade'"):
         SegmentsBackend(ReferenceBackend(), "sometimes")
+
+
+EXPORT = """
+import torch
+from boundgen.attention.backends import ReferenceBackend, SegmentsBackend
+from boundgen.attention.cascade import prefill_attention
+from boundgen.text.packing import SequenceGroup, pack
+
+batch = pack([SequenceGroup([1] * 10, [[2] * 3, [3] * 4]), SequenceGroup([], [[4] * 5])])
+backend = SegmentsBackend(ReferenceBackend(), "cascade")
+mk = lambda h: torch.randn(batch.num_tokens, h, 64)
+
+
+class Attn(torch.nn.Module):
+    def forward(self, q, k, v, attn):
+        return prefill_attention(q, k, v, attn, backend)
+
+
+ep = torch.export.export(Attn(), (mk(14), mk(2), mk(2), batch.attn), strict=False)
+print([(str(n.target), n.args[6:]) for n in ep.graph.nodes if n.op == "call_function"])
+"""
+
+
+def test_export_traces_the_op_with_its_static_ints():
+    """`torch.export` keeps `boundgen::packed_prefill` as one node taking the layout's ints (the
+    fake kernel runs, nothing launches). In a child without the interpreter: interpreted kernels
+    cannot be traced."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", EXPORT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "[('boundgen.packed_prefill.default', (10, 7))]" in res.stdout, res.stdout
 
 
 # -- GPU: against flash attention, compiled, exported ---------------------------------------------

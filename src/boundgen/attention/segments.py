@@ -340,7 +340,12 @@ def launch(
     num_segments = cu_seqlens.shape[0] - 1
     num_groups = cu_group_q.shape[0] - 1
     grid = (triton.cdiv(t, block_t), hkv)
-    wrap_triton(_packed_prefill_kernel)[grid](
+    kernel = _packed_prefill_kernel
+    # NOTE: under TRITON_INTERPRET=1 the kernel is an InterpretedFunction, which some torch
+    # versions' wrap_triton refuse; it only runs eagerly there anyway.
+    if isinstance(kernel, triton.runtime.JITFunction):
+        kernel = wrap_triton(kernel)
+    kernel[grid](
         q,
         k,
         v,
