@@ -228,7 +228,9 @@ class SegmentsBackend:
     def __init__(self, inner: AttentionBackend, when: str = "cascade") -> None:
         if when not in ("always", "cascade"):
             raise ValueError(f"SegmentsBackend: when must be 'always' or 'cascade', not {when!r}")
-        self.inner, self.when = inner, when
+        from boundgen.attention.segments import packed_prefill  # needs triton: imported here
+
+        self.inner, self.when, self._packed_prefill = inner, when, packed_prefill
         base = "" if inner.name == "varlen" else f"{inner.name}+"
         self.name = base + ("segments" if when == "always" else "segments-cascade")
 
@@ -238,15 +240,13 @@ class SegmentsBackend:
     def prefill(self, q, k, v, attn):
         if self.when == "cascade" and not attn.has_shared_prefix:
             return None
-        from boundgen.attention.segments import packed_prefill
-
         if attn.has_shared_prefix:
             cu_prefix, cu_group_q = attn.cu_prefix, attn.cu_group_q
             p, s = attn.num_prefix_tokens, attn.num_shared_tokens
         else:  # not read by the kernel
             cu_prefix = cu_group_q = attn.cu_seqlens
             p, s = 0, 0
-        return packed_prefill(q, k, v, attn.cu_seqlens, cu_prefix, cu_group_q, p, s)
+        return self._packed_prefill(q, k, v, attn.cu_seqlens, cu_prefix, cu_group_q, p, s)
 
 
 register("segments")(lambda: SegmentsBackend(VarlenBackend(), "always"))

@@ -43,6 +43,15 @@ def _search(cu, x, lo, hi, ITERS: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with float32 accumulation; float32 inputs multiplied exactly (not as tf32)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _block(
     acc,
     m_i,
@@ -62,7 +71,7 @@ def _block(
     offs_d,
     d_ok,
     BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """One BLOCK_N-key step of the online softmax."""
@@ -76,7 +85,7 @@ def _block(
     )
     if INTERPRET:
         k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = _dot(q, tl.trans(k), IEEE) * qk_scale
     visible = (keys[None, :] >= row_lo[:, None]) & (keys[None, :] < row_hi[:, None])
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -91,7 +100,7 @@ def _block(
     p = p.to(vt.dtype)  # as flash attention: probabilities in the input dtype for the PV product
     if INTERPRET:
         p, vt = p.to(tl.float32), vt.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + _dot(p, vt, IEEE)
     m_i = m_new
     return acc, m_i, l_i
 
@@ -116,7 +125,7 @@ def _attend(
     offs_d,
     d_ok,
     BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Online softmax of the tile over keys [k_lo, k_hi); row i sees keys [row_lo[i], row_hi[i]).
@@ -146,7 +155,7 @@ def _attend(
                 offs_d,
                 d_ok,
                 BLOCK_N,
-                PRECISION,
+                IEEE,
                 INTERPRET,
             )
             start += BLOCK_N
@@ -171,13 +180,15 @@ def _attend(
                 offs_d,
                 d_ok,
                 BLOCK_N,
-                PRECISION,
+                IEEE,
                 INTERPRET,
             )
     return acc, m_i, l_i
 
 
-@triton.jit
+# NOTE: the sizes that change from batch to batch are not specialised on (an eager forward of a new
+# shape must not compile the kernel again); SEG_ITERS/GROUP_ITERS take a few values (`_iters`).
+@triton.jit(do_not_specialize=["T", "num_segments", "num_groups", "num_prefix", "num_shared"])
 def _packed_prefill_kernel(
     Q,
     K,
@@ -209,7 +220,7 @@ def _packed_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
-    PRECISION: tl.constexpr,
+    IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -262,7 +273,7 @@ def _packed_prefill_kernel(
             offs_d,
             d_ok,
             BLOCK_N,
-            PRECISION,
+            IEEE,
             INTERPRET,
         )
 
@@ -289,7 +300,7 @@ def _packed_prefill_kernel(
         offs_d,
         d_ok,
         BLOCK_N,
-        PRECISION,
+        IEEE,
         INTERPRET,
     )
 
@@ -311,8 +322,10 @@ def config_for(head_dim: int) -> tuple[int, int, int, int]:
 
 
 def _iters(n: int) -> int:
-    """Halvings that take a search over [0, n) down to one candidate."""
-    return max(1, math.ceil(math.log2(max(n, 1)))) + 1
+    """Halvings that take a search over [0, n) down to one candidate, rounded up to a multiple of
+    4 (extra halvings change nothing; a few values, a few compiled variants)."""
+    need = math.ceil(math.log2(max(n, 1))) + 1
+    return 4 * math.ceil(need / 4)
 
 
 def launch(
@@ -376,7 +389,7 @@ def launch(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         HAS_PREFIX=num_shared > 0,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        IEEE=q.dtype == torch.float32,
         INTERPRET=q.device.type != "cuda",  # Triton's CPU interpreter (TRITON_INTERPRET=1)
         num_warps=num_warps,
         num_stages=num_stages,
