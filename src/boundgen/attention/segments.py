@@ -32,8 +32,10 @@ from torch.library import triton_op, wrap_triton
 
 
 @triton.jit
-def _search(cu, x, lo, hi, ITERS: tl.constexpr):
-    """Per row: the largest i in [lo, hi) with cu[i] <= x (cu sorted; cu[lo] <= x assumed)."""
+def _search(cu, x, n, ITERS: tl.constexpr):
+    """Per row: the largest i in [0, n) with cu[i] <= x (cu sorted, cu[0] <= x < cu[n])."""
+    lo = tl.zeros_like(x)
+    hi = lo + n
     for _ in range(ITERS):
         mid = (lo + hi) // 2
         go = tl.load(cu + mid) <= x
@@ -46,9 +48,10 @@ def _search(cu, x, lo, hi, ITERS: tl.constexpr):
 def _dot(a, b, IEEE: tl.constexpr):
     """a @ b with float32 accumulation; float32 inputs multiplied exactly (not as tf32)."""
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+        out = tl.dot(a, b, input_precision="ieee")
     else:
-        return tl.dot(a, b)
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit
@@ -57,46 +60,42 @@ def _block(
     m_i,
     l_i,
     q,
-    K,
-    V,
+    Kh,
+    Vh,
+    T,
     stride_kt,
     stride_vt,
-    kvh_k,
-    kvh_v,
     start,
-    k_hi,
     row_lo,
     row_hi,
     qk_scale,
-    offs_d,
-    d_ok,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """One BLOCK_N-key step of the online softmax."""
-    keys = start + tl.arange(0, BLOCK_N)
-    k_ok = keys < k_hi
-    keys64 = keys.to(tl.int64)
-    k = tl.load(
-        K + kvh_k + keys64[:, None] * stride_kt + offs_d[None, :],
-        mask=k_ok[:, None] & d_ok[None, :],
-        other=0.0,
+    """One BLOCK_N-key step of the online softmax (keys from `start`; Kh, Vh: this KV head's
+    [T, HEAD_DIM] slices). Keys past a row's range are masked out of its scores; the block itself
+    is only bounded by T (block pointers: no per-element pointer tensors, fewer registers)."""
+    kb = tl.make_block_ptr(
+        Kh, (T, HEAD_DIM), (stride_kt, 1), (start, 0), (BLOCK_N, BLOCK_D), order=(1, 0)
     )
+    k = tl.load(kb, boundary_check=(0, 1), padding_option="zero")
     if INTERPRET:
         k = k.to(tl.float32)
     s = _dot(q, tl.trans(k), IEEE) * qk_scale
+    keys = start + tl.arange(0, BLOCK_N)
     visible = (keys[None, :] >= row_lo[:, None]) & (keys[None, :] < row_hi[:, None])
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    vt = tl.load(
-        V + kvh_v + keys64[:, None] * stride_vt + offs_d[None, :],
-        mask=k_ok[:, None] & d_ok[None, :],
-        other=0.0,
+    vb = tl.make_block_ptr(
+        Vh, (T, HEAD_DIM), (stride_vt, 1), (start, 0), (BLOCK_N, BLOCK_D), order=(1, 0)
     )
+    vt = tl.load(vb, boundary_check=(0, 1), padding_option="zero")
     p = p.to(vt.dtype)  # as flash attention: probabilities in the input dtype for the PV product
     if INTERPRET:
         p, vt = p.to(tl.float32), vt.to(tl.float32)
@@ -111,19 +110,18 @@ def _attend(
     m_i,
     l_i,
     q,
-    K,
-    V,
+    Kh,
+    Vh,
+    T,
     stride_kt,
     stride_vt,
-    kvh_k,
-    kvh_v,
     k_lo,
     k_hi,
     row_lo,
     row_hi,
     qk_scale,
-    offs_d,
-    d_ok,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -141,19 +139,17 @@ def _attend(
                 m_i,
                 l_i,
                 q,
-                K,
-                V,
+                Kh,
+                Vh,
+                T,
                 stride_kt,
                 stride_vt,
-                kvh_k,
-                kvh_v,
                 start,
-                k_hi,
                 row_lo,
                 row_hi,
                 qk_scale,
-                offs_d,
-                d_ok,
+                HEAD_DIM,
+                BLOCK_D,
                 BLOCK_N,
                 IEEE,
                 INTERPRET,
@@ -166,19 +162,17 @@ def _attend(
                 m_i,
                 l_i,
                 q,
-                K,
-                V,
+                Kh,
+                Vh,
+                T,
                 stride_kt,
                 stride_vt,
-                kvh_k,
-                kvh_v,
                 start,
-                k_hi,
                 row_lo,
                 row_hi,
                 qk_scale,
-                offs_d,
-                d_ok,
+                HEAD_DIM,
+                BLOCK_D,
                 BLOCK_N,
                 IEEE,
                 INTERPRET,
@@ -240,8 +234,8 @@ def _packed_prefill_kernel(
     )
     if INTERPRET:
         q = q.to(tl.float32)
-    kvh_k = kvh.to(tl.int64) * stride_kh
-    kvh_v = kvh.to(tl.int64) * stride_vh
+    Kh = K + kvh.to(tl.int64) * stride_kh
+    Vh = V + kvh.to(tl.int64) * stride_vh
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a row without keys stays NaN-free
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -251,7 +245,7 @@ def _packed_prefill_kernel(
         # suffix rows of group g also see prefix g, non-causally
         shared = row_ok & (tok >= num_prefix) & (tok < num_prefix + num_shared)
         u = tl.minimum(tl.maximum(tok - num_prefix, 0), num_shared - 1)
-        g = _search(CU_GROUP_Q, u, tl.zeros([BLOCK_M], tl.int32), num_groups, GROUP_ITERS)
+        g = _search(CU_GROUP_Q, u, num_groups, GROUP_ITERS)
         p_lo = tl.where(shared, tl.load(CU_PREFIX + g), T)
         p_hi = tl.where(shared, tl.load(CU_PREFIX + g + 1), 0)
         acc, m_i, l_i = _attend(
@@ -259,26 +253,25 @@ def _packed_prefill_kernel(
             m_i,
             l_i,
             q,
-            K,
-            V,
+            Kh,
+            Vh,
+            T,
             stride_kt,
             stride_vt,
-            kvh_k,
-            kvh_v,
             tl.min(p_lo),
             tl.max(p_hi),
             p_lo,
             p_hi,
             qk_scale,
-            offs_d,
-            d_ok,
+            HEAD_DIM,
+            BLOCK_D,
             BLOCK_N,
             IEEE,
             INTERPRET,
         )
 
     # every row sees its own causal segment: keys [segment start, token]
-    seg = _search(CU, tok, tl.zeros([BLOCK_M], tl.int32), num_segments, SEG_ITERS)
+    seg = _search(CU, tok, num_segments, SEG_ITERS)
     s_lo = tl.where(row_ok, tl.load(CU + seg), T)
     s_hi = tl.where(row_ok, tok + 1, 0)
     acc, m_i, l_i = _attend(
@@ -286,19 +279,18 @@ def _packed_prefill_kernel(
         m_i,
         l_i,
         q,
-        K,
-        V,
+        Kh,
+        Vh,
+        T,
         stride_kt,
         stride_vt,
-        kvh_k,
-        kvh_v,
         tl.min(s_lo),
         tl.max(s_hi),
         s_lo,
         s_hi,
         qk_scale,
-        offs_d,
-        d_ok,
+        HEAD_DIM,
+        BLOCK_D,
         BLOCK_N,
         IEEE,
         INTERPRET,
