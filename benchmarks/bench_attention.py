@@ -92,6 +92,16 @@ def time_us(fn, iters: int) -> dict:
     return {"graph_us": graph_us, "eager_us": eager}
 
 
+def with_tile(segments, tile, backend, q, k, v, a):
+    """The kernel through the backend with another tile (BLOCK_M, BLOCK_N, warps, stages)."""
+    saved = dict(segments.CONFIGS)
+    segments.CONFIGS.update(dict.fromkeys(saved, tile))
+    try:
+        return prefill_attention(q, k, v, a, backend)
+    finally:
+        segments.CONFIGS.update(saved)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", type=int, default=14)
@@ -138,17 +148,10 @@ def main() -> None:
             "segments": lambda: prefill_attention(q, k, v, a, ours),
         }
         if args.sweep:
-            cu_p = a.cu_prefix if a.has_shared_prefix else a.cu_seqlens
-            cu_g = a.cu_group_q if a.has_shared_prefix else a.cu_seqlens
-            n_p, n_s = (a.num_prefix_tokens, a.num_shared_tokens) if a.has_shared_prefix else (0, 0)
-            for bm, bn, warps, stages in itertools.product(
-                (32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3)
-            ):
-                variants[f"segments m{bm} n{bn} w{warps} s{stages}"] = (
-                    lambda bm=bm, bn=bn, warps=warps, stages=stages: segments.launch(
-                        q, k, v, a.cu_seqlens, cu_p, cu_g, n_p, n_s, bm, bn, warps, stages
-                    )
-                )
+            tiles = itertools.product((32, 64, 128), (32, 64), (4, 8), (2, 3))
+            for tile in tiles:
+                label = "segments m{} n{} w{} s{}".format(*tile)
+                variants[label] = lambda tile=tile: with_tile(segments, tile, ours, q, k, v, a)
         for label, fn in variants.items():
             try:
                 got = fn()
@@ -157,19 +160,18 @@ def main() -> None:
             except Exception as exc:  # e.g. a tile over the shared-memory limit
                 row[label] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         timed = {
-            k: v["graph_us"]
-            for k, v in row.items()
-            if isinstance(v, dict) and isinstance(v.get("graph_us"), float)
+            label: res["graph_us"]
+            for label, res in row.items()
+            if isinstance(res, dict) and isinstance(res.get("graph_us"), float)
         }
         if timed:
             best = min(timed, key=timed.get)
             row["best"] = {"variant": best, "graph_us": timed[best]}
+        if "segments" in timed and "flash (aten, AOTI's)" in timed:
+            row["flash_over_segments"] = timed["flash (aten, AOTI's)"] / timed["segments"]
         result["layouts"][name] = row
-        print(
-            name,
-            {k: round(v, 1) for k, v in sorted(timed.items(), key=lambda kv: kv[1])[:6]},
-            file=sys.stderr,
-        )
+        fastest = sorted(timed.items(), key=lambda kv: kv[1])[:6]
+        print(name, {label: round(us, 1) for label, us in fastest}, file=sys.stderr)
     print(json.dumps(result, indent=2, default=str))
     write_json(args.out, result)
 
