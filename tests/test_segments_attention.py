@@ -321,3 +321,39 @@ def test_segments_engine_equals_varlen_engine(tiny_model):
         out[attention] = torch.tensor(engine.score(query, items, [514, 371]))
     for name in ("segments", "segments-cascade"):
         assert torch.allclose(out[name], out["varlen"], atol=2e-2), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "backend", ["eager+graphs", "compile", pytest.param("aoti+graphs", marks=pytest.mark.slow)]
+)
+def test_segments_in_compiled_buckets(tiny_model, tmp_path, backend):
+    """The model's real graph (q/k/v as views of the qkv projection) with the kernel in a cascade
+    bucket, captured, compiled by Inductor or AOTInductor: the scores of flash eager."""
+    from boundgen import Engine
+    from boundgen.compile.backends import CompileOptions
+    from boundgen.compile.preload import AOTIUnsafe
+    from boundgen.runner import make_runner
+
+    path = tiny_model("qwen2")
+    load = lambda attention: Engine.from_pretrained(
+        path, device="cuda", dtype="bfloat16", attention=attention, backend="eager"
+    )
+    flash, seg = load("varlen"), load("segments-cascade")
+    opts = CompileOptions(
+        buckets=[Bucket.parse("t64-s12-m32-g3-p24-q24")],
+        cache_dir=tmp_path,
+        graph_max_tokens=128,
+        compile_decode=False,
+    )
+    try:
+        runner = make_runner(seg.model, seg.device, 4096, True, backend, opts)
+    except AOTIUnsafe as exc:
+        pytest.skip(f"AOTInductor load needs a preload in this process: {exc}")
+    e = seg.with_runner(runner)
+    score = lambda engine: torch.tensor(
+        engine.score("the quick brown fox", ["jumps over", "a lazy dog", "x"], [5, 17])
+    )
+    for _ in range(2):
+        torch.testing.assert_close(score(e), score(flash), atol=2e-2, rtol=0)
+    assert e.runner.stats()["misses"] == 0
