@@ -74,10 +74,12 @@ def _block(
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    MASK: tl.constexpr,
 ):
     """One BLOCK_N-key step of the online softmax (keys from `start`; Kh, Vh: this KV head's
-    [T, HEAD_DIM] slices). Keys past a row's range are masked out of its scores; the block itself
-    is only bounded by T (block pointers: no per-element pointer tensors, fewer registers)."""
+    [T, HEAD_DIM] slices). With MASK, keys outside a row's range are masked out of its scores;
+    the block itself is only bounded by T (block pointers: no per-element pointer tensors, fewer
+    registers)."""
     kb = tl.make_block_ptr(
         Kh, (T, HEAD_DIM), (stride_kt, 1), (start, 0), (BLOCK_N, BLOCK_D), order=(1, 0)
     )
@@ -85,9 +87,10 @@ def _block(
     if INTERPRET:
         k = k.to(tl.float32)
     s = _dot(q, tl.trans(k), IEEE) * qk_scale
-    keys = start + tl.arange(0, BLOCK_N)
-    visible = (keys[None, :] >= row_lo[:, None]) & (keys[None, :] < row_hi[:, None])
-    s = tl.where(visible, s, float("-inf"))
+    if MASK:
+        keys = start + tl.arange(0, BLOCK_N)
+        visible = (keys[None, :] >= row_lo[:, None]) & (keys[None, :] < row_hi[:, None])
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -105,7 +108,7 @@ def _block(
 
 
 @triton.jit
-def _attend(
+def _sweep(
     acc,
     m_i,
     l_i,
@@ -125,9 +128,9 @@ def _attend(
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    MASK: tl.constexpr,
 ):
-    """Online softmax of the tile over keys [k_lo, k_hi); row i sees keys [row_lo[i], row_hi[i]).
-    Scores are in log2 units (qk_scale includes log2(e))."""
+    """`_block` over keys [k_lo, k_hi), BLOCK_N at a time."""
     if INTERPRET:
         # NOTE: Triton's CPU interpreter cannot take a block-reduced bound as a range() bound
         # (numpy >= 2 refuses int() of its 1-element arrays); a while loop compares instead. Its
@@ -153,6 +156,7 @@ def _attend(
                 BLOCK_N,
                 IEEE,
                 INTERPRET,
+                MASK,
             )
             start += BLOCK_N
     else:
@@ -176,7 +180,110 @@ def _attend(
                 BLOCK_N,
                 IEEE,
                 INTERPRET,
+                MASK,
             )
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend(
+    acc,
+    m_i,
+    l_i,
+    q,
+    Kh,
+    Vh,
+    T,
+    stride_kt,
+    stride_vt,
+    row_ok,
+    row_lo,
+    row_hi,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Online softmax of the tile over the union of its rows' key ranges: row i sees keys
+    [row_lo[i], row_hi[i]) (rows outside `row_ok` are never stored and do not count). Whole blocks
+    of keys that every row sees run without a mask (most of a long causal segment, a group's
+    prefix); the blocks before and after them are masked per row. Scores are in log2 units
+    (qk_scale includes log2(e))."""
+    k_lo = tl.min(tl.where(row_ok, row_lo, T))
+    k_hi = tl.max(tl.where(row_ok, row_hi, 0))
+    all_lo = tl.max(tl.where(row_ok, row_lo, 0))  # keys [all_lo, all_hi) are seen by every row
+    all_hi = tl.min(tl.where(row_ok, row_hi, T))
+    n_full = tl.maximum(all_hi - all_lo, 0) // BLOCK_N
+    mid_lo = tl.where(n_full > 0, all_lo, k_lo)
+    mid_hi = mid_lo + n_full * BLOCK_N
+    acc, m_i, l_i = _sweep(
+        acc,
+        m_i,
+        l_i,
+        q,
+        Kh,
+        Vh,
+        T,
+        stride_kt,
+        stride_vt,
+        k_lo,
+        mid_lo,
+        row_lo,
+        row_hi,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        IEEE,
+        INTERPRET,
+        True,
+    )
+    acc, m_i, l_i = _sweep(
+        acc,
+        m_i,
+        l_i,
+        q,
+        Kh,
+        Vh,
+        T,
+        stride_kt,
+        stride_vt,
+        mid_lo,
+        mid_hi,
+        row_lo,
+        row_hi,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        IEEE,
+        INTERPRET,
+        False,
+    )
+    acc, m_i, l_i = _sweep(
+        acc,
+        m_i,
+        l_i,
+        q,
+        Kh,
+        Vh,
+        T,
+        stride_kt,
+        stride_vt,
+        mid_hi,
+        k_hi,
+        row_lo,
+        row_hi,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        IEEE,
+        INTERPRET,
+        True,
+    )
     return acc, m_i, l_i
 
 
@@ -246,7 +353,7 @@ def _packed_prefill_kernel(
         shared = row_ok & (tok >= num_prefix) & (tok < num_prefix + num_shared)
         u = tl.minimum(tl.maximum(tok - num_prefix, 0), num_shared - 1)
         g = _search(CU_GROUP_Q, u, num_groups, GROUP_ITERS)
-        p_lo = tl.where(shared, tl.load(CU_PREFIX + g), T)
+        p_lo = tl.where(shared, tl.load(CU_PREFIX + g), T)  # other rows: an empty range
         p_hi = tl.where(shared, tl.load(CU_PREFIX + g + 1), 0)
         acc, m_i, l_i = _attend(
             acc,
@@ -258,8 +365,7 @@ def _packed_prefill_kernel(
             T,
             stride_kt,
             stride_vt,
-            tl.min(p_lo),
-            tl.max(p_hi),
+            row_ok,
             p_lo,
             p_hi,
             qk_scale,
@@ -284,8 +390,7 @@ def _packed_prefill_kernel(
         T,
         stride_kt,
         stride_vt,
-        tl.min(s_lo),
-        tl.max(s_hi),
+        row_ok,
         s_lo,
         s_hi,
         qk_scale,
