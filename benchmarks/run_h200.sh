@@ -15,7 +15,6 @@
 #   bash benchmarks/run_h200.sh beam-heads                      # issue 24: trie full vs candidate head
 #   bash benchmarks/run_h200.sh w3                              # issue 25 item 1: one W3 call, before/after staging
 #   bash benchmarks/run_h200.sh segments-tests attention; then: attention-sweep   # issue 25 item 2
-#   bash benchmarks/run_h200.sh segments-tests attention; then: attention-sweep   # issue 25 item 2
 #   BACKENDS_ARGS="--attention varlen --workloads w2 w1" bash benchmarks/run_h200.sh backends   # A/B
 # Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
 set -u
