@@ -83,6 +83,11 @@ def parse_args(argv=None):
         help="time kept for measurements when AOTInductor builds run long",
     )
     ap.add_argument("--w1-prompts", type=int, default=256)
+    ap.add_argument(
+        "--attention",
+        default="auto",
+        help="attention backend (auto | varlen | segments | segments-cascade | reference)",
+    )
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
 
@@ -203,8 +208,12 @@ def main(argv=None) -> int:
         if args.model
         else ensure_model(args.preset, dtype=dtype_name, root=args.root, progress=False)
     )
-    engine = Engine.from_pretrained(path, device=args.device, dtype=dtype_name, backend="eager")
-    run.results.update(model=str(path), preset=args.preset, dtype=dtype_name)
+    engine = Engine.from_pretrained(
+        path, device=args.device, dtype=dtype_name, backend="eager", attention=args.attention
+    )
+    run.results.update(
+        model=str(path), preset=args.preset, dtype=dtype_name, attention=engine.model.backend.name
+    )
     buckets = parse_buckets(args.buckets or DEFAULT_BUCKETS)
     run.results["buckets"] = [b.name for b in buckets]
     cfg = engine.config

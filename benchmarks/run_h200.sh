@@ -15,6 +15,8 @@
 #   bash benchmarks/run_h200.sh beam-heads                      # issue 24: trie full vs candidate head
 #   bash benchmarks/run_h200.sh w3                              # issue 25 item 1: one W3 call, before/after staging
 #   bash benchmarks/run_h200.sh beam-wrk                        # issue 24: /v1/beam under wrk (carry .whl .tools; ≤ 5 min)
+#   bash benchmarks/run_h200.sh segments-tests attention; then: attention-sweep   # issue 25 item 2
+#   BACKENDS_ARGS="--attention varlen --workloads w2 w1" bash benchmarks/run_h200.sh backends   # A/B
 # Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
 set -u
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 BOUNDGEN_CACHE=${BOUNDGEN_CACHE:-/tmp/boundgen-cache} RAY_USAGE_STATS_ENABLED=0
@@ -50,7 +52,11 @@ run_phase() {
     profile) phase profile 90 python3 benchmarks/profile_host.py --root $ROOT --out "$OUT/profile.txt" ;;
     # issue 25 item 1: one W3 call before/after the staged bucket inputs (eager+graphs; W3_ARGS="--backend aoti+graphs" builds t64 first)
     w3) phase w3 300 python3 benchmarks/profile_w3.py --root $ROOT --json "$OUT/w3.json" ${W3_ARGS:-} ;;
-    backends) phase backends 575 python3 benchmarks/bench_backends.py --root $ROOT --out "$OUT/backends.json" --budget-s $(( ${B:-575} - 15 )) ;;
+    backends) phase backends 575 python3 benchmarks/bench_backends.py --root $ROOT --out "$OUT/backends.json" --budget-s $(( ${B:-575} - 15 )) ${BACKENDS_ARGS:-} ;;
+    # issue 25 item 2: the Triton segments prefill kernel (tests incl. GPU, flash vs kernel, tiles)
+    segments-tests) phase segments-tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_segments_attention.py tests/test_attention.py ;;
+    attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
+    attention-sweep) phase attention-sweep 300 python3 benchmarks/bench_attention.py --sweep --iters 100 --out "$OUT/attention_sweep.json" ;;
     fp8-kernels) phase fp8-kernels 240 python3 benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out "$OUT/fp8_kernels.json" ;;
     fp8-model) phase fp8-model 330 python3 benchmarks/bench_fp8.py --sections env,model,gate --out "$OUT/fp8_model.json" ;;
     fp8-selective) phase fp8-selective 560 python3 benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs --policies none selective --profile --out "$OUT/fp8_selective.json" ;;

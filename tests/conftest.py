@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without CUDA, Triton kernels (`attention.segments`) run in Triton's CPU interpreter. Triton reads
+# the flag when it and the kernels are imported, so it is set before any test module imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import settings
 
 from boundgen.checkpoints import make_model

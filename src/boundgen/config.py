@@ -170,7 +170,11 @@ class EngineConfig:
         None,
         "float32 | bfloat16 | float16 (default: float32 on CPU, the checkpoint's dtype on CUDA)",
     )
-    attention: str = option("auto", "attention backend: auto | reference | varlen")
+    attention: str = option(
+        "auto",
+        "attention backend: auto | reference | varlen | segments | segments-cascade (auto on "
+        "CUDA: segments-cascade, the Triton packed-prefill kernel for shared-prefix batches)",
+    )
     backend: str = option(
         "auto",
         "model backend: auto | eager | compile | aoti; on CUDA also eager+graphs | "

@@ -54,28 +54,50 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
+# What `auto` picks on CUDA in fp16/bf16. "segments-cascade": flash attention for every call except
+# the prefill of a batch with shared-prefix groups, which runs the Triton `segments` kernel (one
+# call sized to the tokens instead of flash's causal call + cross call + merge + cat); "segments":
+# the kernel for every prefill; "varlen": flash only. Flash until the kernel is measured against it
+# on the H200 (docs/architecture.md, "Attention sized to the segments"): a default changes only on
+# a measurement.
+AUTO_CUDA = "varlen"
+_FLASH = ("varlen", "segments", "segments-cascade")  # backends whose varlen() is flash attention
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def get_backend(
     name: str, device: torch.device | str, dtype: torch.dtype | None = None
 ) -> AttentionBackend:
-    """`name` is a registered backend or "auto": varlen on CUDA in fp16/bf16 (flash attention has no
-    float32 kernel), reference elsewhere."""
+    """`name` is a registered backend or "auto": on CUDA in fp16/bf16 (flash attention has no
+    float32 kernel) `AUTO_CUDA` (plain `varlen` when Triton is missing), reference elsewhere."""
     device = torch.device(device)
     if name == "auto":
         half = dtype in (None, torch.float16, torch.bfloat16)
-        name = "varlen" if device.type == "cuda" and half else "reference"
+        name = "reference"
+        if device.type == "cuda" and half:
+            name = AUTO_CUDA if AUTO_CUDA == "varlen" or triton_available() else "varlen"
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend '{name}'; available: {', '.join(available_backends())}"
         )
-    if name == "varlen" and device.type != "cuda":
+    if name in _FLASH and device.type != "cuda":
         raise ValueError(
-            "the 'varlen' attention backend needs a CUDA device; use 'reference' on CPU"
+            f"the '{name}' attention backend needs a CUDA device; use 'reference' on CPU"
         )
-    if name == "varlen" and dtype == torch.float32:
+    if name in _FLASH and dtype == torch.float32:
         raise ValueError(
-            "the 'varlen' attention backend runs in float16/bfloat16 only; use 'reference' "
+            f"the '{name}' attention backend runs in float16/bfloat16 only; use 'reference' "
             "for float32"
         )
+    if name in _FLASH[1:] and not triton_available():
+        raise ValueError(f"the '{name}' attention backend needs triton (pip install triton)")
     return _BACKENDS[name]()
 
 
@@ -196,3 +218,37 @@ class VarlenBackend:
         if heads_first:
             lse = lse.transpose(0, 1)
         return out, lse.float()
+
+
+class SegmentsBackend:
+    """Flash attention (`inner`) for every `varlen` call (decode, beam prompts), and the packed
+    prefill through the Triton kernel of `attention.segments` (one call, its grid sized to the
+    tokens) for the batches `when` names: "always", or "cascade" (batches with shared-prefix
+    groups; plain batches keep flash's causal call)."""
+
+    def __init__(self, inner: AttentionBackend, when: str = "cascade") -> None:
+        if when not in ("always", "cascade"):
+            raise ValueError(f"SegmentsBackend: when must be 'always' or 'cascade', not {when!r}")
+        from boundgen.attention.segments import packed_prefill  # needs triton: imported here
+
+        self.inner, self.when, self._packed_prefill = inner, when, packed_prefill
+        base = "" if inner.name == "varlen" else f"{inner.name}+"
+        self.name = base + ("segments" if when == "always" else "segments-cascade")
+
+    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        return self.inner.varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal)
+
+    def prefill(self, q, k, v, attn):
+        if self.when == "cascade" and not attn.has_shared_prefix:
+            return None
+        if attn.has_shared_prefix:
+            cu_prefix, cu_group_q = attn.cu_prefix, attn.cu_group_q
+            p, s = attn.num_prefix_tokens, attn.num_shared_tokens
+        else:  # not read by the kernel
+            cu_prefix = cu_group_q = attn.cu_seqlens
+            p, s = 0, 0
+        return self._packed_prefill(q, k, v, attn.cu_seqlens, cu_prefix, cu_group_q, p, s)
+
+
+register("segments")(lambda: SegmentsBackend(VarlenBackend(), "always"))
+register("segments-cascade")(lambda: SegmentsBackend(VarlenBackend(), "cascade"))

@@ -25,7 +25,12 @@ def merge_partial(oa, lsea, ob, lseb) -> torch.Tensor:
 
 def prefill_attention(q, k, v, attn: AttnInputs, backend: AttentionBackend) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] → [T, Hq, D]. Causal per segment, plus shared-prefix
-    groups."""
+    groups. A backend with a `prefill` method (`segments`) may take the whole batch in one call."""
+    prefill = getattr(backend, "prefill", None)
+    if prefill is not None:
+        out = prefill(q, k, v, attn)
+        if out is not None:
+            return out
     out, lse = backend.varlen(
         q, k, v, attn.cu_seqlens, attn.cu_seqlens, attn.max_seqlen, attn.max_seqlen, True
     )

@@ -81,7 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="eval-set seed (default 0)")
     parser.add_argument(
-        "--attention", default="auto", help="attention backend (auto | reference | varlen)"
+        "--attention",
+        default="auto",
+        help="attention backend (auto | reference | varlen | segments | segments-cascade)",
     )
     parser.add_argument(
         "--json", default=None, metavar="OUT", help="also write the reports as JSON"

@@ -29,7 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from boundgen.attention.backends import AttentionBackend, get_backend
+from boundgen.attention.backends import AttentionBackend, SegmentsBackend, get_backend
 from boundgen.compile.attention import FlashBackend, MaskedBackend
 from boundgen.compile.buckets import Bucket
 from boundgen.models.decoder import DecoderModel
@@ -42,10 +42,12 @@ INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
 def export_attention(model: DecoderModel, device: torch.device) -> AttentionBackend:
     """The attention a compiled bucket traces: `flash` (aten op, C shim) on CUDA, `masked`
-    elsewhere.
+    elsewhere. On CUDA, a model whose attention is `segments`/`segments-cascade` (`auto`'s choice)
+    keeps the Triton packed-prefill kernel for the same batches (`flash+segments[-cascade]`): it is
+    a `triton_op`, so export and AOTInductor compile it into the package.
 
-    `BOUNDGEN_EXPORT_ATTENTION=varlen|flash|masked` overrides (the name is part of the cache
-    key)."""
+    `BOUNDGEN_EXPORT_ATTENTION=varlen|flash|masked` overrides the flash part (the name is part of
+    the cache key)."""
     device = torch.device(device)
     choice = os.environ.get("BOUNDGEN_EXPORT_ATTENTION") or (
         "flash" if device.type == "cuda" else "masked"
@@ -57,12 +59,17 @@ def export_attention(model: DecoderModel, device: torch.device) -> AttentionBack
     if choice == "varlen":
         backend = get_backend("varlen", device)
         backend._lse_layout(device)  # NOTE: probe eagerly, never inside a trace
-        return backend
-    if choice == "flash":
+    elif choice == "flash":
         backend = FlashBackend()
         backend.prepare(device)
-        return backend
-    raise ValueError(f"unknown BOUNDGEN_EXPORT_ATTENTION '{choice}'; use varlen, flash or masked")
+    else:
+        raise ValueError(
+            f"unknown BOUNDGEN_EXPORT_ATTENTION '{choice}'; use varlen, flash or masked"
+        )
+    model_attention = getattr(model, "backend", None)
+    if isinstance(model_attention, SegmentsBackend):
+        backend = SegmentsBackend(backend, model_attention.when)
+    return backend
 
 
 class PackedForward(nn.Module):
