@@ -43,7 +43,7 @@ run_phase() {
   local spec=$1 p B=
   p=${spec%%:*}; [ "$p" != "$spec" ] && B=${spec#*:}
   case $p in
-    gpu-tests) phase gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ ${GPU_TEST_ARGS:-} ;;
+    gpu-tests) phase gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m "${GPU_TEST_MARK:-gpu}" tests/ ${GPU_TEST_ARGS:-} ;;
     gpu) phase gpu 560 python3 benchmarks/bench_gpu.py --root $ROOT --out "$OUT/gpu.json" --budget-s $(( ${B:-560} - 20 )) ${GPU_ARGS:-} ;;
     prefill) phase prefill 290 python3 benchmarks/bench_prefill.py --root $ROOT --out "$OUT/prefill.json" ;;
     beam) phase beam 140 python3 benchmarks/bench_beam.py --root $ROOT --out "$OUT/beam.json" ;;
