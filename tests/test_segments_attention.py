@@ -201,7 +201,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from boundgen.attention import segments
 
-d, gqa = int(sys.argv[1]), int(sys.argv[2])
+d, gqa, scale_type = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 fn = segments._packed_prefill_kernel
 block_m, block_n, warps, stages = segments.config_for(d)
 const = dict(
@@ -211,7 +211,7 @@ const = dict(
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({n: "*bf16" for n in ("Q", "K", "V", "Out")})
 sig.update({n: "*i32" for n in ("CU", "CU_PREFIX", "CU_GROUP_Q")})
-sig.update(qk_scale="fp32", **dict.fromkeys(const, "constexpr"))
+sig.update(qk_scale=scale_type, **dict.fromkeys(const, "constexpr"))
 aligned = [n for n in fn.arg_names if n.startswith("stride") or sig[n].startswith("*")]
 src = ASTSource(
     fn,
@@ -224,14 +224,18 @@ print("cubin", len(kernel.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize(("d", "gqa"), [(64, 7), (128, 8)])
-def test_kernel_compiles_for_hopper(d, gqa):
+@pytest.mark.parametrize(
+    ("d", "gqa", "scale_type"), [(64, 7, "fp32"), (128, 8, "fp32"), (64, 7, "fp64")]
+)
+def test_kernel_compiles_for_hopper(d, gqa, scale_type):
     """The interpreter runs the kernel as Python; this compiles it for sm_90 (Triton's bundled
     ptxas, no GPU needed), so what only the compiler checks (loop-carried types, layouts, shared
-    memory) fails here too."""
+    memory) fails here too. The float scale comes typed fp32 from Triton's own launcher and fp64
+    from Inductor's (torch.compile, AOTInductor: what failed on the H200 before the kernel cast
+    it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(
-        [sys.executable, "-c", HOPPER, str(d), str(gqa)],
+        [sys.executable, "-c", HOPPER, str(d), str(gqa), scale_type],
         env=env,
         capture_output=True,
         text=True,
