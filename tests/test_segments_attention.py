@@ -18,6 +18,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton.language as tl
+
+from boundgen.attention import segments
 from boundgen.attention.backends import (
     ReferenceBackend,
     SegmentsBackend,
@@ -102,6 +105,17 @@ def test_kernel_matches_reference_fp32(layout, heads):
     hq, hkv, d = HEADS[heads]
     groups, share = LAYOUTS[layout]
     check(pack(groups(), share_prefix=share), hq, hkv, d, torch.float32, 2e-5)
+
+
+@pytest.mark.parametrize("block_pointers", [True, False])
+def test_both_ways_of_loading_keys(monkeypatch, block_pointers):
+    """Block pointers where Triton has them (removed in 3.9), masked pointer loads otherwise: both
+    give the reference's result (the interpreter reads the switch at call time)."""
+    if block_pointers and not segments.BLOCK_POINTERS:
+        pytest.skip("this Triton has no block pointers")
+    monkeypatch.setattr(segments, "BLOCK_POINTERS", tl.constexpr(block_pointers))
+    groups, share = LAYOUTS["mixed"]
+    check(pack(groups(), share_prefix=share), 14, 2, 64, torch.float32, 2e-5)
 
 
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(14, 2, 64), (16, 2, 128)])

@@ -31,6 +31,27 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 
+def _has_block_pointers() -> bool:
+    """Triton 3.9 removed block pointers (its `make_block_ptr` only raises, saying so)."""
+    return "have been removed" not in (getattr(tl.make_block_ptr, "__doc__", None) or "")
+
+
+# Block pointers where Triton has them (the H200 measurements ran with them, triton 3.6: fewer
+# registers than a tensor of pointers); masked pointer loads otherwise.
+BLOCK_POINTERS = tl.constexpr(_has_block_pointers())
+
+
+@triton.jit
+def _tile(
+    base, T, stride_t, start, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """Rows [start, start + BLOCK_N) of a [T, HEAD_DIM] slice, zero past T or HEAD_DIM."""
+    rows = start + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_t + cols[None, :]
+    return tl.load(ptrs, mask=(rows[:, None] < T) & (cols[None, :] < HEAD_DIM), other=0.0)
+
+
 @triton.jit
 def _search(cu, x, n, ITERS: tl.constexpr):
     """Per row: the largest i in [0, n) with cu[i] <= x (cu sorted, cu[0] <= x < cu[n])."""
@@ -78,12 +99,15 @@ def _block(
 ):
     """One BLOCK_N-key step of the online softmax (keys from `start`; Kh, Vh: this KV head's
     [T, HEAD_DIM] slices). With MASK, keys outside a row's range are masked out of its scores;
-    the block itself is only bounded by T (block pointers: no per-element pointer tensors, fewer
-    registers)."""
-    kb = tl.make_block_ptr(
-        Kh, (T, HEAD_DIM), (stride_kt, 1), (start, 0), (BLOCK_N, BLOCK_D), order=(1, 0)
-    )
-    k = tl.load(kb, boundary_check=(0, 1), padding_option="zero")
+    the block itself is only bounded by T (block pointers where Triton has them: no per-element
+    pointer tensors, fewer registers)."""
+    if BLOCK_POINTERS:
+        kb = tl.make_block_ptr(
+            Kh, (T, HEAD_DIM), (stride_kt, 1), (start, 0), (BLOCK_N, BLOCK_D), order=(1, 0)
+        )
+        k = tl.load(kb, boundary_check=(0, 1), padding_option="zero")
+    else:
+        k = _tile(Kh, T, stride_kt, start, HEAD_DIM, BLOCK_N, BLOCK_D)
     if INTERPRET:
         k = k.to(tl.float32)
     s = _dot(q, tl.trans(k), IEEE) * qk_scale
@@ -95,10 +119,13 @@ def _block(
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    vb = tl.make_block_ptr(
-        Vh, (T, HEAD_DIM), (stride_vt, 1), (start, 0), (BLOCK_N, BLOCK_D), order=(1, 0)
-    )
-    vt = tl.load(vb, boundary_check=(0, 1), padding_option="zero")
+    if BLOCK_POINTERS:
+        vb = tl.make_block_ptr(
+            Vh, (T, HEAD_DIM), (stride_vt, 1), (start, 0), (BLOCK_N, BLOCK_D), order=(1, 0)
+        )
+        vt = tl.load(vb, boundary_check=(0, 1), padding_option="zero")
+    else:
+        vt = _tile(Vh, T, stride_vt, start, HEAD_DIM, BLOCK_N, BLOCK_D)
     p = p.to(vt.dtype)  # as flash attention: probabilities in the input dtype for the PV product
     if INTERPRET:
         p, vt = p.to(tl.float32), vt.to(tl.float32)
