@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 from typing import ClassVar
 
 import numpy as np
@@ -40,12 +39,11 @@ class Held:
                 self.release[i].set()
         self.wrap = lambda t: t
         # `largest`: (width, steps) → prompts of the largest whole-search graph "made"
-        if largest is not None:
-            slots = {(None, b, w, s, None, ()): None for (w, s), b in largest.items()}
-            self.forwards = SimpleNamespace(search=SimpleNamespace(sealed=True, slots=slots))
-        else:
-            self.forwards = None
+        self.largest = largest
         self._lock = threading.Lock()
+
+    def largest_search(self, width, steps, trie=None, banned=()):
+        return None if self.largest is None else self.largest.get((width, steps))
 
     def beam_search(self, prompts, width, steps, trie=None, banned=()):
         with self._lock:

@@ -549,7 +549,11 @@ def test_sealed_search_graphs_make_nothing_new(engine_for):
             sg.run([_ids(g, 12) for _ in range(b)], 3, 3)
     made = set(sg.slots)
     assert {(k[0].tokens, k[1]) for k in made} == {(32, 1), (32, 2)}
+    assert sg.largest_made(3, 3, None) is None  # not sealed: no cap yet
     sg.seal()
+    # what a merging caller caps a search at: the largest made graph of this width and steps
+    assert sg.largest_made(3, 3, None) == 2
+    assert sg.largest_made(2, 3, None) is None and sg.largest_made(3, 3, None, (1,)) is None
     before = COMPILES.total()
     for lens in [(5,), (12, 3), (7, 7, 7), (12, 12, 12, 12, 12)]:
         prompts = [_ids(g, k) for k in lens]

@@ -255,6 +255,16 @@ class ModelRunner:
         session = plain_session(self.model, self.device, prompts, width, steps)
         return search(session, self.model.head, width, steps, trie, banned)
 
+    def largest_search(
+        self, width: int, steps: int, trie: Any = None, banned: tuple[int, ...] = ()
+    ) -> int | None:
+        """The most prompts one whole-search graph made for this width, steps and trie takes once
+        the runner is sealed (`SearchGraphs.largest_made`); None: no limit known."""
+        graphs = self.forwards.search if self.forwards else None
+        if graphs is None:
+            return None
+        return graphs.largest_made(width, steps, self._on_device(trie), tuple(banned))
+
     def _on_device(self, trie: Any) -> Any:
         """The trie on this runner's device, copied once per trie (a graph keeps reading it)."""
         if trie is None or _same_device(trie.device, self.device):

@@ -306,6 +306,16 @@ class SearchGraphs:
             self._miss(len(prompts), max(len(p) for p in prompts), width, steps, trie)
         return out
 
+    def largest_made(self, width: int, steps: int, trie: Any, banned: tuple = ()) -> int | None:
+        """The most prompts one made graph of this width, steps, trie and banned set takes, once
+        sealed (None: not sealed, or none made): what a caller merging searches should cap a
+        search at, since a bigger one is cut into searches run one after the other."""
+        if not self.sealed:
+            return None
+        tail = self._key_tail(width, steps, trie, tuple(banned))
+        with self._lock:
+            return max((k[1] for k in self.slots if k[2:] == tail), default=None)
+
     def _key_tail(self, width: int, steps: int, trie: Any, banned: tuple) -> tuple:
         return (width, steps, id(trie) if trie is not None else None, banned)
 

@@ -162,7 +162,11 @@ class _Beam:
         for its width, steps and trie once the runner is sealed (more would be cut into several
         searches run one after the other, and every request in them answered after the last),
         else no limit (the token budget)."""
-        return largest_bucket(self.context.runner, inputs["request"])
+        req = inputs["request"]
+        largest = getattr(self.context.runner, "largest_search", None)  # HF baseline: none
+        if largest is None:
+            return None
+        return largest(req.beam_width, req.steps, req.trie, tuple(self.context.eos_token_ids))
 
     @staticmethod
     def merge(items: list[dict[str, Any]]) -> tuple[dict, list[tuple]]:
@@ -253,21 +257,6 @@ class _Beam:
         req = inputs["request"]
         prompts = inputs["prompts"]
         return sum(len(p) for p in prompts) + len(prompts) * req.beam_width * req.steps
-
-
-def largest_bucket(runner: Any, req: BeamRequest) -> int | None:
-    """The most prompts a whole-search graph made for `req`'s width, steps and trie takes, once
-    the runner's graphs are sealed (None: not sealed, no graphs, or none made for it)."""
-    graphs = getattr(getattr(runner, "forwards", None), "search", None)
-    if graphs is None or not getattr(graphs, "sealed", False):
-        return None
-    trie = req.trie
-    if trie is not None:
-        on_device = getattr(runner, "_on_device", None)
-        trie = on_device(trie) if on_device is not None else trie
-    trie_id = id(trie) if trie is not None else None
-    made = [k[1] for k in list(graphs.slots) if k[2:5] == (req.beam_width, req.steps, trie_id)]
-    return max(made, default=None)
 
 
 def build(context: WorkloadContext) -> Pipeline:
