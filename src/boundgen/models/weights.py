@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from boundgen.models.decoder import DecoderModel
-from boundgen.models.safetensors_io import read_tensors
 
 # HF name fragment → (our merged parameter, slot). Slots index the merged tensor's row blocks.
 PACKED_MODULES = {
@@ -84,25 +84,26 @@ def load_weights(model: DecoderModel, path: str | Path) -> None:
     params = dict(model.named_parameters())
     tied = model.config.task == "causal_lm" and model.config.tie_word_embeddings
     seen: set[str] = set()
-    device = model.embed_tokens.weight.device
     for file in checkpoint_files(path):
-        for hf_name, tensor in read_tensors(file, device):
-            if tied and hf_name == "lm_head.weight":
-                continue  # some tied checkpoints also store the (identical) head
-            name, slot = _target(hf_name, model)
-            if name not in params:
-                raise ValueError(f"unexpected tensor '{hf_name}' in {file.name}")
-            dest = params[name]
-            if slot is not None:
-                lo, hi = _slot_rows(name, slot, model)
-                dest = dest[lo:hi]
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise ValueError(
-                    f"tensor '{hf_name}' has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)} for this config"
-                )
-            dest.copy_(tensor)  # converts the dtype on the device
-            seen.add(hf_name)
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                if tied and hf_name == "lm_head.weight":
+                    continue  # some tied checkpoints also store the (identical) head
+                name, slot = _target(hf_name, model)
+                if name not in params:
+                    raise ValueError(f"unexpected tensor '{hf_name}' in {file.name}")
+                tensor = f.get_tensor(hf_name)
+                dest = params[name]
+                if slot is not None:
+                    lo, hi = _slot_rows(name, slot, model)
+                    dest = dest[lo:hi]
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise ValueError(
+                        f"tensor '{hf_name}' has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(dest.shape)} for this config"
+                    )
+                dest.copy_(tensor.to(dtype=dest.dtype))
+                seen.add(hf_name)
     missing = sorted(expected_hf_names(model) - seen)
     if missing:
         shown = ", ".join(missing[:5]) + (
