@@ -172,8 +172,9 @@ class EngineConfig:
     )
     attention: str = option(
         "auto",
-        "attention backend: auto | reference | varlen | segments | segments-cascade (auto on "
-        "CUDA: segments-cascade, the Triton packed-prefill kernel for shared-prefix batches)",
+        "attention backend: auto | reference | varlen | segments | segments-cascade (auto: varlen "
+        "on CUDA, reference elsewhere; segments[-cascade]: the Triton packed-prefill kernel for "
+        "every prefill [for shared-prefix batches])",
     )
     backend: str = option(
         "auto",

@@ -42,7 +42,7 @@ INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
 def export_attention(model: DecoderModel, device: torch.device) -> AttentionBackend:
     """The attention a compiled bucket traces: `flash` (aten op, C shim) on CUDA, `masked`
-    elsewhere. On CUDA, a model whose attention is `segments`/`segments-cascade` (`auto`'s choice)
+    elsewhere. On CUDA, a model whose attention is `segments`/`segments-cascade` (`--attention`)
     keeps the Triton packed-prefill kernel for the same batches (`flash+segments[-cascade]`): it is
     a `triton_op`, so export and AOTInductor compile it into the package.
 

@@ -12,7 +12,7 @@ graphs makes many more long-lived objects). Objects made by requests are still c
 
 The collector is paused from the start of `boundgen serve` until the server is ready
 (`pause_until_ready`): the warm-up's `torch.compile` tracing allocates fast enough to run
-collection after collection over the start-up heap — about a second of a later start on the H200
+collection after collection over the start-up heap — ~1.5 s of a later start sampled on the H200
 (`BOUNDGEN_STARTUP_PROFILE`, 2026-12-02). The freeze at readiness collects once instead.
 """
 
