@@ -156,9 +156,7 @@ def table(rows: list[dict]) -> str:
     head += " | ".join(SPLIT) + " | errors |"
     lines = [head, "| --- |" + " ---: |" * (len(SPLIT) + 6)]
     for r in rows:
-        load = f"{r['connections']} conn" + (
-            f", think {r['think_ms']:.0f} ms" if r["think_ms"] else ""
-        )
+        load = wrk.load_label(r)
         means = r["server_means_ms"]
         split = " | ".join(f"{means[k]:.3f}" if k in means else "–" for k in SPLIT)
         lines.append(

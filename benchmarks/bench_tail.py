@@ -183,9 +183,7 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         if r["generator"] == "wrk":
-            load = f"{r['connections']} conn" + (
-                f", think {r['think_ms']:.0f} ms" if r["think_ms"] else ""
-            )
+            load = wrk.load_label(r)
         else:
             load = f"open loop {r['rate']:g}/s"
         lines.append(

@@ -112,3 +112,9 @@ def run_wrk(
         "server_p99_ms": r["server_p99_ms"],
         "server_means_ms": dict(sorted(r["means"].items())),
     }
+
+
+def load_label(row: dict) -> str:
+    """A run's load as a table cell: "16 conn", or "256 conn, think 504 ms"."""
+    think = f", think {row['think_ms']:.0f} ms" if row["think_ms"] else ""
+    return f"{row['connections']} conn{think}"
