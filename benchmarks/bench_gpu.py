@@ -91,14 +91,7 @@ def profile(fn, device) -> dict:
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
     )
-    busy, end = 0.0, float("-inf")
-    for s, e in spans:
-        if s > end:
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
+    busy = common.busy_us(spans)
     table = prof.key_averages().table(
         sort_by="cuda_time_total", row_limit=15, max_name_column_width=60
     )

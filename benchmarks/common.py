@@ -156,3 +156,17 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
     return "" if v is None else str(v)
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """Time covered by the union of (start, end) intervals: the GPU's busy time from its kernels'
+    spans (overlapping kernels counted once)."""
+    busy, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy

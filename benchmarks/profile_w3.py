@@ -123,18 +123,6 @@ def host_allocs() -> dict:
     return {k: v for k, v in stats.items() if isinstance(v, int) and "alloc" in k}
 
 
-def busy_us(spans: list[tuple[float, float]]) -> float:
-    busy, end = 0.0, float("-inf")
-    for s, e in sorted(spans):
-        if s > end:
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
-    return busy
-
-
 def profiled(fn, calls: int, cuda: bool) -> dict:
     """Per-call counts of one `fn()` under torch.profiler (mean over `calls`)."""
     from torch.profiler import ProfilerActivity, profile
@@ -175,7 +163,7 @@ def profiled(fn, calls: int, cuda: bool) -> dict:
         "api_host_us_total": round(sum(api_us.values()) / calls, 1),
         "device_copies": per(copies),
         "kernels": round(kernels / calls, 2),
-        "gpu_busy_us": round(busy_us(spans) / calls, 1),
+        "gpu_busy_us": round(common.busy_us(spans) / calls, 1),
         "cpu_tensor_allocations": round(cpu_allocs / calls, 2),
         "device_tensor_allocations": round(dev_allocs / calls, 2),
     }
