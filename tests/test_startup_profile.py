@@ -9,8 +9,7 @@ def _busy_start_up_step(sampler) -> None:
     # runs until the sampler has charged this frame 20 ms (no fixed duration: not timed)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        seen = sum(k for (_t, fn), k in sampler.samples.items() if "_busy_start_up_step" in fn)
-        if seen >= 0.02:
+        if sampler.charged("_busy_start_up_step") >= 0.02:
             return
         sum(i * i for i in range(1000))
 

@@ -28,6 +28,7 @@ class _Sampler:
         self.samples: collections.Counter = collections.Counter()  # (thread, frame) → seconds
         self.leaf: collections.Counter = collections.Counter()
         self.per_thread: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()  # the counters are read (charged, report) while sampling
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="boundgen-sampler", daemon=True)
 
@@ -40,23 +41,30 @@ class _Sampler:
             now = time.perf_counter()
             dt, last = now - last, now
             names = {t.ident: t.name for t in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
-                if ident == me:
-                    continue
-                thread = names.get(ident, str(ident))
-                self.per_thread[thread] += dt
-                seen = set()
-                leaf = True
-                while frame is not None:
-                    code = frame.f_code
-                    key = (thread, f"{code.co_filename}:{code.co_firstlineno} {code.co_name}")
-                    if leaf:
-                        self.leaf[key] += dt
-                        leaf = False
-                    if key not in seen:  # recursion counts once
-                        seen.add(key)
-                        self.samples[key] += dt
-                    frame = frame.f_back
+            with self._lock:
+                for ident, frame in sys._current_frames().items():
+                    if ident != me:
+                        self._charge(names.get(ident, str(ident)), frame, dt)
+
+    def _charge(self, thread: str, frame, dt: float) -> None:
+        self.per_thread[thread] += dt
+        seen = set()
+        leaf = True
+        while frame is not None:
+            code = frame.f_code
+            key = (thread, f"{code.co_filename}:{code.co_firstlineno} {code.co_name}")
+            if leaf:
+                self.leaf[key] += dt
+                leaf = False
+            if key not in seen:  # recursion counts once
+                seen.add(key)
+                self.samples[key] += dt
+            frame = frame.f_back
+
+    def charged(self, name: str) -> float:
+        """Seconds charged so far to frames whose function text contains `name`."""
+        with self._lock:
+            return sum(k for (_t, fn), k in self.samples.items() if name in fn)
 
     def report(self, top: int = 60) -> str:
         lines = [
