@@ -230,7 +230,7 @@ def section_quant(res: dict, args) -> None:
         ):
             x = torch.randn(m, k, device=args.device, dtype=torch.bfloat16)
             row = {"M": m, "K": k, "torch_ms": cuda_time_ms(lambda: quantize_rowwise(x))}
-            if triton_quant.AVAILABLE:
+            if triton_quant.AVAILABLE and x.is_cuda:
                 row["triton_ms"] = cuda_time_ms(lambda: triton_quant.quantize_rowwise_triton(x))
             if use_compiled:
                 try:
@@ -241,6 +241,34 @@ def section_quant(res: dict, args) -> None:
             row["ideal_ms_at_4.2TBs"] = 3.0 * m * k / 4.2e12 * 1e3
             out.append(row)
             print("quant", row, flush=True)
+    _silu_mul_quant_rows(res, args)
+
+
+def _silu_mul_quant_rows(res: dict, args) -> None:
+    """The MLP's SiLU·mul + down_proj input quantize at each preset's intermediate size: eager ops,
+    Inductor's fusion of them (torch.compile, its default heuristics) and the one Triton kernel."""
+    from boundgen.quant import triton_quant
+
+    out = res.setdefault("silu_mul_quant", [])
+    ref = triton_quant.silu_mul_quant_reference
+    compiled = None if args.no_compile else torch.compile(ref, dynamic=False)
+    inters = sorted({projs["down_proj"][0] for projs in preset_shapes(args.presets).values()})
+    for m in args.tokens:
+        for k in inters:
+            gate_up = torch.randn(m, 2 * k, device=args.device, dtype=torch.bfloat16)
+            row = {"M": m, "K": k, "eager_ms": cuda_time_ms(lambda: ref(gate_up))}
+            if compiled is not None and m in args.compile_tokens:
+                try:
+                    row["inductor_ms"] = cuda_time_ms(lambda: compiled(gate_up))
+                except Exception as exc:
+                    row["inductor_error"] = repr(exc)[:300]
+            if triton_quant.AVAILABLE and gate_up.is_cuda:
+                op = torch.ops.boundgen.silu_mul_quant
+                row["triton_ms"] = cuda_time_ms(lambda: op(gate_up))
+            # read 2K bf16 + write K e4m3: 5 bytes per output element at best
+            row["ideal_ms_at_4.2TBs"] = 5.0 * m * k / 4.2e12 * 1e3
+            out.append(row)
+            print("silu_mul_quant", row, flush=True)
 
 
 class _MLPBlock(torch.nn.Module):
@@ -428,10 +456,11 @@ def section_model(res: dict, args) -> None:
 
 
 def section_compiled(res: dict, args) -> None:
-    """W1/W2 through a compiled backend (boundgen.compile.backends; torch.compile by default), where
-    Inductor fuses the activation quantize into its producer: each policy, bf16 first. Not in the
-    default sections (each policy compiles the whole model per bucket): run it alone,
-    `--sections env,compiled`."""
+    """W1/W2 through a compiled backend (boundgen.compile.backends; torch.compile by default): bf16
+    first, then each FP8 policy with each activation quantizer of `--compiled-act-quant` (torch:
+    Inductor fuses every quantize into its producer; triton: the MLP's SiLU·mul + quantize is one
+    Triton kernel, the other quantizes stay Inductor's). Not in the default sections (each row
+    compiles the whole model per bucket): run it alone, `--sections env,compiled`."""
     from boundgen.compile.backends import CompileOptions
     from boundgen.runner import make_runner
 
@@ -451,10 +480,13 @@ def section_compiled(res: dict, args) -> None:
             "runs": [],
         },
     )
-    for policy in args.policies:
-        row = {"policy": policy}
+    variants = [
+        (p, aq) for p in args.policies for aq in (["-"] if p == "none" else args.act_quants)
+    ]
+    for policy, act_quant in variants:
+        row = {"policy": policy, "act_quant": act_quant}
         try:
-            with _fp8(engine, policy, act_quant="torch"):
+            with _fp8(engine, policy, act_quant=act_quant if act_quant != "-" else "torch"):
                 t0 = time.perf_counter()
                 runner = make_runner(
                     engine.model,
@@ -581,7 +613,8 @@ def summary(res: dict) -> str:
                 if "w2_ms" in r
                 else "W2 -"
             )
-            lines.append(f"{label:<8} {r['policy']:<16} {w1}  {w2}")
+            name = r["policy"] + (f"[{r['act_quant']}]" if r.get("act_quant", "-") != "-" else "")
+            lines.append(f"{label:<8} {name:<24} {w1}  {w2}")
     for p, r in res.get("gate", {}).get("reports", {}).items():
         if "passed" in r:
             lines.append(
@@ -633,6 +666,15 @@ def main(argv=None) -> int:
         "--compiled-backend",
         default="compile",
         help="backend of the compiled section: compile | compile+graphs | aoti | aoti+graphs",
+    )
+    ap.add_argument(
+        "--compiled-act-quant",
+        dest="act_quants",
+        nargs="+",
+        default=["torch", "triton"],
+        choices=["torch", "triton"],
+        help="compiled section: activation quantizers per FP8 policy — torch (Inductor fuses the "
+        "quantize into its producer) and/or triton (the MLP's SiLU·mul + quantize as one kernel)",
     )
     ap.add_argument(
         "--policies",

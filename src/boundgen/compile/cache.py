@@ -78,6 +78,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
         recipe = getattr(type(m), "COMPILE_RECIPE", "")  # how a module type asks to be compiled
         if recipe:
             h.update(f"{name}:recipe:{recipe}\n".encode())
+        variant = getattr(m, "compile_variant", "")  # what an instance changes in its graph
+        if variant:
+            h.update(f"{name}:variant:{variant}\n".encode())
     h.update(type(getattr(model, "backend", None)).__name__.encode())
     return h.hexdigest()[:24]
 

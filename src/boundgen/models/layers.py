@@ -78,5 +78,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        # a down projection that takes SiLU·mul's input itself (FP8: the SiLU·mul and its input
+        # quantize in one pass, `quant.fp8.Fp8Linear.silu_mul_forward`)
+        down = getattr(self.down_proj, "silu_mul_forward", None)
+        if down is not None:
+            return down(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -100,7 +100,8 @@ class Fp8Linear(nn.Module):
     Buffers: `weight` [N, K] e4m3, `weight_scale` [1, N] fp32, `bias` [N] (original dtype) or None.
     `mode`: "scaled_mm" (Hopper/Ada kernel) or "emulate" (same quantized values, fp32 matmul, any
     device). `act_quant`: "torch" (plain ops; fused by Inductor when compiled) or "triton" (one-pass
-    kernel, eager).
+    kernels on CUDA: the rowwise quantize in eager runs, the SiLU·mul + quantize of a down
+    projection (`silu_mul_forward`) in eager and compiled runs).
     """
 
     # compiled with Inductor's reductions kept on chip up to 8,192-wide rows: the input quantize's
@@ -197,9 +198,32 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        a8, a_scale = self._quantize_input(x2)  # [M, K] e4m3, [M, 1] fp32
+        a8, a_scale = self._quantize_input(x.reshape(-1, self.in_features))
+        return self._project(a8, a_scale, x.shape[:-1], x.dtype)
+
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """This projection of SiLU(gate)·up, gate_up [..., 2K] = [gate | up] (a gated MLP's down
+        projection: `models.layers.GatedMLP` hands it the gate_up output). With act_quant "triton"
+        on CUDA the SiLU·mul and the input quantize are one kernel, eagerly and inside a compiled
+        graph (`triton_quant.silu_mul_quant`); else eager's ops, which Inductor fuses."""
+        if self.act_quant == "triton" and gate_up.is_cuda:
+            a8, a_scale = torch.ops.boundgen.silu_mul_quant(
+                gate_up.reshape(-1, 2 * self.in_features)
+            )
+            return self._project(a8, a_scale, gate_up.shape[:-1], gate_up.dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self(nn.functional.silu(gate) * up)
+
+    @property
+    def compile_variant(self) -> str:
+        """What this instance changes in a compiled graph (part of the compile cache key): the
+        fused SiLU·mul quantize op with act_quant "triton" (on CUDA), plain ops otherwise."""
+        return "silu-mul-quant" if self.act_quant == "triton" else ""
+
+    def _project(
+        self, a8: torch.Tensor, a_scale: torch.Tensor, lead: torch.Size, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """a8 [M, K] e4m3, a_scale [M, 1] fp32 → [*lead, N] in `dtype` (the input's)."""
         if self.mode == "scaled_mm":
             # NOTE: rowwise scaling only supports a bf16 output; other model dtypes are cast after.
             y = torch._scaled_mm(
@@ -216,8 +240,8 @@ class Fp8Linear(nn.Module):
             y = ((a8.float() @ self.weight.float().t()) * a_scale * self.weight_scale).to(
                 torch.bfloat16
             )
-        if x.dtype != torch.bfloat16:  # output in the input's dtype, like nn.Linear
-            y = y.to(x.dtype)
+        if dtype != torch.bfloat16:  # output in the input's dtype, like nn.Linear
+            y = y.to(dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)

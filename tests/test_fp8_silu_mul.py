@@ -1,0 +1,163 @@
+"""The gated MLP's SiLU·mul and the FP8 down projection's input quantize as one Triton kernel
+(`boundgen::silu_mul_quant`). Without CUDA the kernel runs in Triton's interpreter (conftest.py),
+whose bf16 and e4m3 casts do not round to nearest: there the kernel's arithmetic is checked in
+fp32, what only the compiler checks by compiling it for sm_90, and exact e4m3 values on the GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from boundgen.models.layers import GatedMLP
+from boundgen.quant import Fp8Linear
+from boundgen.quant.rowwise import FP8_MAX, SCALE_EPS, quantize_rowwise
+
+triton_quant = pytest.importorskip("boundgen.quant.triton_quant")
+if not triton_quant.AVAILABLE:
+    pytest.skip("no triton", allow_module_level=True)
+
+
+def _eager(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's check (CPU)")
+@pytest.mark.parametrize("width", [96, 100, 448])
+def test_kernel_arithmetic_before_the_cast(width):
+    """In fp32 (a q buffer of fp32 makes the final cast a no-op) the kernel computes eager's
+    SiLU·mul scaled so each row's max-abs is ±448, and the row's scale; zero rows stay finite;
+    widths that are not a power of two are masked."""
+    g = torch.Generator().manual_seed(width)
+    m = 9
+    gate_up = torch.randn(m, 2 * width, generator=g) * 3
+    gate_up[4] = 0
+    q = torch.empty(m, width)
+    s = torch.empty(m, 1)
+    block = 1 << (width - 1).bit_length()
+    triton_quant._silu_mul_quant_kernel[(m,)](
+        gate_up, q, s, width, gate_up.stride(0), q.stride(0),
+        BLOCK=block, FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS,
+    )  # fmt: skip
+    x = _eager(gate_up)
+    amax = x.abs().amax(-1, keepdim=True).clamp(min=SCALE_EPS * FP8_MAX)
+    torch.testing.assert_close(s, amax / FP8_MAX, rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        q, (x * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX), rtol=1e-5, atol=1e-4
+    )
+    peaks = q.abs().amax(-1)[torch.arange(m) != 4]
+    torch.testing.assert_close(peaks, torch.full_like(peaks, FP8_MAX))
+    assert s[4].item() > 0 and q[4].eq(0).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's check (CPU)")
+def test_op_returns_e4m3_rows_and_fp32_scales():
+    gate_up = torch.randn(5, 2 * 64)
+    q, s = torch.ops.boundgen.silu_mul_quant(gate_up)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (5, 64)
+    assert s.dtype == torch.float32 and s.shape == (5, 1)
+    torch.testing.assert_close(s, quantize_rowwise(_eager(gate_up))[1], rtol=1e-6, atol=0)
+
+
+def test_down_projection_takes_the_gate_up_rows():
+    """`GatedMLP` hands an FP8 down projection its gate_up output; on CPU (and with act_quant
+    "torch") that is eager's SiLU·mul into the projection: the same numbers as before."""
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 96).to(torch.bfloat16)
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    down = Fp8Linear.from_linear(mlp.down_proj, mode="emulate", act_quant="torch")
+    want = down(_eager(mlp.gate_up_proj(x)))
+    mlp.down_proj = down
+    assert torch.equal(mlp(x), want)
+
+
+def test_the_fused_quantize_is_part_of_the_compile_key():
+    """A bucket compiled with the fused op is not the one compiled with Inductor's quantize."""
+    from boundgen.compile.cache import model_fingerprint
+
+    def model(act_quant):
+        torch.manual_seed(0)
+        mlp = GatedMLP(64, 96)
+        mlp.down_proj = Fp8Linear.from_linear(mlp.down_proj, mode="emulate", act_quant=act_quant)
+        return mlp
+
+    assert model_fingerprint(model("torch")) != model_fingerprint(model("triton"))
+    assert model_fingerprint(model("torch")) == model_fingerprint(model("torch"))
+
+
+HOPPER = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from boundgen.quant import triton_quant
+
+width = int(sys.argv[1])
+fn = triton_quant._silu_mul_quant_kernel
+block = triton.next_power_of_2(width)
+const = dict(BLOCK=block, FP8_MAX_C=448.0, EPS=1e-12)
+sig = dict(gu_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32", stride_gu="i32",
+           stride_q="i32", **dict.fromkeys(const, "constexpr"))
+src = ASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in const.items()})
+warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+kernel = triton.compile(src, GPUTarget("cuda", 90, 32), dict(num_warps=warps))
+print("cubin", len(kernel.asm["cubin"]))
+"""
+
+
+@pytest.mark.parametrize("width", [4864, 8192])
+def test_kernel_compiles_for_hopper(width):
+    """The interpreter runs the kernel as Python; this compiles it for sm_90 (Triton's bundled
+    ptxas, no GPU needed) at the MLP widths of Qwen2.5-0.5B and Llama-3.2-1B."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", HOPPER, str(width)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if "No module named" in res.stderr or "ImportError" in res.stderr:
+        pytest.skip(f"this triton has no CUDA compiler API: {res.stderr.strip()[-200:]}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "cubin" in res.stdout
+
+
+# -- GPU -------------------------------------------------------------------------------------------
+_fp8_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a CUDA GPU with FP8 (sm_89+)",
+)
+
+
+@pytest.mark.gpu
+@_fp8_gpu
+@pytest.mark.parametrize("width", [4864, 896])
+def test_gpu_op_matches_eager_silu_mul_and_quantize(width):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = torch.randn(513, 2 * width, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+    gate_up[7] = 0
+    q1, s1 = torch.ops.boundgen.silu_mul_quant(gate_up)
+    q2, s2 = triton_quant.silu_mul_quant_reference(gate_up)
+    torch.testing.assert_close(s1, s2, rtol=1e-2, atol=0)
+    assert (q1.float() != q2.float()).float().mean().item() < 1e-2
+
+
+@pytest.mark.gpu
+@_fp8_gpu
+def test_gpu_compiled_and_exported_mlp_keep_the_op():
+    """torch.compile and torch.export take the op as one node; the compiled MLP equals eager."""
+    torch.manual_seed(0)
+    mlp = GatedMLP(896, 4864).to("cuda", torch.bfloat16)
+    mlp.down_proj = Fp8Linear.from_linear(mlp.down_proj, act_quant="triton")
+    x = torch.randn(300, 896, device="cuda", dtype=torch.bfloat16)
+    eager = mlp(x)
+    compiled = torch.compile(mlp, fullgraph=True)(x)
+    torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2)
+    ep = torch.export.export(mlp, (x,))
+    assert any("silu_mul_quant" in str(n.target) for n in ep.graph.nodes), ep.graph
