@@ -21,7 +21,7 @@ by a fake of FIXED + PER_PROMPT × prompts ms that returns the trie's first item
 without a trie): a search of known cost, so what is measured is everything around it. Like a GPU
 search it returns at once with results that are not ready: searches queue one after the other
 (one stream), and reading a result on the host (`.cpu()`, `.tolist()`, `.numpy()`, `float()`, ...)
-waits until its search has ended; `--fake-sync`: the call itself sleeps instead.
+waits until its search has ended; `--fake-sync`: the call itself sleeps instead (`fake_gpu.py`).
 
     # CPU, the tiny model, a fake 5 ms search
     python benchmarks/bench_beam_wrk.py --fake-search 5,0.1 --connections 1 8 32 --rates 100 200
@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import fake_gpu
 import httpx
 import wrk
 from bench_serving import make_trie, start, stop
@@ -51,61 +52,6 @@ from boundgen.loadtest import LoadConfig, make_bodies
 from boundgen.server.testing import free_port, tiny_model_dir
 
 HERE = Path(__file__).resolve().parent
-
-# Run in the server process before `boundgen serve` with --fake-search: the search as a sleep of
-# known cost returning the trie's first items (what the real search returns is the same shape).
-FAKE_SEARCH = r"""
-import os, threading, time, numpy as np, torch
-import boundgen.runner as _r
-_fixed, _, _per = os.environ["BOUNDGEN_FAKE_SEARCH"].partition(",")
-_fixed, _per = float(_fixed) / 1e3, float(_per or 0) / 1e3
-_sync = os.environ.get("BOUNDGEN_FAKE_SYNC") == "1"
-_trie = os.environ.get("BOUNDGEN_FAKE_TRIE")
-_items = torch.as_tensor(np.load(_trie)[:64]) if _trie else None
-_HOST_READS = {"cpu", "to", "tolist", "item", "numpy", "__float__", "__int__", "__bool__",
-               "__index__", "__repr__", "__format__", "__array__"}
-_gpu = {"free_at": 0.0}
-_gpu_lock = threading.Lock()
-
-class _Pending(torch.Tensor):
-    # a result "on the GPU": ready at `_ready`; reading it on the host waits until then, other
-    # ops give results ready at the same time (as kernels queued behind it would)
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        flat = list(args) + list((kwargs or {}).values())
-        ready = max((a._ready for a in flat if isinstance(a, _Pending)), default=0.0)
-        if name in _HOST_READS:
-            wait = ready - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **(kwargs or {}))
-        if name not in _HOST_READS and name != "__get__" and isinstance(out, torch.Tensor):
-            out = out.as_subclass(_Pending)
-            out._ready = ready
-        return out
-
-def _fake(self, prompts, width, steps, trie=None, banned=()):
-    b = len(prompts)
-    cost = _fixed + _per * b
-    if trie is not None and _items is not None:
-        rows = _items[:width, :steps]
-    else:
-        rows = torch.arange(width * steps).view(width, steps) + 10
-    tokens = rows.unsqueeze(0).expand(b, width, steps).clone()
-    first = torch.tensor([float(p[0]) for p in prompts]).unsqueeze(1)
-    scores = -torch.arange(width, dtype=torch.float32).unsqueeze(0) - first * 1e-3
-    if _sync:
-        time.sleep(cost)
-        return tokens, scores
-    with _gpu_lock:  # one stream: a search starts when the one queued before it ends
-        ready = _gpu["free_at"] = max(time.perf_counter(), _gpu["free_at"]) + cost
-    tokens, scores = tokens.as_subclass(_Pending), scores.as_subclass(_Pending)
-    tokens._ready = scores._ready = ready
-    return tokens, scores
-_r.ModelRunner.beam_search = _fake
-"""
 
 # wrk's Lua side: args = bodies file (one JSON body a line), path, mean think time in ms (0: none).
 # `done` prints one line `JSON {...}`: client percentiles (µs), the `app` p50/p99 of the 200
@@ -201,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        prelude = (FAKE_SEARCH if args.fake_search else "") + "\n" + args.server_prelude
+        prelude = (fake_gpu.PRELUDE if args.fake_search else "") + "\n" + args.server_prelude
         code = f"{prelude}\nimport sys\nfrom boundgen.cli import main\nsys.exit(main())"
         model = args.model or str(tiny_model_dir())
         cmd = [sys.executable, "-c", code, "serve", "--port", str(port), "--log-level", "warning"]

@@ -13,6 +13,14 @@ For each: client p50/p99, server p50/p99 (the `app` entry of `Server-Timing`: th
 tail outside the server, client p99 − server p99. Server and load generator run on separate CPUs
 (`--server-cpus`, `--client-cpus`, taskset). `--server-prelude CODE` runs Python in the server
 process before `boundgen serve` (an A/B hook: e.g. `import sys; sys.setswitchinterval(0.001)`).
+
+`--fake-forward FIXED_MS[,PER_1K_TOKENS_MS]`: the model's packed forward is a fake GPU call of that
+cost (`fake_gpu.py`: queued on one fake stream, results readable when it ends), so a CPU run
+measures the server around a forward of GPU-like cost — its ceiling in req/s and its own tail — and
+each run reports the fake GPU's busy share and tokens per forward (`--fake-unpaced`: the forward
+node without a device queue, for an A/B). W5's shape (H200 issue 25): `--items 100 --item-tokens
+16 --query-tokens 256 --model tiny` (the demo model has 256 positions; `tiny`: the server tests'
+model, 512).
 Writes JSON (every run) and prints a Markdown table.
 
 `--encode`: no server; the time to build and encode replies the old way (pydantic models
@@ -37,6 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import fake_gpu
 import httpx
 import wrk
 from bench_overload import _cpus, wait_idle
@@ -44,7 +53,7 @@ from bench_serving import start, stop
 from common import env_info
 
 from boundgen.loadtest import LoadConfig, make_bodies, run_loadtest
-from boundgen.server.testing import free_port
+from boundgen.server.testing import free_port, tiny_model_dir
 
 HERE = Path(__file__).resolve().parent
 
@@ -56,7 +65,9 @@ HERE = Path(__file__).resolve().parent
 def run_wrk(
     url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
 ) -> dict:
-    return wrk.run_wrk(url, script, bodies, "/v1/score", connections, think_ms, seconds, cpus)
+    t0 = time.perf_counter()
+    row = wrk.run_wrk(url, script, bodies, "/v1/score", connections, think_ms, seconds, cpus)
+    return row | {"t0": t0, "t1": time.perf_counter()}
 
 
 def run_open_loop(cfg: LoadConfig, rate: float) -> dict:
@@ -178,18 +189,21 @@ def encode_times(iters: int) -> list[dict]:
 def table(rows: list[dict]) -> str:
     lines = [
         "| generator | load | ok/s | p50 ms | p99 ms | server p50 / p99 ms | p99 − server p99 ms "
-        "| errors |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| errors | fake GPU busy | tokens per forward |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if r["generator"] == "wrk":
             load = wrk.load_label(r)
         else:
             load = f"open loop {r['rate']:g}/s"
+        fake = r.get("fake_gpu") or {}
+        busy = f"{fake['busy_share']:.0%}" if fake.get("calls") else "–"
+        size = f"{fake['mean_size']:.0f}" if fake.get("calls") else "–"
         lines.append(
             f"| {r['generator']} | {load} | {r['ok_per_s']:.1f} | {r['p50_ms']:.1f} | "
             f"{r['p99_ms']:.1f} | {r['server_p50_ms']:.1f} / {r['server_p99_ms']:.1f} | "
-            f"{r['p99_ms'] - r['server_p99_ms']:.1f} | {r['errors']} |"
+            f"{r['p99_ms'] - r['server_p99_ms']:.1f} | {r['errors']} | {busy} | {size} |"
         )
     return "\n".join(lines)
 
@@ -197,9 +211,17 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=None, help="a running server (default: start one)")
-    p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    p.add_argument(
+        "--model", default=None, help="checkpoint dir, or tiny (default: the demo model)"
+    )
     p.add_argument("--serve-args", default="", help="extra `boundgen serve` flags, one string")
     p.add_argument("--server-prelude", default="", help="Python run in the server process first")
+    p.add_argument("--fake-forward", default=None, help="FIXED_MS[,PER_1K_TOKENS_MS]: see above")
+    p.add_argument(
+        "--fake-unpaced",
+        action="store_true",
+        help="with --fake-forward: no device queue (batches end when the call returns)",
+    )
     p.add_argument("--items", type=int, default=20)
     p.add_argument("--item-tokens", type=int, default=16)
     p.add_argument("--query-tokens", type=int, default=64)
@@ -216,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--encode", action="store_true", help="reply encoding times only (no server)")
     p.add_argument("--encode-iters", type=int, default=20)
     args = p.parse_args(argv)
+    if args.model == "tiny":
+        args.model = str(tiny_model_dir())
 
     if args.encode:
         if args.client_cpus:
@@ -238,7 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        code = f"{args.server_prelude}\nimport sys\nfrom boundgen.cli import main\nsys.exit(main())"
+        prelude = (fake_gpu.PRELUDE if args.fake_forward else "") + "\n" + args.server_prelude
+        code = f"{prelude}\nimport sys\nfrom boundgen.cli import main\nsys.exit(main())"
+        if args.fake_forward:  # the server inherits them
+            os.environ["BOUNDGEN_FAKE_FORWARD"] = args.fake_forward
+            os.environ["BOUNDGEN_FAKE_PACE"] = "0" if args.fake_unpaced else "1"
+            os.environ["BOUNDGEN_FAKE_LOG"] = fake_log = str(out.with_suffix(".fake.log"))
+            Path(fake_log).unlink(missing_ok=True)
         cmd = [sys.executable, "-c", code, "serve", "--port", str(port), "--log-level", "warning"]
         cmd += args.serve_args.split() + (["--model", args.model] if args.model else [])
         if args.server_cpus:
@@ -271,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             gc_before = gc_pauses(url)
 
             def record(row: dict) -> None:
+                if args.fake_forward and "t0" in row:
+                    row["fake_gpu"] = fake_gpu.busy(fake_log, row.pop("t0"), row.pop("t1"))
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
                 partial = {"env": env_info(), "config": vars(args), "rows": rows}

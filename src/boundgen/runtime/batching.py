@@ -20,10 +20,15 @@ its oldest request finish before its deadline; the first request always runs. Th
 recomputed for every batch from the recent batches' fit, so it shrinks when batches get slower and
 grows back (up to `token_budget`) when they get faster.
 
-"While a batch runs" is while the device runs it only when `fn` waits for its device work
-(`host_outputs`, the beam node: its search's results come to the host inside the batch); a
-function that only queues device work ends at once, and its batches do not merge by the device's
-time. Lanes (`lane`): requests of different keys (the beam node: width, steps, trie) queue and
+"While a batch runs" is while the device runs it. A function that waits for its own device work
+(`host_outputs`, the beam node: its search's results come to the host inside the batch) lasts that
+long by itself. One that only queues it (the forward node: a graph replay returns at once) runs on
+the node's device queue (`runtime.device_queue`), and the lane forms its next batch only once all
+but `device_depth - 1` of its queued batches have run on the device (default 2: the device always
+has the next batch queued, and what arrives while it runs one merges into the one after); its cost
+model learns the device's time of each batch (or the host's, when that is longer).
+
+Lanes (`lane`): requests of different keys (the beam node: width, steps, trie) queue and
 merge apart, each lane with its own leader, and at most `lane_max` of `count` per batch (the
 beam node: the prompts of the largest whole-search graph made for the lane).
 
@@ -50,9 +55,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-import torch
-
 from boundgen.compile.events import COMPILES
+from boundgen.runtime.device_queue import DeviceQueue, Flight, queue_for
 from boundgen.runtime.executor import DeadlineExceeded
 from boundgen.runtime.node import Node, NodeKind, PipelineError
 
@@ -276,17 +280,30 @@ class _Lane:
     formed and run side by side (their device work goes to the node's one CUDA stream: CUDA
     graphs that share a memory pool must not run concurrently)."""
 
-    __slots__ = ("key", "kick", "leaders", "running", "thread", "waiting")
+    __slots__ = ("in_flight", "key", "kick", "leaders", "running", "thread", "waiting")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key
         self.waiting: deque[_Item] = deque()
+        self.in_flight: deque[_Queued] = deque()  # batches queued on the device, oldest first
         self.leaders = 0
         self.kick: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         # (tokens, requests, forwards, start ns) of the batch running now, else None; one tuple
         # so a reader on another thread sees one batch's values
         self.running: tuple[int, int, int, int] | None = None
+
+
+class _Queued:
+    """A batch whose device work is queued: what its cost observation needs once it has run."""
+
+    __slots__ = ("flight", "forwards", "host_ns", "shapes", "steady", "units")
+
+    def __init__(
+        self, flight: Flight, units: int, shapes: Sequence[Hashable], host_ns: int, steady: bool
+    ) -> None:
+        self.flight, self.units, self.host_ns, self.steady = flight, units, host_ns, steady
+        self.forwards, self.shapes = len(shapes), frozenset(shapes)
 
 
 _OVERFLOW = ("<overflow>",)  # the lane of every key past `max_lanes` (their requests may merge)
@@ -325,6 +342,9 @@ class BatchingNode(Node):
       one device→host copy per search), so the batch's run time is the device's and no CUDA
       event is handed to the requests (a later batch of another lane, queued on the same stream,
       would otherwise hold up their completion).
+    - `device_depth`: without `host_outputs`, a lane forms its next batch once at most
+      `device_depth - 1` of its batches are still queued on the device (module docstring; 2: one
+      running, the next one queued behind it).
     - `clock`: nanoseconds, monotonic (tests inject one).
     """
 
@@ -347,6 +367,7 @@ class BatchingNode(Node):
         lane_max: Callable[[Hashable, dict[str, Any]], int | None] | None = None,
         max_lanes: int = 16,
         host_outputs: bool = False,
+        device_depth: int = 2,
         kind: NodeKind | str = NodeKind.DEVICE,
         bind: dict[str, str] | None = None,
         raises: tuple[type[BaseException], ...] = (),
@@ -364,6 +385,8 @@ class BatchingNode(Node):
         )
         if token_budget <= 0:
             raise PipelineError(f"batching node {name!r}: token_budget must be positive")
+        if device_depth < 1:
+            raise PipelineError(f"batching node {name!r}: device_depth must be at least 1")
         if latency_target_ms is not None and latency_target_ms <= 0:
             raise PipelineError(f"batching node {name!r}: latency_target_ms must be positive")
         self.merge, self.split, self.size, self.shapes = merge, split, size, shapes
@@ -376,8 +399,10 @@ class BatchingNode(Node):
         self._clock = clock
         self._cv = threading.Condition(threading.Lock())
         self._lanes: dict[Hashable, _Lane] = {}
-        self._cuda_stream: Any = None
+        self._queue: DeviceQueue | None = None
+        self._queue_made = False
         self.host_outputs = host_outputs
+        self.device_depth = int(device_depth)
         self._closed = False
         self._pass_alive = _takes_alive(fn)
         self.cost = CostModel()
@@ -599,12 +624,15 @@ class BatchingNode(Node):
             units = min(units, self.cost.units_within(left_ms) or 0.0)
         return max(1, min(self.token_budget, int(units)))
 
-    def _stream(self, executor: Any) -> Any:
-        if self._cuda_stream is None:
+    def _queue_of(self, executor: Any) -> DeviceQueue | None:
+        """This node's device queue (made once, for the first executor that runs it; None on
+        CPU or for a CPU node)."""
+        if not self._queue_made:
             with self._cv:
-                if self._cuda_stream is None:
-                    self._cuda_stream = torch.cuda.Stream(device=executor.device)
-        return self._cuda_stream
+                if not self._queue_made:
+                    self._queue = queue_for(executor) if self.kind is NodeKind.DEVICE else None
+                    self._queue_made = True
+        return self._queue
 
     def _shapes_of(self, items: list[_Item]) -> Sequence[Hashable]:
         return self.shapes([it.args for it in items]) if self.shapes is not None else (None,)
@@ -643,35 +671,28 @@ class BatchingNode(Node):
             return
         tokens = sum(it.size for it in live)
         shapes = self._shapes_of(live)
-        executor = live[0].req.executor
-        event = None
+        queue = self._queue_of(live[0].req.executor)
         _marks.unsteady = False
         compiles = COMPILES.total()  # a compile anywhere in the process meanwhile: not steady
         lane.running = (tokens, len(live), len(shapes), start)
+        flight = None
         try:
-            if executor.cuda and self.kind is NodeKind.DEVICE:
-                stream = self._stream(executor)
-                # inputs were made by CPU nodes: order after anything they queued on the default
-                # stream
-                stream.wait_stream(torch.cuda.default_stream(executor.device))
-                with torch.cuda.stream(stream):
-                    parts = self._run(live)
-                if not self.host_outputs:
-                    event = torch.cuda.Event()
-                    event.record(stream)
+            if queue is not None:
+                parts, flight = queue.launch(lambda: self._run(live))
             else:
                 parts = self._run(live)
         except Exception as exc:
+            lane.running = None
             for it in live:
                 it.done(None, exc)
             return
-        finally:
-            lane.running = None
         ran = self._clock() - start
         # a request dropped while it ran had not all its work run: not the batch's cost
         steady = not _marks.unsteady and not any(it.req.failed for it in live)
         steady = steady and COMPILES.total() == compiles
-        steady = self.cost.observe(tokens, ran, len(shapes), frozenset(shapes), steady)
+        paced = flight is not None and not self.host_outputs
+        if not paced:  # the call's time is the batch's: learn it now
+            steady = self.cost.observe(tokens, ran, len(shapes), frozenset(shapes), steady)
         with self._cv:
             self._count(len(live), tokens)
         info = {
@@ -680,6 +701,7 @@ class BatchingNode(Node):
             "batch_run_us": round(ran / 1e3, 1),
             "batch_steady": steady,  # False: the executor's estimates leave it out too
         }
+        event = flight.event if paced else None
         for it, part in zip(live, parts):
             try:
                 outs = self._as_tuple(part)
@@ -689,6 +711,21 @@ class BatchingNode(Node):
             it.done(
                 outs, None, dict(info, batch_wait_us=round((start - it.arrival_ns) / 1e3, 1)), event
             )
+        if paced:
+            self._pace(lane, _Queued(flight, tokens, shapes, ran, steady))
+        lane.running = None
+
+    def _pace(self, lane: _Lane, queued: _Queued) -> None:
+        """Queue `queued` on the lane, then wait until at most `device_depth - 1` of its batches
+        are left on the device (the lane's leader slot is held meanwhile, so what arrives waits
+        for the next batch); each batch that has run teaches the cost model its time: the
+        device's, or the host's when launching it took longer."""
+        lane.in_flight.append(queued)
+        while len(lane.in_flight) >= self.device_depth:
+            done = lane.in_flight.popleft()
+            done.flight.wait()
+            ns = max(done.flight.device_ns(), done.host_ns)
+            self.cost.observe(done.units, ns, done.forwards, done.shapes, done.steady)
 
     def _run(self, live: list[_Item]) -> Sequence[Any]:
         batch, sizes = self.merge([it.args for it in live])
