@@ -7,8 +7,10 @@ Scheduling, per request:
   so a synchronous request normally touches no other thread at all (except inside a batching node).
 - Joins are counted with `itertools.count` (atomic under the GIL): no lock on the hot path.
 - DEVICE nodes run under a stream from the stream pool; each records an event, which is the edge: a
-  device successor on another stream waits on it (`stream.wait_event`), a CPU successor
-  synchronizes it. Without CUDA, device nodes are plain calls.
+  device successor on another stream waits on it (`stream.wait_event`); a CPU successor whose
+  events have not completed yet is handed to one waiting thread (`device_waits.DeviceWaits`) and
+  back to the worker pool once they have, so no CPU worker is held while the device runs. Without
+  CUDA, device nodes are plain calls.
 - Deadlines: before a node starts, the request fails with `DeadlineExceeded` when the time left is
   less than the estimated time of the rest of its critical path (running averages per node; a
   batch its batching node did not take as steady state, e.g. one that compiled, is left out), so
@@ -32,6 +34,7 @@ from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 from boundgen.runtime.dag import Pipeline
+from boundgen.runtime.device_waits import DeviceWaits
 from boundgen.runtime.memory import Lease, MemoryPools
 from boundgen.runtime.node import NodeKind
 from boundgen.runtime.trace import RequestTrace, Span, Tracer
@@ -312,6 +315,7 @@ class Executor:
             else []
         )
         self._stream_rr = itertools.count()
+        self._device_waits = DeviceWaits()
         self.pools = pools or MemoryPools(self.device)
         self.tracer = Tracer(keep_requests=trace_requests)
         self.default_timeout_ms = default_timeout_ms
@@ -431,6 +435,7 @@ class Executor:
             self._queue.put(None)
         for t in self._workers:
             t.join(timeout=5)
+        self._device_waits.close()
 
     def __enter__(self) -> Executor:
         return self
@@ -569,12 +574,19 @@ class Executor:
         ):
             self._deadline(req, p, start)
             return ()
+        stream = None
+        if req._events is not None:
+            if node.kind is not NodeKind.DEVICE:
+                unfinished = self._unfinished_inputs(req, p)
+                if unfinished:  # run it once they have completed, on a worker again
+                    self._device_waits.after(
+                        unfinished, functools.partial(self._dispatch, req, i, ready_ns, True)
+                    )
+                    return ()
+            stream = self._device_prologue(req, p)
         values = req._values
         args = {name: values[slot] for name, slot in zip(p.arg_names, p.arg_slots)}
         req._node_state[i] = 1
-        stream = None
-        if req._events is not None:
-            stream = self._device_prologue(req, p)
         if node.is_async:
             self._start_async(req, p, args, start, ready_ns, stream)
             return ()
@@ -600,6 +612,17 @@ class Executor:
             values[slot] = v
         self._record(req, p, start, end, ready_ns)
         return self._complete(req, p)
+
+    def _unfinished_inputs(self, req: RequestContext, p: Any) -> list[Any]:
+        """Events of the device work node `p`'s inputs come from that has not completed yet."""
+        producers = req._pipe.slot_producer
+        events = req._events
+        out = []
+        for slot in p.arg_slots:
+            j = producers[slot]
+            if j >= 0 and events[j] is not None and not events[j].query():
+                out.append(events[j])
+        return out
 
     def _device_prologue(self, req: RequestContext, p: Any) -> Any:
         """Events as edges: wait (device node) or synchronize (CPU node) on device-produced

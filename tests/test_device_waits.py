@@ -1,0 +1,131 @@
+"""No CPU worker waits for the device: a CPU node that reads a device node's outputs is held by
+`DeviceWaits` until the device work has completed, then runs on a worker. The executor's CUDA
+path is driven here with fake streams and events that complete when the test says (the same code
+runs on the GPU with CUDA's)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+
+import pytest
+
+from boundgen.runtime import Executor, Pipeline, node
+from boundgen.runtime.device_waits import DeviceWaits
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        assert self.done.wait(10), "the device never finished"
+
+
+class FakeStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+def test_waits_run_their_continuations_once_the_events_completed():
+    waits = DeviceWaits()
+    a, b = FakeEvent(), FakeEvent()
+    ran: list[str] = []
+    finished = threading.Semaphore(0)
+
+    def then(name):
+        ran.append(name)
+        finished.release()
+
+    waits.after([a], lambda: then("a"))
+    waits.after([b], lambda: then("b"))
+    assert not finished.acquire(timeout=0.05) and ran == []
+    a.done.set()
+    assert finished.acquire(timeout=10) and ran == ["a"]
+    b.done.set()
+    assert finished.acquire(timeout=10) and ran == ["a", "b"]
+    waits.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        waits.after([], lambda: None)
+
+
+def test_a_failing_continuation_does_not_stop_the_thread():
+    waits = DeviceWaits()
+    done = threading.Event()
+    waits.after([], lambda: 1 / 0)
+    waits.after([], done.set)
+    assert done.wait(10)
+    waits.close()
+
+
+@pytest.fixture
+def fake_cuda_executor():
+    """An executor on its CUDA path: events and streams are fakes; one CPU worker."""
+    events: list[FakeEvent] = []
+
+    def make_event(*a, **kw):
+        ev = FakeEvent()
+        events.append(ev)
+        return ev
+
+    cuda = types.SimpleNamespace(
+        Event=make_event,
+        stream=lambda s: contextlib.nullcontext(),
+        default_stream=lambda device=None: FakeStream(),
+    )
+    ex = Executor(cpu_workers=1, device="cpu")
+    ex.cuda, ex._torch, ex.streams = True, types.SimpleNamespace(cuda=cuda), [FakeStream()]
+    yield ex, events
+    for ev in events:
+        ev.done.set()
+    ex.close()
+
+
+@node(outputs="y", kind="device")
+def on_device(x: int) -> int:
+    return x * 10
+
+
+@node(outputs="z")
+def on_host(y: int) -> int:
+    return y + 1
+
+
+def test_a_cpu_node_after_device_work_does_not_hold_the_worker(fake_cuda_executor):
+    ex, events = fake_cuda_executor
+    pipe = Pipeline("p", {"x": int}, [on_device, on_host], ["z"])
+    first = ex.submit(pipe, {"x": 1}, unwrap=True)
+    for _ in range(1000):
+        if events:
+            break
+        threading.Event().wait(0.005)
+    assert len(events) == 1  # the first request's device node ran and recorded its event
+    # the only worker is free while that device work runs: the second request's device node runs
+    second = ex.submit(pipe, {"x": 2}, unwrap=True)
+    for _ in range(1000):
+        if len(events) == 2:
+            break
+        threading.Event().wait(0.005)
+    assert len(events) == 2 and not first.done() and not second.done()
+    events[0].done.set()
+    assert first.result(timeout=10) == 11
+    assert not second.done()  # its device work has not run yet
+    events[1].done.set()
+    assert second.result(timeout=10) == 21
+
+
+def test_run_on_the_callers_thread_waits_for_the_device(fake_cuda_executor):
+    ex, events = fake_cuda_executor
+    pipe = Pipeline("p", {"x": int}, [on_device, on_host], ["z"])
+    threading.Timer(0.05, lambda: [ev.done.set() for ev in list(events)]).start()
+    assert ex.run(pipe, {"x": 3}, unwrap=True) == 31
