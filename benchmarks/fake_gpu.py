@@ -11,6 +11,8 @@ Imported in the server process before `boundgen serve` (`PRELUDE`), configured b
   Its batching node runs on a fake device queue (`runtime.device_queue`) whose batches have run
   when the fake stream says so, as CUDA events would say; `BOUNDGEN_FAKE_PACE=0`: no device queue
   (the node then takes a returned call for a run batch, as it did on CUDA before device queues).
+  The executor runs its CUDA path with fake streams and events (an event has completed when the
+  fake stream's work queued before it has): CPU nodes after device nodes wait as on a GPU.
 - `BOUNDGEN_FAKE_LOG=FILE`: one line per fake call, `start end cost tokens_or_prompts` (seconds on
   the process's perf_counter), for the fake GPU's busy share and its batch sizes.
 
@@ -90,10 +92,35 @@ def pending(t: torch.Tensor, ready: float) -> Pending:
     return out
 
 
+class Event:
+    """A CUDA event of the fake stream: recorded, it completes when the work queued so far has."""
+
+    def __init__(self, stream: Stream, ready: float | None = None) -> None:
+        self.stream = stream
+        self.ready = ready if ready is not None else 0.0
+
+    def record(self, _stream=None) -> None:
+        self.ready = self.stream.free_at
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.ready
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.ready - time.perf_counter()))
+
+
+class _NoStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+
 class _Flight:
-    def __init__(self, begin: float, end: float) -> None:
+    def __init__(self, stream: Stream, begin: float, end: float) -> None:
         self.begin, self.end = begin, end
-        self.event = None  # a CPU executor has no events to wait on
+        self.event = Event(stream, end)
 
     def wait(self) -> None:
         time.sleep(max(0.0, self.end - time.perf_counter()))
@@ -111,7 +138,7 @@ class Queue:
     def launch(self, fn):
         begin = max(time.perf_counter(), self.stream.free_at)
         out = fn()
-        return out, _Flight(begin, max(begin, self.stream.free_at))
+        return out, _Flight(self.stream, begin, max(begin, self.stream.free_at))
 
 
 def _costs(spec: str) -> tuple[float, float]:
@@ -150,6 +177,7 @@ def install_forward(stream: Stream, spec: str, paced: bool) -> None:
 
     if paced:
         device_queue.set_queue_factory(lambda executor: Queue(stream))
+    _executor_on_fake_cuda(stream)
 
     fixed, per_1k = _costs(spec)
     runner.CPU_PIECE_TOKENS = 1 << 30  # pieces at the runner's budget, as on a GPU
@@ -161,6 +189,28 @@ def install_forward(stream: Stream, spec: str, paced: bool) -> None:
         return pending(hidden, ready)
 
     runner.ModelRunner.forward = fake
+
+
+def _executor_on_fake_cuda(stream: Stream) -> None:
+    """Executors take their CUDA path: device nodes record fake events, CPU successors wait."""
+    import contextlib
+    import types
+
+    from boundgen.runtime import executor as ex
+
+    cuda = types.SimpleNamespace(
+        Event=lambda *a, **kw: Event(stream),
+        stream=lambda s: contextlib.nullcontext(),
+        default_stream=lambda device=None: _NoStream(),
+    )
+    init = ex.Executor.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.cuda, self._torch = True, types.SimpleNamespace(cuda=cuda)
+        self.streams = [_NoStream() for _ in range(4)]
+
+    ex.Executor.__init__ = patched
 
 
 def install_from_env() -> None:
