@@ -18,7 +18,7 @@ process before `boundgen serve` (an A/B hook: e.g. `import sys; sys.setswitchint
 cost (`fake_gpu.py`: queued on one fake stream, results readable when it ends), so a CPU run
 measures the server around a forward of GPU-like cost — its ceiling in req/s and its own tail — and
 each run reports the fake GPU's busy share and tokens per forward (`--fake-unpaced`: the forward
-node without a device queue, for an A/B). W5's shape (H200 issue 25): `--items 100 --item-tokens
+node never waits for the device, for an A/B). W5's shape (H200 issue 25): `--items 100 --item-tokens
 16 --query-tokens 256 --model tiny` (the demo model has 256 positions; `tiny`: the server tests'
 model, 512).
 Writes JSON (every run) and prints a Markdown table.
@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fake-unpaced",
         action="store_true",
-        help="with --fake-forward: no device queue (batches end when the call returns)",
+        help="with --fake-forward: the forward node never waits for the device (a batch ends when "
+        "its call returns)",
     )
     p.add_argument("--items", type=int, default=20)
     p.add_argument("--item-tokens", type=int, default=16)

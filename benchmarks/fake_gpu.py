@@ -9,8 +9,8 @@ Imported in the server process before `boundgen serve` (`PRELUDE`), configured b
   hidden states) costs FIXED + PER_1K × tokens / 1000 and returns zeros; CPU pieces are cut at the
   runner's token budget, as on a GPU (not at `runner.CPU_PIECE_TOKENS`).
   Its batching node runs on a fake device queue (`runtime.device_queue`) whose batches have run
-  when the fake stream says so, as CUDA events would say; `BOUNDGEN_FAKE_PACE=0`: no device queue
-  (the node then takes a returned call for a run batch, as it did on CUDA before device queues).
+  when the fake stream says so, as CUDA events would say; `BOUNDGEN_FAKE_PACE=0`: the node never
+  waits for them (a batch ends when its call returns, as on CUDA before device queues).
   The executor runs its CUDA path with fake streams and events (an event has completed when the
   fake stream's work queued before it has): CPU nodes after device nodes wait as on a GPU.
 - `BOUNDGEN_FAKE_LOG=FILE`: one line per fake call, `start end cost tokens_or_prompts` (seconds on
@@ -173,10 +173,17 @@ def install_search(stream: Stream, spec: str, sync: bool, trie_path: str | None)
 
 def install_forward(stream: Stream, spec: str, paced: bool) -> None:
     import boundgen.runner as runner
-    from boundgen.runtime import device_queue
+    from boundgen.runtime import batching, device_queue
 
-    if paced:
-        device_queue.set_queue_factory(lambda executor: Queue(stream))
+    device_queue.set_queue_factory(lambda executor: Queue(stream))
+    if not paced:  # never wait for queued batches: a batch ends when its call returns
+        init = batching.BatchingNode.__init__
+
+        def unpaced(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.device_depth = 1 << 30
+
+        batching.BatchingNode.__init__ = unpaced
     _executor_on_fake_cuda(stream)
 
     fixed, per_1k = _costs(spec)

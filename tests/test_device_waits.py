@@ -68,9 +68,9 @@ def test_a_failing_continuation_does_not_stop_the_thread():
     waits.close()
 
 
-@pytest.fixture
-def fake_cuda_executor():
-    """An executor on its CUDA path: events and streams are fakes; one CPU worker."""
+@pytest.fixture(params=[1])
+def fake_cuda_executor(request):
+    """An executor on its CUDA path: events and streams are fakes; `param` CPU workers."""
     events: list[FakeEvent] = []
 
     def make_event(*a, **kw):
@@ -83,7 +83,7 @@ def fake_cuda_executor():
         stream=lambda s: contextlib.nullcontext(),
         default_stream=lambda device=None: FakeStream(),
     )
-    ex = Executor(cpu_workers=1, device="cpu")
+    ex = Executor(cpu_workers=request.param, device="cpu")
     ex.cuda, ex._torch, ex.streams = True, types.SimpleNamespace(cuda=cuda), [FakeStream()]
     yield ex, events
     for ev in events:
@@ -129,3 +129,29 @@ def test_run_on_the_callers_thread_waits_for_the_device(fake_cuda_executor):
     pipe = Pipeline("p", {"x": int}, [on_device, on_host], ["z"])
     threading.Timer(0.05, lambda: [ev.done.set() for ev in list(events)]).start()
     assert ex.run(pipe, {"x": 3}, unwrap=True) == 31
+
+
+def _until(cond, what: str) -> None:
+    for _ in range(2000):
+        if cond():
+            return
+        threading.Event().wait(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("fake_cuda_executor", [2], indirect=True)
+def test_at_most_half_the_workers_wait_for_the_device(fake_cuda_executor):
+    """With 2 workers one may wait for the device itself (no hand-off at low load); the next
+    request's wait goes to the waiting thread, so the other worker stays free."""
+    ex, events = fake_cuda_executor
+    pipe = Pipeline("p", {"x": int}, [on_device, on_host], ["z"])
+    futures = []
+    for k in range(3):
+        futures.append(ex.submit(pipe, {"x": k}, unwrap=True))
+        _until(lambda n=k + 1: len(events) == n, f"device node {k}")
+    # three device nodes ran while no device work had completed: one worker waits, one is free
+    assert ex._waiting_workers == 1 and not any(f.done() for f in futures)
+    for ev in events:
+        ev.done.set()
+    assert [f.result(timeout=10) for f in futures] == [1, 11, 21]
+    assert ex._waiting_workers == 0

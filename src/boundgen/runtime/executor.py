@@ -8,9 +8,10 @@ Scheduling, per request:
 - Joins are counted with `itertools.count` (atomic under the GIL): no lock on the hot path.
 - DEVICE nodes run under a stream from the stream pool; each records an event, which is the edge: a
   device successor on another stream waits on it (`stream.wait_event`); a CPU successor whose
-  events have not completed yet is handed to one waiting thread (`device_waits.DeviceWaits`) and
-  back to the worker pool once they have, so no CPU worker is held while the device runs. Without
-  CUDA, device nodes are plain calls.
+  events have not completed yet waits for them on its worker while fewer than half the workers
+  wait so, else it is handed to one waiting thread (`device_waits.DeviceWaits`) and runs once they
+  have: the device never holds more than half the CPU workers. Without CUDA, device nodes are
+  plain calls.
 - Deadlines: before a node starts, the request fails with `DeadlineExceeded` when the time left is
   less than the estimated time of the rest of its critical path (running averages per node; a
   batch its batching node did not take as steady state, e.g. one that compiled, is left out), so
@@ -316,6 +317,11 @@ class Executor:
         )
         self._stream_rr = itertools.count()
         self._device_waits = DeviceWaits()
+        # CPU workers that may wait for the device themselves (at low load a hand-off to the
+        # waiting thread only adds latency); past that the waits go to `_device_waits`
+        self._inline_waits = self.cpu_workers // 2
+        self._waiting_workers = 0
+        self._waits_lock = threading.Lock()
         self.pools = pools or MemoryPools(self.device)
         self.tracer = Tracer(keep_requests=trace_requests)
         self.default_timeout_ms = default_timeout_ms
@@ -576,14 +582,21 @@ class Executor:
             return ()
         stream = None
         if req._events is not None:
-            if node.kind is not NodeKind.DEVICE:
+            if node.kind is NodeKind.DEVICE:
+                stream = self._device_prologue(req, p)
+            else:
                 unfinished = self._unfinished_inputs(req, p)
-                if unfinished:  # run it once they have completed
+                if unfinished and not self._reserve_wait():  # run it once they have completed
                     self._device_waits.after(
                         unfinished, functools.partial(self._resume, req, i, ready_ns)
                     )
                     return ()
-            stream = self._device_prologue(req, p)
+                if unfinished:  # few workers are waiting: wait here, no hand-off
+                    try:
+                        self._device_prologue(req, p)
+                    finally:
+                        with self._waits_lock:
+                            self._waiting_workers -= 1
         values = req._values
         args = {name: values[slot] for name, slot in zip(p.arg_names, p.arg_slots)}
         req._node_state[i] = 1
@@ -612,6 +625,14 @@ class Executor:
             values[slot] = v
         self._record(req, p, start, end, ready_ns)
         return self._complete(req, p)
+
+    def _reserve_wait(self) -> bool:
+        """Whether this thread may wait for the device itself (then it counts as waiting)."""
+        with self._waits_lock:
+            if self._waiting_workers < self._inline_waits:
+                self._waiting_workers += 1
+                return True
+            return False
 
     def _resume(self, req: RequestContext, i: int, ready_ns: int) -> None:
         """Node i after the device work it reads has run (on the `DeviceWaits` thread): a node
