@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -58,26 +57,15 @@ HERE = Path(__file__).resolve().parent
 # responses, and the mean of every Server-Timing entry over them.
 
 
-def beam_batches(url: str) -> tuple[float, float]:
-    """(merged searches, requests in them) the server's beam node has run so far (/metrics)."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-
-    def value(name: str) -> float:
-        m = re.search(rf'^{name}(?:_total)?\{{node="beam"\}} (\S+)$', text, re.MULTILINE)
-        return float(m.group(1)) if m else 0.0
-
-    return value("boundgen_runtime_batches"), value("boundgen_runtime_batched_requests")
-
-
 def run_wrk(
     url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
 ) -> dict:
-    b0, r0 = beam_batches(url)
+    b0, r0 = wrk.node_batches(url, "beam")
     threads = max(1, min(4, connections // 16 or 1))
     row = wrk.run_wrk(
         url, script, bodies, "/v1/beam", connections, think_ms, seconds, cpus, threads
     )
-    b1, r1 = beam_batches(url)
+    b1, r1 = wrk.node_batches(url, "beam")
     row["beam_batches"] = b1 - b0
     row["requests_per_batch"] = (r1 - r0) / (b1 - b0) if b1 > b0 else 0.0
     return row

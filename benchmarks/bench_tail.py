@@ -65,9 +65,13 @@ HERE = Path(__file__).resolve().parent
 def run_wrk(
     url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
 ) -> dict:
+    b0, r0 = wrk.node_batches(url, "forward")
     t0 = time.perf_counter()
     row = wrk.run_wrk(url, script, bodies, "/v1/score", connections, think_ms, seconds, cpus)
-    return row | {"t0": t0, "t1": time.perf_counter()}
+    t1 = time.perf_counter()
+    b1, r1 = wrk.node_batches(url, "forward")
+    per_forward = (r1 - r0) / (b1 - b0) if b1 > b0 else 0.0
+    return row | {"t0": t0, "t1": t1, "requests_per_forward": per_forward}
 
 
 def run_open_loop(cfg: LoadConfig, rate: float) -> dict:
@@ -189,8 +193,8 @@ def encode_times(iters: int) -> list[dict]:
 def table(rows: list[dict]) -> str:
     lines = [
         "| generator | load | ok/s | p50 ms | p99 ms | server p50 / p99 ms | p99 − server p99 ms "
-        "| errors | fake GPU busy | tokens per forward |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| errors | requests per forward | fake GPU busy | tokens per forward |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if r["generator"] == "wrk":
@@ -203,7 +207,8 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['generator']} | {load} | {r['ok_per_s']:.1f} | {r['p50_ms']:.1f} | "
             f"{r['p99_ms']:.1f} | {r['server_p50_ms']:.1f} / {r['server_p99_ms']:.1f} | "
-            f"{r['p99_ms'] - r['server_p99_ms']:.1f} | {r['errors']} | {busy} | {size} |"
+            f"{r['p99_ms'] - r['server_p99_ms']:.1f} | {r['errors']} | "
+            f"{r.get('requests_per_forward', 0):.1f} | {busy} | {size} |"
         )
     return "\n".join(lines)
 

@@ -9,8 +9,11 @@ server's own `app` p50/p99 and the mean of every timing entry, printed as one `J
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
+
+import httpx
 
 HERE = Path(__file__).resolve().parent
 
@@ -118,3 +121,15 @@ def load_label(row: dict) -> str:
     """A run's load as a table cell: "16 conn", or "256 conn, think 504 ms"."""
     think = f", think {row['think_ms']:.0f} ms" if row["think_ms"] else ""
     return f"{row['connections']} conn{think}"
+
+
+def node_batches(url: str, node: str) -> tuple[float, float]:
+    """(merged batches, requests in them) a batching node of the server has run so far
+    (`/metrics`): the difference over a run is its requests per batch."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+
+    def value(name: str) -> float:
+        m = re.search(rf'^{name}(?:_total)?\{{node="{node}"\}} (\S+)$', text, re.MULTILINE)
+        return float(m.group(1)) if m else 0.0
+
+    return value("boundgen_runtime_batches"), value("boundgen_runtime_batched_requests")
