@@ -16,9 +16,9 @@ import itertools
 import random
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 
 import pytest
+from fake_request import FakeRequest
 
 from boundgen.runtime.batching import BatchingNode, CostModel, mark_not_steady
 from boundgen.runtime.node import PipelineError
@@ -33,21 +33,6 @@ class Clock:
 
     def __call__(self) -> int:
         return self.ns
-
-
-@dataclass
-class FakeRequest:
-    """What a batching node reads of the executor's request."""
-
-    request_id: int
-    deadline_ns: int | None = None
-    timeout_ms: float = 0.0
-    pipeline: str = "fake"
-    failed: bool = False
-    executor: object = field(default_factory=lambda: type("Ex", (), {"cuda": False})())
-
-    def alive(self) -> bool:
-        return not self.failed
 
 
 class Sim:

@@ -7,28 +7,15 @@ them, so every schedule is exact and reads no wall clock."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 
 import pytest
+from fake_request import FakeRequest
 
 from boundgen.runtime import device_queue
 from boundgen.runtime.batching import BatchingNode
 from boundgen.runtime.node import PipelineError
 
 DEVICE_NS = 5_000_000  # what every fake batch costs the device: 5 ms
-
-
-@dataclass
-class FakeRequest:
-    request_id: int
-    deadline_ns: int | None = None
-    timeout_ms: float = 0.0
-    pipeline: str = "fake"
-    failed: bool = False
-    executor: object = field(default_factory=lambda: type("Ex", (), {"cuda": False})())
-
-    def alive(self) -> bool:
-        return not self.failed
 
 
 class FakeFlight:

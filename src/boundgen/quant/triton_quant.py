@@ -35,6 +35,16 @@ except Exception:
 if AVAILABLE:
 
     @triton.jit
+    def _store_row(x, q_row, s_row, cols, mask, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
+        """One row x (fp32) as e4m3 at q_row[cols] and its scale at s_row: the max-abs element
+        maps to ±FP8_MAX_C (`rowwise.quantize_rowwise`'s expressions)."""
+        amax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS * FP8_MAX_C)
+        q = x * (FP8_MAX_C / amax)
+        q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+        tl.store(q_row + cols, q.to(q_row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(s_row, amax * (1.0 / FP8_MAX_C))
+
+    @triton.jit
     def _quant_rows_kernel(
         x_ptr,
         q_ptr,
@@ -50,16 +60,7 @@ if AVAILABLE:
         cols = tl.arange(0, BLOCK)
         mask = cols < K
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS * FP8_MAX_C)
-        scale = amax * (1.0 / FP8_MAX_C)
-        q = x * (FP8_MAX_C / amax)
-        q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
-        tl.store(
-            q_ptr + row * stride_q + cols,
-            q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-            mask=mask,
-        )
-        tl.store(s_ptr + row, scale)
+        _store_row(x, q_ptr + row * stride_q, s_ptr + row, cols, mask, FP8_MAX_C, EPS)
 
     @triton.jit
     def _silu_mul_quant_kernel(
@@ -83,16 +84,7 @@ if AVAILABLE:
         dtype = gu_ptr.dtype.element_ty
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # eager's F.silu rounds
         x = (act * up).to(dtype).to(tl.float32)  # and so does its product
-        amax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS * FP8_MAX_C)
-        scale = amax * (1.0 / FP8_MAX_C)
-        q = x * (FP8_MAX_C / amax)
-        q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
-        tl.store(
-            q_ptr + row * stride_q + cols,
-            q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-            mask=mask,
-        )
-        tl.store(s_ptr + row, scale)
+        _store_row(x, q_ptr + row * stride_q, s_ptr + row, cols, mask, FP8_MAX_C, EPS)
 
     @torch.library.triton_op("boundgen::silu_mul_quant", mutates_args=())
     def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
