@@ -95,3 +95,31 @@ def test_bf16_beam_search_valid_on_varlen(tiny_model):
     assert sorted(tuple(t) for t, _ in results) == [(5, 6, 7), (5, 6, 8), (9, 1, 2)]
     free = engine.beam_search_batch([QUERY, "short"], 16, 4)
     assert all(len(r) == 16 and all(len(t) == 4 for t, _ in r) for r in free)
+
+
+def test_concurrent_requests_merge_and_answer_as_alone(tiny_model):
+    """32 score requests at once through the engine's runtime on CUDA: the forward node's batches
+    wait for the device (`runtime/device_queue.py`), so requests merge; CPU nodes wait for device
+    work off the workers (`runtime/device_waits.py`). Every request gets what it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = Engine.from_pretrained(tiny_model("qwen2"), device="cuda", dtype="bfloat16")
+    labels = [514, 371]
+    queries = [f"{QUERY} ({i})" for i in range(32)]
+    alone = [engine.score(q, ITEMS, labels) for q in queries]
+    futures = [engine.runtime.submit("score", _score_request(q, labels)) for q in queries]
+    together = [f.result(timeout=120) for f in futures]
+    for a, b in zip(alone, together):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=2e-3), (a, b)
+    forward = engine.runtime.stats()["batching"]["forward"]
+    assert forward["max_requests_in_batch"] > 1, forward
+    with ThreadPoolExecutor(8) as pool:  # and from many threads through the public call
+        again = list(pool.map(lambda q: engine.score(q, ITEMS, labels), queries))
+    for a, b in zip(alone, again):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=2e-3)
+
+
+def _score_request(query, labels):
+    from boundgen.workloads.score import ScoreRequest
+
+    return ScoreRequest(query=query, items=ITEMS, label_token_ids=labels)
