@@ -6,6 +6,8 @@ import json
 import shutil
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from boundgen import Engine
@@ -115,3 +117,32 @@ def test_classify_and_embed_errors(engine_for):
         cls.embed(["x"], pooling="max")
     with pytest.raises(FileNotFoundError, match="no MLP head spec"):
         cls.embed(["x"], head="/nonexistent/head")
+
+
+_ENTRY = st.one_of(
+    st.integers(-2, 12), st.booleans(), st.floats(0, 3), st.text(max_size=2), st.none()
+)
+
+
+@given(items=st.lists(st.lists(_ENTRY, max_size=4) | st.text(max_size=3), min_size=1, max_size=5))
+def test_many_ids_is_to_ids_per_item(items):
+    """`many_ids` checks all items in one pass; whatever it returns or raises, the check per item
+    returns or raises too (the same error, naming the same item)."""
+    from boundgen.workloads.inputs import Limits, many_ids, to_ids
+
+    class Chars:  # a tokenizer: one id per character
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) % 10 for c in text]
+
+    limits = Limits(vocab_size=10, max_seq_len=64, max_items=8)
+
+    def outcome(fn):
+        try:
+            return fn()
+        except ValueError as exc:
+            return str(exc)
+
+    per_item = outcome(
+        lambda: [to_ids(x, Chars(), limits, f"items[{i}]") for i, x in enumerate(items)]
+    )
+    assert outcome(lambda: many_ids(items, Chars(), limits, "items")) == per_item

@@ -26,7 +26,7 @@ from boundgen.runtime.dag import Pipeline
 from boundgen.text.packing import SequenceGroup
 from boundgen.text.tokenizer import Tokenizer
 from boundgen.workloads.base import Workload, WorkloadContext, cpu_node, device_node
-from boundgen.workloads.inputs import Limits, check_items, fit_length, to_ids
+from boundgen.workloads.inputs import Limits, check_items, fit_length, many_ids, to_ids
 
 # Full-vocabulary logits are made this many elements at a time (128 MiB of float32), so a request of
 # many items never holds [N, vocab] at once.
@@ -85,7 +85,7 @@ def prepare_score(req: ScoreRequest, tokenizer: Tokenizer, limits: Limits) -> li
     if isinstance(req.query, str) and all(isinstance(x, str) for x in req.items):
         return [_prepare_joined_text(req, tokenizer, limits)]
     query = to_ids(req.query, tokenizer, limits, "query")
-    items = [to_ids(x, tokenizer, limits, f"items[{i}]") for i, x in enumerate(req.items)]
+    items = many_ids(req.items, tokenizer, limits, "items")
     if not query and any(not x for x in items):
         raise ValueError("query and an item are both empty: nothing to score")
     budget = limits.max_seq_len - 1 if items else limits.max_seq_len
