@@ -60,14 +60,14 @@ HERE = Path(__file__).resolve().parent
 def run_wrk(
     url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
 ) -> dict:
-    b0, r0 = wrk.node_batches(url, "beam")
+    before = wrk.node_counters(url, "beam")
     threads = max(1, min(4, connections // 16 or 1))
     row = wrk.run_wrk(
         url, script, bodies, "/v1/beam", connections, think_ms, seconds, cpus, threads
     )
-    b1, r1 = wrk.node_batches(url, "beam")
-    row["beam_batches"] = b1 - b0
-    row["requests_per_batch"] = (r1 - r0) / (b1 - b0) if b1 > b0 else 0.0
+    after = wrk.node_counters(url, "beam")
+    row["beam_batches"] = after["batches"] - before["batches"]
+    row["requests_per_batch"] = wrk.per_batch(before, after)
     return row
 
 

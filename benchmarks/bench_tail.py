@@ -65,13 +65,18 @@ HERE = Path(__file__).resolve().parent
 def run_wrk(
     url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
 ) -> dict:
-    b0, r0 = wrk.node_batches(url, "forward")
+    before = wrk.node_counters(url, "forward")
     t0 = time.perf_counter()
     row = wrk.run_wrk(url, script, bodies, "/v1/score", connections, think_ms, seconds, cpus)
     t1 = time.perf_counter()
-    b1, r1 = wrk.node_batches(url, "forward")
-    per_forward = (r1 - r0) / (b1 - b0) if b1 > b0 else 0.0
-    return row | {"t0": t0, "t1": t1, "requests_per_forward": per_forward}
+    after = wrk.node_counters(url, "forward")
+    return row | {
+        "t0": t0,
+        "t1": t1,
+        "requests_per_forward": wrk.per_batch(before, after),
+        "tokens_per_forward": wrk.per_batch(before, after, "tokens"),
+        "gpu_busy": (after["device_s"] - before["device_s"]) / (t1 - t0),  # 0 on CPU
+    }
 
 
 def run_open_loop(cfg: LoadConfig, rate: float) -> dict:
@@ -193,7 +198,7 @@ def encode_times(iters: int) -> list[dict]:
 def table(rows: list[dict]) -> str:
     lines = [
         "| generator | load | ok/s | p50 ms | p99 ms | server p50 / p99 ms | p99 − server p99 ms "
-        "| errors | requests per forward | fake GPU busy | tokens per forward |",
+        "| errors | requests per forward | GPU busy (forward node) | tokens per forward |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
@@ -203,7 +208,11 @@ def table(rows: list[dict]) -> str:
             load = f"open loop {r['rate']:g}/s"
         fake = r.get("fake_gpu") or {}
         busy = f"{fake['busy_share']:.0%}" if fake.get("calls") else "–"
+        if r.get("gpu_busy"):  # a real GPU: the forward node's device time
+            busy = f"{r['gpu_busy']:.0%}"
         size = f"{fake['mean_size']:.0f}" if fake.get("calls") else "–"
+        if not fake.get("calls") and r.get("tokens_per_forward"):
+            size = f"{r['tokens_per_forward']:.0f}"
         lines.append(
             f"| {r['generator']} | {load} | {r['ok_per_s']:.1f} | {r['p50_ms']:.1f} | "
             f"{r['p99_ms']:.1f} | {r['server_p50_ms']:.1f} / {r['server_p99_ms']:.1f} | "

@@ -123,13 +123,25 @@ def load_label(row: dict) -> str:
     return f"{row['connections']} conn{think}"
 
 
-def node_batches(url: str, node: str) -> tuple[float, float]:
-    """(merged batches, requests in them) a batching node of the server has run so far
-    (`/metrics`): the difference over a run is its requests per batch."""
+def node_counters(url: str, node: str) -> dict[str, float]:
+    """A batching node's counters so far (`/metrics`): merged batches, the requests and tokens in
+    them, and the device seconds of its batches (CUDA); differences over a run give requests and
+    tokens per batch and the GPU's busy share."""
     text = httpx.get(url + "/metrics", timeout=30).text
 
     def value(name: str) -> float:
         m = re.search(rf'^{name}(?:_total)?\{{node="{node}"\}} (\S+)$', text, re.MULTILINE)
         return float(m.group(1)) if m else 0.0
 
-    return value("boundgen_runtime_batches"), value("boundgen_runtime_batched_requests")
+    return {
+        "batches": value("boundgen_runtime_batches"),
+        "requests": value("boundgen_runtime_batched_requests"),
+        "tokens": value("boundgen_runtime_batched_tokens"),
+        "device_s": value("boundgen_runtime_device_seconds"),
+    }
+
+
+def per_batch(before: dict[str, float], after: dict[str, float], what: str = "requests") -> float:
+    """Requests (or tokens) per batch between two `node_counters` readings (0: no batch)."""
+    batches = after["batches"] - before["batches"]
+    return (after[what] - before[what]) / batches if batches > 0 else 0.0

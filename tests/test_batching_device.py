@@ -164,6 +164,8 @@ def test_the_cost_model_learns_the_device_time_not_the_launch():
         # the launches took 0 ns on the host clock; each batch ran 5 ms on the device
         assert h.node.cost.warm
         assert h.node.cost.predict_ms(1) == pytest.approx(DEVICE_NS / 1e6, rel=1e-6)
+        # 7 of the 8 batches have been waited for (the last is still "queued"): the GPU busy time
+        assert h.node.stats()["device_seconds"] == pytest.approx(7 * DEVICE_NS / 1e9)
         h.node.close()
     finally:
         device_queue.set_queue_factory(None)

@@ -411,6 +411,7 @@ class BatchingNode(Node):
         self.batched_requests = 0
         self.batched_tokens = 0
         self.max_requests_in_batch = 0
+        self.device_ns = 0.0  # device time of the paced batches that have run (GPU busy)
         self.last_budget = self.token_budget  # the budget the last batch was formed under
 
     # ---- executor side
@@ -475,6 +476,7 @@ class BatchingNode(Node):
             "tokens": self.batched_tokens,
             "mean_requests_per_batch": self.batched_requests / b if b else 0.0,
             "max_requests_in_batch": self.max_requests_in_batch,
+            "device_seconds": self.device_ns / 1e9,
             "token_budget": self.last_budget,
             "lanes": len(self._lanes),
             "cost": self.cost.stats(),
@@ -724,7 +726,10 @@ class BatchingNode(Node):
         while len(lane.in_flight) >= self.device_depth:
             done = lane.in_flight.popleft()
             done.flight.wait()
-            ns = max(done.flight.device_ns(), done.host_ns)
+            device_ns = done.flight.device_ns()
+            with self._cv:
+                self.device_ns += device_ns
+            ns = max(device_ns, done.host_ns)
             self.cost.observe(done.units, ns, done.forwards, done.shapes, done.steady)
 
     def _run(self, live: list[_Item]) -> Sequence[Any]:

@@ -96,16 +96,23 @@ class _RuntimeCollector:
         batch_tokens = CounterMetricFamily(
             "boundgen_runtime_batched_tokens", "tokens in merged batches", labels=["node"]
         )
+        device = CounterMetricFamily(
+            "boundgen_runtime_device_seconds",
+            "device time of the batches a node's device queue has run (GPU busy = its rate)",
+            labels=["node"],
+        )
         try:
             for node, st in self.runtime.stats().get("batching", {}).items():
                 batches.add_metric([node], float(st.get("batches", 0)))
                 batched.add_metric([node], float(st.get("requests", 0)))
                 batch_tokens.add_metric([node], float(st.get("tokens", 0)))
+                device.add_metric([node], float(st.get("device_seconds", 0.0)))
         except Exception:
             pass
         yield batches
         yield batched
         yield batch_tokens
+        yield device
         try:
             tracer = self.runtime.executor.tracer
             for (pipeline, node), h in sorted(tracer.histograms().items()):
