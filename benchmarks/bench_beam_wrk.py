@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +42,7 @@ from pathlib import Path
 import fake_gpu
 import httpx
 import wrk
-from bench_serving import make_trie, start, stop
+from bench_serving import make_trie, serve_command, start, stop
 from common import env_info
 
 from boundgen.loadtest import LoadConfig, make_bodies
@@ -131,28 +129,25 @@ def main(argv: list[str] | None = None) -> int:
         # not next to the results: a device call brings back a few files only
         trie_path = make_trie(Path(tempfile.gettempdir()), args.trie_items, args.steps)
     proc, url, ready_s = None, args.url, None
-    env = dict(os.environ)
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         prelude = (fake_gpu.PRELUDE if args.fake_search else "") + "\n" + args.server_prelude
-        code = f"{prelude}\nimport sys\nfrom boundgen.cli import main\nsys.exit(main())"
         model = args.model or str(tiny_model_dir())
-        cmd = [sys.executable, "-c", code, "serve", "--port", str(port), "--log-level", "warning"]
-        cmd += ["--model", model, "--max-queue", "4096", "--timeout-ms", "2000"]
+        serve_args = ["--model", model, "--max-queue", "4096", "--timeout-ms", "2000"]
         if trie_path is not None:
-            cmd += ["--tries", f"w4={trie_path}"]
-        cmd += args.serve_args.split()
-        if args.server_cpus:
-            cmd = ["taskset", "-c", args.server_cpus, *cmd]
+            serve_args += ["--tries", f"w4={trie_path}"]
+        serve_args += args.serve_args.split()
+        env = {}
         if args.fake_search:
             env["BOUNDGEN_FAKE_SEARCH"] = args.fake_search
             env["BOUNDGEN_FAKE_SYNC"] = "1" if args.fake_sync else "0"
             if trie_path is not None:
                 env["BOUNDGEN_FAKE_TRIE"] = str(trie_path)  # the items' sequences, in order
-        print(f"== {' '.join(cmd[:3])} ... {' '.join(cmd[5:])}", flush=True)
+        cmd = serve_command(port, serve_args, prelude, args.server_cpus)
+        print(f"== boundgen serve --port {port} {' '.join(serve_args)}", flush=True)
         t0 = time.monotonic()
-        proc = _start(cmd, url, out.with_suffix(".server.log"), env)
+        proc = start(cmd, url, out.with_suffix(".server.log"), env=env)
         ready_s = time.monotonic() - t0
         print(f"server ready in {ready_s:.1f} s", flush=True)
     rows: list[dict] = []
@@ -220,16 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(counters))
     print(f"wrote {out}")
     return 0
-
-
-def _start(cmd: list[str], url: str, log_path: Path, env: dict) -> subprocess.Popen:
-    old = dict(os.environ)
-    os.environ.update(env)
-    try:
-        return start(cmd, url, log_path)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 import httpx
-from bench_serving import start, stop
+from bench_serving import serve_command, start, stop
 from common import env_info
 
 from boundgen.loadtest import LoadConfig, make_bodies, run_loadtest
@@ -406,14 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "boundgen.cli", "serve", "--port", str(port)]
-        if args.server_cpus:
-            cmd = ["taskset", "-c", args.server_cpus, *cmd]
-        cmd += ["--device", args.device, "--log-level", "warning", *args.serve_args.split()]
+        serve_args = ["--device", args.device, *args.serve_args.split()]
         if args.model:
-            cmd += ["--model", args.model]
+            serve_args += ["--model", args.model]
+        cmd = serve_command(port, serve_args, cpus=args.server_cpus)
         log_path = out.with_suffix(".server.log")
-        print(f"== {' '.join(cmd)}", flush=True)
+        print(f"== boundgen serve --port {port} {' '.join(serve_args)}", flush=True)
         proc = start(cmd, url, log_path)
         pid = proc.pid
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}

@@ -26,9 +26,29 @@ from boundgen.loadtest import LoadConfig, plot_reports, run_loadtest
 HERE = Path(__file__).resolve().parent
 
 
-def start(cmd: list[str], url: str, log_path: Path, timeout_s: float = 600) -> subprocess.Popen:
+def serve_command(
+    port: int, args: list[str], prelude: str = "", cpus: str | None = None
+) -> list[str]:
+    """`boundgen serve --port PORT --log-level warning ARGS`, after `prelude` (Python run in the
+    server process first: an A/B hook, a fake GPU), pinned to `cpus` (taskset) when given."""
+    code = f"{prelude}\nimport sys\nfrom boundgen.cli import main\nsys.exit(main())"
+    cmd = [sys.executable, "-c", code, "serve", "--port", str(port), "--log-level", "warning"]
+    cmd += args
+    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
+
+
+def start(
+    cmd: list[str],
+    url: str,
+    log_path: Path,
+    timeout_s: float = 600,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start a server (`env`: variables added to this process's for it) and wait until
+    /health answers."""
     log = open(log_path, "w")  # noqa: SIM115 - the server process writes to it until it stops
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    child_env = {**os.environ, **env} if env else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

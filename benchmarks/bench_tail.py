@@ -49,7 +49,7 @@ import fake_gpu
 import httpx
 import wrk
 from bench_overload import _cpus, wait_idle
-from bench_serving import start, stop
+from bench_serving import serve_command, start, stop
 from common import env_info
 
 from boundgen.loadtest import LoadConfig, make_bodies, run_loadtest
@@ -278,19 +278,17 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         prelude = (fake_gpu.PRELUDE if args.fake_forward else "") + "\n" + args.server_prelude
-        code = f"{prelude}\nimport sys\nfrom boundgen.cli import main\nsys.exit(main())"
-        if args.fake_forward:  # the server inherits them
-            os.environ["BOUNDGEN_FAKE_FORWARD"] = args.fake_forward
-            os.environ["BOUNDGEN_FAKE_PACE"] = "0" if args.fake_unpaced else "1"
-            os.environ["BOUNDGEN_FAKE_LOG"] = fake_log = str(out.with_suffix(".fake.log"))
+        env = {}
+        if args.fake_forward:
+            env["BOUNDGEN_FAKE_FORWARD"] = args.fake_forward
+            env["BOUNDGEN_FAKE_PACE"] = "0" if args.fake_unpaced else "1"
+            env["BOUNDGEN_FAKE_LOG"] = fake_log = str(out.with_suffix(".fake.log"))
             Path(fake_log).unlink(missing_ok=True)
-        cmd = [sys.executable, "-c", code, "serve", "--port", str(port), "--log-level", "warning"]
-        cmd += args.serve_args.split() + (["--model", args.model] if args.model else [])
-        if args.server_cpus:
-            cmd = ["taskset", "-c", args.server_cpus, *cmd]
-        print(f"== {' '.join(cmd)}", flush=True)
+        serve_args = args.serve_args.split() + (["--model", args.model] if args.model else [])
+        cmd = serve_command(port, serve_args, prelude, args.server_cpus)
+        print(f"== boundgen serve --port {port} {' '.join(serve_args)}", flush=True)
         t0 = time.monotonic()
-        proc = start(cmd, url, out.with_suffix(".server.log"))
+        proc = start(cmd, url, out.with_suffix(".server.log"), env=env)
         ready_s = time.monotonic() - t0
         print(f"server ready in {ready_s:.1f} s", flush=True)
     cfg = LoadConfig(
