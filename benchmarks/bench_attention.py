@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import env_info, w1_prompts, write_json
+from common import env_info, graph_us, w1_prompts, write_json
 
 from boundgen.attention.backends import get_backend
 from boundgen.attention.cascade import prefill_attention
@@ -69,27 +69,11 @@ def time_us(fn, iters: int) -> dict:
     end.record()
     end.synchronize()
     eager = start.elapsed_time(end) * 1e3 / iters
-    graph_us = None
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(iters):
-            g.replay()
-        end.record()
-        end.synchronize()
-        graph_us = start.elapsed_time(end) * 1e3 / iters
+        replayed = graph_us(fn, iters)
     except Exception as exc:  # a variant that cannot be captured still reports its eager time
-        graph_us = f"error: {exc}"
-    return {"graph_us": graph_us, "eager_us": eager}
+        replayed = f"error: {exc}"
+    return {"graph_us": replayed, "eager_us": eager}
 
 
 def with_tile(segments, tile, backend, q, k, v, a):

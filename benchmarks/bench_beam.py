@@ -99,23 +99,7 @@ def step_head_us(fn, dev, reps: int = 20, iters: int = 20) -> float:
         for _ in range(iters):
             fn()
         return (time.perf_counter() - t) / iters * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * reps)
+    return common.graph_us(fn, iters, reps)
 
 
 def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) -> dict:

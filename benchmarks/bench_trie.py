@@ -19,6 +19,7 @@ import tracemalloc
 
 import numpy as np
 import torch
+from common import capture_graph
 
 from boundgen.workloads.trie import Trie
 
@@ -87,14 +88,7 @@ def bench_steps(trie: Trie, seqs: np.ndarray, device, beams: int, vocab: int, it
     }
 
     if device.type == "cuda":
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(step, device=device)
         result["graph"] = time_call(graph.replay, device, iters)
     return result
 

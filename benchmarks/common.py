@@ -158,6 +158,36 @@ def _fmt(v) -> str:
     return "" if v is None else str(v)
 
 
+def capture_graph(fn, reps: int = 1, device=None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `reps` calls of `fn`, after one call on a side stream (what capture
+    needs: allocations and lazy inits done outside it)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return graph
+
+
+def graph_us(fn, iters: int, reps: int = 1) -> float:
+    """Device µs of one `fn()` call, replayed from a CUDA graph of `reps` calls (no launch gaps),
+    timed by CUDA events over `iters` replays."""
+    graph = capture_graph(fn, reps)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (iters * reps)
+
+
 def busy_us(spans: list[tuple[float, float]]) -> float:
     """Time covered by the union of (start, end) intervals: the GPU's busy time from its kernels'
     spans (overlapping kernels counted once)."""
