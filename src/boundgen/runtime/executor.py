@@ -593,7 +593,8 @@ class Executor:
                     return ()
                 if unfinished:  # few workers are waiting: wait here, no hand-off
                     try:
-                        self._device_prologue(req, p)
+                        for ev in unfinished:
+                            ev.synchronize()
                     finally:
                         with self._waits_lock:
                             self._waiting_workers -= 1
@@ -657,42 +658,35 @@ class Executor:
         return out
 
     def _device_prologue(self, req: RequestContext, p: Any) -> Any:
-        """Events as edges: wait (device node) or synchronize (CPU node) on device-produced
-        inputs."""
+        """Events as edges for device node `p`: the stream it runs on (its first device
+        producer's, unclaimed, else one from the pool) waits on the other producers' events.
+        (A CPU node waits for its inputs' events in `_step`.)"""
         producers = req._pipe.slot_producer
         events = req._events
-        if p.node.kind is NodeKind.DEVICE:
-            stream = None
-            waits = []
-            host_inputs = False
-            claimed = req._claimed
-            for slot in p.arg_slots:
-                j = producers[slot]
-                if j >= 0 and events[j] is not None:
-                    s = req._streams[j]
-                    if stream is None and s is not None and not claimed[j]:
-                        claimed[j] = (
-                            1  # the first device successor continues on the producer's stream
-                        )
-                        stream = s
-                    elif s is None or s is not stream:
-                        waits.append(events[j])
-                else:
-                    host_inputs = True
-            if stream is None:
-                stream = self.streams[next(self._stream_rr) % len(self.streams)]
-            for ev in waits:
-                stream.wait_event(ev)
-            if host_inputs:
-                # NOTE: a CPU node (or the caller) may have queued device work on the default
-                # stream, e.g. a .to("cuda"); pool streams do not synchronize with it implicitly.
-                stream.wait_stream(self._torch.cuda.default_stream(self.device))
-            return stream
+        stream = None
+        waits = []
+        host_inputs = False
+        claimed = req._claimed
         for slot in p.arg_slots:
             j = producers[slot]
             if j >= 0 and events[j] is not None:
-                events[j].synchronize()
-        return None
+                s = req._streams[j]
+                if stream is None and s is not None and not claimed[j]:
+                    claimed[j] = 1  # the first device successor continues on the producer's stream
+                    stream = s
+                elif s is None or s is not stream:
+                    waits.append(events[j])
+            else:
+                host_inputs = True
+        if stream is None:
+            stream = self.streams[next(self._stream_rr) % len(self.streams)]
+        for ev in waits:
+            stream.wait_event(ev)
+        if host_inputs:
+            # NOTE: a CPU node (or the caller) may have queued device work on the default
+            # stream, e.g. a .to("cuda"); pool streams do not synchronize with it implicitly.
+            stream.wait_stream(self._torch.cuda.default_stream(self.device))
+        return stream
 
     def _start_async(
         self,
