@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, _cpus(args.client_cpus))
     out = Path(args.out or HERE / "results" / "tail_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    proc, url, ready_s = None, args.url, None
+    proc, url, ready_s, fake_log = None, args.url, None, None
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -314,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
             gc_before = gc_pauses(url)
 
             def record(row: dict) -> None:
-                if args.fake_forward and "t0" in row:
-                    row["fake_gpu"] = fake_gpu.busy(fake_log, row.pop("t0"), row.pop("t1"))
+                t0, t1 = row.pop("t0", None), row.pop("t1", None)
+                if fake_log is not None and t0 is not None:  # the server this script started
+                    row["fake_gpu"] = fake_gpu.busy(fake_log, t0, t1)
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
                 partial = {"env": env_info(), "config": vars(args), "rows": rows}

@@ -95,9 +95,8 @@ def pending(t: torch.Tensor, ready: float) -> Pending:
 class Event:
     """A CUDA event of the fake stream: recorded, it completes when the work queued so far has."""
 
-    def __init__(self, stream: Stream, ready: float | None = None) -> None:
-        self.stream = stream
-        self.ready = ready if ready is not None else 0.0
+    def __init__(self, stream: Stream, ready: float = 0.0) -> None:
+        self.stream, self.ready = stream, ready
 
     def record(self, _stream=None) -> None:
         self.ready = self.stream.free_at
