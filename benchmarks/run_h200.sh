@@ -16,6 +16,7 @@
 #   bash benchmarks/run_h200.sh w3                              # issue 25 item 1: one W3 call, before/after staging
 #   bash benchmarks/run_h200.sh beam-wrk                        # issue 24: /v1/beam under wrk (carry .whl .tools; ≤ 5 min)
 #   bash benchmarks/run_h200.sh segments-tests attention; then: attention-sweep   # issue 25 item 2
+#   bash benchmarks/run_h200.sh rope                            # issue 25 item 3: RoPE computed vs table
 #   BACKENDS_ARGS="--attention varlen --workloads w2 w1" bash benchmarks/run_h200.sh backends   # A/B
 # Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
 set -u
@@ -30,7 +31,8 @@ fi
 [ -f $M/config.json ] || python3 -c "from boundgen.checkpoints import make_model; make_model('qwen2.5-0.5b', '$M', dtype='bfloat16', overwrite=True, progress=False)"
 # W5: W2 requests merged 1, 2, 3-4, 5-8 at a time (cascade buckets), plus plain buckets for the warm-up
 W5_BUCKETS=t2048-s128-m512-g2-p320-q1728,t4096-s256-m512-g3-p640-q3456,t8192-s512-m512-g5-p1280-q6912,t16384-s1024-m512-g9-p2560-q13824,t256,t1024
-W5_SERVE="--device cuda --dtype bfloat16 --backend aoti+graphs --batch-token-budget 15000"
+# W5_ARGS: extra engine flags for both the compile and the server (e.g. "--attention segments")
+W5_SERVE="--device cuda --dtype bfloat16 --backend aoti+graphs --batch-token-budget 15000 ${W5_ARGS:-}"
 . benchmarks/device_wheels.sh
 [ -n "${SKIP_WHEELS:-}" ] || install_device_wheels
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
@@ -43,7 +45,9 @@ run_phase() {
   local spec=$1 p B=
   p=${spec%%:*}; [ "$p" != "$spec" ] && B=${spec#*:}
   case $p in
-    gpu-tests) phase gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m "${GPU_TEST_MARK:-gpu}" tests/ ${GPU_TEST_ARGS:-} ;;
+    # with the system libstdc++ preloaded, as the CLI re-execs itself: the AOTInductor tests load
+    # packages in the pytest process (without it they skip; a bare load would segfault)
+    gpu-tests) phase gpu-tests 240 env LD_PRELOAD="$(python3 -c 'from boundgen.compile.preload import libstdcxx_candidates as c; print(c()[0])')" python3 -m pytest -q -rfs --tb=short -p no:cacheprovider -m "${GPU_TEST_MARK:-gpu}" ${GPU_TESTS:-tests/} ${GPU_TEST_ARGS:-} ;;
     gpu) phase gpu 560 python3 benchmarks/bench_gpu.py --root $ROOT --out "$OUT/gpu.json" --budget-s $(( ${B:-560} - 20 )) ${GPU_ARGS:-} ;;
     prefill) phase prefill 290 python3 benchmarks/bench_prefill.py --root $ROOT --out "$OUT/prefill.json" ;;
     beam) phase beam 140 python3 benchmarks/bench_beam.py --root $ROOT --out "$OUT/beam.json" ;;
@@ -55,6 +59,8 @@ run_phase() {
     backends) phase backends 575 python3 benchmarks/bench_backends.py --root $ROOT --out "$OUT/backends.json" --budget-s $(( ${B:-575} - 15 )) ${BACKENDS_ARGS:-} ;;
     # issue 25 item 2: the Triton segments prefill kernel (tests incl. GPU, flash vs kernel, tiles)
     segments-tests) phase segments-tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_segments_attention.py tests/test_attention.py ;;
+    # issue 25 item 3: W1's RoPE kernel with cos/sin computed in-graph vs gathered from a table
+    rope) phase rope 90 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ;;
     attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
     attention-sweep) phase attention-sweep 300 python3 benchmarks/bench_attention.py --sweep --iters 100 --out "$OUT/attention_sweep.json" ;;
     fp8-kernels) phase fp8-kernels 240 python3 benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out "$OUT/fp8_kernels.json" ;;
@@ -68,7 +74,7 @@ run_phase() {
     runtime) phase runtime 200 python3 benchmarks/bench_runtime.py --preset qwen2.5-0.5b --device cuda --dtype bfloat16 --out "$OUT/runtime.json" ;;
     ray) phase ray 290 python3 benchmarks/bench_ray.py --out-dir "$OUT" ${RAY_ARGS:-} ;;
     # as a user would: default --jobs, the load check and the parity check included
-    w5-compile) phase w5-compile 240 python3 -m boundgen.cli compile --model $M --device cuda --dtype bfloat16 --buckets $W5_BUCKETS --json "$OUT/w5_compile.json" ;;
+    w5-compile) phase w5-compile 240 python3 -m boundgen.cli compile --model $M --device cuda --dtype bfloat16 --buckets $W5_BUCKETS ${W5_ARGS:-} --json "$OUT/${W5_NAME:-w5}_compile.json" ;;
     # the compile cache back in $OUT as <=15 MiB pieces; carry them as .cache-h200 into the next call
     cache-out) phase cache-out 60 sh -c "tar -C $BOUNDGEN_CACHE -czf - . | split -b 15m - $OUT/cache.tgz. && ls -la $OUT" ;;
     # issue 23: where a process's first package load goes (fresh child per variant)
