@@ -57,7 +57,7 @@ def test_bf16_score_parity_with_hf(arch, item_first, tiny_model):
     truth = hf_label_logprobs(ref32, tok, labels, item_first)
     hf_err = (hf_label_logprobs(hf16, tok, labels, item_first) - truth).abs().max().item()
     engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16")
-    assert engine.model.backend.name == AUTO_CUDA  # flash, + the segments kernel for cascades
+    assert engine.model.backend.name == AUTO_CUDA  # the segments kernel for prefill, flash decode
     ours = torch.tensor(engine.score(QUERY, ITEMS, labels, item_first=item_first)).log()
     our_err = (ours - truth).abs().max().item()
     assert our_err <= 2 * hf_err + 0.02, (our_err, hf_err)

@@ -172,9 +172,10 @@ class EngineConfig:
     )
     attention: str = option(
         "auto",
-        "attention backend: auto | reference | varlen | segments | segments-cascade (auto: varlen "
-        "on CUDA, reference elsewhere; segments[-cascade]: the Triton packed-prefill kernel for "
-        "every prefill [for shared-prefix batches])",
+        "attention backend: auto | reference | varlen | segments | segments-cascade (auto: "
+        "segments on CUDA with Triton, else varlen; reference on CPU; segments[-cascade]: the "
+        "Triton packed-prefill kernel for every prefill [for shared-prefix batches], flash for "
+        "decode; varlen: flash only)",
     )
     backend: str = option(
         "auto",

@@ -54,13 +54,14 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-# What `auto` picks on CUDA in fp16/bf16. "segments-cascade": flash attention for every call except
-# the prefill of a batch with shared-prefix groups, which runs the Triton `segments` kernel (one
-# call sized to the tokens instead of flash's causal call + cross call + merge + cat); "segments":
-# the kernel for every prefill; "varlen": flash only. Flash until the kernel is measured against it
-# on the H200 (docs/architecture.md, "Attention sized to the segments"): a default changes only on
-# a measurement.
-AUTO_CUDA = "varlen"
+# What `auto` picks on CUDA in fp16/bf16. "segments": the Triton `segments` kernel for every
+# prefill (one call sized to the tokens instead of flash's causal call + cross call + merge + cat
+# for shared-prefix batches; tiles that follow the segments for plain ones); decode stays on
+# flash. "segments-cascade": the kernel for shared-prefix batches only; "varlen": flash only.
+# Measured on the H200 (BENCHMARKS.md, 2026-12-02): one layer call 20.8 against flash's 112.8 µs
+# (W2) and 34.1 against 68.2 µs (W1); W5 over HTTP at one connection 122.5 against 109.4 req/s,
+# no loss at saturation; it passes inside torch.compile, export + AOTInductor and compiled buckets.
+AUTO_CUDA = "segments"
 _FLASH = ("varlen", "segments", "segments-cascade")  # backends whose varlen() is flash attention
 
 
