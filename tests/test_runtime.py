@@ -3,6 +3,8 @@ tracing."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import threading
 import time
@@ -288,6 +290,41 @@ def test_deadline_fails_fast_before_work_that_cannot_make_it(ex):
     )  # dropped without running the 30 ms node
     with pytest.raises(DeadlineExceeded, match="leaves no time"):
         ex.run(pipe, {"ms": 1.0}, timeout_ms=0)
+
+
+def test_finished_requests_leave_no_reference_cycles(ex):
+    """A request that ended — answered, failed by its deadline, or cancelled, awaited directly or
+    through `asyncio.wrap_future` as the server does — is freed by reference counting. A cycle
+    per request (its Future and context referred to each other) left every request's graph to the
+    collector: on the H200 each full collection walked the W5 requests piled up since the last
+    one for 0.5-1.3 s under load (BENCHMARKS.md, 2026-12-02)."""
+    pipe = demo_pipeline()
+    naps = Pipeline("nap", {"ms": float}, [nap, after_nap], ["done"])
+    ex.run(pipe, {"text": "warm"})
+    ex.run(naps, {"ms": 0.0})
+
+    async def awaited() -> list:
+        futures = [asyncio.wrap_future(ex.submit(pipe, {"text": f"async {i}"})) for i in range(8)]
+        return await asyncio.wait_for(asyncio.gather(*futures), 10)
+
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(20):
+            ex.submit(pipe, {"text": f"request {i}"}).result(timeout=10)
+        late = ex.submit(naps, {"ms": 80.0}, timeout_ms=20)
+        assert isinstance(late.exception(timeout=10), DeadlineExceeded)
+        gone = ex.submit(naps, {"ms": 50.0})
+        assert gone.cancel()
+        assert len(asyncio.run(awaited())) == 8
+        deadline = time.monotonic() + 10
+        while "nap:cancelled" not in ex.stats()["errors"] and time.monotonic() < deadline:
+            time.sleep(0.01)  # the cancelled request's end is accounted on a worker
+        del late, gone
+        assert ex.stats()["errors"].get("nap:cancelled") == 1
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
 
 
 def test_failing_custom_node_is_isolated(ex):
