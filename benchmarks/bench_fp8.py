@@ -265,10 +265,36 @@ def _silu_mul_quant_rows(res: dict, args) -> None:
             if triton_quant.AVAILABLE and gate_up.is_cuda:
                 op = torch.ops.boundgen.silu_mul_quant
                 row["triton_ms"] = cuda_time_ms(lambda: op(gate_up))
+                row["tiles"] = _silu_mul_quant_tiles(triton_quant, gate_up)
             # read 2K bf16 + write K e4m3: 5 bytes per output element at best
             row["ideal_ms_at_4.2TBs"] = 5.0 * m * k / 4.2e12 * 1e3
             out.append(row)
             print("silu_mul_quant", row, flush=True)
+
+
+# (chunk, num_warps) tried for `triton_quant.TILES`: the whole row in one program (chunk 0) with
+# more or fewer warps, and the row by pieces (a second read of each piece, from L2)
+SILU_MUL_TILES = [(0, 4), (0, 8), (0, 16)] + [(c, w) for c in (512, 1024, 2048) for w in (2, 4, 8)]
+
+
+def _silu_mul_quant_tiles(triton_quant, gate_up: torch.Tensor) -> list[dict]:
+    """Each tile choice of `silu_mul_quant` timed on `gate_up`, checked bit-equal to the default
+    (a tile that changed a value would be a bug, not a speed-up); the fastest first."""
+    want_q, want_s = triton_quant.launch_silu_mul_quant(gate_up)
+    rows = []
+    for chunk, warps in SILU_MUL_TILES:
+        try:
+            q, s = triton_quant.launch_silu_mul_quant(gate_up, chunk, warps)
+            same = torch.equal(s, want_s) and torch.equal(
+                q.view(torch.uint8), want_q.view(torch.uint8)
+            )
+            ms = cuda_time_ms(
+                lambda c=chunk, w=warps: triton_quant.launch_silu_mul_quant(gate_up, c, w)
+            )
+            rows.append({"chunk": chunk, "num_warps": warps, "ms": ms, "same_bits": same})
+        except Exception as exc:  # a tile the compiler refuses (e.g. too many registers)
+            rows.append({"chunk": chunk, "num_warps": warps, "error": repr(exc)[:200]})
+    return sorted(rows, key=lambda r: r.get("ms", float("inf")))
 
 
 class _MLPBlock(torch.nn.Module):

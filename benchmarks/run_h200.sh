@@ -64,6 +64,8 @@ run_phase() {
     attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
     attention-sweep) phase attention-sweep 300 python3 benchmarks/bench_attention.py --sweep --iters 100 --out "$OUT/attention_sweep.json" ;;
     fp8-kernels) phase fp8-kernels 240 python3 benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out "$OUT/fp8_kernels.json" ;;
+    # issue 26: silu_mul_quant's tiles swept at W1's 8,192 rows (the fastest per K → triton_quant.TILES)
+    fp8-tiles) phase fp8-tiles 120 python3 benchmarks/bench_fp8.py --sections env,quant --tokens 8192 --out "$OUT/fp8_tiles.json" ;;
     fp8-model) phase fp8-model 330 python3 benchmarks/bench_fp8.py --sections env,model,gate --out "$OUT/fp8_model.json" ;;
     fp8-selective) phase fp8-selective 560 python3 benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs --policies none selective --profile --out "$OUT/fp8_selective.json" ;;
     fp8-demo-gate) phase fp8-demo-gate 240 python3 -m boundgen.cli quant-check --model src/boundgen/demo/assets --fp8 all --scale small --controls --no-record --json "$OUT/fp8_demo_gate.json" ;;

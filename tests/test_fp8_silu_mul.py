@@ -25,21 +25,28 @@ def _eager(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's check (CPU)")
+@pytest.mark.parametrize("chunk", [0, 32])
 @pytest.mark.parametrize("width", [96, 100, 448])
-def test_kernel_arithmetic_before_the_cast(width):
+def test_kernel_arithmetic_before_the_cast(width, chunk):
     """In fp32 (a q buffer of fp32 makes the final cast a no-op) the kernel computes eager's
     SiLU·mul scaled so each row's max-abs is ±448, and the row's scale; zero rows stay finite;
-    widths that are not a power of two are masked."""
+    widths that are not a power of two are masked. The same for the whole-row kernel (chunk 0)
+    and the one that goes by 32-wide pieces (several, the last one partly masked)."""
     g = torch.Generator().manual_seed(width)
     m = 9
     gate_up = torch.randn(m, 2 * width, generator=g) * 3
     gate_up[4] = 0
     q = torch.empty(m, width)
     s = torch.empty(m, 1)
-    block = 1 << (width - 1).bit_length()
-    triton_quant._silu_mul_quant_kernel[(m,)](
+    kernel = (
+        triton_quant._silu_mul_quant_chunked_kernel
+        if chunk
+        else (triton_quant._silu_mul_quant_kernel)
+    )
+    extra = {"INTERPRET": True} if chunk else {}
+    kernel[(m,)](
         gate_up, q, s, width, gate_up.stride(0), q.stride(0),
-        BLOCK=block, FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS,
+        BLOCK=chunk or 1 << (width - 1).bit_length(), FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS, **extra,
     )  # fmt: skip
     x = _eager(gate_up)
     amax = x.abs().amax(-1, keepdim=True).clamp(min=SCALE_EPS * FP8_MAX)
@@ -94,10 +101,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from boundgen.quant import triton_quant
 
-width, name = int(sys.argv[1]), sys.argv[2]
+width, name, chunk = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 fn = getattr(triton_quant, name)
-block = triton.next_power_of_2(width)
+block = chunk or triton.next_power_of_2(width)
 const = dict(BLOCK=block, FP8_MAX_C=448.0, EPS=1e-12)
+if "INTERPRET" in fn.arg_names:
+    const["INTERPRET"] = False
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({fn.arg_names[0]: "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"})
 sig.update(dict.fromkeys(const, "constexpr"))
@@ -109,18 +118,19 @@ print("cubin", len(kernel.asm["cubin"]))
 
 
 @pytest.mark.parametrize(
-    ("width", "kernel"),
+    ("width", "kernel", "chunk"),
     [
-        (4864, "_silu_mul_quant_kernel"),
-        (8192, "_silu_mul_quant_kernel"),
-        (896, "_quant_rows_kernel"),
+        (4864, "_silu_mul_quant_kernel", 0),
+        (8192, "_silu_mul_quant_kernel", 0),
+        (4864, "_silu_mul_quant_chunked_kernel", 1024),
+        (896, "_quant_rows_kernel", 0),
     ],
 )
-def test_kernel_compiles_for_hopper(width, kernel):
+def test_kernel_compiles_for_hopper(width, kernel, chunk):
     """The interpreter runs the kernels as Python; this compiles them for sm_90 (Triton's bundled
-    ptxas, no GPU needed): the fused one at the MLP widths of Qwen2.5-0.5B and Llama-3.2-1B, the
-    rowwise one at a hidden size."""
-    compile_in_child(HOPPER, str(width), kernel)
+    ptxas, no GPU needed): the fused ones at the MLP widths of Qwen2.5-0.5B and Llama-3.2-1B (the
+    chunked one's loop-carried max included), the rowwise one at a hidden size."""
+    compile_in_child(HOPPER, str(width), kernel, str(chunk))
 
 
 # -- GPU -------------------------------------------------------------------------------------------
@@ -141,6 +151,19 @@ def test_gpu_op_matches_eager_silu_mul_and_quantize(width):
     q2, s2 = triton_quant.silu_mul_quant_reference(gate_up)
     torch.testing.assert_close(s1, s2, rtol=1e-2, atol=0)
     assert (q1.float() != q2.float()).float().mean().item() < 1e-2
+
+
+@pytest.mark.gpu
+@_fp8_gpu
+@pytest.mark.parametrize(("chunk", "warps"), [(0, 16), (512, 4), (1024, 4), (2048, 8)])
+def test_gpu_tiles_give_the_same_bits(chunk, warps):
+    """Every tile choice `bench_fp8.py` sweeps computes the same e4m3 values and scales (the same
+    expressions; the row max is exact): a tile is a speed choice only."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    gate_up = torch.randn(300, 2 * 4864, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+    q1, s1 = triton_quant.launch_silu_mul_quant(gate_up)
+    q2, s2 = triton_quant.launch_silu_mul_quant(gate_up, chunk, warps)
+    assert torch.equal(s1, s2) and torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
 
 
 @pytest.mark.gpu

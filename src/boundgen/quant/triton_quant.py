@@ -35,14 +35,30 @@ except Exception:
 if AVAILABLE:
 
     @triton.jit
+    def _quantize_store(x, amax, q_row, cols, mask, FP8_MAX_C: tl.constexpr):
+        """x (fp32) as e4m3 at q_row[cols], the row's max-abs `amax` mapped to ±FP8_MAX_C."""
+        q = x * (FP8_MAX_C / amax)
+        q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+        tl.store(q_row + cols, q.to(q_row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+    @triton.jit
     def _store_row(x, q_row, s_row, cols, mask, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
         """One row x (fp32) as e4m3 at q_row[cols] and its scale at s_row: the max-abs element
         maps to ±FP8_MAX_C (`rowwise.quantize_rowwise`'s expressions)."""
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), EPS * FP8_MAX_C)
-        q = x * (FP8_MAX_C / amax)
-        q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
-        tl.store(q_row + cols, q.to(q_row.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        _quantize_store(x, amax, q_row, cols, mask, FP8_MAX_C)
         tl.store(s_row, amax * (1.0 / FP8_MAX_C))
+
+    @triton.jit
+    def _silu_mul(base, cols, mask, K):
+        """SiLU(gate)·up at `cols` of one gate_up row (gate = base[:K], up = base[K:2K]) in fp32,
+        rounded to the input dtype after the SiLU and after the product, as eager's two ops
+        round."""
+        dtype = base.dtype.element_ty
+        gate = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(base + K + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        return (act * up).to(dtype).to(tl.float32)
 
     @triton.jit
     def _quant_rows_kernel(
@@ -74,34 +90,89 @@ if AVAILABLE:
         FP8_MAX_C: tl.constexpr,
         EPS: tl.constexpr,
     ):
-        # one row per program: gate = gu[row, :K], up = gu[row, K:2K]
+        # one row per program, the whole row in registers (BLOCK >= K): one read of it
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < K
-        base = gu_ptr + row * stride_gu
-        gate = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(base + K + cols, mask=mask, other=0.0).to(tl.float32)
-        dtype = gu_ptr.dtype.element_ty
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # eager's F.silu rounds
-        x = (act * up).to(dtype).to(tl.float32)  # and so does its product
+        x = _silu_mul(gu_ptr + row * stride_gu, cols, mask, K)
         _store_row(x, q_ptr + row * stride_q, s_ptr + row, cols, mask, FP8_MAX_C, EPS)
 
-    @torch.library.triton_op("boundgen::silu_mul_quant", mutates_args=())
-    def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate_up: [M, 2K] (bf16/fp16/fp32, rows contiguous) → (q [M, K] e4m3, scale [M, 1]
-        fp32) with q * scale ≈ SiLU(gate_up[:, :K]) * gate_up[:, K:]."""
+    @triton.jit
+    def _chunk_peak(base, offs, start, K, peak):
+        cols = start + offs
+        return tl.maximum(peak, tl.abs(_silu_mul(base, cols, cols < K, K)))
+
+    @triton.jit
+    def _chunk_store(base, q_row, offs, start, K, amax, FP8_MAX_C: tl.constexpr):
+        cols = start + offs
+        mask = cols < K
+        _quantize_store(_silu_mul(base, cols, mask, K), amax, q_row, cols, mask, FP8_MAX_C)
+
+    @triton.jit
+    def _silu_mul_quant_chunked_kernel(
+        gu_ptr,
+        q_ptr,
+        s_ptr,
+        K,
+        stride_gu,
+        stride_q,
+        BLOCK: tl.constexpr,
+        FP8_MAX_C: tl.constexpr,
+        EPS: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
+        # one row per program in BLOCK-wide chunks: the max-abs over the row first, then each
+        # chunk again (from L2) to quantize. Fewer registers a program than the whole-row kernel,
+        # so more rows in flight per SM, and no masked lanes beyond the last chunk.
+        row = tl.program_id(0).to(tl.int64)
+        base = gu_ptr + row * stride_gu
+        q_row = q_ptr + row * stride_q
+        offs = tl.arange(0, BLOCK)
+        peak = tl.zeros([BLOCK], dtype=tl.float32)
+        if INTERPRET:  # Triton's CPU interpreter cannot run a `for` to a runtime bound
+            start = 0
+            while start < K:
+                peak = _chunk_peak(base, offs, start, K, peak)
+                start += BLOCK
+        else:
+            for start in range(0, K, BLOCK):
+                peak = _chunk_peak(base, offs, start, K, peak)
+        amax = tl.maximum(tl.max(peak, axis=0), EPS * FP8_MAX_C)
+        if INTERPRET:
+            start = 0
+            while start < K:
+                _chunk_store(base, q_row, offs, start, K, amax, FP8_MAX_C)
+                start += BLOCK
+        else:
+            for start in range(0, K, BLOCK):
+                _chunk_store(base, q_row, offs, start, K, amax, FP8_MAX_C)
+        tl.store(s_ptr + row, amax * (1.0 / FP8_MAX_C))
+
+    def _traceable(kernel):
+        """The kernel as torch.compile / export can trace it inside a `triton_op`. NOTE: under
+        TRITON_INTERPRET=1 it is an InterpretedFunction, which some torch versions' wrap_triton
+        refuse; it only runs eagerly there anyway."""
+        if isinstance(kernel, triton.runtime.JITFunction):
+            return torch.library.wrap_triton(kernel)
+        return kernel
+
+    def launch_silu_mul_quant(
+        gate_up: torch.Tensor, chunk: int = 0, num_warps: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`silu_mul_quant` with explicit tiles (what `bench_fp8.py` sweeps): `chunk` 0 keeps
+        each row whole in one program, else the row goes by `chunk`-wide pieces (a power of
+        two); `num_warps` None: by the block width."""
         if gate_up.stride(-1) != 1:
             gate_up = gate_up.contiguous()
         m, k = gate_up.shape[0], gate_up.shape[1] // 2
         q = torch.empty((m, k), dtype=FP8_DTYPE, device=gate_up.device)
         s = torch.empty((m, 1), dtype=torch.float32, device=gate_up.device)
-        block = triton.next_power_of_2(k)
-        kernel = _silu_mul_quant_kernel
-        # NOTE: under TRITON_INTERPRET=1 the kernel is an InterpretedFunction, which some torch
-        # versions' wrap_triton refuse; it only runs eagerly there anyway.
-        if isinstance(kernel, triton.runtime.JITFunction):
-            kernel = torch.library.wrap_triton(kernel)
-        kernel[(m,)](
+        block = chunk or triton.next_power_of_2(k)
+        kernel = _silu_mul_quant_chunked_kernel if chunk else _silu_mul_quant_kernel
+        if num_warps is None:
+            num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+        extra = {"INTERPRET": not gate_up.is_cuda} if chunk else {}
+        _traceable(kernel)[(m,)](
             gate_up,
             q,
             s,
@@ -111,9 +182,24 @@ if AVAILABLE:
             BLOCK=block,
             FP8_MAX_C=FP8_MAX,
             EPS=SCALE_EPS,
-            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+            num_warps=num_warps,
+            **extra,
         )
         return q, s
+
+    @torch.library.triton_op("boundgen::silu_mul_quant", mutates_args=())
+    def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up: [M, 2K] (bf16/fp16/fp32, rows contiguous) → (q [M, K] e4m3, scale [M, 1]
+        fp32) with q * scale ≈ SiLU(gate_up[:, :K]) * gate_up[:, K:]. Tiles from `TILES`."""
+        return launch_silu_mul_quant(gate_up, *TILES.get(gate_up.shape[1] // 2, (0, None)))
+
+
+# `silu_mul_quant`'s tiles per intermediate size K: (chunk, num_warps), see
+# `launch_silu_mul_quant`; sizes not listed keep each row whole. Measured on the H200
+# (BENCHMARKS.md, 2026-12-02): the whole-row kernel at K = 4,864 moved 3.1 TB/s (65.4 µs a
+# W1 layer call) against 4.4 TB/s for bf16's SiLU·mul; `bench_fp8.py --sections env,quant`
+# sweeps the tiles, and the fastest per K belongs here.
+TILES: dict[int, tuple[int, int | None]] = {}
 
 
 def silu_mul_quant_reference(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
