@@ -47,22 +47,39 @@ def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def rope_tables(config: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's rotation angles, [max_position_embeddings, D/2] float32:
+    the expressions HF evaluates on each call (positions × inv_freq, then cos/sin in float32)."""
+    inv_freq = rope_inv_freq(config, device=device)
+    positions = torch.arange(config.max_position_embeddings, device=device).float()
+    freqs = positions[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
+
+
 class RotaryEmbedding(nn.Module):
+    """cos/sin looked up by position in tables made once (`rope_tables`), not computed per call:
+    compiled, Inductor inlined the per-call sin/cos into every layer's q/k rotation — both halves'
+    sin and cos for every element, 42.7 µs a layer for a W1 chunk on the H200 where moving the
+    data takes ~10 (BENCHMARKS.md, 2026-12-02). The lookup reads the same float32 values."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        cos, sin = rope_tables(config)
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
 
     def reset(self) -> None:
-        """Recompute the buffer (after `to_empty` materialises the model from the meta device)."""
-        self.inv_freq = rope_inv_freq(self.config, device=self.inv_freq.device)
+        """Recompute the tables in float32 (after `to_empty` materialises the model from the meta
+        device, and after a dtype cast of the whole model)."""
+        self.cos_table, self.sin_table = rope_tables(self.config, device=self.cos_table.device)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] → cos, sin [T, 1, D/2] in `dtype` (computed in float32, as HF does)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+        """positions [T] → cos, sin [T, 1, D/2] in `dtype`."""
+        cos, sin = self.cos_table[positions], self.sin_table[positions]
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
