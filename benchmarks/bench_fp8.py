@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from common import kernel_table
 
 from boundgen.quant import fp8_modules, fp8_swapped, select_modules
 from boundgen.quant.fp8 import Fp8Linear, fp8_supported
@@ -405,31 +406,6 @@ def _time_w1_w2(row, engine, w1, w1_tokens, w2_prefix, w2_items, labels, args) -
         row["w2_error"] = repr(exc)[:500]
 
 
-def kernel_table(fn, top: int = 25) -> list[dict]:
-    """One call of `fn` under torch.profiler: its CUDA kernels (CPU ops on a CPU dry run) by their
-    own total time, with calls and share of the call's kernel time — which GEMMs FP8 speeds up
-    and what the quantize costs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    fn()
-    _sync()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        fn()
-        _sync()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    rows = [
-        {"kernel": a.key[:120], "calls": a.count, "ms": getattr(a, key) / 1e3}
-        for a in prof.key_averages()
-        if getattr(a, key) > 0
-    ]
-    total = sum(r["ms"] for r in rows) or 1.0
-    for r in rows:
-        r["share"] = r["ms"] / total
-    return sorted(rows, key=lambda r: -r["ms"])[:top]
-
-
 def _speedups(runs: list[dict]) -> None:
     """Ratios against the first (bf16) run, for whatever both rows measured."""
     base = runs[0] if runs else {}
@@ -532,10 +508,10 @@ def section_compiled(res: dict, args) -> None:
                     if args.profile:
                         row["kernels_w1"] = kernel_table(
                             lambda: compiled.score([], w1, labels, apply_softmax=True)
-                        )
+                        )["kernels"]
                         row["kernels_w2"] = kernel_table(
                             lambda: compiled.score(w2_prefix, w2_items, labels, apply_softmax=True)
-                        )
+                        )["kernels"]
                 finally:
                     compiled.close()
         except Exception as exc:

@@ -188,6 +188,43 @@ def graph_us(fn, iters: int, reps: int = 1) -> float:
     return start.elapsed_time(end) * 1e3 / (iters * reps)
 
 
+def kernel_table(fn, top: int = 25) -> dict:
+    """One call of `fn` (after one unprofiled call) under torch.profiler: `kernels`, its CUDA
+    kernels (CPU ops without CUDA) by their own total time, with calls and share of the kernel
+    time; `wall_ms`, `launches` (kernel and copy executions) and `gpu_busy_ms` (their union)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    fn()
+    sync("cuda" if cuda else "cpu")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync("cuda" if cuda else "cpu")
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = [
+        {"kernel": a.key[:120], "calls": a.count, "ms": getattr(a, key) / 1e3}
+        for a in prof.key_averages()
+        if getattr(a, key) > 0
+    ]
+    total = sum(r["ms"] for r in rows) or 1.0
+    for r in rows:
+        r["share"] = r["ms"] / total
+    spans = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return {
+        "wall_ms": wall_ms,
+        "launches": len(spans),
+        "gpu_busy_ms": busy_us(spans) / 1e3,
+        "kernels": sorted(rows, key=lambda r: -r["ms"])[:top],
+    }
+
+
 def busy_us(spans: list[tuple[float, float]]) -> float:
     """Time covered by the union of (start, end) intervals: the GPU's busy time from its kernels'
     spans (overlapping kernels counted once)."""

@@ -79,6 +79,8 @@ run_phase() {
     w5-compile) phase w5-compile 240 python3 -m boundgen.cli compile --model $M --device cuda --dtype bfloat16 --buckets $W5_BUCKETS ${W5_ARGS:-} --json "$OUT/${W5_NAME:-w5}_compile.json" ;;
     # the compile cache back in $OUT as <=15 MiB pieces; carry them as .cache-h200 into the next call
     cache-out) phase cache-out 60 sh -c "tar -C $BOUNDGEN_CACHE -czf - . | split -b 15m - $OUT/cache.tgz. && ls -la $OUT" ;;
+    # issue 25 item 4: W5's merged forwards (1-8 W2 requests) timed and profiled in process (after w5-compile)
+    w5-profile) phase w5-profile 120 python3 benchmarks/profile_w5.py --model $M ${W5_ARGS:-} --out "$OUT/w5_profile.json" ;;
     # issue 23: where a process's first package load goes (fresh child per variant)
     diag-load) phase diag-load 300 python3 benchmarks/diag_load.py --package "$(ls $BOUNDGEN_CACHE/compiled/*/package.pt2 | head -1)" --out "$OUT/diag_load.json" ;;
     # without LD_PRELOAD: start-up includes the AOTInductor load check and its re-exec, as a user gets it
