@@ -278,6 +278,23 @@ def _silu_mul_quant_rows(res: dict, args) -> None:
 SILU_MUL_TILES = [(0, 4), (0, 8), (0, 16)] + [(c, w) for c in (512, 1024, 2048) for w in (2, 4, 8)]
 
 
+def _set_fastest_tiles(k: int, rows: int) -> dict:
+    """Sweep `silu_mul_quant`'s tiles at [rows, 2k] and put the fastest bit-equal one in
+    `triton_quant.TILES` for this process (the compiled rows after it use it; the tile is part of
+    their cache key). What to write into `TILES` for good, measured where it runs."""
+    from boundgen.quant import triton_quant
+
+    if not (triton_quant.AVAILABLE and torch.cuda.is_available()):
+        return {"skipped": "needs CUDA and triton"}
+    gate_up = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16)
+    tiles = _silu_mul_quant_tiles(triton_quant, gate_up)
+    best = next((t for t in tiles if t.get("same_bits")), None)
+    if best is not None:
+        triton_quant.TILES[k] = (best["chunk"], best["num_warps"])
+    print("silu_mul_quant tiles", k, tiles[:4], flush=True)
+    return {"K": k, "rows": rows, "chosen": best, "tiles": tiles}
+
+
 def _silu_mul_quant_tiles(triton_quant, gate_up: torch.Tensor) -> list[dict]:
     """Each tile choice of `silu_mul_quant` timed on `gate_up`, checked bit-equal to the default
     (a tile that changed a value would be a bug, not a speed-up); the fastest first."""
@@ -485,6 +502,10 @@ def section_compiled(res: dict, args) -> None:
     variants = [
         (p, aq) for p in args.policies for aq in (["-"] if p == "none" else args.act_quants)
     ]
+    if args.silu_tiles == "sweep" and "triton" in args.act_quants:
+        out["silu_tiles"] = _set_fastest_tiles(
+            engine.config.intermediate_size, args.compiled_budget
+        )
     for policy, act_quant in variants:
         row = {"policy": policy, "act_quant": act_quant}
         try:
@@ -668,6 +689,13 @@ def main(argv=None) -> int:
         "--compiled-backend",
         default="compile",
         help="backend of the compiled section: compile | compile+graphs | aoti | aoti+graphs",
+    )
+    ap.add_argument(
+        "--silu-tiles",
+        choices=["table", "sweep"],
+        default="table",
+        help="compiled section, act_quant triton: the SiLU·mul + quantize tiles of "
+        "triton_quant.TILES (table), or the fastest of a sweep at the model's K first (sweep)",
     )
     ap.add_argument(
         "--compiled-act-quant",

@@ -81,7 +81,8 @@ def test_down_projection_takes_the_gate_up_rows():
 
 
 def test_the_fused_quantize_is_part_of_the_compile_key():
-    """A bucket compiled with the fused op is not the one compiled with Inductor's quantize."""
+    """A bucket compiled with the fused op is not the one compiled with Inductor's quantize, nor
+    one compiled with other tiles for it."""
     from boundgen.compile.cache import model_fingerprint
 
     def model(act_quant):
@@ -92,6 +93,13 @@ def test_the_fused_quantize_is_part_of_the_compile_key():
 
     assert model_fingerprint(model("torch")) != model_fingerprint(model("triton"))
     assert model_fingerprint(model("torch")) == model_fingerprint(model("torch"))
+    untiled = model_fingerprint(model("triton"))
+    triton_quant.TILES[96] = (32, 2)  # a tile for this K: another kernel in the graph
+    try:
+        assert model_fingerprint(model("triton")) != untiled
+    finally:
+        del triton_quant.TILES[96]
+    assert model_fingerprint(model("triton")) == untiled
 
 
 HOPPER = """

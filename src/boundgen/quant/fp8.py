@@ -217,8 +217,12 @@ class Fp8Linear(nn.Module):
     @property
     def compile_variant(self) -> str:
         """What this instance changes in a compiled graph (part of the compile cache key): the
-        fused SiLU·mul quantize op with act_quant "triton" (on CUDA), plain ops otherwise."""
-        return "silu-mul-quant" if self.act_quant == "triton" else ""
+        fused SiLU·mul quantize op with act_quant "triton" (on CUDA) and its tiles
+        (`triton_quant.TILES`), plain ops otherwise."""
+        if self.act_quant != "triton":
+            return ""
+        tile = triton_quant.TILES.get(self.in_features)
+        return "silu-mul-quant" + (f":{tile[0]}x{tile[1]}" if tile else "")
 
     def _project(
         self, a8: torch.Tensor, a_scale: torch.Tensor, lead: torch.Size, dtype: torch.dtype
