@@ -65,9 +65,18 @@ HERE = Path(__file__).resolve().parent
 def run_wrk(
     url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
 ) -> dict:
+    return with_forwards(
+        url,
+        lambda: wrk.run_wrk(url, script, bodies, "/v1/score", connections, think_ms, seconds, cpus),
+    )
+
+
+def with_forwards(url: str, run) -> dict:
+    """`run()`'s row, with the server's forward node over the run (its `/metrics`): requests and
+    tokens per forward, and the share of the run its batches kept the device busy (0 on CPU)."""
     before = wrk.node_counters(url, "forward")
     t0 = time.perf_counter()
-    row = wrk.run_wrk(url, script, bodies, "/v1/score", connections, think_ms, seconds, cpus)
+    row = run()
     t1 = time.perf_counter()
     after = wrk.node_counters(url, "forward")
     return row | {
@@ -75,12 +84,16 @@ def run_wrk(
         "t1": t1,
         "requests_per_forward": wrk.per_batch(before, after),
         "tokens_per_forward": wrk.per_batch(before, after, "tokens"),
-        "gpu_busy": (after["device_s"] - before["device_s"]) / (t1 - t0),  # 0 on CPU
+        "gpu_busy": (after["device_s"] - before["device_s"]) / (t1 - t0),
     }
 
 
 def run_open_loop(cfg: LoadConfig, rate: float) -> dict:
     step_cfg = dataclasses.replace(cfg, qps_steps=(rate,), stop_when_saturated=False, warmup=0)
+    return with_forwards(cfg.url, lambda: _open_loop_row(step_cfg, rate))
+
+
+def _open_loop_row(step_cfg: LoadConfig, rate: float) -> dict:
     step = run_loadtest(step_cfg, log=lambda *a: None)["steps"][0]
     lat, srv = step["latency_ms"], step.get("server_ms", {})
     return {
