@@ -194,3 +194,52 @@ def test_compiled_search_on_the_demo_model():
                 for b in range(len(prompts))
             )
             assert same / got[:, :, 0].numel() >= 0.9, same
+
+
+# a server's start, in short: the CLI's preload step (the compile stored its load verdict), the
+# engine on the compiled buckets, the default warm-up's beam searches with the compile cache
+_SERVE_WARMUP = """
+import sys
+from boundgen.compile.preload import cli_startup
+cli_startup()
+from torch._dynamo.utils import counters
+from boundgen import Engine, warmup
+from boundgen.compile.paths import default_cache_dir
+
+engine = Engine.from_pretrained(sys.argv[1], device="cuda", dtype="bfloat16", backend="aoti+graphs")
+beams = [e for e in warmup.default_profile(engine) if e["kind"] == "beam"]
+warmup.run(warmup.requests(engine, beams), cache_root=default_cache_dir())
+c = counters["inductor"]
+print("fxgraph", c["fxgraph_cache_hit"], c["fxgraph_cache_miss"])
+"""
+
+
+@pytest.mark.slow
+def test_compile_saves_the_beam_layers_a_server_loads(tiny_model, tmp_path):
+    """`boundgen compile` on CUDA also compiles the beam search's layers, as a server's warm-up
+    would, into the cache; a server process warming up from that cache (its own Inductor caches
+    empty) finds every compiled graph there."""
+    import os
+    import subprocess
+    import sys
+
+    from boundgen.compile import torch_cache
+
+    model = str(tiny_model("qwen2"))
+    env = {
+        **os.environ,
+        "BOUNDGEN_CACHE": str(tmp_path / "cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-compile"),
+    }
+    cmd = [sys.executable, "-m", "boundgen.cli", "compile", "--model", model, "--device", "cuda"]
+    cmd += ["--dtype", "bfloat16", "--buckets", "t64", "--no-verify"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "beam layers compiled in" in out.stdout, out.stdout[-2000:]
+    assert torch_cache.path_for(tmp_path / "cache" / "compiled").is_file()
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor-serve")  # as on another machine
+    serve = [sys.executable, "-c", _SERVE_WARMUP, model]
+    out = subprocess.run(serve, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    hits, misses = map(int, out.stdout.split("fxgraph")[-1].split())
+    assert hits > 0 and misses == 0, out.stdout[-2000:]
