@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--attention", default="auto")
-    ap.add_argument("--buckets", default=W5_BUCKETS, help="compile buckets (CUDA)")
+    ap.add_argument("--buckets", default=W5_BUCKETS, help="compile buckets (compiled backends)")
     ap.add_argument("--merge", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--prefix", type=int, default=256)
     ap.add_argument("--items", type=int, default=100)
@@ -71,7 +71,7 @@ def main() -> None:
         dtype=dtype,
         backend=args.backend,
         attention=args.attention,
-        compile_buckets=args.buckets if cuda else None,
+        compile_buckets=args.buckets,
     )
     runner = engine.runner
     print(f"backend {runner.stats().get('backend')}, attention {engine.model.backend.name}")
