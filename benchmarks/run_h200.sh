@@ -17,6 +17,8 @@
 #   bash benchmarks/run_h200.sh beam-wrk                        # issue 24: /v1/beam under wrk (carry .whl .tools; ≤ 5 min)
 #   bash benchmarks/run_h200.sh segments-tests attention; then: attention-sweep   # issue 25 item 2
 #   bash benchmarks/run_h200.sh rope                            # issue 25 item 3: RoPE computed vs table
+#   bash benchmarks/run_h200.sh w5-compile w5-profile           # issue 25 item 4: W5's merged forwards, per kernel
+#   bash benchmarks/run_h200.sh fp8-tiles                       # issue 26: silu_mul_quant's tiles swept
 #   BACKENDS_ARGS="--attention varlen --workloads w2 w1" bash benchmarks/run_h200.sh backends   # A/B
 # Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
 set -u
