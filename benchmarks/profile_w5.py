@@ -19,8 +19,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 import common
 
@@ -36,13 +34,10 @@ W5_BUCKETS = (
 
 def w2_groups(vocab: int, n: int, prefix: int, items: int, item_len: int) -> list[SequenceGroup]:
     """`n` W2 requests as the score workload groups them: a distinct prefix each, its items."""
-    out = []
-    for i in range(n):
-        g = torch.Generator().manual_seed(100 + i)
-        ids = torch.randint(10, vocab - 10, (prefix + items * item_len,), generator=g).tolist()
-        suffixes = [ids[prefix + k * item_len : prefix + (k + 1) * item_len] for k in range(items)]
-        out.append(SequenceGroup(ids[:prefix], suffixes))
-    return out
+    return [
+        SequenceGroup(*common.w2_request(vocab, prefix, items, item_len, seed=100 + i))
+        for i in range(n)
+    ]
 
 
 def main() -> None:
