@@ -70,8 +70,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_table", sin, persistent=False)
 
     def reset(self) -> None:
-        """Recompute the tables in float32 (after `to_empty` materialises the model from the meta
-        device, and after a dtype cast of the whole model)."""
+        """Recompute the tables in float32 on their device (after `to_empty` materialises the
+        model from the meta device: `load_model` casts the model to its dtype before, which would
+        otherwise have left bf16 tables)."""
         self.cos_table, self.sin_table = rope_tables(self.config, device=self.cos_table.device)
 
     def forward(
