@@ -30,23 +30,18 @@ def _eager(gate_up: torch.Tensor) -> torch.Tensor:
 def test_kernel_arithmetic_before_the_cast(width, chunk):
     """In fp32 (a q buffer of fp32 makes the final cast a no-op) the kernel computes eager's
     SiLU·mul scaled so each row's max-abs is ±448, and the row's scale; zero rows stay finite;
-    widths that are not a power of two are masked. The same for the whole-row kernel (chunk 0)
-    and the one that goes by 32-wide pieces (several, the last one partly masked)."""
+    widths that are not a power of two are masked. The same with each row whole (chunk 0) and by
+    32-wide pieces (several, the last one partly masked)."""
     g = torch.Generator().manual_seed(width)
     m = 9
     gate_up = torch.randn(m, 2 * width, generator=g) * 3
     gate_up[4] = 0
     q = torch.empty(m, width)
     s = torch.empty(m, 1)
-    kernel = (
-        triton_quant._silu_mul_quant_chunked_kernel
-        if chunk
-        else (triton_quant._silu_mul_quant_kernel)
-    )
-    extra = {"INTERPRET": True} if chunk else {}
-    kernel[(m,)](
+    triton_quant._silu_mul_quant_kernel[(m,)](
         gate_up, q, s, width, gate_up.stride(0), q.stride(0),
-        BLOCK=chunk or 1 << (width - 1).bit_length(), FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS, **extra,
+        BLOCK=chunk or 1 << (width - 1).bit_length(), FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS,
+        CHUNKED=bool(chunk), INTERPRET=True,
     )  # fmt: skip
     x = _eager(gate_up)
     amax = x.abs().amax(-1, keepdim=True).clamp(min=SCALE_EPS * FP8_MAX)
@@ -113,8 +108,8 @@ width, name, chunk = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 fn = getattr(triton_quant, name)
 block = chunk or triton.next_power_of_2(width)
 const = dict(BLOCK=block, FP8_MAX_C=448.0, EPS=1e-12)
-if "INTERPRET" in fn.arg_names:
-    const["INTERPRET"] = False
+if "CHUNKED" in fn.arg_names:
+    const.update(CHUNKED=chunk > 0, INTERPRET=False)
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({fn.arg_names[0]: "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"})
 sig.update(dict.fromkeys(const, "constexpr"))
@@ -130,14 +125,14 @@ print("cubin", len(kernel.asm["cubin"]))
     [
         (4864, "_silu_mul_quant_kernel", 0),
         (8192, "_silu_mul_quant_kernel", 0),
-        (4864, "_silu_mul_quant_chunked_kernel", 1024),
+        (4864, "_silu_mul_quant_kernel", 1024),
         (896, "_quant_rows_kernel", 0),
     ],
 )
 def test_kernel_compiles_for_hopper(width, kernel, chunk):
     """The interpreter runs the kernels as Python; this compiles them for sm_90 (Triton's bundled
-    ptxas, no GPU needed): the fused ones at the MLP widths of Qwen2.5-0.5B and Llama-3.2-1B (the
-    chunked one's loop-carried max included), the rowwise one at a hidden size."""
+    ptxas, no GPU needed): the fused one at the MLP widths of Qwen2.5-0.5B and Llama-3.2-1B, whole
+    rows and by pieces (its loop-carried max included), the rowwise one at a hidden size."""
     compile_in_child(HOPPER, str(width), kernel, str(chunk))
 
 

@@ -79,25 +79,6 @@ if AVAILABLE:
         _store_row(x, q_ptr + row * stride_q, s_ptr + row, cols, mask, FP8_MAX_C, EPS)
 
     @triton.jit
-    def _silu_mul_quant_kernel(
-        gu_ptr,
-        q_ptr,
-        s_ptr,
-        K,
-        stride_gu,
-        stride_q,
-        BLOCK: tl.constexpr,
-        FP8_MAX_C: tl.constexpr,
-        EPS: tl.constexpr,
-    ):
-        # one row per program, the whole row in registers (BLOCK >= K): one read of it
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < K
-        x = _silu_mul(gu_ptr + row * stride_gu, cols, mask, K)
-        _store_row(x, q_ptr + row * stride_q, s_ptr + row, cols, mask, FP8_MAX_C, EPS)
-
-    @triton.jit
     def _chunk_peak(base, offs, start, K, peak):
         cols = start + offs
         return tl.maximum(peak, tl.abs(_silu_mul(base, cols, cols < K, K)))
@@ -109,7 +90,7 @@ if AVAILABLE:
         _quantize_store(_silu_mul(base, cols, mask, K), amax, q_row, cols, mask, FP8_MAX_C)
 
     @triton.jit
-    def _silu_mul_quant_chunked_kernel(
+    def _silu_mul_quant_kernel(
         gu_ptr,
         q_ptr,
         s_ptr,
@@ -119,34 +100,41 @@ if AVAILABLE:
         BLOCK: tl.constexpr,
         FP8_MAX_C: tl.constexpr,
         EPS: tl.constexpr,
+        CHUNKED: tl.constexpr,
         INTERPRET: tl.constexpr,
     ):
-        # one row per program in BLOCK-wide chunks: the max-abs over the row first, then each
-        # chunk again (from L2) to quantize. Fewer registers a program than the whole-row kernel,
-        # so more rows in flight per SM, and no masked lanes beyond the last chunk.
+        # one row per program. Whole (BLOCK >= K): the row in registers, one read of it. CHUNKED:
+        # by BLOCK-wide pieces, the max-abs over the row first, then each piece again (from L2)
+        # to quantize: fewer registers a program, so more rows in flight per SM, and no masked
+        # lanes beyond the last piece.
         row = tl.program_id(0).to(tl.int64)
         base = gu_ptr + row * stride_gu
         q_row = q_ptr + row * stride_q
         offs = tl.arange(0, BLOCK)
-        peak = tl.zeros([BLOCK], dtype=tl.float32)
-        if INTERPRET:  # Triton's CPU interpreter cannot run a `for` to a runtime bound
-            start = 0
-            while start < K:
-                peak = _chunk_peak(base, offs, start, K, peak)
-                start += BLOCK
+        if CHUNKED:
+            peak = tl.zeros([BLOCK], dtype=tl.float32)
+            if INTERPRET:  # Triton's CPU interpreter cannot run a `for` to a runtime bound
+                start = 0
+                while start < K:
+                    peak = _chunk_peak(base, offs, start, K, peak)
+                    start += BLOCK
+            else:
+                for start in range(0, K, BLOCK):
+                    peak = _chunk_peak(base, offs, start, K, peak)
+            amax = tl.maximum(tl.max(peak, axis=0), EPS * FP8_MAX_C)
+            if INTERPRET:
+                start = 0
+                while start < K:
+                    _chunk_store(base, q_row, offs, start, K, amax, FP8_MAX_C)
+                    start += BLOCK
+            else:
+                for start in range(0, K, BLOCK):
+                    _chunk_store(base, q_row, offs, start, K, amax, FP8_MAX_C)
+            tl.store(s_ptr + row, amax * (1.0 / FP8_MAX_C))
         else:
-            for start in range(0, K, BLOCK):
-                peak = _chunk_peak(base, offs, start, K, peak)
-        amax = tl.maximum(tl.max(peak, axis=0), EPS * FP8_MAX_C)
-        if INTERPRET:
-            start = 0
-            while start < K:
-                _chunk_store(base, q_row, offs, start, K, amax, FP8_MAX_C)
-                start += BLOCK
-        else:
-            for start in range(0, K, BLOCK):
-                _chunk_store(base, q_row, offs, start, K, amax, FP8_MAX_C)
-        tl.store(s_ptr + row, amax * (1.0 / FP8_MAX_C))
+            mask = offs < K
+            x = _silu_mul(base, offs, mask, K)
+            _store_row(x, q_row, s_ptr + row, offs, mask, FP8_MAX_C, EPS)
 
     def _traceable(kernel):
         """The kernel as torch.compile / export can trace it inside a `triton_op`. NOTE: under
@@ -168,11 +156,9 @@ if AVAILABLE:
         q = torch.empty((m, k), dtype=FP8_DTYPE, device=gate_up.device)
         s = torch.empty((m, 1), dtype=torch.float32, device=gate_up.device)
         block = chunk or triton.next_power_of_2(k)
-        kernel = _silu_mul_quant_chunked_kernel if chunk else _silu_mul_quant_kernel
         if num_warps is None:
             num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-        extra = {"INTERPRET": not gate_up.is_cuda} if chunk else {}
-        _traceable(kernel)[(m,)](
+        _traceable(_silu_mul_quant_kernel)[(m,)](
             gate_up,
             q,
             s,
@@ -182,8 +168,9 @@ if AVAILABLE:
             BLOCK=block,
             FP8_MAX_C=FP8_MAX,
             EPS=SCALE_EPS,
+            CHUNKED=bool(chunk),
+            INTERPRET=not gate_up.is_cuda,
             num_warps=num_warps,
-            **extra,
         )
         return q, s
 
@@ -196,7 +183,7 @@ if AVAILABLE:
 
 # `silu_mul_quant`'s tiles per intermediate size K: (chunk, num_warps), see
 # `launch_silu_mul_quant`; sizes not listed keep each row whole. Measured on the H200
-# (BENCHMARKS.md, 2026-12-02): the whole-row kernel at K = 4,864 moved 3.1 TB/s (65.4 µs a
+# (BENCHMARKS.md, 2026-12-02): the kernel with whole rows at K = 4,864 moved 3.1 TB/s (65.4 µs a
 # W1 layer call) against 4.4 TB/s for bf16's SiLU·mul; `bench_fp8.py --sections env,quant`
 # sweeps the tiles, and the fastest per K belongs here.
 TILES: dict[int, tuple[int, int | None]] = {}
