@@ -111,4 +111,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from boundgen.compile.preload import cli_startup
+
+    cli_startup()  # AOTInductor packages may need the libstdc++ preload: re-exec as the CLI does
     main()

@@ -37,7 +37,15 @@ from boundgen.text.packing import PackedBatch
 
 log = logging.getLogger("boundgen.compile")
 
-INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+# The wrapper (the host code that launches the kernels, `run_impl`) is built at -O0 without line
+# tables: its C++ build was 9-13 s of a W5 bucket's ~40 s on the H200 (2026-12-02) and served
+# backends replay CUDA graphs captured from it, so its host speed shows only in `aoti` without
+# graphs. The kernels themselves are Triton (CUDA) or built at -O3 (CPU) either way.
+INDUCTOR_CONFIGS = {
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.compile_wrapper_opt_level": "O0",
+    "aot_inductor.enable_line_tables": False,
+}
 
 
 def export_attention(model: DecoderModel, device: torch.device) -> AttentionBackend:
@@ -242,7 +250,8 @@ def build_package(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     before, cpp = _phase_seconds(), {}
-    recipe, configs = _recipe(model), dict(INDUCTOR_CONFIGS)
+    known = torch._inductor.config.get_config_copy()  # an older torch lacks some of them
+    recipe, configs = _recipe(model), {k: v for k, v in INDUCTOR_CONFIGS.items() if k in known}
     if recipe:  # recorded in the package, and a key of Inductor's own caches (which the
         # heuristics hook is not)
         configs["aot_inductor.metadata"] = {"boundgen_recipe": recipe}
