@@ -354,9 +354,12 @@ def _packed_prefill_kernel(
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     # Inductor launches a user kernel with a Python float typed fp64 (Triton's own launcher: fp32);
-    # fp64 would reach the accumulators (H200, torch 2.11: "acc ... re-assigned to fp64")
+    # fp64 would reach the accumulators (H200, torch 2.11: "acc ... re-assigned to fp64"). A cast,
+    # not `.to`: torch 2.11's analysis of which tensors the kernel writes passes the scale as a
+    # constexpr float, which has no `.to` (the analysis failed, and Inductor then assumed the kernel
+    # writes all its inputs).
     if not INTERPRET:  # (the interpreter hands scalars over as Python floats)
-        qk_scale = qk_scale.to(tl.float32)
+        qk_scale = tl.cast(qk_scale, tl.float32)
     r = tl.arange(0, BLOCK_M)
     tok = pid * BLOCK_T + r // GQA
     head = kvh * GQA + r % GQA
