@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from boundgen.attention.backends import ReferenceBackend
+from boundgen.compile import cache as cache_mod
 from boundgen.compile import preload
 from boundgen.compile.attention import MaskedBackend
 from boundgen.compile.backends import (
@@ -317,6 +318,27 @@ def test_model_change_is_a_different_slot(engine_for):
     slots = [aoti_slots(m, torch.device("cpu"), [BUCKET], "none")[0] for m in (a, b, half)]
     assert len({s.key for s in slots}) == 3
     assert aoti_slots(a, torch.device("cpu"), [BUCKET], "fp8-mlp")[0].key != slots[0].key
+
+
+def test_a_changed_kernel_makes_artifacts_stale(engine_for, cache_copy, tmp_path, monkeypatch):
+    """A package embeds the Triton kernels it was built with: after an upgrade that changes one,
+    the cached package (still the old kernel) is stale, not a hit."""
+    engine = engine_for("qwen2")
+    (slot,) = aoti_slots(engine.model, engine.device, [BUCKET], "none")
+    cache = ArtifactCache(cache_copy)
+    assert cache.lookup(slot, platform_info(engine.device)).path.is_file()
+    kernel = tmp_path / "pkg" / "some_kernel.py"
+    kernel.parent.mkdir()
+    kernel.write_text("KERNEL = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mods = ("boundgen.attention.segments", "pkg.some_kernel")
+    before = cache_mod.kernels_digest(mods)
+    kernel.write_text("KERNEL = 2\n")
+    assert cache_mod.kernels_digest(mods) != before
+    monkeypatch.setattr(cache_mod, "kernels_digest", lambda: "another-kernel")
+    with pytest.raises(ArtifactError, match="kernels") as err:
+        cache.lookup(slot, platform_info(engine.device))
+    assert err.value.kind == "stale"
 
 
 # -- libstdc++ preload guard

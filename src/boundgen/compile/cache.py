@@ -4,7 +4,7 @@ A **slot** is what the artifact computes: the model graph fingerprint (config + 
 parameter/buffer's name, shape, dtype and module type — so dtype and quantization policy are part of
 it), the quantization label, the attention backend, the bucket and the device type. The **platform**
 is what it was built with: torch version, CUDA version and GPU name/arch (or the CPU's vector ISA),
-and this module's format.
+the source of the Triton kernels a package embeds (`KERNEL_MODULES`) and this module's format.
 
     <root>/manifest.json        index of every entry (rebuilt from meta.json files when damaged)
     <root>/<slot>/package.pt2   the AOTInductor package (no weights)
@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -85,15 +86,33 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:24]
 
 
+# Modules whose Triton kernels a compiled package embeds (the packed-prefill attention, the fused
+# FP8 SiLU·mul + quantize): a package built with an older version of one keeps running the old
+# kernel, so their source is part of the platform and a change makes the artifacts stale.
+KERNEL_MODULES = ("boundgen.attention.segments", "boundgen.quant.triton_quant")
+
+
+def kernels_digest(modules: tuple[str, ...] = KERNEL_MODULES) -> str:
+    """sha256 (16 hex digits) of the source files of `modules`, read without importing them."""
+    h = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        h.update(name.encode())
+        if spec is not None and spec.origin and os.path.isfile(spec.origin):
+            h.update(Path(spec.origin).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def platform_info(device: torch.device | str) -> dict[str, str]:
-    """What an artifact is only valid for: torch build, and the exact device kind it was compiled
-    for."""
+    """What an artifact is only valid for: torch build, the exact device kind it was compiled
+    for, and the source of the kernels it embeds."""
     dev = torch.device(device)
     info = {
         "torch": torch.__version__,
         "device": dev.type,
         "machine": platform.machine(),
         "format": str(FORMAT),
+        "kernels": kernels_digest(),
     }
     if dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
