@@ -526,13 +526,14 @@ def section_compiled(res: dict, args) -> None:
                 try:
                     _time_w1_w2(row, compiled, w1, w1_tokens, w2_prefix, w2_items, labels, args)
                     row["runner_stats"] = runner.stats()
-                    if args.profile:
-                        row["kernels_w1"] = kernel_table(
-                            lambda: compiled.score([], w1, labels, apply_softmax=True)
-                        )["kernels"]
-                        row["kernels_w2"] = kernel_table(
-                            lambda: compiled.score(w2_prefix, w2_items, labels, apply_softmax=True)
-                        )["kernels"]
+                    if args.profile:  # kernels, and where the GPU idled (lead, gaps, tail)
+                        for name, call in (
+                            ("w1", lambda: compiled.score([], w1, labels, apply_softmax=True)),
+                            ("w2", lambda: compiled.score(w2_prefix, w2_items, labels, True)),
+                        ):
+                            prof = kernel_table(call)
+                            row[f"kernels_{name}"] = prof.pop("kernels")
+                            row[f"timeline_{name}"] = prof
                 finally:
                     compiled.close()
         except Exception as exc:
@@ -638,6 +639,15 @@ def summary(res: dict) -> str:
             )
             name = r["policy"] + (f"[{r['act_quant']}]" if r.get("act_quant", "-") != "-" else "")
             lines.append(f"{label:<8} {name:<24} {w1}  {w2}")
+            for w in ("w1", "w2"):
+                t = r.get(f"timeline_{w}")
+                if t and "lead_ms" in t:
+                    lines.append(
+                        f"  {w.upper()} profiled: wall {t['wall_ms']:.2f} ms, GPU busy "
+                        f"{t['gpu_busy_ms']:.2f} ms, idle: before {t['lead_ms']:.2f}, between "
+                        f"{t['idle_between_ms']:.2f}, after {t['tail_ms']:.2f} ms; longest gaps "
+                        + ", ".join(f"{g['ms']:.2f} @ {g['at_ms']:.1f}" for g in t["longest_gaps"])
+                    )
     for p, r in res.get("gate", {}).get("reports", {}).items():
         if "passed" in r:
             lines.append(

@@ -212,16 +212,42 @@ def kernel_table(fn, top: int = 25) -> dict:
     total = sum(r["ms"] for r in rows) or 1.0
     for r in rows:
         r["share"] = r["ms"] / total
-    spans = [
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    ]
+    spans, host = [], []
+    for e in prof.events():
+        cuda_event = e.device_type == torch.autograd.DeviceType.CUDA
+        (spans if cuda_event else host).append((e.time_range.start, e.time_range.end))
     return {
         "wall_ms": wall_ms,
         "launches": len(spans),
         "gpu_busy_ms": busy_us(spans) / 1e3,
+        **idle_gaps(spans, host),
         "kernels": sorted(rows, key=lambda r: -r["ms"])[:top],
+    }
+
+
+def idle_gaps(spans: list[tuple[float, float]], host: list[tuple[float, float]], top: int = 5):
+    """Where the GPU idled during a profiled call (µs spans in the profiler's clock): `lead_ms`
+    from the call's first host op to its first GPU work, `tail_ms` from its last GPU work to the
+    last host op, `idle_between_ms` between the first and the last GPU work, and the `top`
+    longest gaps there (`at_ms` after the first GPU work)."""
+    if not spans:
+        return {}
+    spans = sorted(spans)
+    first, last = spans[0][0], max(e for _, e in spans)
+    gaps, end = [], spans[0][1]
+    for s, e in spans[1:]:
+        if s > end:
+            gaps.append((s - end, end - first))
+        end = max(end, e)
+    lead = first - min(s for s, _ in host) if host else 0.0
+    tail = max(e for _, e in host) - last if host else 0.0
+    return {
+        "lead_ms": max(lead, 0.0) / 1e3,
+        "tail_ms": max(tail, 0.0) / 1e3,
+        "idle_between_ms": sum(g for g, _ in gaps) / 1e3,
+        "longest_gaps": [
+            {"ms": g / 1e3, "at_ms": at / 1e3} for g, at in sorted(gaps, reverse=True)[:top]
+        ],
     }
 
 

@@ -98,7 +98,9 @@ def main() -> None:
             f"{n} requests: {real} tokens in {', '.join(used) or 'eager (no buckets)'}: "
             f"{t['median_ms']:.2f} ms, {row['real_tok_s'] / 1e3:.0f}K real tok/s, "
             f"{row['padded_tok_s'] / 1e3:.0f}K padded; GPU busy {prof['gpu_busy_ms']:.2f} of "
-            f"{prof['wall_ms']:.2f} ms, {prof['launches']} launches",
+            f"{prof['wall_ms']:.2f} ms, {prof['launches']} launches; GPU idle before "
+            f"{prof.get('lead_ms', 0):.2f}, between {prof.get('idle_between_ms', 0):.2f}, after "
+            f"{prof.get('tail_ms', 0):.2f} ms",
             flush=True,
         )
     big = rows[-1]

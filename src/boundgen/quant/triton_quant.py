@@ -182,11 +182,12 @@ if AVAILABLE:
 
 
 # `silu_mul_quant`'s tiles per intermediate size K: (chunk, num_warps), see
-# `launch_silu_mul_quant`; sizes not listed keep each row whole. Measured on the H200
-# (BENCHMARKS.md, 2026-12-02): the kernel with whole rows at K = 4,864 moved 3.1 TB/s (65.4 µs a
-# W1 layer call) against 4.4 TB/s for bf16's SiLU·mul; `bench_fp8.py --sections env,quant`
-# sweeps the tiles, and the fastest per K belongs here.
-TILES: dict[int, tuple[int, int | None]] = {}
+# `launch_silu_mul_quant`; sizes not listed keep each row whole with warps by the block width.
+# `bench_fp8.py --silu-tiles sweep` times every tile at W1's 8,192 rows, and the fastest per K
+# belongs here. H200, 2026-12-02 (fifth session), K = 4,864 (Qwen2.5-0.5B): whole rows with
+# 16 warps 0.294 ms, 4 warps 0.304, the default 8 warps 0.372; rows by 512-2,048-wide pieces
+# 0.345-0.438 ms.
+TILES: dict[int, tuple[int, int | None]] = {4864: (0, 16)}
 
 
 def silu_mul_quant_reference(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
