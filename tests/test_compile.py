@@ -311,6 +311,28 @@ def test_missing_artifact(engine_for, tmp_path):
         make_runner(engine.model, engine.device, 4096, True, "eager+graphs")
 
 
+def test_graph_max_tokens_reaches_the_backend(tiny_model, monkeypatch):
+    """`--graph-max-tokens` (an engine option) is the backend's limit for captured buckets, and a
+    limit below one token is refused by name."""
+    import boundgen.engine as engine_mod
+    from boundgen import Engine
+
+    seen = {}
+
+    def fake_make_runner(model, device, budget, share, backend, options):
+        seen["options"] = options
+        return ModelRunner(model, device, None, budget, share)
+
+    monkeypatch.setattr(engine_mod, "make_runner", fake_make_runner)
+    Engine.from_pretrained(tiny_model("qwen2"), device="cpu", graph_max_tokens=16384)
+    assert seen["options"].graph_max_tokens == 16384
+    monkeypatch.undo()
+    model = Engine.from_pretrained(tiny_model("qwen2"), device="cpu").model
+    options = CompileOptions(graph_max_tokens=0)
+    with pytest.raises(ValueError, match="graph_max_tokens must be at least 1"):
+        make_runner(model, torch.device("cpu"), 4096, True, "eager+graphs", options)
+
+
 def test_model_change_is_a_different_slot(engine_for):
     a = engine_for("qwen2").model
     b = engine_for("qwen3").model

@@ -119,7 +119,10 @@ class Engine:
             config.share_prefix,
             backend=config.backend,
             options=CompileOptions(
-                buckets=config.compile_buckets, cache_dir=config.compile_cache, quant=fp8
+                buckets=config.compile_buckets,
+                cache_dir=config.compile_cache,
+                quant=fp8,
+                graph_max_tokens=config.graph_max_tokens,
             ),
         )
         tokenizer = Tokenizer.from_dir(path)

@@ -38,9 +38,12 @@ from boundgen.text.packing import PackedBatch
 log = logging.getLogger("boundgen.compile")
 
 # The wrapper (the host code that launches the kernels, `run_impl`) is built at -O0 without line
-# tables: its C++ build was 9-13 s of a W5 bucket's ~40 s on the H200 (2026-12-02) and served
-# backends replay CUDA graphs captured from it, so its host speed shows only in `aoti` without
-# graphs. The kernels themselves are Triton (CUDA) or built at -O3 (CPU) either way.
+# tables: its C++ build was 9-13 s of a W5 bucket's ~40 s on the H200 (2026-12-02; 5-6 s at -O0).
+# Its host speed shows only where no CUDA graph replays it (`aoti`, and buckets above
+# `graph_max_tokens` with +graphs). There it stays ahead of the GPU: W1's uncaptured 8,192-token
+# forwards, built at -O0, left the H200 idle 3.9-4.5 ms between kernels of a ~70 ms call, no gap
+# over 0.22 ms (BENCHMARKS.md, fifth session). The kernels themselves are Triton (CUDA) or built
+# at -O3 (CPU) either way.
 INDUCTOR_CONFIGS = {
     "aot_inductor.package_constants_in_so": False,
     "aot_inductor.compile_wrapper_opt_level": "O0",

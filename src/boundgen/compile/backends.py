@@ -222,6 +222,8 @@ def _build(
     graphs = extra == "graphs"
     if (extra and not graphs) or base not in ("eager", "compile", "aoti"):
         raise ValueError(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}")
+    if graphs and opts.graph_max_tokens < 1:
+        raise ValueError(f"graph_max_tokens must be at least 1, got {opts.graph_max_tokens}")
     if graphs and device.type != "cuda":
         raise ValueError(f"backend '{backend}' needs CUDA (CUDA graphs)")
     if base == "eager" and not graphs:
