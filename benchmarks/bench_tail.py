@@ -85,6 +85,10 @@ def with_forwards(url: str, run) -> dict:
         "requests_per_forward": wrk.per_batch(before, after),
         "tokens_per_forward": wrk.per_batch(before, after, "tokens"),
         "gpu_busy": (after["device_s"] - before["device_s"]) / (t1 - t0),
+        "host_ms_per_forward": {
+            part: wrk.per_batch(before, after, f"host_{part}_s") * 1e3
+            for part in ("pack", "stage", "launch")
+        },
     }
 
 
@@ -211,8 +215,9 @@ def encode_times(iters: int) -> list[dict]:
 def table(rows: list[dict]) -> str:
     lines = [
         "| generator | load | ok/s | p50 ms | p99 ms | server p50 / p99 ms | p99 − server p99 ms "
-        "| errors | requests per forward | GPU busy (forward node) | tokens per forward |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| errors | requests per forward | GPU busy (forward node) | tokens per forward "
+        "| host ms per forward: pack / stage / launch |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         if r["generator"] == "wrk":
@@ -224,13 +229,15 @@ def table(rows: list[dict]) -> str:
         if r.get("gpu_busy"):  # a real GPU: the forward node's device time
             busy = f"{r['gpu_busy']:.0%}"
         size = f"{fake['mean_size']:.0f}" if fake.get("calls") else "–"
+        split = r.get("host_ms_per_forward") or {}
+        host = " / ".join(f"{split[p]:.2f}" for p in ("pack", "stage", "launch")) if split else "–"
         if not fake.get("calls") and r.get("tokens_per_forward"):
             size = f"{r['tokens_per_forward']:.0f}"
         lines.append(
             f"| {r['generator']} | {load} | {r['ok_per_s']:.1f} | {r['p50_ms']:.1f} | "
             f"{r['p99_ms']:.1f} | {r['server_p50_ms']:.1f} / {r['server_p99_ms']:.1f} | "
             f"{r['p99_ms'] - r['server_p99_ms']:.1f} | {r['errors']} | "
-            f"{r.get('requests_per_forward', 0):.1f} | {busy} | {size} |"
+            f"{r.get('requests_per_forward', 0):.1f} | {busy} | {size} | {host} |"
         )
     return "\n".join(lines)
 

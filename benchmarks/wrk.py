@@ -125,12 +125,21 @@ def load_label(row: dict) -> str:
 
 def node_counters(url: str, node: str) -> dict[str, float]:
     """A batching node's counters so far (`/metrics`): merged batches, the requests and tokens in
-    them, and the device seconds of its batches (CUDA); differences over a run give requests and
-    tokens per batch and the GPU's busy share."""
+    them, the stream seconds of its batches (CUDA), and the model runner's host seconds by part;
+    differences over a run give requests and tokens per batch, the GPU's share and the host time
+    a batch's forward took by part."""
     text = httpx.get(url + "/metrics", timeout=30).text
 
     def value(name: str) -> float:
         m = re.search(rf'^{name}(?:_total)?\{{node="{node}"\}} (\S+)$', text, re.MULTILINE)
+        return float(m.group(1)) if m else 0.0
+
+    def host(part: str) -> float:  # the runner's, not per node (one model node serves W5)
+        m = re.search(
+            rf'^boundgen_runner_host_seconds(?:_total)?\{{part="{part}"\}} (\S+)$',
+            text,
+            re.MULTILINE,
+        )
         return float(m.group(1)) if m else 0.0
 
     return {
@@ -138,6 +147,7 @@ def node_counters(url: str, node: str) -> dict[str, float]:
         "requests": value("boundgen_runtime_batched_requests"),
         "tokens": value("boundgen_runtime_batched_tokens"),
         "device_s": value("boundgen_runtime_device_seconds"),
+        **{f"host_{part}_s": host(part) for part in ("pack", "stage", "launch")},
     }
 
 

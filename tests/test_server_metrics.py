@@ -52,6 +52,22 @@ def test_bucket_batches_misses_and_padding(bucketed):
     assert metric(page, "boundgen_bucket_padded_tokens_total") == 64
 
 
+def test_forward_host_time_by_part(bucketed):
+    """`boundgen_runner_host_seconds_total{part}`: where the forwards' host time went (a bucketed
+    forward packs, stages and launches; nothing else moves it) and the pieces run."""
+    client = TestClient(create_app(bucketed, ServerConfig()), base_url=LOCAL)
+    before = client.get("/metrics").text
+    parts = ("pack", "stage", "launch")
+    was = {p: metric(before, "boundgen_runner_host_seconds_total", f'part="{p}"') for p in parts}
+    pieces = metric(before, "boundgen_runner_pieces_total")
+    body = {"query": [11] * 10, "items": [[12] * 5, [13] * 7], "label_token_ids": [1, 2]}
+    assert client.post("/v1/score", json=body).status_code == 200
+    page = client.get("/metrics").text
+    for p in parts:
+        assert metric(page, "boundgen_runner_host_seconds_total", f'part="{p}"') > was[p]
+    assert metric(page, "boundgen_runner_pieces_total") == pieces + 1
+
+
 def test_an_eager_runner_has_no_bucket_series(engine_for):
     page = TestClient(create_app(engine_for(), ServerConfig()), base_url=LOCAL).get("/metrics")
     assert metric(page.text, "boundgen_model_backend", 'backend="eager"') == 1.0

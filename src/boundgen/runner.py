@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,6 +42,12 @@ from boundgen.text.packing import PackedBatch, SequenceGroup, pack
 CPU_PIECE_TOKENS = 2048
 # label-column sets `head` keeps on the device (a few per deployment: each task's label ids)
 _MAX_COLUMN_SETS = 64
+# Where `rows` spends the host's time, per part (`stats()["host_seconds"]`, /metrics): `pack`
+# chunks, packs and pads the next piece; `stage` copies a piece's inputs towards the device through
+# pooled buffers; `launch` queues its forward (a staged bucket: the fill of its input buffer, the
+# copy and the replay) and the gather of its rows. On CUDA the device work is only queued, so
+# these are host times, including any wait inside them.
+HOST_PARTS = ("pack", "stage", "launch")
 
 
 class ModelRunner:
@@ -67,6 +74,8 @@ class ModelRunner:
         self._lock = threading.Lock()
         self._tries: dict[int, tuple] = {}  # id(trie) → (trie, its copy on this device)
         self._columns: dict[tuple[int, ...], torch.Tensor] = {}  # label ids → on this device
+        self._host_ns = dict.fromkeys(HOST_PARTS, 0)
+        self._pieces = 0
 
     @property
     def config(self) -> ModelConfig:
@@ -97,8 +106,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             budget = min(budget, CPU_PIECE_TOKENS)
         outs, row = [], 0
+        clock = time.perf_counter_ns
         with self._staging() as lease:
-            for packed in self.pieces(groups, modes, budget):
+            for packed in self._timed(self.pieces(groups, modes, budget)):
                 k = packed.num_rows
                 piece_modes = modes[row : row + k]
                 row += k
@@ -114,9 +124,14 @@ class ModelRunner:
                     continue
                 staged = self._staged(packed, piece_modes)
                 if staged is not None:  # one fill, one copy, one replay (compile/staging.py)
+                    t0 = clock()
                     outs.append(staged.rows(packed))
+                    self._spent("launch", clock() - t0)
                     continue
+                t0 = clock()
                 packed = stage_packed(packed, lease, self.device)
+                t1 = clock()
+                self._spent("stage", t1 - t0)
                 hidden = self.forward(packed)
                 out = hidden.index_select(0, packed.last_index)
                 if "mean" in piece_modes:
@@ -128,7 +143,23 @@ class ModelRunner:
                 if token_rows is not None:
                     out = torch.cat([hidden, out]).index_select(0, lease.stage(token_rows, False))
                 outs.append(out)
+                self._spent("launch", clock() - t1)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _timed(self, pieces: Iterator[PackedBatch]) -> Iterator[PackedBatch]:
+        """`pieces`, the host time of making each counted as `pack`."""
+        while True:
+            t0 = time.perf_counter_ns()
+            packed = next(pieces, None)
+            self._spent("pack", time.perf_counter_ns() - t0)
+            if packed is None:
+                return
+            self._pieces += 1
+            yield packed
+
+    def _spent(self, part: str, ns: int) -> None:
+        with self._lock:
+            self._host_ns[part] += ns
 
     def _staged(self, packed: PackedBatch, modes: list[str]) -> StagedBucket | None:
         """The staged graph of a host batch in a bucket's exact layout, when every row it wants
@@ -290,6 +321,9 @@ class ModelRunner:
         staged = [f.inputs.stats() for f in self._by_layout.values() if isinstance(f, StagedBucket)]
         if staged:
             out["staged"] = {k: sum(s[k] for s in staged) for k in staged[0]}
+        with self._lock:
+            out["pieces"] = self._pieces
+            out["host_seconds"] = {part: ns / 1e9 for part, ns in self._host_ns.items()}
         graphs = self.forwards.search if self.forwards else None
         if graphs is not None:
             out["beam_graphs"] = {

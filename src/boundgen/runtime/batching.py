@@ -411,7 +411,9 @@ class BatchingNode(Node):
         self.batched_requests = 0
         self.batched_tokens = 0
         self.max_requests_in_batch = 0
-        self.device_ns = 0.0  # device time of the paced batches that have run (GPU busy)
+        # stream time of the paced batches that have run, launch to end: the GPU's busy time plus
+        # any wait for the host's launch (a host-bound node reads ~100 % too; compare batch_run)
+        self.device_ns = 0.0
         self.last_budget = self.token_budget  # the budget the last batch was formed under
 
     # ---- executor side

@@ -98,7 +98,9 @@ class _RuntimeCollector:
         )
         device = CounterMetricFamily(
             "boundgen_runtime_device_seconds",
-            "device time of the batches a node's device queue has run (GPU busy = its rate)",
+            "stream time of the batches a node's device queue has run, from a batch's launch to "
+            "its end on the device (its rate: the node's share of the GPU, including any time the "
+            "GPU waited for the host to launch the batch)",
             labels=["node"],
         )
         try:
@@ -130,9 +132,9 @@ class _RuntimeCollector:
 
 
 def _bucket_families(runtime):
-    """The runner's bucket statistics (`ModelRunner.stats`): batches per compiled bucket, batches
-    no bucket took (run eagerly), real and padded tokens. Hit rate = batches / (batches + misses);
-    padding = 1 − real / padded."""
+    """The runner's statistics (`ModelRunner.stats`): batches per compiled bucket, batches no
+    bucket took (run eagerly), real and padded tokens (hit rate = batches / (batches + misses);
+    padding = 1 − real / padded), and the forwards' host time by part."""
     batches = CounterMetricFamily(
         "boundgen_bucket_batches", "forwards run by each compiled bucket", labels=["bucket"]
     )
@@ -152,9 +154,19 @@ def _bucket_families(runtime):
         "boundgen_beam_graph_misses",
         "beam searches no whole-search graph made at warm-up took (run on the plain path)",
     )
+    host = CounterMetricFamily(
+        "boundgen_runner_host_seconds",
+        "host time of the model's packed forwards by part: pack (chunk, pack, pad a piece), "
+        "stage (its inputs towards the device), launch (queue its forward and row gather)",
+        labels=["part"],
+    )
+    pieces = CounterMetricFamily("boundgen_runner_pieces", "packed forward pieces run")
     try:
         stats = runtime.stats()["runner"]
         backend.add_metric([str(stats.get("backend", "eager"))], 1.0)
+        for part, seconds in stats.get("host_seconds", {}).items():
+            host.add_metric([part], float(seconds))
+        pieces.add_metric([], float(stats.get("pieces", 0)))
         if "beam_graphs" in stats:
             beam_searches.add_metric([], float(stats["beam_graphs"]["searches"]))
             beam_misses.add_metric([], float(stats["beam_graphs"]["misses"]))
@@ -166,7 +178,7 @@ def _bucket_families(runtime):
             padded.add_metric([], float(stats["padded_tokens"]))
     except Exception:  # metrics must never fail a scrape
         pass
-    yield from (backend, batches, misses, real, padded, beam_searches, beam_misses)
+    yield from (backend, batches, misses, real, padded, beam_searches, beam_misses, host, pieces)
 
 
 class _AdmissionCollector:
