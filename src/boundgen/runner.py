@@ -154,11 +154,12 @@ class ModelRunner:
             self._spent("pack", time.perf_counter_ns() - t0)
             if packed is None:
                 return
-            self._pieces += 1
+            with self._lock:
+                self._pieces += 1
             yield packed
 
     def _spent(self, part: str, ns: int) -> None:
-        with self._lock:
+        with self._lock:  # a runner serves several nodes' threads
             self._host_ns[part] += ns
 
     def _staged(self, packed: PackedBatch, modes: list[str]) -> StagedBucket | None:
