@@ -243,3 +243,40 @@ def test_compile_saves_the_beam_layers_a_server_loads(tiny_model, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     hits, misses = map(int, out.stdout.split("fxgraph")[-1].split())
     assert hits > 0 and misses == 0, out.stdout[-2000:]
+
+
+@pytest.mark.gpu
+def test_an_uncaptured_package_does_not_wait_for_its_last_run(tmp_path):
+    """A bucket above `graph_max_tokens` runs its package from the host each call, holding the GIL.
+    With one model instance a call first blocked until the previous call's kernels had finished
+    (a server froze for the rest of each batch); with `UNCAPTURED_INSTANCES` it queues behind it.
+    The first call here waits on the device behind ~0.5 s of `torch.cuda._sleep`."""
+    import time
+
+    from torch._inductor import aoti_compile_and_package
+
+    from boundgen.compile.aoti import open_package
+    from boundgen.compile.preload import AOTIUnsafe, ensure_loadable
+
+    class Toy(torch.nn.Module):
+        def forward(self, x):
+            return (x @ x).relu()
+
+    x = torch.randn(256, 256, device="cuda")
+    ep = torch.export.export(Toy(), (x,), strict=False)
+    path = aoti_compile_and_package(ep, package_path=str(tmp_path / "toy.pt2"))
+    try:  # the engine's guard: in a process without the preload the load would segfault
+        ensure_loadable(path, cache_root=tmp_path, allow_reexec=False)
+    except AOTIUnsafe as exc:
+        pytest.skip(f"AOTInductor load needs a preload in this process: {exc}")
+    loader = open_package(path, single_threaded=False).loader
+    want = loader.boxed_run([x])[0]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU cycles ahead of the next call's kernels
+    loader.boxed_run([x])
+    t0 = time.perf_counter()
+    got = loader.boxed_run([x])[0]
+    blocked = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert blocked < 0.2, f"the call waited {blocked:.2f} s for the previous one"
+    assert torch.equal(got, want)

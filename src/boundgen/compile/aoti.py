@@ -266,19 +266,33 @@ def build_package(
     return BuildInfo(bucket.name, t1 - t0, t2 - t1, path.stat().st_size, _phases_since(before, cpp))
 
 
+# Model instances of a package run from the host each call (not replayed as a CUDA graph). A call
+# takes a free instance; with none free it blocks until the oldest one's last run has finished on
+# the device (`AOTInductorModelContainer::get_available_model`) — holding the GIL, which torch's
+# binding does not release. With one instance every call waited for the previous call's kernels:
+# a server's forward node, which queues a batch while the one before it still runs
+# (`device_depth` 2), froze the whole process for the rest of that batch's GPU time. Two instances
+# (they share the constants) leave a call waiting only for the batch before last, which the node's
+# pacing has already waited for.
+UNCAPTURED_INSTANCES = 2
+
+
 def open_package(path: str | Path, single_threaded: bool = False, device_index: int = -1):
-    """The package's model runner (`AOTICompiledModel`), loaded in this process.
+    """The package's model runner (`AOTICompiledModel`), loaded in this process: one model
+    instance when `single_threaded` (a bucket replayed as a CUDA graph), else
+    `UNCAPTURED_INSTANCES`.
 
     `aoti_load_package` first compares the package's recorded device information with this
     machine's, only to log a warning, and that comparison runs Inductor's CPU vector-ISA probe:
     in torch 2.11 up to 11 child processes that each import torch, 57 s of every process's first
     load on the H200 image (`compile/isa.py`). The artifact cache's platform key already
     vouches for torch, CUDA and the GPU, so the runner is made directly."""
+    instances = 1 if single_threaded else UNCAPTURED_INSTANCES
     try:
         from torch._inductor.package.package import AOTICompiledModel
 
         loader = torch._C._aoti.AOTIModelPackageLoader(
-            str(path), "model", single_threaded, 1, device_index
+            str(path), "model", single_threaded, instances, device_index
         )
         return AOTICompiledModel(loader)
     except (ImportError, AttributeError, TypeError):  # pragma: no cover - another torch's API
