@@ -72,36 +72,9 @@ class Run:
 
 
 def profile(fn, device) -> dict:
-    """One call under torch.profiler: wall ms, kernels, GPU busy ms (union of kernel intervals),
-    and the top kernels by total time."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprofile
-
-    if device.type != "cuda":
-        return {}
-    fn()
-    torch.cuda.synchronize()
-    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t) * 1e3
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    busy = common.busy_us(spans)
-    table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=15, max_name_column_width=60
-    )
-    return {
-        "wall_ms": wall,
-        "kernels": len(spans),
-        "gpu_busy_ms": busy / 1e3,
-        "gpu_busy_pct": 100.0 * busy / 1e3 / wall if wall else 0.0,
-        "top": table,
-    }
+    """One call under torch.profiler (`common.kernel_table`: wall, launches, GPU busy and idle,
+    the top kernels); nothing off CUDA."""
+    return common.kernel_table(fn, top=15) if device.type == "cuda" else {}
 
 
 def workloads(vocab: int, args) -> dict:
@@ -410,8 +383,8 @@ def summary(r: dict) -> str:
             return
         p = t.get("profile") or {}
         tok = f"{t['tok_per_s'] / 1e3:.0f}K" if "tok_per_s" in t else ""
-        busy = f"{p['gpu_busy_pct']:.0f}" if p else ""
-        kern = str(p.get("kernels", "")) if p else ""
+        busy = f"{100 * p['gpu_busy_ms'] / p['wall_ms']:.0f}" if p.get("wall_ms") else ""
+        kern = str(p.get("launches", "")) if p else ""
         rows.append(
             f"| {run_} | {variant} | {t['median_ms']:.2f} | {tok} | {busy} | {kern} | {note} |"
         )
