@@ -53,6 +53,7 @@ from bench_serving import serve_command, start, stop
 from common import env_info
 
 from boundgen.loadtest import LoadConfig, make_bodies, run_loadtest
+from boundgen.runner import HOST_PARTS
 from boundgen.server.testing import free_port, tiny_model_dir
 
 HERE = Path(__file__).resolve().parent
@@ -86,8 +87,7 @@ def with_forwards(url: str, run) -> dict:
         "tokens_per_forward": wrk.per_batch(before, after, "tokens"),
         "gpu_busy": (after["device_s"] - before["device_s"]) / (t1 - t0),
         "host_ms_per_forward": {
-            part: wrk.per_batch(before, after, f"host_{part}_s") * 1e3
-            for part in ("pack", "stage", "launch")
+            part: wrk.per_batch(before, after, f"host_{part}_s") * 1e3 for part in HOST_PARTS
         },
     }
 
@@ -230,7 +230,7 @@ def table(rows: list[dict]) -> str:
             busy = f"{r['gpu_busy']:.0%}"
         size = f"{fake['mean_size']:.0f}" if fake.get("calls") else "–"
         split = r.get("host_ms_per_forward") or {}
-        host = " / ".join(f"{split[p]:.2f}" for p in ("pack", "stage", "launch")) if split else "–"
+        host = " / ".join(f"{split[p]:.2f}" for p in HOST_PARTS) if split else "–"
         if not fake.get("calls") and r.get("tokens_per_forward"):
             size = f"{r['tokens_per_forward']:.0f}"
         lines.append(

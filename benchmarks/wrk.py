@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from boundgen.runner import HOST_PARTS
+
 HERE = Path(__file__).resolve().parent
 
 WRK_SCRIPT = r"""
@@ -130,24 +132,18 @@ def node_counters(url: str, node: str) -> dict[str, float]:
     a batch's forward took by part."""
     text = httpx.get(url + "/metrics", timeout=30).text
 
-    def value(name: str) -> float:
-        m = re.search(rf'^{name}(?:_total)?\{{node="{node}"\}} (\S+)$', text, re.MULTILINE)
+    def value(name: str, label: str = f'node="{node}"') -> float:
+        m = re.search(rf"^{name}(?:_total)?\{{{label}\}} (\S+)$", text, re.MULTILINE)
         return float(m.group(1)) if m else 0.0
 
-    def host(part: str) -> float:  # the runner's, not per node (one model node serves W5)
-        m = re.search(
-            rf'^boundgen_runner_host_seconds(?:_total)?\{{part="{part}"\}} (\S+)$',
-            text,
-            re.MULTILINE,
-        )
-        return float(m.group(1)) if m else 0.0
-
+    # the runner's host time is per part, not per node (one model node serves W5)
+    host = "boundgen_runner_host_seconds"
     return {
         "batches": value("boundgen_runtime_batches"),
         "requests": value("boundgen_runtime_batched_requests"),
         "tokens": value("boundgen_runtime_batched_tokens"),
         "device_s": value("boundgen_runtime_device_seconds"),
-        **{f"host_{part}_s": host(part) for part in ("pack", "stage", "launch")},
+        **{f"host_{part}_s": value(host, f'part="{part}"') for part in HOST_PARTS},
     }
 
 

@@ -151,16 +151,15 @@ class ModelRunner:
         while True:
             t0 = time.perf_counter_ns()
             packed = next(pieces, None)
-            self._spent("pack", time.perf_counter_ns() - t0)
+            self._spent("pack", time.perf_counter_ns() - t0, pieces=int(packed is not None))
             if packed is None:
                 return
-            with self._lock:
-                self._pieces += 1
             yield packed
 
-    def _spent(self, part: str, ns: int) -> None:
+    def _spent(self, part: str, ns: int, pieces: int = 0) -> None:
         with self._lock:  # a runner serves several nodes' threads
             self._host_ns[part] += ns
+            self._pieces += pieces
 
     def _staged(self, packed: PackedBatch, modes: list[str]) -> StagedBucket | None:
         """The staged graph of a host batch in a bucket's exact layout, when every row it wants
