@@ -1,10 +1,11 @@
 """Where W1's RoPE kernel time goes (issue 25 item 3): the model's q/k rotation compiled by Inductor
 three ways, over the 24 layers of one W1 chunk (8,192 tokens, Qwen2.5-0.5B heads 14/2 × 64, bf16).
 
-- `computed`: cos/sin from the positions inside the graph, as `RotaryEmbedding` does today;
-  Inductor inlines the sin/cos into every layer's rotation kernel (the per-kernel table of a W1
-  call shows `..._cos_mul_sin_split...`: 42 µs a call, 2026-12-02).
-- `table`: cos/sin gathered by position from a precomputed table (a buffer).
+- `computed`: cos/sin from the positions inside the graph, as `RotaryEmbedding` did until
+  2026-12-02; Inductor inlined the sin/cos into every layer's rotation kernel (the per-kernel
+  table of a W1 call showed `..._cos_mul_sin_split...`: 42 µs a call).
+- `table`: cos/sin gathered by position from a precomputed table (a buffer), as
+  `RotaryEmbedding` does now (`models.layers.rope_tables`).
 - `inputs`: cos/sin materialized outside the graph (the floor: the rotation alone).
 
     python benchmarks/bench_rope.py --out rope.json       # CUDA only
