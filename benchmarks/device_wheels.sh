@@ -6,6 +6,8 @@ install_device_wheels() {
   ls .whl/*.whl >/dev/null 2>&1 || return 0
   local extra=(.whl/*.whl)
   ls .whl-ray/*.whl >/dev/null 2>&1 && extra+=(.whl-ray/*.whl)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "${extra[@]}" && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+  # once per machine: a second run_h200.sh in the same call only puts them on the path again
+  [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site "${extra[@]}" && touch /tmp/site/.installed; }
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 }

@@ -8,7 +8,6 @@ set -u
 OUT=${OUT:-/tmp/out}; WORK=/tmp/pair; rm -rf "$WORK"; mkdir -p "$WORK/gpu0" "$WORK/gpu1" "$OUT"
 . benchmarks/device_wheels.sh
 install_device_wheels  # once, before both lists start
-export SKIP_WHEELS=1
 for g in 0 1; do
   l=$1; [ "$g" = 1 ] && l=$2
   CUDA_VISIBLE_DEVICES=$g OUT="$WORK/gpu$g" ROOT=/tmp/models$g BOUNDGEN_CACHE=/tmp/cache$g \
