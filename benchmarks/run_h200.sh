@@ -19,6 +19,7 @@
 #   bash benchmarks/run_h200.sh rope                            # issue 25 item 3: RoPE computed vs table
 #   bash benchmarks/run_h200.sh w5-compile w5-profile           # issue 25 item 4: W5's merged forwards, per kernel
 #   bash benchmarks/run_h200.sh fp8-tiles                       # issue 26: silu_mul_quant's tiles swept
+#   bash benchmarks/run_h200.sh skinny                          # few-row fused linear kernels vs cuBLAS + Inductor
 #   BACKENDS_ARGS="--attention varlen --workloads w2 w1" bash benchmarks/run_h200.sh backends   # A/B
 # Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
 set -u
@@ -36,7 +37,7 @@ W5_BUCKETS=t2048-s128-m512-g2-p320-q1728,t4096-s256-m512-g3-p640-q3456,t8192-s51
 # W5_ARGS: extra engine flags for both the compile and the server (e.g. "--attention segments")
 W5_SERVE="--device cuda --dtype bfloat16 --backend aoti+graphs --batch-token-budget 15000 ${W5_ARGS:-}"
 . benchmarks/device_wheels.sh
-[ -n "${SKIP_WHEELS:-}" ] || install_device_wheels
+install_device_wheels
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 # A phase's budget can be overridden as NAME:SECONDS (e.g. fp8-model:200) to fit a 10-minute call.
@@ -63,6 +64,8 @@ run_phase() {
     segments-tests) phase segments-tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_segments_attention.py tests/test_attention.py ;;
     # issue 25 item 3: W1's RoPE kernel with cos/sin computed in-graph vs gathered from a table
     rope) phase rope 90 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ;;
+    # issue 24 item 2 / issue 25: a layer's linear parts at few rows, fused kernels vs cuBLAS + Inductor (SKINNY_ARGS="--sweep")
+    skinny) phase skinny 180 python3 benchmarks/bench_skinny.py --out "$OUT/skinny.json" ${SKINNY_ARGS:-} ;;
     attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
     attention-sweep) phase attention-sweep 300 python3 benchmarks/bench_attention.py --sweep --iters 100 --out "$OUT/attention_sweep.json" ;;
     fp8-kernels) phase fp8-kernels 240 python3 benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out "$OUT/fp8_kernels.json" ;;
@@ -93,7 +96,8 @@ run_phase() {
     # without LD_PRELOAD too: after `startup` its server start is a warm one (the load check cached);
     # without `startup` before it, the start includes the load check (~90 s on the H200)
     # TAIL_NAME: another name for its log and JSON (an A/B in one call, e.g. with W5_ARGS="--graph-max-tokens 16384")
-    tail) phase ${TAIL_NAME:-tail} 240 env -u LD_PRELOAD python3 benchmarks/bench_tail.py --model $M --serve-args "$W5_SERVE" --items 100 --item-tokens 16 --query-tokens 256 --closed 1 4 --rates ${TAIL_RATES:-25 50 100 150 200 300} --wrk-connections 64 --client-processes 4 --duration 6 --server-cpus 0-7 --client-cpus 8-15 --out "$OUT/${TAIL_NAME:-tail}.json" ;;
+    # TAIL_PRELUDE: Python the server runs first (an A/B, e.g. "import sys; sys.setswitchinterval(0.0005)")
+    tail) phase ${TAIL_NAME:-tail} 240 env -u LD_PRELOAD python3 benchmarks/bench_tail.py --model $M --serve-args "$W5_SERVE" --items 100 --item-tokens 16 --query-tokens 256 --closed 1 4 --rates ${TAIL_RATES:-25 50 100 150 200 300} --wrk-connections 64 --client-processes 4 --duration 6 --server-cpus 0-7 --client-cpus 8-15 --server-prelude "${TAIL_PRELUDE:-}" --out "$OUT/${TAIL_NAME:-tail}.json" ;;
     hf-serving) phase hf-serving 90 python3 benchmarks/bench_serving.py --model $M --device cuda --servers hf --qps-steps 5 10 --duration 6 --warmup 5 --out-dir "$OUT/hf" ;;
     beam-serving) echo '[{"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": 16, "trie": "w4"}]' > /tmp/beam_profile.json
       phase beam-serving 420 python3 benchmarks/bench_serving.py --model $M --device cuda --workload beam --servers boundgen --slo-ms 50 --trie-items 100000 --qps-steps ${BEAM_QPS:-50 100 200 400 800 1600} --duration 6 --warmup 20 --serve-args "--backend compile+graphs --compile-buckets t64 --warmup /tmp/beam_profile.json" --out-dir "$OUT/beam" ;;

@@ -100,13 +100,11 @@ def plain_session(model, device, prompts: list[list[int]], width: int, steps: in
 def prefill_layer(layer, x, cos, sin, cu_seqlens, max_seqlen: int, pk, pv, backend):
     """A decoder layer over packed prompts (causal per segment), storing k/v into `pk`/`pv`
     [T, Hkv, D]. x [T, hidden] → [T, hidden]."""
-    h = layer.input_layernorm(x)
-    q, k, v = layer.self_attn.project(h, cos, sin)
+    q, k, v = layer.attention_input(x, cos, sin)
     pk.copy_(k)
     pv.copy_(v)
     o, _ = backend.varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True)
-    x = x + layer.self_attn.o_proj(o.reshape(x.shape[0], -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return layer.mlp_block(layer.attention_output(x, o.reshape(x.shape[0], -1)))
 
 
 def decode_layer(
@@ -117,8 +115,7 @@ def decode_layer(
     segments `cu_prompt`, shared by the prompt's beams `cu_beams`) and to their own slots ≤ step,
     merged by log-sum-exp. x [N, hidden] → [N, hidden]."""
     n = x.shape[0]
-    h = layer.input_layernorm(x)
-    q, k, v = layer.self_attn.project(h, cos, sin)
+    q, k, v = layer.attention_input(x, cos, sin)
     bk.index_copy_(1, step, k.unsqueeze(1))
     bv.index_copy_(1, step, v.unsqueeze(1))
     shared, shared_lse = backend.varlen(
@@ -126,8 +123,7 @@ def decode_layer(
     )
     own, own_lse = _own_slots_attention(q, bk, bv, step)
     o = merge_partial(shared, shared_lse, own, own_lse)
-    x = x + layer.self_attn.o_proj(o.reshape(n, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return layer.mlp_block(layer.attention_output(x, o.reshape(n, -1)))
 
 
 def _own_slots_attention(q, k, v, step) -> tuple[torch.Tensor, torch.Tensor]:

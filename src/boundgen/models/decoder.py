@@ -16,6 +16,7 @@ from boundgen.attention.cascade import prefill_attention
 from boundgen.attention.metadata import AttnInputs
 from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
+from boundgen.models import skinny
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
 
@@ -34,11 +35,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] → q [T, Hq, D], k and v [T, Hkv, D], q and k normed (Qwen3) and rotated."""
-        t = x.shape[0]
+    def heads(self, qkv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (Hq + 2·Hkv)·D] → q [T, Hq, D], k and v [T, Hkv, D], q and k normed (Qwen3)
+        and rotated."""
+        t = qkv.shape[0]
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -46,16 +48,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, attn: AttnInputs, kv, layer: int, backend: AttentionBackend):
-        t = x.shape[0]
-        q, k, v = self.project(x, cos, sin)
+    def attend(self, q, k, v, attn: AttnInputs, kv, layer: int, backend: AttentionBackend):
+        """Attention over the packed batch (or a decode step's KV): → [T, Hq·D]."""
         if isinstance(kv, DecodeKV):
             o = decode_attention(q, k, v, layer, kv, backend)
         else:
             if isinstance(kv, PromptKV):
                 kv.store(layer, k, v)
             o = prefill_attention(q, k, v, attn, backend)
-        return self.o_proj(o.reshape(t, -1))
+        return o.reshape(q.shape[0], -1)
 
 
 class DecoderLayer(nn.Module):
@@ -66,9 +67,38 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
+    # The layer's three parts around attention. With few rows (`skinny.applies`) each is one
+    # Triton kernel (norm + GEMM, GEMM + residual, norm + GEMM + SiLU·mul, GEMM + residual):
+    # a decode step or a short prompt is launch-bound, not FLOP-bound (models/skinny.py).
+
+    def attention_input(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] → q, k, v of the normed x (`Attention.heads`)."""
+        norm, proj = self.input_layernorm, self.self_attn.qkv_proj
+        if skinny.applies(x, proj):
+            qkv = torch.ops.boundgen.norm_linear(x, norm.weight, norm.eps, proj.weight, proj.bias)
+        else:
+            qkv = proj(norm(x))
+        return self.self_attn.heads(qkv, cos, sin)
+
+    def attention_output(self, x, o) -> torch.Tensor:
+        """x + o_proj(o): o [T, Hq·D] → [T, hidden]."""
+        proj = self.self_attn.o_proj
+        if skinny.applies(o, proj):
+            return torch.ops.boundgen.linear_residual(o, proj.weight, x)
+        return x + proj(o)
+
+    def mlp_block(self, x) -> torch.Tensor:
+        """x + MLP(RMSNorm(x))."""
+        norm, mlp = self.post_attention_layernorm, self.mlp
+        if skinny.applies(x, mlp.gate_up_proj, mlp.down_proj):
+            h = torch.ops.boundgen.norm_gated(x, norm.weight, norm.eps, mlp.gate_up_proj.weight)
+            return torch.ops.boundgen.linear_residual(h, mlp.down_proj.weight, x)
+        return x + mlp(norm(x))
+
     def forward(self, x, cos, sin, attn, kv, layer, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv, layer, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        q, k, v = self.attention_input(x, cos, sin)
+        o = self.self_attn.attend(q, k, v, attn, kv, layer, backend)
+        return self.mlp_block(self.attention_output(x, o))
 
 
 class DecoderModel(nn.Module):
