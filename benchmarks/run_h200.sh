@@ -51,14 +51,15 @@ run_phase() {
     # with the system libstdc++ preloaded, as the CLI re-execs itself: the AOTInductor tests load
     # packages in the pytest process (without it they skip; a bare load would segfault)
     gpu-tests) phase gpu-tests 240 env LD_PRELOAD="$(python3 -c 'from boundgen.compile.preload import libstdcxx_candidates as c; print(c()[0])')" python3 -m pytest -q -rfs --tb=short -p no:cacheprovider -m "${GPU_TEST_MARK:-gpu}" ${GPU_TESTS:-tests/} ${GPU_TEST_ARGS:-} ;;
-    gpu) phase gpu 560 python3 benchmarks/bench_gpu.py --root $ROOT --out "$OUT/gpu.json" --budget-s $(( ${B:-560} - 20 )) ${GPU_ARGS:-} ;;
+    # GPU_NAME / W3_NAME: another name for the log and JSON (an A/B in one call)
+    gpu) phase ${GPU_NAME:-gpu} 560 python3 benchmarks/bench_gpu.py --root $ROOT --out "$OUT/${GPU_NAME:-gpu}.json" --budget-s $(( ${B:-560} - 20 )) ${GPU_ARGS:-} ;;
     prefill) phase prefill 290 python3 benchmarks/bench_prefill.py --root $ROOT --out "$OUT/prefill.json" ;;
     beam) phase beam 140 python3 benchmarks/bench_beam.py --root $ROOT --out "$OUT/beam.json" ;;
     # issue 24: W4 trie searches, full-vocabulary head vs the head on the trie level's tokens
     beam-heads) phase beam-heads 300 python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --out "$OUT/beam_heads.json" ;;
     profile) phase profile 90 python3 benchmarks/profile_host.py --root $ROOT --out "$OUT/profile.txt" ;;
     # issue 25 item 1: one W3 call before/after the staged bucket inputs (eager+graphs; W3_ARGS="--backend aoti+graphs" builds t64 first)
-    w3) phase w3 300 python3 benchmarks/profile_w3.py --root $ROOT --json "$OUT/w3.json" ${W3_ARGS:-} ;;
+    w3) phase ${W3_NAME:-w3} 300 python3 benchmarks/profile_w3.py --root $ROOT --json "$OUT/${W3_NAME:-w3}.json" ${W3_ARGS:-} ;;
     backends) phase backends 575 python3 benchmarks/bench_backends.py --root $ROOT --out "$OUT/backends.json" --budget-s $(( ${B:-575} - 15 )) ${BACKENDS_ARGS:-} ;;
     # issue 25 item 2: the Triton segments prefill kernel (tests incl. GPU, flash vs kernel, tiles)
     segments-tests) phase segments-tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_segments_attention.py tests/test_attention.py ;;

@@ -7,8 +7,13 @@ run a decoder layer inside `torch.compile` against the unfused layer.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from hopper import compile_in_child
 from torch import nn
 
 pytest.importorskip("triton")
@@ -108,14 +113,26 @@ def test_which_calls_the_kernels_take():
     layer = DecoderLayer(_config()).to(DEV)
     few, many = torch.zeros(skinny.MAX_ROWS, 64, device=DEV), torch.zeros(65, 64, device=DEV)
     lin = layer.self_attn.qkv_proj
-    with skinny.forced():
+    with skinny.forced(), torch.no_grad():
         assert skinny.applies(few, lin) == (CUDA is False)  # float32 on CUDA: cuBLAS
         assert skinny.applies(few.to(torch.bfloat16), lin)
         assert not skinny.applies(many.to(torch.bfloat16), lin)  # more rows than MAX_ROWS
         fp8 = Fp8Linear.from_linear(lin, mode="emulate")
         assert not skinny.applies(few.to(torch.bfloat16), fp8)  # FP8 layers keep their path
     if not CUDA:
-        assert not skinny.applies(few, lin)  # outside forced(): never the interpreter
+        with torch.no_grad():
+            assert not skinny.applies(few, lin)  # outside forced(): never the interpreter
+
+
+def test_training_keeps_the_plain_ops():
+    """The kernels have no backward: with grad on and weights that want it, the layer does not
+    take them (the demo trainer trains through these layers)."""
+    layer = DecoderLayer(_config()).to(DEV, torch.bfloat16)
+    x = torch.zeros(4, 64, device=DEV, dtype=torch.bfloat16)
+    with skinny.forced():
+        assert not skinny.applies(x, layer.self_attn.qkv_proj)
+        with torch.no_grad():
+            assert skinny.applies(x, layer.self_attn.qkv_proj)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
@@ -140,13 +157,18 @@ def test_a_decoder_layer_with_the_kernels_equals_it_without(qk_norm):
             layer.mlp_block(x),
         )
 
-    plain = parts() if not CUDA else None
-    with skinny.forced():
-        fused = parts()
+    torch.set_grad_enabled(False)  # (inference, as the engine runs; restored below)
+    try:
+        plain = parts() if not CUDA else None
+        with skinny.forced():
+            fused = parts()
+    finally:
+        torch.set_grad_enabled(True)
     if CUDA:
         skinny_max, skinny.MAX_ROWS = skinny.MAX_ROWS, 0  # the unfused path on CUDA
         try:
-            plain = parts()
+            with torch.no_grad():
+                plain = parts()
         finally:
             skinny.MAX_ROWS = skinny_max
     for got, want in zip(fused, plain, strict=True):
@@ -170,6 +192,7 @@ def test_the_kernels_inside_torch_compile_with_dynamic_rows():
         name: torch.compile(getattr(layer, name), fullgraph=True)
         for name in ("attention_input", "attention_output", "mlp_block")
     }
+    torch.set_grad_enabled(False)  # (restored when the test ends, by pytest's fixtures' order)
     for m in (16, 40, 64):
         x = torch.randn(m, 896, device="cuda", dtype=torch.bfloat16)
         o = torch.randn(m, 896, device="cuda", dtype=torch.bfloat16)
@@ -185,3 +208,111 @@ def test_the_kernels_inside_torch_compile_with_dynamic_rows():
             strict=True,
         ):
             _close(got, want, torch.bfloat16)
+
+
+EXPORT = """
+import torch
+from boundgen.models import skinny
+from boundgen.models.decoder import DecoderLayer
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_skinny import _config
+
+skinny.applies = lambda *a, **k: True  # (CPU tensors: traced with fake tensors, never run)
+layer = DecoderLayer(_config()).to(torch.bfloat16)
+
+
+class Parts(torch.nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, o):
+        q, k, v = self.layer.attention_input(x, x[:, :8].unsqueeze(1), x[:, 8:16].unsqueeze(1))
+        return self.layer.mlp_block(self.layer.attention_output(x, o)), q, k, v
+
+
+x, o = torch.randn(16, 64, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
+auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+with torch.inference_mode():
+    ep = torch.export.export(Parts(layer), (x, o), dynamic_shapes=(auto, auto))
+ops = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+print(" ".join(o for o in ops if o.startswith("boundgen")))
+print("symbols:", len(ep.range_constraints))  # the rows: x and o share them
+"""
+
+
+def test_the_layer_traces_with_symbolic_rows():
+    """torch.export (fake tensors, no kernel run) of the layer's fused parts with every activation
+    dim left to export (`Dim.AUTO`, as dynamo's automatic dynamic shapes leave them for the beam
+    layers): the kernels specialise on the weights' sizes only, so the rows stay symbolic. On
+    the H200 a K read from the activation was a SymInt the tile table could not hash. In a child
+    without `TRITON_INTERPRET` (the interpreter's kernels are not traceable)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    res = subprocess.run(
+        [sys.executable, "-c", EXPORT, tests],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].split() == [
+        "boundgen.norm_linear.default",
+        "boundgen.linear_residual.default",
+        "boundgen.norm_gated.default",
+        "boundgen.linear_residual.default",
+    ]
+    assert lines[1] == "symbols: 1"
+
+
+HOPPER = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from boundgen.models import skinny
+
+norm, bias, gated, residual = (a == "1" for a in sys.argv[1:5])
+eps_type = sys.argv[5]
+fn = skinny._skinny_kernel
+block_n, block_k, warps, stages = skinny.DEFAULT_TILE
+const = dict(
+    K=896, N=4864 if gated else 1152, NORM=norm, BIAS=bias, GATED=gated, RESIDUAL=residual,
+    BLOCK_M=skinny.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=False,
+)
+sig = {n: "i32" for n in fn.arg_names}
+sig.update({n: "*bf16" for n in ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "res_ptr")})
+sig["eps"] = eps_type
+if eps_type == "constexpr":  # how torch 2.11's mutation analysis hands scalars over
+    const["eps"] = 1e-6
+sig.update(dict.fromkeys(const, "constexpr"))
+aligned = [n for n in fn.arg_names if sig[n].startswith("*")]
+src = ASTSource(
+    fn,
+    sig,
+    {(fn.arg_names.index(n),): v for n, v in const.items()},
+    {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+)
+kernel = triton.compile(src, GPUTarget("cuda", 90, 32), dict(num_warps=warps, num_stages=stages))
+print("cubin", len(kernel.asm["cubin"]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("norm", "bias", "gated", "residual", "eps_type"),
+    [
+        ("1", "1", "0", "0", "fp32"),  # norm + qkv
+        ("1", "0", "1", "0", "fp32"),  # norm + gate_up + SiLU·mul
+        ("0", "0", "0", "1", "fp32"),  # o_proj / down + residual
+        ("1", "1", "0", "0", "fp64"),  # Inductor's launcher types the float fp64
+        ("1", "0", "1", "0", "constexpr"),  # torch 2.11's mutation analysis: a constexpr
+    ],
+)
+def test_kernel_compiles_for_hopper(norm, bias, gated, residual, eps_type):
+    """The interpreter runs the kernel as Python; this compiles each variant for sm_90 (Triton's
+    bundled ptxas, no GPU), so what only the compiler checks (types carried through the K loop,
+    the eps as fp64 or a constexpr) fails here too."""
+    compile_in_child(HOPPER, norm, bias, gated, residual, eps_type)

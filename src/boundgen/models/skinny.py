@@ -52,6 +52,9 @@ MAX_ROWS = int(os.environ.get("BOUNDGEN_SKINNY_MAX_ROWS", "64"))
 # Tiles per (K, N, gated): (BLOCK_N, BLOCK_K, num_warps, num_stages); sizes not listed take
 # `DEFAULT_TILE`. `bench_skinny.py --sweep` times every tile on the GPU; the fastest belong here.
 DEFAULT_TILE = (64, 128, 4, 3)
+# Rows a program takes (the MMA's narrow side): rows beyond M are masked, and more than MAX_ROWS
+# rows take several programs per column block.
+BLOCK_M = 64
 TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
 
 _FORCED = False
@@ -80,6 +83,8 @@ def applies(x: torch.Tensor, *linears: nn.Module) -> bool:
         return False
     if any(type(lin) is not nn.Linear for lin in linears):
         return False
+    if torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears):
+        return False  # no backward formulas: training (the demo trainer) keeps the plain ops
     if x.is_cuda:
         return x.dtype in (torch.bfloat16, torch.float16)
     return _FORCED and _interpreting()
@@ -187,12 +192,19 @@ if AVAILABLE:
         weight = weight.contiguous()
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
-        m, k = x.shape
+        # K and N from the weight, whose sizes are static: the compiled beam layers trace the
+        # activations with symbolic sizes (dynamo marks a changed dim dynamic), and the kernel
+        # specialises on K and N; only M, the rows, may be symbolic
+        m = x.shape[0]
+        k = weight.shape[1]
         n = weight.shape[0] // 2 if gated else weight.shape[0]
+        torch._check(x.shape[1] == k)
+        if residual is not None:
+            torch._check(residual.shape[0] == m and residual.shape[1] == n)
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         block_n, block_k, warps, stages = TILES.get((k, n, gated), DEFAULT_TILE)
         block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-        block_m = 16 if m <= 16 else 64  # (two classes: a compiled caller recompiles per class)
+        block_m = BLOCK_M  # fixed, not by M: a branch on M would guard compiled callers
         kernel = _skinny_kernel
         if isinstance(kernel, triton.runtime.JITFunction):  # (the interpreter's is not)
             kernel = wrap_triton(kernel)
