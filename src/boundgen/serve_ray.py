@@ -201,6 +201,9 @@ class BoundgenReplica:
             )
         _replica_info(self.state.metrics.registry, self.replica_id, engine_obj, self.metrics_port)
         _this_module()._APP = app
+        from boundgen.server.gil import set_switch_interval
+
+        set_switch_interval(server.gil_switch_ms)  # (a replica is its own process)
         if server.gc_freeze:
             from boundgen.server.heap import freeze_startup_heap
 
