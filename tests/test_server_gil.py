@@ -29,4 +29,4 @@ def test_a_non_positive_interval_is_refused(bad):
 
 
 def test_the_server_default():
-    assert ServerConfig().gil_switch_ms == DEFAULT_MS == 0.5
+    assert ServerConfig().gil_switch_ms == DEFAULT_MS == 5.0  # CPython's, until measured better
