@@ -143,7 +143,7 @@ def sweep(layer, m: int, iters: int, device) -> list[dict]:
         n = w.shape[0] // 2 if gated else w.shape[0]
         key = (k, n, gated)
         found = []
-        for tile in itertools.product((16, 32, 64, 128), (64, 128, 256), (2, 4, 8), (2, 3, 4)):
+        for tile in itertools.product((16, 32, 64), (128, 256), (4, 8), (2, 4)):
             if tile[1] > k:
                 continue
             skinny.TILES[key] = tile
@@ -181,11 +181,15 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-rows", type=int, nargs="+", default=[16, 64])
+    ap.add_argument(
+        "--max-rows", type=int, default=64, help="rows up to which the fused kernels are timed"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_skinny needs CUDA")
     device = torch.device("cuda")
+    skinny.MAX_ROWS = args.max_rows  # (the engine's default may keep them off)
     layer = make_layer(args.preset, device)
     result = {"env": env_info(), "preset": args.preset, "max_rows": skinny.MAX_ROWS}
     result["parts"] = time_parts(layer, args.rows, args.iters, device)

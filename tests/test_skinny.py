@@ -25,6 +25,14 @@ from boundgen.quant.fp8 import Fp8Linear
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def kernels_on(monkeypatch):
+    """The kernels are off by default (`skinny.MAX_ROWS` 0, until tuned): on for these tests."""
+    monkeypatch.setattr(skinny, "MAX_ROWS", 64)
+
+
 SHAPES = [(1, 64, 48), (7, 96, 80), (16, 128, 64), (40, 48, 200), (64, 80, 32)]
 
 

@@ -42,17 +42,20 @@ try:
 except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
     AVAILABLE = False
 
-# The most rows a call takes the fused kernels for. Above it cuBLAS's tiles reuse each weight
-# tile across rows better than these kernels (which read W once per BLOCK_M rows); the crossing
-# point is measured by `benchmarks/bench_skinny.py`. `BOUNDGEN_SKINNY_MAX_ROWS=0` turns the kernels
-# off (an A/B, or a way around a kernel problem); compiled packages record the value
-# (`compile.cache.platform_info`), so a change rebuilds them.
-MAX_ROWS = int(os.environ.get("BOUNDGEN_SKINNY_MAX_ROWS", "64"))
+# The most rows a call takes the fused kernels for; 0 (the default): never. Measured on the H200
+# (BENCHMARKS.md, 2026-12-02 sixth session) with the default tile, the kernels stream the MLP's
+# weights at ~0.9 TB/s against ~1.6 for cuBLAS + Inductor's fused elementwise kernels, and a
+# compiled W4 search took 9.05 ms with them against 6.79 without (eager layers gain: W3 through
+# `eager+graphs` 2.79 against 3.06 ms): they stay off until their tiles (`TILES`, swept by
+# `benchmarks/bench_skinny.py --sweep`) beat Inductor's. `BOUNDGEN_SKINNY_MAX_ROWS=64` turns them
+# on (an A/B); compiled packages record the value (`compile.cache.platform_info`), so a change
+# rebuilds them.
+MAX_ROWS = int(os.environ.get("BOUNDGEN_SKINNY_MAX_ROWS", "0"))
 
 # Tiles per (K, N, gated): (BLOCK_N, BLOCK_K, num_warps, num_stages); sizes not listed take
 # `DEFAULT_TILE`. `bench_skinny.py --sweep` times every tile on the GPU; the fastest belong here.
 DEFAULT_TILE = (64, 128, 4, 3)
-# Rows a program takes (the MMA's narrow side): rows beyond M are masked, and more than MAX_ROWS
+# Rows a program takes (the MMA's narrow side): rows beyond M are masked, and more than BLOCK_M
 # rows take several programs per column block.
 BLOCK_M = 64
 TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
