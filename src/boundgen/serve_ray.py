@@ -203,7 +203,8 @@ class BoundgenReplica:
         _this_module()._APP = app
         from boundgen.server.gil import set_switch_interval
 
-        set_switch_interval(server.gil_switch_ms)  # (a replica is its own process)
+        if server.gil_switch_ms is not None:  # (a replica is its own process)
+            set_switch_interval(server.gil_switch_ms)
         if server.gc_freeze:
             from boundgen.server.heap import freeze_startup_heap
 

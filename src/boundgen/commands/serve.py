@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from boundgen.server.gil import set_switch_interval
     from boundgen.server.uvicorn import serve
 
-    set_switch_interval(server.gil_switch_ms)
+    if server.gil_switch_ms is not None:
+        set_switch_interval(server.gil_switch_ms)
     if server.gc_freeze:
         from boundgen.server.heap import freeze_startup_heap, pause_until_ready
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from boundgen.config import EngineConfig
-from boundgen.server.gil import DEFAULT_MS as DEFAULT_SWITCH_MS
 from boundgen.settings import add_flags, from_args, load_sections, option, read_file
 
 RAY_INSTALL_HINT = "pip install 'boundgen[ray]'"
@@ -98,10 +97,10 @@ class ServerConfig:
         "DAG node (tells a slow request's cause apart)",
         flag=False,
     )
-    gil_switch_ms: float = option(
-        DEFAULT_SWITCH_MS,
-        "the interpreter's GIL switch interval, ms (CPython's default 5): how long a thread that "
-        "released the GIL for a torch call may wait to get it back (server/gil.py)",
+    gil_switch_ms: float | None = option(
+        None,
+        "the interpreter's GIL switch interval, ms (unset: CPython's, 5 ms): how long a thread "
+        "that released the GIL for a torch call may wait to get it back (server/gil.py)",
     )
     gc_freeze: bool = option(
         True,
@@ -196,7 +195,7 @@ class ServerConfig:
         for name in ("header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.gil_switch_ms > 0:
+        if self.gil_switch_ms is not None and not self.gil_switch_ms > 0:
             raise ValueError(f"gil_switch_ms must be > 0, got {self.gil_switch_ms}")
         if self.max_queue_ms is not None and not self.max_queue_ms > 0:
             raise ValueError(f"max_queue_ms must be > 0, got {self.max_queue_ms}")

@@ -9,15 +9,13 @@ one pair of runs on one machine) 0.5 ms against the default gave the forward nod
 per forward of ~7.5 requests (pack / stage / launch 7.7 / 4.3 / 4.6 against 11.5 / 7.5 / 5.3 ms,
 where packing and padding take ~0.19 ms a request on an idle development CPU, `bench_host.py`)
 and wrk's closed loop lower latency (p50 86 against 106 ms, p99 118 against 176), but the open-loop
-generator offered 400 req/s was served fewer (230 against 274 req/s, more 429s). So the default
-stays CPython's until repeated runs settle it; `--gil-switch-ms` is the A/B.
+generator offered 400 req/s was served fewer (230 against 274 req/s, more 429s). So a server
+leaves CPython's interval unless `--gil-switch-ms` is given (the A/B) until repeated runs settle it.
 """
 
 from __future__ import annotations
 
 import sys
-
-DEFAULT_MS = 5.0  # CPython's
 
 
 def set_switch_interval(ms: float) -> float:
