@@ -11,13 +11,34 @@ import sys
 
 import pytest
 
+# What every such script starts and ends with: it defines the kernel `fn`, its signature `sig`,
+# its constexprs `const`, the pointer/stride arguments `aligned` (16-byte divisible) and its
+# `warps`/`stages`; this compiles it for sm_90 and prints the cubin's size.
+_HEAD = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+"""
+_TAIL = """
+src = ASTSource(
+    fn,
+    sig,
+    {(fn.arg_names.index(n),): v for n, v in const.items()},
+    {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+)
+kernel = triton.compile(src, GPUTarget("cuda", 90, 32), dict(num_warps=warps, num_stages=stages))
+print("cubin", len(kernel.asm["cubin"]))
+"""
+
 
 def compile_in_child(script: str, *args: str) -> str:
-    """Run `script` (which calls `triton.compile` and prints "cubin N") → its stdout; skips the
+    """Run `script` between the common head and tail above (argv: `args`) → its stdout; skips the
     test where this Triton has no CUDA compiler API."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = _HEAD + script + _TAIL
     res = subprocess.run(
-        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600
     )
     if "No module named" in res.stderr or "ImportError" in res.stderr:
         pytest.skip(f"this triton has no CUDA compiler API: {res.stderr.strip()[-200:]}")

@@ -98,10 +98,6 @@ def test_the_fused_quantize_is_part_of_the_compile_key():
 
 
 HOPPER = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from boundgen.quant import triton_quant
 
 width, name, chunk = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
@@ -113,10 +109,8 @@ if "CHUNKED" in fn.arg_names:
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({fn.arg_names[0]: "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"})
 sig.update(dict.fromkeys(const, "constexpr"))
-src = ASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in const.items()})
-warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-kernel = triton.compile(src, GPUTarget("cuda", 90, 32), dict(num_warps=warps))
-print("cubin", len(kernel.asm["cubin"]))
+aligned = []  # (no divisibility hints)
+warps, stages = 4 if block <= 2048 else 8 if block <= 8192 else 16, 3
 """
 
 
