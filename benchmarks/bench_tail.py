@@ -89,6 +89,9 @@ def with_forwards(url: str, run) -> dict:
         "host_ms_per_forward": {
             part: wrk.per_batch(before, after, f"host_{part}_s") * 1e3 for part in HOST_PARTS
         },
+        "host_cpu_ms_per_forward": {
+            part: wrk.per_batch(before, after, f"host_cpu_{part}_s") * 1e3 for part in HOST_PARTS
+        },
     }
 
 
@@ -216,7 +219,7 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| generator | load | ok/s | p50 ms | p99 ms | server p50 / p99 ms | p99 − server p99 ms "
         "| errors | requests per forward | GPU busy (forward node) | tokens per forward "
-        "| host ms per forward: pack / stage / launch |",
+        "| host ms per forward: pack / stage / launch (their CPU) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
@@ -229,8 +232,10 @@ def table(rows: list[dict]) -> str:
         if r.get("gpu_busy"):  # a real GPU: the forward node's device time
             busy = f"{r['gpu_busy']:.0%}"
         size = f"{fake['mean_size']:.0f}" if fake.get("calls") else "–"
-        split = r.get("host_ms_per_forward") or {}
+        split, cpu = r.get("host_ms_per_forward") or {}, r.get("host_cpu_ms_per_forward") or {}
         host = " / ".join(f"{split[p]:.2f}" for p in HOST_PARTS) if split else "–"
+        if cpu:  # (rows of older runs have no CPU split)
+            host += " (CPU " + " / ".join(f"{cpu[p]:.2f}" for p in HOST_PARTS) + ")"
         if not fake.get("calls") and r.get("tokens_per_forward"):
             size = f"{r['tokens_per_forward']:.0f}"
         lines.append(

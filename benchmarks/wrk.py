@@ -127,7 +127,8 @@ def load_label(row: dict) -> str:
 
 def node_counters(url: str, node: str) -> dict[str, float]:
     """A batching node's counters so far (`/metrics`): merged batches, the requests and tokens in
-    them, the stream seconds of its batches (CUDA), and the model runner's host seconds by part;
+    them, the stream seconds of its batches (CUDA), and the model runner's host seconds (wall and
+    the running thread's CPU) by part;
     differences over a run give requests and tokens per batch, the GPU's share and the host time
     a batch's forward took by part."""
     text = httpx.get(url + "/metrics", timeout=30).text
@@ -137,13 +138,14 @@ def node_counters(url: str, node: str) -> dict[str, float]:
         return float(m.group(1)) if m else 0.0
 
     # the runner's host time is per part, not per node (one model node serves W5)
-    host = "boundgen_runner_host_seconds"
+    host, cpu = "boundgen_runner_host_seconds", "boundgen_runner_host_cpu_seconds"
     return {
         "batches": value("boundgen_runtime_batches"),
         "requests": value("boundgen_runtime_batched_requests"),
         "tokens": value("boundgen_runtime_batched_tokens"),
         "device_s": value("boundgen_runtime_device_seconds"),
         **{f"host_{part}_s": value(host, f'part="{part}"') for part in HOST_PARTS},
+        **{f"host_cpu_{part}_s": value(cpu, f'part="{part}"') for part in HOST_PARTS},
     }
 
 

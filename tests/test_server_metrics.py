@@ -54,7 +54,8 @@ def test_bucket_batches_misses_and_padding(bucketed):
 
 def test_forward_host_time_by_part(bucketed):
     """`boundgen_runner_host_seconds_total{part}`: where the forwards' host time went (a bucketed
-    forward packs, stages and launches; nothing else moves it) and the pieces run."""
+    forward packs, stages and launches; nothing else moves it), its CPU part
+    (`boundgen_runner_host_cpu_seconds_total`) and the pieces run."""
     client = TestClient(create_app(bucketed, ServerConfig()), base_url=LOCAL)
     before = client.get("/metrics").text
     parts = ("pack", "stage", "launch")
@@ -64,7 +65,11 @@ def test_forward_host_time_by_part(bucketed):
     assert client.post("/v1/score", json=body).status_code == 200
     page = client.get("/metrics").text
     for p in parts:
-        assert metric(page, "boundgen_runner_host_seconds_total", f'part="{p}"') > was[p]
+        wall = metric(page, "boundgen_runner_host_seconds_total", f'part="{p}"')
+        assert wall > was[p]
+        # the same parts' CPU time on their thread: some, and never above the wall time
+        cpu = metric(page, "boundgen_runner_host_cpu_seconds_total", f'part="{p}"')
+        assert 0 < cpu <= wall
     assert metric(page, "boundgen_runner_pieces_total") == pieces + 1
 
 

@@ -46,7 +46,8 @@ _MAX_COLUMN_SETS = 64
 # chunks, packs and pads the next piece; `stage` copies a piece's inputs towards the device through
 # pooled buffers; `launch` queues its forward (a staged bucket: the fill of its input buffer, the
 # copy and the replay) and the gather of its rows. On CUDA the device work is only queued, so
-# these are host times, including any wait inside them.
+# these are host times, including any wait inside them; the same parts' CPU time on the calling
+# thread (`host_cpu_seconds`) tells the waits apart (for the GIL, an allocator, a full queue).
 HOST_PARTS = ("pack", "stage", "launch")
 
 
@@ -75,6 +76,7 @@ class ModelRunner:
         self._tries: dict[int, tuple] = {}  # id(trie) → (trie, its copy on this device)
         self._columns: dict[tuple[int, ...], torch.Tensor] = {}  # label ids → on this device
         self._host_ns = dict.fromkeys(HOST_PARTS, 0)
+        self._host_cpu_ns = dict.fromkeys(HOST_PARTS, 0)
         self._pieces = 0
 
     @property
@@ -106,7 +108,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             budget = min(budget, CPU_PIECE_TOKENS)
         outs, row = [], 0
-        clock = time.perf_counter_ns
+        clock = _clocks
         with self._staging() as lease:
             for packed in self._timed(self.pieces(groups, modes, budget)):
                 k = packed.num_rows
@@ -126,12 +128,12 @@ class ModelRunner:
                 if staged is not None:  # one fill, one copy, one replay (compile/staging.py)
                     t0 = clock()
                     outs.append(staged.rows(packed))
-                    self._spent("launch", clock() - t0)
+                    self._spent("launch", t0, clock())
                     continue
                 t0 = clock()
                 packed = stage_packed(packed, lease, self.device)
                 t1 = clock()
-                self._spent("stage", t1 - t0)
+                self._spent("stage", t0, t1)
                 hidden = self.forward(packed)
                 out = hidden.index_select(0, packed.last_index)
                 if "mean" in piece_modes:
@@ -143,22 +145,26 @@ class ModelRunner:
                 if token_rows is not None:
                     out = torch.cat([hidden, out]).index_select(0, lease.stage(token_rows, False))
                 outs.append(out)
-                self._spent("launch", clock() - t1)
+                self._spent("launch", t1, clock())
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _timed(self, pieces: Iterator[PackedBatch]) -> Iterator[PackedBatch]:
         """`pieces`, the host time of making each counted as `pack`."""
         while True:
-            t0 = time.perf_counter_ns()
+            t0 = _clocks()
             packed = next(pieces, None)
-            self._spent("pack", time.perf_counter_ns() - t0, pieces=int(packed is not None))
+            self._spent("pack", t0, _clocks(), pieces=int(packed is not None))
             if packed is None:
                 return
             yield packed
 
-    def _spent(self, part: str, ns: int, pieces: int = 0) -> None:
+    def _spent(
+        self, part: str, start: tuple[int, int], end: tuple[int, int], pieces: int = 0
+    ) -> None:
+        """Count the wall and thread CPU time between two `_clocks()` readings to `part`."""
         with self._lock:  # a runner serves several nodes' threads
-            self._host_ns[part] += ns
+            self._host_ns[part] += end[0] - start[0]
+            self._host_cpu_ns[part] += end[1] - start[1]
             self._pieces += pieces
 
     def _staged(self, packed: PackedBatch, modes: list[str]) -> StagedBucket | None:
@@ -324,6 +330,7 @@ class ModelRunner:
         with self._lock:
             out["pieces"] = self._pieces
             out["host_seconds"] = {part: ns / 1e9 for part, ns in self._host_ns.items()}
+            out["host_cpu_seconds"] = {part: ns / 1e9 for part, ns in self._host_cpu_ns.items()}
         graphs = self.forwards.search if self.forwards else None
         if graphs is not None:
             out["beam_graphs"] = {
@@ -357,6 +364,11 @@ def mean_rows(hidden: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -
     sums = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     sums.index_add_(0, seq_id, hidden.index_select(0, rows).float())
     return (sums / length[:, None].float()).to(hidden.dtype)
+
+
+def _clocks() -> tuple[int, int]:
+    """(wall, this thread's CPU) in ns: `_spent` takes two readings."""
+    return time.perf_counter_ns(), time.thread_time_ns()
 
 
 # ---- staging a PackedBatch through pooled pinned / device buffers -------------------------------

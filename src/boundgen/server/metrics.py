@@ -160,12 +160,20 @@ def _bucket_families(runtime):
         "stage (its inputs towards the device), launch (queue its forward and row gather)",
         labels=["part"],
     )
+    host_cpu = CounterMetricFamily(
+        "boundgen_runner_host_cpu_seconds",
+        "CPU time of the same parts on the thread running them (host seconds minus this: waits, "
+        "e.g. for the GIL)",
+        labels=["part"],
+    )
     pieces = CounterMetricFamily("boundgen_runner_pieces", "packed forward pieces run")
     try:
         stats = runtime.stats()["runner"]
         backend.add_metric([str(stats.get("backend", "eager"))], 1.0)
         for part, seconds in stats.get("host_seconds", {}).items():
             host.add_metric([part], float(seconds))
+        for part, seconds in stats.get("host_cpu_seconds", {}).items():
+            host_cpu.add_metric([part], float(seconds))
         pieces.add_metric([], float(stats.get("pieces", 0)))
         if "beam_graphs" in stats:
             beam_searches.add_metric([], float(stats["beam_graphs"]["searches"]))
@@ -178,7 +186,18 @@ def _bucket_families(runtime):
             padded.add_metric([], float(stats["padded_tokens"]))
     except Exception:  # metrics must never fail a scrape
         pass
-    yield from (backend, batches, misses, real, padded, beam_searches, beam_misses, host, pieces)
+    yield from (
+        backend,
+        batches,
+        misses,
+        real,
+        padded,
+        beam_searches,
+        beam_misses,
+        host,
+        host_cpu,
+        pieces,
+    )
 
 
 class _AdmissionCollector:
