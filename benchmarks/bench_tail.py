@@ -74,7 +74,8 @@ def run_wrk(
 
 def with_forwards(url: str, run) -> dict:
     """`run()`'s row, with the server's forward node over the run (its `/metrics`): requests and
-    tokens per forward, and the share of the run its batches kept the device busy (0 on CPU)."""
+    tokens per forward, the share of the run its batches kept the device busy (0 on CPU), its host
+    time per forward by part (wall and CPU), and the server's CPU per request by thread."""
     before = wrk.node_counters(url, "forward")
     t0 = time.perf_counter()
     row = run()
@@ -92,7 +93,21 @@ def with_forwards(url: str, run) -> dict:
         "host_cpu_ms_per_forward": {
             part: wrk.per_batch(before, after, f"host_cpu_{part}_s") * 1e3 for part in HOST_PARTS
         },
+        "thread_cpu_ms_per_request": thread_cpu_per_request(before, after),
     }
+
+
+def thread_cpu_per_request(before: dict, after: dict) -> dict[str, float]:
+    """The server's CPU ms per request served by its forward node, per thread (largest first)."""
+    served = after["requests"] - before["requests"]
+    if served <= 0:
+        return {}
+    per = {
+        k.split(":", 1)[1]: (after[k] - before.get(k, 0.0)) * 1e3 / served
+        for k in after
+        if k.startswith("thread_cpu:")
+    }
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
 def run_open_loop(cfg: LoadConfig, rate: float) -> dict:
@@ -344,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
                     row["fake_gpu"] = fake_gpu.busy(fake_log, t0, t1)
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
+                per = row.get("thread_cpu_ms_per_request") or {}
+                if per:  # where the server's CPU went, per request served
+                    top = ", ".join(f"{k} {v:.2f}" for k, v in list(per.items())[:6])
+                    print(f"    CPU ms per request: {sum(per.values()):.2f} ({top})", flush=True)
                 partial = {"env": env_info(), "config": vars(args), "rows": rows}
                 out.write_text(json.dumps(partial | {"server_ready_s": ready_s}, indent=1))
 

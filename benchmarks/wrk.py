@@ -146,6 +146,13 @@ def node_counters(url: str, node: str) -> dict[str, float]:
         "device_s": value("boundgen_runtime_device_seconds"),
         **{f"host_{part}_s": value(host, f'part="{part}"') for part in HOST_PARTS},
         **{f"host_cpu_{part}_s": value(cpu, f'part="{part}"') for part in HOST_PARTS},
+        # CPU seconds per server thread (`boundgen_thread_cpu_seconds`), as thread_cpu:NAME
+        **{
+            f"thread_cpu:{m.group(1)}": float(m.group(2))
+            for m in re.finditer(
+                r'^boundgen_thread_cpu_seconds_total\{thread="([^"]*)"\} (\S+)$', text, re.MULTILINE
+            )
+        },
     }
 
 

@@ -8,7 +8,8 @@ Names: `boundgen_request_seconds{endpoint}`, `boundgen_requests_total{endpoint,s
 `boundgen_device_memory_bytes{device,kind}`, the runtime's own
 `boundgen_runtime_node_seconds{pipeline, node}` (every DAG node), batching counters, the compiled
 buckets' use (`boundgen_bucket_batches_total{bucket}`, `boundgen_bucket_misses_total`, real and
-padded tokens), and GC pauses per generation.
+padded tokens), GC pauses per generation and CPU time per Python thread
+(`boundgen_thread_cpu_seconds{thread}`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from boundgen.server.threads import thread_cpu_seconds
 
 # Latency buckets in seconds: fine around the 20 ms p99 target, coarse beyond.
 LATENCY_BUCKETS = (
@@ -65,6 +68,22 @@ class _DeviceMemoryCollector:
                     family.add_metric(
                         [dev, "max_allocated"], float(torch.cuda.max_memory_allocated(i))
                     )
+        except Exception:  # metrics must never fail a scrape
+            pass
+        yield family
+
+
+class _ThreadCpuCollector:
+    def collect(self):
+        family = CounterMetricFamily(
+            "boundgen_thread_cpu_seconds",
+            "CPU time per Python thread (name; `other`: the native threads): the Python threads "
+            "share one GIL, so their sum near one core per second says the server is bound by it",
+            labels=["thread"],
+        )
+        try:
+            for name, seconds in sorted(thread_cpu_seconds().items()):
+                family.add_metric([name], seconds)
         except Exception:  # metrics must never fail a scrape
             pass
         yield family
@@ -285,6 +304,7 @@ class Metrics:
             registry=r,
         )
         r.register(_DeviceMemoryCollector())
+        r.register(_ThreadCpuCollector())
         from boundgen.server.heap import GCPauses
 
         r.register(GCPauses.install())
