@@ -231,6 +231,58 @@ def test_json_bounds():
         assert err.value.status == status and text in err.value.message, body
 
 
+def test_orjson_parses_what_json_would_and_leaves_the_rest_to_json(monkeypatch):
+    """Bodies without escapes go through orjson (`_fast_loads`) with the same result as json;
+    a duplicate key, an escape, NaN or a float (orjson reads an integer beyond 64 bits as one)
+    goes to json's path, whose refusals say why (`test_json_bounds`)."""
+    from boundgen.server import limits
+
+    bounds = JsonBounds(containers=200, list_entries=300)
+    w2 = {
+        "query": list(range(256)),
+        "items": [[i, i + 1] * 8 for i in range(100)],
+        "label_token_ids": [5, 7],
+        "apply_softmax": True,
+    }
+    texts = {"query": "où est la gare", "documents": ["a b", "c"], "top_n": 1, "x": None}
+    for value in (w2, texts, [1, "s", {"k": [True]}], {}):
+        body = json.dumps(value, ensure_ascii=False).encode()
+        assert limits._fast_loads(body, 300) == json.loads(body) == load_json(body, bounds)
+    for body in (
+        b'{"a": 1, "a": 2}',  # orjson would keep the last
+        b'{"a": {"b": 1, "b": 2}}',
+        b'{"a": "x\\"y"}',  # an escape
+        b'{"a": NaN}',
+        b'{"a": 123456789012345678901234567890}',  # orjson: a float
+        b'{"a": [1, 2.5]}',  # any float: json's path
+        b'{"a": [1, 2',
+    ):
+        assert limits._fast_loads(body, 300) is None, body
+    # and the fast path is the one taken for a W2 body
+    calls = []
+    real = limits._fast_loads
+    monkeypatch.setattr(limits, "_fast_loads", lambda b, n: calls.append(b) or real(b, n))
+    monkeypatch.setattr(limits.json, "loads", None)  # json's path would fail
+    assert load_json(json.dumps(w2).encode(), bounds) == w2 and calls
+
+
+def test_token_id_lists_are_checked_together_and_named_alone(engine):
+    """Items' token ids: the vocabulary checked over all lists at once; an id outside it, or an
+    empty item, is still named by its index."""
+    client = TestClient(create_app(engine, ServerConfig()), base_url=LOCAL)
+    big = 10**6  # beyond any test model's vocabulary
+    items = [[1, 2], [3], [4, 5]]
+    ok = {"query": [1, 2], "items": items, "label_token_ids": [1]}
+    assert client.post("/v1/score", json=ok).status_code == 200
+    for bad, says in (
+        ([[1], [2], [big]], f"items[2] contains token id {big}"),
+        ([[1], [-1], [2]], "items[1] contains token id -1"),
+        ([[1], [], [2]], "items[1] has no tokens"),
+    ):
+        r = client.post("/v1/score", json={**ok, "items": bad})
+        assert r.status_code == 400 and says in r.text, r.text
+
+
 # ---- admission by expected latency
 
 

@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+
+try:
+    import orjson
+except ImportError:  # (the server extra brings it; without it, json alone)
+    orjson = None
 from starlette.requests import ClientDisconnect, Request
 
 from boundgen.server.config import ServerConfig
@@ -63,6 +68,12 @@ def load_json(body: bytes, bounds: JsonBounds) -> Any:
             f"{bounds.containers} (4 per item of max_items, and 64)"
         )
     try:
+        fast = _fast_loads(body, bounds.list_entries)
+    except RecursionError:
+        raise BadRequest("body is nested too deeply") from None
+    if fast is not None:
+        return fast
+    try:
         text = body.decode("utf-8")  # JSON is UTF-8 (RFC 8259); json.loads would pass surrogates
         value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except _Refused as exc:
@@ -74,6 +85,62 @@ def load_json(body: bytes, bounds: JsonBounds) -> Any:
     except RecursionError:
         raise BadRequest("body is nested too deeply") from None
     return value
+
+
+def _fast_loads(body: bytes, limit: int) -> Any | None:
+    """The body parsed by orjson (~3x json's speed on token-id bodies) with every list at most
+    `limit` long (413), or None where json's path must decide: any backslash (escapes: lone
+    surrogates, escaped quotes), anything orjson refuses (bad JSON, NaN/Infinity: json's messages
+    say why), any float (orjson reads an integer beyond 64 bits as one, json as an int), or a
+    duplicate key — orjson keeps the last, so the strings are counted: without escapes every `"`
+    opens or closes a key or a string value, and a duplicate leaves fewer keys parsed than the
+    body holds."""
+    if orjson is None or b"\\" in body:
+        return None
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    strings = _scan(value, limit, "body")
+    if strings is None or body.count(b'"') != 2 * strings:
+        return None
+    return value
+
+
+def _scan(value: Any, limit: int, where: str) -> int | None:
+    """`_check_values`'s list lengths, and the keys and string values in `value` counted, in one
+    walk; None when it holds a float."""
+    kind = type(value)
+    if kind is str:
+        return 1
+    if kind is float:
+        return None
+    if kind is dict:
+        n = len(value)
+        for k, v in value.items():
+            if type(v) in _SCAN:
+                inner = _scan(v, limit, k if where == "body" else f"{where}.{k}")
+                if inner is None:
+                    return None
+                n += inner
+        return n
+    if kind is not list:
+        return 0
+    if len(value) > limit:
+        _too_long(where, len(value), limit)
+    kinds = set(map(type, value))  # at C speed: most lists are flat token ids
+    if not kinds & _SCAN:
+        return 0
+    if float in kinds:
+        return None
+    n = 0
+    for i, v in enumerate(value):
+        if type(v) in _SCAN:
+            inner = _scan(v, limit, f"{where}[{i}]")
+            if inner is None:
+                return None
+            n += inner
+    return n
 
 
 class _Refused(Exception):
@@ -101,10 +168,7 @@ def _check_values(value: Any, limit: int, where: str, strings: bool) -> None:
     kind = type(value)
     if kind is list:
         if len(value) > limit:
-            raise TooLarge(
-                f"{where} has {len(value)} entries; no list in a request may have more than "
-                f"{limit} (server options max_items and max_*_tokens)"
-            )
+            _too_long(where, len(value), limit)
         kinds = set(map(type, value))  # at C speed: most lists are flat token ids
         if kinds & _NESTED or (strings and str in kinds):
             for i, v in enumerate(value):
@@ -123,7 +187,15 @@ def _check_values(value: Any, limit: int, where: str, strings: bool) -> None:
             ) from None
 
 
+def _too_long(where: str, n: int, limit: int) -> None:
+    raise TooLarge(
+        f"{where} has {n} entries; no list in a request may have more than {limit} (server "
+        "options max_items and max_*_tokens)"
+    )
+
+
 _NESTED = frozenset({list, dict})
+_SCAN = frozenset({list, dict, str, float})
 # a \uD800-\uDFFF escape: only then can a parsed string hold a lone surrogate
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
@@ -179,6 +251,14 @@ class Limits:
         raise BadRequest(
             f"{what} contains token id {bad}, outside the vocabulary [0, {self.vocab_size})"
         )
+
+    def many_token_ids(self, what: str, seqs: list[list[int]]) -> None:
+        """`token_ids` of every list in `seqs` (named `what[i]`), the common case in two C loops."""
+        if all(seqs):  # (an empty one: the per-list path, and `tokens` refuses it)
+            if min(map(min, seqs)) >= 0 and max(map(max, seqs)) < self.vocab_size:
+                return
+        for i, ids in enumerate(seqs):
+            self.token_ids(f"{what}[{i}]", ids)
 
     def tokens(self, what: str, n: int, limit: int, option: str) -> None:
         if n == 0:
