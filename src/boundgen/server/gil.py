@@ -4,13 +4,12 @@ A server runs Python on several threads at once: the event loop (HTTP, JSON), th
 (request checks, packing, staging, launching the forward) and the reply path. Every torch call
 releases the GIL, and a thread that wants it back while another thread runs Python waits until
 that thread is asked to let go, up to the switch interval (CPython's default 5 ms). The forward
-node makes a few dozen torch calls per merged batch. On the H200 (W5, 2026-12-02, BENCHMARKS.md,
-one pair of runs on one machine) 0.5 ms against the default gave the forward node less host time
-per forward of ~7.5 requests (pack / stage / launch 7.7 / 4.3 / 4.6 against 11.5 / 7.5 / 5.3 ms,
-where packing and padding take ~0.19 ms a request on an idle development CPU, `bench_host.py`)
-and wrk's closed loop lower latency (p50 86 against 106 ms, p99 118 against 176), but the open-loop
-generator offered 400 req/s was served fewer (230 against 274 req/s, more 429s). So a server
-leaves CPython's interval unless `--gil-switch-ms` is given (the A/B) until repeated runs settle it.
+node makes a few dozen torch calls per merged batch. On the H200 (W5, 2026-12-02, BENCHMARKS.md)
+0.5 ms gave the forward node less host time per forward of ~7.5 requests (pack / stage / launch
+7.7 / 4.3 / 4.6 against 11.5 / 7.5 / 5.3 ms) and wrk's closed loop 260 req/s at p99 118 ms, but
+three runs of the unchanged server spanned 237-256 req/s at p99 132-176 ms and its open-loop
+generator was served more (274 against 230 req/s): no effect shown beyond the spread. So a server
+leaves CPython's interval unless `--gil-switch-ms` is given (the A/B).
 """
 
 from __future__ import annotations

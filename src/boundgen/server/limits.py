@@ -15,12 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import orjson
 from pydantic import BaseModel, ValidationError
-
-try:
-    import orjson
-except ImportError:  # (the server extra brings it; without it, json alone)
-    orjson = None
 from starlette.requests import ClientDisconnect, Request
 
 from boundgen.server.config import ServerConfig
@@ -95,7 +91,7 @@ def _fast_loads(body: bytes, limit: int) -> Any | None:
     duplicate key — orjson keeps the last, so the strings are counted: without escapes every `"`
     opens or closes a key or a string value, and a duplicate leaves fewer keys parsed than the
     body holds."""
-    if orjson is None or b"\\" in body:
+    if b"\\" in body:
         return None
     try:
         value = orjson.loads(body)
