@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 import fake_gpu
+import gil_profile
 import httpx
 import wrk
 from bench_overload import _cpus, wait_idle
@@ -289,6 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--server-cpus", default="0")
     p.add_argument("--client-cpus", default="1")
+    p.add_argument(
+        "--gil-profile",
+        type=float,
+        default=0,
+        help="SECONDS: last, a closed loop of --gil-profile-connections while py-spy records "
+        "which Python holds the server's GIL (gil_profile.py; py-spy, a server started here)",
+    )
+    p.add_argument("--gil-profile-connections", type=int, default=64)
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/...)")
     p.add_argument("--encode", action="store_true", help="reply encoding times only (no server)")
     p.add_argument("--encode-iters", type=int, default=20)
@@ -343,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         label="boundgen",
     )
     rows: list[dict] = []
+    gil: dict | None = None
     try:
         vocab = httpx.get(url + "/v1/models").json()["data"][0]["vocab_size"]
         cfg = dataclasses.replace(cfg, vocab_size=vocab)
@@ -377,6 +387,14 @@ def main(argv: list[str] | None = None) -> int:
                 record(run_wrk(url, script, bodies, c, think, args.duration, args.client_cpus))
                 wait_idle(cfg)
                 record(run_open_loop(cfg, rate))
+            if args.gil_profile and proc is not None:
+                # a saturated closed loop, its server's GIL holders recorded meanwhile
+                raw = out.with_suffix(".gil.txt")
+                spy = gil_profile.record(proc.pid, args.gil_profile, raw)
+                c = args.gil_profile_connections
+                record(run_wrk(url, script, bodies, c, 0, args.gil_profile + 3, args.client_cpus))
+                gil = gil_profile.finish(spy, raw)
+                print(f"GIL holders ({c} connections): {json.dumps(gil)[:1500]}", flush=True)
             gc_after = gc_pauses(url)
     finally:
         if proc is not None:
@@ -384,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "env": env_info(),
         "date": time.strftime("%Y-%m-%d"),
+        "gil_profile": gil,
         "config": vars(args),
         "rows": rows,
         "server_ready_s": ready_s,

@@ -9,5 +9,5 @@ install_device_wheels() {
   # once per machine: a second run_h200.sh in the same call only puts them on the path again
   [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/site "${extra[@]}" && touch /tmp/site/.installed; }
-  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}" PATH="/tmp/site/bin:$PATH"  # (py-spy's binary)
 }
