@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import hmac
 import ipaddress
 import re
@@ -264,6 +265,7 @@ def _host_name(host: str) -> str:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
+@functools.lru_cache(maxsize=256)  # a handful of names a server is called by: parsed once each
 def _is_loopback_name(name: str) -> bool:
     if name == "localhost":
         return True
