@@ -138,3 +138,28 @@ def test_collector_paused_during_start_up_resumes_at_ready_or_failure(engine_for
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+def test_a_shutdown_during_the_warm_up_stops_it_and_waits(engine_for):
+    """A server stopped while it warms up runs no further warm-up request and waits for the one
+    running: a process that exited with the warm-up thread inside torch aborted ("terminate called
+    without an active exception", status 134)."""
+    app = create_app(engine_for(), ServerConfig())
+    state = app.state.boundgen
+    started, ran = threading.Event(), []
+
+    def slow(name):
+        def call():
+            started.set()
+            time.sleep(0.3)
+            ran.append(name)
+
+        return call
+
+    state.warmup = [(f"slow {i}", slow(i)) for i in range(5)]
+    with TestClient(app, base_url=LOCAL):
+        assert started.wait(10)
+    # the lifespan's exit stopped it after the request that was running, and waited for it
+    assert ran == [0]
+    assert not state._warming.is_alive()
+    assert (state.ready, state.unready) == (False, "shutting down")

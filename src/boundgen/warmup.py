@@ -82,27 +82,33 @@ def requests(
     return _calls(engine, profile, tries or {})
 
 
+class Stopped(Exception):
+    """The warm-up was asked to stop (`run`'s `stop`) before all its requests had run."""
+
+
 def run(
     calls: list[tuple[str, Callable[[], Any]]],
     progress: bool | Callable[[dict], None] = False,
     cache_root: str | Path | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[dict]:
     """Run warm-up requests in order; `progress`: True for a progress bar on stderr, or a
     callable given each {"what", "seconds"} row as it finishes. `cache_root`: the compile cache
     whose `torch.compile` results are loaded first and, when the warm-up compiled, saved after
     (`compile.torch_cache`: a later start, or a copy of the cache on another machine, then
-    compiles nothing)."""
+    compiles nothing). `stop()`, asked before each request: True raises `Stopped` (a server
+    shutting down during its warm-up)."""
     watch_dynamo()
     if cache_root is not None:
         torch_cache.load(cache_root)
     compiled = COMPILES.total(TORCH_COMPILE)
-    rows = _run(calls, progress)
+    rows = _run(calls, progress, stop)
     if cache_root is not None and COMPILES.total(TORCH_COMPILE) > compiled:
         torch_cache.save(cache_root)
     return rows
 
 
-def _run(calls, progress) -> list[dict]:
+def _run(calls, progress, stop=None) -> list[dict]:
     bar = None
     if progress is True:
         from tqdm import tqdm
@@ -110,6 +116,10 @@ def _run(calls, progress) -> list[dict]:
         bar = tqdm(total=len(calls), desc="warm-up", unit="request", file=sys.stderr)
     rows = []
     for what, call in calls:
+        if stop is not None and stop():
+            if bar is not None:
+                bar.close()
+            raise Stopped(f"warm-up stopped after {len(rows)} of {len(calls)} requests")
         t0 = time.perf_counter()
         call()
         row = {"what": what, "seconds": round(time.perf_counter() - t0, 3)}

@@ -120,6 +120,7 @@ def create_app(
         yield
         # uvicorn has drained in-flight requests by now (SIGTERM → graceful shutdown).
         state.draining = True
+        state.stop_warm_up()  # (before the runtime closes under it)
         state.infer.close()
         state.close()
 

@@ -68,6 +68,8 @@ class ServerState:
         # run once the warm-up has succeeded, before readiness (the serving process freezes the
         # heap the warm-up grew: compiled graphs, dynamo's caches)
         self.after_warm_up: list[Callable[[], Any]] = []
+        self._warming: threading.Thread | None = None  # the warm-up's thread, while it runs
+        self._stop_warming = threading.Event()  # set at shutdown: no further warm-up request
         watch_dynamo()
         self.stop_watching_compiles = COMPILES.listen(self._compiled)
 
@@ -107,7 +109,19 @@ class ServerState:
             startup_profile.stop()
             return
         self.ready, self.unready = False, "warming up"
-        threading.Thread(target=self.warm_up, name="boundgen-warmup", daemon=True).start()
+        self._warming = threading.Thread(target=self.warm_up, name="boundgen-warmup", daemon=True)
+        self._warming.start()
+
+    def stop_warm_up(self, timeout_s: float = 60.0) -> None:
+        """At shutdown: no further warm-up request, and wait for the one running (a process that
+        exits while the warm-up thread is inside torch aborts: "terminate called without an
+        active exception", exit status 134)."""
+        self._stop_warming.set()
+        thread = self._warming
+        if thread is not None and thread.is_alive():
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("the warm-up did not stop within %.0f s of shutdown", timeout_s)
 
     def warm_up(self) -> None:
         """Run the warm-up requests (a worker thread at start-up), then say ready; a failing
@@ -124,10 +138,20 @@ class ServerState:
 
         try:
             ec = self.engine.engine_config
-            warmup.run(self.warmup, progress, cache_root=ec.compile_cache or default_cache_dir())
+            warmup.run(
+                self.warmup,
+                progress,
+                cache_root=ec.compile_cache or default_cache_dir(),
+                stop=self._stop_warming.is_set,
+            )
             self.engine.runner.seal()  # nothing is compiled or captured on a request's path
             for hook in self.after_warm_up:
                 hook()
+        except warmup.Stopped as exc:
+            log.info("%s: the server is shutting down", exc)
+            self.unready = "shutting down"
+            startup_profile.stop()
+            return
         except Exception as exc:
             log.exception("warm-up failed; the server stays not ready")
             self.unready = f"warm-up failed: {type(exc).__name__}: {exc}"
