@@ -67,9 +67,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    # The layer's three parts around attention. With few rows (`skinny.applies`) each is one
-    # Triton kernel (norm + GEMM, GEMM + residual, norm + GEMM + SiLU·mul, GEMM + residual):
-    # a decode step or a short prompt is launch-bound, not FLOP-bound (models/skinny.py).
+    # The layer's three parts around attention, which the engine's forward and the beam layers
+    # (compile/decode.py) share. With few rows and the fused kernels on (`skinny.applies`; off by
+    # default: they lost to cuBLAS + Inductor on the H200) each is one Triton kernel (norm + GEMM,
+    # GEMM + residual, norm + GEMM + SiLU·mul, GEMM + residual), since a decode step or a short
+    # prompt is bound by its kernels' count, not by FLOPs (models/skinny.py).
 
     def attention_input(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] → q, k, v of the normed x (`Attention.heads`)."""
