@@ -5,6 +5,8 @@ boundgen frame and by leaf function.
     python benchmarks/gil_profile.py --pid PID --seconds 8 --out prof.txt    # record, summarise
     python benchmarks/gil_profile.py --summarise prof.txt                    # an earlier recording
 
+py-spy counts an idle GIL for its last holder, so the shares say where the Python time goes
+when the GIL is busy (a saturated server), not how contended it is; at low load they mislead.
 `bench_tail.py --gil-profile SECONDS` records its server during a saturated step. py-spy must be
 on PATH (`pip install py-spy`; the device carries it in `.whl`, `fetch_device_wheels.sh`) and
 allowed to read the process (ptrace); where it is not, the error comes back instead of a summary.
