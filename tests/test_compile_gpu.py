@@ -124,18 +124,24 @@ def test_aoti_cuda_matches_eager(cuda_engine, tmp_path):
         assert e.runner.stats()["misses"] == 0
 
 
+@pytest.mark.parametrize("fused_attention", [False, True])
 @pytest.mark.parametrize("compile_layers", [False, True])
-def test_search_graphs_match_plain_search(cuda_engine, compile_layers):
+def test_search_graphs_match_plain_search(
+    cuda_engine, compile_layers, fused_attention, monkeypatch
+):
     """A whole search replayed from one CUDA graph (prefill, steps, selection) = the plain search:
     the same best beam and most of the same results, across replays that reuse the bucket, with
     and without a trie. Random weights give near-uniform next-token distributions, so bf16
     rounding in fused kernels reorders near-ties (0.88-0.96 overlap measured on the 0.5B shape):
-    exact equality is checked on the trained demo model below."""
+    exact equality is checked on the trained demo model below. `fused_attention`: a decode
+    step's attention as one kernel (`attention/beam_decode.py`)."""
+    from boundgen.attention import beam_decode
     from boundgen.compile.aoti import export_attention
     from boundgen.compile.buckets import parse_buckets
     from boundgen.compile.decode import SearchGraphs
     from boundgen.workloads.trie import Trie
 
+    monkeypatch.setattr(beam_decode, "ENABLED", fused_attention)
     model, dev = cuda_engine.model, cuda_engine.device
     backend = export_attention(model, dev) if compile_layers else model.backend
     sg = SearchGraphs(
@@ -162,7 +168,9 @@ def test_search_graphs_match_plain_search(cuda_engine, compile_layers):
             )
             / got[0][:, :, 0].numel()
         )
-        assert overlap >= (1.0 if not compile_layers else 0.85), (same, overlap)
+        # (the fused kernel rounds once, where flash + merge round their parts: near-ties too)
+        exact = not compile_layers and not fused_attention
+        assert overlap >= (1.0 if exact else 0.85), (same, overlap)
     assert all(s.graph is not None for s in sg.slots.values())
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from boundgen.attention import beam_decode
 from boundgen.attention.cascade import merge_partial
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
@@ -118,11 +119,14 @@ def decode_layer(
     q, k, v = layer.attention_input(x, cos, sin)
     bk.index_copy_(1, step, k.unsqueeze(1))
     bv.index_copy_(1, step, v.unsqueeze(1))
-    shared, shared_lse = backend.varlen(
-        q, pk, pv, cu_beams, cu_prompt, max_beams, max_prompt, False
-    )
-    own, own_lse = _own_slots_attention(q, bk, bv, step)
-    o = merge_partial(shared, shared_lse, own, own_lse)
+    if beam_decode.ENABLED and q.is_cuda:  # one kernel for the prompt part, own slots and merge
+        o = torch.ops.boundgen.beam_decode(q, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams)
+    else:
+        shared, shared_lse = backend.varlen(
+            q, pk, pv, cu_beams, cu_prompt, max_beams, max_prompt, False
+        )
+        own, own_lse = _own_slots_attention(q, bk, bv, step)
+        o = merge_partial(shared, shared_lse, own, own_lse)
     return layer.mlp_block(layer.attention_output(x, o.reshape(n, -1)))
 
 

@@ -1,0 +1,204 @@
+"""`beam_decode`: a beam-search decode step's attention as one Triton kernel.
+
+A decode step's query rows are the beams (one token each); a beam attends to its prompt's KV,
+shared by the prompt's beams, and to its own generated tokens' KV slots up to the step. The layer
+ran that as flash attention over the prompts (`varlen`: 7.2 µs a layer for W4's 16 beams × 128
+prompt tokens on the H200) plus one Inductor kernel for the own slots and the log-sum-exp merge
+(2.9 µs), both far above the work (BENCHMARKS.md, 2026-12-02 sixth session, W4's profile): flash
+is built for long sequences. Here one program owns one prompt's beams × the GQA query heads of
+one KV head (row r: beam r // gqa, head r % gqa), so each prompt K/V tile is loaded once for all
+of them; one online softmax runs over the prompt's keys, then over the rows' own slots ≤ step
+(products and sums: a handful of slots), so no merge and no second kernel.
+
+`beam_decode` is a `torch.library.triton_op`: the compiled beam layers (`compile/decode.py`) trace
+into it. It reads the step from its int64 tensor, so one CUDA graph serves every step. Off unless
+asked for (`ENABLED`, `BOUNDGEN_BEAM_ATTENTION=fused`) until measured against flash on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+
+    AVAILABLE = True
+except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
+    AVAILABLE = False
+
+# Whether the compiled beam layers take this kernel for a decode step's attention (else flash and
+# Inductor's own-slot kernel). Off until `benchmarks/bench_gpu.py --sections beam` shows it pays.
+ENABLED = AVAILABLE and os.environ.get("BOUNDGEN_BEAM_ATTENTION", "flash") == "fused"
+
+# Rows a program takes (beams × GQA heads; W4's 16 × 7 = 112), keys a prompt tile holds, warps.
+BLOCK_M, BLOCK_N, NUM_WARPS = 128, 64, 4
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _online(m_i, l_i, acc, s, v):
+        """One online-softmax step: scores `s` [M, N] (−inf: masked) against values `v` [N, D]."""
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _beam_decode_kernel(
+        Q,
+        PK,
+        PV,
+        BK,
+        BV,
+        Out,
+        STEP,
+        CU_BEAMS,
+        CU_PROMPT,
+        stride_qn,
+        stride_qh,
+        stride_pt,
+        stride_ph,
+        stride_bn,
+        stride_bs,
+        stride_bh,
+        stride_on,
+        stride_oh,
+        qk_scale,
+        SLOTS: tl.constexpr,
+        GQA: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        if (
+            not INTERPRET
+        ):  # (Inductor hands a Python float over typed fp64; the interpreter as float)
+            qk_scale = tl.cast(qk_scale, tl.float32)
+        beam0 = tl.load(CU_BEAMS + b)
+        beams = tl.load(CU_BEAMS + b + 1) - beam0
+        r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = r < beams * GQA
+        beam = (beam0 + tl.minimum(r // GQA, tl.maximum(beams - 1, 0))).to(tl.int64)
+        head = kvh * GQA + r % GQA
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(
+            Q + beam[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if INTERPRET:  # the CPU interpreter's bf16 dot is wrong: its operands as float32
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # the prompt's keys, shared by all the rows
+        p0 = tl.load(CU_PROMPT + b)
+        p1 = tl.load(CU_PROMPT + b + 1)
+        n = tl.arange(0, BLOCK_N)
+        start = p0
+        while start < p1:
+            keys = (start + n).to(tl.int64)
+            kv_mask = (keys < p1)[:, None] & d_ok[None, :]
+            offs = keys[:, None] * stride_pt + kvh * stride_ph + d[None, :]
+            k = tl.load(PK + offs, mask=kv_mask, other=0.0)
+            v = tl.load(PV + offs, mask=kv_mask, other=0.0)
+            if INTERPRET:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where((start + n < p1)[None, :], s, float("-inf"))
+            m_i, l_i, acc = _online(m_i, l_i, acc, s, v)
+            start += BLOCK_N
+        # each row's own slots 0..step (its beam's generated tokens, this step's included)
+        step = tl.load(STEP)
+        qf = q.to(tl.float32)
+        for slot in tl.static_range(SLOTS):
+            offs = beam[:, None] * stride_bn + slot * stride_bs + kvh * stride_bh + d[None, :]
+            mask = row_ok[:, None] & d_ok[None, :]
+            ks = tl.load(BK + offs, mask=mask, other=0.0).to(tl.float32)
+            vs = tl.load(BV + offs, mask=mask, other=0.0).to(tl.float32)
+            sc = tl.sum(qf * ks, axis=1) * qk_scale
+            sc = tl.where(slot <= step, sc, float("-inf"))
+            m_new = tl.maximum(m_i, sc)
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * vs
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(
+            Out + beam[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+    @triton_op("boundgen::beam_decode", mutates_args=())
+    def beam_decode(
+        q: torch.Tensor,
+        pk: torch.Tensor,
+        pv: torch.Tensor,
+        bk: torch.Tensor,
+        bv: torch.Tensor,
+        step: torch.Tensor,
+        cu_beams: torch.Tensor,
+        cu_prompt: torch.Tensor,
+        max_beams: int,
+    ) -> torch.Tensor:
+        """q [N, Hq, D] (one token per beam; beams of prompt b are rows cu_beams[b]:cu_beams[b+1]),
+        the prompts' pk/pv [T, Hkv, D] (prompt b: cu_prompt[b]:cu_prompt[b+1]), the beams' own
+        bk/bv [N, S, Hkv, D] of which slots 0..step[0] are written → [N, Hq, D]: each beam's
+        attention over its prompt's keys and its own slots ≤ step, in one softmax."""
+        hq, d = q.shape[1], q.shape[2]
+        hkv, slots = pk.shape[1], bk.shape[1]
+        gqa = hq // hkv
+        q, pk, pv, bk, bv = (
+            x if x.stride(-1) == 1 else x.contiguous() for x in (q, pk, pv, bk, bv)
+        )
+        out = torch.empty_like(q)
+        kernel = _beam_decode_kernel
+        if isinstance(kernel, triton.runtime.JITFunction):  # (the interpreter's is not)
+            kernel = wrap_triton(kernel)
+        grid = (cu_beams.shape[0] - 1, hkv, triton.cdiv(max_beams * gqa, BLOCK_M))
+        kernel[grid](
+            q,
+            pk,
+            pv,
+            bk,
+            bv,
+            out,
+            step,
+            cu_beams,
+            cu_prompt,
+            q.stride(0),
+            q.stride(1),
+            pk.stride(0),
+            pk.stride(1),
+            bk.stride(0),
+            bk.stride(1),
+            bk.stride(2),
+            out.stride(0),
+            out.stride(1),
+            1.0 / math.sqrt(d),
+            SLOTS=slots,
+            GQA=gqa,
+            HEAD_DIM=d,
+            BLOCK_D=max(16, triton.next_power_of_2(d)),
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            INTERPRET=not q.is_cuda,
+            num_warps=NUM_WARPS,
+        )
+        return out

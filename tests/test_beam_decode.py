@@ -1,0 +1,101 @@
+"""The beam decode-step attention kernel (`attention/beam_decode.py`) against the layer's
+reference path: the prompt part through the reference backend, the beams' own slots
+(`_own_slots_attention`) and the log-sum-exp merge.
+
+Without CUDA the kernel runs in Triton's CPU interpreter (conftest.py sets `TRITON_INTERPRET=1`);
+with CUDA the same tests run it compiled, and a `gpu` test runs a compiled whole search with it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hopper import compile_in_child
+
+pytest.importorskip("triton")
+
+from boundgen.attention.backends import ReferenceBackend
+from boundgen.attention.beam_decode import beam_decode
+from boundgen.attention.cascade import merge_partial
+from boundgen.compile.decode import _own_slots_attention
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def reference(q, pk, pv, bk, bv, step, cu_beams, cu_prompt):
+    """What `decode_layer` computes without the kernel (float32 on the CPU)."""
+    f = lambda x: x.float().cpu()
+    max_b = int((cu_beams[1:] - cu_beams[:-1]).max())
+    max_p = int((cu_prompt[1:] - cu_prompt[:-1]).max())
+    shared, lse = ReferenceBackend().varlen(
+        f(q), f(pk), f(pv), cu_beams.cpu(), cu_prompt.cpu(), max_b, max_p, False
+    )
+    own, own_lse = _own_slots_attention(f(q), f(bk), f(bv), step.cpu())
+    return merge_partial(shared, lse, own, own_lse)
+
+
+def case(widths, prompts, hq, hkv, d, slots, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n, t = sum(widths), sum(prompts)
+    mk = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    cu = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32)
+    return (
+        mk(n, hq, d),
+        mk(t, hkv, d),
+        mk(t, hkv, d),
+        mk(n, slots, hkv, d),
+        mk(n, slots, hkv, d),
+        cu(widths).to(DEV),
+        cu(prompts).to(DEV),
+    )
+
+
+@pytest.mark.parametrize(
+    ("widths", "prompts", "hq", "hkv", "d", "slots"),
+    [
+        ([4], [7], 4, 2, 16, 3),  # one prompt
+        ([3, 3, 3], [5, 70, 1], 4, 1, 16, 4),  # a prompt over one key tile, a 1-token prompt
+        ([16], [128], 14, 2, 64, 4),  # W4's shape (Qwen2.5-0.5B heads, 128-token prompt)
+        ([20, 20], [9, 33], 14, 2, 64, 2),  # more rows than one program's BLOCK_M (20 x 7 = 140)
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_the_reference_path_at_every_step(widths, prompts, hq, hkv, d, slots, dtype):
+    q, pk, pv, bk, bv, cu_b, cu_p = case(widths, prompts, hq, hkv, d, slots, dtype)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for step in range(slots):  # slots past the step hold values the kernel must not see
+        s = torch.tensor([step], dtype=torch.int64, device=DEV)
+        got = beam_decode(q, pk, pv, bk, bv, s, cu_b, cu_p, max(widths))
+        want = reference(q, pk, pv, bk, bv, s, cu_b, cu_p)
+        assert got.dtype == q.dtype and got.shape == q.shape
+        torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
+
+
+HOPPER = """
+from boundgen.attention import beam_decode as m
+
+gqa, d, scale_type = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+fn = m._beam_decode_kernel
+const = dict(
+    SLOTS=4, GQA=gqa, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=m.BLOCK_M, BLOCK_N=m.BLOCK_N, INTERPRET=False,
+)
+sig = {n: "i32" for n in fn.arg_names}
+sig.update({n: "*bf16" for n in ("Q", "PK", "PV", "BK", "BV", "Out")})
+sig.update({"STEP": "*i64", "CU_BEAMS": "*i32", "CU_PROMPT": "*i32"})
+sig["qk_scale"] = scale_type
+if scale_type == "constexpr":  # how torch 2.11's mutation analysis hands scalars over
+    const["qk_scale"] = 0.125
+sig.update(dict.fromkeys(const, "constexpr"))
+aligned = [n for n in fn.arg_names if sig[n].startswith("*")]
+warps, stages = m.NUM_WARPS, 2
+"""
+
+
+@pytest.mark.parametrize(
+    ("gqa", "d", "scale_type"), [(7, 64, "fp32"), (4, 128, "fp64"), (7, 64, "constexpr")]
+)
+def test_kernel_compiles_for_hopper(gqa, d, scale_type):
+    """The interpreter runs the kernel as Python; this compiles it for sm_90 (the while loop to a
+    runtime bound, the scale as Inductor's fp64 or a constexpr)."""
+    compile_in_child(HOPPER, str(gqa), str(d), scale_type)
