@@ -82,9 +82,9 @@ if AVAILABLE:
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-        if (
-            not INTERPRET
-        ):  # (Inductor hands a Python float over typed fp64; the interpreter as float)
+        # Inductor hands a Python float over typed fp64 (attention/segments.py); the interpreter
+        # as a Python float
+        if not INTERPRET:
             qk_scale = tl.cast(qk_scale, tl.float32)
         beam0 = tl.load(CU_BEAMS + b)
         beams = tl.load(CU_BEAMS + b + 1) - beam0
