@@ -147,14 +147,13 @@ class ServerState:
             self.engine.runner.seal()  # nothing is compiled or captured on a request's path
             for hook in self.after_warm_up:
                 hook()
-        except warmup.Stopped as exc:
-            log.info("%s: the server is shutting down", exc)
-            self.unready = "shutting down"
-            startup_profile.stop()
-            return
         except Exception as exc:
-            log.exception("warm-up failed; the server stays not ready")
-            self.unready = f"warm-up failed: {type(exc).__name__}: {exc}"
+            if isinstance(exc, warmup.Stopped):
+                log.info("%s: the server is shutting down", exc)
+                self.unready = "shutting down"
+            else:
+                log.exception("warm-up failed; the server stays not ready")
+                self.unready = f"warm-up failed: {type(exc).__name__}: {exc}"
             for hook in self.after_warm_up:  # what start-up paused resumes all the same
                 with contextlib.suppress(Exception):
                     hook()
