@@ -2,7 +2,7 @@
 
 A decode step's query rows are the beams (one token each); a beam attends to its prompt's KV,
 shared by the prompt's beams, and to its own generated tokens' KV slots up to the step. The layer
-ran that as flash attention over the prompts (`varlen`: 7.2 µs a layer for W4's 16 beams × 128
+ran that as flash attention over the prompts (`varlen`: 7.4 µs a layer for W4's 16 beams × 128
 prompt tokens on the H200) plus one Inductor kernel for the own slots and the log-sum-exp merge
 (2.9 µs), both far above the work (BENCHMARKS.md, 2026-12-02 sixth session, W4's profile): flash
 is built for long sequences. Here one program owns one prompt's beams × the GQA query heads of
