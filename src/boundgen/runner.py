@@ -408,11 +408,19 @@ def _stage_many(
         off += -(-n // step) * step
     rows = lease.pools.bucket(off)
     host = lease.host(rows, dtype)
+    # NOTE: the host side in numpy, one torch call for the copy to the device: every torch call
+    # releases the GIL, and under a loaded server's event loop getting it back can take a switch
+    # interval (up to 5 ms) each; a batch's staging was a dozen torch calls (H200, W5: 7.5 ms of
+    # host time a merged forward at saturation, BENCHMARKS.md 2026-12-02 sixth session)
+    host_np = host.numpy()
     for t, start, n in zip(tensors, starts, sizes):
-        host[start : start + n].copy_(t.reshape(-1))
+        host_np[start : start + n] = t.numpy().reshape(-1)
     dev = lease.device(rows, dtype)
     dev[:off].copy_(host[:off], non_blocking=True)
-    return [dev[start : start + n].view(t.shape) for t, start, n in zip(tensors, starts, sizes)]
+    return [
+        v if t.dim() == 1 else v.view(t.shape)
+        for t, v in ((t, dev[start : start + n]) for t, start, n in zip(tensors, starts, sizes))
+    ]
 
 
 # ---- bucket lookup -----------------------------------------------------------------------------
