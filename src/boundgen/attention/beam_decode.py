@@ -25,7 +25,9 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+    from torch.library import triton_op
+
+    from boundgen.triton_launch import traceable
 
     AVAILABLE = True
 except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
@@ -168,11 +170,8 @@ if AVAILABLE:
             x if x.stride(-1) == 1 else x.contiguous() for x in (q, pk, pv, bk, bv)
         )
         out = torch.empty_like(q)
-        kernel = _beam_decode_kernel
-        if isinstance(kernel, triton.runtime.JITFunction):  # (the interpreter's is not)
-            kernel = wrap_triton(kernel)
         grid = (cu_beams.shape[0] - 1, hkv, triton.cdiv(max_beams * gqa, BLOCK_M))
-        kernel[grid](
+        traceable(_beam_decode_kernel)[grid](
             q,
             pk,
             pv,

@@ -28,7 +28,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
+
+from boundgen.triton_launch import traceable
 
 
 def _has_block_pointers() -> bool:
@@ -484,12 +486,7 @@ def launch(
     num_segments = cu_seqlens.shape[0] - 1
     num_groups = cu_group_q.shape[0] - 1
     grid = (triton.cdiv(t, block_t), hkv)
-    kernel = _packed_prefill_kernel
-    # NOTE: under TRITON_INTERPRET=1 the kernel is an InterpretedFunction, which some torch
-    # versions' wrap_triton refuse; it only runs eagerly there anyway.
-    if isinstance(kernel, triton.runtime.JITFunction):
-        kernel = wrap_triton(kernel)
-    kernel[grid](
+    traceable(_packed_prefill_kernel)[grid](
         q,
         k,
         v,

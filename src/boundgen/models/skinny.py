@@ -36,7 +36,9 @@ from torch import nn
 try:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+    from torch.library import triton_op
+
+    from boundgen.triton_launch import traceable
 
     AVAILABLE = True
 except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
@@ -208,11 +210,8 @@ if AVAILABLE:
         block_n, block_k, warps, stages = TILES.get((k, n, gated), DEFAULT_TILE)
         block_k = min(block_k, max(16, triton.next_power_of_2(k)))
         block_m = BLOCK_M  # fixed, not by M: a branch on M would guard compiled callers
-        kernel = _skinny_kernel
-        if isinstance(kernel, triton.runtime.JITFunction):  # (the interpreter's is not)
-            kernel = wrap_triton(kernel)
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-        kernel[grid](
+        traceable(_skinny_kernel)[grid](
             x,
             weight,
             out,

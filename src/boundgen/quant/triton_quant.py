@@ -23,6 +23,7 @@ import functools
 import torch
 
 from boundgen.quant.rowwise import FP8_DTYPE, FP8_MAX, SCALE_EPS, quantize_rowwise
+from boundgen.triton_launch import traceable
 
 try:
     import triton
@@ -136,14 +137,6 @@ if AVAILABLE:
             x = _silu_mul(base, offs, mask, K)
             _store_row(x, q_row, s_ptr + row, offs, mask, FP8_MAX_C, EPS)
 
-    def _traceable(kernel):
-        """The kernel as torch.compile / export can trace it inside a `triton_op`. NOTE: under
-        TRITON_INTERPRET=1 it is an InterpretedFunction, which some torch versions' wrap_triton
-        refuse; it only runs eagerly there anyway."""
-        if isinstance(kernel, triton.runtime.JITFunction):
-            return torch.library.wrap_triton(kernel)
-        return kernel
-
     def launch_silu_mul_quant(
         gate_up: torch.Tensor, chunk: int = 0, num_warps: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +151,7 @@ if AVAILABLE:
         block = chunk or triton.next_power_of_2(k)
         if num_warps is None:
             num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-        _traceable(_silu_mul_quant_kernel)[(m,)](
+        traceable(_silu_mul_quant_kernel)[(m,)](
             gate_up,
             q,
             s,
