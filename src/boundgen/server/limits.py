@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from boundgen.server.config import ServerConfig
 from boundgen.server.errors import BadRequest, TooLarge
+from boundgen.workloads.inputs import all_token_ids_within
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -256,10 +257,10 @@ class Limits:
         )
 
     def many_token_ids(self, what: str, seqs: list[list[int]]) -> None:
-        """`token_ids` of every list in `seqs` (named `what[i]`), the common case in two C loops."""
-        if all(seqs):  # (an empty one: the per-list path, and `tokens` refuses it)
-            if min(map(min, seqs)) >= 0 and max(map(max, seqs)) < self.vocab_size:
-                return
+        """`token_ids` of every list in `seqs` (named `what[i]`), the common case in one C pass over
+        all of them (the workloads' own check)."""
+        if all_token_ids_within(seqs, self.vocab_size):
+            return
         for i, ids in enumerate(seqs):
             self.token_ids(f"{what}[{i}]", ids)
 
