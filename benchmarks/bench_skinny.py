@@ -17,6 +17,7 @@ which belong in `skinny.TILES`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
 from pathlib import Path
@@ -68,17 +69,14 @@ def nbytes(weights) -> int:
     return sum(w.numel() * w.element_size() for w in weights)
 
 
+@contextlib.contextmanager
 def unfused():
     """A context in which the layer takes its unfused path (MAX_ROWS 0)."""
-
-    class _Ctx:
-        def __enter__(self):
-            self.before, skinny.MAX_ROWS = skinny.MAX_ROWS, 0
-
-        def __exit__(self, *exc):
-            skinny.MAX_ROWS = self.before
-
-    return _Ctx()
+    before, skinny.MAX_ROWS = skinny.MAX_ROWS, 0
+    try:
+        yield
+    finally:
+        skinny.MAX_ROWS = before
 
 
 def time_parts(layer, rows: list[int], iters: int, device) -> list[dict]:
