@@ -127,15 +127,19 @@ def load_label(row: dict) -> str:
 
 def node_counters(url: str, node: str) -> dict[str, float]:
     """A batching node's counters so far (`/metrics`): merged batches, the requests and tokens in
-    them, the stream seconds of its batches (CUDA), and the model runner's host seconds (wall and
-    the running thread's CPU) by part;
-    differences over a run give requests and tokens per batch, the GPU's share and the host time
-    a batch's forward took by part."""
+    them, the stream seconds of its batches (CUDA), the model runner's host seconds (wall and the
+    running thread's CPU) by part, and the server's CPU seconds by thread; differences over a run
+    give requests and tokens per batch, the GPU's share, the host time a batch's forward took by
+    part and the CPU a request took by thread."""
     text = httpx.get(url + "/metrics", timeout=30).text
 
+    def series(name: str) -> dict[str, float]:
+        """Every sample of a metric, by its label text (`node="forward"`)."""
+        pattern = rf"^{name}(?:_total)?\{{([^}}]*)\}} (\S+)$"
+        return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.MULTILINE)}
+
     def value(name: str, label: str = f'node="{node}"') -> float:
-        m = re.search(rf"^{name}(?:_total)?\{{{label}\}} (\S+)$", text, re.MULTILINE)
-        return float(m.group(1)) if m else 0.0
+        return series(name).get(label, 0.0)
 
     # the runner's host time is per part, not per node (one model node serves W5)
     host, cpu = "boundgen_runner_host_seconds", "boundgen_runner_host_cpu_seconds"
@@ -148,10 +152,8 @@ def node_counters(url: str, node: str) -> dict[str, float]:
         **{f"host_cpu_{part}_s": value(cpu, f'part="{part}"') for part in HOST_PARTS},
         # CPU seconds per server thread (`boundgen_thread_cpu_seconds`), as thread_cpu:NAME
         **{
-            f"thread_cpu:{m.group(1)}": float(m.group(2))
-            for m in re.finditer(
-                r'^boundgen_thread_cpu_seconds_total\{thread="([^"]*)"\} (\S+)$', text, re.MULTILINE
-            )
+            "thread_cpu:" + label.removeprefix('thread="').removesuffix('"'): seconds
+            for label, seconds in series("boundgen_thread_cpu_seconds").items()
         },
     }
 
