@@ -73,6 +73,22 @@ def test_forward_host_time_by_part(bucketed):
     assert metric(page, "boundgen_runner_pieces_total") == pieces + 1
 
 
+def test_host_cpu_time_never_counts_above_its_wall_time(bucketed):
+    """Two clocks read one after the other can show a span with more CPU than wall time (CI saw
+    41.653 against 41.633 us); the runner counts at most the wall time."""
+    runner = bucketed.runner
+    before = runner.stats()
+    runner._spent("pack", (1_000, 5_000), (41_633 + 1_000, 41_653 + 5_000))
+    after = runner.stats()
+    wall = after["host_seconds"]["pack"] - before["host_seconds"]["pack"]
+    cpu = after["host_cpu_seconds"]["pack"] - before["host_cpu_seconds"]["pack"]
+    assert wall == pytest.approx(41_633e-9) and cpu == pytest.approx(wall)
+    runner._spent("pack", (0, 0), (1_000, 400))  # a thread that waited: its CPU as read
+    assert runner.stats()["host_cpu_seconds"]["pack"] - after["host_cpu_seconds"]["pack"] == (
+        pytest.approx(400e-9)
+    )
+
+
 def test_an_eager_runner_has_no_bucket_series(engine_for):
     page = TestClient(create_app(engine_for(), ServerConfig()), base_url=LOCAL).get("/metrics")
     assert metric(page.text, "boundgen_model_backend", 'backend="eager"') == 1.0
