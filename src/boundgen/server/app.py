@@ -24,6 +24,7 @@ from starlette.responses import Response
 from boundgen.engine import Engine
 from boundgen.server import cohere, handlers, kserve, tei, vllm
 from boundgen.server.config import ServerConfig
+from boundgen.server.dispatch import FixedRoutes
 from boundgen.server.errors import (
     NotFound,
     ServerError,
@@ -130,6 +131,7 @@ def create_app(
     app.state.boundgen = state
 
     schemas: dict[str, Any] = {}
+    fixed: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {}
 
     def route(
         path: str,
@@ -152,9 +154,12 @@ def create_app(
             extra = {
                 "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}
             }
+        handle = endpoint(name, state, fn, errors)
+        if "{" not in path:
+            fixed.update({(method, path): handle for method in methods})
         app.add_api_route(
             path,
-            endpoint(name, state, fn, errors),
+            handle,
             methods=list(methods),
             name=name,
             response_model=None,
@@ -195,6 +200,7 @@ def create_app(
 
     app.openapi = openapi
 
+    app.add_middleware(FixedRoutes, routes=fixed)  # innermost: guard and CORS come first
     if config.allowed_origins:  # browser pages of these origins: answer their CORS preflights
         app.add_middleware(
             CORSMiddleware,
