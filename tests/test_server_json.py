@@ -19,7 +19,7 @@ from boundgen.server import json as server_json
 from boundgen.server.json import Slices, encode, encode_async, floats
 from boundgen.server.schemas.common import Usage
 from boundgen.server.schemas.openai import Embedding, EmbeddingsResponse
-from boundgen.server.schemas.sglang import ScoreResponse
+from boundgen.server.schemas.sglang import ScoreResponse, score_reply
 
 # float32 values whose float64 spelling is long, tiny, huge, subnormal, negative zero
 AWKWARD = np.array(
@@ -52,6 +52,17 @@ def test_pydantic_replies_keep_their_values_and_key_order():
     assert "completion_tokens" in json.loads(new)["usage"]
     no_none = Usage(prompt_tokens=3, total_tokens=3)
     assert json.loads(encode(no_none)) == {"prompt_tokens": 3, "total_tokens": 3}
+
+
+@pytest.mark.parametrize("scores", [[], [[0.25, 1.0], [math.nan, -math.inf]], "w2"])
+def test_the_score_reply_is_what_its_schema_dumps_to(scores):
+    """`/v1/score` replies are built without pydantic (`score_reply`): byte for byte the reply
+    `ScoreResponse` gave."""
+    if scores == "w2":
+        scores = np.random.default_rng(1).random((100, 2)).astype(np.float32).tolist()
+    usage = Usage(prompt_tokens=1856, total_tokens=1856, completion_tokens=0)
+    schema = ScoreResponse(scores=scores, model="m", usage=usage)
+    assert encode(score_reply(scores, "m", 1856)) == encode(schema)
 
 
 def test_embeddings_reply_matches_the_schema():

@@ -24,7 +24,7 @@ from boundgen.server.schemas.boundgen import BeamRequest
 from boundgen.server.schemas.cohere import RerankRequest
 from boundgen.server.schemas.common import Usage
 from boundgen.server.schemas.openai import EmbeddingsRequest
-from boundgen.server.schemas.sglang import RerankResult, ScoreRequest, ScoreResponse
+from boundgen.server.schemas.sglang import RerankResult, ScoreRequest, score_reply
 from boundgen.server.schemas.vllm import TokenizeRequest
 from boundgen.server.state import ServerState
 
@@ -40,8 +40,7 @@ async def score(request: Request, state: ServerState) -> Response:
     req = parse(ScoreRequest, body)
     items = [req.items] if isinstance(req.items, str) else req.items
     if not items:  # SGLang answers no scores, without a model call
-        usage = Usage(prompt_tokens=0, total_tokens=0, completion_tokens=0)
-        return json_response(ScoreResponse(scores=[], model=state.model_name, usage=usage))
+        return json_response(score_reply([], state.model_name, 0))
     if isinstance(req.query, str) != isinstance(items[0], str):
         raise BadRequest("query and items must both be text or both be token ids")
     labels = inputs.label_ids(state, req.label_token_ids)
@@ -64,9 +63,8 @@ async def score(request: Request, state: ServerState) -> Response:
         item_first,
         state.timeout_ms(req.timeout_ms),
     )
-    n = len(query) * len(item_ids) + sum(len(i) for i in item_ids)
-    usage = Usage(prompt_tokens=n, total_tokens=n, completion_tokens=0)
-    return json_response(ScoreResponse(scores=scores, model=state.model_name, usage=usage))
+    n = len(query) * len(item_ids) + sum(map(len, item_ids))
+    return json_response(score_reply(scores, state.model_name, n))
 
 
 # ---- rerank: Cohere / vLLM, SGLang's reply, TEI's {query, texts} --------------------------------

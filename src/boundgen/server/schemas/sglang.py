@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
@@ -22,6 +22,14 @@ class ScoreResponse(BaseModel):
     model: str
     usage: Usage
     object: Literal["scoring"] = "scoring"
+
+
+def score_reply(scores: list[list[float]], model: str, tokens: int) -> dict[str, Any]:
+    """What `ScoreResponse(...)` dumps to (`usage` all prompt tokens), built without pydantic:
+    validating and dumping a W5 reply's 100 score lists, then encoding it, took 25 µs of the event
+    loop's Python against 7 µs (development machine; a test holds the two replies equal)."""
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+    return {"scores": scores, "model": model, "usage": usage, "object": "scoring"}
 
 
 class RerankResult(BaseModel):
