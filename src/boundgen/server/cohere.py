@@ -146,7 +146,7 @@ async def _embed(req: EmbedRequest, state: ServerState, version: int) -> Respons
     vectors = await inputs.embed(
         state, ids, cfg.embed_pooling, cfg.embed_normalize, state.timeout_ms(req.timeout_ms)
     )
-    n = sum(len(s) for s in ids)
+    n = sum(map(len, ids))
     meta = {
         "api_version": {"version": str(version)},
         "billed_units": {"input_tokens": n},

