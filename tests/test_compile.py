@@ -8,6 +8,7 @@ plain batches), ~40 s on a CI CPU; every cache test reuses that artifact or a st
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import resource
 import shutil
@@ -579,6 +580,29 @@ def test_search_buckets_equal_the_plain_search(engine_for):
     # two prompts and three pad to the same 4-prompt bucket; one prompt has its own
     assert {k[1] for k in sg.slots} == {1, 2, 4}
     assert sg.run([_ids(g, 100)], 3, 3) is None  # no bucket fits → the caller's plain path
+
+
+def test_a_chained_search_is_cut_before_each_decode_step(engine_for):
+    """`SearchGraphs(chain=True)` captures a search as one graph per decode step: the search it
+    captures calls the cut once before each step's forward, and the cuts change nothing in what
+    it computes (on the CPU no graph is captured: the cut points themselves are what is tested)."""
+    from boundgen.workloads.trie import Trie
+
+    engine = engine_for("qwen2")
+    sg = _cpu_search_buckets(engine, ["t32-s8"])
+    trie = Trie.from_sequences([[5, 6, 7], [5, 6, 8], [5, 9, 10], [11, 12, 13]])
+    g = torch.Generator().manual_seed(3)
+    prompts = [_ids(g, k) for k in (7, 12)]
+    for t, steps in ((None, 4), (trie, 3)):
+        with torch.inference_mode():
+            want = sg.run(prompts, 3, steps, t)
+            tail = sg._key_tail(3, steps, t, ())
+            slot = next(v for k, v in sg.slots.items() if k[2:] == tail)
+            cuts: list[int] = []
+            sg._search(slot, 3, steps, t, cut=functools.partial(cuts.append, 0))
+        assert len(cuts) == steps - 1  # the first step selects from the prefill's logits
+        assert torch.equal(slot.tokens[: len(prompts)], want[0])
+        torch.testing.assert_close(slot.scores[: len(prompts)], want[1])
 
 
 def test_sealed_search_graphs_make_nothing_new(engine_for):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -191,8 +192,11 @@ class ModelSteps:
         """Logits [N, V] of one decode step."""
         return self.model.head(self.decode_hidden(tokens, positions, state, step))
 
-    def decode_hidden(self, tokens, positions, state: DecodeKV, step: torch.Tensor):
-        """Final-normed hidden states [N, H] of one decode step."""
+    def decode_hidden(self, tokens, positions, state: DecodeKV, step: torch.Tensor, cut=None):
+        """Final-normed hidden states [N, H] of one decode step (`cut()` called first: see
+        `SearchGraphs._capture_chain`)."""
+        if cut is not None:
+            cut()
         m, b = self.model, state.beams
         x = m.embed_tokens(tokens)
         cos, sin = m.rotary(positions, x.dtype)
@@ -222,6 +226,9 @@ class ModelSteps:
 # ---- the whole search, captured per bucket ------------------------------------------------------
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # prompts per search: a request's count is padded up
+# Capture a search as a chain of graphs (one per decode step) instead of one graph: off until
+# measured on the GPU (`SearchGraphs._capture_chain`).
+CHAIN = os.environ.get("BOUNDGEN_SEARCH_GRAPHS", "whole") == "chain"
 
 
 @dataclass
@@ -242,7 +249,7 @@ class _Slot:
     trie: Any = None  # kept alive: the graph reads its tensors
     tokens: torch.Tensor | None = None  # results [B, W, S]
     scores: torch.Tensor | None = None  # [B, W]
-    graph: Any = None
+    graphs: list | None = None  # the captured search: one graph, or a chain (`SearchGraphs.chain`)
     lock: threading.Lock = field(default_factory=threading.Lock)
     label: str = ""  # the bucket and batch size, for logs
     used: bool = False  # run once (its layers compiled for it, its graph captured)
@@ -269,6 +276,7 @@ class SearchGraphs:
         compile_layers: bool = False,
         use_graphs: bool | None = None,
         max_slots: int = 64,
+        chain: bool | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -276,6 +284,7 @@ class SearchGraphs:
         self.buckets = BucketSet(plain)
         self.steps = ModelSteps(model, backend, compile_layers)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.chain = CHAIN if chain is None else chain
         self.max_slots = max_slots
         self.slots: dict[tuple, _Slot] = {}
         self.compile_layers = compile_layers
@@ -396,10 +405,11 @@ class SearchGraphs:
         slot.cu_seqlens.copy_(padded.attn.cu_seqlens, non_blocking=True)
         slot.last_index.copy_(padded.last_index, non_blocking=True)
         slot.lengths.copy_(padded.seq_len, non_blocking=True)
-        if slot.graph is None:
+        if slot.graphs is None:
             self._prepare(slot, width, steps, trie)
         else:
-            slot.graph.replay()
+            for graph in slot.graphs:  # a chain: the GPU runs one while the next is launched
+                graph.replay()
         self.searches += 1
         return slot.tokens[:b].clone(), slot.scores[:b].clone()
 
@@ -438,8 +448,11 @@ class SearchGraphs:
             self.slots[key] = slot
             return slot
 
-    def _search(self, slot: _Slot, width: int, steps: int, trie: Any) -> None:
-        """One search over the slot's buffers (what the graph captures)."""
+    def _search(
+        self, slot: _Slot, width: int, steps: int, trie: Any, cut: Callable[[], None] | None = None
+    ) -> None:
+        """One search over the slot's buffers (what the graph captures); `cut()` is called before
+        each decode step (where a chain's next graph begins)."""
         beams = slot.state.beams
         beams.k, beams.v, beams._k_spare, beams._v_spare = slot.initial
         hidden = self.steps.prefill(
@@ -450,7 +463,7 @@ class SearchGraphs:
             slot.lengths,
             hidden.index_select(0, slot.last_index),
             lambda i, tokens, positions: self.steps.decode_hidden(
-                tokens, positions, slot.state, slot.steps[i : i + 1]
+                tokens, positions, slot.state, slot.steps[i : i + 1], cut
             ),
             self.model.head,
         )
@@ -478,8 +491,40 @@ class SearchGraphs:
             for _ in range(2):
                 self._search(slot, width, steps, trie)
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._search(slot, width, steps, trie)
-        graph.replay()  # this request's results (the capture itself computes nothing)
-        slot.graph = graph
+        if self.chain:
+            graphs = self._capture_chain(slot, width, steps, trie)
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._search(slot, width, steps, trie)
+            graphs = [graph]
+        for graph in graphs:  # this request's results (the capture itself computes nothing)
+            graph.replay()
+        slot.graphs = graphs
+
+    def _capture_chain(self, slot: _Slot, width: int, steps: int, trie: Any) -> list:
+        """The search captured as a chain of graphs, cut before each decode step: the prefill
+        (with the first selection), then one graph per step. A replay launches them one after the
+        other, so the GPU starts on the first while the host still launches the rest; one graph of
+        the whole search has the GPU wait until all of its ~1,800 kernels are launched (issue 24:
+        `benchmarks/bench_graph_launch.py` measures whether that wait is real).
+
+        Tensors made in one graph and read in the next stay allocated between replays, so the
+        chain gets a memory pool of its own: another slot's capture must not reuse their memory
+        (whole-search graphs share one pool: nothing of theirs outlives a replay)."""
+        pool = torch.cuda.graph_pool_handle()
+        graphs = [torch.cuda.CUDAGraph()]
+
+        def cut() -> None:
+            graphs[-1].capture_end()
+            graphs.append(torch.cuda.CUDAGraph())
+            graphs[-1].capture_begin(pool=pool)
+
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream()):  # a capture cannot run on the default stream
+            graphs[0].capture_begin(pool=pool)
+            try:
+                self._search(slot, width, steps, trie, cut)
+            finally:
+                graphs[-1].capture_end()
+        return graphs
