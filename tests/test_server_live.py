@@ -179,31 +179,45 @@ def _metric(text: str, name: str) -> float:
 
 def test_sigterm_drains_in_flight_requests(server):
     """Last test: SIGTERM while requests run; every admitted request still gets its 200, then
-    exit 0."""
-    body = {"prompt": list(range(1, 257)), "beam_width": 32, "steps": 8}
+    exit 0. A burst that ends before a poll sees it in flight (its searches take tens of ms; a poll
+    under load as long) is sent again: the server is only signalled with requests in flight."""
+    body = {"prompt": list(range(1, 481)), "beam_width": 64, "steps": 16}
+    done_metric = r'boundgen_requests_total\{endpoint="beam",status="200"\}'
 
     def call() -> tuple[int, float]:
         r = httpx.post(server.url + "/v1/beam", json=body, headers=AUTH, timeout=120)
         return r.status_code, time.monotonic()
 
-    with cf.ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(call) for _ in range(6)]
+    def caught_in_flight(poll: httpx.Client, before: float, n: int) -> bool:
+        """Wait until all `n` requests were admitted (SIGTERM closes connections whose request the
+        server has not read yet, as any server does) while one still runs; False once all ended."""
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            # Wait until every request was admitted (SIGTERM closes connections whose request the
-            # server has not read yet, as any server does) and at least one is still running.
             try:
-                text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=30).text
+                text = poll.get("/metrics").text
             except httpx.HTTPError:
                 continue
             inflight = _metric(text, "boundgen_inflight")
-            done = _metric(text, r'boundgen_requests_total\{endpoint="beam",status="200"\}')
-            if inflight >= 1 and inflight + done >= len(futures) + 1:  # + the earlier beam test
-                break
-            time.sleep(0.01)
-        signaled = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
-        results = [f.result(timeout=120) for f in futures]
+            done = _metric(text, done_metric) - before
+            if inflight >= 1 and inflight + done >= n:
+                return True
+            if done >= n:
+                return False
+        return False
+
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as poll:
+        for _ in range(5):
+            before = _metric(poll.get("/metrics").text, done_metric)
+            with cf.ThreadPoolExecutor(6) as pool:
+                futures = [pool.submit(call) for _ in range(6)]
+                if caught_in_flight(poll, before, len(futures)):
+                    signaled = time.monotonic()
+                    server.proc.send_signal(signal.SIGTERM)
+                    results = [f.result(timeout=120) for f in futures]
+                    break
+                assert [f.result(timeout=120)[0] for f in futures] == [200] * 6
+        else:
+            pytest.fail("no burst of 6 searches was seen in flight by a poll of /metrics")
     assert [code for code, _ in results] == [200] * 6
     assert any(done > signaled for _, done in results), "nothing was in flight at SIGTERM"
     code, log = server.stop(timeout_s=60)
