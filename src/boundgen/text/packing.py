@@ -49,9 +49,9 @@ class Footprint:
 
     @classmethod
     def of(cls, group: SequenceGroup, share_prefix: bool = True) -> Footprint:
-        p, lens = len(group.prefix), [len(s) for s in group.suffixes]
+        p, lens = len(group.prefix), list(map(len, group.suffixes))  # C loops, not generators
         if shares_prefix(group, share_prefix):
-            nonempty = sum(1 for n in lens if n)
+            nonempty = len(lens) - lens.count(0)
             return cls(p, sum(lens), 0, 1 + nonempty, 1, max(p, *lens))
         longest = max((p + n for n in lens), default=0)
         return cls(0, 0, p * len(lens) + sum(lens), len(lens), 0, longest)
@@ -158,7 +158,7 @@ def pack(groups: list[SequenceGroup], share_prefix: bool = True) -> PackedBatch:
     pos0_row = cu[:-1]
     if shared_segs:
         first, n = len(shared), len(shared_segs)
-        nonempty = [sum(1 for s in g.suffixes if s) for g in shared]
+        nonempty = [sum(map(bool, g.suffixes)) for g in shared]
         pos0_row = pos0_row.copy()
         pos0_row[first : first + n] -= np.repeat(seg_len[:first], nonempty)
     positions = np.arange(total, dtype=np.int64) - np.repeat(pos0_row, seg_len)
