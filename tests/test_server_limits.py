@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from boundgen.server.app import create_app
 from boundgen.server.config import ServerConfig
 from boundgen.server.limits import JsonBounds, load_json
-from boundgen.server.testing import slow_engine
+from boundgen.server.testing import http_scope, slow_engine
 
 LOCAL = "http://127.0.0.1:8000"  # the client's view: a server on a loopback address
 SCORE = {"query": [1, 2], "items": [[3, 4]], "label_token_ids": [5]}
@@ -154,21 +154,7 @@ def _asgi(app, body_chunks: list[bytes], headers: dict[str, str], then_disconnec
     async def send(message):
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/score",
-        "raw_path": b"/v1/score",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-        "server": ("127.0.0.1", 8000),
-        "client": ("127.0.0.1", 50000),
-        "state": {},
-    }
+    scope = http_scope("POST", "/v1/score", headers)
 
     async def run():
         async with asyncio.timeout(10):

@@ -1,5 +1,6 @@
 """Helpers for server tests and load tests: a cached tiny checkpoint, an engine whose model calls
-are slow, a free port, and a `boundgen serve` subprocess that is started and stopped cleanly."""
+are slow, a free port, the ASGI scope of an HTTP request as uvicorn hands it over, and a `boundgen
+serve` subprocess that is started and stopped cleanly."""
 
 from __future__ import annotations
 
@@ -49,6 +50,26 @@ def slow_engine(engine: Any, delay_s: float) -> Any:
     """An engine over `engine`'s model whose every model call first sleeps `delay_s` (to test
     queues, deadlines, drains); concurrent requests merged into one batch sleep once."""
     return engine.with_runner(_SlowRunner(engine.runner, delay_s))
+
+
+def http_scope(method: str, path: str, headers: dict[str, str]) -> dict[str, Any]:
+    """The ASGI scope uvicorn gives an app for an HTTP/1.1 request from 127.0.0.1 to
+    127.0.0.1:8000 (header names lowercased, as uvicorn does)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()],
+        "server": ("127.0.0.1", 8000),
+        "client": ("127.0.0.1", 50000),
+        "state": {},
+    }
 
 
 def free_port() -> int:
