@@ -505,9 +505,10 @@ class SearchGraphs:
     def _capture_chain(self, slot: _Slot, width: int, steps: int, trie: Any) -> list:
         """The search captured as a chain of graphs, cut before each decode step: the prefill
         (with the first selection), then one graph per step. A replay launches them one after the
-        other, so the GPU starts on the first while the host still launches the rest; one graph of
-        the whole search has the GPU wait until all of its ~1,800 kernels are launched (issue 24:
-        `benchmarks/bench_graph_launch.py` measures whether that wait is real).
+        other, so the GPU can start on the first while the host still launches the rest. In W4's
+        profile the GPU idled 0.73 ms early in a one-graph search of ~1,800 kernels (2.2 ms in one
+        of ~7,000), as if it waited for the whole graph's launch; whether it does is what
+        `benchmarks/bench_graph_launch.py` measures (issue 24).
 
         Tensors made in one graph and read in the next stay allocated between replays, so the
         chain gets a memory pool of its own: another slot's capture must not reuse their memory

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from boundgen.engine import Engine
 from boundgen.server import cohere, handlers, kserve, tei, vllm
 from boundgen.server.config import ServerConfig
-from boundgen.server.dispatch import FixedRoutes
+from boundgen.server.dispatch import Endpoint, FixedRoutes
 from boundgen.server.errors import (
     NotFound,
     ServerError,
@@ -131,7 +131,7 @@ def create_app(
     app.state.boundgen = state
 
     schemas: dict[str, Any] = {}
-    fixed: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {}
+    fixed: dict[tuple[str, str], Endpoint] = {}  # (method, path) → endpoint, for FixedRoutes
 
     def route(
         path: str,
