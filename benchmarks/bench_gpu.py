@@ -297,7 +297,12 @@ def main() -> int:
     ap.add_argument("--root", default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--sections", default="hf,eager,aoti,beam,hf-compile")
-    ap.add_argument("--beam-hf", nargs="*", default=["hf"], help="beam: also HF generate")
+    ap.add_argument(
+        "--beam-hf",
+        nargs="*",
+        default=["hf"],
+        help="beam: also HF generate (the default); the flag with nothing after it leaves HF out",
+    )
     ap.add_argument("--w1-prompts", type=int, default=256)
     ap.add_argument("--items", type=int, default=100_000)
     ap.add_argument("--width", type=int, default=16)
