@@ -8,7 +8,8 @@ instead: W2 requests to `/v1/score` (token ids, as W5 sends them) go straight in
 (guard, routing, handler, runtime) from `--concurrency` tasks, the model's forward is the fake GPU
 of `fake_gpu.py` (default 1 ms + 1.7 ms per 1K tokens, about the H200's rate; the fake's own head
 and bookkeeping run on the CPU workers, so their numbers are the fake's, not the H200's), and per
-round it reports the CPU ms per request of each Python thread (the event loop is `MainThread`).
+round it reports the CPU ms per request of each Python thread (the event loop is `MainThread`)
+and the fake GPU's busy share (near 100 %: the round was bound by the GPU, not the host).
 Not measured here: uvicorn's HTTP parsing and socket writes (in `bench_tail.py`); counted in the
 loop's time though it is not the server's: this client's few µs a request (the scope, two
 callbacks).
@@ -28,6 +29,7 @@ import os
 import pstats
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,11 +110,11 @@ async def run(args) -> dict:
             if status != 200:
                 raise RuntimeError(f"/v1/score answered {status}")
 
-    async def batch(n: int) -> float:
+    async def batch(n: int) -> tuple[float, float]:
         per, extra = divmod(n, args.concurrency)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(per + (i < extra)) for i in range(args.concurrency)))
-        return time.perf_counter() - t0
+        return t0, time.perf_counter()
 
     await batch(min(args.requests, 100))  # warm: first calls, batching estimates
     rounds = []
@@ -121,19 +123,22 @@ async def run(args) -> dict:
         before = thread_cpu_seconds()
         if prof is not None:
             prof.enable()
-        wall = await batch(args.requests)
+        t0, t1 = await batch(args.requests)
         if prof is not None:
             prof.disable()
         after = thread_cpu_seconds()
+        wall = t1 - t0
         per_request = {
             k: (after[k] - before.get(k, 0.0)) * 1e3 / args.requests for k in sorted(after)
         }
-        rounds.append({"wall_ms": wall * 1e3 / args.requests, "cpu_ms": per_request})
+        gpu = fake_gpu.busy(os.environ["BOUNDGEN_FAKE_LOG"], t0, t1)
+        rounds.append({"wall_ms": wall * 1e3 / args.requests, "cpu_ms": per_request, "gpu": gpu})
         loop = per_request.get("MainThread", 0.0)
         total = sum(per_request.values())
         print(
-            f"round {r + 1}: {args.requests / wall:.0f} req/s; CPU ms a request: event loop "
-            f"{loop:.3f}, all threads {total:.3f}",
+            f"round {r + 1}: {args.requests / wall:.0f} req/s, fake GPU "
+            f"{gpu.get('busy_share', 0.0):.0%} busy ({gpu.get('mean_size', 0.0):.0f} tokens a "
+            f"forward); CPU ms a request: event loop {loop:.3f}, all threads {total:.3f}",
             flush=True,
         )
     await lifespan(app, "shutdown")
@@ -163,8 +168,12 @@ def main() -> int:
     ap.add_argument("--out")
     args = ap.parse_args()
     os.environ["BOUNDGEN_FAKE_FORWARD"] = args.fake_forward
-    fake_gpu.install_from_env()
-    result = asyncio.run(run(args))
+    with tempfile.TemporaryDirectory() as tmp:
+        # the fake GPU's calls, for its busy share: a round whose GPU is busy throughout is bound
+        # by it, not by the host
+        os.environ["BOUNDGEN_FAKE_LOG"] = str(Path(tmp) / "fake_gpu.log")
+        fake_gpu.install_from_env()
+        result = asyncio.run(run(args))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), **result}, indent=1))
     return 0
