@@ -4,7 +4,8 @@ At W5's saturation the server's Python threads share one GIL, and the event loop
 that Python (BENCHMARKS.md, 2026-12-02 sixth session: 1.2-1.6 of 2.2-2.7 CPU ms a request). A
 `bench_tail.py` run measures it through uvicorn and wrk, on a 2-core machine shared with the load
 generator: its per-request CPU moves by ±15 % between runs. This drives the app in process
-instead: W2 requests to `/v1/score` (token ids, as W5 sends them) go straight into the ASGI app
+instead: W2 requests to `/v1/score` (token ids: the loadtest's 64 distinct W5 bodies, 2 label
+tokens, `apply_softmax`, sent round-robin as wrk sends them) go straight into the ASGI app
 (guard, routing, handler, runtime) from `--concurrency` tasks, the model's forward is the fake GPU
 of `fake_gpu.py` (default 1 ms + 1.7 ms per 1K tokens, about the H200's rate; the fake's own head
 and bookkeeping run on the CPU workers, so their numbers are the fake's, not the H200's), and per
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import itertools
 import json
 import os
 import pstats
@@ -34,28 +36,24 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import common
 import fake_gpu
 
+from boundgen.loadtest import LoadConfig, make_bodies
 from boundgen.server.testing import http_scope
 
 
-def request_body(vocab: int, query: int, items: int, item_tokens: int) -> bytes:
-    q, cands = common.w2_request(vocab, query, items, item_tokens)
-    return json.dumps({"query": q, "items": cands, "label_token_ids": [1, 2]}).encode()
-
-
 class Client:
-    """POSTs `body` to `path` of an ASGI `app` as uvicorn would hand it over (one body message)."""
+    """POSTs `bodies` round-robin to `path` of an ASGI `app` as uvicorn would hand each over (one
+    body message)."""
 
-    def __init__(self, app, path: str, body: bytes) -> None:
-        self.app, self.path, self.body = app, path, body
-        self.headers = {"Host": "127.0.0.1:8000", "Content-Type": "application/json"}
-        self.headers["Content-Length"] = str(len(body))
+    def __init__(self, app, path: str, bodies: list[bytes]) -> None:
+        self.app, self.path, self.bodies = app, path, itertools.cycle(bodies)
 
     async def post(self) -> int:
-        scope = http_scope("POST", self.path, self.headers)
-        body, done = self.body, asyncio.Event()
+        body, done = next(self.bodies), asyncio.Event()
+        headers = {"Host": "127.0.0.1:8000", "Content-Type": "application/json"}
+        headers["Content-Length"] = str(len(body))
+        scope = http_scope("POST", self.path, headers)
 
         async def receive() -> dict:
             nonlocal body
@@ -100,8 +98,11 @@ async def run(args) -> dict:
 
     engine = Engine.from_pretrained(ensure_model(args.model, root=args.root), device="cpu")
     app = create_app(engine, ServerConfig())
-    body = request_body(engine.config.vocab_size, args.query_tokens, args.items, args.item_tokens)
-    client = Client(app, "/v1/score", body)
+    # W5's bodies: what `boundgen loadtest --workload score` and bench_tail.py's wrk send
+    shape = LoadConfig(
+        query_tokens=args.query_tokens, items=args.items, item_tokens=args.item_tokens
+    )
+    client = Client(app, "/v1/score", make_bodies(shape, engine.config.vocab_size)["score"])
     await lifespan(app, "startup")
 
     async def worker(n: int) -> None:

@@ -3,11 +3,12 @@
 Every request through FastAPI's router passes its exception middleware, an exit stack, a match
 against each route in turn and the route's request handling (dependencies, body), all Python on
 the event loop. Our endpoints need none of it: each parses its own body and answers its own
-errors (`app.endpoint`). On the development machine that machinery was ~0.14 of the event loop's
-~1.9 CPU ms for a W5 request (BENCHMARKS.md, 2026-12-02 seventh session), and at saturation the
-loop's Python holds the GIL that the forward node waits for. So a request whose method and path
-name a fixed route goes to that endpoint at once; anything else (routes with path parameters,
-HEAD, /docs, a path served under a root path, a miss: 404/405) takes the router as before.
+errors (`app.endpoint`). On the development machine that machinery took ~0.14 ms of the event
+loop's CPU for each W2-sized `/v1/score` request (BENCHMARKS.md, 2026-12-02 seventh session), and
+at saturation the loop's Python holds the GIL that the forward node waits for. So a request whose
+method and path name a fixed route goes to that endpoint at once; anything else (routes with path
+parameters, HEAD, /docs, a path served under a root path, a miss: 404/405) takes the router as
+before.
 
 Innermost of the app's middleware: the guard and CORS still see every request first.
 """
