@@ -192,11 +192,8 @@ class ModelSteps:
         """Logits [N, V] of one decode step."""
         return self.model.head(self.decode_hidden(tokens, positions, state, step))
 
-    def decode_hidden(self, tokens, positions, state: DecodeKV, step: torch.Tensor, cut=None):
-        """Final-normed hidden states [N, H] of one decode step (`cut()` called first: see
-        `SearchGraphs._capture_chain`)."""
-        if cut is not None:
-            cut()
+    def decode_hidden(self, tokens, positions, state: DecodeKV, step: torch.Tensor):
+        """Final-normed hidden states [N, H] of one decode step."""
         m, b = self.model, state.beams
         x = m.embed_tokens(tokens)
         cos, sin = m.rotary(positions, x.dtype)
@@ -458,13 +455,17 @@ class SearchGraphs:
         hidden = self.steps.prefill(
             slot.ids, slot.positions, slot.cu_seqlens, slot.max_seqlen, slot.state.prompt
         )
+
+        def step_hidden(i: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            if cut is not None:
+                cut()
+            return self.steps.decode_hidden(tokens, positions, slot.state, slot.steps[i : i + 1])
+
         session = DecodeSession(
             slot.state,
             slot.lengths,
             hidden.index_select(0, slot.last_index),
-            lambda i, tokens, positions: self.steps.decode_hidden(
-                tokens, positions, slot.state, slot.steps[i : i + 1], cut
-            ),
+            step_hidden,
             self.model.head,
         )
         tokens, scores = search(
