@@ -16,6 +16,7 @@ from boundgen.quant.fidelity import GateThresholds, compare_outputs, rankdata, s
 from boundgen.quant.gate_cache import checkpoint_hash, lookup_gate_result, record_gate_result
 from boundgen.quant.noise import NoiseFloor, decided_pairs, measure_noise_floor
 from boundgen.quant.outputs import EvalOutputs, TaskMetric, collect_outputs, ranking_score
+from boundgen.quant.policy import ALIASES
 
 
 @pytest.fixture(autouse=True)
@@ -360,6 +361,10 @@ def test_quant_check_cli_selective_policy(tiny_model_dir, gate_cache, capsys):
     with pytest.raises(SystemExit) as exc:  # argparse: a usage error, before loading anything
         main([*argv, "--fp8", "mlp:layers=x"])
     assert exc.value.code == 2 and "'x' is not N, -N or A-B" in capsys.readouterr().err
+    # without --fp8 the recommended policy is the one checked
+    rc = main([*argv, "--scale", "ci"])
+    out = capsys.readouterr().out
+    assert rc in (0, 3) and f"FP8 fidelity gate: policy={ALIASES['selective']}" in out
 
 
 def test_enable_fp8_is_the_engine_seam(tmp_path):

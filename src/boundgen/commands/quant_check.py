@@ -32,13 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF model directory")
     parser.add_argument(
         "--fp8",
-        default="mlp",
+        # the recommended policy: what a user asks about first
+        default="selective",
         type=_policy_arg,
         metavar="POLICY",
         help=f"policy to check: none | mlp | mlp+attn-proj | selective (= {ALIASES['selective']}: "
         "of the policies tried, the most FP8 GEMM FLOPs that pass the gate on the demo model) | "
         "a selective one such as mlp:layers=1-2, mlp:skip=0,-1, gate_up_proj (docs/fp8.md); "
-        "'all': every named one except none; default mlp",
+        "'all': every named one except none; default selective",
     )
     parser.add_argument(
         "--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)"
