@@ -18,6 +18,13 @@ With kernels of ~2 µs, `gpu_ms` well above N × 2 µs while `launch_ms` is abou
 GPU waited for the launch; a chain whose `wall_ms` is lower says chaining hides it.
 
     python benchmarks/bench_graph_launch.py --out $OUT/graph_launch.json     # H200, ~30 s
+
+Answer (H200, 2026-12-02 eighth session, BENCHMARKS.md): no wait. A replay returns in 11–24 µs
+up to 4,000 kernels and the GPU's span equals the kernels' own (~0.85 µs each, the floor of a
+kernel in a graph), one graph or ten; so `SearchGraphs` keeps one graph per search. The early
+idle in W4's profile (0.64 ms lead + a 0.56 ms gap) is then most likely the profiler's own cost
+of launching a traced graph (not measured apart): the unprofiled search takes 6.82 ms against the
+profiled 7.81 ms.
 """
 
 from __future__ import annotations

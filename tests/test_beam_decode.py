@@ -99,3 +99,31 @@ def test_kernel_compiles_for_hopper(gqa, d, scale_type):
     """The interpreter runs the kernel as Python; this compiles it for sm_90 (the while loop to a
     runtime bound, the scale as Inductor's fp64 or a constexpr)."""
     compile_in_child(HOPPER, str(gqa), str(d), scale_type)
+
+
+@pytest.mark.parametrize(
+    ("mode", "compiled", "backend", "fused"),
+    [
+        ("auto", False, "varlen", True),  # eager layers: the kernel beats flash + eager ops
+        ("auto", False, "segments", True),
+        ("auto", False, "reference", False),  # exact math asked for by name keeps its own
+        ("auto", True, "varlen", False),  # compiled layers: Inductor's fusion beats the kernel
+        ("fused", True, "varlen", True),
+        ("flash", False, "varlen", False),
+    ],
+)
+def test_decode_attention_choice(monkeypatch, engine_for, mode, compiled, backend, fused):
+    """`beam_decode.chosen` picks the kernel where it measured faster, and the beam layers
+    (`ModelSteps`) take what it picks."""
+    from types import SimpleNamespace
+
+    from boundgen.attention import beam_decode as module
+    from boundgen.compile.decode import ModelSteps
+
+    monkeypatch.setattr(module, "MODE", mode)
+    assert module.chosen(compiled, backend) is fused
+    steps = ModelSteps(engine_for("qwen2").model, SimpleNamespace(name=backend), False)
+    assert steps.fused_attention is module.chosen(False, backend)
+    monkeypatch.setattr(module, "MODE", "fast")
+    with pytest.raises(ValueError, match="BOUNDGEN_BEAM_ATTENTION='fast'.*auto, fused, flash"):
+        module.chosen(compiled, backend)

@@ -7,16 +7,12 @@ plain batches), ~40 s on a CI CPU; every cache test reuses that artifact or a st
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import json
 import resource
 import shutil
 import sys
 import time
-import types
-from typing import ClassVar
 
 import pytest
 import torch
@@ -583,87 +579,6 @@ def test_search_buckets_equal_the_plain_search(engine_for):
     # two prompts and three pad to the same 4-prompt bucket; one prompt has its own
     assert {k[1] for k in sg.slots} == {1, 2, 4}
     assert sg.run([_ids(g, 100)], 3, 3) is None  # no bucket fits → the caller's plain path
-
-
-def test_a_chained_search_is_cut_before_each_decode_step(engine_for):
-    """`SearchGraphs(chain=True)` captures a search as one graph per decode step: the search it
-    captures calls the cut once before each step's forward, and the cuts change nothing in what
-    it computes (on the CPU no graph is captured: the cut points themselves are what is tested)."""
-    from boundgen.workloads.trie import Trie
-
-    engine = engine_for("qwen2")
-    sg = _cpu_search_buckets(engine, ["t32-s8"])
-    trie = Trie.from_sequences([[5, 6, 7], [5, 6, 8], [5, 9, 10], [11, 12, 13]])
-    g = torch.Generator().manual_seed(3)
-    prompts = [_ids(g, k) for k in (7, 12)]
-    for t, steps in ((None, 4), (trie, 3)):
-        with torch.inference_mode():
-            want = sg.run(prompts, 3, steps, t)
-            tail = sg._key_tail(3, steps, t, ())
-            slot = next(v for k, v in sg.slots.items() if k[2:] == tail)
-            cuts: list[int] = []
-            sg._search(slot, 3, steps, t, cut=functools.partial(cuts.append, 0))
-        assert len(cuts) == steps - 1  # the first step selects from the prefill's logits
-        assert torch.equal(slot.tokens[: len(prompts)], want[0])
-        torch.testing.assert_close(slot.scores[: len(prompts)], want[1])
-
-
-class _RecordedGraph:
-    """Stands in for `torch.cuda.CUDAGraph` on the CPU: records its capture and replays."""
-
-    log: ClassVar[list] = []
-
-    def capture_begin(self, pool=None):
-        self.log.append(("begin", id(self), pool))
-
-    def capture_end(self):
-        self.log.append(("end", id(self)))
-
-    def replay(self):
-        self.log.append(("replay", id(self)))
-
-
-def test_a_chain_is_captured_link_by_link_in_one_pool(engine_for, monkeypatch):
-    """`SearchGraphs._prepare` with `chain`: one capture per link, each begun after the one before
-    it ended, all in one memory pool of the chain's own; the first request replays every link in
-    order, later ones too. The CUDA calls are stand-ins here (the GPU test captures for real)."""
-    from boundgen.compile import decode
-
-    monkeypatch.setattr(_RecordedGraph, "log", [])
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordedGraph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", object()))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    stream = types.SimpleNamespace(wait_stream=lambda other: None)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    engine = engine_for("qwen2")
-    sg = decode.SearchGraphs(
-        engine.model,
-        torch.device("cpu"),
-        engine.model.backend,
-        parse_buckets(["t32-s8"]),
-        use_graphs=True,
-        chain=True,
-    )
-    g = torch.Generator().manual_seed(5)
-    prompts = [_ids(g, 9)]
-    with torch.inference_mode():
-        want = engine.runner.beam_search(prompts, 3, 4)
-        got = sg.run(prompts, 3, 4)
-    assert torch.equal(got[0], want[0])  # the eager warm-up runs; the stand-in replays nothing
-    (slot,) = sg.slots.values()
-    links = [id(graph) for graph in slot.graphs]
-    assert len(links) == 4  # the prefill with the first selection, then one per decode step
-    log = _RecordedGraph.log
-    captures = [e for e in log if e[0] != "replay"]
-    assert [e[0] for e in captures] == ["begin", "end"] * 4
-    assert [e[1] for e in captures] == [x for link in links for x in (link, link)]
-    assert len({e[2] for e in captures if e[0] == "begin"}) == 1  # one pool for the chain
-    assert [e[1] for e in log if e[0] == "replay"] == links
-    with torch.inference_mode():
-        sg.run(prompts, 3, 4)
-    assert [e[1] for e in log if e[0] == "replay"] == links * 2
 
 
 def test_sealed_search_graphs_make_nothing_new(engine_for):

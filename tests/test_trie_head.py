@@ -267,17 +267,21 @@ def test_engine_takes_a_children_trie(engine_for):
 @pytest.mark.parametrize(
     "dtype,compile_layers", [("float32", False), ("bfloat16", False), ("bfloat16", True)]
 )
-def test_candidate_head_on_cuda(tiny_model, dtype, compile_layers):
+def test_candidate_head_on_cuda(tiny_model, dtype, compile_layers, monkeypatch):
     """On CUDA: float32 (reference attention, whose host reads cannot be captured: the bucket
     layout without graphs) equals the full-head path exactly; bf16 in the whole-search CUDA graph
     equals the plain candidate-head search (as `test_search_graphs_match_plain_search` asks of
     any search) and mostly the full-head one (GEMMs of other shapes may round near-ties apart);
     0 invalid items throughout."""
     from boundgen import Engine
+    from boundgen.attention import beam_decode
     from boundgen.compile.aoti import export_attention
     from boundgen.compile.buckets import parse_buckets
     from boundgen.compile.decode import SearchGraphs
 
+    # the head is what this test compares; the decode kernel's rounding has its own test
+    # (test_compile_gpu.py::test_search_graphs_match_plain_search)
+    monkeypatch.setattr(beam_decode, "MODE", "flash")
     g = torch.Generator().manual_seed(2)
     items = semantic_items(g, 2000, 16, 3, disambiguate=8)
     exact = dtype == "float32"
@@ -309,4 +313,4 @@ def test_candidate_head_on_cuda(tiny_model, dtype, compile_layers):
             assert torch.equal(got[0][:, 0], plain[0][:, 0])
             assert overlap(got[0], plain[0]) >= (0.85 if compile_layers else 1.0)
             assert overlap(plain[0], full[0]) >= 0.75
-    assert exact or all(s.graphs for s in sg.slots.values())
+    assert exact or all(s.graph is not None for s in sg.slots.values())

@@ -11,8 +11,10 @@ of them; one online softmax runs over the prompt's keys, then over the rows' own
 (products and sums: a handful of slots), so no merge and no second kernel.
 
 `beam_decode` is a `torch.library.triton_op`: the compiled beam layers (`compile/decode.py`) trace
-into it. It reads the step from its int64 tensor, so one CUDA graph serves every step. Off unless
-asked for (`ENABLED`, `BOUNDGEN_BEAM_ATTENTION=fused`) until measured against flash on the GPU.
+into it. It reads the step from its int64 tensor, so one CUDA graph serves every step. Where it
+runs is `chosen()`'s measured choice: decode layers that run eagerly take it, compiled ones keep
+flash + Inductor's own-slot kernel (H200, W4 whole-search graphs, BENCHMARKS.md 2026-12-02 eighth
+session: eager layers 18.2 → 13.7 ms a search, compiled layers 6.8 → 7.4 ms).
 """
 
 from __future__ import annotations
@@ -33,9 +35,25 @@ try:
 except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
     AVAILABLE = False
 
-# Whether the compiled beam layers take this kernel for a decode step's attention (else flash and
-# Inductor's own-slot kernel). Off until `benchmarks/bench_gpu.py --sections beam` shows it pays.
-ENABLED = AVAILABLE and os.environ.get("BOUNDGEN_BEAM_ATTENTION", "flash") == "fused"
+# A decode step's attention: `auto` as `chosen()` says, `fused` (this kernel) or `flash` (flash +
+# Inductor's own-slot kernel) wherever the decode layers run — an A/B's switch.
+MODES = ("auto", "fused", "flash")
+MODE = os.environ.get("BOUNDGEN_BEAM_ATTENTION", "auto")
+
+
+def chosen(compiled_layers: bool, backend_name: str = "varlen") -> bool:
+    """Whether decode layers take this kernel: under `auto` only eager ones over flash-based
+    attention. Inductor fuses the own-slot attention and the merge into the kernels around them,
+    which the kernel's one launch does not beat (W4 6.8 → 7.4 ms a search); eager layers launch
+    those parts one op at a time, and the kernel wins there (18.2 → 13.7 ms; both H200,
+    BENCHMARKS.md 2026-12-02 eighth session). The `reference` backend (exact math, asked for
+    by name) keeps its own."""
+    if MODE not in MODES:
+        raise ValueError(f"BOUNDGEN_BEAM_ATTENTION={MODE!r}: expected one of {', '.join(MODES)}")
+    if MODE == "auto":
+        return AVAILABLE and not compiled_layers and backend_name != "reference"
+    return AVAILABLE and MODE == "fused"
+
 
 # Rows a program takes (beams × GQA heads; W4's 16 × 7 = 112), keys a prompt tile holds, warps.
 BLOCK_M, BLOCK_N, NUM_WARPS = 128, 64, 4

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,17 +109,32 @@ def prefill_layer(layer, x, cos, sin, cu_seqlens, max_seqlen: int, pk, pv, backe
 
 
 def decode_layer(
-    layer, x, cos, sin, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams, max_prompt, backend
+    layer,
+    x,
+    cos,
+    sin,
+    pk,
+    pv,
+    bk,
+    bv,
+    step,
+    cu_beams,
+    cu_prompt,
+    max_beams,
+    max_prompt,
+    backend,
+    fused: bool = False,
 ):
     """A decoder layer for one token per beam. The beam's k/v go into slot `step` (an int64 tensor
     [1]) of `bk`/`bv` [N, S, Hkv, D]; queries attend to their prompt's KV (`pk`/`pv` [T, Hkv, D],
     segments `cu_prompt`, shared by the prompt's beams `cu_beams`) and to their own slots ≤ step,
-    merged by log-sum-exp. x [N, hidden] → [N, hidden]."""
+    merged by log-sum-exp; with `fused` (on CUDA) in one kernel (`attention/beam_decode.py`).
+    x [N, hidden] → [N, hidden]."""
     n = x.shape[0]
     q, k, v = layer.attention_input(x, cos, sin)
     bk.index_copy_(1, step, k.unsqueeze(1))
     bv.index_copy_(1, step, v.unsqueeze(1))
-    if beam_decode.ENABLED and q.is_cuda:  # one kernel for the prompt part, own slots and merge
+    if fused and q.is_cuda:  # one kernel for the prompt part, own slots and merge
         o = torch.ops.boundgen.beam_decode(q, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams)
     else:
         shared, shared_lse = backend.varlen(
@@ -164,6 +178,7 @@ class ModelSteps:
         self.model, self.backend = model, backend
         self._prefill, self._decode = prefill_layer, decode_layer
         self.compiled = compile_layers
+        self.fused_attention = beam_decode.chosen(compile_layers, getattr(backend, "name", ""))
         if compile_layers:
             import torch._inductor.config as inductor
 
@@ -216,6 +231,7 @@ class ModelSteps:
                 state.max_beams,
                 state.max_prompt,
                 self.backend,
+                self.fused_attention,
             )
         return m.norm(x)
 
@@ -223,9 +239,6 @@ class ModelSteps:
 # ---- the whole search, captured per bucket ------------------------------------------------------
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # prompts per search: a request's count is padded up
-# Capture a search as a chain of graphs (one per decode step) instead of one graph: off until
-# measured on the GPU (`SearchGraphs._capture_chain`).
-CHAIN = os.environ.get("BOUNDGEN_SEARCH_GRAPHS", "whole") == "chain"
 
 
 @dataclass
@@ -246,7 +259,7 @@ class _Slot:
     trie: Any = None  # kept alive: the graph reads its tensors
     tokens: torch.Tensor | None = None  # results [B, W, S]
     scores: torch.Tensor | None = None  # [B, W]
-    graphs: list | None = None  # the captured search: one graph, or a chain (`SearchGraphs.chain`)
+    graph: Any = None  # the captured search (torch.cuda.CUDAGraph)
     lock: threading.Lock = field(default_factory=threading.Lock)
     label: str = ""  # the bucket and batch size, for logs
     used: bool = False  # run once (its layers compiled for it, its graph captured)
@@ -273,7 +286,6 @@ class SearchGraphs:
         compile_layers: bool = False,
         use_graphs: bool | None = None,
         max_slots: int = 64,
-        chain: bool | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -281,7 +293,6 @@ class SearchGraphs:
         self.buckets = BucketSet(plain)
         self.steps = ModelSteps(model, backend, compile_layers)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        self.chain = CHAIN if chain is None else chain
         self.max_slots = max_slots
         self.slots: dict[tuple, _Slot] = {}
         self.compile_layers = compile_layers
@@ -402,11 +413,10 @@ class SearchGraphs:
         slot.cu_seqlens.copy_(padded.attn.cu_seqlens, non_blocking=True)
         slot.last_index.copy_(padded.last_index, non_blocking=True)
         slot.lengths.copy_(padded.seq_len, non_blocking=True)
-        if slot.graphs is None:
+        if slot.graph is None:
             self._prepare(slot, width, steps, trie)
         else:
-            for graph in slot.graphs:  # a chain: the GPU runs one while the next is launched
-                graph.replay()
+            slot.graph.replay()
         self.searches += 1
         return slot.tokens[:b].clone(), slot.scores[:b].clone()
 
@@ -445,11 +455,8 @@ class SearchGraphs:
             self.slots[key] = slot
             return slot
 
-    def _search(
-        self, slot: _Slot, width: int, steps: int, trie: Any, cut: Callable[[], None] | None = None
-    ) -> None:
-        """One search over the slot's buffers (what the graph captures); `cut()` is called before
-        each decode step (where a chain's next graph begins)."""
+    def _search(self, slot: _Slot, width: int, steps: int, trie: Any) -> None:
+        """One search over the slot's buffers (what the graph captures)."""
         beams = slot.state.beams
         beams.k, beams.v, beams._k_spare, beams._v_spare = slot.initial
         hidden = self.steps.prefill(
@@ -457,8 +464,6 @@ class SearchGraphs:
         )
 
         def step_hidden(i: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            if cut is not None:
-                cut()
             return self.steps.decode_hidden(tokens, positions, slot.state, slot.steps[i : i + 1])
 
         session = DecodeSession(
@@ -492,41 +497,11 @@ class SearchGraphs:
             for _ in range(2):
                 self._search(slot, width, steps, trie)
         torch.cuda.current_stream().wait_stream(side)
-        if self.chain:
-            graphs = self._capture_chain(slot, width, steps, trie)
-        else:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._search(slot, width, steps, trie)
-            graphs = [graph]
-        for graph in graphs:  # this request's results (the capture itself computes nothing)
-            graph.replay()
-        slot.graphs = graphs
-
-    def _capture_chain(self, slot: _Slot, width: int, steps: int, trie: Any) -> list:
-        """The search captured as a chain of graphs, cut before each decode step: the prefill
-        (with the first selection), then one graph per step. A replay launches them one after the
-        other, so the GPU can start on the first while the host still launches the rest. In W4's
-        profile the GPU idled 0.73 ms early in a one-graph search of ~1,800 kernels (2.2 ms in one
-        of ~7,000), as if it waited for the whole graph's launch; whether it does is what
-        `benchmarks/bench_graph_launch.py` measures (issue 24).
-
-        Tensors made in one graph and read in the next stay allocated between replays, so the
-        chain gets a memory pool of its own: another slot's capture must not reuse their memory
-        (whole-search graphs share one pool: nothing of theirs outlives a replay)."""
-        pool = torch.cuda.graph_pool_handle()
-        graphs = [torch.cuda.CUDAGraph()]
-
-        def cut() -> None:
-            graphs[-1].capture_end()
-            graphs.append(torch.cuda.CUDAGraph())
-            graphs[-1].capture_begin(pool=pool)
-
-        torch.cuda.synchronize()
-        with torch.cuda.stream(torch.cuda.Stream()):  # a capture cannot run on the default stream
-            graphs[0].capture_begin(pool=pool)
-            try:
-                self._search(slot, width, steps, trie, cut)
-            finally:
-                graphs[-1].capture_end()
-        return graphs
+        # NOTE: one graph for the whole search. A graph's launch costs the host ~20 us even at
+        # 4,000 kernels and the GPU starts at once, so a chain of graphs (one per decode step)
+        # hid nothing: W4 6.89 against 6.82 ms (H200, BENCHMARKS.md 2026-12-02 eighth session)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._search(slot, width, steps, trie)
+        graph.replay()  # this request's results (the capture itself computes nothing)
+        slot.graph = graph
