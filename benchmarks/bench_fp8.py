@@ -46,6 +46,7 @@ import time
 import traceback
 from pathlib import Path
 
+import common
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -424,9 +425,11 @@ def _time_w1_w2(row, engine, w1, w1_tokens, w2_prefix, w2_items, labels, args) -
 
 
 def _speedups(runs: list[dict]) -> None:
-    """Ratios against the first (bf16) run, for whatever both rows measured."""
-    base = runs[0] if runs else {}
+    """Ratios against the bf16 run (the first) of the same `graph_max_tokens`, for whatever both
+    rows measured."""
+    bases: dict = {}
     for row in runs:
+        base = bases.setdefault(row.get("graph_max_tokens"), row)
         if "w1_tok_s" in row and "w1_tok_s" in base:
             row["w1_speedup"] = row["w1_tok_s"] / base["w1_tok_s"]
         if "w2_ms" in row and "w2_ms" in base:
@@ -499,15 +502,25 @@ def section_compiled(res: dict, args) -> None:
             "runs": [],
         },
     )
+    if args.hf:  # the same workloads through HF transformers in this process (bf16, eager)
+        out["hf"] = _hf_row(path, w1, w1_tokens, w2_prefix, w2_items, labels, args)
+        print("compiled hf", out["hf"], flush=True)
+        save(res, args)
     variants = [
-        (p, aq) for p in args.policies for aq in (["-"] if p == "none" else args.act_quants)
+        (p, aq, g)
+        for g in args.graph_max_tokens
+        for p in args.policies
+        for aq in (["-"] if p == "none" else args.act_quants)
     ]
     if args.silu_tiles == "sweep" and "triton" in args.act_quants:
         out["silu_tiles"] = _set_fastest_tiles(
             engine.config.intermediate_size, args.compiled_budget
         )
-    for policy, act_quant in variants:
+    for policy, act_quant, graph_max_tokens in variants:
         row = {"policy": policy, "act_quant": act_quant}
+        if graph_max_tokens is not None:
+            row["graph_max_tokens"] = graph_max_tokens
+        options = {} if graph_max_tokens is None else {"graph_max_tokens": graph_max_tokens}
         try:
             with _fp8(engine, policy, act_quant=act_quant if act_quant != "-" else "torch"):
                 t0 = time.perf_counter()
@@ -518,7 +531,7 @@ def section_compiled(res: dict, args) -> None:
                     share_prefix=True,
                     backend=args.compiled_backend,
                     options=CompileOptions(
-                        buckets=args.compiled_buckets, warmup=True, quant=policy
+                        buckets=args.compiled_buckets, warmup=True, quant=policy, **options
                     ),
                 )
                 row["compile_s"] = time.perf_counter() - t0
@@ -543,6 +556,25 @@ def section_compiled(res: dict, args) -> None:
         save(res, args)
         torch._dynamo.reset()
     _speedups(out["runs"])
+
+
+def _hf_row(path, w1, w1_tokens, w2_prefix, w2_items, labels, args) -> dict:
+    """W1 tok/s and W2 ms through HF transformers (eager, SDPA, bf16): left-padded batches of 64,
+    the last token's label logits, softmax over the labels (what `engine.score` returns); W2 as
+    100 sequences of prefix + item (HF has no shared prefix)."""
+    row: dict = {"policy": "hf-eager"}
+    try:
+        dev = args.device
+        model = common.hf_model(path, dev, torch.bfloat16)
+        call = lambda seqs, m=model: common.hf_last_logits(m, seqs, dev, 64, labels).softmax(-1)
+        t = wall_time_s(lambda: call(w1), iters=args.iters)
+        row["w1_s"], row["w1_tok_s"] = t, w1_tokens / t
+        w2 = [w2_prefix + item for item in w2_items]
+        row["w2_ms"] = wall_time_s(lambda: call(w2), iters=max(5, args.iters)) * 1e3
+    except Exception as exc:
+        row["error"] = repr(exc)[:500]
+    _empty_cache()
+    return row
 
 
 def section_gate(res: dict, args) -> None:
@@ -626,18 +658,19 @@ def summary(res: dict) -> str:
             f"layer GEMMs {e['preset']} M={e['M']}: bf16 {e['bf16_ms']:.3f} ms; " + ", ".join(parts)
         )
     for section, label in (("model", "eager"), ("compiled", "compiled")):
-        for r in res.get(section, {}).get("runs", []):
-            w1 = (
-                f"W1 {r['w1_tok_s'] / 1e3:8.1f}K tok/s (x{r.get('w1_speedup', 1):.2f})"
-                if "w1_tok_s" in r
-                else "W1 -"
-            )
-            w2 = (
-                f"W2 {r['w2_ms']:7.2f} ms (x{r.get('w2_speedup', 1):.2f})"
-                if "w2_ms" in r
-                else "W2 -"
-            )
+        hf = res.get(section, {}).get("hf")
+        for r in ([hf] if hf else []) + res.get(section, {}).get("runs", []):
+            # ratios: against bf16 of the same graph setting; "HF": against HF in this process
+            w1 = f"W1 {r['w1_tok_s'] / 1e3:8.1f}K tok/s" if "w1_tok_s" in r else "W1 -"
+            w2 = f"W2 {r['w2_ms']:7.2f} ms" if "w2_ms" in r else "W2 -"
+            w1 += f" (x{r['w1_speedup']:.2f})" if "w1_speedup" in r else ""
+            w2 += f" (x{r['w2_speedup']:.2f})" if "w2_speedup" in r else ""
+            if hf and r is not hf and "w1_tok_s" in r and "w1_tok_s" in hf:
+                w2 += f"  HF: W1 x{r['w1_tok_s'] / hf['w1_tok_s']:.2f}"
+            if hf and r is not hf and "w2_ms" in r and "w2_ms" in hf:
+                w2 += f", W2 x{hf['w2_ms'] / r['w2_ms']:.2f}"
             name = r["policy"] + (f"[{r['act_quant']}]" if r.get("act_quant", "-") != "-" else "")
+            name += f" g{r['graph_max_tokens']}" if r.get("graph_max_tokens") is not None else ""
             lines.append(f"{label:<8} {name:<24} {w1}  {w2}")
             for w in ("w1", "w2"):
                 t = r.get(f"timeline_{w}")
@@ -699,6 +732,19 @@ def main(argv=None) -> int:
         "--compiled-backend",
         default="compile",
         help="backend of the compiled section: compile | compile+graphs | aoti | aoti+graphs",
+    )
+    ap.add_argument(
+        "--hf",
+        action="store_true",
+        help="compiled section: W1/W2 through HF transformers (bf16, eager) in the same process",
+    )
+    ap.add_argument(
+        "--graph-max-tokens",
+        nargs="+",
+        type=int,
+        default=[None],
+        help="compiled section: CompileOptions.graph_max_tokens values, each a run of every "
+        "policy (default: the backend's own); 8192 replays W1's t8192 pieces as CUDA graphs",
     )
     ap.add_argument(
         "--silu-tiles",
