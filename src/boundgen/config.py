@@ -220,9 +220,9 @@ class EngineConfig:
     )
     fp8: str = option(
         "none",
-        "FP8 projections: none | mlp | mlp+attn-proj | PROJ[+PROJ][:layers=LIST][:skip=LIST] "
-        "(docs/fp8.md; refused unless the policy passed `boundgen quant-check` for this "
-        "checkpoint)",
+        "FP8 projections: none | selective (the recommended policy: mlp+qkv_proj:skip=0) | mlp | "
+        "mlp+attn-proj | PROJ[+PROJ][:layers=LIST][:skip=LIST] (docs/fp8.md; refused unless the "
+        "policy passed `boundgen quant-check` for this checkpoint)",
     )
     fp8_force: bool = option(
         False, "use the FP8 policy even if its fidelity gate failed or never ran", flag=False
