@@ -42,6 +42,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -231,6 +232,26 @@ def encode_times(iters: int) -> list[dict]:
     return rows
 
 
+def _read_window(path: Path, wait_s: float = 20.0) -> dict:
+    """The server's GPU window (`gpu_window.py`), once written."""
+    end = time.monotonic() + wait_s
+    while not path.exists() and time.monotonic() < end:
+        time.sleep(0.2)
+    return json.loads(path.read_text()) if path.exists() else {"error": f"no {path.name}"}
+
+
+def _window_line(w: dict) -> str:
+    if "error" in w:
+        return w["error"]
+    top = ", ".join(f"{k['kernel'][:40]} {k['ms']:.1f} ms" for k in w["kernels"][:5])
+    gaps = ", ".join(f"{g['ms']:.2f}" for g in w["longest_gaps"])
+    return (
+        f"wall {w['wall_ms']:.0f} ms, GPU busy {w['gpu_busy_ms']:.0f} ms "
+        f"({w['gpu_busy_share']:.0%}), {w['launches']} launches, idle between "
+        f"{w['idle_between_ms']:.1f} ms (longest {gaps}); top: {top}"
+    )
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| generator | load | ok/s | p50 ms | p99 ms | server p50 / p99 ms | p99 − server p99 ms "
@@ -298,6 +319,14 @@ def main(argv: list[str] | None = None) -> int:
         "which Python holds the server's GIL (gil_profile.py; py-spy, a server started here)",
     )
     p.add_argument("--gil-profile-connections", type=int, default=64)
+    p.add_argument(
+        "--gpu-window",
+        type=float,
+        default=0,
+        help="SECONDS: last, a closed loop of --gil-profile-connections while the server records "
+        "that long of its GPU work (gpu_window.py: busy share, gaps, kernels; a server started "
+        "here, on CUDA)",
+    )
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/...)")
     p.add_argument("--encode", action="store_true", help="reply encoding times only (no server)")
     p.add_argument("--encode-iters", type=int, default=20)
@@ -327,6 +356,15 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         prelude = (fake_gpu.PRELUDE if args.fake_forward else "") + "\n" + args.server_prelude
+        window = out.with_suffix(".gpu_window.json")
+        trigger = out.with_suffix(".gpu_window.go")
+        if args.gpu_window:
+            window.unlink(missing_ok=True)
+            trigger.unlink(missing_ok=True)
+            prelude += (
+                f"\nimport sys; sys.path.insert(0, {str(HERE)!r}); import gpu_window; "
+                f"gpu_window.start(0, {args.gpu_window}, {str(window)!r}, {str(trigger)!r})"
+            )
         env = {}
         if args.fake_forward:
             env["BOUNDGEN_FAKE_FORWARD"] = args.fake_forward
@@ -353,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[dict] = []
     gil: dict | None = None
+    gpu: dict | None = None
     try:
         vocab = httpx.get(url + "/v1/models").json()["data"][0]["vocab_size"]
         cfg = dataclasses.replace(cfg, vocab_size=vocab)
@@ -395,6 +434,13 @@ def main(argv: list[str] | None = None) -> int:
                 record(run_wrk(url, script, bodies, c, 0, args.gil_profile + 3, args.client_cpus))
                 gil = gil_profile.finish(spy, raw)
                 print(f"GIL holders ({c} connections): {json.dumps(gil)[:1500]}", flush=True)
+            if args.gpu_window and proc is not None:
+                # a saturated closed loop; one second in, the server records its GPU work
+                threading.Timer(1.0, trigger.touch).start()
+                c = args.gil_profile_connections
+                record(run_wrk(url, script, bodies, c, 0, args.gpu_window + 3, args.client_cpus))
+                gpu = _read_window(window)
+                print(f"GPU window ({c} connections): {_window_line(gpu)}", flush=True)
             gc_after = gc_pauses(url)
     finally:
         if proc is not None:
@@ -403,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": env_info(),
         "date": time.strftime("%Y-%m-%d"),
         "gil_profile": gil,
+        "gpu_window": gpu,
         "config": vars(args),
         "rows": rows,
         "server_ready_s": ready_s,

@@ -1,0 +1,45 @@
+"""`benchmarks/gpu_window.py`, the server prelude that records a window of the process's device
+work: the thread and its file, and the window's summary from a profile of CPU ops."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gpu_window
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer; the GPU runs it in a server")
+def test_without_cuda_the_window_file_says_why(tmp_path):
+    out, trigger = tmp_path / "w" / "window.json", tmp_path / "go"
+    thread = gpu_window.start(delay_s=0.0, seconds=0.0, out=str(out), trigger=str(trigger))
+    time.sleep(0.2)
+    assert thread.is_alive() and not out.exists()  # waits for its trigger
+    trigger.touch()
+    thread.join(timeout=30)
+    assert "no CUDA device" in json.loads(out.read_text())["error"]
+
+
+def test_a_window_summary_counts_busy_time_gaps_and_kernels():
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(3):
+            a = torch.tanh(a @ a)
+            time.sleep(0.01)  # idle between the ops: gaps of at least this long
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    got = gpu_window.summarize(prof, wall_ms, cuda=False)
+    assert got["launches"] >= 6 and 0 < got["gpu_busy_ms"] < wall_ms
+    assert got["gpu_busy_share"] == pytest.approx(got["gpu_busy_ms"] / wall_ms)
+    assert got["longest_gaps"][0]["ms"] >= 9 and got["idle_between_ms"] >= 18
+    names = {k["kernel"] for k in got["kernels"]}
+    assert {"aten::tanh", "aten::mm"} <= names
