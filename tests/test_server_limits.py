@@ -267,6 +267,15 @@ def test_token_id_lists_are_checked_together_and_named_alone(engine):
     ):
         r = client.post("/v1/score", json={**ok, "items": bad})
         assert r.status_code == 400 and says in r.text, r.text
+    # with booleans, floats or text the schema answers first (strict ints), so the range check
+    # never sees them; called without the schema, it refuses them with a 400 all the same
+    r = client.post("/v1/score", json={**ok, "items": [[1], [True]]})
+    assert r.status_code == 400 and "items" in r.text
+    from boundgen.server.errors import BadRequest
+
+    limits = client.app.state.boundgen.limits
+    with pytest.raises(BadRequest, match="items must be lists of token ids"):
+        limits.many_token_ids("items", [[1], ["a"]])
 
 
 # ---- admission by expected latency
