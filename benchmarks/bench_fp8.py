@@ -55,6 +55,7 @@ from common import kernel_table
 from boundgen.quant import fp8_modules, fp8_swapped, select_modules
 from boundgen.quant.fp8 import Fp8Linear, fp8_supported
 from boundgen.quant.rowwise import quantize_rowwise, quantize_weight
+from boundgen.quant.triton_quant import PIECES
 
 SECTIONS = ("env", "gemm", "quant", "mlp", "model", "gate")
 # --dry-run-cpu: every policy emulated (exercises the model/gate code paths on CPU)
@@ -276,7 +277,12 @@ def _silu_mul_quant_rows(res: dict, args) -> None:
 
 # (chunk, num_warps) tried for `triton_quant.TILES`: the whole row in one program (chunk 0) with
 # more or fewer warps, and the row by pieces (a second read of each piece, from L2)
-SILU_MUL_TILES = [(0, 4), (0, 8), (0, 16)] + [(c, w) for c in (512, 1024, 2048) for w in (2, 4, 8)]
+# (chunk, num_warps): whole rows, rows as power-of-two pieces ending at K, rows by fixed-size pieces
+SILU_MUL_TILES = (
+    [(0, 4), (0, 8), (0, 16)]
+    + [(PIECES, w) for w in (4, 8, 16)]
+    + [(c, w) for c in (512, 1024, 2048) for w in (2, 4, 8)]
+)
 
 
 def _set_fastest_tiles(k: int, rows: int) -> dict:

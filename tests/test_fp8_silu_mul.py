@@ -55,6 +55,43 @@ def test_kernel_arithmetic_before_the_cast(width, chunk):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's check (CPU)")
+@pytest.mark.parametrize("width", [100, 320, 448])
+def test_a_row_in_power_of_two_pieces_computes_the_same(width):
+    """`PIECES`: the row in registers as power-of-two pieces ending at K (100: one piece of 128,
+    320: 256 + 64, 448: 256 + 128 + 64), the max over all of them, each piece quantized by it —
+    in fp32 the same numbers as the whole row padded to a power of two."""
+    g = torch.Generator().manual_seed(width)
+    m = 7
+    gate_up = torch.randn(m, 2 * width, generator=g) * 3
+    gate_up[2] = 0
+    parts = (*triton_quant.pieces(width), 0, 0, 0)
+    assert sum(parts) >= width and sum(parts) - width < 64
+    out = []
+    for block, extra in ((1 << (width - 1).bit_length(), (0, 0, 0)), (parts[0], parts[1:4])):
+        q, s = torch.empty(m, width), torch.empty(m, 1)
+        triton_quant._silu_mul_quant_kernel[(m,)](
+            gate_up, q, s, width, gate_up.stride(0), q.stride(0),
+            BLOCK=block, FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS, CHUNKED=False, INTERPRET=True,
+            P1=extra[0], P2=extra[1], P3=extra[2],
+        )  # fmt: skip
+        out.append((q, s))
+    (q1, s1), (q2, s2) = out
+    assert torch.equal(s1, s2) and torch.equal(q1, q2)
+    x = _eager(gate_up)
+    amax = x.abs().amax(-1, keepdim=True).clamp(min=SCALE_EPS * FP8_MAX)
+    torch.testing.assert_close(s2, amax / FP8_MAX, rtol=1e-6, atol=0)
+
+
+def test_pieces_of_a_width():
+    assert triton_quant.pieces(4864) == (4096, 512, 256)
+    assert triton_quant.pieces(3072) == (2048, 1024)
+    assert triton_quant.pieces(8192) == (8192,)
+    assert triton_quant.pieces(100) == (128,)  # rounded up to 64: the last lanes masked
+    with pytest.raises(ValueError, match="5 power-of-two pieces"):
+        triton_quant.pieces(64 * 31)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's check (CPU)")
 def test_op_returns_e4m3_rows_and_fp32_scales():
     gate_up = torch.randn(5, 2 * 64)
     q, s = torch.ops.boundgen.silu_mul_quant(gate_up)
@@ -102,10 +139,11 @@ from boundgen.quant import triton_quant
 
 width, name, chunk = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 fn = getattr(triton_quant, name)
-block = chunk or triton.next_power_of_2(width)
+parts = (*triton_quant.pieces(width), 0, 0, 0) if chunk == triton_quant.PIECES else (0,) * 4
+block = parts[0] or chunk or triton.next_power_of_2(width)
 const = dict(BLOCK=block, FP8_MAX_C=448.0, EPS=1e-12)
 if "CHUNKED" in fn.arg_names:
-    const.update(CHUNKED=chunk > 0, INTERPRET=False)
+    const.update(CHUNKED=chunk > 0, INTERPRET=False, P1=parts[1], P2=parts[2], P3=parts[3])
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({fn.arg_names[0]: "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"})
 sig.update(dict.fromkeys(const, "constexpr"))
@@ -120,13 +158,16 @@ warps, stages = 4 if block <= 2048 else 8 if block <= 8192 else 16, 3
         (4864, "_silu_mul_quant_kernel", 0),
         (8192, "_silu_mul_quant_kernel", 0),
         (4864, "_silu_mul_quant_kernel", 1024),
+        (4864, "_silu_mul_quant_kernel", triton_quant.PIECES),
+        (3072, "_silu_mul_quant_kernel", triton_quant.PIECES),
         (896, "_quant_rows_kernel", 0),
     ],
 )
 def test_kernel_compiles_for_hopper(width, kernel, chunk):
     """The interpreter runs the kernels as Python; this compiles them for sm_90 (Triton's bundled
     ptxas, no GPU needed): the fused one at the MLP widths of Qwen2.5-0.5B and Llama-3.2-1B, whole
-    rows and by pieces (its loop-carried max included), the rowwise one at a hidden size."""
+    rows and by pieces (its loop-carried max included), and whole rows as power-of-two pieces at
+    Qwen2.5-0.5B's and Qwen3-0.6B's (three and two pieces), the rowwise one at a hidden size."""
     compile_in_child(HOPPER, str(width), kernel, str(chunk))
 
 
@@ -152,7 +193,10 @@ def test_gpu_op_matches_eager_silu_mul_and_quantize(width):
 
 @pytest.mark.gpu
 @_fp8_gpu
-@pytest.mark.parametrize(("chunk", "warps"), [(0, 16), (512, 4), (1024, 4), (2048, 8)])
+@pytest.mark.parametrize(
+    ("chunk", "warps"),
+    [(0, 16), (512, 4), (1024, 4), (2048, 8), (triton_quant.PIECES, 8), (triton_quant.PIECES, 16)],
+)
 def test_gpu_tiles_give_the_same_bits(chunk, warps):
     """Every tile choice `bench_fp8.py` sweeps computes the same e4m3 values and scales (the same
     expressions; the row max is exact): a tile is a speed choice only."""

@@ -103,11 +103,16 @@ if AVAILABLE:
         EPS: tl.constexpr,
         CHUNKED: tl.constexpr,
         INTERPRET: tl.constexpr,
+        P1: tl.constexpr = 0,
+        P2: tl.constexpr = 0,
+        P3: tl.constexpr = 0,
     ):
         # one row per program. Whole (BLOCK >= K): the row in registers, one read of it. CHUNKED:
         # by BLOCK-wide pieces, the max-abs over the row first, then each piece again (from L2)
         # to quantize: fewer registers a program, so more rows in flight per SM, and no masked
-        # lanes beyond the last piece.
+        # lanes beyond the last piece. P1 > 0 (`PIECES`): the row in registers as power-of-two
+        # pieces BLOCK, P1, P2, P3 one after the other (4,864 = 4,096 + 512 + 256): one read,
+        # and no lanes masked past K as a whole row's next power of two has (8,192: 40 %).
         row = tl.program_id(0).to(tl.int64)
         base = gu_ptr + row * stride_gu
         q_row = q_ptr + row * stride_q
@@ -132,23 +137,50 @@ if AVAILABLE:
                 for start in range(0, K, BLOCK):
                     _chunk_store(base, q_row, offs, start, K, amax, FP8_MAX_C)
             tl.store(s_ptr + row, amax * (1.0 / FP8_MAX_C))
-        else:
+        elif P1 == 0:
             mask = offs < K
             x = _silu_mul(base, offs, mask, K)
             _store_row(x, q_row, s_ptr + row, offs, mask, FP8_MAX_C, EPS)
+        else:
+            mask = offs < K
+            x = _silu_mul(base, offs, mask, K)
+            o1 = BLOCK + tl.arange(0, P1)
+            m1 = o1 < K
+            x1 = _silu_mul(base, o1, m1, K)
+            peak = tl.maximum(tl.max(tl.abs(x), axis=0), tl.max(tl.abs(x1), axis=0))
+            if P2 > 0:
+                o2 = BLOCK + P1 + tl.arange(0, P2)
+                m2 = o2 < K
+                x2 = _silu_mul(base, o2, m2, K)
+                peak = tl.maximum(peak, tl.max(tl.abs(x2), axis=0))
+            if P3 > 0:
+                o3 = BLOCK + P1 + P2 + tl.arange(0, P3)
+                m3 = o3 < K
+                x3 = _silu_mul(base, o3, m3, K)
+                peak = tl.maximum(peak, tl.max(tl.abs(x3), axis=0))
+            amax = tl.maximum(peak, EPS * FP8_MAX_C)
+            _quantize_store(x, amax, q_row, offs, mask, FP8_MAX_C)
+            _quantize_store(x1, amax, q_row, o1, m1, FP8_MAX_C)
+            if P2 > 0:
+                _quantize_store(x2, amax, q_row, o2, m2, FP8_MAX_C)
+            if P3 > 0:
+                _quantize_store(x3, amax, q_row, o3, m3, FP8_MAX_C)
+            tl.store(s_ptr + row, amax * (1.0 / FP8_MAX_C))
 
     def launch_silu_mul_quant(
         gate_up: torch.Tensor, chunk: int = 0, num_warps: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`silu_mul_quant` with explicit tiles (what `bench_fp8.py` sweeps): `chunk` 0 keeps
-        each row whole in one program, else the row goes by `chunk`-wide pieces (a power of
-        two); `num_warps` None: by the block width."""
+        each row whole in one program, `PIECES` too but as power-of-two pieces that end at K
+        (`pieces`), else the row goes by `chunk`-wide pieces (a power of two); `num_warps`
+        None: by the block width."""
         if gate_up.stride(-1) != 1:
             gate_up = gate_up.contiguous()
         m, k = gate_up.shape[0], gate_up.shape[1] // 2
         q = torch.empty((m, k), dtype=FP8_DTYPE, device=gate_up.device)
         s = torch.empty((m, 1), dtype=torch.float32, device=gate_up.device)
-        block = chunk or triton.next_power_of_2(k)
+        parts = (*pieces(k), 0, 0, 0) if chunk == PIECES else (0, 0, 0, 0)
+        block = parts[0] or chunk or triton.next_power_of_2(k)
         if num_warps is None:
             num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
         traceable(_silu_mul_quant_kernel)[(m,)](
@@ -161,8 +193,11 @@ if AVAILABLE:
             BLOCK=block,
             FP8_MAX_C=FP8_MAX,
             EPS=SCALE_EPS,
-            CHUNKED=bool(chunk),
+            CHUNKED=chunk > 0,
             INTERPRET=not gate_up.is_cuda,
+            P1=parts[1],
+            P2=parts[2],
+            P3=parts[3],
             num_warps=num_warps,
         )
         return q, s
@@ -172,6 +207,20 @@ if AVAILABLE:
         """gate_up: [M, 2K] (bf16/fp16/fp32, rows contiguous) → (q [M, K] e4m3, scale [M, 1]
         fp32) with q * scale ≈ SiLU(gate_up[:, :K]) * gate_up[:, K:]. Tiles from `TILES`."""
         return launch_silu_mul_quant(gate_up, *TILES.get(gate_up.shape[1] // 2, (0, None)))
+
+
+# `launch_silu_mul_quant`'s `chunk` for a row in power-of-two pieces that end at K (`pieces`)
+PIECES = -1
+
+
+def pieces(k: int, smallest: int = 64, most: int = 4) -> tuple[int, ...]:
+    """K rounded up to `smallest` as the powers of two it sums to, largest first (4,864 →
+    4,096, 512, 256; the last piece's lanes past K masked): `PIECES`'s layout of a row."""
+    padded = -(-k // smallest) * smallest
+    parts = tuple(1 << b for b in range(padded.bit_length() - 1, -1, -1) if padded >> b & 1)
+    if len(parts) > most:
+        raise ValueError(f"K={k} is {len(parts)} power-of-two pieces; at most {most} are compiled")
+    return parts
 
 
 # `silu_mul_quant`'s tiles per intermediate size K: (chunk, num_warps), see
