@@ -203,15 +203,6 @@ def kernel_table(fn, top: int = 25) -> dict:
         fn()
         sync("cuda" if cuda else "cpu")
         wall_ms = (time.perf_counter() - t0) * 1e3
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    rows = [
-        {"kernel": a.key[:120], "calls": a.count, "ms": getattr(a, key) / 1e3}
-        for a in prof.key_averages()
-        if getattr(a, key) > 0
-    ]
-    total = sum(r["ms"] for r in rows) or 1.0
-    for r in rows:
-        r["share"] = r["ms"] / total
     spans, host = [], []
     for e in prof.events():
         cuda_event = e.device_type == torch.autograd.DeviceType.CUDA
@@ -221,8 +212,23 @@ def kernel_table(fn, top: int = 25) -> dict:
         "launches": len(spans),
         "gpu_busy_ms": busy_us(spans) / 1e3,
         **idle_gaps(spans, host),
-        "kernels": sorted(rows, key=lambda r: -r["ms"])[:top],
+        "kernels": kernel_rows(prof, cuda)[:top],
     }
+
+
+def kernel_rows(prof, cuda: bool) -> list[dict]:
+    """A finished torch.profiler's kernels (`cuda`; else its CPU ops) by their own total time,
+    largest first: kernel, calls, ms and share of the total."""
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = [
+        {"kernel": a.key[:120], "calls": a.count, "ms": getattr(a, key) / 1e3}
+        for a in prof.key_averages()
+        if getattr(a, key) > 0
+    ]
+    total = sum(r["ms"] for r in rows) or 1.0
+    for r in rows:
+        r["share"] = r["ms"] / total
+    return sorted(rows, key=lambda r: -r["ms"])
 
 
 def idle_gaps(spans: list[tuple[float, float]], host: list[tuple[float, float]], top: int = 5):

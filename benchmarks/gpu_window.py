@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import busy_us, idle_gaps
+from common import busy_us, idle_gaps, kernel_rows
 
 
 def start(
@@ -60,12 +60,6 @@ def _record(delay_s: float, seconds: float, out: Path, trigger: Path | None, top
 def summarize(prof, wall_ms: float, cuda: bool, top: int = 30) -> dict:
     """A recorded window: busy time (the union of the spans), gaps, kernels by their own time
     (`cuda` false: CPU ops and their CPU time, for tests)."""
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    rows = [
-        {"kernel": a.key[:120], "calls": a.count, "ms": getattr(a, key) / 1e3}
-        for a in prof.key_averages()
-        if getattr(a, key) > 0
-    ]
     spans = [(e.time_range.start, e.time_range.end) for e in prof.events()]
     busy_ms = busy_us(spans) / 1e3
     gaps = idle_gaps(spans, [])
@@ -77,5 +71,5 @@ def summarize(prof, wall_ms: float, cuda: bool, top: int = 30) -> dict:
         "gpu_busy_share": busy_ms / wall_ms if wall_ms else 0.0,
         "idle_between_ms": gaps.get("idle_between_ms", 0.0),
         "longest_gaps": gaps.get("longest_gaps", []),
-        "kernels": sorted(rows, key=lambda r: -r["ms"])[:top],
+        "kernels": kernel_rows(prof, cuda)[:top],
     }
