@@ -276,8 +276,8 @@ def _silu_mul_quant_rows(res: dict, args) -> None:
 
 
 # (chunk, num_warps) tried for `triton_quant.TILES`: the whole row in one program (chunk 0) with
-# more or fewer warps, and the row by pieces (a second read of each piece, from L2)
-# (chunk, num_warps): whole rows, rows as power-of-two pieces ending at K, rows by fixed-size pieces
+# more or fewer warps, the whole row as power-of-two pieces ending at K (`PIECES`), and the row by
+# fixed-size pieces (a second read of each piece, from L2)
 SILU_MUL_TILES = (
     [(0, 4), (0, 8), (0, 16)]
     + [(PIECES, w) for w in (4, 8, 16)]
