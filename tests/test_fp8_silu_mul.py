@@ -64,15 +64,15 @@ def test_a_row_in_power_of_two_pieces_computes_the_same(width):
     m = 7
     gate_up = torch.randn(m, 2 * width, generator=g) * 3
     gate_up[2] = 0
-    parts = (*triton_quant.pieces(width), 0, 0, 0)
+    parts = triton_quant.pieces(width)
     assert sum(parts) >= width and sum(parts) - width < 64
     out = []
-    for block, extra in ((1 << (width - 1).bit_length(), (0, 0, 0)), (parts[0], parts[1:4])):
+    for chunk in (0, triton_quant.PIECES):
         q, s = torch.empty(m, width), torch.empty(m, 1)
         triton_quant._silu_mul_quant_kernel[(m,)](
             gate_up, q, s, width, gate_up.stride(0), q.stride(0),
-            BLOCK=block, FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS, CHUNKED=False, INTERPRET=True,
-            P1=extra[0], P2=extra[1], P3=extra[2],
+            FP8_MAX_C=FP8_MAX, EPS=SCALE_EPS, INTERPRET=True,
+            **triton_quant.kernel_constants(width, chunk),
         )  # fmt: skip
         out.append((q, s))
     (q1, s1), (q2, s2) = out
@@ -139,16 +139,17 @@ from boundgen.quant import triton_quant
 
 width, name, chunk = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 fn = getattr(triton_quant, name)
-parts = (*triton_quant.pieces(width), 0, 0, 0) if chunk == triton_quant.PIECES else (0,) * 4
-block = parts[0] or chunk or triton.next_power_of_2(width)
-const = dict(BLOCK=block, FP8_MAX_C=448.0, EPS=1e-12)
 if "CHUNKED" in fn.arg_names:
-    const.update(CHUNKED=chunk > 0, INTERPRET=False, P1=parts[1], P2=parts[2], P3=parts[3])
+    const = dict(triton_quant.kernel_constants(width, chunk), INTERPRET=False)
+else:
+    const = dict(BLOCK=chunk or triton.next_power_of_2(width))
+block = const["BLOCK"]
+const.update(FP8_MAX_C=448.0, EPS=1e-12)
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({fn.arg_names[0]: "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"})
 sig.update(dict.fromkeys(const, "constexpr"))
 aligned = []  # (no divisibility hints)
-warps, stages = 4 if block <= 2048 else 8 if block <= 8192 else 16, 3
+warps, stages = triton_quant.default_warps(block), 3
 """
 
 

@@ -91,6 +91,13 @@ if AVAILABLE:
         _quantize_store(_silu_mul(base, cols, mask, K), amax, q_row, cols, mask, FP8_MAX_C)
 
     @triton.jit
+    def _piece(base, start, K, SIZE: tl.constexpr):
+        """Columns [start, start + SIZE) of one gate_up row: (cols, mask, SiLU(gate)·up)."""
+        cols = start + tl.arange(0, SIZE)
+        mask = cols < K
+        return cols, mask, _silu_mul(base, cols, mask, K)
+
+    @triton.jit
     def _silu_mul_quant_kernel(
         gu_ptr,
         q_ptr,
@@ -137,35 +144,27 @@ if AVAILABLE:
                 for start in range(0, K, BLOCK):
                     _chunk_store(base, q_row, offs, start, K, amax, FP8_MAX_C)
             tl.store(s_ptr + row, amax * (1.0 / FP8_MAX_C))
-        elif P1 == 0:
-            mask = offs < K
-            x = _silu_mul(base, offs, mask, K)
-            _store_row(x, q_row, s_ptr + row, offs, mask, FP8_MAX_C, EPS)
         else:
-            mask = offs < K
-            x = _silu_mul(base, offs, mask, K)
-            o1 = BLOCK + tl.arange(0, P1)
-            m1 = o1 < K
-            x1 = _silu_mul(base, o1, m1, K)
-            peak = tl.maximum(tl.max(tl.abs(x), axis=0), tl.max(tl.abs(x1), axis=0))
-            if P2 > 0:
-                o2 = BLOCK + P1 + tl.arange(0, P2)
-                m2 = o2 < K
-                x2 = _silu_mul(base, o2, m2, K)
-                peak = tl.maximum(peak, tl.max(tl.abs(x2), axis=0))
-            if P3 > 0:
-                o3 = BLOCK + P1 + P2 + tl.arange(0, P3)
-                m3 = o3 < K
-                x3 = _silu_mul(base, o3, m3, K)
-                peak = tl.maximum(peak, tl.max(tl.abs(x3), axis=0))
-            amax = tl.maximum(peak, EPS * FP8_MAX_C)
-            _quantize_store(x, amax, q_row, offs, mask, FP8_MAX_C)
-            _quantize_store(x1, amax, q_row, o1, m1, FP8_MAX_C)
-            if P2 > 0:
-                _quantize_store(x2, amax, q_row, o2, m2, FP8_MAX_C)
-            if P3 > 0:
-                _quantize_store(x3, amax, q_row, o3, m3, FP8_MAX_C)
-            tl.store(s_ptr + row, amax * (1.0 / FP8_MAX_C))
+            o0, m0, x = _piece(base, 0, K, BLOCK)
+            if P1 == 0:
+                _store_row(x, q_row, s_ptr + row, o0, m0, FP8_MAX_C, EPS)
+            else:
+                o1, m1, x1 = _piece(base, BLOCK, K, P1)
+                peak = tl.maximum(tl.max(tl.abs(x), axis=0), tl.max(tl.abs(x1), axis=0))
+                if P2 > 0:
+                    o2, m2, x2 = _piece(base, BLOCK + P1, K, P2)
+                    peak = tl.maximum(peak, tl.max(tl.abs(x2), axis=0))
+                if P3 > 0:
+                    o3, m3, x3 = _piece(base, BLOCK + P1 + P2, K, P3)
+                    peak = tl.maximum(peak, tl.max(tl.abs(x3), axis=0))
+                amax = tl.maximum(peak, EPS * FP8_MAX_C)
+                _quantize_store(x, amax, q_row, o0, m0, FP8_MAX_C)
+                _quantize_store(x1, amax, q_row, o1, m1, FP8_MAX_C)
+                if P2 > 0:
+                    _quantize_store(x2, amax, q_row, o2, m2, FP8_MAX_C)
+                if P3 > 0:
+                    _quantize_store(x3, amax, q_row, o3, m3, FP8_MAX_C)
+                tl.store(s_ptr + row, amax * (1.0 / FP8_MAX_C))
 
     def launch_silu_mul_quant(
         gate_up: torch.Tensor, chunk: int = 0, num_warps: int | None = None
@@ -179,10 +178,9 @@ if AVAILABLE:
         m, k = gate_up.shape[0], gate_up.shape[1] // 2
         q = torch.empty((m, k), dtype=FP8_DTYPE, device=gate_up.device)
         s = torch.empty((m, 1), dtype=torch.float32, device=gate_up.device)
-        parts = (*pieces(k), 0, 0, 0) if chunk == PIECES else (0, 0, 0, 0)
-        block = parts[0] or chunk or triton.next_power_of_2(k)
+        const = kernel_constants(k, chunk)
         if num_warps is None:
-            num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+            num_warps = default_warps(const["BLOCK"])
         traceable(_silu_mul_quant_kernel)[(m,)](
             gate_up,
             q,
@@ -190,15 +188,11 @@ if AVAILABLE:
             k,
             gate_up.stride(0),
             q.stride(0),
-            BLOCK=block,
             FP8_MAX_C=FP8_MAX,
             EPS=SCALE_EPS,
-            CHUNKED=chunk > 0,
             INTERPRET=not gate_up.is_cuda,
-            P1=parts[1],
-            P2=parts[2],
-            P3=parts[3],
             num_warps=num_warps,
+            **const,
         )
         return q, s
 
@@ -221,6 +215,19 @@ def pieces(k: int, smallest: int = 64, most: int = 4) -> tuple[int, ...]:
     if len(parts) > most:
         raise ValueError(f"K={k} is {len(parts)} power-of-two pieces; at most {most} are compiled")
     return parts
+
+
+def kernel_constants(k: int, chunk: int) -> dict[str, int | bool]:
+    """`_silu_mul_quant_kernel`'s layout constants for rows of K and `chunk` (0: whole rows,
+    `PIECES`, or a piece width): BLOCK, CHUNKED and the extra pieces P1-P3."""
+    parts = (*pieces(k), 0, 0, 0) if chunk == PIECES else (0, 0, 0, 0)
+    block = parts[0] or chunk or 1 << (k - 1).bit_length()
+    return {"BLOCK": block, "CHUNKED": chunk > 0, "P1": parts[1], "P2": parts[2], "P3": parts[3]}
+
+
+def default_warps(block: int) -> int:
+    """Warps for a program of `block` columns when the tile names none."""
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
 # `silu_mul_quant`'s tiles per intermediate size K: (chunk, num_warps), see
