@@ -648,6 +648,85 @@ def test_compiled_search_layers_equal_the_plain_search(engine_for):
     assert COMPILES.total(TORCH_COMPILE) - before <= 4
 
 
+class _FrameError(RuntimeError):
+    """What a deep compile error can look like: it holds a frame, which cannot be pickled."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg)
+        self.frame = sys._getframe()
+
+
+def test_a_build_workers_error_comes_back_as_itself(monkeypatch):
+    """A worker's build error reaches the parent as its own type, message and traceback, not as
+    the pool's "cannot pickle 'frame' object" (which hid the H200's t16384 failure)."""
+    import pickle
+
+    from boundgen.compile import backends, parallel
+
+    def fail(*args, **kwargs):
+        raise _FrameError("the lowering ran out of something")
+
+    monkeypatch.setattr(backends, "build_aoti", fail)
+    monkeypatch.setattr(parallel, "_WORKER", {"model": None, "device": torch.device("cpu")})
+    with pytest.raises(TypeError, match="pickle"):
+        pickle.dumps(_FrameError("x"))
+    row = pickle.loads(pickle.dumps(parallel._build_one(BUCKET.name, None, "none", True, False)))
+    assert row["bucket"] == BUCKET.name and row["event"] == "error"
+    assert row["error"] == "_FrameError: the lowering ran out of something"
+    assert any("in fail" in line for line in row["traceback"])
+
+
+def test_a_bucket_whose_worker_failed_is_built_again_here(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    """`boundgen compile` with workers: a bucket whose worker build failed is built once more in
+    the command's own process; its row says so and keeps the first error, the other buckets are
+    left as their workers built them, and the command succeeds."""
+    from boundgen.cli import main
+    from boundgen.commands import compile as compile_cmd
+    from boundgen.compile import backends, parallel
+    from boundgen.compile import preload as preload_mod
+
+    package = tmp_path / "package.pt2"
+    package.write_bytes(b"")
+
+    def built(name: str) -> dict:
+        return {"bucket": name, "event": "built", "path": str(package), "size_bytes": 1}
+
+    class Workers:  # the parallel build: t32 built, the other bucket failed
+        def results(self, on_done=None):
+            rows = [parallel.failed(BUCKET.name, _FrameError("worker lost it")), built("t32")]
+            for row in rows:
+                on_done(row)
+            return rows
+
+        def cancel(self):
+            raise AssertionError("not cancelled: the build went on")
+
+    here = []
+
+    def build_here(model, device, buckets, *args, **kwargs):
+        here.append(buckets[0].name)
+        return [(buckets[0], None, built(buckets[0].name))]
+
+    monkeypatch.setattr(compile_cmd, "_jobs", lambda requested, buckets: 2)
+    monkeypatch.setattr(compile_cmd, "_start_workers", lambda *a: Workers())
+    monkeypatch.setattr(backends, "build_aoti", build_here)
+    monkeypatch.setattr(preload_mod, "diagnose", lambda package, root: None)
+    out = tmp_path / "compile.json"
+    argv = ["compile", "--model", str(tiny_model("qwen2")), "--dtype", "float32", "--no-verify"]
+    argv += ["--cache-dir", str(tmp_path / "cache"), "--buckets", f"{BUCKET.name},t32"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert here == [BUCKET.name]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["event"] for r in rows] == ["built", "built"]
+    assert rows[0]["first_try"]["error"] == "_FrameError: worker lost it"
+    assert "first_try" not in rows[1]
+    printed = capsys.readouterr().out
+    assert f"{BUCKET.name}: its build worker failed, built again here: _FrameError" in printed
+    assert "2/2 buckets ready" in printed
+
+
 def test_parallel_workers_build_the_slots_the_fp8_engine_looks_up(
     tiny_model, tmp_path, monkeypatch
 ):

@@ -311,6 +311,24 @@ def _check(model_dir, cfg, quant: str, buckets, cache) -> int:
     return 0 if all(r["event"] == "hit" for r in rows) else 1
 
 
+def _build_here(engine, bucket, cache, quant: str) -> dict:
+    """One bucket built in this process: its info row, or `failed`'s row."""
+    from boundgen.compile.backends import build_aoti
+    from boundgen.compile.parallel import failed
+
+    try:
+        ((_, _, info),) = build_aoti(engine.model, engine.device, [bucket], cache, quant, True)
+    except Exception as exc:
+        return failed(bucket.name, exc)
+    return info
+
+
+def _failure(row: dict) -> str:
+    """A failed build as the command prints it: the error, then its traceback's last lines."""
+    tail = "".join(f"\n      {line}" for line in row.get("traceback", [])[-6:])
+    return row["error"] + tail
+
+
 def _start_workers(args, cfg, quant: str, buckets, cache, jobs: int):
     """The parallel build, started before this process loads its own model (the workers' start
     overlaps it). Workers verify their bucket themselves when they can start with the libstdc++
@@ -343,7 +361,7 @@ def run(args) -> int:
 
     from tqdm import tqdm
 
-    from boundgen.compile.backends import aoti_slots, build_aoti
+    from boundgen.compile.backends import aoti_slots
     from boundgen.compile.buckets import parse_buckets
     from boundgen.compile.cache import ArtifactCache
 
@@ -392,17 +410,21 @@ def run(args) -> int:
 
     if workers is not None:
         rows = workers.results(on_done=done)
+        # a bucket whose worker failed is built once more here, in this process: a compile can
+        # fail once and not again (the H200's t16384 W5 bucket, 2026-12-02), and a user should
+        # not have to run the whole command again for it
+        again = [i for i, r in enumerate(rows) if r["event"] == "error"]
+        if again:
+            bar.total += len(again)
+        for i in again:
+            info = _build_here(engine, buckets[i], cache, quant)
+            info["first_try"] = rows[i]
+            rows[i] = info
+            done(info)
     else:
         rows = []
         for b in buckets:
-            try:
-                ((_, _, info),) = build_aoti(engine.model, engine.device, [b], cache, quant, True)
-            except Exception as exc:
-                info = {
-                    "bucket": b.name,
-                    "event": "error",
-                    "error": f"{type(exc).__name__}: {exc}"[:500],
-                }
+            info = _build_here(engine, b, cache, quant)
             rows.append(info)
             done(info)
     bar.close()
@@ -426,8 +448,11 @@ def run(args) -> int:
     note = "; ".join(notes)
     print(_table(rows))
     for r in rows:
+        if r.get("first_try"):
+            print(f"  {r['bucket']}: its build worker failed, built again here: ", end="")
+            print(_failure(r["first_try"]))
         if r.get("error"):
-            print(f"  {r['bucket']}: {r['error']}")
+            print(f"  {r['bucket']}: {_failure(r)}")
         elif r.get("phases_s") and r.get("event") != "hit":
             top = list(r["phases_s"].items())[:4]
             print(f"  {r['bucket']}: " + ", ".join(f"{k} {v:.1f} s" for k, v in top))

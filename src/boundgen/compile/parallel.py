@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -49,9 +50,15 @@ def _build_one(
     from boundgen.compile.cache import ArtifactCache
 
     bucket = Bucket.parse(bucket_name)
-    entries = build_aoti(
-        _WORKER["model"], _WORKER["device"], [bucket], ArtifactCache(cache_dir), quant, rebuild
-    )
+    try:
+        entries = build_aoti(
+            _WORKER["model"], _WORKER["device"], [bucket], ArtifactCache(cache_dir), quant, rebuild
+        )
+    except Exception as exc:
+        # Sent back as text: an exception raised deep in a compile may hold a frame, and the pool
+        # then reports "cannot pickle 'frame' object" in place of the cause (the H200's t16384
+        # W5 bucket, 2026-12-02).
+        return failed(bucket_name, exc)
     info = entries[0][2]
     if verify:  # while the other buckets still build (this worker started with the preload)
         from boundgen.compile.verify import max_abs_diff
@@ -64,13 +71,28 @@ def _build_one(
     return info
 
 
+def failed(bucket_name: str, exc: BaseException) -> dict:
+    """A bucket's build error as plain data: the row `boundgen compile` reports, with the
+    traceback's last lines."""
+    tb = "".join(traceback.format_exception(exc)).rstrip().splitlines()
+    return {
+        "bucket": bucket_name,
+        "event": "error",
+        "error": f"{type(exc).__name__}: {exc}"[:500],
+        "traceback": tb[-TRACEBACK_LINES:],
+    }
+
+
+TRACEBACK_LINES = 12
+
+
 class ParallelBuild:
     """Every bucket's build (or verification) in `jobs` worker processes, started at once: the
     caller does its own work meanwhile, then takes `results()`, one info dict per bucket.
 
     `quant` is the FP8 policy's canonical name: each worker swaps the same projections as the
     parent's model, so the artifacts are the ones that model looks up. A bucket that fails (or is
-    still building after `timeout_s`) gives {"bucket", "event": "error", "error"} instead of
+    still building after `timeout_s`) gives `failed`'s row (its error and traceback) instead of
     stopping the rest; workers still running at the timeout are terminated. `verify`: each worker
     compares its bucket with eager right after building it (`preload`: the libstdc++ the workers
     start with, so that loading a package is safe in them)."""
@@ -128,12 +150,8 @@ class ParallelBuild:
                 name = self.futs[fut]
                 try:
                     info = fut.result()
-                except Exception as exc:
-                    info = {
-                        "bucket": name,
-                        "event": "error",
-                        "error": f"{type(exc).__name__}: {exc}"[:500],
-                    }
+                except Exception as exc:  # the worker itself died (its build errors come back)
+                    info = failed(name, exc)
                 results[name] = info
                 if on_done:
                     on_done(info)
