@@ -11,7 +11,9 @@ Layouts (Qwen2.5-0.5B heads by default: 14 query heads, 2 KV heads, head_dim 64)
   the bucket `--w2-bucket` (default t2048-s128-m512-g2-p320-q1728, as the server runs it) and as
   packed (`w2-unpadded`);
 - w1: plain sequences of 64–256 tokens (DESIGN §9 W1 lengths) packed to 8192 tokens, padded into
-  `--w1-bucket` (default t8192-s256-m512).
+  `--w1-bucket` (default t8192-s256-m512);
+- w5: eight W2 requests merged, as the W5 server runs them at saturation (eight cascade groups,
+  14,848 tokens), padded into `--w5-bucket` (default t16384-s1024-m512-g9-p2560-q13824).
 
 Each variant is timed two ways with CUDA events: `graph_us`, one call captured in a CUDA graph and
 replayed (GPU time, what `aoti+graphs` buckets see), and `eager_us`, back-to-back eager calls
@@ -40,7 +42,9 @@ from boundgen.text.packing import SequenceGroup, pack
 
 
 def layouts(args) -> dict:
-    w2 = pack([SequenceGroup([1] * 256, [[2] * 16 for _ in range(100)])])
+    w2_request = SequenceGroup([1] * 256, [[2] * 16 for _ in range(100)])
+    w2 = pack([w2_request])
+    w5 = pack([w2_request] * 8)
     lens, total = [], 0
     for p in w1_prompts(1000):
         if total + len(p) > 8192:
@@ -49,7 +53,8 @@ def layouts(args) -> dict:
         total += len(p)
     w1 = pack([SequenceGroup([], [[1] * n for n in lens])])
     out = {"w2-unpadded": w2}
-    for name, batch, spec in (("w2", w2, args.w2_bucket), ("w1", w1, args.w1_bucket)):
+    padded = (("w2", w2, args.w2_bucket), ("w1", w1, args.w1_bucket), ("w5", w5, args.w5_bucket))
+    for name, batch, spec in padded:
         bucket, padded = BucketSet([Bucket.parse(spec)]).pad(batch)
         if bucket is None:
             raise SystemExit(f"{name} does not fit bucket {spec}")
@@ -94,6 +99,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--w2-bucket", default="t2048-s128-m512-g2-p320-q1728")
     p.add_argument("--w1-bucket", default="t8192-s256-m512")
+    p.add_argument("--w5-bucket", default="t16384-s1024-m512-g9-p2560-q13824")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--sweep", action="store_true", help="also time other kernel tiles")
     p.add_argument("--out", default=None, help="write the JSON here too")
@@ -132,7 +138,9 @@ def main() -> None:
             "segments": lambda: prefill_attention(q, k, v, a, ours),
         }
         if args.sweep:
-            tiles = itertools.product((32, 64, 128), (32, 64), (4, 8), (2, 3))
+            # BLOCK_M counts rows (tokens × the GQA group): 7 query heads a KV head make 64 rows
+            # 9 tokens, so a program re-reads its group's prefix for every 9 tokens
+            tiles = itertools.product((32, 64, 128, 256), (32, 64), (4, 8), (2, 3))
             for tile in tiles:
                 label = "segments m{} n{} w{} s{}".format(*tile)
                 variants[label] = lambda tile=tile: with_tile(segments, tile, ours, q, k, v, a)
