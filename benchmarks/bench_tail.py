@@ -89,6 +89,8 @@ def with_forwards(url: str, run) -> dict:
         "requests_per_forward": wrk.per_batch(before, after),
         "tokens_per_forward": wrk.per_batch(before, after, "tokens"),
         "gpu_busy": (after["device_s"] - before["device_s"]) / (t1 - t0),
+        # the forward node's leader blocked on the device, per forward (0: host-bound)
+        "paced_wait_ms_per_forward": wrk.per_batch(before, after, "paced_wait_s") * 1e3,
         "host_ms_per_forward": {
             part: wrk.per_batch(before, after, f"host_{part}_s") * 1e3 for part in HOST_PARTS
         },
@@ -256,8 +258,8 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| generator | load | ok/s | p50 ms | p99 ms | server p50 / p99 ms | p99 − server p99 ms "
         "| errors | requests per forward | GPU busy (forward node) | tokens per forward "
-        "| host ms per forward: pack / stage / launch (their CPU) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| host ms per forward: pack / stage / launch (their CPU) | paced wait ms per forward |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for r in rows:
         if r["generator"] == "wrk":
@@ -279,7 +281,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['generator']} | {load} | {r['ok_per_s']:.1f} | {r['p50_ms']:.1f} | "
             f"{r['p99_ms']:.1f} | {r['server_p50_ms']:.1f} / {r['server_p99_ms']:.1f} | "
             f"{r['p99_ms'] - r['server_p99_ms']:.1f} | {r['errors']} | "
-            f"{r.get('requests_per_forward', 0):.1f} | {busy} | {size} | {host} |"
+            f"{r.get('requests_per_forward', 0):.1f} | {busy} | {size} | {host} | "
+            f"{r.get('paced_wait_ms_per_forward', 0):.2f} |"
         )
     return "\n".join(lines)
 

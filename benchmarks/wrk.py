@@ -148,6 +148,7 @@ def node_counters(url: str, node: str) -> dict[str, float]:
         "requests": value("boundgen_runtime_batched_requests"),
         "tokens": value("boundgen_runtime_batched_tokens"),
         "device_s": value("boundgen_runtime_device_seconds"),
+        "paced_wait_s": value("boundgen_runtime_paced_wait_seconds"),
         **{f"host_{part}_s": value(host, f'part="{part}"') for part in HOST_PARTS},
         **{f"host_cpu_{part}_s": value(cpu, f'part="{part}"') for part in HOST_PARTS},
         # CPU seconds per server thread (`boundgen_thread_cpu_seconds`), as thread_cpu:NAME

@@ -137,6 +137,26 @@ def test_a_node_that_does_not_wait_runs_every_request_alone(device):
     h.node.close()
 
 
+def test_the_wait_for_the_device_is_counted(device):
+    """`paced_wait_seconds`: how long a leader was blocked on the device before it could form its
+    next batch (what tells a device-bound node from a host-bound one at saturation)."""
+    now = [0]
+    h = Harness(device_depth=2)
+    h.node._clock = lambda: now[0]
+    h.start(0).join(10)  # nothing before it on the device: no wait
+    h.wait_done(1)
+    leader = h.start(1)  # batch 1 queued behind batch 0: its leader waits for batch 0
+    h.until(lambda: len(device.flights) == 2, "batch 1 queued")
+    assert h.node.stats()["paced_wait_seconds"] == 0
+    now[0] = 3_000_000  # batch 0 runs 3 ms more on the device
+    device.flights[0].ran.set()
+    leader.join(10)
+    h.wait_done(1)
+    assert h.node.stats()["paced_wait_seconds"] == pytest.approx(0.003)
+    device.flights[1].ran.set()
+    h.node.close()
+
+
 def test_depth_one_waits_for_its_own_batch(device):
     h = Harness(device_depth=1)
     leader = h.start(0)

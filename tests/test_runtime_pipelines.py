@@ -304,6 +304,8 @@ def test_engine_config_sets_the_batching_knobs(tiny_model):
         batch_token_budget=512,
         batch_max_wait_ms=3.0,
         batch_latency_target_ms=40.0,
+        batch_device_depth=3,
     )
     node = eng.workload_context().forward
     assert (node.token_budget, node.max_wait_ns, node.latency_target_ms) == (512, 3_000_000, 40.0)
+    assert node.device_depth == 3

@@ -96,12 +96,14 @@ def test_an_eager_runner_has_no_bucket_series(engine_for):
 
 
 def test_device_time_series_per_batching_node(engine_for):
-    """`boundgen_runtime_device_seconds_total` per batching node: 0 on CPU (no device queue)."""
+    """`boundgen_runtime_device_seconds_total` and `boundgen_runtime_paced_wait_seconds_total` per
+    batching node: 0 on CPU (no device queue)."""
     client = TestClient(create_app(engine_for(), ServerConfig()), base_url=LOCAL)
     body = {"query": [1, 2, 3], "items": [[4, 5], [6]], "label_token_ids": [1, 2]}
     assert client.post("/v1/score", json=body).status_code == 200
     page = client.get("/metrics").text
     assert metric(page, "boundgen_runtime_device_seconds_total", 'node="forward"') == 0.0
+    assert metric(page, "boundgen_runtime_paced_wait_seconds_total", 'node="forward"') == 0.0
     assert metric(page, "boundgen_runtime_batches_total", 'node="forward"') >= 1.0
 
 

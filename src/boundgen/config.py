@@ -237,6 +237,13 @@ class EngineConfig:
     batch_max_wait_ms: float = option(
         0.0, "how long a forming batch may wait for more requests (0: never wait)"
     )
+    batch_device_depth: int = option(
+        2,
+        "merged forwards a batching node keeps queued on the device: it forms its next batch once "
+        "all but depth-1 of them have run (2: the device always has the next one queued; 3 gives "
+        "the host a whole forward more to pack the next one, and a request may wait one batch "
+        "more under load)",
+    )
     traffic_log: str | None = option(
         None,
         "append the shape of every model forward (lengths only) to this JSON-lines file, for "

@@ -123,6 +123,7 @@ class Engine:
                 cache_dir=config.compile_cache,
                 quant=fp8,
                 graph_max_tokens=config.graph_max_tokens,
+                device_depth=config.batch_device_depth,
             ),
         )
         tokenizer = Tokenizer.from_dir(path)
@@ -161,6 +162,7 @@ class Engine:
             max_wait_ms=cfg.batch_max_wait_ms,
             traffic=self._traffic_log(),
             latency_target_ms=cfg.batch_latency_target_ms,
+            device_depth=cfg.batch_device_depth,
         )
 
     def _traffic_log(self) -> TrafficLog | None:

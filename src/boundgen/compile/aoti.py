@@ -277,17 +277,22 @@ def build_package(
 UNCAPTURED_INSTANCES = 2
 
 
-def open_package(path: str | Path, single_threaded: bool = False, device_index: int = -1):
+def open_package(
+    path: str | Path,
+    single_threaded: bool = False,
+    device_index: int = -1,
+    instances: int = UNCAPTURED_INSTANCES,
+):
     """The package's model runner (`AOTICompiledModel`), loaded in this process: one model
-    instance when `single_threaded` (a bucket replayed as a CUDA graph), else
-    `UNCAPTURED_INSTANCES`.
+    instance when `single_threaded` (a bucket replayed as a CUDA graph), else `instances` (at least
+    the batches the forward node keeps queued on the device, `EngineConfig.batch_device_depth`).
 
     `aoti_load_package` first compares the package's recorded device information with this
     machine's, only to log a warning, and that comparison runs Inductor's CPU vector-ISA probe:
     in torch 2.11 up to 11 child processes that each import torch, 57 s of every process's first
     load on the H200 image (`compile/isa.py`). The artifact cache's platform key already
     vouches for torch, CUDA and the GPU, so the runner is made directly."""
-    instances = 1 if single_threaded else UNCAPTURED_INSTANCES
+    instances = 1 if single_threaded else instances
     try:
         from torch._inductor.package.package import AOTICompiledModel
 
@@ -345,13 +350,14 @@ class AOTIBucket:
         weights: SharedWeights,
         device: torch.device,
         single_threaded: bool = False,
+        instances: int = UNCAPTURED_INSTANCES,
     ) -> AOTIBucket:
         dev = torch.device(device)
         index = dev.index if dev.type == "cuda" and dev.index is not None else -1
         if dev.type == "cuda" and index < 0:
             index = torch.cuda.current_device()
         # NOTE: -1 is the runner's default CUDA device; only a non-default one is named
-        compiled = open_package(path, single_threaded, index if index > 0 else -1)
+        compiled = open_package(path, single_threaded, index if index > 0 else -1, instances)
         fqns = list(compiled.get_constant_fqns())
         compiled.load_constants(weights.for_fqns(fqns), check_full_update=True, user_managed=True)
         return cls(compiled, bucket, Path(path))

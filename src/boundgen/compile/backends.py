@@ -17,7 +17,13 @@ from pathlib import Path
 
 import torch
 
-from boundgen.compile.aoti import AOTIBucket, PackedForward, SharedWeights, build_package
+from boundgen.compile.aoti import (
+    UNCAPTURED_INSTANCES,
+    AOTIBucket,
+    PackedForward,
+    SharedWeights,
+    build_package,
+)
 from boundgen.compile.buckets import Bucket, parse_buckets
 from boundgen.compile.cache import (
     ArtifactCache,
@@ -64,6 +70,9 @@ class CompileOptions:
     # +graphs: the beam search's prefill and decode layers through torch.compile (one compiled
     # graph for all layers); None: for the compile and aoti backends, not for eager
     compile_decode: bool | None = None
+    # the batches a node keeps queued on the device (`EngineConfig.batch_device_depth`): an aoti
+    # bucket run from the host gets a model instance for each (`compile.aoti.UNCAPTURED_INSTANCES`)
+    device_depth: int = 2
     progress: Callable[[str, dict], None] | None = None  # progress(event, info) per bucket
     build_log: list[dict] = field(default_factory=list)
 
@@ -195,11 +204,12 @@ def _aoti_fns(model, device, buckets, opts: CompileOptions, graphs: bool) -> tup
     ensure_loadable(entries[0][1].path, cache.root, allow_reexec=opts.allow_reexec)
     log.info("aoti: %d cached buckets checked in %.2f s", len(entries), time.perf_counter() - t0)
     weights = SharedWeights(model)
+    instances = max(UNCAPTURED_INSTANCES, opts.device_depth)
     fns = {}
     for bucket, entry, _ in entries:
         single = graphs and bucket.tokens <= opts.graph_max_tokens
         t0 = time.perf_counter()
-        fns[bucket] = AOTIBucket.load(entry.path, bucket, weights, device, single_threaded=single)
+        fns[bucket] = AOTIBucket.load(entry.path, bucket, weights, device, single, instances)
         t_load = time.perf_counter() - t0
         if opts.warmup and not single:  # graph capture warms the others
             # NOTE: a bucket's first run loads its kernels (tens of ms on CUDA): not in a request

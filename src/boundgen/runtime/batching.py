@@ -414,6 +414,7 @@ class BatchingNode(Node):
         # stream time of the paced batches that have run, launch to end: the GPU's busy time plus
         # any wait for the host's launch (a host-bound node reads ~100 % too; compare batch_run)
         self.device_ns = 0.0
+        self.paced_wait_ns = 0  # leaders blocked on the device before their next batch
         self.last_budget = self.token_budget  # the budget the last batch was formed under
 
     # ---- executor side
@@ -479,6 +480,9 @@ class BatchingNode(Node):
             "mean_requests_per_batch": self.batched_requests / b if b else 0.0,
             "max_requests_in_batch": self.max_requests_in_batch,
             "device_seconds": self.device_ns / 1e9,
+            # how long the lanes' leaders waited for the device before forming their next batch:
+            # ~0 a batch at saturation says the host, not the device, sets the pace
+            "paced_wait_seconds": self.paced_wait_ns / 1e9,
             "token_budget": self.last_budget,
             "lanes": len(self._lanes),
             "cost": self.cost.stats(),
@@ -727,10 +731,13 @@ class BatchingNode(Node):
         lane.in_flight.append(queued)
         while len(lane.in_flight) >= self.device_depth:
             done = lane.in_flight.popleft()
+            t0 = self._clock()
             done.flight.wait()
+            waited = self._clock() - t0
             device_ns = done.flight.device_ns()
             with self._cv:
                 self.device_ns += device_ns
+                self.paced_wait_ns += waited
             ns = max(device_ns, done.host_ns)
             self.cost.observe(done.units, ns, done.forwards, done.shapes, done.steady)
 

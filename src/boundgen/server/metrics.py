@@ -122,18 +122,26 @@ class _RuntimeCollector:
             "GPU waited for the host to launch the batch)",
             labels=["node"],
         )
+        paced = CounterMetricFamily(
+            "boundgen_runtime_paced_wait_seconds",
+            "time a node's batch leaders waited for the device before forming the next batch "
+            "(near 0 per batch at saturation: the host, not the device, sets the pace)",
+            labels=["node"],
+        )
         try:
             for node, st in self.runtime.stats().get("batching", {}).items():
                 batches.add_metric([node], float(st.get("batches", 0)))
                 batched.add_metric([node], float(st.get("requests", 0)))
                 batch_tokens.add_metric([node], float(st.get("tokens", 0)))
                 device.add_metric([node], float(st.get("device_seconds", 0.0)))
+                paced.add_metric([node], float(st.get("paced_wait_seconds", 0.0)))
         except Exception:
             pass
         yield batches
         yield batched
         yield batch_tokens
         yield device
+        yield paced
         try:
             tracer = self.runtime.executor.tracer
             for (pipeline, node), h in sorted(tracer.histograms().items()):

@@ -30,7 +30,8 @@ class WorkloadContext:
     """The runner, tokenizer and input limits a pipeline works with, the model's task and EOS
     ids, the cross-request batching knobs (`token_budget` tokens per merged batch,
     `max_wait_ms` a forming batch may wait, `max_batch_requests`, `latency_target_ms` that adapts
-    the token budget to the measured batch cost), and where the model nodes log the shapes of
+    the token budget to the measured batch cost, `device_depth` batches queued on the device), and
+    where the model nodes log the shapes of
     their forwards (`traffic`, None: nowhere)."""
 
     def __init__(
@@ -46,6 +47,7 @@ class WorkloadContext:
         max_batch_requests: int | None = None,
         traffic: TrafficLog | None = None,
         latency_target_ms: float | None = None,
+        device_depth: int = 2,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -57,6 +59,7 @@ class WorkloadContext:
         self.max_batch_requests = max_batch_requests
         self.traffic = traffic
         self.latency_target_ms = latency_target_ms
+        self.device_depth = device_depth
 
     @property
     def task(self) -> str:
@@ -102,6 +105,7 @@ class WorkloadContext:
             max_wait_ms=self.max_wait_ms,
             max_batch=self.max_batch_requests,
             latency_target_ms=self.latency_target_ms,
+            device_depth=self.device_depth,
             raises=raises,
         )
 
