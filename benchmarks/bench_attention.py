@@ -13,7 +13,7 @@ Layouts (Qwen2.5-0.5B heads by default: 14 query heads, 2 KV heads, head_dim 64)
 - w1: plain sequences of 64–256 tokens (DESIGN §9 W1 lengths) packed to 8192 tokens, padded into
   `--w1-bucket` (default t8192-s256-m512);
 - w5: eight W2 requests merged, as the W5 server runs them at saturation (eight cascade groups,
-  14,848 tokens), padded into `--w5-bucket` (default t16384-s1024-m512-g9-p2560-q13824).
+  14,848 tokens), padded into `--w5-bucket` (default: the largest of `common.w5_buckets`).
 
 Each variant is timed two ways with CUDA events: `graph_us`, one call captured in a CUDA graph and
 replayed (GPU time, what `aoti+graphs` buckets see), and `eager_us`, back-to-back eager calls
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import env_info, graph_us, w1_prompts, write_json
+from common import env_info, graph_us, w1_prompts, w5_buckets, write_json
 
 from boundgen.attention.backends import get_backend
 from boundgen.attention.cascade import prefill_attention
@@ -99,7 +99,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--w2-bucket", default="t2048-s128-m512-g2-p320-q1728")
     p.add_argument("--w1-bucket", default="t8192-s256-m512")
-    p.add_argument("--w5-bucket", default="t16384-s1024-m512-g9-p2560-q13824")
+    p.add_argument("--w5-bucket", default=w5_buckets(warmup=False)[-1])
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--sweep", action="store_true", help="also time other kernel tiles")
     p.add_argument("--out", default=None, help="write the JSON here too")

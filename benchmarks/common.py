@@ -81,6 +81,21 @@ def w2_request(vocab: int, prefix: int = 256, items: int = 100, item_len: int = 
     return query, cands
 
 
+W5_PROFILE = Path(__file__).parent / "profiles" / "w5.json"  # W2 requests merged 1..8 at a time
+W5_BUDGET = 15000  # every W5 server's --batch-token-budget: 8 W2 requests (14,848 tokens) a forward
+
+
+def w5_buckets(warmup: bool = True) -> list[str]:
+    """The W5 servers' buckets as a user plans them for that traffic (`boundgen compile --profile
+    benchmarks/profiles/w5.json --batch-token-budget 15000 --max-bucket-tokens 16384`: one cascade
+    bucket per merge level, 0.8 % padding; the four hand-picked ones used until 2026-12-02 padded 8
+    requests into 16,384 tokens), plus plain t256 and t1024 for the warm-up."""
+    from boundgen.compile import planner
+
+    plan = planner.plan(planner.load_profile(W5_PROFILE), W5_BUDGET, max_bucket_tokens=16384)
+    return [b.name for b in plan.buckets] + (["t256", "t1024"] if warmup else [])
+
+
 def prefill_flops(
     config, seq_lens: list[int], prefix: int = 0, head_rows: int = 0, head_cols: int = 0
 ) -> float:

@@ -26,10 +26,7 @@ from boundgen import Engine
 from boundgen.checkpoints import ensure_model
 from boundgen.text.packing import SequenceGroup
 
-W5_BUCKETS = (
-    "t2048-s128-m512-g2-p320-q1728,t4096-s256-m512-g3-p640-q3456,t8192-s512-m512-g5-p1280-q6912,"
-    "t16384-s1024-m512-g9-p2560-q13824,t256,t1024"
-)
+W5_BUCKETS = ",".join(common.w5_buckets())
 
 
 def w2_groups(vocab: int, n: int, prefix: int, items: int, item_len: int) -> list[SequenceGroup]:

@@ -33,11 +33,8 @@ if ls .cache-h200/cache.tgz.* >/dev/null 2>&1 && [ ! -d $BOUNDGEN_CACHE/compiled
   mkdir -p $BOUNDGEN_CACHE && cat .cache-h200/cache.tgz.* | tar -xzf - -C $BOUNDGEN_CACHE && echo "compile cache restored: $(ls $BOUNDGEN_CACHE/compiled | wc -l) entries"
 fi
 [ -f $M/config.json ] || python3 -c "from boundgen.checkpoints import make_model; make_model('qwen2.5-0.5b', '$M', dtype='bfloat16', overwrite=True, progress=False)"
-# W5: W2 requests merged 1..8 at a time, one cascade bucket each, as the planner makes them for that
-# traffic (`boundgen compile --profile benchmarks/profiles/w5.json --plan-only --batch-token-budget
-# 15000 --max-bucket-tokens 16384`: 0.8 % padding; the four buckets used before, for 1, 2, 3-4 and
-# 5-8 requests, padded 8 requests' 14,848 tokens to 16,384), plus plain buckets for the warm-up
-W5_BUCKETS=t1920-s104-m512-g2-p320-q1600,t3776-s208-m512-g3-p576-q3200,t5632-s304-m512-g4-p832-q4800,t7488-s408-m512-g5-p1088-q6400,t9344-s512-m512-g6-p1344-q8000,t11200-s608-m512-g7-p1600-q9600,t13056-s712-m512-g8-p1856-q11200,t14912-s816-m512-g9-p2112-q12800,t256,t1024
+# W5: W2 requests merged 1..8 at a time, the planner's buckets for that traffic (common.w5_buckets)
+W5_BUCKETS=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import common; print(','.join(common.w5_buckets()))")
 # W5_ARGS: extra engine flags for both the compile and the server (e.g. "--attention segments")
 W5_SERVE="--device cuda --dtype bfloat16 --backend aoti+graphs --batch-token-budget 15000 ${W5_ARGS:-}"
 . benchmarks/device_wheels.sh

@@ -12,8 +12,8 @@ export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 BOUNDGEN_CACHE=/tmp/bg-cache RAY
 install_device_wheels
 M=/tmp/bg-cache/qwen2.5-0.5b-bf16
 python3 -c "from boundgen.checkpoints import make_model; make_model('qwen2.5-0.5b', '$M', dtype='bfloat16', overwrite=True, progress=False)"
-# W2-shaped requests merged 1, 2, 3-4, 5-8 at a time (the batch budget caps merges at 8), beam prompts
-SCORE_BUCKETS=t2048-s128-m512-g2-p320-q1728,t4096-s256-m512-g3-p640-q3456,t8192-s512-m512-g5-p1280-q6912,t16384-s1024-m512-g9-p2560-q13824
+# W2-shaped requests merged 1..8 at a time (the batch budget caps merges at 8): common.w5_buckets
+SCORE_BUCKETS=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import common; print(','.join(common.w5_buckets(warmup=False)))")
 BUCKETS=${BUCKETS:-$SCORE_BUCKETS,t256,t1024}; [ "${STAGES:-main}" = main ] || BUCKETS=$SCORE_BUCKETS
 SERVE="--backend aoti+graphs --batch-token-budget 15000"
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
