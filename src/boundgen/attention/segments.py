@@ -447,9 +447,9 @@ def _packed_prefill_kernel(
 
 # (head_dim ≤ 64, head_dim ≤ 128): BLOCK_M rows (tokens × GQA heads), BLOCK_N keys, warps, stages.
 # head_dim 64 from `bench_attention.py --sweep` on the H200 (2026-12-02, 14/2 heads, µs of one call
-# replayed from a graph): BLOCK_N 32 against 64, W2 16.8 against 18.4, W1 30.4 against 34.2 (a
-# 16-token candidate's own segment is one 32-key block, not half of a 64-key one); BLOCK_M 128 and
-# 256 were slower. head_dim 128 not swept.
+# replayed from a graph): BLOCK_N 32 against 64, W2 in its bucket 16.8 (64 keys not among the six
+# fastest, > 18.9), W1 30.4 against 34.2 (a 16-token candidate's own segment is one 32-key block,
+# not half of a 64-key one); BLOCK_M 128 and 256 were slower. head_dim 128 not swept.
 CONFIGS = {64: (64, 32, 4, 2), 128: (64, 64, 4, 2)}
 
 
