@@ -723,7 +723,8 @@ def test_a_bucket_whose_worker_failed_is_built_again_here(
     assert rows[0]["first_try"]["error"] == "_FrameError: worker lost it"
     assert "first_try" not in rows[1]
     printed = capsys.readouterr().out
-    assert f"{BUCKET.name}: its build worker failed, built again here: _FrameError" in printed
+    assert f"{BUCKET.name}: tried again in this process after its build worker failed: " in printed
+    assert "_FrameError: worker lost it" in printed
     assert "2/2 buckets ready" in printed
 
 

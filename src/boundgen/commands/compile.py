@@ -449,8 +449,8 @@ def run(args) -> int:
     print(_table(rows))
     for r in rows:
         if r.get("first_try"):
-            print(f"  {r['bucket']}: its build worker failed, built again here: ", end="")
-            print(_failure(r["first_try"]))
+            again = "tried again in this process after its build worker failed"
+            print(f"  {r['bucket']}: {again}: {_failure(r['first_try'])}")
         if r.get("error"):
             print(f"  {r['bucket']}: {_failure(r)}")
         elif r.get("phases_s") and r.get("event") != "hit":

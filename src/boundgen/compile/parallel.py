@@ -71,6 +71,9 @@ def _build_one(
     return info
 
 
+TRACEBACK_LINES = 12  # of a failed build, kept in its row
+
+
 def failed(bucket_name: str, exc: BaseException) -> dict:
     """A bucket's build error as plain data: the row `boundgen compile` reports, with the
     traceback's last lines."""
@@ -81,9 +84,6 @@ def failed(bucket_name: str, exc: BaseException) -> dict:
         "error": f"{type(exc).__name__}: {exc}"[:500],
         "traceback": tb[-TRACEBACK_LINES:],
     }
-
-
-TRACEBACK_LINES = 12
 
 
 class ParallelBuild:
