@@ -747,3 +747,18 @@ def test_parallel_workers_build_the_slots_the_fp8_engine_looks_up(
     plain_model = Engine.from_pretrained(path).model
     plain = aoti_slots(plain_model, engine.device, [BUCKET], "none")[0]
     assert built.key == served.key != plain.key
+
+
+def test_compile_reads_the_serve_config_files_engine_settings(tmp_path):
+    """`boundgen compile --config FILE` builds for the engine settings of the file a server runs
+    with (an FP8 policy forced on an unchecked checkpoint, say), flags over them."""
+    from boundgen.cli import build_parser
+    from boundgen.commands.compile import _engine_config
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("fp8: mlp\nfp8_force: true\ndtype: bfloat16\nport: 9000\n")
+    args = build_parser().parse_args(["compile", "--config", str(config), "--dtype", "float32"])
+    cfg = _engine_config(args)
+    assert (cfg.fp8, cfg.fp8_force, cfg.dtype) == ("mlp", True, "float32")
+    plain = _engine_config(build_parser().parse_args(["compile"]))
+    assert (plain.fp8, plain.fp8_force) == ("none", False)

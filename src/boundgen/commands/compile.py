@@ -18,6 +18,13 @@ HELP = "export + AOTInductor-compile the model's packed forward per shape bucket
 def add_arguments(parser) -> None:
     add_engine_args(parser, model_required=False)
     parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="the `boundgen serve` config file (YAML/TOML) whose engine settings the artifacts are "
+        "built for (e.g. fp8, fp8_force, attention); flags override it",
+    )
+    parser.add_argument(
         "--buckets",
         default=None,
         help="comma-separated buckets, e.g. 't64,t256,t2048-s64-m256,t4096-g8-p2048-q1536' "
@@ -249,10 +256,22 @@ def _eager_config(args):
     them through `backend=auto`."""
     import dataclasses
 
+
+    return dataclasses.replace(_engine_config(args), backend="eager")
+
+
+def _engine_config(args):
+    """The engine options: the `--config` file's engine settings (if given), flags over them; the
+    same reading as `boundgen serve`'s, so the artifacts are the ones its server looks up."""
     from boundgen.config import EngineConfig
     from boundgen.settings import from_args
 
-    return dataclasses.replace(from_args(EngineConfig, args), backend="eager")
+    base = None
+    if getattr(args, "config", None):
+        from boundgen.server.config import load_settings
+
+        base = load_settings(args.config).engine
+    return from_args(EngineConfig, args, base)
 
 
 def _load_eager(model_dir, cfg):
@@ -273,8 +292,6 @@ def _fp8_policy(cfg) -> str:
 def _plan(args):
     """The planned buckets (printed with their predicted padding), or None without a profile."""
     from boundgen.compile import planner
-    from boundgen.config import EngineConfig
-    from boundgen.settings import from_args
 
     if args.profile and args.from_traffic:
         raise ValueError("give --profile or --from-traffic, not both")
@@ -284,7 +301,7 @@ def _plan(args):
         entries = planner.load_profile(args.profile)
     else:
         entries = planner.load_traffic(args.from_traffic)
-    budget = from_args(EngineConfig, args).max_batch_tokens
+    budget = _engine_config(args).max_batch_tokens
     plan = planner.plan(entries, budget, args.max_bucket_tokens, args.max_cascade_buckets)
     print(plan.report())
     return plan.buckets
