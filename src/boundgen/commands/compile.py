@@ -256,7 +256,6 @@ def _eager_config(args):
     them through `backend=auto`."""
     import dataclasses
 
-
     return dataclasses.replace(_engine_config(args), backend="eager")
 
 
