@@ -76,7 +76,7 @@ run_phase() {
     # issue 26: silu_mul_quant's tiles swept at W1's 8,192 rows (the fastest per K → triton_quant.TILES)
     fp8-tiles) phase fp8-tiles 120 python3 benchmarks/bench_fp8.py --sections env,quant --tokens 8192 --out "$OUT/fp8_tiles.json" ;;
     fp8-model) phase fp8-model 330 python3 benchmarks/bench_fp8.py --sections env,model,gate --out "$OUT/fp8_model.json" ;;
-    fp8-selective) phase fp8-selective 560 python3 benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs --policies none selective --profile --silu-tiles sweep ${FP8_ARGS:-} --out "$OUT/fp8_selective.json" ;;
+    fp8-selective) phase fp8-selective 560 python3 benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs --policies none selective --profile --silu-tiles sweep --hf ${FP8_ARGS:-} --out "$OUT/fp8_selective.json" ;;
     fp8-demo-gate) phase fp8-demo-gate 240 python3 -m boundgen.cli quant-check --model src/boundgen/demo/assets --fp8 all --scale small --controls --no-record --json "$OUT/fp8_demo_gate.json" ;;
     # issue 26's proof on the GPU: the recommended policy, real FP8, controls judged too (exit 0 = pass)
     fp8-check) phase fp8-check 300 python3 -m boundgen.cli quant-check --model src/boundgen/demo/assets --fp8 selective --controls --no-record --json "$OUT/fp8_check.json" ;;
