@@ -232,11 +232,13 @@ def default_warps(block: int) -> int:
 
 # `silu_mul_quant`'s tiles per intermediate size K: (chunk, num_warps), see
 # `launch_silu_mul_quant`; sizes not listed keep each row whole with warps by the block width.
-# `bench_fp8.py --silu-tiles sweep` times every tile at W1's 8,192 rows, and the fastest per K
-# belongs here. H200, 2026-12-02 (fifth session), K = 4,864 (Qwen2.5-0.5B): whole rows with
-# 16 warps 0.294 ms, 4 warps 0.304, the default 8 warps 0.372; rows by 512-2,048-wide pieces
-# 0.345-0.438 ms.
-TILES: dict[int, tuple[int, int | None]] = {4864: (0, 16)}
+# `bench_fp8.py --silu-tiles sweep` times every tile at W1's 8,192 rows (kernel time in a CUDA
+# graph), and the fastest per K belongs here. H200, 2026-12-03: K = 4,864 (Qwen2.5-0.5B) as
+# pieces 4,096 + 512 + 256 with 4 warps 52.5 µs (89 % of a 4.2 TB/s read + write), the whole row
+# with 8 or 16 warps 62.7 / 65.6 µs, 512-2,048-wide pieces 76-94 µs; K = 3,072 (Qwen3-0.6B)
+# as 2,048 + 1,024 with 4 warps 31.8 against 34.9 µs; K = 8,192 (Llama-3.2-1B) is one piece,
+# the default 8 warps already the fastest (78.0 µs).
+TILES: dict[int, tuple[int, int | None]] = {3072: (PIECES, 4), 4864: (PIECES, 4)}
 
 
 def silu_mul_quant_reference(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
