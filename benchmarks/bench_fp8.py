@@ -503,6 +503,22 @@ def section_model(res: dict, args) -> None:
     _empty_cache()
 
 
+def _planned_buckets(w1, w2_prefix, w2_items, budget: int) -> tuple[str, float]:
+    """The buckets `boundgen compile --profile` plans for this run's own W1 and W2 (what a user
+    compiles for that traffic), those the two workloads use, and the padding the planner predicts
+    for them."""
+    from boundgen.compile import planner
+
+    entries = [planner.Entry("W1"), planner.Entry("W2")]
+    entries[0].add(planner.Forward(((0, tuple(len(p) for p in w1)),)))
+    entries[1].add(planner.Forward(((len(w2_prefix), tuple(len(i) for i in w2_items)),)))
+    plan = planner.plan(entries, budget, max_bucket_tokens=budget)
+    used = [b.name for b in plan.buckets if plan.overall.batches.get(b.name)]
+    padding = plan.overall.padding_fraction
+    print(f"planned buckets {used}: padding {padding:.3f}", flush=True)
+    return ",".join(used), padding
+
+
 def section_compiled(res: dict, args) -> None:
     """W1/W2 through a compiled backend (boundgen.compile.backends; torch.compile by default): bf16
     first, then each FP8 policy with each activation quantizer of `--compiled-act-quant` (torch:
@@ -517,12 +533,16 @@ def section_compiled(res: dict, args) -> None:
         engine.config.vocab_size, w1_prompts=args.w1_prompts
     )
     w1_tokens = sum(len(p) for p in w1)
+    buckets, planned = args.compiled_buckets, None
+    if buckets == "plan":
+        buckets, planned = _planned_buckets(w1, w2_prefix, w2_items, args.compiled_budget)
     out = res.setdefault(
         "compiled",
         {
             "checkpoint": str(path),
             "backend": args.compiled_backend,
-            "buckets": args.compiled_buckets,
+            "buckets": buckets,
+            "planned_padding": planned,
             "budget": args.compiled_budget,
             "w1_tokens": w1_tokens,
             "runs": [],
@@ -552,9 +572,7 @@ def section_compiled(res: dict, args) -> None:
                     max_batch_tokens=args.compiled_budget,
                     share_prefix=True,
                     backend=args.compiled_backend,
-                    options=CompileOptions(
-                        buckets=args.compiled_buckets, warmup=True, quant=policy, **options
-                    ),
+                    options=CompileOptions(buckets=buckets, warmup=True, quant=policy, **options),
                 )
                 row["compile_s"] = time.perf_counter() - t0
                 compiled = engine.with_runner(runner)
@@ -746,7 +764,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--compiled-buckets",
         default="t8192-s96-m256,t2048-s112-m256-g2-p320-q1664",
-        help="buckets of the compiled section (W1 chunks, W2's prefix + 100 candidates)",
+        help="buckets of the compiled section (W1 chunks, W2's prefix + 100 candidates), or "
+        "'plan': the buckets the planner picks for this run's W1 and W2",
     )
     ap.add_argument(
         "--compiled-budget", type=int, default=8192, help="compiled section token budget"
