@@ -20,6 +20,7 @@
 #   bash benchmarks/run_h200.sh w5-compile w5-profile           # issue 25 item 4: W5's merged forwards, per kernel
 #   bash benchmarks/run_h200.sh fp8-tiles                       # issue 26: silu_mul_quant's tiles swept
 #   bash benchmarks/run_h200.sh skinny                          # few-row fused linear kernels vs cuBLAS + Inductor
+#   GATED_ARGS=--sweep bash benchmarks/run_h200.sh gated-mm     # issue 25: norm + gate_up + SiLU·mul in one kernel, prefill rows
 #   bash benchmarks/run_h200.sh graph-launch                    # issue 24: one big CUDA graph's launch vs a chain (answered: no wait)
 #   BACKENDS_ARGS="--attention varlen --workloads w2 w1" bash benchmarks/run_h200.sh backends   # A/B
 # Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
@@ -69,6 +70,8 @@ run_phase() {
     # issue 24 item 2 / issue 25: a layer's linear parts at few rows, fused kernels vs cuBLAS + Inductor (SKINNY_ARGS="--sweep")
     # issue 24: one big CUDA graph's launch vs a chain of smaller ones (is the whole-search graph's early idle its launch?)
     graph-launch) phase graph-launch 90 python3 benchmarks/bench_graph_launch.py --out "$OUT/graph_launch.json" ;;
+    # issue 25 item 3: RMSNorm + gate_up + SiLU·mul as one kernel at prefill rows vs cuBLAS + Inductor (GATED_ARGS="--sweep")
+    gated-mm) phase gated-mm 240 python3 benchmarks/bench_gated_mm.py --out "$OUT/gated_mm.json" ${GATED_ARGS:-} ;;
     skinny) phase skinny 180 python3 benchmarks/bench_skinny.py --out "$OUT/skinny.json" ${SKINNY_ARGS:-} ;;
     attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
     attention-sweep) phase attention-sweep 300 python3 benchmarks/bench_attention.py --sweep --iters 100 --out "$OUT/attention_sweep.json" ;;
@@ -113,7 +116,8 @@ run_phase() {
     # issue 24: /v1/beam driven by wrk (carry .whl .tools): closed-loop connection sweep, then
     # think-time steps offering ~BEAM_WRK_RATES req/s; ok/s, p50/p99 and the server's split
     # (A/B: BEAM_WRK_PRELUDE="import sys; sys.setswitchinterval(0.0005)" BEAM_WRK_NAME=beam_wrk_si)
-    beam-wrk) echo '[{"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": 16, "trie": "w4"}]' > /tmp/beam_profile.json
+    # BEAM_COUNT: the most requests one search merges (the warm-up makes whole-search graphs up to it)
+    beam-wrk) echo '[{"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": '${BEAM_COUNT:-16}', "trie": "w4"}]' > /tmp/beam_profile.json
       phase beam-wrk 300 python3 benchmarks/bench_beam_wrk.py --model $M --trie-items 100000 --connections ${BEAM_WRK_CONNS:-1 4 16 64 256} --rates ${BEAM_WRK_RATES:-250 500 1000} --wrk-connections 256 --duration ${BEAM_WRK_S:-8} --budget-s $(( ${B:-300} - 10 )) --server-cpus 0-7 --client-cpus 8-15 --serve-args "--device cuda --dtype bfloat16 --backend compile+graphs --compile-buckets t64 --warmup /tmp/beam_profile.json" --server-prelude "${BEAM_WRK_PRELUDE:-}" --out "$OUT/${BEAM_WRK_NAME:-beam_wrk}.json" ;;
     # last: every log and JSON in one file (a call brings back at most 8 files)
     pack-logs) (cd "$OUT" && tar -czf logs.tgz --exclude='cache.tgz.*' --exclude=logs.tgz . && find . -type f ! -name 'cache.tgz.*' ! -name logs.tgz -delete && ls -la) ;;

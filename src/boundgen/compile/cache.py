@@ -87,12 +87,14 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 # Modules whose Triton kernels a compiled package embeds (the packed-prefill attention, the fused
-# FP8 SiLU·mul + quantize): a package built with an older version of one keeps running the old
-# kernel, so their source is part of the platform and a change makes the artifacts stale.
+# FP8 SiLU·mul + quantize, the fused linear layers): a package built with an older version of one
+# keeps running the old kernel, so their source is part of the platform and a change makes the
+# artifacts stale.
 KERNEL_MODULES = (
     "boundgen.attention.segments",
     "boundgen.quant.triton_quant",
     "boundgen.models.skinny",
+    "boundgen.models.gated_mm",
 )
 
 
@@ -110,8 +112,8 @@ def kernels_digest(modules: tuple[str, ...] = KERNEL_MODULES) -> str:
 def platform_info(device: torch.device | str) -> dict[str, str]:
     """What an artifact is only valid for: torch build, the exact device kind it was compiled
     for, and the source of the kernels it embeds (and the rows up to which the layers take
-    the fused few-row kernels)."""
-    from boundgen.models import skinny
+    the fused few-row kernels, and from which the fused gate_up kernel)."""
+    from boundgen.models import gated_mm, skinny
 
     dev = torch.device(device)
     info = {
@@ -121,6 +123,7 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         "format": str(FORMAT),
         "kernels": kernels_digest(),
         "skinny_max_rows": str(skinny.MAX_ROWS),
+        "gated_mm_min_rows": str(gated_mm.MIN_ROWS),
     }
     if dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
