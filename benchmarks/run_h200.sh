@@ -58,7 +58,8 @@ run_phase() {
     prefill) phase prefill 290 python3 benchmarks/bench_prefill.py --root $ROOT --out "$OUT/prefill.json" ;;
     beam) phase beam 140 python3 benchmarks/bench_beam.py --root $ROOT --out "$OUT/beam.json" ;;
     # issue 24: W4 trie searches, full-vocabulary head vs the head on the trie level's tokens
-    beam-heads) phase beam-heads 300 python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --out "$OUT/beam_heads.json" ;;
+    # (BEAM_HEADS_ARGS="--batches 16 32": the merged searches a busy /v1/beam server runs)
+    beam-heads) phase beam-heads 300 python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --out "$OUT/beam_heads.json" ${BEAM_HEADS_ARGS:-} ;;
     profile) phase profile 90 python3 benchmarks/profile_host.py --root $ROOT --out "$OUT/profile.txt" ;;
     # issue 25 item 1: one W3 call before/after the staged bucket inputs (eager+graphs; W3_ARGS="--backend aoti+graphs" builds t64 first)
     w3) phase ${W3_NAME:-w3} 300 python3 benchmarks/profile_w3.py --root $ROOT --json "$OUT/${W3_NAME:-w3}.json" ${W3_ARGS:-} ;;
