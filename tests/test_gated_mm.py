@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 from hopper import compile_in_child
+from test_skinny import _config
 from torch import nn
 
 pytest.importorskip("triton")
 
-from boundgen.config import ModelConfig
 from boundgen.models import gated_mm, skinny
 from boundgen.models.decoder import DecoderLayer
 from boundgen.quant.fp8 import Fp8Linear
@@ -63,26 +63,8 @@ def test_op_takes_rows_with_a_stride():
 
 
 def _layer() -> DecoderLayer:
-    cfg = ModelConfig(
-        architecture="Qwen2ForCausalLM",
-        family="qwen2",
-        task="causal_lm",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        qkv_bias=True,
-        qk_norm=False,
-    )
     torch.manual_seed(0)
-    layer = DecoderLayer(cfg).eval()
+    layer = DecoderLayer(_config()).eval()  # hidden 64, intermediate 96
     with torch.no_grad():
         layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
     return layer
@@ -90,7 +72,7 @@ def _layer() -> DecoderLayer:
 
 def test_applies_only_when_on_and_to_enough_plain_rows(monkeypatch):
     layer = _layer()
-    x = torch.randn(40, 32)
+    x = torch.randn(40, 64)
     with skinny.forced(), torch.no_grad():
         assert not gated_mm.applies(x, layer.mlp)  # off by default
         monkeypatch.setattr(gated_mm, "MIN_ROWS", 32)
@@ -106,7 +88,7 @@ def test_applies_only_when_on_and_to_enough_plain_rows(monkeypatch):
 def test_decoder_mlp_block_takes_the_kernel_when_on(monkeypatch):
     """`DecoderLayer.mlp_block` through the kernel equals the plain path (float32)."""
     layer = _layer()
-    x = torch.randn(24, 32) * 2
+    x = torch.randn(24, 64) * 2
     with torch.no_grad():
         want = layer.mlp_block(x)
         monkeypatch.setattr(gated_mm, "MIN_ROWS", 8)
