@@ -10,6 +10,11 @@
         --policies none selective --profile --out $OUT/fp8_selective.json
     python benchmarks/bench_fp8.py --dry-run-cpu --out /tmp/fp8.json  # code paths on CPU, untimed
 
+Kernel-level sections (gemm, quant, mlp, the quantize tiles) time the device work alone: calls
+captured in a CUDA graph, the replay timed (`cuda_time_ms`). The model and compiled sections time
+whole calls on the wall clock, as a user meets them. `--compiled-buckets plan` compiles the
+buckets the planner picks for the run's own W1 and W2 instead of the two fixed ones.
+
 `--policies` takes any policy `boundgen.quant.policy` parses (presets or selective ones such as
 `mlp:layers=1-22`, `mlp:skip=0,-1`, `gate_up_proj`); the first should be `none` (speed-ups are
 against it). Sections (each isolated: a failure is recorded under "errors" and the others still
