@@ -1,12 +1,15 @@
 """Issue 25 item 1, "one replay per small request": what one W3 call (one 64-token prompt scored
 for two label tokens, `apply_softmax=True`) costs on the host and the device, before and after the
-staged bucket inputs (`compile/staging.py`).
+staged bucket inputs (`compile/staging.py`); `--workload w2` the same for one W2 request (a
+256-token query and 100 items of 16 tokens, in the cascade bucket the planner gives it), whose
+wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
 
     python benchmarks/profile_w3.py --json $OUT/w3.json                       # H200, ≈ 1 min
     python benchmarks/profile_w3.py --backend aoti+graphs --json $OUT/w3.json # builds t64 first
+    python benchmarks/profile_w3.py --workload w2 --variants after --json $OUT/w2.json
     python benchmarks/profile_w3.py --preset tiny --device cpu --iters 50     # smoke test
 
-Variants (one model, one engine each, the same bucket `t64-s4-m64`):
+Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
           rows gathered after the replay, two pooled H2D copies), label columns staged on every
           call, the scores read back by `.cpu()` in the finish node: the path before issue 25
@@ -52,7 +55,8 @@ from boundgen.compile.staging import StagedBucket
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.packing import SequenceGroup
 
-BUCKET = "t64-s4-m64"
+# workload → the bucket it runs in (W2's: `boundgen compile --profile` for one W2 request)
+WORKLOADS = {"w3": "t64-s4-m64", "w2": "t1920-s104-m512-g2-p320-q1600"}
 LABELS = [514, 371]
 API = (
     "cudaMemcpyAsync",
@@ -89,14 +93,15 @@ def old_path(runner: ModelRunner) -> ModelRunner:
 
 def build_runner(engine: Engine, args, staged: bool) -> ModelRunner:
     cfg = engine.engine_config
+    bucket = WORKLOADS[args.workload]
     if engine.device.type == "cpu":  # smoke test: the staged path without a graph
-        buckets = parse_buckets([BUCKET])
+        buckets = parse_buckets([bucket])
         fns = _eager_fns(engine.model, buckets)
         if staged:
             fns = {b: StagedBucket(fns[b], b, engine.device) for b in buckets}
         forwards = CompiledForwards("eager-buckets", buckets, fns, False)
         return ModelRunner(engine.model, engine.device, forwards, cfg.max_batch_tokens)
-    opts = CompileOptions(buckets=BUCKET, cache_dir=args.cache_dir, staged_inputs=staged)
+    opts = CompileOptions(buckets=bucket, cache_dir=args.cache_dir, staged_inputs=staged)
     return make_runner(
         engine.model,
         engine.device,
@@ -195,6 +200,13 @@ def measure(name: str, fn, args, cuda: bool) -> dict:
     return out
 
 
+def request(workload: str, vocab: int) -> tuple[list[int], list[list[int]]]:
+    """The (query, items) of one request of `workload`."""
+    if workload == "w2":
+        return common.w2_request(vocab)
+    return [], common.w1_prompts(vocab, n=1, lo=64, hi=64, seed=3)
+
+
 def runner_call(runner: ModelRunner, groups: list[SequenceGroup], cuda: bool):
     def call():
         with torch.inference_mode():
@@ -218,6 +230,7 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--backend", default="eager+graphs", choices=["eager+graphs", "aoti+graphs"])
     ap.add_argument("--cache-dir", default=None, help="AOTInductor artifacts (aoti+graphs)")
+    ap.add_argument("--workload", default="w3", choices=sorted(WORKLOADS))
     ap.add_argument("--variants", default="before,after")
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
@@ -229,10 +242,12 @@ def main() -> int:
     path = ensure_model(args.preset, dtype=dtype, root=args.root)
     base = Engine.from_pretrained(path, device=args.device, dtype=dtype, backend="eager")
     vocab = base.config.vocab_size
-    prompt = common.w1_prompts(vocab, n=1, lo=64, hi=64, seed=3)
-    groups = [SequenceGroup([], prompt)]
-    want = base.score([], prompt, LABELS, apply_softmax=True)
-    res = {"env": common.env_info(), "backend": args.backend, "bucket": BUCKET, "variants": {}}
+    query, items = request(args.workload, vocab)
+    groups = [SequenceGroup(query, items)]
+    want = base.score(query, items, LABELS, apply_softmax=True)
+    bucket = WORKLOADS[args.workload]
+    res = {"env": common.env_info(), "backend": args.backend, "workload": args.workload}
+    res.update(bucket=bucket, variants={})
     for variant in args.variants.split(","):
         t0 = time.perf_counter()
         runner = build_runner(base, args, staged=variant == "after")
@@ -241,9 +256,9 @@ def main() -> int:
         print(f"[{variant}] runner built in {time.perf_counter() - t0:.1f} s", flush=True)
         engine = base.with_runner(runner)
         try:
-            got = engine.score([], prompt, LABELS, apply_softmax=True)
-            diff = max(abs(a - b) for a, b in zip(got[0], want[0]))
-            call = lambda e=engine: e.score([], prompt, LABELS, apply_softmax=True)
+            got = engine.score(query, items, LABELS, apply_softmax=True)
+            diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
+            call = lambda e=engine: e.score(query, items, LABELS, apply_softmax=True)
             out = {
                 "max_abs_diff_vs_eager": diff,
                 "engine": measure(f"{variant}: Engine.score", call, args, cuda),

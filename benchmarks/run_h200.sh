@@ -14,6 +14,7 @@
 #   bash benchmarks/run_h200.sh w5-compile cache-out diag-load startup   # issue 23 (carry .whl)
 #   bash benchmarks/run_h200.sh beam-heads                      # issue 24: trie full vs candidate head
 #   bash benchmarks/run_h200.sh w3                              # issue 25 item 1: one W3 call, before/after staging
+#   W3_ARGS="--workload w2 --variants after" W3_NAME=w2 bash benchmarks/run_h200.sh w3   # one W2 call's host vs GPU
 #   bash benchmarks/run_h200.sh beam-wrk                        # issue 24: /v1/beam under wrk (carry .whl .tools; ≤ 5 min)
 #   bash benchmarks/run_h200.sh segments-tests attention; then: attention-sweep   # issue 25 item 2
 #   bash benchmarks/run_h200.sh rope                            # issue 25 item 3: RoPE computed vs table
