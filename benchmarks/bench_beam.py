@@ -11,7 +11,8 @@ Trie heads (issue 24, `--heads`; `--heads-only` skips HF and the engine runs): t
 W4 trie searches in whole-search CUDA graphs (`SearchGraphs`) with the trie's default
 full-vocabulary scores ("vocab": the full LM head every step) against `softmax="children"` (the
 head on each step's level tokens only): search time, kernels per search (one un-graphed search
-under the profiler), the per-step head time (head + normalisation + candidate gather at B·W rows,
+under the profiler; with `--head-compile` one compiled whole-search replay too: its GPU busy time,
+idle and top kernels), the per-step head time (head + normalisation + candidate gather at B·W rows,
 replayed from a CUDA graph), and the children search's results against the same semantics
 computed from the full head.
 
@@ -145,6 +146,9 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                         call = lambda sg=sg: sg.run(prompts, w, s, t_, eos)
                         got = call()
                         tm = common.timed(call, dev, warmup=2, iters=args.iters)
+                        if dev.type == "cuda" and vname == "graph+compile":
+                            # one whole-search replay profiled: GPU busy, idle, the top kernels
+                            tm["profile"] = common.kernel_table(call, top=15)
                         tm["invalid_ids"] = sum(
                             not t_.contains(x)
                             for b in range(batch)

@@ -5,6 +5,7 @@ Imported in the server process before `boundgen serve` (`PRELUDE`), configured b
 - `BOUNDGEN_FAKE_SEARCH=FIXED_MS[,PER_PROMPT_MS]`: `ModelRunner.beam_search` costs FIXED +
   PER_PROMPT × prompts and returns the trie's first items (`BOUNDGEN_FAKE_TRIE`, the items'
   sequences as .npy) or fixed tokens; `BOUNDGEN_FAKE_SYNC=1`: the call itself sleeps instead.
+  Its batching node runs on a fake device queue as the forward's does (below).
 - `BOUNDGEN_FAKE_FORWARD=FIXED_MS[,PER_1K_TOKENS_MS]`: `ModelRunner.forward` (a packed batch → its
   hidden states) costs FIXED + PER_1K × tokens / 1000 and returns zeros; CPU pieces are cut at the
   runner's token budget, as on a GPU (not at `runner.CPU_PIECE_TOKENS`).
@@ -147,7 +148,10 @@ def _costs(spec: str) -> tuple[float, float]:
 
 def install_search(stream: Stream, spec: str, sync: bool, trie_path: str | None) -> None:
     import boundgen.runner as runner
+    from boundgen.runtime import device_queue
 
+    device_queue.set_queue_factory(lambda executor: Queue(stream))
+    _executor_on_fake_cuda(stream)
     fixed, per_prompt = _costs(spec)
     items = torch.as_tensor(np.load(trie_path)[:64]) if trie_path else None
 

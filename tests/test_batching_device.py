@@ -42,8 +42,8 @@ class FakeDevice:
         self.flights: list[FakeFlight] = []
 
     def launch(self, fn):
-        out = fn()
-        flight = FakeFlight(list(out), self.auto)
+        out = fn()  # the node's call: (what its function returned, merge's sizes)
+        flight = FakeFlight(list(out[0]), self.auto)
         self.flights.append(flight)
         return out, flight
 
@@ -191,14 +191,89 @@ def test_the_cost_model_learns_the_device_time_not_the_launch():
         device_queue.set_queue_factory(None)
 
 
-def test_host_outputs_nodes_are_not_paced_and_hand_no_event(device):
-    """The beam node waits for its own device work inside `fn`: its batch already lasted that
-    long, so it neither waits again nor hands the requests an event."""
-    h = Harness(host_outputs=True)
+def finish_harness(fail_on: int | None = None, **node_kw) -> Harness:
+    """A node whose function queues a batch and whose `finish` makes its host outputs (each id
+    + 100) once the batch has run; `finish` raises for a batch holding `fail_on`."""
+    h = Harness(finish=lambda out: finish(out), **node_kw)
+    h.finishes, h.errors = [], {}
+
+    def finish(out):
+        h.finishes.append(list(out))
+        if fail_on in out:
+            raise RuntimeError(f"finish of {out} failed")
+        return [x + 100 for x in out]
+
+    def done(outs, exc, info=None, event=None):
+        if exc is not None:
+            h.errors[len(h.errors)] = exc
+        else:
+            h.events[outs[0]] = event
+        h.finished.release()
+
+    h._done = done
+    return h
+
+
+def test_finish_nodes_queue_the_next_batch_before_answering_the_last(device):
+    """The beam node's shape: the leader queues batch n + 1 while batch n still runs, and the
+    lane's finisher answers batch n (`finish` on its outputs, no event: they are on the host) once
+    it has run; what arrives while two batches are queued merges into the one after."""
+    h = finish_harness(device_depth=2)
+    h.start(0).join(10)  # queued; one batch on the device: the leader returns at once
+    assert h.batches == [[0]] and h.finishes == [] and not h.finished.acquire(timeout=0.05)
+    leader = h.start(1)  # queued behind batch 0 before batch 0 has run or been answered
+    h.until(lambda: len(device.flights) == 2, "batch 1 queued")
+    assert h.finishes == []
+    for rid in (2, 3):
+        h.start(rid)
+    h.until(lambda: h.waiting() == 2, "2, 3 waiting")
+    assert leader.is_alive()  # two batches on the device: the leader waits for the first
+    device.flights[0].ran.set()
+    h.wait_done(1)
+    assert h.events == {100: None} and h.finishes == [[0]]
+    h.until(lambda: len(device.flights) == 3, "the batch after")
+    device.flights[1].ran.set()
+    device.flights[2].ran.set()
+    h.wait_done(3)
+    assert h.batches == [[0], [1], [2, 3]] and h.finishes == [[0], [1], [2, 3]]
+    assert h.events == {100: None, 101: None, 102: None, 103: None}
+    # every batch's device time was learned, as the paced forward node's
+    assert h.node.stats()["device_seconds"] == pytest.approx(3 * DEVICE_NS / 1e9)
+    h.node.close()
+
+
+def test_a_failed_finish_fails_its_batch_only(device):
+    device.auto = True
+    h = finish_harness(fail_on=1)
     for rid in range(3):
         h.start(rid).join(10)
         h.wait_done(1)
-    assert h.batches == [[0], [1], [2]] and set(h.events.values()) == {None}
+    assert sorted(h.events) == [100, 102]
+    assert [str(e) for e in h.errors.values()] == ["finish of [1] failed"]
+    h.node.close()
+
+
+def test_close_answers_the_batches_still_on_the_device(device):
+    """Nothing is lost: closing waits for the queued batches and answers them."""
+    h = finish_harness()
+    h.start(0).join(10)
+    closing = threading.Thread(target=h.node.close, daemon=True)
+    closing.start()
+    assert not h.finished.acquire(timeout=0.05)
+    device.flights[0].ran.set()
+    h.wait_done(1)
+    closing.join(10)
+    assert not closing.is_alive() and h.events == {100: None}
+
+
+def test_finish_runs_in_the_call_without_a_device_queue():
+    """On CPU the batch has run when the function returns: `finish` follows it on the leader's
+    thread, and no finisher thread is made."""
+    h = finish_harness()
+    h.start(0).join(10)
+    h.wait_done(1)
+    assert h.events == {100: None} and h.finishes == [[0]]
+    assert all(lane.finisher is None for lane in h.node._lanes.values())
     h.node.close()
 
 

@@ -119,6 +119,38 @@ def test_concurrent_requests_merge_and_answer_as_alone(tiny_model):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=2e-3)
 
 
+def test_concurrent_beam_requests_merge_and_answer_as_alone(tiny_model):
+    """16 beam requests with a trie at once through the runtime on CUDA: the beam node queues a
+    merged search while the one before still runs, and the lane's finisher answers that one once
+    it has run (`BatchingNode(finish=...)`). Every request gets what it gets alone, item ids
+    included, and its results are the search's own (no other search's rows)."""
+    from boundgen.workloads.beam import BeamRequest
+
+    engine = Engine.from_pretrained(
+        tiny_model("qwen2"), device="cuda", dtype="float32", attention="reference"
+    )
+    seqs = (
+        torch.randint(0, 300, (500, 3), generator=torch.Generator().manual_seed(0))
+        .unique(dim=0)
+        .tolist()
+    )
+    trie = Trie.from_sequences(seqs, item_ids=[f"item-{i}" for i in range(len(seqs))])
+
+    def request(i):
+        return BeamRequest([f"{QUERY} ({i})"], 8, 3, trie=trie, item_ids=True)
+
+    alone = [engine.runtime.run("beam", request(i)) for i in range(16)]
+    futures = [engine.runtime.submit("beam", request(i)) for i in range(16)]
+    together = [f.result(timeout=120) for f in futures]
+    for a, b in zip(alone, together):
+        (rows_a,), (rows_b,) = a, b
+        assert [(t, item) for t, _, item in rows_a] == [(t, item) for t, _, item in rows_b]
+        assert max(abs(x - y) for (_, x, _), (_, y, _) in zip(rows_a, rows_b)) < 1e-3
+        assert all(item == f"item-{seqs.index(t)}" for t, _, item in rows_b)
+    beam = engine.runtime.stats()["batching"]["beam"]
+    assert beam["max_requests_in_batch"] > 1, beam
+
+
 def _score_request(query, labels):
     from boundgen.workloads.score import ScoreRequest
 

@@ -201,7 +201,8 @@ def test_beam_node_skips_a_search_nobody_waits_for(engine_for):
         {"request": BeamRequest([[14, 15]], 2, 2), "prompts": [[14, 15]]},
     ]
     batch, sizes = node.merge(items)
-    out = node.split(node(batch, alive=[lambda: False, lambda: True, lambda: False]), sizes)
+    launched = node(batch, alive=[lambda: False, lambda: True, lambda: False])
+    out = node.split(node.finish(launched), sizes)
     assert calls == [(1, 3)]  # the width-2 search had no live request
     assert out[0] == [[]] and out[2] == [[]]  # no rows for the requests nobody waited for
     (rows,) = out[1]

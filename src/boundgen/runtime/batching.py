@@ -20,13 +20,18 @@ its oldest request finish before its deadline; the first request always runs. Th
 recomputed for every batch from the recent batches' fit, so it shrinks when batches get slower and
 grows back (up to `token_budget`) when they get faster.
 
-"While a batch runs" is while the device runs it. A function that waits for its own device work
-(`host_outputs`, the beam node: its search's results come to the host inside the batch) lasts that
-long by itself. One that only queues it (the forward node: a graph replay returns at once) runs on
-the node's device queue (`runtime.device_queue`), and the lane forms its next batch only once all
-but `device_depth - 1` of its queued batches have run on the device (default 2: the device always
-has the next batch queued, and what arrives while it runs one merges into the one after); its cost
-model learns the device's time of each batch (or the host's, when that is longer).
+"While a batch runs" is while the device runs it. A function that only queues its device work
+(the forward node: a graph replay returns at once) runs on the node's device queue
+(`runtime.device_queue`), and the lane forms its next batch only once all but `device_depth - 1` of
+its queued batches have run on the device (default 2: the device always has the next batch queued,
+and what arrives while it runs one merges into the one after); its cost model learns the device's
+time of each batch (or the host's, when that is longer). A node whose requests want host data (the
+beam node: each search's rows as lists) names a `finish`: `fn` queues the device work and its
+copies to the host, and the lane's finisher thread waits for each batch to run, calls `finish` on
+what `fn` returned and answers the batch's requests, while the leader already forms and queues the
+next batch. (Until 2026-12-03 the beam node's `fn` waited for its own search: the device idled
+while the host turned each search's results into rows and formed the next merge — on the
+development machine's fake GPU 48 % of the time at 64 connections.)
 
 Lanes (`lane`): requests of different keys (the beam node: width, steps, trie) queue and
 merge apart, each lane with its own leader, and at most `lane_max` of `count` per batch (the
@@ -276,11 +281,22 @@ class _Item:
 
 class _Lane:
     """One queue of a batching node: its waiting requests, its leader slot, its batcher thread
-    and the batch it runs now. Requests of different lanes never share a batch, and lanes are
-    formed and run side by side (their device work goes to the node's one CUDA stream: CUDA
-    graphs that share a memory pool must not run concurrently)."""
+    (and with `finish` its finisher thread) and the batch it runs now. Requests of different
+    lanes never share a batch, and lanes are formed and run side by side (their device work goes
+    to the node's one CUDA stream: CUDA graphs that share a memory pool must not run
+    concurrently)."""
 
-    __slots__ = ("in_flight", "key", "kick", "leaders", "running", "thread", "waiting")
+    __slots__ = (
+        "finisher",
+        "in_flight",
+        "key",
+        "kick",
+        "leaders",
+        "running",
+        "thread",
+        "to_finish",
+        "waiting",
+    )
 
     def __init__(self, key: Hashable) -> None:
         self.key = key
@@ -289,21 +305,27 @@ class _Lane:
         self.leaders = 0
         self.kick: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
+        # with `finish`: the batches whose results the finisher thread makes, in launch order
+        self.to_finish: queue.SimpleQueue = queue.SimpleQueue()
+        self.finisher: threading.Thread | None = None
         # (tokens, requests, forwards, start ns) of the batch running now, else None; one tuple
         # so a reader on another thread sees one batch's values
         self.running: tuple[int, int, int, int] | None = None
 
 
 class _Queued:
-    """A batch whose device work is queued: what its cost observation needs once it has run."""
+    """A batch whose device work is queued: what its cost observation needs once it has run,
+    and with `finish` what its requests are answered from (`finish_with`)."""
 
-    __slots__ = ("flight", "forwards", "host_ns", "shapes", "steady", "units")
+    __slots__ = ("flight", "forwards", "host_ns", "outputs", "shapes", "steady", "units")
 
     def __init__(
         self, flight: Flight, units: int, shapes: Sequence[Hashable], host_ns: int, steady: bool
     ) -> None:
         self.flight, self.units, self.host_ns, self.steady = flight, units, host_ns, steady
         self.forwards, self.shapes = len(shapes), frozenset(shapes)
+        # with `finish`: (requests, what `fn` returned, `merge`'s sizes, batch start ns)
+        self.outputs: tuple[list[_Item], Any, Any, int] | None = None
 
 
 _OVERFLOW = ("<overflow>",)  # the lane of every key past `max_lanes` (their requests may merge)
@@ -332,19 +354,22 @@ class BatchingNode(Node):
       always `token_budget`.
     - `lane(inputs) -> hashable`: requests of different lanes never share a batch; each lane has
       its own queue, leader and batcher thread, so a batch of one lane is never formed behind a
-      batch of another, nor answered after it (with `host_outputs`; their device work shares the
-      node's stream). The beam node: one lane per width, steps and trie. At most `max_lanes`
-      lanes; requests of further keys share one more lane. Default: one lane.
+      batch of another, nor answered after it (with `finish`, each lane has its own finisher;
+      their device work shares the node's stream). The beam node: one lane per width, steps and
+      trie. At most `max_lanes` lanes; requests of further keys share one more lane. Default: one
+      lane.
     - `count(inputs) -> int` (default 1) and `lane_max(lane_key, inputs) -> int | None`: a batch
       of a lane takes at most `lane_max` of `count` (the beam node: prompts, up to the largest
       whole-search graph made for the lane; `inputs` are the batch's first request's).
-    - `host_outputs`: `fn` waits for its own device work and returns host data (the beam node:
-      one device→host copy per search), so the batch's run time is the device's and no CUDA
-      event is handed to the requests (a later batch of another lane, queued on the same stream,
-      would otherwise hold up their completion).
-    - `device_depth`: without `host_outputs`, a lane forms its next batch once at most
-      `device_depth - 1` of its batches are still queued on the device (module docstring; 2: one
-      running, the next one queued behind it).
+    - `finish(launched) -> output`: `fn` only queues the batch's device work and its copies to
+      the host and returns what `finish` needs; once the batch has run on the device, the lane's
+      finisher thread calls `finish` (host data: the beam node's rows as lists) and `split`, and
+      answers the requests with no CUDA event (their outputs are on the host; a later batch of
+      another lane, queued on the same stream, would otherwise hold up their completion). On a
+      node without a device queue (CPU) `finish` runs right after `fn`.
+    - `device_depth`: a lane forms its next batch once at most `device_depth - 1` of its batches
+      are still queued on the device (module docstring; 2: one running, the next one queued
+      behind it).
     - `clock`: nanoseconds, monotonic (tests inject one).
     """
 
@@ -366,7 +391,7 @@ class BatchingNode(Node):
         count: Callable[[dict[str, Any]], int] | None = None,
         lane_max: Callable[[Hashable, dict[str, Any]], int | None] | None = None,
         max_lanes: int = 16,
-        host_outputs: bool = False,
+        finish: Callable[[Any], Any] | None = None,
         device_depth: int = 2,
         kind: NodeKind | str = NodeKind.DEVICE,
         bind: dict[str, str] | None = None,
@@ -401,7 +426,7 @@ class BatchingNode(Node):
         self._lanes: dict[Hashable, _Lane] = {}
         self._queue: DeviceQueue | None = None
         self._queue_made = False
-        self.host_outputs = host_outputs
+        self.finish = finish
         self.device_depth = int(device_depth)
         self._closed = False
         self._pass_alive = _takes_alive(fn)
@@ -447,7 +472,8 @@ class BatchingNode(Node):
 
     def call_unbatched(self, args: dict[str, Any]) -> tuple[Any, ...]:
         batch, sizes = self.merge([args])
-        parts = self.split(self.fn(batch), sizes)
+        out = self.fn(batch)
+        parts = self.split(self.finish(out) if self.finish is not None else out, sizes)
         return self._as_tuple(parts[0])
 
     def close(self) -> None:
@@ -468,8 +494,15 @@ class BatchingNode(Node):
                 lane.kick.put(None)
         for t in threads:
             t.join(timeout=5)
+        # the finishers answer every batch already queued before they stop: nothing is lost
+        finishers = [lane.finisher for lane in lanes if lane.finisher is not None]
         for lane in lanes:
-            lane.thread = None
+            if lane.finisher is not None:
+                lane.to_finish.put(None)
+        for t in finishers:
+            t.join(timeout=30)
+        for lane in lanes:
+            lane.thread = lane.finisher = None
 
     def stats(self) -> dict[str, Any]:
         b = self.batches
@@ -686,9 +719,13 @@ class BatchingNode(Node):
         flight = None
         try:
             if queue is not None:
-                parts, flight = queue.launch(lambda: self._run(live))
+                (out, sizes), flight = queue.launch(lambda: self._call(live))
             else:
-                parts = self._run(live)
+                out, sizes = self._call(live)
+                if self.finish is not None:  # no device queue (CPU): its work has run
+                    out = self.finish(out)
+            deferred = flight is not None and self.finish is not None
+            parts = None if deferred else self._parts(out, sizes, len(live))
         except Exception as exc:
             lane.running = None
             for it in live:
@@ -698,18 +735,32 @@ class BatchingNode(Node):
         # a request dropped while it ran had not all its work run: not the batch's cost
         steady = not _marks.unsteady and not any(it.req.failed for it in live)
         steady = steady and COMPILES.total() == compiles
-        paced = flight is not None and not self.host_outputs
-        if not paced:  # the call's time is the batch's: learn it now
+        if flight is None:  # the call's time is the batch's: learn it now
             steady = self.cost.observe(tokens, ran, len(shapes), frozenset(shapes), steady)
         with self._cv:
             self._count(len(live), tokens)
+        if flight is None:
+            self._answer(live, parts, start, ran, steady, None)
+        elif deferred:
+            queued = _Queued(flight, tokens, shapes, ran, steady)
+            queued.outputs = (live, out, sizes, start)
+            self._to_finisher(lane, queued)
+        else:
+            self._answer(live, parts, start, ran, steady, flight.event)
+            self._pace(lane, _Queued(flight, tokens, shapes, ran, steady))
+        lane.running = None
+
+    def _answer(
+        self, live: list[_Item], parts: Sequence[Any], start: int, ran: int, steady: bool, event
+    ) -> None:
+        """Each request its part of the batch's outputs (with `event`, the device work the
+        outputs wait for), and the batch's numbers for its trace."""
         info = {
             "batch_requests": len(live),
-            "batch_tokens": tokens,
+            "batch_tokens": sum(it.size for it in live),
             "batch_run_us": round(ran / 1e3, 1),
             "batch_steady": steady,  # False: the executor's estimates leave it out too
         }
-        event = flight.event if paced else None
         for it, part in zip(live, parts):
             try:
                 outs = self._as_tuple(part)
@@ -719,37 +770,90 @@ class BatchingNode(Node):
             it.done(
                 outs, None, dict(info, batch_wait_us=round((start - it.arrival_ns) / 1e3, 1)), event
             )
-        if paced:
-            self._pace(lane, _Queued(flight, tokens, shapes, ran, steady))
-        lane.running = None
 
     def _pace(self, lane: _Lane, queued: _Queued) -> None:
         """Queue `queued` on the lane, then wait until at most `device_depth - 1` of its batches
         are left on the device (the lane's leader slot is held meanwhile, so what arrives waits
-        for the next batch); each batch that has run teaches the cost model its time: the
-        device's, or the host's when launching it took longer."""
+        for the next batch); each batch that has run teaches the cost model its time."""
         lane.in_flight.append(queued)
         while len(lane.in_flight) >= self.device_depth:
             done = lane.in_flight.popleft()
             t0 = self._clock()
             done.flight.wait()
-            waited = self._clock() - t0
-            device_ns = done.flight.device_ns()
-            with self._cv:
-                self.device_ns += device_ns
-                self.paced_wait_ns += waited
-            ns = max(device_ns, done.host_ns)
-            self.cost.observe(done.units, ns, done.forwards, done.shapes, done.steady)
+            self._learn(done, self._clock() - t0)
 
-    def _run(self, live: list[_Item]) -> Sequence[Any]:
+    def _learn(self, queued: _Queued, waited_ns: int) -> bool:
+        """A queued batch has run: count its device time (and how long a leader waited for it),
+        and teach the cost model its time, the device's or the host's when launching it took
+        longer. → whether the model took it as steady state."""
+        device_ns = queued.flight.device_ns()
+        with self._cv:
+            self.device_ns += device_ns
+            self.paced_wait_ns += waited_ns
+        ns = max(device_ns, queued.host_ns)
+        return self.cost.observe(queued.units, ns, queued.forwards, queued.shapes, queued.steady)
+
+    def _to_finisher(self, lane: _Lane, queued: _Queued) -> None:
+        """Hand a queued batch of a `finish` node to the lane's finisher, then wait until at most
+        `device_depth - 1` of the lane's batches are left on the device (as `_pace`: the leader
+        slot is held, so what arrives meanwhile merges into the batch after)."""
+        with self._cv:
+            lane.in_flight.append(queued)
+            if lane.finisher is None:
+                lane.finisher = threading.Thread(
+                    target=self._finishing,
+                    args=(lane,),
+                    name=f"boundgen-finish-{self.name}-{len(self._lanes)}",
+                    daemon=True,
+                )
+                lane.finisher.start()
+        lane.to_finish.put(queued)
+        t0 = self._clock()
+        with self._cv:
+            while len(lane.in_flight) >= self.device_depth:
+                self._cv.wait()
+            self.paced_wait_ns += self._clock() - t0
+
+    def _finishing(self, lane: _Lane) -> None:
+        """The finisher thread of a lane: its queued batches, in launch order, each answered once
+        it has run on the device."""
+        while True:
+            queued = lane.to_finish.get()
+            if queued is None:
+                return
+            live, out, sizes, start = queued.outputs
+            queued.outputs = None  # the batch's data goes with its requests' answers
+            failed = None
+            try:
+                queued.flight.wait()
+            except Exception as exc:  # the device work failed (a CUDA error): so did the batch
+                failed = exc
+            finally:
+                with self._cv:
+                    lane.in_flight.remove(queued)
+                    self._cv.notify_all()  # a leader waiting for the device's depth
+            try:
+                if failed is not None:
+                    raise failed
+                steady = self._learn(queued, 0)
+                parts = self._parts(self.finish(out), sizes, len(live))
+            except Exception as exc:
+                for it in live:
+                    it.done(None, exc)
+                continue
+            self._answer(live, parts, start, self._clock() - start, steady, None)
+
+    def _call(self, live: list[_Item]) -> tuple[Any, Any]:
+        """The merged batch's `fn` call: (its output, `merge`'s sizes)."""
         batch, sizes = self.merge([it.args for it in live])
         if self._pass_alive:
-            out = self.fn(batch, alive=[it.req.alive for it in live])
-        else:
-            out = self.fn(batch)
+            return self.fn(batch, alive=[it.req.alive for it in live]), sizes
+        return self.fn(batch), sizes
+
+    def _parts(self, out: Any, sizes: Any, n: int) -> Sequence[Any]:
         parts = self.split(out, sizes)
-        if len(parts) != len(live):
-            raise RuntimeError(f"split returned {len(parts)} parts for {len(live)} requests")
+        if len(parts) != n:
+            raise RuntimeError(f"split returned {len(parts)} parts for {n} requests")
         return parts
 
     def _count(self, n: int, tokens: int) -> None:

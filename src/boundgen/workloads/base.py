@@ -86,7 +86,7 @@ class WorkloadContext:
         self, name: str, fn: Any, inputs: dict, outputs: dict, raises: tuple = ()
     ) -> BatchingNode:
         """A batching node with this context's knobs; `fn` has `merge`, `split` and `size`, and
-        may have `shapes`, `lane`, `count`, `lane_max` and `host_outputs` (`BatchingNode`);
+        may have `shapes`, `lane`, `count`, `lane_max` and `finish` (`BatchingNode`);
         `raises` pass through as themselves."""
         return BatchingNode(
             name,
@@ -100,7 +100,7 @@ class WorkloadContext:
             lane=getattr(fn, "lane", None),
             count=getattr(fn, "count", None),
             lane_max=getattr(fn, "lane_max", None),
-            host_outputs=getattr(fn, "host_outputs", False),
+            finish=getattr(fn, "finish", None),
             token_budget=self.token_budget,
             max_wait_ms=self.max_wait_ms,
             max_batch=self.max_batch_requests,

@@ -3,8 +3,9 @@
 Pipeline: prepare (CPU: validate, tokenize) → beam (batching, DEVICE: requests with the same width,
 steps and trie share one search, `ModelRunner.beam_search`; one lane per such key, so searches of
 different keys run side by side; each search's results come to the host once and become every
-merged request's rows there: the top results per prompt as lists, with the trie's item ids when
-asked). The search itself (HF `generate` semantics) is `boundgen.search`.
+merged request's rows there, on the lane's finisher thread while the next merged search already
+runs: the top results per prompt as lists, with the trie's item ids when asked). The search
+itself (HF `generate` semantics) is `boundgen.search`.
 """
 
 from __future__ import annotations
@@ -121,29 +122,38 @@ def item_index(trie: Trie) -> ItemIndex:
     return index
 
 
-def to_host(tokens: torch.Tensor, scores: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """A merged search's results on the host: both copies queued, then one wait (on a GPU: one
-    device→host sync per search, whatever the number of requests and beams in it)."""
+def to_host(tokens: torch.Tensor, scores: torch.Tensor) -> tuple:
+    """A merged search's results on their way to the host: both copies queued, nothing waited
+    for (`on_host` waits). On a GPU: non-blocking copies into pinned memory and an event after
+    them — one device→host sync per search, whatever the number of requests and beams in it, on
+    that event (not the stream: a search of another lane may be queued on it after this one)."""
     scores = scores.float()
-    if tokens.device.type == "cuda":
-        # non-blocking copies to the host land in pinned memory; one wait for both, on an event
-        # (not the stream: a search of another lane may be queued on it after this one)
-        tokens, scores = tokens.to("cpu", non_blocking=True), scores.to("cpu", non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
+    if tokens.device.type != "cuda":
+        return tokens, scores, None
+    tokens, scores = tokens.to("cpu", non_blocking=True), scores.to("cpu", non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return tokens, scores, copied
+
+
+def on_host(copies: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """What `to_host` queued, once it has landed: (tokens, scores) as numpy arrays."""
+    tokens, scores, copied = copies
+    if copied is not None:
+        copied.synchronize()  # at once when the batch's flight has been waited for already
     return tokens.numpy(), scores.numpy()
 
 
 class _Beam:
     """The beam node: requests with the same (width, steps, trie) share one prefill + decode
     loop (the node keeps one lane per such key, so a search of one never waits behind a search
-    of another). Each search's results come to the host once (`to_host`) and are made into
-    every request's result rows there: Python lists, the trie's item ids looked up for the whole
-    search at once."""
+    of another). A call queues its searches and their copies to the host (`to_host`); `finish`,
+    on the lane's finisher thread once they have run, makes every request's result rows: Python
+    lists, the trie's item ids looked up for the whole search at once. Meanwhile the lane's
+    leader forms and queues the next merged search, so the device does not idle while the host
+    makes rows (`BatchingNode(finish=...)`)."""
 
     to_host = staticmethod(to_host)  # a test counts the transfers through it
-    host_outputs = True  # the rows are on the host when a search's batch ends
 
     def __init__(self, context: WorkloadContext) -> None:
         self.context = context
@@ -190,14 +200,14 @@ class _Beam:
         return {"groups": by_key, "tries": tries, "owners": owners, "ids": ids}, sizes
 
     def __call__(self, batch: dict, alive: list[Callable[[], bool]] | None = None) -> dict:
-        """One search per (width, steps, trie) group; a group whose requests all stopped waiting
-        (cancelled, past their deadline) is skipped: its results are empty. → per group (tokens
-        [B][W][S] lists, scores [B][W] lists, item ids [B·W] or None)."""
-        out = {}
+        """Queue one search per (width, steps, trie) group and its copies to the host; a group
+        whose requests all stopped waiting (cancelled, past their deadline) is skipped. → what
+        `finish` takes: the batch and per group its copies (None: skipped)."""
+        copies = {}
         for key, prompts in batch["groups"].items():
             width, steps, trie_id = key
             if alive is not None and not any(alive[i]() for i in batch["owners"][key]):
-                out[key] = None
+                copies[key] = None
                 continue
             trie = batch["tries"].get(trie_id) if trie_id is not None else None
             if self.context.traffic is not None:  # the prompt prefill is a plain forward
@@ -205,9 +215,22 @@ class _Beam:
             tokens, scores = self.context.runner.beam_search(
                 prompts, width, steps, trie, self.context.eos_token_ids
             )
-            tokens, scores = self.to_host(tokens, scores)
+            copies[key] = self.to_host(tokens, scores)
+        return {"batch": batch, "copies": copies}
+
+    @staticmethod
+    def finish(launched: dict) -> dict:
+        """The searches' results on the host, per group: (tokens [B][W][S] lists, scores [B][W]
+        lists, item ids [B·W] or None); a skipped group's are None (its results are empty)."""
+        batch, out = launched["batch"], {}
+        for key, copies in launched["copies"].items():
+            if copies is None:
+                out[key] = None
+                continue
+            tokens, scores = on_host(copies)
             ids = None
             if batch["ids"][key]:
+                trie = batch["tries"][key[2]]
                 ids = item_index(trie).lookup(tokens.reshape(-1, tokens.shape[-1]))
             out[key] = (tokens.tolist(), scores.tolist(), ids)
         return out
