@@ -10,8 +10,9 @@ through the bodies and reads every 200 response's `Server-Timing`:
   between requests, so that together they offer about that rate (bench_tail.py's approximation of
   an open loop).
 
-Each run reports ok/s, client p50/p99, the requests per merged search (the beam node's counters
-in /metrics) and the server's split: the mean of every `Server-Timing` entry over the run (`app`
+Each run reports ok/s, client p50/p99, the requests per merged search and the GPU's busy share
+(the beam node's counters in /metrics: its searches' stream time over the run) and the server's
+split: the mean of every `Server-Timing` entry over the run (`app`
 the whole handler; `parse`, `prep`, `infer`, `hops`, `reply` the beam handler's stages; `runtime`
 and its nodes, `beam-batch-wait` / `beam-batch-run` the merge wait and the merged search;
 docs/serving.md) and `app`'s p50/p99.
@@ -66,6 +67,9 @@ def run_wrk(
     after = wrk.node_counters(url, "beam")
     row["beam_batches"] = after["batches"] - before["batches"]
     row["requests_per_batch"] = wrk.per_batch(before, after)
+    # the beam node's stream time over the run: the GPU's share (its searches queued back to back
+    # read ~100 % even when the host sets the pace; compare beam-batch-run)
+    row["gpu_busy"] = (after["device_s"] - before["device_s"]) / seconds
     return row
 
 
@@ -84,9 +88,9 @@ SPLIT = (
 
 
 def table(rows: list[dict]) -> str:
-    head = "| load | ok/s | p50 ms | p99 ms | app p50 / p99 ms | req/search | "
+    head = "| load | ok/s | p50 ms | p99 ms | app p50 / p99 ms | req/search | GPU busy | "
     head += " | ".join(SPLIT) + " | errors |"
-    lines = [head, "| --- |" + " ---: |" * (len(SPLIT) + 6)]
+    lines = [head, "| --- |" + " ---: |" * (len(SPLIT) + 7)]
     for r in rows:
         load = wrk.load_label(r)
         means = r["server_means_ms"]
@@ -94,7 +98,8 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {load} | {r['ok_per_s']:.1f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
             f"{r['server_p50_ms']:.2f} / {r['server_p99_ms']:.2f} | "
-            f"{r.get('requests_per_batch', 0):.1f} | {split} | {r['errors']} |"
+            f"{r.get('requests_per_batch', 0):.1f} | {r.get('gpu_busy', 0):.0%} | {split} | "
+            f"{r['errors']} |"
         )
     return "\n".join(lines)
 
