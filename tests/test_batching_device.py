@@ -68,8 +68,7 @@ class Harness:
             outputs=["out"],
             merge=lambda items: ([it["x"] for it in items], None),
             split=lambda out, sizes: out,
-            clock=lambda: 0,  # the host's time is nothing: a launch returns at once
-            **node_kw,
+            **{"clock": lambda: 0, **node_kw},  # default: a launch takes no host time
         )
 
     def _fn(self, batch: list[int]) -> list[int]:
@@ -264,6 +263,80 @@ def test_close_answers_the_batches_still_on_the_device(device):
     h.wait_done(1)
     closing.join(10)
     assert not closing.is_alive() and h.events == {100: None}
+
+
+def late_merging(device, now: list[int]) -> Harness:
+    """A `finish` node of batches of at most 3 with `late_merge`, its cost model warm (each batch
+    5 ms of device time) and the device's batches run only when the test says."""
+    h = finish_harness(max_batch=3, clock=lambda: now[0])
+    h.node.cost.warm_units = 1
+    device.auto = True
+    for rid in range(4):
+        h.start(rid).join(10)
+        h.wait_done(1)
+    assert h.node.cost.warm
+    device.auto = False
+    h.node.late_merge = True
+    return h
+
+
+def test_late_merge_forms_the_next_batch_shortly_before_the_running_one_ends(device):
+    """The leader keeps its slot while batch 10 runs, until 80 % of its predicted 5 ms less 1 ms
+    of launch margin (3 ms on the node's clock): what arrives meanwhile merges into one batch."""
+    now = [0]
+    h = late_merging(device, now)
+    leader = h.start(10)
+    h.until(lambda: len(device.flights) == 5, "batch 10 queued")
+    h.start(11)
+    h.start(12)
+    h.until(lambda: h.waiting() == 2, "11, 12 waiting")
+    assert leader.is_alive() and len(device.flights) == 5  # held: nothing more is formed
+    now[0] = 3_000_000  # due: its next wake-up (at most 3 ms of real time) lets go
+    leader.join(10)
+    assert not leader.is_alive()
+    h.until(lambda: len(device.flights) == 6, "the batch after")
+    assert h.batches[-1] == [11, 12]
+    for f in device.flights:
+        f.ran.set()
+    h.wait_done(3)
+    h.node.close()
+
+
+def test_late_merge_stops_waiting_once_a_batch_is_full(device):
+    now = [0]
+    h = late_merging(device, now)
+    leader = h.start(20)
+    h.until(lambda: len(device.flights) == 5, "batch 20 queued")
+    for rid in (21, 22, 23):  # a whole batch of 3: no reason to wait on
+        h.start(rid)
+    leader.join(10)
+    assert not leader.is_alive()
+    h.until(lambda: len(device.flights) == 6, "the full batch")
+    assert h.batches[-1] == [21, 22, 23] and now[0] == 0
+    for f in device.flights:
+        f.ran.set()
+    h.wait_done(4)
+    h.node.close()
+
+
+def test_late_merge_stops_waiting_once_the_running_batch_has_run(device):
+    """A prediction too long must not leave the device idle: the batch's end ends the wait."""
+    now = [0]
+    h = late_merging(device, now)
+    leader = h.start(30)
+    h.until(lambda: len(device.flights) == 5, "batch 30 queued")
+    h.start(31)
+    h.until(lambda: h.waiting() == 1, "31 waiting")
+    assert leader.is_alive()
+    device.flights[4].ran.set()  # batch 30 ends before its predicted 3 ms on the node's clock
+    h.wait_done(1)
+    leader.join(10)
+    assert not leader.is_alive() and now[0] == 0
+    h.until(lambda: len(device.flights) == 6, "31's batch")
+    device.flights[5].ran.set()
+    h.wait_done(1)
+    assert h.batches[-2:] == [[30], [31]]
+    h.node.close()
 
 
 def test_finish_runs_in_the_call_without_a_device_queue():

@@ -329,6 +329,11 @@ class _Queued:
 
 
 _OVERFLOW = ("<overflow>",)  # the lane of every key past `max_lanes` (their requests may merge)
+# `late_merge`: the share of a running batch's predicted device time a lane waits before forming
+# the next one (below 1: a prediction a little long must not leave the device idle), and the least
+# time left before its predicted end to form and launch it in
+LATE_MERGE_SHARE = 0.8
+LATE_MERGE_MARGIN_NS = 1_000_000
 
 
 class BatchingNode(Node):
@@ -370,6 +375,14 @@ class BatchingNode(Node):
     - `device_depth`: a lane forms its next batch once at most `device_depth - 1` of its batches
       are still queued on the device (module docstring; 2: one running, the next one queued
       behind it).
+    - `late_merge` (with `finish`): once the cost model is warm, a lane forms its next batch
+      only shortly before the batch running on the device is predicted to end (`LATE_MERGE_SHARE`
+      of its predicted time, less twice its launch's host time and at least
+      `LATE_MERGE_MARGIN_NS`), unless it has ended or the waiting requests already fill a batch:
+      what arrives meanwhile merges into it. For a batch
+      whose fixed cost dominates (the beam node: a search of 1 prompt 6.1 ms, of 16 9.7 ms on the
+      H200), forming the next batch as soon as the device starts the running one made batches of
+      a few requests, each paying the fixed cost.
     - `clock`: nanoseconds, monotonic (tests inject one).
     """
 
@@ -393,6 +406,7 @@ class BatchingNode(Node):
         max_lanes: int = 16,
         finish: Callable[[Any], Any] | None = None,
         device_depth: int = 2,
+        late_merge: bool = False,
         kind: NodeKind | str = NodeKind.DEVICE,
         bind: dict[str, str] | None = None,
         raises: tuple[type[BaseException], ...] = (),
@@ -428,6 +442,7 @@ class BatchingNode(Node):
         self._queue_made = False
         self.finish = finish
         self.device_depth = int(device_depth)
+        self.late_merge = late_merge
         self._closed = False
         self._pass_alive = _takes_alive(fn)
         self.cost = CostModel()
@@ -813,6 +828,39 @@ class BatchingNode(Node):
             while len(lane.in_flight) >= self.device_depth:
                 self._cv.wait()
             self.paced_wait_ns += self._clock() - t0
+        self._merge_late(lane, queued)
+
+    def _merge_late(self, lane: _Lane, running: _Queued) -> None:
+        """With `late_merge`: keep the leader slot (so what arrives waits and merges) until shortly
+        before `running`, which the device runs now, is predicted to end, until it has ended (the
+        finisher took it: a prediction too long must not leave the device idle), or until the
+        waiting requests fill a batch (the class docstring)."""
+        if not self.late_merge or not self.cost.warm:
+            return
+        run_ns = self.cost.predict_ns(running.units, running.forwards)
+        margin = max(2 * running.host_ns, LATE_MERGE_MARGIN_NS)
+        due = self._clock() + int(LATE_MERGE_SHARE * run_ns) - margin
+        with self._cv:
+            while running in lane.in_flight and not self._closed and not self._fills_a_batch(lane):
+                left = due - self._clock()
+                if left <= 0:
+                    return
+                self._cv.wait(left / 1e9)
+
+    def _fills_a_batch(self, lane: _Lane) -> bool:
+        """Whether the lane's waiting requests are a whole batch already (the caller holds the
+        lock): the token budget, `max_batch`, or the lane's `lane_max`."""
+        waiting = lane.waiting
+        if not waiting:
+            return False
+        if self.max_batch is not None and len(waiting) >= self.max_batch:
+            return True
+        if sum(it.size for it in waiting) >= self.token_budget:
+            return True
+        if self.lane_max is None or lane.key is _OVERFLOW:
+            return False
+        most = self.lane_max(lane.key, waiting[0].args)
+        return most is not None and sum(it.count for it in waiting) >= most
 
     def _finishing(self, lane: _Lane) -> None:
         """The finisher thread of a lane: its queued batches, in launch order, each answered once

@@ -86,7 +86,8 @@ class WorkloadContext:
         self, name: str, fn: Any, inputs: dict, outputs: dict, raises: tuple = ()
     ) -> BatchingNode:
         """A batching node with this context's knobs; `fn` has `merge`, `split` and `size`, and
-        may have `shapes`, `lane`, `count`, `lane_max` and `finish` (`BatchingNode`);
+        may have `shapes`, `lane`, `count`, `lane_max`, `finish` and `late_merge`
+        (`BatchingNode`);
         `raises` pass through as themselves."""
         return BatchingNode(
             name,
@@ -101,6 +102,7 @@ class WorkloadContext:
             count=getattr(fn, "count", None),
             lane_max=getattr(fn, "lane_max", None),
             finish=getattr(fn, "finish", None),
+            late_merge=getattr(fn, "late_merge", False),
             token_budget=self.token_budget,
             max_wait_ms=self.max_wait_ms,
             max_batch=self.max_batch_requests,
