@@ -21,7 +21,6 @@
 #   bash benchmarks/run_h200.sh w5-compile w5-profile           # issue 25 item 4: W5's merged forwards, per kernel
 #   bash benchmarks/run_h200.sh fp8-tiles                       # issue 26: silu_mul_quant's tiles swept
 #   bash benchmarks/run_h200.sh skinny                          # few-row fused linear kernels vs cuBLAS + Inductor
-#   GATED_ARGS=--sweep bash benchmarks/run_h200.sh gated-mm     # issue 25: norm + gate_up + SiLU·mul in one kernel, prefill rows
 #   bash benchmarks/run_h200.sh graph-launch                    # issue 24: one big CUDA graph's launch vs a chain (answered: no wait)
 #   BACKENDS_ARGS="--attention varlen --workloads w2 w1" bash benchmarks/run_h200.sh backends   # A/B
 # Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
@@ -72,8 +71,6 @@ run_phase() {
     # issue 24 item 2 / issue 25: a layer's linear parts at few rows, fused kernels vs cuBLAS + Inductor (SKINNY_ARGS="--sweep")
     # issue 24: one big CUDA graph's launch vs a chain of smaller ones (is the whole-search graph's early idle its launch?)
     graph-launch) phase graph-launch 90 python3 benchmarks/bench_graph_launch.py --out "$OUT/graph_launch.json" ;;
-    # issue 25 item 3: RMSNorm + gate_up + SiLU·mul as one kernel at prefill rows vs cuBLAS + Inductor (GATED_ARGS="--sweep")
-    gated-mm) phase gated-mm 240 python3 benchmarks/bench_gated_mm.py --out "$OUT/gated_mm.json" ${GATED_ARGS:-} ;;
     skinny) phase skinny 180 python3 benchmarks/bench_skinny.py --out "$OUT/skinny.json" ${SKINNY_ARGS:-} ;;
     attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
     attention-sweep) phase attention-sweep 300 python3 benchmarks/bench_attention.py --sweep --iters 100 --out "$OUT/attention_sweep.json" ;;

@@ -94,7 +94,6 @@ KERNEL_MODULES = (
     "boundgen.attention.segments",
     "boundgen.quant.triton_quant",
     "boundgen.models.skinny",
-    "boundgen.models.gated_mm",
 )
 
 
@@ -112,8 +111,8 @@ def kernels_digest(modules: tuple[str, ...] = KERNEL_MODULES) -> str:
 def platform_info(device: torch.device | str) -> dict[str, str]:
     """What an artifact is only valid for: torch build, the exact device kind it was compiled
     for, and the source of the kernels it embeds (and the rows up to which the layers take
-    the fused few-row kernels, and from which the fused gate_up kernel)."""
-    from boundgen.models import gated_mm, skinny
+    the fused few-row kernels)."""
+    from boundgen.models import skinny
 
     dev = torch.device(device)
     info = {
@@ -123,7 +122,6 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         "format": str(FORMAT),
         "kernels": kernels_digest(),
         "skinny_max_rows": str(skinny.MAX_ROWS),
-        "gated_mm_min_rows": str(gated_mm.MIN_ROWS),
     }
     if dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()

@@ -16,7 +16,7 @@ from boundgen.attention.cascade import prefill_attention
 from boundgen.attention.metadata import AttnInputs
 from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
-from boundgen.models import gated_mm, skinny
+from boundgen.models import skinny
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
 
@@ -95,9 +95,6 @@ class DecoderLayer(nn.Module):
         if skinny.applies(x, mlp.gate_up_proj, mlp.down_proj):
             h = torch.ops.boundgen.norm_gated(x, norm.weight, norm.eps, mlp.gate_up_proj.weight)
             return torch.ops.boundgen.linear_residual(h, mlp.down_proj.weight, x)
-        if gated_mm.applies(x, mlp):  # many rows, when on (off by default: models/gated_mm.py)
-            h = torch.ops.boundgen.norm_gated_mm(x, norm.weight, norm.eps, mlp.gate_up_proj.weight)
-            return x + mlp.down_proj(h)
         return x + mlp(norm(x))
 
     def forward(self, x, cos, sin, attn, kv, layer, backend):

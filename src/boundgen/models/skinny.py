@@ -86,7 +86,7 @@ def applies(x: torch.Tensor, *linears: nn.Module) -> bool:
 
 
 def fusable(x: torch.Tensor, *linears: nn.Module) -> bool:
-    """Whether a fused Triton kernel (these, `models/gated_mm.py`) may take `x` through `linears`:
+    """Whether a fused Triton kernel of this module may take `x` through `linears`:
     2-D rows, plain `nn.Linear`s (not FP8's), on CUDA in bf16/fp16 (or anywhere under `forced()`
     with the interpreter), and no autograd through them."""
     if not AVAILABLE or x.dim() != 2:
@@ -103,7 +103,7 @@ def fusable(x: torch.Tensor, *linears: nn.Module) -> bool:
 if AVAILABLE:
 
     @triton.jit
-    def row_rstd(x_ptr, rows, row_mask, stride_x, eps, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _row_rstd(x_ptr, rows, row_mask, stride_x, eps, K: tl.constexpr, BLOCK_K: tl.constexpr):
         """1 / RMS of each row (float32), as RMSNorm computes it."""
         ss = tl.zeros([rows.shape[0]], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -152,7 +152,7 @@ if AVAILABLE:
             # Inductor launches a user kernel with a Python float typed fp64 (attention/segments.py)
             if not INTERPRET:  # (the interpreter hands scalars over as Python floats)
                 eps = tl.cast(eps, tl.float32)
-            rstd = row_rstd(x_ptr, rows, row_mask, stride_x, eps, K, BLOCK_K)
+            rstd = _row_rstd(x_ptr, rows, row_mask, stride_x, eps, K, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         if GATED:
             acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
