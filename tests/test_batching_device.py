@@ -280,6 +280,14 @@ def late_merging(device, now: list[int]) -> Harness:
     return h
 
 
+def drain(h: Harness, device, answers: int) -> None:
+    """Every queued batch runs; `answers` requests are answered; the node closes."""
+    for f in device.flights:
+        f.ran.set()
+    h.wait_done(answers)
+    h.node.close()
+
+
 def test_late_merge_forms_the_next_batch_shortly_before_the_running_one_ends(device):
     """The leader keeps its slot while batch 10 runs, until 80 % of its predicted 5 ms less 1 ms
     of launch margin (3 ms on the node's clock): what arrives meanwhile merges into one batch."""
@@ -296,10 +304,7 @@ def test_late_merge_forms_the_next_batch_shortly_before_the_running_one_ends(dev
     assert not leader.is_alive()
     h.until(lambda: len(device.flights) == 6, "the batch after")
     assert h.batches[-1] == [11, 12]
-    for f in device.flights:
-        f.ran.set()
-    h.wait_done(3)
-    h.node.close()
+    drain(h, device, 3)
 
 
 def test_late_merge_stops_waiting_once_a_batch_is_full(device):
@@ -313,10 +318,7 @@ def test_late_merge_stops_waiting_once_a_batch_is_full(device):
     assert not leader.is_alive()
     h.until(lambda: len(device.flights) == 6, "the full batch")
     assert h.batches[-1] == [21, 22, 23] and now[0] == 0
-    for f in device.flights:
-        f.ran.set()
-    h.wait_done(4)
-    h.node.close()
+    drain(h, device, 4)
 
 
 def test_late_merge_stops_waiting_once_the_running_batch_has_run(device):
