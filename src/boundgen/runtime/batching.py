@@ -880,16 +880,15 @@ class BatchingNode(Node):
                 with self._cv:
                     lane.in_flight.remove(queued)
                     self._cv.notify_all()  # a leader waiting for the device's depth
-            try:
+            try:  # nothing may end this thread: every later batch of the lane waits on it
                 if failed is not None:
                     raise failed
                 steady = self._learn(queued, 0)
                 parts = self._parts(self.finish(out), sizes, len(live))
+                self._answer(live, parts, start, self._clock() - start, steady, None)
             except Exception as exc:
-                for it in live:
+                for it in live:  # a request already answered ignores a second outcome
                     it.done(None, exc)
-                continue
-            self._answer(live, parts, start, self._clock() - start, steady, None)
 
     def _call(self, live: list[_Item]) -> tuple[Any, Any]:
         """The merged batch's `fn` call: (its output, `merge`'s sizes)."""
