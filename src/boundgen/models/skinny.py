@@ -81,15 +81,10 @@ def _interpreting() -> bool:
 
 
 def applies(x: torch.Tensor, *linears: nn.Module) -> bool:
-    """Whether the fused kernels take `x` through `linears`: at most `MAX_ROWS` rows (`fusable`)."""
-    return x.dim() == 2 and x.shape[0] <= MAX_ROWS and fusable(x, *linears)
-
-
-def fusable(x: torch.Tensor, *linears: nn.Module) -> bool:
-    """Whether a fused Triton kernel of this module may take `x` through `linears`:
-    2-D rows, plain `nn.Linear`s (not FP8's), on CUDA in bf16/fp16 (or anywhere under `forced()`
-    with the interpreter), and no autograd through them."""
-    if not AVAILABLE or x.dim() != 2:
+    """Whether the fused kernels take `x` through `linears`: plain `nn.Linear`s (not FP8's), at
+    most `MAX_ROWS` rows, on CUDA in bf16/fp16 (or anywhere under `forced()` with the
+    interpreter)."""
+    if not AVAILABLE or x.dim() != 2 or x.shape[0] > MAX_ROWS:
         return False
     if any(type(lin) is not nn.Linear for lin in linears):
         return False
