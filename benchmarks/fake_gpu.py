@@ -148,10 +148,7 @@ def _costs(spec: str) -> tuple[float, float]:
 
 def install_search(stream: Stream, spec: str, sync: bool, trie_path: str | None) -> None:
     import boundgen.runner as runner
-    from boundgen.runtime import device_queue
 
-    device_queue.set_queue_factory(lambda executor: Queue(stream))
-    _executor_on_fake_cuda(stream)
     fixed, per_prompt = _costs(spec)
     items = torch.as_tensor(np.load(trie_path)[:64]) if trie_path else None
 
@@ -176,9 +173,8 @@ def install_search(stream: Stream, spec: str, sync: bool, trie_path: str | None)
 
 def install_forward(stream: Stream, spec: str, paced: bool) -> None:
     import boundgen.runner as runner
-    from boundgen.runtime import batching, device_queue
+    from boundgen.runtime import batching
 
-    device_queue.set_queue_factory(lambda executor: Queue(stream))
     if not paced:  # never wait for queued batches: a batch ends when its call returns
         init = batching.BatchingNode.__init__
 
@@ -187,7 +183,6 @@ def install_forward(stream: Stream, spec: str, paced: bool) -> None:
             self.device_depth = 1 << 30
 
         batching.BatchingNode.__init__ = unpaced
-    _executor_on_fake_cuda(stream)
 
     fixed, per_1k = _costs(spec)
     runner.CPU_PIECE_TOKENS = 1 << 30  # pieces at the runner's budget, as on a GPU
@@ -201,12 +196,16 @@ def install_forward(stream: Stream, spec: str, paced: bool) -> None:
     runner.ModelRunner.forward = fake
 
 
-def _executor_on_fake_cuda(stream: Stream) -> None:
-    """Executors take their CUDA path: device nodes record fake events, CPU successors wait."""
+def install_device(stream: Stream) -> None:
+    """Batching nodes queue their work on the fake stream (`Queue`), and executors take their
+    CUDA path: device nodes record fake events, CPU successors wait."""
     import contextlib
     import types
 
+    from boundgen.runtime import device_queue
     from boundgen.runtime import executor as ex
+
+    device_queue.set_queue_factory(lambda executor: Queue(stream))
 
     cuda = types.SimpleNamespace(
         Event=lambda *a, **kw: Event(stream),
@@ -225,6 +224,8 @@ def _executor_on_fake_cuda(stream: Stream) -> None:
 
 def install_from_env() -> None:
     stream = Stream(os.environ.get("BOUNDGEN_FAKE_LOG"))
+    if os.environ.get("BOUNDGEN_FAKE_SEARCH") or os.environ.get("BOUNDGEN_FAKE_FORWARD"):
+        install_device(stream)  # once, for the search and the forward alike
     if os.environ.get("BOUNDGEN_FAKE_SEARCH"):
         install_search(
             stream,
