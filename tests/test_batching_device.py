@@ -265,9 +265,10 @@ def test_close_answers_the_batches_still_on_the_device(device):
     assert not closing.is_alive() and h.events == {100: None}
 
 
-def late_merging(device, now: list[int]) -> Harness:
+def late_merging(device, now: list[int], first: int) -> tuple[Harness, threading.Thread]:
     """A `finish` node of batches of at most 3 with `late_merge`, its cost model warm (each batch
-    5 ms of device time) and the device's batches run only when the test says."""
+    5 ms of device time) and the device's batches run only when the test says; request `first`
+    queued as the batch the device runs, and its leader's thread."""
     h = finish_harness(max_batch=3, clock=lambda: now[0])
     h.node.cost.warm_units = 1
     device.auto = True
@@ -277,7 +278,9 @@ def late_merging(device, now: list[int]) -> Harness:
     assert h.node.cost.warm
     device.auto = False
     h.node.late_merge = True
-    return h
+    leader = h.start(first)
+    h.until(lambda: len(device.flights) == 5, f"batch {first} queued")
+    return h, leader
 
 
 def drain(h: Harness, device, answers: int) -> None:
@@ -292,9 +295,7 @@ def test_late_merge_forms_the_next_batch_shortly_before_the_running_one_ends(dev
     """The leader keeps its slot while batch 10 runs, until 80 % of its predicted 5 ms less 1 ms
     of launch margin (3 ms on the node's clock): what arrives meanwhile merges into one batch."""
     now = [0]
-    h = late_merging(device, now)
-    leader = h.start(10)
-    h.until(lambda: len(device.flights) == 5, "batch 10 queued")
+    h, leader = late_merging(device, now, 10)
     h.start(11)
     h.start(12)
     h.until(lambda: h.waiting() == 2, "11, 12 waiting")
@@ -309,9 +310,7 @@ def test_late_merge_forms_the_next_batch_shortly_before_the_running_one_ends(dev
 
 def test_late_merge_stops_waiting_once_a_batch_is_full(device):
     now = [0]
-    h = late_merging(device, now)
-    leader = h.start(20)
-    h.until(lambda: len(device.flights) == 5, "batch 20 queued")
+    h, leader = late_merging(device, now, 20)
     for rid in (21, 22, 23):  # a whole batch of 3: no reason to wait on
         h.start(rid)
     leader.join(10)
@@ -324,9 +323,7 @@ def test_late_merge_stops_waiting_once_a_batch_is_full(device):
 def test_late_merge_stops_waiting_once_the_running_batch_has_run(device):
     """A prediction too long must not leave the device idle: the batch's end ends the wait."""
     now = [0]
-    h = late_merging(device, now)
-    leader = h.start(30)
-    h.until(lambda: len(device.flights) == 5, "batch 30 queued")
+    h, leader = late_merging(device, now, 30)
     h.start(31)
     h.until(lambda: h.waiting() == 1, "31 waiting")
     assert leader.is_alive()
