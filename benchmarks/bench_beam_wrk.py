@@ -37,10 +37,12 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import fake_gpu
+import gpu_window
 import httpx
 import wrk
 from bench_serving import make_trie, serve_command, start, stop
@@ -123,6 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=None, help="skip runs past this many seconds")
     p.add_argument("--server-cpus", default="")
     p.add_argument("--client-cpus", default="")
+    p.add_argument(
+        "--gpu-window",
+        type=float,
+        default=0,
+        help="SECONDS: last, a closed loop of --gpu-window-connections while the server records "
+        "that long of its GPU work (gpu_window.py: the kernels' busy share, gaps, kernels; a "
+        "server started here, on CUDA)",
+    )
+    p.add_argument("--gpu-window-connections", type=int, default=256)
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/...)")
     args = p.parse_args(argv)
 
@@ -133,11 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.trie_items:
         # not next to the results: a device call brings back a few files only
         trie_path = make_trie(Path(tempfile.gettempdir()), args.trie_items, args.steps)
-    proc, url, ready_s = None, args.url, None
+    proc, url, ready_s, gpu = None, args.url, None, None
+    window = out.with_suffix(".gpu_window.json")
+    trigger = out.with_suffix(".gpu_window.go")
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         prelude = (fake_gpu.PRELUDE if args.fake_search else "") + "\n" + args.server_prelude
+        if args.gpu_window:
+            prelude += gpu_window.prelude(args.gpu_window, window, trigger)
         model = args.model or str(tiny_model_dir())
         serve_args = ["--model", model, "--max-queue", "4096", "--timeout-ms", "2000"]
         if trie_path is not None:
@@ -197,6 +212,15 @@ def main(argv: list[str] | None = None) -> int:
                 think = max(0.0, c / rate * 1e3 - unloaded)
                 row = run_wrk(url, script, bodies, c, think, args.duration, args.client_cpus)
                 record(row | {"rate": rate})
+            if args.gpu_window and proc is not None:
+                # a saturated closed loop; one second in, the server records its GPU work (the
+                # beam node's stream time reads ~100 % whenever searches queue back to back:
+                # the kernels' own busy share says whether the GPU or the host sets the pace)
+                threading.Timer(1.0, trigger.touch).start()
+                c = args.gpu_window_connections
+                record(run_wrk(url, script, bodies, c, 0, args.gpu_window + 3, args.client_cpus))
+                gpu = gpu_window.read(window)
+                print(f"GPU window ({c} connections): {gpu_window.line(gpu)}", flush=True)
             metrics = httpx.get(url + "/metrics", timeout=30).text
             keys = ("boundgen_compiles_after_ready", "boundgen_beam_graph", "boundgen_shed")
             counters = {
@@ -214,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "server_ready_s": ready_s,
         "server_counters": counters,
+        "gpu_window": gpu,
     }
     out.write_text(json.dumps(result, indent=1))
     print(table(rows))

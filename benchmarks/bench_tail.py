@@ -48,6 +48,7 @@ from pathlib import Path
 
 import fake_gpu
 import gil_profile
+import gpu_window
 import httpx
 import wrk
 from bench_overload import _cpus, wait_idle
@@ -234,26 +235,6 @@ def encode_times(iters: int) -> list[dict]:
     return rows
 
 
-def _read_window(path: Path, wait_s: float = 20.0) -> dict:
-    """The server's GPU window (`gpu_window.py`), once written."""
-    end = time.monotonic() + wait_s
-    while not path.exists() and time.monotonic() < end:
-        time.sleep(0.2)
-    return json.loads(path.read_text()) if path.exists() else {"error": f"no {path.name}"}
-
-
-def _window_line(w: dict) -> str:
-    if "error" in w:
-        return w["error"]
-    top = ", ".join(f"{k['kernel'][:40]} {k['ms']:.1f} ms" for k in w["kernels"][:5])
-    gaps = ", ".join(f"{g['ms']:.2f}" for g in w["longest_gaps"])
-    return (
-        f"wall {w['wall_ms']:.0f} ms, GPU busy {w['gpu_busy_ms']:.0f} ms "
-        f"({w['gpu_busy_share']:.0%}), {w['launches']} launches, idle between "
-        f"{w['idle_between_ms']:.1f} ms (longest {gaps}); top: {top}"
-    )
-
-
 def table(rows: list[dict]) -> str:
     lines = [
         "| generator | load | ok/s | p50 ms | p99 ms | server p50 / p99 ms | p99 − server p99 ms "
@@ -362,12 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         window = out.with_suffix(".gpu_window.json")
         trigger = out.with_suffix(".gpu_window.go")
         if args.gpu_window:
-            window.unlink(missing_ok=True)
-            trigger.unlink(missing_ok=True)
-            prelude += (
-                f"\nimport sys; sys.path.insert(0, {str(HERE)!r}); import gpu_window; "
-                f"gpu_window.start(0, {args.gpu_window}, {str(window)!r}, {str(trigger)!r})"
-            )
+            prelude += gpu_window.prelude(args.gpu_window, window, trigger)
         env = {}
         if args.fake_forward:
             env["BOUNDGEN_FAKE_FORWARD"] = args.fake_forward
@@ -442,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                 threading.Timer(1.0, trigger.touch).start()
                 c = args.gil_profile_connections
                 record(run_wrk(url, script, bodies, c, 0, args.gpu_window + 3, args.client_cpus))
-                gpu = _read_window(window)
-                print(f"GPU window ({c} connections): {_window_line(gpu)}", flush=True)
+                gpu = gpu_window.read(window)
+                print(f"GPU window ({c} connections): {gpu_window.line(gpu)}", flush=True)
             gc_after = gc_pauses(url)
     finally:
         if proc is not None:

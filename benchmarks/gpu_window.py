@@ -25,6 +25,40 @@ from pathlib import Path
 import torch
 from common import busy_us, idle_gaps, kernel_rows
 
+HERE = Path(__file__).resolve().parent
+
+
+def prelude(seconds: float, out: Path, trigger: Path) -> str:
+    """A server prelude (Python run first in `boundgen serve`'s process) that records one window
+    of `seconds` into `out` once `trigger` exists: the caller touches it when the load is on."""
+    out.unlink(missing_ok=True)
+    trigger.unlink(missing_ok=True)
+    return (
+        f"\nimport sys; sys.path.insert(0, {str(HERE)!r}); import gpu_window; "
+        f"gpu_window.start(0, {seconds}, {str(out)!r}, {str(trigger)!r})"
+    )
+
+
+def read(path: Path, wait_s: float = 20.0) -> dict:
+    """The server's window, once written (`error` when it never was)."""
+    end = time.monotonic() + wait_s
+    while not path.exists() and time.monotonic() < end:
+        time.sleep(0.2)
+    return json.loads(path.read_text()) if path.exists() else {"error": f"no {path.name}"}
+
+
+def line(w: dict) -> str:
+    """One window in a line: busy share, launches, gaps, the top five kernels."""
+    if "error" in w:
+        return w["error"]
+    top = ", ".join(f"{k['kernel'][:40]} {k['ms']:.1f} ms" for k in w["kernels"][:5])
+    gaps = ", ".join(f"{g['ms']:.2f}" for g in w["longest_gaps"])
+    return (
+        f"wall {w['wall_ms']:.0f} ms, GPU busy {w['gpu_busy_ms']:.0f} ms "
+        f"({w['gpu_busy_share']:.0%}), {w['launches']} launches, idle between "
+        f"{w['idle_between_ms']:.1f} ms (longest {gaps}); top: {top}"
+    )
+
 
 def start(
     delay_s: float, seconds: float, out: str, trigger: str | None = None, top: int = 30

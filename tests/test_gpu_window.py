@@ -43,3 +43,32 @@ def test_a_window_summary_counts_busy_time_gaps_and_kernels():
     assert got["longest_gaps"][0]["ms"] >= 9 and got["idle_between_ms"] >= 18
     names = {k["kernel"] for k in got["kernels"]}
     assert {"aten::tanh", "aten::mm"} <= names
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer; the GPU runs it in a server")
+def test_the_prelude_records_once_triggered_and_read_returns_the_file(tmp_path):
+    out, trigger = tmp_path / "window.json", tmp_path / "go"
+    out.write_text("{}")  # a stale window from an earlier run is removed
+    code = gpu_window.prelude(0.0, out, trigger)
+    assert not out.exists()
+    exec(code, {})
+    assert gpu_window.read(out, wait_s=0.3) == {"error": "no window.json"}
+    trigger.touch()
+    assert "no CUDA device" in gpu_window.read(out, wait_s=30)["error"]
+
+
+def test_a_window_line_names_busy_share_gaps_and_top_kernels():
+    w = {
+        "wall_ms": 2000.0,
+        "gpu_busy_ms": 1500.0,
+        "gpu_busy_share": 0.75,
+        "launches": 40,
+        "idle_between_ms": 500.0,
+        "longest_gaps": [{"ms": 3.25}],
+        "kernels": [{"kernel": "gemm", "ms": 700.0}],
+    }
+    assert gpu_window.line(w) == (
+        "wall 2000 ms, GPU busy 1500 ms (75%), 40 launches, idle between 500.0 ms "
+        "(longest 3.25); top: gemm 700.0 ms"
+    )
+    assert gpu_window.line({"error": "no CUDA device"}) == "no CUDA device"
