@@ -406,23 +406,13 @@ class SearchGraphs:
             )
 
     def _replay(self, slot: _Slot, padded, b: int, width: int, steps: int, trie: Any):
-        """Copy the padded prompts into `slot` (locked by the caller), run or replay it.
-
-        On CUDA the prompts go through pinned host memory (torch's caching host allocator: a
-        block is reused once its copy has run). A copy from pageable memory may wait for the
-        stream's work queued before it (CUDA's "API synchronization behavior"): with the beam
-        node queueing the next merged search while one runs, that would hold its launch until
-        the running search ends, and the GPU would idle while the host copies and launches."""
+        """Copy the padded prompts into `slot` (locked by the caller), run or replay it."""
         slot.trie = trie
-        pinned = self.device.type == "cuda"
-        for dst, src in (
-            (slot.ids, padded.input_ids),
-            (slot.positions, padded.positions),
-            (slot.cu_seqlens, padded.attn.cu_seqlens),
-            (slot.last_index, padded.last_index),
-            (slot.lengths, padded.seq_len),
-        ):
-            dst.copy_(src.pin_memory() if pinned else src, non_blocking=True)
+        slot.ids.copy_(padded.input_ids, non_blocking=True)
+        slot.positions.copy_(padded.positions, non_blocking=True)
+        slot.cu_seqlens.copy_(padded.attn.cu_seqlens, non_blocking=True)
+        slot.last_index.copy_(padded.last_index, non_blocking=True)
+        slot.lengths.copy_(padded.seq_len, non_blocking=True)
         if slot.graph is None:
             self._prepare(slot, width, steps, trie)
         else:
