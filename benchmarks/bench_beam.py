@@ -35,6 +35,7 @@ import common
 from boundgen import Engine, Trie
 from boundgen.checkpoints import ensure_model
 from boundgen.compile.decode import SearchGraphs, plain_session
+from boundgen.logsumexp import row_logsumexp
 from boundgen.search import search
 
 
@@ -127,8 +128,13 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
         ws = trie.workspace(n)
         tokens, _, valid, cols = trie.candidates(1, node, ws=ws)
         level = trie.level_tokens(1)
+
+        def vocab():  # what the search runs: the children's logits less the row's log-sum-exp
+            z = model.head(hidden)
+            return z.gather(1, tokens).sub_(row_logsumexp(z).unsqueeze(1))
+
         heads = {
-            "vocab": lambda: torch.log_softmax(model.head(hidden), -1).gather(1, tokens),
+            "vocab": vocab,
             "children": lambda: torch.log_softmax(
                 model.head(hidden, level).gather(1, cols).masked_fill_(~valid, float("-inf")), 1
             ),
@@ -141,6 +147,10 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             try:
                 with torch.inference_mode():
                     entry["step_head_us"] = step_head_us(heads[softmax], dev)
+                    if softmax == "vocab":  # before row_logsumexp: every log-prob written
+                        entry["step_head_log_softmax_us"] = step_head_us(
+                            lambda: torch.log_softmax(model.head(hidden), -1).gather(1, tokens), dev
+                        )
                     entry.update(kernels(lambda: ungraphed.run(prompts, w, s, t_, eos), dev))
                     for vname, sg in variants.items():
                         call = lambda sg=sg: sg.run(prompts, w, s, t_, eos)
@@ -173,7 +183,9 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                                 "equal_to_full_head": tm.get("equal_to_full_head"),
                             }
                         )
-                print(f"  {name}: {entry.get('step_head_us', 0):.1f} µs/step head", flush=True)
+                before = entry.get("step_head_log_softmax_us")
+                was = f" (with log_softmax {before:.1f})" if before else ""
+                print(f"  {name}: {entry.get('step_head_us', 0):.1f} µs/step head{was}", flush=True)
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {exc}"[:1000]
                 traceback.print_exc()

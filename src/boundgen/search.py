@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from boundgen.logsumexp import row_logsumexp
+
 NEG_INF = float("-inf")
 # Without a trie the top W of a prompt's W·V candidates are found in two stages: the top W of each
 # beam's vocabulary cut into chunks of this size, then the top W of the survivors. One top-k over
@@ -74,15 +76,20 @@ class Expander:
         cand = (scores.view(-1, 1) + lp).view(b, -1)
         return cand, tokens.reshape(b, -1), child.reshape(b, -1), tokens.shape[1]
 
-    def __call__(self, depth: int, logp: torch.Tensor, scores: torch.Tensor, node: torch.Tensor):
-        b, wc, v = logp.shape
+    def __call__(self, depth: int, logits: torch.Tensor, scores: torch.Tensor, node: torch.Tensor):
+        """Candidates scored over the full vocabulary. logits [B·Wc, V] float32, scores [B, Wc]."""
+        b, wc = scores.shape
+        v = logits.shape[1]
         if self.trie is None:
+            logp = torch.log_softmax(logits, dim=-1).view(b, wc, v)
             if self.banned.numel():
                 logp.index_fill_(2, self.banned, NEG_INF)
             cand = (scores.unsqueeze(-1) + logp).view(b, wc * v)
             return cand, None, None, v
         tokens, child, valid = self.trie.children(depth, node, ws=self._workspace(node.shape[0]))
-        lp = logp.view(b * wc, v).gather(1, tokens).masked_fill_(~valid, NEG_INF)
+        # the children's log-probs alone: no log-prob of every column written and read back
+        lse = row_logsumexp(logits).unsqueeze(1)
+        lp = logits.gather(1, tokens).sub_(lse).masked_fill_(~valid, NEG_INF)
         cand = (scores.view(-1, 1) + lp).view(b, -1)
         return cand, tokens.reshape(b, -1), child.reshape(b, -1), tokens.shape[1]
 
@@ -134,9 +141,9 @@ def search(
     b, w = last.shape[0], width
     n = b * w
     children = trie is not None and getattr(trie, "softmax", "vocab") == "children"
-    logp = None if children else torch.log_softmax(head(last), dim=-1)
+    logits = None if children else head(last)
     if not isinstance(banned, torch.Tensor):  # unused with a trie
-        banned = banned_tensor(banned, logp.shape[-1] if logp is not None else 0, dev)
+        banned = banned_tensor(banned, logits.shape[-1] if logits is not None else 0, dev)
     expand = Expander(trie, banned, workspaces)
     hist = torch.zeros(b, w, steps, dtype=torch.long, device=dev)
     scores = torch.zeros(b, 1, device=dev)
@@ -153,10 +160,7 @@ def search(
         else:
             if step > 0:
                 logits = session.step(step - 1, tokens, positions)
-                logp = torch.log_softmax(logits, dim=-1).view(b, w, -1)
-            else:
-                logp = logp.unsqueeze(1)
-            cand, cand_tokens, cand_child, c = expand(step, logp, scores, node)
+            cand, cand_tokens, cand_child, c = expand(step, logits, scores, node)
         k = min(w, cand.shape[1])
         top, idx = top_candidates(cand, k, c)
         if k < w:  # fewer continuations than beams: pad with dead beams
