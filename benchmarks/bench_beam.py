@@ -129,14 +129,20 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
         tokens, _, valid, cols = trie.candidates(1, node, ws=ws)
         level = trie.level_tokens(1)
 
-        def vocab():  # what the search runs: the children's logits less the row's log-sum-exp
-            z = model.head(hidden)
-            return z.gather(1, tokens).sub_(row_logsumexp(z).unsqueeze(1))
+        def vocab(logits=model.logits):
+            # what the search runs: the children's logits (bf16, read in place) less the row's
+            # log-sum-exp; with `model.head`, the float32 copy it took before
+            z = logits(hidden)
+            return z.gather(1, tokens).float().sub_(row_logsumexp(z).unsqueeze(1))
 
         heads = {
             "vocab": vocab,
             "children": lambda: torch.log_softmax(
-                model.head(hidden, level).gather(1, cols).masked_fill_(~valid, float("-inf")), 1
+                model.logits(hidden, level)
+                .gather(1, cols)
+                .float()
+                .masked_fill_(~valid, float("-inf")),
+                1,
             ),
         }
         with torch.inference_mode():
@@ -147,7 +153,8 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             try:
                 with torch.inference_mode():
                     entry["step_head_us"] = step_head_us(heads[softmax], dev)
-                    if softmax == "vocab":  # before row_logsumexp: every log-prob written
+                    if softmax == "vocab":  # before: float32 logits; every log-prob written
+                        entry["step_head_float32_us"] = step_head_us(lambda: vocab(model.head), dev)
                         entry["step_head_log_softmax_us"] = step_head_us(
                             lambda: torch.log_softmax(model.head(hidden), -1).gather(1, tokens), dev
                         )
@@ -183,8 +190,15 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                                 "equal_to_full_head": tm.get("equal_to_full_head"),
                             }
                         )
-                before = entry.get("step_head_log_softmax_us")
-                was = f" (with log_softmax {before:.1f})" if before else ""
+                before = [
+                    f"{label} {entry[key]:.1f}"
+                    for label, key in (
+                        ("float32 logits", "step_head_float32_us"),
+                        ("log_softmax", "step_head_log_softmax_us"),
+                    )
+                    if key in entry
+                ]
+                was = f" (with {', with '.join(before)})" if before else ""
                 print(f"  {name}: {entry.get('step_head_us', 0):.1f} µs/step head{was}", flush=True)
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {exc}"[:1000]

@@ -181,3 +181,51 @@ def test_merged_searches_are_the_beam_nodes_forwards_and_shapes():
     assert sorted(shapes, key=repr) == sorted(
         [(8, 2, None, 3), (4, 2, None, 1), (8, 2, id(trie), 1)], key=repr
     )
+
+
+class _EmbeddingSession:
+    """A decode session over a random bf16 "model": a step's hidden state is its token's embedding
+    row; `head` gives the logits in bf16, or their float32 copy (what search took before)."""
+
+    def __init__(self, float32: bool, prompts: int = 2, vocab: int = 96, hidden: int = 16):
+        g = torch.Generator().manual_seed(7)
+        self.emb = torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)
+        self.weight = torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)
+        self.last_hidden = torch.randn(prompts, hidden, generator=g).to(torch.bfloat16)
+        self.prompt_lengths = torch.full((prompts,), 5)
+        self.float32 = float32
+
+    def head(self, rows, columns=None):
+        w = self.weight if columns is None else self.weight.index_select(0, columns)
+        z = torch.nn.functional.linear(rows, w)
+        return z.float() if self.float32 else z
+
+    def step(self, i, tokens, positions):
+        return self.head(self.emb[tokens])
+
+    def hidden(self, i, tokens, positions):
+        return self.emb[tokens]
+
+    def reorder(self, parent):
+        pass
+
+
+@pytest.mark.parametrize("softmax", [None, "vocab", "children"])
+def test_search_over_bf16_logits_equals_search_over_their_float32_copy(softmax):
+    # the search reads the model's bf16 logits in place (no float32 copy of 512 × vocab a step):
+    # every bf16 value is exact in float32, so tokens and scores must be the very same
+    from boundgen.search import search
+
+    trie = None
+    if softmax is not None:
+        g = torch.Generator().manual_seed(3)
+        items = torch.randint(0, 96, (40, 3), generator=g).unique(dim=0).tolist()
+        trie = Trie.from_sequences(items, softmax=softmax)
+    runs = []
+    for float32 in (False, True):
+        session = _EmbeddingSession(float32)
+        runs.append(search(session, session.head, 4, 3, trie))
+    (tokens, scores), (tokens_ref, scores_ref) = runs
+    assert torch.equal(tokens, tokens_ref)
+    assert torch.equal(scores, scores_ref)
+    assert torch.isfinite(scores[:, 0]).all()

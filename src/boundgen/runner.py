@@ -295,7 +295,7 @@ class ModelRunner:
             if out is not None:
                 return out
         session = plain_session(self.model, self.device, prompts, width, steps)
-        return search(session, self.model.head, width, steps, trie, banned)
+        return search(session, self.model.logits, width, steps, trie, banned)
 
     def largest_search(
         self, width: int, steps: int, trie: Any = None, banned: tuple[int, ...] = ()

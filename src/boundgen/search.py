@@ -66,9 +66,9 @@ class Expander:
             depth, node, ws=self._workspace(node.shape[0])
         )
         if self.trie.level_sizes[depth] <= LEVEL_HEAD_MAX:
-            z = head(rows, self.trie.level_tokens(depth)).gather(1, cols)
+            z = head(rows, self.trie.level_tokens(depth)).gather(1, cols).float()
         else:
-            z = head(rows).gather(1, tokens)
+            z = head(rows).gather(1, tokens).float()
         z.masked_fill_(~valid, NEG_INF)
         # one kernel (a logsumexp is seven); a dead beam's row (no valid child) is NaN: masked
         lp = torch.log_softmax(z, 1).masked_fill_(~valid, NEG_INF)
@@ -77,11 +77,12 @@ class Expander:
         return cand, tokens.reshape(b, -1), child.reshape(b, -1), tokens.shape[1]
 
     def __call__(self, depth: int, logits: torch.Tensor, scores: torch.Tensor, node: torch.Tensor):
-        """Candidates scored over the full vocabulary. logits [B·Wc, V] float32, scores [B, Wc]."""
+        """Candidates scored over the full vocabulary. logits [B·Wc, V] in any float dtype (the
+        model's: read as float32 in place, no float32 copy of the logits), scores [B, Wc]."""
         b, wc = scores.shape
         v = logits.shape[1]
         if self.trie is None:
-            logp = torch.log_softmax(logits, dim=-1).view(b, wc, v)
+            logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32).view(b, wc, v)
             if self.banned.numel():
                 logp.index_fill_(2, self.banned, NEG_INF)
             cand = (scores.unsqueeze(-1) + logp).view(b, wc * v)
@@ -89,7 +90,7 @@ class Expander:
         tokens, child, valid = self.trie.children(depth, node, ws=self._workspace(node.shape[0]))
         # the children's log-probs alone: no log-prob of every column written and read back
         lse = row_logsumexp(logits).unsqueeze(1)
-        lp = logits.gather(1, tokens).sub_(lse).masked_fill_(~valid, NEG_INF)
+        lp = logits.gather(1, tokens).float().sub_(lse).masked_fill_(~valid, NEG_INF)
         cand = (scores.view(-1, 1) + lp).view(b, -1)
         return cand, tokens.reshape(b, -1), child.reshape(b, -1), tokens.shape[1]
 
@@ -132,10 +133,11 @@ def search(
     """→ (tokens [B, W, S] int64, scores [B, W] float32), beams sorted best first, dead beams at
     −inf. `session`: `last_hidden` [B, H], `prompt_lengths` [B], `step(i, tokens, positions)` →
     logits [B·W, V] (with a `softmax="children"` trie: `hidden(i, tokens, positions)` → final
-    hidden states [B·W, H] instead), `reorder(parent)`; `head(rows, columns=None)` → float32
-    logits of the full vocabulary or of `columns`; `banned`: token ids
-    never continued (a tensor from `banned_tensor` inside a CUDA-graph capture); `workspaces`: the
-    trie's buffers per row count, kept across searches (a graph's buffers)."""
+    hidden states [B·W, H] instead), `reorder(parent)`; `head(rows, columns=None)` → logits
+    (any float dtype: the model's, `DecoderModel.logits`) of the full vocabulary or of
+    `columns`; `banned`: token ids never continued (a tensor from `banned_tensor` inside a
+    CUDA-graph capture); `workspaces`: the trie's buffers per row count, kept across searches
+    (a graph's buffers)."""
     last = session.last_hidden
     dev = last.device
     b, w = last.shape[0], width

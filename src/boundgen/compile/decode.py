@@ -92,7 +92,7 @@ def plain_session(model, device, prompts: list[list[int]], width: int, steps: in
         return model(tokens, positions, None, state)
 
     last = hidden.index_select(0, batch.last_index)
-    return DecodeSession(state, batch.seq_len, last, step_hidden, model.head)
+    return DecodeSession(state, batch.seq_len, last, step_hidden, model.logits)
 
 
 # ---- one layer of the prefill and of a decode step, as functions of their tensors ---------------
@@ -471,10 +471,10 @@ class SearchGraphs:
             slot.lengths,
             hidden.index_select(0, slot.last_index),
             step_hidden,
-            self.model.head,
+            self.model.logits,
         )
         tokens, scores = search(
-            session, self.model.head, width, steps, trie, slot.banned, slot.workspaces
+            session, self.model.logits, width, steps, trie, slot.banned, slot.workspaces
         )
         if slot.tokens is None:
             slot.tokens, slot.scores = tokens, scores

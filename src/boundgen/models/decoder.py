@@ -141,7 +141,12 @@ class DecoderModel(nn.Module):
 
     def head(self, rows: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
         """rows [N, H] → float32 logits [N, C]; `columns` picks vocabulary ids (label scoring)."""
+        return self.logits(rows, columns).float()
+
+    def logits(self, rows: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """`head` in the model's dtype. Beam search takes these: at 512 rows × the vocabulary a
+        float32 copy is a 311 MB write a step, and its kernels read bf16 as well (exactly)."""
         w = self.head_weight
         if columns is not None:
             w = w.index_select(0, columns)
-        return F.linear(rows, w).float()
+        return F.linear(rows, w)
