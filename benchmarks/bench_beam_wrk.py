@@ -37,7 +37,6 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -216,11 +215,15 @@ def main(argv: list[str] | None = None) -> int:
                 # a saturated closed loop; one second in, the server records its GPU work (the
                 # beam node's stream time reads ~100 % whenever searches queue back to back:
                 # the kernels' own busy share says whether the GPU or the host sets the pace)
-                threading.Timer(1.0, trigger.touch).start()
                 c = args.gpu_window_connections
-                record(run_wrk(url, script, bodies, c, 0, args.gpu_window + 3, args.client_cpus))
-                gpu = gpu_window.read(window)
-                print(f"GPU window ({c} connections): {gpu_window.line(gpu)}", flush=True)
+                row, gpu = gpu_window.under_load(
+                    window,
+                    trigger,
+                    args.gpu_window,
+                    lambda s: run_wrk(url, script, bodies, c, 0, s, args.client_cpus),
+                    f"{c} connections",
+                )
+                record(row)
             metrics = httpx.get(url + "/metrics", timeout=30).text
             keys = ("boundgen_compiles_after_ready", "boundgen_beam_graph", "boundgen_shed")
             counters = {

@@ -42,7 +42,6 @@ import os
 import re
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -415,11 +414,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"GIL holders ({c} connections): {json.dumps(gil)[:1500]}", flush=True)
             if args.gpu_window and proc is not None:
                 # a saturated closed loop; one second in, the server records its GPU work
-                threading.Timer(1.0, trigger.touch).start()
                 c = args.gil_profile_connections
-                record(run_wrk(url, script, bodies, c, 0, args.gpu_window + 3, args.client_cpus))
-                gpu = gpu_window.read(window)
-                print(f"GPU window ({c} connections): {gpu_window.line(gpu)}", flush=True)
+                row, gpu = gpu_window.under_load(
+                    window,
+                    trigger,
+                    args.gpu_window,
+                    lambda s: run_wrk(url, script, bodies, c, 0, s, args.client_cpus),
+                    f"{c} connections",
+                )
+                record(row)
             gc_after = gc_pauses(url)
     finally:
         if proc is not None:

@@ -47,6 +47,17 @@ def read(path: Path, wait_s: float = 20.0) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"error": f"no {path.name}"}
 
 
+def under_load(window: Path, trigger: Path, seconds: float, load, label: str):
+    """Run `load(seconds + 3)` (a saturated closed loop, returning its row) and, one second in,
+    touch `trigger` so the server records `seconds` of its GPU work; print the window in a line
+    under `label` and return (the load's row, the window)."""
+    threading.Timer(1.0, trigger.touch).start()
+    row = load(seconds + 3)
+    w = read(window)
+    print(f"GPU window ({label}): {line(w)}", flush=True)
+    return row, w
+
+
 def line(w: dict) -> str:
     """One window in a line: busy share, launches, gaps, the top five kernels."""
     if "error" in w:

@@ -72,3 +72,21 @@ def test_a_window_line_names_busy_share_gaps_and_top_kernels():
         "(longest 3.25); top: gemm 700.0 ms"
     )
     assert gpu_window.line({"error": "no CUDA device"}) == "no CUDA device"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer; the GPU runs it in a server")
+def test_under_load_triggers_the_window_while_the_load_runs(tmp_path, capsys):
+    out, trigger = tmp_path / "window.json", tmp_path / "go"
+    exec(gpu_window.prelude(0.0, out, trigger), {})
+    seen = []
+
+    def load(seconds):  # a load step: the trigger appears one second into it
+        seen.append(seconds)
+        time.sleep(1.5)
+        assert trigger.exists()
+        return {"ok_per_s": 1.0}
+
+    row, window = gpu_window.under_load(out, trigger, 0.5, load, "2 connections")
+    assert seen == [3.5] and row == {"ok_per_s": 1.0}
+    assert "no CUDA device" in window["error"]
+    assert capsys.readouterr().out.startswith(f"GPU window (2 connections): {window['error']}")
