@@ -13,6 +13,7 @@
 #   bash benchmarks/run_h200.sh hf-serving beam-serving         # W5 HF server; issue 15: open-loop /v1/beam
 #   bash benchmarks/run_h200.sh w5-compile cache-out diag-load startup   # issue 23 (carry .whl)
 #   bash benchmarks/run_h200.sh beam-heads                      # issue 24: trie full vs candidate head
+#   bash benchmarks/run_h200.sh beam-code                       # issue 24: Inductor's code of the search layers
 #   bash benchmarks/run_h200.sh w3                              # issue 25 item 1: one W3 call, before/after staging
 #   W3_ARGS="--workload w2 --variants after" W3_NAME=w2 bash benchmarks/run_h200.sh w3   # one W2 call's host vs GPU
 #   bash benchmarks/run_h200.sh beam-wrk                        # issue 24: /v1/beam under wrk (carry .whl .tools; ≤ 5 min)
@@ -60,6 +61,9 @@ run_phase() {
     # issue 24: W4 trie searches, full-vocabulary head vs the head on the trie level's tokens
     # (BEAM_HEADS_ARGS="--batches 16 32": the merged searches a busy /v1/beam server runs)
     beam-heads) phase beam-heads 300 python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --out "$OUT/beam_heads.json" ${BEAM_HEADS_ARGS:-} ;;
+    # issue 24: what Inductor generates for the compiled prefill/decode layers (one b1 search), to
+    # see each kernel and copy a layer-step launches
+    beam-code) phase beam-code 150 env TORCH_LOGS=output_code TORCH_LOGS_OUT="$OUT/beam_code.txt" python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --batches 1 --iters 2 --out "$OUT/beam_code.json" ;;
     profile) phase profile 90 python3 benchmarks/profile_host.py --root $ROOT --out "$OUT/profile.txt" ;;
     # issue 25 item 1: one W3 call before/after the staged bucket inputs (eager+graphs; W3_ARGS="--backend aoti+graphs" builds t64 first)
     w3) phase ${W3_NAME:-w3} 300 python3 benchmarks/profile_w3.py --root $ROOT --json "$OUT/${W3_NAME:-w3}.json" ${W3_ARGS:-} ;;
