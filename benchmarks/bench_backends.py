@@ -514,6 +514,7 @@ def bench_decode(run: Run, engine, vocab: int) -> dict:
             BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, dtype, dev),
             torch.arange(0, n + 1, w, dtype=torch.int32, device=dev),
             w,
+            cfg.gqa,
         )
         state.step = 1
         tok = torch.randint(100, vocab, (n,), device=dev)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from boundgen.attention.backends import get_backend
-from boundgen.attention.cascade import merge_partial, prefill_attention
+from boundgen.attention.cascade import grouped_rows_attention, merge_partial, prefill_attention
 from boundgen.text.packing import SequenceGroup, pack
 
 
@@ -73,6 +73,51 @@ def test_merge_of_split_keys_equals_attention_over_all_keys():
     ob, lb = backend.varlen(q[:4], k[5:], v[5:], cu(0, 4), cu(0, 7), 4, 7, False)
     assert torch.allclose(merge_partial(oa, la, ob, lb), full, atol=1e-6)
     assert torch.allclose(torch.logaddexp(la, lb), full_lse, atol=1e-6)
+
+
+def check_grouped_rows(backend, dtype, device, atol):
+    """Each beam's query heads over its prompt's keys, taken as rows of their KV head
+    (`grouped_rows_attention`), equal every (row, head) attended alone in float64, output and
+    log-sum-exp; so does the same call with the heads as they are (group 1)."""
+    hq, hkv, d = 6, 2, 16
+    group = hq // hkv
+    rows_per_prompt, keys_per_prompt = [2, 3, 1], [5, 7, 4]
+    q, _, _ = random_qkv(sum(rows_per_prompt), hq=hq, hkv=hkv, d=d, dtype=dtype, seed=5)
+    _, k, v = random_qkv(sum(keys_per_prompt), hq=hq, hkv=hkv, d=d, dtype=dtype, seed=6)
+    q, k, v = q.to(device), k.to(device), v.to(device)
+    cu = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32)
+    cu_q, cu_k = cu(rows_per_prompt), cu(keys_per_prompt)
+    want_out, want_lse = torch.empty(q.shape, dtype=torch.float64), torch.empty(q.shape[:2])
+    for b in range(3):
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        for n in range(int(cu_q[b]), int(cu_q[b + 1])):
+            for h in range(hq):  # query head h reads KV head h // group (HF's repeat_kv)
+                s_ = (k[keys, h // group].double() @ q[n, h].double().cpu()) / math.sqrt(d)
+                want_lse[n, h] = torch.logsumexp(s_, 0)
+                want_out[n, h] = torch.softmax(s_, 0) @ v[keys, h // group].double().cpu()
+    dev = lambda t: t.to(device)
+    for g, cu_rows in ((group, cu_q * group), (1, cu_q)):
+        out, lse = grouped_rows_attention(q, k, v, dev(cu_rows), dev(cu_k), 3 * g, 7, g, backend)
+        assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:2]
+        assert torch.allclose(out.double().cpu(), want_out, atol=atol)
+        assert torch.allclose(lse.double().cpu(), want_lse.double(), atol=atol)
+
+
+def test_grouped_rows_attention_equals_each_head_alone():
+    check_grouped_rows(get_backend("reference", "cpu"), torch.float32, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["varlen", "flash"])
+def test_grouped_rows_attention_on_cuda(name):
+    """The same through flash attention (the decode step's backends on the GPU)."""
+    if name == "flash":
+        from boundgen.compile.attention import FlashBackend
+
+        backend = FlashBackend()
+    else:
+        backend = get_backend("varlen", "cuda")
+    check_grouped_rows(backend, torch.bfloat16, "cuda", 2e-2)
 
 
 def test_causal_alignment_is_bottom_right():

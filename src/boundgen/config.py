@@ -59,6 +59,11 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def gqa(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
     def num_params(self, include_embeddings: bool = True) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h

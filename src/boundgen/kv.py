@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from boundgen.attention import cascade
 from boundgen.attention.backends import AttentionBackend
-from boundgen.attention.cascade import merge_partial, own_keys_attention
+from boundgen.attention.cascade import grouped_rows_attention, merge_partial, own_keys_attention
 
 
 class PromptKV:
@@ -48,7 +49,9 @@ class BeamKV:
 
 class DecodeKV:
     """Everything a decode step's attention needs. Beams of prompt b are rows
-    cu_beams[b]:cu_beams[b+1]."""
+    cu_beams[b]:cu_beams[b+1]; `group` query heads share a KV head (Hq / Hkv), and the prompt
+    attention takes them as rows of their KV head: `cu_rows`, `max_rows`
+    (`cascade.grouped_rows_attention`)."""
 
     def __init__(
         self,
@@ -58,9 +61,14 @@ class DecodeKV:
         beams: BeamKV,
         cu_beams: torch.Tensor,
         max_beams: int,
+        group: int = 1,
     ) -> None:
         self.prompt, self.cu_prompt, self.max_prompt = prompt, cu_prompt, max_prompt
         self.beams, self.cu_beams, self.max_beams = beams, cu_beams, max_beams
+        self.group = group if cascade.GQA_ROWS else 1
+        # made once here, not per layer: inside a captured search it would be a kernel a layer
+        self.cu_rows = cu_beams * self.group if self.group > 1 else cu_beams
+        self.max_rows = max_beams * self.group
         self.step = 0  # slot of the token fed in this decode step
 
 
@@ -71,15 +79,16 @@ def decode_attention(
     s = state.step
     state.beams.k[layer, :, s] = k
     state.beams.v[layer, :, s] = v
-    shared, shared_lse = backend.varlen(
+    shared, shared_lse = grouped_rows_attention(
         q,
         state.prompt.k[layer],
         state.prompt.v[layer],
-        state.cu_beams,
+        state.cu_rows,
         state.cu_prompt,
-        state.max_beams,
+        state.max_rows,
         state.max_prompt,
-        False,
+        state.group,
+        backend,
     )
     own, own_lse = own_keys_attention(
         q, state.beams.k[layer, :, : s + 1], state.beams.v[layer, :, : s + 1]

@@ -7,6 +7,7 @@ Merging two partial attentions over disjoint key sets a and b:
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -21,6 +22,34 @@ def merge_partial(oa, lsea, ob, lseb) -> torch.Tensor:
     wb = torch.exp(lseb - m)
     out = (oa.float() * wa.unsqueeze(-1) + ob.float() * wb.unsqueeze(-1)) / (wa + wb).unsqueeze(-1)
     return out.to(oa.dtype)
+
+
+# A decode step's queries over their prompt's KV with the query heads that share a KV head as rows
+# of the segment (`grouped_rows_attention`); "0" feeds flash the beams alone — an A/B's switch.
+GQA_ROWS = os.environ.get("BOUNDGEN_BEAM_GQA_ROWS", "1") != "0"
+
+
+def grouped_rows_attention(q, k, v, cu_rows, cu_k, max_rows: int, max_k: int, group: int, backend):
+    """Non-causal varlen attention of q [N, Hq, D] over k, v [T, Hkv, D] (segments `cu_k`), the
+    `group` = Hq / Hkv query heads that read one KV head taken as `group` rows of that head:
+    segment b's rows are `cu_rows` = its query rows' offsets × `group`, `max_rows` the longest.
+    → out [N, Hq, D], lse [N, Hq] float32. `group` 1: the queries as they are.
+
+    Why: a beam-search decode step has W query rows per prompt (W4: 16), a few prompt keys (128)
+    and GQA heads 14 / 2. Flash attention's grid is (row blocks of 128, segments, query heads):
+    per prompt 14 programs, each with 16 real rows of its 128 and each loading the prompt's K/V
+    again. As rows of their KV head (16 × 7 = 112) the same work is 2 programs per prompt, each
+    K/V tile loaded once for 7 heads — fewer, fuller programs (a b32 search: 448 → 64)."""
+    if group == 1:
+        return backend.varlen(q, k, v, cu_rows, cu_k, max_rows, max_k, False)
+    n, hq, d = q.shape
+    hkv = hq // group
+    # head h reads KV head h // group (HF's repeat_kv): row (n, g) of KV head j is query head
+    # j·group + g of row n
+    rows = q.view(n, hkv, group, d).transpose(1, 2).reshape(n * group, hkv, d)
+    out, lse = backend.varlen(rows, k, v, cu_rows, cu_k, max_rows, max_k, False)
+    out = out.view(n, group, hkv, d).transpose(1, 2).reshape(n, hq, d)
+    return out, lse.view(n, group, hkv).transpose(1, 2).reshape(n, hq)
 
 
 def prefill_attention(q, k, v, attn: AttnInputs, backend: AttentionBackend) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from boundgen.attention import beam_decode
-from boundgen.attention.cascade import merge_partial
+from boundgen.attention.cascade import grouped_rows_attention, merge_partial
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
@@ -84,7 +84,7 @@ def plain_session(model, device, prompts: list[list[int]], width: int, steps: in
     beams = BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     cu_beams = torch.arange(0, n + 1, width, dtype=torch.int32, device=device)
     state = DecodeKV(
-        prompt_kv, batch.attn.cu_seqlens, batch.attn.max_seqlen, beams, cu_beams, width
+        prompt_kv, batch.attn.cu_seqlens, batch.attn.max_seqlen, beams, cu_beams, width, cfg.gqa
     )
 
     def step_hidden(i: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -122,14 +122,18 @@ def decode_layer(
     cu_prompt,
     max_beams,
     max_prompt,
+    cu_rows,
+    max_rows,
+    group: int,
     backend,
     fused: bool = False,
 ):
     """A decoder layer for one token per beam. The beam's k/v go into slot `step` (an int64 tensor
     [1]) of `bk`/`bv` [N, S, Hkv, D]; queries attend to their prompt's KV (`pk`/`pv` [T, Hkv, D],
-    segments `cu_prompt`, shared by the prompt's beams `cu_beams`) and to their own slots ≤ step,
-    merged by log-sum-exp; with `fused` (on CUDA) in one kernel (`attention/beam_decode.py`).
-    x [N, hidden] → [N, hidden]."""
+    segments `cu_prompt`, shared by the prompt's beams `cu_beams`; their `group` query heads of a
+    KV head as rows `cu_rows`, `max_rows`: `cascade.grouped_rows_attention`) and to their own
+    slots ≤ step, merged by log-sum-exp; with `fused` (on CUDA) in one kernel
+    (`attention/beam_decode.py`). x [N, hidden] → [N, hidden]."""
     n = x.shape[0]
     q, k, v = layer.attention_input(x, cos, sin)
     bk.index_copy_(1, step, k.unsqueeze(1))
@@ -137,8 +141,8 @@ def decode_layer(
     if fused and q.is_cuda:  # one kernel for the prompt part, own slots and merge
         o = torch.ops.boundgen.beam_decode(q, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams)
     else:
-        shared, shared_lse = backend.varlen(
-            q, pk, pv, cu_beams, cu_prompt, max_beams, max_prompt, False
+        shared, shared_lse = grouped_rows_attention(
+            q, pk, pv, cu_rows, cu_prompt, max_rows, max_prompt, group, backend
         )
         own, own_lse = _own_slots_attention(q, bk, bv, step)
         o = merge_partial(shared, shared_lse, own, own_lse)
@@ -215,7 +219,9 @@ class ModelSteps:
         for i, layer in enumerate(m.layers):
             pk, pv, bk, bv = state.prompt.k[i], state.prompt.v[i], b.k[i], b.v[i]
             if self.compiled:
-                _rows_dynamic(x, cos, sin, pk, pv, bk, bv, state.cu_beams, state.cu_prompt)
+                _rows_dynamic(
+                    x, cos, sin, pk, pv, bk, bv, state.cu_beams, state.cu_prompt, state.cu_rows
+                )
             x = self._decode(
                 layer,
                 x,
@@ -230,6 +236,9 @@ class ModelSteps:
                 state.cu_prompt,
                 state.max_beams,
                 state.max_prompt,
+                state.cu_rows,
+                state.max_rows,
+                state.group,
                 self.backend,
                 self.fused_attention,
             )
@@ -438,7 +447,9 @@ class SearchGraphs:
             cu_beams = torch.arange(0, n + 1, w, dtype=torch.int32, device=dev)
             cu_seqlens = example.attn.cu_seqlens.clone()
             # NOTE: the prompts are the first b segments of the padded layout (pad segments after)
-            state = DecodeKV(prompt, cu_seqlens[: b + 1], bucket.max_seqlen, beams, cu_beams, w)
+            state = DecodeKV(
+                prompt, cu_seqlens[: b + 1], bucket.max_seqlen, beams, cu_beams, w, cfg.gqa
+            )
             slot = _Slot(
                 ids=example.input_ids.clone(),
                 positions=example.positions.clone(),
