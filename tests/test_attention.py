@@ -84,7 +84,6 @@ def check_grouped_rows(backend, dtype, device, atol):
     rows_per_prompt, keys_per_prompt = [2, 3, 1], [5, 7, 4]
     q, _, _ = random_qkv(sum(rows_per_prompt), hq=hq, hkv=hkv, d=d, dtype=dtype, seed=5)
     _, k, v = random_qkv(sum(keys_per_prompt), hq=hq, hkv=hkv, d=d, dtype=dtype, seed=6)
-    q, k, v = q.to(device), k.to(device), v.to(device)
     cu = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32)
     cu_q, cu_k = cu(rows_per_prompt), cu(keys_per_prompt)
     want_out, want_lse = torch.empty(q.shape, dtype=torch.float64), torch.empty(q.shape[:2])
@@ -92,12 +91,17 @@ def check_grouped_rows(backend, dtype, device, atol):
         keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
         for n in range(int(cu_q[b]), int(cu_q[b + 1])):
             for h in range(hq):  # query head h reads KV head h // group (HF's repeat_kv)
-                s_ = (k[keys, h // group].double() @ q[n, h].double().cpu()) / math.sqrt(d)
+                s_ = (k[keys, h // group].double() @ q[n, h].double()) / math.sqrt(d)
                 want_lse[n, h] = torch.logsumexp(s_, 0)
-                want_out[n, h] = torch.softmax(s_, 0) @ v[keys, h // group].double().cpu()
+                want_out[n, h] = torch.softmax(s_, 0) @ v[keys, h // group].double()
     dev = lambda t: t.to(device)
-    for g, cu_rows in ((group, cu_q * group), (1, cu_q)):
-        out, lse = grouped_rows_attention(q, k, v, dev(cu_rows), dev(cu_k), 3 * g, 7, g, backend)
+    # q as the heads come ([N, Hq, D]), grouped by KV head already ([N, G, Hkv, D]), ungrouped
+    grouped = q.view(-1, hkv, group, d).transpose(1, 2).contiguous()
+    for q_in, g in ((q, group), (grouped, group), (q, 1)):
+        cu_rows = dev(cu_q * g)
+        out, lse = grouped_rows_attention(
+            dev(q_in), dev(k), dev(v), cu_rows, dev(cu_k), 3 * g, 7, g, backend
+        )
         assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:2]
         assert torch.allclose(out.double().cpu(), want_out, atol=atol)
         assert torch.allclose(lse.double().cpu(), want_lse.double(), atol=atol)

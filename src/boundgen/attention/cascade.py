@@ -33,20 +33,27 @@ def grouped_rows_attention(q, k, v, cu_rows, cu_k, max_rows: int, max_k: int, gr
     """Non-causal varlen attention of q [N, Hq, D] over k, v [T, Hkv, D] (segments `cu_k`), the
     `group` = Hq / Hkv query heads that read one KV head taken as `group` rows of that head:
     segment b's rows are `cu_rows` = its query rows' offsets × `group`, `max_rows` the longest.
-    → out [N, Hq, D], lse [N, Hq] float32. `group` 1: the queries as they are.
+    q may come grouped already, [N, G, Hkv, D] (`Attention.heads(grouped=True)`: then no copy
+    of it is made here). → out [N, Hq, D], lse [N, Hq] float32. `group` 1: the queries as they
+    are.
 
     Why: a beam-search decode step has W query rows per prompt (W4: 16), a few prompt keys (128)
     and GQA heads 14 / 2. Flash attention's grid is (row blocks of 128, segments, query heads):
     per prompt 14 programs, each with 16 real rows of its 128 and each loading the prompt's K/V
     again. As rows of their KV head (16 × 7 = 112) the same work is 2 programs per prompt, each
     K/V tile loaded once for 7 heads — fewer, fuller programs (a b32 search: 448 → 64)."""
-    if group == 1:
+    if q.dim() == 3 and group == 1:
         return backend.varlen(q, k, v, cu_rows, cu_k, max_rows, max_k, False)
-    n, hq, d = q.shape
-    hkv = hq // group
-    # head h reads KV head h // group (HF's repeat_kv): row (n, g) of KV head j is query head
-    # j·group + g of row n
-    rows = q.view(n, hkv, group, d).transpose(1, 2).reshape(n * group, hkv, d)
+    if q.dim() == 4:
+        n, _, hkv, d = q.shape
+        hq = group * hkv
+    else:
+        n, hq, d = q.shape
+        hkv = hq // group
+        # head h reads KV head h // group (HF's repeat_kv): row (n, g) of KV head j is query head
+        # j·group + g of row n
+        q = q.view(n, hkv, group, d).transpose(1, 2)
+    rows = q.reshape(n * group, hkv, d)
     out, lse = backend.varlen(rows, k, v, cu_rows, cu_k, max_rows, max_k, False)
     out = out.view(n, group, hkv, d).transpose(1, 2).reshape(n, hq, d)
     return out, lse.view(n, group, hkv).transpose(1, 2).reshape(n, hq)

@@ -135,10 +135,12 @@ def decode_layer(
     slots ≤ step, merged by log-sum-exp; with `fused` (on CUDA) in one kernel
     (`attention/beam_decode.py`). x [N, hidden] → [N, hidden]."""
     n = x.shape[0]
-    q, k, v = layer.attention_input(x, cos, sin)
+    fused = fused and x.is_cuda
+    # the prompt attention reads q grouped by KV head: rotated into that order, not copied there
+    q, k, v = layer.attention_input(x, cos, sin, grouped=group > 1 and not fused)
     bk.index_copy_(1, step, k.unsqueeze(1))
     bv.index_copy_(1, step, v.unsqueeze(1))
-    if fused and q.is_cuda:  # one kernel for the prompt part, own slots and merge
+    if fused:  # one kernel for the prompt part, own slots and merge
         o = torch.ops.boundgen.beam_decode(q, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams)
     else:
         shared, shared_lse = grouped_rows_attention(
@@ -150,13 +152,18 @@ def decode_layer(
 
 
 def _own_slots_attention(q, k, v, step) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [N, Hq, D]; k, v [N, S, Hkv, D] of which slots > step are not written yet (masked).
-    → out [N, Hq, D], lse [N, Hq] float32. Products and sums, not matmuls: S is a handful of
-    slots, and Inductor fuses these into the kernels around them (an einsum became two fp32 GEMM
-    launches per layer and step on the H200)."""
-    n, hq, d = q.shape
+    """q [N, Hq, D] (or grouped by KV head, [N, G, Hkv, D]); k, v [N, S, Hkv, D] of which slots
+    > step are not written yet (masked). → out [N, Hq, D], lse [N, Hq] float32. Products and
+    sums, not matmuls: S is a handful of slots, and Inductor fuses these into the kernels around
+    them (an einsum became two fp32 GEMM launches per layer and step on the H200)."""
     s, hkv = k.shape[1], k.shape[2]
-    qf = q.float().view(n, 1, hkv, hq // hkv, d)
+    if q.dim() == 4:  # [N, G, Hkv, D] → [N, 1, Hkv, G, D], a view
+        n, _, _, d = q.shape
+        hq = q.shape[1] * hkv
+        qf = q.float().transpose(1, 2).unsqueeze(1)
+    else:
+        n, hq, d = q.shape
+        qf = q.float().view(n, 1, hkv, hq // hkv, d)
     scores = (qf * k.float().unsqueeze(3)).sum(-1) * (1.0 / math.sqrt(d))  # [N, S, Hkv, rep]
     later = (torch.arange(s, device=q.device) > step).view(1, s, 1, 1)
     scores = scores.masked_fill(later, float("-inf"))

@@ -35,9 +35,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def heads(self, qkv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def heads(
+        self, qkv, cos, sin, grouped: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [T, (Hq + 2·Hkv)·D] → q [T, Hq, D], k and v [T, Hkv, D], q and k normed (Qwen3)
-        and rotated."""
+        and rotated. `grouped`: q as [T, G, Hkv, D] (G = Hq / Hkv; query head j·G + g at [:, g,
+        j]), written so by the rotation itself, for attention that takes a KV head's query heads as
+        rows (`cascade.grouped_rows_attention`: a reshape, no copy)."""
         t = qkv.shape[0]
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
@@ -46,6 +50,10 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if grouped:  # the rotation is per head: rotate the permuted view
+            group = self.num_heads // self.num_kv_heads
+            q = q.view(t, self.num_kv_heads, group, self.head_dim).transpose(1, 2)
+            return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), apply_rope(k, cos, sin), v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q, k, v, attn: AttnInputs, kv, layer: int, backend: AttentionBackend):
@@ -73,14 +81,16 @@ class DecoderLayer(nn.Module):
     # GEMM + residual, norm + GEMM + SiLU·mul, GEMM + residual), since a decode step or a short
     # prompt is bound by its kernels' count, not by FLOPs (models/skinny.py).
 
-    def attention_input(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] → q, k, v of the normed x (`Attention.heads`)."""
+    def attention_input(
+        self, x, cos, sin, grouped: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] → q, k, v of the normed x (`Attention.heads`, q `grouped` or not)."""
         norm, proj = self.input_layernorm, self.self_attn.qkv_proj
         if skinny.applies(x, proj):
             qkv = torch.ops.boundgen.norm_linear(x, norm.weight, norm.eps, proj.weight, proj.bias)
         else:
             qkv = proj(norm(x))
-        return self.self_attn.heads(qkv, cos, sin)
+        return self.self_attn.heads(qkv, cos, sin, grouped)
 
     def attention_output(self, x, o) -> torch.Tensor:
         """x + o_proj(o): o [T, Hq·D] → [T, hidden]."""
