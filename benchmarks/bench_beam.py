@@ -17,6 +17,15 @@ replayed from a CUDA graph), and the children search's results against the same 
 computed from the full head.
 
     python benchmarks/bench_beam.py --heads-only --head-compile --out $OUT/beam_heads.json
+
+Two searches at once (`--overlap`; `--overlap-only` skips HF, the engine runs and the heads): two
+whole-search graph instances (compiled layers, each its own buffers and graph pool) replayed on
+two CUDA streams against the same searches one after the other on one stream — searches/s at each
+batch. A small search's kernels leave most SMs idle (a b1 decode layer-step is ~17 launches of
+1–7 µs), so whether two overlap, and by how much, says whether a lane should run two searches at
+once.
+
+    python benchmarks/bench_beam.py --overlap-only --batches 1 8 16 --out $OUT/beam_overlap.json
 """
 
 from __future__ import annotations
@@ -206,6 +215,76 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     return out
 
 
+def section_overlap(args, engine, trie: Trie, prompts_by_batch: dict) -> dict:
+    """Searches/s of two whole-search graph instances on two streams against one stream (the
+    module docstring), per batch, W4 with the trie; and whether both ways return the same beams."""
+    from boundgen.compile.aoti import export_attention
+
+    model, dev = engine.model, engine.device
+    if dev.type != "cuda":
+        return {"skipped": "needs CUDA streams"}
+    eos = tuple(engine.eos_token_ids())
+    backend = export_attention(model, dev)
+    # each instance: its own slots (buffers, graphs) and graph pool, so the two can run at once
+    instances = [SearchGraphs(model, dev, backend, compile_layers=True) for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    w, s, n = args.width, args.steps, args.overlap_iters
+    out = {}
+    for batch, prompts in prompts_by_batch.items():
+        name = f"W4 b{batch} trie"
+        try:
+            with torch.inference_mode():
+                runs = [lambda sg=sg: sg.run(prompts, w, s, trie, eos) for sg in instances]
+                want = [run() for run in runs]  # makes each instance's bucket (compile, capture)
+                torch.cuda.synchronize()
+                got = {}
+
+                def one_stream():
+                    for _ in range(n):
+                        got["one stream"] = [run() for run in runs]
+
+                def two_streams():
+                    for _ in range(n):
+                        res = []
+                        for stream, run in zip(streams, runs):
+                            stream.wait_stream(torch.cuda.current_stream())
+                            with torch.cuda.stream(stream):
+                                res.append(run())
+                        got["two streams"] = res
+                    for stream in streams:
+                        torch.cuda.current_stream().wait_stream(stream)
+
+                entry = {}
+                for label, fn in (("one stream", one_stream), ("two streams", two_streams)):
+                    fn()  # warm
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    fn()
+                    torch.cuda.synchronize()
+                    dt = time.perf_counter() - t0
+                    entry[label] = {
+                        "searches_per_s": 2 * n / dt,
+                        "ms_per_search": dt / (2 * n) * 1e3,
+                        "same_beams": all(
+                            torch.equal(a[0], b[0]) for a, b in zip(got[label], want)
+                        ),
+                    }
+                entry["two_vs_one"] = (
+                    entry["two streams"]["searches_per_s"] / entry["one stream"]["searches_per_s"]
+                )
+            out[name] = entry
+            print(
+                f"  {name}: one stream {entry['one stream']['searches_per_s']:.1f} searches/s, "
+                f"two streams {entry['two streams']['searches_per_s']:.1f} "
+                f"({entry['two_vs_one']:.2f}x)",
+                flush=True,
+            )
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+            traceback.print_exc()
+    return out
+
+
 def run_reference(engine, prompts, width: int, trie: Trie):
     """The children semantics from the full-vocabulary head (plain path)."""
     model = engine.model
@@ -232,9 +311,15 @@ def main() -> int:
     ap.add_argument("--heads", action="store_true", help="also the trie heads section")
     ap.add_argument("--heads-only", action="store_true", help="only the trie heads section")
     ap.add_argument("--head-compile", action="store_true", help="heads: also compiled layers")
+    ap.add_argument("--overlap", action="store_true", help="also two searches at once (CUDA)")
+    ap.add_argument("--overlap-only", action="store_true", help="only two searches at once")
+    ap.add_argument("--overlap-iters", type=int, default=20, help="overlap: searches per instance")
     args = ap.parse_args()
     if args.heads_only:
         args.heads, args.hf, args.backends = True, [], args.backends[:1]
+    if args.overlap_only:
+        args.overlap, args.heads, args.hf, args.backends = True, False, [], args.backends[:1]
+    engine_runs = not (args.heads_only or args.overlap_only)
     dev = torch.device(args.device)
     dtype_name = "bfloat16" if dev.type == "cuda" else "float32"
     path = (
@@ -283,7 +368,7 @@ def main() -> int:
             for _ in range(batch)
         ]
         prompts_by_batch[batch] = prompts
-        for constrained in (False, True) if not args.heads_only else ():
+        for constrained in (False, True) if engine_runs else ():
             name = f"W4 b{batch} {'trie' if constrained else 'free'}"
             entry = results["runs"].setdefault(name, {})
             ref = None
@@ -345,6 +430,8 @@ def main() -> int:
     head_rows = []
     if args.heads:
         results["heads"] = section_heads(args, engine, trie, prompts_by_batch, head_rows)
+    if args.overlap:
+        results["overlap"] = section_overlap(args, engine, trie, prompts_by_batch)
     print(
         f"trie: {trie.num_items} items, depth {trie.depth}, built in {build_s:.2f}s, "
         f"{trie.nbytes / 1e6:.1f} MB"

@@ -14,6 +14,7 @@
 #   bash benchmarks/run_h200.sh w5-compile cache-out diag-load startup   # issue 23 (carry .whl)
 #   bash benchmarks/run_h200.sh beam-heads                      # issue 24: trie full vs candidate head
 #   bash benchmarks/run_h200.sh beam-code                       # issue 24: Inductor's code of the search layers
+#   bash benchmarks/run_h200.sh beam-overlap                    # issue 24: two searches at once on two streams
 #   bash benchmarks/run_h200.sh w3                              # issue 25 item 1: one W3 call, before/after staging
 #   W3_ARGS="--workload w2 --variants after" W3_NAME=w2 bash benchmarks/run_h200.sh w3   # one W2 call's host vs GPU
 #   bash benchmarks/run_h200.sh beam-wrk                        # issue 24: /v1/beam under wrk (carry .whl .tools; ≤ 5 min)
@@ -62,6 +63,8 @@ run_phase() {
     beam) phase beam 140 python3 benchmarks/bench_beam.py --root $ROOT --out "$OUT/beam.json" ;;
     # issue 24: W4 trie searches, full-vocabulary head vs the head on the trie level's tokens
     # (BEAM_HEADS_ARGS="--batches 16 32": the merged searches a busy /v1/beam server runs)
+    # issue 24: two whole-search graphs on two streams against one stream, searches/s per batch
+    beam-overlap) phase beam-overlap 240 python3 benchmarks/bench_beam.py --root $ROOT --overlap-only --batches ${BEAM_OVERLAP_BATCHES:-1 8 16 32} --out "$OUT/beam_overlap.json" ;;
     beam-heads) phase beam-heads 300 python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --out "$OUT/beam_heads.json" ${BEAM_HEADS_ARGS:-} ;;
     # issue 24: what Inductor generates for the compiled prefill/decode layers (one b1 search), to
     # see each kernel and copy a layer-step launches
