@@ -67,6 +67,29 @@ def test_batch_equals_single_prompts(engine_for):
         assert all(abs(a - b) < 1e-5 for (_, a), (_, b) in zip(result, single))
 
 
+def test_grouped_query_rows_are_a_layout_not_a_result(engine_for, monkeypatch):
+    """The decode step's prompt attention with a KV head's query heads as rows of its segment (the
+    default, `cascade.grouped_rows_attention`) and with the heads as they come
+    (`BOUNDGEN_BEAM_GQA_ROWS=0`, the A/B's switch) give the same beams and scores."""
+    from boundgen.attention import cascade
+    from boundgen.compile.decode import plain_session
+
+    engine = engine_for("qwen2")
+    assert engine.config.gqa > 1
+    prompts = [[5, 9, 13, 2, 7], [11, 3], [8, 8, 1, 4]]
+
+    def searched():
+        session = plain_session(engine.model, engine.device, prompts, 4, 3)
+        return session.state.group, engine.runner.beam_search(prompts, 4, 3)
+
+    group, grouped = searched()
+    monkeypatch.setattr(cascade, "GQA_ROWS", False)
+    plain_group, as_they_come = searched()
+    assert (group, plain_group) == (engine.config.gqa, 1)
+    assert torch.equal(grouped[0], as_they_come[0])
+    torch.testing.assert_close(grouped[1], as_they_come[1], atol=1e-5, rtol=1e-5)
+
+
 def brute_force_beam(model, prompt, trie_items, width):
     """The exact beam-search path over the trie, from teacher-forced log-probs of every item."""
     depth = len(trie_items[0])
