@@ -29,13 +29,20 @@ def merge_partial(oa, lsea, ob, lseb) -> torch.Tensor:
 GQA_ROWS = os.environ.get("BOUNDGEN_BEAM_GQA_ROWS", "1") != "0"
 
 
+def by_kv_head(q: torch.Tensor, group: int) -> torch.Tensor:
+    """q [T, Hq, D] as [T, G, Hkv, D] (a view; G = `group` = Hq / Hkv): query head h reads KV head
+    h // G (HF's repeat_kv), so head j·G + g sits at [:, g, j]."""
+    t, hq, d = q.shape
+    return q.view(t, hq // group, group, d).transpose(1, 2)
+
+
 def grouped_rows_attention(q, k, v, cu_rows, cu_k, max_rows: int, max_k: int, group: int, backend):
     """Non-causal varlen attention of q [N, Hq, D] over k, v [T, Hkv, D] (segments `cu_k`), the
     `group` = Hq / Hkv query heads that read one KV head taken as `group` rows of that head:
     segment b's rows are `cu_rows` = its query rows' offsets × `group`, `max_rows` the longest.
-    q may come grouped already, [N, G, Hkv, D] (`Attention.heads(grouped=True)`: then no copy
-    of it is made here). → out [N, Hq, D], lse [N, Hq] float32. `group` 1: the queries as they
-    are.
+    q may come grouped already, [N, G, Hkv, D] (`by_kv_head`, as `Attention.heads(grouped=True)`
+    writes it: then no copy of it is made here). → out [N, Hq, D], lse [N, Hq] float32. `group`
+    1: the queries as they are.
 
     Why: a beam-search decode step has W query rows per prompt (W4: 16), a few prompt keys (128)
     and GQA heads 14 / 2. Flash attention's grid is (row blocks of 128, segments, query heads):
@@ -44,15 +51,10 @@ def grouped_rows_attention(q, k, v, cu_rows, cu_k, max_rows: int, max_k: int, gr
     K/V tile loaded once for 7 heads — fewer, fuller programs (a b32 search: 448 → 64)."""
     if q.dim() == 3 and group == 1:
         return backend.varlen(q, k, v, cu_rows, cu_k, max_rows, max_k, False)
-    if q.dim() == 4:
-        n, _, hkv, d = q.shape
-        hq = group * hkv
-    else:
-        n, hq, d = q.shape
-        hkv = hq // group
-        # head h reads KV head h // group (HF's repeat_kv): row (n, g) of KV head j is query head
-        # j·group + g of row n
-        q = q.view(n, hkv, group, d).transpose(1, 2)
+    if q.dim() == 3:  # row (n, g) of KV head j is query head j·group + g of row n
+        q = by_kv_head(q, group)
+    n, _, hkv, d = q.shape
+    hq = group * hkv
     rows = q.reshape(n * group, hkv, d)
     out, lse = backend.varlen(rows, k, v, cu_rows, cu_k, max_rows, max_k, False)
     out = out.view(n, group, hkv, d).transpose(1, 2).reshape(n, hq, d)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from boundgen.attention.backends import AttentionBackend, get_backend
-from boundgen.attention.cascade import prefill_attention
+from boundgen.attention.cascade import by_kv_head, prefill_attention
 from boundgen.attention.metadata import AttnInputs
 from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
@@ -51,8 +51,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if grouped:  # the rotation is per head: rotate the permuted view
-            group = self.num_heads // self.num_kv_heads
-            q = q.view(t, self.num_kv_heads, group, self.head_dim).transpose(1, 2)
+            q = by_kv_head(q, self.num_heads // self.num_kv_heads)
             return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), apply_rope(k, cos, sin), v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
