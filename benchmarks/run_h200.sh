@@ -68,8 +68,8 @@ run_phase() {
     beam-overlap) phase beam-overlap 240 python3 benchmarks/bench_beam.py --root $ROOT --overlap-only --batches ${BEAM_OVERLAP_BATCHES:-1 8 16 32} --out "$OUT/beam_overlap.json" ;;
     beam-heads) phase beam-heads 300 python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --out "$OUT/beam_heads.json" ${BEAM_HEADS_ARGS:-} ;;
     # issue 24: what Inductor generates for the compiled prefill/decode layers (one b1 search), to
-    # see each kernel and copy a layer-step launches
-    beam-code) phase beam-code 150 env TORCH_LOGS=output_code TORCH_LOGS_OUT="$OUT/beam_code.txt" python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --batches 1 --iters 2 --out "$OUT/beam_code.json" ;;
+    # see each kernel and copy a layer-step launches (the code lands in beam-code.log)
+    beam-code) phase beam-code 150 env TORCH_LOGS=output_code python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --batches 1 --iters 2 --out "$OUT/beam_code.json" ;;
     profile) phase profile 90 python3 benchmarks/profile_host.py --root $ROOT --out "$OUT/profile.txt" ;;
     # issue 25 item 1: one W3 call before/after the staged bucket inputs (eager+graphs; W3_ARGS="--backend aoti+graphs" builds t64 first)
     w3) phase ${W3_NAME:-w3} 300 python3 benchmarks/profile_w3.py --root $ROOT --json "$OUT/${W3_NAME:-w3}.json" ${W3_ARGS:-} ;;
