@@ -31,6 +31,7 @@ once.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 import time
 import traceback
@@ -235,8 +236,12 @@ def section_overlap(args, engine, trie: Trie, prompts_by_batch: dict) -> dict:
         try:
             with torch.inference_mode():
                 runs = [lambda sg=sg: sg.run(prompts, w, s, trie, eos) for sg in instances]
-                want = [run() for run in runs]  # makes each instance's bucket (compile, capture)
-                torch.cuda.synchronize()
+                want = []
+                for i, run in enumerate(runs):  # makes each instance's bucket (compile, capture)
+                    t0 = time.perf_counter()
+                    want.append(run())
+                    torch.cuda.synchronize()
+                    print(f"  {name}: instance {i} made in {time.perf_counter() - t0:.1f} s")
                 got = {}
 
                 def one_stream():
@@ -314,6 +319,9 @@ def main() -> int:
     ap.add_argument("--overlap", action="store_true", help="also two searches at once (CUDA)")
     ap.add_argument("--overlap-only", action="store_true", help="only two searches at once")
     ap.add_argument("--overlap-iters", type=int, default=20, help="overlap: searches per instance")
+    ap.add_argument(
+        "--stacks-after", type=float, default=0, help="overlap: print every stack after S seconds"
+    )
     args = ap.parse_args()
     if args.heads_only:
         args.heads, args.hf, args.backends = True, [], args.backends[:1]
@@ -431,7 +439,10 @@ def main() -> int:
     if args.heads:
         results["heads"] = section_heads(args, engine, trie, prompts_by_batch, head_rows)
     if args.overlap:
+        if args.stacks_after:  # a run its budget kills still says where it was
+            faulthandler.dump_traceback_later(args.stacks_after, exit=False)
         results["overlap"] = section_overlap(args, engine, trie, prompts_by_batch)
+        faulthandler.cancel_dump_traceback_later()
     print(
         f"trie: {trie.num_items} items, depth {trie.depth}, built in {build_s:.2f}s, "
         f"{trie.nbytes / 1e6:.1f} MB"

@@ -66,7 +66,7 @@ run_phase() {
     # (BEAM_HEADS_ARGS="--batches 16 32": the merged searches a busy /v1/beam server runs)
     beam-heads) phase beam-heads 300 python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --out "$OUT/beam_heads.json" ${BEAM_HEADS_ARGS:-} ;;
     # issue 24: two whole-search graphs on two streams against one stream, searches/s per batch
-    beam-overlap) phase beam-overlap 240 python3 benchmarks/bench_beam.py --root $ROOT --overlap-only --batches ${BEAM_OVERLAP_BATCHES:-1 8 16 32} --out "$OUT/beam_overlap.json" ;;
+    beam-overlap) phase beam-overlap 240 python3 benchmarks/bench_beam.py --root $ROOT --overlap-only --batches ${BEAM_OVERLAP_BATCHES:-1 8 16 32} --stacks-after $(( ${B:-240} - 25 )) --out "$OUT/beam_overlap.json" ;;
     # issue 24: what Inductor generates for the compiled prefill/decode layers (one b1 search), to
     # see each kernel and copy a layer-step launches (the code lands in beam-code.log)
     beam-code) phase beam-code 150 env TORCH_LOGS=output_code python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --batches 1 --iters 2 --out "$OUT/beam_code.json" ;;

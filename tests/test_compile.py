@@ -136,8 +136,14 @@ def aoti_cache(tmp_path_factory, engine_for):
     """A cache holding the tiny qwen2 model compiled for BUCKET (built once)."""
     root = tmp_path_factory.mktemp("aoti-cache")
     engine = engine_for("qwen2")
+    inductor = torch._inductor.config
+    before = inductor.get_config_copy()
     ((_, _entry, info),) = build_aoti(engine.model, engine.device, [BUCKET], ArtifactCache(root))
     assert info["event"] == "built"
+    # the process's own Inductor settings as they were: they are a part of the cache key of any
+    # later `torch.compile` (the beam layers `boundgen compile` compiles after its buckets)
+    changed = {k for k, v in inductor.get_config_copy().items() if before.get(k) != v}
+    assert not changed, changed
     # the C++ build is split by part (what the W5 compile's 38 s a bucket is made of)
     assert info["phases_s"].get("C++ compile wrapper", 0) > 0, info["phases_s"]
     return root

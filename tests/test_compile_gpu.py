@@ -242,19 +242,74 @@ def test_compile_saves_the_beam_layers_a_server_loads(tiny_model, tmp_path):
         **os.environ,
         "BOUNDGEN_CACHE": str(tmp_path / "cache"),
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-compile"),
+        "TORCH_LOGS": "+torch._inductor.codecache",  # each graph's cache key, part by part
     }
     cmd = [sys.executable, "-m", "boundgen.cli", "compile", "--model", model, "--device", "cuda"]
     cmd += ["--dtype", "bfloat16", "--buckets", "t64", "--no-verify"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "beam layers compiled in" in out.stdout, out.stdout[-2000:]
+    compiled = _cache_keys(out.stderr)
     assert torch_cache.path_for(tmp_path / "cache" / "compiled").is_file()
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor-serve")  # as on another machine
     serve = [sys.executable, "-c", _SERVE_WARMUP, model]
     out = subprocess.run(serve, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     hits, misses = map(int, out.stdout.split("fxgraph")[-1].split())
-    assert hits > 0 and misses == 0, out.stdout[-2000:]
+    # a miss shows the parts of the server's keys that no graph compiled ahead had
+    assert hits > 0 and misses == 0, f"fxgraph {hits} hits {misses} misses\n" + _key_diff(
+        compiled, _cache_keys(out.stderr)
+    )
+
+
+def _cache_keys(log: str) -> list[dict[str, tuple[str, str]]]:
+    """Every FX-graph cache key Inductor logged (TORCH_LOGS=+torch._inductor.codecache prints a
+    key's parts as `[hash] part: value` lines, the graph's code under its `gm` part), each as
+    {part: (hash, text)}."""
+    import re
+
+    keys = []
+    for block in log.split("FX graph cache hash details for key")[1:]:
+        lines = block.splitlines()
+        parts, name, head = {}, None, None
+        for line in lines[1:]:
+            m = re.match(r"([VDIWE]\d{4} [\d:.]+ +\d+ \S+\] (?:\[[\d/]+\] )?)(.*)", line)
+            if m is None or head not in (None, m.group(1)):  # another message: the key is over
+                break
+            head, text = m.group(1), m.group(2)
+            part = re.match(r"\[([a-z0-9]{40,})\] (\S+?): ?(.*)", text)
+            if part:
+                name = part.group(2)
+                parts[name] = (part.group(1), part.group(3))
+            elif name is not None:
+                h, body = parts[name]
+                parts[name] = (h, body + "\n" + text)
+        keys.append(parts)
+    return keys
+
+
+def _key_diff(before: list[dict], after: list[dict]) -> str:
+    """What each key of `after` that `before` lacks differs in, against the `before` key sharing
+    most parts with it (a part's text, the graph's code as a diff)."""
+    import difflib
+
+    known = {tuple(sorted((p, h) for p, (h, _) in k.items())) for k in before}
+    out = []
+    for key in after:
+        if tuple(sorted((p, h) for p, (h, _) in key.items())) in known or not before:
+            continue
+        near = max(before, key=lambda k: sum(k.get(p, ("",))[0] == h for p, (h, _) in key.items()))
+        for part, (h, text) in key.items():
+            if near.get(part, ("",))[0] == h:
+                continue
+            was = near.get(part, ("", ""))[1]
+            if "\n" in text or "\n" in was:
+                diff = difflib.unified_diff(was.splitlines(), text.splitlines(), lineterm="", n=1)
+                out.append(f"{part}:\n" + "\n".join(list(diff)[:40]))
+            else:
+                out.append(f"{part}: {was[:200]!r} -> {text[:200]!r}")
+        out.append("----")
+    return "\n".join(out)[:6000]
 
 
 @pytest.mark.gpu

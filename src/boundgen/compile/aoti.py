@@ -255,9 +255,12 @@ def build_package(
     before, cpp = _phase_seconds(), {}
     known = torch._inductor.config.get_config_copy()  # an older torch lacks some of them
     recipe, configs = _recipe(model), {k: v for k, v in INDUCTOR_CONFIGS.items() if k in known}
-    if recipe:  # recorded in the package, and a key of Inductor's own caches (which the
-        # heuristics hook is not)
-        configs["aot_inductor.metadata"] = {"boundgen_recipe": recipe}
+    # the recipe is recorded in the package, and a key of Inductor's own caches (which the
+    # heuristics hook is not). NOTE: always a dict of our own: Inductor writes its device keys
+    # into this dict, and without one it wrote them into the process's global config, a part of
+    # every later `torch.compile` cache key — `boundgen compile`'s beam layers, compiled after
+    # a bucket in the same process, were then never found by a server (H200, 2026-12-04)
+    configs["aot_inductor.metadata"] = {"boundgen_recipe": recipe} if recipe else {}
     with _timed_cpp_builds(cpp), _heuristics(recipe):
         torch._inductor.aoti_compile_and_package(
             ep, package_path=str(path), inductor_configs=configs
