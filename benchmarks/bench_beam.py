@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import sys
 import time
 import traceback
@@ -216,6 +217,20 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     return out
 
 
+def _finish_or_exit(what: str, timeout_s: float) -> None:
+    """Wait for the device's queued work; if it is not done in `timeout_s`, say so and end the
+    process (a kernel that never finishes leaves nothing else to measure)."""
+    done = torch.cuda.Event()
+    done.record()
+    t0 = time.perf_counter()
+    while not done.query():
+        if time.perf_counter() - t0 > timeout_s:
+            print(f"  {what}: not finished after {timeout_s:.0f} s (GPU hung)", flush=True)
+            os._exit(3)
+        time.sleep(0.01)
+    print(f"  {what}: done in {time.perf_counter() - t0:.2f} s", flush=True)
+
+
 def section_overlap(args, engine, trie: Trie, prompts_by_batch: dict) -> dict:
     """Searches/s of two whole-search graph instances on two streams against one stream (the
     module docstring), per batch, W4 with the trie; and whether both ways return the same beams."""
@@ -242,6 +257,13 @@ def section_overlap(args, engine, trie: Trie, prompts_by_batch: dict) -> dict:
                     want.append(run())
                     torch.cuda.synchronize()
                     print(f"  {name}: instance {i} made in {time.perf_counter() - t0:.1f} s")
+                # each instance's graph alone, then both in turn, on one stream: a replay that
+                # never finishes (the GPU kept busy) ends the process, saying which one
+                for label, order in (("0 alone", [0]), ("1 alone", [1]), ("0, 1", [0, 1])):
+                    for _ in range(5):
+                        for i in order:
+                            runs[i]()
+                    _finish_or_exit(f"{name}: replays of instance {label}", 20.0)
                 got = {}
 
                 def one_stream():
