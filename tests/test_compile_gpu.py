@@ -208,6 +208,49 @@ def test_compiled_search_on_the_demo_model():
             assert same / got[:, :, 0].numel() >= 0.9, same
 
 
+def test_two_search_instances_replay_at_once_on_two_streams():
+    """Two whole-search graph instances (each its slots and graph pool) replayed at the same time
+    on two streams finish and return what each returns alone. Captured on torch's one default
+    capture stream, their graphs shared cuBLAS's per-stream workspace, and on the 0.5B model two
+    searches at once never finished (H200, 2026-12-04)."""
+    import time
+
+    from boundgen import Engine
+    from boundgen.compile.aoti import export_attention
+    from boundgen.compile.decode import SearchGraphs
+    from boundgen.demo import default_model_path, default_trie_path
+    from boundgen.workloads.trie import Trie
+
+    engine = Engine.from_pretrained(
+        default_model_path(), device="cuda", dtype="bfloat16", backend="eager"
+    )
+    model, dev = engine.model, engine.device
+    trie = Trie.from_file(default_trie_path()).to(dev)
+    attention = export_attention(model, dev)
+    instances = [SearchGraphs(model, dev, attention, compile_layers=True) for _ in range(2)]
+    prompts = [engine.tokenizer.encode(f"history: item {i} item {i + 3} next:") for i in range(4)]
+    streams = [torch.cuda.Stream() for _ in instances]
+    with torch.inference_mode():
+        alone = [sg.run(prompts, 8, trie.depth, trie)[0] for sg in instances]  # made, captured
+        torch.cuda.synchronize()
+        both = []
+        for _ in range(20):
+            for stream, sg in zip(streams, instances):
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    both.append(sg.run(prompts, 8, trie.depth, trie)[0])
+        done = []
+        for stream in streams:
+            done.append(stream.record_event())
+        t0 = time.perf_counter()
+        while not all(e.query() for e in done):  # a hang fails the test instead of stopping it
+            assert time.perf_counter() - t0 < 60, "two searches at once did not finish in 60 s"
+            time.sleep(0.01)
+    assert torch.equal(alone[0], alone[1])
+    for got in both:
+        assert torch.equal(got, alone[0])
+
+
 # a server's start, in short: the CLI's preload step (the compile stored its load verdict), the
 # engine on the compiled buckets, the default warm-up's beam searches with the compile cache
 _SERVE_WARMUP = """

@@ -318,6 +318,10 @@ class SearchGraphs:
         self._missed: set[tuple] = set()  # (width, steps, trie) already warned about
         self._lock = threading.Lock()
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # NOTE: captured on a stream of its own, not torch's one default capture stream: cuBLAS
+        # keeps a workspace per stream, which a graph bakes in, so two instances' graphs
+        # replayed at once on two streams shared one and never finished (H200, 2026-12-04)
+        self._capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
 
     def seal(self) -> None:
         """Make no bucket from now on (see the class docstring)."""
@@ -519,7 +523,7 @@ class SearchGraphs:
         # 4,000 kernels and the GPU starts at once, so a chain of graphs (one per decode step)
         # hid nothing: W4 6.89 against 6.82 ms (H200, BENCHMARKS.md 2026-12-02 eighth session)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
             self._search(slot, width, steps, trie)
         graph.replay()  # this request's results (the capture itself computes nothing)
         slot.graph = graph
