@@ -620,6 +620,51 @@ def test_sealed_search_graphs_make_nothing_new(engine_for):
     assert sg.misses == 2 and set(sg.slots) == made and COMPILES.total() == before
 
 
+def test_search_replicas_serve_callers_at_once(engine_for):
+    """Whole-search graph replicas (one per concurrent stream; on the CPU one per calling
+    thread): a warm-up on one caller makes each bucket in every replica, so after sealing a
+    second caller (bound to the other replica) finds its bucket made, and callers searching at
+    the same time get the plain search's results."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from boundgen.compile.search_streams import SearchStreams, search_graphs
+
+    engine = engine_for("qwen2")
+    model = engine.model
+    sg = SearchStreams(
+        model,
+        torch.device("cpu"),
+        model.backend,
+        2,
+        prompt_buckets=parse_buckets(["t32-s8"]),
+        use_graphs=False,
+    )
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        sg.run([_ids(g, 9), _ids(g, 6)], 3, 3)  # the warm-up, on this thread
+    sg.seal()
+    assert all(set(r.slots) == set(sg.slots) for r in sg.replicas) and len(sg.slots) == 1
+    requests = [[_ids(g, k), _ids(g, 12 - k)] for k in range(2, 10)]
+
+    def one(prompts):
+        with torch.inference_mode():
+            return sg.run(prompts, 3, 3), engine.runner.beam_search(prompts, 3, 3)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(one, requests))
+    for got, want in results:
+        assert got is not None and torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    assert sg.misses == 0 and sg.replicas[1].searches > 1  # the first pool thread: replica 1
+    assert sg.largest_made(3, 3, None) == 2
+    # one stream, or the CPU: the plain whole-search graphs; a count below one is refused
+    assert not isinstance(
+        search_graphs(model, "cpu", model.backend, False, streams=2), SearchStreams
+    )
+    with pytest.raises(ValueError, match="BOUNDGEN_BEAM_STREAMS"):
+        search_graphs(model, "cpu", model.backend, False, streams=0)
+
+
 @pytest.mark.slow
 def test_compiled_search_layers_equal_the_plain_search(engine_for):
     """Prefill and decode layers through torch.compile (one compiled graph each for every layer and

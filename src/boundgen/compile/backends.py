@@ -35,6 +35,7 @@ from boundgen.compile.cache import (
 from boundgen.compile.decode import SearchGraphs
 from boundgen.compile.isa import remember_isa_checks
 from boundgen.compile.preload import AOTIUnsafe, ensure_loadable
+from boundgen.compile.search_streams import SearchStreams, search_graphs
 from boundgen.models.decoder import DecoderModel
 
 log = logging.getLogger("boundgen.compile")
@@ -87,7 +88,8 @@ class CompiledForwards:
     # compiled buckets also take big chunks (cut into bucket-sized pieces); eager buckets (graphs of
     # the plain model) only the small ones: an uncompiled forward runs any size as it is
     cut_large_chunks: bool
-    search: SearchGraphs | None = None  # whole beam searches as CUDA graphs (with +graphs)
+    # whole beam searches as CUDA graphs (with +graphs), one replica per concurrent stream
+    search: SearchGraphs | SearchStreams | None = None
 
 
 # -- backends ------------------------------------------------------------------------------------
@@ -265,7 +267,7 @@ def _build(
         t1 = time.perf_counter()
         compile_decode = base != "eager" if opts.compile_decode is None else opts.compile_decode
         attention = export_attention(model, device) if compile_decode else model.backend
-        search = SearchGraphs(model, device, attention, compile_layers=compile_decode)
+        search = search_graphs(model, device, attention, compile_layers=compile_decode)
         log.info(
             "CUDA graphs captured in %.2f s; beam search set up in %.2f s",
             t1 - t0,

@@ -16,6 +16,7 @@ own (`set_queue_factory`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -54,21 +55,25 @@ class _CudaFlight:
 
 
 class CudaQueue:
-    """A CUDA stream of its own (one batching node's), ordered after the default stream's work
-    (the inputs CPU nodes staged)."""
+    """CUDA streams of its own (one batching node's), each launch ordered after the default
+    stream's work (the inputs CPU nodes staged). With `streams` > 1 the launches take the streams
+    in turn, so a batch launched while the one before it runs starts beside it: for work that
+    is safe to run twice at once (the beam node's searches, `compile.search_streams`)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, streams: int = 1) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.streams = [torch.cuda.Stream(device=device) for _ in range(max(1, streams))]
+        self._turn = itertools.count()  # next() is atomic: launches from several lanes
 
     def launch(self, fn: Callable[[], Any]) -> tuple[Any, Flight]:
-        self.stream.wait_stream(torch.cuda.default_stream(self.device))
+        stream = self.streams[next(self._turn) % len(self.streams)]
+        stream.wait_stream(torch.cuda.default_stream(self.device))
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        start.record(self.stream)
-        with torch.cuda.stream(self.stream):
+        start.record(stream)
+        with torch.cuda.stream(stream):
             out = fn()
-        end.record(self.stream)
+        end.record(stream)
         return out, _CudaFlight(start, end)
 
 
@@ -79,9 +84,12 @@ def _default_factory(executor: Any) -> DeviceQueue | None:
 _factory: Callable[[Any], DeviceQueue | None] = _default_factory
 
 
-def queue_for(executor: Any) -> DeviceQueue | None:
+def queue_for(executor: Any, streams: int = 1) -> DeviceQueue | None:
     """The device queue of a DEVICE batching node under `executor` (None: the work runs in the
-    call)."""
+    call); `streams`: how many of its batches may run at once (CUDA; a simulated device's
+    factory makes its own one queue)."""
+    if _factory is _default_factory and streams > 1:
+        return CudaQueue(executor.device, streams) if executor.cuda else None
     return _factory(executor)
 
 

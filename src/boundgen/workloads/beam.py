@@ -160,6 +160,9 @@ class _Beam:
 
     def __init__(self, context: WorkloadContext) -> None:
         self.context = context
+        # searches launched on as many streams as the runner has whole-search graph replicas:
+        # a search formed while another runs starts beside it (`compile.search_streams`)
+        self.device_streams = getattr(context.runner, "search_streams", 1)
 
     @staticmethod
     def lane(inputs: dict[str, Any]) -> tuple:
