@@ -318,9 +318,11 @@ class SearchGraphs:
         self._missed: set[tuple] = set()  # (width, steps, trie) already warned about
         self._lock = threading.Lock()
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        # NOTE: captured on a stream of its own, not torch's one default capture stream: cuBLAS
-        # keeps a workspace per stream, which a graph bakes in, so two instances' graphs
-        # replayed at once on two streams shared one and never finished (H200, 2026-12-04)
+        # NOTE: captured on a stream of its own, not torch's one default capture stream: two
+        # instances captured there, replayed at once on two streams, never finished (H200,
+        # 2026-12-04; fine one after the other). torch keeps cuBLAS's workspace per stream and a
+        # graph bakes in the one of its capture stream, so they shared one (inferred: this
+        # change alone made them finish)
         self._capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
 
     def seal(self) -> None:

@@ -4,7 +4,7 @@ A small search does not fill the GPU: W4 with one prompt is ~1,800 kernels of 1â
 them a few thread blocks, so most SMs idle through it. Two whole-search graph instances replayed
 at once on two streams ran 1.49x the searches a second of one stream at batch 1 and 1.10x at
 batch 32 (H200, BENCHMARKS.md 2026-12-04 fifteenth session, `bench_beam.py --overlap`). The beam
-node launches its merged searches on as many streams (`BatchingNode(device_streams=...)`), so a
+node launches its merged searches on as many streams (`BatchingNode(batch_streams=...)`), so a
 search formed while another runs starts at once beside it instead of queueing behind it.
 
 Two searches at once cannot share one `SearchGraphs`: its graphs share one memory pool and each

@@ -284,7 +284,7 @@ class _Lane:
     (and with `finish` its finisher thread) and the batch it runs now. Requests of different
     lanes never share a batch, and lanes are formed and run side by side (their device work goes
     to the node's CUDA stream — one unless the node's `fn` is safe to run twice at once
-    (`device_streams`): CUDA graphs that share a memory pool must not run concurrently)."""
+    (`batch_streams`): CUDA graphs that share a memory pool must not run concurrently)."""
 
     __slots__ = (
         "finisher",
@@ -375,7 +375,7 @@ class BatchingNode(Node):
     - `device_depth`: a lane forms its next batch once at most `device_depth - 1` of its batches
       are still queued on the device (module docstring; 2: one running, the next one queued
       behind it).
-    - `device_streams`: CUDA streams the node's batches take in turn (default 1: one batch on
+    - `batch_streams`: CUDA streams the node's batches take in turn (default 1: one batch on
       the device at a time). Above 1, a batch queued while another runs starts beside it: only
       for a `fn` whose device work is safe to run at once with itself (the beam node's searches,
       one whole-search graph replica per stream: `compile.search_streams`).
@@ -410,7 +410,7 @@ class BatchingNode(Node):
         max_lanes: int = 16,
         finish: Callable[[Any], Any] | None = None,
         device_depth: int = 2,
-        device_streams: int = 1,
+        batch_streams: int = 1,
         late_merge: bool = False,
         kind: NodeKind | str = NodeKind.DEVICE,
         bind: dict[str, str] | None = None,
@@ -447,7 +447,7 @@ class BatchingNode(Node):
         self._queue_made = False
         self.finish = finish
         self.device_depth = int(device_depth)
-        self.device_streams = max(1, int(device_streams))
+        self.batch_streams = max(1, int(batch_streams))
         self.late_merge = late_merge
         self._closed = False
         self._pass_alive = _takes_alive(fn)
@@ -693,7 +693,7 @@ class BatchingNode(Node):
             with self._cv:
                 if not self._queue_made:
                     self._queue = (
-                        queue_for(executor, self.device_streams)
+                        queue_for(executor, self.batch_streams)
                         if self.kind is NodeKind.DEVICE
                         else None
                     )

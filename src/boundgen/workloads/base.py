@@ -87,7 +87,7 @@ class WorkloadContext:
     ) -> BatchingNode:
         """A batching node with this context's knobs; `fn` has `merge`, `split` and `size`, and
         may have `shapes`, `lane`, `count`, `lane_max`, `finish`, `late_merge` and
-        `device_streams`
+        `batch_streams`
         (`BatchingNode`);
         `raises` pass through as themselves."""
         return BatchingNode(
@@ -109,7 +109,7 @@ class WorkloadContext:
             max_batch=self.max_batch_requests,
             latency_target_ms=self.latency_target_ms,
             device_depth=self.device_depth,
-            device_streams=getattr(fn, "device_streams", 1),
+            batch_streams=getattr(fn, "batch_streams", 1),
             raises=raises,
         )
 

@@ -162,7 +162,7 @@ class _Beam:
         self.context = context
         # searches launched on as many streams as the runner has whole-search graph replicas:
         # a search formed while another runs starts beside it (`compile.search_streams`)
-        self.device_streams = getattr(context.runner, "search_streams", 1)
+        self.batch_streams = getattr(context.runner, "search_streams", 1)
 
     @staticmethod
     def lane(inputs: dict[str, Any]) -> tuple:
