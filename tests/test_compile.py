@@ -642,6 +642,9 @@ def test_search_replicas_serve_callers_at_once(engine_for):
     g = torch.Generator().manual_seed(5)
     with torch.inference_mode():
         sg.run([_ids(g, 9), _ids(g, 6)], 3, 3)  # the warm-up, on this thread
+        made = sg.replicas[1].searches
+        sg.run([_ids(g, 4), _ids(g, 7)], 3, 3)  # a bucket made everywhere: this replica only
+    assert sg.replicas[1].searches == made
     sg.seal()
     assert all(set(r.slots) == set(sg.slots) for r in sg.replicas) and len(sg.slots) == 1
     requests = [[_ids(g, k), _ids(g, 12 - k)] for k in range(2, 10)]

@@ -87,13 +87,14 @@ class SearchStreams:
         return self.replicas[0].largest_made(width, steps, trie, banned)
 
     def run(self, prompts, width: int, steps: int, trie: Any = None, banned: tuple = ()):
-        """The search on the replica bound to the calling stream; before sealing, its bucket
-        made in the other replicas too (their results are not used)."""
+        """The search on the replica bound to the calling stream; before sealing, a bucket it
+        made is made in the other replicas too (their results are not used)."""
         mine = self._bind()
         out = self._on(mine, prompts, width, steps, trie, banned)
         if out is not None and not self.sealed:
-            for i in range(len(self.replicas)):
-                if i != mine:
+            made = self.replicas[mine].slots.keys()
+            for i, other in enumerate(self.replicas):
+                if other.slots.keys() != made:
                     self._on(i, prompts, width, steps, trie, banned)
         return out
 
