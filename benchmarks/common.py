@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -22,6 +23,12 @@ def env_info() -> dict:
         "torch": torch.__version__,
         "cpu_threads": torch.get_num_threads(),
         "argv": " ".join(sys.argv),
+        # the engine's A/B switches (BOUNDGEN_BEAM_STREAMS, ...): a result says what it ran with
+        "boundgen_env": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith("BOUNDGEN_") and k != "BOUNDGEN_CACHE"
+        },
     }
     try:
         import transformers

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import queue
 import statistics
 import threading
@@ -331,8 +332,12 @@ class _Queued:
 _OVERFLOW = ("<overflow>",)  # the lane of every key past `max_lanes` (their requests may merge)
 # `late_merge`: the share of a running batch's predicted device time a lane waits before forming
 # the next one (below 1: a prediction a little long must not leave the device idle), and the least
-# time left before its predicted end to form and launch it in
-LATE_MERGE_SHARE = 0.8
+# time left before its predicted end to form and launch it in. BOUNDGEN_LATE_MERGE_SHARE sets the
+# share for an A/B: with two streams (`batch_streams`) a batch formed earlier starts beside the
+# running one — fewer requests merged, more overlap — and which wins is measured, not assumed.
+LATE_MERGE_SHARE = float(os.environ.get("BOUNDGEN_LATE_MERGE_SHARE", "0.8"))
+if not 0.0 <= LATE_MERGE_SHARE <= 1.0:
+    raise ValueError(f"BOUNDGEN_LATE_MERGE_SHARE={LATE_MERGE_SHARE}: expected 0 to 1")
 LATE_MERGE_MARGIN_NS = 1_000_000
 
 
