@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import resource
 import shutil
 import sys
@@ -620,7 +621,7 @@ def test_sealed_search_graphs_make_nothing_new(engine_for):
     assert sg.misses == 2 and set(sg.slots) == made and COMPILES.total() == before
 
 
-def test_search_replicas_serve_callers_at_once(engine_for):
+def test_search_replicas_serve_callers_at_once(engine_for, caplog):
     """Whole-search graph replicas (one per concurrent stream; on the CPU one per calling
     thread): a warm-up on one caller makes each bucket in every replica, so after sealing a
     second caller (bound to the other replica) finds its bucket made, and callers searching at
@@ -660,6 +661,11 @@ def test_search_replicas_serve_callers_at_once(engine_for):
         torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
     assert sg.misses == 0 and sg.replicas[1].searches > 1  # the first pool thread: replica 1
     assert sg.largest_made(3, 3, None) == 2
+    # a width never warmed: the plain path, counted on each replica, named in one WARNING
+    with caplog.at_level(logging.WARNING, logger="boundgen"), torch.inference_mode():
+        assert [r.run(requests[0], 2, 3) for r in sg.replicas] == [None, None]
+    assert sg.misses == 2
+    assert sum("no whole-search graph" in m.getMessage() for m in caplog.records) == 1
     # one stream, or the CPU: the plain whole-search graphs; a count below one is refused
     assert not isinstance(
         search_graphs(model, "cpu", model.backend, False, streams=2), SearchStreams

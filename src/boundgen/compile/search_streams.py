@@ -49,6 +49,8 @@ class SearchStreams:
     def __init__(self, model, device, backend, replicas: int, **kwargs: Any) -> None:
         self.device = torch.device(device)
         self.replicas = [SearchGraphs(model, device, backend, **kwargs) for _ in range(replicas)]
+        for r in self.replicas[1:]:  # a search no graph takes is named once, not per replica
+            r._missed = self.replicas[0]._missed
         self.streams = replicas
         self._cuda = self.device.type == "cuda"
         self._lock = threading.Lock()
