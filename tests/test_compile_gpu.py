@@ -211,8 +211,8 @@ def test_compiled_search_on_the_demo_model():
 def test_two_search_instances_replay_at_once_on_two_streams():
     """Two whole-search graph instances (each its slots and graph pool) replayed at the same time
     on two streams finish and return what each returns alone. Captured on torch's one default
-    capture stream, their graphs shared cuBLAS's per-stream workspace, and on the 0.5B model two
-    searches at once never finished (H200, 2026-12-04)."""
+    capture stream (sharing, it seems, cuBLAS's workspace of that stream), two searches at once on
+    the 0.5B model never finished (H200, 2026-12-04)."""
     import time
 
     from boundgen import Engine
@@ -239,9 +239,7 @@ def test_two_search_instances_replay_at_once_on_two_streams():
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     both.append(sg.run(prompts, 8, trie.depth, trie)[0])
-        done = []
-        for stream in streams:
-            done.append(stream.record_event())
+        done = [stream.record_event() for stream in streams]
         t0 = time.perf_counter()
         while not all(e.query() for e in done):  # a hang fails the test instead of stopping it
             assert time.perf_counter() - t0 < 60, "two searches at once did not finish in 60 s"
