@@ -44,14 +44,13 @@ def search_graphs(model, device, backend, compile_layers: bool, streams: int = S
 
 class SearchStreams:
     """`SearchGraphs`' interface over `replicas` of it, one per concurrent stream (the module
-    docstring). `streams`: how many searches may run at once (what the beam node launches on)."""
+    docstring)."""
 
     def __init__(self, model, device, backend, replicas: int, **kwargs: Any) -> None:
         self.device = torch.device(device)
         self.replicas = [SearchGraphs(model, device, backend, **kwargs) for _ in range(replicas)]
         for r in self.replicas[1:]:  # a search no graph takes is named once, not per replica
             r._missed = self.replicas[0]._missed
-        self.streams = replicas
         self._cuda = self.device.type == "cuda"
         self._lock = threading.Lock()
         self._bound: dict[Any, int] = {}  # calling stream (or thread on CPU) → replica
@@ -63,6 +62,11 @@ class SearchStreams:
         self._done: list[Any] = [None] * replicas
 
     # ---- SearchGraphs' interface -------------------------------------------------------------
+
+    @property
+    def streams(self) -> int:
+        """How many searches may run at once (what the beam node launches on)."""
+        return len(self.replicas)
 
     @property
     def sealed(self) -> bool:
@@ -91,45 +95,37 @@ class SearchStreams:
     def run(self, prompts, width: int, steps: int, trie: Any = None, banned: tuple = ()):
         """The search on the replica bound to the calling stream; before sealing, a bucket it
         made is made in the other replicas too (their results are not used)."""
-        mine = self._bind()
-        out = self._on(mine, prompts, width, steps, trie, banned)
+        stream = torch.cuda.current_stream(self.device) if self._cuda else None
+        caller = (stream.device_index, stream.cuda_stream) if self._cuda else threading.get_ident()
+        mine = self._bind(caller)
+        out = self._on(mine, caller, stream, prompts, width, steps, trie, banned)
         if out is not None and not self.sealed:
             made = self.replicas[mine].slots.keys()
             for i, other in enumerate(self.replicas):
                 if other.slots.keys() != made:
-                    self._on(i, prompts, width, steps, trie, banned)
+                    self._on(i, caller, stream, prompts, width, steps, trie, banned)
         return out
 
     # ---- replicas and streams ----------------------------------------------------------------
 
-    def _caller(self) -> Any:
-        if self._cuda:
-            stream = torch.cuda.current_stream(self.device)
-            return (stream.device_index, stream.cuda_stream)
-        return threading.get_ident()
-
-    def _bind(self) -> int:
-        """The calling stream's replica: bound on first sight, in turn."""
-        caller = self._caller()
+    def _bind(self, caller) -> int:
+        """The calling stream's (or, on the CPU, thread's) replica: bound on first sight, in
+        turn."""
         with self._lock:
             i = self._bound.get(caller)
             if i is None:
-                i = self._bound[caller] = self._turn % len(self.replicas)
+                i = self._bound[caller] = self._turn % self.streams
                 self._turn += 1
             return i
 
-    def _on(self, i: int, prompts, width, steps, trie, banned):
-        """`prompts` searched on replica `i`, ordered after its last use on another stream."""
+    def _on(self, i: int, caller, stream, prompts, width, steps, trie, banned):
+        """`prompts` searched on replica `i` from `stream` (None: the CPU), ordered after the
+        replica's last use by another caller."""
         with self._locks[i]:
-            caller = self._caller()
-            if self._cuda:
-                stream = torch.cuda.current_stream(self.device)
-                if self._last[i] not in (None, caller) and self._done[i] is not None:
-                    stream.wait_event(self._done[i])
+            if stream is not None and self._last[i] not in (None, caller):
+                stream.wait_event(self._done[i])
             out = self.replicas[i].run(prompts, width, steps, trie, banned)
-            if self._cuda:
-                done = torch.cuda.Event()
-                done.record(stream)
-                self._done[i] = done
+            if stream is not None:
+                self._done[i] = stream.record_event()
             self._last[i] = caller
             return out
