@@ -77,8 +77,8 @@ class CudaQueue:
         return out, _CudaFlight(start, end)
 
 
-def _default_factory(executor: Any) -> DeviceQueue | None:
-    return CudaQueue(executor.device) if executor.cuda else None
+def _default_factory(executor: Any, streams: int = 1) -> DeviceQueue | None:
+    return CudaQueue(executor.device, streams) if executor.cuda else None
 
 
 _factory: Callable[[Any], DeviceQueue | None] = _default_factory
@@ -88,8 +88,8 @@ def queue_for(executor: Any, streams: int = 1) -> DeviceQueue | None:
     """The device queue of a DEVICE batching node under `executor` (None: the work runs in the
     call); `streams`: how many of its batches may run at once (CUDA; a simulated device's
     factory makes its own one queue)."""
-    if _factory is _default_factory and streams > 1:
-        return CudaQueue(executor.device, streams) if executor.cuda else None
+    if _factory is _default_factory:
+        return _default_factory(executor, streams)
     return _factory(executor)
 
 
