@@ -332,6 +332,11 @@ def main() -> int:
     ap.add_argument("--items", type=int, default=100_000)
     ap.add_argument("--hf", nargs="*", default=["eager"])
     ap.add_argument("--backends", nargs="+", default=["eager"])
+    ap.add_argument(
+        "--fp8",
+        default=None,
+        help="also each backend with this FP8 policy, forced (e.g. selective; the rows say so)",
+    )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=15.0)
     ap.add_argument("--out", default=None)
@@ -358,14 +363,19 @@ def main() -> int:
         else ensure_model(args.preset, dtype=dtype_name, root=args.root)
     )
     engines = {}
+    # the FP8 engines beside the bf16 ones, forced: a synthetic checkpoint has no gate verdict
+    quant = [("", {})]
+    if args.fp8:
+        quant.append((f" fp8:{args.fp8}", {"fp8": args.fp8, "fp8_force": True}))
     for backend in args.backends:
-        kwargs = {} if backend == "eager" else {"backend": backend}
-        try:
-            engines[backend] = Engine.from_pretrained(
-                path, device=args.device, dtype=dtype_name, **kwargs
-            )
-        except Exception:
-            traceback.print_exc()
+        for suffix, fp8 in quant:
+            kwargs = {} if backend == "eager" else {"backend": backend}
+            try:
+                engines[backend + suffix] = Engine.from_pretrained(
+                    path, device=args.device, dtype=dtype_name, **kwargs, **fp8
+                )
+            except Exception:
+                traceback.print_exc()
     engine = next(iter(engines.values()))
     vocab = min(engine.tokenizer.vocab_size, engine.config.vocab_size)
     t0 = time.perf_counter()
