@@ -337,6 +337,12 @@ def main() -> int:
         default=None,
         help="also each backend with this FP8 policy, forced (e.g. selective; the rows say so)",
     )
+    ap.add_argument(
+        "--compile-buckets",
+        default="t64",
+        help="compiled backends' prefill buckets (a search uses none; the default set took the "
+        "whole 250 s budget of a call to compile, H200 2026-12-04)",
+    )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=15.0)
     ap.add_argument("--out", default=None)
@@ -369,13 +375,17 @@ def main() -> int:
         quant.append((f" fp8:{args.fp8}", {"fp8": args.fp8, "fp8_force": True}))
     for backend in args.backends:
         for suffix, fp8 in quant:
-            kwargs = {} if backend == "eager" else {"backend": backend}
+            kwargs = {}
+            if backend != "eager":
+                kwargs = {"backend": backend, "compile_buckets": args.compile_buckets}
             try:
                 engines[backend + suffix] = Engine.from_pretrained(
                     path, device=args.device, dtype=dtype_name, **kwargs, **fp8
                 )
             except Exception:
                 traceback.print_exc()
+    if not engines:
+        raise SystemExit("no engine could be built (the tracebacks above say why)")
     engine = next(iter(engines.values()))
     vocab = min(engine.tokenizer.vocab_size, engine.config.vocab_size)
     t0 = time.perf_counter()
@@ -434,6 +444,8 @@ def main() -> int:
                     t = common.timed(call, dev, warmup=1, iters=args.iters, budget_s=args.budget_s)
                     entry[f"hf-{mode}"] = t
                     rows.append({"run": name, "variant": f"hf-{mode}", **t})
+                    # each as it is measured: a run its budget cuts short still says what it had
+                    print(f"{name} hf-{mode}: {t['median_ms']:.2f} ms", flush=True)
                 except Exception as exc:
                     entry[f"hf-{mode}"] = {"error": repr(exc)}
                     traceback.print_exc()
@@ -464,6 +476,7 @@ def main() -> int:
                         t["speedup_vs_hf_eager"] = base / t["median_ms"]
                     entry[f"boundgen-{backend}"] = t
                     rows.append({"run": name, "variant": f"boundgen-{backend}", **t})
+                    print(f"{name} boundgen-{backend}: {t['median_ms']:.2f} ms", flush=True)
                 except Exception as exc:
                     entry[f"boundgen-{backend}"] = {"error": repr(exc)}
                     traceback.print_exc()
