@@ -386,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                     row["fake_gpu"] = fake_gpu.busy(fake_log, t0, t1)
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
+                if wrk.tail_line(row):
+                    print(wrk.tail_line(row), flush=True)
                 per = row.get("thread_cpu_ms_per_request") or {}
                 if per:  # where the server's CPU went, per request served
                     top = ", ".join(f"{k} {v:.2f}" for k, v in list(per.items())[:6])

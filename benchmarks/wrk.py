@@ -3,7 +3,9 @@ share (`bench_tail.py` for `/v1/score`, `bench_beam_wrk.py` for `/v1/beam`).
 
 The Lua script cycles through a JSON-lines body file, POSTs each to the route, waits an exponential
 think time between requests when asked, and reads every 200 response's `Server-Timing`: the
-server's own `app` p50/p99 and the mean of every timing entry, printed as one `JSON ...` line.
+server's own `app` p50/p99, the mean of every timing entry, and the same means over the slowest 1 %
+of requests by `app` (where the tail's time goes: queueing, a node, the reply), printed as one
+`JSON ...` line.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 WRK_SCRIPT = r"""
 local path, think = "/", 0
 local reqs, n, i = {}, 0, 0
-apps, non200, sums, counts = {}, 0, {}, {}
+apps, timings, non200, sums, counts = {}, {}, 0, {}, {}
 local threads = {}
 function setup(thread) table.insert(threads, thread) end
 function init(args)
@@ -40,13 +42,31 @@ function response(status, headers, body)
   for name, d in st:gmatch("([%w%-_%.]+);dur=([%d%.]+)") do
     local v = tonumber(d)
     sums[name] = (sums[name] or 0) + v; counts[name] = (counts[name] or 0) + 1
-    if name == "app" then apps[#apps + 1] = v end
+    if name == "app" then apps[#apps + 1] = v; timings[#timings + 1] = st end
   end
 end
+-- the mean of each timing entry over the slowest 1 % of responses by `app`
+local function tail_means(sts)
+  local by_app = {}
+  for _, st in ipairs(sts) do
+    local app = tonumber(st:match("app;dur=([%d%.]+)"))
+    if app then by_app[#by_app + 1] = {app, st} end
+  end
+  table.sort(by_app, function(a, b) return a[1] > b[1] end)
+  local k, s, c, out = math.max(1, math.ceil(#by_app / 100)), {}, {}, {}
+  for j = 1, math.min(k, #by_app) do
+    for name, d in by_app[j][2]:gmatch("([%w%-_%.]+);dur=([%d%.]+)") do
+      s[name] = (s[name] or 0) + tonumber(d); c[name] = (c[name] or 0) + 1
+    end
+  end
+  for name, v in pairs(s) do out[#out + 1] = string.format('"%s": %.4f', name, v / c[name]) end
+  return table.concat(out, ", ")
+end
 function done(summary, latency, requests)
-  local all, bad, s, c = {}, 0, {}, {}
+  local all, sts, bad, s, c = {}, {}, 0, {}, {}
   for _, t in ipairs(threads) do
     for _, v in ipairs(t:get("apps")) do all[#all + 1] = v end
+    for _, v in ipairs(t:get("timings")) do sts[#sts + 1] = v end
     bad = bad + t:get("non200")
     for k, v in pairs(t:get("sums")) do s[k] = (s[k] or 0) + v end
     for k, v in pairs(t:get("counts")) do c[k] = (c[k] or 0) + v end
@@ -61,10 +81,11 @@ function done(summary, latency, requests)
   local e = summary.errors
   io.write(string.format('JSON {"requests": %d, "duration_us": %d, "non200": %d, ' ..
     '"socket_errors": %d, "p50_us": %d, "p90_us": %d, "p99_us": %d, "max_us": %d, ' ..
-    '"server_n": %d, "server_p50_ms": %.3f, "server_p99_ms": %.3f, "means": {%s}}\n',
+    '"server_n": %d, "server_p50_ms": %.3f, "server_p99_ms": %.3f, "means": {%s}, ' ..
+    '"tail_means": {%s}}\n',
     summary.requests, summary.duration, bad, e.connect + e.read + e.write + e.timeout,
     latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max,
-    #all, pct(50), pct(99), table.concat(means, ", ")))
+    #all, pct(50), pct(99), table.concat(means, ", "), tail_means(sts)))
 end
 """
 
@@ -87,7 +108,8 @@ def run_wrk(
     cpus: str | None,
     threads: int = 1,
 ) -> dict:
-    """One wrk run: ok/s, client percentiles, the server's `app` p50/p99 and per-entry means."""
+    """One wrk run: ok/s, client percentiles, the server's `app` p50/p99 and per-entry means, over
+    all requests and over the slowest 1 %."""
     wrk = wrk_binary()
     cmd = [wrk, f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency"]
     cmd += ["--timeout", "30s", "-s", str(script), url, "--", str(bodies), route]
@@ -116,6 +138,8 @@ def run_wrk(
         "server_p50_ms": r["server_p50_ms"],
         "server_p99_ms": r["server_p99_ms"],
         "server_means_ms": dict(sorted(r["means"].items())),
+        # the same over the slowest 1 % by the server's `app` time
+        "server_tail_means_ms": dict(sorted(r["tail_means"].items())),
     }
 
 
@@ -123,6 +147,19 @@ def load_label(row: dict) -> str:
     """A run's load as a table cell: "16 conn", or "256 conn, think 504 ms"."""
     think = f", think {row['think_ms']:.0f} ms" if row["think_ms"] else ""
     return f"{row['connections']} conn{think}"
+
+
+def tail_line(row: dict, top: int = 6) -> str:
+    """Where the slowest 1 % of a run's requests spent their time: their mean `app` ms, then the
+    largest of their other timing entries (`runtime` is most of `app`: left out)."""
+    tail = row.get("server_tail_means_ms") or {}
+    if "app" not in tail:
+        return ""
+    parts = sorted(
+        ((k, v) for k, v in tail.items() if k not in ("app", "runtime")), key=lambda kv: -kv[1]
+    )
+    split = ", ".join(f"{k} {v:.2f}" for k, v in parts[:top])
+    return f"    slowest 1 %: app {tail['app']:.2f} ms ({split})"
 
 
 def node_counters(url: str, node: str) -> dict[str, float]:
