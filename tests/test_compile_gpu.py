@@ -208,6 +208,41 @@ def test_compiled_search_on_the_demo_model():
             assert same / got[:, :, 0].numel() >= 0.9, same
 
 
+def test_compiled_search_with_the_own_slot_kernel(monkeypatch):
+    """With `BOUNDGEN_BEAM_OWN_KERNEL` on, the compiled layers run the own-slot + merge kernel
+    (`attention/own_slots.py`: seen in a replay's kernels) and the search recommends what the
+    plain search does, as `test_compiled_search_on_the_demo_model` asks of Inductor's kernels."""
+    from boundgen import Engine
+    from boundgen.attention import own_slots
+    from boundgen.compile.aoti import export_attention
+    from boundgen.compile.decode import SearchGraphs
+    from boundgen.demo import default_model_path, default_trie_path
+    from boundgen.workloads.trie import Trie
+
+    monkeypatch.setattr(own_slots, "ENABLED", True)
+    engine = Engine.from_pretrained(
+        default_model_path(), device="cuda", dtype="bfloat16", backend="eager"
+    )
+    model, dev = engine.model, engine.device
+    trie = Trie.from_file(default_trie_path()).to(dev)
+    sg = SearchGraphs(model, dev, export_attention(model, dev), compile_layers=True)
+    prompts = [engine.tokenizer.encode(f"history: item {i} item {i + 5} next:") for i in range(6)]
+    with torch.inference_mode():
+        got, _ = sg.run(prompts, 8, trie.depth, trie)  # made and captured
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got, _ = sg.run(prompts, 8, trie.depth, trie)
+            torch.cuda.synchronize()
+        want, _ = engine.runner.beam_search(prompts, 8, trie.depth, trie)
+    names = {e.name for e in prof.events()}
+    assert any("_own_slots_merge_kernel" in n for n in names), sorted(names)[:20]
+    assert torch.equal(got[:, 0], want[:, 0])
+    same = sum(
+        len(set(map(tuple, got[b].tolist())) & set(map(tuple, want[b].tolist())))
+        for b in range(len(prompts))
+    )
+    assert same / got[:, :, 0].numel() >= 0.9, same
+
+
 def test_two_search_instances_replay_at_once_on_two_streams():
     """Two whole-search graph instances (each its slots and graph pool) replayed at the same time
     on two streams finish and return what each returns alone. Captured on torch's one default

@@ -51,14 +51,23 @@ def grouped_rows_attention(q, k, v, cu_rows, cu_k, max_rows: int, max_k: int, gr
     K/V tile loaded once for 7 heads — fewer, fuller programs (a b32 search: 448 → 64)."""
     if q.dim() == 3 and group == 1:
         return backend.varlen(q, k, v, cu_rows, cu_k, max_rows, max_k, False)
+    out, lse = grouped_rows_partial(q, k, v, cu_rows, cu_k, max_rows, max_k, group, backend)
+    n, _, hkv, d = out.shape
+    hq = group * hkv
+    return out.transpose(1, 2).reshape(n, hq, d), lse.transpose(1, 2).reshape(n, hq)
+
+
+def grouped_rows_partial(q, k, v, cu_rows, cu_k, max_rows: int, max_k: int, group: int, backend):
+    """`grouped_rows_attention` before its outputs go back to head order: → out [N, G, Hkv, D],
+    lse [N, G, Hkv] float32 (query head j·G + g at [:, g, j]; views of the backend's outputs), for
+    a consumer that reads them grouped (`own_slots.own_slots_merge`). `group` 1: G = 1 and the
+    heads are q's."""
     if q.dim() == 3:  # row (n, g) of KV head j is query head j·group + g of row n
         q = by_kv_head(q, group)
     n, _, hkv, d = q.shape
-    hq = group * hkv
     rows = q.reshape(n * group, hkv, d)
     out, lse = backend.varlen(rows, k, v, cu_rows, cu_k, max_rows, max_k, False)
-    out = out.view(n, group, hkv, d).transpose(1, 2).reshape(n, hq, d)
-    return out, lse.view(n, group, hkv).transpose(1, 2).reshape(n, hq)
+    return out.view(n, group, hkv, d), lse.view(n, group, hkv)
 
 
 def prefill_attention(q, k, v, attn: AttnInputs, backend: AttentionBackend) -> torch.Tensor:

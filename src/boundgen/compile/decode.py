@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from boundgen.attention import beam_decode
-from boundgen.attention.cascade import grouped_rows_attention, merge_partial
+from boundgen.attention import beam_decode, own_slots
+from boundgen.attention.cascade import grouped_rows_attention, grouped_rows_partial, merge_partial
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
@@ -142,6 +142,11 @@ def decode_layer(
     bv.index_copy_(1, step, v.unsqueeze(1))
     if fused:  # one kernel for the prompt part, own slots and merge
         o = torch.ops.boundgen.beam_decode(q, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams)
+    elif group > 1 and own_slots.chosen(x.device):  # flash, then one kernel for the rest
+        shared, shared_lse = grouped_rows_partial(
+            q, pk, pv, cu_rows, cu_prompt, max_rows, max_prompt, group, backend
+        )
+        o = torch.ops.boundgen.own_slots_merge(q, bk, bv, step, shared, shared_lse)
     else:
         shared, shared_lse = grouped_rows_attention(
             q, pk, pv, cu_rows, cu_prompt, max_rows, max_prompt, group, backend
