@@ -151,7 +151,8 @@ def load_label(row: dict) -> str:
 
 def tail_line(row: dict, top: int = 6) -> str:
     """Where the slowest 1 % of a run's requests spent their time: their mean `app` ms, then the
-    largest of their other timing entries (`runtime` is most of `app`: left out)."""
+    largest of their other timing entries (`runtime` is most of `app`: left out). An entry's mean
+    is over the requests that have it (a `-wait` appears only when there was one)."""
     tail = row.get("server_tail_means_ms") or {}
     if "app" not in tail:
         return ""

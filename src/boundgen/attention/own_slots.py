@@ -5,8 +5,9 @@ With compiled decode layers a step's attention is flash over the prompt (the que
 head as rows, `cascade.grouped_rows_attention`) plus the beams' attention over their own few
 slots ≤ step, merged by log-sum-exp. Inductor makes that second part four kernels a layer-step
 (the scores, their log-sum-exp, the weighted values, the merge that also puts flash's grouped
-output back in head order): ~7 µs of tiny kernels and three ~0.9 µs gaps between them, 72 times a
-W4 search (H200, `beam_code` profile, BENCHMARKS.md 2026-12-04 fifteenth session). Here one
+output back in head order), 72 times a W4 search: the weighted values 2.5 µs and the merge 1.9 µs
+a call, the other two under 1.6 µs each, with gaps of ~0.9 µs between kernels (H200, W4 b1, the
+fifteenth session's `beam-code` profile, `benchmarks/results/h200-2026-12-04-s15-call1`). Here one
 program owns one beam's query heads of one KV head: it starts an online softmax from flash's
 output and log-sum-exp (as a partial result whose normaliser is exp(lse)), adds the own slots
 0..step, and stores the heads in head order — one launch.
