@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from beam_cases import case
 from hopper import compile_in_child
 
 pytest.importorskip("triton")
@@ -33,22 +34,6 @@ def reference(q, pk, pv, bk, bv, step, cu_beams, cu_prompt):
     )
     own, own_lse = _own_slots_attention(f(q), f(bk), f(bv), step.cpu())
     return merge_partial(shared, lse, own, own_lse)
-
-
-def case(widths, prompts, hq, hkv, d, slots, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    n, t = sum(widths), sum(prompts)
-    mk = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(DEV)
-    cu = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32)
-    return (
-        mk(n, hq, d),
-        mk(t, hkv, d),
-        mk(t, hkv, d),
-        mk(n, slots, hkv, d),
-        mk(n, slots, hkv, d),
-        cu(widths).to(DEV),
-        cu(prompts).to(DEV),
-    )
 
 
 @pytest.mark.parametrize(

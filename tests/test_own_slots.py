@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from beam_cases import case
 from hopper import compile_in_child
 
 pytest.importorskip("triton")
@@ -27,22 +28,6 @@ from boundgen.compile.decode import _own_slots_attention
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-
-
-def case(widths, prompts, hq, hkv, d, slots, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    n, t = sum(widths), sum(prompts)
-    mk = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(DEV)
-    cu = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32)
-    return (
-        mk(n, hq, d),
-        mk(t, hkv, d),
-        mk(t, hkv, d),
-        mk(n, slots, hkv, d),
-        mk(n, slots, hkv, d),
-        cu(widths).to(DEV),
-        cu(prompts).to(DEV),
-    )
 
 
 def prompt_part(q, pk, pv, cu_beams, cu_prompt, group):
