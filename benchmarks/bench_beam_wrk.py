@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             def record(row: dict) -> None:
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
-                if wrk.tail_line(row):
-                    print(wrk.tail_line(row), flush=True)
+                if wrk.tail_line(row, keys=SPLIT):
+                    print(wrk.tail_line(row, keys=SPLIT), flush=True)
                 partial = {"env": env_info(), "config": vars(args), "rows": rows}
                 out.write_text(json.dumps(partial | {"server_ready_s": ready_s}, indent=1))
 

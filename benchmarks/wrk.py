@@ -149,16 +149,16 @@ def load_label(row: dict) -> str:
     return f"{row['connections']} conn{think}"
 
 
-def tail_line(row: dict, top: int = 6) -> str:
+def tail_line(row: dict, top: int = 6, keys: tuple[str, ...] = ()) -> str:
     """Where the slowest 1 % of a run's requests spent their time: their mean `app` ms, then the
-    largest of their other timing entries (`runtime` is most of `app`: left out). An entry's mean
-    is over the requests that have it (a `-wait` appears only when there was one)."""
+    largest of their other timing entries — `keys` only when given (a route's parts, not the
+    entries that hold them), else all but `runtime` (most of `app`). An entry's mean is over the
+    requests that have it (a `-wait` appears only when there was one)."""
     tail = row.get("server_tail_means_ms") or {}
     if "app" not in tail:
         return ""
-    parts = sorted(
-        ((k, v) for k, v in tail.items() if k not in ("app", "runtime")), key=lambda kv: -kv[1]
-    )
+    shown = (lambda k: k in keys) if keys else (lambda k: k not in ("app", "runtime"))
+    parts = sorted(((k, v) for k, v in tail.items() if shown(k)), key=lambda kv: -kv[1])
     split = ", ".join(f"{k} {v:.2f}" for k, v in parts[:top])
     return f"    slowest 1 %: app {tail['app']:.2f} ms ({split})"
 
