@@ -7,12 +7,12 @@ batch 32 (H200, BENCHMARKS.md 2026-12-04 fifteenth session, `bench_beam.py --ove
 node launches its merged searches on as many streams (`BatchingNode(batch_streams=...)`), so a
 search formed while another runs starts at once beside it instead of queueing behind it.
 
-Over HTTP that lost (`/v1/beam` under wrk, W4 with the trie, same machine, both orders; BENCHMARKS.md
-2026-12-04 sixteenth session): a busy server merges 8–22 requests a search, where two at once gain
-little in process (1.10x at 32) and each slows the other (a search's run 16.5 → 21.0 ms at ~900
-req/s): 64 connections 1,425–1,467 req/s with one stream against 1,140 with two, p99 at ~1,060 req/s
-50–54 ms against 67–73. So one stream is the default; `BOUNDGEN_BEAM_STREAMS=2` keeps the layout for
-traffic of single small searches.
+Over HTTP that lost (`/v1/beam` under wrk, W4 with the trie, same machine, both orders;
+BENCHMARKS.md 2026-12-04 sixteenth session): a busy server merges 8–22 requests a search, where
+two at once gain little in process (1.10x at 32) and each slows the other (a search's run 16.5 →
+21.0 ms at ~900 req/s): 64 connections 1,425–1,467 req/s with one stream against 1,140 with two,
+p99 at ~1,060 req/s 50–54 ms against 67–73. So one stream is the default;
+`BOUNDGEN_BEAM_STREAMS=2` keeps the layout for traffic of single small searches.
 
 Two searches at once cannot share one `SearchGraphs`: its graphs share one memory pool and each
 bucket's buffers, and both may be used by one replay at a time only. `SearchStreams` keeps one

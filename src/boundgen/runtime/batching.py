@@ -334,7 +334,8 @@ _OVERFLOW = ("<overflow>",)  # the lane of every key past `max_lanes` (their req
 # the next one (below 1: a prediction a little long must not leave the device idle), and the least
 # time left before its predicted end to form and launch it in. BOUNDGEN_LATE_MERGE_SHARE sets the
 # share for an A/B: with two streams (`batch_streams`) a batch formed earlier starts beside the
-# running one — fewer requests merged, more overlap — and which wins is measured, not assumed.
+# running one — fewer requests merged, more overlap (0.5 did not make two beam streams win over
+# one, H200 2026-12-04); with one, a later share merges more requests a batch.
 LATE_MERGE_SHARE = float(os.environ.get("BOUNDGEN_LATE_MERGE_SHARE", "0.8"))
 if not 0.0 <= LATE_MERGE_SHARE <= 1.0:
     raise ValueError(f"BOUNDGEN_LATE_MERGE_SHARE={LATE_MERGE_SHARE}: expected 0 to 1")
