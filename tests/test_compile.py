@@ -822,3 +822,35 @@ def test_compile_reads_the_serve_config_files_engine_settings(tmp_path):
     assert (cfg.fp8, cfg.fp8_force, cfg.dtype) == ("mlp", True, "float32")
     plain = _engine_config(build_parser().parse_args(["compile"]))
     assert (plain.fp8, plain.fp8_force) == ("none", False)
+
+
+def test_a_finer_ladder_pads_searches_to_its_sizes(engine_for, monkeypatch):
+    """With the finer ladder three prompts run as three (not four) and give the plain search's
+    results; the warm-up makes every size of the ladder up to its count."""
+    from boundgen import warmup
+    from boundgen.compile import decode
+
+    monkeypatch.setattr(decode, "BATCH_SIZES", decode.batch_sizes("1,2,3,4,6,8"))
+    monkeypatch.setattr(warmup, "BATCH_SIZES", decode.BATCH_SIZES)
+    engine = engine_for("qwen2")
+    sg = _cpu_search_buckets(engine, ["t32-s8"])
+    g = torch.Generator().manual_seed(5)
+    prompts = [_ids(g, 6) for _ in range(3)]
+    with torch.inference_mode():
+        got = sg.run(prompts, 3, 3)
+        want = engine.runner.beam_search(prompts, 3, 3)
+    assert torch.equal(got[0], want[0]) and {k[1] for k in sg.slots} == {3}
+    entry = {"kind": "beam", "prompt_tokens": 8, "width": 2, "steps": 2, "count": 5}
+    made = [what for what, _ in warmup.requests(engine, [entry])]
+    assert [w.split("x")[0] for w in made] == ["beam 1", "beam 2", "beam 3", "beam 4", "beam 6"]
+
+
+def test_beam_batch_size_ladder_parses_and_rejects_bad_lists():
+    """`BOUNDGEN_BEAM_BATCH_SIZES`: ascending whole numbers from 1, else a clear error naming it."""
+    from boundgen.compile.decode import BATCH_SIZES, batch_sizes
+
+    assert BATCH_SIZES[0] == 1
+    assert batch_sizes("1,2,3,4,6,8,12,16,24,32") == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+    for bad in ("", "2,4", "1,4,4", "1,8,4", "1,two"):
+        with pytest.raises(ValueError, match="BOUNDGEN_BEAM_BATCH_SIZES"):
+            batch_sizes(bad)

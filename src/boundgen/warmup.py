@@ -18,7 +18,8 @@ plans the buckets and warms them:
      {"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": 8, "trie": "items"}]
 
 A beam entry warms every batch size its searches can be padded to (1, 2, 4, ... up to `count`
-prompts: concurrent requests are merged, and more than `count` are cut into these sizes);
+prompts, `compile.decode.BATCH_SIZES`: concurrent requests are merged, and more than `count` are
+cut into these sizes);
 `prompt_tokens` is the longest prompt its graphs take (a longer one runs on the plain path, with
 a WARNING); `trie` names one of the tries given (the server's `--trie NAME=FILE`), and its `steps`
 default to the trie's depth. Token ids are drawn from a fixed seed, so a warm-up is the same

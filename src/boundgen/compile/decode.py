@@ -21,8 +21,10 @@ replay reads and writes the same buffers in the same order; a trie's tensors kee
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -259,7 +261,27 @@ class ModelSteps:
 
 # ---- the whole search, captured per bucket ------------------------------------------------------
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # prompts per search: a request's count is padded up
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """The prompts-per-search ladder from "1,2,4,..." (ascending, from 1): a merged search is
+    padded up to the next size, so each size is a graph a warm-up makes."""
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or sizes[0] != 1 or any(b <= a for a, b in itertools.pairwise(sizes)):
+        raise ValueError(
+            f"BOUNDGEN_BEAM_BATCH_SIZES={text!r}: expected ascending whole numbers from 1, "
+            "e.g. 1,2,4,8,16,32,64"
+        )
+    return sizes
+
+
+# Prompts per search: a search's count is padded up to the next of these. Powers of two waste up
+# to half a search's prompt work (17 merged requests run as 32); a finer ladder
+# ("1,2,3,4,6,8,12,16,24,32,48,64": at most a third) makes more graphs at warm-up. Which serves
+# `/v1/beam` better is the GPU's A/B (BENCHMARKS.md "Still to measure").
+BATCH_SIZES = batch_sizes(os.environ.get("BOUNDGEN_BEAM_BATCH_SIZES", "1,2,4,8,16,32,64"))
 
 
 @dataclass
