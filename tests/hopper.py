@@ -13,12 +13,22 @@ import pytest
 
 # What every such script starts and ends with: it defines the kernel `fn`, its signature `sig`,
 # its constexprs `const`, the pointer/stride arguments `aligned` (16-byte divisible) and its
-# `warps`/`stages`; this compiles it for sm_90 and prints the cubin's size.
+# `warps`/`stages` (an attention kernel's scale: `constexprs_with_scale`); this compiles it for
+# sm_90 and prints the cubin's size.
 _HEAD = """
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+
+def constexprs_with_scale(sig, const, scale_type, value):
+    # the attention scale as Inductor hands it over (fp32 or fp64), or as torch 2.11's mutation
+    # analysis does (a constexpr); then every constexpr in the signature
+    sig["qk_scale"] = scale_type
+    if scale_type == "constexpr":
+        const["qk_scale"] = value
+    sig.update(dict.fromkeys(const, "constexpr"))
 """
 _TAIL = """
 src = ASTSource(

@@ -68,10 +68,7 @@ const = dict(
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({n: "*bf16" for n in ("Q", "PK", "PV", "BK", "BV", "Out")})
 sig.update({"STEP": "*i64", "CU_BEAMS": "*i32", "CU_PROMPT": "*i32"})
-sig["qk_scale"] = scale_type
-if scale_type == "constexpr":  # how torch 2.11's mutation analysis hands scalars over
-    const["qk_scale"] = 0.125
-sig.update(dict.fromkeys(const, "constexpr"))
+constexprs_with_scale(sig, const, scale_type, 0.125)
 aligned = [n for n in fn.arg_names if sig[n].startswith("*")]
 warps, stages = m.NUM_WARPS, 2
 """

@@ -132,10 +132,7 @@ const = dict(SLOTS=4, GROUP=group, HEAD_DIM=d, BLOCK_G=max(2, triton.next_power_
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({n: "*bf16" for n in ("Q", "BK", "BV", "SO", "Out")})
 sig.update({"SLSE": "*fp32", "STEP": "*i64"})
-sig["qk_scale"] = scale_type
-if scale_type == "constexpr":  # how torch 2.11's mutation analysis hands scalars over
-    const["qk_scale"] = 0.125
-sig.update(dict.fromkeys(const, "constexpr"))
+constexprs_with_scale(sig, const, scale_type, 0.125)
 aligned = [n for n in fn.arg_names if sig[n].startswith("*")]
 warps, stages = m.NUM_WARPS, 2
 """

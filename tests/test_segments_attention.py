@@ -222,10 +222,7 @@ const = dict(
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({n: "*bf16" for n in ("Q", "K", "V", "Out")})
 sig.update({n: "*i32" for n in ("CU", "CU_PREFIX", "CU_GROUP_Q")})
-sig["qk_scale"] = scale_type
-if scale_type == "constexpr":  # how torch 2.11's mutation analysis hands scalars over
-    const["qk_scale"] = 0.18033688011112042
-sig.update(dict.fromkeys(const, "constexpr"))
+constexprs_with_scale(sig, const, scale_type, 0.18033688011112042)
 aligned = [n for n in fn.arg_names if n.startswith("stride") or sig[n].startswith("*")]
 """
 
