@@ -205,7 +205,7 @@ def install_device(stream: Stream) -> None:
     from boundgen.runtime import device_queue
     from boundgen.runtime import executor as ex
 
-    device_queue.set_queue_factory(lambda executor: Queue(stream))
+    device_queue.set_queue_factory(lambda executor, streams: Queue(stream))
 
     cuda = types.SimpleNamespace(
         Event=lambda *a, **kw: Event(stream),

@@ -51,7 +51,7 @@ class FakeDevice:
 @pytest.fixture
 def device():
     fake = FakeDevice()
-    device_queue.set_queue_factory(lambda executor: fake)
+    device_queue.set_queue_factory(lambda executor, streams: fake)
     yield fake
     device_queue.set_queue_factory(None)
 
@@ -173,7 +173,7 @@ def test_depth_one_waits_for_its_own_batch(device):
 
 def test_the_cost_model_learns_the_device_time_not_the_launch():
     fake = FakeDevice(auto=True)
-    device_queue.set_queue_factory(lambda executor: fake)
+    device_queue.set_queue_factory(lambda executor, streams: fake)
     try:
         h = Harness(device_depth=2)
         h.node.cost.warm_units = 1

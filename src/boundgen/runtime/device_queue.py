@@ -81,20 +81,18 @@ def _default_factory(executor: Any, streams: int = 1) -> DeviceQueue | None:
     return CudaQueue(executor.device, streams) if executor.cuda else None
 
 
-_factory: Callable[[Any], DeviceQueue | None] = _default_factory
+_factory: Callable[[Any, int], DeviceQueue | None] = _default_factory
 
 
 def queue_for(executor: Any, streams: int = 1) -> DeviceQueue | None:
     """The device queue of a DEVICE batching node under `executor` (None: the work runs in the
-    call); `streams`: how many of its batches may run at once (CUDA; a simulated device's
-    factory makes its own one queue)."""
-    if _factory is _default_factory:
-        return _default_factory(executor, streams)
-    return _factory(executor)
+    call); `streams`: how many of its batches may run at once."""
+    return _factory(executor, streams)
 
 
-def set_queue_factory(factory: Callable[[Any], DeviceQueue | None] | None) -> None:
-    """Make `queue_for` use `factory` (None: back to CUDA streams on CUDA executors). For tests
-    and benchmarks that simulate a device; affects nodes whose queue is made afterwards."""
+def set_queue_factory(factory: Callable[[Any, int], DeviceQueue | None] | None) -> None:
+    """Make `queue_for` use `factory(executor, streams)` (None: back to CUDA streams on CUDA
+    executors). For tests and benchmarks that simulate a device (one simulated stream may ignore
+    `streams`); affects nodes whose queue is made afterwards."""
     global _factory
     _factory = factory or _default_factory
