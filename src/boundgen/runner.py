@@ -302,7 +302,7 @@ class ModelRunner:
         """How many beam searches may run at once on this runner's device (one whole-search
         graph replica per CUDA stream, `compile.search_streams`); 1 without graphs."""
         graphs = self.forwards.search if self.forwards else None
-        return getattr(graphs, "streams", 1) if graphs is not None else 1
+        return graphs.streams if graphs is not None else 1
 
     def largest_search(
         self, width: int, steps: int, trie: Any = None, banned: tuple[int, ...] = ()

@@ -352,6 +352,10 @@ class SearchGraphs:
         # change alone made them finish)
         self._capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
 
+    # how many searches may run at once: one (its graphs share one pool and each bucket's buffers;
+    # `compile.search_streams.SearchStreams` keeps a replica per stream)
+    streams = 1
+
     def seal(self) -> None:
         """Make no bucket from now on (see the class docstring)."""
         self.sealed = True
