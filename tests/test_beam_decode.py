@@ -63,7 +63,8 @@ from boundgen.attention import beam_decode as m
 gqa, d, scale_type = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 fn = m._beam_decode_kernel
 const = dict(
-    SLOTS=4, GQA=gqa, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=m.BLOCK_M, BLOCK_N=m.BLOCK_N, INTERPRET=False,
+    SLOTS=4, GQA=gqa, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=m.BLOCK_M, BLOCK_N=m.BLOCK_N, IEEE=False,
+    INTERPRET=False,
 )
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({n: "*bf16" for n in ("Q", "PK", "PV", "BK", "BV", "Out")})

@@ -68,7 +68,7 @@ def _search(cu, x, n, ITERS: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
+def dot(a, b, IEEE: tl.constexpr):
     """a @ b with float32 accumulation; float32 inputs multiplied exactly (not as tf32)."""
     if IEEE:
         out = tl.dot(a, b, input_precision="ieee")
@@ -112,7 +112,7 @@ def _block(
         k = _tile(Kh, T, stride_kt, start, HEAD_DIM, BLOCK_N, BLOCK_D)
     if INTERPRET:
         k = k.to(tl.float32)
-    s = _dot(q, tl.trans(k), IEEE) * qk_scale
+    s = dot(q, tl.trans(k), IEEE) * qk_scale
     if MASK:
         keys = start + tl.arange(0, BLOCK_N)
         visible = (keys[None, :] >= row_lo[:, None]) & (keys[None, :] < row_hi[:, None])
@@ -131,7 +131,7 @@ def _block(
     p = p.to(vt.dtype)  # as flash attention: probabilities in the input dtype for the PV product
     if INTERPRET:
         p, vt = p.to(tl.float32), vt.to(tl.float32)
-    acc = acc * alpha[:, None] + _dot(p, vt, IEEE)
+    acc = acc * alpha[:, None] + dot(p, vt, IEEE)
     m_i = m_new
     return acc, m_i, l_i
 
