@@ -219,14 +219,15 @@ def test_compiled_search_on_the_demo_model():
             assert_recommends_as_plain(got, want)
 
 
-def test_compiled_search_with_the_own_slot_kernel(monkeypatch):
-    """With `BOUNDGEN_BEAM_OWN_KERNEL` on, the compiled layers run the own-slot + merge kernel
-    (`attention/own_slots.py`: seen in a replay's kernels) and the search recommends what the
-    plain search does, as `test_compiled_search_on_the_demo_model` asks of Inductor's kernels."""
+@pytest.mark.parametrize("enabled", [True, False])
+def test_compiled_search_with_and_without_the_own_slot_kernel(monkeypatch, enabled):
+    """With `BOUNDGEN_BEAM_OWN_KERNEL` on (the default) the compiled layers run the own-slot + merge
+    kernel (`attention/own_slots.py`: seen in a replay's kernels), off they run Inductor's kernels;
+    either way the search recommends what the plain search does."""
     from boundgen.attention import own_slots
     from boundgen.compile.decode import SearchGraphs
 
-    monkeypatch.setattr(own_slots, "ENABLED", True)
+    monkeypatch.setattr(own_slots, "ENABLED", enabled)
     engine, trie, attention = demo_search()
     sg = SearchGraphs(engine.model, engine.device, attention, compile_layers=True)
     prompts = [engine.tokenizer.encode(f"history: item {i} item {i + 5} next:") for i in range(6)]
@@ -237,7 +238,8 @@ def test_compiled_search_with_the_own_slot_kernel(monkeypatch):
             torch.cuda.synchronize()
         want, _ = engine.runner.beam_search(prompts, 8, trie.depth, trie)
     names = {e.name for e in prof.events()}
-    assert any("_own_slots_merge_kernel" in n for n in names), sorted(names)[:20]
+    ran = any("_own_slots_merge_kernel" in n for n in names)
+    assert ran is enabled, sorted(names)[:20]
     assert_recommends_as_plain(got, want)
 
 
