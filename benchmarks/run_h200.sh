@@ -115,11 +115,11 @@ run_phase() {
     # TAIL_NAME: another name for its log and JSON (an A/B in one call, e.g. with W5_ARGS="--graph-max-tokens 16384")
     # TAIL_PRELUDE: Python the server runs first (an A/B, e.g. "import sys; sys.setswitchinterval(0.0005)");
     # TAIL_WRK_CONNS: wrk's connections for the --rates steps (64 with a think time cap what they offer);
-    # TAIL_GIL=SECONDS: last, 64 connections while py-spy records who holds the server's GIL (gil_profile.py);
+    # TAIL_GIL=SECONDS: last, TAIL_GIL_CONNS (64) connections while py-spy records who holds the server's GIL (gil_profile.py);
     # TAIL_GPU_WINDOW=SECONDS: last, 64 connections while the server records its GPU work (gpu_window.py);
     # TAIL_SERVE_ARGS: server-only flags (e.g. "--config benchmarks/configs/cpu_workers2.yaml");
     # TAIL_CLOSED: wrk's closed-loop connection counts (no think time: "1 4 64" reaches saturation)
-    tail) phase ${TAIL_NAME:-tail} 240 env -u LD_PRELOAD python3 benchmarks/bench_tail.py --model $M --serve-args "$W5_SERVE ${TAIL_SERVE_ARGS:-}" --items 100 --item-tokens 16 --query-tokens 256 --closed ${TAIL_CLOSED:-1 4} --rates ${TAIL_RATES:-25 50 100 150 200 300} --wrk-connections ${TAIL_WRK_CONNS:-64} --client-processes 4 --duration 6 --server-cpus 0-7 --client-cpus 8-15 --server-prelude "${TAIL_PRELUDE:-}" --gil-profile ${TAIL_GIL:-0} --gpu-window ${TAIL_GPU_WINDOW:-0} --out "$OUT/${TAIL_NAME:-tail}.json" ;;
+    tail) phase ${TAIL_NAME:-tail} 240 env -u LD_PRELOAD python3 benchmarks/bench_tail.py --model $M --serve-args "$W5_SERVE ${TAIL_SERVE_ARGS:-}" --items 100 --item-tokens 16 --query-tokens 256 --closed ${TAIL_CLOSED:-1 4} --rates ${TAIL_RATES:-25 50 100 150 200 300} --wrk-connections ${TAIL_WRK_CONNS:-64} --client-processes 4 --duration 6 --server-cpus 0-7 --client-cpus 8-15 --server-prelude "${TAIL_PRELUDE:-}" --gil-profile ${TAIL_GIL:-0} --gil-profile-connections ${TAIL_GIL_CONNS:-64} --gpu-window ${TAIL_GPU_WINDOW:-0} --out "$OUT/${TAIL_NAME:-tail}.json" ;;
     hf-serving) phase hf-serving 90 python3 benchmarks/bench_serving.py --model $M --device cuda --servers hf --qps-steps 5 10 --duration 6 --warmup 5 --out-dir "$OUT/hf" ;;
     beam-serving) echo '[{"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": 16, "trie": "w4"}]' > /tmp/beam_profile.json
       phase beam-serving 420 python3 benchmarks/bench_serving.py --model $M --device cuda --workload beam --servers boundgen --slo-ms 50 --trie-items 100000 --qps-steps ${BEAM_QPS:-50 100 200 400 800 1600} --duration 6 --warmup 20 --serve-args "--backend compile+graphs --compile-buckets t64 --warmup /tmp/beam_profile.json" --out-dir "$OUT/beam" ;;
