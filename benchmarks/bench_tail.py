@@ -267,6 +267,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def gc_line(before: dict, after: dict) -> str:
+    """Each generation's collections between two readings of the server's `gc_pause` metrics:
+    their count and mean pause, and the process's longest so far (which the warm-up may have set:
+    the metric keeps no per-window maximum)."""
+    gens = []
+    for g in range(3):
+        n = after.get(f"gen{g}_seconds_count", 0) - before.get(f"gen{g}_seconds_count", 0)
+        total = after.get(f"gen{g}_seconds_sum", 0) - before.get(f"gen{g}_seconds_sum", 0)
+        mean = f"{total / n * 1e3:.2f} ms on average, " if n else ""
+        worst = after.get(f"gen{g}_max_seconds", 0) * 1e3
+        gens.append(f"gen{g}: {n:.0f} ({mean}longest since start {worst:.1f} ms)")
+    return ", ".join(gens)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=None, help="a running server (default: start one)")
@@ -442,13 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out.write_text(json.dumps(result, indent=1))
     print(table(rows))
-    gens = []
-    for g in range(3):
-        count = f"gen{g}_seconds_count"
-        n = gc_after.get(count, 0) - gc_before.get(count, 0)
-        worst = gc_after.get(f"gen{g}_max_seconds", 0) * 1e3
-        gens.append(f"gen{g}: {n:.0f} (max so far {worst:.1f} ms)")
-    print("collections during the runs: " + ", ".join(gens))
+    print("collections during the runs: " + gc_line(gc_before, gc_after))
     print(f"wrote {out}")
     return 0
 
