@@ -108,14 +108,13 @@ def test_decode_layer_takes_the_kernel_when_chosen(monkeypatch, engine_for):
     for step in range(slots):
         s = torch.tensor([step])
         # slots before the step written by earlier steps; the step's own written by the layer
-        bk0 = mk(n, slots, cfg.num_kv_heads, cfg.head_dim)
-        bv0 = mk(n, slots, cfg.num_kv_heads, cfg.head_dim)
+        bkv0 = mk(n, slots, 2, cfg.num_kv_heads, cfg.head_dim)
         outs = []
         for use in (False, True):
             monkeypatch.setattr(own_slots, "chosen", lambda device, use=use: use)
-            bk, bv = bk0.clone(), bv0.clone()
             rows = (cu_b * group, max(widths) * group)
-            args = (layer, x, cos, sin, pk, pv, bk, bv, s, cu_b, cu_p, max(widths), max(prompt))
+            kvs = (pk, pv, bkv0.clone())
+            args = (layer, x, cos, sin, *kvs, s, cu_b, cu_p, max(widths), max(prompt))
             outs.append(decode.decode_layer(*args, *rows, group, ReferenceBackend()))
         tol = 2e-5 if dt == torch.float32 else 3e-2
         torch.testing.assert_close(outs[1], outs[0], rtol=tol, atol=tol)

@@ -29,22 +29,28 @@ class PromptKV:
 
 
 class BeamKV:
-    """Generated-token K/V of every live beam: k, v [L, N, S, Hkv, D], allocated once per
-    request."""
+    """Generated-token K/V of every live beam, side by side: kv [L, N, S, 2, Hkv, D] (`k`, `v`
+    [L, N, S, Hkv, D]: its two halves, views), allocated once per request. Side by side, a decode
+    step stores a beam's k and v with one write (in a compiled layer one kernel, where separate
+    buffers took two) and a reorder gathers both with one `index_select`."""
 
     def __init__(self, num_layers, num_beams, steps, kv_heads, head_dim, dtype, device) -> None:
-        shape = (num_layers, num_beams, max(steps, 1), kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self._k_spare = torch.empty_like(self.k)
-        self._v_spare = torch.empty_like(self.v)
+        shape = (num_layers, num_beams, max(steps, 1), 2, kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self._spare = torch.empty_like(self.kv)
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[:, :, :, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, :, :, 1]
 
     def reorder(self, parent: torch.Tensor) -> None:
-        """Beam n continues beam parent[n]: gather into the spare buffers and swap."""
-        torch.index_select(self.k, 1, parent, out=self._k_spare)
-        torch.index_select(self.v, 1, parent, out=self._v_spare)
-        self.k, self._k_spare = self._k_spare, self.k
-        self.v, self._v_spare = self._v_spare, self.v
+        """Beam n continues beam parent[n]: gather into the spare buffer and swap."""
+        torch.index_select(self.kv, 1, parent, out=self._spare)
+        self.kv, self._spare = self._spare, self.kv
 
 
 class DecodeKV:
@@ -77,8 +83,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """q [N, Hq, D], k/v [N, Hkv, D] for one new token per beam → [N, Hq, D]."""
     s = state.step
-    state.beams.k[layer, :, s] = k
-    state.beams.v[layer, :, s] = v
+    state.beams.kv[layer, :, s] = torch.stack((k, v), 1)
     shared, shared_lse = grouped_rows_attention(
         q,
         state.prompt.k[layer],

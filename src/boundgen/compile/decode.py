@@ -118,8 +118,7 @@ def decode_layer(
     sin,
     pk,
     pv,
-    bk,
-    bv,
+    bkv,
     step,
     cu_beams,
     cu_prompt,
@@ -132,17 +131,17 @@ def decode_layer(
     fused: bool = False,
 ):
     """A decoder layer for one token per beam. The beam's k/v go into slot `step` (an int64 tensor
-    [1]) of `bk`/`bv` [N, S, Hkv, D]; queries attend to their prompt's KV (`pk`/`pv` [T, Hkv, D],
-    segments `cu_prompt`, shared by the prompt's beams `cu_beams`; their `group` query heads of a
-    KV head as rows `cu_rows`, `max_rows`: `cascade.grouped_rows_attention`) and to their own
-    slots ≤ step, merged by log-sum-exp; with `fused` (on CUDA) in one kernel
-    (`attention/beam_decode.py`). x [N, hidden] → [N, hidden]."""
+    [1]) of `bkv` [N, S, 2, Hkv, D] (k and v side by side, `BeamKV`: one write); queries attend
+    to their prompt's KV (`pk`/`pv` [T, Hkv, D], segments `cu_prompt`, shared by the prompt's
+    beams `cu_beams`; their `group` query heads of a KV head as rows `cu_rows`, `max_rows`:
+    `cascade.grouped_rows_attention`) and to their own slots ≤ step, merged by log-sum-exp; with
+    `fused` (on CUDA) in one kernel (`attention/beam_decode.py`). x [N, hidden] → [N, hidden]."""
     n = x.shape[0]
     fused = fused and x.is_cuda
     # the prompt attention reads q grouped by KV head: rotated into that order, not copied there
     q, k, v = layer.attention_input(x, cos, sin, grouped=group > 1 and not fused)
-    bk.index_copy_(1, step, k.unsqueeze(1))
-    bv.index_copy_(1, step, v.unsqueeze(1))
+    bkv.index_copy_(1, step, torch.stack((k, v), 1).unsqueeze(1))
+    bk, bv = bkv[:, :, 0], bkv[:, :, 1]
     if fused:  # one kernel for the prompt part, own slots and merge
         o = torch.ops.boundgen.beam_decode(q, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams)
     elif group > 1 and own_slots.chosen(x.device):  # flash, then one kernel for the rest
@@ -233,10 +232,10 @@ class ModelSteps:
         x = m.embed_tokens(tokens)
         cos, sin = m.rotary(positions, x.dtype)
         for i, layer in enumerate(m.layers):
-            pk, pv, bk, bv = state.prompt.k[i], state.prompt.v[i], b.k[i], b.v[i]
+            pk, pv, bkv = state.prompt.k[i], state.prompt.v[i], b.kv[i]
             if self.compiled:
                 _rows_dynamic(
-                    x, cos, sin, pk, pv, bk, bv, state.cu_beams, state.cu_prompt, state.cu_rows
+                    x, cos, sin, pk, pv, bkv, state.cu_beams, state.cu_prompt, state.cu_rows
                 )
             x = self._decode(
                 layer,
@@ -245,8 +244,7 @@ class ModelSteps:
                 sin,
                 pk,
                 pv,
-                bk,
-                bv,
+                bkv,
                 step,
                 state.cu_beams,
                 state.cu_prompt,
@@ -504,7 +502,7 @@ class SearchGraphs:
                 last_index=torch.zeros(b, dtype=torch.int64, device=dev),
                 lengths=torch.ones(b, dtype=torch.int64, device=dev),
                 state=state,
-                initial=(beams.k, beams.v, beams._k_spare, beams._v_spare),
+                initial=(beams.kv, beams._spare),
                 steps=torch.arange(max(steps, 1), dtype=torch.int64, device=dev),
                 banned=banned_tensor(banned, cfg.vocab_size, dev),
                 label=f"{bucket.name} B={b}",
@@ -515,7 +513,7 @@ class SearchGraphs:
     def _search(self, slot: _Slot, width: int, steps: int, trie: Any) -> None:
         """One search over the slot's buffers (what the graph captures)."""
         beams = slot.state.beams
-        beams.k, beams.v, beams._k_spare, beams._v_spare = slot.initial
+        beams.kv, beams._spare = slot.initial
         hidden = self.steps.prefill(
             slot.ids, slot.positions, slot.cu_seqlens, slot.max_seqlen, slot.state.prompt
         )
