@@ -110,3 +110,18 @@ def test_decode_attention_choice(monkeypatch, engine_for, mode, compiled, backen
     monkeypatch.setattr(module, "MODE", "fast")
     with pytest.raises(ValueError, match="BOUNDGEN_BEAM_ATTENTION='fast'.*auto, fused, flash"):
         module.chosen(compiled, backend)
+
+
+def test_k_and_v_halves_of_one_buffer_or_apart_give_the_same_attention():
+    """`BeamKV` hands the kernel k and v as the two halves of one buffer (equal strides); apart
+    with other strides (a k laid out as a slice of a wider buffer) the kernel still reads both
+    right."""
+    q, pk, pv, bk, bv, cu_b, cu_p = case([4, 4], [9, 5], 4, 2, 16, 3, torch.float32)
+    s = torch.tensor([2], dtype=torch.int64, device=DEV)
+    want = beam_decode(q, pk, pv, bk, bv, s, cu_b, cu_p, 4)
+    halves = torch.stack((bk, bv), 2)  # [N, S, 2, Hkv, D]
+    got = beam_decode(q, pk, pv, halves[:, :, 0], halves[:, :, 1], s, cu_b, cu_p, 4)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    wide_k = torch.cat((bk, torch.zeros_like(bk)), 2)[:, :, : bk.shape[2]]  # other strides than bv
+    got = beam_decode(q, pk, pv, wide_k, bv, s, cu_b, cu_p, 4)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -189,6 +189,8 @@ if AVAILABLE:
         q, pk, pv, bk, bv = (
             x if x.stride(-1) == 1 else x.contiguous() for x in (q, pk, pv, bk, bv)
         )
+        if bk.stride() != bv.stride():  # the kernel walks both with one set of strides
+            bk, bv = bk.contiguous(), bv.contiguous()
         out = torch.empty_like(q)
         grid = (cu_beams.shape[0] - 1, hkv, triton.cdiv(max_beams * gqa, BLOCK_M))
         traceable(_beam_decode_kernel)[grid](
