@@ -425,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                 raw = out.with_suffix(".gil.txt")
                 spy = gil_profile.record(proc.pid, args.gil_profile, raw)
                 c = args.gil_profile_connections
-                record(run_wrk(url, script, bodies, c, 0, args.gil_profile + 3, args.client_cpus))
+                row = run_wrk(url, script, bodies, c, 0, args.gil_profile + 3, args.client_cpus)
+                record(row | {"profiled": "py-spy"})
                 gil = gil_profile.finish(spy, raw)
                 print(f"GIL holders ({c} connections): {json.dumps(gil)[:1500]}", flush=True)
             if args.gpu_window and proc is not None:

@@ -50,9 +50,9 @@ def read(path: Path, wait_s: float = 20.0) -> dict:
 def under_load(window: Path, trigger: Path, seconds: float, load, label: str):
     """Run `load(seconds + 3)` (a saturated closed loop, returning its row) and, one second in,
     touch `trigger` so the server records `seconds` of its GPU work; print the window in a line
-    under `label` and return (the load's row, the window)."""
+    under `label` and return (the load's row, marked `profiled`, and the window)."""
     threading.Timer(1.0, trigger.touch).start()
-    row = load(seconds + 3)
+    row = load(seconds + 3) | {"profiled": "GPU window"}
     w = read(window)
     print(f"GPU window ({label}): {line(w)}", flush=True)
     return row, w

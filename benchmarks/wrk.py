@@ -144,9 +144,12 @@ def run_wrk(
 
 
 def load_label(row: dict) -> str:
-    """A run's load as a table cell: "16 conn", or "256 conn, think 504 ms"."""
+    """A run's load as a table cell: "16 conn", or "256 conn, think 504 ms"; a run the server
+    was profiled during says so ("256 conn, GPU window on"): its numbers are the profiler's too
+    (a GPU window's CUPTI slowed `/v1/beam` from 1,630 to 674–686 req/s, seventeenth session)."""
     think = f", think {row['think_ms']:.0f} ms" if row["think_ms"] else ""
-    return f"{row['connections']} conn{think}"
+    profiled = f", {row['profiled']} on" if row.get("profiled") else ""
+    return f"{row['connections']} conn{think}{profiled}"
 
 
 def tail_line(row: dict, top: int = 6, keys: tuple[str, ...] = ()) -> str:

@@ -87,6 +87,17 @@ def test_under_load_triggers_the_window_while_the_load_runs(tmp_path, capsys):
         return {"ok_per_s": 1.0}
 
     row, window = gpu_window.under_load(out, trigger, 0.5, load, "2 connections")
-    assert seen == [3.5] and row == {"ok_per_s": 1.0}
+    assert seen == [3.5] and row == {"ok_per_s": 1.0, "profiled": "GPU window"}
     assert "no CUDA device" in window["error"]
     assert capsys.readouterr().out.startswith(f"GPU window (2 connections): {window['error']}")
+
+
+def test_a_profiled_run_says_so_in_its_load_cell():
+    """The window's CUPTI slows the server it records: its row's load cell names it, so the row
+    is not read as the server's throughput."""
+    import wrk
+
+    row = {"connections": 256, "think_ms": 0.0}
+    assert wrk.load_label(row) == "256 conn"
+    assert wrk.load_label(row | {"profiled": "GPU window"}) == "256 conn, GPU window on"
+    assert wrk.load_label({"connections": 64, "think_ms": 210.4}) == "64 conn, think 210 ms"
