@@ -146,7 +146,8 @@ def run_wrk(
 def load_label(row: dict) -> str:
     """A run's load as a table cell: "16 conn", or "256 conn, think 504 ms"; a run the server
     was profiled during says so ("256 conn, GPU window on"): its numbers are the profiler's too
-    (a GPU window's CUPTI slowed `/v1/beam` from 1,630 to 674–686 req/s, seventeenth session)."""
+    (under a GPU window 256 connections got 674–686 `/v1/beam` req/s from a server that served
+    1,183–1,190 to 64, seventeenth session)."""
     think = f", think {row['think_ms']:.0f} ms" if row["think_ms"] else ""
     profiled = f", {row['profiled']} on" if row.get("profiled") else ""
     return f"{row['connections']} conn{think}{profiled}"
