@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 
 def traceable(kernel):
     """`kernel` as torch.compile and torch.export can trace it inside a `triton_op`
@@ -11,3 +16,18 @@ def traceable(kernel):
     from torch.library import wrap_triton
 
     return wrap_triton(kernel) if isinstance(kernel, triton.runtime.JITFunction) else kernel
+
+
+def unit_last_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors` as the kernels index them, each with its last dim contiguous: as it is where it
+    already is, else a contiguous copy."""
+    return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in tensors)
+
+
+def one_stride_set(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`a` and `b` (the beam kernels' own-slot k and v) as a kernel that walks both with `a`'s
+    strides reads them: as they are when their strides match (`kv.BeamKV`'s halves), else
+    contiguous copies."""
+    if a.stride() != b.stride():
+        return a.contiguous(), b.contiguous()
+    return a, b

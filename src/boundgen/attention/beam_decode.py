@@ -30,7 +30,7 @@ try:
     from torch.library import triton_op
 
     from boundgen.attention.segments import dot
-    from boundgen.triton_launch import traceable
+    from boundgen.triton_launch import one_stride_set, traceable, unit_last_stride
 
     AVAILABLE = True
 except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
@@ -186,11 +186,8 @@ if AVAILABLE:
         hq, d = q.shape[1], q.shape[2]
         hkv, slots = pk.shape[1], bk.shape[1]
         gqa = hq // hkv
-        q, pk, pv, bk, bv = (
-            x if x.stride(-1) == 1 else x.contiguous() for x in (q, pk, pv, bk, bv)
-        )
-        if bk.stride() != bv.stride():  # the kernel walks both with one set of strides
-            bk, bv = bk.contiguous(), bv.contiguous()
+        q, pk, pv, bk, bv = unit_last_stride(q, pk, pv, bk, bv)
+        bk, bv = one_stride_set(bk, bv)
         out = torch.empty_like(q)
         grid = (cu_beams.shape[0] - 1, hkv, triton.cdiv(max_beams * gqa, BLOCK_M))
         traceable(_beam_decode_kernel)[grid](

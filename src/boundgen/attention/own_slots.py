@@ -35,7 +35,7 @@ try:
     import triton.language as tl
     from torch.library import triton_op
 
-    from boundgen.triton_launch import traceable
+    from boundgen.triton_launch import one_stride_set, traceable, unit_last_stride
 
     AVAILABLE = True
 except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
@@ -147,11 +147,8 @@ if AVAILABLE:
         order: each beam's attention over its prompt and its own slots ≤ step."""
         n, group, hkv, d = q.shape
         slots = bk.shape[1]
-        q, bk, bv, shared = (
-            x if x.stride(-1) == 1 else x.contiguous() for x in (q, bk, bv, shared)
-        )
-        if bk.stride() != bv.stride():  # the kernel walks both with one set of strides
-            bk, bv = bk.contiguous(), bv.contiguous()
+        q, bk, bv, shared = unit_last_stride(q, bk, bv, shared)
+        bk, bv = one_stride_set(bk, bv)
         out = torch.empty((n, group * hkv, d), dtype=q.dtype, device=q.device)
         if n == 0:
             return out

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from boundgen.triton_launch import traceable
+from boundgen.triton_launch import traceable, unit_last_stride
 
 
 def _has_block_pointers() -> bool:
@@ -543,7 +543,7 @@ def packed_prefill(
     `cu_seqlens`; tokens [num_prefix, num_prefix + num_shared) also see, non-causally, the prefix
     of their group (`cu_group_q` over that span, `cu_prefix` over [0, num_prefix)). Without shared
     prefixes pass num_shared = 0 (the two group tensors are then not read)."""
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k, v = unit_last_stride(q, k, v)
     return launch(
         q, k, v, cu_seqlens, cu_prefix, cu_group_q, num_prefix, num_shared, *config_for(q.shape[2])
     )
