@@ -77,8 +77,9 @@ def test_grouped_partial_is_the_attention_before_head_order():
 
 @pytest.mark.skipif(CUDA, reason="a CPU layer in Triton's interpreter (CUDA: test_compile_gpu)")
 def test_decode_layer_takes_the_kernel_when_chosen(monkeypatch, engine_for):
-    """A decode layer with the kernel chosen returns what it returns without it (one layer of a
-    Qwen2-shaped model, grouped rows, every step)."""
+    """A compiled layer's decode layer (`own_kernel`) with the kernel chosen returns what it
+    returns without it (one layer of a Qwen2-shaped model, grouped rows, every step); an eager
+    one never takes it."""
     from boundgen.attention import own_slots
     from boundgen.compile import decode
 
@@ -115,10 +116,15 @@ def test_decode_layer_takes_the_kernel_when_chosen(monkeypatch, engine_for):
             rows = (cu_b * group, max(widths) * group)
             kvs = (pk, pv, bkv0.clone())
             args = (layer, x, cos, sin, *kvs, s, cu_b, cu_p, max(widths), max(prompt))
-            outs.append(decode.decode_layer(*args, *rows, group, ReferenceBackend()))
+            outs.append(
+                decode.decode_layer(*args, *rows, group, ReferenceBackend(), own_kernel=True)
+            )
+        # an eager layer (own_kernel False) keeps the plain search's arithmetic, chosen or not
+        eager = decode.decode_layer(*args, *rows, group, ReferenceBackend())
+        torch.testing.assert_close(eager, outs[0], rtol=0, atol=0)
         tol = 2e-5 if dt == torch.float32 else 3e-2
         torch.testing.assert_close(outs[1], outs[0], rtol=tol, atol=tol)
-    assert len(calls) == slots  # only the chosen runs took it
+    assert len(calls) == slots  # only the chosen runs of compiled layers took it
 
 
 HOPPER = """

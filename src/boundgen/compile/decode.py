@@ -129,13 +129,16 @@ def decode_layer(
     group: int,
     backend,
     fused: bool = False,
+    own_kernel: bool = False,
 ):
     """A decoder layer for one token per beam. The beam's k/v go into slot `step` (an int64 tensor
     [1]) of `bkv` [N, S, 2, Hkv, D] (k and v side by side, `BeamKV`: one write); queries attend
     to their prompt's KV (`pk`/`pv` [T, Hkv, D], segments `cu_prompt`, shared by the prompt's
     beams `cu_beams`; their `group` query heads of a KV head as rows `cu_rows`, `max_rows`:
     `cascade.grouped_rows_attention`) and to their own slots ≤ step, merged by log-sum-exp; with
-    `fused` (on CUDA) in one kernel (`attention/beam_decode.py`). x [N, hidden] → [N, hidden]."""
+    `fused` (on CUDA) in one kernel (`attention/beam_decode.py`); else with `own_kernel` (on CUDA)
+    flash and one kernel for the own slots and the merge (`attention/own_slots.py`).
+    x [N, hidden] → [N, hidden]."""
     n = x.shape[0]
     fused = fused and x.is_cuda
     # the prompt attention reads q grouped by KV head: rotated into that order, not copied there
@@ -144,7 +147,7 @@ def decode_layer(
     bk, bv = bkv[:, :, 0], bkv[:, :, 1]
     if fused:  # one kernel for the prompt part, own slots and merge
         o = torch.ops.boundgen.beam_decode(q, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams)
-    elif group > 1 and own_slots.chosen(x.device):  # flash, then one kernel for the rest
+    elif group > 1 and own_kernel and own_slots.chosen(x.device):  # flash, then one kernel for the rest
         shared, shared_lse = grouped_rows_partial(
             q, pk, pv, cu_rows, cu_prompt, max_rows, max_prompt, group, backend
         )
@@ -197,6 +200,9 @@ class ModelSteps:
         self._prefill, self._decode = prefill_layer, decode_layer
         self.compiled = compile_layers
         self.fused_attention = beam_decode.chosen(compile_layers, getattr(backend, "name", ""))
+        # compiled layers only: eager ones stay the plain search's arithmetic (their graph search
+        # recommends exactly what the plain search does; the kernel rounds once where it rounds twice)
+        self.own_kernel = compile_layers
         if compile_layers:
             import torch._inductor.config as inductor
 
@@ -255,6 +261,7 @@ class ModelSteps:
                 state.group,
                 self.backend,
                 self.fused_attention,
+                self.own_kernel,
             )
         return m.norm(x)
 
