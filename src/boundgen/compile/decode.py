@@ -34,7 +34,7 @@ import torch
 
 from boundgen.attention import beam_decode, own_slots
 from boundgen.attention.cascade import grouped_rows_attention, grouped_rows_partial, merge_partial
-from boundgen.compile import residual
+from boundgen.compile import options as compile_options
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
@@ -147,7 +147,7 @@ def decode_layer(
     bk, bv = bkv[:, :, 0], bkv[:, :, 1]
     if fused:  # one kernel for the prompt part, own slots and merge
         o = torch.ops.boundgen.beam_decode(q, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams)
-    elif group > 1 and own_kernel and own_slots.chosen(x.device):  # flash, then one kernel for the rest
+    elif group > 1 and own_kernel and own_slots.chosen(x.device):  # flash, one kernel for the rest
         shared, shared_lse = grouped_rows_partial(
             q, pk, pv, cu_rows, cu_prompt, max_rows, max_prompt, group, backend
         )
@@ -200,8 +200,9 @@ class ModelSteps:
         self._prefill, self._decode = prefill_layer, decode_layer
         self.compiled = compile_layers
         self.fused_attention = beam_decode.chosen(compile_layers, getattr(backend, "name", ""))
-        # compiled layers only: eager ones stay the plain search's arithmetic (their graph search
-        # recommends exactly what the plain search does; the kernel rounds once where it rounds twice)
+        # compiled layers only: eager ones keep the plain search's arithmetic (their graph search
+        # recommends exactly what it does; the kernel rounds once where the plain search rounds
+        # twice)
         self.own_kernel = compile_layers
         if compile_layers:
             import torch._inductor.config as inductor
@@ -213,7 +214,7 @@ class ModelSteps:
             # NOTE: rows are marked dynamic per call (`_rows_dynamic`); the ints (max segment
             # lengths) specialise once, then turn dynamic at their second value (dynamo's
             # automatic dynamic shapes): two compiles per function for every bucket there is
-            options = residual.inductor_options() or None  # None: Inductor's own config
+            options = compile_options.inductor_options() or None  # None: Inductor's own config
             self._prefill = torch.compile(prefill_layer, fullgraph=True, options=options)
             self._decode = torch.compile(decode_layer, fullgraph=True, options=options)
 
