@@ -45,7 +45,15 @@ install_device_wheels
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 # A phase's budget can be overridden as NAME:SECONDS (e.g. fp8-model:200) to fit a 10-minute call.
-phase() { local name=$1 budget=${B:-$2}; shift 2; echo "=== $name (budget ${budget}s)"; timeout "$budget" "$@" 2>&1 | tee "$OUT/$name.log" | tail -45; }
+# A phase its budget cut says so in its log and the call's output (a cut phase may print nothing:
+# the eighteenth session's first W3 build died silently at 140 s).
+phase() {
+  local name=$1 budget=${B:-$2} rc; shift 2; echo "=== $name (budget ${budget}s)"
+  timeout "$budget" "$@" 2>&1 | tee "$OUT/$name.log" | tail -45; rc=${PIPESTATUS[0]}
+  [ "$rc" = 124 ] && echo "=== $name: cut by its ${budget}s budget" | tee -a "$OUT/$name.log"
+  [ "$rc" != 0 ] && [ "$rc" != 124 ] && echo "=== $name: exit status $rc" | tee -a "$OUT/$name.log"
+  return 0
+}
 # `bg:NAME` runs a phase in the background (e.g. the GPU tests while buckets compile on the CPUs);
 # `wait` waits for it (before anything timed).
 run_phase() {
