@@ -27,6 +27,14 @@ def option(default: Any, help: str, *, flag: bool = True, **meta: Any) -> Any:
     return dataclasses.field(default=default, metadata=info)
 
 
+def env_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    """A process-wide switch read from the environment variable `name` (an A/B of how we
+    compile): `value` when it is one of `choices`, else an error naming the variable."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: choose one of {', '.join(choices)}")
+    return value
+
+
 def _base_type(tp: Any) -> Any:
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and args:

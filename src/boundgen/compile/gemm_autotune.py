@@ -17,15 +17,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from boundgen.settings import env_choice
+
 MODES = ("0", "1")
 MODE = os.environ.get("BOUNDGEN_GEMM_AUTOTUNE", "0")
 
 
 def mode() -> str:
     """The autotune mode this process compiles with (`MODES`)."""
-    if MODE not in MODES:
-        raise ValueError(f"BOUNDGEN_GEMM_AUTOTUNE={MODE!r}: choose one of {', '.join(MODES)}")
-    return MODE
+    return env_choice("BOUNDGEN_GEMM_AUTOTUNE", MODE, MODES)
 
 
 def inductor_options() -> dict[str, Any]:

@@ -26,15 +26,15 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from boundgen.settings import env_choice
+
 MODES = ("addmm", "add")
 MODE = os.environ.get("BOUNDGEN_RESIDUAL", "addmm")
 
 
 def mode() -> str:
     """The residual mode this process compiles with (`MODES`)."""
-    if MODE not in MODES:
-        raise ValueError(f"BOUNDGEN_RESIDUAL={MODE!r}: choose one of {', '.join(MODES)}")
-    return MODE
+    return env_choice("BOUNDGEN_RESIDUAL", MODE, MODES)
 
 
 class UnfusedResidual(CustomGraphPass):
