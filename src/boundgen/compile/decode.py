@@ -300,8 +300,8 @@ BATCH_SIZES = batch_sizes(os.environ.get("BOUNDGEN_BEAM_BATCH_SIZES", "1,2,4,8,1
 @dataclass
 class _Slot:
     """One bucket's persistent buffers, its graph (once captured) and its lock. The per-search
-    inputs are views of one device buffer, filled from one pinned host buffer by one copy
-    (`staged`, `compile.staging.StagedInputs`)."""
+    inputs are views of one device buffer (`staged`, `compile.staging.StagedInputs`), written one
+    input at a time or, with `STAGED`, by one copy from its pinned host buffer."""
 
     staged: StagedInputs
     ids: torch.Tensor  # [T] padded prompt tokens
