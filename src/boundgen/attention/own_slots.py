@@ -50,7 +50,7 @@ NUM_WARPS = 1  # a program's work is G × D = 7 × 64 values: one warp
 
 def chosen(device: torch.device) -> bool:
     """Whether a compiled decode layer on `device` takes the kernel (`ENABLED`, CUDA, Triton);
-    eager layers never do (`ModelSteps.own_kernel`)."""
+    eager layers never do (`decode_layer`'s `own_kernel`: `ModelSteps.compiled`)."""
     return ENABLED and AVAILABLE and device.type == "cuda"
 
 

@@ -201,10 +201,6 @@ class ModelSteps:
         self._prefill, self._decode = prefill_layer, decode_layer
         self.compiled = compile_layers
         self.fused_attention = beam_decode.chosen(compile_layers, getattr(backend, "name", ""))
-        # compiled layers only: eager ones keep the plain search's arithmetic (their graph search
-        # recommends exactly what it does; the kernel rounds once where the plain search rounds
-        # twice)
-        self.own_kernel = compile_layers
         if compile_layers:
             import torch._inductor.config as inductor
 
@@ -263,7 +259,10 @@ class ModelSteps:
                 state.group,
                 self.backend,
                 self.fused_attention,
-                self.own_kernel,
+                # the own-slot kernel in compiled layers only: eager ones keep the plain search's
+                # arithmetic (their graph search recommends exactly what it does; the kernel
+                # rounds once where the plain search rounds twice)
+                self.compiled,
             )
         return m.norm(x)
 
