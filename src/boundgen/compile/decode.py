@@ -500,7 +500,8 @@ class SearchGraphs:
             slot.graph.replay()
         self.searches += 1
         out = slot.tokens[:b].clone(), slot.scores[:b].clone()
-        slot.staged.done()  # the inputs' device buffer may be rewritten after this
+        if STAGED:  # the staged copy's next call may rewrite the device buffer after this
+            slot.staged.done()
         return out
 
     def _slot(
