@@ -15,9 +15,15 @@ Not measured here: uvicorn's HTTP parsing and socket writes (in `bench_tail.py`)
 loop's time though it is not the server's: this client's few µs a request (the scope, two
 callbacks).
 
+`--route beam` (issue 24): W4 requests to `/v1/beam` instead (a 128-token prompt, width 16, 4
+steps, a random 100K-item trie: bench_beam_wrk.py's bodies) around the fake search of
+`fake_gpu.py` (`--fake-search`, default 6 ms + 0.25 ms a prompt); run it with `--concurrency 64`
+so that searches merge as they do under wrk.
+
     python benchmarks/bench_loop.py                               # ~1 min: 5 rounds of 1,000
     python benchmarks/bench_loop.py --concurrency 16 --rounds 3
     python benchmarks/bench_loop.py --profile 40                  # cProfile of the loop's Python
+    python benchmarks/bench_loop.py --route beam --concurrency 64
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fake_gpu
+from bench_serving import make_trie
 
 from boundgen.loadtest import LoadConfig, make_bodies
 from boundgen.server.testing import http_scope
@@ -94,22 +101,33 @@ async def run(args) -> dict:
     from boundgen.checkpoints import ensure_model
     from boundgen.server.app import create_app
     from boundgen.server.config import ServerConfig
+    from boundgen.server.heap import freeze_startup_heap
     from boundgen.server.threads import thread_cpu_seconds
 
     engine = Engine.from_pretrained(ensure_model(args.model, root=args.root), device="cpu")
-    app = create_app(engine, ServerConfig())
-    # W5's bodies: what `boundgen loadtest --workload score` and bench_tail.py's wrk send
-    shape = LoadConfig(
-        query_tokens=args.query_tokens, items=args.items, item_tokens=args.item_tokens
-    )
-    client = Client(app, "/v1/score", make_bodies(shape, engine.config.vocab_size)["score"])
+    vocab = engine.config.vocab_size
+    if args.route == "beam":
+        # W4's bodies: what bench_beam_wrk.py's wrk sends
+        config = ServerConfig(tries=(f"w4={args.trie}",))
+        shape = LoadConfig(prompt_tokens=128, beam_width=16, steps=4, trie="w4")
+    else:
+        # W5's bodies: what `boundgen loadtest --workload score` and bench_tail.py's wrk send
+        config = ServerConfig()
+        shape = LoadConfig(
+            query_tokens=args.query_tokens, items=args.items, item_tokens=args.item_tokens
+        )
+    app = create_app(engine, config)
+    path = f"/v1/{args.route}"
+    client = Client(app, path, make_bodies(shape, vocab)[args.route])
     await lifespan(app, "startup")
+    if config.gc_freeze:  # as `boundgen serve` does: collections skip the start-up heap
+        freeze_startup_heap()
 
     async def worker(n: int) -> None:
         for _ in range(n):
             status = await client.post()
             if status != 200:
-                raise RuntimeError(f"/v1/score answered {status}")
+                raise RuntimeError(f"{path} answered {status}")
 
     async def batch(n: int) -> tuple[float, float]:
         per, extra = divmod(n, args.concurrency)
@@ -117,6 +135,7 @@ async def run(args) -> dict:
         await asyncio.gather(*(worker(per + (i < extra)) for i in range(args.concurrency)))
         return t0, time.perf_counter()
 
+    unit = "prompts" if args.route == "beam" else "tokens"
     await batch(min(args.requests, 100))  # warm: first calls, batching estimates
     rounds = []
     prof = cProfile.Profile() if args.profile else None
@@ -138,8 +157,8 @@ async def run(args) -> dict:
         total = sum(per_request.values())
         print(
             f"round {r + 1}: {args.requests / wall:.0f} req/s, fake GPU "
-            f"{gpu.get('busy_share', 0.0):.0%} busy ({gpu.get('mean_size', 0.0):.0f} tokens a "
-            f"forward); CPU ms a request: event loop {loop:.3f}, all threads {total:.3f}",
+            f"{gpu.get('busy_share', 0.0):.0%} busy ({gpu.get('mean_size', 0.0):.1f} {unit} a "
+            f"call); CPU ms a request: event loop {loop:.3f}, all threads {total:.3f}",
             flush=True,
         )
     await lifespan(app, "shutdown")
@@ -164,12 +183,18 @@ def main() -> int:
     ap.add_argument("--query-tokens", type=int, default=256)
     ap.add_argument("--items", type=int, default=100)
     ap.add_argument("--item-tokens", type=int, default=16)
+    ap.add_argument("--route", choices=("score", "beam"), default="score")
     ap.add_argument("--fake-forward", default="1,1.7", help="FIXED_MS[,PER_1K_TOKENS_MS]")
+    ap.add_argument("--fake-search", default="6,0.25", help="FIXED_MS[,PER_PROMPT_MS] (beam)")
     ap.add_argument("--profile", type=int, default=0, help="print the top N of a cProfile")
     ap.add_argument("--out")
     args = ap.parse_args()
     os.environ["BOUNDGEN_FAKE_FORWARD"] = args.fake_forward
     with tempfile.TemporaryDirectory() as tmp:
+        if args.route == "beam":
+            args.trie = str(make_trie(Path(tmp), 100_000, 4))
+            os.environ["BOUNDGEN_FAKE_SEARCH"] = args.fake_search
+            os.environ["BOUNDGEN_FAKE_TRIE"] = args.trie  # the items' sequences, in order
         # the fake GPU's calls, for its busy share: a round whose GPU is busy throughout is bound
         # by it, not by the host
         os.environ["BOUNDGEN_FAKE_LOG"] = str(Path(tmp) / "fake_gpu.log")
