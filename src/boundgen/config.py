@@ -9,11 +9,29 @@ from typing import Any
 
 import torch
 
-from boundgen.models.registry import lookup_architecture
 from boundgen.settings import option
 
 # The dtypes a checkpoint may be written in or run with, by their config/CLI names.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The HuggingFace architectures a checkpoint may name (its config.json's `architectures`) → (model
+# family, task).
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "Qwen2ForCausalLM": ("qwen2", "causal_lm"),
+    "Qwen2ForSequenceClassification": ("qwen2", "seq_cls"),
+    "Qwen3ForCausalLM": ("qwen3", "causal_lm"),
+    "Qwen3ForSequenceClassification": ("qwen3", "seq_cls"),
+    "LlamaForCausalLM": ("llama", "causal_lm"),
+    "LlamaForSequenceClassification": ("llama", "seq_cls"),
+}
+
+
+def lookup_architecture(name: str) -> tuple[str, str]:
+    try:
+        return SUPPORTED_ARCHITECTURES[name]
+    except KeyError:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise ValueError(f"unsupported architecture '{name}'; supported: {supported}") from None
 
 
 @dataclass(frozen=True)
