@@ -163,8 +163,9 @@ def bounded_twice(server: ServeProcess, seconds: float, rss_growth_mib: float, a
     """`action()` inside `bounded`, run once more when only /health's bound failed; returns what
     the last run returned. For heavy requests that keep both cores busy for most of a second: a
     stall the server makes (a long GIL hold on its event loop) comes back on every run, while the
-    shared 2-core CI machine once answered a single /health probe in 129 ms during such a block
-    that no local run of it came near (max 16 ms idle, 37 ms with both cores busy elsewhere)."""
+    shared 2-core CI machine once answered a single /health probe in 129 ms during such a block,
+    where runs on the development machine stayed under 16 ms (37 ms with both of its cores kept
+    busy by other processes)."""
     try:
         with bounded(server, seconds, rss_growth_mib):
             return action()
