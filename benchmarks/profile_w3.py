@@ -29,7 +29,8 @@ runner alone (`rows` + `head` + softmax + `to_host` + sync):
 
 `--backend`: eager+graphs (default: no compile; the host path is the same as aoti+graphs, only
 the graph's kernels differ) or aoti+graphs (builds the t64 bucket into `--cache-dir` when missing,
-about a minute, then loads it).
+a package per variant, each about a minute or more: `--variants after` for the current path alone,
+then loads it).
 """
 
 from __future__ import annotations
