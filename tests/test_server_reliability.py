@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import functools
 import json
 import random
 import re
@@ -50,6 +49,13 @@ AFTER_CANCEL_S = 1.0
 # on the 2-core dev machine; cancelled work may leave no more than that.
 RSS_HEAVY_MIB = 256.0
 ADDRESS_SPACE_HEADROOM = 4 << 30  # disposable_server: virtual memory it may add after start-up
+
+# A test that failed on /health's bound alone (`HealthStall`) runs once more: a stall the server
+# makes (a GIL hold on its event loop, what these bounds were written against: 150-600 ms each
+# time) repeats, a hiccup of the 2-core test machine does not. Such machines answered one probe in
+# 129 ms (a 10 MiB reply, CI) and 103 ms (a refused 768 KiB body, a fresh-clone `.ci/run` on the
+# development machine) where the same blocks measure 3-37 ms and 1-23 ms there otherwise.
+pytestmark = pytest.mark.flaky(reruns=1, only_rerun=["HealthStall"])
 
 JSON = {"Content-Type": "application/json"}
 LABELS = [299, 272]  # " yes", " no" in the demo tokenizer (demo.json)
@@ -157,22 +163,6 @@ def bounded(server: ServeProcess, seconds: float, rss_growth_mib: float = RSS_RE
             f"/health stalled: max {max(during):.0f} ms over {len(during)} probes "
             f"(idle before: max {idle_ms:.0f} ms); {probe.summary()}"
         )
-
-
-def bounded_twice(server: ServeProcess, seconds: float, rss_growth_mib: float, action):
-    """`action()` inside `bounded`, run once more when only /health's bound failed; returns what
-    the last run returned. For heavy requests that keep both cores busy for most of a second: a
-    stall the server makes (a long GIL hold on its event loop) comes back on every run, while the
-    shared 2-core CI machine once answered a single /health probe in 129 ms during such a block,
-    where runs on the development machine stayed under 16 ms (37 ms with both of its cores kept
-    busy by other processes)."""
-    try:
-        with bounded(server, seconds, rss_growth_mib):
-            return action()
-    except HealthStall as first:
-        print(f"/health bound failed once, running again: {first}")
-    with bounded(server, seconds, rss_growth_mib):
-        return action()
 
 
 def model_name(server: ServeProcess) -> str:
@@ -592,6 +582,6 @@ def test_large_float_responses_do_not_stall_the_server(server):
         "parameters": {"task": "embed"},
     }
     for path, body in (("/v1/embeddings", {"input": texts}), (infer_path(server), kserve)):
-        request = functools.partial(send, server, path, body, timeout_s=30)
-        status, text = bounded_twice(server, 10.0, 256.0, request)
+        with bounded(server, 10.0, rss_growth_mib=256.0):
+            status, text = send(server, path, body, timeout_s=30)
         assert status == 200, (path, text[:300])
