@@ -54,7 +54,8 @@ ADDRESS_SPACE_HEADROOM = 4 << 30  # disposable_server: virtual memory it may add
 # makes (a GIL hold on its event loop, what these bounds were written against: 150-600 ms each
 # time) repeats, a hiccup of the 2-core test machine does not. Such machines answered one probe in
 # 129 ms (a 10 MiB reply, CI) and 103 ms (a refused 768 KiB body, a fresh-clone `.ci/run` on the
-# development machine) where the same blocks measure 3-37 ms and 1-23 ms there otherwise.
+# development machine) where the same blocks measure 3-37 ms and 1-40 ms there otherwise
+# (BENCHMARKS.md, 2026-12-04 nineteenth session).
 pytestmark = pytest.mark.flaky(reruns=1, only_rerun=["HealthStall"])
 
 JSON = {"Content-Type": "application/json"}
