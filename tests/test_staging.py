@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from boundgen.compile.backends import CompiledForwards, _eager_fns
-from boundgen.compile.buckets import Bucket, BucketSet, parse_buckets
+from boundgen.compile.buckets import Bucket, parse_buckets
 from boundgen.compile.staging import StagedBucket, StagedInputs
 from boundgen.runner import ModelRunner
-from boundgen.text.packing import SequenceGroup, pack
+from boundgen.text.packing import SequenceGroup
 
 W3_BUCKET = "t64-s4-m64"
 CASCADE = "t64-s8-m64-g2-p32-q16"
@@ -60,25 +60,6 @@ def test_layout_one_buffer_aligned_views(spec):
     if bucket.cascade:
         assert batch.attn.cu_prefix.shape == example.attn.cu_prefix.shape
     assert inputs.rows.shape == (bucket.segments,) and inputs.capacity == bucket.segments
-
-
-def test_a_callers_own_fields_are_laid_out_filled_and_checked():
-    """`extra` int64 fields (a beam search's prompt lengths) get their own aligned views, are
-    written by `fill` and copied with the rest; a missing or mis-sized one is an error."""
-    bucket = Bucket.parse(W3_BUCKET)
-    inputs = StagedInputs(bucket, "cpu", rows=2, extra={"lengths": 2})
-    assert inputs.views["lengths"].dtype == torch.int64 and inputs.views["lengths"].shape == (2,)
-    assert inputs.views["lengths"].data_ptr() % 16 == 0
-    packed = pack([SequenceGroup([], [[5, 6, 7], [8, 9]])], share_prefix=False)
-    _, padded = BucketSet([bucket]).pad(packed)
-    assert inputs.fill(padded, lengths=padded.seq_len) == 2
-    inputs.copy()
-    assert inputs.views["lengths"].tolist() == [3, 2]
-    assert inputs.views["rows"].tolist() == padded.last_index.tolist()
-    with pytest.raises(ValueError, match="fields {} given"):
-        inputs.fill(padded)
-    with pytest.raises(ValueError, match="fields {'lengths': 3} given"):
-        inputs.fill(padded, lengths=torch.tensor([1, 2, 3]))
 
 
 def test_w3_request_one_fill_one_copy_and_eager_rows(engine_for):

@@ -37,7 +37,6 @@ from boundgen.attention.cascade import grouped_rows_attention, grouped_rows_part
 from boundgen.compile import options as compile_options
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
-from boundgen.compile.staging import StagedInputs
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
 from boundgen.search import banned_tensor, search
 from boundgen.text.packing import SequenceGroup, pack
@@ -269,10 +268,6 @@ class ModelSteps:
 
 # ---- the whole search, captured per bucket ------------------------------------------------------
 
-# a search's inputs: "1" one copy from the slot's pinned staging buffer, "0" (the default until the
-# H200 A/B) one copy per input from pageable memory (`SearchGraphs._replay`)
-STAGED = os.environ.get("BOUNDGEN_SEARCH_STAGED", "0") == "1"
-
 
 def batch_sizes(text: str) -> tuple[int, ...]:
     """The prompts-per-search ladder from "1,2,4,..." (ascending, from 1): a merged search is
@@ -298,11 +293,8 @@ BATCH_SIZES = batch_sizes(os.environ.get("BOUNDGEN_BEAM_BATCH_SIZES", "1,2,4,8,1
 
 @dataclass
 class _Slot:
-    """One bucket's persistent buffers, its graph (once captured) and its lock. The per-search
-    inputs are views of one device buffer (`staged`, `compile.staging.StagedInputs`), written one
-    input at a time or, with `STAGED`, by one copy from its pinned host buffer."""
+    """One bucket's persistent buffers, its graph (once captured) and its lock."""
 
-    staged: StagedInputs
     ids: torch.Tensor  # [T] padded prompt tokens
     positions: torch.Tensor  # [T]
     cu_seqlens: torch.Tensor  # int32, the bucket's segments
@@ -476,33 +468,23 @@ class SearchGraphs:
     def _replay(self, slot: _Slot, padded, b: int, width: int, steps: int, trie: Any):
         """Copy the padded prompts into `slot` (locked by the caller), run or replay it.
 
-        `STAGED`: one copy from the slot's pinned host buffer, not one per input from pageable
-        memory — a pageable copy makes the host wait for the work queued on the stream before it
-        (CUDA's documented behaviour), so the next merged search cannot be queued behind a
-        running one, and each copy takes the GIL back once more. The forward path stages its
-        buckets the same way (`compile/staging.py`). Off until the H200 A/B: pinning each
-        search's prompts on the fly (`pin_memory()`, a copy more a search) served `/v1/beam`
-        less (1,188 → 1,026 req/s at 64 connections, twelfth session); this buffer is pinned
-        once per slot."""
+        Five copies from pageable memory, each waiting for the work queued before it: one copy
+        from a pinned buffer allocated once per slot, so the next search could be queued behind
+        the running one, served `/v1/beam` no better on the H200 (1,095.8 against 1,095.0 req/s
+        at 64 connections on one machine, 998.7 against 1,005.3 on another, 2026-12-04), and
+        pinning each search's prompts on the fly served less (twelfth session)."""
         slot.trie = trie
-        if STAGED:
-            slot.staged.fill(padded, lengths=padded.seq_len)
-            slot.staged.copy()
-        else:
-            slot.ids.copy_(padded.input_ids, non_blocking=True)
-            slot.positions.copy_(padded.positions, non_blocking=True)
-            slot.cu_seqlens.copy_(padded.attn.cu_seqlens, non_blocking=True)
-            slot.last_index.copy_(padded.last_index, non_blocking=True)
-            slot.lengths.copy_(padded.seq_len, non_blocking=True)
+        slot.ids.copy_(padded.input_ids, non_blocking=True)
+        slot.positions.copy_(padded.positions, non_blocking=True)
+        slot.cu_seqlens.copy_(padded.attn.cu_seqlens, non_blocking=True)
+        slot.last_index.copy_(padded.last_index, non_blocking=True)
+        slot.lengths.copy_(padded.seq_len, non_blocking=True)
         if slot.graph is None:
             self._prepare(slot, width, steps, trie)
         else:
             slot.graph.replay()
         self.searches += 1
-        out = slot.tokens[:b].clone(), slot.scores[:b].clone()
-        if STAGED:  # the staged copy's next call may rewrite the device buffer after this
-            slot.staged.done()
-        return out
+        return slot.tokens[:b].clone(), slot.scores[:b].clone()
 
     def _slot(
         self, key: tuple, bucket: Bucket, b: int, w: int, steps: int, banned: tuple
@@ -514,28 +496,24 @@ class SearchGraphs:
             cfg, dev = self.model.config, self.device
             dtype = self.model.embed_tokens.weight.dtype
             n = b * w
-            # the per-search inputs: views of one device buffer (the graph reads them), filled
-            # before every run (`_replay`)
-            staged = StagedInputs(bucket, dev, rows=b, extra={"lengths": b})
-            inputs = staged.views
+            example = bucket.example(dev)
             prompt = PromptKV(
                 cfg.num_layers, bucket.tokens, cfg.num_kv_heads, cfg.head_dim, dtype, dev
             )
             beams = BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
             cu_beams = torch.arange(0, n + 1, w, dtype=torch.int32, device=dev)
-            cu_seqlens = inputs["cu_seqlens"]
+            cu_seqlens = example.attn.cu_seqlens.clone()
             # NOTE: the prompts are the first b segments of the padded layout (pad segments after)
             state = DecodeKV(
                 prompt, cu_seqlens[: b + 1], bucket.max_seqlen, beams, cu_beams, w, cfg.gqa
             )
             slot = _Slot(
-                staged=staged,
-                ids=inputs["input_ids"],
-                positions=inputs["positions"],
+                ids=example.input_ids.clone(),
+                positions=example.positions.clone(),
                 cu_seqlens=cu_seqlens,
                 max_seqlen=bucket.max_seqlen,
-                last_index=inputs["rows"],
-                lengths=inputs["lengths"],
+                last_index=torch.zeros(b, dtype=torch.int64, device=dev),
+                lengths=torch.ones(b, dtype=torch.int64, device=dev),
                 state=state,
                 initial=(beams.kv, beams._spare),
                 steps=torch.arange(max(steps, 1), dtype=torch.int64, device=dev),

@@ -16,9 +16,6 @@ inputs and copy a misaligned one on every call):
     [ input_ids i64 [T] | positions i64 [T] | rows i64 [R] | cu_seqlens i32 [S+1]
       | cu_prefix i32 [G+1] | cu_group_q i32 [G+1] ]          (the last two in cascade buckets)
 
-A caller may append int64 fields of its own (`extra`, e.g. a beam search's prompt lengths),
-written whole on each call from `fill`'s keyword arguments.
-
 Every field but `rows` is written whole on each call (a padded batch has the bucket's exact
 shapes), so nothing of an earlier, larger request survives; `rows` beyond the request's k rows is
 zeroed (row 0: a valid row whose gathered copy is never returned).
@@ -63,22 +60,13 @@ class StagedInputs:
     the static device `PackedBatch` the bucket's graph reads. `capacity`: most output rows a call
     may ask for (default: the bucket's segments)."""
 
-    def __init__(
-        self,
-        bucket: Bucket,
-        device: torch.device | str,
-        rows: int | None = None,
-        extra: dict[str, int] | None = None,
-    ) -> None:
+    def __init__(self, bucket: Bucket, device: torch.device | str, rows: int | None = None) -> None:
         self.bucket = bucket
         self.device = torch.device(device)
         self.capacity = rows or bucket.segments
-        self.extra = dict(extra or {})  # name → numel of the caller's own int64 fields
         self.layout: dict[str, tuple[torch.dtype, int, int]] = {}  # name → (dtype, byte, numel)
         off = 0
-        fields = _fields(bucket, self.capacity)
-        fields += [(name, torch.int64, n) for name, n in self.extra.items()]
-        for name, dtype, n in fields:
+        for name, dtype, n in _fields(bucket, self.capacity):
             self.layout[name] = (dtype, off, n)
             off += -(-(n * dtype.itemsize) // _ALIGN) * _ALIGN
         self.nbytes = off
@@ -119,21 +107,15 @@ class StagedInputs:
             for name, (dtype, off, n) in self.layout.items()
         }
 
-    def fill(self, padded: PackedBatch, **extra: torch.Tensor) -> int:
-        """Write a padded host batch of this bucket's exact layout into the host buffer, and each
-        `extra` field (all of them, each its exact size); returns the batch's number of output
-        rows k (`padded.last_index`, gathered by the graph)."""
+    def fill(self, padded: PackedBatch) -> int:
+        """Write a padded host batch of this bucket's exact layout into the host buffer; returns
+        its number of output rows k (`padded.last_index`, gathered by the graph)."""
         a = padded.attn
         k = padded.num_rows
         if padded.num_tokens != self.bucket.tokens or k > self.capacity:
             raise ValueError(
                 f"staging {self.bucket.name}: a batch of {padded.num_tokens} tokens and {k} rows "
                 f"does not fit (capacity {self.capacity} rows)"
-            )
-        sizes = {name: v.numel() for name, v in extra.items()}
-        if sizes != self.extra:
-            raise ValueError(
-                f"staging {self.bucket.name}: fields {sizes} given, {self.extra} laid out"
             )
         if self._copied is not None and not self._copied.query():
             self.waits += 1
@@ -148,8 +130,6 @@ class StagedInputs:
         rows = np_["rows"]
         rows[:k] = padded.last_index.numpy()
         rows[k:] = 0
-        for name, values in extra.items():
-            np_[name][:] = values.numpy()
         self.fills += 1
         return k
 
