@@ -77,6 +77,30 @@ def test_a_package_build_takes_the_pass_in_add_mode(engine_for, tmp_path, monkey
     assert seen[0] is None and isinstance(seen[1], residual.UnfusedResidual)
 
 
+def test_the_beam_layers_compile_with_the_pass_in_add_mode(engine_for, monkeypatch):
+    """The beam search's compiled layers (`ModelSteps`) take the same options as a package build:
+    Inductor's own config under `addmm`, the pass under `add`."""
+    from boundgen.compile import aoti
+    from boundgen.compile.decode import ModelSteps
+
+    seen = []
+
+    def fake_compile(fn, fullgraph=False, options=None):
+        seen.append(options)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model = engine_for("qwen2").model
+    for mode in ("addmm", "add"):
+        monkeypatch.setattr(residual, "MODE", mode)
+        ModelSteps(model, aoti.export_attention(model, "cpu"), compile_layers=True)
+    assert seen[:2] == [None, None]  # prefill and decode layers, Inductor's own config
+    assert len(seen) == 4
+    assert all(
+        isinstance(o["post_grad_custom_post_pass"], residual.UnfusedResidual) for o in seen[2:]
+    )
+
+
 def test_a_compiled_prefill_layer_has_both_residual_adds_taken_out(engine_for):
     """The beam search's compiled prefill layer (`compile.decode.prefill_layer`): after o_proj
     and after down_proj, two rewrites; the layer still computes what eager does."""

@@ -111,8 +111,8 @@ def kernels_digest(modules: tuple[str, ...] = KERNEL_MODULES) -> str:
 def platform_info(device: torch.device | str) -> dict[str, str]:
     """What an artifact is only valid for: torch build, the exact device kind it was compiled
     for, and the source of the kernels it embeds (and the rows up to which the layers take
-    the fused few-row kernels, and the Inductor switches of `compile.options`)."""
-    from boundgen.compile import options
+    the fused few-row kernels, and the residual pass's mode, `compile.residual`)."""
+    from boundgen.compile import residual
     from boundgen.models import skinny
 
     dev = torch.device(device)
@@ -123,7 +123,7 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         "format": str(FORMAT),
         "kernels": kernels_digest(),
         "skinny_max_rows": str(skinny.MAX_ROWS),
-        **options.platform_keys(),
+        "residual": residual.mode(),
     }
     if dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
