@@ -15,7 +15,11 @@ Each run reports ok/s, client p50/p99, the requests per merged search and the GP
 split: the mean of every `Server-Timing` entry over the run (`app`
 the whole handler; `parse`, `prep`, `infer`, `hops`, `reply` the beam handler's stages; `runtime`
 and its nodes, `beam-batch-wait` / `beam-batch-run` the merge wait and the merged search;
-docs/serving.md) and `app`'s p50/p99.
+docs/serving.md) and `app`'s p50/p99; under it, the server's CPU per request by thread and the
+beam leader's wait for the device per search (~0: the host, not the GPU, sets the pace) and its
+host time forming and launching a search.
+`--gil-profile SECONDS` ends with a closed loop while py-spy records which Python holds the
+server's GIL (`gil_profile.py`).
 
 `--fake-search FIXED_MS[,PER_PROMPT_MS]` (CPU): the server's `ModelRunner.beam_search` is replaced
 by a fake of FIXED + PER_PROMPT × prompts ms that returns the trie's first items (or fixed tokens
@@ -41,6 +45,7 @@ import time
 from pathlib import Path
 
 import fake_gpu
+import gil_profile
 import gpu_window
 import httpx
 import wrk
@@ -71,6 +76,14 @@ def run_wrk(
     # the beam node's stream time over the run: the GPU's share (its searches queued back to back
     # read ~100 % even when the host sets the pace; compare beam-batch-run)
     row["gpu_busy"] = (after["device_s"] - before["device_s"]) / seconds
+    # the leader blocked on the device before forming its next search, per search: ~0 says the
+    # host, not the GPU, sets the pace (the stream-time share above cannot tell them apart)
+    row["paced_wait_ms_per_search"] = wrk.per_batch(before, after, "paced_wait_s") * 1e3
+    # the host time of forming and launching a search (merge, pack, copies, graph launch): the
+    # GPU idles for it whenever the search before ends first, and that idle reads as GPU busy
+    row["launch_ms_per_search"] = wrk.per_batch(before, after, "launch_s") * 1e3
+    # the server's CPU per request by thread: how close its Python is to one core (the GIL)
+    row["thread_cpu_ms_per_request"] = wrk.thread_cpu_per_request(before, after)
     return row
 
 
@@ -133,6 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         "server started here, on CUDA)",
     )
     p.add_argument("--gpu-window-connections", type=int, default=256)
+    p.add_argument(
+        "--gil-profile",
+        type=float,
+        default=0,
+        help="SECONDS: last, a closed loop of --gil-profile-connections while py-spy records "
+        "which Python holds the server's GIL (gil_profile.py; py-spy, a server started here)",
+    )
+    p.add_argument("--gil-profile-connections", type=int, default=64)
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/...)")
     args = p.parse_args(argv)
 
@@ -143,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trie_items:
         # not next to the results: a device call brings back a few files only
         trie_path = make_trie(Path(tempfile.gettempdir()), args.trie_items, args.steps)
-    proc, url, ready_s, gpu = None, args.url, None, None
+    proc, url, ready_s, gpu, gil = None, args.url, None, None, None
     window = out.with_suffix(".gpu_window.json")
     trigger = out.with_suffix(".gpu_window.go")
     if url is None:
@@ -191,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(table([row]).splitlines()[-1], flush=True)
                 if wrk.tail_line(row, keys=SPLIT):
                     print(wrk.tail_line(row, keys=SPLIT), flush=True)
+                if wrk.cpu_line(row):
+                    wait, launch = row["paced_wait_ms_per_search"], row["launch_ms_per_search"]
+                    print(
+                        f"{wrk.cpu_line(row)}; a search: paced wait {wait:.2f} ms, "
+                        f"launch {launch:.2f} ms",
+                        flush=True,
+                    )
                 partial = {"env": env_info(), "config": vars(args), "rows": rows}
                 out.write_text(json.dumps(partial | {"server_ready_s": ready_s}, indent=1))
 
@@ -213,6 +241,15 @@ def main(argv: list[str] | None = None) -> int:
                 think = max(0.0, c / rate * 1e3 - unloaded)
                 row = run_wrk(url, script, bodies, c, think, args.duration, args.client_cpus)
                 record(row | {"rate": rate})
+            if args.gil_profile and proc is not None:
+                # a saturated closed loop, its server's GIL holders recorded meanwhile
+                raw = out.with_suffix(".gil.txt")
+                spy = gil_profile.record(proc.pid, args.gil_profile, raw)
+                c = args.gil_profile_connections
+                row = run_wrk(url, script, bodies, c, 0, args.gil_profile + 3, args.client_cpus)
+                record(row | {"profiled": "py-spy"})
+                gil = gil_profile.finish(spy, raw)
+                print(f"GIL holders ({c} connections): {json.dumps(gil)[:1500]}", flush=True)
             if args.gpu_window and proc is not None:
                 # a saturated closed loop; one second in, the server records its GPU work (the
                 # beam node's stream time reads ~100 % whenever searches queue back to back:
@@ -244,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_ready_s": ready_s,
         "server_counters": counters,
         "gpu_window": gpu,
+        "gil_profile": gil,
     }
     out.write_text(json.dumps(result, indent=1))
     print(table(rows))

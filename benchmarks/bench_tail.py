@@ -91,27 +91,16 @@ def with_forwards(url: str, run) -> dict:
         "gpu_busy": (after["device_s"] - before["device_s"]) / (t1 - t0),
         # the forward node's leader blocked on the device, per forward (0: host-bound)
         "paced_wait_ms_per_forward": wrk.per_batch(before, after, "paced_wait_s") * 1e3,
+        # the host time of forming and launching a forward (merge, pack, stage, launch)
+        "launch_ms_per_forward": wrk.per_batch(before, after, "launch_s") * 1e3,
         "host_ms_per_forward": {
             part: wrk.per_batch(before, after, f"host_{part}_s") * 1e3 for part in HOST_PARTS
         },
         "host_cpu_ms_per_forward": {
             part: wrk.per_batch(before, after, f"host_cpu_{part}_s") * 1e3 for part in HOST_PARTS
         },
-        "thread_cpu_ms_per_request": thread_cpu_per_request(before, after),
+        "thread_cpu_ms_per_request": wrk.thread_cpu_per_request(before, after),
     }
-
-
-def thread_cpu_per_request(before: dict, after: dict) -> dict[str, float]:
-    """The server's CPU ms per request served by its forward node, per thread (largest first)."""
-    served = after["requests"] - before["requests"]
-    if served <= 0:
-        return {}
-    per = {
-        k.split(":", 1)[1]: (after[k] - before.get(k, 0.0)) * 1e3 / served
-        for k in after
-        if k.startswith("thread_cpu:")
-    }
-    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
 def run_open_loop(cfg: LoadConfig, rate: float) -> dict:
@@ -402,10 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(table([row]).splitlines()[-1], flush=True)
                 if wrk.tail_line(row):
                     print(wrk.tail_line(row), flush=True)
-                per = row.get("thread_cpu_ms_per_request") or {}
-                if per:  # where the server's CPU went, per request served
-                    top = ", ".join(f"{k} {v:.2f}" for k, v in list(per.items())[:6])
-                    print(f"    CPU ms per request: {sum(per.values()):.2f} ({top})", flush=True)
+                if wrk.cpu_line(row):  # where the server's CPU went, per request served
+                    print(wrk.cpu_line(row), flush=True)
                 partial = {"env": env_info(), "config": vars(args), "rows": rows}
                 out.write_text(json.dumps(partial | {"server_ready_s": ready_s}, indent=1))
 

@@ -135,10 +135,11 @@ run_phase() {
     # think-time steps offering ~BEAM_WRK_RATES req/s; ok/s, p50/p99 and the server's split
     # (A/B: BEAM_WRK_PRELUDE="import sys; sys.setswitchinterval(0.0005)" BEAM_WRK_NAME=beam_wrk_si)
     # BEAM_GPU_WINDOW=SECONDS: last, 256 connections while the server records its GPU work (gpu_window.py)
+    # BEAM_GIL=SECONDS: last, BEAM_GIL_CONNS (64) connections while py-spy records who holds the server's GIL
     # BEAM_COUNT: the most requests one search merges (the warm-up makes whole-search graphs up to it)
     # BEAM_WRK_SERVE_ARGS: more server flags (e.g. "--config benchmarks/configs/fp8_selective_forced.yaml")
     beam-wrk) echo '[{"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": '${BEAM_COUNT:-16}', "trie": "w4"}]' > /tmp/beam_profile.json
-      phase beam-wrk 300 python3 benchmarks/bench_beam_wrk.py --model $M --trie-items 100000 --connections ${BEAM_WRK_CONNS:-1 4 16 64 256} --rates ${BEAM_WRK_RATES:-250 500 1000} --wrk-connections 256 --duration ${BEAM_WRK_S:-8} --budget-s $(( ${B:-300} - 10 )) --server-cpus 0-7 --client-cpus 8-15 --serve-args "--device cuda --dtype bfloat16 --backend compile+graphs --compile-buckets t64 --warmup /tmp/beam_profile.json ${BEAM_WRK_SERVE_ARGS:-}" --server-prelude "${BEAM_WRK_PRELUDE:-}" --gpu-window ${BEAM_GPU_WINDOW:-0} --out "$OUT/${BEAM_WRK_NAME:-beam_wrk}.json" ;;
+      phase beam-wrk 300 python3 benchmarks/bench_beam_wrk.py --model $M --trie-items 100000 --connections ${BEAM_WRK_CONNS:-1 4 16 64 256} --rates ${BEAM_WRK_RATES:-250 500 1000} --wrk-connections 256 --duration ${BEAM_WRK_S:-8} --budget-s $(( ${B:-300} - 10 )) --server-cpus 0-7 --client-cpus 8-15 --serve-args "--device cuda --dtype bfloat16 --backend compile+graphs --compile-buckets t64 --warmup /tmp/beam_profile.json ${BEAM_WRK_SERVE_ARGS:-}" --server-prelude "${BEAM_WRK_PRELUDE:-}" --gpu-window ${BEAM_GPU_WINDOW:-0} --gil-profile ${BEAM_GIL:-0} --gil-profile-connections ${BEAM_GIL_CONNS:-64} --out "$OUT/${BEAM_WRK_NAME:-beam_wrk}.json" ;;
     # last: every log and JSON in one file (a call brings back at most 8 files)
     # (the tar is written outside $OUT first: written inside, tar saw the folder change and failed)
     pack-logs) (cd "$OUT" && tar -czf /tmp/logs.tgz --exclude='cache.tgz.*' . && find . -type f ! -name 'cache.tgz.*' -delete && mv /tmp/logs.tgz . && ls -la) ;;

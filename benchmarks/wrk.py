@@ -169,7 +169,8 @@ def tail_line(row: dict, top: int = 6, keys: tuple[str, ...] = ()) -> str:
 
 def node_counters(url: str, node: str) -> dict[str, float]:
     """A batching node's counters so far (`/metrics`): merged batches, the requests and tokens in
-    them, the stream seconds of its batches (CUDA), the model runner's host seconds (wall and the
+    them, the stream seconds of its batches (CUDA), the host seconds of forming and launching
+    them, the model runner's host seconds (wall and the
     running thread's CPU) by part, and the server's CPU seconds by thread; differences over a run
     give requests and tokens per batch, the GPU's share, the host time a batch's forward took by
     part and the CPU a request took by thread."""
@@ -191,6 +192,7 @@ def node_counters(url: str, node: str) -> dict[str, float]:
         "tokens": value("boundgen_runtime_batched_tokens"),
         "device_s": value("boundgen_runtime_device_seconds"),
         "paced_wait_s": value("boundgen_runtime_paced_wait_seconds"),
+        "launch_s": value("boundgen_runtime_launch_seconds"),
         **{f"host_{part}_s": value(host, f'part="{part}"') for part in HOST_PARTS},
         **{f"host_cpu_{part}_s": value(cpu, f'part="{part}"') for part in HOST_PARTS},
         # CPU seconds per server thread (`boundgen_thread_cpu_seconds`), as thread_cpu:NAME
@@ -199,6 +201,30 @@ def node_counters(url: str, node: str) -> dict[str, float]:
             for label, seconds in series("boundgen_thread_cpu_seconds").items()
         },
     }
+
+
+def thread_cpu_per_request(before: dict, after: dict) -> dict[str, float]:
+    """The server's CPU ms per request served by the node of two `node_counters` readings, per
+    thread (largest first)."""
+    served = after["requests"] - before["requests"]
+    if served <= 0:
+        return {}
+    per = {
+        k.split(":", 1)[1]: (after[k] - before.get(k, 0.0)) * 1e3 / served
+        for k in after
+        if k.startswith("thread_cpu:")
+    }
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
+def cpu_line(row: dict, top: int = 6) -> str:
+    """The server's CPU per request served over a run, in total and by its busiest threads (its
+    `thread_cpu_ms_per_request`), as one indented line; "" without it."""
+    per = row.get("thread_cpu_ms_per_request") or {}
+    if not per:
+        return ""
+    shown = ", ".join(f"{k} {v:.2f}" for k, v in list(per.items())[:top])
+    return f"    CPU ms per request: {sum(per.values()):.2f} ({shown})"
 
 
 def per_batch(before: dict[str, float], after: dict[str, float], what: str = "requests") -> float:

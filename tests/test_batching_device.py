@@ -156,6 +156,26 @@ def test_the_wait_for_the_device_is_counted(device):
     h.node.close()
 
 
+def test_the_host_time_of_launching_a_batch_is_counted(device):
+    """`launch_seconds`: the host time from forming a batch to its device work being queued
+    (merge + the call), what a device queued behind nothing idles for."""
+    now = [0]
+    h = Harness(device_depth=2)
+    h.node._clock = lambda: now[0]
+    fn = h.node.fn
+
+    def slow_launch(batch):
+        now[0] += 2_000_000  # 2 ms of host work before the device work is queued
+        return fn(batch)
+
+    h.node.fn = slow_launch
+    h.start(0).join(10)
+    h.wait_done(1)
+    assert h.node.stats()["launch_seconds"] == pytest.approx(0.002)
+    device.flights[0].ran.set()
+    h.node.close()
+
+
 def test_depth_one_waits_for_its_own_batch(device):
     h = Harness(device_depth=1)
     leader = h.start(0)

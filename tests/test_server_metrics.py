@@ -97,7 +97,8 @@ def test_an_eager_runner_has_no_bucket_series(engine_for):
 
 def test_device_time_series_per_batching_node(engine_for):
     """`boundgen_runtime_device_seconds_total` and `boundgen_runtime_paced_wait_seconds_total` per
-    batching node: 0 on CPU (no device queue)."""
+    batching node: 0 on CPU (no device queue); `boundgen_runtime_launch_seconds_total`, the host
+    time of forming and launching the batches."""
     client = TestClient(create_app(engine_for(), ServerConfig()), base_url=LOCAL)
     body = {"query": [1, 2, 3], "items": [[4, 5], [6]], "label_token_ids": [1, 2]}
     assert client.post("/v1/score", json=body).status_code == 200
@@ -105,6 +106,8 @@ def test_device_time_series_per_batching_node(engine_for):
     assert metric(page, "boundgen_runtime_device_seconds_total", 'node="forward"') == 0.0
     assert metric(page, "boundgen_runtime_paced_wait_seconds_total", 'node="forward"') == 0.0
     assert metric(page, "boundgen_runtime_batches_total", 'node="forward"') >= 1.0
+    # on CPU the call is the batch: its launch time is the forward's host time, above 0
+    assert metric(page, "boundgen_runtime_launch_seconds_total", 'node="forward"') > 0.0
 
 
 def test_admission_gauges_and_shed_reasons(engine_for):

@@ -467,6 +467,10 @@ class BatchingNode(Node):
         # any wait for the host's launch (a host-bound node reads ~100 % too; compare batch_run)
         self.device_ns = 0.0
         self.paced_wait_ns = 0  # leaders blocked on the device before their next batch
+        # host time of forming and launching the batches (merge + the call that queues their
+        # device work): with a device queue the device idles for it whenever the batch before
+        # ends first, and that idle counts in `device_ns` (a launch's stream time starts before it)
+        self.launch_ns = 0
         self.last_budget = self.token_budget  # the budget the last batch was formed under
 
     # ---- executor side
@@ -540,6 +544,7 @@ class BatchingNode(Node):
             "mean_requests_per_batch": self.batched_requests / b if b else 0.0,
             "max_requests_in_batch": self.max_requests_in_batch,
             "device_seconds": self.device_ns / 1e9,
+            "launch_seconds": self.launch_ns / 1e9,
             # how long the lanes' leaders waited for the device before forming their next batch:
             # ~0 a batch at saturation says the host, not the device, sets the pace
             "paced_wait_seconds": self.paced_wait_ns / 1e9,
@@ -770,6 +775,7 @@ class BatchingNode(Node):
             steady = self.cost.observe(tokens, ran, len(shapes), frozenset(shapes), steady)
         with self._cv:
             self._count(len(live), tokens)
+            self.launch_ns += ran
         if flight is None:
             self._answer(live, parts, start, ran, steady, None)
         elif deferred:

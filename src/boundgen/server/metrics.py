@@ -122,6 +122,13 @@ class _RuntimeCollector:
             "GPU waited for the host to launch the batch)",
             labels=["node"],
         )
+        launch = CounterMetricFamily(
+            "boundgen_runtime_launch_seconds",
+            "host time a node spent forming and launching its batches (merging the requests, the "
+            "call that queues the device work; without a device queue, the whole call): a batch's "
+            "stream time includes it whenever the batch before it ended first",
+            labels=["node"],
+        )
         paced = CounterMetricFamily(
             "boundgen_runtime_paced_wait_seconds",
             "time a node's batch leaders waited for the device before forming the next batch "
@@ -134,6 +141,7 @@ class _RuntimeCollector:
                 batched.add_metric([node], float(st.get("requests", 0)))
                 batch_tokens.add_metric([node], float(st.get("tokens", 0)))
                 device.add_metric([node], float(st.get("device_seconds", 0.0)))
+                launch.add_metric([node], float(st.get("launch_seconds", 0.0)))
                 paced.add_metric([node], float(st.get("paced_wait_seconds", 0.0)))
         except Exception:
             pass
@@ -141,6 +149,7 @@ class _RuntimeCollector:
         yield batched
         yield batch_tokens
         yield device
+        yield launch
         yield paced
         try:
             tracer = self.runtime.executor.tracer
