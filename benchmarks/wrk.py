@@ -170,10 +170,10 @@ def tail_line(row: dict, top: int = 6, keys: tuple[str, ...] = ()) -> str:
 def node_counters(url: str, node: str) -> dict[str, float]:
     """A batching node's counters so far (`/metrics`): merged batches, the requests and tokens in
     them, the stream seconds of its batches (CUDA), the host seconds of forming and launching
-    them, the model runner's host seconds (wall and the
-    running thread's CPU) by part, and the server's CPU seconds by thread; differences over a run
-    give requests and tokens per batch, the GPU's share, the host time a batch's forward took by
-    part and the CPU a request took by thread."""
+    them, the model runner's host seconds (wall and the running thread's CPU) by part, and the
+    server's CPU seconds by thread; differences over a run give requests and tokens per batch,
+    the GPU's share, the host time a batch's forward took by part and the CPU a request took by
+    thread."""
     text = httpx.get(url + "/metrics", timeout=30).text
 
     def series(name: str) -> dict[str, float]:

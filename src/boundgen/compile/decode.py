@@ -468,11 +468,12 @@ class SearchGraphs:
     def _replay(self, slot: _Slot, padded, b: int, width: int, steps: int, trie: Any):
         """Copy the padded prompts into `slot` (locked by the caller), run or replay it.
 
-        Five copies from pageable memory, each waiting for the work queued before it: one copy
-        from a pinned buffer allocated once per slot, so the next search could be queued behind
-        the running one, served `/v1/beam` no better on the H200 (1,095.8 against 1,095.0 req/s
-        at 64 connections on one machine, 998.7 against 1,005.3 on another, 2026-12-04), and
-        pinning each search's prompts on the fly served less (twelfth session)."""
+        The inputs go in as five copies from pageable memory, each of which waits for the work
+        queued on the stream before it. One copy from a pinned buffer made once per slot (which
+        lets the next search queue behind the running one) served `/v1/beam` no better on the
+        H200 (1,095.8 against 1,095.0 req/s at 64 connections on one machine, 998.7 against
+        1,005.3 on another, 2026-12-04), and pinning each search's prompts on the fly served
+        less (twelfth session)."""
         slot.trie = trie
         slot.ids.copy_(padded.input_ids, non_blocking=True)
         slot.positions.copy_(padded.positions, non_blocking=True)
