@@ -243,13 +243,15 @@ def main(argv: list[str] | None = None) -> int:
                 record(row | {"rate": rate})
             if args.gil_profile and proc is not None:
                 # a saturated closed loop, its server's GIL holders recorded meanwhile
-                raw = out.with_suffix(".gil.txt")
-                spy = gil_profile.record(proc.pid, args.gil_profile, raw)
                 c = args.gil_profile_connections
-                row = run_wrk(url, script, bodies, c, 0, args.gil_profile + 3, args.client_cpus)
-                record(row | {"profiled": "py-spy"})
-                gil = gil_profile.finish(spy, raw)
-                print(f"GIL holders ({c} connections): {json.dumps(gil)[:1500]}", flush=True)
+                row, gil = gil_profile.under_load(
+                    proc.pid,
+                    args.gil_profile,
+                    out.with_suffix(".gil.txt"),
+                    lambda s: run_wrk(url, script, bodies, c, 0, s, args.client_cpus),
+                    f"{c} connections",
+                )
+                record(row)
             if args.gpu_window and proc is not None:
                 # a saturated closed loop; one second in, the server records its GPU work (the
                 # beam node's stream time reads ~100 % whenever searches queue back to back:

@@ -87,6 +87,17 @@ def summarise(path: Path, top: int = 15) -> dict:
     }
 
 
+def under_load(pid: int, seconds: float, raw: Path, load, label: str) -> tuple[dict, dict]:
+    """Run `load(seconds + 3)` (a saturated closed loop, returning its row) while py-spy records
+    `seconds` of process `pid`'s GIL holders into `raw`; print the summary in a line under
+    `label` and return (the load's row, marked `profiled`, and the summary)."""
+    spy = record(pid, seconds, raw)
+    row = load(seconds + 3) | {"profiled": "py-spy"}
+    gil = finish(spy, raw)
+    print(f"GIL holders ({label}): {json.dumps(gil)[:1500]}", flush=True)
+    return row, gil
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pid", type=int)
