@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 
 import fake_gpu
-import gil_profile
 import gpu_window
 import httpx
 import wrk
@@ -146,14 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "server started here, on CUDA)",
     )
     p.add_argument("--gpu-window-connections", type=int, default=256)
-    p.add_argument(
-        "--gil-profile",
-        type=float,
-        default=0,
-        help="SECONDS: last, a closed loop of --gil-profile-connections while py-spy records "
-        "which Python holds the server's GIL (gil_profile.py; py-spy, a server started here)",
-    )
-    p.add_argument("--gil-profile-connections", type=int, default=64)
+    wrk.add_gil_profile_args(p)
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/...)")
     args = p.parse_args(argv)
 
@@ -241,30 +233,19 @@ def main(argv: list[str] | None = None) -> int:
                 think = max(0.0, c / rate * 1e3 - unloaded)
                 row = run_wrk(url, script, bodies, c, think, args.duration, args.client_cpus)
                 record(row | {"rate": rate})
-            if args.gil_profile and proc is not None:
-                # a saturated closed loop, its server's GIL holders recorded meanwhile
-                c = args.gil_profile_connections
-                row, gil = gil_profile.under_load(
-                    proc.pid,
-                    args.gil_profile,
-                    out.with_suffix(".gil.txt"),
-                    lambda s: run_wrk(url, script, bodies, c, 0, s, args.client_cpus),
-                    f"{c} connections",
-                )
-                record(row)
-            if args.gpu_window and proc is not None:
-                # a saturated closed loop; one second in, the server records its GPU work (the
-                # beam node's stream time reads ~100 % whenever searches queue back to back:
-                # the kernels' own busy share says whether the GPU or the host sets the pace)
-                c = args.gpu_window_connections
-                row, gpu = gpu_window.under_load(
-                    window,
-                    trigger,
-                    args.gpu_window,
-                    lambda s: run_wrk(url, script, bodies, c, 0, s, args.client_cpus),
-                    f"{c} connections",
-                )
-                record(row)
+            # last, saturated closed loops under py-spy (who holds the GIL) and under the GPU
+            # window (the beam node's stream time reads ~100 % whenever searches queue back to
+            # back: the kernels' own busy share says whether the GPU or the host sets the pace)
+            gil, gpu = wrk.profiled_steps(
+                proc.pid if proc is not None else None,
+                out,
+                args,
+                lambda c, s: run_wrk(url, script, bodies, c, 0, s, args.client_cpus),
+                record,
+                window,
+                trigger,
+                args.gpu_window_connections,
+            )
             metrics = httpx.get(url + "/metrics", timeout=30).text
             keys = ("boundgen_compiles_after_ready", "boundgen_beam_graph", "boundgen_shed")
             counters = {

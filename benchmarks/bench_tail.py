@@ -46,7 +46,6 @@ import time
 from pathlib import Path
 
 import fake_gpu
-import gil_profile
 import gpu_window
 import httpx
 import wrk
@@ -297,14 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--server-cpus", default="0")
     p.add_argument("--client-cpus", default="1")
-    p.add_argument(
-        "--gil-profile",
-        type=float,
-        default=0,
-        help="SECONDS: last, a closed loop of --gil-profile-connections while py-spy records "
-        "which Python holds the server's GIL (gil_profile.py; py-spy, a server started here)",
-    )
-    p.add_argument("--gil-profile-connections", type=int, default=64)
+    wrk.add_gil_profile_args(p)
     p.add_argument(
         "--gpu-window",
         type=float,
@@ -407,28 +399,17 @@ def main(argv: list[str] | None = None) -> int:
                 record(run_wrk(url, script, bodies, c, think, args.duration, args.client_cpus))
                 wait_idle(cfg)
                 record(run_open_loop(cfg, rate))
-            if args.gil_profile and proc is not None:
-                # a saturated closed loop, its server's GIL holders recorded meanwhile
-                c = args.gil_profile_connections
-                row, gil = gil_profile.under_load(
-                    proc.pid,
-                    args.gil_profile,
-                    out.with_suffix(".gil.txt"),
-                    lambda s: run_wrk(url, script, bodies, c, 0, s, args.client_cpus),
-                    f"{c} connections",
-                )
-                record(row)
-            if args.gpu_window and proc is not None:
-                # a saturated closed loop; one second in, the server records its GPU work
-                c = args.gil_profile_connections
-                row, gpu = gpu_window.under_load(
-                    window,
-                    trigger,
-                    args.gpu_window,
-                    lambda s: run_wrk(url, script, bodies, c, 0, s, args.client_cpus),
-                    f"{c} connections",
-                )
-                record(row)
+            # last, saturated closed loops under py-spy and under the GPU window
+            gil, gpu = wrk.profiled_steps(
+                proc.pid if proc is not None else None,
+                out,
+                args,
+                lambda c, s: run_wrk(url, script, bodies, c, 0, s, args.client_cpus),
+                record,
+                window,
+                trigger,
+                args.gil_profile_connections,
+            )
             gc_after = gc_pauses(url)
     finally:
         if proc is not None:

@@ -15,6 +15,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import gil_profile
+import gpu_window
 import httpx
 
 from boundgen.runner import HOST_PARTS
@@ -225,6 +227,50 @@ def cpu_line(row: dict, top: int = 6) -> str:
         return ""
     shown = ", ".join(f"{k} {v:.2f}" for k, v in list(per.items())[:top])
     return f"    CPU ms per request: {sum(per.values()):.2f} ({shown})"
+
+
+def add_gil_profile_args(p) -> None:
+    """`--gil-profile SECONDS` and `--gil-profile-connections` (`profiled_steps`) on parser `p`."""
+    p.add_argument(
+        "--gil-profile",
+        type=float,
+        default=0,
+        help="SECONDS: last, a closed loop of --gil-profile-connections while py-spy records "
+        "which Python holds the server's GIL (gil_profile.py; py-spy, a server started here)",
+    )
+    p.add_argument("--gil-profile-connections", type=int, default=64)
+
+
+def profiled_steps(
+    pid: int | None, out: Path, args, closed_loop, record, window: Path, trigger: Path, gpu_conns
+) -> tuple[dict | None, dict | None]:
+    """A wrk benchmark's optional last steps on a server it started (`pid`): a saturated closed
+    loop of `args.gil_profile_connections` while py-spy records `args.gil_profile` seconds of its
+    GIL holders (`gil_profile.py`), then one of `gpu_conns` while it records `args.gpu_window`
+    seconds of its GPU work (`gpu_window.py`). `closed_loop(connections, seconds)` runs a loop
+    and returns its row, `record(row)` keeps it. → (the GIL summary, the GPU window), None each
+    when not asked for."""
+    gil = gpu = None
+    if args.gil_profile and pid is not None:
+        c = args.gil_profile_connections
+        row, gil = gil_profile.under_load(
+            pid,
+            args.gil_profile,
+            out.with_suffix(".gil.txt"),
+            lambda s: closed_loop(c, s),
+            f"{c} connections",
+        )
+        record(row)
+    if args.gpu_window and pid is not None:
+        row, gpu = gpu_window.under_load(
+            window,
+            trigger,
+            args.gpu_window,
+            lambda s: closed_loop(gpu_conns, s),
+            f"{gpu_conns} connections",
+        )
+        record(row)
+    return gil, gpu
 
 
 def per_batch(before: dict[str, float], after: dict[str, float], what: str = "requests") -> float:
