@@ -585,6 +585,7 @@ def test_search_buckets_equal_the_plain_search(engine_for):
             torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
     # two prompts and three pad to the same 4-prompt bucket; one prompt has its own
     assert {k[1] for k in sg.slots} == {1, 2, 4}
+    assert sg.searches == 10  # every search above ran in a bucket
     assert sg.run([_ids(g, 100)], 3, 3) is None  # no bucket fits → the caller's plain path
 
 
