@@ -24,6 +24,8 @@ runner alone (`rows` + `head` + softmax + `to_host` + sync):
   (cudaMemcpyAsync, cudaStreamSynchronize, cudaEventSynchronize, cudaGraphLaunch, kernel launches,
   cudaEventRecord/Query/Create, cudaStreamWaitEvent, cudaMalloc, cudaHostAlloc) and the host time
   inside them; device-side copies by kind (HtoD, DtoH, DtoD), kernels, GPU busy time;
+- on CUDA, one staged call's steps timed apart without the profiler (`split_us`): pieces, fill,
+  copy, replay (the launch's host time), clone, head, wait, and the graph's GPU time by events;
 - device tensor allocations per call (the caching allocator's `allocation.all.allocated`), pinned
   host allocations per call (`torch.cuda.host_memory_stats`, where this torch has it).
 
@@ -201,6 +203,52 @@ def measure(name: str, fn, args, cuda: bool) -> dict:
     return out
 
 
+def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) -> dict | None:
+    """One staged call's steps timed apart, without the profiler (median µs over `--iters`): the
+    host's `pieces` (chunk + pack + pad), `fill` of the pinned buffer, the H2D `copy`, the graph's
+    `replay` (host time of the launch), the `clone` of the wanted rows and its event, the head +
+    softmax + copy to pinned memory, the wait for the GPU; and the graph's GPU time (events around
+    the replay). None when the call's batch does not run a staged graph."""
+    modes = ["last"] * sum(len(g.suffixes) for g in groups)
+    packed = next(runner.pieces(groups, modes))
+    staged = runner._staged(packed, modes)
+    if staged is None or staged.graph is None:
+        return None
+    marks = ("pieces", "fill", "copy", "replay", "clone", "head", "wait")
+    steps: dict[str, list[float]] = {m: [] for m in marks + ("graph_gpu", "wall")}
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(args.warmup + args.iters):
+        t = [time.perf_counter()]
+        with torch.inference_mode():
+            packed = next(runner.pieces(groups, modes))
+            t.append(time.perf_counter())
+            k = staged.inputs.fill(packed)
+            t.append(time.perf_counter())
+            staged.inputs.copy()
+            t.append(time.perf_counter())
+            e0.record()
+            staged.graph.graph.replay()
+            e1.record()
+            t.append(time.perf_counter())
+            rows = staged.graph.output[1][:k].clone()
+            staged.inputs.done()
+            t.append(time.perf_counter())
+            host = runner.to_host(torch.softmax(runner.head(rows, LABELS), dim=-1))
+            t.append(time.perf_counter())
+            torch.cuda.current_stream().synchronize()
+            t.append(time.perf_counter())
+            host.tolist()
+        if i < args.warmup:
+            continue
+        for m, a, b in zip(marks, t, t[1:]):
+            steps[m].append((b - a) * 1e6)
+        steps["graph_gpu"].append(e0.elapsed_time(e1) * 1e3)
+        steps["wall"].append((t[-1] - t[0]) * 1e6)
+    out = {m: round(statistics.median(v), 1) for m, v in steps.items()}
+    print("\n== host/GPU split of one staged call (median µs): " + json.dumps(out), flush=True)
+    return out
+
+
 def request(workload: str, vocab: int) -> tuple[list[int], list[list[int]]]:
     """The (query, items) of one request of `workload`."""
     if workload == "w2":
@@ -266,6 +314,7 @@ def main() -> int:
                 "runner": measure(
                     f"{variant}: runner only", runner_call(runner, groups, cuda), args, cuda
                 ),
+                "split_us": split(runner, groups, args, cuda) if cuda else None,
                 "runner_stats": runner.stats(),
             }
         finally:
