@@ -205,13 +205,12 @@ def measure(name: str, fn, args, cuda: bool) -> dict:
 
 def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) -> dict | None:
     """One staged call's steps timed apart, without the profiler (median µs over `--iters`): the
-    host's `pieces` (chunk + pack + pad), `fill` of the pinned buffer, the H2D `copy`, the graph's
+    host's `pieces` (chunk + `pack_arrays`), `fill` of the pinned buffer (`write_padded`), the H2D `copy`, the graph's
     `replay` (host time of the launch), the `clone` of the wanted rows and its event, the head +
     softmax + copy to pinned memory, the wait for the GPU; and the graph's GPU time (events around
     the replay). None when the call's batch does not run a staged graph."""
     modes = ["last"] * sum(len(g.suffixes) for g in groups)
-    packed = next(runner.pieces(groups, modes))
-    staged = runner._staged(packed, modes)
+    staged, _ = next(runner.pieces(groups, modes))
     if staged is None or staged.graph is None:
         return None
     marks = ("pieces", "fill", "copy", "replay", "clone", "head", "wait")
@@ -220,9 +219,9 @@ def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) ->
     for i in range(args.warmup + args.iters):
         t = [time.perf_counter()]
         with torch.inference_mode():
-            packed = next(runner.pieces(groups, modes))
+            _, lay = next(runner.pieces(groups, modes))
             t.append(time.perf_counter())
-            k = staged.inputs.fill(packed)
+            k = staged.inputs.fill(lay)
             t.append(time.perf_counter())
             staged.inputs.copy()
             t.append(time.perf_counter())

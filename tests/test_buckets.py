@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from boundgen.attention.metadata import AttnInputs
-from boundgen.compile.buckets import Bucket, BucketSet, default_buckets, ladder
-from boundgen.text.packing import Footprint, PackedBatch, SequenceGroup, pack
+from boundgen.compile.buckets import Bucket, BucketSet, default_buckets, ladder, write_padded
+from boundgen.compile.staging import StagedInputs
+from boundgen.text.packing import Footprint, PackedBatch, SequenceGroup, pack, pack_arrays
 
 
 def _spans(batch: PackedBatch):
@@ -142,6 +143,53 @@ def test_fit_and_padding_equal_the_torch_oracle(groups, share_prefix):
             assert_same_batch(padded, reference_pad(b, batch))
     fitting = [b for b in BUCKETS if reference_fits(b, batch)]
     assert BucketSet(BUCKETS).choose(batch) == (min(fitting) if fitting else None)
+
+
+def _stale_host_arrays(b: Bucket) -> dict:
+    """A bucket's staged host arrays, filled with garbage an earlier request could have left."""
+    arrays = StagedInputs(b, "cpu", rows=64)._np
+    for a in arrays.values():
+        a[:] = 7
+    return arrays
+
+
+def _padded_fields(batch: PackedBatch) -> dict:
+    a = batch.attn
+    out = {"input_ids": batch.input_ids, "positions": batch.positions, "cu_seqlens": a.cu_seqlens}
+    if a.cu_prefix is not None:
+        out.update(cu_prefix=a.cu_prefix, cu_group_q=a.cu_group_q)
+    return {k: v.tolist() for k, v in out.items()}
+
+
+@settings(max_examples=300)
+@given(groups_st, st.booleans())
+def test_write_padded_writes_what_pad_builds(groups, share_prefix):
+    """The staged path's direct write (`pack_arrays` → `write_padded` into a bucket's host arrays,
+    over stale values) gives every field `BucketSet.pad(pack(...))` gives, in every bucket that
+    fits, rows included."""
+    try:
+        batch = pack(groups, share_prefix)
+    except ValueError:  # an empty sequence
+        return
+    lay = pack_arrays(groups, share_prefix)
+    for b in BUCKETS:
+        if not b.fits(batch.footprint):
+            continue
+        _, padded = BucketSet([b]).pad(batch)
+        arrays = _stale_host_arrays(b)
+        k = write_padded(b, lay, arrays)
+        assert k == padded.num_rows
+        got = {name: arrays[name].tolist() for name in _padded_fields(padded)}
+        assert got == _padded_fields(padded), b.name
+        assert arrays["rows"][:k].tolist() == padded.last_index.tolist()
+
+
+def test_write_padded_without_a_batch_is_the_example():
+    for b in BUCKETS:
+        arrays = _stale_host_arrays(b)
+        assert write_padded(b, None, arrays) == 0
+        got = {name: arrays[name].tolist() for name in _padded_fields(b.example())}
+        assert got == _padded_fields(b.example()), b.name
 
 
 def test_example_batch_is_all_padding():

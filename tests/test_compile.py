@@ -186,8 +186,8 @@ def test_aoti_scores_match_eager(engine_for, aoti_cache):
         )
     # the runtime's path: pieces (pack + pad on the host) → stage → forward on the padded batch
     batch = pack(_groups(4)[:2])  # two shared-prefix groups: fits BUCKET
-    (padded,) = aoti.runner.pieces(_groups(4)[:2], ["last"] * 5)
-    assert padded.num_tokens == BUCKET.tokens
+    ((staged, padded),) = aoti.runner.pieces(_groups(4)[:2], ["last"] * 5)
+    assert staged is None and padded.num_tokens == BUCKET.tokens  # aoti on CPU: no staged graph
     with torch.inference_mode():
         got = aoti.runner.forward(padded).index_select(0, padded.last_index)
         want = eager.runner.forward(batch).index_select(0, batch.last_index)
@@ -483,7 +483,7 @@ def test_chunks_resplit_to_fit_buckets(engine_for):
         torch.testing.assert_close(runner.rows(shared), engine.runner.rows(shared))
     assert runner.stats()["misses"] == 1
     # under the token budget, cut into bucket-sized pieces
-    pieces = list(runner.pieces(plain, ["last"] * 9))
+    pieces = [packed for _, packed in runner.pieces(plain, ["last"] * 9)]
     assert [p.num_tokens for p in pieces] == [128] * 5
     assert [sum(p.rows_per_group) for p in pieces] == [2] * 4 + [1]
     assert len(list(runner.pieces(shared, ["last"] * 9))) == 1

@@ -28,14 +28,14 @@ import torch
 
 from boundgen.compile.backends import CompiledForwards, CompileOptions, select_forwards
 from boundgen.compile.buckets import Bucket, BucketSet
-from boundgen.compile.chunking import chunk
+from boundgen.compile.chunking import Piece, chunk
 from boundgen.compile.decode import plain_session
 from boundgen.compile.staging import StagedBucket
 from boundgen.config import ModelConfig
 from boundgen.models.decoder import DecoderModel
 from boundgen.runtime.memory import Lease, MemoryPools
 from boundgen.search import search
-from boundgen.text.packing import PackedBatch, SequenceGroup, pack
+from boundgen.text.packing import HostLayout, PackedBatch, SequenceGroup, pack, pack_arrays
 
 # Tokens per forward piece on CPU: at most ~0.15 s of the demo model on 2 cores, so a cancelled or
 # late request leaves the model that soon; it costs no throughput there (BENCHMARKS.md, issue 19).
@@ -43,12 +43,16 @@ CPU_PIECE_TOKENS = 2048
 # label-column sets `head` keeps on the device (a few per deployment: each task's label ids)
 _MAX_COLUMN_SETS = 64
 # Where `rows` spends the host's time, per part (`stats()["host_seconds"]`, /metrics): `pack`
-# chunks, packs and pads the next piece; `stage` copies a piece's inputs towards the device through
-# pooled buffers; `launch` queues its forward (a staged bucket: the fill of its input buffer, the
-# copy and the replay) and the gather of its rows. On CUDA the device work is only queued, so
-# these are host times, including any wait inside them; the same parts' CPU time on the calling
-# thread (`host_cpu_seconds`) tells the waits apart (for the GIL, an allocator, a full queue).
+# chunks, packs and pads the next piece (a staged bucket's piece: chunks and packs it); `stage`
+# copies a piece's inputs towards the device through pooled buffers; `launch` queues its forward (a
+# staged bucket: the fill of its input buffer, the copy and the replay) and the gather of its rows.
+# On CUDA the device work is only queued, so these are host times, including any wait inside them;
+# the same parts' CPU time on the calling thread (`host_cpu_seconds`) tells the waits apart (for the
+# GIL, an allocator, a full queue).
 HOST_PARTS = ("pack", "stage", "launch")
+# a piece of a forward as `pieces` yields it: (a staged bucket, the piece's host layout written
+# into it) or (None, the packed batch, padded where a bucket fits)
+_Piece = tuple[StagedBucket, HostLayout] | tuple[None, PackedBatch]
 
 
 class ModelRunner:
@@ -110,8 +114,8 @@ class ModelRunner:
         outs, row = [], 0
         clock = _clocks
         with self._staging() as lease:
-            for packed in self._timed(self.pieces(groups, modes, budget)):
-                k = packed.num_rows
+            for staged, packed in self._timed(self.pieces(groups, modes, budget)):
+                k = len(packed.last) if staged is not None else packed.num_rows
                 piece_modes = modes[row : row + k]
                 row += k
                 token_rows = (
@@ -124,7 +128,6 @@ class ModelRunner:
                         torch.zeros(rows_out, hidden_size, dtype=self.dtype, device=self.device)
                     )
                     continue
-                staged = self._staged(packed, piece_modes)
                 if staged is not None:  # one fill, one copy, one replay (compile/staging.py)
                     t0 = clock()
                     outs.append(staged.rows(packed))
@@ -148,15 +151,15 @@ class ModelRunner:
                 self._spent("launch", t1, clock())
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _timed(self, pieces: Iterator[PackedBatch]) -> Iterator[PackedBatch]:
+    def _timed(self, pieces: Iterator[_Piece]) -> Iterator[_Piece]:
         """`pieces`, the host time of making each counted as `pack`."""
         while True:
             t0 = _clocks()
-            packed = next(pieces, None)
-            self._spent("pack", t0, _clocks(), pieces=int(packed is not None))
-            if packed is None:
+            piece = next(pieces, None)
+            self._spent("pack", t0, _clocks(), pieces=int(piece is not None))
+            if piece is None:
                 return
-            yield packed
+            yield piece
 
     def _spent(
         self, part: str, start: tuple[int, int], end: tuple[int, int], pieces: int = 0
@@ -172,13 +175,16 @@ class ModelRunner:
             self._host_cpu_ns[part] += cpu
             self._pieces += pieces
 
-    def _staged(self, packed: PackedBatch, modes: list[str]) -> StagedBucket | None:
-        """The staged graph of a host batch in a bucket's exact layout, when every row it wants
-        is a last-token row and their number fits its gather (else None: the general path)."""
-        fn = self._by_layout.get(_layout_key(packed)) if self._by_layout else None
-        if not isinstance(fn, StagedBucket) or packed.num_rows > fn.inputs.capacity:
+    def _staged(self, piece: Piece, modes: list[str]) -> StagedBucket | None:
+        """The staged graph of a piece's bucket, when every row it wants is a last-token row and
+        their number fits its gather (else None: the general path)."""
+        if not self._by_layout or any(m != "last" for m in modes):
             return None
-        return fn if all(m == "last" for m in modes) else None
+        bucket = piece.bucket or self.buckets.smallest(piece.footprint)
+        fn = self._by_layout.get(_bucket_key(bucket)) if bucket is not None else None
+        if not isinstance(fn, StagedBucket) or len(modes) > fn.inputs.capacity:
+            return None
+        return fn
 
     @contextlib.contextmanager
     def _staging(self) -> Iterator[Lease]:
@@ -203,18 +209,29 @@ class ModelRunner:
 
     def pieces(
         self, groups: list[SequenceGroup], modes: list[str], budget: int | None = None
-    ) -> Iterator[PackedBatch]:
-        """Host-side packed batches of `groups` (rows in order), each within the token budget and,
-        with compiled buckets, cut at sequence boundaries to fill the buckets and padded into the
-        smallest that fits (`compile.chunking`; a batch no bucket takes comes as is, counted as a
-        miss, and runs eagerly). Eager buckets (graphs of the plain model) only pad what fits: an
-        uncompiled forward runs any size. Packed lazily: piece n+1 is packed while n runs.
-        `budget`: tokens per piece (default `max_batch_tokens`)."""
+    ) -> Iterator[_Piece]:
+        """Host-side batches of `groups` (rows in order), each within the token budget and, with
+        compiled buckets, cut at sequence boundaries to fill the buckets (`compile.chunking`).
+        Each comes as (staged bucket, its host layout) when a staged graph takes the piece as is
+        (`_staged`: written padded straight into that bucket's input buffer), else as (None, the
+        packed batch) padded into the smallest bucket that fits (a batch no bucket takes comes as
+        is, counted as a miss, and runs eagerly; eager buckets, graphs of the plain model, only pad
+        what fits: an uncompiled forward runs any size). Packed lazily: piece n+1 is packed while
+        n runs. `budget`: tokens per piece (default `max_batch_tokens`)."""
         share = self.shares_prefix(groups, modes)
         cut = self.buckets if self.forwards and self.forwards.cut_large_chunks else None
+        row = 0
         for piece in chunk(groups, budget or self.max_batch_tokens, cut, share):
+            k = sum(len(g.suffixes) for g in piece.groups)
+            staged = self._staged(piece, modes[row : row + k])
+            row += k
+            if staged is not None:
+                lay = pack_arrays(piece.groups, share_prefix=share)
+                self.buckets.count(staged.bucket, len(lay.input_ids))
+                yield staged, lay
+                continue
             packed = pack(piece.groups, share_prefix=share)
-            yield packed if self.buckets is None else self.buckets.pad(packed)[1]
+            yield None, packed if self.buckets is None else self.buckets.pad(packed)[1]
 
     def shares_prefix(self, groups: list[SequenceGroup], modes: list[str]) -> bool:
         """Whether `groups` are packed with their prefixes shared (cascade): unless this runner

@@ -27,12 +27,13 @@ import bisect
 import math
 import re
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 import torch
 
 from boundgen.attention.metadata import AttnInputs
-from boundgen.text.packing import Footprint, PackedBatch
+from boundgen.text.packing import Footprint, HostLayout, PackedBatch
 
 _PART = re.compile(r"([tsmgpq])(\d+)")
 
@@ -219,6 +220,60 @@ def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
     )
 
 
+def write_padded(b: Bucket, lay: HostLayout | None, out: dict[str, np.ndarray]) -> int:
+    """Write `lay` padded into bucket `b` straight into `b`-sized host arrays `out` ("input_ids",
+    "positions", "cu_seqlens", "rows", and in a cascade bucket "cu_prefix", "cu_group_q"): the
+    values `BucketSet.pad(pack(...))` gives, without its tensors (a staged bucket's fill, issue 25:
+    the host time before a small request's replay). `lay` None: all padding. Returns the number
+    of rows k written to `out["rows"][:k]` (the rest is the caller's)."""
+    m = b.max_seqlen
+    P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
+    if lay is None:
+        p = q = tail = sp = sq = 0
+        segs, ids_in, pos_in = _NONE, _NONE, _NONE
+    else:
+        sp, sq = lay.span_segments
+        p, q, segs = lay.num_prefix_tokens, lay.num_shared_tokens, lay.seg_len
+        ids_in, pos_in = lay.input_ids, lay.positions
+        tail = len(ids_in) - p - q
+    parts = [
+        segs[:sp],
+        _pad_segments(P - p, m),
+        segs[sp : sp + sq],
+        _pad_segments(Q - q, m),
+        segs[sp + sq :],
+        _pad_segments(b.tokens - P - Q - tail, m),
+    ]
+    segs = np.concatenate([x for x in parts if len(x)])
+    cu = out["cu_seqlens"]
+    cu[0] = 0
+    np.cumsum(segs, out=cu[1 : len(segs) + 1])
+    cu[len(segs) + 1 :] = b.tokens
+    ids, pos = out["input_ids"], out["positions"]
+    start = 0  # of the span in `lay`
+    for dst, n, room in ((0, p, P), (P, q, Q), (P + Q, tail, b.tokens - P - Q)):
+        ids[dst : dst + n] = ids_in[start : start + n]
+        pos[dst : dst + n] = pos_in[start : start + n]
+        ids[dst + n : dst + room] = 0
+        pos[dst + n : dst + room] = 0
+        start += n
+    if b.cascade:  # the pad group (and any unused group) gets the pad prefix tokens as keys
+        real = lay is not None and lay.cascade
+        for name, lens, fill in (("cu_prefix", "prefix_lens", P), ("cu_group_q", "group_q", Q)):
+            offsets = list(accumulate(getattr(lay, lens), initial=0)) if real else [0]
+            arr = out[name]
+            arr[: len(offsets)] = offsets  # a few groups: Python's sum beats numpy's list intake
+            arr[len(offsets) :] = fill
+    if lay is None:
+        return 0
+    last = lay.last
+    k = len(last)
+    rows = out["rows"]
+    # a row's index moves by the padding before its span (`_build`'s `remap`)
+    rows[:k] = last + (last >= p) * (P - p) + (last >= p + q) * (Q - q)
+    return k
+
+
 @dataclass
 class PaddingStats:
     """Real vs padded tokens per bucket, and batches no bucket could take."""
@@ -277,10 +332,15 @@ class BucketSet:
         if bucket is None:
             self.stats.misses += 1
             return None, batch
-        self.stats.real_tokens += batch.num_tokens
+        self.count(bucket, batch.num_tokens)
+        return bucket, _build(bucket, _layout(batch), batch)
+
+    def count(self, bucket: Bucket, tokens: int) -> None:
+        """Count a batch of `tokens` real tokens padded into `bucket` (`pad`, or a caller that
+        wrote the padded layout itself: `write_padded`)."""
+        self.stats.real_tokens += tokens
         self.stats.padded_tokens += bucket.tokens
         self.stats.batches[bucket.name] = self.stats.batches.get(bucket.name, 0) + 1
-        return bucket, _build(bucket, _layout(batch), batch)
 
 
 def ladder(max_batch_tokens: int = 8192, smallest: int = 64) -> list[int]:

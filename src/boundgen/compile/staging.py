@@ -5,10 +5,11 @@ on CUDA) and ONE device buffer whose views are the bucket graph's static inputs 
     StagedBucket(fn, bucket, ...)  the bucket's forward + the gather of its output rows over those
                                    views, captured as one CUDA graph (a plain call off CUDA)
 
-Per call (`StagedBucket.rows`): the padded host batch is written into the host buffer through
-numpy views, copied with one non-blocking H2D into the device buffer, the graph is replayed (the
-forward, then `hidden[rows]` into its static output), and the k wanted rows are copied out once.
-No pooled buffer, no per-call event object, no per-input device-to-device copy.
+Per call (`StagedBucket.rows`): the batch's host layout (`pack_arrays`) is written padded into the
+host buffer through numpy views (`buckets.write_padded`: no tensor, no padded copy first), copied
+with one non-blocking H2D into the device buffer, the graph is replayed (the forward, then
+`hidden[rows]` into its static output), and the k wanted rows are copied out once. No pooled buffer,
+no per-call event object, no per-input device-to-device copy.
 
 Buffer layout (byte offsets, each field on a 16-byte boundary: AOTInductor kernels assume aligned
 inputs and copy a misaligned one on every call):
@@ -34,9 +35,9 @@ from collections.abc import Callable
 
 import torch
 
-from boundgen.compile.buckets import Bucket
+from boundgen.compile.buckets import Bucket, write_padded
 from boundgen.compile.graphs import StaticGraph
-from boundgen.text.packing import PackedBatch
+from boundgen.text.packing import HostLayout, PackedBatch
 
 _ALIGN = 16
 
@@ -107,29 +108,26 @@ class StagedInputs:
             for name, (dtype, off, n) in self.layout.items()
         }
 
-    def fill(self, padded: PackedBatch) -> int:
-        """Write a padded host batch of this bucket's exact layout into the host buffer; returns
-        its number of output rows k (`padded.last_index`, gathered by the graph)."""
-        a = padded.attn
-        k = padded.num_rows
-        if padded.num_tokens != self.bucket.tokens or k > self.capacity:
-            raise ValueError(
-                f"staging {self.bucket.name}: a batch of {padded.num_tokens} tokens and {k} rows "
-                f"does not fit (capacity {self.capacity} rows)"
-            )
+    def fill(self, lay: HostLayout | None) -> int:
+        """Write a batch's host layout (`pack_arrays`), padded into this bucket, into the host
+        buffer (`buckets.write_padded`: no tensor on the way); None: all padding. Returns its
+        number of output rows k (gathered by the graph)."""
+        b = self.bucket
+        k = 0 if lay is None else len(lay.last)
+        if lay is not None:
+            p, q = lay.num_prefix_tokens, lay.num_shared_tokens
+            P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
+            tail = len(lay.input_ids) - p - q
+            if k > self.capacity or p > P or q > Q or tail > b.tokens - P - Q:
+                raise ValueError(
+                    f"staging {b.name}: a batch of {len(lay.input_ids)} tokens and {k} rows does "
+                    f"not fit (capacity {self.capacity} rows)"
+                )
         if self._copied is not None and not self._copied.query():
             self.waits += 1
             self._copied.synchronize()
-        np_ = self._np
-        np_["input_ids"][:] = padded.input_ids.numpy()
-        np_["positions"][:] = padded.positions.numpy()
-        np_["cu_seqlens"][:] = a.cu_seqlens.numpy()
-        if self.bucket.cascade:
-            np_["cu_prefix"][:] = a.cu_prefix.numpy()
-            np_["cu_group_q"][:] = a.cu_group_q.numpy()
-        rows = np_["rows"]
-        rows[:k] = padded.last_index.numpy()
-        rows[k:] = 0
+        write_padded(b, lay, self._np)
+        self._np["rows"][k:] = 0
         self.fills += 1
         return k
 
@@ -195,7 +193,7 @@ class StagedBucket:
     ) -> None:
         self.bucket = bucket
         self.inputs = StagedInputs(bucket, device, rows)
-        self.inputs.fill(bucket.example("cpu"))  # valid inputs for the warm-up and the capture
+        self.inputs.fill(None)  # all padding: valid inputs for the warm-up and the capture
         self.inputs.copy()
         self._fn = fn
         self.lock = threading.Lock()
@@ -216,12 +214,12 @@ class StagedBucket:
         self.graph.graph.replay()
         return self.graph.output
 
-    def rows(self, padded: PackedBatch) -> torch.Tensor:
-        """Hidden rows [k, H] of a padded host batch in this bucket's layout at its `last_index`
-        rows: one fill, one H2D copy, one replay, one copy of the k rows out of the static
+    def rows(self, lay: HostLayout) -> torch.Tensor:
+        """Hidden rows [k, H] of a batch's host layout at its last-token rows, padded into this
+        bucket: one fill, one H2D copy, one replay, one copy of the k rows out of the static
         output (a tensor of the caller's, valid after the next call)."""
         with self.lock:
-            k = self.inputs.fill(padded)
+            k = self.inputs.fill(lay)
             self.inputs.copy()
             _, out = self._replay()
             out = out[:k].clone()

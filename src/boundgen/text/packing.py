@@ -135,19 +135,50 @@ def _int32(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a.astype(np.int32))
 
 
-def pack(groups: list[SequenceGroup], share_prefix: bool = True) -> PackedBatch:
-    """Token layout: [ shared prefixes | their non-empty suffixes | plain sequences ], each
-    prefix, suffix and plain sequence (prefix + suffix of a group without sharing) one causal
-    segment; output rows (one per suffix) stay in input order."""
+@dataclass(slots=True)
+class HostLayout:
+    """`pack`'s layout of some groups as host numpy arrays (int64 unless noted), before any tensor:
+    what `pack` wraps and what a bucket's staged inputs are written from (`compile.buckets`)."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    seg_len: np.ndarray  # [S]: causal segments in layout order
+    last: np.ndarray  # [N]: row of each output sequence's last token, in input order
+    start: np.ndarray  # [N]: first row of a plain sequence (−1 for shared-prefix rows)
+    length: np.ndarray  # [N]
+    prefix_lens: list[int]  # [G] shared-prefix groups
+    group_q: list[int]  # [G]: their suffix tokens
+    # segments in the prefix span and in the shared-suffix span (the rest are plain); (0, 0)
+    # without cascade, where shared prefixes are plain segments
+    span_segments: tuple[int, int]
+
+    @property
+    def cascade(self) -> bool:
+        """Some shared suffix is non-empty: prefixes and suffixes are spans of their own."""
+        return self.span_segments != (0, 0)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Tokens of the prefix span (0 without cascade)."""
+        return sum(self.prefix_lens) if self.cascade else 0
+
+    @property
+    def num_shared_tokens(self) -> int:
+        """Tokens of the shared-suffix span (0 without cascade)."""
+        return sum(self.group_q) if self.cascade else 0
+
+
+def pack_arrays(groups: list[SequenceGroup], share_prefix: bool = True) -> HostLayout:
+    """`pack`'s token layout as host arrays (see `pack`)."""
     shared_mask = [shares_prefix(g, share_prefix) for g in groups]
     shared = [g for g, s in zip(groups, shared_mask) if s]
     plain = [g for g, s in zip(groups, shared_mask) if not s]
     prefix_lens = [len(g.prefix) for g in shared]  # [G]
-    suffix_lens = [len(s) for g in shared for s in g.suffixes]  # one per shared row
+    suffix_lens = [n for g in shared for n in map(len, g.suffixes)]  # one per shared row
     plain_lens = [len(g.prefix) + len(s) for g in plain for s in g.suffixes]  # one per plain row
     if 0 in plain_lens:
         raise ValueError("cannot pack an empty sequence (prefix and suffix both empty)")
-    shared_segs = [n for n in suffix_lens if n]
+    shared_segs = [n for n in suffix_lens if n] if 0 in suffix_lens else suffix_lens
     seg_len = np.array(prefix_lens + shared_segs + plain_lens, dtype=np.int64)
     if not len(seg_len):
         raise ValueError("cannot pack a batch without sequences")
@@ -182,7 +213,9 @@ def pack(groups: list[SequenceGroup], share_prefix: bool = True) -> PackedBatch:
         counts = [len(g.suffixes) for g in shared]
         s_len = np.array(suffix_lens, dtype=np.int64)
         prefix_end = np.repeat(cu[1 : len(shared) + 1], counts)
-        s_end = np.where(s_len > 0, num_prefix + np.cumsum(s_len), prefix_end)
+        s_end = num_prefix + np.cumsum(s_len)
+        if len(shared_segs) < len(suffix_lens):
+            s_end = np.where(s_len > 0, s_end, prefix_end)
         s_rows = (
             s_end - 1,
             np.full(len(s_len), -1, dtype=np.int64),
@@ -199,23 +232,34 @@ def pack(groups: list[SequenceGroup], share_prefix: bool = True) -> PackedBatch:
                 merged.append(out)
             last, start, length = merged
 
-    cascade = bool(shared_segs)
+    spans = (len(shared), len(shared_segs)) if shared_segs else (0, 0)
+    return HostLayout(
+        input_ids, positions, seg_len, last, start, length, prefix_lens, group_q, spans
+    )
+
+
+def pack(groups: list[SequenceGroup], share_prefix: bool = True) -> PackedBatch:
+    """Token layout: [ shared prefixes | their non-empty suffixes | plain sequences ], each
+    prefix, suffix and plain sequence (prefix + suffix of a group without sharing) one causal
+    segment; output rows (one per suffix) stay in input order."""
+    lay = pack_arrays(groups, share_prefix)
+    cascade = lay.cascade
     attn = AttnInputs(
-        cu_seqlens=_int32(cu),
-        max_seqlen=int(seg_len.max()),
-        cu_prefix=_int32(_offsets(np.array(prefix_lens))) if cascade else None,
-        cu_group_q=_int32(_offsets(np.array(group_q))) if cascade else None,
-        max_prefix=max(prefix_lens, default=0),
-        max_group_q=max(group_q, default=0),
-        num_prefix_tokens=num_prefix,
-        num_shared_tokens=sum(group_q),
+        cu_seqlens=_int32(_offsets(lay.seg_len)),
+        max_seqlen=int(lay.seg_len.max()),
+        cu_prefix=_int32(_offsets(np.array(lay.prefix_lens))) if cascade else None,
+        cu_group_q=_int32(_offsets(np.array(lay.group_q))) if cascade else None,
+        max_prefix=max(lay.prefix_lens, default=0),
+        max_group_q=max(lay.group_q, default=0),
+        num_prefix_tokens=sum(lay.prefix_lens),
+        num_shared_tokens=sum(lay.group_q),
     )
     return PackedBatch(
-        input_ids=torch.from_numpy(input_ids),
-        positions=torch.from_numpy(positions),
+        input_ids=torch.from_numpy(lay.input_ids),
+        positions=torch.from_numpy(lay.positions),
         attn=attn,
-        last_index=torch.from_numpy(last),
-        seq_start=torch.from_numpy(start),
-        seq_len=torch.from_numpy(length),
+        last_index=torch.from_numpy(lay.last),
+        seq_start=torch.from_numpy(lay.start),
+        seq_len=torch.from_numpy(lay.length),
         rows_per_group=[len(g.suffixes) for g in groups],
     )
