@@ -26,6 +26,7 @@ runner alone (`rows` + `head` + softmax + `to_host` + sync):
   inside them; device-side copies by kind (HtoD, DtoH, DtoD), kernels, GPU busy time;
 - on CUDA, one staged call's steps timed apart without the profiler (`split_us`): pieces, fill,
   copy, replay (the launch's host time), clone, head, wait, and the graph's GPU time by events;
+- one runner call's per-kernel table (`--kernels` rows: own time, calls, share);
 - device tensor allocations per call (the caching allocator's `allocation.all.allocated`), pinned
   host allocations per call (`torch.cuda.host_memory_stats`, where this torch has it).
 
@@ -205,10 +206,10 @@ def measure(name: str, fn, args, cuda: bool) -> dict:
 
 def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) -> dict | None:
     """One staged call's steps timed apart, without the profiler (median µs over `--iters`): the
-    host's `pieces` (chunk + `pack_arrays`), `fill` of the pinned buffer (`write_padded`), the H2D `copy`, the graph's
-    `replay` (host time of the launch), the `clone` of the wanted rows and its event, the head +
-    softmax + copy to pinned memory, the wait for the GPU; and the graph's GPU time (events around
-    the replay). None when the call's batch does not run a staged graph."""
+    host's `pieces` (chunk + `pack_arrays`), `fill` of the pinned buffer (`write_padded`), the H2D
+    `copy`, the graph's `replay` (host time of the launch), the `clone` of the wanted rows and its
+    event, the head + softmax + copy to pinned memory, the wait for the GPU; and the graph's GPU
+    time (events around the replay). None when the call's batch does not run a staged graph."""
     modes = ["last"] * sum(len(g.suffixes) for g in groups)
     staged, _ = next(runner.pieces(groups, modes))
     if staged is None or staged.graph is None:
@@ -248,6 +249,19 @@ def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) ->
     return out
 
 
+def kernels(fn, top: int) -> dict:
+    """One runner call's CUDA kernels by their own time (`common.kernel_table`), printed."""
+    table = common.kernel_table(fn, top)
+    idle = table.get("idle_between_ms", 0.0)  # no GPU work (CPU): no gaps
+    print(
+        f"\n== kernels of one call: {table['launches']} launches, GPU busy "
+        f"{table['gpu_busy_ms'] * 1e3:.1f} us, idle between {idle * 1e3:.1f} us"
+    )
+    for r in table["kernels"]:
+        print(f"{r['ms'] * 1e3:9.1f} us {r['calls']:5d}x {r['share']:6.1%}  {r['kernel'][:90]}")
+    return table
+
+
 def request(workload: str, vocab: int) -> tuple[list[int], list[list[int]]]:
     """The (query, items) of one request of `workload`."""
     if workload == "w2":
@@ -283,6 +297,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--profile-calls", type=int, default=20)
+    ap.add_argument("--kernels", type=int, default=30, help="rows of the per-kernel table")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -314,6 +329,7 @@ def main() -> int:
                     f"{variant}: runner only", runner_call(runner, groups, cuda), args, cuda
                 ),
                 "split_us": split(runner, groups, args, cuda) if cuda else None,
+                "kernels": kernels(runner_call(runner, groups, cuda), args.kernels),
                 "runner_stats": runner.stats(),
             }
         finally:
