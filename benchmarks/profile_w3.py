@@ -7,6 +7,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --json $OUT/w3.json                       # H200, ≈ 1 min
     python benchmarks/profile_w3.py --backend aoti+graphs --json $OUT/w3.json # builds t64 first
     python benchmarks/profile_w3.py --workload w2 --variants after --json $OUT/w2.json
+    python benchmarks/profile_w3.py --workload w2 --backend aoti+graphs --variants after \
+        --fp8 selective                                                      # FP8, gate skipped
     python benchmarks/profile_w3.py --preset tiny --device cpu --iters 50     # smoke test
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
@@ -105,7 +107,9 @@ def build_runner(engine: Engine, args, staged: bool) -> ModelRunner:
             fns = {b: StagedBucket(fns[b], b, engine.device) for b in buckets}
         forwards = CompiledForwards("eager-buckets", buckets, fns, False)
         return ModelRunner(engine.model, engine.device, forwards, cfg.max_batch_tokens)
-    opts = CompileOptions(buckets=bucket, cache_dir=args.cache_dir, staged_inputs=staged)
+    opts = CompileOptions(
+        buckets=bucket, cache_dir=args.cache_dir, staged_inputs=staged, quant=args.fp8
+    )
     return make_runner(
         engine.model,
         engine.device,
@@ -297,19 +301,26 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--profile-calls", type=int, default=20)
+    ap.add_argument("--fp8", default="none", help="FP8 policy (e.g. selective), gate skipped")
     ap.add_argument("--kernels", type=int, default=30, help="rows of the per-kernel table")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     path = ensure_model(args.preset, dtype=dtype, root=args.root)
-    base = Engine.from_pretrained(path, device=args.device, dtype=dtype, backend="eager")
+    # FP8 on random weights without the fidelity gate: a speed measurement (the gate is
+    # `boundgen quant-check` on a real checkpoint)
+    fp8 = {"fp8": args.fp8, "fp8_force": True} if args.fp8 != "none" else {}
+    if fp8 and not cuda:  # the smoke test: FP8's numerics emulated
+        fp8["fp8_emulate"] = True
+    base = Engine.from_pretrained(path, device=args.device, dtype=dtype, backend="eager", **fp8)
     vocab = base.config.vocab_size
     query, items = request(args.workload, vocab)
     groups = [SequenceGroup(query, items)]
     want = base.score(query, items, LABELS, apply_softmax=True)
     bucket = WORKLOADS[args.workload]
     res = {"env": common.env_info(), "backend": args.backend, "workload": args.workload}
+    res["fp8"] = args.fp8
     res.update(bucket=bucket, variants={})
     for variant in args.variants.split(","):
         t0 = time.perf_counter()
