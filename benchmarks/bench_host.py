@@ -2,14 +2,16 @@
 vectorization, the bucket chunker; the padding W1/W2/W3 (DESIGN §9) get from the old cut (token
 budget, then the largest bucket) and from `compile.chunking`; buckets planned for varied W2 traffic.
 
-    python benchmarks/bench_host.py [--before ae374ee] [--ids-before 3554611] [--repeats 50]
-                                    [--json $OUT/host.json]
+    python benchmarks/bench_host.py [--before ae374ee] [--ids-before 3554611]
+                                    [--lead-before 93e3eff] [--repeats 50] [--json $OUT/host.json]
 
 `--before REV`: the git revision whose `text/packing.py` and `compile/buckets.py` are the baseline
 (ae374ee: the last one before vectorization). `--ids-before REV`: the revision whose
 `workloads/inputs.to_ids` (checking a request's token ids) is the baseline (3554611: the last one
-with a generator of isinstance calls). Times are the best of `--repeats` short rounds (the
-least disturbed by other processes on the machine), in µs per forward.
+with a generator of isinstance calls). `--lead-before REV`: the revision whose staged fill (pack,
+pad, then `StagedInputs.fill`) and `many_ids` are the baseline (93e3eff: before they were
+written straight into the buffer and ranged in numpy). Times are the best of `--repeats` short
+rounds (the least disturbed by other processes on the machine), in µs per forward.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import common
 from boundgen.compile.buckets import BucketSet, default_buckets, parse_buckets
 from boundgen.compile.chunking import chunk
 from boundgen.compile.planner import plan, predict, profile_entries, traffic_entries
-from boundgen.text.packing import SequenceGroup, pack
+from boundgen.compile.staging import StagedInputs
+from boundgen.text.packing import SequenceGroup, pack, pack_arrays
 
 BUDGET = 32768  # EngineConfig.max_batch_tokens
 W2_BUCKET = "t2048-s128-m512-g2-p320-q1728"  # the W2 bucket of the H200 runs (bench_backends.py)
@@ -193,10 +196,59 @@ def id_check_times(rev: str, repeats: int) -> list[dict]:
     return rows
 
 
+# the bucket each workload's pieces are staged into (W1: the chunker's largest H200 bucket)
+STAGED = {"W1": "t8192-s256-m512", "W2": "t1920-s104-m512-g2-p320-q1600", "W3": "t64-s4-m64"}
+
+
+def staged_times(work, rev: str, repeats: int) -> list[dict]:
+    """µs from a forward's groups to its staged buckets' host buffers (issue 25: the host lead
+    before a small request's replay): chunk, `pack`, `BucketSet.pad` and `StagedInputs.fill` of
+    the padded tensors as of `rev`, against chunk, `pack_arrays` and `fill` (`write_padded`)
+    now."""
+    old_staging = old_module(rev, "compile.staging")
+    rows = []
+    for name, groups in work.items():
+        buckets = BucketSet(parse_buckets([STAGED[name]]))
+        old = {b: old_staging.StagedInputs(b, "cpu") for b in buckets}
+        new = {b: StagedInputs(b, "cpu") for b in buckets}
+
+        def before(g=groups, buckets=buckets, old=old):
+            for piece in chunk(g, BUDGET, buckets):
+                old[piece.bucket].fill(buckets.pad(pack(piece.groups))[1])
+
+        def after(g=groups, buckets=buckets, new=new):
+            for piece in chunk(g, BUDGET, buckets):
+                new[piece.bucket].fill(pack_arrays(piece.groups))
+
+        pieces = chunk(groups, BUDGET, buckets)
+        assert all(p.bucket is not None for p in pieces), name
+        row = {"workload": name, "bucket": STAGED[name], "pieces": len(pieces)}
+        row.update(before=best_us(before, repeats), after=best_us(after, repeats))
+        rows.append(row)
+    return rows
+
+
+def many_ids_times(rev: str, repeats: int) -> dict:
+    """µs for `many_ids` (the one-pass check of a request's token-id items) over W2's 100 items,
+    as of `rev` and now."""
+    from boundgen.workloads.inputs import Limits, many_ids
+
+    old = old_module(rev, "workloads.inputs").many_ids
+    _, items = common.w2_request(151936)
+    limits = Limits(vocab_size=151936, max_seq_len=32768, max_items=1024)
+    return {
+        name: best_us(lambda fn=fn: fn(items, None, limits, "items"), repeats)
+        for name, fn in (("before", old), ("after", many_ids))
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", default="ae374ee", help="git revision of the baseline `pack`")
     ap.add_argument("--ids-before", default="3554611", help="git revision of the baseline `to_ids`")
+    ap.add_argument(
+        "--lead-before", default="93e3eff", help="revision of the old staged fill and many_ids"
+    )
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -236,8 +288,20 @@ def main() -> int:
     ids = id_check_times(args.ids_before, args.repeats)
     print(f"\nchecking token ids, µs (best of {args.repeats}; before = {args.ids_before})")
     print(table(ids, [(c, c) for c in ids[0]]))
+    staged = staged_times(work, args.lead_before, args.repeats)
+    print(
+        f"\ngroups → a staged bucket's host buffer, µs (best of {args.repeats}; before = "
+        f"{args.lead_before}: pack, pad, fill)"
+    )
+    print(table(staged, [(c, c) for c in staged[0]]))
+    many = many_ids_times(args.lead_before, args.repeats)
+    print(
+        f"W2's 100 items through `many_ids`, µs: before {many['before']:.1f}, "
+        f"after {many['after']:.1f}"
+    )
     if args.json:
         results = {"host_us": timings, "padding": pads, "varied_w2": varied, "ids_us": ids}
+        results.update(staged_us=staged, many_ids_us=many)
         Path(args.json).write_text(json.dumps({"env": common.env_info(), **results}, indent=1))
     return 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
+
 from boundgen.text.packing import SequenceGroup
 from boundgen.text.tokenizer import Tokenizer
 
@@ -48,7 +50,15 @@ def all_token_ids_within(seqs, vocab_size: int) -> bool:
     if not set(map(type, seqs)) <= _SEQ:
         return False
     flat = list(chain.from_iterable(seqs))
-    return not flat or (set(map(type, flat)) <= _INT and min(flat) >= 0 and max(flat) < vocab_size)
+    if not flat:
+        return True
+    if not set(map(type, flat)) <= _INT:  # first: numpy would take a float or a bool as an int
+        return False
+    try:  # the range in numpy: Python's min and max compare ints one by one (W2: 55 → 27 µs)
+        ids = np.fromiter(flat, np.int64, len(flat))
+    except OverflowError:  # beyond int64: out of any vocabulary
+        return False
+    return int(ids.min()) >= 0 and int(ids.max()) < vocab_size
 
 
 _SEQ = {list, tuple}
