@@ -262,7 +262,7 @@ def write_padded(b: Bucket, lay: HostLayout | None, out: dict[str, np.ndarray]) 
         for name, lens, fill in (("cu_prefix", "prefix_lens", P), ("cu_group_q", "group_q", Q)):
             offsets = list(accumulate(getattr(lay, lens), initial=0)) if real else [0]
             arr = out[name]
-            arr[: len(offsets)] = offsets  # a few groups: Python's sum beats numpy's list intake
+            arr[: len(offsets)] = offsets  # a few groups: cheaper in Python than through numpy
             arr[len(offsets) :] = fill
     if lay is None:
         return 0

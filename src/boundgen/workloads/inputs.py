@@ -54,7 +54,7 @@ def all_token_ids_within(seqs, vocab_size: int) -> bool:
         return True
     if not set(map(type, flat)) <= _INT:  # first: numpy would take a float or a bool as an int
         return False
-    try:  # the range in numpy: Python's min and max compare ints one by one (W2: 55 → 27 µs)
+    try:  # the range in numpy: Python's min and max compare the ints one by one
         ids = np.fromiter(flat, np.int64, len(flat))
     except OverflowError:  # beyond int64: out of any vocabulary
         return False
@@ -66,8 +66,8 @@ _SEQ = {list, tuple}
 
 def many_ids(xs, tokenizer: Tokenizer, limits: Limits, what: str) -> list[list[int]]:
     """`to_ids` of each entry of `xs` (named `what[i]` in errors), all token-id lists checked at
-    once (W5's 100 items of 16 ids: 65 µs, against 117 µs item by item on the development
-    machine)."""
+    once (W5's 100 items of 16 ids: BENCHMARKS.md, the CPU sections of the eighth and twenty-first
+    sessions)."""
     if all_token_ids_within(xs, limits.vocab_size):
         return [list(x) for x in xs]
     return [to_ids(x, tokenizer, limits, f"{what}[{i}]") for i, x in enumerate(xs)]
