@@ -111,9 +111,10 @@ def kernels_digest(modules: tuple[str, ...] = KERNEL_MODULES) -> str:
 def platform_info(device: torch.device | str) -> dict[str, str]:
     """What an artifact is only valid for: torch build, the exact device kind it was compiled
     for, and the source of the kernels it embeds (and the rows up to which the layers take
-    the fused few-row kernels, and the residual pass's mode, `compile.residual`)."""
+    the fused few-row kernels, the residual pass's mode, `compile.residual`, and how q and k are
+    rotated, `models.decoder.QK_ROTATION`)."""
     from boundgen.compile import residual
-    from boundgen.models import skinny
+    from boundgen.models import decoder, skinny
 
     dev = torch.device(device)
     info = {
@@ -125,6 +126,8 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         "skinny_max_rows": str(skinny.MAX_ROWS),
         "residual": residual.mode(),
     }
+    if decoder.QK_ROTATION != "apart":  # the default keeps the keys of the artifacts built so far
+        info["qk_rotation"] = decoder.QK_ROTATION
     if dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(idx)

@@ -7,6 +7,8 @@ KV state), so `torch.export` sees them as inputs. Output rows are gathered by th
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,19 @@ from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
 from boundgen.models import skinny
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from boundgen.settings import env_choice
+
+# How q and k are rotated — an A/B switch, off until the GPU says which is faster. "apart" (the
+# default): one rotation each, which Inductor compiles into two kernels a layer (W3's package on
+# the H200: 1.4 µs each, plus the gap between them; BENCHMARKS.md, twenty-first session).
+# "together" (`BOUNDGEN_QK_ROTATION=together`): one rotation over the q and k heads of the qkv
+# projection's view, then q and k are views of its output (attention kernels take head strides),
+# so one kernel. Same arithmetic per element. Models with q/k norms (Qwen3) and the grouped query
+# layout rotate apart either way. Part of the compiled artifacts' platform key.
+QK_ROTATIONS = ("apart", "together")
+QK_ROTATION = env_choice(
+    "BOUNDGEN_QK_ROTATION", os.environ.get("BOUNDGEN_QK_ROTATION", "apart"), QK_ROTATIONS
+)
 
 
 class Attention(nn.Module):
@@ -44,6 +59,11 @@ class Attention(nn.Module):
         rows (`cascade.grouped_rows_attention`: a reshape, no copy)."""
         t = qkv.shape[0]
         kv_size = self.num_kv_heads * self.head_dim
+        if QK_ROTATION == "together" and self.q_norm is None and not grouped:
+            heads = self.num_heads + self.num_kv_heads
+            qk = apply_rope(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            return q, k, qkv[:, heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
