@@ -118,106 +118,89 @@ class Bucket:
 
     def example(self, device: torch.device | str = "cpu") -> PackedBatch:
         """A padded batch of this exact layout (all padding): the shapes `torch.export` traces."""
-        return _build(self, _EMPTY, None).to(device)
-
-
-@dataclass
-class _Layout:
-    """The real batch, split into its three spans (host-side)."""
-
-    p: int  # real prefix tokens
-    q: int  # real shared-suffix tokens
-    tail: int  # real plain tokens
-    prefix_segs: np.ndarray  # int64 segment lengths of each span
-    shared_segs: np.ndarray
-    tail_segs: np.ndarray
-    cu_prefix: np.ndarray  # int32 [g+1]
-    cu_group_q: np.ndarray
+        return _build(self, None, None).to(device)
 
 
 _NONE = np.zeros(0, dtype=np.int64)
-_EMPTY = _Layout(0, 0, 0, _NONE, _NONE, _NONE, np.zeros(1, np.int32), np.zeros(1, np.int32))
 
 
-def _layout(batch: PackedBatch) -> _Layout:
+def _layout(batch: PackedBatch) -> HostLayout:
+    """A host batch's layout (what `pack_arrays` gives for its groups), read from its metadata."""
     a = batch.attn
     cu = a.cu_seqlens.numpy().astype(np.int64)
-    lens, starts = np.diff(cu), cu[:-1]
-    p = a.num_prefix_tokens if a.has_shared_prefix else 0
-    q = a.num_shared_tokens if a.has_shared_prefix else 0
-    i, j = np.searchsorted(starts, (p, p + q))  # segments are in span order
-    cu_prefix = a.cu_prefix.numpy() if a.has_shared_prefix else _EMPTY.cu_prefix
-    cu_group_q = a.cu_group_q.numpy() if a.has_shared_prefix else _EMPTY.cu_group_q
-    tail = batch.num_tokens - p - q
-    return _Layout(p, q, tail, lens[:i], lens[i:j], lens[j:], cu_prefix, cu_group_q)
+    prefix_lens, group_q, spans = [], [], (0, 0)
+    if a.has_shared_prefix:
+        p, q = a.num_prefix_tokens, a.num_shared_tokens
+        i, j = np.searchsorted(cu[:-1], (p, p + q))  # segments are in span order
+        prefix_lens = np.diff(a.cu_prefix.numpy()).tolist()
+        group_q = np.diff(a.cu_group_q.numpy()).tolist()
+        spans = (int(i), int(j - i))
+    return HostLayout(
+        batch.input_ids.numpy(),
+        batch.positions.numpy(),
+        np.diff(cu),
+        batch.last_index.numpy(),
+        batch.seq_start.numpy(),
+        batch.seq_len.numpy(),
+        prefix_lens,
+        group_q,
+        spans,
+    )
 
 
 def _pad_segments(n: int, m: int) -> list[int]:
     return [] if n <= 0 else [m] * (n // m) + ([n % m] if n % m else [])
 
 
-def _build(b: Bucket, lay: _Layout, batch: PackedBatch | None) -> PackedBatch:
-    m = b.max_seqlen
-    P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
-    pad_p, pad_q = P - lay.p, Q - lay.q
-    pad_t = b.tokens - P - Q - lay.tail
-    cu = np.zeros(b.segments + 1, dtype=np.int32)  # unused segments: zero-length at the end
-    segs = [
-        lay.prefix_segs,
-        _pad_segments(pad_p, m),
-        lay.shared_segs,
-        _pad_segments(pad_q, m),
-        lay.tail_segs,
-        _pad_segments(pad_t, m),
-    ]
-    segs = np.concatenate([x for x in segs if len(x)])
-    np.cumsum(segs, out=cu[1 : len(segs) + 1])
-    cu[len(segs) + 1 :] = b.tokens
-    ids = np.zeros(b.tokens, dtype=np.int64)
-    pos = np.zeros(b.tokens, dtype=np.int64)
-    if batch is not None:
-        src_ids, src_pos = batch.input_ids.numpy(), batch.positions.numpy()
-        spans = [(0, 0, lay.p), (lay.p, P, lay.q), (lay.p + lay.q, P + Q, lay.tail)]
-        for src, dst, n in (span for span in spans if span[2]):  # (from, to, tokens)
-            ids[dst : dst + n] = src_ids[src : src + n]
-            pos[dst : dst + n] = src_pos[src : src + n]
-    cu_prefix = cu_group_q = None
+def _build(b: Bucket, lay: HostLayout | None, batch: PackedBatch | None) -> PackedBatch:
+    """`lay` (of `batch`; None: all padding) padded into `b` as a host batch (`write_padded`)."""
+    arrays = {
+        "input_ids": np.empty(b.tokens, dtype=np.int64),
+        "positions": np.empty(b.tokens, dtype=np.int64),
+        "cu_seqlens": np.empty(b.segments + 1, dtype=np.int32),
+        "rows": np.empty(0 if lay is None else len(lay.last), dtype=np.int64),
+    }
     if b.cascade:
-        # the pad group (and any unused group) gets the pad prefix tokens as keys
-        unused = b.groups + 1 - len(lay.cu_prefix)
-        cu_prefix = torch.from_numpy(np.append(lay.cu_prefix, [P] * unused).astype(np.int32))
-        cu_group_q = torch.from_numpy(np.append(lay.cu_group_q, [Q] * unused).astype(np.int32))
+        arrays["cu_prefix"] = np.empty(b.groups + 1, dtype=np.int32)
+        arrays["cu_group_q"] = np.empty(b.groups + 1, dtype=np.int32)
+    write_padded(b, lay, arrays)
+    P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
+    tensor = lambda name: torch.from_numpy(arrays[name]) if name in arrays else None
     attn = AttnInputs(
-        cu_seqlens=torch.from_numpy(cu),
-        max_seqlen=m,
-        cu_prefix=cu_prefix,
-        cu_group_q=cu_group_q,
+        cu_seqlens=tensor("cu_seqlens"),
+        max_seqlen=b.max_seqlen,
+        cu_prefix=tensor("cu_prefix"),
+        cu_group_q=tensor("cu_group_q"),
         max_prefix=P,
         max_group_q=Q,
         num_prefix_tokens=P,
         num_shared_tokens=Q,
     )
-    ids, pos = torch.from_numpy(ids), torch.from_numpy(pos)
-    if batch is None:
+    ids, pos = tensor("input_ids"), tensor("positions")
+    if lay is None:
         empty = torch.zeros(0, dtype=torch.int64)
         return PackedBatch(ids, pos, attn, empty, empty, empty, [])
-
-    def remap(idx: torch.Tensor) -> torch.Tensor:
-        if (lay.p, lay.q) == (P, Q):  # no pad before the last span: rows keep their index
-            return idx.clone()
-        idx = idx.numpy()
-        shift = (idx >= lay.p) * (P - lay.p) + (idx >= lay.p + lay.q) * (Q - lay.q)
-        return torch.from_numpy(np.where(idx >= 0, idx + shift, idx))
-
+    start = lay.start  # a plain row's first token moves like its last; −1 (shared rows) stays
+    moved = _moved(start, lay, b)
     return PackedBatch(
         ids,
         pos,
         attn,
-        remap(batch.last_index),
-        remap(batch.seq_start),
+        tensor("rows"),
+        torch.from_numpy(np.where(start >= 0, moved, start)),
         batch.seq_len.clone(),
         list(batch.rows_per_group),
     )
+
+
+def _moved(idx: np.ndarray, lay: HostLayout, b: Bucket) -> np.ndarray:
+    """Rows of `lay`'s layout at their place in `b`'s: each moves by the padding before its
+    span."""
+    p, q = lay.num_prefix_tokens, lay.num_shared_tokens
+    P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
+    if (p, q) == (P, Q):  # no padding before the last span (every plain batch): none move
+        return idx
+    return idx + (idx >= p) * (P - p) + (idx >= p + q) * (Q - q)
 
 
 def write_padded(b: Bucket, lay: HostLayout | None, out: dict[str, np.ndarray]) -> int:
@@ -266,11 +249,8 @@ def write_padded(b: Bucket, lay: HostLayout | None, out: dict[str, np.ndarray]) 
             arr[len(offsets) :] = fill
     if lay is None:
         return 0
-    last = lay.last
-    k = len(last)
-    rows = out["rows"]
-    # a row's index moves by the padding before its span (`_build`'s `remap`)
-    rows[:k] = last + (last >= p) * (P - p) + (last >= p + q) * (Q - q)
+    k = len(lay.last)
+    out["rows"][:k] = _moved(lay.last, lay, b)
     return k
 
 
