@@ -28,4 +28,5 @@ for arg in "$@"; do
     *) echo "unknown option $arg" >&2; exit 2 ;;
   esac
 done
-du -sh .whl .whl-ray .tools 2>/dev/null
+# only what exists: du's status for a missing folder would fail a run that fetched everything asked
+for d in .whl .whl-ray .tools; do [ -e $d ] && du -sh $d; done; true
