@@ -1,8 +1,10 @@
-"""`BOUNDGEN_QK_ROTATION=together` (`models/decoder.py`): q and k rotated by one op over the qkv
-projection's view instead of one each. The same arithmetic per element, so on CPU every workload
-answers exactly as with the default; the compiled artifacts are keyed apart."""
+"""`BOUNDGEN_QK_ROTATION` (`models/decoder.py`): q and k rotated by one op over the qkv projection's
+view (`together`, the default) or one op each (`apart`). The same arithmetic per element, so on CPU
+every workload answers exactly alike; the compiled artifacts are keyed apart."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -42,6 +44,7 @@ def test_together_answers_exactly_as_apart(arch, engine_for, monkeypatch):
     engine = engine_for(arch)
     cfg = engine.config
     calls = _rotations(monkeypatch)
+    monkeypatch.setattr(decoder, "QK_ROTATION", "apart")
     apart = _answers(engine)
     per_layer_apart = len(calls) // cfg.num_layers
     calls.clear()
@@ -57,8 +60,13 @@ def test_together_answers_exactly_as_apart(arch, engine_for, monkeypatch):
         assert heads in calls and per_layer_apart >= 2
 
 
+def test_the_default_rotates_together():
+    assert os.environ.get("BOUNDGEN_QK_ROTATION", "together") == decoder.QK_ROTATION
+
+
 def test_the_rotation_is_part_of_the_platform_key_only_when_together(monkeypatch):
-    assert "qk_rotation" not in platform_info("cpu")  # the default keeps the artifacts' keys
+    monkeypatch.setattr(decoder, "QK_ROTATION", "apart")
+    assert "qk_rotation" not in platform_info("cpu")  # apart: the keys of the packages before it
     monkeypatch.setattr(decoder, "QK_ROTATION", "together")
     assert platform_info("cpu")["qk_rotation"] == "together"
 

@@ -126,7 +126,7 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         "skinny_max_rows": str(skinny.MAX_ROWS),
         "residual": residual.mode(),
     }
-    if decoder.QK_ROTATION != "apart":  # the default keeps the keys of the artifacts built so far
+    if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
     if dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()

@@ -22,16 +22,16 @@ from boundgen.models import skinny
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from boundgen.settings import env_choice
 
-# How q and k are rotated — an A/B switch, off until the GPU says which is faster. "apart" (the
-# default): one rotation each, which Inductor compiles into two kernels a layer (W3's package on
-# the H200: 1.4 µs each, plus the gap between them; BENCHMARKS.md, twenty-first session).
-# "together" (`BOUNDGEN_QK_ROTATION=together`): one rotation over the q and k heads of the qkv
-# projection's view, then q and k are views of its output (attention kernels take head strides),
-# so one kernel. Same arithmetic per element. Models with q/k norms (Qwen3) and the grouped query
-# layout rotate apart either way. Part of the compiled artifacts' platform key.
+# How q and k are rotated. "together" (the default): one rotation over the q and k heads of the
+# qkv projection's view, then q and k are views of its output (attention kernels take head
+# strides), so Inductor compiles one kernel a layer. "apart" (`BOUNDGEN_QK_ROTATION=apart`): one
+# rotation each, two kernels a layer. Same arithmetic per element. On the H200 (W3's package,
+# BENCHMARKS.md twenty-second session) together took 24 kernels and ~30 µs of GPU time off a
+# call. Models with q/k norms (Qwen3) and the grouped query layout rotate apart either way.
+# Part of the compiled artifacts' platform key when not "apart".
 QK_ROTATIONS = ("apart", "together")
 QK_ROTATION = env_choice(
-    "BOUNDGEN_QK_ROTATION", os.environ.get("BOUNDGEN_QK_ROTATION", "apart"), QK_ROTATIONS
+    "BOUNDGEN_QK_ROTATION", os.environ.get("BOUNDGEN_QK_ROTATION", "together"), QK_ROTATIONS
 )
 
 
