@@ -783,7 +783,11 @@ def test_a_bucket_whose_worker_failed_is_built_again_here(
     assert [r["event"] for r in rows] == ["built", "built"]
     assert rows[0]["first_try"]["error"] == "_FrameError: worker lost it"
     assert "first_try" not in rows[1]
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    # said as it happens (on stderr, beside the progress bar), so a run cut short still says why
+    failed = "build failed (built again in this process after the others): _FrameError: worker"
+    assert f"{BUCKET.name}: {failed} lost it" in captured.err
+    printed = captured.out
     assert f"{BUCKET.name}: tried again in this process after its build worker failed: " in printed
     assert "_FrameError: worker lost it" in printed
     assert "2/2 buckets ready" in printed

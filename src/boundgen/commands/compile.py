@@ -421,6 +421,9 @@ def run(args) -> int:
     def done(info: dict) -> None:
         bar.set_postfix_str(f"{info['bucket']} {info['event']}")
         bar.update(1)
+        if info.get("error"):  # said when it happens: a run cut short still says why
+            retry = " (built again in this process after the others)" if workers else ""
+            bar.write(f"  {info['bucket']}: build failed{retry}: {_failure(info)}", file=sys.stderr)
         if info.get("path"):
             load_check.start(info["path"])
 
