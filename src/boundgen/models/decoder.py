@@ -25,14 +25,27 @@ from boundgen.settings import env_choice
 # How q and k are rotated. "together" (the default): one rotation over the q and k heads of the
 # qkv projection's view, then q and k are views of its output (attention kernels take head
 # strides), so Inductor compiles one kernel a layer. "apart" (`BOUNDGEN_QK_ROTATION=apart`): one
-# rotation each, two kernels a layer. Same arithmetic per element. On the H200 (W3's package,
-# BENCHMARKS.md twenty-second session) together took 24 kernels and ~30 µs of GPU time off a
-# call. Models with q/k norms (Qwen3) and the grouped query layout rotate apart either way.
-# Part of the compiled artifacts' platform key when not "apart".
-QK_ROTATIONS = ("apart", "together")
+# rotation each, two kernels a layer. On the H200 (W3's package, BENCHMARKS.md twenty-second
+# session) together took 24 kernels and ~30 µs of GPU time off a call. "attention": where the
+# attention backend can rotate as it loads q and k (`takes_rope`: the `segments` kernel) a prompt
+# forward hands them over unrotated, with no rotation kernel at all; elsewhere (beam steps, other
+# backends) as "together". Off until an A/B on the H200. Same arithmetic per element for apart and
+# together; "attention" rounds the rotated q and k once from float32, as Inductor's compiled
+# rotation does. Models with q/k norms (Qwen3) and the grouped query layout rotate apart in the
+# first two modes. Part of the compiled artifacts' platform key when not "apart".
+QK_ROTATIONS = ("apart", "together", "attention")
 QK_ROTATION = env_choice(
     "BOUNDGEN_QK_ROTATION", os.environ.get("BOUNDGEN_QK_ROTATION", "together"), QK_ROTATIONS
 )
+
+
+def rope_in_attention(backend: AttentionBackend, attn: AttnInputs, kv) -> bool:
+    """Whether a layer's attention rotates q and k itself (`BOUNDGEN_QK_ROTATION=attention`, a
+    prompt forward without KV to store, a backend whose prefill takes this batch with cos/sin)."""
+    if QK_ROTATION != "attention" or kv is not None:
+        return False
+    takes = getattr(backend, "takes_rope", None)
+    return takes is not None and takes(attn)
 
 
 class Attention(nn.Module):
@@ -51,15 +64,17 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def heads(
-        self, qkv, cos, sin, grouped: bool = False
+        self, qkv, cos, sin, grouped: bool = False, rotate: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [T, (Hq + 2·Hkv)·D] → q [T, Hq, D], k and v [T, Hkv, D], q and k normed (Qwen3)
-        and rotated. `grouped`: q as [T, G, Hkv, D] (G = Hq / Hkv; query head j·G + g at [:, g,
-        j]), written so by the rotation itself, for attention that takes a KV head's query heads as
-        rows (`cascade.grouped_rows_attention`: a reshape, no copy)."""
+        and rotated (not rotated with `rotate=False`: the attention does it, `rope_in_attention`).
+        `grouped`: q as [T, G, Hkv, D] (G = Hq / Hkv; query head j·G + g at [:, g, j]), written
+        so by the rotation itself, for attention that takes a KV head's query heads as rows
+        (`cascade.grouped_rows_attention`: a reshape, no copy)."""
         t = qkv.shape[0]
         kv_size = self.num_kv_heads * self.head_dim
-        if QK_ROTATION == "together" and self.q_norm is None and not grouped:
+        together = QK_ROTATION in ("together", "attention")
+        if rotate and together and self.q_norm is None and not grouped:
             heads = self.num_heads + self.num_kv_heads
             qk = apply_rope(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -70,14 +85,21 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if not rotate:
+            return q, k, v
         if grouped:  # the rotation is per head: rotate the permuted view
             q = by_kv_head(q, self.num_heads // self.num_kv_heads)
             return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), apply_rope(k, cos, sin), v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend(self, q, k, v, attn: AttnInputs, kv, layer: int, backend: AttentionBackend):
-        """Attention over the packed batch (or a decode step's KV): → [T, Hq·D]."""
-        if isinstance(kv, DecodeKV):
+    def attend(
+        self, q, k, v, attn: AttnInputs, kv, layer: int, backend: AttentionBackend, rope=None
+    ):
+        """Attention over the packed batch (or a decode step's KV): → [T, Hq·D]. `rope`: (cos,
+        sin) when q and k come unrotated (`rope_in_attention`)."""
+        if rope is not None:
+            o = backend.prefill_rope(q, k, v, attn, *rope)
+        elif isinstance(kv, DecodeKV):
             o = decode_attention(q, k, v, layer, kv, backend)
         else:
             if isinstance(kv, PromptKV):
@@ -101,15 +123,16 @@ class DecoderLayer(nn.Module):
     # prompt is bound by its kernels' count, not by FLOPs (models/skinny.py).
 
     def attention_input(
-        self, x, cos, sin, grouped: bool = False
+        self, x, cos, sin, grouped: bool = False, rotate: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] → q, k, v of the normed x (`Attention.heads`, q `grouped` or not)."""
+        """x [T, hidden] → q, k, v of the normed x (`Attention.heads`, q `grouped` or not, q and
+        k rotated unless `rotate` is False)."""
         norm, proj = self.input_layernorm, self.self_attn.qkv_proj
         if skinny.applies(x, proj):
             qkv = torch.ops.boundgen.norm_linear(x, norm.weight, norm.eps, proj.weight, proj.bias)
         else:
             qkv = proj(norm(x))
-        return self.self_attn.heads(qkv, cos, sin, grouped)
+        return self.self_attn.heads(qkv, cos, sin, grouped, rotate)
 
     def attention_output(self, x, o) -> torch.Tensor:
         """x + o_proj(o): o [T, Hq·D] → [T, hidden]."""
@@ -127,8 +150,10 @@ class DecoderLayer(nn.Module):
         return x + mlp(norm(x))
 
     def forward(self, x, cos, sin, attn, kv, layer, backend):
-        q, k, v = self.attention_input(x, cos, sin)
-        o = self.self_attn.attend(q, k, v, attn, kv, layer, backend)
+        in_attention = rope_in_attention(backend, attn, kv)
+        q, k, v = self.attention_input(x, cos, sin, rotate=not in_attention)
+        rope = (cos, sin) if in_attention else None
+        o = self.self_attn.attend(q, k, v, attn, kv, layer, backend, rope)
         return self.mlp_block(self.attention_output(x, o))
 
 
