@@ -444,6 +444,27 @@ def test_segments_engine_equals_varlen_engine(tiny_model):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["eager", "eager+graphs", "compile"])
+def test_rotation_inside_the_kernel_scores_as_rotating_first(tiny_model, monkeypatch, backend):
+    """`BOUNDGEN_QK_ROTATION=attention` on CUDA: an engine whose prompt forwards hand q and k to
+    the `segments` kernel unrotated scores as the default rotation does, within bf16 noise (eager,
+    graphed, and through `torch.compile`)."""
+    from boundgen import Engine
+    from boundgen.models import decoder
+
+    path = tiny_model("qwen2")
+    query, items = "a query of some length", [f"item {i} with words" for i in range(12)]
+    out = {}
+    for mode in ("together", "attention"):
+        monkeypatch.setattr(decoder, "QK_ROTATION", mode)
+        engine = Engine.from_pretrained(
+            path, device="cuda", dtype="bfloat16", attention="segments", backend=backend
+        )
+        out[mode] = torch.tensor(engine.score(query, items, [514, 371]))
+    assert torch.allclose(out["attention"], out["together"], atol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "backend", ["eager+graphs", "compile", pytest.param("aoti+graphs", marks=pytest.mark.slow)]
 )
