@@ -10,6 +10,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --workload w2 --backend aoti+graphs --variants after \
         --fp8 selective                                                      # FP8, gate skipped
     python benchmarks/profile_w3.py --preset tiny --device cpu --iters 50     # smoke test
+    python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
+        --rotations together,attention        # the q/k rotation modes built and timed side by side
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -58,6 +60,7 @@ from boundgen.checkpoints import ensure_model
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
+from boundgen.models import decoder
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.packing import SequenceGroup
 
@@ -288,6 +291,35 @@ def runner_call(runner: ModelRunner, groups: list[SequenceGroup], cuda: bool):
     return call
 
 
+def interleaved(built, groups, query, items, args, cuda: bool) -> dict:
+    """Every side's `Engine.score` and runner call timed in turn, call by call, for `--iters`
+    rounds (after the warm-up): an A/B whose sides share the machine's state as it drifts (the
+    first run of a process, the host's load), where separate runs compare different moments.
+    Median and min ms per side and path, printed."""
+    calls = {}
+    for name, runner, engine in built:
+        calls[(name, "engine")] = lambda e=engine: e.score(query, items, LABELS, apply_softmax=True)
+        calls[(name, "runner")] = runner_call(runner, groups, cuda)
+    for _ in range(args.warmup):
+        for fn in calls.values():
+            fn()
+    times = {key: [] for key in calls}
+    for _ in range(args.iters):
+        for key, fn in calls.items():
+            common.sync("cuda" if cuda else "cpu")
+            t0 = time.perf_counter()
+            fn()
+            common.sync("cuda" if cuda else "cpu")
+            times[key].append((time.perf_counter() - t0) * 1e3)
+    out = {}
+    print("\n== interleaved, ms (median / min)", flush=True)
+    for (name, path_), ts in times.items():
+        med, low = round(statistics.median(ts), 4), round(min(ts), 4)
+        out.setdefault(name, {})[path_] = {"wall_ms_median": med, "wall_ms_min": low}
+        print(f"{name:18s} {path_:7s} {med:7.3f} / {low:7.3f}", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2.5-0.5b")
@@ -303,6 +335,12 @@ def main() -> int:
     ap.add_argument("--profile-calls", type=int, default=20)
     ap.add_argument("--fp8", default="none", help="FP8 policy (e.g. selective), gate skipped")
     ap.add_argument("--kernels", type=int, default=30, help="rows of the per-kernel table")
+    ap.add_argument(
+        "--rotations",
+        default=None,
+        help="q/k rotation modes to build side by side (e.g. together,attention: each variant "
+        "once per mode, then timed interleaved call by call; `models.decoder.QK_ROTATION`)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -322,33 +360,42 @@ def main() -> int:
     res = {"env": common.env_info(), "backend": args.backend, "workload": args.workload}
     res["fp8"] = args.fp8
     res.update(bucket=bucket, variants={})
-    for variant in args.variants.split(","):
-        t0 = time.perf_counter()
-        runner = build_runner(base, args, staged=variant == "after")
-        if variant == "before":
-            old_path(runner)
-        print(f"[{variant}] runner built in {time.perf_counter() - t0:.1f} s", flush=True)
-        engine = base.with_runner(runner)
-        try:
+    rotations = args.rotations.split(",") if args.rotations else [None]
+    built = []  # (name, runner, engine): every side built first, then measured
+    try:
+        for variant in args.variants.split(","):
+            for rotation in rotations:
+                name = variant if rotation is None else f"{variant}/{rotation}"
+                if rotation is not None:  # read when the runner traces or captures the model
+                    decoder.QK_ROTATION = rotation
+                t0 = time.perf_counter()
+                runner = build_runner(base, args, staged=variant == "after")
+                if variant == "before":
+                    old_path(runner)
+                print(f"[{name}] runner built in {time.perf_counter() - t0:.1f} s", flush=True)
+                built.append((name, runner, base.with_runner(runner)))
+        if len(built) > 1:
+            res["interleaved"] = interleaved(built, groups, query, items, args, cuda)
+        for name, runner, engine in built:
             got = engine.score(query, items, LABELS, apply_softmax=True)
             diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
             call = lambda e=engine: e.score(query, items, LABELS, apply_softmax=True)
-            out = {
+            res["variants"][name] = {
                 "max_abs_diff_vs_eager": diff,
-                "engine": measure(f"{variant}: Engine.score", call, args, cuda),
+                "engine": measure(f"{name}: Engine.score", call, args, cuda),
                 "runner": measure(
-                    f"{variant}: runner only", runner_call(runner, groups, cuda), args, cuda
+                    f"{name}: runner only", runner_call(runner, groups, cuda), args, cuda
                 ),
                 "split_us": split(runner, groups, args, cuda) if cuda else None,
                 "kernels": kernels(runner_call(runner, groups, cuda), args.kernels),
                 "runner_stats": runner.stats(),
             }
-        finally:
+    finally:
+        for _, _, engine in built:
             engine.close()
-        res["variants"][variant] = out
     print(
-        "\nvariant  path    wall ms  GPU busy us  API host us  H2D  D2H  DtoD  syncs  graphs  "
-        "launches  dev allocs"
+        "\nvariant         path    wall ms  GPU busy us  API host us  H2D  D2H  DtoD  syncs  "
+        "graphs  launches  dev allocs"
     )
     for variant, out in res["variants"].items():
         for path_ in ("engine", "runner"):
@@ -357,7 +404,7 @@ def main() -> int:
             syncs = sum(v for k, v in a.items() if "Synchronize" in k)
             launches = sum(v for k, v in a.items() if "LaunchKernel" in k or "cuLaunch" in k)
             print(
-                f"{variant:8s} {path_:7s} {m['wall_ms_median']:7.3f} {m['gpu_busy_us']:12.1f} "
+                f"{variant:15s} {path_:7s} {m['wall_ms_median']:7.3f} {m['gpu_busy_us']:12.1f} "
                 f"{m['api_host_us_total']:12.1f} {c.get('HtoD', 0):4} {c.get('DtoH', 0):4} "
                 f"{c.get('DtoD', 0):5} {syncs:6} {a.get('cudaGraphLaunch', 0):7} {launches:9} "
                 f"{m['device_allocations_per_call']:11}"
