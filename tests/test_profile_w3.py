@@ -1,0 +1,28 @@
+"""`benchmarks/profile_w3.py --rotations`: every q/k rotation mode is built as its own side and
+timed interleaved; on the CPU (its smoke test) each side still answers the request as eager."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_rotations_are_built_and_timed_side_by_side(tmp_path):
+    out = tmp_path / "w3.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_w3.py"), "--preset", "tiny"]
+    cmd += ["--root", str(tmp_path / "models"), "--device", "cpu", "--variants", "after"]
+    cmd += ["--iters", "3", "--warmup", "1", "--profile-calls", "1", "--kernels", "2"]
+    cmd += ["--rotations", "apart,together", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    sides = ["after/apart", "after/together"]
+    assert list(got["variants"]) == sides
+    assert list(got["interleaved"]) == sides
+    for side in sides:
+        assert set(got["interleaved"][side]) == {"engine", "runner"}
+        assert got["variants"][side]["max_abs_diff_vs_eager"] < 1e-4
