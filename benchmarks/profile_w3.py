@@ -12,6 +12,7 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --preset tiny --device cpu --iters 50     # smoke test
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --rotations together,attention        # the q/k rotation modes built and timed side by side
+    python benchmarks/profile_w3.py --backend aoti+graphs --variants after --autotune 0,1
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -57,6 +58,7 @@ import common
 
 from boundgen import Engine
 from boundgen.checkpoints import ensure_model
+from boundgen.compile import bucket_autotune
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
@@ -341,6 +343,12 @@ def main() -> int:
         help="q/k rotation modes to build side by side (e.g. together,attention: each variant "
         "once per mode, then timed interleaved call by call; `models.decoder.QK_ROTATION`)",
     )
+    ap.add_argument(
+        "--autotune",
+        default=None,
+        help="bucket GEMM autotune modes to build side by side (0,1: aoti+graphs; "
+        "`compile.bucket_autotune`), crossed with --rotations",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -361,19 +369,27 @@ def main() -> int:
     res["fp8"] = args.fp8
     res.update(bucket=bucket, variants={})
     rotations = args.rotations.split(",") if args.rotations else [None]
+    autotunes = args.autotune.split(",") if args.autotune else [None]
+    sides = [(v, r, a) for v in args.variants.split(",") for r in rotations for a in autotunes]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for variant in args.variants.split(","):
-            for rotation in rotations:
-                name = variant if rotation is None else f"{variant}/{rotation}"
-                if rotation is not None:  # read when the runner traces or captures the model
-                    decoder.QK_ROTATION = rotation
-                t0 = time.perf_counter()
-                runner = build_runner(base, args, staged=variant == "after")
-                if variant == "before":
-                    old_path(runner)
-                print(f"[{name}] runner built in {time.perf_counter() - t0:.1f} s", flush=True)
-                built.append((name, runner, base.with_runner(runner)))
+        for variant, rotation, autotune in sides:
+            name = "/".join(
+                [variant]
+                + ([rotation] if rotation is not None else [])
+                + ([f"autotune{autotune}"] if autotune is not None else [])
+            )
+            # both read when the runner traces, builds or captures the model
+            if rotation is not None:
+                decoder.QK_ROTATION = rotation
+            if autotune is not None:
+                bucket_autotune.MODE = autotune
+            t0 = time.perf_counter()
+            runner = build_runner(base, args, staged=variant == "after")
+            if variant == "before":
+                old_path(runner)
+            print(f"[{name}] runner built in {time.perf_counter() - t0:.1f} s", flush=True)
+            built.append((name, runner, base.with_runner(runner)))
         if len(built) > 1:
             res["interleaved"] = interleaved(built, groups, query, items, args, cuda)
         for name, runner, engine in built:

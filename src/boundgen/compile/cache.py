@@ -111,9 +111,10 @@ def kernels_digest(modules: tuple[str, ...] = KERNEL_MODULES) -> str:
 def platform_info(device: torch.device | str) -> dict[str, str]:
     """What an artifact is only valid for: torch build, the exact device kind it was compiled
     for, and the source of the kernels it embeds (and the rows up to which the layers take
-    the fused few-row kernels, the residual pass's mode, `compile.residual`, and how q and k are
-    rotated, `models.decoder.QK_ROTATION`)."""
-    from boundgen.compile import residual
+    the fused few-row kernels, the residual pass's mode, `compile.residual`, how q and k are
+    rotated, `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were autotuned,
+    `compile.bucket_autotune`)."""
+    from boundgen.compile import bucket_autotune, residual
     from boundgen.models import decoder, skinny
 
     dev = torch.device(device)
@@ -128,6 +129,8 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     }
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
+    if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it
+        info["bucket_autotune"] = bucket_autotune.mode()
     if dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(idx)
