@@ -11,7 +11,9 @@ elementwise work around it (Inductor's epilogue and prologue fusion: SiLU·mul i
 operand load). A bucket's shapes are static, so each GEMM is timed at exactly the rows it runs.
 (The beam search's layers, whose rows are dynamic, lost with it: `BOUNDGEN_GEMM_AUTOTUNE`, removed
 in the twentieth session; this switch leaves them alone.) The cost is compile time: each GEMM
-shape is benchmarked once per build. The mode is part of the buckets' platform key when on.
+shape is benchmarked once per build; `boundgen compile`'s parallel workers time theirs on a
+shared GPU at once, so an A/B builds its buckets one at a time (`benchmarks/profile_w3.py
+--autotune 0,1`). The mode is part of the buckets' platform key when on.
 """
 
 from __future__ import annotations
