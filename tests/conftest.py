@@ -57,6 +57,32 @@ def engine_for(tiny_model):
     return get
 
 
+@pytest.fixture
+def package_builds(engine_for, tmp_path, monkeypatch):
+    """package_builds() → the Inductor config each `aoti.build_package` of the tiny qwen2 model's
+    `t16-s2-m8` bucket hands AOTInductor (its compile replaced by a stub that writes a dummy
+    file): a build per call, in the switches' state at the call."""
+    from boundgen.compile import aoti
+    from boundgen.compile.buckets import Bucket
+
+    seen = []
+
+    def fake_compile(ep, package_path, inductor_configs):
+        seen.append(dict(inductor_configs))
+        with open(package_path, "wb") as f:
+            f.write(b"not a package")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_compile)
+    model = engine_for("qwen2").model
+
+    def build() -> dict:
+        path = tmp_path / f"package-{len(seen)}.pt2"
+        aoti.build_package(model, Bucket.parse("t16-s2-m8"), path, "cpu")
+        return seen[-1]
+
+    return build
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

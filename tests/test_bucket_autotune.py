@@ -5,7 +5,6 @@ package build (not to the beam layers' `torch.compile`)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from boundgen.compile import bucket_autotune
 from boundgen.compile.cache import platform_info
@@ -26,22 +25,11 @@ def test_off_by_default_and_keyed_only_when_on(monkeypatch):
         bucket_autotune.mode()
 
 
-def test_a_package_build_autotunes_its_gemms_when_on(engine_for, tmp_path, monkeypatch):
-    from boundgen.compile import aoti
-    from boundgen.compile.buckets import Bucket
-
+def test_a_package_build_autotunes_its_gemms_when_on(package_builds, monkeypatch):
     seen = []
-
-    def fake_compile(ep, package_path, inductor_configs):
-        seen.append(dict(inductor_configs))
-        with open(package_path, "wb") as f:
-            f.write(b"not a package")
-
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_compile)
-    model = engine_for("qwen2").model
     for mode in ("0", "1"):
         monkeypatch.setattr(bucket_autotune, "MODE", mode)
-        aoti.build_package(model, Bucket.parse("t16-s2-m8"), tmp_path / f"{mode}.pt2", "cpu")
+        seen.append(package_builds())
     assert "max_autotune_gemm" not in seen[0]
     assert seen[1]["max_autotune_gemm"] is True
     assert seen[1]["max_autotune_gemm_backends"] == "ATEN,TRITON"

@@ -58,22 +58,11 @@ def test_the_mode_picks_the_options_and_is_part_of_the_platform_key(monkeypatch)
         residual.mode()
 
 
-def test_a_package_build_takes_the_pass_in_add_mode(engine_for, tmp_path, monkeypatch):
-    from boundgen.compile import aoti
-    from boundgen.compile.buckets import Bucket
-
+def test_a_package_build_takes_the_pass_in_add_mode(package_builds, monkeypatch):
     seen = []
-
-    def fake_compile(ep, package_path, inductor_configs):
-        seen.append(inductor_configs.get("post_grad_custom_post_pass"))
-        with open(package_path, "wb") as f:
-            f.write(b"not a package")
-
-    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_compile)
-    model = engine_for("qwen2").model
     for mode in ("addmm", "add"):
         monkeypatch.setattr(residual, "MODE", mode)
-        aoti.build_package(model, Bucket.parse("t16-s2-m8"), tmp_path / f"{mode}.pt2", "cpu")
+        seen.append(package_builds().get("post_grad_custom_post_pass"))
     assert seen[0] is None and isinstance(seen[1], residual.UnfusedResidual)
 
 
