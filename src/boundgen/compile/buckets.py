@@ -164,7 +164,7 @@ def _build(b: Bucket, lay: HostLayout | None, batch: PackedBatch | None) -> Pack
         arrays["cu_prefix"] = np.empty(b.groups + 1, dtype=np.int32)
         arrays["cu_group_q"] = np.empty(b.groups + 1, dtype=np.int32)
     write_padded(b, lay, arrays)
-    P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
+    P, Q = b.prefix_tokens, b.shared_tokens  # (0, 0) in a plain bucket
     tensor = lambda name: torch.from_numpy(arrays[name]) if name in arrays else None
     attn = AttnInputs(
         cu_seqlens=tensor("cu_seqlens"),
@@ -197,7 +197,7 @@ def _moved(idx: np.ndarray, lay: HostLayout, b: Bucket) -> np.ndarray:
     """Rows of `lay`'s layout at their place in `b`'s: each moves by the padding before its
     span."""
     p, q = lay.num_prefix_tokens, lay.num_shared_tokens
-    P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
+    P, Q = b.prefix_tokens, b.shared_tokens  # (0, 0) in a plain bucket
     if (p, q) == (P, Q):  # no padding before the last span (every plain batch): none move
         return idx
     return idx + (idx >= p) * (P - p) + (idx >= p + q) * (Q - q)
@@ -210,7 +210,7 @@ def write_padded(b: Bucket, lay: HostLayout | None, out: dict[str, np.ndarray]) 
     the host time before a small request's replay). `lay` None: all padding. Returns the number
     of rows k written to `out["rows"][:k]` (the rest is the caller's)."""
     m = b.max_seqlen
-    P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
+    P, Q = b.prefix_tokens, b.shared_tokens  # (0, 0) in a plain bucket
     if lay is None:
         p = q = tail = sp = sq = 0
         segs, ids_in, pos_in = _NONE, _NONE, _NONE

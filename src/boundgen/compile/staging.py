@@ -116,7 +116,7 @@ class StagedInputs:
         k = 0 if lay is None else len(lay.last)
         if lay is not None:
             p, q = lay.num_prefix_tokens, lay.num_shared_tokens
-            P, Q = (b.prefix_tokens, b.shared_tokens) if b.cascade else (0, 0)
+            P, Q = b.prefix_tokens, b.shared_tokens  # (0, 0) in a plain bucket
             tail = len(lay.input_ids) - p - q
             if k > self.capacity or p > P or q > Q or tail > b.tokens - P - Q:
                 raise ValueError(
