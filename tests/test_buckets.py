@@ -166,7 +166,7 @@ def _padded_fields(batch: PackedBatch) -> dict:
 def test_write_padded_writes_what_pad_builds(groups, share_prefix):
     """The staged path's direct write (`pack_arrays` → `write_padded` into a bucket's host arrays,
     over stale values) gives every field `BucketSet.pad(pack(...))` gives, in every bucket that
-    fits, rows included."""
+    fits, rows included; so does `pad` handed the layout instead of reading it back."""
     try:
         batch = pack(groups, share_prefix)
     except ValueError:  # an empty sequence
@@ -182,6 +182,11 @@ def test_write_padded_writes_what_pad_builds(groups, share_prefix):
         got = {name: arrays[name].tolist() for name in _padded_fields(padded)}
         assert got == _padded_fields(padded), b.name
         assert arrays["rows"][:k].tolist() == padded.last_index.tolist()
+        # the runner's general path hands `pad` the layout it packed from: the same batch
+        _, given = BucketSet([b]).pad(batch, lay)
+        assert _padded_fields(given) == _padded_fields(padded), b.name
+        for name in ("last_index", "seq_start", "seq_len"):
+            assert getattr(given, name).tolist() == getattr(padded, name).tolist(), name
 
 
 def test_write_padded_without_a_batch_is_the_example():

@@ -35,7 +35,13 @@ from boundgen.config import ModelConfig
 from boundgen.models.decoder import DecoderModel
 from boundgen.runtime.memory import Lease, MemoryPools
 from boundgen.search import search
-from boundgen.text.packing import HostLayout, PackedBatch, SequenceGroup, pack, pack_arrays
+from boundgen.text.packing import (
+    HostLayout,
+    PackedBatch,
+    SequenceGroup,
+    batch_of,
+    pack_arrays,
+)
 
 # Tokens per forward piece on CPU: at most ~0.15 s of the demo model on 2 cores, so a cancelled or
 # late request leaves the model that soon; it costs no throughput there (BENCHMARKS.md, issue 19).
@@ -225,13 +231,13 @@ class ModelRunner:
             k = sum(len(g.suffixes) for g in piece.groups)
             staged = self._staged(piece, modes[row : row + k])
             row += k
+            lay = pack_arrays(piece.groups, share_prefix=share)
             if staged is not None:
-                lay = pack_arrays(piece.groups, share_prefix=share)
                 self.buckets.count(staged.bucket, len(lay.input_ids))
                 yield staged, lay
                 continue
-            packed = pack(piece.groups, share_prefix=share)
-            yield None, packed if self.buckets is None else self.buckets.pad(packed)[1]
+            packed = batch_of(lay, piece.groups)
+            yield None, packed if self.buckets is None else self.buckets.pad(packed, lay)[1]
 
     def shares_prefix(self, groups: list[SequenceGroup], modes: list[str]) -> bool:
         """Whether `groups` are packed with their prefixes shared (cascade): unless this runner

@@ -306,14 +306,18 @@ class BucketSet:
     def choose(self, batch: PackedBatch) -> Bucket | None:
         return self.smallest(batch.footprint)
 
-    def pad(self, batch: PackedBatch) -> tuple[Bucket | None, PackedBatch]:
-        """(bucket, padded CPU batch), or (None, batch) when no bucket fits (caller runs eager)."""
+    def pad(
+        self, batch: PackedBatch, lay: HostLayout | None = None
+    ) -> tuple[Bucket | None, PackedBatch]:
+        """(bucket, padded CPU batch), or (None, batch) when no bucket fits (caller runs eager).
+        `lay`: the batch's host layout where the caller has it (`pack_arrays`, `batch_of`), else
+        it is read back from the batch."""
         bucket = self.smallest(batch.footprint)
         if bucket is None:
             self.stats.misses += 1
             return None, batch
         self.count(bucket, batch.num_tokens)
-        return bucket, _build(bucket, _layout(batch), batch)
+        return bucket, _build(bucket, lay if lay is not None else _layout(batch), batch)
 
     def count(self, bucket: Bucket, tokens: int) -> None:
         """Count a batch of `tokens` real tokens padded into `bucket` (`pad`, or a caller that

@@ -242,7 +242,12 @@ def pack(groups: list[SequenceGroup], share_prefix: bool = True) -> PackedBatch:
     """Token layout: [ shared prefixes | their non-empty suffixes | plain sequences ], each
     prefix, suffix and plain sequence (prefix + suffix of a group without sharing) one causal
     segment; output rows (one per suffix) stay in input order."""
-    lay = pack_arrays(groups, share_prefix)
+    return batch_of(pack_arrays(groups, share_prefix), groups)
+
+
+def batch_of(lay: HostLayout, groups: list[SequenceGroup]) -> PackedBatch:
+    """The packed batch of `groups` from their host layout (`pack_arrays`): its arrays as tensors
+    (shared, not copied) and the attention metadata."""
     cascade = lay.cascade
     attn = AttnInputs(
         cu_seqlens=_int32(_offsets(lay.seg_len)),
