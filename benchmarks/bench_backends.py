@@ -70,7 +70,9 @@ def parse_args(argv=None):
     ap.add_argument(
         "--buckets", nargs="+", default=None, help=f"default: {' '.join(DEFAULT_BUCKETS)}"
     )
-    ap.add_argument("--graph-max-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--graph-max-tokens", type=int, default=None, help="default: the engine's, per backend"
+    )
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--jobs", type=int, default=4, help="parallel AOTInductor builds")
     ap.add_argument("--iters", type=int, default=20)

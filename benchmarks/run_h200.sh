@@ -120,7 +120,7 @@ run_phase() {
     copied-start) phase copied-start 150 sh -c "rm -rf /tmp/torchinductor_* ~/.triton/cache /tmp/copied-cache && cp -r $BOUNDGEN_CACHE /tmp/copied-cache && BOUNDGEN_CACHE=/tmp/copied-cache env -u LD_PRELOAD python3 benchmarks/bench_startup.py --runs 1 --timeout-s 140 --out $OUT/copied-start.json --log-prefix $OUT/copied-start-run -- --model $M $W5_SERVE --log-level info" ;;
     # without LD_PRELOAD too: after `startup` its server start is a warm one (the load check cached);
     # without `startup` before it, the start includes the load check (~90 s on the H200)
-    # TAIL_NAME: another name for its log and JSON (an A/B in one call, e.g. with W5_ARGS="--graph-max-tokens 16384")
+    # TAIL_NAME: another name for its log and JSON (an A/B in one call, e.g. with W5_ARGS="--graph-max-tokens 2048")
     # TAIL_PRELUDE: Python the server runs first (an A/B, e.g. "import sys; sys.setswitchinterval(0.0005)");
     # TAIL_WRK_CONNS: wrk's connections for the --rates steps (64 with a think time cap what they offer);
     # TAIL_GIL=SECONDS: last, TAIL_GIL_CONNS (64) connections while py-spy records who holds the server's GIL (gil_profile.py);

@@ -23,6 +23,8 @@ from boundgen.compile import cache as cache_mod
 from boundgen.compile import preload
 from boundgen.compile.attention import MaskedBackend
 from boundgen.compile.backends import (
+    COMPILED_GRAPH_MAX_TOKENS,
+    EAGER_GRAPH_MAX_TOKENS,
     CompiledForwards,
     CompileOptions,
     _eager_fns,
@@ -319,8 +321,9 @@ def test_missing_artifact(engine_for, tmp_path):
 
 
 def test_graph_max_tokens_reaches_the_backend(tiny_model, monkeypatch):
-    """`--graph-max-tokens` (an engine option) is the backend's limit for captured buckets, and a
-    limit below one token is refused by name."""
+    """`--graph-max-tokens` (an engine option) is the backend's limit for captured buckets; without
+    it compiled buckets and eager ones have their own defaults, and a limit below one token is
+    refused by name."""
     import boundgen.engine as engine_mod
     from boundgen import Engine
 
@@ -333,6 +336,12 @@ def test_graph_max_tokens_reaches_the_backend(tiny_model, monkeypatch):
     monkeypatch.setattr(engine_mod, "make_runner", fake_make_runner)
     Engine.from_pretrained(tiny_model("qwen2"), device="cpu", graph_max_tokens=16384)
     assert seen["options"].graph_max_tokens == 16384
+    assert seen["options"].graph_limit("eager") == seen["options"].graph_limit("aoti") == 16384
+    Engine.from_pretrained(tiny_model("qwen2"), device="cpu")
+    assert seen["options"].graph_max_tokens is None  # each backend's own default
+    assert seen["options"].graph_limit("eager") == EAGER_GRAPH_MAX_TOKENS
+    assert seen["options"].graph_limit("compile") == COMPILED_GRAPH_MAX_TOKENS
+    assert seen["options"].graph_limit("aoti") == COMPILED_GRAPH_MAX_TOKENS
     monkeypatch.undo()
     model = Engine.from_pretrained(tiny_model("qwen2"), device="cpu").model
     options = CompileOptions(graph_max_tokens=0)

@@ -92,7 +92,7 @@ def test_auto_on_cuda_is_eager_graphs_without_artifacts(cuda_engine, tmp_path):
         )
     )
     assert e.runner.backend_name == "eager+graphs"
-    assert max(b.tokens for b in e.runner.forwards.buckets) <= CompileOptions().graph_max_tokens
+    assert max(b.tokens for b in e.runner.forwards.buckets) <= CompileOptions().graph_limit("eager")
     torch.testing.assert_close(
         _scores(e), _scores(cuda_engine), atol=2e-2, rtol=0
     )  # cascade: eager

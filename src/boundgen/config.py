@@ -222,10 +222,11 @@ class EngineConfig:
     compile_cache: str | None = option(
         None, "compiled-artifact cache (default: $BOUNDGEN_CACHE/compiled)", flag=False
     )
-    graph_max_tokens: int = option(
-        2048,
+    graph_max_tokens: int | None = option(
+        None,
         "+graphs backends: buckets of at most this many tokens replay as CUDA graphs (one launch "
-        "a forward); larger ones launch each kernel from the host",
+        "a forward); larger ones launch each kernel from the host (default: 16384 for compiled "
+        "buckets, 2048 for eager+graphs)",
     )
     max_seq_len: int | None = option(
         None, "longest sequence accepted (default: the model's maximum)"

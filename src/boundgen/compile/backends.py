@@ -47,6 +47,16 @@ BACKENDS = ("auto", "eager", "compile", "aoti", "eager+graphs", "compile+graphs"
 # 1.65 ms on aoti and from 25 to 3.8 ms on eager, W2 from 7.2 to 6.6 / 27 to 11 ms; nothing changes
 # at 8192 tokens.
 AUTO_CUDA = ("aoti+graphs", "eager+graphs")
+# +graphs: the largest bucket captured by default. Eager graphs paid up to W2's 2,048-token bucket
+# in process on the H200 and made no difference at 8,192, where the GPU sets the time. A compiled
+# bucket above the limit runs its package from the host, and torch's binding holds the GIL through
+# the whole launch (1.35-4.62 ms a W5 forward, 18.8 % of a W5 server's GIL at 4 connections); a
+# replay gives the GIL up. W5 with every merged forward replayed (1,856-14,912 tokens), two
+# alternated pairs: 4 connections 231-234 against 161-202 req/s, an open loop of 200 req/s kept
+# (p99 86-202 ms) where the host launches fell behind (p99 0.9-1.6 s). BENCHMARKS.md, H200,
+# twenty-third session. The graphs share one memory pool the size of the largest bucket's work.
+EAGER_GRAPH_MAX_TOKENS = 2048
+COMPILED_GRAPH_MAX_TOKENS = 16384
 
 
 @dataclass
@@ -59,9 +69,8 @@ class CompileOptions:
     quant: str = (
         "none"  # label of the quantization policy (the model fingerprint covers its effect)
     )
-    # +graphs: capture buckets up to this many tokens (graphs paid up to W2's 2048-token bucket on
-    # the H200 and made no difference at 8192, where the GPU, not the launches, sets the time)
-    graph_max_tokens: int = 2048
+    # +graphs: capture buckets up to this many tokens; None: `graph_limit`'s default per backend
+    graph_max_tokens: int | None = None
     # +graphs: each captured bucket reads its inputs from one staged buffer (one H2D copy per call)
     # and gathers its output rows in the graph (`compile.staging`); False: the older graphs that
     # copy each input in and leave the gather to the runner (bench "before" runs)
@@ -76,6 +85,13 @@ class CompileOptions:
     device_depth: int = 2
     progress: Callable[[str, dict], None] | None = None  # progress(event, info) per bucket
     build_log: list[dict] = field(default_factory=list)
+
+    def graph_limit(self, base: str) -> int:
+        """The most tokens a captured bucket of backend `base` ("eager", "compile", "aoti") has:
+        `graph_max_tokens` when given, else the default for `base`."""
+        if self.graph_max_tokens is not None:
+            return self.graph_max_tokens
+        return EAGER_GRAPH_MAX_TOKENS if base == "eager" else COMPILED_GRAPH_MAX_TOKENS
 
 
 @dataclass
@@ -189,7 +205,9 @@ def build_aoti(
     return entries
 
 
-def _aoti_fns(model, device, buckets, opts: CompileOptions, graphs: bool) -> tuple[list, dict]:
+def _aoti_fns(model, device, buckets, opts: CompileOptions, graph_limit: int) -> tuple[list, dict]:
+    """The cached (or built) packages of `buckets`, loaded; those of at most `graph_limit` tokens
+    (0: none) load single-threaded for graph capture."""
     cache = ArtifactCache(opts.cache_dir)
     rebuild = True if opts.rebuild is None else opts.rebuild
     if opts.buckets is None:
@@ -209,7 +227,7 @@ def _aoti_fns(model, device, buckets, opts: CompileOptions, graphs: bool) -> tup
     instances = max(UNCAPTURED_INSTANCES, opts.device_depth)
     fns = {}
     for bucket, entry, _ in entries:
-        single = graphs and bucket.tokens <= opts.graph_max_tokens
+        single = bucket.tokens <= graph_limit
         t0 = time.perf_counter()
         fns[bucket] = AOTIBucket.load(entry.path, bucket, weights, device, single, instances)
         t_load = time.perf_counter() - t0
@@ -234,8 +252,9 @@ def _build(
     graphs = extra == "graphs"
     if (extra and not graphs) or base not in ("eager", "compile", "aoti"):
         raise ValueError(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}")
-    if graphs and opts.graph_max_tokens < 1:
-        raise ValueError(f"graph_max_tokens must be at least 1, got {opts.graph_max_tokens}")
+    limit = opts.graph_limit(base) if graphs else 0
+    if graphs and limit < 1:
+        raise ValueError(f"graph_max_tokens must be at least 1, got {limit}")
     if graphs and device.type != "cuda":
         raise ValueError(f"backend '{backend}' needs CUDA (CUDA graphs)")
     if base == "eager" and not graphs:
@@ -243,17 +262,14 @@ def _build(
     buckets = parse_buckets(opts.buckets, max_batch_tokens)
     if base == "eager":
         # an uncaptured eager bucket would only add padding: larger batches run eagerly as they are
-        buckets = [b for b in buckets if b.tokens <= opts.graph_max_tokens]
+        buckets = [b for b in buckets if b.tokens <= limit]
         if not buckets:
-            raise ValueError(
-                f"backend '{backend}': no bucket of at most {opts.graph_max_tokens} tokens "
-                f"to capture"
-            )
+            raise ValueError(f"backend '{backend}': no bucket of at most {limit} tokens to capture")
         fns = _eager_fns(model, buckets)
     elif base == "compile":
         fns = _compile_fns(model, buckets, device, opts.warmup)
     else:
-        buckets, fns = _aoti_fns(model, device, buckets, opts, graphs)
+        buckets, fns = _aoti_fns(model, device, buckets, opts, limit)
     search = None
     if graphs:
         from boundgen.compile.aoti import export_attention
@@ -263,7 +279,7 @@ def _build(
         t0 = time.perf_counter()
         with torch.inference_mode():
             make = StagedBucket if opts.staged_inputs else GraphedBucket
-            fns = capture_buckets(fns, device, opts.graph_max_tokens, make)
+            fns = capture_buckets(fns, device, limit, make)
         t1 = time.perf_counter()
         compile_decode = base != "eager" if opts.compile_decode is None else opts.compile_decode
         attention = export_attention(model, device) if compile_decode else model.backend
