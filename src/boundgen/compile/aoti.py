@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from boundgen.attention.backends import AttentionBackend, SegmentsBackend, get_backend
-from boundgen.compile import bucket_autotune, residual
+from boundgen.compile import bucket_autotune, inductor_fixes, residual
 from boundgen.compile.attention import FlashBackend, MaskedBackend
 from boundgen.compile.buckets import Bucket
 from boundgen.models.decoder import DecoderModel
@@ -264,6 +264,7 @@ def build_package(
     configs["aot_inductor.metadata"] = {"boundgen_recipe": recipe} if recipe else {}
     configs.update(residual.inductor_options())
     configs.update(bucket_autotune.inductor_options())
+    inductor_fixes.keep_int_array_targets_alive()
     with _timed_cpp_builds(cpp), _heuristics(recipe):
         torch._inductor.aoti_compile_and_package(
             ep, package_path=str(path), inductor_configs=configs
