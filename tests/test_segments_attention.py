@@ -448,19 +448,30 @@ def test_segments_engine_equals_varlen_engine(tiny_model):
 def test_rotation_inside_the_kernel_scores_as_rotating_first(tiny_model, monkeypatch, backend):
     """`BOUNDGEN_QK_ROTATION=attention` on CUDA: an engine whose prompt forwards hand q and k to
     the `segments` kernel unrotated scores as the default rotation does, within bf16 noise (eager,
-    graphed, and through `torch.compile`)."""
+    graphed, and through `torch.compile`). The graphed and compiled engines are given the
+    request's own cascade bucket and must run it: a shared-prefix request fits no plain default
+    bucket, and would run eagerly whatever the backend."""
     from boundgen import Engine
     from boundgen.models import decoder
 
     path = tiny_model("qwen2")
     query, items = "a query of some length", [f"item {i} with words" for i in range(12)]
-    out = {}
+    out, ran = {}, []
     for mode in ("together", "attention"):
         monkeypatch.setattr(decoder, "QK_ROTATION", mode)
         engine = Engine.from_pretrained(
-            path, device="cuda", dtype="bfloat16", attention="segments", backend=backend
+            path,
+            device="cuda",
+            dtype="bfloat16",
+            attention="segments",
+            backend=backend,
+            compile_buckets="t64-s12-m32-g3-p24-q24",
         )
+        by_layout = engine.runner._by_layout
+        for key, fn in list(by_layout.items()):
+            by_layout[key] = lambda batch, fn=fn, mode=mode: ran.append(mode) or fn(batch)
         out[mode] = torch.tensor(engine.score(query, items, [514, 371]))
+    assert ran == ([] if backend == "eager" else ["together", "attention"])
     assert torch.allclose(out["attention"], out["together"], atol=2e-2)
 
 
