@@ -97,7 +97,7 @@ API = (
 def old_path(runner: ModelRunner) -> ModelRunner:
     """The label columns staged on every call and the scores left on the device (`.cpu()` in the
     finish node), as before issue 25."""
-    runner._keep_columns = lambda columns, staged: None
+    runner._keep_label_weight = lambda columns, weight: None
     runner.to_host = lambda t: t
     return runner
 
@@ -242,7 +242,7 @@ def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) ->
             rows = staged.graph.output[1][:k].clone()
             staged.inputs.done()
             t.append(time.perf_counter())
-            host = runner.to_host(torch.softmax(runner.head(rows, LABELS), dim=-1))
+            host = runner.to_host(head(runner, rows))
             t.append(time.perf_counter())
             torch.cuda.current_stream().synchronize()
             t.append(time.perf_counter())
@@ -278,12 +278,17 @@ def request(workload: str, vocab: int) -> tuple[list[int], list[list[int]]]:
     return [], common.w1_prompts(vocab, n=1, lo=64, hi=64, seed=3)
 
 
+def head(runner: ModelRunner, rows: torch.Tensor) -> torch.Tensor:
+    """The score head node's device work (`workloads.score.request_scores`, softmax over the
+    label ids)."""
+    return torch.softmax(runner.label_logits(rows, LABELS), dim=-1, dtype=torch.float32)
+
+
 def runner_call(runner: ModelRunner, groups: list[SequenceGroup], cuda: bool):
     def call():
         with torch.inference_mode():
             rows = runner.rows(groups)
-            scores = torch.softmax(runner.head(rows, LABELS), dim=-1)
-            host = runner.to_host(scores)
+            host = runner.to_host(head(runner, rows))
             if host.device.type != "cpu":  # before: `.cpu()` (a copy and a stream sync)
                 return host.cpu().tolist()
             if cuda:  # after: the copy to pinned memory is waited for once

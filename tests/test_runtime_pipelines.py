@@ -309,3 +309,38 @@ def test_engine_config_sets_the_batching_knobs(tiny_model):
     node = eng.workload_context().forward
     assert (node.token_budget, node.max_wait_ns, node.latency_target_ms) == (512, 3_000_000, 40.0)
     assert node.device_depth == 3
+
+
+def test_the_score_head_of_a_seen_label_set_is_two_torch_calls(engine_for):
+    """On a server each torch call of a request's nodes gives the GIL up and, beside a busy event
+    loop, waits up to the switch interval (5 ms) to take it back (`benchmarks/count_gil_trips.py`).
+    The head of a request whose label ids were seen before makes one GEMM over the kept weight
+    rows and one softmax computed in float32 (on CUDA one copy to the host more), and scores as
+    the model's float32 label logits softmaxed."""
+    from torch.overrides import TorchFunctionMode
+
+    from boundgen.workloads.score import request_scores
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", str(func))
+            if name != "__get__":  # an attribute read (`t.device`): no op, the GIL kept
+                self.names.append(name)
+            return func(*args, **(kwargs or {}))
+
+    engine = engine_for("qwen2")
+    rows = torch.randn(
+        5, engine.model.config.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
+    request = ScoreRequest([1, 2], [[3], [4]], [5, 7, 11], apply_softmax=True)
+    first = request_scores(engine.runner, rows, request)  # keeps the label set's weight rows
+    with Calls() as calls:
+        again = request_scores(engine.runner, rows, request)
+    assert calls.names == ["linear", "softmax"]
+    want = torch.softmax(engine.model.head(rows, torch.tensor([5, 7, 11])), dim=-1)
+    assert torch.equal(first, again)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from boundgen.compile.backends import CompiledForwards, CompileOptions, select_forwards
 from boundgen.compile.buckets import Bucket, BucketSet
@@ -46,8 +47,9 @@ from boundgen.text.packing import (
 # Tokens per forward piece on CPU: at most ~0.15 s of the demo model on 2 cores, so a cancelled or
 # late request leaves the model that soon; it costs no throughput there (BENCHMARKS.md, issue 19).
 CPU_PIECE_TOKENS = 2048
-# label-column sets `head` keeps on the device (a few per deployment: each task's label ids)
-_MAX_COLUMN_SETS = 64
+# label sets whose head weight rows `label_logits` keeps on the device (a few per deployment: each
+# task's label ids; 64 sets of 8 labels are 0.9 MB at Qwen2.5-0.5B's width in bf16)
+_MAX_LABEL_SETS = 64
 # Where `rows` spends the host's time, per part (`stats()["host_seconds"]`, /metrics): `pack`
 # chunks, packs and pads the next piece (a staged bucket's piece: chunks and packs it); `stage`
 # copies a piece's inputs towards the device through pooled buffers; `launch` queues its forward (a
@@ -84,7 +86,8 @@ class ModelRunner:
         self._pending: deque[tuple[torch.cuda.Event, Lease]] = deque()
         self._lock = threading.Lock()
         self._tries: dict[int, tuple] = {}  # id(trie) → (trie, its copy on this device)
-        self._columns: dict[tuple[int, ...], torch.Tensor] = {}  # label ids → on this device
+        # label ids → the head's weight rows of them, on this device (`label_logits`)
+        self._label_weights: dict[tuple[int, ...], torch.Tensor] = {}
         self._host_ns = dict.fromkeys(HOST_PARTS, 0)
         self._host_cpu_ns = dict.fromkeys(HOST_PARTS, 0)
         self._pieces = 0
@@ -260,44 +263,50 @@ class ModelRunner:
     @torch.inference_mode()
     def head(self, rows: torch.Tensor, columns: list[int] | None = None) -> torch.Tensor:
         """float32 logits [N, C] of the LM head (or score head); `columns` picks vocabulary ids
-        (staged through a pinned buffer the first time, then kept on the device: a request with the
-        same label ids copies nothing)."""
+        (`label_logits`)."""
         if columns is None:
             return self.model.head(rows)
-        cols = self._columns.get(tuple(columns))
-        if cols is not None:
-            return self.model.head(rows, cols)
+        return self.label_logits(rows, columns).float()
+
+    @torch.inference_mode()
+    def label_logits(self, rows: torch.Tensor, columns: list[int]) -> torch.Tensor:
+        """Logits [N, C] in the model's dtype of vocabulary ids `columns`. The head's weight rows
+        of a label set are kept on the device (label ids repeat across requests): a later request
+        with the same ids makes one GEMM call and copies nothing. On a server each torch call of a
+        request's nodes gives the GIL up and waits to take it back, beside a busy event loop up to
+        the switch interval: the fewer, the better (`benchmarks/count_gil_trips.py`)."""
+        weight = self._label_weights.get(tuple(columns))
+        if weight is not None:
+            return F.linear(rows, weight)
         with self._staging() as lease:
             cols = lease.stage(torch.tensor(columns, dtype=torch.int64), bucket=False)
-            out = self.model.head(rows, cols)
-        self._keep_columns(columns, cols)
-        return out
+            weight = self.model.label_weight(cols)
+        self._keep_label_weight(columns, weight)
+        return F.linear(rows, weight)
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """`t` on the host through one non-blocking copy into pinned memory (torch's caching host
-        allocator: a block is reused once its copy has run), readable once the caller's stream
-        work is synchronized: in a pipeline, return it from a device node, whose event the
-        executor synchronizes before any CPU node reads it (that event sync is then the only
-        one; `.cpu()` would add a stream sync of its own). A CPU tensor is returned as is."""
+        allocator: a block is reused once its copy has run; `to` pins the copy of a non-blocking
+        device-to-host `to` itself, one torch call), readable once the caller's stream work is
+        synchronized: in a pipeline, return it from a device node, whose event the executor
+        synchronizes before any CPU node reads it (that event sync is then the only one; `.cpu()`
+        would add a stream sync of its own). A CPU tensor is returned as is."""
         if t.device.type == "cpu":
             return t
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        return out
+        return t.to("cpu", non_blocking=True)
 
-    def _keep_columns(self, columns: list[int], staged: torch.Tensor) -> None:
-        """Keep a label-column set on the device (label ids repeat across requests: a later head
-        on them copies nothing). At most `_MAX_COLUMN_SETS` sets, never evicted (a kept tensor
-        may be read on any stream; freeing it would need stream bookkeeping). The copy is waited
-        for once, here, so that any stream may read it at once."""
-        if len(self._columns) >= _MAX_COLUMN_SETS:
+    def _keep_label_weight(self, columns: list[int], weight: torch.Tensor) -> None:
+        """Keep a label set's weight rows on the device. At most `_MAX_LABEL_SETS` sets, never
+        evicted (a kept tensor may be read on any stream; freeing it would need stream
+        bookkeeping). Its making is waited for once, here, so that any stream may read it at
+        once."""
+        if len(self._label_weights) >= _MAX_LABEL_SETS:
             return
-        kept = staged.clone()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         with self._lock:
-            if len(self._columns) < _MAX_COLUMN_SETS:
-                self._columns.setdefault(tuple(columns), kept)
+            if len(self._label_weights) < _MAX_LABEL_SETS:
+                self._label_weights.setdefault(tuple(columns), weight)
 
     @torch.inference_mode()
     def beam_search(

@@ -202,5 +202,10 @@ class DecoderModel(nn.Module):
         float32 copy is a 311 MB write a step, and its kernels read bf16 as well (exactly)."""
         w = self.head_weight
         if columns is not None:
-            w = w.index_select(0, columns)
+            w = self.label_weight(columns)
         return F.linear(rows, w)
+
+    def label_weight(self, columns: torch.Tensor) -> torch.Tensor:
+        """The head's weight rows of vocabulary ids `columns` [C, H]: `F.linear(rows, it)` is the
+        model's label logits (`logits(rows, columns)`), for a caller that keeps it."""
+        return self.head_weight.index_select(0, columns)

@@ -129,11 +129,13 @@ def label_scores(runner: ModelRunner, rows: torch.Tensor, request: ScoreRequest)
 def request_scores(runner: ModelRunner, rows: torch.Tensor, request: ScoreRequest) -> torch.Tensor:
     """The head node: `label_scores`, softmaxed over the label ids when asked, on the host (one
     non-blocking copy into pinned memory; the executor's event sync before `finish` is the only
-    sync of the request: `runner.to_host`)."""
-    scores = label_scores(runner, rows, request)
+    sync of the request: `runner.to_host`). The softmax over the label ids takes the logits in the
+    model's dtype and computes in float32 (as a cast first would, in the same call): three torch
+    calls in all, each a GIL round trip on a server (`ModelRunner.label_logits`)."""
     if request.apply_softmax and not request.raw_logits:
-        scores = torch.softmax(scores, dim=-1)
-    return runner.to_host(scores)
+        logits = runner.label_logits(rows, request.label_token_ids)
+        return runner.to_host(torch.softmax(logits, dim=-1, dtype=torch.float32))
+    return runner.to_host(label_scores(runner, rows, request))
 
 
 def finish_score(label_logits: torch.Tensor, request: ScoreRequest) -> list[list[float]]:
