@@ -3,7 +3,7 @@
 Each call into torch's generated op bindings gives the GIL up and takes it back. Beside a thread
 that runs Python (a server's event loop), taking it back waits until that thread lets go, up to
 the interpreter's switch interval (5 ms): six `softmax` calls on 100 × 2 floats took 0.04 ms alone
-and 25.9 ms beside a busy Python thread on the development CPU (`--convoy`). So on a server the
+and 25.7 ms beside a busy Python thread on the development CPU (`--convoy`). So on a server the
 number of these calls on a request's path, not their work, sets much of its host time under load.
 
     python benchmarks/count_gil_trips.py [--requests 20] [--convoy] [--json OUT]
