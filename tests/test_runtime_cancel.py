@@ -207,3 +207,14 @@ def test_beam_node_skips_a_search_nobody_waits_for(engine_for):
     assert out[0] == [[]] and out[2] == [[]]  # no rows for the requests nobody waited for
     (rows,) = out[1]
     assert len(rows) == 3 and all(len(t) == 2 and math.isfinite(s) for t, s in rows)
+
+
+def test_forward_split_gives_each_request_a_view_of_its_rows():
+    """The merged forward's rows back per request, in order, as views (slices keep the GIL,
+    where `torch.split` gives it up), a request of no rows included."""
+    rows = torch.arange(14.0).view(7, 2)
+    parts = Forward.split(rows, [3, 0, 4])
+    assert [p.shape[0] for p in parts] == [3, 0, 4]
+    for got, want in zip(parts, torch.split(rows, [3, 0, 4])):
+        assert torch.equal(got, want)
+        assert got.data_ptr() == want.data_ptr() or got.numel() == 0

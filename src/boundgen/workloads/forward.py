@@ -45,7 +45,14 @@ class Forward:
 
     @staticmethod
     def split(rows: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-        return list(torch.split(rows, sizes))
+        """Each request's rows, as views. Slices, not `torch.split`: a basic slice keeps the GIL,
+        where `split` is an op call that gives it up and, beside a busy event loop, may wait up to
+        the switch interval to take it back (BENCHMARKS.md, CPU twenty-third session)."""
+        out, first = [], 0
+        for n in sizes:
+            out.append(rows[first : first + n])
+            first += n
+        return out
 
     @staticmethod
     def size(inputs: dict[str, Any]) -> int:
