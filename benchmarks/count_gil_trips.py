@@ -135,6 +135,8 @@ def main() -> None:
     sys.setprofile(calls.profile)
     path = make_model("tiny", args.root, arch="qwen2", seed=0, progress=False, overwrite=True)
     extra = {} if args.backend == "eager" else {"compile_buckets": args.buckets}
+    if args.device != "cpu":
+        extra["dtype"] = "bfloat16"  # as served
     engine = Engine.from_pretrained(path, device=args.device, backend=args.backend, **extra)
     forward = DecoderModel.forward
 
