@@ -89,10 +89,16 @@ class HFRunner:
 
     @torch.inference_mode()
     def head(self, rows: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+        return self._logits(rows, columns).float()
+
+    def label_logits(self, rows: torch.Tensor, columns) -> torch.Tensor:
+        return self._logits(rows, columns)
+
+    def _logits(self, rows: torch.Tensor, columns) -> torch.Tensor:
         w = self.hf.get_output_embeddings().weight
         if columns is not None:
             w = w.index_select(0, torch.as_tensor(columns, device=w.device))
-        return F.linear(rows, w).float()
+        return F.linear(rows, w)
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.cpu()
