@@ -51,7 +51,7 @@ AUTO_CUDA = ("aoti+graphs", "eager+graphs")
 # in process on the H200 and made no difference at 8,192, where the GPU sets the time. A compiled
 # bucket above the limit runs its package from the host, and torch's binding holds the GIL through
 # the whole launch (1.35-4.62 ms a W5 forward, 18.8 % of a W5 server's GIL at 4 connections); a
-# replay gives the GIL up. W5 with every merged forward replayed (1,856-14,912 tokens), two
+# replay gives the GIL up. W5 with every merged forward replayed (buckets of 1,920-14,912), two
 # alternated pairs: 4 connections 231-234 against 161-202 req/s, an open loop of 200 req/s kept
 # (p99 86-202 ms) where the host launches fell behind (p99 0.9-1.6 s). BENCHMARKS.md, H200,
 # twenty-third session. The graphs share one memory pool the size of the largest bucket's work.
