@@ -65,6 +65,7 @@ from boundgen.compile.staging import StagedBucket
 from boundgen.models import decoder
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.packing import SequenceGroup
+from boundgen.workloads.score import ScoreRequest, request_scores
 
 # workload → the bucket it runs in (W2's: `boundgen compile --profile` for one W2 request)
 WORKLOADS = {"w3": "t64-s4-m64", "w2": "t1920-s104-m512-g2-p320-q1600"}
@@ -242,7 +243,7 @@ def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) ->
             rows = staged.graph.output[1][:k].clone()
             staged.inputs.done()
             t.append(time.perf_counter())
-            host = runner.to_host(head(runner, rows))
+            host = head(runner, rows)
             t.append(time.perf_counter())
             torch.cuda.current_stream().synchronize()
             t.append(time.perf_counter())
@@ -278,17 +279,21 @@ def request(workload: str, vocab: int) -> tuple[list[int], list[list[int]]]:
     return [], common.w1_prompts(vocab, n=1, lo=64, hi=64, seed=3)
 
 
+# what the head node reads of a request: its label ids and the softmax over them
+HEAD_REQUEST = ScoreRequest([], [], LABELS, apply_softmax=True)
+
+
 def head(runner: ModelRunner, rows: torch.Tensor) -> torch.Tensor:
-    """The score head node's device work (`workloads.score.request_scores`, softmax over the
-    label ids)."""
-    return torch.softmax(runner.label_logits(rows, LABELS), dim=-1, dtype=torch.float32)
+    """The score head node's work, the server's own (`workloads.score.request_scores`): the
+    scores on the host (`runner.to_host`), readable once the stream is synchronized."""
+    return request_scores(runner, rows, HEAD_REQUEST)
 
 
 def runner_call(runner: ModelRunner, groups: list[SequenceGroup], cuda: bool):
     def call():
         with torch.inference_mode():
             rows = runner.rows(groups)
-            host = runner.to_host(head(runner, rows))
+            host = head(runner, rows)
             if host.device.type != "cpu":  # before: `.cpu()` (a copy and a stream sync)
                 return host.cpu().tolist()
             if cuda:  # after: the copy to pinned memory is waited for once
