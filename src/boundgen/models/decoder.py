@@ -29,10 +29,11 @@ from boundgen.settings import env_choice
 # session) together took 24 kernels and ~30 µs of GPU time off a call. "attention": where the
 # attention backend can rotate as it loads q and k (`takes_rope`: the `segments` kernel) a prompt
 # forward hands them over unrotated, with no rotation kernel at all; elsewhere (beam steps, other
-# backends) as "together". Off until an A/B on the H200. Same arithmetic per element for apart and
-# together; "attention" rounds the rotated q and k once from float32, as Inductor's compiled
-# rotation does. Models with q/k norms (Qwen3) and the grouped query layout rotate apart in the
-# first two modes. Part of the compiled artifacts' platform key when not "apart".
+# backends) as "together". Off: in W3 on the H200 the kernel grew by more than the rotation kernel
+# it saves (BENCHMARKS.md, twenty-third session; W2 to measure). Same arithmetic per element for
+# apart and together; "attention" rounds the rotated q and k once from float32, as Inductor's
+# compiled rotation does. Models with q/k norms (Qwen3) and the grouped query layout rotate apart
+# in the first two modes. Part of the compiled artifacts' platform key when not "apart".
 QK_ROTATIONS = ("apart", "together", "attention")
 QK_ROTATION = env_choice(
     "BOUNDGEN_QK_ROTATION", os.environ.get("BOUNDGEN_QK_ROTATION", "together"), QK_ROTATIONS
