@@ -1,17 +1,24 @@
 """A decoder layer's linear parts at few rows: the fused kernels (`models/skinny.py`) against the
 unfused ops eagerly (cuBLAS + torch's elementwise kernels) and compiled by Inductor, on the GPU.
 
-    # H200 (a minute; --sweep: every tile of the fused kernels, a few minutes):
-    python benchmarks/bench_skinny.py --out $OUT/skinny.json [--sweep]
+    # H200 (a minute; --sweep: tiles of the fused kernels per GEMM shape, a few minutes):
+    python benchmarks/bench_skinny.py --out $OUT/skinny.json [--sweep --tiles-out $OUT/tiles.json]
+    # then the engine with the swept tiles (an A/B in the same call):
+    BOUNDGEN_SKINNY_MAX_ROWS=64 BOUNDGEN_SKINNY_TILES=$OUT/tiles.json python benchmarks/...
 
-One random bf16 decoder layer of the preset's shape (Qwen2.5-0.5B: hidden 896, intermediate
-4,864, qkv 1,152 wide). Per row count M (a beam step's B·W rows, a W3 prompt's 64 tokens) and per
-part — `attention_input`'s norm + qkv (RoPE excluded: it stays in Inductor), `attention_output`'s
-o_proj + residual, `mlp_block`'s norm + gate_up + SiLU·mul + down + residual — the device µs of one
-call replayed from a CUDA graph (`common.graph_us`), and the weights' bytes over that time (the
-parts stream their weights: the bandwidth says how far from the floor a part is). `--sweep` times
-every (BLOCK_N, BLOCK_K, warps, stages) per GEMM shape at `--sweep-rows` and prints the fastest,
-which belong in `skinny.TILES`.
+Random bf16 decoder layers of the preset's shape (Qwen2.5-0.5B: hidden 896, intermediate 4,864,
+qkv 1,152 wide), `--layers` of them called in turn, as a forward calls its layers: one layer's
+~30 MB of weights would stay in the H200's 60 MB L2 across replays and time a read no forward
+makes. Per row count M (a beam step's B·W rows, a W3 prompt's 64 tokens) and per part —
+`attention_input`'s norm + qkv (RoPE excluded: it stays in Inductor), `attention_output`'s o_proj
++ residual, `mlp_block`'s norm + gate_up + SiLU·mul + down + residual — the device µs of one
+layer's call, replayed from a CUDA graph (`common.graph_us`), and the weights' bytes over that
+time (the parts stream their weights: the bandwidth says how far from the floor a part is).
+
+`--sweep` times tiles per GEMM at `--sweep-rows`: first every column width × split of K (the
+programs a call runs) at BLOCK_K 128, 4 warps, 3 stages; then BLOCK_K, warps and stages around
+the best of those. The fastest per (K, N, gated, BLOCK_M) go to `--tiles-out` (the format
+`skinny.load_tiles` reads) and belong in `skinny.TILES` once they win in the engine.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -34,34 +42,41 @@ from boundgen.models import skinny
 from boundgen.models.decoder import DecoderLayer
 
 PARTS = ("attention_input", "attention_output", "mlp_block")
+# The sweep's first stage: programs a call runs (column tiles × splits of K) near these counts
+PROGRAM_TARGETS = (0, 132, 264, 528)  # 0: K whole (no split)
 
 
-def make_layer(preset: str, device) -> DecoderLayer:
+def make_layers(preset: str, count: int, device) -> list[DecoderLayer]:
     cfg = ModelConfig.from_hf(hf_config(preset))
-    layer = DecoderLayer(cfg).to(device, torch.bfloat16)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.02)
-    return layer
+    layers = []
+    for _ in range(count):
+        layer = DecoderLayer(cfg).to(device, torch.bfloat16)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(1.0 if p.dim() == 1 else 0.0, 0.02)
+        layers.append(layer)
+    return layers
 
 
-def part_call(layer: DecoderLayer, part: str, m: int, device):
-    """A no-argument call of one part at m rows, and the weights it streams (bytes)."""
-    cfg = layer.self_attn
+def part_calls(layers: list[DecoderLayer], part: str, m: int, device):
+    """A no-argument call of one part at m rows on every layer in turn, and one layer's weights
+    (what it streams)."""
+    layer = layers[0]
+    attn = layer.self_attn
     g = torch.Generator(device=device).manual_seed(m)
     x = torch.randn(m, layer.input_layernorm.weight.shape[0], device=device, generator=g)
     x = x.to(torch.bfloat16)
     if part == "attention_input":
-        qkv = layer.self_attn.qkv_proj
-        d = cfg.head_dim
+        d = attn.head_dim
         cos = torch.ones(m, 1, d // 2, device=device, dtype=torch.bfloat16)
-        return (lambda: layer.attention_input(x, cos, 0 * cos)), qkv.weight
+        sin = 0 * cos
+        return (lambda: [la.attention_input(x, cos, sin) for la in layers]), attn.qkv_proj.weight
     if part == "attention_output":
-        o = torch.randn(m, cfg.num_heads * cfg.head_dim, device=device, generator=g)
+        o = torch.randn(m, attn.num_heads * attn.head_dim, device=device, generator=g)
         o = o.to(torch.bfloat16)
-        return (lambda: layer.attention_output(x, o)), layer.self_attn.o_proj.weight
-    mlp = layer.mlp
-    return (lambda: layer.mlp_block(x)), (mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        return (lambda: [la.attention_output(x, o) for la in layers]), attn.o_proj.weight
+    weights = (layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
+    return (lambda: [la.mlp_block(x) for la in layers]), weights
 
 
 def nbytes(weights) -> int:
@@ -71,7 +86,7 @@ def nbytes(weights) -> int:
 
 @contextlib.contextmanager
 def unfused():
-    """A context in which the layer takes its unfused path (MAX_ROWS 0)."""
+    """A context in which the layers take their unfused path (MAX_ROWS 0)."""
     before, skinny.MAX_ROWS = skinny.MAX_ROWS, 0
     try:
         yield
@@ -79,23 +94,28 @@ def unfused():
         skinny.MAX_ROWS = before
 
 
-def time_parts(layer, rows: list[int], iters: int, device) -> list[dict]:
+def _flat(out):
+    return [t for o in out for t in (o if isinstance(o, tuple) else (o,))]
+
+
+def time_parts(layers, rows: list[int], iters: int, device) -> list[dict]:
     out = []
     for m, part in itertools.product(rows, PARTS):
-        fn, weights = part_call(layer, part, m, device)
+        fn, weights = part_calls(layers, part, m, device)
         row = {"rows": m, "part": part, "weight_MB": nbytes(weights) / 1e6}
+        per_layer = 1 / len(layers)
         with torch.inference_mode():
             with unfused():
-                row["eager_us"] = graph_us(fn, iters)
+                row["eager_us"] = graph_us(fn, iters) * per_layer
                 compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-                row["inductor_us"] = graph_us(compiled, iters)
-                want = fn()
+                row["inductor_us"] = graph_us(compiled, iters) * per_layer
+                want = _flat(fn())
             if m <= skinny.MAX_ROWS:
-                row["fused_us"] = graph_us(fn, iters)
-                got = fn()
-                pairs = zip(got, want, strict=True) if isinstance(got, tuple) else [(got, want)]
+                row["fused_us"] = graph_us(fn, iters) * per_layer
+                got = _flat(fn())
                 row["max_abs_diff"] = max(
-                    (a.float() - b.float()).abs().max().item() for a, b in pairs
+                    (a.float() - b.float()).abs().max().item()
+                    for a, b in zip(got, want, strict=True)
                 )
         for k in ("eager_us", "inductor_us", "fused_us"):
             if k in row:
@@ -105,70 +125,122 @@ def time_parts(layer, rows: list[int], iters: int, device) -> list[dict]:
     return out
 
 
-def sweep(layer, m: int, iters: int, device) -> list[dict]:
-    """Every tile per GEMM shape of the three kernels at m rows; the fastest first per shape."""
-    attn, mlp = layer.self_attn, layer.mlp
-    norm = layer.input_layernorm
-    x = torch.randn(m, norm.weight.shape[0], device=device).to(torch.bfloat16)
-    h = torch.randn(m, mlp.down_proj.weight.shape[1], device=device).to(torch.bfloat16)
-    o = torch.randn(m, attn.o_proj.weight.shape[1], device=device).to(torch.bfloat16)
+def gemm_calls(layers, m: int, device) -> dict:
+    """Each of the layer's four GEMM kernels alone at m rows over every layer: name → (call,
+    one layer's weight, gated)."""
+    layer = layers[0]
+    hidden = layer.input_layernorm.weight.shape[0]
+    x = torch.randn(m, hidden, device=device).to(torch.bfloat16)
+    h = torch.randn(m, layer.mlp.down_proj.weight.shape[1], device=device).to(torch.bfloat16)
+    o = torch.randn(m, layer.self_attn.o_proj.weight.shape[1], device=device).to(torch.bfloat16)
     ops = torch.ops.boundgen
-    shapes = {
-        "qkv": (
-            lambda: ops.norm_linear(x, norm.weight, 1e-6, attn.qkv_proj.weight, attn.qkv_proj.bias),
-            attn.qkv_proj.weight,
-            False,
-        ),
-        "o_proj": (
-            lambda: ops.linear_residual(o, attn.o_proj.weight, x),
-            attn.o_proj.weight,
-            False,
-        ),
-        "gate_up": (
-            lambda: ops.norm_gated(x, norm.weight, 1e-6, mlp.gate_up_proj.weight),
-            mlp.gate_up_proj.weight,
-            True,
-        ),
-        "down": (
-            lambda: ops.linear_residual(h, mlp.down_proj.weight, x),
-            mlp.down_proj.weight,
-            False,
-        ),
+
+    def qkv():
+        for la in layers:
+            lin, norm = la.self_attn.qkv_proj, la.input_layernorm
+            ops.norm_linear(x, norm.weight, norm.eps, lin.weight, lin.bias)
+
+    def o_proj():
+        for la in layers:
+            ops.linear_residual(o, la.self_attn.o_proj.weight, x)
+
+    def gate_up():
+        for la in layers:
+            norm = la.post_attention_layernorm
+            ops.norm_gated(x, norm.weight, norm.eps, la.mlp.gate_up_proj.weight)
+
+    def down():
+        for la in layers:
+            ops.linear_residual(h, la.mlp.down_proj.weight, x)
+
+    return {
+        "qkv": (qkv, layer.self_attn.qkv_proj.weight, False),
+        "o_proj": (o_proj, layer.self_attn.o_proj.weight, False),
+        "gate_up": (gate_up, layer.mlp.gate_up_proj.weight, True),
+        "down": (down, layer.mlp.down_proj.weight, False),
     }
+
+
+def first_stage(k: int, n: int, m: int, block_ms: int) -> list[tuple]:
+    """Column widths × splits of K near `PROGRAM_TARGETS` programs, BLOCK_K 128, 4 warps, 3
+    stages (distinct splits only, after `k_split` rounds them to whole BLOCK_K steps)."""
+    tiles = []
+    m_tiles = -(-m // block_ms)
+    block_k = min(128, max(16, 1 << (k - 1).bit_length()))  # (as the launcher clamps it)
+    for block_n in (32, 64, 128):
+        column_tiles = -(-n // block_n) * m_tiles
+        splits = set()
+        for target in PROGRAM_TARGETS:
+            want = max(1, round(target / column_tiles)) if target else 1
+            splits.add(skinny.k_split(k, block_k, want)[1])
+        tiles += [(block_n, block_k, s, 4, 3) for s in sorted(splits)]
+    return tiles
+
+
+def second_stage(best: tuple, k: int) -> list[tuple]:
+    """BLOCK_K × warps around the first stage's best at 3 stages, then 2 and 4 stages at the
+    best's BLOCK_K and warps (each with about the best's K a program: the split recomputed)."""
+    block_n, block_k, split, warps, _ = best
+    per = skinny.k_split(k, block_k, split)[0]
+    widest = max(16, 1 << (k - 1).bit_length())
+    tiles = []
+    for bk, w, st in [*itertools.product((64, 128, 256), (4, 8), (3,)), (block_k, warps, 2)]:
+        if bk <= widest:
+            tiles.append((block_n, bk, max(1, -(-k // max(per, bk))), w, st))
+    tiles.append((block_n, block_k, split, warps, 4))
+    return [t for t in dict.fromkeys(tiles) if t != best]
+
+
+def time_tile(fn, key, tile, iters: int, per_layer: float, weight) -> dict:
+    skinny.TILES[key] = tile
+    try:
+        us = graph_us(fn, iters) * per_layer
+    except Exception as exc:  # a tile that does not fit (shared memory, registers)
+        return {"tile": tile, "error": str(exc)[:120]}
+    return {"tile": tile, "us": us, "TBps": nbytes(weight) / (us * 1e-6) / 1e12}
+
+
+def sweep(layers, m: int, iters: int, device) -> list[dict]:
+    """Tiles per GEMM at m rows, in two stages; the fastest first per GEMM."""
     rows = []
-    for name, (fn, w, gated) in shapes.items():
-        k = w.shape[1]
-        n = w.shape[0] // 2 if gated else w.shape[0]
-        key = (k, n, gated)
-        found = []
-        for tile in itertools.product((16, 32, 64), (128, 256), (4, 8), (2, 4)):
-            if tile[1] > k:
-                continue
-            skinny.TILES[key] = tile
-            try:
-                us = graph_us(fn, iters)
-            except Exception as exc:  # a tile that does not fit (shared memory, registers)
-                found.append({"tile": tile, "error": str(exc)[:80]})
-                continue
-            found.append({"tile": tile, "us": us, "TBps": nbytes(w) / (us * 1e-6) / 1e12})
-        skinny.TILES.pop(key, None)
-        ok = sorted((f for f in found if "us" in f), key=lambda f: f["us"])
-        default = next((f for f in ok if f["tile"] == skinny.DEFAULT_TILE), None)
-        best = ok[0] if ok else None
-        rows.append(
-            {
-                "gemm": name,
-                "key": list(key),
-                "rows": m,
-                "best_tile": best and best["tile"],
-                "best_us": best and best["us"],
-                "best_TBps": best and best["TBps"],
-                "default_us": default and default["us"],
-                "top5": ok[:5],
-                "errors": sum("error" in f for f in found),
-            }
-        )
-        print({k: v for k, v in rows[-1].items() if k != "top5"}, flush=True)
+    block_m = skinny.block_m_for(m)
+    per_layer = 1 / len(layers)
+    with torch.inference_mode():
+        for name, (fn, w, gated) in gemm_calls(layers, m, device).items():
+            k = w.shape[1]
+            n = w.shape[0] // 2 if gated else w.shape[0]
+            key = (k, n, gated, block_m)
+            before = skinny.TILES.pop(key, None)
+            default = skinny.default_tile(k, n, gated, block_m, -(-m // block_m))
+            found = [time_tile(fn, key, default, iters, per_layer, w)]
+            for tile in first_stage(k, n, m, block_m):
+                if tile != default:
+                    found.append(time_tile(fn, key, tile, iters, per_layer, w))
+            ok = sorted((f for f in found if "us" in f), key=lambda f: f["us"])
+            if ok:
+                for tile in second_stage(ok[0]["tile"], k):
+                    found.append(time_tile(fn, key, tile, iters, per_layer, w))
+            skinny.TILES.pop(key, None)
+            if before is not None:
+                skinny.TILES[key] = before
+            ok = sorted((f for f in found if "us" in f), key=lambda f: f["us"])
+            best = ok[0] if ok else None
+            rows.append(
+                {
+                    "gemm": name,
+                    "key": [k, n, gated, block_m],
+                    "rows": m,
+                    "best_tile": best and list(best["tile"]),
+                    "best_us": best and best["us"],
+                    "best_TBps": best and best["TBps"],
+                    "default_tile": list(default),
+                    "default_us": found[0].get("us"),
+                    "tiles_timed": len(found),
+                    "top5": ok[:5],
+                    "errors": sum("error" in f for f in found),
+                }
+            )
+            print({k: v for k, v in rows[-1].items() if k != "top5"}, flush=True)
     return rows
 
 
@@ -177,8 +249,12 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen2.5-0.5b")
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument(
+        "--layers", type=int, default=8, help="layers called in turn (their weights past the L2)"
+    )
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-rows", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--tiles-out", default=None, help="the sweep's fastest tiles (JSON)")
     ap.add_argument(
         "--max-rows", type=int, default=64, help="rows up to which the fused kernels are timed"
     )
@@ -188,9 +264,24 @@ def main() -> None:
         sys.exit("bench_skinny needs CUDA")
     device = torch.device("cuda")
     skinny.MAX_ROWS = args.max_rows  # (the engine's default may keep them off)
-    layer = make_layer(args.preset, device)
-    result = {"env": env_info(), "preset": args.preset, "max_rows": skinny.MAX_ROWS}
-    result["parts"] = time_parts(layer, args.rows, args.iters, device)
+    layers = make_layers(args.preset, args.layers, device)
+    result = {
+        "env": env_info(),
+        "preset": args.preset,
+        "max_rows": skinny.MAX_ROWS,
+        "layers": args.layers,
+        "tiles_loaded": [[list(k), list(v)] for k, v in skinny.TILES.items()],
+    }
+    if args.sweep:
+        result["sweep"] = [r for m in args.sweep_rows for r in sweep(layers, m, args.iters, device)]
+        swept = [
+            {"key": r["key"], "tile": r["best_tile"]} for r in result["sweep"] if r["best_tile"]
+        ]
+        if args.tiles_out:
+            Path(args.tiles_out).write_text(json.dumps(swept, indent=1))
+        # the parts below then run with the swept tiles
+        skinny.TILES.update({tuple(r["key"]): tuple(r["tile"]) for r in swept})
+    result["parts"] = time_parts(layers, args.rows, args.iters, device)
     print_table(
         result["parts"],
         [
@@ -205,7 +296,10 @@ def main() -> None:
         ],
     )
     if args.sweep:
-        result["sweep"] = [r for m in args.sweep_rows for r in sweep(layer, m, args.iters, device)]
+        print_table(
+            result["sweep"],
+            ["gemm", "rows", "best_tile", "best_us", "best_TBps", "default_us", "tiles_timed"],
+        )
     write_json(args.out, result)
 
 

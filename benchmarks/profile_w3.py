@@ -13,6 +13,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --rotations together,attention        # the q/k rotation modes built and timed side by side
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after --autotune 0,1
+    BOUNDGEN_SKINNY_TILES=$OUT/tiles.json python benchmarks/profile_w3.py --backend aoti+graphs \
+        --variants after --skinny 0,64        # the layers' GEMMs by cuBLAS + Inductor, or fused
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -62,7 +64,7 @@ from boundgen.compile import bucket_autotune
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
-from boundgen.models import decoder
+from boundgen.models import decoder, skinny
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.packing import SequenceGroup
 from boundgen.workloads.score import ScoreRequest, request_scores
@@ -359,6 +361,13 @@ def main() -> int:
         help="bucket GEMM autotune modes to build side by side (0,1: aoti+graphs; "
         "`compile.bucket_autotune`), crossed with --rotations",
     )
+    ap.add_argument(
+        "--skinny",
+        default=None,
+        help="`skinny.MAX_ROWS` values to build side by side (0,64: W3's 64 rows by cuBLAS + "
+        "Inductor or by the fused few-row kernels, with BOUNDGEN_SKINNY_TILES' tiles), crossed "
+        "with --rotations and --autotune",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -380,20 +389,31 @@ def main() -> int:
     res.update(bucket=bucket, variants={})
     rotations = args.rotations.split(",") if args.rotations else [None]
     autotunes = args.autotune.split(",") if args.autotune else [None]
-    sides = [(v, r, a) for v in args.variants.split(",") for r in rotations for a in autotunes]
+    skinnies = args.skinny.split(",") if args.skinny else [None]
+    sides = [
+        (v, r, a, k)
+        for v in args.variants.split(",")
+        for r in rotations
+        for a in autotunes
+        for k in skinnies
+    ]
+    res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for variant, rotation, autotune in sides:
+        for variant, rotation, autotune, skinny_rows in sides:
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
                 + ([f"autotune{autotune}"] if autotune is not None else [])
+                + ([f"skinny{skinny_rows}"] if skinny_rows is not None else [])
             )
-            # both read when the runner traces, builds or captures the model
+            # each read when the runner traces, builds or captures the model
             if rotation is not None:
                 decoder.QK_ROTATION = rotation
             if autotune is not None:
                 bucket_autotune.MODE = autotune
+            if skinny_rows is not None:
+                skinny.MAX_ROWS = int(skinny_rows)
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":

@@ -22,7 +22,7 @@
 #   bash benchmarks/run_h200.sh rope                            # issue 25 item 3: RoPE computed vs table
 #   bash benchmarks/run_h200.sh w5-compile w5-profile           # issue 25 item 4: W5's merged forwards, per kernel
 #   bash benchmarks/run_h200.sh fp8-tiles                       # issue 26: silu_mul_quant's tiles swept
-#   bash benchmarks/run_h200.sh skinny                          # few-row fused linear kernels vs cuBLAS + Inductor
+#   SKINNY_ARGS=--sweep bash benchmarks/run_h200.sh skinny:300  # few-row fused linear kernels vs cuBLAS + Inductor
 #   bash benchmarks/run_h200.sh graph-launch                    # issue 24: one big CUDA graph's launch vs a chain (answered: no wait)
 #   BACKENDS_ARGS="--attention varlen --workloads w2 w1" bash benchmarks/run_h200.sh backends   # A/B
 # Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
@@ -90,7 +90,8 @@ run_phase() {
     # issue 24 item 2 / issue 25: a layer's linear parts at few rows, fused kernels vs cuBLAS + Inductor (SKINNY_ARGS="--sweep")
     # issue 24: one big CUDA graph's launch vs a chain of smaller ones (is the whole-search graph's early idle its launch?)
     graph-launch) phase graph-launch 90 python3 benchmarks/bench_graph_launch.py --out "$OUT/graph_launch.json" ;;
-    skinny) phase skinny 180 python3 benchmarks/bench_skinny.py --out "$OUT/skinny.json" ${SKINNY_ARGS:-} ;;
+    # (with --sweep: the fastest tiles to $OUT/skinny_tiles.json, for BOUNDGEN_SKINNY_TILES)
+    skinny) phase skinny 180 python3 benchmarks/bench_skinny.py --out "$OUT/skinny.json" --tiles-out "$OUT/skinny_tiles.json" ${SKINNY_ARGS:-} ;;
     attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
     attention-sweep) phase attention-sweep 300 python3 benchmarks/bench_attention.py --sweep --iters 100 --out "$OUT/attention_sweep.json" ;;
     fp8-kernels) phase fp8-kernels 240 python3 benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out "$OUT/fp8_kernels.json" ;;

@@ -40,6 +40,12 @@ def _randn(g, *shape, scale=1.0, dtype=torch.float32):
     return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
 
 
+# bf16 through a norm: two units in the last place at outputs of 4-8. The kernels scale each row by
+# RMSNorm's 1/rms after the sum (x·norm rounded once before the product) where eager rounds x/rms,
+# then its product with the norm, before the GEMM.
+NORM_BF16_TOL = 6.25e-2
+
+
 def _close(got, want, dtype, bf16_tol=3e-2):
     # float32: the summation order only; bf16: a few units in the last place of the output (a
     # product of two rounded GEMM outputs, SiLU·mul, doubles the units: `bf16_tol`)
@@ -58,7 +64,8 @@ def test_norm_linear_is_rmsnorm_then_the_linear_layer(m, k, n, dtype):
     with skinny.forced():
         for b in (bias, None):
             got = torch.ops.boundgen.norm_linear(x, norm, 1e-6, w, b)
-            _close(got, skinny.reference_norm_linear(x, norm, 1e-6, w, b), dtype)
+            want = skinny.reference_norm_linear(x, norm, 1e-6, w, b)
+            _close(got, want, dtype, bf16_tol=NORM_BF16_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,7 +77,7 @@ def test_norm_gated_is_rmsnorm_gate_up_and_silu_mul(m, k, n, dtype):
     w = _randn(g, 2 * n, k, scale=k**-0.5, dtype=dtype)
     with skinny.forced():
         got = torch.ops.boundgen.norm_gated(x, norm, 1e-6, w)
-    _close(got, skinny.reference_norm_gated(x, norm, 1e-6, w), dtype, bf16_tol=6e-2)
+    _close(got, skinny.reference_norm_gated(x, norm, 1e-6, w), dtype, bf16_tol=NORM_BF16_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -82,6 +89,93 @@ def test_linear_residual_adds_the_residual(m, k, n, dtype):
     with skinny.forced():
         got = torch.ops.boundgen.linear_residual(x, w, res)
     _close(got, skinny.reference_linear_residual(x, w, res), dtype)
+
+
+# (BLOCK_N, BLOCK_K, SPLIT_K): K = 80 in 16- or 32-wide steps split 2, 3 or 5 ways (a split of
+# 3 × 32 covers 96: its last steps are masked), N = 48 in 32-column tiles (the last half masked)
+SPLITS = [(32, 16, 2), (32, 32, 3), (16, 16, 5), (64, 16, 1)]
+
+
+@pytest.fixture
+def tile(request, monkeypatch):
+    """Every shape of the test takes the tile `request.param` (BLOCK_N, BLOCK_K, SPLIT_K)."""
+    block_n, block_k, split = request.param
+    monkeypatch.setattr(skinny, "tile_for", lambda *a: (block_n, block_k, split, 4, 2))
+    return request.param
+
+
+@pytest.mark.parametrize("tile", SPLITS, indirect=True, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [5, 16, 40, 70])
+def test_a_split_k_sums_every_split_once(tile, dtype, m):
+    """K split over programs, the last to arrive summing the partials and finishing the tile: the
+    three ops give what their eager layers give, for rows in one or two 16-/32-/64-row blocks
+    (70: two of 64), and a second call the same bits (its counters start at zero again)."""
+    k, n = 80, 48
+    g = torch.Generator().manual_seed(m + tile[2])
+    x = _randn(g, m, k, scale=3.0, dtype=dtype)
+    norm = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEV)
+    w, bias = _randn(g, n, k, scale=k**-0.5, dtype=dtype), _randn(g, n, dtype=dtype)
+    w2 = _randn(g, 2 * n, k, scale=k**-0.5, dtype=dtype)
+    res = _randn(g, m, n, scale=4.0, dtype=dtype)
+    ops = torch.ops.boundgen
+    with skinny.forced():
+        got = [
+            ops.norm_linear(x, norm, 1e-6, w, bias),
+            ops.norm_gated(x, norm, 1e-6, w2),
+            ops.linear_residual(x, w, res),
+        ]
+        again = ops.norm_linear(x, norm, 1e-6, w, bias)
+    assert torch.equal(again, got[0])
+    wants = [
+        skinny.reference_norm_linear(x, norm, 1e-6, w, bias),
+        skinny.reference_norm_gated(x, norm, 1e-6, w2),
+        skinny.reference_linear_residual(x, w, res),
+    ]
+    for out, want in zip(got, wants, strict=True):
+        # bf16: two units in the last place of the largest output (a residual of scale 4 puts
+        # outputs past 8, where a unit is 0.0625)
+        ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().max())).item() - 7)
+        _close(out, want, dtype, bf16_tol=2 * ulp)
+
+
+def test_the_default_tile_splits_k_until_the_device_is_busy():
+    """A Qwen2.5-0.5B layer at 16 rows: `down` and o_proj (896 columns: 14 tiles of 64) split K
+    toward `TARGET_PROGRAMS` programs (`down`'s 38 steps of 128 in 13 splits of 3), gate_up (76
+    tiles) 3 ways; every split is whole BLOCK_K steps and none lies past K."""
+    programs = {}
+    for name, (k, n, gated) in {
+        "qkv": (896, 1152, False),
+        "o_proj": (896, 896, False),
+        "gate_up": (896, 4864, True),
+        "down": (4864, 896, False),
+    }.items():
+        block_n, block_k, split, _, _ = skinny.default_tile(k, n, gated, skinny.block_m_for(16))
+        per, split = skinny.k_split(k, block_k, split)
+        assert per % block_k == 0 and (split - 1) * per < k <= split * per
+        programs[name] = -(-n // block_n) * split
+    assert programs == {"qkv": 126, "o_proj": 98, "gate_up": 228, "down": 182}
+    assert skinny.k_split(896, 256, 7) == (256, 4)  # no split left without K
+    assert [skinny.block_m_for(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+
+
+def test_swept_tiles_load_from_a_file_and_key_the_packages(tmp_path, monkeypatch):
+    """`bench_skinny.py --tiles-out` writes what `BOUNDGEN_SKINNY_TILES` loads; the kernels take
+    a listed shape's tile, and compiled packages record the table (a new sweep rebuilds them,
+    no table keeps the old keys)."""
+    from boundgen.compile.cache import platform_info
+
+    path = tmp_path / "tiles.json"
+    path.write_text('[{"key": [80, 48, false, 16], "tile": [32, 16, 3, 4, 2]}]')
+    monkeypatch.setattr(skinny, "TILES", {})
+    assert "skinny_tiles" not in platform_info("cpu")
+    skinny.TILES.update(skinny.load_tiles(path))
+    assert skinny.tile_for(80, 48, False, 16) == (32, 16, 3, 4, 2)
+    assert skinny.tile_for(80, 48, True, 16) == skinny.default_tile(80, 48, True, 16)
+    assert platform_info("cpu")["skinny_tiles"] == skinny.tiles_digest() != ""
+    path.write_text('[{"key": [80, 48, false, 16], "tile": [32, 16, 3]}]')
+    with pytest.raises(ValueError, match="not a skinny tile"):
+        skinny.load_tiles(path)
 
 
 def test_strided_rows_are_read_by_their_stride():
@@ -186,9 +280,10 @@ def test_a_decoder_layer_with_the_kernels_equals_it_without(qk_norm):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_the_kernels_inside_torch_compile_with_dynamic_rows():
-    """A Qwen2.5-0.5B-shaped layer (K 896 in 7 tiles, up to 76 column programs): compiled with
-    the rows dynamic (as the beam layers are), the fused parts give the eager fused parts' bits;
-    the q/k/v within bf16 noise (RoPE is fused by Inductor there)."""
+    """A Qwen2.5-0.5B-shaped layer (the default tiles split K: 98-228 programs a GEMM): compiled
+    with the rows dynamic (as the beam layers are), the fused parts give the eager fused parts'
+    bits where both take 64-row blocks; the q/k/v within bf16 noise (RoPE is fused by Inductor
+    there)."""
     torch.manual_seed(0)
     cfg = _config(
         hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2, head_dim=64
@@ -208,8 +303,15 @@ def test_the_kernels_inside_torch_compile_with_dynamic_rows():
         sin = (1 - cos.float() ** 2).sqrt().to(torch.bfloat16)
         torch._dynamo.maybe_mark_dynamic(x, 0)
         torch._dynamo.maybe_mark_dynamic(o, 0)
-        assert torch.equal(compiled["mlp_block"](x), layer.mlp_block(x))
-        assert torch.equal(compiled["attention_output"](x, o), layer.attention_output(x, o))
+        pairs = [
+            (compiled["mlp_block"](x), layer.mlp_block(x)),
+            (compiled["attention_output"](x, o), layer.attention_output(x, o)),
+        ]
+        for got, want in pairs:
+            if skinny.block_m_for(m) == 64:  # symbolic rows take 64-row blocks: the same tile
+                assert torch.equal(got, want)
+            else:  # 16 rows eagerly take a 16-row block: another MMA shape
+                _close(got, want, torch.bfloat16, bf16_tol=6e-2)
         for got, want in zip(
             compiled["attention_input"](x, cos, sin),
             layer.attention_input(x, cos, sin),
@@ -280,15 +382,18 @@ HOPPER = """
 from boundgen.models import skinny
 
 norm, bias, gated, residual = (a == "1" for a in sys.argv[1:5])
-eps_type = sys.argv[5]
+eps_type, split = sys.argv[5], int(sys.argv[6])
 fn = skinny._skinny_kernel
-block_n, block_k, warps, stages = skinny.DEFAULT_TILE
+k, n = (4864, 896) if residual else (896, 4864 if gated else 1152)
+block_n, block_k, _, warps, stages = skinny.default_tile(k, n, gated, 16)
+per, split = skinny.k_split(k, block_k, split)
 const = dict(
-    K=896, N=4864 if gated else 1152, NORM=norm, BIAS=bias, GATED=gated, RESIDUAL=residual,
-    BLOCK_M=skinny.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=False,
+    K=k, N=n, NORM=norm, BIAS=bias, GATED=gated, RESIDUAL=residual, BLOCK_M=16,
+    BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=split, INTERPRET=False,
 )
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({n: "*bf16" for n in ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "res_ptr")})
+sig.update(part_ptr="*fp32", count_ptr="*i32")
 sig["eps"] = eps_type
 if eps_type == "constexpr":  # how torch 2.11's mutation analysis hands scalars over
     const["eps"] = 1e-6
@@ -298,17 +403,64 @@ aligned = [n for n in fn.arg_names if sig[n].startswith("*")]
 
 
 @pytest.mark.parametrize(
-    ("norm", "bias", "gated", "residual", "eps_type"),
+    ("norm", "bias", "gated", "residual", "eps_type", "split"),
     [
-        ("1", "1", "0", "0", "fp32"),  # norm + qkv
-        ("1", "0", "1", "0", "fp32"),  # norm + gate_up + SiLU·mul
-        ("0", "0", "0", "1", "fp32"),  # o_proj / down + residual
-        ("1", "1", "0", "0", "fp64"),  # Inductor's launcher types the float fp64
-        ("1", "0", "1", "0", "constexpr"),  # torch 2.11's mutation analysis: a constexpr
+        ("1", "1", "0", "0", "fp32", "1"),  # norm + qkv, K whole
+        ("1", "1", "0", "0", "fp32", "7"),  # norm + qkv, K split
+        ("1", "0", "1", "0", "fp32", "3"),  # norm + gate_up + SiLU·mul
+        ("0", "0", "0", "1", "fp32", "13"),  # down + residual
+        ("0", "0", "0", "1", "fp32", "1"),
+        ("1", "1", "0", "0", "fp64", "7"),  # Inductor's launcher types the float fp64
+        ("1", "0", "1", "0", "constexpr", "3"),  # torch 2.11's mutation analysis: a constexpr
     ],
 )
-def test_kernel_compiles_for_hopper(norm, bias, gated, residual, eps_type):
+def test_kernel_compiles_for_hopper(norm, bias, gated, residual, eps_type, split):
     """The interpreter runs the kernel as Python; this compiles each variant for sm_90 (Triton's
-    bundled ptxas, no GPU), so what only the compiler checks (types carried through the K loop,
-    the eps as fp64 or a constexpr) fails here too."""
-    compile_in_child(HOPPER, norm, bias, gated, residual, eps_type)
+    bundled ptxas, no GPU), so what only the compiler checks (types carried through the K loop
+    and into the last program's sum, the atomic count, the eps as fp64 or a constexpr) fails
+    here too."""
+    compile_in_child(HOPPER, norm, bias, gated, residual, eps_type, split)
+
+
+def test_the_sweep_times_distinct_tiles_that_cover_k():
+    """`bench_skinny.py --sweep`'s two stages (pure tile arithmetic, no GPU): every tile is
+    distinct, its splits whole BLOCK_K steps with none past K, and the first stage spans K
+    whole to 264 programs or more (or as many as 32-column tiles and 128-wide steps allow)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import bench_skinny
+
+    for k, n, m in [(896, 1152, 16), (4864, 896, 16), (896, 4864, 64), (896, 896, 64)]:
+        block_m = skinny.block_m_for(m)
+        first = bench_skinny.first_stage(k, n, m, block_m)
+        assert len(set(first)) == len(first) and any(t[2] == 1 for t in first)
+        programs = [-(-n // t[0]) * t[2] for t in first]
+        assert max(programs) >= min(264, -(-n // 32) * -(-k // 128))  # (qkv: 36 tiles × 7)
+        for tile in first + bench_skinny.second_stage(first[-1], k):
+            per, split = skinny.k_split(k, tile[1], tile[2])
+            assert split == tile[2] and (split - 1) * per < k <= split * per, tile
+        second = bench_skinny.second_stage(first[-1], k)
+        assert first[-1] not in second and len(set(second)) == len(second)
+
+
+def test_the_sweep_finds_a_tile_per_gemm_and_restores_the_table(monkeypatch):
+    """`bench_skinny.sweep` on the tiny preset in the interpreter, its GPU timer replaced by a
+    call that runs the kernels and reads the tile's BLOCK_N back as its 'time' (over 2 layers):
+    each GEMM's fastest is a 32-column tile, every tile ran, and the table is as it was
+    before."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import bench_skinny
+
+    def fake_us(fn, iters):
+        fn()
+        return float(skinny.TILES[next(iter(skinny.TILES))][0])
+
+    monkeypatch.setattr(bench_skinny, "graph_us", fake_us)
+    monkeypatch.setattr(skinny, "TILES", {})
+    layers = bench_skinny.make_layers("tiny", 2, "cpu")
+    with skinny.forced(), torch.no_grad():
+        rows = bench_skinny.sweep(layers, 16, 1, "cpu")
+    assert [r["gemm"] for r in rows] == ["qkv", "o_proj", "gate_up", "down"]
+    for r in rows:
+        assert r["errors"] == 0 and r["best_tile"][0] == 32 and r["best_us"] == 16.0
+        assert r["key"][3] == 16 and r["tiles_timed"] >= 6 and r["default_us"] == 32.0
+    assert skinny.TILES == {}

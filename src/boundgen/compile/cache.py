@@ -111,9 +111,9 @@ def kernels_digest(modules: tuple[str, ...] = KERNEL_MODULES) -> str:
 def platform_info(device: torch.device | str) -> dict[str, str]:
     """What an artifact is only valid for: torch build, the exact device kind it was compiled
     for, and the source of the kernels it embeds (and the rows up to which the layers take
-    the fused few-row kernels, the residual pass's mode, `compile.residual`, how q and k are
-    rotated, `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were autotuned,
-    `compile.bucket_autotune`)."""
+    the fused few-row kernels and their tiles, the residual pass's mode, `compile.residual`,
+    how q and k are rotated, `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were
+    autotuned, `compile.bucket_autotune`)."""
     from boundgen.compile import bucket_autotune, residual
     from boundgen.models import decoder, skinny
 
@@ -127,6 +127,8 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         "skinny_max_rows": str(skinny.MAX_ROWS),
         "residual": residual.mode(),
     }
+    if skinny.tiles_digest():  # none keeps the keys of the packages built before them
+        info["skinny_tiles"] = skinny.tiles_digest()
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
     if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it

@@ -119,9 +119,9 @@ class DecoderLayer(nn.Module):
 
     # The layer's three parts around attention, which the engine's forward and the beam layers
     # (compile/decode.py) share. With few rows and the fused kernels on (`skinny.applies`; off by
-    # default: they lost to cuBLAS + Inductor on the H200) each is one Triton kernel (norm + GEMM,
-    # GEMM + residual, norm + GEMM + SiLU·mul, GEMM + residual), since a decode step or a short
-    # prompt is bound by its kernels' count, not by FLOPs (models/skinny.py).
+    # default until they beat cuBLAS + Inductor on the H200) each is one Triton kernel (norm +
+    # GEMM, GEMM + residual, norm + GEMM + SiLU·mul, GEMM + residual), since a decode step or a
+    # short prompt is bound by its kernels' count, not by FLOPs (models/skinny.py).
 
     def attention_input(
         self, x, cos, sin, grouped: bool = False, rotate: bool = True

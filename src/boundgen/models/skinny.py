@@ -1,24 +1,36 @@
 """A decoder layer's linear layers for few rows, each fused with the ops around it (Triton).
 
 At a beam-search decode step (B·W = 16–64 rows) or a short prompt (W3: 64 tokens) a layer is
-~15 kernels of a few microseconds each: RMSNorm, the qkv GEMM, the o_proj GEMM and its residual
-add, RMSNorm again, gate_up, SiLU·mul, down and its residual add. The GEMMs only stream their
-weights (M rows ≪ the weights' K × N); everything else is launch latency and ~1.6 µs gaps between
-kernels inside a CUDA graph (BENCHMARKS.md, 2026-12-01: a W4 search is 1,825 kernels, 2.9 ms of
-its 8.4 ms idle between them). Here each linear layer takes its neighbours into one kernel:
+~10–15 kernels of a few microseconds each: RMSNorm, the qkv GEMM, the o_proj GEMM and its residual
+add, RMSNorm again, gate_up, SiLU·mul, down (cuBLAS's split-K GEMM, then its `splitKreduce`) and
+its residual add. The GEMMs only stream their weights (M rows ≪ the weights' K × N); everything
+else is launch latency and ~1.6 µs gaps between kernels inside a CUDA graph (BENCHMARKS.md,
+2026-12-01: a W4 search is 1,825 kernels, 2.9 ms of its 8.4 ms idle between them). Here each
+linear layer takes its neighbours into one kernel:
 
     norm_linear      y = RMSNorm(x) @ W.T (+ bias)                (input norm + qkv)
     norm_gated       y = SiLU(g) · u, [g | u] = RMSNorm(x) @ W.T  (post-attention norm + gate_up
                                                                    + SiLU·mul)
     linear_residual  y = r + x @ W.T                              (o_proj, down + residual)
 
-Each program streams a [BLOCK_N, K] slice of W once for all M rows (swap-AB: the weight tile is
-the dot's left operand, so the rows may be as few as 16), so the weights are read once per call.
+Each program streams a [BLOCK_N, K_SPLIT] slice of W once for all its rows (swap-AB: the weight
+tile is the dot's left operand, so the rows may be as few as 16; BLOCK_M 16, 32 or 64 by the
+rows). A call with few column tiles splits K over more programs (`SPLIT_K`): each leaves its
+partial sums in a workspace and counts itself in on its tile's counter, and the last to arrive
+sums the partials in split order and finishes the tile — one kernel, where cuBLAS's split-K needs
+a second. RMSNorm is linear in its row scale, RMSNorm(x) @ W.T = rstd · ((x · norm) @ W.T), so the
+programs multiply x by the norm weight as they load it, sum each row's squares over their part
+of K, and scale the summed tile by 1/rms: no program reads its rows twice, and a split of K needs
+only the partial sums of squares.
 
-Numerics: the reduction in float32, then eager's roundings to the activation dtype in eager's
-order (RMSNorm's `x.float() * rsqrt(...)` cast to the dtype before the weight; gate_up's output
-rounded before SiLU, SiLU before the product; the GEMM output before the residual add), so the
-fused layer differs from the eager one by the GEMMs' summation order only.
+The sixth session's version (one program per 64 columns walking all of K, 64-row blocks, the
+norm's rows read twice) lost to cuBLAS + Inductor on the H200 at every shape (BENCHMARKS.md,
+2026-12-02): `down` and o_proj, 896 columns, ran 14 programs on 132 multiprocessors.
+
+Numerics: the reduction in float32; x · norm rounded to the activation dtype before the product
+(eager rounds x / rms, then its product with the norm); then eager's roundings in eager's order
+(gate_up's output rounded before SiLU, SiLU before the product; the GEMM output before the
+residual add). The fused layer differs from the eager one by a unit in the last place or two.
 
 The ops are `torch.library.triton_op`s: torch.compile and torch.export + AOTInductor trace into
 the kernels, and the same code runs eagerly. Without CUDA they run in Triton's CPU interpreter
@@ -28,6 +40,8 @@ the kernels, and the same code runs eagerly. Without CUDA they run in Triton's C
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 
 import torch
@@ -44,23 +58,55 @@ try:
 except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
     AVAILABLE = False
 
-# The most rows a call takes the fused kernels for; 0 (the default): never. Measured on the H200
-# (BENCHMARKS.md, 2026-12-02 sixth session) with the default tile, the kernels stream the MLP's
-# weights at ~0.9 TB/s against ~1.6 for cuBLAS + Inductor's fused elementwise kernels, and a
-# compiled W4 search took 9.05 ms with them against 6.79 without (eager layers gain: W3 through
-# `eager+graphs` 2.79 against 3.06 ms): they stay off until their tiles (`TILES`, swept by
-# `benchmarks/bench_skinny.py --sweep`) beat Inductor's. `BOUNDGEN_SKINNY_MAX_ROWS=64` turns them
-# on (an A/B); compiled packages record the value (`compile.cache.platform_info`), so a change
-# rebuilds them.
+# The most rows a call takes the fused kernels for; 0 (the default): never. The sixth session's
+# version streamed the MLP's weights at ~0.9 TB/s against ~1.6 for cuBLAS + Inductor's fused
+# elementwise kernels on the H200, and a compiled W4 search took 9.05 ms with it against 6.79
+# without (BENCHMARKS.md, 2026-12-02). The split-K version is not yet measured on the GPU: off
+# until its swept tiles (`bench_skinny.py --sweep`) beat Inductor in W3 and W4.
+# `BOUNDGEN_SKINNY_MAX_ROWS=64` turns them on (an A/B); compiled packages record the value
+# (`compile.cache.platform_info`), so a change rebuilds them.
 MAX_ROWS = int(os.environ.get("BOUNDGEN_SKINNY_MAX_ROWS", "0"))
 
-# Tiles per (K, N, gated): (BLOCK_N, BLOCK_K, num_warps, num_stages); sizes not listed take
-# `DEFAULT_TILE`. `bench_skinny.py --sweep` times every tile on the GPU; the fastest belong here.
-DEFAULT_TILE = (64, 128, 4, 3)
-# Rows a program takes (the MMA's narrow side): rows beyond M are masked, and more than BLOCK_M
-# rows take several programs per column block.
-BLOCK_M = 64
-TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
+# Tiles per (K, N, gated, BLOCK_M): (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); shapes not
+# listed take `default_tile`. `bench_skinny.py --sweep` times tiles on the GPU; the fastest belong
+# here.
+TILES: dict[tuple[int, int, bool, int], tuple[int, int, int, int, int]] = {}
+# Programs a call aims at when it picks its own split of K: two per multiprocessor of an H200
+# (132). A few-row GEMM only streams its weights, and the sixth session's kernels, one program per
+# 64 output columns walking all of K, left 118 of 132 multiprocessors idle in `down` and o_proj
+# (N = 896: 14 programs) and ran them at a fifth of cuBLAS's bandwidth.
+TARGET_PROGRAMS = 264
+
+
+def load_tiles(path: str | os.PathLike) -> dict[tuple[int, int, bool, int], tuple]:
+    """Tiles from a JSON file `bench_skinny.py --sweep --tiles-out` wrote: a list of
+    {"key": [K, N, gated, BLOCK_M], "tile": [BLOCK_N, BLOCK_K, SPLIT_K, warps, stages]}."""
+    with open(path) as f:
+        rows = json.load(f)
+    tiles = {}
+    for row in rows:
+        k, n, gated, block_m = row["key"]
+        tile = tuple(int(v) for v in row["tile"])
+        if len(tile) != 5 or block_m not in (16, 32, 64):
+            raise ValueError(f"{path}: not a skinny tile: {row}")
+        tiles[(int(k), int(n), bool(gated), int(block_m))] = tile
+    return tiles
+
+
+# `BOUNDGEN_SKINNY_TILES=<file>`: tiles swept on this device kind (an A/B in the call that swept
+# them); compiled packages record them (`compile.cache.platform_info`), so a change rebuilds.
+if os.environ.get("BOUNDGEN_SKINNY_TILES"):
+    TILES.update(load_tiles(os.environ["BOUNDGEN_SKINNY_TILES"]))
+
+
+def tiles_digest() -> str:
+    """The tile table as a short hash ("" when empty: the packages built before it keep their
+    keys)."""
+    if not TILES:
+        return ""
+    text = json.dumps(sorted([list(k), list(v)] for k, v in TILES.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
 
 _FORCED = False
 
@@ -95,21 +141,91 @@ def applies(x: torch.Tensor, *linears: nn.Module) -> bool:
     return _FORCED and _interpreting()
 
 
+def block_m_for(m) -> int:
+    """Rows a program takes (the MMA's narrow side, at least 16): the fewest of 16, 32 and 64 that
+    hold `m`, so 16 beam rows do not pay a 64-row product; 64 when `m` is symbolic (the compiled
+    beam layers' rows), since a branch on it would guard the compiled caller."""
+    if not isinstance(m, int):
+        return 64
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def default_tile(k: int, n: int, gated: bool, block_m: int, m_tiles: int = 1):
+    """(BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) for a shape without a measured tile: 64 columns
+    a program, and K split until about `TARGET_PROGRAMS` programs run (each split a whole number of
+    BLOCK_K steps)."""
+    block_n, block_k = 64, min(128, max(16, 1 << (k - 1).bit_length()))
+    tiles = _cdiv(n, block_n) * m_tiles
+    split = max(1, min(_cdiv(k, block_k), TARGET_PROGRAMS // tiles))
+    return block_n, block_k, split, 4, 3
+
+
+def tile_for(k: int, n: int, gated: bool, block_m: int, m_tiles: int = 1):
+    return TILES.get((k, n, gated, block_m)) or default_tile(k, n, gated, block_m, m_tiles)
+
+
+def k_split(k: int, block_k: int, split: int) -> tuple[int, int]:
+    """(K a split takes, splits): `split` rounded so every split is whole BLOCK_K steps and none
+    is empty (K = 896 in 7 splits of a 256-wide step would leave three splits past K)."""
+    per = _cdiv(_cdiv(k, split), block_k) * block_k
+    return per, _cdiv(k, per)
+
+
 if AVAILABLE:
 
     @triton.jit
-    def _row_rstd(x_ptr, rows, row_mask, stride_x, eps, K: tl.constexpr, BLOCK_K: tl.constexpr):
-        """1 / RMS of each row (float32), as RMSNorm computes it."""
-        ss = tl.zeros([rows.shape[0]], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(
-                x_ptr + rows[:, None] * stride_x + ks[None, :],
-                mask=row_mask[:, None] & (ks[None, :] < K),
-                other=0.0,
-            ).to(tl.float32)
-            ss += tl.sum(a * a, axis=1)
-        return 1.0 / tl.sqrt(ss / K + eps)
+    def _finish(
+        acc,
+        acc_up,
+        ss,
+        rows,
+        row_mask,
+        cols,
+        col_mask,
+        out_ptr,
+        bias_ptr,
+        res_ptr,
+        stride_out,
+        stride_res,
+        eps,
+        dtype: tl.constexpr,
+        K: tl.constexpr,
+        NORM: tl.constexpr,
+        BIAS: tl.constexpr,
+        GATED: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
+        """The epilogue of a tile whose K is summed: the norm's row scale, bias, SiLU·mul,
+        residual, then the store (acc [BLOCK_N, BLOCK_M]: the output transposed)."""
+        if NORM:
+            # Inductor launches a user kernel with a Python float typed fp64 (attention/segments.py)
+            if not INTERPRET:  # (the interpreter hands scalars over as Python floats)
+                eps = tl.cast(eps, tl.float32)
+            # RMSNorm(x) @ W.T = rstd · ((x · norm) @ W.T) per row: the scale after the sum, so
+            # no program reads its rows twice and a split of K needs only its rows' partial sums
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+            acc = acc * rstd[None, :]
+            if GATED:
+                acc_up = acc_up * rstd[None, :]
+        if BIAS:
+            b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            acc = acc + b[:, None]
+        y = acc.to(dtype)
+        if GATED:
+            # eager's roundings: gate_up's output, then SiLU, then the product
+            gate = y.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            y = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        out_mask = col_mask[:, None] & row_mask[None, :]
+        if RESIDUAL:
+            r = tl.load(res_ptr + rows[None, :] * stride_res + cols[:, None], mask=out_mask)
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
+        tl.store(out_ptr + rows[None, :] * stride_out + cols[:, None], y, mask=out_mask)
 
     @triton.jit
     def _skinny_kernel(
@@ -119,6 +235,8 @@ if AVAILABLE:
         bias_ptr,
         norm_ptr,
         res_ptr,
+        part_ptr,
+        count_ptr,
         M,
         stride_x,
         stride_out,
@@ -133,26 +251,25 @@ if AVAILABLE:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        K_SPLIT: tl.constexpr,
+        SPLIT_K: tl.constexpr,
         INTERPRET: tl.constexpr,
     ):
-        # acc is [BLOCK_N, BLOCK_M] (out transposed): the weight tile is the dot's M side
+        # acc is [BLOCK_N, BLOCK_M] (out transposed): the weight tile is the dot's M side, so
+        # the rows may be as few as 16. Program (n, m, s) sums its tile over the s-th K_SPLIT of K.
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
-        dtype = x_ptr.dtype.element_ty
+        pid_k = tl.program_id(2)
+        dtype: tl.constexpr = x_ptr.dtype.element_ty
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        if NORM:
-            # Inductor launches a user kernel with a Python float typed fp64 (attention/segments.py)
-            if not INTERPRET:  # (the interpreter hands scalars over as Python floats)
-                eps = tl.cast(eps, tl.float32)
-            rstd = _row_rstd(x_ptr, rows, row_mask, stride_x, eps, K, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        if GATED:
-            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # the rows' sums of squares (NORM)
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            ks = pid_k * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < K
             a = tl.load(
                 x_ptr + rows[:, None] * stride_x + ks[None, :],
@@ -160,10 +277,10 @@ if AVAILABLE:
                 other=0.0,
             )
             if NORM:
-                # RMSNorm as eager rounds it: normalised in float32, cast, then times the weight
+                af = a.to(tl.float32)
+                ss += tl.sum(af * af, axis=1)
                 g = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-                a = (a.to(tl.float32) * rstd[:, None]).to(dtype)
-                a = (g[None, :] * a.to(tl.float32)).to(dtype)
+                a = (af * g[None, :]).to(dtype)
             w_mask = col_mask[:, None] & k_mask[None, :]
             w = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
             if INTERPRET:  # the CPU interpreter's bf16 dot is wrong: its inputs as float32
@@ -177,19 +294,51 @@ if AVAILABLE:
                 if INTERPRET:
                     w_up = w_up.to(tl.float32)
                 acc_up = tl.dot(w_up, tl.trans(a), acc_up)
-        if BIAS:
-            b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            acc = acc + b[:, None]
-        y = acc.to(dtype)
-        if GATED:
-            gate = y.to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            y = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
-        out_mask = col_mask[:, None] & row_mask[None, :]
-        if RESIDUAL:
-            r = tl.load(res_ptr + rows[None, :] * stride_res + cols[:, None], mask=out_mask)
-            y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
-        tl.store(out_ptr + rows[None, :] * stride_out + cols[:, None], y, mask=out_mask)
+        if SPLIT_K == 1:
+            _finish(
+                acc, acc_up, ss, rows, row_mask, cols, col_mask, out_ptr, bias_ptr, res_ptr,
+                stride_out, stride_res, eps, dtype, K, NORM, BIAS, GATED, RESIDUAL, INTERPRET,
+            )  # fmt: skip
+        else:
+            # Split K: each program leaves its partial sums in `part_ptr` and counts itself in on
+            # its tile's counter; the program that arrives last sums the partials in split order
+            # (the same bits whichever arrives last) and finishes the tile. One kernel, where
+            # cuBLAS's split-K GEMM is followed by its own `splitKreduce` kernel.
+            tiles = tl.num_programs(0) * tl.num_programs(1)
+            tile = pid_m * tl.num_programs(0) + pid_n
+            TILE: tl.constexpr = BLOCK_N * BLOCK_M
+            PARTS: tl.constexpr = 2 if GATED else 1
+            offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+            mine = part_ptr + (pid_k * tiles + tile) * (PARTS * TILE)
+            tl.store(mine + offs, acc)
+            if GATED:
+                tl.store(mine + TILE + offs, acc_up)
+            squares = part_ptr + SPLIT_K * tiles * (PARTS * TILE)  # then [SPLIT_K, tiles, BLOCK_M]
+            if NORM:
+                tl.store(squares + (pid_k * tiles + tile) * BLOCK_M + tl.arange(0, BLOCK_M), ss)
+            # every thread's stores issued before the count (the threadfence-reduction pattern:
+            # the barrier, then a release at device scope; the last program's acquire sees them)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for s in range(SPLIT_K):
+                    part = part_ptr + (s * tiles + tile) * (PARTS * TILE)
+                    # .cg: from L2, where the other multiprocessors' stores are
+                    acc += tl.load(part + offs, cache_modifier=".cg")
+                    if GATED:
+                        acc_up += tl.load(part + TILE + offs, cache_modifier=".cg")
+                    if NORM:
+                        ss += tl.load(
+                            squares + (s * tiles + tile) * BLOCK_M + tl.arange(0, BLOCK_M),
+                            cache_modifier=".cg",
+                        )
+                _finish(
+                    acc, acc_up, ss, rows, row_mask, cols, col_mask, out_ptr, bias_ptr, res_ptr,
+                    stride_out, stride_res, eps, dtype, K, NORM, BIAS, GATED, RESIDUAL, INTERPRET,
+                )  # fmt: skip
 
     def _launch(x, weight, *, bias=None, norm=None, eps=0.0, residual=None, gated=False):
         # the kernel takes rows by their stride and everything else packed
@@ -207,10 +356,22 @@ if AVAILABLE:
         if residual is not None:
             torch._check(residual.shape[0] == m and residual.shape[1] == n)
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        block_n, block_k, warps, stages = TILES.get((k, n, gated), DEFAULT_TILE)
+        block_m = block_m_for(m)
+        m_tiles = _cdiv(m, block_m) if isinstance(m, int) else 1
+        block_n, block_k, split, warps, stages = tile_for(k, n, gated, block_m, m_tiles)
         block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-        block_m = BLOCK_M  # fixed, not by M: a branch on M would guard compiled callers
-        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+        per, split = k_split(k, block_k, split)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
+        if split > 1:
+            # partial sums [split, tiles, parts, BLOCK_N·BLOCK_M] and the rows' sums of squares
+            # [split, tiles, BLOCK_M]; the counters start at zero on every call (a buffer kept
+            # across calls would be shared by forwards running at once on the device's streams)
+            tiles = grid[0] * grid[1]
+            size = split * tiles * ((2 if gated else 1) * block_n * block_m + block_m)
+            parts = torch.empty(size, dtype=torch.float32, device=x.device)
+            counts = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+        else:
+            parts, counts = out, out  # (not read: SPLIT_K 1 finishes in place)
         traceable(_skinny_kernel)[grid](
             x,
             weight,
@@ -218,6 +379,8 @@ if AVAILABLE:
             bias if bias is not None else weight,
             norm if norm is not None else weight,
             residual if residual is not None else out,
+            parts,
+            counts,
             m,
             x.stride(0),
             out.stride(0),
@@ -232,6 +395,8 @@ if AVAILABLE:
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            K_SPLIT=per,
+            SPLIT_K=split,
             INTERPRET=not x.is_cuda,
             num_warps=warps,
             num_stages=stages,
