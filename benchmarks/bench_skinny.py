@@ -235,6 +235,9 @@ def sweep(layers, m: int, iters: int, device) -> list[dict]:
                     "best_TBps": best and best["TBps"],
                     "default_tile": list(default),
                     "default_us": found[0].get("us"),
+                    # what a split tile's zeroed counters cost alone (one memset a call): what
+                    # a buffer kept across calls would save, were calls never concurrent
+                    "zeros_us": zeros_us(best["tile"], n, m, iters) if best else None,
                     "tiles_timed": len(found),
                     "top5": ok[:5],
                     "errors": sum("error" in f for f in found),
@@ -242,6 +245,15 @@ def sweep(layers, m: int, iters: int, device) -> list[dict]:
             )
             print({k: v for k, v in rows[-1].items() if k != "top5"}, flush=True)
     return rows
+
+
+def zeros_us(tile: tuple, n: int, m: int, iters: int) -> float | None:
+    """Device µs of a call's zeroed counters (`torch.zeros` of its tiles) alone in a graph; None
+    for a tile that does not split K (no counters)."""
+    if tile[2] == 1:
+        return None
+    tiles = -(-n // tile[0]) * -(-m // skinny.block_m_for(m))
+    return graph_us(lambda: torch.zeros(tiles, dtype=torch.int32, device="cuda"), iters)
 
 
 def main() -> None:
@@ -298,7 +310,7 @@ def main() -> None:
     if args.sweep:
         print_table(
             result["sweep"],
-            ["gemm", "rows", "best_tile", "best_us", "best_TBps", "default_us", "tiles_timed"],
+            ["gemm", "rows", "best_tile", "best_us", "best_TBps", "default_us", "zeros_us"],
         )
     write_json(args.out, result)
 
