@@ -277,6 +277,45 @@ def test_a_decoder_layer_with_the_kernels_equals_it_without(qk_norm):
         _close(got, want, dtype, bf16_tol=6e-2)
 
 
+@pytest.mark.parametrize("tile", [(32, 16, 3)], indirect=True, ids=str)
+def test_a_forward_s_calls_share_one_counter_buffer(tile):
+    """A whole model's forward with every GEMM's K split 3 ways: its calls share the counters of
+    `skinny.counters` (one zero fill a forward), each leaving them at zero for the next — a call
+    that left a count behind would never finish a tile of the next. The forward equals the
+    unfused model's, and the buffer is zero after the layers' parts ran on it."""
+    from boundgen.attention import AttnInputs
+    from boundgen.models.decoder import DecoderModel
+
+    torch.manual_seed(1)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    cfg = _config(num_layers=3)
+    model = DecoderModel(cfg).to(DEV, dtype)
+    for p in model.parameters():
+        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.1)
+    ids = torch.randint(0, cfg.vocab_size, (12,), device=DEV)
+    positions = torch.arange(12, device=DEV)
+    attn = AttnInputs(
+        cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32, device=DEV), max_seqlen=7
+    )
+    with torch.no_grad():
+        if CUDA:
+            skinny_max, skinny.MAX_ROWS = skinny.MAX_ROWS, 0
+            plain = model(ids, positions, attn)
+            skinny.MAX_ROWS = skinny_max
+        else:
+            plain = model(ids, positions, attn)
+        with skinny.forced():
+            fused = model(ids, positions, attn)
+            x = torch.randn(12, 64, device=DEV, dtype=dtype)
+            counts = skinny.counters(x, model.layers[0])
+            assert counts is not None and not counts.any()
+            for layer in model.layers:
+                layer.mlp_block(layer.attention_output(x, x, counts), counts)
+            assert not counts.any()
+    _close(fused, plain, dtype, bf16_tol=NORM_BF16_TOL)
+    assert skinny.counters(x, model.layers[0]) is None  # outside forced(): no fused kernels
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_the_kernels_inside_torch_compile_with_dynamic_rows():
@@ -382,8 +421,10 @@ class Parts(torch.nn.Module):
         self.layer = layer
 
     def forward(self, x, o):
-        q, k, v = self.layer.attention_input(x, x[:, :8].unsqueeze(1), x[:, 8:16].unsqueeze(1))
-        return self.layer.mlp_block(self.layer.attention_output(x, o)), q, k, v
+        counts = skinny.counters(x, self.layer)
+        cos, sin = x[:, :8].unsqueeze(1), x[:, 8:16].unsqueeze(1)
+        q, k, v = self.layer.attention_input(x, cos, sin, counts=counts)
+        return self.layer.mlp_block(self.layer.attention_output(x, o, counts), counts), q, k, v
 
 
 x, o = torch.randn(16, 64, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
@@ -392,6 +433,7 @@ with torch.inference_mode():
     ep = torch.export.export(Parts(layer), (x, o), dynamic_shapes=(auto, auto))
 ops = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
 print(" ".join(o for o in ops if o.startswith("boundgen")))
+print("zeros:", ops.count("aten.zeros.default"))  # the counters: one fill for the four calls
 print("symbols:", len(ep.range_constraints))  # the rows: x and o share them
 """
 
@@ -400,8 +442,9 @@ def test_the_layer_traces_with_symbolic_rows():
     """torch.export (fake tensors, no kernel run) of the layer's fused parts with every activation
     dim left to export (`Dim.AUTO`, as dynamo's automatic dynamic shapes leave them for the beam
     layers): the kernels specialise on the weights' sizes only, so the rows stay symbolic. On
-    the H200 a K read from the activation was a SymInt the tile table could not hash. In a child
-    without `TRITON_INTERPRET` (the interpreter's kernels are not traceable)."""
+    the H200 a K read from the activation was a SymInt the tile table could not hash. The four
+    calls share one counter buffer, sized by the symbolic rows. In a child without
+    `TRITON_INTERPRET` (the interpreter's kernels are not traceable)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     tests = os.path.dirname(os.path.abspath(__file__))
     res = subprocess.run(
@@ -419,7 +462,8 @@ def test_the_layer_traces_with_symbolic_rows():
         "boundgen.norm_gated.default",
         "boundgen.linear_residual.default",
     ]
-    assert lines[1] == "symbols: 1"
+    assert lines[1] == "zeros: 1"
+    assert lines[2] == "symbols: 1"
 
 
 HOPPER = """

@@ -38,6 +38,7 @@ from boundgen.compile import residual
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
+from boundgen.models import skinny
 from boundgen.search import banned_tensor, search
 from boundgen.text.packing import SequenceGroup, pack
 
@@ -101,14 +102,15 @@ def plain_session(model, device, prompts: list[list[int]], width: int, steps: in
 # ---- one layer of the prefill and of a decode step, as functions of their tensors ---------------
 
 
-def prefill_layer(layer, x, cos, sin, cu_seqlens, max_seqlen: int, pk, pv, backend):
+def prefill_layer(layer, x, cos, sin, cu_seqlens, max_seqlen: int, pk, pv, backend, counts=None):
     """A decoder layer over packed prompts (causal per segment), storing k/v into `pk`/`pv`
-    [T, Hkv, D]. x [T, hidden] → [T, hidden]."""
-    q, k, v = layer.attention_input(x, cos, sin)
+    [T, Hkv, D] (`counts`: the fused kernels' counters, `skinny.counters`). x [T, hidden] →
+    [T, hidden]."""
+    q, k, v = layer.attention_input(x, cos, sin, counts=counts)
     pk.copy_(k)
     pv.copy_(v)
     o, _ = backend.varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True)
-    return layer.mlp_block(layer.attention_output(x, o.reshape(x.shape[0], -1)))
+    return layer.mlp_block(layer.attention_output(x, o.reshape(x.shape[0], -1), counts), counts)
 
 
 def decode_layer(
@@ -130,6 +132,7 @@ def decode_layer(
     backend,
     fused: bool = False,
     own_kernel: bool = False,
+    counts=None,
 ):
     """A decoder layer for one token per beam. The beam's k/v go into slot `step` (an int64 tensor
     [1]) of `bkv` [N, S, 2, Hkv, D] (k and v side by side, `BeamKV`: one write); queries attend
@@ -137,12 +140,12 @@ def decode_layer(
     beams `cu_beams`; their `group` query heads of a KV head as rows `cu_rows`, `max_rows`:
     `cascade.grouped_rows_attention`) and to their own slots ≤ step, merged by log-sum-exp; with
     `fused` (on CUDA) in one kernel (`attention/beam_decode.py`); else with `own_kernel` (on CUDA)
-    flash and one kernel for the own slots and the merge (`attention/own_slots.py`).
-    x [N, hidden] → [N, hidden]."""
+    flash and one kernel for the own slots and the merge (`attention/own_slots.py`). `counts`:
+    the fused linear kernels' counters (`skinny.counters`). x [N, hidden] → [N, hidden]."""
     n = x.shape[0]
     fused = fused and x.is_cuda
     # the prompt attention reads q grouped by KV head: rotated into that order, not copied there
-    q, k, v = layer.attention_input(x, cos, sin, grouped=group > 1 and not fused)
+    q, k, v = layer.attention_input(x, cos, sin, grouped=group > 1 and not fused, counts=counts)
     bkv.index_copy_(1, step, torch.stack((k, v), 1).unsqueeze(1))
     bk, bv = bkv[:, :, 0], bkv[:, :, 1]
     if fused:  # one kernel for the prompt part, own slots and merge
@@ -158,7 +161,7 @@ def decode_layer(
         )
         own, own_lse = _own_slots_attention(q, bk, bv, step)
         o = merge_partial(shared, shared_lse, own, own_lse)
-    return layer.mlp_block(layer.attention_output(x, o.reshape(n, -1)))
+    return layer.mlp_block(layer.attention_output(x, o.reshape(n, -1), counts), counts)
 
 
 def _own_slots_attention(q, k, v, step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,11 +221,14 @@ class ModelSteps:
         m = self.model
         x = m.embed_tokens(ids)
         cos, sin = m.rotary(positions, x.dtype)
+        counts = skinny.counters(x, m.layers[0])
         for i, layer in enumerate(m.layers):
             pk, pv = prompt.k[i], prompt.v[i]
             if self.compiled:
                 _rows_dynamic(x, cos, sin, pk, pv, cu_seqlens)
-            x = self._prefill(layer, x, cos, sin, cu_seqlens, max_seqlen, pk, pv, self.backend)
+            x = self._prefill(
+                layer, x, cos, sin, cu_seqlens, max_seqlen, pk, pv, self.backend, counts
+            )
         return m.norm(x)
 
     def decode(self, tokens, positions, state: DecodeKV, step: torch.Tensor) -> torch.Tensor:
@@ -234,6 +240,7 @@ class ModelSteps:
         m, b = self.model, state.beams
         x = m.embed_tokens(tokens)
         cos, sin = m.rotary(positions, x.dtype)
+        counts = skinny.counters(x, m.layers[0])
         for i, layer in enumerate(m.layers):
             pk, pv, bkv = state.prompt.k[i], state.prompt.v[i], b.kv[i]
             if self.compiled:
@@ -262,6 +269,7 @@ class ModelSteps:
                 # arithmetic (their graph search recommends exactly what it does; the kernel
                 # rounds once where the plain search rounds twice)
                 self.compiled,
+                counts,
             )
         return m.norm(x)
 

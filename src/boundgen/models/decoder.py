@@ -123,39 +123,45 @@ class DecoderLayer(nn.Module):
     # GEMM, GEMM + residual, norm + GEMM + SiLU·mul, GEMM + residual), since a decode step or a
     # short prompt is bound by its kernels' count, not by FLOPs (models/skinny.py).
 
+    # `counts`: the forward's counters for the fused kernels' K splits (`skinny.counters`; None:
+    # each call zeroes its own)
+
     def attention_input(
-        self, x, cos, sin, grouped: bool = False, rotate: bool = True
+        self, x, cos, sin, grouped: bool = False, rotate: bool = True, counts=None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] → q, k, v of the normed x (`Attention.heads`, q `grouped` or not, q and
         k rotated unless `rotate` is False)."""
         norm, proj = self.input_layernorm, self.self_attn.qkv_proj
         if skinny.applies(x, proj):
-            qkv = torch.ops.boundgen.norm_linear(x, norm.weight, norm.eps, proj.weight, proj.bias)
+            qkv = torch.ops.boundgen.norm_linear(
+                x, norm.weight, norm.eps, proj.weight, proj.bias, counts
+            )
         else:
             qkv = proj(norm(x))
         return self.self_attn.heads(qkv, cos, sin, grouped, rotate)
 
-    def attention_output(self, x, o) -> torch.Tensor:
+    def attention_output(self, x, o, counts=None) -> torch.Tensor:
         """x + o_proj(o): o [T, Hq·D] → [T, hidden]."""
         proj = self.self_attn.o_proj
         if skinny.applies(o, proj):
-            return torch.ops.boundgen.linear_residual(o, proj.weight, x)
+            return torch.ops.boundgen.linear_residual(o, proj.weight, x, counts)
         return x + proj(o)
 
-    def mlp_block(self, x) -> torch.Tensor:
+    def mlp_block(self, x, counts=None) -> torch.Tensor:
         """x + MLP(RMSNorm(x))."""
         norm, mlp = self.post_attention_layernorm, self.mlp
         if skinny.applies(x, mlp.gate_up_proj, mlp.down_proj):
-            h = torch.ops.boundgen.norm_gated(x, norm.weight, norm.eps, mlp.gate_up_proj.weight)
-            return torch.ops.boundgen.linear_residual(h, mlp.down_proj.weight, x)
+            ops = torch.ops.boundgen
+            h = ops.norm_gated(x, norm.weight, norm.eps, mlp.gate_up_proj.weight, counts)
+            return ops.linear_residual(h, mlp.down_proj.weight, x, counts)
         return x + mlp(norm(x))
 
-    def forward(self, x, cos, sin, attn, kv, layer, backend):
+    def forward(self, x, cos, sin, attn, kv, layer, backend, counts=None):
         in_attention = rope_in_attention(backend, attn, kv)
-        q, k, v = self.attention_input(x, cos, sin, rotate=not in_attention)
+        q, k, v = self.attention_input(x, cos, sin, rotate=not in_attention, counts=counts)
         rope = (cos, sin) if in_attention else None
         o = self.self_attn.attend(q, k, v, attn, kv, layer, backend, rope)
-        return self.mlp_block(self.attention_output(x, o))
+        return self.mlp_block(self.attention_output(x, o, counts), counts)
 
 
 class DecoderModel(nn.Module):
@@ -184,8 +190,9 @@ class DecoderModel(nn.Module):
         """input_ids, positions: [T] → final-normed hidden states [T, H]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        counts = skinny.counters(x, self.layers[0])
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn, kv, i, self.backend)
+            x = layer(x, cos, sin, attn, kv, i, self.backend, counts)
         return self.norm(x)
 
     @property

@@ -18,10 +18,14 @@ tile is the dot's left operand, so the rows may be as few as 16; BLOCK_M 16, 32 
 rows). A call with few column tiles splits K over more programs (`SPLIT_K`): each leaves its
 partial sums in a workspace and counts itself in on its tile's counter, and the last to arrive
 sums the partials in split order and finishes the tile — one kernel, where cuBLAS's split-K needs
-a second. RMSNorm is linear in its row scale, RMSNorm(x) @ W.T = rstd · ((x · norm) @ W.T), so the
-programs multiply x by the norm weight as they load it, sum each row's squares over their part
-of K, and scale the summed tile by 1/rms: no program reads its rows twice, and a split of K needs
-only the partial sums of squares.
+a second. It also sets the counter back to zero, so the calls of one forward (or decode step) run
+on one counter buffer that the forward zeroes once (`counters`; `DecoderModel.forward` and the
+beam layers pass it down): a buffer zeroed per call would be a fill kernel per GEMM.
+
+RMSNorm is linear in its row scale, RMSNorm(x) @ W.T = rstd · ((x · norm) @ W.T), so the programs
+multiply x by the norm weight as they load it, sum each row's squares over their part of K, and
+scale the summed tile by 1/rms: no program reads its rows twice, and a split of K needs only the
+partial sums of squares.
 
 The sixth session's version (one program per 64 columns walking all of K, 64-row blocks, the
 norm's rows read twice) lost to cuBLAS + Inductor on the H200 at every shape (BENCHMARKS.md,
@@ -339,8 +343,13 @@ if AVAILABLE:
                     acc, acc_up, ss, rows, row_mask, cols, col_mask, out_ptr, bias_ptr, res_ptr,
                     stride_out, stride_res, eps, dtype, K, NORM, BIAS, GATED, RESIDUAL, INTERPRET,
                 )  # fmt: skip
+                # the counter back to zero: the next call on this stream may take the same
+                # buffer (a forward's calls share one, `counters`)
+                tl.store(count_ptr + tile, 0)
 
-    def _launch(x, weight, *, bias=None, norm=None, eps=0.0, residual=None, gated=False):
+    def _launch(
+        x, weight, *, bias=None, norm=None, eps=0.0, residual=None, gated=False, counts=None
+    ):
         # the kernel takes rows by their stride and everything else packed
         x = x if x.stride(-1) == 1 else x.contiguous()
         weight = weight.contiguous()
@@ -364,12 +373,14 @@ if AVAILABLE:
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
         if split > 1:
             # partial sums [split, tiles, parts, BLOCK_N·BLOCK_M] and the rows' sums of squares
-            # [split, tiles, BLOCK_M]; the counters start at zero on every call (a buffer kept
-            # across calls would be shared by forwards running at once on the device's streams)
+            # [split, tiles, BLOCK_M]; the tiles' counters: the caller's (`counters`: zero, and
+            # left at zero by every call) or zeroed here for this call alone
             tiles = grid[0] * grid[1]
             size = split * tiles * ((2 if gated else 1) * block_n * block_m + block_m)
             parts = torch.empty(size, dtype=torch.float32, device=x.device)
-            counts = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+            if counts is None:
+                counts = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+            torch._check(counts.numel() >= tiles)
         else:
             parts, counts = out, out  # (not read: SPLIT_K 1 finishes in place)
         traceable(_skinny_kernel)[grid](
@@ -403,31 +414,57 @@ if AVAILABLE:
         )
         return out
 
-    @triton_op("boundgen::norm_linear", mutates_args=())
+    # `counts` (optional, `counters`): the int32 counters of a K split, zero, which the call
+    # leaves at zero; declared mutated, since the kernel counts in them while it runs
+    @triton_op("boundgen::norm_linear", mutates_args={"counts"})
     def norm_linear(
         x: torch.Tensor,
         norm: torch.Tensor,
         eps: float,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """RMSNorm(x; norm, eps) @ weight.T (+ bias): x [M, K] → [M, N]."""
-        return _launch(x, weight, bias=bias, norm=norm, eps=eps)
+        return _launch(x, weight, bias=bias, norm=norm, eps=eps, counts=counts)
 
-    @triton_op("boundgen::norm_gated", mutates_args=())
+    @triton_op("boundgen::norm_gated", mutates_args={"counts"})
     def norm_gated(
-        x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor
+        x: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """SiLU(g)·u with [g | u] = RMSNorm(x; norm, eps) @ weight.T: x [M, K], weight [2I, K] →
         [M, I]."""
-        return _launch(x, weight, norm=norm, eps=eps, gated=True)
+        return _launch(x, weight, norm=norm, eps=eps, gated=True, counts=counts)
 
-    @triton_op("boundgen::linear_residual", mutates_args=())
+    @triton_op("boundgen::linear_residual", mutates_args={"counts"})
     def linear_residual(
-        x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """residual + x @ weight.T: x [M, K], residual [M, N] → [M, N]."""
-        return _launch(x, weight, residual=residual)
+        return _launch(x, weight, residual=residual, counts=counts)
+
+
+def counters(x: torch.Tensor, layer: nn.Module) -> torch.Tensor | None:
+    """One zeroed counter buffer for every fused call of a forward (or a decode step) over rows
+    `x` through layers shaped like `layer`, or None where the kernels do not take `x`. The calls
+    run one after another on the forward's stream, and each leaves the counters at zero, so one
+    zero fill serves them all, where a buffer zeroed per call is a fill kernel per GEMM (an
+    AOTInductor bucket's `torch.zeros` is an Inductor kernel). A buffer kept across forwards
+    would be shared by forwards running at once on the device's streams: one per forward."""
+    linears = (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    if not applies(x, *linears, layer.self_attn.o_proj):
+        return None
+    # the most tiles any call may take: 16-column tiles (the narrowest a tile table may give)
+    # over 16-row blocks
+    n = max(lin.weight.shape[0] for lin in linears)
+    return torch.zeros(_cdiv(n, 16) * _cdiv(x.shape[0], 16), dtype=torch.int32, device=x.device)
 
 
 def reference_norm_linear(x, norm, eps, weight, bias=None):
