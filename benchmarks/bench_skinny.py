@@ -66,17 +66,19 @@ def part_calls(layers: list[DecoderLayer], part: str, m: int, device):
     g = torch.Generator(device=device).manual_seed(m)
     x = torch.randn(m, layer.input_layernorm.weight.shape[0], device=device, generator=g)
     x = x.to(torch.bfloat16)
+    counts = skinny.counters(x, layer)  # (as a forward shares them; None unfused)
     if part == "attention_input":
         d = attn.head_dim
         cos = torch.ones(m, 1, d // 2, device=device, dtype=torch.bfloat16)
         sin = 0 * cos
-        return (lambda: [la.attention_input(x, cos, sin) for la in layers]), attn.qkv_proj.weight
+        fn = lambda: [la.attention_input(x, cos, sin, counts=counts) for la in layers]
+        return fn, attn.qkv_proj.weight
     if part == "attention_output":
         o = torch.randn(m, attn.num_heads * attn.head_dim, device=device, generator=g)
         o = o.to(torch.bfloat16)
-        return (lambda: [la.attention_output(x, o) for la in layers]), attn.o_proj.weight
+        return (lambda: [la.attention_output(x, o, counts) for la in layers]), attn.o_proj.weight
     weights = (layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
-    return (lambda: [la.mlp_block(x) for la in layers]), weights
+    return (lambda: [la.mlp_block(x, counts) for la in layers]), weights
 
 
 def nbytes(weights) -> int:
@@ -134,24 +136,26 @@ def gemm_calls(layers, m: int, device) -> dict:
     h = torch.randn(m, layer.mlp.down_proj.weight.shape[1], device=device).to(torch.bfloat16)
     o = torch.randn(m, layer.self_attn.o_proj.weight.shape[1], device=device).to(torch.bfloat16)
     ops = torch.ops.boundgen
+    # the calls share one counter buffer, as a forward's do (its one zero fill: `zeros_us`)
+    counts = skinny.counters(x, layer)
 
     def qkv():
         for la in layers:
             lin, norm = la.self_attn.qkv_proj, la.input_layernorm
-            ops.norm_linear(x, norm.weight, norm.eps, lin.weight, lin.bias)
+            ops.norm_linear(x, norm.weight, norm.eps, lin.weight, lin.bias, counts)
 
     def o_proj():
         for la in layers:
-            ops.linear_residual(o, la.self_attn.o_proj.weight, x)
+            ops.linear_residual(o, la.self_attn.o_proj.weight, x, counts)
 
     def gate_up():
         for la in layers:
             norm = la.post_attention_layernorm
-            ops.norm_gated(x, norm.weight, norm.eps, la.mlp.gate_up_proj.weight)
+            ops.norm_gated(x, norm.weight, norm.eps, la.mlp.gate_up_proj.weight, counts)
 
     def down():
         for la in layers:
-            ops.linear_residual(h, la.mlp.down_proj.weight, x)
+            ops.linear_residual(h, la.mlp.down_proj.weight, x, counts)
 
     return {
         "qkv": (qkv, layer.self_attn.qkv_proj.weight, False),
@@ -235,9 +239,9 @@ def sweep(layers, m: int, iters: int, device) -> list[dict]:
                     "best_TBps": best and best["TBps"],
                     "default_tile": list(default),
                     "default_us": found[0].get("us"),
-                    # what a split tile's zeroed counters cost alone (one memset a call): what
-                    # a buffer kept across calls would save, were calls never concurrent
-                    "zeros_us": zeros_us(best["tile"], n, m, iters) if best else None,
+                    # a forward's one zero fill of its counters (`skinny.counters`) alone, which
+                    # the timed calls share and a forward pays once for all its GEMMs
+                    "zeros_us": zeros_us(best["tile"], layers[0], m, iters) if best else None,
                     "tiles_timed": len(found),
                     "top5": ok[:5],
                     "errors": sum("error" in f for f in found),
@@ -247,13 +251,13 @@ def sweep(layers, m: int, iters: int, device) -> list[dict]:
     return rows
 
 
-def zeros_us(tile: tuple, n: int, m: int, iters: int) -> float | None:
-    """Device µs of a call's zeroed counters (`torch.zeros` of its tiles) alone in a graph; None
-    for a tile that does not split K (no counters)."""
+def zeros_us(tile: tuple, layer, m: int, iters: int) -> float | None:
+    """Device µs of a forward's zeroed counters (`skinny.counters` at m rows) alone in a graph;
+    None for a tile that does not split K (no counters)."""
     if tile[2] == 1:
         return None
-    tiles = -(-n // tile[0]) * -(-m // skinny.block_m_for(m))
-    return graph_us(lambda: torch.zeros(tiles, dtype=torch.int32, device="cuda"), iters)
+    x = torch.zeros(m, layer.input_layernorm.weight.shape[0], device="cuda", dtype=torch.bfloat16)
+    return graph_us(lambda: skinny.counters(x, layer), iters)
 
 
 def main() -> None:
