@@ -373,10 +373,23 @@ def test_a_changed_kernel_makes_artifacts_stale(engine_for, cache_copy, tmp_path
     before = cache_mod.kernels_digest(mods)
     kernel.write_text("KERNEL = 2\n")
     assert cache_mod.kernels_digest(mods) != before
-    monkeypatch.setattr(cache_mod, "kernels_digest", lambda: "another-kernel")
+    monkeypatch.setattr(cache_mod, "kernels_digest", lambda modules: "another-kernel")
     with pytest.raises(ArtifactError, match="kernels") as err:
         cache.lookup(slot, platform_info(engine.device))
     assert err.value.kind == "stale"
+
+
+def test_the_fused_linear_kernels_key_only_the_packages_that_embed_them(monkeypatch):
+    """The few-row fused kernels' source is part of the key only where the layers take them: a
+    tile swept into `skinny.TILES` leaves every package built with them off valid."""
+    from boundgen.models import skinny
+
+    monkeypatch.setattr(skinny, "MAX_ROWS", 0)
+    assert "boundgen.models.skinny" not in cache_mod.embedded_kernel_modules()
+    off = platform_info("cpu")["kernels"]
+    monkeypatch.setattr(skinny, "MAX_ROWS", 64)
+    assert cache_mod.embedded_kernel_modules() == cache_mod.KERNEL_MODULES
+    assert platform_info("cpu")["kernels"] != off
 
 
 # -- libstdc++ preload guard

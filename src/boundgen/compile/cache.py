@@ -4,7 +4,8 @@ A **slot** is what the artifact computes: the model graph fingerprint (config + 
 parameter/buffer's name, shape, dtype and module type — so dtype and quantization policy are part of
 it), the quantization label, the attention backend, the bucket and the device type. The **platform**
 is what it was built with: torch version, CUDA version and GPU name/arch (or the CPU's vector ISA),
-the source of the Triton kernels a package embeds (`KERNEL_MODULES`) and this module's format.
+the source of the Triton kernels a package embeds (`embedded_kernel_modules`) and this module's
+format.
 
     <root>/manifest.json        index of every entry (rebuilt from meta.json files when damaged)
     <root>/<slot>/package.pt2   the AOTInductor package (no weights)
@@ -97,6 +98,17 @@ KERNEL_MODULES = (
 )
 
 
+def embedded_kernel_modules() -> tuple[str, ...]:
+    """`KERNEL_MODULES` that this process's packages embed: the fused few-row linear kernels only
+    where the layers take them (`skinny.MAX_ROWS` > 0), so a change to them (a tile swept into
+    `skinny.TILES`) leaves the packages built without them valid."""
+    from boundgen.models import skinny
+
+    if skinny.MAX_ROWS > 0:
+        return KERNEL_MODULES
+    return tuple(m for m in KERNEL_MODULES if m != "boundgen.models.skinny")
+
+
 def kernels_digest(modules: tuple[str, ...] = KERNEL_MODULES) -> str:
     """sha256 (16 hex digits) of the source files of `modules`, read without importing them."""
     h = hashlib.sha256()
@@ -123,7 +135,7 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         "device": dev.type,
         "machine": platform.machine(),
         "format": str(FORMAT),
-        "kernels": kernels_digest(),
+        "kernels": kernels_digest(embedded_kernel_modules()),
         "skinny_max_rows": str(skinny.MAX_ROWS),
         "residual": residual.mode(),
     }
