@@ -314,6 +314,16 @@ def test_a_forward_s_calls_share_one_counter_buffer(tile):
             assert not counts.any()
     _close(fused, plain, dtype, bf16_tol=NORM_BF16_TOL)
     assert skinny.counters(x, model.layers[0]) is None  # outside forced(): no fused kernels
+    layer = model.layers[0]
+    for name in ("qkv_proj", "o_proj"):  # FP8 attention: the MLP still takes the kernels
+        lin = getattr(layer.self_attn, name)
+        setattr(layer.self_attn, name, Fp8Linear.from_linear(lin, mode="emulate"))
+    with skinny.forced(), torch.no_grad():
+        assert skinny.counters(x, layer) is not None
+        for name in ("gate_up_proj", "down_proj"):
+            lin = getattr(layer.mlp, name)
+            setattr(layer.mlp, name, Fp8Linear.from_linear(lin, mode="emulate"))
+        assert skinny.counters(x, layer) is None  # nothing takes them
 
 
 @pytest.mark.gpu

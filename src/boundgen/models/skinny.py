@@ -458,12 +458,13 @@ def counters(x: torch.Tensor, layer: nn.Module) -> torch.Tensor | None:
     zero fill serves them all, where a buffer zeroed per call is a fill kernel per GEMM (an
     AOTInductor bucket's `torch.zeros` is an Inductor kernel). A buffer kept across forwards
     would be shared by forwards running at once on the device's streams: one per forward."""
-    linears = (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    if not applies(x, *linears, layer.self_attn.o_proj):
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if not any(applies(x, lin) for lin in linears):  # (FP8 layers keep their own path)
         return None
     # the most tiles any call may take: 16-column tiles (the narrowest a tile table may give)
     # over 16-row blocks
-    n = max(lin.weight.shape[0] for lin in linears)
+    n = max(lin.out_features for lin in linears)
     return torch.zeros(_cdiv(n, 16) * _cdiv(x.shape[0], 16), dtype=torch.int32, device=x.device)
 
 
