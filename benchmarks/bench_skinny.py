@@ -128,8 +128,9 @@ def time_parts(layers, rows: list[int], iters: int, device) -> list[dict]:
 
 
 def gemm_calls(layers, m: int, device) -> dict:
-    """Each of the layer's four GEMM kernels alone at m rows over every layer: name → (call,
-    one layer's weight, gated)."""
+    """Each of the layer's four GEMM kernels alone at m rows over every layer: name → (call
+    returning the first layer's output, what the eager layer gives there, one layer's weight,
+    gated)."""
     layer = layers[0]
     hidden = layer.input_layernorm.weight.shape[0]
     x = torch.randn(m, hidden, device=device).to(torch.bfloat16)
@@ -139,30 +140,59 @@ def gemm_calls(layers, m: int, device) -> dict:
     # the calls share one counter buffer, as a forward's do (its one zero fill: `zeros_us`)
     counts = skinny.counters(x, layer)
 
-    def qkv():
-        for la in layers:
-            lin, norm = la.self_attn.qkv_proj, la.input_layernorm
-            ops.norm_linear(x, norm.weight, norm.eps, lin.weight, lin.bias, counts)
+    def qkv(la):
+        lin, norm = la.self_attn.qkv_proj, la.input_layernorm
+        return ops.norm_linear(x, norm.weight, norm.eps, lin.weight, lin.bias, counts)
 
-    def o_proj():
-        for la in layers:
-            ops.linear_residual(o, la.self_attn.o_proj.weight, x, counts)
+    def o_proj(la):
+        return ops.linear_residual(o, la.self_attn.o_proj.weight, x, counts)
 
-    def gate_up():
-        for la in layers:
-            norm = la.post_attention_layernorm
-            ops.norm_gated(x, norm.weight, norm.eps, la.mlp.gate_up_proj.weight, counts)
+    def gate_up(la):
+        norm = la.post_attention_layernorm
+        return ops.norm_gated(x, norm.weight, norm.eps, la.mlp.gate_up_proj.weight, counts)
 
-    def down():
-        for la in layers:
-            ops.linear_residual(h, la.mlp.down_proj.weight, x, counts)
+    def down(la):
+        return ops.linear_residual(h, la.mlp.down_proj.weight, x, counts)
+
+    lin, norm, norm2 = (
+        layer.self_attn.qkv_proj,
+        layer.input_layernorm,
+        layer.post_attention_layernorm,
+    )
+    wants = {
+        "qkv": skinny.reference_norm_linear(x, norm.weight, norm.eps, lin.weight, lin.bias),
+        "o_proj": skinny.reference_linear_residual(o, layer.self_attn.o_proj.weight, x),
+        "gate_up": skinny.reference_norm_gated(
+            x, norm2.weight, norm2.eps, layer.mlp.gate_up_proj.weight
+        ),
+        "down": skinny.reference_linear_residual(h, layer.mlp.down_proj.weight, x),
+    }
+
+    def over_layers(part):
+        def call():
+            outs = [part(la) for la in layers]  # every layer in turn: the first one's checked
+            return outs[0]
+
+        return call
 
     return {
-        "qkv": (qkv, layer.self_attn.qkv_proj.weight, False),
-        "o_proj": (o_proj, layer.self_attn.o_proj.weight, False),
-        "gate_up": (gate_up, layer.mlp.gate_up_proj.weight, True),
-        "down": (down, layer.mlp.down_proj.weight, False),
+        "qkv": (over_layers(qkv), wants["qkv"], lin.weight, False),
+        "o_proj": (over_layers(o_proj), wants["o_proj"], layer.self_attn.o_proj.weight, False),
+        "gate_up": (over_layers(gate_up), wants["gate_up"], layer.mlp.gate_up_proj.weight, True),
+        "down": (over_layers(down), wants["down"], layer.mlp.down_proj.weight, False),
     }
+
+
+def rel_off(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The root-mean-square difference over the root-mean-square of the eager layer's output."""
+    diff = (got.float() - want.float()).pow(2).mean().sqrt()
+    return (diff / want.float().pow(2).mean().sqrt()).item()
+
+
+# A tile further off the eager layer is wrong, not rounded otherwise: bf16 roundings put the
+# fused kernels 0.4-1.6 % off (the tiny preset in the interpreter; SiLU·mul the most), a split's
+# partial sum left out puts a tile ~1/sqrt(splits) off (16 % at 38 splits)
+MAX_REL_OFF = 0.05
 
 
 def first_stage(k: int, n: int, m: int, block_ms: int) -> list[tuple]:
@@ -195,13 +225,16 @@ def second_stage(best: tuple, k: int) -> list[tuple]:
     return [t for t in dict.fromkeys(tiles) if t != best]
 
 
-def time_tile(fn, key, tile, iters: int, per_layer: float, weight) -> dict:
+def time_tile(fn, want, key, tile, iters: int, per_layer: float, weight) -> dict:
     skinny.TILES[key] = tile
     try:
+        off = rel_off(fn(), want)
         us = graph_us(fn, iters) * per_layer
     except Exception as exc:  # a tile that does not fit (shared memory, registers)
         return {"tile": tile, "error": str(exc)[:120]}
-    return {"tile": tile, "us": us, "TBps": nbytes(weight) / (us * 1e-6) / 1e12}
+    if not off <= MAX_REL_OFF:  # (NaN too)
+        return {"tile": tile, "error": f"{off:.3f} off the eager layer (rms)", "us_wrong": us}
+    return {"tile": tile, "us": us, "TBps": nbytes(weight) / (us * 1e-6) / 1e12, "off": off}
 
 
 def sweep(layers, m: int, iters: int, device) -> list[dict]:
@@ -210,20 +243,20 @@ def sweep(layers, m: int, iters: int, device) -> list[dict]:
     block_m = skinny.block_m_for(m)
     per_layer = 1 / len(layers)
     with torch.inference_mode():
-        for name, (fn, w, gated) in gemm_calls(layers, m, device).items():
+        for name, (fn, want, w, gated) in gemm_calls(layers, m, device).items():
             k = w.shape[1]
             n = w.shape[0] // 2 if gated else w.shape[0]
             key = (k, n, gated, block_m)
             before = skinny.TILES.pop(key, None)
             default = skinny.default_tile(k, n, gated, block_m, -(-m // block_m))
-            found = [time_tile(fn, key, default, iters, per_layer, w)]
+            found = [time_tile(fn, want, key, default, iters, per_layer, w)]
             for tile in first_stage(k, n, m, block_m):
                 if tile != default:
-                    found.append(time_tile(fn, key, tile, iters, per_layer, w))
+                    found.append(time_tile(fn, want, key, tile, iters, per_layer, w))
             ok = sorted((f for f in found if "us" in f), key=lambda f: f["us"])
             if ok:
                 for tile in second_stage(ok[0]["tile"], k):
-                    found.append(time_tile(fn, key, tile, iters, per_layer, w))
+                    found.append(time_tile(fn, want, key, tile, iters, per_layer, w))
             skinny.TILES.pop(key, None)
             if before is not None:
                 skinny.TILES[key] = before
