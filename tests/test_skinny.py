@@ -562,3 +562,21 @@ def test_the_sweep_finds_a_tile_per_gemm_and_restores_the_table(monkeypatch):
         assert r["errors"] == 0 and r["best_tile"][0] == 32 and r["best_us"] == 16.0
         assert r["key"][3] == 16 and r["tiles_timed"] >= 6 and r["default_us"] == 32.0
     assert skinny.TILES == {}
+
+
+def test_the_sweep_rejects_a_tile_off_the_eager_layer(monkeypatch):
+    """A tile whose output is off the eager layer by more than rounding (a lost partial sum)
+    is an error row, never the fastest."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import bench_skinny
+
+    monkeypatch.setattr(bench_skinny, "graph_us", lambda fn, iters: 1.0)
+    monkeypatch.setattr(skinny, "TILES", {})
+    want = torch.randn(16, 64)
+    weight = torch.zeros(64, 64)
+    rounded = want.to(torch.bfloat16).float()
+    key, tile = (64, 64, False, 16), (32, 64, 2, 4, 3)
+    ok = bench_skinny.time_tile(lambda: rounded, want, key, tile, 1, 1.0, weight)
+    assert ok["us"] == 1.0 and ok["off"] < 0.01
+    lost = bench_skinny.time_tile(lambda: want * 0.8, want, key, tile, 1, 1.0, weight)
+    assert "us" not in lost and "off the eager layer" in lost["error"]
