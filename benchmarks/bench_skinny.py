@@ -50,7 +50,7 @@ def make_layers(preset: str, count: int, device) -> list[DecoderLayer]:
     cfg = ModelConfig.from_hf(hf_config(preset))
     layers = []
     for _ in range(count):
-        layer = DecoderLayer(cfg).to(device, torch.bfloat16)
+        layer = DecoderLayer(cfg).to(device, torch.bfloat16).requires_grad_(False)
         with torch.no_grad():
             for p in layer.parameters():
                 p.normal_(1.0 if p.dim() == 1 else 0.0, 0.02)
@@ -58,9 +58,9 @@ def make_layers(preset: str, count: int, device) -> list[DecoderLayer]:
     return layers
 
 
-def part_calls(layers: list[DecoderLayer], part: str, m: int, device):
-    """A no-argument call of one part at m rows on every layer in turn, and one layer's weights
-    (what it streams)."""
+def part_call(layers: list[DecoderLayer], part: str, m: int, device):
+    """One part at m rows as a call of one layer (`one(layer)`), and one layer's weights (what
+    it streams)."""
     layer = layers[0]
     attn = layer.self_attn
     g = torch.Generator(device=device).manual_seed(m)
@@ -71,14 +71,18 @@ def part_calls(layers: list[DecoderLayer], part: str, m: int, device):
         d = attn.head_dim
         cos = torch.ones(m, 1, d // 2, device=device, dtype=torch.bfloat16)
         sin = 0 * cos
-        fn = lambda: [la.attention_input(x, cos, sin, counts=counts) for la in layers]
-        return fn, attn.qkv_proj.weight
+        return (lambda la: la.attention_input(x, cos, sin, counts=counts)), attn.qkv_proj.weight
     if part == "attention_output":
         o = torch.randn(m, attn.num_heads * attn.head_dim, device=device, generator=g)
         o = o.to(torch.bfloat16)
-        return (lambda: [la.attention_output(x, o, counts) for la in layers]), attn.o_proj.weight
+        return (lambda la: la.attention_output(x, o, counts)), attn.o_proj.weight
     weights = (layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
-    return (lambda: [la.mlp_block(x, counts) for la in layers]), weights
+    return (lambda la: la.mlp_block(x, counts)), weights
+
+
+def over(layers, one):
+    """A call of `one` on every layer in turn (as a forward calls its layers) → the outputs."""
+    return lambda: [one(la) for la in layers]
 
 
 def nbytes(weights) -> int:
@@ -103,14 +107,16 @@ def _flat(out):
 def time_parts(layers, rows: list[int], iters: int, device) -> list[dict]:
     out = []
     for m, part in itertools.product(rows, PARTS):
-        fn, weights = part_calls(layers, part, m, device)
+        one, weights = part_call(layers, part, m, device)
+        fn = over(layers, one)
         row = {"rows": m, "part": part, "weight_MB": nbytes(weights) / 1e6}
         per_layer = 1 / len(layers)
         with torch.inference_mode():
             with unfused():
                 row["eager_us"] = graph_us(fn, iters) * per_layer
-                compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-                row["inductor_us"] = graph_us(compiled, iters) * per_layer
+                # one compile for all layers (their weights are the compiled call's inputs)
+                compiled = torch.compile(one, fullgraph=True, dynamic=False)
+                row["inductor_us"] = graph_us(over(layers, compiled), iters) * per_layer
                 want = _flat(fn())
             if m <= skinny.MAX_ROWS:
                 row["fused_us"] = graph_us(fn, iters) * per_layer
