@@ -487,7 +487,8 @@ block_n, block_k, _, warps, stages = skinny.default_tile(k, n, gated, 16)
 per, split = skinny.k_split(k, block_k, split)
 const = dict(
     K=k, N=n, NORM=norm, BIAS=bias, GATED=gated, RESIDUAL=residual, BLOCK_M=16,
-    BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=split, INTERPRET=False,
+    BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=split, PRECISION="tf32",
+    INTERPRET=False,
 )
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({n: "*bf16" for n in ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "res_ptr")})
@@ -554,9 +555,9 @@ def test_the_sweep_finds_a_tile_per_gemm_and_restores_the_table(monkeypatch):
 
     monkeypatch.setattr(bench_skinny, "graph_us", fake_us)
     monkeypatch.setattr(skinny, "TILES", {})
-    layers = bench_skinny.make_layers("tiny", 2, "cpu")
+    layers = bench_skinny.make_layers("tiny", 2, DEV)
     with skinny.forced(), torch.no_grad():
-        rows = bench_skinny.sweep(layers, 16, 1, "cpu")
+        rows = bench_skinny.sweep(layers, 16, 1, DEV)
     assert [r["gemm"] for r in rows] == ["qkv", "o_proj", "gate_up", "down"]
     for r in rows:
         assert r["errors"] == 0 and r["best_tile"][0] == 32 and r["best_us"] == 16.0

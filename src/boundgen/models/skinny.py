@@ -257,6 +257,7 @@ if AVAILABLE:
         BLOCK_K: tl.constexpr,
         K_SPLIT: tl.constexpr,
         SPLIT_K: tl.constexpr,
+        PRECISION: tl.constexpr,
         INTERPRET: tl.constexpr,
     ):
         # acc is [BLOCK_N, BLOCK_M] (out transposed): the weight tile is the dot's M side, so
@@ -290,14 +291,14 @@ if AVAILABLE:
             if INTERPRET:  # the CPU interpreter's bf16 dot is wrong: its inputs as float32
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
-            acc = tl.dot(w, tl.trans(a), acc)
+            acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
             if GATED:
                 w_up = tl.load(
                     w_ptr + (N + cols)[:, None] * K + ks[None, :], mask=w_mask, other=0.0
                 )
                 if INTERPRET:
                     w_up = w_up.to(tl.float32)
-                acc_up = tl.dot(w_up, tl.trans(a), acc_up)
+                acc_up = tl.dot(w_up, tl.trans(a), acc_up, input_precision=PRECISION)
         if SPLIT_K == 1:
             _finish(
                 acc, acc_up, ss, rows, row_mask, cols, col_mask, out_ptr, bias_ptr, res_ptr,
@@ -408,6 +409,9 @@ if AVAILABLE:
             BLOCK_K=block_k,
             K_SPLIT=per,
             SPLIT_K=split,
+            # float32 (the tests; the engine takes the kernels in bf16/fp16 only): float32's own
+            # products, not TF32's, which Triton's dot defaults to
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             INTERPRET=not x.is_cuda,
             num_warps=warps,
             num_stages=stages,
