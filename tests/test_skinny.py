@@ -312,8 +312,14 @@ def test_a_forward_s_calls_share_one_counter_buffer(tile):
             for layer in model.layers:
                 layer.mlp_block(layer.attention_output(x, x, counts), counts)
             assert not counts.any()
-    _close(fused, plain, dtype, bf16_tol=NORM_BF16_TOL)
-    assert skinny.counters(x, model.layers[0]) is None  # outside forced(): no fused kernels
+    if dtype == torch.float32:
+        _close(fused, plain, dtype)
+    else:  # bf16 through three layers: ~1 % rms apart (the interpreter in bf16: 1.0 %); a
+        # partial sum lost in a split of 3 would be tens of %
+        rms = lambda t: t.float().pow(2).mean().sqrt()
+        assert rms(fused.float() - plain.float()) / rms(plain) < 0.03
+    # outside no_grad (and forced() on the CPU) the weights that want grads keep the plain ops
+    assert skinny.counters(x, model.layers[0]) is None
     layer = model.layers[0]
     for name in ("qkv_proj", "o_proj"):  # FP8 attention: the MLP still takes the kernels
         lin = getattr(layer.self_attn, name)
