@@ -10,10 +10,11 @@ Random bf16 decoder layers of the preset's shape (Qwen2.5-0.5B: hidden 896, inte
 qkv 1,152 wide), `--layers` of them called in turn, as a forward calls its layers: one layer's
 ~30 MB of weights would stay in the H200's 60 MB L2 across replays and time a read no forward
 makes. Per row count M (a beam step's B·W rows, a W3 prompt's 64 tokens) and per part —
-`attention_input`'s norm + qkv (RoPE excluded: it stays in Inductor), `attention_output`'s o_proj
-+ residual, `mlp_block`'s norm + gate_up + SiLU·mul + down + residual — the device µs of one
-layer's call, replayed from a CUDA graph (`common.graph_us`), and the weights' bytes over that
-time (the parts stream their weights: the bandwidth says how far from the floor a part is).
+`attention_input`'s norm + qkv + the q/k rotation (fused: in the kernel's epilogue),
+`attention_output`'s o_proj + residual, `mlp_block`'s norm + gate_up + SiLU·mul + down +
+residual — the device µs of one layer's call, replayed from a CUDA graph (`common.graph_us`), and
+the weights' bytes over that time (the parts stream their weights: the bandwidth says how far
+from the floor a part is).
 
 `--sweep` times tiles per GEMM at `--sweep-rows`: first every column width × split of K (the
 programs a call runs) at BLOCK_K 128, 4 warps, 3 stages; then BLOCK_K, warps and stages around
@@ -40,6 +41,7 @@ from boundgen.checkpoints import hf_config
 from boundgen.config import ModelConfig
 from boundgen.models import skinny
 from boundgen.models.decoder import DecoderLayer
+from boundgen.models.layers import apply_rope
 
 PARTS = ("attention_input", "attention_output", "mlp_block")
 # The sweep's first stage: programs a call runs (column tiles × splits of K) near these counts
@@ -134,9 +136,9 @@ def time_parts(layers, rows: list[int], iters: int, device) -> list[dict]:
 
 
 def gemm_calls(layers, m: int, device) -> dict:
-    """Each of the layer's four GEMM kernels alone at m rows over every layer: name → (call
-    returning the first layer's output, what the eager layer gives there, one layer's weight,
-    gated)."""
+    """Each of the layer's four GEMM kernels alone at m rows over every layer (qkv with its q
+    and k rotated, as the layer calls it): name → (call returning the first layer's output,
+    what the eager layer gives there, one layer's weight, gated)."""
     layer = layers[0]
     hidden = layer.input_layernorm.weight.shape[0]
     x = torch.randn(m, hidden, device=device).to(torch.bfloat16)
@@ -145,10 +147,17 @@ def gemm_calls(layers, m: int, device) -> dict:
     ops = torch.ops.boundgen
     # the calls share one counter buffer, as a forward's do (its one zero fill: `zeros_us`)
     counts = skinny.counters(x, layer)
+    # qkv as the layer calls it: q and k rotated in the epilogue
+    attn = layer.self_attn
+    angle = torch.rand(m, attn.head_dim // 2, device=device) * 6.3
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    rotated = attn.rotated_columns
 
     def qkv(la):
         lin, norm = la.self_attn.qkv_proj, la.input_layernorm
-        return ops.norm_linear(x, norm.weight, norm.eps, lin.weight, lin.bias, counts)
+        return ops.norm_linear(
+            x, norm.weight, norm.eps, lin.weight, lin.bias, counts, cos, sin, rotated
+        )
 
     def o_proj(la):
         return ops.linear_residual(o, la.self_attn.o_proj.weight, x, counts)
@@ -165,8 +174,11 @@ def gemm_calls(layers, m: int, device) -> dict:
         layer.input_layernorm,
         layer.post_attention_layernorm,
     )
+    plain = skinny.reference_norm_linear(x, norm.weight, norm.eps, lin.weight, lin.bias)
+    qk = plain[:, :rotated].float().view(m, -1, attn.head_dim)
+    qk = apply_rope(qk, cos.float()[:, None], sin.float()[:, None]).reshape(m, -1)
     wants = {
-        "qkv": skinny.reference_norm_linear(x, norm.weight, norm.eps, lin.weight, lin.bias),
+        "qkv": torch.cat([qk.to(plain.dtype), plain[:, rotated:]], 1),
         "o_proj": skinny.reference_linear_residual(o, layer.self_attn.o_proj.weight, x),
         "gate_up": skinny.reference_norm_gated(
             x, norm2.weight, norm2.eps, layer.mlp.gate_up_proj.weight

@@ -91,6 +91,39 @@ def test_linear_residual_adds_the_residual(m, k, n, dtype):
     _close(got, skinny.reference_linear_residual(x, w, res), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "tile"), [(5, (64, 32, 1)), (16, (32, 16, 3)), (70, (16, 32, 2))])
+def test_norm_linear_rotates_the_q_and_k_heads(m, tile, dtype, monkeypatch):
+    """With cos and sin, `norm_linear` gives the normed qkv with its first `rotate_cols` columns
+    (4 q heads and 2 k heads of 16) rotated head by head, as `apply_rope` rotates them, and the
+    v columns as they are: for tiles of 2 and 1 whole heads (a 64-column tile narrowed to two: 4
+    would straddle the rotated and the plain columns) and a split K."""
+    from boundgen.models.layers import apply_rope
+
+    block_n, block_k, split = tile
+    monkeypatch.setattr(skinny, "tile_for", lambda *a: (block_n, block_k, split, 4, 2))
+    k, d, heads, kv = 80, 16, 6, 2
+    n = (heads + kv) * d
+    g = torch.Generator().manual_seed(m)
+    x = _randn(g, m, k, scale=3.0, dtype=dtype)
+    norm = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEV)
+    w, bias = _randn(g, n, k, scale=k**-0.5, dtype=dtype), _randn(g, n, dtype=dtype)
+    angle = torch.rand(m, 1, d // 2, generator=g) * 6.3
+    cos, sin = angle.cos().to(dtype).to(DEV), angle.sin().to(dtype).to(DEV)
+    with skinny.forced():
+        got = torch.ops.boundgen.norm_linear(
+            x, norm, 1e-6, w, bias, None, cos.view(m, -1), sin.view(m, -1), heads * d
+        )
+    qkv = skinny.reference_norm_linear(x, norm, 1e-6, w, bias)
+    qk = apply_rope(qkv[:, : heads * d].float().view(m, heads, d), cos.float(), sin.float())
+    want = torch.cat([qk.reshape(m, -1).to(dtype), qkv[:, heads * d :]], 1)
+    _close(got, want, dtype, bf16_tol=NORM_BF16_TOL)
+    # whole heads a tile, tiling the rotated columns (6 heads: 4 a tile would straddle)
+    assert [skinny.rope_block_n(b, d, heads * d) for b in (64, 32, 16)] == [32, 32, 16]
+    assert skinny.rope_block_n(128, 64, 16 * 64) == 128  # Qwen2.5-0.5B: 14 + 2 heads of 64
+    assert skinny.rope_block_n(32, 128, 24 * 128) == 128  # Qwen3-0.6B: 16 + 8 heads of 128
+
+
 # (BLOCK_N, BLOCK_K, SPLIT_K): K = 80 in 16- or 32-wide steps split 2, 3 or 5 ways (a split of
 # 3 × 32 covers 96: its last steps are masked), N = 48 in 32-column tiles (the last half masked)
 SPLITS = [(32, 16, 2), (32, 32, 3), (16, 16, 5), (64, 16, 1)]
@@ -485,19 +518,21 @@ def test_the_layer_traces_with_symbolic_rows():
 HOPPER = """
 from boundgen.models import skinny
 
-norm, bias, gated, residual = (a == "1" for a in sys.argv[1:5])
-eps_type, split = sys.argv[5], int(sys.argv[6])
+norm, bias, gated, residual, rope = (a == "1" for a in sys.argv[1:6])
+eps_type, split = sys.argv[6], int(sys.argv[7])
 fn = skinny._skinny_kernel
 k, n = (4864, 896) if residual else (896, 4864 if gated else 1152)
 block_n, block_k, _, warps, stages = skinny.default_tile(k, n, gated, 16)
 per, split = skinny.k_split(k, block_k, split)
+rot_cols, head_d = (1024, 64) if rope else (0, 0)  # Qwen2.5-0.5B: 14 + 2 heads rotated
 const = dict(
-    K=k, N=n, NORM=norm, BIAS=bias, GATED=gated, RESIDUAL=residual, BLOCK_M=16,
-    BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=split, PRECISION="tf32",
-    INTERPRET=False,
+    K=k, N=n, NORM=norm, BIAS=bias, GATED=gated, RESIDUAL=residual, ROT_COLS=rot_cols,
+    HEAD_D=head_d, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=split,
+    PRECISION="tf32", INTERPRET=False,
 )
 sig = {n: "i32" for n in fn.arg_names}
-sig.update({n: "*bf16" for n in ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "res_ptr")})
+pointers = ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "res_ptr", "cos_ptr", "sin_ptr")
+sig.update({n: "*bf16" for n in pointers})
 sig.update(part_ptr="*fp32", count_ptr="*i32")
 sig["eps"] = eps_type
 if eps_type == "constexpr":  # how torch 2.11's mutation analysis hands scalars over
@@ -508,23 +543,24 @@ aligned = [n for n in fn.arg_names if sig[n].startswith("*")]
 
 
 @pytest.mark.parametrize(
-    ("norm", "bias", "gated", "residual", "eps_type", "split"),
+    ("norm", "bias", "gated", "residual", "rope", "eps_type", "split"),
     [
-        ("1", "1", "0", "0", "fp32", "1"),  # norm + qkv, K whole
-        ("1", "1", "0", "0", "fp32", "7"),  # norm + qkv, K split
-        ("1", "0", "1", "0", "fp32", "3"),  # norm + gate_up + SiLU·mul
-        ("0", "0", "0", "1", "fp32", "13"),  # down + residual
-        ("0", "0", "0", "1", "fp32", "1"),
-        ("1", "1", "0", "0", "fp64", "7"),  # Inductor's launcher types the float fp64
-        ("1", "0", "1", "0", "constexpr", "3"),  # torch 2.11's mutation analysis: a constexpr
+        ("1", "1", "0", "0", "0", "fp32", "1"),  # norm + qkv, K whole
+        ("1", "1", "0", "0", "0", "fp32", "7"),  # norm + qkv, K split
+        ("1", "1", "0", "0", "1", "fp32", "7"),  # norm + qkv + the q/k rotation
+        ("1", "0", "1", "0", "0", "fp32", "3"),  # norm + gate_up + SiLU·mul
+        ("0", "0", "0", "1", "0", "fp32", "13"),  # down + residual
+        ("0", "0", "0", "1", "0", "fp32", "1"),
+        ("1", "1", "0", "0", "1", "fp64", "7"),  # Inductor's launcher types the float fp64
+        ("1", "0", "1", "0", "0", "constexpr", "3"),  # torch 2.11's mutation analysis
     ],
 )
-def test_kernel_compiles_for_hopper(norm, bias, gated, residual, eps_type, split):
+def test_kernel_compiles_for_hopper(norm, bias, gated, residual, rope, eps_type, split):
     """The interpreter runs the kernel as Python; this compiles each variant for sm_90 (Triton's
     bundled ptxas, no GPU), so what only the compiler checks (types carried through the K loop
-    and into the last program's sum, the atomic count, the eps as fp64 or a constexpr) fails
-    here too."""
-    compile_in_child(HOPPER, norm, bias, gated, residual, eps_type, split)
+    and into the last program's sum, the atomic count, the rotation's reshapes, the eps as fp64
+    or a constexpr) fails here too."""
+    compile_in_child(HOPPER, norm, bias, gated, residual, rope, eps_type, split)
 
 
 def test_the_sweep_times_distinct_tiles_that_cover_k():

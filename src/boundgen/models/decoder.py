@@ -74,8 +74,7 @@ class Attention(nn.Module):
         (`cascade.grouped_rows_attention`: a reshape, no copy)."""
         t = qkv.shape[0]
         kv_size = self.num_kv_heads * self.head_dim
-        together = QK_ROTATION in ("together", "attention")
-        if rotate and together and self.q_norm is None and not grouped:
+        if rotate and self.rotates_together(grouped):
             heads = self.num_heads + self.num_kv_heads
             qk = apply_rope(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -92,6 +91,15 @@ class Attention(nn.Module):
             q = by_kv_head(q, self.num_heads // self.num_kv_heads)
             return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), apply_rope(k, cos, sin), v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def rotates_together(self, grouped: bool) -> bool:
+        """Whether q and k are rotated as one run of heads, the qkv projection's first
+        `rotated_columns` columns (`QK_ROTATION`)."""
+        return QK_ROTATION in ("together", "attention") and self.q_norm is None and not grouped
+
+    @property
+    def rotated_columns(self) -> int:
+        return (self.num_heads + self.num_kv_heads) * self.head_dim
 
     def attend(
         self, q, k, v, attn: AttnInputs, kv, layer: int, backend: AttentionBackend, rope=None
@@ -131,14 +139,26 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] → q, k, v of the normed x (`Attention.heads`, q `grouped` or not, q and
         k rotated unless `rotate` is False)."""
-        norm, proj = self.input_layernorm, self.self_attn.qkv_proj
+        norm, attn, proj = self.input_layernorm, self.self_attn, self.self_attn.qkv_proj
         if skinny.applies(x, proj):
+            # the kernel rotates q and k as it stores them (its epilogue): no rotation kernel
+            fused = rotate and attn.rotates_together(grouped)
+            t = x.shape[0]
             qkv = torch.ops.boundgen.norm_linear(
-                x, norm.weight, norm.eps, proj.weight, proj.bias, counts
+                x,
+                norm.weight,
+                norm.eps,
+                proj.weight,
+                proj.bias,
+                counts,
+                cos.reshape(t, -1) if fused else None,
+                sin.reshape(t, -1) if fused else None,
+                attn.rotated_columns if fused else 0,
             )
+            rotate = rotate and not fused
         else:
             qkv = proj(norm(x))
-        return self.self_attn.heads(qkv, cos, sin, grouped, rotate)
+        return attn.heads(qkv, cos, sin, grouped, rotate)
 
     def attention_output(self, x, o, counts=None) -> torch.Tensor:
         """x + o_proj(o): o [T, Hq·D] → [T, hidden]."""

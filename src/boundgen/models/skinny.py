@@ -179,7 +179,41 @@ def k_split(k: int, block_k: int, split: int) -> tuple[int, int]:
     return per, _cdiv(k, per)
 
 
+def rope_block_n(block_n: int, head_d: int, rotate_cols: int) -> int:
+    """A tile's columns for a rotating call: whole heads (a power of two of them, at least one)
+    that tile the rotated columns exactly, so no tile holds rotated and plain columns."""
+    heads = max(1, block_n // head_d)
+    while (rotate_cols // head_d) % heads:
+        heads //= 2
+    return heads * head_d
+
+
 if AVAILABLE:
+
+    @triton.jit
+    def _rotate(
+        y,
+        rows,
+        row_mask,
+        cos_ptr,
+        sin_ptr,
+        stride_rope,
+        dtype: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        HEAD_D: tl.constexpr,
+    ):
+        """A tile of whole heads [BLOCK_N, BLOCK_M] rotated (HF's rotate-half: d pairs with
+        d + D/2) by the rows' cos and sin ([T, D/2] each, rows `stride_rope` apart), in float32
+        and rounded once, as Inductor's compiled rotation is."""
+        half = tl.reshape(y.to(tl.float32), (BLOCK_N // HEAD_D, 2, HEAD_D // 2, BLOCK_M))
+        x1, x2 = tl.split(tl.permute(half, (0, 2, 3, 1)))  # each [heads, D/2, BLOCK_M]
+        d = tl.arange(0, HEAD_D // 2)
+        at = rows[None, :] * stride_rope + d[:, None]
+        cos = tl.load(cos_ptr + at, mask=row_mask[None, :], other=0.0).to(tl.float32)[None, :, :]
+        sin = tl.load(sin_ptr + at, mask=row_mask[None, :], other=0.0).to(tl.float32)[None, :, :]
+        out = tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin)  # [heads, D/2, BLOCK_M, 2]
+        return tl.reshape(tl.permute(out, (0, 3, 1, 2)), (BLOCK_N, BLOCK_M)).to(dtype)
 
     @triton.jit
     def _finish(
@@ -193,8 +227,12 @@ if AVAILABLE:
         out_ptr,
         bias_ptr,
         res_ptr,
+        cos_ptr,
+        sin_ptr,
         stride_out,
         stride_res,
+        stride_rope,
+        col0,
         eps,
         dtype: tl.constexpr,
         K: tl.constexpr,
@@ -202,10 +240,15 @@ if AVAILABLE:
         BIAS: tl.constexpr,
         GATED: tl.constexpr,
         RESIDUAL: tl.constexpr,
+        ROT_COLS: tl.constexpr,
+        HEAD_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
         INTERPRET: tl.constexpr,
     ):
-        """The epilogue of a tile whose K is summed: the norm's row scale, bias, SiLU·mul,
-        residual, then the store (acc [BLOCK_N, BLOCK_M]: the output transposed)."""
+        """The epilogue of a tile whose K is summed: the norm's row scale, bias, the q/k rotation
+        (tiles of the first `ROT_COLS` columns), SiLU·mul, residual, then the store (acc
+        [BLOCK_N, BLOCK_M]: the output transposed; `col0` its first column)."""
         if NORM:
             # Inductor launches a user kernel with a Python float typed fp64 (attention/segments.py)
             if not INTERPRET:  # (the interpreter hands scalars over as Python floats)
@@ -220,6 +263,12 @@ if AVAILABLE:
             b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             acc = acc + b[:, None]
         y = acc.to(dtype)
+        if ROT_COLS > 0:
+            if col0 < ROT_COLS:  # (whole heads a tile: the launcher's BLOCK_N)
+                y = _rotate(
+                    y, rows, row_mask, cos_ptr, sin_ptr, stride_rope, dtype, BLOCK_N, BLOCK_M,
+                    HEAD_D,
+                )  # fmt: skip
         if GATED:
             # eager's roundings: gate_up's output, then SiLU, then the product
             gate = y.to(tl.float32)
@@ -239,12 +288,15 @@ if AVAILABLE:
         bias_ptr,
         norm_ptr,
         res_ptr,
+        cos_ptr,
+        sin_ptr,
         part_ptr,
         count_ptr,
         M,
         stride_x,
         stride_out,
         stride_res,
+        stride_rope,
         eps,
         K: tl.constexpr,
         N: tl.constexpr,
@@ -252,6 +304,8 @@ if AVAILABLE:
         BIAS: tl.constexpr,
         GATED: tl.constexpr,
         RESIDUAL: tl.constexpr,
+        ROT_COLS: tl.constexpr,
+        HEAD_D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -302,7 +356,9 @@ if AVAILABLE:
         if SPLIT_K == 1:
             _finish(
                 acc, acc_up, ss, rows, row_mask, cols, col_mask, out_ptr, bias_ptr, res_ptr,
-                stride_out, stride_res, eps, dtype, K, NORM, BIAS, GATED, RESIDUAL, INTERPRET,
+                cos_ptr, sin_ptr, stride_out, stride_res, stride_rope, pid_n * BLOCK_N, eps,
+                dtype, K, NORM, BIAS, GATED, RESIDUAL, ROT_COLS, HEAD_D, BLOCK_N, BLOCK_M,
+                INTERPRET,
             )  # fmt: skip
         else:
             # Split K: each program leaves its partial sums in `part_ptr` and counts itself in on
@@ -342,14 +398,27 @@ if AVAILABLE:
                         )
                 _finish(
                     acc, acc_up, ss, rows, row_mask, cols, col_mask, out_ptr, bias_ptr, res_ptr,
-                    stride_out, stride_res, eps, dtype, K, NORM, BIAS, GATED, RESIDUAL, INTERPRET,
+                    cos_ptr, sin_ptr, stride_out, stride_res, stride_rope, pid_n * BLOCK_N, eps,
+                    dtype, K, NORM, BIAS, GATED, RESIDUAL, ROT_COLS, HEAD_D, BLOCK_N, BLOCK_M,
+                    INTERPRET,
                 )  # fmt: skip
                 # the counter back to zero: the next call on this stream may take the same
                 # buffer (a forward's calls share one, `counters`)
                 tl.store(count_ptr + tile, 0)
 
     def _launch(
-        x, weight, *, bias=None, norm=None, eps=0.0, residual=None, gated=False, counts=None
+        x,
+        weight,
+        *,
+        bias=None,
+        norm=None,
+        eps=0.0,
+        residual=None,
+        gated=False,
+        counts=None,
+        cos=None,
+        sin=None,
+        rotate_cols=0,
     ):
         # the kernel takes rows by their stride and everything else packed
         x = x if x.stride(-1) == 1 else x.contiguous()
@@ -370,6 +439,13 @@ if AVAILABLE:
         m_tiles = _cdiv(m, block_m) if isinstance(m, int) else 1
         block_n, block_k, split, warps, stages = tile_for(k, n, gated, block_m, m_tiles)
         block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+        head_d = 0
+        if cos is not None:  # cos, sin [M, D/2]: read by one row stride
+            if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+                cos, sin = cos.contiguous(), sin.contiguous()
+            torch._check(cos.shape[0] == m and sin.shape == cos.shape)
+            head_d = 2 * cos.shape[1]
+            block_n = rope_block_n(block_n, head_d, rotate_cols)
         per, split = k_split(k, block_k, split)
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
         if split > 1:
@@ -391,12 +467,15 @@ if AVAILABLE:
             bias if bias is not None else weight,
             norm if norm is not None else weight,
             residual if residual is not None else out,
+            cos if cos is not None else out,
+            sin if sin is not None else out,
             parts,
             counts,
             m,
             x.stride(0),
             out.stride(0),
             residual.stride(0) if residual is not None else 0,
+            cos.stride(0) if cos is not None else 0,
             eps,
             K=k,
             N=n,
@@ -404,6 +483,8 @@ if AVAILABLE:
             BIAS=bias is not None,
             GATED=gated,
             RESIDUAL=residual is not None,
+            ROT_COLS=rotate_cols if cos is not None else 0,
+            HEAD_D=head_d,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
@@ -428,9 +509,24 @@ if AVAILABLE:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         counts: torch.Tensor | None = None,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+        rotate_cols: int = 0,
     ) -> torch.Tensor:
-        """RMSNorm(x; norm, eps) @ weight.T (+ bias): x [M, K] → [M, N]."""
-        return _launch(x, weight, bias=bias, norm=norm, eps=eps, counts=counts)
+        """RMSNorm(x; norm, eps) @ weight.T (+ bias): x [M, K] → [M, N]; with `cos` and `sin`
+        ([M, D/2] each) its first `rotate_cols` columns (the q and k heads of a qkv projection)
+        rotated by them, head by head (HF's rotate-half)."""
+        return _launch(
+            x,
+            weight,
+            bias=bias,
+            norm=norm,
+            eps=eps,
+            counts=counts,
+            cos=cos,
+            sin=sin,
+            rotate_cols=rotate_cols,
+        )
 
     @triton_op("boundgen::norm_gated", mutates_args={"counts"})
     def norm_gated(
