@@ -8,7 +8,8 @@ else is launch latency and ~1.6 µs gaps between kernels inside a CUDA graph (BE
 2026-12-01: a W4 search is 1,825 kernels, 2.9 ms of its 8.4 ms idle between them). Here each
 linear layer takes its neighbours into one kernel:
 
-    norm_linear      y = RMSNorm(x) @ W.T (+ bias)                (input norm + qkv)
+    norm_linear      y = RMSNorm(x) @ W.T (+ bias), its q and k    (input norm + qkv + RoPE)
+                     heads rotated
     norm_gated       y = SiLU(g) · u, [g | u] = RMSNorm(x) @ W.T  (post-attention norm + gate_up
                                                                    + SiLU·mul)
     linear_residual  y = r + x @ W.T                              (o_proj, down + residual)
@@ -34,7 +35,9 @@ norm's rows read twice) lost to cuBLAS + Inductor on the H200 at every shape (BE
 Numerics: the reduction in float32; x · norm rounded to the activation dtype before the product
 (eager rounds x / rms, then its product with the norm); then eager's roundings in eager's order
 (gate_up's output rounded before SiLU, SiLU before the product; the GEMM output before the
-residual add). The fused layer differs from the eager one by a unit in the last place or two.
+residual add); the q/k rotation in float32 from the rounded qkv, rounded once, as Inductor's
+compiled rotation does (tiles of whole heads: `rope_block_n`). The fused layer differs from the
+eager one by a unit in the last place or two.
 
 The ops are `torch.library.triton_op`s: torch.compile and torch.export + AOTInductor trace into
 the kernels, and the same code runs eagerly. Without CUDA they run in Triton's CPU interpreter
