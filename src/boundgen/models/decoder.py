@@ -24,16 +24,18 @@ from boundgen.settings import env_choice
 
 # How q and k are rotated. "together" (the default): one rotation over the q and k heads of the
 # qkv projection's view, then q and k are views of its output (attention kernels take head
-# strides), so Inductor compiles one kernel a layer. "apart" (`BOUNDGEN_QK_ROTATION=apart`): one
-# rotation each, two kernels a layer. On the H200 (W3's package, BENCHMARKS.md twenty-second
-# session) together took 24 kernels and ~30 µs of GPU time off a call. "attention": where the
-# attention backend can rotate as it loads q and k (`takes_rope`: the `segments` kernel) a prompt
-# forward hands them over unrotated, with no rotation kernel at all; elsewhere (beam steps, other
-# backends) as "together". Off: in W3 on the H200 the kernel grew by more than the rotation kernel
-# it saves (BENCHMARKS.md, twenty-third session; W2 to measure). Same arithmetic per element for
-# apart and together; "attention" rounds the rotated q and k once from float32, as Inductor's
-# compiled rotation does. Models with q/k norms (Qwen3) and the grouped query layout rotate apart
-# in the first two modes. Part of the compiled artifacts' platform key when not "apart".
+# strides), so Inductor compiles one kernel a layer (none where the fused few-row kernels take
+# the layer: the qkv kernel rotates them, `models/skinny.py`). "apart"
+# (`BOUNDGEN_QK_ROTATION=apart`): one rotation each, two kernels a layer. On the H200 (W3's
+# package, BENCHMARKS.md twenty-second session) together took 24 kernels and ~30 µs of GPU time
+# off a call. "attention": where the attention backend can rotate as it loads q and k
+# (`takes_rope`: the `segments` kernel) a prompt forward hands them over unrotated, with no
+# rotation kernel at all; elsewhere (beam steps, other backends) as "together". Off: in W3 on
+# the H200 the kernel grew by more than the rotation kernel it saves (BENCHMARKS.md,
+# twenty-third session; W2 to measure). Same arithmetic per element for apart and together;
+# "attention" rounds the rotated q and k once from float32, as Inductor's compiled rotation does.
+# Models with q/k norms (Qwen3) and the grouped query layout rotate apart in the first two modes.
+# Part of the compiled artifacts' platform key when not "apart".
 QK_ROTATIONS = ("apart", "together", "attention")
 QK_ROTATION = env_choice(
     "BOUNDGEN_QK_ROTATION", os.environ.get("BOUNDGEN_QK_ROTATION", "together"), QK_ROTATIONS
@@ -128,8 +130,9 @@ class DecoderLayer(nn.Module):
     # The layer's three parts around attention, which the engine's forward and the beam layers
     # (compile/decode.py) share. With few rows and the fused kernels on (`skinny.applies`; off by
     # default until they beat cuBLAS + Inductor on the H200) each is one Triton kernel (norm +
-    # GEMM, GEMM + residual, norm + GEMM + SiLU·mul, GEMM + residual), since a decode step or a
-    # short prompt is bound by its kernels' count, not by FLOPs (models/skinny.py).
+    # GEMM + the q/k rotation, GEMM + residual, norm + GEMM + SiLU·mul, GEMM + residual), since a
+    # decode step or a short prompt is bound by its kernels' count, not by FLOPs
+    # (models/skinny.py).
 
     # `counts`: the forward's counters for the fused kernels' K splits (`skinny.counters`; None:
     # each call zeroes its own)
