@@ -118,6 +118,10 @@ def test_norm_linear_rotates_the_q_and_k_heads(m, tile, dtype, monkeypatch):
     qk = apply_rope(qkv[:, : heads * d].float().view(m, heads, d), cos.float(), sin.float())
     want = torch.cat([qk.reshape(m, -1).to(dtype), qkv[:, heads * d :]], 1)
     _close(got, want, dtype, bf16_tol=NORM_BF16_TOL)
+    with skinny.forced(), pytest.raises(ValueError, match="whole heads"):
+        torch.ops.boundgen.norm_linear(
+            x, norm, 1e-6, w, bias, None, cos.view(m, -1), sin.view(m, -1), heads * d + 8
+        )
     # whole heads a tile, tiling the rotated columns (6 heads: 4 a tile would straddle)
     assert [skinny.rope_block_n(b, d, heads * d) for b in (64, 32, 16)] == [32, 32, 16]
     assert skinny.rope_block_n(128, 64, 16 * 64) == 128  # Qwen2.5-0.5B: 14 + 2 heads of 64

@@ -446,8 +446,14 @@ if AVAILABLE:
         if cos is not None:  # cos, sin [M, D/2]: read by one row stride
             if cos.stride() != sin.stride() or cos.stride(-1) != 1:
                 cos, sin = cos.contiguous(), sin.contiguous()
-            torch._check(cos.shape[0] == m and sin.shape == cos.shape)
+            torch._check(cos.shape[0] == m)
+            torch._check(sin.shape[0] == m)
             head_d = 2 * cos.shape[1]
+            if sin.shape[1] != cos.shape[1] or rotate_cols % head_d or not 0 < rotate_cols <= n:
+                raise ValueError(
+                    f"norm_linear: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be "
+                    f"[M, D/2] and rotate_cols ({rotate_cols}) whole heads of D within {n}"
+                )
             block_n = rope_block_n(block_n, head_d, rotate_cols)
         per, split = k_split(k, block_k, split)
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
