@@ -47,6 +47,7 @@ from boundgen import Engine, Trie
 from boundgen.checkpoints import ensure_model
 from boundgen.compile.decode import SearchGraphs, plain_session
 from boundgen.logsumexp import row_logsumexp
+from boundgen.models import skinny
 from boundgen.search import search
 
 
@@ -122,12 +123,16 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     kids = trie.with_softmax("children")
     w, s = args.width, args.steps
     variants = {"graph": SearchGraphs(model, dev, model.backend)}
+    rows_of = {}  # a variant's `skinny.MAX_ROWS` while it runs (captures its graphs)
     if args.head_compile:
         from boundgen.compile.aoti import export_attention
 
-        variants["graph+compile"] = SearchGraphs(
-            model, dev, export_attention(model, dev), compile_layers=True
-        )
+        backend = export_attention(model, dev)
+        variants["graph+compile"] = SearchGraphs(model, dev, backend, compile_layers=True)
+        if args.skinny_rows:  # the same with the few-row fused linear kernels, one process
+            name = f"graph+compile+skinny{args.skinny_rows}"
+            variants[name] = SearchGraphs(model, dev, backend, compile_layers=True)
+            rows_of[name] = args.skinny_rows
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
     out = {}
     g = torch.Generator().manual_seed(11)
@@ -171,10 +176,13 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                         )
                     entry.update(kernels(lambda: ungraphed.run(prompts, w, s, t_, eos), dev))
                     for vname, sg in variants.items():
-                        call = lambda sg=sg: sg.run(prompts, w, s, t_, eos)
+                        rows_ = rows_of.get(vname, skinny.MAX_ROWS)
+                        call = lambda sg=sg, r=rows_: with_skinny_rows(
+                            r, lambda: sg.run(prompts, w, s, t_, eos)
+                        )
                         got = call()
                         tm = common.timed(call, dev, warmup=2, iters=args.iters)
-                        if dev.type == "cuda" and vname == "graph+compile":
+                        if dev.type == "cuda" and vname.startswith("graph+compile"):
                             # one whole-search replay profiled: GPU busy, idle, the top kernels
                             tm["profile"] = common.kernel_table(call, top=15)
                         tm["invalid_ids"] = sum(
@@ -215,6 +223,16 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                 entry["error"] = f"{type(exc).__name__}: {exc}"[:1000]
                 traceback.print_exc()
     return out
+
+
+def with_skinny_rows(rows: int, fn):
+    """`fn()` with the fused few-row kernels taking up to `rows` rows (`skinny.MAX_ROWS`: read
+    when a search's layers compile and its graph is captured; a replay runs what was captured)."""
+    before, skinny.MAX_ROWS = skinny.MAX_ROWS, rows
+    try:
+        return fn()
+    finally:
+        skinny.MAX_ROWS = before
 
 
 def _finish_or_exit(what: str, timeout_s: float) -> None:
@@ -349,6 +367,13 @@ def main() -> int:
     ap.add_argument("--heads", action="store_true", help="also the trie heads section")
     ap.add_argument("--heads-only", action="store_true", help="only the trie heads section")
     ap.add_argument("--head-compile", action="store_true", help="heads: also compiled layers")
+    ap.add_argument(
+        "--skinny-rows",
+        type=int,
+        default=0,
+        help="heads with --head-compile: also the compiled search with the few-row fused "
+        "kernels up to this many rows (`skinny.MAX_ROWS`; BOUNDGEN_SKINNY_TILES' tiles)",
+    )
     ap.add_argument("--overlap", action="store_true", help="also two searches at once (CUDA)")
     ap.add_argument("--overlap-only", action="store_true", help="only two searches at once")
     ap.add_argument("--overlap-iters", type=int, default=20, help="overlap: searches per instance")
