@@ -19,7 +19,7 @@ from the floor a part is).
 `--sweep` times tiles per GEMM at `--sweep-rows`: first every column width × split of K (the
 programs a call runs) at BLOCK_K 128, 4 warps, 3 stages; then BLOCK_K, warps and stages around
 the best of those. The fastest per (K, N, gated, BLOCK_M) go to `--tiles-out` (the format
-`skinny.load_tiles` reads) and belong in `skinny.TILES` once they win in the engine.
+`skinny_tiles.load_tiles` reads) and belong in `skinny_tiles.TILES` once they win in the engine.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from common import env_info, graph_us, print_table, write_json
 
 from boundgen.checkpoints import hf_config
 from boundgen.config import ModelConfig
-from boundgen.models import skinny
+from boundgen.models import skinny, skinny_tiles
 from boundgen.models.decoder import DecoderLayer
 from boundgen.models.layers import apply_rope
 
@@ -224,7 +224,7 @@ def first_stage(k: int, n: int, m: int, block_ms: int) -> list[tuple]:
         splits = set()
         for target in PROGRAM_TARGETS:
             want = max(1, round(target / column_tiles)) if target else 1
-            splits.add(skinny.k_split(k, block_k, want)[1])
+            splits.add(skinny_tiles.k_split(k, block_k, want)[1])
         tiles += [(block_n, block_k, s, 4, 3) for s in sorted(splits)]
     return tiles
 
@@ -233,7 +233,7 @@ def second_stage(best: tuple, k: int) -> list[tuple]:
     """BLOCK_K × warps around the first stage's best at 3 stages, then 2 and 4 stages at the
     best's BLOCK_K and warps (each with about the best's K a program: the split recomputed)."""
     block_n, block_k, split, warps, _ = best
-    per = skinny.k_split(k, block_k, split)[0]
+    per = skinny_tiles.k_split(k, block_k, split)[0]
     widest = max(16, 1 << (k - 1).bit_length())
     tiles = []
     for bk, w, st in [*itertools.product((64, 128, 256), (4, 8), (3,)), (block_k, warps, 2)]:
@@ -244,7 +244,7 @@ def second_stage(best: tuple, k: int) -> list[tuple]:
 
 
 def time_tile(fn, want, key, tile, iters: int, per_layer: float, weight) -> dict:
-    skinny.TILES[key] = tile
+    skinny_tiles.TILES[key] = tile
     try:
         off = rel_off(fn(), want)
         us = graph_us(fn, iters) * per_layer
@@ -258,15 +258,15 @@ def time_tile(fn, want, key, tile, iters: int, per_layer: float, weight) -> dict
 def sweep(layers, m: int, iters: int, device) -> list[dict]:
     """Tiles per GEMM at m rows, in two stages; the fastest first per GEMM."""
     rows = []
-    block_m = skinny.block_m_for(m)
+    block_m = skinny_tiles.block_m_for(m)
     per_layer = 1 / len(layers)
     with torch.inference_mode():
         for name, (fn, want, w, gated) in gemm_calls(layers, m, device).items():
             k = w.shape[1]
             n = w.shape[0] // 2 if gated else w.shape[0]
             key = (k, n, gated, block_m)
-            before = skinny.TILES.pop(key, None)
-            default = skinny.default_tile(k, n, gated, block_m, -(-m // block_m))
+            before = skinny_tiles.TILES.pop(key, None)
+            default = skinny_tiles.default_tile(k, n, gated, block_m, -(-m // block_m))
             found = [time_tile(fn, want, key, default, iters, per_layer, w)]
             for tile in first_stage(k, n, m, block_m):
                 if tile != default:
@@ -275,9 +275,9 @@ def sweep(layers, m: int, iters: int, device) -> list[dict]:
             if ok:
                 for tile in second_stage(ok[0]["tile"], k):
                     found.append(time_tile(fn, want, key, tile, iters, per_layer, w))
-            skinny.TILES.pop(key, None)
+            skinny_tiles.TILES.pop(key, None)
             if before is not None:
-                skinny.TILES[key] = before
+                skinny_tiles.TILES[key] = before
             ok = sorted((f for f in found if "us" in f), key=lambda f: f["us"])
             best = ok[0] if ok else None
             rows.append(
@@ -337,7 +337,7 @@ def main() -> None:
         "preset": args.preset,
         "max_rows": skinny.MAX_ROWS,
         "layers": args.layers,
-        "tiles_loaded": [[list(k), list(v)] for k, v in skinny.TILES.items()],
+        "tiles_loaded": [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()],
     }
     if args.sweep:
         result["sweep"] = [r for m in args.sweep_rows for r in sweep(layers, m, args.iters, device)]
@@ -347,7 +347,7 @@ def main() -> None:
         if args.tiles_out:
             Path(args.tiles_out).write_text(json.dumps(swept, indent=1))
         # the parts below then run with the swept tiles
-        skinny.TILES.update({tuple(r["key"]): tuple(r["tile"]) for r in swept})
+        skinny_tiles.TILES.update({tuple(r["key"]): tuple(r["tile"]) for r in swept})
     result["parts"] = time_parts(layers, args.rows, args.iters, device)
     print_table(
         result["parts"],

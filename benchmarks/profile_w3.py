@@ -64,7 +64,7 @@ from boundgen.compile import bucket_autotune
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
-from boundgen.models import decoder, skinny
+from boundgen.models import decoder, skinny, skinny_tiles
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.packing import SequenceGroup
 from boundgen.workloads.score import ScoreRequest, request_scores
@@ -397,7 +397,7 @@ def main() -> int:
         for a in autotunes
         for k in skinnies
     ]
-    res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny.TILES.items()]
+    res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
         for variant, rotation, autotune, skinny_rows in sides:

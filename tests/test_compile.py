@@ -381,11 +381,13 @@ def test_a_changed_kernel_makes_artifacts_stale(engine_for, cache_copy, tmp_path
 
 def test_the_fused_linear_kernels_key_only_the_packages_that_embed_them(monkeypatch):
     """The few-row fused kernels' source is part of the key only where the layers take them: a
-    tile swept into `skinny.TILES` leaves every package built with them off valid."""
+    tile swept into `skinny_tiles.TILES` leaves every package built with them off valid."""
     from boundgen.models import skinny
 
     monkeypatch.setattr(skinny, "MAX_ROWS", 0)
-    assert "boundgen.models.skinny" not in cache_mod.embedded_kernel_modules()
+    embedded = cache_mod.embedded_kernel_modules()
+    assert "boundgen.models.skinny" not in embedded
+    assert "boundgen.models.skinny_tiles" not in embedded
     off = platform_info("cpu")["kernels"]
     monkeypatch.setattr(skinny, "MAX_ROWS", 64)
     assert cache_mod.embedded_kernel_modules() == cache_mod.KERNEL_MODULES

@@ -19,7 +19,7 @@ from torch import nn
 pytest.importorskip("triton")
 
 from boundgen.config import ModelConfig
-from boundgen.models import skinny
+from boundgen.models import skinny, skinny_tiles
 from boundgen.models.decoder import DecoderLayer
 from boundgen.quant.fp8 import Fp8Linear
 
@@ -101,7 +101,7 @@ def test_norm_linear_rotates_the_q_and_k_heads(m, tile, dtype, monkeypatch):
     from boundgen.models.layers import apply_rope
 
     block_n, block_k, split = tile
-    monkeypatch.setattr(skinny, "tile_for", lambda *a: (block_n, block_k, split, 4, 2))
+    monkeypatch.setattr(skinny_tiles, "tile_for", lambda *a: (block_n, block_k, split, 4, 2))
     k, d, heads, kv = 80, 16, 6, 2
     n = (heads + kv) * d
     g = torch.Generator().manual_seed(m)
@@ -123,9 +123,9 @@ def test_norm_linear_rotates_the_q_and_k_heads(m, tile, dtype, monkeypatch):
             x, norm, 1e-6, w, bias, None, cos.view(m, -1), sin.view(m, -1), heads * d + 8
         )
     # whole heads a tile, tiling the rotated columns (6 heads: 4 a tile would straddle)
-    assert [skinny.rope_block_n(b, d, heads * d) for b in (64, 32, 16)] == [32, 32, 16]
-    assert skinny.rope_block_n(128, 64, 16 * 64) == 128  # Qwen2.5-0.5B: 14 + 2 heads of 64
-    assert skinny.rope_block_n(32, 128, 24 * 128) == 128  # Qwen3-0.6B: 16 + 8 heads of 128
+    assert [skinny_tiles.rope_block_n(b, d, heads * d) for b in (64, 32, 16)] == [32, 32, 16]
+    assert skinny_tiles.rope_block_n(128, 64, 16 * 64) == 128  # Qwen2.5-0.5B: 14 + 2 heads of 64
+    assert skinny_tiles.rope_block_n(32, 128, 24 * 128) == 128  # Qwen3-0.6B: 16 + 8 heads of 128
 
 
 # (BLOCK_N, BLOCK_K, SPLIT_K): K = 80 in 16- or 32-wide steps split 2, 3 or 5 ways (a split of
@@ -137,7 +137,7 @@ SPLITS = [(32, 16, 2), (32, 32, 3), (16, 16, 5), (64, 16, 1)]
 def tile(request, monkeypatch):
     """Every shape of the test takes the tile `request.param` (BLOCK_N, BLOCK_K, SPLIT_K)."""
     block_n, block_k, split = request.param
-    monkeypatch.setattr(skinny, "tile_for", lambda *a: (block_n, block_k, split, 4, 2))
+    monkeypatch.setattr(skinny_tiles, "tile_for", lambda *a: (block_n, block_k, split, 4, 2))
     return request.param
 
 
@@ -187,13 +187,15 @@ def test_the_default_tile_splits_k_until_the_device_is_busy():
         "gate_up": (896, 4864, True),
         "down": (4864, 896, False),
     }.items():
-        block_n, block_k, split, _, _ = skinny.default_tile(k, n, gated, skinny.block_m_for(16))
-        per, split = skinny.k_split(k, block_k, split)
+        block_m = skinny_tiles.block_m_for(16)
+        block_n, block_k, split, _, _ = skinny_tiles.default_tile(k, n, gated, block_m)
+        per, split = skinny_tiles.k_split(k, block_k, split)
         assert per % block_k == 0 and (split - 1) * per < k <= split * per
         programs[name] = -(-n // block_n) * split
     assert programs == {"qkv": 126, "o_proj": 98, "gate_up": 228, "down": 182}
-    assert skinny.k_split(896, 256, 7) == (256, 4)  # no split left without K
-    assert [skinny.block_m_for(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert skinny_tiles.k_split(896, 256, 7) == (256, 4)  # no split left without K
+    blocks = [skinny_tiles.block_m_for(m) for m in (1, 16, 17, 32, 33, 64)]
+    assert blocks == [16, 16, 32, 32, 64, 64]
 
 
 def test_swept_tiles_load_from_a_file_and_key_the_packages(tmp_path, monkeypatch):
@@ -204,15 +206,15 @@ def test_swept_tiles_load_from_a_file_and_key_the_packages(tmp_path, monkeypatch
 
     path = tmp_path / "tiles.json"
     path.write_text('[{"key": [80, 48, false, 16], "tile": [32, 16, 3, 4, 2]}]')
-    monkeypatch.setattr(skinny, "TILES", {})
+    monkeypatch.setattr(skinny_tiles, "TILES", {})
     assert "skinny_tiles" not in platform_info("cpu")
-    skinny.TILES.update(skinny.load_tiles(path))
-    assert skinny.tile_for(80, 48, False, 16) == (32, 16, 3, 4, 2)
-    assert skinny.tile_for(80, 48, True, 16) == skinny.default_tile(80, 48, True, 16)
-    assert platform_info("cpu")["skinny_tiles"] == skinny.tiles_digest() != ""
+    skinny_tiles.TILES.update(skinny_tiles.load_tiles(path))
+    assert skinny_tiles.tile_for(80, 48, False, 16) == (32, 16, 3, 4, 2)
+    assert skinny_tiles.tile_for(80, 48, True, 16) == skinny_tiles.default_tile(80, 48, True, 16)
+    assert platform_info("cpu")["skinny_tiles"] == skinny_tiles.tiles_digest() != ""
     path.write_text('[{"key": [80, 48, false, 16], "tile": [32, 16, 3]}]')
     with pytest.raises(ValueError, match="not a skinny tile"):
-        skinny.load_tiles(path)
+        skinny_tiles.load_tiles(path)
 
 
 def test_strided_rows_are_read_by_their_stride():
@@ -400,7 +402,7 @@ def test_the_kernels_inside_torch_compile_with_dynamic_rows():
             (compiled["attention_output"](x, o), layer.attention_output(x, o)),
         ]
         for got, want in pairs:
-            if skinny.block_m_for(m) == 64:  # symbolic rows take 64-row blocks: the same tile
+            if skinny_tiles.block_m_for(m) == 64:  # symbolic rows take 64-row blocks: the same tile
                 assert torch.equal(got, want)
             else:  # 16 rows eagerly take a 16-row block: another MMA shape
                 _close(got, want, torch.bfloat16, bf16_tol=6e-2)
@@ -520,14 +522,14 @@ def test_the_layer_traces_with_symbolic_rows():
 
 
 HOPPER = """
-from boundgen.models import skinny
+from boundgen.models import skinny, skinny_tiles
 
 norm, bias, gated, residual, rope = (a == "1" for a in sys.argv[1:6])
 eps_type, split = sys.argv[6], int(sys.argv[7])
 fn = skinny._skinny_kernel
 k, n = (4864, 896) if residual else (896, 4864 if gated else 1152)
-block_n, block_k, _, warps, stages = skinny.default_tile(k, n, gated, 16)
-per, split = skinny.k_split(k, block_k, split)
+block_n, block_k, _, warps, stages = skinny_tiles.default_tile(k, n, gated, 16)
+per, split = skinny_tiles.k_split(k, block_k, split)
 rot_cols, head_d = (1024, 64) if rope else (0, 0)  # Qwen2.5-0.5B: 14 + 2 heads rotated
 const = dict(
     K=k, N=n, NORM=norm, BIAS=bias, GATED=gated, RESIDUAL=residual, ROT_COLS=rot_cols,
@@ -575,13 +577,13 @@ def test_the_sweep_times_distinct_tiles_that_cover_k():
     import bench_skinny
 
     for k, n, m in [(896, 1152, 16), (4864, 896, 16), (896, 4864, 64), (896, 896, 64)]:
-        block_m = skinny.block_m_for(m)
+        block_m = skinny_tiles.block_m_for(m)
         first = bench_skinny.first_stage(k, n, m, block_m)
         assert len(set(first)) == len(first) and any(t[2] == 1 for t in first)
         programs = [-(-n // t[0]) * t[2] for t in first]
         assert max(programs) >= min(264, -(-n // 32) * -(-k // 128))  # (qkv: 36 tiles × 7)
         for tile in first + bench_skinny.second_stage(first[-1], k):
-            per, split = skinny.k_split(k, tile[1], tile[2])
+            per, split = skinny_tiles.k_split(k, tile[1], tile[2])
             assert split == tile[2] and (split - 1) * per < k <= split * per, tile
         second = bench_skinny.second_stage(first[-1], k)
         assert first[-1] not in second and len(set(second)) == len(second)
@@ -597,10 +599,10 @@ def test_the_sweep_finds_a_tile_per_gemm_and_restores_the_table(monkeypatch):
 
     def fake_us(fn, iters):
         fn()
-        return float(skinny.TILES[next(iter(skinny.TILES))][0])
+        return float(skinny_tiles.TILES[next(iter(skinny_tiles.TILES))][0])
 
     monkeypatch.setattr(bench_skinny, "graph_us", fake_us)
-    monkeypatch.setattr(skinny, "TILES", {})
+    monkeypatch.setattr(skinny_tiles, "TILES", {})
     layers = bench_skinny.make_layers("tiny", 2, DEV)
     with skinny.forced(), torch.no_grad():
         rows = bench_skinny.sweep(layers, 16, 1, DEV)
@@ -608,7 +610,7 @@ def test_the_sweep_finds_a_tile_per_gemm_and_restores_the_table(monkeypatch):
     for r in rows:
         assert r["errors"] == 0 and r["best_tile"][0] == 32 and r["best_us"] == 16.0
         assert r["key"][3] == 16 and r["tiles_timed"] >= 6 and r["default_us"] == 32.0
-    assert skinny.TILES == {}
+    assert skinny_tiles.TILES == {}
 
 
 def test_the_sweep_rejects_a_tile_off_the_eager_layer(monkeypatch):
@@ -618,7 +620,7 @@ def test_the_sweep_rejects_a_tile_off_the_eager_layer(monkeypatch):
     import bench_skinny
 
     monkeypatch.setattr(bench_skinny, "graph_us", lambda fn, iters: 1.0)
-    monkeypatch.setattr(skinny, "TILES", {})
+    monkeypatch.setattr(skinny_tiles, "TILES", {})
     want = torch.randn(16, 64)
     weight = torch.zeros(64, 64)
     rounded = want.to(torch.bfloat16).float()

@@ -95,18 +95,19 @@ KERNEL_MODULES = (
     "boundgen.attention.segments",
     "boundgen.quant.triton_quant",
     "boundgen.models.skinny",
+    "boundgen.models.skinny_tiles",
 )
 
 
 def embedded_kernel_modules() -> tuple[str, ...]:
-    """`KERNEL_MODULES` that this process's packages embed: the fused few-row linear kernels only
-    where the layers take them (`skinny.MAX_ROWS` > 0), so a change to them (a tile swept into
-    `skinny.TILES`) leaves the packages built without them valid."""
+    """`KERNEL_MODULES` that this process's packages embed: the fused few-row linear kernels (and
+    their tiles' choice) only where the layers take them (`skinny.MAX_ROWS` > 0), so a change to
+    them (a tile swept into `skinny_tiles.TILES`) leaves the packages built without them valid."""
     from boundgen.models import skinny
 
     if skinny.MAX_ROWS > 0:
         return KERNEL_MODULES
-    return tuple(m for m in KERNEL_MODULES if m != "boundgen.models.skinny")
+    return tuple(m for m in KERNEL_MODULES if not m.startswith("boundgen.models.skinny"))
 
 
 def kernels_digest(modules: tuple[str, ...] = KERNEL_MODULES) -> str:
@@ -127,7 +128,7 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     how q and k are rotated, `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were
     autotuned, `compile.bucket_autotune`)."""
     from boundgen.compile import bucket_autotune, residual
-    from boundgen.models import decoder, skinny
+    from boundgen.models import decoder, skinny, skinny_tiles
 
     dev = torch.device(device)
     info = {
@@ -139,8 +140,8 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         "skinny_max_rows": str(skinny.MAX_ROWS),
         "residual": residual.mode(),
     }
-    if skinny.tiles_digest():  # none keeps the keys of the packages built before them
-        info["skinny_tiles"] = skinny.tiles_digest()
+    if skinny_tiles.tiles_digest():  # none keeps the keys of the packages built before them
+        info["skinny_tiles"] = skinny_tiles.tiles_digest()
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
     if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it

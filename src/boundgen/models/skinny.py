@@ -36,8 +36,10 @@ Numerics: the reduction in float32; x · norm rounded to the activation dtype be
 (eager rounds x / rms, then its product with the norm); then eager's roundings in eager's order
 (gate_up's output rounded before SiLU, SiLU before the product; the GEMM output before the
 residual add); the q/k rotation in float32 from the rounded qkv, rounded once, as Inductor's
-compiled rotation does (tiles of whole heads: `rope_block_n`). The fused layer differs from the
-eager one by a unit in the last place or two.
+compiled rotation does (tiles of whole heads: `skinny_tiles.rope_block_n`). The fused layer
+differs from the eager one by a unit in the last place or two.
+
+Which tile a call takes (and the table of tiles swept on the device) is `models/skinny_tiles.py`.
 
 The ops are `torch.library.triton_op`s: torch.compile and torch.export + AOTInductor trace into
 the kernels, and the same code runs eagerly. Without CUDA they run in Triton's CPU interpreter
@@ -47,12 +49,12 @@ the kernels, and the same code runs eagerly. Without CUDA they run in Triton's C
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 
 import torch
 from torch import nn
+
+from boundgen.models import skinny_tiles
 
 try:
     import triton
@@ -73,47 +75,6 @@ except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev
 # `BOUNDGEN_SKINNY_MAX_ROWS=64` turns them on (an A/B); compiled packages record the value
 # (`compile.cache.platform_info`), so a change rebuilds them.
 MAX_ROWS = int(os.environ.get("BOUNDGEN_SKINNY_MAX_ROWS", "0"))
-
-# Tiles per (K, N, gated, BLOCK_M): (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); shapes not
-# listed take `default_tile`. `bench_skinny.py --sweep` times tiles on the GPU; the fastest belong
-# here.
-TILES: dict[tuple[int, int, bool, int], tuple[int, int, int, int, int]] = {}
-# Programs a call aims at when it picks its own split of K: two per multiprocessor of an H200
-# (132). A few-row GEMM only streams its weights, and the sixth session's kernels, one program per
-# 64 output columns walking all of K, left 118 of 132 multiprocessors idle in `down` and o_proj
-# (N = 896: 14 programs) and ran them at a fifth of cuBLAS's bandwidth.
-TARGET_PROGRAMS = 264
-
-
-def load_tiles(path: str | os.PathLike) -> dict[tuple[int, int, bool, int], tuple]:
-    """Tiles from a JSON file `bench_skinny.py --sweep --tiles-out` wrote: a list of
-    {"key": [K, N, gated, BLOCK_M], "tile": [BLOCK_N, BLOCK_K, SPLIT_K, warps, stages]}."""
-    with open(path) as f:
-        rows = json.load(f)
-    tiles = {}
-    for row in rows:
-        k, n, gated, block_m = row["key"]
-        tile = tuple(int(v) for v in row["tile"])
-        if len(tile) != 5 or block_m not in (16, 32, 64):
-            raise ValueError(f"{path}: not a skinny tile: {row}")
-        tiles[(int(k), int(n), bool(gated), int(block_m))] = tile
-    return tiles
-
-
-# `BOUNDGEN_SKINNY_TILES=<file>`: tiles swept on this device kind (an A/B in the call that swept
-# them); compiled packages record them (`compile.cache.platform_info`), so a change rebuilds.
-if os.environ.get("BOUNDGEN_SKINNY_TILES"):
-    TILES.update(load_tiles(os.environ["BOUNDGEN_SKINNY_TILES"]))
-
-
-def tiles_digest() -> str:
-    """The tile table as a short hash ("" when empty: the packages built before it keep their
-    keys)."""
-    if not TILES:
-        return ""
-    text = json.dumps(sorted([list(k), list(v)] for k, v in TILES.items()))
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
 
 _FORCED = False
 
@@ -146,49 +107,6 @@ def applies(x: torch.Tensor, *linears: nn.Module) -> bool:
     if x.is_cuda:
         return x.dtype in (torch.bfloat16, torch.float16)
     return _FORCED and _interpreting()
-
-
-def block_m_for(m) -> int:
-    """Rows a program takes (the MMA's narrow side, at least 16): the fewest of 16, 32 and 64 that
-    hold `m`, so 16 beam rows do not pay a 64-row product; 64 when `m` is symbolic (the compiled
-    beam layers' rows), since a branch on it would guard the compiled caller."""
-    if not isinstance(m, int):
-        return 64
-    return 16 if m <= 16 else 32 if m <= 32 else 64
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def default_tile(k: int, n: int, gated: bool, block_m: int, m_tiles: int = 1):
-    """(BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) for a shape without a measured tile: 64 columns
-    a program, and K split until about `TARGET_PROGRAMS` programs run (each split a whole number of
-    BLOCK_K steps)."""
-    block_n, block_k = 64, min(128, max(16, 1 << (k - 1).bit_length()))
-    tiles = _cdiv(n, block_n) * m_tiles
-    split = max(1, min(_cdiv(k, block_k), TARGET_PROGRAMS // tiles))
-    return block_n, block_k, split, 4, 3
-
-
-def tile_for(k: int, n: int, gated: bool, block_m: int, m_tiles: int = 1):
-    return TILES.get((k, n, gated, block_m)) or default_tile(k, n, gated, block_m, m_tiles)
-
-
-def k_split(k: int, block_k: int, split: int) -> tuple[int, int]:
-    """(K a split takes, splits): `split` rounded so every split is whole BLOCK_K steps and none
-    is empty (K = 896 in 7 splits of a 256-wide step would leave three splits past K)."""
-    per = _cdiv(_cdiv(k, split), block_k) * block_k
-    return per, _cdiv(k, per)
-
-
-def rope_block_n(block_n: int, head_d: int, rotate_cols: int) -> int:
-    """A tile's columns for a rotating call: whole heads (a power of two of them, at least one)
-    that tile the rotated columns exactly, so no tile holds rotated and plain columns."""
-    heads = max(1, block_n // head_d)
-    while (rotate_cols // head_d) % heads:
-        heads //= 2
-    return heads * head_d
 
 
 if AVAILABLE:
@@ -438,9 +356,10 @@ if AVAILABLE:
         if residual is not None:
             torch._check(residual.shape[0] == m and residual.shape[1] == n)
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        block_m = block_m_for(m)
-        m_tiles = _cdiv(m, block_m) if isinstance(m, int) else 1
-        block_n, block_k, split, warps, stages = tile_for(k, n, gated, block_m, m_tiles)
+        block_m = skinny_tiles.block_m_for(m)
+        m_tiles = skinny_tiles.cdiv(m, block_m) if isinstance(m, int) else 1
+        tile = skinny_tiles.tile_for(k, n, gated, block_m, m_tiles)
+        block_n, block_k, split, warps, stages = tile
         block_k = min(block_k, max(16, triton.next_power_of_2(k)))
         head_d = 0
         if cos is not None:  # cos, sin [M, D/2]: read by one row stride
@@ -454,8 +373,8 @@ if AVAILABLE:
                     f"norm_linear: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be "
                     f"[M, D/2] and rotate_cols ({rotate_cols}) whole heads of D within {n}"
                 )
-            block_n = rope_block_n(block_n, head_d, rotate_cols)
-        per, split = k_split(k, block_k, split)
+            block_n = skinny_tiles.rope_block_n(block_n, head_d, rotate_cols)
+        per, split = skinny_tiles.k_split(k, block_k, split)
         grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
         if split > 1:
             # partial sums [split, tiles, parts, BLOCK_N·BLOCK_M] and the rows' sums of squares
@@ -574,7 +493,8 @@ def counters(x: torch.Tensor, layer: nn.Module) -> torch.Tensor | None:
     # the most tiles any call may take: 16-column tiles (the narrowest a tile table may give)
     # over 16-row blocks
     n = max(lin.out_features for lin in linears)
-    return torch.zeros(_cdiv(n, 16) * _cdiv(x.shape[0], 16), dtype=torch.int32, device=x.device)
+    size = skinny_tiles.cdiv(n, 16) * skinny_tiles.cdiv(x.shape[0], 16)
+    return torch.zeros(size, dtype=torch.int32, device=x.device)
 
 
 def reference_norm_linear(x, norm, eps, weight, bias=None):
