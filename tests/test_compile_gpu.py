@@ -101,25 +101,30 @@ def test_auto_on_cuda_is_eager_graphs_without_artifacts(cuda_engine, tmp_path):
     assert e.runner.stats()["batches"], "the plain batch should have run in a captured bucket"
 
 
-@pytest.mark.slow
-def test_aoti_cuda_matches_eager(cuda_engine, tmp_path):
+def _aoti_runner(engine, backend: str, cache_dir):
+    """A runner of `backend` ("aoti", "aoti+graphs") with the first bucket built into
+    `cache_dir`; the test skips where the process needs AOTInductor's preload."""
     from boundgen.compile.preload import AOTIUnsafe
 
+    try:
+        return make_runner(
+            engine.model,
+            engine.device,
+            4096,
+            True,
+            backend,
+            CompileOptions(
+                buckets=[Bucket.parse(BUCKETS[0])], cache_dir=cache_dir, allow_reexec=False
+            ),
+        )
+    except AOTIUnsafe as exc:  # the guard worked (no segfault); the process needs the preload
+        pytest.skip(f"AOTInductor load needs a preload in this process: {exc}")
+
+
+@pytest.mark.slow
+def test_aoti_cuda_matches_eager(cuda_engine, tmp_path):
     for backend in ("aoti", "aoti+graphs"):
-        try:
-            runner = make_runner(
-                cuda_engine.model,
-                cuda_engine.device,
-                4096,
-                True,
-                backend,
-                CompileOptions(
-                    buckets=[Bucket.parse(BUCKETS[0])], cache_dir=tmp_path, allow_reexec=False
-                ),
-            )
-        except AOTIUnsafe as exc:  # the guard worked (no segfault); the process needs the preload
-            pytest.skip(f"AOTInductor load needs a preload in this process: {exc}")
-        e = cuda_engine.with_runner(runner)
+        e = cuda_engine.with_runner(_aoti_runner(cuda_engine, backend, tmp_path))
         torch.testing.assert_close(_scores(e), _scores(cuda_engine), atol=2e-2, rtol=0)
         assert e.runner.stats()["misses"] == 0
 
@@ -131,26 +136,12 @@ def test_aoti_with_the_fused_linear_kernels_matches_eager(cuda_engine, tmp_path,
     mutation of it) scores as the eager engine, and its package is keyed apart from one built
     without them."""
     from boundgen.compile.cache import platform_info
-    from boundgen.compile.preload import AOTIUnsafe
     from boundgen.models import skinny
 
     want = _scores(cuda_engine)  # the eager layers on cuBLAS
     monkeypatch.setattr(skinny, "MAX_ROWS", 64)
     assert platform_info("cuda")["skinny_max_rows"] == "64"
-    try:
-        runner = make_runner(
-            cuda_engine.model,
-            cuda_engine.device,
-            4096,
-            True,
-            "aoti+graphs",
-            CompileOptions(
-                buckets=[Bucket.parse(BUCKETS[0])], cache_dir=tmp_path, allow_reexec=False
-            ),
-        )
-    except AOTIUnsafe as exc:
-        pytest.skip(f"AOTInductor load needs a preload in this process: {exc}")
-    e = cuda_engine.with_runner(runner)
+    e = cuda_engine.with_runner(_aoti_runner(cuda_engine, "aoti+graphs", tmp_path))
     torch.testing.assert_close(_scores(e), want, atol=2e-2, rtol=0)
     assert e.runner.stats()["misses"] == 0
 
