@@ -346,6 +346,7 @@ def main() -> None:
         ]
         if args.tiles_out:
             Path(args.tiles_out).write_text(json.dumps(swept, indent=1))
+        write_json(args.out, result)  # (kept should the parts below be cut by a time budget)
         # the parts below then run with the swept tiles
         skinny_tiles.TILES.update({tuple(r["key"]): tuple(r["tile"]) for r in swept})
     result["parts"] = time_parts(layers, args.rows, args.iters, device)
