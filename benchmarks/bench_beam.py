@@ -177,9 +177,12 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     entry.update(kernels(lambda: ungraphed.run(prompts, w, s, t_, eos), dev))
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
-                        call = lambda sg=sg, r=rows_: with_skinny_rows(
-                            r, lambda: sg.run(prompts, w, s, t_, eos)
-                        )
+
+                        def call(sg=sg, rows_=rows_):
+                            # read as the search's layers compile and its graph is captured
+                            with skinny.rows_up_to(rows_):
+                                return sg.run(prompts, w, s, t_, eos)
+
                         got = call()
                         tm = common.timed(call, dev, warmup=2, iters=args.iters)
                         if dev.type == "cuda" and vname.startswith("graph+compile"):
@@ -223,16 +226,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                 entry["error"] = f"{type(exc).__name__}: {exc}"[:1000]
                 traceback.print_exc()
     return out
-
-
-def with_skinny_rows(rows: int, fn):
-    """`fn()` with the fused few-row kernels taking up to `rows` rows (`skinny.MAX_ROWS`: read
-    when a search's layers compile and its graph is captured; a replay runs what was captured)."""
-    before, skinny.MAX_ROWS = skinny.MAX_ROWS, rows
-    try:
-        return fn()
-    finally:
-        skinny.MAX_ROWS = before
 
 
 def _finish_or_exit(what: str, timeout_s: float) -> None:

@@ -25,7 +25,6 @@ the best of those. The fastest per (K, N, gated, BLOCK_M) go to `--tiles-out` (t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import sys
@@ -92,16 +91,6 @@ def nbytes(weights) -> int:
     return sum(w.numel() * w.element_size() for w in weights)
 
 
-@contextlib.contextmanager
-def unfused():
-    """A context in which the layers take their unfused path (MAX_ROWS 0)."""
-    before, skinny.MAX_ROWS = skinny.MAX_ROWS, 0
-    try:
-        yield
-    finally:
-        skinny.MAX_ROWS = before
-
-
 def _flat(out):
     return [t for o in out for t in (o if isinstance(o, tuple) else (o,))]
 
@@ -114,7 +103,7 @@ def time_parts(layers, rows: list[int], iters: int, device) -> list[dict]:
         row = {"rows": m, "part": part, "weight_MB": nbytes(weights) / 1e6}
         per_layer = 1 / len(layers)
         with torch.inference_mode():
-            with unfused():
+            with skinny.rows_up_to(0):  # the unfused path
                 row["eager_us"] = graph_us(fn, iters) * per_layer
                 # one compile for all layers (their weights are the compiled call's inputs)
                 compiled = torch.compile(one, fullgraph=True, dynamic=False)

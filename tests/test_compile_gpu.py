@@ -199,11 +199,8 @@ def _search_graphs_match(cuda_engine, compile_layers, attention, monkeypatch, ex
         prompts = [torch.randint(1, 400, (k,), generator=g).tolist() for k in (7, 12, 3)]
         with torch.inference_mode():
             got = sg.run(prompts, 4, 3, t)
-            rows, skinny.MAX_ROWS = skinny.MAX_ROWS, 0  # the plain search on cuBLAS
-            try:
+            with skinny.rows_up_to(0):  # the plain search on cuBLAS
                 want = cuda_engine.runner.beam_search(prompts, 4, 3, t)
-            finally:
-                skinny.MAX_ROWS = rows
         assert got is not None
         assert torch.equal(got[0][:, 0], want[0][:, 0])
         same = sum(

@@ -250,6 +250,16 @@ def _config(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def test_rows_up_to_sets_the_row_limit_inside_only():
+    with skinny.rows_up_to(0):
+        assert skinny.MAX_ROWS == 0
+        with pytest.raises(RuntimeError), skinny.rows_up_to(128):
+            assert skinny.MAX_ROWS == 128
+            raise RuntimeError
+        assert skinny.MAX_ROWS == 0
+    assert skinny.MAX_ROWS == 64  # (the autouse fixture's)
+
+
 def test_which_calls_the_kernels_take():
     layer = DecoderLayer(_config()).to(DEV)
     few, many = torch.zeros(skinny.MAX_ROWS, 64, device=DEV), torch.zeros(65, 64, device=DEV)
@@ -306,12 +316,8 @@ def test_a_decoder_layer_with_the_kernels_equals_it_without(qk_norm):
     finally:
         torch.set_grad_enabled(True)
     if CUDA:
-        skinny_max, skinny.MAX_ROWS = skinny.MAX_ROWS, 0  # the unfused path on CUDA
-        try:
-            with torch.no_grad():
-                plain = parts()
-        finally:
-            skinny.MAX_ROWS = skinny_max
+        with skinny.rows_up_to(0), torch.no_grad():  # the unfused path on CUDA
+            plain = parts()
     for got, want in zip(fused, plain, strict=True):
         _close(got, want, dtype, bf16_tol=6e-2)
 
@@ -337,11 +343,7 @@ def test_a_forward_s_calls_share_one_counter_buffer(tile):
         cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32, device=DEV), max_seqlen=7
     )
     with torch.no_grad():
-        if CUDA:
-            skinny_max, skinny.MAX_ROWS = skinny.MAX_ROWS, 0
-            plain = model(ids, positions, attn)
-            skinny.MAX_ROWS = skinny_max
-        else:
+        with skinny.rows_up_to(0):  # the unfused path (on the CPU: outside forced() too)
             plain = model(ids, positions, attn)
         with skinny.forced():
             fused = model(ids, positions, attn)

@@ -90,6 +90,19 @@ def forced():
         _FORCED = before
 
 
+@contextlib.contextmanager
+def rows_up_to(rows: int):
+    """Inside: the fused kernels take calls of at most `rows` rows (`MAX_ROWS`; 0: none), read when
+    a layer traces, compiles or is captured (an A/B's switch: a benchmark's sides, a test's
+    reference path)."""
+    global MAX_ROWS
+    before, MAX_ROWS = MAX_ROWS, rows
+    try:
+        yield
+    finally:
+        MAX_ROWS = before
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
