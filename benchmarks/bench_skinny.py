@@ -207,7 +207,7 @@ def first_stage(k: int, n: int, m: int, block_ms: int) -> list[tuple]:
     stages (distinct splits only, after `k_split` rounds them to whole BLOCK_K steps)."""
     tiles = []
     m_tiles = -(-m // block_ms)
-    block_k = min(128, max(16, 1 << (k - 1).bit_length()))  # (as the launcher clamps it)
+    block_k = skinny_tiles.block_k_for(k, 128)  # (as the launcher takes it)
     for block_n in (32, 64, 128):
         column_tiles = -(-n // block_n) * m_tiles
         splits = set()
@@ -223,10 +223,9 @@ def second_stage(best: tuple, k: int) -> list[tuple]:
     best's BLOCK_K and warps (each with about the best's K a program: the split recomputed)."""
     block_n, block_k, split, warps, _ = best
     per = skinny_tiles.k_split(k, block_k, split)[0]
-    widest = max(16, 1 << (k - 1).bit_length())
     tiles = []
     for bk, w, st in [*itertools.product((64, 128, 256), (4, 8), (3,)), (block_k, warps, 2)]:
-        if bk <= widest:
+        if skinny_tiles.block_k_for(k, bk) == bk:  # (a wider step than K takes is not timed)
             tiles.append((block_n, bk, max(1, -(-k // max(per, bk))), w, st))
     tiles.append((block_n, block_k, split, warps, 4))
     return [t for t in dict.fromkeys(tiles) if t != best]

@@ -373,7 +373,7 @@ if AVAILABLE:
         m_tiles = skinny_tiles.cdiv(m, block_m) if isinstance(m, int) else 1
         tile = skinny_tiles.tile_for(k, n, gated, block_m, m_tiles)
         block_n, block_k, split, warps, stages = tile
-        block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+        block_k = skinny_tiles.block_k_for(k, block_k)
         head_d = 0
         if cos is not None:  # cos, sin [M, D/2]: read by one row stride
             if cos.stride() != sin.stride() or cos.stride(-1) != 1:

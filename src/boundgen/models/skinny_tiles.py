@@ -63,11 +63,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_k_for(k: int, block_k: int) -> int:
+    """`block_k` at most K's next power of two (and at least 16, a dot's least): the step a call
+    of K takes (a wider one would only be masked)."""
+    return min(block_k, max(16, 1 << (k - 1).bit_length()))
+
+
 def default_tile(k: int, n: int, gated: bool, block_m: int, m_tiles: int = 1):
     """(BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) for a shape without a measured tile: 64 columns
     a program, and K split until about `TARGET_PROGRAMS` programs run (each split a whole number of
     BLOCK_K steps)."""
-    block_n, block_k = 64, min(128, max(16, 1 << (k - 1).bit_length()))
+    block_n, block_k = 64, block_k_for(k, 128)
     tiles = cdiv(n, block_n) * m_tiles
     split = max(1, min(cdiv(k, block_k), TARGET_PROGRAMS // tiles))
     return block_n, block_k, split, 4, 3
