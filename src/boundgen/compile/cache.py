@@ -140,8 +140,9 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         "skinny_max_rows": str(skinny.MAX_ROWS),
         "residual": residual.mode(),
     }
-    if skinny_tiles.tiles_digest():  # none keeps the keys of the packages built before them
-        info["skinny_tiles"] = skinny_tiles.tiles_digest()
+    tiles = skinny_tiles.tiles_digest()
+    if tiles:  # none keeps the keys of the packages built before them
+        info["skinny_tiles"] = tiles
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
     if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it
