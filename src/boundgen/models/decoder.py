@@ -78,9 +78,9 @@ class Attention(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
         if rotate and self.rotates_together(grouped):
             heads = self.num_heads + self.num_kv_heads
-            qk = apply_rope(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            return q, k, qkv[:, heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
+            qk = qkv[:, : self.rotated_columns].view(t, heads, self.head_dim)
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            return q, k, qkv[:, self.rotated_columns :].view(t, self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
