@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import itertools
 import os
 import sys
 import time
@@ -43,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import common
 
-from boundgen import Engine, Trie
+from boundgen import Engine, Trie, trie_select
 from boundgen.checkpoints import ensure_model
 from boundgen.compile.decode import SearchGraphs, plain_session
 from boundgen.logsumexp import row_logsumexp
@@ -123,16 +124,25 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     kids = trie.with_softmax("children")
     w, s = args.width, args.steps
     variants = {"graph": SearchGraphs(model, dev, model.backend)}
-    rows_of = {}  # a variant's `skinny.MAX_ROWS` while it runs (captures its graphs)
+    # a variant's kernels while it runs (its graphs are captured then): `skinny.MAX_ROWS` and
+    # whether a trie step is one kernel; the others run the process's defaults
+    rows_of, select_of = {}, {}
     if args.head_compile:
         from boundgen.compile.aoti import export_attention
 
         backend = export_attention(model, dev)
         variants["graph+compile"] = SearchGraphs(model, dev, backend, compile_layers=True)
-        if args.skinny_rows:  # the same with the few-row fused linear kernels, one process
-            name = f"graph+compile+skinny{args.skinny_rows}"
-            variants[name] = SearchGraphs(model, dev, backend, compile_layers=True)
-            rows_of[name] = args.skinny_rows
+        # the same with the few-row fused linear kernels, the one-kernel trie step, or both
+        extras = [("skinny", args.skinny_rows), ("select", args.trie_select)]
+        extras = [(n, v) for n, v in extras if v]
+        for r in range(1, len(extras) + 1):
+            for combo in itertools.combinations(extras, r):
+                name = "graph+compile+" + "+".join(
+                    f"skinny{v}" if n == "skinny" else n for n, v in combo
+                )
+                variants[name] = SearchGraphs(model, dev, backend, compile_layers=True)
+                for n, v in combo:
+                    (rows_of if n == "skinny" else select_of)[name] = v
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
     out = {}
     g = torch.Generator().manual_seed(11)
@@ -177,10 +187,11 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     entry.update(kernels(lambda: ungraphed.run(prompts, w, s, t_, eos), dev))
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
+                        one_kernel = select_of.get(vname, trie_select.ENABLED)
 
-                        def call(sg=sg, rows_=rows_):
+                        def call(sg=sg, rows_=rows_, one_kernel=one_kernel):
                             # read as the search's layers compile and its graph is captured
-                            with skinny.rows_up_to(rows_):
+                            with skinny.rows_up_to(rows_), trie_select.enabled(one_kernel):
                                 return sg.run(prompts, w, s, t_, eos)
 
                         got = call()
@@ -366,6 +377,12 @@ def main() -> int:
         default=0,
         help="heads with --head-compile: also the compiled search with the few-row fused "
         "kernels up to this many rows (`skinny.MAX_ROWS`; BOUNDGEN_SKINNY_TILES' tiles)",
+    )
+    ap.add_argument(
+        "--trie-select",
+        action="store_true",
+        help="heads with --head-compile: also the compiled search with each trie step's "
+        "selection in one kernel (`trie_select`; with --skinny-rows, also both)",
     )
     ap.add_argument("--overlap", action="store_true", help="also two searches at once (CUDA)")
     ap.add_argument("--overlap-only", action="store_true", help="only two searches at once")

@@ -285,6 +285,28 @@ def test_compiled_search_with_and_without_the_own_slot_kernel(monkeypatch, enabl
     assert_recommends_as_plain(got, want)
 
 
+def test_compiled_search_with_the_one_kernel_trie_step():
+    """With `trie_select` on, every trie step of a captured search selects in one kernel (seen in
+    a replay's kernels), and the search recommends what the plain search (ATen steps) does."""
+    from boundgen import trie_select
+    from boundgen.compile.decode import SearchGraphs
+
+    engine, trie, attention = demo_search()
+    sg = SearchGraphs(engine.model, engine.device, attention, compile_layers=True)
+    prompts = [engine.tokenizer.encode(f"history: item {i} item {i + 3} next:") for i in range(6)]
+    with torch.inference_mode():
+        with trie_select.enabled():
+            got, _ = sg.run(prompts, 8, trie.depth, trie)  # made and captured
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+                got, _ = sg.run(prompts, 8, trie.depth, trie)
+                torch.cuda.synchronize()
+        with trie_select.enabled(False):
+            want, _ = engine.runner.beam_search(prompts, 8, trie.depth, trie)
+    calls = sum("_select_kernel" in e.name for e in p.events())
+    assert calls == trie.depth, calls
+    assert_recommends_as_plain(got, want)
+
+
 def test_two_search_instances_replay_at_once_on_two_streams():
     """Two whole-search graph instances (each its slots and graph pool) replayed at the same time
     on two streams finish and return what each returns alone. Captured on torch's one default

@@ -14,6 +14,10 @@ step needs no full-vocabulary logits: the LM head runs on the step's level token
 (`Trie.level_tokens`, e.g. 256 semantic codes instead of 151,936 columns), from the hidden state
 (`session.hidden`), and each beam's candidates are gathered from those columns.
 
+On CUDA with `trie_select` on (`BOUNDGEN_TRIE_SELECT=1`), a full-vocabulary trie step's
+selection — children, scores, the best W, parents, history — is one Triton kernel instead of ~20
+ATen kernels (`trie_select.py`); the kept scores are the same bits.
+
 `search(session, ...)` drives a decode session (`compile/decode.py`): the prompts are prefilled
 once and shared by their beams; each step feeds one token per beam and reorders the beams' own KV
 by gathering it.
@@ -25,6 +29,7 @@ from typing import Any
 
 import torch
 
+from boundgen import trie_select
 from boundgen.logsumexp import row_logsumexp
 
 NEG_INF = float("-inf")
@@ -151,33 +156,59 @@ def search(
     scores = torch.zeros(b, 1, device=dev)
     node = torch.zeros(b, dtype=torch.long, device=dev)  # trie root; unused without a trie
     base_pos = torch.repeat_interleave(session.prompt_lengths, w)
-    row_base = torch.arange(b, device=dev).unsqueeze(1)
     for step in range(steps):
-        wc = w if step > 0 else 1
         if step > 0:
             tokens, positions = hist[:, :, step - 1].reshape(n), base_pos + (step - 1)
         if children:
             rows = session.hidden(step - 1, tokens, positions) if step > 0 else last
-            cand, cand_tokens, cand_child, c = expand.children(step, rows, scores, node, head)
+            picked = _pick(*expand.children(step, rows, scores, node, head), hist, step)
         else:
             if step > 0:
                 logits = session.step(step - 1, tokens, positions)
-            cand, cand_tokens, cand_child, c = expand(step, logits, scores, node)
-        k = min(w, cand.shape[1])
-        top, idx = top_candidates(cand, k, c)
-        if k < w:  # fewer continuations than beams: pad with dead beams
-            top = torch.cat([top, top.new_full((b, w - k), NEG_INF)], 1)
-            idx = torch.cat([idx, idx.new_zeros((b, w - k))], 1)
-        parent = (idx // c) if wc > 1 else torch.zeros_like(idx)
-        if cand_tokens is None:
-            token = idx % c
-        else:
-            token = cand_tokens.gather(1, idx)
-            node = cand_child.gather(1, idx).masked_fill_(top == NEG_INF, -1).view(n)
+            if trie is not None and _one_kernel(trie, step, w, dev):
+                ptr, child_token = trie.level_csr(step)
+                lse = row_logsumexp(logits)
+                c = trie.max_children[step]
+                picked = trie_select.select(
+                    logits, lse, scores, node, ptr, child_token, c, hist, step
+                )
+            else:
+                picked = _pick(*expand(step, logits, scores, node), hist, step)
+        scores, next_node, global_parent, hist = picked
+        if next_node is not None:
+            node = next_node
         if step > 0:
-            global_parent = (row_base * w + parent).view(n)
             session.reorder(global_parent)
-            hist = hist.view(n, steps).index_select(0, global_parent).view(b, w, steps)
-        hist[:, :, step] = token.masked_fill(top == NEG_INF, 0)
-        scores = top
     return hist, scores
+
+
+def _one_kernel(trie: Any, step: int, width: int, device: torch.device) -> bool:
+    """Whether this trie step's selection runs as one kernel (`trie_select`)."""
+    return hasattr(trie, "level_csr") and trie_select.chosen(device, width, trie.max_children[step])
+
+
+def _pick(cand, cand_tokens, cand_child, c: int, hist: torch.Tensor, step: int):
+    """The best W of each prompt's candidates `cand` [B, Wc·C] (each beam's `c` columns) →
+    (scores [B, W], child nodes [B·W] (-1: dead; None without a trie), global parents [B·W]
+    (None at step 0), hist [B, W, S] with the parents' rows and this step's tokens)."""
+    b, w, steps = hist.shape
+    n = b * w
+    k = min(w, cand.shape[1])
+    top, idx = top_candidates(cand, k, c)
+    if k < w:  # fewer continuations than beams: pad with dead beams
+        top = torch.cat([top, top.new_full((b, w - k), NEG_INF)], 1)
+        idx = torch.cat([idx, idx.new_zeros((b, w - k))], 1)
+    parent = (idx // c) if step > 0 else torch.zeros_like(idx)
+    node = None
+    if cand_tokens is None:
+        token = idx % c
+    else:
+        token = cand_tokens.gather(1, idx)
+        node = cand_child.gather(1, idx).masked_fill_(top == NEG_INF, -1).view(n)
+    global_parent = None  # step 0: the beams are new, nothing to reorder
+    if step > 0:
+        first = torch.arange(0, n, w, device=hist.device).unsqueeze(1)  # each prompt's beam 0
+        global_parent = (first + parent).view(n)
+        hist = hist.view(n, steps).index_select(0, global_parent).view(b, w, steps)
+    hist[:, :, step] = token.masked_fill(top == NEG_INF, 0)
+    return top, node, global_parent, hist

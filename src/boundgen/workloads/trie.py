@@ -333,6 +333,13 @@ class Trie:
         self._check_depth(depth)
         return self._level_tokens[depth]
 
+    def level_csr(self, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depth `depth`'s tables for a step in one kernel (`trie_select`): child_ptr int64
+        `[n_d + 1]` (node i's children are the depth-`depth + 1` nodes child_ptr[i] ..
+        child_ptr[i + 1] - 1) and child_token int32 `[n_{d+1}]` (each child's token)."""
+        self._check_depth(depth)
+        return self._child_ptr[depth], self._child_token[depth]
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError naming a token (and an item holding it) if any token >= vocab_size."""
         if self._max_token < vocab_size:

@@ -1,0 +1,216 @@
+"""`select`: one trie step of a beam search (HF's full-vocabulary scores) in one Triton kernel.
+
+A trie step of `search.search` takes its beams' children from the trie's CSR arrays, gathers their
+logits, subtracts the row's log-sum-exp, adds the beam's score, keeps the best W of a prompt's
+Wc·C candidates, and turns them into parents, tokens, child nodes and the reordered token history:
+about twenty small ATen kernels a step (the trie's `children` 4–10, the gathers and masks ~6,
+`topk`, ~8 for the picks and the history), 80 launches of a W4 search's ~1,700 — each a few µs of
+GPU time and a ~1.6 µs gap inside the whole-search graph (H200 profiles, BENCHMARKS.md).
+
+Here one program owns one prompt (its Wc beams' candidates, Wc·C ≤ `MAX_CANDIDATES`): it loads
+each beam's node, the node's child range, the children's tokens and logits, scores them, and picks
+the best W by W rounds of a max-reduction over a sort key that holds the score and the candidate's
+index (the smallest index wins a tie, so every pick is one candidate and picks are made in order).
+It writes the new scores, child nodes (-1: a dead beam), the beams' global parents (for the KV
+reorder) and the history with the parents' rows gathered and this step's tokens in their column.
+The row log-sum-exp stays its own kernel (`logsumexp.row_logsumexp`: a few beams' 151,936 columns
+read by hundreds of programs, not by W programs).
+
+Numerics: score + (float32(logit) − lse), as `search.Expander`, so the kept scores are the same
+bits; among equal scores the unfused path's `topk` may keep another of the tied candidates.
+
+Off by default until measured on the GPU (`BOUNDGEN_TRIE_SELECT=1` turns it on; `enabled(...)`
+for an A/B in one process). A trie scored over its children (`softmax="children"`) and searches
+without a trie keep the ATen path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
+    AVAILABLE = False
+
+ENABLED = os.environ.get("BOUNDGEN_TRIE_SELECT", "0") == "1"
+# A prompt's candidates (beams × children, each padded to a power of two) one program holds in
+# registers: int64 keys, 16 warps at the largest (32 a thread). Wider steps take the ATen path.
+MAX_CANDIDATES = 16384
+_INDEX_BITS = 0x7FFFFFFF  # the key's low half: MAX − candidate index (smaller index, larger key)
+
+
+def chosen(device: torch.device, width: int, children: int) -> bool:
+    """Whether a step of `width` beams over `children` candidates each takes the kernel."""
+    if not (ENABLED and AVAILABLE and device.type == "cuda"):
+        return False
+    return _padded(width) * _padded(children) <= MAX_CANDIDATES
+
+
+@contextlib.contextmanager
+def enabled(on: bool = True) -> Iterator[None]:
+    """The kernel on (or off) while the block runs: an A/B of searches captured in one process."""
+    global ENABLED
+    before, ENABLED = ENABLED, on
+    try:
+        yield
+    finally:
+        ENABLED = before
+
+
+def _padded(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _select_kernel(
+        logits_ptr,
+        stride_logits,
+        lse_ptr,
+        scores_ptr,
+        node_ptr,
+        child_ptr,
+        child_token,
+        hist_in,
+        hist_out,
+        top_out,
+        node_out,
+        parent_out,
+        wc,
+        c,
+        w,
+        steps,
+        step,
+        WC: tl.constexpr,
+        C: tl.constexpr,
+        S: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        beams = tl.arange(0, WC)
+        slots = tl.arange(0, C)
+        beam_ok = beams < wc
+        row = b * wc + beams
+        node = tl.load(node_ptr + row, mask=beam_ok, other=-1)
+        alive = node >= 0
+        start = tl.load(child_ptr + node, mask=alive, other=0)
+        end = tl.load(child_ptr + node + 1, mask=alive, other=0)
+        score = tl.load(scores_ptr + row, mask=beam_ok, other=0.0)
+        lse = tl.load(lse_ptr + row, mask=beam_ok, other=0.0)
+
+        slot = start[:, None] + slots[None, :]  # the children's node ids at depth + 1
+        real = beam_ok[:, None] & (slots[None, :] < c)  # the unfused path's [Wc, C] candidates
+        valid = real & (slot < end[:, None])  # a dead beam's range is empty
+        token = tl.load(child_token + slot, mask=valid, other=0)
+        rows = row.to(tl.int64)[:, None] * stride_logits
+        z = tl.load(logits_ptr + rows + token, mask=valid, other=0.0).to(tl.float32)
+        cand = tl.where(valid, score[:, None] + (z - lse[:, None]), float("-inf"))
+
+        # the sort key: a float's bits ordered as signed ints (negatives' magnitude bits flipped),
+        # over the index counted down, so one max-reduction finds the best and, among ties, the
+        # first candidate
+        bits = cand.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        index = beams[:, None] * c + slots[None, :]
+        key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - index).to(tl.int64)
+        none = -9223372036854775807 - 1
+        key = tl.reshape(tl.where(real, key, none), [WC * C])
+
+        picks = tl.arange(0, WC)  # the W beams kept (WC: W padded; Wc ≤ W beams scored)
+        parents = tl.zeros([WC], dtype=tl.int64)
+        tokens = tl.zeros([WC], dtype=tl.int64)
+        for i in range(w):
+            best = tl.max(key, 0)
+            found = best != none
+            key = tl.where(key == best, none, key)
+            idx = 0x7FFFFFFF - (best & 0x7FFFFFFF)
+            high = (best >> 32).to(tl.int32)
+            value = tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
+            value = tl.where(found, value, float("-inf"))
+            live = value != float("-inf")
+            parent = tl.where(found, idx // c, 0)
+            pnode = tl.load(node_ptr + b * wc + parent, mask=live, other=0)
+            child = tl.load(child_ptr + pnode, mask=live, other=0) + idx % c
+            tok = tl.load(child_token + child, mask=live, other=0).to(tl.int64)
+            tl.store(top_out + b * w + i, value)
+            tl.store(node_out + b * w + i, tl.where(live, child, -1))
+            tl.store(parent_out + b * w + i, b * wc + parent)
+            parents = tl.where(picks == i, parent, parents)
+            tokens = tl.where(picks == i, tok, tokens)
+
+        # the history: each kept beam's parent row (at step 0 its own: the beams are new), this
+        # step's token in column `step`
+        cols = tl.arange(0, S)
+        keep = (picks < w)[:, None] & (cols[None, :] < steps)
+        from_row = tl.where(step > 0, parents, picks)
+        src = hist_in + (b * w + from_row)[:, None] * steps + cols[None, :]
+        old = tl.load(src, mask=keep & (cols[None, :] != step), other=0)
+        new = tl.where(cols[None, :] == step, tokens[:, None], old)
+        tl.store(hist_out + (b * w + picks)[:, None] * steps + cols[None, :], new, mask=keep)
+
+
+def select(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    scores: torch.Tensor,
+    node: torch.Tensor,
+    child_ptr: torch.Tensor,
+    child_token: torch.Tensor,
+    children: int,
+    hist: torch.Tensor,
+    step: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One trie step for B prompts of Wc beams kept to W = hist.shape[1].
+
+    logits [B·Wc, V] (any float dtype, columns contiguous), lse [B·Wc] float32 (their rows'
+    log-sum-exp), scores [B, Wc] float32, node [B·Wc] int64 (-1: dead), the depth's CSR arrays
+    (`Trie.level_csr`) and `children`, the most a node there has; hist [B, W, S] int64 (the
+    tokens so far; Wc = 1 at step 0). → (scores [B, W] best first, −inf for dead beams; node
+    [B·W] (-1 dead); parent [B·W], the global row of each beam's parent for `BeamKV.reorder`;
+    hist [B, W, S], a new tensor)."""
+    b, wc = scores.shape
+    w, steps = hist.shape[1], hist.shape[2]
+    c = int(children)
+    if logits.stride(1) != 1:
+        raise ValueError("select takes logits rows of contiguous columns")
+    if wc > w:
+        raise ValueError(f"{wc} beams in, {w} kept: a step keeps at least as many as it scores")
+    top = torch.empty(b, w, dtype=torch.float32, device=scores.device)
+    node_out = torch.empty(b * w, dtype=torch.int64, device=scores.device)
+    parent = torch.empty_like(node_out)
+    hist_out = torch.empty_like(hist)
+    wcp = _padded(w)
+    cp = _padded(max(c, 1))
+    warps = 4 if wcp * cp <= 1024 else 8 if wcp * cp <= 4096 else 16
+    _select_kernel[(b,)](
+        logits,
+        logits.stride(0),
+        lse,
+        scores.contiguous(),
+        node,
+        child_ptr,
+        child_token,
+        hist.contiguous(),
+        hist_out,
+        top,
+        node_out,
+        parent,
+        wc,
+        c,
+        w,
+        steps,
+        step,
+        WC=wcp,
+        C=cp,
+        S=_padded(steps),
+        num_warps=warps,
+    )
+    return top, node_out, parent, hist_out

@@ -1,0 +1,182 @@
+"""`trie_select.select` (a trie step's selection in one Triton kernel) against the ATen step it
+replaces (`search._pick` over `search.Expander`'s candidates): in Triton's CPU interpreter here,
+on the device in the GPU run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from boundgen import search as search_mod
+from boundgen import trie_select
+from boundgen.search import NEG_INF, Expander, _pick
+from boundgen.workloads.trie import Trie
+
+pytestmark = pytest.mark.skipif(not trie_select.AVAILABLE, reason="needs triton")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _trie(items: int, depth: int, codes: int, seed: int) -> Trie:
+    g = torch.Generator().manual_seed(seed)
+    seqs = torch.randint(0, codes, (items, depth), generator=g)
+    return Trie.from_sequences(seqs, on_duplicate="first").to(DEV)
+
+
+def _steps(trie: Trie, b: int, w: int, vocab: int, dtype, seed: int, dead: int = 0):
+    """Every step of a search over random logits, ATen and kernel fed the same inputs (the ATen
+    step's outputs): yields (step, kernel's outputs, ATen's outputs)."""
+    g = torch.Generator().manual_seed(seed)
+    steps = trie.depth
+    hist = torch.randint(1, vocab, (b, w, steps), generator=g).to(DEV)  # stale columns are copied
+    scores = torch.zeros(b, 1, device=DEV)
+    node = torch.zeros(b, dtype=torch.long, device=DEV)
+    expand = Expander(trie, torch.empty(0, dtype=torch.long, device=DEV))
+    for step in range(steps):
+        wc = scores.shape[1]
+        # rows wider than the vocabulary: a slice, read in place
+        wide = torch.randn(b * wc, vocab + 3, generator=g).mul_(3).to(dtype).to(DEV)
+        logits = wide[:, :vocab]
+        lse = torch.logsumexp(logits.float(), 1)
+        if step == 1 and dead:  # beams whose prompt ran out of continuations
+            node = node.clone()
+            node[:dead] = -1
+            scores = scores.clone()
+            scores.view(-1)[:dead] = NEG_INF
+        ptr, tok = trie.level_csr(step)
+        got = trie_select.select(
+            logits, lse, scores, node, ptr, tok, trie.max_children[step], hist, step
+        )
+        want = _pick(*expand(step, logits, scores, node), hist.clone(), step)
+        yield step, got, want
+        scores, node, _, hist = want
+
+
+def _candidate_score(trie, logits, lse, scores, depth, parent_row, child):
+    """The score the ATen step gives candidate `child` of beam row `parent_row`."""
+    token = int(trie.level_csr(depth)[1][child])
+    z = float(logits[parent_row, token]) - float(lse[parent_row])
+    return float(scores.view(-1)[parent_row]) + z
+
+
+@pytest.mark.parametrize(
+    ("b", "w", "items", "depth", "codes", "dead"),
+    [
+        (2, 4, 300, 3, 500, 0),  # a root of ~220 children, then few
+        (3, 5, 60, 3, 9, 0),  # width not a power of two, children in full levels
+        (1, 16, 2000, 3, 40, 3),  # W4's width, three beams dead from step 1
+        (2, 8, 3, 3, 50, 0),  # fewer items than beams: dead beams padded
+    ],
+    ids=["wide-root", "odd-width", "width-16-dead-beams", "narrow-trie"],
+)
+def test_one_kernel_step_equals_the_aten_step(b, w, items, depth, codes, dead):
+    """float32 logits (no ties): the same scores, child nodes, parents and history, every step."""
+    trie = _trie(items, depth, codes, seed=b * w)
+    for step, got, want in _steps(trie, b, w, codes + 7, torch.float32, seed=w, dead=dead):
+        top, node, parent, hist = got
+        top_w, node_w, parent_w, hist_w = want
+        assert torch.equal(top, top_w), step
+        live = top.view(-1) > NEG_INF
+        assert torch.equal(node[live], node_w[live]), step
+        assert (node[~live] == -1).all()
+        if step > 0:
+            assert torch.equal(parent[live], parent_w[live]), step
+        rows = live.view(b, w)
+        assert torch.equal(hist[rows], hist_w[rows]), step
+        assert (hist[~rows][:, step] == 0).all()  # a dead beam's token is 0
+
+
+@pytest.mark.parametrize(
+    ("items", "depth", "codes", "b", "vocab"),
+    [
+        (3000, 3, 64, 2, 71),
+        pytest.param(
+            100_000,
+            4,
+            256,
+            8,
+            151_936,
+            id="w4",
+            marks=pytest.mark.skipif(DEV == "cpu", reason="W4's size: on the device"),
+        ),
+    ],
+)
+def test_tied_scores_keep_distinct_candidates_with_those_scores(items, depth, codes, b, vocab):
+    """bf16 logits tie often among a beam's children: the kernel keeps the first of a tie where
+    `topk` may keep another, so each kept candidate is checked for its own score instead."""
+    trie = _trie(items, depth, codes, seed=5)
+    w = 16
+    g = torch.Generator().manual_seed(9)
+    scores = torch.zeros(b, 1, device=DEV)
+    node = torch.zeros(b, dtype=torch.long, device=DEV)
+    hist = torch.zeros(b, w, trie.depth, dtype=torch.long, device=DEV)
+    for step in range(trie.depth):
+        wc = scores.shape[1]
+        logits = torch.randn(b * wc, vocab, generator=g).to(torch.bfloat16).to(DEV)
+        lse = torch.logsumexp(logits.float(), 1)
+        ptr, tok = trie.level_csr(step)
+        top, child, parent, hist_new = trie_select.select(
+            logits, lse, scores, node, ptr, tok, trie.max_children[step], hist, step
+        )
+        cand = Expander(trie, torch.empty(0, dtype=torch.long, device=DEV))(
+            step, logits, scores, node
+        )[0]
+        # the kept scores are the best W of the candidates, in order
+        assert torch.equal(top, cand.topk(w, dim=1).values)
+        picks = set()
+        for i in range(b * w):
+            if top.view(-1)[i] == NEG_INF:
+                continue
+            row = int(parent[i]) if step > 0 else i // w
+            assert (row, int(child[i])) not in picks
+            picks.add((row, int(child[i])))
+            want = _candidate_score(trie, logits, lse, scores, step, row, int(child[i]))
+            assert float(top.view(-1)[i]) == pytest.approx(want, rel=0, abs=1e-5)
+            assert int(hist_new.view(b * w, -1)[i, step]) == int(tok[child[i]])
+        scores, node, hist = top, child, hist_new
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="the CPU engine; on CUDA: test_compile_gpu's search")
+def test_whole_searches_with_the_kernel_equal_the_aten_searches(engine_for, monkeypatch):
+    """The tiny model's constrained searches, the step in one kernel (forced on, in the
+    interpreter on CPU) against the ATen steps: the same items and scores."""
+    engine = engine_for("qwen2")
+    g = torch.Generator().manual_seed(2)
+    items = torch.randint(0, 60, (200, 3), generator=g).unique(dim=0).tolist()
+    trie = Trie.from_sequences(items)
+    prompts = [engine.tokenizer.encode(p) for p in ("a short prompt", "another one, longer")]
+    with torch.inference_mode():
+        want = engine.runner.beam_search(prompts, 6, 3, trie)
+        ran = []
+        monkeypatch.setattr(search_mod, "_one_kernel", lambda *a: ran.append(a[1]) or True)
+        got = engine.runner.beam_search(prompts, 6, 3, trie)
+    assert ran == [0, 1, 2]
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+
+
+def test_which_steps_take_the_kernel(monkeypatch):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(trie_select, "ENABLED", False)
+    assert not trie_select.chosen(cuda, 16, 256)  # off by default
+    with trie_select.enabled():
+        assert trie_select.chosen(cuda, 16, 256)
+        assert trie_select.chosen(cuda, 16, 1024)  # 16,384 candidates
+        assert not trie_select.chosen(cuda, 16, 1025)  # more: the ATen path
+        assert not trie_select.chosen(cpu, 16, 256)
+    assert not trie_select.ENABLED
+
+
+def test_bad_inputs_are_clear_errors():
+    trie = _trie(50, 2, 10, seed=1)
+    ptr, tok = trie.level_csr(1)
+    hist = torch.zeros(1, 2, 2, dtype=torch.long, device=DEV)
+    logits = torch.randn(4, 12, device=DEV)
+    args = (torch.zeros(4, device=DEV), torch.zeros(1, 4, device=DEV))
+    node = torch.zeros(4, dtype=torch.long, device=DEV)
+    with pytest.raises(ValueError, match="at least as many"):
+        trie_select.select(logits, *args, node, ptr, tok, 10, hist, 1)
+    with pytest.raises(ValueError, match="contiguous columns"):
+        trie_select.select(logits.t(), *args, node, ptr, tok, 10, hist, 1)
+    with pytest.raises(ValueError, match="depth"):
+        trie.level_csr(2)
