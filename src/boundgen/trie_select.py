@@ -44,14 +44,14 @@ ENABLED = os.environ.get("BOUNDGEN_TRIE_SELECT", "0") == "1"
 # A prompt's candidates (beams × children, each padded to a power of two) one program holds in
 # registers: int64 keys, 16 warps at the largest (32 a thread). Wider steps take the ATen path.
 MAX_CANDIDATES = 16384
-_INDEX_BITS = 0x7FFFFFFF  # the key's low half: MAX − candidate index (smaller index, larger key)
 
 
-def chosen(device: torch.device, width: int, children: int) -> bool:
-    """Whether a step of `width` beams over `children` candidates each takes the kernel."""
+def chosen(device: torch.device, beams: int, children: int) -> bool:
+    """Whether a step scoring `beams` beams a prompt over `children` candidates each takes the
+    kernel."""
     if not (ENABLED and AVAILABLE and device.type == "cuda"):
         return False
-    return _padded(width) * _padded(children) <= MAX_CANDIDATES
+    return _padded(beams) * _padded(children) <= MAX_CANDIDATES
 
 
 @contextlib.contextmanager
@@ -92,6 +92,7 @@ if AVAILABLE:
         step,
         WC: tl.constexpr,
         C: tl.constexpr,
+        W: tl.constexpr,
         S: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -124,9 +125,9 @@ if AVAILABLE:
         none = -9223372036854775807 - 1
         key = tl.reshape(tl.where(real, key, none), [WC * C])
 
-        picks = tl.arange(0, WC)  # the W beams kept (WC: W padded; Wc ≤ W beams scored)
-        parents = tl.zeros([WC], dtype=tl.int64)
-        tokens = tl.zeros([WC], dtype=tl.int64)
+        picks = tl.arange(0, W)  # the w beams kept (W: w padded)
+        parents = tl.zeros([W], dtype=tl.int64)
+        tokens = tl.zeros([W], dtype=tl.int64)
         for i in range(w):
             best = tl.max(key, 0)
             found = best != none
@@ -187,7 +188,7 @@ def select(
     node_out = torch.empty(b * w, dtype=torch.int64, device=scores.device)
     parent = torch.empty_like(node_out)
     hist_out = torch.empty_like(hist)
-    wcp = _padded(w)
+    wcp = _padded(wc)  # at step 0 one beam a prompt: its children alone, not W rows of them
     cp = _padded(max(c, 1))
     warps = 4 if wcp * cp <= 1024 else 8 if wcp * cp <= 4096 else 16
     _select_kernel[(b,)](
@@ -209,6 +210,7 @@ def select(
         steps,
         step,
         WC=wcp,
+        W=_padded(w),
         C=cp,
         S=_padded(steps),
         num_warps=warps,
