@@ -285,13 +285,16 @@ def test_compiled_search_with_and_without_the_own_slot_kernel(monkeypatch, enabl
     assert_recommends_as_plain(got, want)
 
 
-def test_compiled_search_with_the_one_kernel_trie_step():
+@pytest.mark.parametrize("softmax", ["vocab", "children"])
+def test_compiled_search_with_the_one_kernel_trie_step(softmax):
     """With `trie_select` on, every trie step of a captured search selects in one kernel (seen in
-    a replay's kernels), and the search recommends what the plain search (ATen steps) does."""
+    a replay's kernels), and the search recommends what the plain search (ATen steps) does, with
+    scores over the vocabulary or over each beam's children."""
     from boundgen import trie_select
     from boundgen.compile.decode import SearchGraphs
 
     engine, trie, attention = demo_search()
+    trie = trie.with_softmax(softmax)
     sg = SearchGraphs(engine.model, engine.device, attention, compile_layers=True)
     prompts = [engine.tokenizer.encode(f"history: item {i} item {i + 3} next:") for i in range(6)]
     with torch.inference_mode():

@@ -52,6 +52,43 @@ def _steps(trie: Trie, b: int, w: int, vocab: int, dtype, seed: int, dead: int =
         scores, node, _, hist = want
 
 
+@pytest.mark.parametrize("level_head", [True, False], ids=["level-logits", "full-logits"])
+def test_children_scored_step_equals_the_aten_step_up_to_rounding(level_head, monkeypatch):
+    """`softmax="children"`: each beam's children renormalised in the kernel, over the level's
+    logits (their columns there) or the vocabulary's (their tokens): the ATen step's scores up to
+    float32 rounding, and the same picks (float32 logits: no near-ties)."""
+    if not level_head:  # the ATen step's full head over the vocabulary
+        monkeypatch.setattr(search_mod, "LEVEL_HEAD_MAX", 0)
+    trie = _trie(1500, 3, 30, seed=4).with_softmax("children")
+    b, w, vocab = 3, 8, 37
+    g = torch.Generator().manual_seed(6)
+    scores = torch.zeros(b, 1, device=DEV)
+    node = torch.zeros(b, dtype=torch.long, device=DEV)
+    hist = torch.zeros(b, w, trie.depth, dtype=torch.long, device=DEV)
+    expand = Expander(trie, torch.empty(0, dtype=torch.long, device=DEV))
+    for step in range(trie.depth):
+        wc = scores.shape[1]
+        level = torch.randn(b * wc, trie.level_sizes[step], generator=g).mul_(2).to(DEV)
+        full = torch.randn(b * wc, vocab, generator=g).mul_(2).to(DEV)
+        full[:, trie.level_tokens(step)] = level  # the same logits either way
+        z, columns = (level, trie.level_columns(step)) if level_head else (full, None)
+        ptr, tok = trie.level_csr(step)
+        got = trie_select.select(
+            z, None, scores, node, ptr, tok, trie.max_children[step], hist, step, columns
+        )
+
+        def head(rows, cols=None, full=full, level=level):
+            return full if cols is None else level
+
+        want = _pick(*expand.children(step, None, scores, node, head), hist.clone(), step)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=2e-5)
+        live = got[0].view(-1) > NEG_INF
+        assert torch.equal(live, want[0].view(-1) > NEG_INF)
+        assert torch.equal(got[1][live], want[1][live]), step
+        assert torch.equal(got[3][live.view(b, w)], want[3][live.view(b, w)]), step
+        scores, node, _, hist = want
+
+
 def _candidate_score(trie, logits, lse, scores, depth, parent_row, child):
     """The score the ATen step gives candidate `child` of beam row `parent_row`."""
     token = int(trie.level_csr(depth)[1][child])
@@ -137,13 +174,15 @@ def test_tied_scores_keep_distinct_candidates_with_those_scores(items, depth, co
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="the CPU engine; on CUDA: test_compile_gpu's search")
-def test_whole_searches_with_the_kernel_equal_the_aten_searches(engine_for, monkeypatch):
+@pytest.mark.parametrize("softmax", ["vocab", "children"])
+def test_whole_searches_with_the_kernel_equal_the_aten_searches(softmax, engine_for, monkeypatch):
     """The tiny model's constrained searches, the step in one kernel (forced on, in the
-    interpreter on CPU) against the ATen steps: the same items and scores."""
+    interpreter on CPU) against the ATen steps: the same items, and the same scores (over the
+    children up to float32 rounding)."""
     engine = engine_for("qwen2")
     g = torch.Generator().manual_seed(2)
     items = torch.randint(0, 60, (200, 3), generator=g).unique(dim=0).tolist()
-    trie = Trie.from_sequences(items)
+    trie = Trie.from_sequences(items, softmax=softmax)
     prompts = [engine.tokenizer.encode(p) for p in ("a short prompt", "another one, longer")]
     with torch.inference_mode():
         want = engine.runner.beam_search(prompts, 6, 3, trie)
@@ -152,7 +191,10 @@ def test_whole_searches_with_the_kernel_equal_the_aten_searches(engine_for, monk
         got = engine.runner.beam_search(prompts, 6, 3, trie)
     assert ran == [0, 1, 2]
     assert torch.equal(got[0], want[0])
-    assert torch.equal(got[1], want[1])
+    if softmax == "vocab":
+        assert torch.equal(got[1], want[1])
+    else:
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
 
 
 def test_which_steps_take_the_kernel(monkeypatch):

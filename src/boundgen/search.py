@@ -14,9 +14,10 @@ step needs no full-vocabulary logits: the LM head runs on the step's level token
 (`Trie.level_tokens`, e.g. 256 semantic codes instead of 151,936 columns), from the hidden state
 (`session.hidden`), and each beam's candidates are gathered from those columns.
 
-On CUDA with `trie_select` on (`BOUNDGEN_TRIE_SELECT=1`), a full-vocabulary trie step's
-selection — children, scores, the best W, parents, history — is one Triton kernel instead of ~20
-ATen kernels (`trie_select.py`); the kept scores are the same bits.
+On CUDA with `trie_select` on (`BOUNDGEN_TRIE_SELECT=1`), a trie step's selection — children,
+their scores, the best W, parents, history — is one Triton kernel instead of ~20 ATen kernels
+(`trie_select.py`); over the vocabulary the kept scores are the same bits, over a beam's
+children the normaliser is summed in another order (float32 rounding apart).
 
 `search(session, ...)` drives a decode session (`compile/decode.py`): the prompts are prefilled
 once and shared by their beams; each step feeds one token per beam and reorders the beams' own KV
@@ -159,19 +160,22 @@ def search(
     for step in range(steps):
         if step > 0:
             tokens, positions = hist[:, :, step - 1].reshape(n), base_pos + (step - 1)
+        one_kernel = trie is not None and _one_kernel(trie, step, w, dev)
         if children:
             rows = session.hidden(step - 1, tokens, positions) if step > 0 else last
-            picked = _pick(*expand.children(step, rows, scores, node, head), hist, step)
+            if one_kernel:  # the head as `Expander.children` runs it, the rest in one kernel
+                level = trie.level_sizes[step] <= LEVEL_HEAD_MAX
+                z = head(rows, trie.level_tokens(step)) if level else head(rows)
+                columns = trie.level_columns(step) if level else None
+                picked = _kernel_step(trie, step, z, None, scores, node, hist, columns)
+            else:
+                picked = _pick(*expand.children(step, rows, scores, node, head), hist, step)
         else:
             if step > 0:
                 logits = session.step(step - 1, tokens, positions)
-            if trie is not None and _one_kernel(trie, step, w, dev):
-                ptr, child_token = trie.level_csr(step)
+            if one_kernel:
                 lse = row_logsumexp(logits)
-                c = trie.max_children[step]
-                picked = trie_select.select(
-                    logits, lse, scores, node, ptr, child_token, c, hist, step
-                )
+                picked = _kernel_step(trie, step, logits, lse, scores, node, hist)
             else:
                 picked = _pick(*expand(step, logits, scores, node), hist, step)
         scores, next_node, global_parent, hist = picked
@@ -185,6 +189,13 @@ def search(
 def _one_kernel(trie: Any, step: int, width: int, device: torch.device) -> bool:
     """Whether this trie step's selection runs as one kernel (`trie_select`)."""
     return hasattr(trie, "level_csr") and trie_select.chosen(device, width, trie.max_children[step])
+
+
+def _kernel_step(trie, step, logits, lse, scores, node, hist, columns=None):
+    """A trie step's selection in one kernel (`trie_select.select`), its outputs as `_pick`'s."""
+    ptr, child_token = trie.level_csr(step)
+    c = trie.max_children[step]
+    return trie_select.select(logits, lse, scores, node, ptr, child_token, c, hist, step, columns)
 
 
 def _pick(cand, cand_tokens, cand_child, c: int, hist: torch.Tensor, step: int):

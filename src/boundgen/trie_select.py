@@ -1,27 +1,30 @@
-"""`select`: one trie step of a beam search (HF's full-vocabulary scores) in one Triton kernel.
+"""`select`: one trie step of a beam search in one Triton kernel.
 
 A trie step of `search.search` takes its beams' children from the trie's CSR arrays, gathers their
-logits, subtracts the row's log-sum-exp, adds the beam's score, keeps the best W of a prompt's
-Wc·C candidates, and turns them into parents, tokens, child nodes and the reordered token history:
-about twenty small ATen kernels a step (the trie's `children` 4–10, the gathers and masks ~6,
-`topk`, ~8 for the picks and the history), 80 launches of a W4 search's ~1,700 — each a few µs of
-GPU time and a ~1.6 µs gap inside the whole-search graph (H200 profiles, BENCHMARKS.md).
+logits, turns them into log-probs (less the row's log-sum-exp over the vocabulary, HF's scores; or
+normalised over the beam's children, `softmax="children"`), adds the beam's score, keeps the best W
+of a prompt's Wc·C candidates, and turns them into parents, tokens, child nodes and the reordered
+token history: about twenty small ATen kernels a step (the trie's `children` 4–10, the gathers and
+masks ~6, `topk`, ~8 for the picks and the history), 80 launches of a W4 search's ~1,700 — each a
+few µs of GPU time and a ~1.6 µs gap inside the whole-search graph (H200 profiles, BENCHMARKS.md).
 
 Here one program owns one prompt (its Wc beams' candidates, Wc·C ≤ `MAX_CANDIDATES`): it loads
-each beam's node, the node's child range, the children's tokens and logits, scores them, and picks
-the best W by W rounds of a max-reduction over a sort key that holds the score and the candidate's
-index (the smallest index wins a tie, so every pick is one candidate and picks are made in order).
-It writes the new scores, child nodes (-1: a dead beam), the beams' global parents (for the KV
-reorder) and the history with the parents' rows gathered and this step's tokens in their column.
-The row log-sum-exp stays its own kernel (`logsumexp.row_logsumexp`: a few beams' 151,936 columns
-read by hundreds of programs, not by W programs).
+each beam's node, the node's child range, the children's tokens (or their columns among the level's
+tokens, when the head ran on those alone) and logits, scores them, and picks the best W by W rounds
+of a max-reduction over a sort key that holds the score and the candidate's index (the smallest
+index wins a tie, so every pick is one candidate and picks are made in order). It writes the new
+scores, child nodes (-1: a dead beam), the beams' global parents (for the KV reorder) and the
+history with the parents' rows gathered and this step's tokens in their column. Over the
+vocabulary, the row log-sum-exp stays its own kernel (`logsumexp.row_logsumexp`: a few beams'
+151,936 columns read by hundreds of programs, not by one a prompt).
 
-Numerics: score + (float32(logit) − lse), as `search.Expander`, so the kept scores are the same
-bits; among equal scores the unfused path's `topk` may keep another of the tied candidates.
+Numerics: over the vocabulary score + (float32(logit) − lse), as `search.Expander`, so the kept
+scores are the same bits; over the children (z − max) − log Σ exp(z − max), as `log_softmax`, but
+summed in another order with Triton's exp and log (float32 rounding apart). Among equal scores the
+ATen path's `topk` may keep another of the tied candidates.
 
 Off by default until measured on the GPU (`BOUNDGEN_TRIE_SELECT=1` turns it on; `enabled(...)`
-for an A/B in one process). A trie scored over its children (`softmax="children"`) and searches
-without a trie keep the ATen path.
+for an A/B in one process). Searches without a trie keep the ATen path.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ if AVAILABLE:
         node_ptr,
         child_ptr,
         child_token,
+        column_ptr,
         hist_in,
         hist_out,
         top_out,
@@ -94,6 +98,8 @@ if AVAILABLE:
         C: tl.constexpr,
         W: tl.constexpr,
         S: tl.constexpr,
+        COLUMNS: tl.constexpr,
+        CHILDREN: tl.constexpr,
     ):
         b = tl.program_id(0)
         beams = tl.arange(0, WC)
@@ -105,15 +111,26 @@ if AVAILABLE:
         start = tl.load(child_ptr + node, mask=alive, other=0)
         end = tl.load(child_ptr + node + 1, mask=alive, other=0)
         score = tl.load(scores_ptr + row, mask=beam_ok, other=0.0)
-        lse = tl.load(lse_ptr + row, mask=beam_ok, other=0.0)
 
         slot = start[:, None] + slots[None, :]  # the children's node ids at depth + 1
         real = beam_ok[:, None] & (slots[None, :] < c)  # the unfused path's [Wc, C] candidates
         valid = real & (slot < end[:, None])  # a dead beam's range is empty
-        token = tl.load(child_token + slot, mask=valid, other=0)
+        if COLUMNS:  # logits over the level's tokens: each child's column there
+            column = tl.load(column_ptr + slot, mask=valid, other=0)
+        else:
+            column = tl.load(child_token + slot, mask=valid, other=0)
         rows = row.to(tl.int64)[:, None] * stride_logits
-        z = tl.load(logits_ptr + rows + token, mask=valid, other=0.0).to(tl.float32)
-        cand = tl.where(valid, score[:, None] + (z - lse[:, None]), float("-inf"))
+        z = tl.load(logits_ptr + rows + column, mask=valid, other=0.0).to(tl.float32)
+        if CHILDREN:  # log-probs over each beam's children, as `log_softmax`: (z − max) − log Σ
+            top = tl.max(tl.where(valid, z, float("-inf")), 1)
+            shifted = z - top[:, None]
+            total = tl.sum(tl.where(valid, tl.exp(shifted), 0.0), 1)
+            total = tl.where(total == 0.0, 1.0, total)  # a dead beam's (no log of 0: unused)
+            logp = shifted - tl.log(total)[:, None]
+        else:  # over the vocabulary: the logit less the row's log-sum-exp
+            lse = tl.load(lse_ptr + row, mask=beam_ok, other=0.0)
+            logp = z - lse[:, None]
+        cand = tl.where(valid, score[:, None] + logp, float("-inf"))
 
         # the sort key: a float's bits ordered as signed ints (negatives' magnitude bits flipped),
         # over the index counted down, so one max-reduction finds the best and, among ties, the
@@ -160,7 +177,7 @@ if AVAILABLE:
 
 def select(
     logits: torch.Tensor,
-    lse: torch.Tensor,
+    lse: torch.Tensor | None,
     scores: torch.Tensor,
     node: torch.Tensor,
     child_ptr: torch.Tensor,
@@ -168,15 +185,18 @@ def select(
     children: int,
     hist: torch.Tensor,
     step: int,
+    columns: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One trie step for B prompts of Wc beams kept to W = hist.shape[1].
 
-    logits [B·Wc, V] (any float dtype, columns contiguous), lse [B·Wc] float32 (their rows'
-    log-sum-exp), scores [B, Wc] float32, node [B·Wc] int64 (-1: dead), the depth's CSR arrays
-    (`Trie.level_csr`) and `children`, the most a node there has; hist [B, W, S] int64 (the
-    tokens so far; Wc = 1 at step 0). → (scores [B, W] best first, −inf for dead beams; node
-    [B·W] (-1 dead); parent [B·W], the global row of each beam's parent for `BeamKV.reorder`;
-    hist [B, W, S], a new tensor)."""
+    logits [B·Wc, V] (any float dtype, columns contiguous); lse [B·Wc] float32, their rows'
+    log-sum-exp (HF's scores over the vocabulary), or None: scores normalised over each beam's
+    children (`softmax="children"`); scores [B, Wc] float32, node [B·Wc] int64 (-1: dead), the
+    depth's CSR arrays (`Trie.level_csr`) and `children`, the most a node there has; hist
+    [B, W, S] int64 (the tokens so far; Wc = 1 at step 0); `columns`: each child's column in
+    `logits` when they are over the level's tokens (`Trie.level_columns`), else its token's.
+    → (scores [B, W] best first, −inf for dead beams; node [B·W] (-1 dead); parent [B·W], the
+    global row of each beam's parent for `BeamKV.reorder`; hist [B, W, S], a new tensor)."""
     b, wc = scores.shape
     w, steps = hist.shape[1], hist.shape[2]
     c = int(children)
@@ -194,11 +214,12 @@ def select(
     _select_kernel[(b,)](
         logits,
         logits.stride(0),
-        lse,
+        top if lse is None else lse,  # unread without lse
         scores.contiguous(),
         node,
         child_ptr,
         child_token,
+        child_token if columns is None else columns,  # unread without columns
         hist.contiguous(),
         hist_out,
         top,
@@ -210,9 +231,11 @@ def select(
         steps,
         step,
         WC=wcp,
-        W=_padded(w),
         C=cp,
+        W=_padded(w),
         S=_padded(steps),
+        COLUMNS=columns is not None,
+        CHILDREN=lse is None,
         num_warps=warps,
     )
     return top, node_out, parent, hist_out

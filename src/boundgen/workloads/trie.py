@@ -340,6 +340,13 @@ class Trie:
         self._check_depth(depth)
         return self._child_ptr[depth], self._child_token[depth]
 
+    def level_columns(self, depth: int) -> torch.Tensor:
+        """Each depth-`depth + 1` node's token as a column of `level_tokens(depth)`, int64
+        `[n_{d+1} + 1]` (the last: a sentinel, column 0): a step over the level's logits alone
+        in one kernel (`trie_select`)."""
+        self._check_depth(depth)
+        return self._col_ext[depth]
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError naming a token (and an item holding it) if any token >= vocab_size."""
         if self._max_token < vocab_size:
