@@ -158,14 +158,18 @@ def test_search_graphs_match_plain_search(cuda_engine, compile_layers, attention
     _search_graphs_match(cuda_engine, compile_layers, attention, monkeypatch, exact_eager=True)
 
 
-@pytest.mark.parametrize(("compile_layers", "attention"), [(False, "flash"), (True, "fused")])
+@pytest.mark.parametrize(
+    ("compile_layers", "attention"), [(False, "flash"), (True, "flash"), (True, "fused")]
+)
 def test_search_graphs_with_the_fused_linear_kernels_match_plain_search(
     cuda_engine, compile_layers, attention, monkeypatch
 ):
     """The same with the few-row fused linear kernels on (`skinny.MAX_ROWS` 64: the prefills of
     32 and 64 tokens and every decode step take them, K split, one counter buffer a forward),
-    eagerly and inside the compiled decode layers, replayed from the search's graph. They round
-    the norm once where the plain layers round twice: near-ties may reorder."""
+    eagerly and inside the compiled decode layers, replayed from the search's graph; a decode
+    step's qkv kernel also writes the cache slot, with q by KV head for flash (the compiled
+    layers' default). They round the norm once where the plain layers round twice: near-ties
+    may reorder."""
     from boundgen.models import skinny
 
     monkeypatch.setattr(skinny, "MAX_ROWS", 64)

@@ -128,6 +128,100 @@ def test_norm_linear_rotates_the_q_and_k_heads(m, tile, dtype, monkeypatch):
     assert skinny_tiles.rope_block_n(32, 128, 24 * 128) == 128  # Qwen3-0.6B: 16 + 8 heads of 128
 
 
+@pytest.mark.parametrize("group", [1, 2], ids=["heads-in-order", "by-kv-head"])
+@pytest.mark.parametrize(("m", "tile"), [(5, (32, 32, 1)), (16, (16, 16, 3))])
+def test_norm_linear_writes_k_and_v_into_the_cache_slot(m, tile, group, monkeypatch):
+    """A decode step's qkv (4 q heads, 2 k and 2 v heads of 16): q returned, rotated, its heads
+    in KV-head order with `group` 2 (as `by_kv_head` orders them); the rotated k and the v
+    written into slot `step` of each row's cache, the other slots untouched — for tiles of two
+    heads and of one, K whole or split."""
+    from boundgen.attention.cascade import by_kv_head
+    from boundgen.models.layers import apply_rope
+
+    block_n, block_k, split = tile
+    monkeypatch.setattr(skinny_tiles, "tile_for", lambda *a: (block_n, block_k, split, 4, 2))
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    k, d, heads, kv_heads, slots = 80, 16, 4, 2, 3
+    n = (heads + 2 * kv_heads) * d
+    g = torch.Generator().manual_seed(m + group)
+    x = _randn(g, m, k, scale=3.0, dtype=dtype)
+    norm = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEV)
+    w, bias = _randn(g, n, k, scale=k**-0.5, dtype=dtype), _randn(g, n, dtype=dtype)
+    angle = torch.rand(m, d // 2, generator=g) * 6.3
+    cos, sin = angle.cos().to(dtype).to(DEV), angle.sin().to(dtype).to(DEV)
+    cache = _randn(g, m, slots, 2, kv_heads, d, dtype=dtype)
+    before = cache.clone()
+    step = torch.tensor([1], device=DEV)
+    rotated = (heads + kv_heads) * d
+    with skinny.forced():
+        q = torch.ops.boundgen.norm_linear(
+            x, norm, 1e-6, w, bias, None, cos, sin, rotated, group, cache, step
+        )
+    qkv = skinny.reference_norm_linear(x, norm, 1e-6, w, bias)
+    qk = apply_rope(qkv[:, :rotated].float().view(m, heads + kv_heads, d), cos[:, None].float(),
+                    sin[:, None].float()).to(dtype)  # fmt: skip
+    want_q = qk[:, :heads]
+    if group > 1:
+        want_q = by_kv_head(want_q, group)
+    assert q.shape == (m, heads * d)
+    _close(q.view(want_q.shape), want_q, dtype, bf16_tol=NORM_BF16_TOL)
+    _close(cache[:, 1, 0], qk[:, heads:], dtype, bf16_tol=NORM_BF16_TOL)
+    _close(cache[:, 1, 1], qkv[:, rotated:].view(m, kv_heads, d), dtype, bf16_tol=NORM_BF16_TOL)
+    assert torch.equal(cache[:, [0, 2]], before[:, [0, 2]])
+
+
+def test_a_cache_write_needs_the_rotation_and_a_matching_slot():
+    x, norm = torch.randn(3, 32, device=DEV), torch.ones(32, device=DEV)
+    w = torch.randn(8 * 16, 32, device=DEV)
+    cos = sin = torch.ones(3, 8, device=DEV)
+    step = torch.zeros(1, dtype=torch.long, device=DEV)
+    cache = torch.zeros(3, 2, 2, 2, 16, device=DEV)
+    ops = torch.ops.boundgen
+    with skinny.forced():
+        with pytest.raises(ValueError, match="only with a kv cache"):
+            ops.norm_linear(x, norm, 1e-6, w, None, None, cos, sin, 96, 2)
+        with pytest.raises(ValueError, match="rotated q and k"):
+            ops.norm_linear(x, norm, 1e-6, w, None, None, None, None, 0, 1, cache, step)
+        with pytest.raises(ValueError, match="contiguous"):
+            ops.norm_linear(x, norm, 1e-6, w, None, None, cos, sin, 96, 1, cache[:, :, :1], step)
+        with pytest.raises(ValueError, match="does not divide"):
+            ops.norm_linear(x, norm, 1e-6, w, None, None, cos, sin, 96, 3, cache, step)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_decode_step_s_input_with_the_kernels_equals_it_without(grouped):
+    """`DecoderLayer.decode_input`: the fused kernel (rotation, q's order, the cache slot's
+    write) against the layer's plain input and `index_copy_` into the slot."""
+    torch.manual_seed(1)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    cfg = _config()
+    layer = DecoderLayer(cfg).to(DEV, dtype)
+    for p in layer.parameters():
+        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.1)
+    n, slots = 6, 4
+    x = torch.randn(n, cfg.hidden_size, device=DEV, dtype=dtype)
+    cos = torch.randn(n, 1, cfg.head_dim // 2, device=DEV, dtype=dtype)
+    sin = torch.randn(n, 1, cfg.head_dim // 2, device=DEV, dtype=dtype)
+    step = torch.tensor([2], device=DEV)
+    start = torch.randn(n, slots, 2, cfg.num_kv_heads, cfg.head_dim, device=DEV, dtype=dtype)
+    runs = {}
+    with torch.no_grad():
+        for fused in (False, True):
+            cache = start.clone()
+            if fused:
+                with skinny.forced():
+                    q = layer.decode_input(x, cos, sin, cache, step, grouped)
+            else:
+                with skinny.rows_up_to(0):
+                    q = layer.decode_input(x, cos, sin, cache, step, grouped)
+            runs[fused] = (q, cache)
+    (q_plain, cache_plain), (q_fused, cache_fused) = runs[False], runs[True]
+    assert q_fused.shape == q_plain.shape
+    _close(q_fused.contiguous(), q_plain.contiguous(), dtype, bf16_tol=6e-2)
+    _close(cache_fused, cache_plain, dtype, bf16_tol=6e-2)
+    assert not torch.equal(cache_fused[:, 2], start[:, 2])  # the slot was written
+
+
 # (BLOCK_N, BLOCK_K, SPLIT_K): K = 80 in 16- or 32-wide steps split 2, 3 or 5 ways (a split of
 # 3 × 32 covers 96: its last steps are masked), N = 48 in 32-column tiles (the last half masked)
 SPLITS = [(32, 16, 2), (32, 32, 3), (16, 16, 5), (64, 16, 1)]
@@ -484,15 +578,55 @@ class Parts(torch.nn.Module):
         return self.layer.mlp_block(self.layer.attention_output(x, o, counts), counts), q, k, v
 
 
+class Step(torch.nn.Module):  # a decode step's input: q by KV head, k and v into the cache
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, cache, step):
+        counts = skinny.counters(x, self.layer)
+        cos, sin = x[:, :8].unsqueeze(1), x[:, 8:16].unsqueeze(1)
+        return self.layer.decode_input(x, cos, sin, cache, step, True, counts)
+
+
 x, o = torch.randn(16, 64, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
 auto = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
 with torch.inference_mode():
-    ep = torch.export.export(Parts(layer), (x, o), dynamic_shapes=(auto, auto))
-ops = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
-print(" ".join(o for o in ops if o.startswith("boundgen")))
+    if sys.argv[2] == "decode":
+        cache = torch.zeros(16, 4, 2, 2, 16, dtype=torch.bfloat16)
+        step = torch.tensor([1])
+        rows = {0: torch.export.Dim.AUTO}
+        ep = torch.export.export(Step(layer), (x, cache, step), dynamic_shapes=(auto, rows, None))
+        ep = ep.run_decompositions({})  # functional: the cache's write as a graph output
+    else:
+        ep = torch.export.export(Parts(layer), (x, o), dynamic_shapes=(auto, auto))
+ops = [
+    f"{n.target}({n.args[0]})" if "auto_functionalized" in str(n.target) else str(n.target)
+    for n in ep.graph.nodes
+    if n.op == "call_function"
+]
+print(" ".join(o for o in ops if o.startswith("boundgen") or "auto_functionalized" in o))
 print("zeros:", ops.count("aten.zeros.default"))  # the counters: one fill for the four calls
 print("symbols:", len(ep.range_constraints))  # the rows: x and o share them
+print("mutated:", " ".join(sorted(ep.graph_signature.user_inputs_to_mutate.values())))
+print("copies:", sum("index_copy" in o or "stack" in o for o in ops))
 """
+
+
+def _export(what: str) -> list[str]:
+    """The EXPORT script's report of `what` ("parts" or "decode"), in a child without
+    `TRITON_INTERPRET` (the interpreter's kernels are not traceable)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    res = subprocess.run(
+        [sys.executable, "-c", EXPORT, tests, what],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.splitlines()
 
 
 def test_the_layer_traces_with_symbolic_rows():
@@ -500,19 +634,8 @@ def test_the_layer_traces_with_symbolic_rows():
     dim left to export (`Dim.AUTO`, as dynamo's automatic dynamic shapes leave them for the beam
     layers): the kernels specialise on the weights' sizes only, so the rows stay symbolic. On
     the H200 a K read from the activation was a SymInt the tile table could not hash. The four
-    calls share one counter buffer, sized by the symbolic rows. In a child without
-    `TRITON_INTERPRET` (the interpreter's kernels are not traceable)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    tests = os.path.dirname(os.path.abspath(__file__))
-    res = subprocess.run(
-        [sys.executable, "-c", EXPORT, tests],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    lines = res.stdout.splitlines()
+    calls share one counter buffer, sized by the symbolic rows."""
+    lines = _export("parts")
     assert lines[0].split() == [
         "boundgen.norm_linear.default",
         "boundgen.linear_residual.default",
@@ -523,11 +646,22 @@ def test_the_layer_traces_with_symbolic_rows():
     assert lines[2] == "symbols: 1"
 
 
+def test_a_decode_step_s_input_traces_as_one_call_that_writes_the_cache():
+    """The same for `decode_input` (q by KV head, the cache slot written by the kernel): one
+    `norm_linear` call, the cache an input the graph mutates, no stack or `index_copy` of k and
+    v, the rows symbolic."""
+    lines = _export("decode")
+    assert lines[0].split() == ["auto_functionalized_v2(boundgen.norm_linear.default)"]
+    assert lines[2] == "symbols: 1"
+    assert lines[3] == "mutated: cache"
+    assert lines[4] == "copies: 0"
+
+
 HOPPER = """
 from boundgen.models import skinny, skinny_tiles
 
 norm, bias, gated, residual, rope = (a == "1" for a in sys.argv[1:6])
-eps_type, split = sys.argv[6], int(sys.argv[7])
+eps_type, split, group = sys.argv[6], int(sys.argv[7]), int(sys.argv[8])
 fn = skinny._skinny_kernel
 k, n = (4864, 896) if residual else (896, 4864 if gated else 1152)
 block_n, block_k, _, warps, stages = skinny_tiles.default_tile(k, n, gated, 16)
@@ -537,11 +671,15 @@ const = dict(
     K=k, N=n, NORM=norm, BIAS=bias, GATED=gated, RESIDUAL=residual, ROT_COLS=rot_cols,
     HEAD_D=head_d, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=split,
     PRECISION="tf32", INTERPRET=False,
+    # a decode step's cache write (group > 0): q (896 columns, 14 heads) out in KV-head order
+    KV=group > 0, Q_COLS=896 if group else n, GROUP=max(group, 1),
 )
 sig = {n: "i32" for n in fn.arg_names}
-pointers = ("x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "res_ptr", "cos_ptr", "sin_ptr")
+pointers = (
+    "x_ptr", "w_ptr", "out_ptr", "bias_ptr", "norm_ptr", "res_ptr", "cos_ptr", "sin_ptr", "kv_ptr"
+)
 sig.update({n: "*bf16" for n in pointers})
-sig.update(part_ptr="*fp32", count_ptr="*i32")
+sig.update(part_ptr="*fp32", count_ptr="*i32", step_ptr="*i64")
 sig["eps"] = eps_type
 if eps_type == "constexpr":  # how torch 2.11's mutation analysis hands scalars over
     const["eps"] = 1e-6
@@ -551,24 +689,26 @@ aligned = [n for n in fn.arg_names if sig[n].startswith("*")]
 
 
 @pytest.mark.parametrize(
-    ("norm", "bias", "gated", "residual", "rope", "eps_type", "split"),
+    ("norm", "bias", "gated", "residual", "rope", "eps_type", "split", "group"),
     [
-        ("1", "1", "0", "0", "0", "fp32", "1"),  # norm + qkv, K whole
-        ("1", "1", "0", "0", "0", "fp32", "7"),  # norm + qkv, K split
-        ("1", "1", "0", "0", "1", "fp32", "7"),  # norm + qkv + the q/k rotation
-        ("1", "0", "1", "0", "0", "fp32", "3"),  # norm + gate_up + SiLU·mul
-        ("0", "0", "0", "1", "0", "fp32", "13"),  # down + residual
-        ("0", "0", "0", "1", "0", "fp32", "1"),
-        ("1", "1", "0", "0", "1", "fp64", "7"),  # Inductor's launcher types the float fp64
-        ("1", "0", "1", "0", "0", "constexpr", "3"),  # torch 2.11's mutation analysis
+        ("1", "1", "0", "0", "0", "fp32", "1", "0"),  # norm + qkv, K whole
+        ("1", "1", "0", "0", "0", "fp32", "7", "0"),  # norm + qkv, K split
+        ("1", "1", "0", "0", "1", "fp32", "7", "0"),  # norm + qkv + the q/k rotation
+        ("1", "1", "0", "0", "1", "fp32", "7", "7"),  # + q by KV head, k and v to the cache
+        ("1", "1", "0", "0", "1", "fp32", "1", "1"),  # + k and v to the cache, K whole
+        ("1", "0", "1", "0", "0", "fp32", "3", "0"),  # norm + gate_up + SiLU·mul
+        ("0", "0", "0", "1", "0", "fp32", "13", "0"),  # down + residual
+        ("0", "0", "0", "1", "0", "fp32", "1", "0"),
+        ("1", "1", "0", "0", "1", "fp64", "7", "0"),  # Inductor's launcher types the float fp64
+        ("1", "0", "1", "0", "0", "constexpr", "3", "0"),  # torch 2.11's mutation analysis
     ],
 )
-def test_kernel_compiles_for_hopper(norm, bias, gated, residual, rope, eps_type, split):
+def test_kernel_compiles_for_hopper(norm, bias, gated, residual, rope, eps_type, split, group):
     """The interpreter runs the kernel as Python; this compiles each variant for sm_90 (Triton's
     bundled ptxas, no GPU), so what only the compiler checks (types carried through the K loop
     and into the last program's sum, the atomic count, the rotation's reshapes, the eps as fp64
-    or a constexpr) fails here too."""
-    compile_in_child(HOPPER, norm, bias, gated, residual, rope, eps_type, split)
+    or a constexpr, the cache slot's store) fails here too."""
+    compile_in_child(HOPPER, norm, bias, gated, residual, rope, eps_type, split, group)
 
 
 def test_the_sweep_times_distinct_tiles_that_cover_k():

@@ -145,8 +145,7 @@ def decode_layer(
     n = x.shape[0]
     fused = fused and x.is_cuda
     # the prompt attention reads q grouped by KV head: rotated into that order, not copied there
-    q, k, v = layer.attention_input(x, cos, sin, grouped=group > 1 and not fused, counts=counts)
-    bkv.index_copy_(1, step, torch.stack((k, v), 1).unsqueeze(1))
+    q = layer.decode_input(x, cos, sin, bkv, step, group > 1 and not fused, counts)
     bk, bv = bkv[:, :, 0], bkv[:, :, 1]
     if fused:  # one kernel for the prompt part, own slots and merge
         o = torch.ops.boundgen.beam_decode(q, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams)

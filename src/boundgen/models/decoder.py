@@ -163,6 +163,37 @@ class DecoderLayer(nn.Module):
             qkv = proj(norm(x))
         return attn.heads(qkv, cos, sin, grouped, rotate)
 
+    def decode_input(self, x, cos, sin, kv, step, grouped: bool = False, counts=None):
+        """A decode step's q, its k and v stored: x [N, hidden] (one token a beam) → q [N, Hq, D]
+        (or grouped by KV head, [N, G, Hkv, D]), with k and v written into slot `step` (an int64
+        tensor [1]) of `kv` [N, S, 2, Hkv, D] (`BeamKV`'s layer). Where the fused qkv kernel
+        takes the layer it also rotates q and k, orders q's heads and writes the slot (one
+        kernel, where the rotation and the slot's write were one or two more)."""
+        norm, attn, proj = self.input_layernorm, self.self_attn, self.self_attn.qkv_proj
+        if skinny.applies(x, proj) and attn.rotates_together(False):
+            n = x.shape[0]
+            group = attn.num_heads // attn.num_kv_heads if grouped else 1
+            q = torch.ops.boundgen.norm_linear(
+                x,
+                norm.weight,
+                norm.eps,
+                proj.weight,
+                proj.bias,
+                counts,
+                cos.reshape(n, -1),
+                sin.reshape(n, -1),
+                attn.rotated_columns,
+                group,
+                kv,
+                step,
+            )
+            if grouped:
+                return q.view(n, group, attn.num_kv_heads, attn.head_dim)
+            return q.view(n, attn.num_heads, attn.head_dim)
+        q, k, v = self.attention_input(x, cos, sin, grouped=grouped, counts=counts)
+        kv.index_copy_(1, step, torch.stack((k, v), 1).unsqueeze(1))
+        return q
+
     def attention_output(self, x, o, counts=None) -> torch.Tensor:
         """x + o_proj(o): o [T, Hq·D] → [T, hidden]."""
         proj = self.self_attn.o_proj

@@ -14,6 +14,11 @@ linear layer takes its neighbours into one kernel:
                                                                    + SiLU·mul)
     linear_residual  y = r + x @ W.T                              (o_proj, down + residual)
 
+At a decode step `norm_linear` also writes the rotated k and the v into the beams' cache slot and
+returns q alone, its heads in KV-head order where the attention takes a KV head's queries as rows
+(`DecoderLayer.decode_input`): the rotation, q's reordering and the slot's write were one or two
+kernels more a layer-step (72 a W4 search each).
+
 Each program streams a [BLOCK_N, K_SPLIT] slice of W once for all its rows (swap-AB: the weight
 tile is the dot's left operand, so the rows may be as few as 16; BLOCK_M 16, 32 or 64 by the
 rows). A call with few column tiles splits K over more programs (`SPLIT_K`): each leaves its
@@ -163,9 +168,13 @@ if AVAILABLE:
         res_ptr,
         cos_ptr,
         sin_ptr,
+        kv_ptr,
+        step_ptr,
         stride_out,
         stride_res,
         stride_rope,
+        stride_kv,
+        stride_slot,
         col0,
         eps,
         dtype: tl.constexpr,
@@ -176,13 +185,18 @@ if AVAILABLE:
         RESIDUAL: tl.constexpr,
         ROT_COLS: tl.constexpr,
         HEAD_D: tl.constexpr,
+        KV: tl.constexpr,
+        Q_COLS: tl.constexpr,
+        GROUP: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_M: tl.constexpr,
         INTERPRET: tl.constexpr,
     ):
         """The epilogue of a tile whose K is summed: the norm's row scale, bias, the q/k rotation
         (tiles of the first `ROT_COLS` columns), SiLU·mul, residual, then the store (acc
-        [BLOCK_N, BLOCK_M]: the output transposed; `col0` its first column)."""
+        [BLOCK_N, BLOCK_M]: the output transposed; `col0` its first column). With `KV`, only the
+        first `Q_COLS` columns (q) go to the output, their heads in KV-head order with `GROUP` >
+        1, and the rest (k, v) to the cache slot read from `step_ptr`."""
         if NORM:
             # Inductor launches a user kernel with a Python float typed fp64 (attention/segments.py)
             if not INTERPRET:  # (the interpreter hands scalars over as Python floats)
@@ -212,7 +226,23 @@ if AVAILABLE:
         if RESIDUAL:
             r = tl.load(res_ptr + rows[None, :] * stride_res + cols[:, None], mask=out_mask)
             y = (r.to(tl.float32) + y.to(tl.float32)).to(dtype)
-        tl.store(out_ptr + rows[None, :] * stride_out + cols[:, None], y, mask=out_mask)
+        if KV:
+            # a decode step: q to the output, query head j·G + g at [g, j] with G = GROUP (as
+            # `by_kv_head` orders them, so the attention takes a KV head's queries as rows with
+            # no copy); k and v, side by side as in the cache's slot, to slot `step` of each row
+            is_q = cols < Q_COLS
+            dst = cols
+            if GROUP > 1:
+                KV_HEADS: tl.constexpr = Q_COLS // (HEAD_D * GROUP)
+                head = cols // HEAD_D
+                dst = ((head % GROUP) * KV_HEADS + head // GROUP) * HEAD_D + cols % HEAD_D
+            q_at = out_ptr + rows[None, :] * stride_out + dst[:, None]
+            tl.store(q_at, y, mask=out_mask & is_q[:, None])
+            slot = kv_ptr + tl.load(step_ptr) * stride_slot
+            kv_at = slot + rows[None, :] * stride_kv + (cols - Q_COLS)[:, None]
+            tl.store(kv_at, y, mask=out_mask & (cols >= Q_COLS)[:, None])
+        else:
+            tl.store(out_ptr + rows[None, :] * stride_out + cols[:, None], y, mask=out_mask)
 
     @triton.jit
     def _skinny_kernel(
@@ -224,6 +254,8 @@ if AVAILABLE:
         res_ptr,
         cos_ptr,
         sin_ptr,
+        kv_ptr,
+        step_ptr,
         part_ptr,
         count_ptr,
         M,
@@ -231,6 +263,8 @@ if AVAILABLE:
         stride_out,
         stride_res,
         stride_rope,
+        stride_kv,
+        stride_slot,
         eps,
         K: tl.constexpr,
         N: tl.constexpr,
@@ -240,6 +274,9 @@ if AVAILABLE:
         RESIDUAL: tl.constexpr,
         ROT_COLS: tl.constexpr,
         HEAD_D: tl.constexpr,
+        KV: tl.constexpr,
+        Q_COLS: tl.constexpr,
+        GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -290,9 +327,9 @@ if AVAILABLE:
         if SPLIT_K == 1:
             _finish(
                 acc, acc_up, ss, rows, row_mask, cols, col_mask, out_ptr, bias_ptr, res_ptr,
-                cos_ptr, sin_ptr, stride_out, stride_res, stride_rope, pid_n * BLOCK_N, eps,
-                dtype, K, NORM, BIAS, GATED, RESIDUAL, ROT_COLS, HEAD_D, BLOCK_N, BLOCK_M,
-                INTERPRET,
+                cos_ptr, sin_ptr, kv_ptr, step_ptr, stride_out, stride_res, stride_rope,
+                stride_kv, stride_slot, pid_n * BLOCK_N, eps, dtype, K, NORM, BIAS, GATED,
+                RESIDUAL, ROT_COLS, HEAD_D, KV, Q_COLS, GROUP, BLOCK_N, BLOCK_M, INTERPRET,
             )  # fmt: skip
         else:
             # Split K: each program leaves its partial sums in `part_ptr` and counts itself in on
@@ -332,9 +369,9 @@ if AVAILABLE:
                         )
                 _finish(
                     acc, acc_up, ss, rows, row_mask, cols, col_mask, out_ptr, bias_ptr, res_ptr,
-                    cos_ptr, sin_ptr, stride_out, stride_res, stride_rope, pid_n * BLOCK_N, eps,
-                    dtype, K, NORM, BIAS, GATED, RESIDUAL, ROT_COLS, HEAD_D, BLOCK_N, BLOCK_M,
-                    INTERPRET,
+                    cos_ptr, sin_ptr, kv_ptr, step_ptr, stride_out, stride_res, stride_rope,
+                    stride_kv, stride_slot, pid_n * BLOCK_N, eps, dtype, K, NORM, BIAS, GATED,
+                    RESIDUAL, ROT_COLS, HEAD_D, KV, Q_COLS, GROUP, BLOCK_N, BLOCK_M, INTERPRET,
                 )  # fmt: skip
                 # the counter back to zero: the next call on this stream may take the same
                 # buffer (a forward's calls share one, `counters`)
@@ -353,6 +390,9 @@ if AVAILABLE:
         cos=None,
         sin=None,
         rotate_cols=0,
+        group=1,
+        kv=None,
+        kv_step=None,
     ):
         # the kernel takes rows by their stride and everything else packed
         x = x if x.stride(-1) == 1 else x.contiguous()
@@ -368,7 +408,8 @@ if AVAILABLE:
         torch._check(x.shape[1] == k)
         if residual is not None:
             torch._check(residual.shape[0] == m and residual.shape[1] == n)
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        q_cols = _check_kv(kv, kv_step, group, m, n, cos, rotate_cols)
+        out = torch.empty((m, q_cols if kv is not None else n), dtype=x.dtype, device=x.device)
         block_m = skinny_tiles.block_m_for(m)
         m_tiles = skinny_tiles.cdiv(m, block_m) if isinstance(m, int) else 1
         tile = skinny_tiles.tile_for(k, n, gated, block_m, m_tiles)
@@ -410,6 +451,8 @@ if AVAILABLE:
             residual if residual is not None else out,
             cos if cos is not None else out,
             sin if sin is not None else out,
+            kv if kv is not None else out,
+            kv_step if kv is not None else out,
             parts,
             counts,
             m,
@@ -417,6 +460,8 @@ if AVAILABLE:
             out.stride(0),
             residual.stride(0) if residual is not None else 0,
             cos.stride(0) if cos is not None else 0,
+            kv.stride(0) if kv is not None else 0,
+            kv.stride(1) if kv is not None else 0,
             eps,
             K=k,
             N=n,
@@ -426,6 +471,9 @@ if AVAILABLE:
             RESIDUAL=residual is not None,
             ROT_COLS=rotate_cols if cos is not None else 0,
             HEAD_D=head_d,
+            KV=kv is not None,
+            Q_COLS=q_cols,
+            GROUP=group,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
@@ -440,9 +488,34 @@ if AVAILABLE:
         )
         return out
 
+    def _check_kv(kv, kv_step, group, m, n, cos, rotate_cols) -> int:
+        """The q columns of a call that stores k and v into a cache slot (`kv`), or n."""
+        if kv is None:
+            if group != 1:
+                raise ValueError("norm_linear: q heads by KV head (group) only with a kv cache")
+            return n
+        q_cols = 2 * rotate_cols - n  # rotated: q and k; the rest: v, as wide as k
+        if cos is None or kv_step is None or q_cols <= 0:
+            raise ValueError(
+                "norm_linear: a kv cache slot takes the rotated q and k heads (cos, sin, "
+                "rotate_cols) and the slot's index (kv_step)"
+            )
+        kv_cols = n - q_cols
+        slot = kv.shape[2:]
+        if kv.dim() < 3 or kv.stride(-1) != 1 or kv[0, 0].numel() != kv_cols:
+            raise ValueError(
+                f"norm_linear: kv {tuple(kv.shape)} must be [M, S, ...] with each slot's "
+                f"{kv_cols} k and v columns contiguous, got slots of {tuple(slot)}"
+            )
+        torch._check(kv.shape[0] == m)
+        if group < 1 or (q_cols // (2 * cos.shape[1])) % group:
+            raise ValueError(f"norm_linear: group {group} does not divide the q heads")
+        return q_cols
+
     # `counts` (optional, `counters`): the int32 counters of a K split, zero, which the call
-    # leaves at zero; declared mutated, since the kernel counts in them while it runs
-    @triton_op("boundgen::norm_linear", mutates_args={"counts"})
+    # leaves at zero; declared mutated, since the kernel counts in them while it runs; `kv`: a
+    # decode step's cache, written
+    @triton_op("boundgen::norm_linear", mutates_args={"counts", "kv"})
     def norm_linear(
         x: torch.Tensor,
         norm: torch.Tensor,
@@ -453,10 +526,18 @@ if AVAILABLE:
         cos: torch.Tensor | None = None,
         sin: torch.Tensor | None = None,
         rotate_cols: int = 0,
+        group: int = 1,
+        kv: torch.Tensor | None = None,
+        kv_step: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """RMSNorm(x; norm, eps) @ weight.T (+ bias): x [M, K] → [M, N]; with `cos` and `sin`
         ([M, D/2] each) its first `rotate_cols` columns (the q and k heads of a qkv projection)
-        rotated by them, head by head (HF's rotate-half)."""
+        rotated by them, head by head (HF's rotate-half).
+
+        With `kv` (a decode step's cache [M, S, ...], each slot k then v contiguous, `BeamKV`)
+        and `kv_step` (int64 [1]): k and v go into slot kv_step of each row, and only q is
+        returned, [M, Hq·D], its heads in KV-head order with `group` G > 1 (query head j·G + g
+        at [:, g, j] of its [M, G, Hkv, D] view, `by_kv_head`)."""
         return _launch(
             x,
             weight,
@@ -467,6 +548,9 @@ if AVAILABLE:
             cos=cos,
             sin=sin,
             rotate_cols=rotate_cols,
+            group=group,
+            kv=kv,
+            kv_step=kv_step,
         )
 
     @triton_op("boundgen::norm_gated", mutates_args={"counts"})
