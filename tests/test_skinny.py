@@ -7,6 +7,7 @@ run a decoder layer inside `torch.compile` against the unfused layer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -220,6 +221,34 @@ def test_a_decode_step_s_input_with_the_kernels_equals_it_without(grouped):
     _close(q_fused.contiguous(), q_plain.contiguous(), dtype, bf16_tol=6e-2)
     _close(cache_fused, cache_plain, dtype, bf16_tol=6e-2)
     assert not torch.equal(cache_fused[:, 2], start[:, 2])  # the slot was written
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU engine in the interpreter; on CUDA: test_compile_gpu")
+def test_a_search_with_the_kernels_equals_it_without(engine_for):
+    """The tiny model's searches through the search's decode layers (`SearchGraphs` without
+    graphs), every prefill and decode step on the fused kernels (each step's input one kernel
+    that writes the cache slot, q by KV head for the grouped attention) against the plain
+    layers: the same beams, scores within float32 rounding."""
+    from boundgen.compile.decode import SearchGraphs
+    from boundgen.workloads.trie import Trie
+
+    engine = engine_for("qwen2")
+    model = engine.model
+    assert model.config.num_heads > model.config.num_kv_heads  # grouped decode steps
+    g = torch.Generator().manual_seed(3)
+    items = torch.randint(0, 60, (150, 3), generator=g).unique(dim=0).tolist()
+    prompts = [engine.tokenizer.encode(p) for p in ("the first prompt", "a second, longer one")]
+    runs = []
+    with torch.inference_mode():
+        for fused in (False, True):
+            sg = SearchGraphs(model, engine.device, model.backend, use_graphs=False)
+            with contextlib.ExitStack() as stack:
+                if fused:
+                    stack.enter_context(skinny.forced())
+                runs.append([sg.run(prompts, 4, 3, t) for t in (None, Trie.from_sequences(items))])
+    for (tokens, scores), (tokens_fused, scores_fused) in zip(*runs, strict=True):
+        assert torch.equal(tokens_fused, tokens)
+        torch.testing.assert_close(scores_fused, scores, rtol=0, atol=1e-4)
 
 
 # (BLOCK_N, BLOCK_K, SPLIT_K): K = 80 in 16- or 32-wide steps split 2, 3 or 5 ways (a split of
