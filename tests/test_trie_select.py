@@ -206,6 +206,12 @@ def test_which_steps_take_the_kernel(monkeypatch):
         assert trie_select.chosen(cuda, 16, 1024)  # 16,384 candidates
         assert not trie_select.chosen(cuda, 16, 1025)  # more: the ATen path
         assert not trie_select.chosen(cpu, 16, 256)
+        # a search's steps: the first scores one row a prompt, so a root of 2,048 children
+        # fits; 16 beams of up to 2,048 children do not
+        trie = Trie.from_sequences([[t, 0] for t in range(2048)] + [[0, t] for t in range(1, 2048)])
+        assert trie.max_children == (2048, 2048)
+        assert search_mod._one_kernel(trie, 0, 16, cuda)
+        assert not search_mod._one_kernel(trie, 1, 16, cuda)
     assert not trie_select.ENABLED
 
 

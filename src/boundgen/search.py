@@ -188,7 +188,8 @@ def search(
 
 def _one_kernel(trie: Any, step: int, width: int, device: torch.device) -> bool:
     """Whether this trie step's selection runs as one kernel (`trie_select`)."""
-    return hasattr(trie, "level_csr") and trie_select.chosen(device, width, trie.max_children[step])
+    beams = width if step > 0 else 1  # step 0 scores each prompt's one row
+    return hasattr(trie, "level_csr") and trie_select.chosen(device, beams, trie.max_children[step])
 
 
 def _kernel_step(trie, step, logits, lse, scores, node, hist, columns=None):
