@@ -502,7 +502,7 @@ if AVAILABLE:
             )
         kv_cols = n - q_cols
         slot = kv.shape[2:]
-        if kv.dim() < 3 or kv.stride(-1) != 1 or kv[0, 0].numel() != kv_cols:
+        if kv.dim() < 3 or not kv[0, 0].is_contiguous() or kv[0, 0].numel() != kv_cols:
             raise ValueError(
                 f"norm_linear: kv {tuple(kv.shape)} must be [M, S, ...] with each slot's "
                 f"{kv_cols} k and v columns contiguous, got slots of {tuple(slot)}"
