@@ -18,6 +18,10 @@ computed from the full head.
 
     python benchmarks/bench_beam.py --heads-only --head-compile --out $OUT/beam_heads.json
 
+With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
+kernels (`skinny.MAX_ROWS` N) and `--trie-select` the one with each trie step's selection in one
+kernel (`trie_select`); given both, also the two together — every variant in one process.
+
 Two searches at once (`--overlap`; `--overlap-only` skips HF, the engine runs and the heads): two
 whole-search graph instances (compiled layers, each its own buffers and graph pool) replayed on
 two CUDA streams against the same searches one after the other on one stream — searches/s at each
