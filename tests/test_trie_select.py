@@ -9,6 +9,7 @@ import torch
 
 from boundgen import search as search_mod
 from boundgen import trie_select
+from boundgen.logsumexp import row_logsumexp
 from boundgen.search import NEG_INF, Expander, _pick
 from boundgen.workloads.trie import Trie
 
@@ -37,7 +38,7 @@ def _steps(trie: Trie, b: int, w: int, vocab: int, dtype, seed: int, dead: int =
         # rows wider than the vocabulary: a slice, read in place
         wide = torch.randn(b * wc, vocab + 3, generator=g).mul_(3).to(dtype).to(DEV)
         logits = wide[:, :vocab]
-        lse = torch.logsumexp(logits.float(), 1)
+        lse = row_logsumexp(logits)  # as `Expander` takes it (the Triton kernel on CUDA)
         if step == 1 and dead:  # beams whose prompt ran out of continuations
             node = node.clone()
             node[:dead] = -1
@@ -150,7 +151,7 @@ def test_tied_scores_keep_distinct_candidates_with_those_scores(items, depth, co
     for step in range(trie.depth):
         wc = scores.shape[1]
         logits = torch.randn(b * wc, vocab, generator=g).to(torch.bfloat16).to(DEV)
-        lse = torch.logsumexp(logits.float(), 1)
+        lse = row_logsumexp(logits)
         ptr, tok = trie.level_csr(step)
         top, child, parent, hist_new = trie_select.select(
             logits, lse, scores, node, ptr, tok, trie.max_children[step], hist, step
