@@ -142,26 +142,36 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] → q, k, v of the normed x (`Attention.heads`, q `grouped` or not, q and
         k rotated unless `rotate` is False)."""
-        norm, attn, proj = self.input_layernorm, self.self_attn, self.self_attn.qkv_proj
-        if skinny.applies(x, proj):
+        attn = self.self_attn
+        if skinny.applies(x, attn.qkv_proj):
             # the kernel rotates q and k as it stores them (its epilogue): no rotation kernel
             fused = rotate and attn.rotates_together(grouped)
-            t = x.shape[0]
-            qkv = torch.ops.boundgen.norm_linear(
-                x,
-                norm.weight,
-                norm.eps,
-                proj.weight,
-                proj.bias,
-                counts,
-                cos.reshape(t, -1) if fused else None,
-                sin.reshape(t, -1) if fused else None,
-                attn.rotated_columns if fused else 0,
-            )
+            qkv = self._fused_qkv(x, cos, sin, counts, fused)
             rotate = rotate and not fused
         else:
-            qkv = proj(norm(x))
+            qkv = attn.qkv_proj(self.input_layernorm(x))
         return attn.heads(qkv, cos, sin, grouped, rotate)
+
+    def _fused_qkv(self, x, cos, sin, counts, rotate: bool, group=1, kv=None, step=None):
+        """`skinny.norm_linear` over the layer's input norm and qkv projection: q and k rotated
+        in its epilogue with `rotate`; with `kv` and `step` q alone (in KV-head order with
+        `group` > 1), k and v written into the cache slot (`decode_input`)."""
+        norm, attn, proj = self.input_layernorm, self.self_attn, self.self_attn.qkv_proj
+        t = x.shape[0]
+        return torch.ops.boundgen.norm_linear(
+            x,
+            norm.weight,
+            norm.eps,
+            proj.weight,
+            proj.bias,
+            counts,
+            cos.reshape(t, -1) if rotate else None,
+            sin.reshape(t, -1) if rotate else None,
+            attn.rotated_columns if rotate else 0,
+            group,
+            kv,
+            step,
+        )
 
     def decode_input(self, x, cos, sin, kv, step, grouped: bool = False, counts=None):
         """A decode step's q, its k and v stored: x [N, hidden] (one token a beam) → q [N, Hq, D]
@@ -169,24 +179,11 @@ class DecoderLayer(nn.Module):
         tensor [1]) of `kv` [N, S, 2, Hkv, D] (`BeamKV`'s layer). Where the fused qkv kernel
         takes the layer it also rotates q and k, orders q's heads and writes the slot (one
         kernel, where the rotation and the slot's write were one or two more)."""
-        norm, attn, proj = self.input_layernorm, self.self_attn, self.self_attn.qkv_proj
-        if skinny.applies(x, proj) and attn.rotates_together(False):
+        attn = self.self_attn
+        if skinny.applies(x, attn.qkv_proj) and attn.rotates_together(False):
             n = x.shape[0]
             group = attn.num_heads // attn.num_kv_heads if grouped else 1
-            q = torch.ops.boundgen.norm_linear(
-                x,
-                norm.weight,
-                norm.eps,
-                proj.weight,
-                proj.bias,
-                counts,
-                cos.reshape(n, -1),
-                sin.reshape(n, -1),
-                attn.rotated_columns,
-                group,
-                kv,
-                step,
-            )
+            q = self._fused_qkv(x, cos, sin, counts, True, group, kv, step)
             if grouped:
                 return q.view(n, group, attn.num_kv_heads, attn.head_dim)
             return q.view(n, attn.num_heads, attn.head_dim)
