@@ -71,10 +71,8 @@ class Expander:
         tokens, child, valid, cols = self.trie.candidates(
             depth, node, ws=self._workspace(node.shape[0])
         )
-        if self.trie.level_sizes[depth] <= LEVEL_HEAD_MAX:
-            z = head(rows, self.trie.level_tokens(depth)).gather(1, cols).float()
-        else:
-            z = head(rows).gather(1, tokens).float()
+        z, level = children_logits(self.trie, depth, rows, head)
+        z = z.gather(1, cols if level else tokens).float()
         z.masked_fill_(~valid, NEG_INF)
         # one kernel (a logsumexp is seven); a dead beam's row (no valid child) is NaN: masked
         lp = torch.log_softmax(z, 1).masked_fill_(~valid, NEG_INF)
@@ -99,6 +97,14 @@ class Expander:
         lp = logits.gather(1, tokens).float().sub_(lse).masked_fill_(~valid, NEG_INF)
         cand = (scores.view(-1, 1) + lp).view(b, -1)
         return cand, tokens.reshape(b, -1), child.reshape(b, -1), tokens.shape[1]
+
+
+def children_logits(trie: Any, depth: int, rows: torch.Tensor, head) -> tuple[torch.Tensor, bool]:
+    """The logits a children-scored step reads from hidden `rows`: over the level's tokens (and
+    True) up to `LEVEL_HEAD_MAX` of them, else over the vocabulary (and False)."""
+    if trie.level_sizes[depth] <= LEVEL_HEAD_MAX:
+        return head(rows, trie.level_tokens(depth)), True
+    return head(rows), False
 
 
 def top_candidates(cand: torch.Tensor, k: int, per_beam: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +170,7 @@ def search(
         if children:
             rows = session.hidden(step - 1, tokens, positions) if step > 0 else last
             if one_kernel:  # the head as `Expander.children` runs it, the rest in one kernel
-                level = trie.level_sizes[step] <= LEVEL_HEAD_MAX
-                z = head(rows, trie.level_tokens(step)) if level else head(rows)
+                z, level = children_logits(trie, step, rows, head)
                 columns = trie.level_columns(step) if level else None
                 picked = _kernel_step(trie, step, z, None, scores, node, hist, columns)
             else:
