@@ -408,8 +408,8 @@ if AVAILABLE:
         torch._check(x.shape[1] == k)
         if residual is not None:
             torch._check(residual.shape[0] == m and residual.shape[1] == n)
-        q_cols = _check_kv(kv, kv_step, group, m, n, cos, rotate_cols)
-        out = torch.empty((m, q_cols if kv is not None else n), dtype=x.dtype, device=x.device)
+        out_cols = _check_kv(kv, kv_step, group, m, n, cos, rotate_cols)
+        out = torch.empty((m, out_cols), dtype=x.dtype, device=x.device)
         block_m = skinny_tiles.block_m_for(m)
         m_tiles = skinny_tiles.cdiv(m, block_m) if isinstance(m, int) else 1
         tile = skinny_tiles.tile_for(k, n, gated, block_m, m_tiles)
@@ -472,7 +472,7 @@ if AVAILABLE:
             ROT_COLS=rotate_cols if cos is not None else 0,
             HEAD_D=head_d,
             KV=kv is not None,
-            Q_COLS=q_cols,
+            Q_COLS=out_cols,
             GROUP=group,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
@@ -489,7 +489,8 @@ if AVAILABLE:
         return out
 
     def _check_kv(kv, kv_step, group, m, n, cos, rotate_cols) -> int:
-        """The q columns of a call that stores k and v into a cache slot (`kv`), or n."""
+        """The output's columns: q's alone for a call that stores k and v into a cache slot
+        (`kv`), else all n."""
         if kv is None:
             if group != 1:
                 raise ValueError("norm_linear: q heads by KV head (group) only with a kv cache")
