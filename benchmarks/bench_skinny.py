@@ -133,7 +133,6 @@ def gemm_calls(layers, m: int, device) -> dict:
     x = torch.randn(m, hidden, device=device).to(torch.bfloat16)
     h = torch.randn(m, layer.mlp.down_proj.weight.shape[1], device=device).to(torch.bfloat16)
     o = torch.randn(m, layer.self_attn.o_proj.weight.shape[1], device=device).to(torch.bfloat16)
-    ops = torch.ops.boundgen
     # the calls share one counter buffer, as a forward's do (its one zero fill: `zeros_us`)
     counts = skinny.counters(x, layer)
     # qkv as the layer calls it: q and k rotated in the epilogue
@@ -144,19 +143,19 @@ def gemm_calls(layers, m: int, device) -> dict:
 
     def qkv(la):
         lin, norm = la.self_attn.qkv_proj, la.input_layernorm
-        return ops.norm_linear(
+        return skinny.norm_linear(
             x, norm.weight, norm.eps, lin.weight, lin.bias, counts, cos, sin, rotated
         )
 
     def o_proj(la):
-        return ops.linear_residual(o, la.self_attn.o_proj.weight, x, counts)
+        return skinny.linear_residual(o, la.self_attn.o_proj.weight, x, counts)
 
     def gate_up(la):
         norm = la.post_attention_layernorm
-        return ops.norm_gated(x, norm.weight, norm.eps, la.mlp.gate_up_proj.weight, counts)
+        return skinny.norm_gated(x, norm.weight, norm.eps, la.mlp.gate_up_proj.weight, counts)
 
     def down(la):
-        return ops.linear_residual(h, la.mlp.down_proj.weight, x, counts)
+        return skinny.linear_residual(h, la.mlp.down_proj.weight, x, counts)
 
     lin, norm, norm2 = (
         layer.self_attn.qkv_proj,

@@ -64,7 +64,7 @@ def test_norm_linear_is_rmsnorm_then_the_linear_layer(m, k, n, dtype):
     w, bias = _randn(g, n, k, scale=k**-0.5, dtype=dtype), _randn(g, n, dtype=dtype)
     with skinny.forced():
         for b in (bias, None):
-            got = torch.ops.boundgen.norm_linear(x, norm, 1e-6, w, b)
+            got = skinny.norm_linear(x, norm, 1e-6, w, b)
             want = skinny.reference_norm_linear(x, norm, 1e-6, w, b)
             _close(got, want, dtype, bf16_tol=NORM_BF16_TOL)
 
@@ -77,7 +77,7 @@ def test_norm_gated_is_rmsnorm_gate_up_and_silu_mul(m, k, n, dtype):
     norm = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEV)
     w = _randn(g, 2 * n, k, scale=k**-0.5, dtype=dtype)
     with skinny.forced():
-        got = torch.ops.boundgen.norm_gated(x, norm, 1e-6, w)
+        got = skinny.norm_gated(x, norm, 1e-6, w)
     _close(got, skinny.reference_norm_gated(x, norm, 1e-6, w), dtype, bf16_tol=NORM_BF16_TOL)
 
 
@@ -88,7 +88,7 @@ def test_linear_residual_adds_the_residual(m, k, n, dtype):
     x, w = _randn(g, m, k, dtype=dtype), _randn(g, n, k, scale=k**-0.5, dtype=dtype)
     res = _randn(g, m, n, scale=4.0, dtype=dtype)
     with skinny.forced():
-        got = torch.ops.boundgen.linear_residual(x, w, res)
+        got = skinny.linear_residual(x, w, res)
     _close(got, skinny.reference_linear_residual(x, w, res), dtype)
 
 
@@ -112,7 +112,7 @@ def test_norm_linear_rotates_the_q_and_k_heads(m, tile, dtype, monkeypatch):
     angle = torch.rand(m, 1, d // 2, generator=g) * 6.3
     cos, sin = angle.cos().to(dtype).to(DEV), angle.sin().to(dtype).to(DEV)
     with skinny.forced():
-        got = torch.ops.boundgen.norm_linear(
+        got = skinny.norm_linear(
             x, norm, 1e-6, w, bias, None, cos.view(m, -1), sin.view(m, -1), heads * d
         )
     qkv = skinny.reference_norm_linear(x, norm, 1e-6, w, bias)
@@ -120,7 +120,7 @@ def test_norm_linear_rotates_the_q_and_k_heads(m, tile, dtype, monkeypatch):
     want = torch.cat([qk.reshape(m, -1).to(dtype), qkv[:, heads * d :]], 1)
     _close(got, want, dtype, bf16_tol=NORM_BF16_TOL)
     with skinny.forced(), pytest.raises(ValueError, match="whole heads"):
-        torch.ops.boundgen.norm_linear(
+        skinny.norm_linear(
             x, norm, 1e-6, w, bias, None, cos.view(m, -1), sin.view(m, -1), heads * d + 8
         )
     # whole heads a tile, tiling the rotated columns (6 heads: 4 a tile would straddle)
@@ -155,9 +155,7 @@ def test_norm_linear_writes_k_and_v_into_the_cache_slot(m, tile, group, monkeypa
     step = torch.tensor([1], device=DEV)
     rotated = (heads + kv_heads) * d
     with skinny.forced():
-        q = torch.ops.boundgen.norm_linear(
-            x, norm, 1e-6, w, bias, None, cos, sin, rotated, group, cache, step
-        )
+        q = skinny.norm_linear(x, norm, 1e-6, w, bias, None, cos, sin, rotated, group, cache, step)
     qkv = skinny.reference_norm_linear(x, norm, 1e-6, w, bias)
     qk = apply_rope(qkv[:, :rotated].float().view(m, heads + kv_heads, d), cos[:, None].float(),
                     sin[:, None].float()).to(dtype)  # fmt: skip
@@ -177,16 +175,15 @@ def test_a_cache_write_needs_the_rotation_and_a_matching_slot():
     cos = sin = torch.ones(3, 8, device=DEV)
     step = torch.zeros(1, dtype=torch.long, device=DEV)
     cache = torch.zeros(3, 2, 2, 2, 16, device=DEV)
-    ops = torch.ops.boundgen
     with skinny.forced():
         with pytest.raises(ValueError, match="only with a kv cache"):
-            ops.norm_linear(x, norm, 1e-6, w, None, None, cos, sin, 96, 2)
+            skinny.norm_linear(x, norm, 1e-6, w, None, None, cos, sin, 96, 2)
         with pytest.raises(ValueError, match="rotated q and k"):
-            ops.norm_linear(x, norm, 1e-6, w, None, None, None, None, 0, 1, cache, step)
+            skinny.norm_linear(x, norm, 1e-6, w, None, None, None, None, 0, 1, cache, step)
         with pytest.raises(ValueError, match="contiguous"):
-            ops.norm_linear(x, norm, 1e-6, w, None, None, cos, sin, 96, 1, cache[:, :, :1], step)
+            skinny.norm_linear(x, norm, 1e-6, w, None, None, cos, sin, 96, 1, cache[:, :, :1], step)
         with pytest.raises(ValueError, match="does not divide"):
-            ops.norm_linear(x, norm, 1e-6, w, None, None, cos, sin, 96, 3, cache, step)
+            skinny.norm_linear(x, norm, 1e-6, w, None, None, cos, sin, 96, 3, cache, step)
 
 
 @pytest.mark.parametrize("grouped", [False, True])
@@ -278,14 +275,13 @@ def test_a_split_k_sums_every_split_once(tile, dtype, m):
     w, bias = _randn(g, n, k, scale=k**-0.5, dtype=dtype), _randn(g, n, dtype=dtype)
     w2 = _randn(g, 2 * n, k, scale=k**-0.5, dtype=dtype)
     res = _randn(g, m, n, scale=4.0, dtype=dtype)
-    ops = torch.ops.boundgen
     with skinny.forced():
         got = [
-            ops.norm_linear(x, norm, 1e-6, w, bias),
-            ops.norm_gated(x, norm, 1e-6, w2),
-            ops.linear_residual(x, w, res),
+            skinny.norm_linear(x, norm, 1e-6, w, bias),
+            skinny.norm_gated(x, norm, 1e-6, w2),
+            skinny.linear_residual(x, w, res),
         ]
-        again = ops.norm_linear(x, norm, 1e-6, w, bias)
+        again = skinny.norm_linear(x, norm, 1e-6, w, bias)
     assert torch.equal(again, got[0])
     wants = [
         skinny.reference_norm_linear(x, norm, 1e-6, w, bias),
@@ -346,7 +342,7 @@ def test_strided_rows_are_read_by_their_stride():
     wide = _randn(g, 9, 2 * 64)
     x, w, res = wide[:, :64], _randn(g, 32, 64, scale=0.125), _randn(g, 9, 32)
     with skinny.forced():
-        got = torch.ops.boundgen.linear_residual(x, w, res)
+        got = skinny.linear_residual(x, w, res)
     _close(got, skinny.reference_linear_residual(x.contiguous(), w, res), torch.float32)
 
 
@@ -555,10 +551,9 @@ def test_split_k_on_the_device_gives_the_same_bits_every_call(m):
     xg = torch.randn(m, 896, device="cuda", dtype=torch.bfloat16)
     norm = torch.rand(896, device="cuda", dtype=torch.bfloat16) + 0.5
     wg = torch.randn(2 * 4864, 896, device="cuda", dtype=torch.bfloat16) * 896**-0.5
-    ops = torch.ops.boundgen
     calls = {
-        "down": lambda: ops.linear_residual(x, w, res),
-        "gate_up": lambda: ops.norm_gated(xg, norm, 1e-6, wg),
+        "down": lambda: skinny.linear_residual(x, w, res),
+        "gate_up": lambda: skinny.norm_gated(xg, norm, 1e-6, wg),
     }
     wants = {
         "down": skinny.reference_linear_residual(x, w, res),

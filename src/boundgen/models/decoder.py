@@ -158,7 +158,7 @@ class DecoderLayer(nn.Module):
         `group` > 1), k and v written into the cache slot (`decode_input`)."""
         norm, attn, proj = self.input_layernorm, self.self_attn, self.self_attn.qkv_proj
         t = x.shape[0]
-        return torch.ops.boundgen.norm_linear(
+        return skinny.norm_linear(
             x,
             norm.weight,
             norm.eps,
@@ -195,16 +195,15 @@ class DecoderLayer(nn.Module):
         """x + o_proj(o): o [T, Hq·D] → [T, hidden]."""
         proj = self.self_attn.o_proj
         if skinny.applies(o, proj):
-            return torch.ops.boundgen.linear_residual(o, proj.weight, x, counts)
+            return skinny.linear_residual(o, proj.weight, x, counts)
         return x + proj(o)
 
     def mlp_block(self, x, counts=None) -> torch.Tensor:
         """x + MLP(RMSNorm(x))."""
         norm, mlp = self.post_attention_layernorm, self.mlp
         if skinny.applies(x, mlp.gate_up_proj, mlp.down_proj):
-            ops = torch.ops.boundgen
-            h = ops.norm_gated(x, norm.weight, norm.eps, mlp.gate_up_proj.weight, counts)
-            return ops.linear_residual(h, mlp.down_proj.weight, x, counts)
+            h = skinny.norm_gated(x, norm.weight, norm.eps, mlp.gate_up_proj.weight, counts)
+            return skinny.linear_residual(h, mlp.down_proj.weight, x, counts)
         return x + mlp(norm(x))
 
     def forward(self, x, cos, sin, attn, kv, layer, backend, counts=None):

@@ -513,32 +513,28 @@ if AVAILABLE:
             raise ValueError(f"norm_linear: group {group} does not divide the q heads")
         return q_cols
 
-    # `counts` (optional, `counters`): the int32 counters of a K split, zero, which the call
-    # leaves at zero; declared mutated, since the kernel counts in them while it runs; `kv`: a
-    # decode step's cache, written
+    # The ops' schemas give no argument a default, and callers go through the functions below,
+    # which pass every argument: torch 2.11's dispatcher drops trailing arguments equal to their
+    # defaults before the op's ADInplaceOrView step, which then indexes the mutated `counts` or
+    # `kv` past the end (IndexError on the H200, 2026-12-05; torch 2.13 fills the defaults in).
+    # `counts` (`counters`): the int32 counters of a K split, zero, which the call leaves at
+    # zero; declared mutated, since the kernel counts in them while it runs; `kv`: a decode
+    # step's cache, written
     @triton_op("boundgen::norm_linear", mutates_args={"counts", "kv"})
-    def norm_linear(
+    def _norm_linear(
         x: torch.Tensor,
         norm: torch.Tensor,
         eps: float,
         weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        counts: torch.Tensor | None = None,
-        cos: torch.Tensor | None = None,
-        sin: torch.Tensor | None = None,
-        rotate_cols: int = 0,
-        group: int = 1,
-        kv: torch.Tensor | None = None,
-        kv_step: torch.Tensor | None = None,
+        bias: torch.Tensor | None,
+        counts: torch.Tensor | None,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        rotate_cols: int,
+        group: int,
+        kv: torch.Tensor | None,
+        kv_step: torch.Tensor | None,
     ) -> torch.Tensor:
-        """RMSNorm(x; norm, eps) @ weight.T (+ bias): x [M, K] → [M, N]; with `cos` and `sin`
-        ([M, D/2] each) its first `rotate_cols` columns (the q and k heads of a qkv projection)
-        rotated by them, head by head (HF's rotate-half).
-
-        With `kv` (a decode step's cache [M, S, ...], each slot k then v contiguous, `BeamKV`)
-        and `kv_step` (int64 [1]): k and v go into slot kv_step of each row, and only q is
-        returned, [M, Hq·D], its heads in KV-head order with `group` G > 1 (query head j·G + g
-        at [:, g, j] of its [M, G, Hkv, D] view, `by_kv_head`)."""
         return _launch(
             x,
             weight,
@@ -555,26 +551,72 @@ if AVAILABLE:
         )
 
     @triton_op("boundgen::norm_gated", mutates_args={"counts"})
-    def norm_gated(
+    def _norm_gated(
         x: torch.Tensor,
         norm: torch.Tensor,
         eps: float,
         weight: torch.Tensor,
-        counts: torch.Tensor | None = None,
+        counts: torch.Tensor | None,
     ) -> torch.Tensor:
-        """SiLU(g)·u with [g | u] = RMSNorm(x; norm, eps) @ weight.T: x [M, K], weight [2I, K] →
-        [M, I]."""
         return _launch(x, weight, norm=norm, eps=eps, gated=True, counts=counts)
 
     @triton_op("boundgen::linear_residual", mutates_args={"counts"})
-    def linear_residual(
+    def _linear_residual(
         x: torch.Tensor,
         weight: torch.Tensor,
         residual: torch.Tensor,
-        counts: torch.Tensor | None = None,
+        counts: torch.Tensor | None,
     ) -> torch.Tensor:
-        """residual + x @ weight.T: x [M, K], residual [M, N] → [M, N]."""
         return _launch(x, weight, residual=residual, counts=counts)
+
+
+def norm_linear(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    rotate_cols: int = 0,
+    group: int = 1,
+    kv: torch.Tensor | None = None,
+    kv_step: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RMSNorm(x; norm, eps) @ weight.T (+ bias): x [M, K] → [M, N]; with `cos` and `sin`
+    ([M, D/2] each) its first `rotate_cols` columns (the q and k heads of a qkv projection)
+    rotated by them, head by head (HF's rotate-half). `counts`: `counters`.
+
+    With `kv` (a decode step's cache [M, S, ...], each slot k then v contiguous, `BeamKV`) and
+    `kv_step` (int64 [1]): k and v go into slot kv_step of each row, and only q is returned,
+    [M, Hq·D], its heads in KV-head order with `group` G > 1 (query head j·G + g at [:, g, j] of
+    its [M, G, Hkv, D] view, `by_kv_head`)."""
+    return torch.ops.boundgen.norm_linear(
+        x, norm, eps, weight, bias, counts, cos, sin, rotate_cols, group, kv, kv_step
+    )
+
+
+def norm_gated(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SiLU(g)·u with [g | u] = RMSNorm(x; norm, eps) @ weight.T: x [M, K], weight [2I, K] →
+    [M, I]."""
+    return torch.ops.boundgen.norm_gated(x, norm, eps, weight, counts)
+
+
+def linear_residual(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """residual + x @ weight.T: x [M, K], residual [M, N] → [M, N]."""
+    return torch.ops.boundgen.linear_residual(x, weight, residual, counts)
 
 
 def counters(x: torch.Tensor, layer: nn.Module) -> torch.Tensor | None:
