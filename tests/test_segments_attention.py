@@ -456,7 +456,9 @@ def test_rotation_inside_the_kernel_scores_as_rotating_first(tiny_model, monkeyp
 
     path = tiny_model("qwen2")
     query, items = "a query of some length", [f"item {i} with words" for i in range(12)]
-    bucket = "t64-s12-m32-g3-p24-q24"
+    # the request's whole cascade group: a 13-token prefix, 50 suffix tokens in 12 segments (a
+    # smaller bucket has the compiled engine cut the group, the graphed one run it eagerly)
+    bucket = "t128-s24-m32-g2-p32-q96"
     out = {}
     for mode in ("together", "attention"):
         monkeypatch.setattr(decoder, "QK_ROTATION", mode)
@@ -470,7 +472,8 @@ def test_rotation_inside_the_kernel_scores_as_rotating_first(tiny_model, monkeyp
         )
         out[mode] = torch.tensor(engine.score(query, items, [514, 371]))
         if backend != "eager":  # the request's one piece ran in the bucket (staged or padded)
-            assert engine.runner.buckets.stats.batches == {bucket: 1}, mode
+            stats = engine.runner.buckets.stats
+            assert (stats.batches, stats.misses) == ({bucket: 1}, 0), mode
     assert torch.allclose(out["attention"], out["together"], atol=2e-2)
 
 
