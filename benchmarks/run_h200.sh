@@ -65,6 +65,7 @@ run_phase() {
     # -v: a test per line, so a run its budget cuts short still names what failed (the whole
     # suite took over 330 s on 2026-12-04: give it gpu-tests:450 or run part of it); the slowest
     # tests at the end, to split the suite by time
+    # GPU_TEST_ARGS="-n 8": pytest-xdist workers (carried in .whl): 140 tests in 82 s on 2026-12-05
     gpu-tests) phase gpu-tests 240 env LD_PRELOAD="$(python3 -c 'from boundgen.compile.preload import libstdcxx_candidates as c; print(c()[0])')" python3 -m pytest -v -rfs --tb=short --durations=25 -p no:cacheprovider -m "${GPU_TEST_MARK:-gpu}" ${GPU_TESTS:-tests/} ${GPU_TEST_ARGS:-} ;;
     # GPU_NAME / W3_NAME: another name for the log and JSON (an A/B in one call)
     gpu) phase ${GPU_NAME:-gpu} 560 python3 benchmarks/bench_gpu.py --root $ROOT --out "$OUT/${GPU_NAME:-gpu}.json" --budget-s $(( ${B:-560} - 20 )) ${GPU_ARGS:-} ;;
