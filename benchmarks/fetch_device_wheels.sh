@@ -2,7 +2,7 @@
 # Fetch (here, where PyPI is reachable) what the H200 image lacks, for the device call to carry:
 #   .whl/      the server extra and its dependencies for CPython 3.12 (the HTTP server, W5), and
 #              py-spy (bench_tail.py --gil-profile: which Python holds the server's GIL), and
-#              pytest-xdist (`GPU_TEST_ARGS="-n 6"`: the GPU tests' Triton and Inductor builds in
+#              pytest-xdist (`GPU_TEST_ARGS="-n 8"`: the GPU tests' Triton and Inductor builds in
 #              parallel workers, most of a gpu-tests phase's time on one CPU)
 #   .whl-ray/  a slimmed Ray Serve (benchmarks/bench_ray.py --prepare-wheels)      --with-ray
 #   .tools/    wrk (a compiled load generator) with its LuaJIT library, from apt      --with-wrk

@@ -249,9 +249,7 @@ def test_a_search_with_the_kernels_equals_it_without(engine_for):
     with torch.inference_mode():
         for fused in (False, True):
             sg = SearchGraphs(model, engine.device, model.backend, use_graphs=False)
-            with contextlib.ExitStack() as stack:
-                if fused:
-                    stack.enter_context(skinny.forced())
+            with skinny.forced() if fused else contextlib.nullcontext():
                 runs.append([sg.run(prompts, 4, 3, t) for t in (None, Trie.from_sequences(items))])
     for (tokens, scores), (tokens_fused, scores_fused) in zip(*runs, strict=True):
         assert torch.equal(tokens_fused, tokens)
