@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from boundgen.compile import pdl
 from boundgen.compile.aoti import (
     UNCAPTURED_INSTANCES,
     AOTIBucket,
@@ -126,7 +127,9 @@ def _compile_fns(model: DecoderModel, buckets: list[Bucket], device, warmup: boo
         torch._dynamo.config.recompile_limit = max(
             torch._dynamo.config.recompile_limit, 4 * len(buckets)
         )
-    compiled = torch.compile(PackedForward(model), fullgraph=True, dynamic=False)
+    compiled = torch.compile(
+        PackedForward(model), fullgraph=True, dynamic=False, options=pdl.inductor_options() or None
+    )
     fn = lambda b: compiled(b.input_ids, b.positions, b.attn)
     if warmup:
         with torch.inference_mode():
