@@ -23,7 +23,32 @@ def _wrapper():
     return wrapper
 
 
-def test_every_fresh_buffer_gets_its_int_array_declared():
+def _keyed_on_the_writeline(self, int_array, writeline, known_statically=False, graph=None):
+    """torch 2.11's `codegen_int_array_var` (its source printed on the device, 2026-12-05): the
+    cache keyed on the `id()` of the bound `writeline` itself, where this torch keys on its
+    buffer."""
+    cache_key = (int_array, id(writeline), known_statically, id(graph) if graph else None)
+    if cache_key not in self.codegen_int_array_var_cache:
+        self.codegen_int_array_var_cache[cache_key] = self._codegen_int_array_var_impl(
+            int_array, writeline, known_statically
+        )
+    return self.codegen_int_array_var_cache[cache_key]
+
+
+@pytest.fixture(params=["this torch", "torch 2.11"])
+def keying(request, monkeypatch):
+    """Each test under this torch's cache key and under 2.11's, the mend applied on top."""
+    if request.param == "torch 2.11":
+        monkeypatch.setattr(
+            cpp_wrapper.CppWrapperCpu, "codegen_int_array_var", _keyed_on_the_writeline
+        )
+    else:  # (the mend replaces the method: put the original back after the test either way)
+        original = cpp_wrapper.CppWrapperCpu.codegen_int_array_var
+        monkeypatch.setattr(cpp_wrapper.CppWrapperCpu, "codegen_int_array_var", original)
+    return request.param
+
+
+def test_every_fresh_buffer_gets_its_int_array_declared(keying):
     """The failure seen on the H200: a buffer freed, the next one at its address, and the array
     name handed back from the cache without its declaration (`int_array_188` not declared)."""
     keep_int_array_targets_alive()
@@ -35,7 +60,10 @@ def test_every_fresh_buffer_gets_its_int_array_declared():
         del buffer
 
 
-def test_one_live_buffer_still_declares_an_array_once():
+def test_one_live_buffer_still_declares_an_array_once(keying):
+    """The cache still works: the same array written twice into one buffer, each time through a
+    new bound `writeline` as Inductor hands it, is declared once (under 2.11's key too, which
+    the twenty-sixth session's mend missed: a second declaration every call, on an H100)."""
     keep_int_array_targets_alive()
     keep_int_array_targets_alive()  # applied before every build: once is enough
     wrapper = _wrapper()

@@ -20,10 +20,13 @@ def keep_int_array_targets_alive() -> None:
     then aliases the dead one's, and the wrapper uses `int_array_N` without declaring it: `error:
     'int_array_188' was not declared in this scope` from the C++ build. On the H200 (torch 2.11)
     one of ten W5 buckets failed that way in a build worker in each of two sessions (BENCHMARKS.md,
-    twenty-second and twenty-third sessions) and was built again in the parent. So both the
-    `writeline` and its buffer live as long as the wrapper (the twenty-fifth session's version
-    kept only the buffer, which left torch 2.11's key free to alias: its test failed on the H200,
-    2026-12-05)."""
+    twenty-second and twenty-third sessions) and was built again in the parent. So each buffer
+    lives as long as the wrapper, and is always written through one `writeline` of its own, kept
+    with it: torch 2.11's key then names the buffer as later versions' does, and a second array
+    in the same buffer is found in the cache again. (The twenty-fifth session's version kept only
+    the buffer, which left 2.11's key free to alias: its test failed on the H200, 2026-12-05; the
+    twenty-sixth kept every `writeline` handed in, so 2.11 never hit its cache and declared an
+    array again for every call: the test of one buffer failed on an H100, 2026-12-05.)"""
     from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
 
     original = CppWrapperCpu.codegen_int_array_var
@@ -33,10 +36,12 @@ def keep_int_array_targets_alive() -> None:
     @functools.wraps(original)
     def codegen_int_array_var(self, int_array, writeline, *args, **kwargs):
         # a live object's id is its own: no later writeline or buffer can alias it while the
-        # wrapper lives
+        # wrapper lives. A bound method holds its buffer, so keeping the first one handed in for
+        # a buffer keeps both, and handing that one on gives 2.11 the same key for the buffer.
         alive = self.__dict__.setdefault("_boundgen_int_array_targets", {})
-        for target in (writeline, getattr(writeline, "__self__", writeline)):
-            alive[id(target)] = target
+        owner = getattr(writeline, "__self__", None)
+        key = (id(owner), writeline.__func__) if owner is not None else id(writeline)
+        writeline = alive.setdefault(key, writeline)
         return original(self, int_array, writeline, *args, **kwargs)
 
     codegen_int_array_var._boundgen_keeps_targets = True
