@@ -20,7 +20,8 @@ computed from the full head.
 
 With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
 kernels (`skinny.MAX_ROWS` N) and `--trie-select` the one with each trie step's selection in one
-kernel (`trie_select`); given both, also the two together — every variant in one process.
+kernel (`trie_select`, the other variants then take the ATen step: the kernel is the default);
+given both, also the two together — every variant in one process.
 `--pdl` adds the compiled search with Inductor's kernels launched with programmatic dependent
 launch (`compile.pdl`).
 
@@ -208,7 +209,9 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     entry.update(kernels(lambda: ungraphed.run(prompts, w, s, t_, eos), dev))
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
-                        one_kernel = select_of.get(vname, trie_select.ENABLED)
+                        # with --trie-select the others take the ATen step (the A/B's other side)
+                        default = False if args.trie_select else trie_select.ENABLED
+                        one_kernel = select_of.get(vname, default)
 
                         def call(sg=sg, rows_=rows_, one_kernel=one_kernel):
                             # read as the search's layers compile and its graph is captured
@@ -403,7 +406,8 @@ def main() -> int:
         "--trie-select",
         action="store_true",
         help="heads with --head-compile: also the compiled search with each trie step's "
-        "selection in one kernel (`trie_select`; with --skinny-rows, also both)",
+        "selection in one kernel (`trie_select`, the others then take the ATen step; with "
+        "--skinny-rows, also both)",
     )
     ap.add_argument(
         "--pdl",

@@ -200,8 +200,9 @@ def test_whole_searches_with_the_kernel_equal_the_aten_searches(softmax, engine_
 
 def test_which_steps_take_the_kernel(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert trie_select.ENABLED  # on by default (BOUNDGEN_TRIE_SELECT=0: off)
     monkeypatch.setattr(trie_select, "ENABLED", False)
-    assert not trie_select.chosen(cuda, 16, 256)  # off by default
+    assert not trie_select.chosen(cuda, 16, 256)  # off
     with trie_select.enabled():
         assert trie_select.chosen(cuda, 16, 256)
         assert trie_select.chosen(cuda, 16, 1024)  # 16,384 candidates
@@ -213,7 +214,7 @@ def test_which_steps_take_the_kernel(monkeypatch):
         assert trie.max_children == (2048, 2048)
         assert search_mod._one_kernel(trie, 0, 16, cuda)
         assert not search_mod._one_kernel(trie, 1, 16, cuda)
-    assert not trie_select.ENABLED
+    assert not trie_select.ENABLED  # the block's switch undone
 
 
 def test_bad_inputs_are_clear_errors():

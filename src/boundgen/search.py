@@ -14,10 +14,10 @@ step needs no full-vocabulary logits: the LM head runs on the step's level token
 (`Trie.level_tokens`, e.g. 256 semantic codes instead of 151,936 columns), from the hidden state
 (`session.hidden`), and each beam's candidates are gathered from those columns.
 
-On CUDA with `trie_select` on (`BOUNDGEN_TRIE_SELECT=1`), a trie step's selection — children,
-their scores, the best W, parents, history — is one Triton kernel instead of ~20 ATen kernels
-(`trie_select.py`); over the vocabulary the kept scores are the same bits, over a beam's
-children the normaliser is summed in another order (float32 rounding apart).
+On CUDA with `trie_select` on (the default; `BOUNDGEN_TRIE_SELECT=0` turns it off), a trie
+step's selection — children, their scores, the best W, parents, history — is one Triton kernel
+instead of ~20 ATen kernels (`trie_select.py`); over the vocabulary the kept scores are the same
+bits, over a beam's children the normaliser is summed in another order (float32 rounding apart).
 
 `search(session, ...)` drives a decode session (`compile/decode.py`): the prompts are prefilled
 once and shared by their beams; each step feeds one token per beam and reorders the beams' own KV
