@@ -15,8 +15,6 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after --autotune 0,1
     BOUNDGEN_SKINNY_TILES=$OUT/tiles.json python benchmarks/profile_w3.py --backend aoti+graphs \
         --variants after --skinny 0,64        # the layers' GEMMs by cuBLAS + Inductor, or fused
-    python benchmarks/profile_w3.py --backend compile+graphs --variants after --pdl 0,1
-                                              # Inductor's kernels with dependent launch, or not
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -40,10 +38,9 @@ runner alone (`rows` + `head` + softmax + `to_host` + sync):
   host allocations per call (`torch.cuda.host_memory_stats`, where this torch has it).
 
 `--backend`: eager+graphs (default: no compile; the host path is the same as aoti+graphs, only
-the graph's kernels differ), compile+graphs (`torch.compile` in this process, the graphs captured
-from its Python wrapper: the path where `--pdl 1` takes effect) or aoti+graphs (builds the t64
-bucket into `--cache-dir` when missing, a package per variant, each about a minute or more:
-`--variants after` for the current path alone, then loads it).
+the graph's kernels differ) or aoti+graphs (builds the t64 bucket into `--cache-dir` when missing,
+a package per variant, each about a minute or more: `--variants after` for the current path alone,
+then loads it).
 """
 
 from __future__ import annotations
@@ -63,7 +60,7 @@ import common
 
 from boundgen import Engine
 from boundgen.checkpoints import ensure_model
-from boundgen.compile import bucket_autotune, pdl
+from boundgen.compile import bucket_autotune
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
@@ -343,8 +340,7 @@ def main() -> int:
     ap.add_argument("--root", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    graphed = ["eager+graphs", "compile+graphs", "aoti+graphs"]
-    ap.add_argument("--backend", default="eager+graphs", choices=graphed)
+    ap.add_argument("--backend", default="eager+graphs", choices=["eager+graphs", "aoti+graphs"])
     ap.add_argument("--cache-dir", default=None, help="AOTInductor artifacts (aoti+graphs)")
     ap.add_argument("--workload", default="w3", choices=sorted(WORKLOADS))
     ap.add_argument("--variants", default="before,after")
@@ -372,12 +368,6 @@ def main() -> int:
         "Inductor or by the fused few-row kernels, with BOUNDGEN_SKINNY_TILES' tiles), crossed "
         "with --rotations and --autotune",
     )
-    ap.add_argument(
-        "--pdl",
-        default=None,
-        help="launch modes of Inductor's kernels to build side by side (0,1: compile+graphs; "
-        "`compile.pdl`, programmatic dependent launch), crossed with the others",
-    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -400,25 +390,22 @@ def main() -> int:
     rotations = args.rotations.split(",") if args.rotations else [None]
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
-    pdls = args.pdl.split(",") if args.pdl else [None]
     sides = [
-        (v, r, a, k, p)
+        (v, r, a, k)
         for v in args.variants.split(",")
         for r in rotations
         for a in autotunes
         for k in skinnies
-        for p in pdls
     ]
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for variant, rotation, autotune, skinny_rows, pdl_mode in sides:
+        for variant, rotation, autotune, skinny_rows in sides:
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
                 + ([f"autotune{autotune}"] if autotune is not None else [])
                 + ([f"skinny{skinny_rows}"] if skinny_rows is not None else [])
-                + ([f"pdl{pdl_mode}"] if pdl_mode is not None else [])
             )
             # each read when the runner traces, builds or captures the model
             if rotation is not None:
@@ -427,8 +414,6 @@ def main() -> int:
                 bucket_autotune.MODE = autotune
             if skinny_rows is not None:
                 skinny.MAX_ROWS = int(skinny_rows)
-            if pdl_mode is not None:
-                pdl.MODE = pdl_mode
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":
