@@ -22,8 +22,6 @@ With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-r
 kernels (`skinny.MAX_ROWS` N) and `--trie-select` the one with each trie step's selection in one
 kernel (`trie_select`, the other variants then take the ATen step: the kernel is the default);
 given both, also the two together — every variant in one process.
-`--pdl` adds the compiled search with Inductor's kernels launched with programmatic dependent
-launch (`compile.pdl`).
 
 Two searches at once (`--overlap`; `--overlap-only` skips HF, the engine runs and the heads): two
 whole-search graph instances (compiled layers, each its own buffers and graph pool) replayed on
@@ -38,7 +36,6 @@ once.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
 import itertools
 import os
@@ -54,7 +51,6 @@ import common
 
 from boundgen import Engine, Trie, trie_select
 from boundgen.checkpoints import ensure_model
-from boundgen.compile import pdl
 from boundgen.compile.decode import SearchGraphs, plain_session
 from boundgen.logsumexp import row_logsumexp
 from boundgen.models import skinny
@@ -126,15 +122,6 @@ def step_head_us(fn, dev, reps: int = 20, iters: int = 20) -> float:
     return common.graph_us(fn, iters, reps)
 
 
-@contextlib.contextmanager
-def _pdl_mode(mode: str):
-    before, pdl.MODE = pdl.MODE, mode
-    try:
-        yield
-    finally:
-        pdl.MODE = before
-
-
 def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) -> dict:
     """The W4 trie searches with the full head ("vocab") and the candidate head ("children")."""
     model, dev = engine.model, engine.device
@@ -161,10 +148,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                 variants[name] = SearchGraphs(model, dev, backend, compile_layers=True)
                 for n, v in combo:
                     (rows_of if n == "skinny" else select_of)[name] = v
-        if args.pdl:  # Inductor's kernels with programmatic dependent launch (`compile.pdl`)
-            with _pdl_mode("1"):  # read as the variant's `torch.compile` is set up
-                sg = SearchGraphs(model, dev, backend, compile_layers=True)
-                variants["graph+compile+pdl"] = sg
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
     out = {}
     g = torch.Generator().manual_seed(11)
@@ -408,12 +391,6 @@ def main() -> int:
         help="heads with --head-compile: also the compiled search with each trie step's "
         "selection in one kernel (`trie_select`, the others then take the ATen step; with "
         "--skinny-rows, also both)",
-    )
-    ap.add_argument(
-        "--pdl",
-        action="store_true",
-        help="heads with --head-compile: also the compiled search with Inductor's kernels "
-        "launched with programmatic dependent launch (`compile.pdl`, BOUNDGEN_PDL=1)",
     )
     ap.add_argument("--overlap", action="store_true", help="also two searches at once (CUDA)")
     ap.add_argument("--overlap-only", action="store_true", help="only two searches at once")

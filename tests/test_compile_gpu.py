@@ -314,31 +314,6 @@ def test_compiled_search_with_the_one_kernel_trie_step(softmax):
     assert_recommends_as_plain(got, want)
 
 
-def test_compiled_search_with_programmatic_dependent_launch(monkeypatch):
-    """With `BOUNDGEN_PDL=1` the compiled layers' Inductor kernels wait for the kernel before
-    them on the GPU (`griddepcontrol.wait`, seen in their code) instead of at launch: a captured
-    search with them recommends what the plain search does (a missing wait would read
-    half-written buffers)."""
-    from torch._inductor.utils import run_and_get_code
-
-    from boundgen.compile import pdl
-    from boundgen.compile.decode import SearchGraphs
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm_90 or later")
-    engine, trie, attention = demo_search()
-    monkeypatch.setattr(pdl, "MODE", "1")
-    sg = SearchGraphs(engine.model, engine.device, attention, compile_layers=True)
-    prompts = [engine.tokenizer.encode(f"history: item {i} item {i + 3} next:") for i in range(6)]
-    with torch.inference_mode():
-        with torch._inductor.config.patch(force_disable_caches=True):  # the code, not a hit
-            _, code = run_and_get_code(sg.run, prompts, 8, trie.depth, trie)  # made, captured
-        got, _ = sg.run(prompts, 8, trie.depth, trie)
-        want, _ = engine.runner.beam_search(prompts, 8, trie.depth, trie)
-    assert any("gdc_wait" in c for c in code), len(code)
-    assert_recommends_as_plain(got, want)
-
-
 def test_two_search_instances_replay_at_once_on_two_streams():
     """Two whole-search graph instances (each its slots and graph pool) replayed at the same time
     on two streams finish and return what each returns alone. Captured on torch's one default

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from boundgen.compile import pdl
 from boundgen.compile.aoti import (
     UNCAPTURED_INSTANCES,
     AOTIBucket,
@@ -127,9 +126,7 @@ def _compile_fns(model: DecoderModel, buckets: list[Bucket], device, warmup: boo
         torch._dynamo.config.recompile_limit = max(
             torch._dynamo.config.recompile_limit, 4 * len(buckets)
         )
-    compiled = torch.compile(
-        PackedForward(model), fullgraph=True, dynamic=False, options=pdl.inductor_options() or None
-    )
+    compiled = torch.compile(PackedForward(model), fullgraph=True, dynamic=False)
     fn = lambda b: compiled(b.input_ids, b.positions, b.attn)
     if warmup:
         with torch.inference_mode():

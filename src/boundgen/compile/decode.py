@@ -34,7 +34,7 @@ import torch
 
 from boundgen.attention import beam_decode, own_slots
 from boundgen.attention.cascade import grouped_rows_attention, grouped_rows_partial, merge_partial
-from boundgen.compile import pdl, residual
+from boundgen.compile import residual
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
@@ -212,8 +212,7 @@ class ModelSteps:
             # NOTE: rows are marked dynamic per call (`_rows_dynamic`); the ints (max segment
             # lengths) specialise once, then turn dynamic at their second value (dynamo's
             # automatic dynamic shapes): two compiles per function for every bucket there is
-            options = {**residual.inductor_options(), **pdl.inductor_options()}
-            options = options or None  # None: Inductor's own config
+            options = residual.inductor_options() or None  # None: Inductor's own config
             self._prefill = torch.compile(prefill_layer, fullgraph=True, options=options)
             self._decode = torch.compile(decode_layer, fullgraph=True, options=options)
 
