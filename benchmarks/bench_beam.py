@@ -21,7 +21,8 @@ computed from the full head.
 With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
 kernels (`skinny.MAX_ROWS` N) and `--trie-select` the one with each trie step's selection in one
 kernel (`trie_select`, the other variants then take the ATen step: the kernel is the default);
-given both, also the two together — every variant in one process.
+`--residual-add` the one with the residual adds out of `addmm` (`compile.residual`); given several,
+also every combination of them — every variant in one process.
 
 Two searches at once (`--overlap`; `--overlap-only` skips HF, the engine runs and the heads): two
 whole-search graph instances (compiled layers, each its own buffers and graph pool) replayed on
@@ -36,6 +37,7 @@ once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import itertools
 import os
@@ -51,6 +53,7 @@ import common
 
 from boundgen import Engine, Trie, trie_select
 from boundgen.checkpoints import ensure_model
+from boundgen.compile import residual
 from boundgen.compile.decode import SearchGraphs, plain_session
 from boundgen.logsumexp import row_logsumexp
 from boundgen.models import skinny
@@ -122,6 +125,15 @@ def step_head_us(fn, dev, reps: int = 20, iters: int = 20) -> float:
     return common.graph_us(fn, iters, reps)
 
 
+@contextlib.contextmanager
+def _residual_mode(mode: str):
+    before, residual.MODE = residual.MODE, mode
+    try:
+        yield
+    finally:
+        residual.MODE = before
+
+
 def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) -> dict:
     """The W4 trie searches with the full head ("vocab") and the candidate head ("children")."""
     model, dev = engine.model, engine.device
@@ -137,17 +149,26 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
 
         backend = export_attention(model, dev)
         variants["graph+compile"] = SearchGraphs(model, dev, backend, compile_layers=True)
-        # the same with the few-row fused linear kernels, the one-kernel trie step, or both
-        extras = [("skinny", args.skinny_rows), ("select", args.trie_select)]
+        # the same with the few-row fused linear kernels, the one-kernel trie step, the residual
+        # adds out of `addmm`, or any of them together
+        extras = [
+            ("skinny", args.skinny_rows),
+            ("select", args.trie_select),
+            ("add", args.residual_add),
+        ]
         extras = [(n, v) for n, v in extras if v]
         for r in range(1, len(extras) + 1):
             for combo in itertools.combinations(extras, r):
                 name = "graph+compile+" + "+".join(
                     f"skinny{v}" if n == "skinny" else n for n, v in combo
                 )
-                variants[name] = SearchGraphs(model, dev, backend, compile_layers=True)
+                # the residual mode is read as the variant's `torch.compile` is set up
+                mode = "add" if any(n == "add" for n, _ in combo) else residual.MODE
+                with _residual_mode(mode):
+                    variants[name] = SearchGraphs(model, dev, backend, compile_layers=True)
                 for n, v in combo:
-                    (rows_of if n == "skinny" else select_of)[name] = v
+                    if n != "add":
+                        (rows_of if n == "skinny" else select_of)[name] = v
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
     out = {}
     g = torch.Generator().manual_seed(11)
@@ -391,6 +412,13 @@ def main() -> int:
         help="heads with --head-compile: also the compiled search with each trie step's "
         "selection in one kernel (`trie_select`, the others then take the ATen step; with "
         "--skinny-rows, also both)",
+    )
+    ap.add_argument(
+        "--residual-add",
+        action="store_true",
+        help="heads with --head-compile: also the compiled search with the layers' residual adds "
+        "out of `addmm` (`compile.residual`, BOUNDGEN_RESIDUAL=add; with the others, also "
+        "together)",
     )
     ap.add_argument("--overlap", action="store_true", help="also two searches at once (CUDA)")
     ap.add_argument("--overlap-only", action="store_true", help="only two searches at once")
