@@ -72,3 +72,13 @@ def test_one_live_buffer_still_declares_an_array_once(keying):
     second = wrapper.codegen_int_array_var("{2, 3}", buffer.writeline)
     assert first == second
     assert buffer.getvalue().count(f"{first}[] = {{2, 3}};") == 1
+
+
+def test_a_writeline_that_is_no_python_method_still_declares(keying):
+    """Any callable may be handed in as the `writeline`: a builtin's bound method (an owner,
+    no `__func__`) writes its declaration as a buffer's method does."""
+    keep_int_array_targets_alive()
+    wrapper = _wrapper()
+    lines = []
+    var = wrapper.codegen_int_array_var("{2, 3}", lines.append)
+    assert f"{var}[] = {{2, 3}};" in "\n".join(lines)

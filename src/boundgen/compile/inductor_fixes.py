@@ -39,8 +39,10 @@ def keep_int_array_targets_alive() -> None:
         # wrapper lives. A bound method holds its buffer, so keeping the first one handed in for
         # a buffer keeps both, and handing that one on gives 2.11 the same key for the buffer.
         alive = self.__dict__.setdefault("_boundgen_int_array_targets", {})
-        owner = getattr(writeline, "__self__", None)
-        key = (id(owner), writeline.__func__) if owner is not None else id(writeline)
+        # (a builtin's bound method, `lines.append`, has an owner but no `__func__`: kept by its
+        # own id, as any other callable)
+        owner, func = getattr(writeline, "__self__", None), getattr(writeline, "__func__", None)
+        key = (id(owner), func) if owner is not None and func is not None else id(writeline)
         writeline = alive.setdefault(key, writeline)
         return original(self, int_array, writeline, *args, **kwargs)
 
