@@ -144,6 +144,8 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     # a variant's kernels while it runs (its graphs are captured then): `skinny.MAX_ROWS` and
     # whether a trie step is one kernel; the others run the process's defaults
     rows_of, select_of = {}, {}
+    # with --trie-select the other variants take the ATen step (the A/B's other side)
+    select_default = False if args.trie_select else trie_select.ENABLED
     if args.head_compile:
         from boundgen.compile.aoti import export_attention
 
@@ -213,9 +215,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     entry.update(kernels(lambda: ungraphed.run(prompts, w, s, t_, eos), dev))
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
-                        # with --trie-select the others take the ATen step (the A/B's other side)
-                        default = False if args.trie_select else trie_select.ENABLED
-                        one_kernel = select_of.get(vname, default)
+                        one_kernel = select_of.get(vname, select_default)
 
                         def call(sg=sg, rows_=rows_, one_kernel=one_kernel):
                             # read as the search's layers compile and its graph is captured
