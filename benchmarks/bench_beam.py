@@ -21,8 +21,10 @@ computed from the full head.
 With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
 kernels (`skinny.MAX_ROWS` N) and `--trie-select` the one with each trie step's selection in one
 kernel (`trie_select`, the other variants then take the ATen step: the kernel is the default);
-`--residual-add` the one with the residual adds out of `addmm` (`compile.residual`); given several,
-also every combination of them — every variant in one process.
+`--residual-add` the one with the residual adds out of `addmm` (`compile.residual`),
+`--fused-attention ROWS…` the one with each decode step's attention in one kernel at each of these
+rows a program (`attention/beam_decode.py`); given several, also every combination of them (one
+row block at a time) — every variant in one process.
 
 Two searches at once (`--overlap`; `--overlap-only` skips HF, the engine runs and the heads): two
 whole-search graph instances (compiled layers, each its own buffers and graph pool) replayed on
@@ -52,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common
 
 from boundgen import Engine, Trie, trie_select
+from boundgen.attention import beam_decode
 from boundgen.checkpoints import ensure_model
 from boundgen.compile import residual
 from boundgen.compile.decode import SearchGraphs, plain_session
@@ -134,6 +137,26 @@ def _residual_mode(mode: str):
         residual.MODE = before
 
 
+@contextlib.contextmanager
+def _attention_mode(mode: str):
+    before, beam_decode.MODE = beam_decode.MODE, mode
+    try:
+        yield
+    finally:
+        beam_decode.MODE = before
+
+
+def _one_of_each(kinds: list[list[tuple]]) -> list[tuple]:
+    """Every combination of at most one option of each kind (an empty kind: not asked for), the
+    empty one left out: single options first, then pairs, … ."""
+    asked = [k for k in kinds if k]
+    out = []
+    for r in range(1, len(asked) + 1):
+        for group in itertools.combinations(asked, r):
+            out.extend(itertools.product(*group))
+    return out
+
+
 def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) -> dict:
     """The W4 trie searches with the full head ("vocab") and the candidate head ("children")."""
     model, dev = engine.model, engine.device
@@ -141,36 +164,44 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     kids = trie.with_softmax("children")
     w, s = args.width, args.steps
     variants = {"graph": SearchGraphs(model, dev, model.backend)}
-    # a variant's kernels while it runs (its graphs are captured then): `skinny.MAX_ROWS` and
-    # whether a trie step is one kernel; the others run the process's defaults
-    rows_of, select_of = {}, {}
+    # a variant's kernels while it runs (its graphs are captured then): `skinny.MAX_ROWS`,
+    # whether a trie step is one kernel, the fused decode attention's rows a program; the others
+    # run the process's defaults
+    rows_of, select_of, fused_of = {}, {}, {}
     # with --trie-select the other variants take the ATen step (the A/B's other side)
     select_default = False if args.trie_select else trie_select.ENABLED
     if args.head_compile:
         from boundgen.compile.aoti import export_attention
 
         backend = export_attention(model, dev)
+        # every variant's layers are compiles of the same two functions (two a variant: the
+        # segment lengths turn dynamic at their second value): past dynamo's recompile limit
+        # (8) a variant would run its layers eagerly, timed as if compiled
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
         variants["graph+compile"] = SearchGraphs(model, dev, backend, compile_layers=True)
         # the same with the few-row fused linear kernels, the one-kernel trie step, the residual
-        # adds out of `addmm`, or any of them together
-        extras = [
-            ("skinny", args.skinny_rows),
-            ("select", args.trie_select),
-            ("add", args.residual_add),
+        # adds out of `addmm`, the decode attention as one kernel (at each of its row blocks), or
+        # any of them together (one value of each kind)
+        kinds = [
+            [("skinny", args.skinny_rows)] if args.skinny_rows else [],
+            [("select", True)] if args.trie_select else [],
+            [("add", True)] if args.residual_add else [],
+            [("fused", rows) for rows in args.fused_attention],
         ]
-        extras = [(n, v) for n, v in extras if v]
-        for r in range(1, len(extras) + 1):
-            for combo in itertools.combinations(extras, r):
-                name = "graph+compile+" + "+".join(
-                    f"skinny{v}" if n == "skinny" else n for n, v in combo
-                )
-                # the residual mode is read as the variant's `torch.compile` is set up
-                mode = "add" if any(n == "add" for n, _ in combo) else residual.MODE
-                with _residual_mode(mode):
-                    variants[name] = SearchGraphs(model, dev, backend, compile_layers=True)
-                for n, v in combo:
-                    if n != "add":
-                        (rows_of if n == "skinny" else select_of)[name] = v
+        for combo in _one_of_each(kinds):
+            name = "graph+compile+" + "+".join(
+                f"{n}{v}" if n in ("skinny", "fused") else n for n, v in combo
+            )
+            opts = dict(combo)
+            # the residual mode and the attention's kind are read as the variant's layers are set up
+            mode = "add" if "add" in opts else residual.MODE
+            kind = "fused" if "fused" in opts else beam_decode.MODE
+            with _residual_mode(mode), _attention_mode(kind):
+                variants[name] = SearchGraphs(model, dev, backend, compile_layers=True)
+            for n, v in combo:
+                {"skinny": rows_of, "select": select_of, "fused": fused_of}.get(n, {})[name] = v
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
     out = {}
     g = torch.Generator().manual_seed(11)
@@ -216,10 +247,15 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
                         one_kernel = select_of.get(vname, select_default)
+                        block = fused_of.get(vname, beam_decode.BLOCK_M)
 
-                        def call(sg=sg, rows_=rows_, one_kernel=one_kernel):
+                        def call(sg=sg, rows_=rows_, one_kernel=one_kernel, block=block):
                             # read as the search's layers compile and its graph is captured
-                            with skinny.rows_up_to(rows_), trie_select.enabled(one_kernel):
+                            with (
+                                skinny.rows_up_to(rows_),
+                                trie_select.enabled(one_kernel),
+                                beam_decode.block_rows(block),
+                            ):
                                 return sg.run(prompts, w, s, t_, eos)
 
                         got = call()
@@ -419,6 +455,16 @@ def main() -> int:
         help="heads with --head-compile: also the compiled search with the layers' residual adds "
         "out of `addmm` (`compile.residual`, BOUNDGEN_RESIDUAL=add; with the others, also "
         "together)",
+    )
+    ap.add_argument(
+        "--fused-attention",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="ROWS",
+        help="heads with --head-compile: also the compiled search with each decode step's "
+        "attention in one kernel (`attention/beam_decode.py`, BOUNDGEN_BEAM_ATTENTION=fused) at "
+        "each of these rows a program (16, 32, 64, 128); with the others, also together",
     )
     ap.add_argument("--overlap", action="store_true", help="also two searches at once (CUDA)")
     ap.add_argument("--overlap-only", action="store_true", help="only two searches at once")

@@ -19,6 +19,7 @@ session: eager layers 18.2 → 13.7 ms a search, compiled layers 6.8 → 7.4 ms)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -56,8 +57,38 @@ def chosen(compiled_layers: bool, backend_name: str = "varlen") -> bool:
     return AVAILABLE and MODE == "fused"
 
 
-# Rows a program takes (beams × GQA heads; W4's 16 × 7 = 112), keys a prompt tile holds, warps.
-BLOCK_M, BLOCK_N, NUM_WARPS = 128, 64, 4
+# Rows a program takes (beams × GQA heads; W4's 16 × 7 = 112) and keys a prompt tile holds.
+# 128 rows: a W4 prompt's rows of one KV head in one program (measured, eager layers); fewer rows
+# a program spread a small batch's step over more SMs (W4 b1: 2 programs at 128 rows, 14 at 16),
+# each loading the prompt's K/V again — `BOUNDGEN_BEAM_DECODE_ROWS` (16, 32, 64 or 128) for an A/B.
+BLOCK_ROWS = (16, 32, 64, 128)
+BLOCK_M = int(os.environ.get("BOUNDGEN_BEAM_DECODE_ROWS", "128"))
+BLOCK_N = 64
+if BLOCK_M not in BLOCK_ROWS:
+    raise ValueError(
+        f"BOUNDGEN_BEAM_DECODE_ROWS={BLOCK_M}: expected one of {', '.join(map(str, BLOCK_ROWS))}"
+    )
+
+
+def warps_for(block_m: int) -> int:
+    """Warps of a program of `block_m` rows: 4 from 64 rows (the tile the eager layers measured
+    at 128), one per 16 rows below (a 16-row dot is one warp's MMA)."""
+    return 4 if block_m >= 64 else block_m // 16
+
+
+@contextlib.contextmanager
+def block_rows(block_m: int):
+    """`BLOCK_M` set to `block_m` for what is built or traced inside (the decode layers read it
+    as they trace: a compiled layer keeps the rows it was traced with, and dynamo guards on it);
+    a benchmark's variants side by side."""
+    if block_m not in BLOCK_ROWS:
+        raise ValueError(f"block_m={block_m}: expected one of {', '.join(map(str, BLOCK_ROWS))}")
+    global BLOCK_M
+    before, BLOCK_M = BLOCK_M, block_m
+    try:
+        yield
+    finally:
+        BLOCK_M = before
 
 
 if AVAILABLE:
@@ -178,18 +209,22 @@ if AVAILABLE:
         cu_beams: torch.Tensor,
         cu_prompt: torch.Tensor,
         max_beams: int,
+        block_m: int,
     ) -> torch.Tensor:
         """q [N, Hq, D] (one token per beam; beams of prompt b are rows cu_beams[b]:cu_beams[b+1]),
         the prompts' pk/pv [T, Hkv, D] (prompt b: cu_prompt[b]:cu_prompt[b+1]), the beams' own
         bk/bv [N, S, Hkv, D] of which slots 0..step[0] are written → [N, Hq, D]: each beam's
-        attention over its prompt's keys and its own slots ≤ step, in one softmax."""
+        attention over its prompt's keys and its own slots ≤ step, in one softmax; `block_m`
+        rows (beam × GQA head) a program (`BLOCK_ROWS`; the callers pass `BLOCK_M`). No
+        argument has a default: torch 2.11's dispatcher drops trailing defaults (see
+        models/skinny.py)."""
         hq, d = q.shape[1], q.shape[2]
         hkv, slots = pk.shape[1], bk.shape[1]
         gqa = hq // hkv
         q, pk, pv, bk, bv = unit_last_stride(q, pk, pv, bk, bv)
         bk, bv = one_stride_set(bk, bv)
         out = torch.empty_like(q)
-        grid = (cu_beams.shape[0] - 1, hkv, triton.cdiv(max_beams * gqa, BLOCK_M))
+        grid = (cu_beams.shape[0] - 1, hkv, triton.cdiv(max_beams * gqa, block_m))
         traceable(_beam_decode_kernel)[grid](
             q,
             pk,
@@ -214,11 +249,11 @@ if AVAILABLE:
             GQA=gqa,
             HEAD_DIM=d,
             BLOCK_D=max(16, triton.next_power_of_2(d)),
-            BLOCK_M=BLOCK_M,
+            BLOCK_M=block_m,
             BLOCK_N=BLOCK_N,
             # float32 multiplied exactly: as tf32 the H200 missed the eager path's 2e-5 (GPU test)
             IEEE=q.dtype == torch.float32,
             INTERPRET=not q.is_cuda,
-            num_warps=NUM_WARPS,
+            num_warps=warps_for(block_m),
         )
         return out
