@@ -39,7 +39,6 @@ once.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
 import itertools
 import os
@@ -47,6 +46,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -128,24 +128,6 @@ def step_head_us(fn, dev, reps: int = 20, iters: int = 20) -> float:
     return common.graph_us(fn, iters, reps)
 
 
-@contextlib.contextmanager
-def _residual_mode(mode: str):
-    before, residual.MODE = residual.MODE, mode
-    try:
-        yield
-    finally:
-        residual.MODE = before
-
-
-@contextlib.contextmanager
-def _attention_mode(mode: str):
-    before, beam_decode.MODE = beam_decode.MODE, mode
-    try:
-        yield
-    finally:
-        beam_decode.MODE = before
-
-
 def _one_of_each(kinds: list[list[tuple]]) -> list[tuple]:
     """Every combination of at most one option of each kind (an empty kind: not asked for), the
     empty one left out: single options first, then pairs, … ."""
@@ -198,7 +180,10 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             # the residual mode and the attention's kind are read as the variant's layers are set up
             mode = "add" if "add" in opts else residual.MODE
             kind = "fused" if "fused" in opts else beam_decode.MODE
-            with _residual_mode(mode), _attention_mode(kind):
+            with (
+                mock.patch.object(residual, "MODE", mode),
+                mock.patch.object(beam_decode, "MODE", kind),
+            ):
                 variants[name] = SearchGraphs(model, dev, backend, compile_layers=True)
             for n, v in combo:
                 {"skinny": rows_of, "select": select_of, "fused": fused_of}.get(n, {})[name] = v
