@@ -22,9 +22,10 @@ With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-r
 kernels (`skinny.MAX_ROWS` N) and `--trie-select` the one with each trie step's selection in one
 kernel (`trie_select`, the other variants then take the ATen step: the kernel is the default);
 `--residual-add` the one with the residual adds out of `addmm` (`compile.residual`),
-`--fused-attention ROWS…` the one with each decode step's attention in one kernel at each of these
-rows a program (`attention/beam_decode.py`); given several, also every combination of them (one
-row block at a time) — every variant in one process.
+`--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
+attention + the own-slot kernel) or `fusedN` (one kernel, `attention/beam_decode.py`, N rows a
+program: 16, the default, 32, 64 or 128); given several, also every combination of them (one
+attention at a time) — every variant in one process.
 
 Two searches at once (`--overlap`; `--overlap-only` skips HF, the engine runs and the heads): two
 whole-search graph instances (compiled layers, each its own buffers and graph pool) replayed on
@@ -147,9 +148,9 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     w, s = args.width, args.steps
     variants = {"graph": SearchGraphs(model, dev, model.backend)}
     # a variant's kernels while it runs (its graphs are captured then): `skinny.MAX_ROWS`,
-    # whether a trie step is one kernel, the fused decode attention's rows a program; the others
-    # run the process's defaults
-    rows_of, select_of, fused_of = {}, {}, {}
+    # whether a trie step is one kernel, the one-kernel decode attention's rows a program; the
+    # others run the process's defaults
+    rows_of, select_of, block_of = {}, {}, {}
     # with --trie-select the other variants take the ATen step (the A/B's other side)
     select_default = False if args.trie_select else trie_select.ENABLED
     if args.head_compile:
@@ -170,23 +171,27 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             [("skinny", args.skinny_rows)] if args.skinny_rows else [],
             [("select", True)] if args.trie_select else [],
             [("add", True)] if args.residual_add else [],
-            [("fused", rows) for rows in args.fused_attention],
+            [("attention", kind) for kind in args.decode_attention],
         ]
         for combo in _one_of_each(kinds):
             name = "graph+compile+" + "+".join(
-                f"{n}{v}" if n in ("skinny", "fused") else n for n, v in combo
+                f"skinny{v}" if n == "skinny" else v if n == "attention" else n for n, v in combo
             )
             opts = dict(combo)
             # the residual mode and the attention's kind are read as the variant's layers are set up
             mode = "add" if "add" in opts else residual.MODE
-            kind = "fused" if "fused" in opts else beam_decode.MODE
+            kind = opts.get("attention", beam_decode.MODE)
+            kind = "fused" if kind.startswith("fused") else kind
             with (
                 mock.patch.object(residual, "MODE", mode),
                 mock.patch.object(beam_decode, "MODE", kind),
             ):
                 variants[name] = SearchGraphs(model, dev, backend, compile_layers=True)
             for n, v in combo:
-                {"skinny": rows_of, "select": select_of, "fused": fused_of}.get(n, {})[name] = v
+                if n == "attention" and v.startswith("fused"):
+                    block_of[name] = int(v.removeprefix("fused"))
+                elif n in ("skinny", "select"):
+                    (rows_of if n == "skinny" else select_of)[name] = v
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
     out = {}
     g = torch.Generator().manual_seed(11)
@@ -232,7 +237,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
                         one_kernel = select_of.get(vname, select_default)
-                        block = fused_of.get(vname, beam_decode.BLOCK_M)
+                        block = block_of.get(vname, beam_decode.BLOCK_M)
 
                         def call(sg=sg, rows_=rows_, one_kernel=one_kernel, block=block):
                             # read as the search's layers compile and its graph is captured
@@ -442,14 +447,15 @@ def main() -> int:
         "together)",
     )
     ap.add_argument(
-        "--fused-attention",
-        type=int,
+        "--decode-attention",
         nargs="*",
         default=[],
-        metavar="ROWS",
+        choices=["flash"] + [f"fused{r}" for r in beam_decode.BLOCK_ROWS],
+        metavar="KIND",
         help="heads with --head-compile: also the compiled search with each decode step's "
-        "attention in one kernel (`attention/beam_decode.py`, BOUNDGEN_BEAM_ATTENTION=fused) at "
-        "each of these rows a program (16, 32, 64, 128); with the others, also together",
+        "attention as KIND: flash (flash + the own-slot kernel, BOUNDGEN_BEAM_ATTENTION=flash) "
+        "or fusedN (one kernel, `attention/beam_decode.py`, N rows a program: 16 32 64 128); "
+        "with the others, also together",
     )
     ap.add_argument("--overlap", action="store_true", help="also two searches at once (CUDA)")
     ap.add_argument("--overlap-only", action="store_true", help="only two searches at once")

@@ -95,17 +95,17 @@ def test_kernel_compiles_for_hopper(gqa, d, scale_type, block_m):
 
 
 @pytest.mark.parametrize(
-    ("mode", "compiled", "backend", "fused"),
+    ("mode", "backend", "fused"),
     [
-        ("auto", False, "varlen", True),  # eager layers: the kernel beats flash + eager ops
-        ("auto", False, "segments", True),
-        ("auto", False, "reference", False),  # exact math asked for by name keeps its own
-        ("auto", True, "varlen", False),  # compiled layers: Inductor's fusion beats the kernel
-        ("fused", True, "varlen", True),
-        ("flash", False, "varlen", False),
+        ("auto", "varlen", True),  # the kernel beats flash + the own-slot part, eager or compiled
+        ("auto", "segments", True),
+        ("auto", "flash", True),  # compiled layers' attention (`export_attention`)
+        ("auto", "reference", False),  # exact math asked for by name keeps its own
+        ("fused", "reference", True),
+        ("flash", "varlen", False),
     ],
 )
-def test_decode_attention_choice(monkeypatch, engine_for, mode, compiled, backend, fused):
+def test_decode_attention_choice(monkeypatch, engine_for, mode, backend, fused):
     """`beam_decode.chosen` picks the kernel where it measured faster, and the beam layers
     (`ModelSteps`) take what it picks."""
     from types import SimpleNamespace
@@ -114,12 +114,12 @@ def test_decode_attention_choice(monkeypatch, engine_for, mode, compiled, backen
     from boundgen.compile.decode import ModelSteps
 
     monkeypatch.setattr(module, "MODE", mode)
-    assert module.chosen(compiled, backend) is fused
+    assert module.chosen(backend) is fused
     steps = ModelSteps(engine_for("qwen2").model, SimpleNamespace(name=backend), False)
-    assert steps.fused_attention is module.chosen(False, backend)
+    assert steps.fused_attention is fused
     monkeypatch.setattr(module, "MODE", "fast")
     with pytest.raises(ValueError, match="BOUNDGEN_BEAM_ATTENTION='fast'.*auto, fused, flash"):
-        module.chosen(compiled, backend)
+        module.chosen(backend)
 
 
 def test_k_and_v_halves_of_one_buffer_or_apart_give_the_same_attention():

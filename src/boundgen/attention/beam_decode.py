@@ -12,9 +12,14 @@ of them; one online softmax runs over the prompt's keys, then over the rows' own
 
 `beam_decode` is a `torch.library.triton_op`: the compiled beam layers (`compile/decode.py`) trace
 into it. It reads the step from its int64 tensor, so one CUDA graph serves every step. Where it
-runs is `chosen()`'s measured choice: decode layers that run eagerly take it, compiled ones keep
-flash + Inductor's own-slot kernel (H200, W4 whole-search graphs, BENCHMARKS.md 2026-12-02 eighth
-session: eager layers 18.2 → 13.7 ms a search, compiled layers 6.8 → 7.4 ms).
+runs is `chosen()`'s measured choice: every decode layer over flash-based attention, eager or
+compiled. With 128 rows a program (a W4 prompt's rows of one KV head in one program, 2 programs a
+b1 step) it lost to flash + Inductor's own-slot kernels in compiled layers (H200, W4 b1 6.8 → 7.4
+ms, BENCHMARKS.md 2026-12-02 eighth session) and won in eager ones (18.2 → 13.7 ms); with 16 rows
+a program (14 programs a b1 step) it beats flash + the own-slot kernel (`own_slots.py`) in
+compiled layers at b1, b8 and b32 (H100, one process: 6.43 → 6.20, 8.29 → 7.72, 14.34 → 14.00 ms
+over the vocabulary; 216 launches and 0.33–0.42 ms of GPU time fewer a search; BENCHMARKS.md
+2026-12-05 twenty-eighth session).
 """
 
 from __future__ import annotations
@@ -43,26 +48,27 @@ MODES = ("auto", "fused", "flash")
 MODE = os.environ.get("BOUNDGEN_BEAM_ATTENTION", "auto")
 
 
-def chosen(compiled_layers: bool, backend_name: str = "varlen") -> bool:
-    """Whether decode layers take this kernel: under `auto` only eager ones over flash-based
-    attention. Inductor fuses the own-slot attention and the merge into the kernels around them,
-    which the kernel's one launch does not beat (W4 6.8 → 7.4 ms a search); eager layers launch
-    those parts one op at a time, and the kernel wins there (18.2 → 13.7 ms; both H200,
-    BENCHMARKS.md 2026-12-02 eighth session). The `reference` backend (exact math, asked for
-    by name) keeps its own."""
+def chosen(backend_name: str = "varlen") -> bool:
+    """Whether decode layers take this kernel: under `auto` every one over flash-based attention,
+    eager (it replaces flash and the own-slot ops launched one at a time) or compiled (it
+    replaces flash and the own-slot kernel: at 16 rows a program, faster at b1, b8 and b32; the
+    module's docstring has the numbers). The `reference` backend (exact math, asked for by name)
+    keeps its own."""
     if MODE not in MODES:
         raise ValueError(f"BOUNDGEN_BEAM_ATTENTION={MODE!r}: expected one of {', '.join(MODES)}")
     if MODE == "auto":
-        return AVAILABLE and not compiled_layers and backend_name != "reference"
+        return AVAILABLE and backend_name != "reference"
     return AVAILABLE and MODE == "fused"
 
 
 # Rows a program takes (beams × GQA heads; W4's 16 × 7 = 112) and keys a prompt tile holds.
-# 128 rows: a W4 prompt's rows of one KV head in one program (measured, eager layers); fewer rows
-# a program spread a small batch's step over more SMs (W4 b1: 2 programs at 128 rows, 14 at 16),
-# each loading the prompt's K/V again — `BOUNDGEN_BEAM_DECODE_ROWS` (16, 32, 64 or 128) for an A/B.
+# 16 rows spread a small batch's step over more SMs (W4 b1: 14 programs, where 128 rows — a
+# prompt's rows of one KV head in one program — made 2), each loading the prompt's K/V again:
+# faster in compiled layers at b1, b8 and b32 (above), and in eager ones at b1 (H100, 12.10 →
+# 11.32 ms over the vocabulary; b8 14.86 → 14.29, children 15.39 → 15.51; separate processes on
+# one machine). `BOUNDGEN_BEAM_DECODE_ROWS` (16, 32, 64 or 128) for an A/B.
 BLOCK_ROWS = (16, 32, 64, 128)
-BLOCK_M = int(os.environ.get("BOUNDGEN_BEAM_DECODE_ROWS", "128"))
+BLOCK_M = int(os.environ.get("BOUNDGEN_BEAM_DECODE_ROWS", "16"))
 BLOCK_N = 64
 if BLOCK_M not in BLOCK_ROWS:
     raise ValueError(
@@ -71,8 +77,8 @@ if BLOCK_M not in BLOCK_ROWS:
 
 
 def warps_for(block_m: int) -> int:
-    """Warps of a program of `block_m` rows: 4 from 64 rows (the tile the eager layers measured
-    at 128), one per 16 rows below (a 16-row dot is one warp's MMA)."""
+    """Warps of a program of `block_m` rows: 4 from 64 rows (the eighth session's tile at 128),
+    one per 16 rows below (a 16-row dot is one warp's MMA)."""
     return 4 if block_m >= 64 else block_m // 16
 
 

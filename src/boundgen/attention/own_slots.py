@@ -16,11 +16,13 @@ Numerics: scores, softmax and the merge in float32, one rounding to the output d
 (the Inductor path rounds the own-slot output once more before the merge).
 
 It is a `torch.library.triton_op`, so the compiled decode layers trace into it; the step is read
-from its int64 tensor, so one CUDA graph serves every step. On by default for compiled layers on
-CUDA: a W4 search (H200, whole-search graph, `beam-heads`, seventeenth session) made 1,697 launches
-instead of 1,841 (two fewer a layer-step, not the three the output code suggested), its GPU busy
-time 5.11 → 4.93 ms (b1) and 9.18 → 8.64 ms (b16), and ran 6.70 → 6.18 ms (b1) and 10.73 → 10.05 ms
-(b16); `BOUNDGEN_BEAM_OWN_KERNEL=0` keeps Inductor's kernels.
+from its int64 tensor, so one CUDA graph serves every step. Taken by compiled layers on CUDA whose
+decode attention is flash (`BOUNDGEN_BEAM_ATTENTION=flash`; by default since the twenty-eighth
+session the whole decode attention is one kernel, `beam_decode.py`): a W4 search (H200,
+whole-search graph, `beam-heads`, seventeenth session) made 1,697 launches instead of 1,841 (two
+fewer a layer-step, not the three the output code suggested), its GPU busy time 5.11 → 4.93 ms
+(b1) and 9.18 → 8.64 ms (b16), and ran 6.70 → 6.18 ms (b1) and 10.73 → 10.05 ms (b16);
+`BOUNDGEN_BEAM_OWN_KERNEL=0` keeps Inductor's kernels.
 """
 
 from __future__ import annotations

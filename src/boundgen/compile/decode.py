@@ -205,7 +205,7 @@ class ModelSteps:
         self.model, self.backend = model, backend
         self._prefill, self._decode = prefill_layer, decode_layer
         self.compiled = compile_layers
-        self.fused_attention = beam_decode.chosen(compile_layers, getattr(backend, "name", ""))
+        self.fused_attention = beam_decode.chosen(getattr(backend, "name", ""))
         if compile_layers:
             import torch._inductor.config as inductor
 
