@@ -267,12 +267,14 @@ def test_compiled_search_on_the_demo_model():
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_compiled_search_with_and_without_the_own_slot_kernel(monkeypatch, enabled):
-    """With `BOUNDGEN_BEAM_OWN_KERNEL` on (the default) the compiled layers run the own-slot + merge
-    kernel (`attention/own_slots.py`: seen in a replay's kernels), off they run Inductor's kernels;
-    either way the search recommends what the plain search does."""
-    from boundgen.attention import own_slots
+    """With the decode attention as flash (`BOUNDGEN_BEAM_ATTENTION=flash`; the default is one
+    kernel, `beam_decode.py`) and `BOUNDGEN_BEAM_OWN_KERNEL` on (its default) the compiled layers
+    run the own-slot + merge kernel (`attention/own_slots.py`: seen in a replay's kernels), off
+    they run Inductor's kernels; either way the search recommends what the plain search does."""
+    from boundgen.attention import beam_decode, own_slots
     from boundgen.compile.decode import SearchGraphs
 
+    monkeypatch.setattr(beam_decode, "MODE", "flash")
     monkeypatch.setattr(own_slots, "ENABLED", enabled)
     engine, trie, attention = demo_search()
     sg = SearchGraphs(engine.model, engine.device, attention, compile_layers=True)
