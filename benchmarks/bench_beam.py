@@ -23,8 +23,9 @@ kernels (`skinny.MAX_ROWS` N) and `--trie-select` the one with each trie step's 
 kernel (`trie_select`, the other variants then take the ATen step: the kernel is the default);
 `--residual-add` the one with the residual adds out of `addmm` (`compile.residual`),
 `--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
-attention + the own-slot kernel) or `fusedN` (one kernel, `attention/beam_decode.py`, N rows a
-program: 16, the default, 32, 64 or 128); given several, also every combination of them (one
+attention + the own-slot kernel) or `fusedN[wW]` (one kernel, `attention/beam_decode.py`, N rows a
+program — 16, the default, 32, 64 or 128 — on W warps, by default `beam_decode.warps_for(N)`);
+given several, also every combination of them (one
 attention at a time) — every variant in one process.
 
 Two searches at once (`--overlap`; `--overlap-only` skips HF, the engine runs and the heads): two
@@ -129,6 +130,27 @@ def step_head_us(fn, dev, reps: int = 20, iters: int = 20) -> float:
     return common.graph_us(fn, iters, reps)
 
 
+def _fused_tile(kind: str) -> tuple[int, int]:
+    """`fusedN[wW]` → (N rows, W warps; W unset: `beam_decode.warps_for(N)`)."""
+    rows, _, warps = kind.removeprefix("fused").partition("w")
+    return int(rows), int(warps) if warps else beam_decode.warps_for(int(rows))
+
+
+def _attention_kind(kind: str) -> str:
+    """argparse's check of a `--decode-attention` KIND."""
+    try:
+        if kind != "flash":
+            if not kind.startswith("fused"):
+                raise ValueError(kind)
+            with beam_decode.tile(*_fused_tile(kind)):  # a tile the kernel has a build for
+                pass
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"{kind!r}: expected flash or fusedN[wW] (N in 16 32 64 128, W in 1 2 4 8)"
+        ) from e
+    return kind
+
+
 def _one_of_each(kinds: list[list[tuple]]) -> list[tuple]:
     """Every combination of at most one option of each kind (an empty kind: not asked for), the
     empty one left out: single options first, then pairs, … ."""
@@ -148,9 +170,9 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     w, s = args.width, args.steps
     variants = {"graph": SearchGraphs(model, dev, model.backend)}
     # a variant's kernels while it runs (its graphs are captured then): `skinny.MAX_ROWS`,
-    # whether a trie step is one kernel, the one-kernel decode attention's rows a program; the
-    # others run the process's defaults
-    rows_of, select_of, block_of = {}, {}, {}
+    # whether a trie step is one kernel, the one-kernel decode attention's tile; the others run
+    # the process's defaults
+    rows_of, select_of, tile_of = {}, {}, {}
     # with --trie-select the other variants take the ATen step (the A/B's other side)
     select_default = False if args.trie_select else trie_select.ENABLED
     if args.head_compile:
@@ -189,7 +211,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                 variants[name] = SearchGraphs(model, dev, backend, compile_layers=True)
             for n, v in combo:
                 if n == "attention" and v.startswith("fused"):
-                    block_of[name] = int(v.removeprefix("fused"))
+                    tile_of[name] = _fused_tile(v)
                 elif n in ("skinny", "select"):
                     (rows_of if n == "skinny" else select_of)[name] = v
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
@@ -237,14 +259,14 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
                         one_kernel = select_of.get(vname, select_default)
-                        block = block_of.get(vname, beam_decode.BLOCK_M)
+                        tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
-                        def call(sg=sg, rows_=rows_, one_kernel=one_kernel, block=block):
+                        def call(sg=sg, rows_=rows_, one_kernel=one_kernel, tile=tile):
                             # read as the search's layers compile and its graph is captured
                             with (
                                 skinny.rows_up_to(rows_),
                                 trie_select.enabled(one_kernel),
-                                beam_decode.block_rows(block),
+                                beam_decode.tile(*tile),
                             ):
                                 return sg.run(prompts, w, s, t_, eos)
 
@@ -450,12 +472,12 @@ def main() -> int:
         "--decode-attention",
         nargs="*",
         default=[],
-        choices=["flash"] + [f"fused{r}" for r in beam_decode.BLOCK_ROWS],
+        type=_attention_kind,
         metavar="KIND",
         help="heads with --head-compile: also the compiled search with each decode step's "
         "attention as KIND: flash (flash + the own-slot kernel, BOUNDGEN_BEAM_ATTENTION=flash) "
-        "or fusedN (one kernel, `attention/beam_decode.py`, N rows a program: 16 32 64 128); "
-        "with the others, also together",
+        "or fusedN[wW] (one kernel, `attention/beam_decode.py`, N rows a program: 16 32 64 128, "
+        "on W warps: 1 2 4 8); with the others, also together",
     )
     ap.add_argument("--overlap", action="store_true", help="also two searches at once (CUDA)")
     ap.add_argument("--overlap-only", action="store_true", help="only two searches at once")

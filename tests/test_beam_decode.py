@@ -46,15 +46,18 @@ def reference(q, pk, pv, bk, bv, step, cu_beams, cu_prompt):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_m", [16, 128])  # 16: a beam's GQA heads split over two programs
+@pytest.mark.parametrize(
+    ("block_m", "warps"),
+    [(16, 1), (16, 4), (128, 4)],  # 16 rows: a beam's GQA heads split over two programs
+)
 def test_kernel_equals_the_reference_path_at_every_step(
-    widths, prompts, hq, hkv, d, slots, dtype, block_m
+    widths, prompts, hq, hkv, d, slots, dtype, block_m, warps
 ):
     q, pk, pv, bk, bv, cu_b, cu_p = case(widths, prompts, hq, hkv, d, slots, dtype)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     for step in range(slots):  # slots past the step hold values the kernel must not see
         s = torch.tensor([step], dtype=torch.int64, device=DEV)
-        got = beam_decode(q, pk, pv, bk, bv, s, cu_b, cu_p, max(widths), block_m)
+        got = beam_decode(q, pk, pv, bk, bv, s, cu_b, cu_p, max(widths), block_m, warps)
         want = reference(q, pk, pv, bk, bv, s, cu_b, cu_p)
         assert got.dtype == q.dtype and got.shape == q.shape
         torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
@@ -63,7 +66,9 @@ def test_kernel_equals_the_reference_path_at_every_step(
 HOPPER = """
 from boundgen.attention import beam_decode as m
 
-gqa, d, scale_type, block_m = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+gqa, d, scale_type, block_m, warps = (
+    int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+)
 fn = m._beam_decode_kernel
 const = dict(
     SLOTS=4, GQA=gqa, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_N=m.BLOCK_N, IEEE=False,
@@ -74,24 +79,26 @@ sig.update({n: "*bf16" for n in ("Q", "PK", "PV", "BK", "BV", "Out")})
 sig.update({"STEP": "*i64", "CU_BEAMS": "*i32", "CU_PROMPT": "*i32"})
 constexprs_with_scale(sig, const, scale_type, 0.125)
 aligned = [n for n in fn.arg_names if sig[n].startswith("*")]
-warps, stages = m.warps_for(block_m), 2
+stages = 2
 """
 
 
 @pytest.mark.parametrize(
-    ("gqa", "d", "scale_type", "block_m"),
+    ("gqa", "d", "scale_type", "block_m", "warps"),
     [
-        (7, 64, "fp32", 128),
-        (4, 128, "fp64", 128),
-        (7, 64, "constexpr", 128),
-        (7, 64, "fp32", 16),  # one warp's 16 rows
-        (7, 64, "fp32", 32),
+        (7, 64, "fp32", 128, 4),
+        (4, 128, "fp64", 128, 4),
+        (7, 64, "constexpr", 128, 4),
+        (7, 64, "fp32", 16, 1),  # one warp's 16 rows (the default)
+        (7, 64, "fp32", 16, 4),  # 16 rows over four warps
+        (7, 64, "fp32", 32, 2),
     ],
 )
-def test_kernel_compiles_for_hopper(gqa, d, scale_type, block_m):
+def test_kernel_compiles_for_hopper(gqa, d, scale_type, block_m, warps):
     """The interpreter runs the kernel as Python; this compiles it for sm_90 (the while loop to a
-    runtime bound, the scale as Inductor's fp64 or a constexpr, 16 to 128 rows a program)."""
-    compile_in_child(HOPPER, str(gqa), str(d), scale_type, str(block_m))
+    runtime bound, the scale as Inductor's fp64 or a constexpr, 16 to 128 rows a program on one
+    to four warps)."""
+    compile_in_child(HOPPER, str(gqa), str(d), scale_type, str(block_m), str(warps))
 
 
 @pytest.mark.parametrize(
@@ -128,27 +135,54 @@ def test_k_and_v_halves_of_one_buffer_or_apart_give_the_same_attention():
     right."""
     q, pk, pv, bk, bv, cu_b, cu_p = case([4, 4], [9, 5], 4, 2, 16, 3, torch.float32)
     s = torch.tensor([2], dtype=torch.int64, device=DEV)
-    want = beam_decode(q, pk, pv, bk, bv, s, cu_b, cu_p, 4, 16)
+    want = beam_decode(q, pk, pv, bk, bv, s, cu_b, cu_p, 4, 16, 1)
     halves = torch.stack((bk, bv), 2)  # [N, S, 2, Hkv, D]
-    got = beam_decode(q, pk, pv, halves[:, :, 0], halves[:, :, 1], s, cu_b, cu_p, 4, 16)
+    got = beam_decode(q, pk, pv, halves[:, :, 0], halves[:, :, 1], s, cu_b, cu_p, 4, 16, 1)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     wide_k = torch.cat((bk, torch.zeros_like(bk)), 2)[:, :, : bk.shape[2]]  # other strides than bv
-    got = beam_decode(q, pk, pv, wide_k, bv, s, cu_b, cu_p, 4, 16)
+    got = beam_decode(q, pk, pv, wide_k, bv, s, cu_b, cu_p, 4, 16, 1)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_block_rows_sets_the_rows_a_program_for_what_runs_inside_and_restores_them():
-    """`block_rows` (a benchmark's variants side by side): the decode layers read `BLOCK_M` as
-    they trace; sizes the kernel has no tile for are refused, and the default comes back."""
+def test_tile_sets_the_kernel_s_tile_for_what_runs_inside_and_restores_it():
+    """`tile` (a benchmark's variants side by side): the decode layers read `BLOCK_M` and
+    `NUM_WARPS` as they trace; tiles the kernel has no build for are refused, and the default
+    comes back."""
     from boundgen.attention import beam_decode as module
 
-    before = module.BLOCK_M
-    with module.block_rows(16):
-        assert module.BLOCK_M == 16 and module.warps_for(module.BLOCK_M) == 1
-    assert before == module.BLOCK_M
-    with (
-        pytest.raises(ValueError, match="block_m=48: expected one of 16, 32, 64, 128"),
-        module.block_rows(48),
-    ):
-        pass
-    assert before == module.BLOCK_M
+    before = (module.BLOCK_M, module.NUM_WARPS)
+    with module.tile(16):
+        assert (module.BLOCK_M, module.NUM_WARPS) == (16, 1)
+    with module.tile(16, 4):
+        assert (module.BLOCK_M, module.NUM_WARPS) == (16, 4)
+    assert before == (module.BLOCK_M, module.NUM_WARPS)
+    for bad in [(48, None), (16, 3)]:
+        with (
+            pytest.raises(ValueError, match="expected rows in 16, 32, 64, 128 and warps in 1, 2"),
+            module.tile(*bad),
+        ):
+            pass
+    assert before == (module.BLOCK_M, module.NUM_WARPS)
+
+
+def test_the_environment_s_tile_is_checked_at_import():
+    """`BOUNDGEN_BEAM_DECODE_ROWS` / `_WARPS` outside the kernel's builds fail at import, naming
+    both (a child process: the module is imported once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, BOUNDGEN_BEAM_DECODE_ROWS="16", BOUNDGEN_BEAM_DECODE_WARPS="3")
+    res = subprocess.run(
+        [sys.executable, "-c", "import boundgen.attention.beam_decode"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode != 0
+    assert "BOUNDGEN_BEAM_DECODE_ROWS=16, BOUNDGEN_BEAM_DECODE_WARPS=3" in res.stderr
+    env["BOUNDGEN_BEAM_DECODE_WARPS"] = "4"
+    code = "from boundgen.attention import beam_decode as m; print(m.BLOCK_M, m.NUM_WARPS)"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.stdout.split() == ["16", "4"], res.stderr[-2000:]

@@ -66,35 +66,47 @@ def chosen(backend_name: str = "varlen") -> bool:
 # prompt's rows of one KV head in one program — made 2), each loading the prompt's K/V again:
 # faster in compiled layers at b1, b8 and b32 (above), and in eager ones at b1 (H100, 12.10 →
 # 11.32 ms over the vocabulary; b8 14.86 → 14.29, children 15.39 → 15.51; separate processes on
-# one machine). `BOUNDGEN_BEAM_DECODE_ROWS` (16, 32, 64 or 128) for an A/B.
+# one machine). `BOUNDGEN_BEAM_DECODE_ROWS` (16, 32, 64 or 128) and `BOUNDGEN_BEAM_DECODE_WARPS`
+# (1, 2, 4 or 8; unset: `warps_for` the rows) for an A/B.
 BLOCK_ROWS = (16, 32, 64, 128)
-BLOCK_M = int(os.environ.get("BOUNDGEN_BEAM_DECODE_ROWS", "16"))
+WARPS = (1, 2, 4, 8)
 BLOCK_N = 64
-if BLOCK_M not in BLOCK_ROWS:
-    raise ValueError(
-        f"BOUNDGEN_BEAM_DECODE_ROWS={BLOCK_M}: expected one of {', '.join(map(str, BLOCK_ROWS))}"
-    )
 
 
 def warps_for(block_m: int) -> int:
-    """Warps of a program of `block_m` rows: 4 from 64 rows (the eighth session's tile at 128),
-    one per 16 rows below (a 16-row dot is one warp's MMA)."""
+    """Warps of a program of `block_m` rows by default: 4 from 64 rows (the eighth session's tile
+    at 128), one per 16 rows below (a 16-row dot is one warp's MMA; not yet swept)."""
     return 4 if block_m >= 64 else block_m // 16
 
 
+def _checked(block_m: int, warps: int, what: str) -> tuple[int, int]:
+    if block_m not in BLOCK_ROWS or warps not in WARPS:
+        raise ValueError(
+            f"{what}: expected rows in {', '.join(map(str, BLOCK_ROWS))} and warps in "
+            f"{', '.join(map(str, WARPS))}"
+        )
+    return block_m, warps
+
+
+_rows = int(os.environ.get("BOUNDGEN_BEAM_DECODE_ROWS", "16"))
+_warps = int(os.environ.get("BOUNDGEN_BEAM_DECODE_WARPS", "0")) or warps_for(_rows)
+BLOCK_M, NUM_WARPS = _checked(
+    _rows, _warps, f"BOUNDGEN_BEAM_DECODE_ROWS={_rows}, BOUNDGEN_BEAM_DECODE_WARPS={_warps}"
+)
+
+
 @contextlib.contextmanager
-def block_rows(block_m: int):
-    """`BLOCK_M` set to `block_m` for what is built or traced inside (the decode layers read it
-    as they trace: a compiled layer keeps the rows it was traced with, and dynamo guards on it);
-    a benchmark's variants side by side."""
-    if block_m not in BLOCK_ROWS:
-        raise ValueError(f"block_m={block_m}: expected one of {', '.join(map(str, BLOCK_ROWS))}")
-    global BLOCK_M
-    before, BLOCK_M = BLOCK_M, block_m
+def tile(block_m: int, warps: int | None = None):
+    """`BLOCK_M` and `NUM_WARPS` (unset: `warps_for(block_m)`) for what is built or traced inside
+    (the decode layers read them as they trace: a compiled layer keeps the tile it was traced
+    with, and dynamo guards on it); a benchmark's variants side by side."""
+    global BLOCK_M, NUM_WARPS
+    new = _checked(block_m, warps or warps_for(block_m), f"tile({block_m}, {warps})")
+    before, (BLOCK_M, NUM_WARPS) = (BLOCK_M, NUM_WARPS), new
     try:
         yield
     finally:
-        BLOCK_M = before
+        BLOCK_M, NUM_WARPS = before
 
 
 if AVAILABLE:
@@ -216,12 +228,14 @@ if AVAILABLE:
         cu_prompt: torch.Tensor,
         max_beams: int,
         block_m: int,
+        num_warps: int,
     ) -> torch.Tensor:
         """q [N, Hq, D] (one token per beam; beams of prompt b are rows cu_beams[b]:cu_beams[b+1]),
         the prompts' pk/pv [T, Hkv, D] (prompt b: cu_prompt[b]:cu_prompt[b+1]), the beams' own
         bk/bv [N, S, Hkv, D] of which slots 0..step[0] are written → [N, Hq, D]: each beam's
         attention over its prompt's keys and its own slots ≤ step, in one softmax; `block_m`
-        rows (beam × GQA head) a program (`BLOCK_ROWS`; the callers pass `BLOCK_M`). No
+        rows (beam × GQA head) a program of `num_warps` warps (the callers pass `BLOCK_M`,
+        `NUM_WARPS`). No
         argument has a default: torch 2.11's dispatcher drops trailing defaults (see
         models/skinny.py)."""
         hq, d = q.shape[1], q.shape[2]
@@ -260,6 +274,6 @@ if AVAILABLE:
             # float32 multiplied exactly: as tf32 the H200 missed the eager path's 2e-5 (GPU test)
             IEEE=q.dtype == torch.float32,
             INTERPRET=not q.is_cuda,
-            num_warps=warps_for(block_m),
+            num_warps=num_warps,
         )
         return out

@@ -148,10 +148,10 @@ def decode_layer(
     q = layer.decode_input(x, cos, sin, bkv, step, group > 1 and not fused, counts)
     bk, bv = bkv[:, :, 0], bkv[:, :, 1]
     if fused:  # one kernel for the prompt part, own slots and merge
-        # the rows a program, read here: dynamo guards on them (other rows, another compile)
-        block = beam_decode.BLOCK_M
+        # the kernel's tile, read here: dynamo guards on it (another tile, another compile)
+        block, warps = beam_decode.BLOCK_M, beam_decode.NUM_WARPS
         o = torch.ops.boundgen.beam_decode(
-            q, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams, block
+            q, pk, pv, bk, bv, step, cu_beams, cu_prompt, max_beams, block, warps
         )
     elif group > 1 and own_kernel and own_slots.chosen(x.device):  # flash, one kernel for the rest
         shared, shared_lse = grouped_rows_partial(
