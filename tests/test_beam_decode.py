@@ -182,6 +182,17 @@ def test_the_environment_s_tile_is_checked_at_import():
     )
     assert res.returncode != 0
     assert "BOUNDGEN_BEAM_DECODE_ROWS=16, BOUNDGEN_BEAM_DECODE_WARPS=3" in res.stderr
+    env["BOUNDGEN_BEAM_DECODE_WARPS"] = "four"
+    res = subprocess.run(
+        [sys.executable, "-c", "import boundgen.attention.beam_decode"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        "BOUNDGEN_BEAM_DECODE_ROWS=16, BOUNDGEN_BEAM_DECODE_WARPS=four: expected rows" in res.stderr
+    )
     env["BOUNDGEN_BEAM_DECODE_WARPS"] = "4"
     code = "from boundgen.attention import beam_decode as m; print(m.BLOCK_M, m.NUM_WARPS)"
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

@@ -88,11 +88,16 @@ def _checked(block_m: int, warps: int, what: str) -> tuple[int, int]:
     return block_m, warps
 
 
-_rows = int(os.environ.get("BOUNDGEN_BEAM_DECODE_ROWS", "16"))
-_warps = int(os.environ.get("BOUNDGEN_BEAM_DECODE_WARPS", "0")) or warps_for(_rows)
-BLOCK_M, NUM_WARPS = _checked(
-    _rows, _warps, f"BOUNDGEN_BEAM_DECODE_ROWS={_rows}, BOUNDGEN_BEAM_DECODE_WARPS={_warps}"
-)
+def _from_environment() -> tuple[int, int]:
+    rows = os.environ.get("BOUNDGEN_BEAM_DECODE_ROWS", "16")
+    warps = os.environ.get("BOUNDGEN_BEAM_DECODE_WARPS", "")
+    what = f"BOUNDGEN_BEAM_DECODE_ROWS={rows}, BOUNDGEN_BEAM_DECODE_WARPS={warps}"
+    if not rows.isdigit() or not (warps == "" or warps.isdigit()):
+        return _checked(0, 0, what)  # raises, naming both
+    return _checked(int(rows), int(warps) if warps else warps_for(int(rows)), what)
+
+
+BLOCK_M, NUM_WARPS = _from_environment()
 
 
 @contextlib.contextmanager
@@ -235,9 +240,8 @@ if AVAILABLE:
         bk/bv [N, S, Hkv, D] of which slots 0..step[0] are written → [N, Hq, D]: each beam's
         attention over its prompt's keys and its own slots ≤ step, in one softmax; `block_m`
         rows (beam × GQA head) a program of `num_warps` warps (the callers pass `BLOCK_M`,
-        `NUM_WARPS`). No
-        argument has a default: torch 2.11's dispatcher drops trailing defaults (see
-        models/skinny.py)."""
+        `NUM_WARPS`). No argument has a default: torch 2.11's dispatcher drops trailing
+        defaults (see models/skinny.py)."""
         hq, d = q.shape[1], q.shape[2]
         hkv, slots = pk.shape[1], bk.shape[1]
         gqa = hq // hkv
