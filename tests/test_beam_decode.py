@@ -167,7 +167,8 @@ def test_tile_sets_the_kernel_s_tile_for_what_runs_inside_and_restores_it():
 
 def test_the_environment_s_tile_is_checked_at_import():
     """`BOUNDGEN_BEAM_DECODE_ROWS` / `_WARPS` outside the kernel's builds fail at import, naming
-    both (a child process: the module is imported once per process)."""
+    the variable, its value and the choices, as every `BOUNDGEN_*` switch does (a child process:
+    the module is imported once per process)."""
     import os
     import subprocess
     import sys
@@ -184,7 +185,7 @@ def test_the_environment_s_tile_is_checked_at_import():
     for warps in ("3", "four"):
         res = run(warps)
         assert res.returncode != 0
-        want = f"BOUNDGEN_BEAM_DECODE_ROWS=16, BOUNDGEN_BEAM_DECODE_WARPS={warps}: expected rows"
+        want = f"BOUNDGEN_BEAM_DECODE_WARPS='{warps}': choose one of 1, 2, 4, 8"
         assert want in res.stderr
     res = run("4")
     assert res.stdout.split() == ["16", "4"], res.stderr[-2000:]

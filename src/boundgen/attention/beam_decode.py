@@ -30,6 +30,8 @@ import os
 
 import torch
 
+from boundgen.settings import env_choice
+
 try:
     import triton
     import triton.language as tl
@@ -79,25 +81,20 @@ def warps_for(block_m: int) -> int:
     return 4 if block_m >= 64 else block_m // 16
 
 
-def _checked(block_m: int, warps: int, what: str) -> tuple[int, int]:
-    if block_m not in BLOCK_ROWS or warps not in WARPS:
-        raise ValueError(
-            f"{what}: expected rows in {', '.join(map(str, BLOCK_ROWS))} and warps in "
-            f"{', '.join(map(str, WARPS))}"
-        )
-    return block_m, warps
-
-
-def _from_environment() -> tuple[int, int]:
-    rows = os.environ.get("BOUNDGEN_BEAM_DECODE_ROWS", "16")
-    warps = os.environ.get("BOUNDGEN_BEAM_DECODE_WARPS", "")
-    what = f"BOUNDGEN_BEAM_DECODE_ROWS={rows}, BOUNDGEN_BEAM_DECODE_WARPS={warps}"
-    if not rows.isdigit() or not (warps == "" or warps.isdigit()):
-        return _checked(0, 0, what)  # raises, naming both
-    return _checked(int(rows), int(warps) if warps else warps_for(int(rows)), what)
-
-
-BLOCK_M, NUM_WARPS = _from_environment()
+# the environment's tile, checked as every `BOUNDGEN_*` switch is (`settings.env_choice`)
+BLOCK_M = int(
+    env_choice(
+        "BOUNDGEN_BEAM_DECODE_ROWS",
+        os.environ.get("BOUNDGEN_BEAM_DECODE_ROWS", "16"),
+        tuple(map(str, BLOCK_ROWS)),
+    )
+)
+_warps = os.environ.get("BOUNDGEN_BEAM_DECODE_WARPS")  # unset: `warps_for` the rows
+NUM_WARPS = (
+    int(env_choice("BOUNDGEN_BEAM_DECODE_WARPS", _warps, tuple(map(str, WARPS))))
+    if _warps
+    else warps_for(BLOCK_M)
+)
 
 
 @contextlib.contextmanager
@@ -106,7 +103,12 @@ def tile(block_m: int, warps: int | None = None):
     (the decode layers read them as they trace: a compiled layer keeps the tile it was traced
     with, and dynamo guards on it); a benchmark's variants side by side."""
     global BLOCK_M, NUM_WARPS
-    new = _checked(block_m, warps or warps_for(block_m), f"tile({block_m}, {warps})")
+    new = block_m, warps or warps_for(block_m)
+    if block_m not in BLOCK_ROWS or new[1] not in WARPS:
+        raise ValueError(
+            f"tile({block_m}, {warps}): expected rows in {', '.join(map(str, BLOCK_ROWS))} and "
+            f"warps in {', '.join(map(str, WARPS))}"
+        )
     before, (BLOCK_M, NUM_WARPS) = (BLOCK_M, NUM_WARPS), new
     try:
         yield
