@@ -177,14 +177,13 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     select_default = False if args.trie_select else trie_select.ENABLED
     if args.head_compile:
         from boundgen.compile.aoti import export_attention
+        from boundgen.compile.backends import allow_recompiles
 
         backend = export_attention(model, dev)
         # every variant's layers are compiles of the same two functions (two a variant: the
         # segment lengths turn dynamic at their second value): past dynamo's recompile limit
         # (8) a variant would run its layers eagerly, timed as if compiled
-        for knob in ("recompile_limit", "cache_size_limit"):
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+        allow_recompiles(64)
         variants["graph+compile"] = SearchGraphs(model, dev, backend, compile_layers=True)
         # the same with the few-row fused linear kernels, the one-kernel trie step, the residual
         # adds out of `addmm`, the decode attention as one kernel (at each of its row blocks), or

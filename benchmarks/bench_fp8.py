@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from common import kernel_table
 
+from boundgen.compile.backends import allow_recompiles
 from boundgen.quant import fp8_modules, fp8_swapped, select_modules
 from boundgen.quant.fp8 import Fp8Linear, fp8_supported
 from boundgen.quant.rowwise import quantize_rowwise, quantize_weight
@@ -845,9 +846,7 @@ def main(argv=None) -> int:
         save(res, args)
         print(res["errors"]["env"], file=sys.stderr)
         return 2
-    for knob in ("recompile_limit", "cache_size_limit"):  # one compile per benchmarked shape
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, 512)
+    allow_recompiles(512)  # one compile per benchmarked shape
     funcs = {
         "env": section_env,
         "gemm": section_gemm,

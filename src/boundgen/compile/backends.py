@@ -114,18 +114,21 @@ def _eager_fns(model: DecoderModel, buckets: list[Bucket]) -> dict[Bucket, Calla
     return dict.fromkeys(buckets, fn)
 
 
-def _compile_fns(model: DecoderModel, buckets: list[Bucket], device, warmup: bool) -> dict:
+def allow_recompiles(count: int) -> None:
+    """Dynamo's recompile limit (`recompile_limit`; `cache_size_limit`, its older name, where this
+    torch has it) raised to at least `count` compiles of one function: past the limit (8 by
+    default) a function runs eagerly, with a warning only."""
     import torch._dynamo
 
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), count))
+
+
+def _compile_fns(model: DecoderModel, buckets: list[Bucket], device, warmup: bool) -> dict:
     # NOTE: one compiled function, one specialisation per bucket (shapes and AttnInputs' static
     # ints).
-    torch._dynamo.config.cache_size_limit = max(
-        torch._dynamo.config.cache_size_limit, 4 * len(buckets)
-    )
-    if hasattr(torch._dynamo.config, "recompile_limit"):
-        torch._dynamo.config.recompile_limit = max(
-            torch._dynamo.config.recompile_limit, 4 * len(buckets)
-        )
+    allow_recompiles(4 * len(buckets))
     compiled = torch.compile(PackedForward(model), fullgraph=True, dynamic=False)
     fn = lambda b: compiled(b.input_ids, b.positions, b.attn)
     if warmup:
