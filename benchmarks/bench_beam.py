@@ -25,8 +25,8 @@ kernel (`trie_select`, the other variants then take the ATen step: the kernel is
 `--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
 attention + the own-slot kernel) or `fusedN[wW]` (one kernel, `attention/beam_decode.py`, N rows a
 program — 16, the default, 32, 64 or 128 — on W warps, by default `beam_decode.warps_for(N)`);
-given several, also every combination of them (one
-attention at a time) — every variant in one process.
+given several, also every combination of them (one attention at a time) — every variant in one
+process.
 
 Two searches at once (`--overlap`; `--overlap-only` skips HF, the engine runs and the heads): two
 whole-search graph instances (compiled layers, each its own buffers and graph pool) replayed on

@@ -56,11 +56,10 @@ def chosen(backend_name: str = "varlen") -> bool:
     replaces flash and the own-slot kernel: at 16 rows a program, faster at b1, b8 and b32; the
     module's docstring has the numbers). The `reference` backend (exact math, asked for by name)
     keeps its own."""
-    if MODE not in MODES:
-        raise ValueError(f"BOUNDGEN_BEAM_ATTENTION={MODE!r}: expected one of {', '.join(MODES)}")
-    if MODE == "auto":
+    mode = env_choice("BOUNDGEN_BEAM_ATTENTION", MODE, MODES)
+    if mode == "auto":
         return AVAILABLE and backend_name != "reference"
-    return AVAILABLE and MODE == "fused"
+    return AVAILABLE and mode == "fused"
 
 
 # Rows a program takes (beams × GQA heads; W4's 16 × 7 = 112) and keys a prompt tile holds.
