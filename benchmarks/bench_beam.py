@@ -21,7 +21,8 @@ computed from the full head.
 With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
 kernels (`skinny.MAX_ROWS` N) and `--trie-select` the one with each trie step's selection in one
 kernel (`trie_select`, the other variants then take the ATen step: the kernel is the default);
-`--residual-add` the one with the residual adds out of `addmm` (`compile.residual`),
+`--residual-add` the one with the residual adds out of `addmm` (`compile.residual`, the others
+then keep them in: `add` is the default),
 `--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
 attention + the own-slot kernel) or `fusedN[wW]` (one kernel, `attention/beam_decode.py`, N rows a
 program — 16, the default, 32, 64 or 128 — on W warps, by default `beam_decode.warps_for(N)`);
@@ -184,7 +185,10 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
         # segment lengths turn dynamic at their second value): past dynamo's recompile limit
         # (8) a variant would run its layers eagerly, timed as if compiled
         allow_recompiles(64)
-        variants["graph+compile"] = SearchGraphs(model, dev, backend, compile_layers=True)
+        # with --residual-add the other variants keep the adds in `addmm` (the A/B's other side)
+        residual_default = "addmm" if args.residual_add else residual.MODE
+        with mock.patch.object(residual, "MODE", residual_default):
+            variants["graph+compile"] = SearchGraphs(model, dev, backend, compile_layers=True)
         # the same with the few-row fused linear kernels, the one-kernel trie step, the residual
         # adds out of `addmm`, the decode attention as one kernel (at each of its row blocks), or
         # any of them together (one value of each kind)
@@ -200,7 +204,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             )
             opts = dict(combo)
             # the residual mode and the attention's kind are read as the variant's layers are set up
-            mode = "add" if "add" in opts else residual.MODE
+            mode = "add" if "add" in opts else residual_default
             kind = opts.get("attention", beam_decode.MODE)
             kind = "fused" if kind.startswith("fused") else kind
             with (
@@ -464,8 +468,8 @@ def main() -> int:
         "--residual-add",
         action="store_true",
         help="heads with --head-compile: also the compiled search with the layers' residual adds "
-        "out of `addmm` (`compile.residual`, BOUNDGEN_RESIDUAL=add; with the others, also "
-        "together)",
+        "out of `addmm` (`compile.residual`, the default; the others then keep them in "
+        "`addmm`; with the others, also together)",
     )
     ap.add_argument(
         "--decode-attention",

@@ -1,5 +1,5 @@
-"""A layer's residual adds kept out of cuBLAS's `addmm` in compiled graphs — an A/B switch, off
-until the GPU says which is faster.
+"""A layer's residual adds kept out of cuBLAS's `addmm` in compiled graphs (the default, `add`;
+`BOUNDGEN_RESIDUAL=addmm` keeps Inductor's rewrite).
 
 Inductor rewrites `x + linear(h)` (a decoder layer's residual add after `o_proj` and after
 `down_proj`) into `addmm(x, h, W)`, one GEMM with beta = 1 (its post-grad `addmm` pattern). For a
@@ -10,12 +10,16 @@ layer calls; H200, BENCHMARKS.md seventeenth session), and 48 a W3 call would ma
 inferred from ATen's code, not yet traced per call site. A memcpy of a [rows, hidden] activation is
 ~1 µs, plus the gap before the next launch.
 
-With `BOUNDGEN_RESIDUAL=add` the pass below undoes the rewrite: `mm`, then an add that Inductor
-fuses into the next kernel that reads the sum (the post-attention RMSNorm; in a whole-model
-package also the next layer's input RMSNorm). The numerics become eager's: the product rounded to
-the model dtype, then the add. `addmm` (the default) keeps Inductor's graph. The mode is part of
-the compiled artifacts' platform key (`compile.cache.platform_info`) and, through the pass's
-`uuid`, of Inductor's own cache keys.
+Under `add` the pass below undoes the rewrite: `mm`, then an add that Inductor fuses into the
+next kernel that reads the sum (the post-attention RMSNorm; in a whole-model package also the next
+layer's input RMSNorm). The numerics become eager's: the product rounded to the model dtype, then
+the add. `addmm` keeps Inductor's graph. The mode is part of the compiled artifacts' platform key
+(`compile.cache.platform_info`) and, through the pass's `uuid`, of Inductor's own cache keys.
+
+`add` is the default since W4's searches, built both ways in one process, were faster with it at
+1, 8 and 32 prompts over the vocabulary and over the children (H100, 2026-12-05: −0.11 to −0.27
+ms of 5.3–13.8; BENCHMARKS.md twenty-ninth session); W3's bucket is the same either way (271
+kernels, twenty-second session).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from boundgen.settings import env_choice
 
 MODES = ("addmm", "add")
-MODE = os.environ.get("BOUNDGEN_RESIDUAL", "addmm")
+MODE = os.environ.get("BOUNDGEN_RESIDUAL", "add")
 
 
 def mode() -> str:
