@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,16 +46,13 @@ def test_a_bias_vector_stays_in_the_gemm():
 def test_the_mode_picks_the_options_and_is_part_of_the_platform_key(monkeypatch):
     from boundgen.compile.cache import platform_info
 
-    if "BOUNDGEN_RESIDUAL" not in os.environ:  # the default: the pass (W4 faster with it)
-        assert residual.MODE == "add"
+    assert residual.inductor_options() == {}  # default: Inductor's own graph and cache keys
+    assert platform_info("cpu")["residual"] == "addmm"
     monkeypatch.setattr(residual, "MODE", "add")
     assert isinstance(
         residual.inductor_options()["post_grad_custom_post_pass"], residual.UnfusedResidual
     )
     assert platform_info("cpu")["residual"] == "add"
-    monkeypatch.setattr(residual, "MODE", "addmm")
-    assert residual.inductor_options() == {}  # Inductor's own graph and cache keys
-    assert platform_info("cpu")["residual"] == "addmm"
     monkeypatch.setattr(residual, "MODE", "fused")
     with pytest.raises(ValueError, match="BOUNDGEN_RESIDUAL='fused': choose one of addmm, add"):
         residual.mode()
