@@ -25,7 +25,7 @@ kernel (`trie_select`, the other variants then take the ATen step: the kernel is
 then keep them in: `add` is the default),
 `--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
 attention + the own-slot kernel) or `fusedN[wW]` (one kernel, `attention/beam_decode.py`, N rows a
-program — 16, the default, 32, 64 or 128 — on W warps, by default `beam_decode.warps_for(N)`);
+program — 16, the default, 32, 64 or 128 — on W warps, by default `beam_decode.DEFAULT_WARPS`);
 given several, also every combination of them (one attention at a time) — every variant in one
 process.
 
@@ -132,9 +132,9 @@ def step_head_us(fn, dev, reps: int = 20, iters: int = 20) -> float:
 
 
 def _fused_tile(kind: str) -> tuple[int, int]:
-    """`fusedN[wW]` → (N rows, W warps; W unset: `beam_decode.warps_for(N)`)."""
+    """`fusedN[wW]` → (N rows, W warps; W unset: `beam_decode.DEFAULT_WARPS`)."""
     rows, _, warps = kind.removeprefix("fused").partition("w")
-    return int(rows), int(warps) if warps else beam_decode.warps_for(int(rows))
+    return int(rows), int(warps) if warps else beam_decode.DEFAULT_WARPS
 
 
 def _attention_kind(kind: str) -> str:

@@ -152,9 +152,9 @@ def test_tile_sets_the_kernel_s_tile_for_what_runs_inside_and_restores_it():
 
     before = (module.BLOCK_M, module.NUM_WARPS)
     with module.tile(16):
+        assert (module.BLOCK_M, module.NUM_WARPS) == (16, module.DEFAULT_WARPS) == (16, 4)
+    with module.tile(16, 1):
         assert (module.BLOCK_M, module.NUM_WARPS) == (16, 1)
-    with module.tile(16, 4):
-        assert (module.BLOCK_M, module.NUM_WARPS) == (16, 4)
     assert before == (module.BLOCK_M, module.NUM_WARPS)
     for bad in [(48, None), (16, 3)]:
         with (

@@ -68,16 +68,14 @@ def chosen(backend_name: str = "varlen") -> bool:
 # faster in compiled layers at b1, b8 and b32 (above), and in eager ones at b1 (H100, 12.10 →
 # 11.32 ms over the vocabulary; b8 14.86 → 14.29, children 15.39 → 15.51; separate processes on
 # one machine). `BOUNDGEN_BEAM_DECODE_ROWS` (16, 32, 64 or 128) and `BOUNDGEN_BEAM_DECODE_WARPS`
-# (1, 2, 4 or 8; unset: `warps_for` the rows) for an A/B.
+# (1, 2, 4 or 8; unset: `DEFAULT_WARPS`) for an A/B.
 BLOCK_ROWS = (16, 32, 64, 128)
 WARPS = (1, 2, 4, 8)
 BLOCK_N = 64
-
-
-def warps_for(block_m: int) -> int:
-    """Warps of a program of `block_m` rows by default: 4 from 64 rows (the eighth session's tile
-    at 128), one per 16 rows below (a 16-row dot is one warp's MMA; not yet swept)."""
-    return 4 if block_m >= 64 else block_m // 16
+# Warps a program, whatever its rows: at 16 rows 4 warps took the kernel 0.61 → 0.48 ms a b1
+# search (72 calls), 0.65 → 0.52 at b8 and 0.73 → 0.66 at b32, against one warp; two warps in
+# between (H100, one process, BENCHMARKS.md twenty-ninth session). 64 and 128 rows had 4 already.
+DEFAULT_WARPS = 4
 
 
 # the environment's tile, checked as every `BOUNDGEN_*` switch is (`settings.env_choice`)
@@ -88,21 +86,21 @@ BLOCK_M = int(
         tuple(map(str, BLOCK_ROWS)),
     )
 )
-_warps = os.environ.get("BOUNDGEN_BEAM_DECODE_WARPS")  # unset: `warps_for` the rows
+_warps = os.environ.get("BOUNDGEN_BEAM_DECODE_WARPS")  # unset: `DEFAULT_WARPS`
 NUM_WARPS = (
     int(env_choice("BOUNDGEN_BEAM_DECODE_WARPS", _warps, tuple(map(str, WARPS))))
     if _warps
-    else warps_for(BLOCK_M)
+    else DEFAULT_WARPS
 )
 
 
 @contextlib.contextmanager
 def tile(block_m: int, warps: int | None = None):
-    """`BLOCK_M` and `NUM_WARPS` (unset: `warps_for(block_m)`) for what is built or traced inside
+    """`BLOCK_M` and `NUM_WARPS` (unset: `DEFAULT_WARPS`) for what is built or traced inside
     (the decode layers read them as they trace: a compiled layer keeps the tile it was traced
     with, and dynamo guards on it); a benchmark's variants side by side."""
     global BLOCK_M, NUM_WARPS
-    new = block_m, warps or warps_for(block_m)
+    new = block_m, warps or DEFAULT_WARPS
     if block_m not in BLOCK_ROWS or new[1] not in WARPS:
         raise ValueError(
             f"tile({block_m}, {warps}): expected rows in {', '.join(map(str, BLOCK_ROWS))} and "
