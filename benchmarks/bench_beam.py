@@ -22,7 +22,7 @@ With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-r
 kernels (`skinny.MAX_ROWS` N) and `--trie-select` the one with each trie step's selection in one
 kernel (`trie_select`, the other variants then take the ATen step: the kernel is the default);
 `--residual-add` the one with the residual adds out of `addmm` (`compile.residual`, the others
-then keep them in: `add` is the default),
+then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
 `--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
 attention + the own-slot kernel) or `fusedN[wW]` (one kernel, `attention/beam_decode.py`, N rows a
 program — 16, the default, 32, 64 or 128 — on W warps, by default `beam_decode.DEFAULT_WARPS`);
@@ -468,8 +468,8 @@ def main() -> int:
         "--residual-add",
         action="store_true",
         help="heads with --head-compile: also the compiled search with the layers' residual adds "
-        "out of `addmm` (`compile.residual`, the default; the others then keep them in "
-        "`addmm`; with the others, also together)",
+        "out of `addmm` (`compile.residual`; the others then keep them in `addmm`, whatever "
+        "BOUNDGEN_RESIDUAL says; with the others, also together)",
     )
     ap.add_argument(
         "--decode-attention",
