@@ -89,8 +89,8 @@ stages = 2
         (7, 64, "fp32", 128, 4),
         (4, 128, "fp64", 128, 4),
         (7, 64, "constexpr", 128, 4),
-        (7, 64, "fp32", 16, 1),  # one warp's 16 rows (the default)
-        (7, 64, "fp32", 16, 4),  # 16 rows over four warps
+        (7, 64, "fp32", 16, 1),  # one warp's 16 rows
+        (7, 64, "fp32", 16, 4),  # 16 rows over four warps (the default)
         (7, 64, "fp32", 32, 2),
     ],
 )

@@ -86,11 +86,12 @@ BLOCK_M = int(
         tuple(map(str, BLOCK_ROWS)),
     )
 )
-_warps = os.environ.get("BOUNDGEN_BEAM_DECODE_WARPS")  # unset: `DEFAULT_WARPS`
-NUM_WARPS = (
-    int(env_choice("BOUNDGEN_BEAM_DECODE_WARPS", _warps, tuple(map(str, WARPS))))
-    if _warps
-    else DEFAULT_WARPS
+NUM_WARPS = int(
+    env_choice(
+        "BOUNDGEN_BEAM_DECODE_WARPS",
+        os.environ.get("BOUNDGEN_BEAM_DECODE_WARPS", str(DEFAULT_WARPS)),
+        tuple(map(str, WARPS)),
+    )
 )
 
 
