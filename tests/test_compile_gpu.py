@@ -148,21 +148,23 @@ def test_aoti_with_the_fused_linear_kernels_matches_eager(cuda_engine, tmp_path,
 
 @pytest.mark.parametrize("attention", ["flash", "fused"])
 @pytest.mark.parametrize("compile_layers", [False, True])
-def test_search_graphs_match_plain_search(cuda_engine, compile_layers, attention, monkeypatch):
-    """A whole search replayed from one CUDA graph (prefill, steps, selection) = the plain search:
-    the same best beam and most of the same results, across replays that reuse the bucket, with
-    and without a trie. Random weights give near-uniform next-token distributions, so bf16
-    rounding in fused kernels reorders near-ties (0.88-0.96 overlap measured on the 0.5B shape):
-    exact equality is checked on the trained demo model below. `attention`: a decode step's
+def test_search_graphs_match_plain_search(
+    cuda_engine, float32_truth, compile_layers, attention, monkeypatch
+):
+    """A whole search replayed from one CUDA graph (prefill, steps, selection) = the plain search,
+    across replays that reuse the bucket, with and without a trie: exactly with the eager layers
+    and flash, else as good a search (`assert_as_good_as_plain`). `attention`: a decode step's
     attention as flash + the own slots or as one kernel (`attention/beam_decode.py`)."""
-    _search_graphs_match(cuda_engine, compile_layers, attention, monkeypatch, exact_eager=True)
+    _search_graphs_match(
+        cuda_engine, float32_truth, compile_layers, attention, monkeypatch, exact_eager=True
+    )
 
 
 @pytest.mark.parametrize(
     ("compile_layers", "attention"), [(False, "flash"), (True, "flash"), (True, "fused")]
 )
 def test_search_graphs_with_the_fused_linear_kernels_match_plain_search(
-    cuda_engine, compile_layers, attention, monkeypatch
+    cuda_engine, float32_truth, compile_layers, attention, monkeypatch
 ):
     """The same with the few-row fused linear kernels on (`skinny.MAX_ROWS` 64: the prefills of
     32 and 64 tokens and every decode step take them, K split, one counter buffer a forward),
@@ -173,10 +175,76 @@ def test_search_graphs_with_the_fused_linear_kernels_match_plain_search(
     from boundgen.models import skinny
 
     monkeypatch.setattr(skinny, "MAX_ROWS", 64)
-    _search_graphs_match(cuda_engine, compile_layers, attention, monkeypatch, exact_eager=False)
+    _search_graphs_match(
+        cuda_engine, float32_truth, compile_layers, attention, monkeypatch, exact_eager=False
+    )
 
 
-def _search_graphs_match(cuda_engine, compile_layers, attention, monkeypatch, exact_eager):
+@pytest.fixture(scope="module")
+def float32_truth(tiny_model):
+    """truth(prompts, width, steps, trie) → (the float32 search's beams, a scorer): the plain
+    search in float32 on CUDA and `scorer(prompts, beams)` → each beam's log-prob [B, W] by HF
+    transformers in float32 (the trie's default softmax scores over the vocabulary)."""
+    transformers = pytest.importorskip("transformers")
+    from boundgen import Engine
+
+    path = tiny_model("qwen2")
+    engine = Engine.from_pretrained(path, device="cuda", dtype="float32", backend="eager")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = hf.cuda().eval()
+
+    @torch.no_grad()
+    def scorer(prompts, beams):
+        out = torch.empty(beams.shape[:2])
+        steps = beams.shape[2]
+        for b, prompt in enumerate(prompts):
+            rows = beams[b].cuda()
+            ids = torch.cat([torch.tensor(prompt, device="cuda").expand(len(rows), -1), rows], 1)
+            logp = torch.log_softmax(hf(ids).logits.float(), -1)
+            at = logp[:, len(prompt) - 1 : len(prompt) - 1 + steps]
+            out[b] = at.gather(2, rows.unsqueeze(2)).squeeze(2).sum(1).cpu()
+        return out
+
+    def truth(prompts, width, steps, trie):
+        with torch.inference_mode():
+            beams, _ = engine.runner.beam_search(prompts, width, steps, trie)
+        return beams, scorer
+
+    return truth
+
+
+def assert_as_good_as_plain(got, want, truth, scorer, prompts):
+    """`got` (tokens, scores) is as good a bf16 search as the plain one, `want`, judged in float32:
+    random weights give near-uniform next-token distributions, so bf16 rounding in fused kernels
+    reorders near-ties (0.88-0.96 item overlap measured on the 0.5B shape; one compiled search
+    kept a best beam that HF float32 scores 0.17 above the plain search's, H100 2026-12-05). So:
+    each beam's reported score is its float32 log-prob within twice the plain search's own error
+    (+0.05); the k-th best beam, by float32 log-prob, falls short of the float32 search's k-th by at
+    most the plain search's shortfall + 0.3 (a near-tie at step 1 kept the other way); and most
+    beams (≥ 75 %) are the plain search's."""
+    ref_got, ref_want = scorer(prompts, got[0]), scorer(prompts, want[0])
+    err_got = (got[1].float().cpu() - ref_got).abs().max().item()
+    err_want = (want[1].float().cpu() - ref_want).abs().max().item()
+    assert err_got <= 2 * err_want + 0.05, (err_got, err_want)
+    best = scorer(prompts, truth).sort(1, descending=True).values
+    short_got = (best - ref_got.sort(1, descending=True).values).max().item()
+    short_want = (best - ref_want.sort(1, descending=True).values).max().item()
+    assert short_got <= max(short_want, 0.0) + 0.3, (short_got, short_want)
+    assert _overlap(got[0], want[0]) >= 0.75, _overlap(got[0], want[0])
+
+
+def _overlap(got, want) -> float:
+    """The share of `got`'s beams [B, W, S] that are among `want`'s for the same prompt."""
+    same = sum(
+        len(set(map(tuple, got[b].tolist())) & set(map(tuple, want[b].tolist())))
+        for b in range(got.shape[0])
+    )
+    return same / got[:, :, 0].numel()
+
+
+def _search_graphs_match(
+    cuda_engine, float32_truth, compile_layers, attention, monkeypatch, exact_eager
+):
     from boundgen.attention import beam_decode
     from boundgen.compile.aoti import export_attention
     from boundgen.compile.buckets import parse_buckets
@@ -206,21 +274,13 @@ def _search_graphs_match(cuda_engine, compile_layers, attention, monkeypatch, ex
             with skinny.rows_up_to(0):  # the plain search on cuBLAS
                 want = cuda_engine.runner.beam_search(prompts, 4, 3, t)
         assert got is not None
-        assert torch.equal(got[0][:, 0], want[0][:, 0])
-        same = sum(
-            set(map(tuple, got[0][b].tolist())) == set(map(tuple, want[0][b].tolist()))
-            for b in range(len(prompts))
-        )
-        overlap = (
-            sum(
-                len(set(map(tuple, got[0][b].tolist())) & set(map(tuple, want[0][b].tolist())))
-                for b in range(len(prompts))
-            )
-            / got[0][:, :, 0].numel()
-        )
         # (the fused kernel rounds once, where flash + merge round their parts: near-ties too)
-        exact = exact_eager and not compile_layers and not fused_attention
-        assert overlap >= (1.0 if exact else 0.85), (same, overlap)
+        if exact_eager and not compile_layers and not fused_attention:
+            assert torch.equal(got[0][:, 0], want[0][:, 0])
+            assert _overlap(got[0], want[0]) == 1.0
+        else:
+            truth, scorer = float32_truth(prompts, 4, 3, t)
+            assert_as_good_as_plain(got, want, truth, scorer, prompts)
     assert all(s.graph is not None for s in sg.slots.values())
 
 
@@ -243,11 +303,7 @@ def assert_recommends_as_plain(got, want):
     """The same best item for every prompt and ≥ 90 % of the same items (measured on the H200,
     2026-12-01: the item sets differ in a few low-ranked beams, bf16 rounding in fused kernels)."""
     assert torch.equal(got[:, 0], want[:, 0])
-    same = sum(
-        len(set(map(tuple, got[b].tolist())) & set(map(tuple, want[b].tolist())))
-        for b in range(got.shape[0])
-    )
-    assert same / got[:, :, 0].numel() >= 0.9, same
+    assert _overlap(got, want) >= 0.9, _overlap(got, want)
 
 
 def test_compiled_search_on_the_demo_model():
