@@ -1,31 +1,29 @@
-"""A layer's residual adds kept out of cuBLAS's `addmm` in compiled graphs — an A/B switch
-(`BOUNDGEN_RESIDUAL=add`), off until a GPU test passes with it on (below).
+"""A layer's residual adds kept out of cuBLAS's `addmm` in compiled graphs (`BOUNDGEN_RESIDUAL`:
+`add`, the default, or `addmm`, Inductor's own graph).
 
 Inductor rewrites `x + linear(h)` (a decoder layer's residual add after `o_proj` and after
 `down_proj`) into `addmm(x, h, W)`, one GEMM with beta = 1 (its post-grad `addmm` pattern). For a
 2-D `x`, ATen's `addmm_out` first copies `x` into the output tensor (a device-to-device memcpy) and
 only a 1-D bias takes cuBLASLt's epilogue without it. So every layer of a compiled graph launches
-two memcpys beside its GEMMs: by count, 192 of the 224 `Memcpy DtoD` in one profiled W4 search (96
-layer calls; H200, BENCHMARKS.md seventeenth session), and 48 a W3 call would make (24 layers) —
-inferred from ATen's code, not yet traced per call site. A memcpy of a [rows, hidden] activation is
-~1 µs, plus the gap before the next launch.
+two memcpys beside its GEMMs: 220 `Memcpy DtoD` in one profiled W4 search at b1 (H100,
+BENCHMARKS.md twenty-ninth session), and 48 a W3 call would make (24 layers) — inferred from
+ATen's code, not traced per call site. A memcpy of a [rows, hidden] activation is ~1 µs, plus the
+gap before the next launch.
 
 Under `add` the pass below undoes the rewrite: `mm`, then an add that Inductor fuses into the
 next kernel that reads the sum (the post-attention RMSNorm; in a whole-model package also the next
 layer's input RMSNorm). The numerics become eager's: the product rounded to the model dtype, then
-the add. `addmm` keeps Inductor's graph. The mode is part of the compiled artifacts' platform key
-(`compile.cache.platform_info`) and, through the pass's `uuid`, of Inductor's own cache keys.
+the add. The mode is part of the compiled artifacts' platform key (`compile.cache.platform_info`)
+and, through the pass's `uuid`, of Inductor's own cache keys.
 
-W4's searches, built both ways in one process, were faster with `add` at 1, 8 and 32 prompts over
-the vocabulary and over the children (H100, 2026-12-05: −0.11 to −0.27 ms of 5.3–13.8;
-BENCHMARKS.md twenty-ninth session); W3's bucket is the same either way (271 kernels, twenty-second
-session). It stays off because with it on, the random-weight compiled search in
-`test_search_graphs_match_plain_search` chose a best beam (first token included) that is not among
-the plain search's four. HF in float32 scores that sequence 0.167 higher than the plain bf16
-search's best (the plain search dropped it at its first step): a better beam, not a wrong one; but
-the prompt's other beams moved with it, and the test's item overlap (0.85 at least) fell to 0.833
-(10 of 12). What the test should compare a compiled search with — the bf16 plain search, or a
-float32 reference — is the open question, not the pass.
+Why `add` is the default: W4's searches, built both ways in one process, were faster with it at 1,
+8 and 32 prompts over the vocabulary and over the children (H100, 2026-12-05: −0.11 to −0.27 ms of
+5.3–13.8; the copies gone, 96 launches fewer), and W3's bucket is the same either way (271
+kernels, twenty-second session). The whole GPU suite passes with it (thirtieth session), the
+random-weight compiled searches judged against a float32 reference: with random weights a bf16
+search's near-ties go either way, and one compiled search under `add` kept a best beam HF float32
+scores 0.167 above the plain bf16 search's, which the older test (the plain search's best beam)
+called a failure.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from boundgen.settings import env_choice
 
 MODES = ("addmm", "add")
-MODE = os.environ.get("BOUNDGEN_RESIDUAL", "addmm")
+MODE = os.environ.get("BOUNDGEN_RESIDUAL", "add")
 
 
 def mode() -> str:
