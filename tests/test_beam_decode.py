@@ -71,7 +71,7 @@ gqa, d, scale_type, block_m, warps = (
 )
 fn = m._beam_decode_kernel
 const = dict(
-    SLOTS=4, GQA=gqa, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_N=m.BLOCK_N, IEEE=False,
+    SLOTS_P2=4, GQA=gqa, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_N=m.BLOCK_N, IEEE=False,
     INTERPRET=False,
 )
 sig = {n: "i32" for n in fn.arg_names}

@@ -147,12 +147,12 @@ if AVAILABLE:
         stride_on,
         stride_oh,
         qk_scale,
-        SLOTS: tl.constexpr,
         GQA: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        SLOTS_P2: tl.constexpr,  # the own slots, padded to a power of two
         IEEE: tl.constexpr,
         INTERPRET: tl.constexpr,
     ):
@@ -162,8 +162,12 @@ if AVAILABLE:
         # as a Python float
         if not INTERPRET:
             qk_scale = tl.cast(qk_scale, tl.float32)
+        # every scalar the program needs, loaded at once (each load waited for is a memory latency)
         beam0 = tl.load(CU_BEAMS + b)
         beams = tl.load(CU_BEAMS + b + 1) - beam0
+        p0 = tl.load(CU_PROMPT + b)
+        p1 = tl.load(CU_PROMPT + b + 1)
+        step = tl.load(STEP)
         r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = r < beams * GQA
         beam = (beam0 + tl.minimum(r // GQA, tl.maximum(beams - 1, 0))).to(tl.int64)
@@ -177,12 +181,30 @@ if AVAILABLE:
         )
         if INTERPRET:  # the CPU interpreter's bf16 dot is wrong: its operands as float32
             q = q.to(tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # the prompt's keys, shared by all the rows
-        p0 = tl.load(CU_PROMPT + b)
-        p1 = tl.load(CU_PROMPT + b + 1)
+        # each row's own slots 0..step (its beam's generated tokens, this step's included) first,
+        # as one [rows, slots, D] tile: its loads are issued at once and overlap the first prompt
+        # tile's, where one slot at a time after the prompt's keys was a chain of waits (H200, W4
+        # shapes: 4.6 → 3.5 µs a call at b1, 4.9 → 3.8 at b8, 7.2 → 6.0 at b32;
+        # bench_beam_decode.py, BENCHMARKS.md thirtieth session). Slot 0 is always written, so
+        # the softmax starts from a finite maximum.
+        qf = q.to(tl.float32)
+        sl = tl.arange(0, SLOTS_P2)
+        offs3 = (
+            beam[:, None, None] * stride_bn
+            + sl[None, :, None] * stride_bs
+            + kvh * stride_bh
+            + d[None, None, :]
+        )
+        mask3 = row_ok[:, None, None] & (sl <= step)[None, :, None] & d_ok[None, None, :]
+        ks = tl.load(BK + offs3, mask=mask3, other=0.0).to(tl.float32)
+        vs = tl.load(BV + offs3, mask=mask3, other=0.0).to(tl.float32)
+        sc = tl.sum(qf[:, None, :] * ks, axis=2) * qk_scale
+        sc = tl.where((sl <= step)[None, :], sc, float("-inf"))
+        m_i = tl.max(sc, axis=1)
+        p = tl.exp(sc - m_i[:, None])
+        l_i = tl.sum(p, axis=1)
+        acc = tl.sum(p[:, :, None] * vs, axis=1)
+        # then the prompt's keys, shared by all the rows
         n = tl.arange(0, BLOCK_N)
         start = p0
         while start < p1:
@@ -198,22 +220,6 @@ if AVAILABLE:
             s = tl.where((start + n < p1)[None, :], s, float("-inf"))
             m_i, l_i, acc = _online(m_i, l_i, acc, s, v, IEEE)
             start += BLOCK_N
-        # each row's own slots 0..step (its beam's generated tokens, this step's included)
-        step = tl.load(STEP)
-        qf = q.to(tl.float32)
-        for slot in tl.static_range(SLOTS):
-            offs = beam[:, None] * stride_bn + slot * stride_bs + kvh * stride_bh + d[None, :]
-            mask = row_ok[:, None] & d_ok[None, :]
-            ks = tl.load(BK + offs, mask=mask, other=0.0).to(tl.float32)
-            vs = tl.load(BV + offs, mask=mask, other=0.0).to(tl.float32)
-            sc = tl.sum(qf * ks, axis=1) * qk_scale
-            sc = tl.where(slot <= step, sc, float("-inf"))
-            m_new = tl.maximum(m_i, sc)
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * vs
-            m_i = m_new
         out = acc / l_i[:, None]
         tl.store(
             Out + beam[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
@@ -269,12 +275,12 @@ if AVAILABLE:
             out.stride(0),
             out.stride(1),
             1.0 / math.sqrt(d),
-            SLOTS=slots,
             GQA=gqa,
             HEAD_DIM=d,
             BLOCK_D=max(16, triton.next_power_of_2(d)),
             BLOCK_M=block_m,
             BLOCK_N=BLOCK_N,
+            SLOTS_P2=triton.next_power_of_2(slots),
             # float32 multiplied exactly: as tf32 the H200 missed the eager path's 2e-5 (GPU test)
             IEEE=q.dtype == torch.float32,
             INTERPRET=not q.is_cuda,
