@@ -83,6 +83,8 @@ def run_wrk(
     row["launch_ms_per_search"] = wrk.per_batch(before, after, "launch_s") * 1e3
     # the server's CPU per request by thread: how close its Python is to one core (the GIL)
     row["thread_cpu_ms_per_request"] = wrk.thread_cpu_per_request(before, after)
+    # the event loop's late wake-ups and GC pauses over the run: is a slow `hops` the loop?
+    row["stalls"] = wrk.stalls(before, after)
     return row
 
 
@@ -211,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"launch {launch:.2f} ms",
                         flush=True,
                     )
+                if wrk.stall_line(row):
+                    print(wrk.stall_line(row), flush=True)
                 partial = {"env": env_info(), "config": vars(args), "rows": rows}
                 out.write_text(json.dumps(partial | {"server_ready_s": ready_s}, indent=1))
 

@@ -99,6 +99,7 @@ def with_forwards(url: str, run) -> dict:
             part: wrk.per_batch(before, after, f"host_cpu_{part}_s") * 1e3 for part in HOST_PARTS
         },
         "thread_cpu_ms_per_request": wrk.thread_cpu_per_request(before, after),
+        "stalls": wrk.stalls(before, after),
     }
 
 
@@ -385,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(wrk.tail_line(row), flush=True)
                 if wrk.cpu_line(row):  # where the server's CPU went, per request served
                     print(wrk.cpu_line(row), flush=True)
+                if wrk.stall_line(row):  # the event loop held up, GC pauses
+                    print(wrk.stall_line(row), flush=True)
                 partial = {"env": env_info(), "config": vars(args), "rows": rows}
                 out.write_text(json.dumps(partial | {"server_ready_s": ready_s}, indent=1))
 

@@ -202,7 +202,60 @@ def node_counters(url: str, node: str) -> dict[str, float]:
             "thread_cpu:" + label.removeprefix('thread="').removesuffix('"'): seconds
             for label, seconds in series("boundgen_thread_cpu_seconds").items()
         },
+        # the event loop's late wake-ups and the GC's pauses, cumulative by bucket (`stalls`)
+        **_buckets(series("boundgen_event_loop_lag_seconds_bucket"), "lag_le:"),
+        **_buckets(series("boundgen_gc_pause_seconds_bucket"), "gc_le:"),
     }
+
+
+def _buckets(samples: dict[str, float], prefix: str) -> dict[str, float]:
+    """A histogram's cumulative bucket counts by upper bound (`prefix` + le), summed over its
+    other labels (the GC's generations)."""
+    out: dict[str, float] = {}
+    for labels, count in samples.items():
+        le = re.search(r'le="([^"]+)"', labels)
+        if le is not None:
+            out[prefix + le.group(1)] = out.get(prefix + le.group(1), 0.0) + count
+    return out
+
+
+def stalls(before: dict, after: dict) -> dict:
+    """Over a run, from two `node_counters` readings: the event loop's timer wake-ups (every 10
+    ms, `server/loop_lag.py`) — how many, the bucket bound their p99 lag falls under, how many
+    were late by more than 10 and 50 ms — and the GC's pauses over 10 ms. {} when the server
+    exports no loop lag."""
+
+    def delta(prefix: str) -> dict[float, float]:
+        return {
+            float(k.removeprefix(prefix)): after[k] - before.get(k, 0.0)
+            for k in after
+            if k.startswith(prefix)
+        }
+
+    lag, gc = delta("lag_le:"), delta("gc_le:")
+    total = lag.get(float("inf"), 0.0)
+    if not total:
+        return {}
+    p99 = next(le for le, n in sorted(lag.items()) if n >= 0.99 * total)
+    return {
+        "loop_wakeups": total,
+        "loop_lag_p99_le_ms": p99 * 1e3,
+        "loop_late_10ms": total - lag.get(0.01, total),
+        "loop_late_50ms": total - lag.get(0.05, total),
+        "gc_pauses_over_10ms": gc.get(float("inf"), 0.0) - gc.get(0.01, 0.0),
+    }
+
+
+def stall_line(row: dict) -> str:
+    """A run's `stalls` as one indented line; "" without them."""
+    st = row.get("stalls") or {}
+    if not st:
+        return ""
+    return (
+        f"    event loop: lag p99 ≤ {st['loop_lag_p99_le_ms']:g} ms, "
+        f"{st['loop_late_10ms']:.0f} of {st['loop_wakeups']:.0f} wake-ups late > 10 ms, "
+        f"{st['loop_late_50ms']:.0f} > 50 ms; GC pauses > 10 ms: {st['gc_pauses_over_10ms']:.0f}"
+    )
 
 
 def thread_cpu_per_request(before: dict, after: dict) -> dict[str, float]:

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from boundgen.engine import Engine
-from boundgen.server import cohere, handlers, kserve, tei, vllm
+from boundgen.server import cohere, handlers, kserve, loop_lag, tei, vllm
 from boundgen.server.config import ServerConfig
 from boundgen.server.dispatch import Endpoint, FixedRoutes
 from boundgen.server.errors import (
@@ -118,7 +118,10 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.start_warm_up()
+        metrics = state.metrics
+        lag = asyncio.create_task(loop_lag.probe(metrics.loop_lag, metrics.loop_lag_max))
         yield
+        lag.cancel()
         # uvicorn has drained in-flight requests by now (SIGTERM → graceful shutdown).
         state.draining = True
         state.stop_warm_up()  # (before the runtime closes under it)

@@ -25,6 +25,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from boundgen.server.loop_lag import LAG_BUCKETS
 from boundgen.server.threads import thread_cpu_seconds
 
 # Latency buckets in seconds: fine around the 20 ms p99 target, coarse beyond.
@@ -319,6 +320,16 @@ class Metrics:
             "ready: each one ran on a request's path; should stay 0 (a WARNING names it)",
             ["kind"],
             registry=r,
+        )
+        self.loop_lag = Histogram(
+            "boundgen_event_loop_lag_seconds",
+            "how much later than asked the event loop woke a timer (server/loop_lag.py): the "
+            "loop, or the GIL it needs, held that long",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag_max = Gauge(
+            "boundgen_event_loop_lag_max_seconds", "the largest event-loop lag so far", registry=r
         )
         r.register(_DeviceMemoryCollector())
         r.register(_ThreadCpuCollector())
