@@ -11,7 +11,8 @@ hand-back itself: this lag tells the first two from the third. A wake-up late by
 interval means the loop (or the GIL it needs) was held that long; GC pauses, also on the loop's
 thread, are counted apart (`heap.GCPauses`).
 
-The probe costs one timer wake-up per interval (100 a second by default).
+The probe runs from the app's start, its warm-up included (the worst lag is since then, as the GC's
+longest pause is), and costs one timer wake-up per interval (100 a second by default).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import asyncio
 from typing import Any
 
 INTERVAL_S = 0.01
-# the lag's buckets (seconds): a wake-up is ~0.1 ms late on an idle loop
+# the lag's buckets (seconds): on an idle loop a wake-up was 0.17 ms late on average (the 2-core
+# development machine)
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 

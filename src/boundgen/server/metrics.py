@@ -329,7 +329,9 @@ class Metrics:
             registry=r,
         )
         self.loop_lag_max = Gauge(
-            "boundgen_event_loop_lag_max_seconds", "the largest event-loop lag so far", registry=r
+            "boundgen_event_loop_lag_max_seconds",
+            "the largest event-loop lag since the server started (its warm-up included)",
+            registry=r,
         )
         r.register(_DeviceMemoryCollector())
         r.register(_ThreadCpuCollector())
