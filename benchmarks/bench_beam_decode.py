@@ -25,7 +25,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import env_info, graph_us, write_json
+from common import env_info, graph_us, kernel_table, write_json
 
 from boundgen.attention import beam_decode
 
@@ -69,15 +69,11 @@ def inputs(batch: int, width: int, prompt: int, heads: tuple[int, int, int], slo
 
 
 def kernel_us(fn, calls: int = 24) -> float:
-    """The mean duration of the kernels `fn` launches, over `calls` calls, by torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    times = [e.device_time for e in prof.events() if "_beam_decode_kernel" in e.name]
-    return sum(times) / max(len(times), 1)
+    """The decode-attention kernel's mean duration over `calls` calls of `fn`, from the profiler's
+    per-kernel table (`common.kernel_table`); 0 when it did not run."""
+    table = kernel_table(lambda: [fn() for _ in range(calls)])
+    row = next((r for r in table["kernels"] if "_beam_decode_kernel" in r["kernel"]), None)
+    return row["ms"] * 1e3 / row["calls"] if row else 0.0
 
 
 def main() -> None:
