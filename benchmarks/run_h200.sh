@@ -16,6 +16,7 @@
 #   bash benchmarks/run_h200.sh beam-code                       # issue 24: Inductor's code of the search layers
 #   bash benchmarks/run_h200.sh beam-overlap                    # issue 24: two searches at once on two streams
 #   bash benchmarks/run_h200.sh beam-decode                     # issue 24: the decode-attention kernel alone, its tiles (BEAM_DECODE_ARGS)
+#   bash benchmarks/run_h200.sh cuda-wait                       # a GPU wait's CPU, spinning vs sleeping (BOUNDGEN_CUDA_WAIT)
 #   bash benchmarks/run_h200.sh w3                              # issue 25 item 1: one W3 call, before/after staging
 #   W3_ARGS="--workload w2 --variants after" W3_NAME=w2 bash benchmarks/run_h200.sh w3   # one W2 call's host vs GPU
 #   bash benchmarks/run_h200.sh beam-wrk                        # issue 24: /v1/beam under wrk (carry .whl .tools; ≤ 5 min)
@@ -85,6 +86,8 @@ run_phase() {
     # issue 24: two whole-search graphs on two streams against one stream, searches/s per batch
     beam-overlap) phase beam-overlap 240 python3 benchmarks/bench_beam.py --root $ROOT --overlap-only --batches ${BEAM_OVERLAP_BATCHES:-1 8 16 32} --stacks-after $(( ${B:-240} - 25 )) --out "$OUT/beam_overlap.json" ;;
     # issue 24: the decode-attention kernel alone at W4's shapes, its tiles side by side (~30 s)
+    # a host thread's GPU wait spinning against sleeping (`cuda_waits`, BOUNDGEN_CUDA_WAIT): its CPU and wake-up
+    cuda-wait) phase cuda-wait 60 python3 benchmarks/bench_cuda_wait.py --out "$OUT/cuda_wait.json" ;;
     beam-decode) phase beam-decode 120 python3 benchmarks/bench_beam_decode.py --out "$OUT/beam_decode.json" ${BEAM_DECODE_ARGS:-} ;;
     # issue 24: what Inductor generates for the compiled prefill/decode layers (one b1 search), to
     # see each kernel and copy a layer-step launches (the code lands in beam-code.log)

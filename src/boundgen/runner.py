@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from boundgen import cuda_waits
 from boundgen.compile.backends import CompiledForwards, CompileOptions, select_forwards
 from boundgen.compile.buckets import Bucket, BucketSet
 from boundgen.compile.chunking import Piece, chunk
@@ -209,7 +210,7 @@ class ModelRunner:
             yield lease
         finally:
             if cuda and lease.taken:  # a staged graph's call takes nothing: no event to record
-                ev = torch.cuda.Event()
+                ev = cuda_waits.event()
                 ev.record()
                 with self._lock:
                     self._pending.append((ev, lease))
@@ -395,6 +396,7 @@ def make_runner(
 ) -> ModelRunner:
     """The runner for `backend` (see `compile.backends.select_forwards`; `"auto"` picks the best
     that works here and logs why)."""
+    cuda_waits.apply(device)  # sleeping waits under BOUNDGEN_CUDA_WAIT=block (`cuda_waits`)
     forwards = select_forwards(model, device, max_batch_tokens, backend, options)
     return ModelRunner(model, device, forwards, max_batch_tokens, share_prefix)
 

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from boundgen import cuda_waits
 from boundgen.compile.buckets import Bucket, write_padded
 from boundgen.compile.graphs import StaticGraph
 from boundgen.text.packing import HostLayout, PackedBatch
@@ -98,8 +99,8 @@ class StagedInputs:
         self.fills = 0
         self.copies = 0  # host → device copies
         self.waits = 0  # fills that had to wait for the previous copy out of the host buffer
-        self._copied = torch.cuda.Event() if cuda else None  # the last copy out of `host` ran
-        self._done = torch.cuda.Event() if cuda else None  # the last replay over `staged` ran
+        self._copied = cuda_waits.event() if cuda else None  # the last copy out of `host` ran
+        self._done = cuda_waits.event() if cuda else None  # the last replay over `staged` ran
         self._stream = None  # the stream of the last call
 
     def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:

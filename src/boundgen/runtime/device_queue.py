@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
+from boundgen import cuda_waits
+
 
 class Flight(Protocol):
     """One batch's device work, queued."""
@@ -68,8 +70,8 @@ class CudaQueue:
     def launch(self, fn: Callable[[], Any]) -> tuple[Any, Flight]:
         stream = self.streams[next(self._turn) % len(self.streams)]
         stream.wait_stream(torch.cuda.default_stream(self.device))
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start = cuda_waits.event(enable_timing=True)
+        end = cuda_waits.event(enable_timing=True)
         start.record(stream)
         with torch.cuda.stream(stream):
             out = fn()

@@ -301,6 +301,8 @@ class Executor:
     ) -> None:
         import torch
 
+        from boundgen import cuda_waits
+
         self.cpu_workers = max(1, cpu_workers or min(8, (os.cpu_count() or 2) * 2))
         want_cuda = device is None or str(device).startswith("cuda")
         self.cuda = bool(want_cuda and torch.cuda.is_available())
@@ -310,6 +312,8 @@ class Executor:
         if self.device.type == "cuda" and not self.cuda:
             raise RuntimeError("Executor(device='cuda') but CUDA is not available")
         self._torch = torch
+        # the events' waits sleep or spin (`BOUNDGEN_CUDA_WAIT`, `cuda_waits`)
+        self._blocking = cuda_waits.policy() == "block"
         self.streams = (
             [torch.cuda.Stream(device=self.device) for _ in range(max(1, device_streams))]
             if self.cuda
@@ -609,7 +613,7 @@ class Executor:
                 req.stream = stream
                 with self._torch.cuda.stream(stream):
                     outs = node.call(args, req)
-                ev = self._torch.cuda.Event()
+                ev = self._torch.cuda.Event(blocking=self._blocking)
                 ev.record(stream)
                 req._events[i] = ev
                 req._streams[i] = stream

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from boundgen import cuda_waits
 from boundgen.runtime.dag import Pipeline
 from boundgen.text.packing import SequenceGroup
 from boundgen.text.tokenizer import Tokenizer
@@ -131,7 +132,7 @@ def to_host(tokens: torch.Tensor, scores: torch.Tensor) -> tuple:
     if tokens.device.type != "cuda":
         return tokens, scores, None
     tokens, scores = tokens.to("cpu", non_blocking=True), scores.to("cpu", non_blocking=True)
-    copied = torch.cuda.Event()
+    copied = cuda_waits.event()
     copied.record()
     return tokens, scores, copied
 

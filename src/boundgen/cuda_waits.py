@@ -1,0 +1,81 @@
+"""How a host thread waits for the GPU: spinning on its core (CUDA's default here) or asleep.
+
+CUDA's default scheduling for one process on a host with more cores than contexts is to spin: a
+thread waiting for the GPU — an event's or a stream's `synchronize()`, a copy from pageable memory
+that waits for the work queued before it — busy-loops on its core until the GPU is done. An event
+spins whatever the context says unless it was made with `blocking=True`. A server waits on
+several threads at once, each for up to a merged batch's GPU time: the device-waits thread, the
+CPU workers waiting on events, the beam finisher, the launch's pageable copies. Those spinning
+threads hold no GIL, but they hold cores, and the event loop and the Python threads have to be
+scheduled beside them. On some machines `/v1/beam`'s event loop woke up more than 10 ms late in
+30 % of its wake-ups under load, on others never (BENCHMARKS.md, thirty-first session).
+
+`BOUNDGEN_CUDA_WAIT=block` makes the waits sleep instead: the device's primary context is set to
+blocking sync (`apply`, by the runner of a CUDA device) and the events the engine makes block
+(`event`; the executor's own events likewise). On an H100 host a 20 ms GPU wait cost its thread
+7.8 ms of CPU spinning and 0.05–0.08 ms asleep, which went on ~0.1 ms later (a single request's
+latency pays that); `/v1/beam` on the late-loop machine was the same either way — the spinning
+threads were not what held its loop — so `spin` (CUDA's behaviour) stays the default.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from boundgen.settings import env_choice
+
+log = logging.getLogger("boundgen.runtime")
+
+POLICIES = ("spin", "block")
+# the driver's scheduling flags (cuda.h): the three low bits of a context's flags
+_SCHED_MASK = 0x07
+_SCHED_BLOCKING_SYNC = 0x04
+
+
+def policy() -> str:
+    """This process's wait policy (`BOUNDGEN_CUDA_WAIT`, `spin` when unset)."""
+    return env_choice("BOUNDGEN_CUDA_WAIT", os.environ.get("BOUNDGEN_CUDA_WAIT", "spin"), POLICIES)
+
+
+def event(**kwargs) -> torch.cuda.Event:
+    """A CUDA event whose `synchronize()` follows the policy (`torch.cuda.Event` arguments)."""
+    return torch.cuda.Event(blocking=policy() == "block", **kwargs)
+
+
+_applied: set[int] = set()
+
+
+def apply(device: torch.device | str) -> int | None:
+    """Set the primary context of `device` (a CUDA device) to blocking sync when the policy is
+    `block`, once per device. → the context's flags after (None: nothing set). The driver takes
+    new scheduling flags on an active primary context too (CUDA 11 and later)."""
+    device = torch.device(device)
+    if device.type != "cuda" or policy() != "block":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _applied:
+        return None
+    lib = ctypes.CDLL("libcuda.so.1")
+    dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    _check(lib.cuInit(0), "cuInit")
+    _check(lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+    _check(lib.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)), "state")
+    wanted = (flags.value & ~_SCHED_MASK) | _SCHED_BLOCKING_SYNC
+    _check(lib.cuDevicePrimaryCtxSetFlags_v2(dev, wanted), "cuDevicePrimaryCtxSetFlags_v2")
+    _check(lib.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)), "state")
+    if flags.value & _SCHED_MASK != _SCHED_BLOCKING_SYNC:
+        raise RuntimeError(
+            f"BOUNDGEN_CUDA_WAIT=block: cuda:{index}'s context kept flags {flags.value:#x}"
+        )
+    _applied.add(index)
+    log.info("CUDA waits on cuda:%d block (context flags %#x)", index, flags.value)
+    return flags.value
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"BOUNDGEN_CUDA_WAIT=block: {call} failed with CUresult {status}")
