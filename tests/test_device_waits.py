@@ -155,3 +155,70 @@ def test_at_most_half_the_workers_wait_for_the_device(fake_cuda_executor):
         ev.done.set()
     assert [f.result(timeout=10) for f in futures] == [1, 11, 21]
     assert ex._waiting_workers == 0
+
+
+class _Flight:
+    """A device queue's flight that has run (the batching node's launch, faked)."""
+
+    def __init__(self) -> None:
+        self.event = FakeEvent()
+        self.event.done.set()
+
+    def wait(self) -> None:
+        pass
+
+    def device_ns(self) -> float:
+        return 1e6
+
+
+class _Queue:
+    def launch(self, fn):
+        return fn(), _Flight()
+
+
+class RecordingStream(FakeStream):
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def wait_stream(self, other) -> None:
+        self.calls.append((self.name, "wait_stream"))
+
+    def wait_event(self, event) -> None:
+        self.calls.append((self.name, "wait_event", event))
+
+
+@pytest.mark.parametrize("producer", ["cpu", "device"])
+def test_a_batching_device_node_orders_its_inputs_through_the_default_stream(
+    fake_cuda_executor, producer
+):
+    """A batching node launches on its own queue, after the default stream: after a CPU node it
+    needs no stream call a request (it made two on a pool stream that no launch used), and a
+    device producer's event becomes a wait of the default stream, not of an unused pool stream."""
+    from boundgen.runtime import device_queue
+    from boundgen.runtime.batching import BatchingNode
+
+    ex, events = fake_cuda_executor
+    calls: list = []
+    default = RecordingStream("default", calls)
+    ex._torch.cuda.default_stream = lambda device=None: default
+    ex.streams = [RecordingStream("pool", calls)]
+    batched = BatchingNode(
+        "batched",
+        lambda xs: [x * 10 for x in xs],
+        inputs=["y"],
+        outputs=["out"],
+        merge=lambda items: ([it["y"] for it in items], None),
+        split=lambda out, sizes: out,
+    )
+    first = on_device if producer == "device" else node(outputs="y")(lambda x: x * 10)
+    device_queue.set_queue_factory(lambda executor, streams: _Queue())
+    try:
+        pipe = Pipeline("p", {"x": int}, [first, batched], ["out"])
+        threading.Timer(0.05, lambda: [ev.done.set() for ev in list(events)]).start()
+        assert ex.run(pipe, {"x": 2}, unwrap=True) == 200
+    finally:
+        device_queue.set_queue_factory(None)
+    if producer == "cpu":
+        assert calls == []
+    else:  # the device node ran on the pool stream (its own prologue waited for host inputs)
+        assert calls == [("pool", "wait_stream"), ("default", "wait_event", events[0])]
