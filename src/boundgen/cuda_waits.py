@@ -1,14 +1,14 @@
 """How a host thread waits for the GPU: spinning on its core (CUDA's default here) or asleep.
 
 CUDA's default scheduling for one process on a host with more cores than contexts is to spin: a
-thread waiting for the GPU — an event's or a stream's `synchronize()`, a copy from pageable memory
-that waits for the work queued before it — busy-loops on its core until the GPU is done. An event
-spins whatever the context says unless it was made with `blocking=True`. A server waits on
-several threads at once, each for up to a merged batch's GPU time: the device-waits thread, the
-CPU workers waiting on events, the beam finisher, the launch's pageable copies. Those spinning
-threads hold no GIL, but they hold cores, and the event loop and the Python threads have to be
-scheduled beside them. On some machines `/v1/beam`'s event loop woke up more than 10 ms late in
-30 % of its wake-ups under load, on others never (BENCHMARKS.md, thirty-first session).
+thread waiting for the GPU in an event's or a stream's `synchronize()` busy-loops on its core until
+the GPU is done (a copy from pageable memory waits without spinning: measured). An event spins
+whatever the context says unless it was made with `blocking=True`. A server waits on several
+threads at once, each for up to a merged batch's GPU time: the device-waits thread, the CPU
+workers waiting on events, the beam finisher. Those spinning threads hold no GIL, but they hold
+cores, and the event loop and the Python threads have to be scheduled beside them. On some
+machines `/v1/beam`'s event loop woke up more than 10 ms late in up to half of its wake-ups under
+load, on others never (BENCHMARKS.md, thirty-first session).
 
 `BOUNDGEN_CUDA_WAIT=block` makes the waits sleep instead: the device's primary context is set to
 blocking sync (`apply`, by the runner of a CUDA device) and the events the engine makes block
