@@ -46,6 +46,7 @@ from pathlib import Path
 
 import fake_gpu
 import gpu_window
+import host_cpu
 import httpx
 import wrk
 from bench_serving import make_trie, serve_command, start, stop
@@ -65,11 +66,14 @@ def run_wrk(
     url: str, script: Path, bodies: Path, connections: int, think_ms: float, seconds: float, cpus
 ) -> dict:
     before = wrk.node_counters(url, "beam")
+    host_before = host_cpu.read()
     threads = max(1, min(4, connections // 16 or 1))
     row = wrk.run_wrk(
         url, script, bodies, "/v1/beam", connections, think_ms, seconds, cpus, threads
     )
     after = wrk.node_counters(url, "beam")
+    # the host's CPUs but the client's over the run: busy, and stolen by the hypervisor
+    row["host_cpu"] = host_cpu.usage(host_before, host_cpu.read(), host_cpu.cpu_list(cpus))
     row["beam_batches"] = after["batches"] - before["batches"]
     row["requests_per_batch"] = wrk.per_batch(before, after)
     # the beam node's stream time over the run: the GPU's share (its searches queued back to back
@@ -215,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 if wrk.stall_line(row):
                     print(wrk.stall_line(row), flush=True)
+                if host_cpu.line(row):
+                    print(host_cpu.line(row), flush=True)
                 partial = {"env": env_info(), "config": vars(args), "rows": rows}
                 out.write_text(json.dumps(partial | {"server_ready_s": ready_s}, indent=1))
 

@@ -46,6 +46,7 @@ import threading
 import time
 from pathlib import Path
 
+import host_cpu
 import httpx
 from bench_serving import serve_command, start, stop
 from common import env_info
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.client_cpus:
-        os.sched_setaffinity(0, _cpus(args.client_cpus))
+        os.sched_setaffinity(0, host_cpu.cpu_list(args.client_cpus))
     name = "soak" if args.soak is not None else "sweep" if args.sweep_only else "overload"
     out = Path(args.out or HERE / "results" / f"{name}_{args.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -455,15 +456,6 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"wrote {out}" + (f" (server log {log_path})" if log_path else ""))
     return 0
-
-
-def _cpus(spec: str) -> set[int]:
-    """`0,2-3` → {0, 2, 3} (taskset's list format)."""
-    out: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 if __name__ == "__main__":

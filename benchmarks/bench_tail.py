@@ -47,9 +47,10 @@ from pathlib import Path
 
 import fake_gpu
 import gpu_window
+import host_cpu
 import httpx
 import wrk
-from bench_overload import _cpus, wait_idle
+from bench_overload import wait_idle
 from bench_serving import serve_command, start, stop
 from common import env_info
 
@@ -70,19 +71,24 @@ def run_wrk(
     return with_forwards(
         url,
         lambda: wrk.run_wrk(url, script, bodies, "/v1/score", connections, think_ms, seconds, cpus),
+        cpus,
     )
 
 
-def with_forwards(url: str, run) -> dict:
+def with_forwards(url: str, run, client_cpus: str | None) -> dict:
     """`run()`'s row, with the server's forward node over the run (its `/metrics`): requests and
     tokens per forward, the share of the run its batches kept the device busy (0 on CPU), its host
-    time per forward by part (wall and CPU), and the server's CPU per request by thread."""
+    time per forward by part (wall and CPU), the server's CPU per request by thread, and the
+    host's CPUs but the client's: busy and stolen (`host_cpu`)."""
     before = wrk.node_counters(url, "forward")
+    host_before = host_cpu.read()
     t0 = time.perf_counter()
     row = run()
     t1 = time.perf_counter()
     after = wrk.node_counters(url, "forward")
+    host = host_cpu.usage(host_before, host_cpu.read(), host_cpu.cpu_list(client_cpus))
     return row | {
+        "host_cpu": host,
         "t0": t0,
         "t1": t1,
         "requests_per_forward": wrk.per_batch(before, after),
@@ -103,9 +109,9 @@ def with_forwards(url: str, run) -> dict:
     }
 
 
-def run_open_loop(cfg: LoadConfig, rate: float) -> dict:
+def run_open_loop(cfg: LoadConfig, rate: float, client_cpus: str | None) -> dict:
     step_cfg = dataclasses.replace(cfg, qps_steps=(rate,), stop_when_saturated=False, warmup=0)
-    return with_forwards(cfg.url, lambda: _open_loop_row(step_cfg, rate))
+    return with_forwards(cfg.url, lambda: _open_loop_row(step_cfg, rate), client_cpus)
 
 
 def _open_loop_row(step_cfg: LoadConfig, rate: float) -> dict:
@@ -315,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.encode:
         if args.client_cpus:
-            os.sched_setaffinity(0, _cpus(args.client_cpus))
+            os.sched_setaffinity(0, host_cpu.cpu_list(args.client_cpus))
         rows = encode_times(args.encode_iters)
         out = Path(args.out or HERE / "results" / "encode_cpu.json")
         out.write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
@@ -327,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.client_cpus:
-        os.sched_setaffinity(0, _cpus(args.client_cpus))
+        os.sched_setaffinity(0, host_cpu.cpu_list(args.client_cpus))
     out = Path(args.out or HERE / "results" / "tail_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     proc, url, ready_s, fake_log = None, args.url, None, None
@@ -388,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(wrk.cpu_line(row), flush=True)
                 if wrk.stall_line(row):  # the event loop held up, GC pauses
                     print(wrk.stall_line(row), flush=True)
+                if host_cpu.line(row):  # a host whose cores were taken (steal) or full
+                    print(host_cpu.line(row), flush=True)
                 partial = {"env": env_info(), "config": vars(args), "rows": rows}
                 out.write_text(json.dumps(partial | {"server_ready_s": ready_s}, indent=1))
 
@@ -401,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                 wait_idle(cfg)
                 record(run_wrk(url, script, bodies, c, think, args.duration, args.client_cpus))
                 wait_idle(cfg)
-                record(run_open_loop(cfg, rate))
+                record(run_open_loop(cfg, rate, args.client_cpus))
             # last, saturated closed loops under py-spy and under the GPU window
             gil, gpu = wrk.profiled_steps(
                 proc.pid if proc is not None else None,

@@ -46,6 +46,8 @@ W5_SERVE="--device cuda --dtype bfloat16 --backend aoti+graphs --batch-token-bud
 install_device_wheels
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+# which host this is (Python speed, thread hand-off, steal): machines differ by 2.5x in a request's Python
+python3 benchmarks/host_probe.py --json "$OUT/host.json" || true
 # A phase's budget can be overridden as NAME:SECONDS (e.g. fp8-model:200) to fit a 10-minute call.
 # A phase its budget cut says so in its log and the call's output (a cut phase may print nothing:
 # the eighteenth session's first W3 build died silently at 140 s). The cut is a SIGINT, then a

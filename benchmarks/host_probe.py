@@ -1,0 +1,120 @@
+"""How fast this host runs a server's Python, measured in a few seconds: a line at the head of
+every device call, so that calls on different machines can be told apart before their numbers
+are compared.
+
+The device machines' hosts differ: with the same code, `/v1/beam`'s event loop took 0.20 ms of
+CPU a request on one H100 machine and 0.50 on another, woke late only on the second, and the
+server took twice as long to start there (BENCHMARKS.md, thirty-first session). Three numbers
+that such a host should show:
+
+- `python_ms`: a fixed piece of pure Python (dict and list work, ~what a request's parsing does),
+  the best of five — the per-request CPU of the event loop scales with it;
+- `handoff_us`: two threads passing a turn back and forth through locks, µs a round trip (median
+  and p99) — what every hand-off between the event loop and a worker costs: a wake-up of a
+  sleeping thread and the GIL passing to it;
+- `steal`: the share of the CPUs' time the hypervisor took over a second of this probe.
+
+    python benchmarks/host_probe.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import host_cpu
+
+
+def python_ms(rounds: int = 5) -> float:
+    """Best time of a fixed pure-Python workload, ms."""
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        d: dict[int, list[int]] = {}
+        for i in range(200_000):
+            d.setdefault(i % 1_000, []).append(i)
+        sum(len(v) for v in d.values())
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def handoff_us(trips: int = 2_000) -> tuple[float, float]:
+    """(median, p99) µs of a round trip between two threads, each waiting on a lock the other
+    releases."""
+    ping, pong = threading.Lock(), threading.Lock()
+    ping.acquire()
+    pong.acquire()
+
+    def echo() -> None:
+        for _ in range(trips):
+            ping.acquire()
+            pong.release()
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    times = []
+    for _ in range(trips):
+        t0 = time.perf_counter()
+        ping.release()
+        pong.acquire()
+        times.append((time.perf_counter() - t0) * 1e6)
+    thread.join()
+    times.sort()
+    return statistics.median(times), times[int(0.99 * (len(times) - 1))]
+
+
+def cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def probe() -> dict:
+    before = host_cpu.read()
+    t0 = time.perf_counter()
+    py = python_ms()
+    median, p99 = handoff_us()
+    rest = 1.0 - (time.perf_counter() - t0)
+    if rest > 0:
+        time.sleep(rest)  # at least a second of accounting for the steal share
+    stolen = host_cpu.usage(before, host_cpu.read()).get("steal")
+    return {
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+        "python_ms": round(py, 2),
+        "handoff_us_median": round(median, 1),
+        "handoff_us_p99": round(p99, 1),
+        "steal": None if stolen is None else round(stolen, 4),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", default=None, help="also write the numbers here")
+    args = p.parse_args()
+    r = probe()
+    steal = "n/a" if r["steal"] is None else f"{100 * r['steal']:.1f} %"
+    print(
+        f"host: {r['cpus']} CPUs ({r['cpu_model']}); Python workload {r['python_ms']:.1f} ms; "
+        f"thread hand-off {r['handoff_us_median']:.1f} µs median, {r['handoff_us_p99']:.1f} p99; "
+        f"steal {steal}",
+        flush=True,
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
