@@ -103,3 +103,13 @@ def test_apply_names_a_failed_driver_call(monkeypatch):
     monkeypatch.setenv("BOUNDGEN_CUDA_WAIT", "block")
     with pytest.raises(RuntimeError, match="cuInit failed with CUresult 100"):
         cuda_waits.apply("cuda:0")
+
+
+def test_apply_says_when_the_driver_does_not_load(monkeypatch):
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    monkeypatch.setenv("BOUNDGEN_CUDA_WAIT", "block")
+    with pytest.raises(RuntimeError, match="CUDA driver did not load.*libcuda.so.1"):
+        cuda_waits.apply("cuda:0")

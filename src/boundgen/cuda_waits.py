@@ -59,7 +59,12 @@ def apply(device: torch.device | str) -> int | None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _applied:
         return None
-    lib = ctypes.CDLL("libcuda.so.1")
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise RuntimeError(
+            f"BOUNDGEN_CUDA_WAIT=block: the CUDA driver did not load ({exc})"
+        ) from exc
     dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
     _check(lib.cuInit(0), "cuInit")
     _check(lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
