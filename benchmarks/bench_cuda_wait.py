@@ -49,7 +49,7 @@ def _one(kind: str, cycles: int, blocking: bool) -> tuple[float, float]:
         end.synchronize()
     elif kind == "stream":
         torch.cuda.current_stream().synchronize()
-    else:  # a pageable copy waits for the work queued before it
+    else:  # a pageable copy behind the sleep: the host blocks until it can be staged
         dev.copy_(host, non_blocking=True)
     wall, cpu = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
     torch.cuda.synchronize()
