@@ -88,9 +88,9 @@ run_phase() {
     # issue 24: two whole-search graphs on two streams against one stream, searches/s per batch
     beam-overlap) phase beam-overlap 240 python3 benchmarks/bench_beam.py --root $ROOT --overlap-only --batches ${BEAM_OVERLAP_BATCHES:-1 8 16 32} --stacks-after $(( ${B:-240} - 25 )) --out "$OUT/beam_overlap.json" ;;
     # issue 24: the decode-attention kernel alone at W4's shapes, its tiles side by side (~30 s)
+    beam-decode) phase beam-decode 120 python3 benchmarks/bench_beam_decode.py --out "$OUT/beam_decode.json" ${BEAM_DECODE_ARGS:-} ;;
     # a host thread's GPU wait spinning against sleeping (`cuda_waits`, BOUNDGEN_CUDA_WAIT): its CPU and wake-up
     cuda-wait) phase cuda-wait 60 python3 benchmarks/bench_cuda_wait.py --out "$OUT/cuda_wait.json" ;;
-    beam-decode) phase beam-decode 120 python3 benchmarks/bench_beam_decode.py --out "$OUT/beam_decode.json" ${BEAM_DECODE_ARGS:-} ;;
     # issue 24: what Inductor generates for the compiled prefill/decode layers (one b1 search), to
     # see each kernel and copy a layer-step launches (the code lands in beam-code.log)
     beam-code) phase beam-code 150 env TORCH_LOGS=output_code python3 benchmarks/bench_beam.py --root $ROOT --heads-only --head-compile --batches 1 --iters 2 --out "$OUT/beam_code.json" ;;
