@@ -34,7 +34,7 @@ from boundgen.server.errors import (
 )
 from boundgen.server.guard import Guard
 from boundgen.server.infer import SERVER_TIMES
-from boundgen.server.state import ServerState
+from boundgen.server.state import HandlerState, ServerState
 from boundgen.workloads.trie import Trie
 
 log = logging.getLogger("boundgen.server")
@@ -43,7 +43,7 @@ log = logging.getLogger("boundgen.server")
 # handler plumbing: load shedding, error JSON and metrics around every endpoint
 
 
-Handler = Callable[[Request, ServerState], Awaitable[Response]]
+Handler = Callable[[Request, HandlerState], Awaitable[Response]]
 
 # How a route answers errors: OpenAI's object, SGLang's flat one, KServe's `{"error": str}`, TEI's
 # `{error, error_type}` (a handler of a shared path may switch its request to another peer's:
@@ -57,7 +57,7 @@ ERROR_STYLES: dict[str, Callable[[ServerError], Response]] = {
 
 
 def endpoint(
-    name: str, state: ServerState, fn: Handler, errors: str = "openai"
+    name: str, state: HandlerState, fn: Handler, errors: str = "openai"
 ) -> Callable[[Request], Awaitable[Response]]:
     def render(request: Request, exc: ServerError) -> Response:
         return ERROR_STYLES[getattr(request.state, "error_style", errors)](exc)
@@ -113,20 +113,42 @@ def create_app(
     (`NAME=PATH`) tries."""
     config = (config or ServerConfig()).validate()
     state = ServerState(engine, config, tries=tries)
-    _log_exposure(config)
+    log_exposure(config)
+    lag: list[asyncio.Task] = []
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def start() -> None:
         state.start_warm_up()
         metrics = state.metrics
-        lag = asyncio.create_task(loop_lag.probe(metrics.loop_lag, metrics.loop_lag_max))
-        yield
-        lag.cancel()
-        # uvicorn has drained in-flight requests by now (SIGTERM → graceful shutdown).
-        state.draining = True
+        lag.append(asyncio.create_task(loop_lag.probe(metrics.loop_lag, metrics.loop_lag_max)))
+
+    def stop() -> None:
+        for task in lag:
+            task.cancel()
         state.stop_warm_up()  # (before the runtime closes under it)
         state.infer.close()
         state.close()
+
+    return build_app(state, config, on_start=start, on_stop=stop)
+
+
+def build_app(
+    state: HandlerState,
+    config: ServerConfig,
+    *,
+    on_start: Callable[[], Awaitable[None]],
+    on_stop: Callable[[], None],
+) -> FastAPI:
+    """The routes over `state` (a `ServerState`, or a frontend process's `FrontendState`):
+    `on_start` runs in the app's lifespan before it serves, `on_stop` after uvicorn has drained
+    the in-flight requests."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await on_start()
+        yield
+        # uvicorn has drained in-flight requests by now (SIGTERM → graceful shutdown).
+        state.draining = True
+        on_stop()
 
     app = FastAPI(
         title="boundgen", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None
@@ -240,7 +262,7 @@ def create_app(
     return app
 
 
-def _log_exposure(config: ServerConfig) -> None:
+def log_exposure(config: ServerConfig) -> None:
     """Say where the API key came from (never the key), and warn about an open server."""
     key, source = config.api_key_source()
     if key is not None:

@@ -17,12 +17,12 @@ from boundgen.server import fields, json
 from boundgen.server.errors import BadRequest
 from boundgen.server.limits import JsonBounds, describe_validation_error, load_json, read_body
 from boundgen.server.schemas.common import _Request
-from boundgen.server.state import ServerState
+from boundgen.server.state import HandlerState
 
 M = TypeVar("M", bound=_Request)
 
 
-async def read_object(request: Request, state: ServerState) -> dict[str, Any]:
+async def read_object(request: Request, state: HandlerState) -> dict[str, Any]:
     """The body as a JSON object (400 for anything else)."""
     body = await read_body(request)  # the guard has read it whole, within max_body_bytes
     if not body.strip():
@@ -48,7 +48,7 @@ def parse(model: type[M], data: dict[str, Any]) -> M:
         raise BadRequest(describe_validation_error(exc)) from None
 
 
-async def read(request: Request, state: ServerState, model: type[M]) -> M:
+async def read(request: Request, state: HandlerState, model: type[M]) -> M:
     return parse(model, await read_object(request, state))
 
 

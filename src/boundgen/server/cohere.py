@@ -22,7 +22,7 @@ from boundgen.server.schemas.cohere import (
     RerankResponse,
     RerankResult,
 )
-from boundgen.server.state import ServerState
+from boundgen.server.state import HandlerState
 
 # ---- rerank -------------------------------------------------------------------------------------
 
@@ -56,7 +56,7 @@ def document_text(doc: str | RerankDocument, rank_fields: list[str] | None, inde
     return "\n".join(lines)
 
 
-async def rank(state: ServerState, req: RerankRequest) -> Ranking:
+async def rank(state: HandlerState, req: RerankRequest) -> Ranking:
     """The shared rerank core: relevance of the query with each document, best first."""
     labels = inputs.rerank_labels(state)
     if req.max_tokens_per_doc is not None and req.max_tokens_per_doc < 1:
@@ -77,7 +77,7 @@ async def rank(state: ServerState, req: RerankRequest) -> Ranking:
     return Ranking(order, scores, texts, rel.prompt_tokens)
 
 
-async def rerank_body(body: dict[str, Any], state: ServerState) -> Response:
+async def rerank_body(body: dict[str, Any], state: HandlerState) -> Response:
     """Cohere's (and vLLM's) rerank reply: `{id, model, results: [{index, relevance_score,
     document}], usage, meta}`; documents come back unless `return_documents` is false, objects
     whole."""
@@ -112,15 +112,15 @@ async def rerank_body(body: dict[str, Any], state: ServerState) -> Response:
 # ---- embed --------------------------------------------------------------------------------------
 
 
-async def embed_v1(request: Request, state: ServerState) -> Response:
+async def embed_v1(request: Request, state: HandlerState) -> Response:
     return await _embed(await read(request, state, EmbedRequest), state, version=1)
 
 
-async def embed_v2(request: Request, state: ServerState) -> Response:
+async def embed_v2(request: Request, state: HandlerState) -> Response:
     return await _embed(await read(request, state, EmbedRequest), state, version=2)
 
 
-async def _embed(req: EmbedRequest, state: ServerState, version: int) -> Response:
+async def _embed(req: EmbedRequest, state: HandlerState, version: int) -> Response:
     """v1 without `embedding_types`: `embeddings_floats` ([[float]]); otherwise, and always in v2,
     `embeddings_by_type` ({type: [...]})."""
     if req.input_type is not None and req.input_type not in INPUT_TYPES:

@@ -102,6 +102,12 @@ class ServerConfig:
         "the interpreter's GIL switch interval, ms (unset: CPython's, 5 ms): how long a thread "
         "that released the GIL for a torch call may wait to get it back (server/gil.py)",
     )
+    frontends: int = option(
+        0,
+        "HTTP frontend processes (0: HTTP in the engine's process). N > 0: N processes serve the "
+        "HTTP API on the port and send the model work to the engine's process, so HTTP's Python "
+        "does not share the GIL of the process that drives the GPU (docs/serving.md)",
+    )
     gc_freeze: bool = option(
         True,
         "freeze the start-up heap so Python's full garbage collections skip it (a full collection "
@@ -195,6 +201,8 @@ class ServerConfig:
         for name in ("header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.frontends < 0:
+            raise ValueError(f"frontends must be >= 0, got {self.frontends}")
         if self.gil_switch_ms is not None and not self.gil_switch_ms > 0:
             raise ValueError(f"gil_switch_ms must be > 0, got {self.gil_switch_ms}")
         if self.max_queue_ms is not None and not self.max_queue_ms > 0:

@@ -26,12 +26,12 @@ from boundgen.server.schemas.common import Usage
 from boundgen.server.schemas.openai import EmbeddingsRequest
 from boundgen.server.schemas.sglang import RerankResult, ScoreRequest, score_reply
 from boundgen.server.schemas.vllm import TokenizeRequest
-from boundgen.server.state import ServerState
+from boundgen.server.state import HandlerState
 
 # ---- /v1/score: SGLang, or vLLM's ScoreRequest -------------------------------------------------
 
 
-async def score(request: Request, state: ServerState) -> Response:
+async def score(request: Request, state: HandlerState) -> Response:
     """SGLang's `/v1/score` (its flat error body), or vLLM's with vLLM's fields (its nested one)."""
     body = await read_object(request, state)
     if body.keys() & vllm.SCORE_PAIRS.keys():
@@ -70,7 +70,7 @@ async def score(request: Request, state: ServerState) -> Response:
 # ---- rerank: Cohere / vLLM, SGLang's reply, TEI's {query, texts} --------------------------------
 
 
-async def rerank(request: Request, state: ServerState) -> Response:
+async def rerank(request: Request, state: HandlerState) -> Response:
     """`/rerank`: TEI's with `texts`, else Cohere's / vLLM's."""
     body = await read_object(request, state)
     if "texts" in body:
@@ -78,7 +78,7 @@ async def rerank(request: Request, state: ServerState) -> Response:
     return await cohere.rerank_body(body, state)
 
 
-async def rerank_v1(request: Request, state: ServerState) -> Response:
+async def rerank_v1(request: Request, state: HandlerState) -> Response:
     """`/v1/rerank`: Cohere's reply, or SGLang's with `rerank_v1_format: sglang`."""
     body = await read_object(request, state)
     if state.config.rerank_v1_format == "sglang":
@@ -86,11 +86,11 @@ async def rerank_v1(request: Request, state: ServerState) -> Response:
     return await cohere.rerank_body(body, state)
 
 
-async def rerank_v2(request: Request, state: ServerState) -> Response:
+async def rerank_v2(request: Request, state: HandlerState) -> Response:
     return await cohere.rerank_body(await read_object(request, state), state)
 
 
-async def sglang_rerank(body: dict[str, Any], state: ServerState) -> Response:
+async def sglang_rerank(body: dict[str, Any], state: HandlerState) -> Response:
     """SGLang's `/v1/rerank` reply: a list of `{score, document, index}`, best first (`document`
     null when `return_documents` is false)."""
     req = parse(RerankRequest, body)
@@ -112,7 +112,7 @@ async def sglang_rerank(body: dict[str, Any], state: ServerState) -> Response:
 # ---- /tokenize: vLLM's {prompt} or TEI's {inputs} ------------------------------------------------
 
 
-async def tokenize(request: Request, state: ServerState) -> Response:
+async def tokenize(request: Request, state: HandlerState) -> Response:
     body = await read_object(request, state)
     if "inputs" in body:
         return await tei.tokenize_body(request, body, state)
@@ -122,7 +122,7 @@ async def tokenize(request: Request, state: ServerState) -> Response:
 # ---- /v1/embeddings (OpenAI, with vLLM's extras) -------------------------------------------------
 
 
-async def embeddings(request: Request, state: ServerState) -> Response:
+async def embeddings(request: Request, state: HandlerState) -> Response:
     req = await read(request, state, EmbeddingsRequest)
     inputs.check_dimensions(state, "dimensions", req.dimensions)
     encodings.check_binary_options(req.encoding_format, req.embed_dtype, req.endianness)
@@ -153,7 +153,7 @@ async def embeddings(request: Request, state: ServerState) -> Response:
 # ---- /v1/beam (boundgen) ------------------------------------------------------------------------
 
 
-async def beam(request: Request, state: ServerState) -> Response:
+async def beam(request: Request, state: HandlerState) -> Response:
     t0 = time.perf_counter()
     req = await read(request, state, BeamRequest)
     t_parse = time.perf_counter()
@@ -235,7 +235,7 @@ def stages(t0: float, t_parse: float, t_prep: float, t_infer: float) -> None:
 # ---- models, health, metrics --------------------------------------------------------------------
 
 
-def model_card(state: ServerState) -> dict[str, Any]:
+def model_card(state: HandlerState) -> dict[str, Any]:
     tasks = ["score", "embed", "beam"] + (["rerank"] if state.rerank_label_ids is not None else [])
     if state.can_classify:
         tasks.append("classify")
@@ -250,16 +250,16 @@ def model_card(state: ServerState) -> dict[str, Any]:
         "num_labels": state.num_labels,
         "tasks": tasks,
         "tries": sorted(state.tries),
-        "trie_depths": {name: trie.depth for name, trie in sorted(state.tries.items())},
+        "trie_depths": dict(sorted(state.facts.trie_depths.items())),
         "rerank_label_token_ids": state.rerank_label_ids,
     }
 
 
-async def models(request: Request, state: ServerState) -> Response:
+async def models(request: Request, state: HandlerState) -> Response:
     return json_response({"object": "list", "data": [model_card(state)]})
 
 
-async def health(request: Request, state: ServerState) -> Response:
+async def health(request: Request, state: HandlerState) -> Response:
     if state.draining:
         raise Unavailable("server is shutting down")
     if not state.ready:
@@ -267,8 +267,8 @@ async def health(request: Request, state: ServerState) -> Response:
     return Response('{"status":"ok"}', media_type="application/json")
 
 
-async def metrics(request: Request, state: ServerState) -> Response:
-    body, content_type = state.metrics.render()
+async def metrics(request: Request, state: HandlerState) -> Response:
+    body, content_type = await state.metrics_text()
     return Response(body, media_type=content_type)
 
 

@@ -20,7 +20,8 @@ from typing import TypeVar
 import numpy as np
 
 from boundgen.server.errors import BadRequest, TooLarge
-from boundgen.server.state import ServerState
+from boundgen.server.link import host_floats
+from boundgen.server.state import HandlerState
 from boundgen.text.packing import SequenceGroup
 from boundgen.workloads.score import joined_sequences, out_of_vocabulary, shared_prefix_group
 
@@ -41,7 +42,7 @@ def _tokenizer_pool() -> ThreadPoolExecutor:
     return _tokenizer_thread
 
 
-def token_limit(state: ServerState, limit: int, option: str) -> tuple[int, str]:
+def token_limit(state: HandlerState, limit: int, option: str) -> tuple[int, str]:
     """(`limit` at most the model's context, how to name it in a message)."""
     context = state.max_positions
     if context and context < limit:
@@ -49,7 +50,7 @@ def token_limit(state: ServerState, limit: int, option: str) -> tuple[int, str]:
     return limit, option
 
 
-def check_chars(state: ServerState, what: str, texts: list[str], limit: int, option: str) -> None:
+def check_chars(state: HandlerState, what: str, texts: list[str], limit: int, option: str) -> None:
     """Before tokenizing: each text at most CHARS_PER_TOKEN × its token limit in characters, and
     all of them at most CHARS_PER_TOKEN × max_request_tokens (413)."""
     cap = CHARS_PER_TOKEN * limit
@@ -77,17 +78,17 @@ async def tokenizing(work: Callable[[], T], chars: int) -> T:
     return await asyncio.get_running_loop().run_in_executor(_tokenizer_pool(), work)
 
 
-async def encode(state: ServerState, texts: list[str], special: bool = False) -> list[list[int]]:
+async def encode(state: HandlerState, texts: list[str], special: bool = False) -> list[list[int]]:
     """Token ids of texts whose length was checked (`check_chars`). `special`: add the
     tokenizer's special tokens (as the engine does for embed/classify texts)."""
-    tok = state.engine.tokenizer
+    tok = state.tokenizer
     if sum(map(len, texts)) <= _INLINE_TOKENIZE_CHARS:
         return [tok.encode(t, add_special_tokens=special) for t in texts]
     return await tokenizing(lambda: tok.encode_batch(texts, special), _INLINE_TOKENIZE_CHARS + 1)
 
 
 async def token_ids(
-    state: ServerState,
+    state: HandlerState,
     what: str,
     value: str | list[int],
     limit: int,
@@ -107,7 +108,7 @@ async def token_ids(
 
 
 async def many_token_ids(
-    state: ServerState, what: str, values: list[str] | list[list[int]], special: bool = False
+    state: HandlerState, what: str, values: list[str] | list[list[int]], special: bool = False
 ) -> list[list[int]]:
     """Texts (tokenized, with special tokens when `special`) or token-id lists, each checked."""
     state.limits.count(what, len(values), state.max_items, "max_items")
@@ -130,7 +131,7 @@ async def many_token_ids(
     return seqs
 
 
-def label_ids(state: ServerState, ids: list[int]) -> list[int]:
+def label_ids(state: HandlerState, ids: list[int]) -> list[int]:
     """Score label token ids: how many, and each inside the vocabulary."""
     cfg = state.config
     state.limits.count("label_token_ids", len(ids), cfg.max_label_tokens, "max_label_tokens")
@@ -150,7 +151,7 @@ def as_sequences(what: str, value) -> list:
     return [value] if isinstance(value[0], int) else value
 
 
-async def text_inputs(state: ServerState, what: str, value) -> list[list[int]]:
+async def text_inputs(state: HandlerState, what: str, value) -> list[list[int]]:
     """OpenAI-style `input` (str | list[str] | list[int] | list[list[int]]) → token ids per text,
     text with the tokenizer's special tokens (what classify and embed run on)."""
     ids = await many_token_ids(state, what, as_sequences(what, value), special=True)
@@ -160,7 +161,7 @@ async def text_inputs(state: ServerState, what: str, value) -> list[list[int]]:
 
 
 async def score(
-    state: ServerState,
+    state: HandlerState,
     query: list[int],
     items: list[list[int]],
     label_ids: list[int],
@@ -189,7 +190,7 @@ async def score(
 
 
 async def classify(
-    state: ServerState, ids: list[list[int]], timeout_ms: int, softmax: bool = True
+    state: HandlerState, ids: list[list[int]], timeout_ms: int, softmax: bool = True
 ) -> list[list[float]]:
     """Class probabilities per text (logits unless `softmax`)."""
     if not state.can_classify:
@@ -205,7 +206,7 @@ async def classify(
 
 
 async def embed(
-    state: ServerState, ids: list[list[int]], pooling: str, normalize: bool, timeout_ms: int
+    state: HandlerState, ids: list[list[int]], pooling: str, normalize: bool, timeout_ms: int
 ) -> np.ndarray:
     """float32 [N, D] embeddings."""
     request = dict(texts=ids, pooling=pooling, normalize=normalize)
@@ -213,18 +214,17 @@ async def embed(
     state.limits.request_tokens(tokens)
     vectors = await state.infer("embed", request, timeout_ms, tokens)
     state.metrics.items.labels("embeddings").inc(len(ids))
-    # a device tensor: the copy waits for the GPU, so not on the event loop
-    return await asyncio.to_thread(lambda: vectors.float().cpu().numpy())
+    return await host_floats(vectors)
 
 
 async def token_embeddings(
-    state: ServerState, ids: list[list[int]], normalize: bool, timeout_ms: int
+    state: HandlerState, ids: list[list[int]], normalize: bool, timeout_ms: int
 ) -> list[np.ndarray]:
     """float32 [L, D] per text: every token's hidden state (each row normalized when asked)."""
     request = dict(texts=ids, pooling="tokens", normalize=normalize)
     vectors = await state.infer("embed", request, timeout_ms, sum(map(len, ids)))
     state.metrics.items.labels("embeddings").inc(len(ids))
-    return await asyncio.to_thread(lambda: [v.float().cpu().numpy() for v in vectors])
+    return await host_floats(vectors)
 
 
 # ---- the peers' inputs: truncation, prompts, joined text, pair relevance (issue 18) -------------
@@ -245,7 +245,7 @@ class Truncation:
 
 
 def truncation(
-    state: ServerState,
+    state: HandlerState,
     tokens: int | None,
     side: str = "right",
     what: str = "truncate_prompt_tokens",
@@ -267,7 +267,7 @@ def truncation(
 
 
 async def prompts(
-    state: ServerState,
+    state: HandlerState,
     what: str,
     value: str | list,
     special: bool = True,
@@ -300,11 +300,11 @@ async def prompts(
 
 
 async def joined_text(
-    state: ServerState, query: str, items: list[str], item_first: bool
+    state: HandlerState, query: str, items: list[str], item_first: bool
 ) -> SequenceGroup:
     """SGLang's text scoring: each joined string tokenized (`workloads.score`), the sequences'
     common prefix shared; checked like a query and its items."""
-    tok, cfg = state.engine.tokenizer, state.config
+    tok, cfg = state.tokenizer, state.config
     state.limits.count("items", len(items), state.max_items, "max_items")
     check_chars(
         state, "query", [query], *token_limit(state, cfg.max_query_tokens, "max_query_tokens")
@@ -319,7 +319,7 @@ async def joined_text(
     return shared_prefix_group(seqs)
 
 
-def check_joined(state: ServerState, seqs: list[list[int]], query_tokens: int, what: str) -> None:
+def check_joined(state: HandlerState, seqs: list[list[int]], query_tokens: int, what: str) -> None:
     """Joined query + item sequences against the limits: the query's tokens (`query_tokens`, as
     tokenized alone) and what each item adds to them, and the model's context."""
     cfg = state.config
@@ -334,7 +334,7 @@ def check_joined(state: ServerState, seqs: list[list[int]], query_tokens: int, w
             state.limits.tokens(f"{what}[{i}]", n, cfg.max_item_tokens, "max_item_tokens")
 
 
-def rerank_labels(state: ServerState) -> list[int]:
+def rerank_labels(state: HandlerState) -> list[int]:
     """The server's rerank label token ids (400 when they are not single tokens)."""
     if state.rerank_label_ids is None:
         raise BadRequest(
@@ -366,7 +366,7 @@ class DocumentCut:
 
 
 async def relevance(
-    state: ServerState,
+    state: HandlerState,
     query: str,
     documents: list[str],
     labels: list[int],
@@ -377,7 +377,7 @@ async def relevance(
     """The relevance of (query, document) pairs: sequence = query template + document template
     (`templates`; else the two texts), tokenized joined as `/v1/score` does, the label tokens read
     at its last token."""
-    cfg, tok = state.config, state.engine.tokenizer
+    cfg, tok = state.config, state.tokenizer
     q_text = cfg.rerank_query_template.format(query=query) if templates else query
     before, after = "", ""
     if templates:
@@ -445,7 +445,9 @@ def _cut_document(
     return [t for i, t in enumerate(ids) if i not in gone]
 
 
-def normalize_flag(state: ServerState, use_activation: bool | None, normalize: bool | None) -> bool:
+def normalize_flag(
+    state: HandlerState, use_activation: bool | None, normalize: bool | None
+) -> bool:
     """vLLM's `use_activation` and boundgen's `normalize` mean the same for embeddings; the server
     option `embed_normalize` when neither is given."""
     if use_activation is not None and normalize is not None and use_activation != normalize:
@@ -457,7 +459,7 @@ def normalize_flag(state: ServerState, use_activation: bool | None, normalize: b
     return state.config.embed_normalize if chosen is None else chosen
 
 
-def check_dimensions(state: ServerState, what: str, value: int | None) -> None:
+def check_dimensions(state: HandlerState, what: str, value: int | None) -> None:
     if value is not None and value != state.hidden_size:
         raise BadRequest(
             f"{what}={value} is not supported: model {state.model_name!r} returns "

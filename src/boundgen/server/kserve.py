@@ -32,7 +32,7 @@ from boundgen.server.errors import BadRequest, NotFound, ServerError, TooLarge, 
 from boundgen.server.infer import SERVER_TIMES
 from boundgen.server.json import Slices, encode, floats
 from boundgen.server.limits import JsonBounds, describe_validation_error, load_json, read_body
-from boundgen.server.state import ServerState
+from boundgen.server.state import HandlerState
 
 _NP = {
     "BOOL": np.bool_,
@@ -89,7 +89,7 @@ def add_routes(route: Callable[..., None]) -> None:
         route(base + "/infer", "kserve.infer", infer)
 
 
-async def server_metadata(request: Request, state: ServerState) -> Response:
+async def server_metadata(request: Request, state: HandlerState) -> Response:
     from boundgen import __version__
 
     return json_response(
@@ -97,18 +97,18 @@ async def server_metadata(request: Request, state: ServerState) -> Response:
     )
 
 
-async def live(request: Request, state: ServerState) -> Response:
+async def live(request: Request, state: HandlerState) -> Response:
     return json_response({"live": True})
 
 
-async def ready(request: Request, state: ServerState) -> Response:
+async def ready(request: Request, state: HandlerState) -> Response:
     if state.draining or not state.ready:
         why = "shutting down" if state.draining else state.unready
         raise Unavailable(f"server is not ready ({why})")
     return json_response({"ready": True})
 
 
-def _model(request: Request, state: ServerState) -> str:
+def _model(request: Request, state: HandlerState) -> str:
     name = request.path_params["name"]
     if name != state.model_name:
         # Triton's words, which its clients' users know; then the one name that works
@@ -122,7 +122,7 @@ def _model(request: Request, state: ServerState) -> str:
     return name
 
 
-def _metadata(state: ServerState) -> dict[str, Any]:
+def _metadata(state: HandlerState) -> dict[str, Any]:
     outputs = [
         {"name": "scores", "datatype": "FP32", "shape": [-1, -1]},
         {"name": "embeddings", "datatype": "FP32", "shape": [-1, state.hidden_size]},
@@ -143,12 +143,12 @@ def _metadata(state: ServerState) -> dict[str, Any]:
     }
 
 
-async def model_metadata(request: Request, state: ServerState) -> Response:
+async def model_metadata(request: Request, state: HandlerState) -> Response:
     _model(request, state)
     return json_response(_metadata(state))
 
 
-async def model_ready(request: Request, state: ServerState) -> Response:
+async def model_ready(request: Request, state: HandlerState) -> Response:
     _model(request, state)
     if state.draining or not state.ready:
         raise Unavailable(
@@ -157,15 +157,15 @@ async def model_ready(request: Request, state: ServerState) -> Response:
     return json_response({"name": state.model_name, "ready": True})
 
 
-async def statistics(request: Request, state: ServerState) -> Response:
+async def statistics(request: Request, state: HandlerState) -> Response:
     """Triton's inference statistics (`get_inference_statistics`): of the one model, also when
     asked for every model (`/v2/models/stats`)."""
     if "name" in request.path_params:
         _model(request, state)
-    return json_response({"model_stats": [state.kserve_stats.as_triton(state.model_name)]})
+    return json_response({"model_stats": [await state.model_stats()]})
 
 
-async def model_config(request: Request, state: ServerState) -> Response:
+async def model_config(request: Request, state: HandlerState) -> Response:
     _model(request, state)
     meta = _metadata(state)
     return json_response(
@@ -356,7 +356,7 @@ def _param(params: dict[str, Any], key: str, default: Any, kind: type) -> Any:
     return value
 
 
-async def _score(state: ServerState, need, tensors, params, timeout_ms: int) -> np.ndarray:
+async def _score(state: HandlerState, need, tensors, params, timeout_ms: int) -> np.ndarray:
     qt, qv = need("query")
     it, iv = need("items")
     cfg = state.config
@@ -417,7 +417,7 @@ def _binary_output(req: InferRequest, params: dict[str, Any]) -> dict[str | None
 # infer
 
 
-async def infer(request: Request, state: ServerState) -> Response:
+async def infer(request: Request, state: HandlerState) -> Response:
     _model(request, state)
     start = time.perf_counter_ns()
     try:
@@ -440,7 +440,7 @@ async def infer(request: Request, state: ServerState) -> Response:
     return response
 
 
-async def _infer(request: Request, state: ServerState) -> tuple[Response, int]:
+async def _infer(request: Request, state: HandlerState) -> tuple[Response, int]:
     """The reply, and the nanoseconds spent encoding it."""
     max_bytes = state.config.max_body_bytes
     body = _decompress(request, await read_body(request), max_bytes)

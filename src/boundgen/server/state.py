@@ -1,5 +1,8 @@
-"""`ServerState`: everything a handler needs — the config, the engine's facts, the loaded tries, the
-one `Infer` object, limits, metrics and the KServe statistics."""
+"""What a handler reads: `HandlerState` — the config, the engine's facts (`EngineFacts`), the
+tokenizer, the tries, the one `Infer` object, limits, metrics and the KServe statistics. Its two
+kinds: `ServerState` in the process that holds the engine (it also runs the warm-up), and
+`frontend.FrontendState` in an HTTP frontend process (`--frontends`), whose `infer` and metrics go
+to the engine's process over `link.py`."""
 
 from __future__ import annotations
 
@@ -7,8 +10,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from boundgen import startup_profile
@@ -19,52 +22,157 @@ from boundgen.server.config import ServerConfig
 from boundgen.server.infer import Infer
 from boundgen.server.limits import Limits
 from boundgen.server.metrics import Metrics
+from boundgen.text.tokenizer import Tokenizer
 from boundgen.workloads.beam import item_index
 from boundgen.workloads.trie import Trie
 
 log = logging.getLogger("boundgen.server")
 
 
-class ServerState:
-    def __init__(self, engine: Engine, config: ServerConfig, tries: dict[str, Trie] | None = None):
-        self.engine = engine
-        self.config = config
-        self.metrics = Metrics()
-        self.tries = dict(tries) if tries is not None else load_tries(config, engine.device)
-        for trie in self.tries.values():  # the item-id lookup of /v1/beam, made once now
-            item_index(trie)
-        runtime = engine.runtime
-        self.metrics.watch_runtime(runtime)
-        self.infer = Infer(
-            runtime,
-            metrics=self.metrics,
-            max_queue=config.max_queue,
-            retry_after_s=config.retry_after_s,
-            max_queue_ms=config.max_queue_ms,
-        )
-        self.metrics.watch_admission(self.infer)
+@dataclass(frozen=True)
+class EngineFacts:
+    """What handlers know of the engine besides its tokenizer: plain values, so a frontend
+    process gets them over the link without the engine."""
+
+    model_name: str  # the served name (the config's `served_model_name`, else the model's)
+    model_path: str
+    dtype: str  # "bfloat16"
+    vocab_size: int
+    hidden_size: int
+    task: str  # "causal_lm" | "seq_cls"
+    num_labels: int
+    id2label: tuple
+    max_seq_len: int
+    max_items: int
+    max_beam_width: int
+    max_beam_steps: int
+    token_budget: int
+    cpu_workers: int
+    trie_depths: Mapping[str, int] = field(default_factory=dict)  # the loaded tries, by name
+
+    @classmethod
+    def of(cls, engine: Engine, config: ServerConfig, tries: Mapping[str, Trie]) -> EngineFacts:
         mc, ec = engine.config, engine.engine_config
-        self.max_items = ec.max_items
-        self.max_beam_width = ec.max_beam_width
-        self.max_beam_steps = ec.max_beam_steps
-        self.model_name = config.served_model_name or engine.model_name
-        self.vocab_size = mc.vocab_size
-        self.hidden_size = mc.hidden_size
-        self.can_classify = mc.task == "seq_cls"
-        self.num_labels = mc.num_labels if self.can_classify else 0
-        self.id2label = list(mc.id2label)
-        self.max_positions = engine.limits.max_seq_len
+        return cls(
+            model_name=config.served_model_name or engine.model_name,
+            model_path=str(engine.model_path),
+            dtype=str(engine.dtype).removeprefix("torch."),
+            vocab_size=mc.vocab_size,
+            hidden_size=mc.hidden_size,
+            task=mc.task,
+            num_labels=mc.num_labels if mc.task == "seq_cls" else 0,
+            id2label=tuple(mc.id2label),
+            max_seq_len=engine.limits.max_seq_len,
+            max_items=ec.max_items,
+            max_beam_width=ec.max_beam_width,
+            max_beam_steps=ec.max_beam_steps,
+            token_budget=engine.runtime.context.token_budget,
+            cpu_workers=engine.runtime.executor.cpu_workers,
+            trie_depths={name: trie.depth for name, trie in tries.items()},
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class HandlerState:
+    """Everything a handler reads (the module docstring). `infer` is `Infer` or a stand-in with
+    its call and `check_load`; `metrics` a `Metrics` or a stand-in with `observe_request` and
+    `items`; `kserve_stats` an `InferenceStats` or a stand-in with `record`."""
+
+    def __init__(
+        self,
+        facts: EngineFacts,
+        config: ServerConfig,
+        tokenizer: Tokenizer,
+        tries: Mapping[str, Any],
+        infer: Any,
+        metrics: Any,
+        kserve_stats: Any,
+    ) -> None:
+        self.facts = facts
+        self.config = config
+        self.tokenizer = tokenizer
+        self.tries = dict(tries)  # name → `Trie` (what a beam request carries to the runtime)
+        self.infer = infer
+        self.metrics = metrics
+        self.kserve_stats = kserve_stats
+        self.max_items = facts.max_items
+        self.max_beam_width = facts.max_beam_width
+        self.max_beam_steps = facts.max_beam_steps
+        self.model_name = facts.model_name
+        self.vocab_size = facts.vocab_size
+        self.hidden_size = facts.hidden_size
+        self.can_classify = facts.task == "seq_cls"
+        self.num_labels = facts.num_labels
+        self.id2label = list(facts.id2label)
+        self.max_positions = facts.max_seq_len
         self.limits = Limits(config, self.vocab_size, self.max_positions)
         self.api_key = config.resolved_api_key()
         self.rerank_label_ids = self._rerank_labels()
         self.input_type_prefixes = config.input_type_prefixes()
-        self.kserve_stats = InferenceStats()
         self.started = time.time()
+
+    # Readiness, read by /health and KServe's: `ready` False while the engine warms up, `unready`
+    # saying why (the 503's message), `draining` from the shutdown signal on.
+    ready: bool
+    unready: str
+    draining: bool
+
+    async def metrics_text(self) -> tuple[bytes, str]:
+        """/metrics' body and content type."""
+        return self.metrics.render()
+
+    async def model_stats(self) -> dict[str, Any]:
+        """KServe's statistics of the one model (Triton's `model_stats` entry)."""
+        return self.kserve_stats.as_triton(self.model_name)
+
+    def _rerank_labels(self) -> list[int] | None:
+        ids = []
+        for label in self.config.rerank_label_tokens:
+            toks = self.tokenizer.encode(label)
+            if len(toks) != 1:
+                log.warning(
+                    "rerank label %r is %d tokens %s, not 1: /v1/rerank is disabled",
+                    label,
+                    len(toks),
+                    toks,
+                )
+                return None
+            ids.append(int(toks[0]))
+        return ids
+
+    def timeout_ms(self, requested: int | None) -> int:
+        return min(requested or self.config.timeout_ms, self.config.max_timeout_ms)
+
+    def label(self, index: int) -> str:
+        return str(self.id2label[index]) if index < len(self.id2label) else f"LABEL_{index}"
+
+
+class ServerState(HandlerState):
+    """The state of the process that holds `engine`: its runtime behind `Infer`, the metrics'
+    one registry, the warm-up before readiness."""
+
+    def __init__(self, engine: Engine, config: ServerConfig, tries: dict[str, Trie] | None = None):
+        self.engine = engine
+        tries = dict(tries) if tries is not None else load_tries(config, engine.device)
+        for trie in tries.values():  # the item-id lookup of /v1/beam, made once now
+            item_index(trie)
+        metrics = Metrics()
+        runtime = engine.runtime
+        metrics.watch_runtime(runtime)
+        infer = Infer(
+            runtime,
+            metrics=metrics,
+            max_queue=config.max_queue,
+            retry_after_s=config.retry_after_s,
+            max_queue_ms=config.max_queue_ms,
+        )
+        metrics.watch_admission(infer)
+        facts = EngineFacts.of(engine, config, tries)
+        super().__init__(facts, config, engine.tokenizer, tries, infer, metrics, InferenceStats())
+        self.ready, self.unready, self.draining = True, "", False
         self.warmup = self._warmup_requests()  # checked now: a bad profile stops the start
-        # not ready while the app warms up (`start_warm_up`); `unready` says why (/health's 503)
-        self.ready = True
-        self.unready = ""
-        self.draining = False
         # run once the warm-up has succeeded, before readiness (the serving process freezes the
         # heap the warm-up grew: compiled graphs, dynamo's caches)
         self.after_warm_up: list[Callable[[], Any]] = []
@@ -170,27 +278,6 @@ class ServerState:
         self.unready = ""
         self.ready = True
         startup_profile.stop()
-
-    def _rerank_labels(self) -> list[int] | None:
-        ids = []
-        for label in self.config.rerank_label_tokens:
-            toks = self.engine.tokenizer.encode(label)
-            if len(toks) != 1:
-                log.warning(
-                    "rerank label %r is %d tokens %s, not 1: /v1/rerank is disabled",
-                    label,
-                    len(toks),
-                    toks,
-                )
-                return None
-            ids.append(int(toks[0]))
-        return ids
-
-    def timeout_ms(self, requested: int | None) -> int:
-        return min(requested or self.config.timeout_ms, self.config.max_timeout_ms)
-
-    def label(self, index: int) -> str:
-        return str(self.id2label[index]) if index < len(self.id2label) else f"LABEL_{index}"
 
 
 def load_tries(config: ServerConfig, device: Any = "cpu") -> dict[str, Trie]:

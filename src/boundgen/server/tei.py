@@ -23,7 +23,7 @@ from boundgen.server.schemas.tei import (
     SimilarityRequest,
     TokenizeRequest,
 )
-from boundgen.server.state import ServerState
+from boundgen.server.state import HandlerState
 
 # TEI's error types and their statuses (router/src/http/types.rs, docs/openapi.json)
 _STATUS = {
@@ -64,12 +64,12 @@ def mark(request: Request) -> None:
     request.state.error_style = "tei"
 
 
-def _cut(state: ServerState, truncate: bool | None, direction: str) -> inputs.Truncation | None:
+def _cut(state: HandlerState, truncate: bool | None, direction: str) -> inputs.Truncation | None:
     """TEI's `truncate`: cut to the model's context (else over-long inputs are refused)."""
     return inputs.Truncation(state.max_positions, direction.lower()) if truncate else None
 
 
-async def _prompt_ids(state: ServerState, value: Any, truncate, direction) -> list[list[int]]:
+async def _prompt_ids(state: HandlerState, value: Any, truncate, direction) -> list[list[int]]:
     if value == "" or value == []:
         raise Empty("`inputs` cannot be empty")
     return await inputs.prompts(state, "inputs", value, True, _cut(state, truncate, direction))
@@ -78,7 +78,7 @@ async def _prompt_ids(state: ServerState, value: Any, truncate, direction) -> li
 # ---- /embed, /embed_all, /similarity ------------------------------------------------------------
 
 
-async def embed(request: Request, state: ServerState) -> Response:
+async def embed(request: Request, state: HandlerState) -> Response:
     req = await read(request, state, EmbedRequest)
     inputs.check_dimensions(state, "dimensions", req.dimensions)
     ids = await _prompt_ids(state, req.inputs, req.truncate, req.truncation_direction)
@@ -88,7 +88,7 @@ async def embed(request: Request, state: ServerState) -> Response:
     return await large_json_response(Slices(floats(vectors), vectors.shape[-1]))
 
 
-async def embed_all(request: Request, state: ServerState) -> Response:
+async def embed_all(request: Request, state: HandlerState) -> Response:
     """Every token's hidden state, per input: [[[float]]]."""
     req = await read(request, state, EmbedAllRequest)
     ids = await _prompt_ids(state, req.inputs, req.truncate, req.truncation_direction)
@@ -97,7 +97,7 @@ async def embed_all(request: Request, state: ServerState) -> Response:
     return await large_json_response(Slices([floats(r) for r in rows], size))
 
 
-async def similarity(request: Request, state: ServerState) -> Response:
+async def similarity(request: Request, state: HandlerState) -> Response:
     """Cosine similarity of `source_sentence` with each of `sentences`."""
     req = await read(request, state, SimilarityRequest)
     if not req.inputs.sentences:
@@ -113,7 +113,7 @@ async def similarity(request: Request, state: ServerState) -> Response:
 # ---- /rerank ------------------------------------------------------------------------------------
 
 
-async def rerank_body(request: Request, body: dict[str, Any], state: ServerState) -> Response:
+async def rerank_body(request: Request, body: dict[str, Any], state: HandlerState) -> Response:
     """`[{index, score, text?}]` best first, ties higher index first (TEI sorts ascending, then
     reverses); `raw_scores`: the relevance's logit."""
     mark(request)
@@ -142,7 +142,7 @@ async def rerank_body(request: Request, body: dict[str, Any], state: ServerState
 # ---- /predict (sequence classifiers) ------------------------------------------------------------
 
 
-async def predict(request: Request, state: ServerState) -> Response:
+async def predict(request: Request, state: HandlerState) -> Response:
     """All labels with their probability (logits with `raw_scores`), best first; a text gives one
     list, a batch (a list of one-text lists) one list per text."""
     req = await read(request, state, PredictRequest)
@@ -180,7 +180,7 @@ async def predict(request: Request, state: ServerState) -> Response:
 # ---- /tokenize, /decode, /info ------------------------------------------------------------------
 
 
-async def tokenize_body(request: Request, body: dict[str, Any], state: ServerState) -> Response:
+async def tokenize_body(request: Request, body: dict[str, Any], state: HandlerState) -> Response:
     """Per input `[{id, text, special, start, stop}]`: a special token's text is the token, any
     other's the characters it came from."""
     mark(request)
@@ -189,7 +189,7 @@ async def tokenize_body(request: Request, body: dict[str, Any], state: ServerSta
     if not texts:
         raise Empty("`inputs` cannot be empty")
     state.limits.count("inputs", len(texts), state.max_items, "max_items")
-    tok = state.engine.tokenizer
+    tok = state.tokenizer
     out = []
     for text, enc in zip(texts, tok.encode_with_offsets(texts, req.add_special_tokens)):
         tokens = []
@@ -212,22 +212,22 @@ async def tokenize_body(request: Request, body: dict[str, Any], state: ServerSta
     return json_response(out)
 
 
-async def decode(request: Request, state: ServerState) -> Response:
+async def decode(request: Request, state: HandlerState) -> Response:
     req = await read(request, state, DecodeRequest)
     ids = req.ids
     batch = [ids] if not ids or isinstance(ids[0], int) else ids
     for i, seq in enumerate(batch):
         state.limits.token_ids(f"ids[{i}]", seq)
-    tok = state.engine.tokenizer
+    tok = state.tokenizer
     return json_response(
         [tok.decode(seq, skip_special_tokens=req.skip_special_tokens) for seq in batch]
     )
 
 
-async def info(request: Request, state: ServerState) -> Response:
+async def info(request: Request, state: HandlerState) -> Response:
     from boundgen import __version__
 
-    engine = state.engine
+    facts = state.facts
     if state.can_classify:
         labels = {str(i): state.label(i) for i in range(state.num_labels)}
         model_type: dict[str, Any] = {
@@ -237,18 +237,18 @@ async def info(request: Request, state: ServerState) -> Response:
         model_type = {"embedding": {"pooling": state.config.embed_pooling}}
     return json_response(
         {
-            "model_id": str(engine.model_path),
+            "model_id": facts.model_path,
             "model_sha": None,
-            "model_dtype": str(engine.dtype).removeprefix("torch."),
+            "model_dtype": facts.dtype,
             "model_type": model_type,
             "served_model_name": state.model_name,
             "max_concurrent_requests": state.config.max_queue,
             "max_input_length": state.max_positions,
-            "max_batch_tokens": engine.runtime.context.token_budget,
+            "max_batch_tokens": facts.token_budget,
             "max_batch_requests": None,
             "max_client_batch_size": state.max_items,
             "auto_truncate": False,
-            "tokenization_workers": engine.runtime.executor.cpu_workers,
+            "tokenization_workers": facts.cpu_workers,
             "version": __version__,
         }
     )

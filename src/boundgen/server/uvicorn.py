@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 from types import FrameType
 from typing import Any
 
@@ -98,7 +99,9 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(app: Any, config: ServerConfig) -> None:
+def serve(app: Any, config: ServerConfig, sockets: list[socket.socket] | None = None) -> None:
+    """Serve `app` on `config`'s host and port, or on `sockets` already bound (a frontend
+    process: the engine's process bound the port for all of them)."""
     protocol = functools.partial(BoundedHttpToolsProtocol, header_timeout_s=config.header_timeout_s)
     uv_config = uvicorn.Config(
         app,
@@ -112,4 +115,4 @@ def serve(app: Any, config: ServerConfig) -> None:
         timeout_keep_alive=30,
         backlog=max(2048, config.max_queue * 2),
     )
-    DrainingServer(uv_config, app.state.boundgen).run()
+    DrainingServer(uv_config, app.state.boundgen).run(sockets=sockets)

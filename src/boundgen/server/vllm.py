@@ -30,14 +30,14 @@ from boundgen.server.schemas.vllm import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from boundgen.server.state import ServerState
+from boundgen.server.state import HandlerState
 
 POOLING_TASKS = ("embed", "token_embed", "classify")
 
 # ---- /score -------------------------------------------------------------------------------------
 
 
-async def score(request: Request, state: ServerState) -> Response:
+async def score(request: Request, state: HandlerState) -> Response:
     return await score_pairs(await read_object(request, state), state)
 
 
@@ -68,7 +68,7 @@ def _pairs(req: ScoreRequest) -> tuple[list[str], list[str]]:
     return first, second
 
 
-async def score_pairs(body: dict[str, Any], state: ServerState) -> Response:
+async def score_pairs(body: dict[str, Any], state: HandlerState) -> Response:
     """vLLM's ScoreRequest: each pair's relevance, as the server's rerank computes it (its templates
     and label tokens); with `label_token_ids`, P(first label) over those labels after the two texts
     joined. `use_activation: false` gives the logit."""
@@ -111,7 +111,7 @@ async def score_pairs(body: dict[str, Any], state: ServerState) -> Response:
 # ---- /classify ----------------------------------------------------------------------------------
 
 
-async def classify(request: Request, state: ServerState) -> Response:
+async def classify(request: Request, state: HandlerState) -> Response:
     req = await read(request, state, ClassifyRequest)
     cut = inputs.truncation(state, req.truncate_prompt_tokens, req.truncation_side)
     ids = await inputs.prompts(state, "input", req.input, req.add_special_tokens, cut)
@@ -136,7 +136,7 @@ async def classify(request: Request, state: ServerState) -> Response:
 # ---- /pooling -----------------------------------------------------------------------------------
 
 
-async def pooling(request: Request, state: ServerState) -> Response:
+async def pooling(request: Request, state: HandlerState) -> Response:
     """`task` embed → [H], token_embed → [L, H] (every token's hidden state), classify → [C]."""
     req = await read(request, state, PoolingRequest)
     task = req.task or ("classify" if state.can_classify else "embed")
@@ -197,9 +197,9 @@ async def pooling(request: Request, state: ServerState) -> Response:
 # ---- /tokenize, /detokenize ---------------------------------------------------------------------
 
 
-async def tokenize_body(body: dict[str, Any], state: ServerState) -> Response:
+async def tokenize_body(body: dict[str, Any], state: HandlerState) -> Response:
     req = parse(TokenizeRequest, body)
-    tok = state.engine.tokenizer
+    tok = state.tokenizer
     tokens = (await inputs.encode(state, [req.prompt], req.add_special_tokens))[0]
     strs = [tok.id_to_token(t) or "" for t in tokens] if req.return_token_strs else None
     reply = TokenizeResponse(
@@ -208,10 +208,10 @@ async def tokenize_body(body: dict[str, Any], state: ServerState) -> Response:
     return json_response(reply, exclude_none=False)
 
 
-async def detokenize(request: Request, state: ServerState) -> Response:
+async def detokenize(request: Request, state: HandlerState) -> Response:
     req = await read(request, state, DetokenizeRequest)
     state.limits.token_ids("tokens", req.tokens)
-    return json_response({"prompt": state.engine.tokenizer.decode(req.tokens)})
+    return json_response({"prompt": state.tokenizer.decode(req.tokens)})
 
 
 REQUEST_MODELS = {

@@ -1,0 +1,148 @@
+"""The engine's side of the frontend link (`link.py`): a Unix socket server on the engine
+process's event loop. Each `infer` message runs through the same `Infer` an in-process handler
+calls (admission, deadline, cancellation), so a request is admitted, shed and timed out the same
+way whichever process read it; each reply carries the request's `Server-Timing` entries. The
+frontends' metrics and KServe statistics are applied to the engine's one registry, so /metrics
+answered by any frontend counts every request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from boundgen.server.errors import ServerError
+from boundgen.server.infer import SERVER_TIMES
+from boundgen.server.link import TrieRef, Wire, error_fields, host_floats
+from boundgen.server.state import ServerState
+
+log = logging.getLogger("boundgen.server")
+
+STATUS_POLL_S = 0.1  # how often readiness is checked for a change to send the frontends
+
+
+class EngineLink:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.wires: set[Wire] = set()
+        self._tasks: dict[tuple, asyncio.Task] = {}  # (wire, rid) → its request (or query)
+        self._server: asyncio.AbstractServer | None = None
+        self._status_task: asyncio.Task | None = None
+        self._status: tuple = ()
+
+    async def start(self, path: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(
+            lambda: Wire(self._on_message, self._on_close), path
+        )
+        self._status_task = asyncio.create_task(self._watch_status())
+
+    async def close(self) -> None:
+        if self._status_task is not None:
+            self._status_task.cancel()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for wire in list(self.wires):
+            wire.close()
+
+    # ---- status -------------------------------------------------------------------------------
+
+    def status(self) -> tuple:
+        s = self.state
+        return ("status", s.ready, s.unready, s.draining)
+
+    def push_status(self) -> None:
+        """Send the readiness to every frontend when it changed (warm-up, drain)."""
+        status = self.status()
+        if status != self._status:
+            self._status = status
+            for wire in self.wires:
+                wire.send(status)
+
+    async def _watch_status(self) -> None:
+        while True:
+            self.push_status()
+            await asyncio.sleep(STATUS_POLL_S)
+
+    # ---- messages -----------------------------------------------------------------------------
+
+    def _on_close(self, wire: Wire) -> None:
+        self.wires.discard(wire)
+        for key in [k for k in self._tasks if k[0] == id(wire)]:
+            self._tasks.pop(key).cancel()  # nobody waits for them any more
+
+    def _on_message(self, wire: Wire, message: tuple) -> None:
+        kind = message[0]
+        if kind == "infer":
+            _, rid, workload, fields, timeout_ms, units = message
+            work = self._infer(wire, rid, workload, fields, timeout_ms, units)
+            self._tasks[(id(wire), rid)] = asyncio.ensure_future(work)
+        elif kind == "cancel":
+            task = self._tasks.get((id(wire), message[1]))
+            if task is not None:
+                task.cancel()
+        elif kind == "observe":
+            for observation in message[1]:
+                self._apply(observation)
+        elif kind == "query":
+            key = (id(wire), ("query", message[1]))
+            self._tasks[key] = asyncio.ensure_future(self._answer(wire, key, message[2]))
+        elif kind == "hello":
+            self.wires.add(wire)
+            wire.send(("facts", self.state.facts.as_dict(), self.status()))
+        else:
+            log.warning("link: unknown message %r", kind)
+
+    async def _infer(
+        self, wire: Wire, rid: int, workload: str, fields: dict, timeout_ms: int, units: int
+    ) -> None:
+        SERVER_TIMES.set(None)
+        try:
+            fields = self._resolve(fields)
+            out = await self.state.infer(workload, fields, timeout_ms, units)
+            out = await host_floats(out)
+        except asyncio.CancelledError:  # the frontend's client went away (its cancel)
+            return
+        except ServerError as exc:
+            wire.send(("error", rid, error_fields(exc)))
+        except Exception:
+            log.exception("internal error in %s (from a frontend)", workload)
+            internal = ServerError("internal server error (see the server log)")
+            wire.send(("error", rid, error_fields(internal)))
+        else:
+            wire.send(("done", rid, out, SERVER_TIMES.get()))
+        finally:
+            self._tasks.pop((id(wire), rid), None)
+
+    def _resolve(self, fields: dict) -> dict:
+        """A beam request's `TrieRef` → the engine's `Trie` of that name."""
+        trie = fields.get("trie")
+        if isinstance(trie, TrieRef):
+            fields = {**fields, "trie": self.state.tries[trie.name]}
+        return fields
+
+    def _apply(self, observation: tuple) -> None:
+        kind, *args = observation
+        metrics = self.state.metrics
+        if kind == "request":
+            metrics.observe_request(*args)
+        elif kind == "items":
+            endpoint, n = args
+            metrics.items.labels(endpoint).inc(n)
+        elif kind == "kserve":
+            ok, total_ns, phases = args
+            self.state.kserve_stats.record(ok, total_ns, **phases)
+        else:
+            log.warning("link: unknown observation %r", kind)
+
+    async def _answer(self, wire: Wire, key: tuple, what: str) -> None:
+        value: Any = None
+        try:
+            if what == "metrics":
+                value = await self.state.metrics_text()
+            elif what == "model_stats":
+                value = await self.state.model_stats()
+        finally:
+            self._tasks.pop(key, None)
+        wire.send(("answer", key[1][1], value))

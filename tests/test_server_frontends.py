@@ -1,0 +1,397 @@
+"""HTTP frontend processes (`boundgen serve --frontends N`): the link's frames and errors, a
+frontend's app against the engine's state over a real Unix socket (the same replies as the
+in-process app, errors from the engine's admission, metrics and readiness in the engine's one
+registry, cancellation), and `boundgen serve --frontends 2` as processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import re
+import subprocess
+import sys
+import tempfile
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+from boundgen import Engine, Trie
+from boundgen.server.app import build_app, create_app
+from boundgen.server.config import ServerConfig
+from boundgen.server.engine_link import EngineLink
+from boundgen.server.errors import Overloaded, ServerError, Timeout
+from boundgen.server.frontend import FrontendLink, FrontendState, handshake
+from boundgen.server.link import TrieRef, Wire, encode, error_fields, rebuild_error
+from boundgen.server.state import ServerState
+from boundgen.server.testing import ServeProcess, tiny_model_dir
+
+TRIE_SEQS = [[5, 6, 7], [5, 6, 8], [5, 9, 10], [11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return Engine.from_pretrained(model_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tries") / "catalog.jsonl"
+    Trie.from_sequences(TRIE_SEQS, item_ids=[100, 101, 102, 103]).save(path)
+    return ServerConfig(tries=(f"catalog={path}",), warmup="off").validate()
+
+
+# ---- the wire -----------------------------------------------------------------------------------
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+def test_frames_split_and_joined_arrive_whole_and_in_order():
+    got = []
+    wire = Wire(lambda w, m: got.append(m))
+    messages = [("infer", i, "score", {"ids": list(range(i * 50))}, 100, i) for i in range(5)]
+    data = b"".join(encode(m) for m in messages)
+    # one byte at a time, then everything at once
+    for i in range(len(data)):
+        wire.data_received(data[i : i + 1])
+    wire.data_received(data)
+    assert got == messages + messages
+
+
+def test_a_turns_messages_go_in_one_write():
+    async def main() -> list[bytes]:
+        wire = Wire(lambda w, m: None)
+        wire.connection_made(_Transport())
+        wire.send(("done", 1, [1.0], None))
+        wire.send(("done", 2, [2.0], None))
+        assert wire.transport.written == []  # written at the end of the turn
+        await asyncio.sleep(0)
+        return wire.transport.written
+
+    (written,) = asyncio.run(main())
+    got = []
+    Wire(lambda w, m: got.append(m)).data_received(written)
+    assert got == [("done", 1, [1.0], None), ("done", 2, [2.0], None)]
+
+
+def test_errors_cross_the_link_as_the_same_class_status_and_headers():
+    exc = Overloaded("busy; retry after 2s", headers={"Retry-After": "2"})
+    again = rebuild_error(pickle.loads(pickle.dumps(error_fields(exc))))
+    assert type(again) is Overloaded
+    assert (again.status, again.message, again.headers) == (429, exc.message, {"Retry-After": "2"})
+    # a class the link does not know comes back as a plain 500
+    fields = ("NoSuchError", "boom", None, {}, 500)
+    assert type(rebuild_error(fields)) is ServerError
+
+
+# ---- a frontend's app over the link, in one process ---------------------------------------------
+
+
+class _Served:
+    """The engine's state behind its link and a frontend's app over it, on one event loop."""
+
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine, self.config = engine, config
+
+    async def __aenter__(self) -> _Served:
+        self.tmp = tempfile.TemporaryDirectory()
+        path = os.path.join(self.tmp.name, "engine.sock")
+        self.state = ServerState(self.engine, self.config)
+        self.link = EngineLink(self.state)
+        await self.link.start(path)
+        sock, facts, status = await asyncio.to_thread(handshake, path, 0)
+        self.lost: list[bool] = []
+        self.frontend_link = FrontendLink(on_lost=lambda: self.lost.append(True))
+        self.frontend_link.status = status
+        self.frontend = FrontendState(facts, self.config, self.frontend_link)
+        app = build_app(
+            self.frontend,
+            self.config,
+            on_start=lambda: self.frontend_link.attach(sock),
+            on_stop=lambda: None,
+        )
+        await self.frontend_link.attach(sock)
+        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.http.aclose()
+        await self.link.close()
+        self.state.close()
+        self.tmp.cleanup()
+
+
+def _in_process(engine: Engine, config: ServerConfig) -> httpx.AsyncClient:
+    app = create_app(engine, config)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t")
+
+
+REQUESTS = [
+    ("/v1/score", {"query": [1, 2, 3], "items": [[4, 5], [6]], "label_token_ids": [7, 8]}),
+    ("/v1/score", {"query": "a query", "items": ["one", "two"], "label_token_ids": [7, 8]}),
+    ("/v1/beam", {"prompt": [1, 2, 3], "beam_width": 3, "steps": 3, "trie": "catalog"}),
+    ("/v1/beam", {"prompt": [1, 2, 3], "beam_width": 2, "steps": 2}),
+    ("/v1/embeddings", {"input": ["hello there", "general kenobi"]}),
+    ("/tokenize", {"prompt": "hello there"}),
+]
+
+
+def test_a_frontend_answers_what_the_in_process_app_answers(engine, config):
+    async def main() -> None:
+        local = _in_process(engine, config)
+        async with _Served(engine, config) as served:
+            for path, body in REQUESTS:
+                mine, theirs = (
+                    await served.http.post(path, json=body),
+                    await local.post(path, json=body),
+                )
+                assert (mine.status_code, path) == (200, path), mine.text
+                a, b = mine.json(), theirs.json()
+                for reply in (a, b):
+                    if isinstance(reply, dict):
+                        reply.pop("created", None)
+                        reply.pop("id", None)
+                assert a == b, path
+            assert (await served.http.get("/v1/models")).json()["data"][0]["trie_depths"] == {
+                "catalog": 3
+            }
+        await local.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_frontend_validates_and_the_engine_admits(engine, config):
+    async def main() -> None:
+        async with _Served(engine, config) as served:
+            # refused by the frontend's own checks: the engine never sees it
+            bad = await served.http.post(
+                "/v1/beam", json={"prompt": [1], "beam_width": 2, "steps": 3, "trie": "nope"}
+            )
+            assert bad.status_code == 400 and "unknown trie 'nope'" in bad.text
+            assert served.link._tasks == {}
+            # refused by the engine's admission: the same status, type and message back
+            served.state.infer.close()
+            shut = await served.http.post("/v1/score", json=REQUESTS[0][1])
+            assert shut.status_code == 503
+            assert shut.json()["message"] == "server is shutting down"
+
+    asyncio.run(main())
+
+
+def test_metrics_and_statistics_are_the_engines_one_registry(engine, config):
+    def count(text: str, series: str) -> float:
+        found = re.search(re.escape(series) + r" ([0-9.e+]+)", text)
+        return float(found.group(1)) if found else 0.0
+
+    async def main() -> None:
+        async with _Served(engine, config) as served:
+            for _ in range(3):
+                assert (await served.http.post("/v1/score", json=REQUESTS[0][1])).status_code == 200
+            assert (await served.http.post("/v1/beam", json=REQUESTS[2][1])).status_code == 200
+            text = (await served.http.get("/metrics")).text
+            local = served.state.metrics.render()[0].decode()
+            for series in (
+                'boundgen_requests_total{endpoint="score",status="200"}',
+                'boundgen_items_total{endpoint="score"}',
+                'boundgen_items_total{endpoint="beam"}',
+            ):
+                assert count(text, series) == count(local, series) > 0, series
+            assert count(text, 'boundgen_requests_total{endpoint="score",status="200"}') == 3
+            assert count(text, 'boundgen_items_total{endpoint="beam"}') == 3  # 3 beams
+            infer = {
+                "inputs": [
+                    {"name": "query", "datatype": "BYTES", "shape": [1], "data": ["q"]},
+                    {"name": "items", "datatype": "BYTES", "shape": [2], "data": ["a", "b"]},
+                    {"name": "label_token_ids", "datatype": "INT64", "shape": [2], "data": [7, 8]},
+                ]
+            }
+            name = served.frontend.model_name
+            assert (
+                await served.http.post(f"/v2/models/{name}/infer", json=infer)
+            ).status_code == 200
+            stats = (await served.http.get("/v2/models/stats")).json()["model_stats"][0]
+            assert stats["inference_count"] == 1
+            assert served.state.kserve_stats.inference_count == 1
+
+    asyncio.run(main())
+
+
+def test_readiness_is_the_engines(engine, config):
+    async def main() -> None:
+        async with _Served(engine, config) as served:
+            assert (await served.http.get("/health")).status_code == 200
+            served.state.ready, served.state.unready = False, "warming up (2/9 requests done)"
+            for _ in range(50):  # pushed within the link's status poll
+                reply = await served.http.get("/health")
+                if reply.status_code == 503:
+                    break
+                await asyncio.sleep(0.02)
+            assert reply.status_code == 503 and "warming up (2/9" in reply.text
+            served.state.ready, served.state.unready = True, ""
+            for _ in range(50):
+                if (await served.http.get("/health")).status_code == 200:
+                    break
+                await asyncio.sleep(0.02)
+            assert served.frontend.ready and not served.frontend.draining
+            served.state.draining = True  # the engine's process got SIGTERM
+            for _ in range(50):
+                reply = await served.http.get("/v2/health/ready")
+                if reply.status_code == 503:
+                    break
+                await asyncio.sleep(0.02)
+            assert reply.status_code == 503 and "shutting down" in reply.text
+            assert served.frontend.draining
+
+    asyncio.run(main())
+
+
+class _StuckInfer:
+    """An `Infer` whose requests never finish until cancelled."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def __call__(self, kind, request, timeout_ms, tokens=0):
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+def test_a_client_gone_cancels_the_work_in_the_engine(engine, config):
+    async def main() -> None:
+        async with _Served(engine, config) as served:
+            stuck = served.state.infer = _StuckInfer()
+            call = asyncio.ensure_future(served.frontend.infer("score", {"x": 1}, 1000, 3))
+            await asyncio.wait_for(stuck.started.wait(), 5)
+            assert len(served.link._tasks) == 1
+            call.cancel()  # what the guard does when the client disconnects
+            await asyncio.wait_for(stuck.cancelled.wait(), 5)
+            await asyncio.sleep(0)
+            assert served.link._tasks == {}
+
+    asyncio.run(main())
+
+
+def test_a_lost_engine_fails_the_waiting_requests_and_stops_the_frontend(engine, config):
+    async def main() -> None:
+        async with _Served(engine, config) as served:
+            served.state.infer = _StuckInfer()
+            call = asyncio.ensure_future(served.frontend.infer("score", {"x": 1}, 1000, 3))
+            await asyncio.sleep(0.05)
+            for wire in list(served.link.wires):
+                wire.close()  # the engine's process is gone
+            with pytest.raises(ServerError) as err:
+                await asyncio.wait_for(call, 5)
+            assert err.value.status == 503
+            assert served.lost == [True]
+            assert not served.frontend.ready and served.frontend.draining
+
+    asyncio.run(main())
+
+
+def test_beam_requests_name_their_trie_and_get_the_engines(engine, config):
+    state = ServerState(engine, config)
+    link = EngineLink(state)
+    fields = link._resolve({"prompts": [[1]], "trie": TrieRef("catalog", 3)})
+    assert fields["trie"] is state.tries["catalog"]
+    state.close()
+
+
+def test_engine_timeouts_come_back_as_504(engine, config):
+    async def main() -> None:
+        async with _Served(engine, config) as served:
+
+            async def late(kind, request, timeout_ms, tokens=0):
+                raise Timeout(f"request did not finish within timeout_ms={timeout_ms}")
+
+            served.state.infer = late
+            reply = await served.http.post("/v1/score", json={**REQUESTS[0][1], "timeout_ms": 7})
+            assert reply.status_code == 504
+            assert reply.json()["message"] == "request did not finish within timeout_ms=7"
+
+    asyncio.run(main())
+
+
+# ---- processes ----------------------------------------------------------------------------------
+
+
+def test_serve_with_two_frontends_serves_and_drains(model_dir, tmp_path):
+    with ServeProcess("--model", str(model_dir), "--device", "cpu", "--frontends", "2") as srv:
+        for _ in range(6):  # new connections: the kernel spreads them over the two
+            reply = httpx.post(srv.url + "/v1/score", json=REQUESTS[0][1], timeout=30)
+            assert reply.status_code == 200, reply.text
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        assert 'boundgen_requests_total{endpoint="score",status="200"} 6.0' in metrics
+        frontends = [pid for pid in _children(srv.proc.pid) if "spawn_main" in _cmdline(pid)]
+        assert len(frontends) == 2, frontends
+        code, out = srv.stop()
+    assert code == 0, out[-3000:]
+    assert "2 frontend processes serving" in out
+    assert [pid for pid in frontends if _alive(pid)] == []  # stopped with the server
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_serve_refuses_frontends_on_ray(model_dir):
+    cmd = [sys.executable, "-m", "boundgen.cli", "serve", "--model", str(model_dir)]
+    done = subprocess.run(
+        [*cmd, "--device", "cpu", "--frontends", "2", "--ray"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "a Ray Serve replica is its own process" in done.stderr
+
+
+def test_negative_frontends_is_refused():
+    with pytest.raises(ValueError, match="frontends must be >= 0"):
+        ServerConfig(frontends=-1).validate()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
