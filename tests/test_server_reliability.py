@@ -429,7 +429,11 @@ def test_504_message_says_the_request_was_not_run(server):
     rng = random.Random(2)
     heavy = {"query": token_ids(16, rng), "items": [token_ids(32, rng) for _ in range(1024)]}
     heavy["label_token_ids"] = LABELS
-    assert send(server, "/v1/score", heavy, timeout_s=60)[0] == 200  # the server learns its cost
+    # the server learns its cost from these runs (the first of a new shape is not learned from:
+    # it may have compiled); after one run the prediction still came from the warm-up's small
+    # batches and, on the development machine of 2026-12-05, admitted the request, which timed out
+    for _ in range(3):
+        assert send(server, "/v1/score", heavy, timeout_s=60)[0] == 200
     with bounded(server, 0.2 + REFUSE_S):
         status, text = send(server, "/v1/score", heavy | {"timeout_ms": 200})
     assert status == 504, (status, text[:300])
