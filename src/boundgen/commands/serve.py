@@ -42,6 +42,11 @@ def run(args: argparse.Namespace) -> int:
     )
     model, server = server.with_default_model()
     ray = wants_ray(args, settings)
+    if ray and server.frontends:
+        raise ValueError(
+            "frontends: a Ray Serve replica is its own process behind Ray's proxy; serve with "
+            "--frontends 0 (the default) on Ray"
+        )
     if not engine_device_given(args, settings):  # a new user gets the GPU when there is one
         if ray:
             from boundgen.serve_ray import cluster_has_gpus
@@ -69,17 +74,30 @@ def run(args: argparse.Namespace) -> int:
 
         pause_until_ready()
     engine_obj = Engine.from_pretrained(model, config=engine)
-    app = create_app(engine_obj, server)
+    if server.frontends:
+        from boundgen.server import frontends
+        from boundgen.server.app import log_exposure
+        from boundgen.server.state import ServerState
+
+        server = server.validate()
+        log_exposure(server)
+        state = ServerState(engine_obj, server)
+    else:
+        app = create_app(engine_obj, server)
+        state = app.state.boundgen
     if server.gc_freeze:
-        warming = bool(app.state.boundgen.warmup)
+        warming = bool(state.warmup)
         freeze_startup_heap(ready=not warming)
         if warming:  # and what the warm-up made; the collector resumes then
-            app.state.boundgen.after_warm_up.append(freeze_startup_heap)
+            state.after_warm_up.append(freeze_startup_heap)
+    how = f" through {server.frontends} frontend processes" if server.frontends else ""
     print(
         f"boundgen serve: {engine_obj.model_name} ({model}) on {engine_obj.device} at "
-        f"http://{server.host}:{server.port}",
+        f"http://{server.host}:{server.port}{how}",
         file=sys.stderr,
         flush=True,
     )
+    if server.frontends:
+        return frontends.run(state, server)
     serve(app, server)
     return 0
