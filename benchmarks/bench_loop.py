@@ -24,6 +24,11 @@ so that searches merge as they do under wrk.
     python benchmarks/bench_loop.py --concurrency 16 --rounds 3
     python benchmarks/bench_loop.py --profile 40                  # cProfile of the loop's Python
     python benchmarks/bench_loop.py --route beam --concurrency 64
+    python benchmarks/bench_loop.py --route beam --concurrency 64 --frontend
+
+`--frontend` (`boundgen serve --frontends`): the app and the client run in a frontend process and
+send their model work over the link; this process is the engine's (its state behind the link), so
+the CPU per thread and `--profile` are what the engine's process does for each request.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import functools
 import itertools
 import json
+import multiprocessing
 import os
 import pstats
 import statistics
@@ -96,6 +103,85 @@ async def lifespan(app, event: str) -> None:
         raise RuntimeError(f"lifespan {event}: {reply}")
 
 
+async def _batch(client: Client, concurrency: int, n: int) -> tuple[float, float]:
+    """`n` requests from `concurrency` tasks, each waiting for its reply before the next: →
+    the perf_counter at the start and at the end."""
+
+    async def worker(k: int) -> None:
+        for _ in range(k):
+            status = await client.post()
+            if status != 200:
+                raise RuntimeError(f"{client.path} answered {status}")
+
+    per, extra = divmod(n, concurrency)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(per + (i < extra)) for i in range(concurrency)))
+    return t0, time.perf_counter()
+
+
+async def _through_a_frontend(engine, config, path: str, bodies: list[bytes], concurrency: int):
+    """`--frontend`: this process is the engine's (its state behind the link, as `boundgen serve
+    --frontends` runs it); a frontend process runs the app and the client. → `batch(n)` (the
+    frontend sends n requests; its start and end on this process's clock) and `stop()`."""
+    from boundgen.server.engine_link import EngineLink
+    from boundgen.server.state import ServerState
+
+    state = ServerState(engine, config)
+    await asyncio.to_thread(state.warm_up)
+    link = EngineLink(state)
+    tmp = tempfile.mkdtemp(prefix="bench-loop-link-")
+    link_path = str(Path(tmp) / "engine.sock")
+    await link.start(link_path)
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe()
+    frontend = context.Process(
+        target=_frontend, args=(link_path, config, path, bodies, concurrency, theirs), daemon=True
+    )
+    frontend.start()
+
+    async def batch(n: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        mine.send(n)
+        if not await asyncio.to_thread(mine.recv):
+            raise RuntimeError("the frontend's requests failed (its output says why)")
+        return t0, time.perf_counter()
+
+    async def stop() -> None:
+        mine.send(None)
+        await asyncio.to_thread(frontend.join, 30)
+        await link.close()
+        state.close()
+        state.infer.close()
+
+    return batch, stop
+
+
+def _frontend(link_path: str, config, path: str, bodies: list[bytes], concurrency: int, conn):
+    """The frontend process of `--frontend`: the app over the link, and the client; runs `n`
+    requests per `n` received, answers True when they all succeeded."""
+    from boundgen.server.app import build_app
+    from boundgen.server.frontend import FrontendLink, FrontendState, handshake
+
+    async def main() -> None:
+        sock, facts, status = handshake(link_path, 0)
+        link = FrontendLink()
+        link.status = status
+        state = FrontendState(facts, config, link)
+        app = build_app(state, config, on_start=lambda: link.attach(sock), on_stop=lambda: None)
+        client = Client(app, path, bodies)
+        await lifespan(app, "startup")
+        while (n := await asyncio.to_thread(conn.recv)) is not None:
+            try:
+                await _batch(client, concurrency, n)
+                conn.send(True)
+            except Exception as exc:
+                print(f"frontend: {exc}", file=sys.stderr)
+                conn.send(False)
+        await lifespan(app, "shutdown")
+
+    asyncio.run(main())
+
+
 async def run(args) -> dict:
     from boundgen import Engine
     from boundgen.checkpoints import ensure_model
@@ -116,24 +202,21 @@ async def run(args) -> dict:
         shape = LoadConfig(
             query_tokens=args.query_tokens, items=args.items, item_tokens=args.item_tokens
         )
-    app = create_app(engine, config)
     path = f"/v1/{args.route}"
-    client = Client(app, path, make_bodies(shape, vocab)[args.route])
-    await lifespan(app, "startup")
+    bodies = make_bodies(shape, vocab)[args.route]
+    if args.frontend:
+        batch, stop = await _through_a_frontend(engine, config, path, bodies, args.concurrency)
+    else:
+        app = create_app(engine, config)
+        client = Client(app, path, bodies)
+        await lifespan(app, "startup")
+        batch = functools.partial(_batch, client, args.concurrency)
+
+        async def stop() -> None:
+            await lifespan(app, "shutdown")
+
     if config.gc_freeze:  # as `boundgen serve` does: collections skip the start-up heap
         freeze_startup_heap()
-
-    async def worker(n: int) -> None:
-        for _ in range(n):
-            status = await client.post()
-            if status != 200:
-                raise RuntimeError(f"{path} answered {status}")
-
-    async def batch(n: int) -> tuple[float, float]:
-        per, extra = divmod(n, args.concurrency)
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(per + (i < extra)) for i in range(args.concurrency)))
-        return t0, time.perf_counter()
 
     unit = "prompts" if args.route == "beam" else "tokens"
     await batch(min(args.requests, 100))  # warm: first calls, batching estimates
@@ -161,7 +244,7 @@ async def run(args) -> dict:
             f"call); CPU ms a request: event loop {loop:.3f}, all threads {total:.3f}",
             flush=True,
         )
-    await lifespan(app, "shutdown")
+    await stop()
     names = sorted({k for r in rounds for k in r["cpu_ms"]})
     median = {k: statistics.median(r["cpu_ms"].get(k, 0.0) for r in rounds) for k in names}
     print(
@@ -169,7 +252,7 @@ async def run(args) -> dict:
     )
     if prof is not None:
         stats = pstats.Stats(prof)
-        stats.sort_stats("cumulative").print_stats(args.profile)
+        stats.sort_stats(args.sort).print_stats(args.profile)
     return {"rounds": rounds, "median_cpu_ms": median}
 
 
@@ -186,7 +269,15 @@ def main() -> int:
     ap.add_argument("--route", choices=("score", "beam"), default="score")
     ap.add_argument("--fake-forward", default="1,1.7", help="FIXED_MS[,PER_1K_TOKENS_MS]")
     ap.add_argument("--fake-search", default="6,0.25", help="FIXED_MS[,PER_PROMPT_MS] (beam)")
+    ap.add_argument(
+        "--frontend",
+        action="store_true",
+        help="the app in a frontend process, this one the engine's behind the link (--frontends)",
+    )
     ap.add_argument("--profile", type=int, default=0, help="print the top N of a cProfile")
+    ap.add_argument(
+        "--sort", default="cumulative", help="the profile's order (pstats' keys: tottime, …)"
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     os.environ["BOUNDGEN_FAKE_FORWARD"] = args.fake_forward
