@@ -87,6 +87,7 @@ def run_wrk(
     row["launch_ms_per_search"] = wrk.per_batch(before, after, "launch_s") * 1e3
     # the server's CPU per request by thread: how close its Python is to one core (the GIL)
     row["thread_cpu_ms_per_request"] = wrk.thread_cpu_per_request(before, after)
+    row["frontend_cpu_ms_per_request"] = wrk.frontend_cpu_per_request(before, after)
     # the event loop's late wake-ups and GC pauses over the run: is a slow `hops` the loop?
     row["stalls"] = wrk.stalls(before, after)
     return row

@@ -105,6 +105,7 @@ def with_forwards(url: str, run, client_cpus: str | None) -> dict:
             part: wrk.per_batch(before, after, f"host_cpu_{part}_s") * 1e3 for part in HOST_PARTS
         },
         "thread_cpu_ms_per_request": wrk.thread_cpu_per_request(before, after),
+        "frontend_cpu_ms_per_request": wrk.frontend_cpu_per_request(before, after),
         "stalls": wrk.stalls(before, after),
     }
 

@@ -205,6 +205,12 @@ def node_counters(url: str, node: str) -> dict[str, float]:
         # the event loop's late wake-ups and the GC's pauses, cumulative by bucket (`stalls`)
         **_buckets(series("boundgen_event_loop_lag_seconds_bucket"), "lag_le:"),
         **_buckets(series("boundgen_gc_pause_seconds_bucket"), "gc_le:"),
+        # with `--frontends`: their loops' late wake-ups, and each one's CPU seconds
+        **_buckets(series("boundgen_frontend_event_loop_lag_seconds_bucket"), "flag_le:"),
+        **{
+            "frontend_cpu:" + label.removeprefix('frontend="').removesuffix('"'): seconds
+            for label, seconds in series("boundgen_frontend_cpu_seconds").items()
+        },
     }
 
 
@@ -232,18 +238,24 @@ def stalls(before: dict, after: dict) -> dict:
             if k.startswith(prefix)
         }
 
+    def late(lag: dict[float, float], name: str) -> dict:
+        total = lag.get(float("inf"), 0.0)
+        if not total:
+            return {}
+        p99 = next(le for le, n in sorted(lag.items()) if n >= 0.99 * total)
+        return {
+            f"{name}_wakeups": total,
+            f"{name}_lag_p99_le_ms": p99 * 1e3,
+            f"{name}_late_10ms": total - lag.get(0.01, total),
+            f"{name}_late_50ms": total - lag.get(0.05, total),
+        }
+
     lag, gc = delta("lag_le:"), delta("gc_le:")
-    total = lag.get(float("inf"), 0.0)
-    if not total:
+    out = late(lag, "loop")
+    if not out:
         return {}
-    p99 = next(le for le, n in sorted(lag.items()) if n >= 0.99 * total)
-    return {
-        "loop_wakeups": total,
-        "loop_lag_p99_le_ms": p99 * 1e3,
-        "loop_late_10ms": total - lag.get(0.01, total),
-        "loop_late_50ms": total - lag.get(0.05, total),
-        "gc_pauses_over_10ms": gc.get(float("inf"), 0.0) - gc.get(0.01, 0.0),
-    }
+    out["gc_pauses_over_10ms"] = gc.get(float("inf"), 0.0) - gc.get(0.01, 0.0)
+    return out | late(delta("flag_le:"), "frontend")
 
 
 def stall_line(row: dict) -> str:
@@ -251,11 +263,17 @@ def stall_line(row: dict) -> str:
     st = row.get("stalls") or {}
     if not st:
         return ""
-    return (
+    line = (
         f"    event loop: lag p99 ≤ {st['loop_lag_p99_le_ms']:g} ms, "
         f"{st['loop_late_10ms']:.0f} of {st['loop_wakeups']:.0f} wake-ups late > 10 ms, "
         f"{st['loop_late_50ms']:.0f} > 50 ms; GC pauses > 10 ms: {st['gc_pauses_over_10ms']:.0f}"
     )
+    if "frontend_wakeups" in st:
+        line += (
+            f"; frontends' loops: lag p99 ≤ {st['frontend_lag_p99_le_ms']:g} ms, "
+            f"{st['frontend_late_10ms']:.0f} of {st['frontend_wakeups']:.0f} late > 10 ms"
+        )
+    return line
 
 
 def thread_cpu_per_request(before: dict, after: dict) -> dict[str, float]:
@@ -272,14 +290,33 @@ def thread_cpu_per_request(before: dict, after: dict) -> dict[str, float]:
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
+def frontend_cpu_per_request(before: dict, after: dict) -> dict[str, float]:
+    """With `--frontends`: each frontend process's CPU ms per request served by the node of two
+    `node_counters` readings ({} without frontends)."""
+    served = after["requests"] - before["requests"]
+    if served <= 0:
+        return {}
+    return {
+        "frontend-" + k.split(":", 1)[1]: (after[k] - before.get(k, 0.0)) * 1e3 / served
+        for k in sorted(after)
+        if k.startswith("frontend_cpu:")
+    }
+
+
 def cpu_line(row: dict, top: int = 6) -> str:
     """The server's CPU per request served over a run, in total and by its busiest threads (its
-    `thread_cpu_ms_per_request`), as one indented line; "" without it."""
+    `thread_cpu_ms_per_request`), then its frontend processes' when it has them, as one indented
+    line; "" without it."""
     per = row.get("thread_cpu_ms_per_request") or {}
     if not per:
         return ""
     shown = ", ".join(f"{k} {v:.2f}" for k, v in list(per.items())[:top])
-    return f"    CPU ms per request: {sum(per.values()):.2f} ({shown})"
+    line = f"    CPU ms per request: {sum(per.values()):.2f} ({shown})"
+    frontends = row.get("frontend_cpu_ms_per_request") or {}
+    if frontends:
+        each = ", ".join(f"{k} {v:.2f}" for k, v in frontends.items())
+        line += f"; frontend processes {sum(frontends.values()):.2f} ({each})"
+    return line
 
 
 def add_gil_profile_args(p) -> None:

@@ -232,6 +232,25 @@ def test_metrics_and_statistics_are_the_engines_one_registry(engine, config):
     asyncio.run(main())
 
 
+def test_a_frontends_loop_lag_and_cpu_are_exported_by_the_engine(engine, config):
+    async def main() -> None:
+        async with _Served(engine, config) as served:
+            reporting = asyncio.create_task(served.frontend.metrics.report(3, every_s=0.05))
+            await asyncio.sleep(0.3)
+            reporting.cancel()
+            await asyncio.sleep(0)
+            text = (await served.http.get("/metrics")).text
+            cpu = re.search(
+                r'boundgen_frontend_cpu_seconds_total\{frontend="3"\} ([0-9.e+-]+)', text
+            )
+            assert cpu is not None and float(cpu.group(1)) > 0
+            lags = re.search(r"boundgen_frontend_event_loop_lag_seconds_count ([0-9.e+]+)", text)
+            assert lags is not None and float(lags.group(1)) >= 10  # a probe every 10 ms
+            assert "boundgen_frontend_event_loop_lag_max_seconds " in text
+
+    asyncio.run(main())
+
+
 def test_readiness_is_the_engines(engine, config):
     async def main() -> None:
         async with _Served(engine, config) as served:
@@ -342,6 +361,8 @@ def test_serve_with_two_frontends_serves_and_drains(model_dir, tmp_path):
             assert reply.status_code == 200, reply.text
         metrics = httpx.get(srv.url + "/metrics", timeout=30).text
         assert 'boundgen_requests_total{endpoint="score",status="200"} 6.0' in metrics
+        for index in (0, 1):  # each frontend reports its CPU time from its start
+            assert f'boundgen_frontend_cpu_seconds_total{{frontend="{index}"}}' in metrics
         frontends = [pid for pid in _children(srv.proc.pid) if "spawn_main" in _cmdline(pid)]
         assert len(frontends) == 2, frontends
         code, out = srv.stop()

@@ -46,3 +46,35 @@ def test_no_loop_lag_no_line():
     """A server without the probe (an older build, a peer's): nothing to report."""
     assert wrk.stalls({}, {}) == {}
     assert wrk.stall_line({"stalls": {}}) == ""
+
+
+def test_frontends_loops_and_cpu_are_reported_beside_the_engines():
+    """With `--frontends`: their loops' late wake-ups follow the engine loop's on the line, and
+    their CPU per request follows the engine's threads'."""
+    lag = {"0.001": 100, "0.01": 100, "0.05": 100, "+Inf": 100}
+    before = reading(lag, {}) | wrk._buckets(
+        {'le="0.01"': 10, 'le="0.05"': 10, 'le="+Inf"': 10}, "flag_le:"
+    )
+    after = reading({k: v + 500 for k, v in lag.items()}, {}) | wrk._buckets(
+        {'le="0.01"': 400, 'le="0.05"': 409, 'le="+Inf"': 410}, "flag_le:"
+    )
+    st = wrk.stalls(before, after)
+    assert (st["frontend_wakeups"], st["frontend_late_10ms"], st["frontend_late_50ms"]) == (
+        400,
+        10,
+        1,
+    )
+    line = wrk.stall_line({"stalls": st})
+    assert line.endswith("frontends' loops: lag p99 ≤ 50 ms, 10 of 400 late > 10 ms")
+    assert "GC pauses > 10 ms: 0;" in line
+
+    counts = {"requests": 100.0, "frontend_cpu:0": 1.0, "frontend_cpu:1": 2.0}
+    later = {"requests": 300.0, "frontend_cpu:0": 1.1, "frontend_cpu:1": 2.3}
+    per = wrk.frontend_cpu_per_request(counts, later)
+    assert per == pytest.approx({"frontend-0": 0.5, "frontend-1": 1.5})
+    row = {"thread_cpu_ms_per_request": {"MainThread": 0.2}, "frontend_cpu_ms_per_request": per}
+    assert wrk.cpu_line(row).endswith(
+        "CPU ms per request: 0.20 (MainThread 0.20); frontend processes 2.00 "
+        "(frontend-0 0.50, frontend-1 1.50)"
+    )
+    assert wrk.frontend_cpu_per_request({"requests": 1.0}, {"requests": 5.0}) == {}

@@ -29,6 +29,9 @@ class EngineLink:
         self._server: asyncio.AbstractServer | None = None
         self._status_task: asyncio.Task | None = None
         self._status: tuple = ()
+        self.frontend_cpu: dict[int, float] = {}  # frontend index → its CPU seconds (reported)
+        self._frontend_lag_max = 0.0
+        state.metrics.watch_frontends(lambda: dict(self.frontend_cpu))
 
     async def start(self, path: str) -> None:
         loop = asyncio.get_running_loop()
@@ -133,6 +136,15 @@ class EngineLink:
         elif kind == "kserve":
             ok, total_ns, phases = args
             self.state.kserve_stats.record(ok, total_ns, **phases)
+        elif kind == "lag":
+            (lag,) = args
+            metrics.frontend_loop_lag.observe(lag)
+            if lag > self._frontend_lag_max:
+                self._frontend_lag_max = lag
+                metrics.frontend_loop_lag_max.set(lag)
+        elif kind == "cpu":
+            index, seconds = args
+            self.frontend_cpu[index] = seconds
         else:
             log.warning("link: unknown observation %r", kind)
 

@@ -18,9 +18,11 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
+from boundgen.server import loop_lag
 from boundgen.server.config import ServerConfig
 from boundgen.server.errors import Unavailable
 from boundgen.server.infer import SERVER_TIMES
@@ -29,6 +31,8 @@ from boundgen.server.state import EngineFacts, HandlerState
 from boundgen.text.tokenizer import Tokenizer
 
 log = logging.getLogger("boundgen.server")
+
+CPU_REPORT_S = 1.0  # how often a frontend sends the engine its CPU time
 
 
 class FrontendLink:
@@ -152,12 +156,38 @@ class _ForwardedItem:
         self.link.observe(("items", self.endpoint, n))
 
 
+class _ForwardedLag:
+    """The loop-lag probe's histogram and maximum (`loop_lag.probe`): each lag goes to the
+    engine's `boundgen_frontend_event_loop_lag_seconds`, which keeps the maximum too."""
+
+    def __init__(self, link: FrontendLink) -> None:
+        self.link = link
+
+    def observe(self, lag: float) -> None:
+        self.link.observe(("lag", lag))
+
+    def set(self, lag: float) -> None:  # the maximum: the engine keeps it from the observations
+        pass
+
+
 class ForwardedMetrics:
-    """What handlers record in `Metrics`, applied to the engine's registry."""
+    """What handlers record in `Metrics`, applied to the engine's registry; and this process's
+    loop lag and CPU time (`report`), which the engine exports per frontend."""
 
     def __init__(self, link: FrontendLink) -> None:
         self.link = link
         self.items = _ForwardedItems(link)
+        self.loop_lag = self.loop_lag_max = _ForwardedLag(link)
+
+    async def report(self, index: int, every_s: float = CPU_REPORT_S) -> None:
+        """Until cancelled: the loop-lag probe, and this process's CPU time every `every_s`."""
+        lag = asyncio.create_task(loop_lag.probe(self.loop_lag, self.loop_lag_max))
+        try:
+            while True:
+                self.link.observe(("cpu", index, time.process_time()))
+                await asyncio.sleep(every_s)
+        finally:
+            lag.cancel()
 
     def observe_request(
         self, endpoint: str, status: int, seconds: float, error_type: str | None = None
@@ -258,10 +288,15 @@ def main(index: int, config: ServerConfig, link_path: str, listener: socket.sock
     link.status = status
     state = FrontendState(facts, config, link)
 
+    reporting: list[asyncio.Task] = []
+
     async def start() -> None:
         await link.attach(sock)
+        reporting.append(asyncio.create_task(state.metrics.report(index)))
 
     def stop() -> None:
+        for task in reporting:
+            task.cancel()
         state.infer.close()
 
     app = build_app(state, config, on_start=start, on_stop=stop)

@@ -14,6 +14,8 @@ padded tokens), GC pauses per generation and CPU time per Python thread
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -87,6 +89,22 @@ class _ThreadCpuCollector:
                 family.add_metric([name], seconds)
         except Exception:  # metrics must never fail a scrape
             pass
+        yield family
+
+
+class _FrontendCpuCollector:
+    def __init__(self, cpu_seconds: Callable[[], dict[int, float]]) -> None:
+        self.cpu_seconds = cpu_seconds
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "boundgen_frontend_cpu_seconds",
+            "CPU time of each HTTP frontend process (serve --frontends), as last reported by it "
+            "(once a second): its HTTP work, off the engine process's GIL",
+            labels=["frontend"],
+        )
+        for index, seconds in sorted(self.cpu_seconds().items()):
+            family.add_metric([str(index)], seconds)
         yield family
 
 
@@ -333,6 +351,19 @@ class Metrics:
             "the largest event-loop lag since the server started (its warm-up included)",
             registry=r,
         )
+        # with `--frontends`: the frontend processes' event loops (their probes, all together)
+        self.frontend_loop_lag = Histogram(
+            "boundgen_frontend_event_loop_lag_seconds",
+            "how much later than asked the HTTP frontend processes' event loops woke a timer "
+            "(serve --frontends; all frontends together)",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self.frontend_loop_lag_max = Gauge(
+            "boundgen_frontend_event_loop_lag_max_seconds",
+            "the largest event-loop lag of any HTTP frontend process since the server started",
+            registry=r,
+        )
         r.register(_DeviceMemoryCollector())
         r.register(_ThreadCpuCollector())
         from boundgen.server.heap import GCPauses
@@ -342,6 +373,11 @@ class Metrics:
             ProcessCollector(registry=r)
         except Exception:
             pass
+
+    def watch_frontends(self, cpu_seconds: Callable[[], dict[int, float]]) -> None:
+        """Export `boundgen_frontend_cpu_seconds{frontend}` from `cpu_seconds()` (each frontend
+        process's CPU time, as it last reported it)."""
+        self.registry.register(_FrontendCpuCollector(cpu_seconds))
 
     def watch_runtime(self, runtime) -> None:
         self.registry.register(_RuntimeCollector(runtime))
