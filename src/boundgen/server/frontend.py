@@ -26,7 +26,7 @@ from boundgen.server import loop_lag
 from boundgen.server.config import ServerConfig
 from boundgen.server.errors import Unavailable
 from boundgen.server.infer import SERVER_TIMES
-from boundgen.server.link import TrieRef, Wire, encode, rebuild_error
+from boundgen.server.link import TrieRef, Wire, encode, read_frame, rebuild_error
 from boundgen.server.state import EngineFacts, HandlerState
 from boundgen.text.tokenizer import Tokenizer
 
@@ -250,27 +250,10 @@ def handshake(path: str, index: int) -> tuple[socket.socket, EngineFacts, tuple]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     sock.sendall(encode(("hello", index)))
-    reply = _read_frame(sock)
+    reply = read_frame(sock)
     if reply[0] != "facts":
         raise RuntimeError(f"the engine answered the link's hello with {reply[0]!r}")
     return sock, EngineFacts(**reply[1]), tuple(reply[2][1:])
-
-
-def _read_frame(sock: socket.socket) -> tuple:
-    import pickle
-    import struct
-
-    def exactly(n: int) -> bytes:
-        data = bytearray()
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionError("the engine closed the link during the handshake")
-            data += chunk
-        return bytes(data)
-
-    (n,) = struct.unpack("<I", exactly(4))
-    return pickle.loads(exactly(n))
 
 
 def main(index: int, config: ServerConfig, link_path: str, listener: socket.socket) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,22 @@ def encode(message: tuple) -> bytes:
     if len(body) >= MAX_FRAME:
         raise ValueError(f"a link message of {len(body)} bytes is over the frame limit")
     return _LENGTH.pack(len(body)) + body
+
+
+def read_frame(sock: socket.socket) -> tuple:
+    """One message from a blocking socket (the frontend's handshake, before its event loop)."""
+
+    def exactly(n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("the link closed in the middle of a message")
+            data += chunk
+        return bytes(data)
+
+    (n,) = _LENGTH.unpack(exactly(4))
+    return pickle.loads(exactly(n))
 
 
 class Wire(asyncio.Protocol):
