@@ -416,3 +416,36 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+class _FakeProcess:
+    def __init__(self, alive: bool = True, exitcode: int | None = None) -> None:
+        self.alive, self.exitcode = alive, exitcode
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_a_frontend_that_dies_is_restarted_unless_it_died_at_its_start(monkeypatch):
+    from boundgen.server import frontends
+
+    pool = frontends.Frontends(ServerConfig(frontends=2), "/nowhere", listener=None)
+    spawned: list[int] = []
+
+    def spawn(index: int) -> _FakeProcess:
+        spawned.append(index)
+        return _FakeProcess()
+
+    monkeypatch.setattr(pool, "_spawn", spawn)
+    pool.start()
+    assert spawned == [0, 1] and pool.check() is None
+    # frontend 1 dies after running a while: a new one takes its place
+    pool.processes[1] = _FakeProcess(alive=False, exitcode=-9)
+    pool.started[1] -= frontends.FAST_FAIL_S + 1
+    assert pool.check() is None
+    assert spawned == [0, 1, 1] and pool.restarts == 1 and pool.processes[1].is_alive()
+    # frontend 0 dies right after its start (a broken environment): the server stops
+    pool.processes[0] = _FakeProcess(alive=False, exitcode=1)
+    why = pool.check()
+    assert why is not None and why.startswith("frontend 0 exited with status 1")
+    assert spawned == [0, 1, 1]
