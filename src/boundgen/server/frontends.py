@@ -59,6 +59,15 @@ class Frontends:
         self.restarts = 0
 
     def start(self) -> None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if cores is not None and self.config.frontends >= cores:
+            log.warning(
+                "%d frontend processes on %d cores: with the engine's process they share cores, "
+                "and a frontend waiting for a core holds its requests as a busy GIL would "
+                "(fewer frontends, or more cores)",
+                self.config.frontends,
+                cores,
+            )
         for i in range(self.config.frontends):
             self.processes.append(self._spawn(i))
             self.started.append(time.monotonic())
