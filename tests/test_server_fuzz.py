@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from boundgen import Engine
 from boundgen.server.app import create_app
 from boundgen.server.config import ServerConfig
-from boundgen.server.testing import tiny_model_dir
+from boundgen.server.testing import frontend_app, tiny_model_dir
 
 MAX_ITEMS = 8
 VOCAB = 2048  # the tiny preset's vocabulary (checked in the fixture)
@@ -187,8 +187,10 @@ _OPTIONAL = {
 }
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
+@pytest.fixture(scope="module", params=["in-process", "frontend"])
+def client(request, tmp_path_factory):
+    """The app over the engine (`serve`), or a frontend's app over its link (`serve --frontends`):
+    the same answers either way."""
     engine = Engine.from_pretrained(
         tiny_model_dir(tmp_path_factory.mktemp("m")),
         device="cpu",
@@ -197,20 +199,24 @@ def client(tmp_path_factory):
         max_beam_steps=4,
     )
     assert engine.config.vocab_size == VOCAB
-    app = create_app(
-        engine,
-        ServerConfig(
-            max_item_tokens=16,
-            max_query_tokens=48,
-            max_label_tokens=64,
-            max_body_bytes=1 << 16,
-        ),
+    config = ServerConfig(
+        max_item_tokens=16,
+        max_query_tokens=48,
+        max_label_tokens=64,
+        max_body_bytes=1 << 16,
     )
-    with TestClient(app, raise_server_exceptions=True) as c:
+    if request.param == "frontend":
+        with (
+            frontend_app(engine, config) as (app, _),
+            TestClient(app, raise_server_exceptions=True) as c,
+        ):
+            yield c
+        return
+    with TestClient(create_app(engine, config), raise_server_exceptions=True) as c:
         yield c
 
 
-SEEN: list[int] = []
+SEEN: dict[int, list[int]] = {}  # per client: the statuses its fuzzed requests got
 
 
 @settings(
@@ -227,7 +233,7 @@ SEEN: list[int] = []
 def test_bad_requests_get_clear_4xx(client, req):
     path, body = req
     r = client.post(path, content=body, headers={"content-type": "application/json"})
-    SEEN.append(r.status_code)
+    SEEN.setdefault(id(client), []).append(r.status_code)
     assert 400 <= r.status_code < 500, (path, body[:200], r.status_code, r.text[:300])
     body = r.json()
     err = body.get("error", body)  # SGLang's routes answer a flat error object
@@ -238,7 +244,7 @@ def test_bad_requests_get_clear_4xx(client, req):
 
 
 def test_fuzz_ran_enough_and_server_still_answers(client):
-    assert len(SEEN) >= 500, len(SEEN)
+    assert len(SEEN.get(id(client), ())) >= 500, len(SEEN.get(id(client), ()))
     r = client.post(
         "/v1/score",
         json={"query": "q", "items": ["a", "b"], "label_token_ids": [1, 2], "apply_softmax": True},

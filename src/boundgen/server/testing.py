@@ -1,15 +1,18 @@
 """Helpers for server tests and load tests: a cached tiny checkpoint, an engine whose model calls
-are slow, a free port, the ASGI scope of an HTTP request as uvicorn hands it over, and a `boundgen
-serve` subprocess that is started and stopped cleanly."""
+are slow, a free port, the ASGI scope of an HTTP request as uvicorn hands it over, a `boundgen
+serve` subprocess that is started and stopped cleanly, and a frontend's app over the engine's link
+in one process (`frontend_app`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +139,49 @@ class ServeProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def frontend_app(engine: Any, config: Any) -> Iterator[tuple[Any, Any]]:
+    """`boundgen serve --frontends` in one process, for tests: the engine's `ServerState` behind
+    its link on an event loop of its own (a thread), and a frontend's app over a real Unix socket
+    to it. → (the app, whose lifespan attaches the link: use it under `TestClient(app)` as a
+    context manager; the engine's `ServerState`)."""
+    import asyncio
+    import tempfile
+    import threading
+
+    from boundgen.server.app import build_app
+    from boundgen.server.engine_link import EngineLink
+    from boundgen.server.frontend import FrontendLink, FrontendState, handshake
+    from boundgen.server.state import ServerState
+
+    config = config.validate()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="engine-loop", daemon=True)
+    thread.start()
+    on_loop = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "engine.sock")
+
+        async def start() -> tuple[ServerState, EngineLink]:
+            state = ServerState(engine, config)
+            link = EngineLink(state)
+            await link.start(path)
+            return state, link
+
+        state, link = on_loop(start())
+        sock, facts, status = handshake(path, 0)
+        frontend_link = FrontendLink()
+        frontend_link.status = status
+        frontend = FrontendState(facts, config, frontend_link)
+        app = build_app(
+            frontend, config, on_start=lambda: frontend_link.attach(sock), on_stop=lambda: None
+        )
+        try:
+            yield app, state
+        finally:
+            on_loop(link.close())
+            state.close()
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
