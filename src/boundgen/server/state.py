@@ -93,7 +93,8 @@ class HandlerState:
         self.facts = facts
         self.config = config
         self.tokenizer = tokenizer
-        self.tries = dict(tries)  # name → `Trie` (what a beam request carries to the runtime)
+        # name → `Trie` (a frontend: `link.TrieRef`), what a beam request carries to the runtime
+        self.tries = dict(tries)
         self.infer = infer
         self.metrics = metrics
         self.kserve_stats = kserve_stats
