@@ -6,12 +6,16 @@ registry, cancellation), and `boundgen serve --frontends 2` as processes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pickle
+import random
 import re
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import httpx
 import pytest
@@ -377,6 +381,53 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_client_that_goes_away_frees_the_engine_behind_a_frontend():
+    """The client of a long request disconnects: its frontend cancels it over the link and the
+    engine drops the work at once, not when the request would have ended (`boundgen_inflight`,
+    the engine's admitted requests, back to 0)."""
+    rng = random.Random(0)
+    ids = lambda n: [rng.randrange(10, 1800) for _ in range(n)]
+    heavy = {
+        "query": ids(16),
+        "items": [ids(200) for _ in range(256)],
+        "label_token_ids": [299, 272],
+    }
+    with ServeProcess("--device", "cpu", "--frontends", "1") as srv:
+        alone = time.monotonic()
+        assert httpx.post(srv.url + "/v1/score", json=heavy, timeout=120).status_code == 200
+        alone = time.monotonic() - alone  # what the heavy request takes on this machine
+        body = json.dumps(heavy).encode()
+        host, port = srv.url.removeprefix("http://").split(":")
+        head = (
+            f"POST /v1/score HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(head.encode() + body)
+            assert _wait_for(lambda: _inflight(srv) == 1, 10)  # admitted by the engine
+            start = time.monotonic()
+        assert _wait_for(lambda: _inflight(srv) == 0, alone)
+        freed = time.monotonic() - start
+        # the cut is between the pieces of its forward: at most one piece runs on
+        assert freed < 0.5 * alone, (freed, alone)
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert 'boundgen_requests_total{endpoint="score",status="499"} 1.0' in metrics
+
+
+def _inflight(srv: ServeProcess) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return float(re.search(r"^boundgen_inflight (\S+)$", text, re.M).group(1))
+
+
+def _wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
 
 
 def test_serve_refuses_frontends_on_ray(model_dir):
