@@ -90,7 +90,7 @@ class FrontendLink:
         self.wire.send(message)
 
     async def request(self, message: tuple) -> Any:
-        """Send `message` (its second element is set to a fresh id) and await its reply."""
+        """Send `message` with a fresh id after its kind, and await the reply to that id."""
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
@@ -101,6 +101,8 @@ class FrontendLink:
             if self._pending.pop(rid, None) is not None and not self.lost:
                 self.wire.send(("cancel", rid))
             raise
+        finally:
+            self._pending.pop(rid, None)  # (a send that failed leaves no waiter behind)
 
     def observe(self, observation: tuple) -> None:
         """Queue a metrics observation; those of one event-loop turn go as one message."""
@@ -206,6 +208,9 @@ class ForwardedStats:
 
 
 class FrontendState(HandlerState):
+    """A frontend's `HandlerState`: the engine's facts from the link, its own tokenizer, the
+    link's stand-ins (the module docstring)."""
+
     def __init__(self, facts: EngineFacts, config: ServerConfig, link: FrontendLink) -> None:
         self.link = link
         tries = {name: TrieRef(name, depth) for name, depth in facts.trie_depths.items()}
