@@ -8,6 +8,7 @@ answered by any frontend counts every request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -19,12 +20,17 @@ from boundgen.server.state import ServerState
 log = logging.getLogger("boundgen.server")
 
 STATUS_POLL_S = 0.1  # how often readiness is checked for a change to send the frontends
+CLOSE_TIMEOUT_S = 5.0  # at shutdown, the longest wait for the link's connections to end
 
 
 class EngineLink:
+    """The link's server in the engine's process: `start(path)`, then every frontend that says
+    hello is served until `close()` (the module docstring)."""
+
     def __init__(self, state: ServerState) -> None:
         self.state = state
-        self.wires: set[Wire] = set()
+        self.wires: set[Wire] = set()  # the frontends that said hello (sent the status)
+        self._connections: set[Wire] = set()  # every connection, hello or not
         self._tasks: dict[tuple, asyncio.Task] = {}  # (wire, rid) → its request (or query)
         self._server: asyncio.AbstractServer | None = None
         self._status_task: asyncio.Task | None = None
@@ -35,19 +41,24 @@ class EngineLink:
 
     async def start(self, path: str) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(
-            lambda: Wire(self._on_message, self._on_close), path
-        )
+        self._server = await loop.create_unix_server(self._connect, path)
         self._status_task = asyncio.create_task(self._watch_status())
 
     async def close(self) -> None:
         if self._status_task is not None:
             self._status_task.cancel()
+        # the connections first: from Python 3.12 on, `wait_closed` waits for them all to end
+        for wire in list(self._connections):
+            wire.close()
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
-        for wire in list(self.wires):
-            wire.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), CLOSE_TIMEOUT_S)
+
+    def _connect(self) -> Wire:
+        wire = Wire(self._on_message, self._on_close)
+        self._connections.add(wire)
+        return wire
 
     # ---- status -------------------------------------------------------------------------------
 
@@ -72,6 +83,7 @@ class EngineLink:
 
     def _on_close(self, wire: Wire) -> None:
         self.wires.discard(wire)
+        self._connections.discard(wire)
         for key in [k for k in self._tasks if k[0] == id(wire)]:
             self._tasks.pop(key).cancel()  # nobody waits for them any more
 
