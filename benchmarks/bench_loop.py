@@ -103,9 +103,9 @@ async def lifespan(app, event: str) -> None:
         raise RuntimeError(f"lifespan {event}: {reply}")
 
 
-async def _batch(client: Client, concurrency: int, n: int) -> tuple[float, float]:
+async def _batch(client: Client, concurrency: int, n: int) -> tuple[float, float, None]:
     """`n` requests from `concurrency` tasks, each waiting for its reply before the next: →
-    the perf_counter at the start and at the end."""
+    the perf_counter at the start and at the end (and no frontend's CPU: there is none)."""
 
     async def worker(k: int) -> None:
         for _ in range(k):
@@ -116,13 +116,14 @@ async def _batch(client: Client, concurrency: int, n: int) -> tuple[float, float
     per, extra = divmod(n, concurrency)
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(per + (i < extra)) for i in range(concurrency)))
-    return t0, time.perf_counter()
+    return t0, time.perf_counter(), None
 
 
 async def _through_a_frontend(engine, config, path: str, bodies: list[bytes], concurrency: int):
     """`--frontend`: this process is the engine's (its state behind the link, as `boundgen serve
     --frontends` runs it); a frontend process runs the app and the client. → `batch(n)` (the
-    frontend sends n requests; its start and end on this process's clock) and `stop()`."""
+    frontend sends n requests; its start and end on this process's clock, and the frontend
+    process's CPU seconds for them) and `stop()`."""
     from boundgen.server.engine_link import EngineLink
     from boundgen.server.state import ServerState
 
@@ -139,12 +140,13 @@ async def _through_a_frontend(engine, config, path: str, bodies: list[bytes], co
     )
     frontend.start()
 
-    async def batch(n: int) -> tuple[float, float]:
+    async def batch(n: int) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         mine.send(n)
-        if not await asyncio.to_thread(mine.recv):
+        cpu_s = await asyncio.to_thread(mine.recv)
+        if cpu_s is None:
             raise RuntimeError("the frontend's requests failed (its output says why)")
-        return t0, time.perf_counter()
+        return t0, time.perf_counter(), cpu_s
 
     async def stop() -> None:
         mine.send(None)
@@ -158,7 +160,7 @@ async def _through_a_frontend(engine, config, path: str, bodies: list[bytes], co
 
 def _frontend(link_path: str, config, path: str, bodies: list[bytes], concurrency: int, conn):
     """The frontend process of `--frontend`: the app over the link, and the client; runs `n`
-    requests per `n` received, answers True when they all succeeded."""
+    requests per `n` received, answers with its CPU seconds for them (None: one failed)."""
     from boundgen.server.app import build_app
     from boundgen.server.frontend import FrontendLink, FrontendState, handshake
 
@@ -171,12 +173,13 @@ def _frontend(link_path: str, config, path: str, bodies: list[bytes], concurrenc
         client = Client(app, path, bodies)
         await lifespan(app, "startup")
         while (n := await asyncio.to_thread(conn.recv)) is not None:
+            cpu = time.process_time()
             try:
                 await _batch(client, concurrency, n)
-                conn.send(True)
+                conn.send(time.process_time() - cpu)
             except Exception as exc:
                 print(f"frontend: {exc}", file=sys.stderr)
-                conn.send(False)
+                conn.send(None)
         await lifespan(app, "shutdown")
 
     asyncio.run(main())
@@ -226,7 +229,7 @@ async def run(args) -> dict:
         before = thread_cpu_seconds()
         if prof is not None:
             prof.enable()
-        t0, t1 = await batch(args.requests)
+        t0, t1, frontend_s = await batch(args.requests)
         if prof is not None:
             prof.disable()
         after = thread_cpu_seconds()
@@ -235,13 +238,19 @@ async def run(args) -> dict:
             k: (after[k] - before.get(k, 0.0)) * 1e3 / args.requests for k in sorted(after)
         }
         gpu = fake_gpu.busy(os.environ["BOUNDGEN_FAKE_LOG"], t0, t1)
-        rounds.append({"wall_ms": wall * 1e3 / args.requests, "cpu_ms": per_request, "gpu": gpu})
+        row = {"wall_ms": wall * 1e3 / args.requests, "cpu_ms": per_request, "gpu": gpu}
         loop = per_request.get("MainThread", 0.0)
         total = sum(per_request.values())
+        # the frontend process's CPU also counts its client (a few µs a request: bench_loop's)
+        frontend = ""
+        if frontend_s is not None:
+            row["frontend_cpu_ms"] = frontend_s * 1e3 / args.requests
+            frontend = f"; the frontend process {row['frontend_cpu_ms']:.3f}"
+        rounds.append(row)
         print(
             f"round {r + 1}: {args.requests / wall:.0f} req/s, fake GPU "
             f"{gpu.get('busy_share', 0.0):.0%} busy ({gpu.get('mean_size', 0.0):.1f} {unit} a "
-            f"call); CPU ms a request: event loop {loop:.3f}, all threads {total:.3f}",
+            f"call); CPU ms a request: event loop {loop:.3f}, all threads {total:.3f}{frontend}",
             flush=True,
         )
     await stop()
