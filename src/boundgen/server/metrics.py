@@ -9,7 +9,9 @@ Names: `boundgen_request_seconds{endpoint}`, `boundgen_requests_total{endpoint,s
 `boundgen_runtime_node_seconds{pipeline, node}` (every DAG node), batching counters, the compiled
 buckets' use (`boundgen_bucket_batches_total{bucket}`, `boundgen_bucket_misses_total`, real and
 padded tokens), GC pauses per generation and CPU time per Python thread
-(`boundgen_thread_cpu_seconds{thread}`).
+(`boundgen_thread_cpu_seconds{thread}`); with `serve --frontends`, the frontend processes'
+event-loop lag (`boundgen_frontend_event_loop_lag_seconds`) and CPU
+(`boundgen_frontend_cpu_seconds{frontend}`).
 """
 
 from __future__ import annotations
