@@ -183,12 +183,17 @@ def test_a_frontend_answers_what_the_in_process_app_answers(engine, config):
 def test_the_frontend_validates_and_the_engine_admits(engine, config):
     async def main() -> None:
         async with _Served(engine, config) as served:
+            seen = []  # what reached the engine's `Infer`
+            start = served.state.infer.start
+            served.state.infer.start = lambda *a: (seen.append(a[0]), start(*a))[1]
             # refused by the frontend's own checks: the engine never sees it
             bad = await served.http.post(
                 "/v1/beam", json={"prompt": [1], "beam_width": 2, "steps": 3, "trie": "nope"}
             )
             assert bad.status_code == 400 and "unknown trie 'nope'" in bad.text
-            assert served.link._tasks == {}
+            assert seen == []
+            assert (await served.http.post("/v1/score", json=REQUESTS[0][1])).status_code == 200
+            assert seen == ["score"]
             # refused by the engine's admission: the same status, type and message back
             served.state.infer.close()
             shut = await served.http.post("/v1/score", json=REQUESTS[0][1])
@@ -284,20 +289,27 @@ def test_readiness_is_the_engines(engine, config):
     asyncio.run(main())
 
 
+class _StuckWork:
+    def __init__(self, on_done) -> None:
+        self.on_done, self.cancelled = on_done, asyncio.Event()
+
+    def cancel(self) -> bool:  # as the runtime's request: its end reported on the loop
+        self.cancelled.set()
+        asyncio.get_running_loop().call_soon(self.on_done, None, asyncio.CancelledError(), None)
+        return True
+
+
 class _StuckInfer:
     """An `Infer` whose requests never finish until cancelled."""
 
     def __init__(self) -> None:
         self.started = asyncio.Event()
-        self.cancelled = asyncio.Event()
+        self.work: list[_StuckWork] = []
 
-    async def __call__(self, kind, request, timeout_ms, tokens=0):
+    def start(self, kind, request, timeout_ms, tokens, on_done) -> _StuckWork:
         self.started.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
+        self.work.append(_StuckWork(on_done))
+        return self.work[-1]
 
 
 def test_a_client_gone_cancels_the_work_in_the_engine(engine, config):
@@ -306,11 +318,11 @@ def test_a_client_gone_cancels_the_work_in_the_engine(engine, config):
             stuck = served.state.infer = _StuckInfer()
             call = asyncio.ensure_future(served.frontend.infer("score", {"x": 1}, 1000, 3))
             await asyncio.wait_for(stuck.started.wait(), 5)
-            assert len(served.link._tasks) == 1
+            assert len(served.link._work) == 1
             call.cancel()  # what the guard does when the client disconnects
-            await asyncio.wait_for(stuck.cancelled.wait(), 5)
-            await asyncio.sleep(0)
-            assert served.link._tasks == {}
+            await asyncio.wait_for(stuck.work[0].cancelled.wait(), 5)
+            await asyncio.sleep(0.01)
+            assert served.link._work == {} and served.link._tasks == {}
 
     asyncio.run(main())
 
@@ -344,10 +356,13 @@ def test_engine_timeouts_come_back_as_504(engine, config):
     async def main() -> None:
         async with _Served(engine, config) as served:
 
-            async def late(kind, request, timeout_ms, tokens=0):
-                raise Timeout(f"request did not finish within timeout_ms={timeout_ms}")
+            class Late:  # an `Infer` whose requests reach their deadline
+                def start(self, kind, request, timeout_ms, tokens, on_done):
+                    late = Timeout(f"request did not finish within timeout_ms={timeout_ms}")
+                    asyncio.get_running_loop().call_later(0.01, on_done, None, late, None)
+                    return _StuckWork(on_done)
 
-            served.state.infer = late
+            served.state.infer = Late()
             reply = await served.http.post("/v1/score", json={**REQUESTS[0][1], "timeout_ms": 7})
             assert reply.status_code == 504
             assert reply.json()["message"] == "request did not finish within timeout_ms=7"

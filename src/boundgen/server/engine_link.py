@@ -13,8 +13,7 @@ import logging
 from typing import Any
 
 from boundgen.server.errors import ServerError
-from boundgen.server.infer import SERVER_TIMES
-from boundgen.server.link import TrieRef, Wire, error_fields, host_floats
+from boundgen.server.link import TrieRef, Wire, error_fields, has_tensors, host_floats
 from boundgen.server.state import ServerState
 
 log = logging.getLogger("boundgen.server")
@@ -31,7 +30,9 @@ class EngineLink:
         self.state = state
         self.wires: set[Wire] = set()  # the frontends that said hello (sent the status)
         self._connections: set[Wire] = set()  # every connection, hello or not
-        self._tasks: dict[tuple, asyncio.Task] = {}  # (wire, rid) → its request (or query)
+        self._work: dict[tuple, Any] = {}  # (wire, rid) → the runtime's request for it
+        # (wire, rid) → a reply being made off the request path (a query, embeddings' host copy)
+        self._tasks: dict[tuple, asyncio.Task] = {}
         self._server: asyncio.AbstractServer | None = None
         self._status_task: asyncio.Task | None = None
         self._status: tuple = ()
@@ -84,19 +85,19 @@ class EngineLink:
     def _on_close(self, wire: Wire) -> None:
         self.wires.discard(wire)
         self._connections.discard(wire)
+        for key in [k for k in self._work if k[0] == id(wire)]:
+            self._work.pop(key).cancel()  # nobody waits for them any more
         for key in [k for k in self._tasks if k[0] == id(wire)]:
-            self._tasks.pop(key).cancel()  # nobody waits for them any more
+            self._tasks.pop(key).cancel()
 
     def _on_message(self, wire: Wire, message: tuple) -> None:
         kind = message[0]
         if kind == "infer":
-            _, rid, workload, fields, timeout_ms, units = message
-            work = self._infer(wire, rid, workload, fields, timeout_ms, units)
-            self._tasks[(id(wire), rid)] = asyncio.ensure_future(work)
-        elif kind == "cancel":
-            task = self._tasks.get((id(wire), message[1]))
-            if task is not None:
-                task.cancel()
+            self._infer(wire, *message[1:])
+        elif kind == "cancel":  # the frontend's client went away
+            work = self._work.pop((id(wire), message[1]), None)
+            if work is not None:
+                work.cancel()
         elif kind == "observe":
             for observation in message[1]:
                 self._apply(observation)
@@ -109,26 +110,57 @@ class EngineLink:
         else:
             log.warning("link: unknown message %r", kind)
 
-    async def _infer(
+    def _infer(
         self, wire: Wire, rid: int, workload: str, fields: dict, timeout_ms: int, units: int
     ) -> None:
-        SERVER_TIMES.set(None)
+        """Admit and submit a frontend's request through `Infer.start` (no task a request); its
+        reply goes when the work ends (`_reply`)."""
+        key = (id(wire), rid)
         try:
-            fields = self._resolve(fields)
-            out = await self.state.infer(workload, fields, timeout_ms, units)
-            out = await host_floats(out)
-        except asyncio.CancelledError:  # the frontend's client went away (its cancel)
-            return
-        except ServerError as exc:
+            work = self.state.infer.start(
+                workload,
+                self._resolve(fields),
+                timeout_ms,
+                units,
+                lambda out, error, times: self._reply(wire, key, out, error, times),
+            )
+        except ServerError as exc:  # refused by admission
             wire.send(("error", rid, error_fields(exc)))
         except Exception:
-            log.exception("internal error in %s (from a frontend)", workload)
-            internal = ServerError("internal server error (see the server log)")
-            wire.send(("error", rid, error_fields(internal)))
+            self._internal_error(wire, rid, workload)
         else:
-            wire.send(("done", rid, out, SERVER_TIMES.get()))
+            self._work[key] = work
+
+    def _reply(
+        self, wire: Wire, key: tuple, out: Any, error: BaseException | None, times: list | None
+    ) -> None:
+        self._work.pop(key, None)
+        rid = key[1]
+        if error is None:
+            if has_tensors(out):  # embeddings: their copy to the host waits for the GPU
+                self._tasks[key] = asyncio.ensure_future(self._send_floats(wire, key, out, times))
+            else:
+                wire.send(("done", rid, out, times))
+        elif isinstance(error, asyncio.CancelledError):  # the frontend stopped waiting for it
+            return
+        elif isinstance(error, ServerError):
+            wire.send(("error", rid, error_fields(error)))
+        else:
+            self._internal_error(wire, rid, "a request", error)
+
+    async def _send_floats(self, wire: Wire, key: tuple, out: Any, times: list | None) -> None:
+        try:
+            wire.send(("done", key[1], await host_floats(out), times))
         finally:
-            self._tasks.pop((id(wire), rid), None)
+            self._tasks.pop(key, None)
+
+    def _internal_error(
+        self, wire: Wire, rid: int, what: str, error: BaseException | None = None
+    ) -> None:
+        """Log `error` (else the exception being handled) and answer 500, as the endpoint does."""
+        log.error("internal error in %s (from a frontend)", what, exc_info=error or True)
+        internal = ServerError("internal server error (see the server log)")
+        wire.send(("error", rid, error_fields(internal)))
 
     def _resolve(self, fields: dict) -> dict:
         """A beam request's `TrieRef` → the engine's `Trie` of that name."""

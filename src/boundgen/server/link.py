@@ -141,7 +141,8 @@ class Wire(asyncio.Protocol):
 # ---- results and errors across the link ---------------------------------------------------------
 
 
-def _has_tensors(value: Any) -> bool:
+def has_tensors(value: Any) -> bool:
+    """Whether a runtime result is a tensor or a list of them (the embeddings)."""
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -159,7 +160,7 @@ async def host_floats(value: Any) -> Any:
     """A runtime result with its tensors (one, or a list: the embeddings) as float32 numpy
     arrays; a device tensor's copy waits for the GPU, so it runs off the event loop. Anything
     else (lists, arrays already on the host) as it is."""
-    if not _has_tensors(value):
+    if not has_tensors(value):
         return value
     return await asyncio.to_thread(_to_numpy, value)
 
