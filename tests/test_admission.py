@@ -182,3 +182,79 @@ def test_a_cold_cost_model_refuses_nothing_but_max_queue():
 
     assert asyncio.run(run()) == ["ok"] * 8
     assert shed(metrics, "capacity") == 1
+
+
+# ---- a request's outcome (`Infer.start`, what `__call__` awaits and the frontend link runs) -----
+
+
+def outcome(work_end, timeout_ms: int = 1000) -> tuple:
+    """Start one request on a cold model (nothing refused), end its work with `work_end(work)`
+    (None: never), and wait for `on_done`: → (result, error, times, the request's work, infer)."""
+    infer, _ = infer_for(node(warm=False))
+
+    async def main():
+        answered = asyncio.get_running_loop().create_future()
+        work = infer.start("score", {}, timeout_ms, 10, lambda *args: answered.set_result(args))
+        assert infer.admitted == 1
+        if work_end is not None:
+            work_end(work)
+        result, error, times = await asyncio.wait_for(answered, 5)
+        return result, error, times, work
+
+    return (*asyncio.run(main()), infer)
+
+
+def test_the_runtimes_outcomes_become_the_servers_answers():
+    from boundgen.runtime.executor import DeadlineExceeded
+    from boundgen.server.errors import BadRequest
+
+    result, error, times, _, infer = outcome(lambda w: w.set_result([[0.5, 0.5]]))
+    assert (result, error, times) == ([[0.5, 0.5]], None, [])
+    assert infer.admitted == 0
+    # dropped by the runtime before a node: its own 504 message (a DeadlineExceeded is a
+    # TimeoutError: it must not read as the server's own wait running out)
+    dropped = DeadlineExceeded("deadline of 1000 ms cannot be met before node 'forward'")
+    _, error, times, _, _ = outcome(lambda w: w.set_exception(dropped))
+    assert isinstance(error, Timeout) and times is None
+    assert error.message.startswith("request dropped: timeout_ms=1000 cannot be met (deadline")
+    stopped = DeadlineExceeded("deadline passed while node 'forward' ran", started=True)
+    _, error, _, _, _ = outcome(lambda w: w.set_exception(stopped))
+    assert error.message.startswith("request did not finish within timeout_ms=1000: deadline")
+    _, error, _, _, _ = outcome(lambda w: w.set_exception(ValueError("bad token id 7")))
+    assert isinstance(error, BadRequest) and error.message == "bad token id 7"
+    boom = RuntimeError("boom")
+    _, error, _, _, _ = outcome(lambda w: w.set_exception(boom))
+    assert error is boom  # the endpoint answers it 500 and logs it
+
+
+def test_a_request_past_its_deadline_is_answered_and_its_slot_freed_when_the_work_ends():
+    cancelled = []
+    infer, _ = infer_for(node(warm=False))
+
+    async def main():
+        answered = asyncio.get_running_loop().create_future()
+        work = infer.start("score", {}, 20, 10, lambda *args: answered.set_result(args))
+        work.cancel = lambda: cancelled.append(True) or False  # the work goes on a while
+        _, error, _ = await asyncio.wait_for(answered, 5)
+        assert isinstance(error, Timeout)
+        assert error.message == "request did not finish within timeout_ms=20"
+        assert cancelled == [True] and infer.admitted == 1  # not free before the work ends
+        work.set_result("late")
+        await asyncio.sleep(0.01)
+        assert infer.admitted == 0
+
+    asyncio.run(main())
+
+
+def test_a_caller_that_cancels_gets_cancelled_and_frees_the_slot():
+    infer, _ = infer_for(node(warm=False))
+
+    async def main():
+        answered = asyncio.get_running_loop().create_future()
+        work = infer.start("score", {}, 1000, 10, lambda *args: answered.set_result(args))
+        del work.cancel  # the Future's own: cancelled at once, as the runtime's request is
+        assert work.cancel()
+        _, error, _ = await asyncio.wait_for(answered, 5)
+        assert isinstance(error, asyncio.CancelledError) and infer.admitted == 0
+
+    asyncio.run(main())
