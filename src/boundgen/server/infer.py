@@ -208,7 +208,7 @@ class Infer:
 
         Per request: one timer and one hand-over from the thread that ends the work. With a
         task, a wrapped future, `shield` and `wait_for` a request, the engine's event loop spent
-        0.090–0.093 ms of CPU a `/v1/beam` request behind a frontend, 0.060–0.065 this way
+        0.090–0.093 ms of CPU a `/v1/beam` request behind a frontend, 0.060–0.070 this way
         (`bench_loop.py --route beam --concurrency 64 --frontend`, the development CPU)."""
         loop = asyncio.get_running_loop()
         node = self.model_node(kind)
