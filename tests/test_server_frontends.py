@@ -30,7 +30,7 @@ from boundgen.server.errors import Overloaded, ServerError, Timeout
 from boundgen.server.frontend import FrontendLink, FrontendState, handshake
 from boundgen.server.link import TrieRef, Wire, encode, error_fields, rebuild_error
 from boundgen.server.state import ServerState
-from boundgen.server.testing import ServeProcess, tiny_model_dir
+from boundgen.server.testing import ServeProcess, inflight, tiny_model_dir, wait_until
 
 TRIE_SEQS = [[5, 6, 7], [5, 6, 8], [5, 9, 10], [11, 12, 13]]
 
@@ -421,28 +421,14 @@ def test_a_client_that_goes_away_frees_the_engine_behind_a_frontend():
         )
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(head.encode() + body)
-            assert _wait_for(lambda: _inflight(srv) == 1, 10)  # admitted by the engine
+            assert wait_until(lambda: inflight(srv) == 1, 10)  # admitted by the engine
             start = time.monotonic()
-        assert _wait_for(lambda: _inflight(srv) == 0, alone)
+        assert wait_until(lambda: inflight(srv) == 0, alone)
         freed = time.monotonic() - start
         # the cut is between the pieces of its forward: at most one piece runs on
         assert freed < 0.5 * alone, (freed, alone)
         metrics = httpx.get(srv.url + "/metrics", timeout=10).text
         assert 'boundgen_requests_total{endpoint="score",status="499"} 1.0' in metrics
-
-
-def _inflight(srv: ServeProcess) -> float:
-    text = httpx.get(srv.url + "/metrics", timeout=10).text
-    return float(re.search(r"^boundgen_inflight (\S+)$", text, re.M).group(1))
-
-
-def _wait_for(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 def test_serve_refuses_frontends_on_ray(model_dir):

@@ -18,7 +18,6 @@ import concurrent.futures as cf
 import contextlib
 import json
 import random
-import re
 import resource
 import select
 import socket
@@ -32,7 +31,7 @@ pytest.importorskip("uvicorn")
 
 from live_probe import HealthProbe, host_port, raw_request, read_response, rss_mib, wait_closed
 
-from boundgen.server.testing import ServeProcess
+from boundgen.server.testing import ServeProcess, inflight, wait_until
 
 HEALTH_MS = 100.0  # issue 19: no request, however shaped, blocks /health for more than ~100 ms
 IDLE_PROBES = 10  # /health round trips measured on the idle server first (the machine's noise)
@@ -66,19 +65,13 @@ KEY = "reliability-test-key"
 # ---------------------------------------------------------------------------------------- servers
 
 
-def _inflight(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=2).text
-    m = re.search(r"^boundgen_inflight ([0-9.e+]+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
-
-
 def _idle(server: ServeProcess, wait_s: float = 2.0) -> bool:
     """Answers /health at once and has no admitted request left running."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(server.url + "/health", timeout=1).status_code == 200 and not _inflight(
-                server.url
+            if httpx.get(server.url + "/health", timeout=1).status_code == 200 and not inflight(
+                server
             ):
                 return True
         except httpx.HTTPError:
@@ -396,21 +389,6 @@ def heavy_score(timeout_ms: int | None) -> bytes:
     body = {"query": token_ids(16, rng), "items": [token_ids(200, rng) for _ in range(256)]}
     body |= {"label_token_ids": LABELS} | ({"timeout_ms": timeout_ms} if timeout_ms else {})
     return json.dumps(body).encode()
-
-
-def inflight(server: ServeProcess) -> float:
-    """The server's admitted requests not done (`boundgen_inflight`)."""
-    text = httpx.get(server.url + "/metrics", timeout=5).text
-    return float(re.search(r"^boundgen_inflight (\S+)$", text, re.M).group(1))
-
-
-def wait_until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 def test_cancelled_request_frees_the_model(disposable_server):

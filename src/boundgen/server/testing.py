@@ -141,6 +141,24 @@ class ServeProcess:
         self.stop()
 
 
+def inflight(server: ServeProcess) -> float:
+    """A running server's admitted requests not done yet (`boundgen_inflight` in /metrics)."""
+    import re
+
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return float(re.search(r"^boundgen_inflight (\S+)$", text, re.M).group(1))
+
+
+def wait_until(condition: Any, timeout_s: float) -> bool:
+    """Poll `condition()` every 10 ms for up to `timeout_s`: → whether it came true."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return bool(condition())
+
+
 @contextlib.contextmanager
 def frontend_app(engine: Any, config: Any) -> Iterator[tuple[Any, Any]]:
     """`boundgen serve --frontends` in one process, for tests: the engine's `ServerState` behind
