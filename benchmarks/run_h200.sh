@@ -33,9 +33,11 @@ export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 BOUNDGEN_CACHE=$
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ROOT=${ROOT:-/tmp/boundgen-models}
 M=$ROOT/qwen2.5-0.5b-bf16  # the serving phases' checkpoint
-# a compile cache carried from an earlier call (`cache-out`): no compiling again
-if ls .cache-h200/cache.tgz.* >/dev/null 2>&1 && [ ! -d $BOUNDGEN_CACHE/compiled ]; then
-  mkdir -p $BOUNDGEN_CACHE && cat .cache-h200/cache.tgz.* | tar -xzf - -C $BOUNDGEN_CACHE && echo "compile cache restored: $(ls $BOUNDGEN_CACHE/compiled | wc -l) entries"
+# a compile cache carried from an earlier call (`cache-out`): no compiling again. Restored once a
+# machine (the marker), also into a cache folder an earlier phase made: restored only into a
+# missing one, it was skipped after the GPU tests had made theirs (2026-12-05, thirty-second session)
+if ls .cache-h200/cache.tgz.* >/dev/null 2>&1 && [ ! -f $BOUNDGEN_CACHE/.carried-cache-restored ]; then
+  mkdir -p $BOUNDGEN_CACHE && cat .cache-h200/cache.tgz.* | tar -xzf - -C $BOUNDGEN_CACHE && touch $BOUNDGEN_CACHE/.carried-cache-restored && echo "compile cache restored: $(ls $BOUNDGEN_CACHE/compiled | wc -l) entries"
 fi
 [ -f $M/config.json ] || python3 -c "from boundgen.checkpoints import make_model; make_model('qwen2.5-0.5b', '$M', dtype='bfloat16', overwrite=True, progress=False)"
 # W5: W2 requests merged 1..8 at a time, the planner's buckets for that traffic (common.w5_buckets)
