@@ -162,14 +162,13 @@ def _frontend(link_path: str, config, path: str, bodies: list[bytes], concurrenc
     """The frontend process of `--frontend`: the app over the link, and the client; runs `n`
     requests per `n` received, answers with its CPU seconds for them (None: one failed)."""
     from boundgen.server.app import build_app
-    from boundgen.server.frontend import FrontendLink, FrontendState, handshake
+    from boundgen.server.frontend import connect
 
     async def main() -> None:
-        sock, facts, status = handshake(link_path, 0)
-        link = FrontendLink()
-        link.status = status
-        state = FrontendState(facts, config, link)
-        app = build_app(state, config, on_start=lambda: link.attach(sock), on_stop=lambda: None)
+        sock, state = connect(link_path, 0, config)
+        app = build_app(
+            state, config, on_start=lambda: state.link.attach(sock), on_stop=lambda: None
+        )
         client = Client(app, path, bodies)
         await lifespan(app, "startup")
         while (n := await asyncio.to_thread(conn.recv)) is not None:

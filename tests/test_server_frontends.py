@@ -27,7 +27,7 @@ from boundgen.server.app import build_app, create_app
 from boundgen.server.config import ServerConfig
 from boundgen.server.engine_link import EngineLink
 from boundgen.server.errors import Overloaded, ServerError, Timeout
-from boundgen.server.frontend import FrontendLink, FrontendState, handshake
+from boundgen.server.frontend import connect
 from boundgen.server.link import TrieRef, Wire, encode, error_fields, rebuild_error
 from boundgen.server.state import ServerState
 from boundgen.server.testing import ServeProcess, inflight, tiny_model_dir, wait_until
@@ -119,11 +119,11 @@ class _Served:
         self.state = ServerState(self.engine, self.config)
         self.link = EngineLink(self.state)
         await self.link.start(path)
-        sock, facts, status = await asyncio.to_thread(handshake, path, 0)
         self.lost: list[bool] = []
-        self.frontend_link = FrontendLink(on_lost=lambda: self.lost.append(True))
-        self.frontend_link.status = status
-        self.frontend = FrontendState(facts, self.config, self.frontend_link)
+        sock, self.frontend = await asyncio.to_thread(
+            connect, path, 0, self.config, lambda: self.lost.append(True)
+        )
+        self.frontend_link = self.frontend.link
         app = build_app(
             self.frontend,
             self.config,

@@ -261,6 +261,18 @@ def handshake(path: str, index: int) -> tuple[socket.socket, EngineFacts, tuple]
     return sock, EngineFacts(**reply[1]), tuple(reply[2][1:])
 
 
+def connect(
+    path: str, index: int, config: ServerConfig, on_lost: Callable[[], None] | None = None
+) -> tuple[socket.socket, FrontendState]:
+    """Say hello to the engine's link at `path` and make frontend `index`'s state from the answer
+    (its facts, its readiness): → the socket, for `state.link.attach` on the frontend's event
+    loop, and the state."""
+    sock, facts, status = handshake(path, index)
+    link = FrontendLink(on_lost=on_lost)
+    link.status = status
+    return sock, FrontendState(facts, config, link)
+
+
 def main(index: int, config: ServerConfig, link_path: str, listener: socket.socket) -> None:
     """A frontend process: handshake, then the HTTP API on `listener` until SIGTERM/SIGINT."""
     logging.basicConfig(
@@ -270,11 +282,9 @@ def main(index: int, config: ServerConfig, link_path: str, listener: socket.sock
     from boundgen.server.app import build_app
     from boundgen.server.uvicorn import serve
 
-    sock, facts, status = handshake(link_path, index)
     # without its engine a frontend can serve nothing: it stops (uvicorn drains, then exits)
-    link = FrontendLink(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
-    link.status = status
-    state = FrontendState(facts, config, link)
+    sock, state = connect(link_path, index, config, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    link = state.link
 
     reporting: list[asyncio.Task] = []
 

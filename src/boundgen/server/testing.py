@@ -171,7 +171,7 @@ def frontend_app(engine: Any, config: Any) -> Iterator[tuple[Any, Any]]:
 
     from boundgen.server.app import build_app
     from boundgen.server.engine_link import EngineLink
-    from boundgen.server.frontend import FrontendLink, FrontendState, handshake
+    from boundgen.server.frontend import connect
     from boundgen.server.state import ServerState
 
     config = config.validate()
@@ -189,12 +189,9 @@ def frontend_app(engine: Any, config: Any) -> Iterator[tuple[Any, Any]]:
             return state, link
 
         state, link = on_loop(start())
-        sock, facts, status = handshake(path, 0)
-        frontend_link = FrontendLink()
-        frontend_link.status = status
-        frontend = FrontendState(facts, config, frontend_link)
+        sock, frontend = connect(path, 0, config)
         app = build_app(
-            frontend, config, on_start=lambda: frontend_link.attach(sock), on_stop=lambda: None
+            frontend, config, on_start=lambda: frontend.link.attach(sock), on_stop=lambda: None
         )
         try:
             yield app, state
