@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from boundgen.runtime import DeadlineExceeded, NodeError, node
 from boundgen.workloads.beam import BeamRequest
@@ -311,26 +312,46 @@ def test_engine_config_sets_the_batching_knobs(tiny_model):
     assert node.device_depth == 3
 
 
+class _TorchCalls(TorchFunctionMode):
+    """The names of the torch calls made inside it (`t.device` and other attribute reads left
+    out: no op, the GIL kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name != "__get__":
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_score_and_classify_finish_is_one_torch_call():
+    """A request's `finish` reads its head's result on the host: `tolist` alone, which keeps the
+    GIL for a host tensor, where a `.cpu()` first gave it up (W5's slowest 1 % spent 10–18 ms in
+    `finish` on the H100, 2026-12-05) — and the lists are the tensor's values."""
+    from boundgen.workloads.classify import finish_classify
+    from boundgen.workloads.score import finish_score
+
+    scores = torch.rand(4, 3, generator=torch.Generator().manual_seed(0))
+    for finish, request in (
+        (finish_score, ScoreRequest([1], [[2]], [3, 4, 5])),
+        (finish_classify, ClassifyRequest(["a"])),
+    ):
+        with _TorchCalls() as calls:
+            got = finish(scores, request)
+        assert calls.names == ["tolist"]
+        assert got == scores.tolist()
+
+
 def test_the_score_head_of_a_seen_label_set_is_two_torch_calls(engine_for):
     """On a server each torch call of a request's nodes gives the GIL up and, beside a busy event
     loop, waits up to the switch interval (5 ms) to take it back (`benchmarks/count_gil_trips.py`).
     The head of a request whose label ids were seen before makes one GEMM over the kept weight
     rows and one softmax computed in float32 (on CUDA one copy to the host more), and scores as
     the model's float32 label logits softmaxed."""
-    from torch.overrides import TorchFunctionMode
-
     from boundgen.workloads.score import request_scores
-
-    class Calls(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            name = getattr(func, "__name__", str(func))
-            if name != "__get__":  # an attribute read (`t.device`): no op, the GIL kept
-                self.names.append(name)
-            return func(*args, **(kwargs or {}))
 
     engine = engine_for("qwen2")
     rows = torch.randn(
@@ -338,7 +359,7 @@ def test_the_score_head_of_a_seen_label_set_is_two_torch_calls(engine_for):
     )
     request = ScoreRequest([1, 2], [[3], [4]], [5, 7, 11], apply_softmax=True)
     first = request_scores(engine.runner, rows, request)  # keeps the label set's weight rows
-    with Calls() as calls:
+    with _TorchCalls() as calls:
         again = request_scores(engine.runner, rows, request)
     assert calls.names == ["linear", "softmax"]
     want = torch.softmax(engine.model.head(rows, torch.tensor([5, 7, 11])), dim=-1)

@@ -139,8 +139,10 @@ def request_scores(runner: ModelRunner, rows: torch.Tensor, request: ScoreReques
 
 
 def finish_score(label_logits: torch.Tensor, request: ScoreRequest) -> list[list[float]]:
-    """The request's final label scores float32 [N, C] (`request_scores`) → python lists."""
-    return label_logits.cpu().tolist()
+    """The request's final label scores float32 [N, C] (`request_scores`, on the host) → python
+    lists. `tolist` alone: it keeps the GIL for a host tensor, where a `.cpu()` first (a no-op
+    here) gives it up, and beside a busy thread waits up to the switch interval to take it back."""
+    return label_logits.tolist()
 
 
 def build(context: WorkloadContext) -> Pipeline:
