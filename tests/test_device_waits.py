@@ -157,6 +157,23 @@ def test_at_most_half_the_workers_wait_for_the_device(fake_cuda_executor):
     assert ex._waiting_workers == 0
 
 
+@pytest.mark.parametrize("fake_cuda_executor", [2], indirect=True)
+def test_a_worker_s_own_device_wait_counts_as_the_node_s_wait_not_its_run(fake_cuda_executor):
+    """A worker that waits for the device itself (few are waiting) records that time as the
+    node's wait (start − ready), as the waiting thread's path does: not as its run, whose
+    average decides where a quick node resumes and feeds the deadlines."""
+    ex, events = fake_cuda_executor
+    ex.tracer.keep_requests = 4
+    pipe = Pipeline("p", {"x": int}, [on_device, on_host], ["z"])
+    threading.Timer(0.2, lambda: [ev.done.set() for ev in list(events)]).start()
+    assert ex.submit(pipe, {"x": 1}, unwrap=True).result(timeout=10) == 11
+    (trace,) = ex.tracer.recent()
+    span = next(s for s in trace.spans if s.node == "on_host")
+    assert span.start_ns - span.ready_ns >= 150e6  # the 0.2 s the device "ran"
+    assert span.end_ns - span.start_ns < 50e6
+    assert ex.tracer.histogram("p", "on_host").snapshot()["max_us"] < 50e3
+
+
 class _Flight:
     """A device queue's flight that has run (the batching node's launch, faked)."""
 
