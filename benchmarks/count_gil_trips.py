@@ -6,7 +6,7 @@ the interpreter's switch interval (5 ms): six `softmax` calls on 100 × 2 floats
 and 25.7 ms beside a busy Python thread on the development CPU (`--convoy`). So on a server the
 number of these calls on a request's path, not their work, sets much of its host time under load.
 
-    python benchmarks/count_gil_trips.py [--requests 20] [--convoy] [--json OUT]
+    python benchmarks/count_gil_trips.py [--requests 20] [--convoy] [--json OUT]   # + host_reads
     python benchmarks/count_gil_trips.py --device cuda --backend eager+graphs   # the GPU path
 
 The request is W5's (query 256 ids, 100 items of 16, two labels, `apply_softmax`), through
@@ -117,6 +117,34 @@ def convoy(ops: int = 6, rounds: int = 200) -> dict:
     return out
 
 
+def host_reads(rounds: int = 400) -> dict:
+    """A finished request's [100, 2] scores on the host to lists, beside a busy Python thread:
+    `.cpu().tolist()` (a no-op copy that still gives the GIL up) against `.tolist()` alone. A
+    call that gives the GIL up often takes it straight back before the busy thread wakes, so the
+    median hides it: → per form, the median ms, the share of calls over 1 ms and the longest."""
+    a = torch.rand(100, 2)
+    out = {}
+
+    def timed(fn) -> list[float]:
+        ts = []
+        for _ in range(rounds):
+            time.sleep(0.0005)  # as a finishing request: just woken from a wait for the device
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+        return ts
+
+    for name, fn in ((".cpu().tolist()", lambda: a.cpu().tolist()), (".tolist()", a.tolist)):
+        ts = []
+        _beside_busy_thread(lambda fn=fn: ts.extend(timed(fn)))
+        out[name] = {
+            "median_ms": round(statistics.median(ts), 4),
+            "share_over_1ms": round(sum(t > RELEASED_MS for t in ts) / len(ts), 3),
+            "max_ms": round(max(ts), 3),
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=20)
@@ -203,6 +231,10 @@ def main() -> None:
         print("6 small torch calls, median ms (alone / beside a busy Python thread):")
         for interval, r in result["convoy"].items():
             print(f"  switch interval {interval}: {r['alone_ms']} / {r['beside_ms']}")
+        result["host_reads"] = host_reads()
+        print("host scores to lists beside a busy Python thread: median ms, share > 1 ms, max ms")
+        for form, r in result["host_reads"].items():
+            print(f"  {form:16s} {r['median_ms']} {r['share_over_1ms']} {r['max_ms']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
