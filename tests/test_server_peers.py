@@ -173,6 +173,22 @@ def test_bfloat16_rounds_to_nearest_even():
     np.testing.assert_array_equal(got, [1.0, 1.0 + 2**-7, -2.5])
 
 
+def test_bfloat16_bits_are_torchs():
+    """The reply's bfloat16 bits are computed without torch (a frontend process has none): the
+    same bits torch's conversion writes, for every kind of float32 (random bit patterns: normal,
+    subnormal, infinite, NaN; ties; the largest)."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    patterns = rng.integers(0, 2**32, 100_000, dtype=np.uint32).view(np.float32)
+    largest = np.finfo(np.float32).max
+    special = np.array([0, -0.0, np.inf, -np.inf, np.nan, largest, -largest, 1e-45, 1.00390625])
+    normal = rng.standard_normal(10_000)
+    x = np.concatenate([patterns, normal.astype(np.float32), special.astype(np.float32)])
+    want = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(encodings.bfloat16_bits(x), want)
+
+
 def test_cohere_quantized_types():
     x = np.array([[0.5, -1.0, 0.25, 0.0, 1.0, -0.1, 0.2, 0.3, 0.9]], dtype=np.float32)
     out = encodings.cohere_embeddings(x, ["int8", "uint8", "ubinary", "binary", "base64"])

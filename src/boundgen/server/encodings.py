@@ -16,7 +16,6 @@ import json
 from typing import Any
 
 import numpy as np
-import torch
 from starlette.responses import Response
 
 from boundgen.server.errors import BadRequest
@@ -38,11 +37,19 @@ def raw_bytes(array: np.ndarray, embed_dtype: str, endianness: str) -> bytes:
     """float32 `array` as `embed_dtype` values in `endianness` byte order, row-major."""
     order = _ORDER[endianness]
     a = np.ascontiguousarray(array, dtype=np.float32)
-    if embed_dtype == "bfloat16":  # round to nearest even, as torch does; bits as uint16
-        bits = torch.from_numpy(a).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return bits.astype(f"{order}u2").tobytes()
+    if embed_dtype == "bfloat16":
+        return bfloat16_bits(a).astype(f"{order}u2").tobytes()
     char = {"float32": "f4", "float16": "f2"}[embed_dtype]
     return a.astype(f"{order}{char}").tobytes()
+
+
+def bfloat16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 → bfloat16 bits (uint16), rounded to nearest even, a NaN as 0xFFFF: the bits
+    torch's CPU conversion writes (the test compares them). numpy, not torch: a frontend process
+    (`serve --frontends`) encodes replies without torch."""
+    u = a.view(np.uint32).astype(np.uint64)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(a), np.uint16(0xFFFF), bits)
 
 
 def json_value(array: np.ndarray, encoding_format: str, embed_dtype: str, endianness: str) -> Any:
