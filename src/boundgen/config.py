@@ -7,12 +7,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from boundgen.settings import option
 
-# The dtypes a checkpoint may be written in or run with, by their config/CLI names.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The dtypes a checkpoint may be written in or run with, by their config/CLI names; `DTYPES` maps
+# them to torch's, imported on first use: an HTTP frontend process (`serve --frontends`) reads
+# the configs without torch.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":
+        import torch
+
+        return {n: getattr(torch, n) for n in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # The HuggingFace architectures a checkpoint may name (its config.json's `architectures`) → (model
 # family, task).

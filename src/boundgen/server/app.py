@@ -10,10 +10,9 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -21,7 +20,6 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from boundgen.engine import Engine
 from boundgen.server import cohere, handlers, kserve, loop_lag, tei, vllm
 from boundgen.server.config import ServerConfig
 from boundgen.server.dispatch import Endpoint, FixedRoutes
@@ -33,9 +31,12 @@ from boundgen.server.errors import (
     sglang_response,
 )
 from boundgen.server.guard import Guard
-from boundgen.server.infer import SERVER_TIMES
-from boundgen.server.state import HandlerState, ServerState
-from boundgen.workloads.trie import Trie
+from boundgen.server.handler_state import HandlerState
+from boundgen.server.timing import SERVER_TIMES, server_timing
+
+if TYPE_CHECKING:  # `create_app` imports them when called: a frontend process has no engine
+    from boundgen.engine import Engine
+    from boundgen.workloads.trie import Trie
 
 log = logging.getLogger("boundgen.server")
 
@@ -92,25 +93,13 @@ def endpoint(
     return handle
 
 
-def server_timing(app_ms: float, times: list[tuple[str, float]] | None) -> str:
-    """`Server-Timing` header value (W3C): `app` (the whole handler: parse, checks, model,
-    response) first, then what `Infer` recorded (`runtime`, and each DAG node, or `queue` + the
-    call without the runtime). A client subtracts `app` from its own latency to see time spent
-    outside the server."""
-    parts = [f"app;dur={app_ms:.3f}"]
-    for name, ms in times or ():
-        parts.append(f"{_TOKEN_UNSAFE.sub('_', name)};dur={ms:.3f}")
-    return ", ".join(parts)
-
-
-_TOKEN_UNSAFE = re.compile(r"[^A-Za-z0-9!#$%&'*+.^_`|~-]")  # a metric name must be an HTTP token
-
-
 def create_app(
     engine: Engine, config: ServerConfig | None = None, *, tries: dict[str, Trie] | None = None
 ) -> FastAPI:
     """The HTTP API over `engine` (its runtime serves every request); `tries` replaces the config's
     (`NAME=PATH`) tries."""
+    from boundgen.server.state import ServerState
+
     config = (config or ServerConfig()).validate()
     state = ServerState(engine, config, tries=tries)
     log_exposure(config)

@@ -15,9 +15,9 @@ from starlette.responses import Response
 
 from boundgen.server import fields, json
 from boundgen.server.errors import BadRequest
+from boundgen.server.handler_state import HandlerState
 from boundgen.server.limits import JsonBounds, describe_validation_error, load_json, read_body
 from boundgen.server.schemas.common import _Request
-from boundgen.server.state import HandlerState
 
 M = TypeVar("M", bound=_Request)
 

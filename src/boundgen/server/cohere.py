@@ -13,6 +13,7 @@ from starlette.responses import Response
 from boundgen.server import encodings, inputs
 from boundgen.server.bodies import json_response, large_json_response, parse, read
 from boundgen.server.errors import BadRequest
+from boundgen.server.handler_state import HandlerState
 from boundgen.server.json import Slices, floats
 from boundgen.server.schemas.cohere import (
     INPUT_TYPES,
@@ -22,7 +23,6 @@ from boundgen.server.schemas.cohere import (
     RerankResponse,
     RerankResult,
 )
-from boundgen.server.state import HandlerState
 
 # ---- rerank -------------------------------------------------------------------------------------
 

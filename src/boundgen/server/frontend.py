@@ -25,9 +25,9 @@ from typing import Any
 from boundgen.server import loop_lag
 from boundgen.server.config import ServerConfig
 from boundgen.server.errors import Unavailable
-from boundgen.server.infer import SERVER_TIMES
+from boundgen.server.handler_state import EngineFacts, HandlerState
 from boundgen.server.link import TrieRef, Wire, encode, read_frame, rebuild_error
-from boundgen.server.state import EngineFacts, HandlerState
+from boundgen.server.timing import SERVER_TIMES
 from boundgen.text.tokenizer import Tokenizer
 
 log = logging.getLogger("boundgen.server")

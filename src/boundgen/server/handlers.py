@@ -18,7 +18,7 @@ from starlette.responses import Response
 from boundgen.server import cohere, encodings, inputs, tei, vllm
 from boundgen.server.bodies import json_response, large_json_response, parse, read, read_object
 from boundgen.server.errors import BadRequest, TooLarge, Unavailable
-from boundgen.server.infer import SERVER_TIMES
+from boundgen.server.handler_state import HandlerState
 from boundgen.server.json import Slices
 from boundgen.server.schemas.boundgen import BeamRequest
 from boundgen.server.schemas.cohere import RerankRequest
@@ -26,7 +26,7 @@ from boundgen.server.schemas.common import Usage
 from boundgen.server.schemas.openai import EmbeddingsRequest
 from boundgen.server.schemas.sglang import RerankResult, ScoreRequest, score_reply
 from boundgen.server.schemas.vllm import TokenizeRequest
-from boundgen.server.state import HandlerState
+from boundgen.server.timing import SERVER_TIMES
 
 # ---- /v1/score: SGLang, or vLLM's ScoreRequest -------------------------------------------------
 

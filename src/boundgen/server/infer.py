@@ -32,7 +32,6 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable
-from contextvars import ContextVar
 from typing import Any
 
 from boundgen.runtime.batching import BatchingNode
@@ -40,15 +39,10 @@ from boundgen.runtime.dag import Pipeline
 from boundgen.runtime.executor import DeadlineExceeded
 from boundgen.server.errors import BadRequest, Overloaded, Timeout, Unavailable
 from boundgen.server.metrics import Metrics
+from boundgen.server.timing import SERVER_TIMES
 from boundgen.workloads.service import EngineRuntime
 
 log = logging.getLogger("boundgen.server")
-
-# (name, ms) of where the request this task serves spent its time, for the `Server-Timing` header:
-# set by `Infer` when the work ends, read by the endpoint wrapper in the same task.
-SERVER_TIMES: ContextVar[list[tuple[str, float]] | None] = ContextVar(
-    "boundgen_server_times", default=None
-)
 
 _MAX_RETRY_AFTER_S = 30
 

@@ -20,10 +20,10 @@ from typing import TypeVar
 import numpy as np
 
 from boundgen.server.errors import BadRequest, TooLarge
+from boundgen.server.handler_state import HandlerState
 from boundgen.server.link import host_floats
-from boundgen.server.state import HandlerState
-from boundgen.text.packing import SequenceGroup
-from boundgen.workloads.score import joined_sequences, out_of_vocabulary, shared_prefix_group
+from boundgen.text.sequences import SequenceGroup, shared_prefix_group
+from boundgen.workloads.inputs import joined_sequences, out_of_vocabulary
 
 # No tokenizer averages more than this many characters per token on real text (English ~4), so a
 # text longer than this many per token of its limit is refused without tokenizing it.

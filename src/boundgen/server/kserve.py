@@ -29,10 +29,10 @@ from starlette.responses import Response
 from boundgen.server import fields, inputs
 from boundgen.server.bodies import json_response, large_json_response
 from boundgen.server.errors import BadRequest, NotFound, ServerError, TooLarge, Unavailable
-from boundgen.server.infer import SERVER_TIMES
+from boundgen.server.handler_state import HandlerState
 from boundgen.server.json import Slices, encode, floats
 from boundgen.server.limits import JsonBounds, describe_validation_error, load_json, read_body
-from boundgen.server.state import HandlerState
+from boundgen.server.timing import SERVER_TIMES
 
 _NP = {
     "BOOL": np.bool_,

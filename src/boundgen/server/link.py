@@ -35,6 +35,7 @@ import logging
 import pickle
 import socket
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -142,9 +143,12 @@ class Wire(asyncio.Protocol):
 
 
 def has_tensors(value: Any) -> bool:
-    """Whether a runtime result is a tensor or a list of them (the embeddings)."""
-    import torch
-
+    """Whether a runtime result is a tensor or a list of them (the embeddings). A process that
+    has not imported torch holds none (a frontend process, whose results come as numpy arrays):
+    it is not imported for the question."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
     if isinstance(value, torch.Tensor):
         return True
     return isinstance(value, list) and bool(value) and isinstance(value[0], torch.Tensor)

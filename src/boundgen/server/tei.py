@@ -13,6 +13,7 @@ from starlette.responses import Response
 from boundgen.server import inputs
 from boundgen.server.bodies import json_response, large_json_response, parse, read
 from boundgen.server.errors import BadRequest, ServerError
+from boundgen.server.handler_state import HandlerState
 from boundgen.server.json import Slices, floats
 from boundgen.server.schemas.tei import (
     DecodeRequest,
@@ -23,7 +24,6 @@ from boundgen.server.schemas.tei import (
     SimilarityRequest,
     TokenizeRequest,
 )
-from boundgen.server.state import HandlerState
 
 # TEI's error types and their statuses (router/src/http/types.rs, docs/openapi.json)
 _STATUS = {

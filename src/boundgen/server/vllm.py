@@ -15,6 +15,7 @@ from starlette.responses import Response
 from boundgen.server import encodings, inputs
 from boundgen.server.bodies import json_response, large_json_response, parse, read, read_object
 from boundgen.server.errors import BadRequest
+from boundgen.server.handler_state import HandlerState
 from boundgen.server.json import Slices
 from boundgen.server.schemas.common import Usage
 from boundgen.server.schemas.vllm import (
@@ -30,7 +31,6 @@ from boundgen.server.schemas.vllm import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from boundgen.server.state import HandlerState
 
 POOLING_TASKS = ("embed", "token_embed", "classify")
 

@@ -18,16 +18,7 @@ import numpy as np
 import torch
 
 from boundgen.attention.metadata import AttnInputs
-
-
-@dataclass
-class SequenceGroup:
-    prefix: list[int]
-    suffixes: list[list[int]]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prefix) + sum(map(len, self.suffixes))  # a C loop: sizes every request
+from boundgen.text.sequences import SequenceGroup
 
 
 def shares_prefix(group: SequenceGroup, share_prefix: bool = True) -> bool:

@@ -1,4 +1,5 @@
-"""Validation and tokenization of request inputs shared by every workload (clear `ValueError`s)."""
+"""Validation and tokenization of request inputs shared by every workload (clear `ValueError`s).
+No torch: the server's HTTP frontends (`serve --frontends`) validate with these too."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from itertools import chain
 
 import numpy as np
 
-from boundgen.text.packing import SequenceGroup
+from boundgen.text.sequences import SequenceGroup
 from boundgen.text.tokenizer import Tokenizer
 
 
@@ -111,3 +112,16 @@ def prepare_texts(
             raise ValueError(f"texts[{i}] is empty")
         seqs.append(fit_length(ids, limits.max_seq_len, truncate, f"texts[{i}]"))
     return [SequenceGroup([], seqs)]
+
+
+def out_of_vocabulary(token, vocab_size: int) -> str:
+    # SGLang's words ("Token ID 9 is out of vocabulary") and vLLM's ("out of vocabulary range")
+    return f"label_token_ids: Token ID {token!r} is out of vocabulary range [0, {vocab_size})"
+
+
+def joined_sequences(
+    tokenizer: Tokenizer, query: str, items: list[str], item_first: bool
+) -> list[list[int]]:
+    """SGLang's text semantics: each item's sequence is the tokenized joined string."""
+    texts = [item + query if item_first else query + item for item in items]
+    return tokenizer.encode_batch(texts)

@@ -23,10 +23,18 @@ import torch
 
 from boundgen.runner import ModelRunner
 from boundgen.runtime.dag import Pipeline
-from boundgen.text.packing import SequenceGroup
+from boundgen.text.sequences import SequenceGroup, shared_prefix_group
 from boundgen.text.tokenizer import Tokenizer
 from boundgen.workloads.base import Workload, WorkloadContext, cpu_node, device_node
-from boundgen.workloads.inputs import Limits, check_items, fit_length, many_ids, to_ids
+from boundgen.workloads.inputs import (
+    Limits,
+    check_items,
+    fit_length,
+    joined_sequences,
+    many_ids,
+    out_of_vocabulary,
+    to_ids,
+)
 
 # Full-vocabulary logits are made this many elements at a time (128 MiB of float32), so a request of
 # many items never holds [N, vocab] at once.
@@ -53,30 +61,6 @@ def check_labels(label_token_ids, limits: Limits) -> list[int]:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size:
             raise ValueError(out_of_vocabulary(t, limits.vocab_size))
     return list(label_token_ids)
-
-
-def out_of_vocabulary(token, vocab_size: int) -> str:
-    # SGLang's words ("Token ID 9 is out of vocabulary") and vLLM's ("out of vocabulary range")
-    return f"label_token_ids: Token ID {token!r} is out of vocabulary range [0, {vocab_size})"
-
-
-def shared_prefix_group(seqs: list[list[int]]) -> SequenceGroup:
-    """The sequences as one group whose prefix is their longest common token prefix (computed once
-    for all of them); a single sequence stays whole."""
-    if len(seqs) < 2:
-        return SequenceGroup([], [list(s) for s in seqs])
-    # the lexicographically first and last sequences share exactly what all of them share
-    first, last = min(seqs), max(seqs)
-    n = next((i for i, (a, b) in enumerate(zip(first, last)) if a != b), min(len(first), len(last)))
-    return SequenceGroup(list(seqs[0][:n]), [list(s[n:]) for s in seqs])
-
-
-def joined_sequences(
-    tokenizer: Tokenizer, query: str, items: list[str], item_first: bool
-) -> list[list[int]]:
-    """SGLang's text semantics: each item's sequence is the tokenized joined string."""
-    texts = [item + query if item_first else query + item for item in items]
-    return tokenizer.encode_batch(texts)
 
 
 def prepare_score(req: ScoreRequest, tokenizer: Tokenizer, limits: Limits) -> list[SequenceGroup]:

@@ -1,0 +1,28 @@
+"""Token sequences as a request hands them to packing: `SequenceGroup`, a prefix shared by several
+suffixes (a query and its candidates). No torch: an HTTP frontend process (`serve --frontends`)
+builds these while parsing a request, and `text.packing` lays them out for the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SequenceGroup:
+    prefix: list[int]
+    suffixes: list[list[int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prefix) + sum(map(len, self.suffixes))  # a C loop: sizes every request
+
+
+def shared_prefix_group(seqs: list[list[int]]) -> SequenceGroup:
+    """The sequences as one group whose prefix is their longest common token prefix (computed once
+    for all of them); a single sequence stays whole."""
+    if len(seqs) < 2:
+        return SequenceGroup([], [list(s) for s in seqs])
+    # the lexicographically first and last sequences share exactly what all of them share
+    first, last = min(seqs), max(seqs)
+    n = next((i for i, (a, b) in enumerate(zip(first, last)) if a != b), min(len(first), len(last)))
+    return SequenceGroup(list(seqs[0][:n]), [list(s[n:]) for s in seqs])
