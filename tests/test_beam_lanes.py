@@ -235,3 +235,29 @@ def test_lanes_past_max_lanes_share_one():
         lanes = [node._lane_of(k) for k in (1, 2, 3, 4, 1)]
     assert lanes[0] is lanes[4] and lanes[0] is not lanes[1]
     assert lanes[2] is lanes[3] and lanes[2].key == ("<overflow>",)
+
+
+class _CopiedEvent:
+    def __init__(self, done: bool) -> None:
+        self.done, self.synchronized = done, 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.done = True
+
+
+def test_a_searchs_landed_copies_are_read_without_a_wait():
+    """`on_host` waits on the copies' event only while they are in flight: a `synchronize` gives
+    the GIL up (beside the busy event loop, up to the switch interval to take it back), and the
+    lane's finisher has mostly waited for the search already."""
+    from boundgen.workloads.beam import on_host
+
+    tokens, scores = torch.arange(6).view(1, 2, 3), torch.tensor([[0.5, -1.0]])
+    for done, waits in ((True, 0), (False, 1)):
+        event = _CopiedEvent(done)
+        got_tokens, got_scores = on_host((tokens, scores, event))
+        assert event.synchronized == waits
+        assert got_tokens.tolist() == tokens.tolist() and got_scores.tolist() == [[0.5, -1.0]]

@@ -174,6 +174,30 @@ def test_a_worker_s_own_device_wait_counts_as_the_node_s_wait_not_its_run(fake_c
     assert ex.tracer.histogram("p", "on_host").snapshot()["max_us"] < 50e3
 
 
+class _CountedEvent(FakeEvent):
+    def __init__(self) -> None:
+        super().__init__()
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        super().synchronize()
+
+
+def test_a_cuda_flight_that_has_run_is_not_synchronized():
+    """A batch's flight is waited on with `synchronize` only while it runs: `synchronize` gives
+    the GIL up (beside a busy thread, up to the switch interval to take it back)."""
+    from boundgen.runtime.device_queue import _CudaFlight
+
+    end = _CountedEvent()
+    flight = _CudaFlight(FakeEvent(), end)
+    threading.Timer(0.05, end.done.set).start()
+    flight.wait()  # still running: waits
+    assert end.synchronized == 1 and end.query()
+    flight.wait()  # has run: no wait
+    assert end.synchronized == 1
+
+
 class _Flight:
     """A device queue's flight that has run (the batching node's launch, faked)."""
 

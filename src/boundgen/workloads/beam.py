@@ -140,8 +140,11 @@ def to_host(tokens: torch.Tensor, scores: torch.Tensor) -> tuple:
 def on_host(copies: tuple) -> tuple[np.ndarray, np.ndarray]:
     """What `to_host` queued, once it has landed: (tokens, scores) as numpy arrays."""
     tokens, scores, copied = copies
-    if copied is not None:
-        copied.synchronize()  # at once when the batch's flight has been waited for already
+    # mostly done already (the lane's finisher waited for the batch's flight): `query` keeps the
+    # GIL, where `synchronize` gives it up and, beside the busy event loop, may wait up to the
+    # switch interval to take it back, holding every request of the search
+    if copied is not None and not copied.query():
+        copied.synchronize()
     return tokens.numpy(), scores.numpy()
 
 
