@@ -24,6 +24,18 @@ def test_policy_is_spin_unless_asked(monkeypatch):
     assert cuda_waits.policy() == "block"
 
 
+def test_a_process_default_yields_to_the_variable(monkeypatch):
+    """`serve --frontends` makes `block` its engine process's default; the variable still rules."""
+    monkeypatch.setattr(cuda_waits, "_default", "spin")
+    monkeypatch.delenv("BOUNDGEN_CUDA_WAIT", raising=False)
+    cuda_waits.set_default("block")
+    assert cuda_waits.policy() == "block"
+    monkeypatch.setenv("BOUNDGEN_CUDA_WAIT", "spin")
+    assert cuda_waits.policy() == "spin"
+    with pytest.raises(ValueError, match="'sleep'.*spin, block"):
+        cuda_waits.set_default("sleep")
+
+
 def test_an_unknown_policy_names_the_variable(monkeypatch):
     monkeypatch.setenv("BOUNDGEN_CUDA_WAIT", "sleep")
     with pytest.raises(ValueError, match="BOUNDGEN_CUDA_WAIT='sleep'.*spin, block"):

@@ -499,6 +499,42 @@ def test_serve_refuses_frontends_on_ray(model_dir):
     assert "a Ray Serve replica is its own process" in done.stderr
 
 
+class _Loaded(Exception):
+    pass
+
+
+@pytest.mark.parametrize("frontends, wait", [(0, "spin"), (2, "block")])
+def test_serve_with_frontends_makes_the_engines_gpu_waits_sleep(
+    model_dir, monkeypatch, frontends, wait
+):
+    """`serve --frontends N` sets sleeping GPU waits as its engine process's default before the
+    engine loads (`cuda_waits`); BOUNDGEN_CUDA_WAIT still decides when set."""
+    from boundgen import cuda_waits
+    from boundgen.cli import build_parser
+    from boundgen.commands import serve
+    from boundgen.engine import Engine
+
+    seen = []
+
+    def load(*a, **k):
+        seen.append(cuda_waits.policy())
+        raise _Loaded
+
+    monkeypatch.setattr(cuda_waits, "_default", "spin")
+    monkeypatch.delenv("BOUNDGEN_CUDA_WAIT", raising=False)
+    monkeypatch.setattr(Engine, "from_pretrained", load)
+    monkeypatch.setattr("boundgen.compile.preload.cli_startup", lambda: None)
+    monkeypatch.setattr("boundgen.server.heap.pause_until_ready", lambda: None)  # keeps gc on
+    argv = ["serve", "--model", str(model_dir), "--device", "cpu", "--frontends", str(frontends)]
+    args = build_parser().parse_args(argv)
+    with pytest.raises(_Loaded):
+        serve.run(args)
+    monkeypatch.setenv("BOUNDGEN_CUDA_WAIT", "spin")
+    with pytest.raises(_Loaded):
+        serve.run(args)
+    assert seen == [wait, "spin"]
+
+
 def test_negative_frontends_is_refused():
     with pytest.raises(ValueError, match="frontends must be >= 0"):
         ServerConfig(frontends=-1).validate()

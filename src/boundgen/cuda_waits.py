@@ -15,7 +15,12 @@ blocking sync (`apply`, by the runner of a CUDA device) and the events the engin
 (`event`; the executor's own events likewise). On an H100 host a 20 ms GPU wait cost its thread
 7.8 ms of CPU spinning and 0.05–0.08 ms asleep, which went on ~0.1 ms later (a single request's
 latency pays that); `/v1/beam` on the late-loop machine was the same either way — the spinning
-threads were not what held its loop — so `spin` (CUDA's behaviour) stays the default.
+threads were not what held its loop — so `spin` (CUDA's behaviour) stays the default, but for
+`boundgen serve --frontends N`, whose engine process sets `block` as its default (`set_default`):
+with four frontends on an H100, W5 at ~230 req/s had a p99 of 27.9, 31.7 and 32.5 ms asleep
+against 31.6, 42.4 and 45.0 spinning (three alternated pairs) and 1.8–1.9 against 10.1–12.2 ms of
+the engine's CPU a request (BENCHMARKS.md, thirty-second and thirty-third sessions). The variable
+still decides when set.
 """
 
 from __future__ import annotations
@@ -36,9 +41,22 @@ _SCHED_MASK = 0x07
 _SCHED_BLOCKING_SYNC = 0x04
 
 
+_default = "spin"  # this process's policy while BOUNDGEN_CUDA_WAIT is unset (`set_default`)
+
+
+def set_default(wait: str) -> None:
+    """This process's policy while `BOUNDGEN_CUDA_WAIT` is unset; before the engine loads (the
+    runner applies the policy to the device's context, the executor reads it for its events)."""
+    global _default
+    if wait not in POLICIES:
+        raise ValueError(f"unknown CUDA wait policy {wait!r}; use one of {', '.join(POLICIES)}")
+    _default = wait
+
+
 def policy() -> str:
-    """This process's wait policy (`BOUNDGEN_CUDA_WAIT`, `spin` when unset)."""
-    return env_choice("BOUNDGEN_CUDA_WAIT", os.environ.get("BOUNDGEN_CUDA_WAIT", "spin"), POLICIES)
+    """This process's wait policy (`BOUNDGEN_CUDA_WAIT`; when unset `spin`, or `set_default`'s)."""
+    given = os.environ.get("BOUNDGEN_CUDA_WAIT", _default)
+    return env_choice("BOUNDGEN_CUDA_WAIT", given, POLICIES)
 
 
 def event(**kwargs) -> torch.cuda.Event:

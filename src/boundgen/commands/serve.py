@@ -73,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
         from boundgen.server.heap import freeze_startup_heap, pause_until_ready
 
         pause_until_ready()
+    if server.frontends:  # the engine's threads sleep while they wait for the GPU (`cuda_waits`)
+        from boundgen import cuda_waits
+
+        cuda_waits.set_default("block")
     engine_obj = Engine.from_pretrained(model, config=engine)
     if server.frontends:
         from boundgen.server import frontends
