@@ -95,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
         if warming:  # and what the warm-up made; the collector resumes then
             state.after_warm_up.append(freeze_startup_heap)
     how = f" through {server.frontends} frontend processes" if server.frontends else ""
+    if engine_obj.device.type == "cuda":  # (the default differs with frontends: say which)
+        from boundgen import cuda_waits
+
+        how += f", GPU waits {cuda_waits.policy()} (BOUNDGEN_CUDA_WAIT)"
     print(
         f"boundgen serve: {engine_obj.model_name} ({model}) on {engine_obj.device} at "
         f"http://{server.host}:{server.port}{how}",
