@@ -64,6 +64,14 @@ def event(**kwargs) -> torch.cuda.Event:
     return torch.cuda.Event(blocking=policy() == "block", **kwargs)
 
 
+def synchronize(event: torch.cuda.Event) -> None:
+    """Wait until `event`'s work has run. `query` first: it keeps the GIL, where `synchronize`
+    gives it up and, beside a busy thread (the event loop), may wait up to the switch interval to
+    take it back — for work that has often run already (a batch's flight, a search's copies)."""
+    if not event.query():
+        event.synchronize()
+
+
 _applied: set[int] = set()
 
 

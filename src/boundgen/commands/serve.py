@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_on_ray(model, server, engine, settings.ray)
 
+    from boundgen import cuda_waits
     from boundgen.engine import Engine
     from boundgen.server.app import create_app
     from boundgen.server.gil import set_switch_interval
@@ -74,8 +75,6 @@ def run(args: argparse.Namespace) -> int:
 
         pause_until_ready()
     if server.frontends:  # the engine's threads sleep while they wait for the GPU (`cuda_waits`)
-        from boundgen import cuda_waits
-
         cuda_waits.set_default("block")
     engine_obj = Engine.from_pretrained(model, config=engine)
     if server.frontends:
@@ -96,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
             state.after_warm_up.append(freeze_startup_heap)
     how = f" through {server.frontends} frontend processes" if server.frontends else ""
     if engine_obj.device.type == "cuda":  # (the default differs with frontends: say which)
-        from boundgen import cuda_waits
-
         how += f", GPU waits {cuda_waits.policy()} (BOUNDGEN_CUDA_WAIT)"
     print(
         f"boundgen serve: {engine_obj.model_name} ({model}) on {engine_obj.device} at "

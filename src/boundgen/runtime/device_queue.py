@@ -50,10 +50,7 @@ class _CudaFlight:
         self.event = end
 
     def wait(self) -> None:
-        # `query` keeps the GIL; `synchronize` gives it up and may wait up to the switch interval
-        # to take it back beside a busy thread, for work that has often run already
-        if not self.end.query():
-            self.end.synchronize()
+        cuda_waits.synchronize(self.end)
 
     def device_ns(self) -> float:
         return self.start.elapsed_time(self.end) * 1e6

@@ -140,11 +140,8 @@ def to_host(tokens: torch.Tensor, scores: torch.Tensor) -> tuple:
 def on_host(copies: tuple) -> tuple[np.ndarray, np.ndarray]:
     """What `to_host` queued, once it has landed: (tokens, scores) as numpy arrays."""
     tokens, scores, copied = copies
-    # mostly done already (the lane's finisher waited for the batch's flight): `query` keeps the
-    # GIL, where `synchronize` gives it up and, beside the busy event loop, may wait up to the
-    # switch interval to take it back, holding every request of the search
-    if copied is not None and not copied.query():
-        copied.synchronize()
+    if copied is not None:  # mostly run already: the lane's finisher waited for the flight
+        cuda_waits.synchronize(copied)
     return tokens.numpy(), scores.numpy()
 
 
