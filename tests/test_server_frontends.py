@@ -503,12 +503,16 @@ class _Loaded(Exception):
     pass
 
 
-@pytest.mark.parametrize("frontends, wait", [(0, "spin"), (2, "block")])
+@pytest.mark.parametrize(
+    "frontends, device, wait",
+    [(0, "cpu", "spin"), (2, "cpu", "block"), (None, "cpu", "spin"), (None, "cuda", "block")],
+)
 def test_serve_with_frontends_makes_the_engines_gpu_waits_sleep(
-    model_dir, monkeypatch, frontends, wait
+    model_dir, monkeypatch, frontends, device, wait
 ):
     """`serve --frontends N` sets sleeping GPU waits as its engine process's default before the
-    engine loads (`cuda_waits`); BOUNDGEN_CUDA_WAIT still decides when set."""
+    engine loads (`cuda_waits`); BOUNDGEN_CUDA_WAIT still decides when set. Unset, frontends run
+    on a GPU (four on these eight cores) and not on the CPU."""
     from boundgen import cuda_waits
     from boundgen.cli import build_parser
     from boundgen.commands import serve
@@ -525,7 +529,10 @@ def test_serve_with_frontends_makes_the_engines_gpu_waits_sleep(
     monkeypatch.setattr(Engine, "from_pretrained", load)
     monkeypatch.setattr("boundgen.compile.preload.cli_startup", lambda: None)
     monkeypatch.setattr("boundgen.server.heap.pause_until_ready", lambda: None)  # keeps gc on
-    argv = ["serve", "--model", str(model_dir), "--device", "cpu", "--frontends", str(frontends)]
+    monkeypatch.setattr("boundgen.server.config.usable_cores", lambda: 8)
+    argv = ["serve", "--model", str(model_dir), "--device", device]
+    if frontends is not None:
+        argv += ["--frontends", str(frontends)]
     args = build_parser().parse_args(argv)
     with pytest.raises(_Loaded):
         serve.run(args)
@@ -533,6 +540,22 @@ def test_serve_with_frontends_makes_the_engines_gpu_waits_sleep(
     with pytest.raises(_Loaded):
         serve.run(args)
     assert seen == [wait, "spin"]
+
+
+def test_unset_frontends_are_one_per_two_cores_on_a_gpu_at_most_four():
+    from boundgen.server.config import auto_frontends
+
+    assert [auto_frontends("cuda", c) for c in (1, 2, 3, 4, 8, 16, 128)] == [0, 1, 1, 2, 4, 4, 4]
+    assert auto_frontends("cuda:1", 6) == 3
+    assert auto_frontends("cpu", 16) == 0
+
+
+def test_given_frontends_are_kept_and_unset_ones_decided_for_the_device(monkeypatch):
+    monkeypatch.setattr("boundgen.server.config.usable_cores", lambda: 6)
+    assert ServerConfig().with_frontends_for("cuda").frontends == 3
+    assert ServerConfig().with_frontends_for("cpu").frontends == 0
+    assert ServerConfig(frontends=0).with_frontends_for("cuda").frontends == 0
+    assert ServerConfig(frontends=2).with_frontends_for("cpu").frontends == 2
 
 
 def test_negative_frontends_is_refused():

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if ray and server.frontends:
         raise ValueError(
             "frontends: a Ray Serve replica is its own process behind Ray's proxy; serve with "
-            "--frontends 0 (the default) on Ray"
+            "--frontends 0 (what an unset --frontends is on Ray)"
         )
     if not engine_device_given(args, settings):  # a new user gets the GPU when there is one
         if ray:
@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from boundgen.server.gil import set_switch_interval
     from boundgen.server.uvicorn import serve
 
+    server = server.with_frontends_for(engine.device)  # unset: frontends on a GPU (config.py)
     if server.gil_switch_ms is not None:
         set_switch_interval(server.gil_switch_ms)
     if server.gc_freeze:

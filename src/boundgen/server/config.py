@@ -102,11 +102,12 @@ class ServerConfig:
         "the interpreter's GIL switch interval, ms (unset: CPython's, 5 ms): how long a thread "
         "that released the GIL for a torch call may wait to get it back (server/gil.py)",
     )
-    frontends: int = option(
-        0,
+    frontends: int | None = option(
+        None,
         "HTTP frontend processes (0: HTTP in the engine's process). N > 0: N processes serve the "
         "HTTP API on the port and send the model work to the engine's process, so HTTP's Python "
-        "does not share the GIL of the process that drives the GPU (docs/serving.md)",
+        "does not share the GIL of the process that drives the GPU (docs/serving.md). Unset: on "
+        "a GPU one per two cores this process may use, at most 4; 0 on the CPU and on Ray",
     )
     gc_freeze: bool = option(
         True,
@@ -201,7 +202,7 @@ class ServerConfig:
         for name in ("header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.frontends < 0:
+        if self.frontends is not None and self.frontends < 0:
             raise ValueError(f"frontends must be >= 0, got {self.frontends}")
         if self.gil_switch_ms is not None and not self.gil_switch_ms > 0:
             raise ValueError(f"gil_switch_ms must be > 0, got {self.gil_switch_ms}")
@@ -226,6 +227,13 @@ class ServerConfig:
                 raise ValueError(f"embed_input_types: expected TYPE=PREFIX, got {spec!r}")
             out[name.strip()] = prefix
         return out
+
+    def with_frontends_for(self, device: str) -> ServerConfig:
+        """This config with `frontends` decided for an engine on `device`: as given, or unset →
+        `auto_frontends`."""
+        if self.frontends is not None:
+            return self
+        return dataclasses.replace(self, frontends=auto_frontends(device, usable_cores()))
 
     def with_default_model(self) -> tuple[Path, ServerConfig]:
         """(checkpoint, config): `model`, or without it the shipped demo model with its catalog
@@ -404,6 +412,27 @@ def wants_ray(args: argparse.Namespace, settings: ServeSettings) -> bool:
         return bool(flag)
     ray = settings.ray
     return ray.replicas is not None or ray.max_replicas is not None or settings.ray_section
+
+
+MAX_AUTO_FRONTENDS = 4
+
+
+def auto_frontends(device: str, cores: int) -> int:
+    """Frontend processes when `frontends` is unset: on a GPU one per two usable cores, at most
+    `MAX_AUTO_FRONTENDS` (half the cores stay with the engine's threads: four frontends on eight
+    server cores beat HTTP in the engine's process on every H100 host measured, BENCHMARKS.md
+    thirty-second to thirty-fourth sessions); on the CPU none — there the model's own forward
+    wants every core, and a frontend would take one from it."""
+    if not device.startswith("cuda"):
+        return 0
+    return min(MAX_AUTO_FRONTENDS, cores // 2)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says, else all)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def engine_device_given(args: argparse.Namespace, settings: ServeSettings) -> bool:

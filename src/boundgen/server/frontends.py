@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from boundgen.server import frontend, loop_lag
-from boundgen.server.config import ServerConfig
+from boundgen.server.config import ServerConfig, usable_cores
 from boundgen.server.engine_link import EngineLink
 from boundgen.server.state import ServerState
 
@@ -59,8 +59,8 @@ class Frontends:
         self.restarts = 0
 
     def start(self) -> None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        if cores is not None and self.config.frontends >= cores:
+        cores = usable_cores()
+        if self.config.frontends >= cores:
             log.warning(
                 "%d frontend processes on %d cores: with the engine's process they share cores, "
                 "and a frontend waiting for a core holds its requests as a busy GIL would "
