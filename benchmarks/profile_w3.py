@@ -11,7 +11,7 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --fp8 selective                                                      # FP8, gate skipped
     python benchmarks/profile_w3.py --preset tiny --device cpu --iters 50     # smoke test
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
-        --rotations together,attention        # the q/k rotation modes built and timed side by side
+        --rotations apart,together            # the q/k rotation modes built and timed side by side
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after --autotune 0,1
     BOUNDGEN_SKINNY_TILES=$OUT/tiles.json python benchmarks/profile_w3.py --backend aoti+graphs \
         --variants after --skinny 0,64        # the layers' GEMMs by cuBLAS + Inductor, or fused
@@ -352,8 +352,8 @@ def main() -> int:
     ap.add_argument(
         "--rotations",
         default=None,
-        help="q/k rotation modes to build side by side (e.g. together,attention: each variant "
-        "once per mode, then timed interleaved call by call; `models.decoder.QK_ROTATION`)",
+        help="q/k rotation modes to build side by side (apart,together: each variant once per "
+        "mode, then timed interleaved call by call; `models.decoder.QK_ROTATION`)",
     )
     ap.add_argument(
         "--autotune",
@@ -388,6 +388,8 @@ def main() -> int:
     res["fp8"] = args.fp8
     res.update(bucket=bucket, variants={})
     rotations = args.rotations.split(",") if args.rotations else [None]
+    if any(r is not None and r not in decoder.QK_ROTATIONS for r in rotations):
+        ap.error(f"--rotations: choose from {','.join(decoder.QK_ROTATIONS)}")
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [

@@ -1,7 +1,6 @@
 """`BOUNDGEN_QK_ROTATION` (`models/decoder.py`): q and k rotated by one op over the qkv projection's
-view (`together`, the default), one op each (`apart`), or by the `segments` attention kernel as it
-loads them (`attention`). The same arithmetic per element, so on CPU every workload answers exactly
-alike; the compiled artifacts are keyed apart."""
+view (`together`, the default) or one op each (`apart`). The same arithmetic per element, so on CPU
+every workload answers exactly alike; the compiled artifacts are keyed apart."""
 
 from __future__ import annotations
 
@@ -77,46 +76,3 @@ def test_a_bad_value_names_the_variable():
 
     with pytest.raises(ValueError, match="BOUNDGEN_QK_ROTATION='joint': choose one of apart"):
         env_choice("BOUNDGEN_QK_ROTATION", "joint", decoder.QK_ROTATIONS)
-
-
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-@pytest.mark.parametrize("when", ["always", "cascade"])
-def test_attention_mode_hands_q_and_k_over_unrotated(arch, when, engine_for, monkeypatch):
-    """With `attention` and the `segments` kernel (Triton's CPU interpreter here) a prompt forward
-    rotates nothing itself where the kernel takes the batch — every batch for `segments`, the
-    shared-prefix ones for `segments-cascade` — and its hidden states equal `together`'s bit for
-    bit in float32 (the kernel's rotation is the same arithmetic)."""
-    pytest.importorskip("triton")
-    from boundgen.attention.backends import ReferenceBackend, SegmentsBackend
-    from boundgen.text.packing import SequenceGroup, pack
-
-    model = engine_for(arch).model
-    monkeypatch.setattr(model, "backend", SegmentsBackend(ReferenceBackend(), when))
-    shared = pack([SequenceGroup(QUERY, ITEMS[:3]), SequenceGroup([], [[4, 4, 9]])])
-    plain = pack([SequenceGroup([], [QUERY, [7, 1]])], share_prefix=False)
-    calls = _rotations(monkeypatch)
-    for batch in (shared, plain):
-        args = (batch.input_ids, batch.positions, batch.attn)
-        with torch.no_grad():
-            monkeypatch.setattr(decoder, "QK_ROTATION", "together")
-            together = model(*args)
-            calls.clear()
-            monkeypatch.setattr(decoder, "QK_ROTATION", "attention")
-            inside = model(*args)
-        assert torch.equal(inside, together)
-        taken = model.backend.takes_rope(batch.attn)
-        assert taken == (when == "always" or batch is shared)
-        assert (calls == []) == taken  # rotated in the kernel, or as `together` where it is not
-
-
-def test_attention_mode_rotates_as_together_without_a_kernel_that_can(engine_for, monkeypatch):
-    """A backend without `takes_rope` (the CPU's reference attention, flash) gets q and k rotated
-    as `together` does: the same answers."""
-    engine = engine_for("qwen2")
-    monkeypatch.setattr(decoder, "QK_ROTATION", "together")
-    together = _answers(engine)
-    monkeypatch.setattr(decoder, "QK_ROTATION", "attention")
-    inside = _answers(engine)
-    for name in ("score", "score_full", "beam"):
-        assert inside[name] == together[name], name
-    assert torch.equal(inside["embed"], together["embed"])

@@ -119,79 +119,6 @@ def test_both_ways_of_loading_keys(monkeypatch, block_pointers):
     check(pack(groups(), share_prefix=share), 14, 2, 64, torch.float32, 2e-5)
 
 
-def rotated_inputs(batch, hq, hkv, d, dtype, seed=0):
-    """q, k, v as the model hands them to attention (strided views of one qkv projection) and
-    cos/sin [T, 1, D/2] of random angles."""
-    g = torch.Generator().manual_seed(seed)
-    t = batch.num_tokens
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEV)
-    q = qkv[:, : hq * d].view(t, hq, d)
-    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-    angles = torch.randn(t, 1, d // 2, generator=g) * 3
-    return q, k, v, angles.cos().to(dtype).to(DEV), angles.sin().to(dtype).to(DEV)
-
-
-@pytest.mark.parametrize("layout", ["plain", "mixed", "one-token", "long"])
-@pytest.mark.parametrize("block_pointers", [True, False])
-def test_the_kernel_rotates_q_and_k_as_it_loads_them(layout, block_pointers, monkeypatch):
-    """`packed_prefill_rope` (q and k unrotated, cos/sin beside them) equals the kernel over q and
-    k rotated first (HF's rotate-half, `apply_rope`) — exactly in float32 — and the reference."""
-    from boundgen.models.layers import apply_rope
-
-    if block_pointers and not segments.BLOCK_POINTERS:
-        pytest.skip("this Triton has no block pointers")
-    monkeypatch.setattr(segments, "BLOCK_POINTERS", tl.constexpr(block_pointers))
-    groups, share = LAYOUTS[layout]
-    batch = pack(groups(), share_prefix=share).to(DEV)
-    q, k, v, cos, sin = rotated_inputs(batch, 14, 2, 64, torch.float32)
-    backend = SegmentsBackend(ReferenceBackend(), "always")
-    assert backend.takes_rope(batch.attn)
-    out = backend.prefill_rope(q, k, v, batch.attn, cos, sin)
-    first = kernel(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, batch.attn)
-    assert torch.equal(out, first)
-    ref = reference(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, batch.attn)
-    assert (out.cpu() - ref).abs().max().item() <= 2e-5
-
-
-def to_bf16_as_the_kernel(x: torch.Tensor) -> torch.Tensor:
-    """float32 → bfloat16 as the kernel's `.to` rounds: to nearest even on a GPU, toward zero in
-    Triton's CPU interpreter (3.9 truncates the low 16 bits)."""
-    if CUDA:
-        return x.to(torch.bfloat16)
-    return (x.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
-
-
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(14, 2, 64), (16, 2, 128)])
-def test_the_kernel_rotates_bf16_as_a_compiled_rotation_rounds(hq, hkv, d):
-    """In bf16 the kernel rotates in float32 and rounds q and k once, as Inductor's compiled
-    rotation does (eager `apply_rope` rounds after each op): the kernel over q and k rotated in
-    float32 and rounded so gives the same answer (exactly in the interpreter; on a GPU the
-    rotation may fuse a multiply-add, so within a bf16 ulp of the inputs)."""
-    from boundgen.models.layers import apply_rope
-
-    batch = pack(random_groups(4, 5, shared=True)).to(DEV)
-    q, k, v, cos, sin = rotated_inputs(batch, hq, hkv, d, torch.bfloat16, seed=1)
-    rot = lambda x: to_bf16_as_the_kernel(apply_rope(x.float(), cos.float(), sin.float()))
-    out = SegmentsBackend(ReferenceBackend(), "always").prefill_rope(q, k, v, batch.attn, cos, sin)
-    assert out.dtype == torch.bfloat16
-    first = kernel(rot(q), rot(k), v, batch.attn)
-    if CUDA:
-        assert (out.float() - first.float()).abs().max().item() <= 2e-2
-    else:
-        assert torch.equal(out, first)
-    ref = reference(rot(q), rot(k), v, batch.attn)
-    assert (out.float().cpu() - ref).abs().max().item() <= 2e-2
-
-
-def test_cascade_only_backend_takes_rope_for_shared_prefix_batches():
-    """`segments-cascade` runs the kernel only for shared-prefix batches, so only those are
-    handed over unrotated."""
-    backend = SegmentsBackend(ReferenceBackend(), "cascade")
-    assert backend.takes_rope(pack(random_groups(1, 4, shared=True)).attn)
-    assert not backend.takes_rope(pack([SequenceGroup([], [[1] * 5, [2] * 3])]).attn)
-
-
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(14, 2, 64), (16, 2, 128)])
 def test_kernel_matches_reference_bf16(hq, hkv, d):
     # bf16 inputs, fp32 accumulation, probabilities rounded to bf16 for the PV product (as flash)
@@ -265,44 +192,35 @@ class Attn(torch.nn.Module):
         return prefill_attention(q, k, v, attn, backend)
 
 
-class AttnRope(torch.nn.Module):
-    def forward(self, q, k, v, cos, sin, attn):
-        return backend.prefill_rope(q, k, v, attn, cos, sin)
-
-
-for module, extra in ((Attn(), ()), (AttnRope(), (mk(1)[..., :32], mk(1)[..., :32]))):
-    args = (mk(14), mk(2), mk(2), *extra, batch.attn)
-    ep = torch.export.export(module, args, strict=False)
-    print([(str(n.target), n.args[-2:]) for n in ep.graph.nodes if n.op == "call_function"])
+ep = torch.export.export(Attn(), (mk(14), mk(2), mk(2), batch.attn), strict=False)
+print([(str(n.target), n.args[-2:]) for n in ep.graph.nodes if n.op == "call_function"])
 """
 
 
 def test_export_traces_the_op_with_its_static_ints():
-    """`torch.export` keeps `boundgen::packed_prefill` (and `packed_prefill_rope`) as one node
-    taking the layout's ints (the fake kernel runs, nothing launches). In a child without the
-    interpreter: interpreted kernels cannot be traced."""
+    """`torch.export` keeps `boundgen::packed_prefill` as one node taking the layout's ints (the
+    fake kernel runs, nothing launches). In a child without the interpreter: interpreted kernels
+    cannot be traced."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run(
         [sys.executable, "-c", EXPORT], env=env, capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "[('boundgen.packed_prefill.default', (10, 7))]" in res.stdout, res.stdout
-    # q and k unrotated, cos/sin beside them (`BOUNDGEN_QK_ROTATION=attention`): one node too
-    assert "[('boundgen.packed_prefill_rope.default', (10, 7))]" in res.stdout, res.stdout
 
 
 HOPPER = """
 from boundgen.attention import segments
 
-d, gqa, scale_type, rope = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "rope"
+d, gqa, scale_type = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 fn = segments._packed_prefill_kernel
 block_m, block_n, warps, stages = segments.config_for(d)
 const = dict(
     SEG_ITERS=8, GROUP_ITERS=4, GQA=gqa, HEAD_DIM=d, BLOCK_D=d, BLOCK_T=block_m // gqa,
-    BLOCK_M=block_m, BLOCK_N=block_n, HAS_PREFIX=True, IEEE=False, INTERPRET=False, ROPE=rope,
+    BLOCK_M=block_m, BLOCK_N=block_n, HAS_PREFIX=True, IEEE=False, INTERPRET=False,
 )
 sig = {n: "i32" for n in fn.arg_names}
-sig.update({n: "*bf16" for n in ("Q", "K", "V", "Out", "C", "S")})
+sig.update({n: "*bf16" for n in ("Q", "K", "V", "Out")})
 sig.update({n: "*i32" for n in ("CU", "CU_PREFIX", "CU_GROUP_Q")})
 constexprs_with_scale(sig, const, scale_type, 0.18033688011112042)
 aligned = [n for n in fn.arg_names if n.startswith("stride") or sig[n].startswith("*")]
@@ -310,26 +228,18 @@ aligned = [n for n in fn.arg_names if n.startswith("stride") or sig[n].startswit
 
 
 @pytest.mark.parametrize(
-    ("d", "gqa", "scale_type", "rope"),
-    [
-        (64, 7, "fp32", "no"),
-        (128, 8, "fp32", "no"),
-        (64, 7, "fp64", "no"),
-        (64, 7, "constexpr", "no"),
-        (64, 7, "fp64", "rope"),
-        (128, 8, "fp32", "rope"),
-    ],
+    ("d", "gqa", "scale_type"),
+    [(64, 7, "fp32"), (128, 8, "fp32"), (64, 7, "fp64"), (64, 7, "constexpr")],
 )
-def test_kernel_compiles_for_hopper(d, gqa, scale_type, rope):
+def test_kernel_compiles_for_hopper(d, gqa, scale_type):
     """The interpreter runs the kernel as Python; this compiles it for sm_90 (Triton's bundled
     ptxas, no GPU needed), so what only the compiler checks (loop-carried types, layouts, shared
     memory) fails here too. The float scale comes typed fp32 from Triton's own launcher and fp64
     from Inductor's (torch.compile, AOTInductor: what failed on the H200 before the kernel cast
     it), and as a constexpr Python float in torch 2.11's analysis of which tensors a user kernel
     mutates (`generate_ttir`: on the H200 the analysis failed on `.to` of a float, and Inductor
-    then assumed that the kernel writes every input). With "rope" the kernel rotates q and k as
-    it loads them (`packed_prefill_rope`)."""
-    compile_in_child(HOPPER, str(d), str(gqa), scale_type, rope)
+    then assumed that the kernel writes every input)."""
+    compile_in_child(HOPPER, str(d), str(gqa), scale_type)
 
 
 # -- GPU: against flash attention, compiled, exported ---------------------------------------------
@@ -371,31 +281,6 @@ def test_kernel_inside_torch_compile():
     eager = prefill_attention(q, k, v, batch.attn, backend)
     compiled = fn(q, k, v, batch.attn)
     assert torch.allclose(compiled.float(), eager.float(), atol=1e-3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("workload", ["w2", "w1"])
-def test_rotating_kernel_matches_flash_over_rotated_inputs_on_cuda(workload):
-    """`packed_prefill_rope` compiled for the GPU (and inside `torch.compile`) against flash over
-    q and k rotated first, on W1/W2-like packings."""
-    from boundgen.models.layers import apply_rope
-
-    batch = (w2_batch() if workload == "w2" else w1_batch()).to("cuda")
-    q, k, v, cos, sin = rotated_inputs(batch, 14, 2, 64, torch.bfloat16)
-    flash = prefill_attention(
-        apply_rope(q, cos, sin),
-        apply_rope(k, cos, sin),
-        v,
-        batch.attn,
-        get_backend("varlen", "cuda"),
-    )
-    backend = get_backend("segments", "cuda")
-    ours = backend.prefill_rope(q, k, v, batch.attn, cos, sin)
-    assert torch.isfinite(ours).all()
-    assert (ours.float() - flash.float()).abs().max().item() <= 3e-2
-    fn = torch.compile(lambda *a: backend.prefill_rope(*a), fullgraph=True)
-    compiled = fn(q, k, v, batch.attn, cos, sin)
-    assert torch.allclose(compiled.float(), ours.float(), atol=1e-3)
 
 
 @pytest.mark.gpu
@@ -441,40 +326,6 @@ def test_segments_engine_equals_varlen_engine(tiny_model):
         out[attention] = torch.tensor(engine.score(query, items, [514, 371]))
     for name in ("segments", "segments-cascade"):
         assert torch.allclose(out[name], out["varlen"], atol=2e-2), name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["eager", "eager+graphs", "compile"])
-def test_rotation_inside_the_kernel_scores_as_rotating_first(tiny_model, monkeypatch, backend):
-    """`BOUNDGEN_QK_ROTATION=attention` on CUDA: an engine whose prompt forwards hand q and k to
-    the `segments` kernel unrotated scores as the default rotation does, within bf16 noise (eager,
-    graphed, and through `torch.compile`). The graphed and compiled engines are given the
-    request's own cascade bucket and must run it: a shared-prefix request fits no plain default
-    bucket, and would run eagerly whatever the backend."""
-    from boundgen import Engine
-    from boundgen.models import decoder
-
-    path = tiny_model("qwen2")
-    query, items = "a query of some length", [f"item {i} with words" for i in range(12)]
-    # the request's whole cascade group: a 13-token prefix, 50 suffix tokens in 12 segments (a
-    # smaller bucket has the compiled engine cut the group, the graphed one run it eagerly)
-    bucket = "t128-s24-m32-g2-p32-q96"
-    out = {}
-    for mode in ("together", "attention"):
-        monkeypatch.setattr(decoder, "QK_ROTATION", mode)
-        engine = Engine.from_pretrained(
-            path,
-            device="cuda",
-            dtype="bfloat16",
-            attention="segments",
-            backend=backend,
-            compile_buckets=bucket,
-        )
-        out[mode] = torch.tensor(engine.score(query, items, [514, 371]))
-        if backend != "eager":  # the request's one piece ran in the bucket (staged or padded)
-            stats = engine.runner.buckets.stats
-            assert (stats.batches, stats.misses) == ({bucket: 1}, 0), mode
-    assert torch.allclose(out["attention"], out["together"], atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -230,43 +230,25 @@ class SegmentsBackend:
     def __init__(self, inner: AttentionBackend, when: str = "cascade") -> None:
         if when not in ("always", "cascade"):
             raise ValueError(f"SegmentsBackend: when must be 'always' or 'cascade', not {when!r}")
-        # needs triton: imported here
-        from boundgen.attention.segments import packed_prefill, packed_prefill_rope
+        from boundgen.attention.segments import packed_prefill  # needs triton: imported here
 
-        self.inner, self.when = inner, when
-        self._packed_prefill, self._packed_prefill_rope = packed_prefill, packed_prefill_rope
+        self.inner, self.when, self._packed_prefill = inner, when, packed_prefill
         base = "" if inner.name == "varlen" else f"{inner.name}+"
         self.name = base + ("segments" if when == "always" else "segments-cascade")
 
     def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal):
         return self.inner.varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal)
 
-    def takes_rope(self, attn) -> bool:
-        """Whether `prefill_rope` takes this batch: every batch the kernel takes."""
-        return self.when == "always" or attn.has_shared_prefix
-
     def prefill(self, q, k, v, attn):
-        if not self.takes_rope(attn):
+        if self.when == "cascade" and not attn.has_shared_prefix:
             return None
-        return self._packed_prefill(q, k, v, *self._layout(attn))
-
-    def prefill_rope(self, q, k, v, attn, cos, sin):
-        """`prefill` of q and k before their rotation (cos, sin: [T, 1, D/2]), which the kernel
-        applies as it loads them (`models.decoder.rope_in_attention`)."""
-        return self._packed_prefill_rope(q, k, v, cos, sin, *self._layout(attn))
-
-    @staticmethod
-    def _layout(attn) -> tuple:
         if attn.has_shared_prefix:
-            return (
-                attn.cu_seqlens,
-                attn.cu_prefix,
-                attn.cu_group_q,
-                attn.num_prefix_tokens,
-                attn.num_shared_tokens,
-            )
-        # without shared prefixes the group tensors are not read by the kernel
-        return attn.cu_seqlens, attn.cu_seqlens, attn.cu_seqlens, 0, 0
+            cu_prefix, cu_group_q = attn.cu_prefix, attn.cu_group_q
+            p, s = attn.num_prefix_tokens, attn.num_shared_tokens
+        else:  # not read by the kernel
+            cu_prefix = cu_group_q = attn.cu_seqlens
+            p, s = 0, 0
+        return self._packed_prefill(q, k, v, attn.cu_seqlens, cu_prefix, cu_group_q, p, s)
 
 
 register("segments")(lambda: SegmentsBackend(VarlenBackend(), "always"))

@@ -55,43 +55,6 @@ def _tile(
 
 
 @triton.jit
-def _rotated(x, partner, C, S, rows, stride_ct, cols, mask, HALF: tl.constexpr):
-    """HF's rotate-half RoPE of a [rows, cols] tile in float32: x·cos + sign·partner·sin, where
-    `partner` holds column (c + HALF) mod HEAD_DIM of each column c and the sign is −1 on the first
-    half; cos/sin ([T, HALF] rows of C and S) are read at each row's packed token."""
-    at = rows.to(tl.int64)[:, None] * stride_ct + (cols % HALF)[None, :]
-    c = tl.load(C + at, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(S + at, mask=mask, other=0.0).to(tl.float32)
-    sign = tl.where(cols < HALF, -1.0, 1.0)
-    return x.to(tl.float32) * c + sign[None, :] * partner.to(tl.float32) * s
-
-
-@triton.jit
-def _rotated_keys(
-    Kh,
-    C,
-    S,
-    T,
-    stride_kt,
-    stride_ct,
-    start,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Rows [start, start + BLOCK_N) of a KV head's keys, rotated (`_rotated`) and rounded back
-    to the keys' dtype, as a separate rotation kernel would have stored them; zero past T."""
-    rows = start + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < T) & (cols[None, :] < HEAD_DIM)
-    base = Kh + rows.to(tl.int64)[:, None] * stride_kt
-    k = tl.load(base + cols[None, :], mask=mask, other=0.0)
-    partner = tl.load(base + ((cols + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=mask, other=0.0)
-    rot = _rotated(k, partner, C, S, rows, stride_ct, cols, mask, HEAD_DIM // 2)
-    return rot.to(k.dtype)
-
-
-@triton.jit
 def _search(cu, x, n, ITERS: tl.constexpr):
     """Per row: the largest i in [0, n) with cu[i] <= x (cu sorted, cu[0] <= x < cu[n])."""
     lo = tl.zeros_like(x)
@@ -129,25 +92,18 @@ def _block(
     row_lo,
     row_hi,
     qk_scale,
-    C,
-    S,
-    stride_ct,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
     MASK: tl.constexpr,
-    ROPE: tl.constexpr,
 ):
     """One BLOCK_N-key step of the online softmax (keys from `start`; Kh, Vh: this KV head's
     [T, HEAD_DIM] slices). With MASK, keys outside a row's range are masked out of its scores;
     the block itself is only bounded by T (block pointers where Triton has them: no per-element
-    pointer tensors, fewer registers). With ROPE the keys are rotated as they are loaded (C, S:
-    the batch's cos/sin, `packed_prefill_rope`)."""
-    if ROPE:
-        k = _rotated_keys(Kh, C, S, T, stride_kt, stride_ct, start, HEAD_DIM, BLOCK_N, BLOCK_D)
-    elif BLOCK_POINTERS:
+    pointer tensors, fewer registers)."""
+    if BLOCK_POINTERS:
         kb = tl.make_block_ptr(
             Kh, (T, HEAD_DIM), (stride_kt, 1), (start, 0), (BLOCK_N, BLOCK_D), order=(1, 0)
         )
@@ -196,16 +152,12 @@ def _sweep(
     row_lo,
     row_hi,
     qk_scale,
-    C,
-    S,
-    stride_ct,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
     MASK: tl.constexpr,
-    ROPE: tl.constexpr,
 ):
     """`_block` over keys [k_lo, k_hi), BLOCK_N at a time."""
     if INTERPRET:
@@ -228,16 +180,12 @@ def _sweep(
                 row_lo,
                 row_hi,
                 qk_scale,
-                C,
-                S,
-                stride_ct,
                 HEAD_DIM,
                 BLOCK_D,
                 BLOCK_N,
                 IEEE,
                 INTERPRET,
                 MASK,
-                ROPE,
             )
             start += BLOCK_N
     else:
@@ -256,16 +204,12 @@ def _sweep(
                 row_lo,
                 row_hi,
                 qk_scale,
-                C,
-                S,
-                stride_ct,
                 HEAD_DIM,
                 BLOCK_D,
                 BLOCK_N,
                 IEEE,
                 INTERPRET,
                 MASK,
-                ROPE,
             )
     return acc, m_i, l_i
 
@@ -285,15 +229,11 @@ def _attend(
     row_lo,
     row_hi,
     qk_scale,
-    C,
-    S,
-    stride_ct,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
-    ROPE: tl.constexpr,
 ):
     """Online softmax of the tile over the union of its rows' key ranges: row i sees keys
     [row_lo[i], row_hi[i]) (rows outside `row_ok` are never stored and do not count). Whole blocks
@@ -322,16 +262,12 @@ def _attend(
         row_lo,
         row_hi,
         qk_scale,
-        C,
-        S,
-        stride_ct,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_N,
         IEEE,
         INTERPRET,
         True,
-        ROPE,
     )
     acc, m_i, l_i = _sweep(
         acc,
@@ -348,16 +284,12 @@ def _attend(
         row_lo,
         row_hi,
         qk_scale,
-        C,
-        S,
-        stride_ct,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_N,
         IEEE,
         INTERPRET,
         False,
-        ROPE,
     )
     acc, m_i, l_i = _sweep(
         acc,
@@ -374,16 +306,12 @@ def _attend(
         row_lo,
         row_hi,
         qk_scale,
-        C,
-        S,
-        stride_ct,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_N,
         IEEE,
         INTERPRET,
         True,
-        ROPE,
     )
     return acc, m_i, l_i
 
@@ -399,8 +327,6 @@ def _packed_prefill_kernel(
     CU,
     CU_PREFIX,
     CU_GROUP_Q,
-    C,
-    S,
     T,
     num_segments,
     num_groups,
@@ -414,7 +340,6 @@ def _packed_prefill_kernel(
     stride_vh,
     stride_ot,
     stride_oh,
-    stride_ct,
     qk_scale,
     SEG_ITERS: tl.constexpr,
     GROUP_ITERS: tl.constexpr,
@@ -427,7 +352,6 @@ def _packed_prefill_kernel(
     HAS_PREFIX: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
-    ROPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -446,14 +370,11 @@ def _packed_prefill_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     tok64 = tok.to(tl.int64)
-    q_rows = Q + tok64[:, None] * stride_qt + head[:, None] * stride_qh
-    q_ok = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_rows + offs_d[None, :], mask=q_ok, other=0.0)
-    if ROPE:  # rotated here, rounded to q's dtype as a separate rotation kernel would store it
-        partner = tl.load(
-            q_rows + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :], mask=q_ok, other=0.0
-        )
-        q = _rotated(q, partner, C, S, tok, stride_ct, offs_d, q_ok, HEAD_DIM // 2).to(q.dtype)
+    q = tl.load(
+        Q + tok64[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if INTERPRET:
         q = q.to(tl.float32)
     Kh = K + kvh.to(tl.int64) * stride_kh
@@ -484,15 +405,11 @@ def _packed_prefill_kernel(
             p_lo,
             p_hi,
             qk_scale,
-            C,
-            S,
-            stride_ct,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_N,
             IEEE,
             INTERPRET,
-            ROPE,
         )
 
     # every row sees its own causal segment: keys [segment start, token]
@@ -513,15 +430,11 @@ def _packed_prefill_kernel(
         s_lo,
         s_hi,
         qk_scale,
-        C,
-        S,
-        stride_ct,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_N,
         IEEE,
         INTERPRET,
-        ROPE,
     )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -564,11 +477,9 @@ def launch(
     block_n: int,
     num_warps: int,
     num_stages: int,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The kernel with an explicit tile configuration (what `packed_prefill` and the benchmark
-    call). `rope`: cos and sin [T, D/2] (last dim contiguous) — q and k come unrotated and the
-    kernel rotates them as it loads them (`packed_prefill_rope`)."""
+    call)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     gqa = hq // hkv
@@ -578,7 +489,6 @@ def launch(
     num_segments = cu_seqlens.shape[0] - 1
     num_groups = cu_group_q.shape[0] - 1
     grid = (triton.cdiv(t, block_t), hkv)
-    cos, sin = rope if rope is not None else (q, q)  # not read without ROPE
     traceable(_packed_prefill_kernel)[grid](
         q,
         k,
@@ -587,8 +497,6 @@ def launch(
         cu_seqlens,
         cu_prefix,
         cu_group_q,
-        cos,
-        sin,
         t,
         num_segments,
         num_groups,
@@ -602,7 +510,6 @@ def launch(
         v.stride(1),
         out.stride(0),
         out.stride(1),
-        cos.stride(0) if rope is not None else 0,
         (1.0 / math.sqrt(d)) * 1.4426950408889634,
         SEG_ITERS=_iters(num_segments),
         GROUP_ITERS=_iters(num_groups),
@@ -615,7 +522,6 @@ def launch(
         HAS_PREFIX=num_shared > 0,
         IEEE=q.dtype == torch.float32,
         INTERPRET=q.device.type != "cuda",  # Triton's CPU interpreter (TRITON_INTERPRET=1)
-        ROPE=rope is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -640,29 +546,4 @@ def packed_prefill(
     q, k, v = unit_last_stride(q, k, v)
     return launch(
         q, k, v, cu_seqlens, cu_prefix, cu_group_q, num_prefix, num_shared, *config_for(q.shape[2])
-    )
-
-
-@triton_op("boundgen::packed_prefill_rope", mutates_args=())
-def packed_prefill_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    cu_prefix: torch.Tensor,
-    cu_group_q: torch.Tensor,
-    num_prefix: int,
-    num_shared: int,
-) -> torch.Tensor:
-    """`packed_prefill` of q and k before their rotation: the kernel rotates each (HF's
-    rotate-half; cos, sin: [T, ..., D/2], one row per packed token) as it loads it, so no
-    separate rotation kernel writes them first (`BOUNDGEN_QK_ROTATION=attention`)."""
-    t = cos.shape[0]
-    cos, sin = cos.reshape(t, -1), sin.reshape(t, -1)
-    q, k, v, cos, sin = unit_last_stride(q, k, v, cos, sin)
-    config = config_for(q.shape[2])
-    return launch(
-        q, k, v, cu_seqlens, cu_prefix, cu_group_q, num_prefix, num_shared, *config, rope=(cos, sin)
     )

@@ -28,27 +28,15 @@ from boundgen.settings import env_choice
 # the layer: the qkv kernel rotates them, `models/skinny.py`). "apart"
 # (`BOUNDGEN_QK_ROTATION=apart`): one rotation each, two kernels a layer. On the H200 (W3's
 # package, BENCHMARKS.md twenty-second session) together took 24 kernels and ~30 µs of GPU time
-# off a call. "attention": where the attention backend can rotate as it loads q and k
-# (`takes_rope`: the `segments` kernel) a prompt forward hands them over unrotated, with no
-# rotation kernel at all; elsewhere (beam steps, other backends) as "together". Off: in W3 on
-# the H200 the kernel grew by more than the rotation kernel it saves (BENCHMARKS.md,
-# twenty-third session; W2 to measure). Same arithmetic per element for apart and together;
-# "attention" rounds the rotated q and k once from float32, as Inductor's compiled rotation does.
-# Models with q/k norms (Qwen3) and the grouped query layout rotate apart in the first two modes.
-# Part of the compiled artifacts' platform key when not "apart".
-QK_ROTATIONS = ("apart", "together", "attention")
+# off a call. Same arithmetic per element. Models with q/k norms (Qwen3) and the grouped query
+# layout rotate apart either way. Part of the compiled artifacts' platform key when not "apart".
+# A third mode, "attention" (the `segments` kernel rotating q and k as it loads them), was tried
+# and removed: it lost W3 and W2 (BENCHMARKS.md twenty-third and thirty-fourth sessions; git
+# history has it).
+QK_ROTATIONS = ("apart", "together")
 QK_ROTATION = env_choice(
     "BOUNDGEN_QK_ROTATION", os.environ.get("BOUNDGEN_QK_ROTATION", "together"), QK_ROTATIONS
 )
-
-
-def rope_in_attention(backend: AttentionBackend, attn: AttnInputs, kv) -> bool:
-    """Whether a layer's attention rotates q and k itself (`BOUNDGEN_QK_ROTATION=attention`, a
-    prompt forward without KV to store, a backend whose prefill takes this batch with cos/sin)."""
-    if QK_ROTATION != "attention" or kv is not None:
-        return False
-    takes = getattr(backend, "takes_rope", None)
-    return takes is not None and takes(attn)
 
 
 class Attention(nn.Module):
@@ -70,7 +58,7 @@ class Attention(nn.Module):
         self, qkv, cos, sin, grouped: bool = False, rotate: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [T, (Hq + 2·Hkv)·D] → q [T, Hq, D], k and v [T, Hkv, D], q and k normed (Qwen3)
-        and rotated (not rotated with `rotate=False`: the attention does it, `rope_in_attention`).
+        and rotated (not with `rotate=False`: the fused qkv kernel has rotated them already).
         `grouped`: q as [T, G, Hkv, D] (G = Hq / Hkv; query head j·G + g at [:, g, j]), written
         so by the rotation itself, for attention that takes a KV head's query heads as rows
         (`cascade.grouped_rows_attention`: a reshape, no copy)."""
@@ -97,20 +85,15 @@ class Attention(nn.Module):
     def rotates_together(self, grouped: bool) -> bool:
         """Whether q and k are rotated as one run of heads, the qkv projection's first
         `rotated_columns` columns (`QK_ROTATION`)."""
-        return QK_ROTATION in ("together", "attention") and self.q_norm is None and not grouped
+        return QK_ROTATION == "together" and self.q_norm is None and not grouped
 
     @property
     def rotated_columns(self) -> int:
         return (self.num_heads + self.num_kv_heads) * self.head_dim
 
-    def attend(
-        self, q, k, v, attn: AttnInputs, kv, layer: int, backend: AttentionBackend, rope=None
-    ):
-        """Attention over the packed batch (or a decode step's KV): → [T, Hq·D]. `rope`: (cos,
-        sin) when q and k come unrotated (`rope_in_attention`)."""
-        if rope is not None:
-            o = backend.prefill_rope(q, k, v, attn, *rope)
-        elif isinstance(kv, DecodeKV):
+    def attend(self, q, k, v, attn: AttnInputs, kv, layer: int, backend: AttentionBackend):
+        """Attention over the packed batch (or a decode step's KV): → [T, Hq·D]."""
+        if isinstance(kv, DecodeKV):
             o = decode_attention(q, k, v, layer, kv, backend)
         else:
             if isinstance(kv, PromptKV):
@@ -138,19 +121,16 @@ class DecoderLayer(nn.Module):
     # each call zeroes its own)
 
     def attention_input(
-        self, x, cos, sin, grouped: bool = False, rotate: bool = True, counts=None
+        self, x, cos, sin, grouped: bool = False, counts=None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] → q, k, v of the normed x (`Attention.heads`, q `grouped` or not, q and
-        k rotated unless `rotate` is False)."""
+        """x [T, hidden] → q, k, v of the normed x (`Attention.heads`, q `grouped` or not)."""
         attn = self.self_attn
         if skinny.applies(x, attn.qkv_proj):
             # the kernel rotates q and k as it stores them (its epilogue): no rotation kernel
-            fused = rotate and attn.rotates_together(grouped)
+            fused = attn.rotates_together(grouped)
             qkv = self._fused_qkv(x, cos, sin, counts, fused)
-            rotate = rotate and not fused
-        else:
-            qkv = attn.qkv_proj(self.input_layernorm(x))
-        return attn.heads(qkv, cos, sin, grouped, rotate)
+            return attn.heads(qkv, cos, sin, grouped, rotate=not fused)
+        return attn.heads(attn.qkv_proj(self.input_layernorm(x)), cos, sin, grouped)
 
     def _fused_qkv(self, x, cos, sin, counts, rotate: bool, group=1, kv=None, step=None):
         """`skinny.norm_linear` over the layer's input norm and qkv projection: q and k rotated
@@ -207,10 +187,8 @@ class DecoderLayer(nn.Module):
         return x + mlp(norm(x))
 
     def forward(self, x, cos, sin, attn, kv, layer, backend, counts=None):
-        in_attention = rope_in_attention(backend, attn, kv)
-        q, k, v = self.attention_input(x, cos, sin, rotate=not in_attention, counts=counts)
-        rope = (cos, sin) if in_attention else None
-        o = self.self_attn.attend(q, k, v, attn, kv, layer, backend, rope)
+        q, k, v = self.attention_input(x, cos, sin, counts=counts)
+        o = self.self_attn.attend(q, k, v, attn, kv, layer, backend)
         return self.mlp_block(self.attention_output(x, o, counts), counts)
 
 
