@@ -157,6 +157,17 @@ REQUESTS = [
 
 
 def test_a_frontend_answers_what_the_in_process_app_answers(engine, config):
+    _same_replies(engine, config)
+
+
+@pytest.mark.gpu
+def test_a_frontend_answers_what_the_in_process_app_answers_on_cuda(model_dir, config):
+    """As above with the engine on the GPU (where `serve` starts frontends by default): every
+    route's reply through a frontend equals the in-process app's over the same engine."""
+    _same_replies(Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16"), config)
+
+
+def _same_replies(engine, config) -> None:
     async def main() -> None:
         local = _in_process(engine, config)
         async with _Served(engine, config) as served:
