@@ -14,10 +14,15 @@ The collector is paused from the start of `boundgen serve` until the server is r
 (`pause_until_ready`): the warm-up's `torch.compile` tracing allocates fast enough to run
 collection after collection over the start-up heap — ~1.5 s of a later start sampled on the H200
 (`BOUNDGEN_STARTUP_PROFILE`, 2026-12-02). The freeze at readiness collects once instead.
+
+At exit the heap is unfrozen: the interpreter's last collection never looks at frozen objects, so
+cycles among them were never freed, and extensions that count their live objects at exit said so
+— every stop of `boundgen serve` ended in hundreds of lines of Triton's "nanobind: leaked ...".
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
@@ -29,6 +34,7 @@ log = logging.getLogger("boundgen.server")
 # collections of 26.5 ms on average, each a p99 event; the frozen heap keeps the long-lived count
 # small, so CPython's "a quarter more long-lived objects" rule no longer holds them back.
 FULL_COLLECTION_EVERY = 100
+_unfreeze_at_exit = False
 
 
 def pause_until_ready() -> None:
@@ -40,9 +46,13 @@ def freeze_startup_heap(ready: bool = True) -> dict:
     """Collect once, then freeze what is left (call after the engine and the app are built, and
     after the warm-up); from then on a full collection runs once per `FULL_COLLECTION_EVERY`
     middle-generation ones. `ready`: the start-up is over, automatic collections resume."""
+    global _unfreeze_at_exit
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()
+    if not _unfreeze_at_exit:  # once however many freezes (the app, then the warm-up)
+        atexit.register(gc.unfreeze)
+        _unfreeze_at_exit = True
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
     if ready:
