@@ -226,13 +226,14 @@ class _BeamLayers:
 
 
 def _jobs(requested: int, buckets: int) -> int:
-    """Worker processes: `requested`, or (0) one per bucket, at most half the cores and 8 — each
-    worker holds a copy of the model and runs Inductor's own compile threads."""
-    import os
+    """Worker processes: `requested`, or (0) one per bucket, at most half the usable cores (a
+    container's CPU limit counts, `host_cores`) and 8 — each worker holds a copy of the model and
+    runs Inductor's own compile threads."""
+    from boundgen.host_cores import usable_cores
 
     if requested > 0:
         return requested
-    return max(1, min(buckets, (os.cpu_count() or 2) // 2, 8))
+    return max(1, min(buckets, usable_cores() // 2, 8))
 
 
 def _warm_isa_checks(cache_root):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from boundgen.config import EngineConfig
+from boundgen.host_cores import usable_cores
 from boundgen.settings import add_flags, from_args, load_sections, option, read_file
 
 RAY_INSTALL_HINT = "pip install 'boundgen[ray]'"
@@ -418,7 +419,8 @@ MAX_AUTO_FRONTENDS = 4
 
 
 def auto_frontends(device: str, cores: int) -> int:
-    """Frontend processes when `frontends` is unset: on a GPU one per two usable cores, at most
+    """Frontend processes when `frontends` is unset: on a GPU one per two usable cores
+    (`host_cores`: the affinity, at most a container's CPU limit), at most
     `MAX_AUTO_FRONTENDS` (half the cores stay with the engine's threads: four frontends on eight
     server cores beat HTTP in the engine's process on every H100 host measured, BENCHMARKS.md
     thirty-second to thirty-fourth sessions); on the CPU none — there the model's own forward
@@ -426,13 +428,6 @@ def auto_frontends(device: str, cores: int) -> int:
     if not device.startswith("cuda"):
         return 0
     return min(MAX_AUTO_FRONTENDS, cores // 2)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the OS says, else all)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def engine_device_given(args: argparse.Namespace, settings: ServeSettings) -> bool:

@@ -19,8 +19,9 @@ import tempfile
 import time
 from typing import Any
 
+from boundgen.host_cores import usable_cores
 from boundgen.server import frontend, loop_lag
-from boundgen.server.config import ServerConfig, usable_cores
+from boundgen.server.config import ServerConfig
 from boundgen.server.engine_link import EngineLink
 from boundgen.server.state import ServerState
 
