@@ -89,11 +89,12 @@ def test_without_buckets_it_is_the_budget_split(groups, max_tokens):
     below) for groups with rows (it counts a group's prefix also when the group has no rows; the
     chunker counts what `pack` lays out)."""
     want = _budget_split(groups, max_tokens)
-    got = [p.groups for p in chunk(groups, max_tokens)]
+    pieces = chunk(groups, max_tokens)
+    got = [p.groups for p in pieces]
     assert [[(g.prefix, g.suffixes) for g in c] for c in got] == [
         [(g.prefix, g.suffixes) for g in c] for c in want
     ]
-    assert all(p.bucket is None for p in chunk(groups, max_tokens))
+    check_pieces(groups, pieces, max_tokens, None, True)  # footprints as packed, no bucket
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -70,15 +70,16 @@ def chunk(
         return []
     if isinstance(buckets, list):
         buckets = BucketSet(buckets)
-    if buckets is None or not buckets.largest:
+    unbucketed = buckets is None or not buckets.largest
+    fp = sum((Footprint.of(g, share_prefix) for g in groups), Footprint())
+    if fp.tokens <= max_tokens:  # the whole forward in one piece: nothing to search
+        bucket = None if unbucketed else buckets.smallest(fp)
+        if unbucketed or bucket is not None:
+            return [Piece(list(groups), fp, bucket)]
+    if unbucketed:
         within = lambda fp: fp.tokens <= max_tokens
         units = _Units(groups, share_prefix, within, max_tokens, max_tokens, rows=False)
         return _cut(units, max_tokens, max_tokens, within, lambda fp: None)
-    fp = sum((Footprint.of(g, share_prefix) for g in groups), Footprint())
-    if fp.tokens <= max_tokens:  # the whole forward in one bucket: nothing to search
-        bucket = buckets.smallest(fp)
-        if bucket is not None:
-            return [Piece(list(groups), fp, bucket)]
     cap = min(max_tokens, buckets.largest)
     fits = lambda fp: fp.tokens <= cap and buckets.smallest(fp) is not None
     units = _Units(groups, share_prefix, fits, cap, max_tokens, rows=True)
