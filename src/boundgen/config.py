@@ -288,6 +288,15 @@ class EngineConfig:
         "(a request that arrives meanwhile waits for it, then runs in the next); default: always "
         "the full budget",
     )
+    batch_merge: str = option(
+        "tail",
+        "how the model node splits waiting requests into forwards: tail (the default: merge only "
+        "where a forward's fixed cost saved outweighs the wait added to the requests already "
+        "merged, by the measured cost — long prefills merge little, short ones all; a lower p99 "
+        "under load) | all (everything waiting that fits the budget); beam search always merges "
+        "all (its fixed cost dominates)",
+        choices=("tail", "all"),
+    )
     cpu_workers: int | None = option(
         None, "threads for CPU pipeline nodes (default: 2 per core, at most 8)", flag=False
     )

@@ -163,6 +163,7 @@ class Engine:
             traffic=self._traffic_log(),
             latency_target_ms=cfg.batch_latency_target_ms,
             device_depth=cfg.batch_device_depth,
+            merge_policy=cfg.batch_merge,
         )
 
     def _traffic_log(self) -> TrafficLog | None:

@@ -33,6 +33,14 @@ next batch. (Until 2026-12-03 the beam node's `fn` waited for its own search: th
 while the host turned each search's results into rows and formed the next merge — on the
 development machine's fake GPU 48 % of the time at 64 connections.)
 
+Merge policy (`merge_policy`): a merged batch answers all its requests when it ends, so merging
+delays each but the last by the others' work, and pays off only by the forwards' fixed cost it
+saves. "all" takes everything waiting that fits (the beam node: its fixed cost dominates); "tail"
+(the engine's forward node by default, `EngineConfig.batch_merge`) takes the first forward of the
+plan over the queue that minimises its requests' completion times (`runtime.merge_plan`), by the
+cost model's fixed and per-token costs once they have been told apart — W2-sized requests,
+mostly per-token cost, mostly run alone, short prompts merge as before.
+
 Lanes (`lane`): requests of different keys (the beam node: width, steps, trie) queue and
 merge apart, each lane with its own leader, and at most `lane_max` of `count` per batch (the
 beam node: the prompts of the largest whole-search graph made for the lane).
@@ -62,6 +70,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from boundgen.compile.events import COMPILES
+from boundgen.runtime import merge_plan
 from boundgen.runtime.device_queue import DeviceQueue, Flight, queue_for
 from boundgen.runtime.executor import DeadlineExceeded
 from boundgen.runtime.node import Node, NodeKind, PipelineError
@@ -218,6 +227,14 @@ class CostModel:
         fixed, per_unit = self._fit
         return fixed * forwards + per_unit * units
 
+    def told_fit(self) -> tuple[float, float] | None:
+        """(fixed ns a forward, ns a unit) once warm and the two have been told apart (batches of
+        sizes spread enough, once), else None: a fit from sizes all alike puts all the cost per
+        unit, and a plan trusting it would never merge (`merge_plan`)."""
+        if not self.warm or self._told_per_unit_ns is None:
+            return None
+        return self._fit
+
     def units_within(self, ms: float) -> float | None:
         """Units of one forward predicted to run in `ms` (0 when even the fixed part takes
         longer; None while cold)."""
@@ -340,6 +357,7 @@ LATE_MERGE_SHARE = float(os.environ.get("BOUNDGEN_LATE_MERGE_SHARE", "0.8"))
 if not 0.0 <= LATE_MERGE_SHARE <= 1.0:
     raise ValueError(f"BOUNDGEN_LATE_MERGE_SHARE={LATE_MERGE_SHARE}: expected 0 to 1")
 LATE_MERGE_MARGIN_NS = 1_000_000
+MERGE_POLICIES = ("all", "tail")  # `BatchingNode(merge_policy=...)`
 
 
 class BatchingNode(Node):
@@ -363,6 +381,12 @@ class BatchingNode(Node):
       (so only the node's first batch is skipped).
     - `latency_target_ms`: adapt the token budget to the cost model (module docstring); None:
       always `token_budget`.
+    - `merge_policy`: "all" (default) — a batch takes everything waiting that fits; "tail" —
+      once the cost model has told a forward's fixed cost from its per-token cost, a batch takes
+      the first forward of the plan that minimises the waiting requests' completion times
+      (`runtime.merge_plan`): it merges where the fixed cost saved outweighs the wait added to
+      the requests already in the batch, which all end with it (a W2-sized forward, mostly
+      per-token cost: few merges; a short prompt's, mostly fixed: all).
     - `lane(inputs) -> hashable`: requests of different lanes never share a batch; each lane has
       its own queue, leader and batcher thread, so a batch of one lane is never formed behind a
       batch of another, nor answered after it (with `finish`, each lane has its own finisher;
@@ -410,6 +434,7 @@ class BatchingNode(Node):
         max_wait_ms: float = 0.0,
         max_batch: int | None = None,
         latency_target_ms: float | None = None,
+        merge_policy: str = "all",
         lane: Callable[[dict[str, Any]], Hashable] | None = None,
         count: Callable[[dict[str, Any]], int] | None = None,
         lane_max: Callable[[Hashable, dict[str, Any]], int | None] | None = None,
@@ -439,11 +464,17 @@ class BatchingNode(Node):
             raise PipelineError(f"batching node {name!r}: device_depth must be at least 1")
         if latency_target_ms is not None and latency_target_ms <= 0:
             raise PipelineError(f"batching node {name!r}: latency_target_ms must be positive")
+        if merge_policy not in MERGE_POLICIES:
+            raise PipelineError(
+                f"batching node {name!r}: merge_policy={merge_policy!r}, expected one of "
+                f"{', '.join(MERGE_POLICIES)}"
+            )
         self.merge, self.split, self.size, self.shapes = merge, split, size, shapes
         self.token_budget = int(token_budget)
         self.max_wait_ns = int(max_wait_ms * 1e6)
         self.max_batch = max_batch
         self.latency_target_ms = latency_target_ms
+        self.merge_policy = merge_policy
         self.lane, self.count, self.lane_max = lane, count, lane_max
         self.max_lanes = max(1, int(max_lanes))
         self._clock = clock
@@ -463,6 +494,7 @@ class BatchingNode(Node):
         self.batched_requests = 0
         self.batched_tokens = 0
         self.max_requests_in_batch = 0
+        self.planned_cuts = 0  # batches the tail plan ended with requests left that would fit
         # stream time of the paced batches that have run, launch to end: the GPU's busy time plus
         # any wait for the host's launch (a host-bound node reads ~100 % too; compare batch_run)
         self.device_ns = 0.0
@@ -543,6 +575,8 @@ class BatchingNode(Node):
             "tokens": self.batched_tokens,
             "mean_requests_per_batch": self.batched_requests / b if b else 0.0,
             "max_requests_in_batch": self.max_requests_in_batch,
+            "merge": self.merge_policy,
+            "planned_cuts": self.planned_cuts,
             "device_seconds": self.device_ns / 1e9,
             "launch_seconds": self.launch_ns / 1e9,
             # how long the lanes' leaders waited for the device before forming their next batch:
@@ -579,7 +613,9 @@ class BatchingNode(Node):
         """Predicted run time of `units` tokens of `requests` requests as the merged forwards
         they become: at most `token_budget` tokens and `max_batch` requests each, one fixed cost
         per forward plus the per-token cost (not a single-request time per request: merging is
-        the point). None while the cost model is cold."""
+        the point; with `merge_policy="tail"` a queue may run as more forwards, but only where
+        the plan found their fixed cost small against the waits it saves). None while the cost
+        model is cold."""
         if not self.cost.warm:
             return None
         forwards = max(1, math.ceil(units / self.token_budget))
@@ -649,8 +685,13 @@ class BatchingNode(Node):
             deadline = first.req.deadline_ns
             wait_until = first.arrival_ns + self.max_wait_ns
             budget = self.last_budget = self._budget(first, waiting)
+            planned = self._planned(first, waiting, budget)
             while tokens < budget and (self.max_batch is None or len(batch) < self.max_batch):
                 if most is not None and count >= most:
+                    break
+                if planned is not None and len(batch) >= planned:
+                    if waiting and tokens + waiting[0].size <= budget:
+                        self.planned_cuts += 1
                     break
                 if waiting:
                     nxt = waiting[0]
@@ -677,6 +718,25 @@ class BatchingNode(Node):
                     break
                 self._cv.wait(remaining / 1e9)
             return batch
+
+    def _planned(self, first: _Item, waiting: deque[_Item], budget: int) -> int | None:
+        """With `merge_policy="tail"` and a told cost model: how many requests (`first`
+        included) the batch takes (`merge_plan.first_forward` over the queue's oldest
+        `merge_plan.WINDOW`), when that is fewer than the queue holds; None: no plan's limit
+        (the caller holds the lock)."""
+        if self.merge_policy != "tail" or not waiting:
+            return None
+        fit = self.cost.told_fit()
+        if fit is None:
+            return None
+        sizes = [first.size]
+        for it in waiting:
+            if len(sizes) == merge_plan.WINDOW:
+                break
+            if not it.req.failed:
+                sizes.append(it.size)
+        k = merge_plan.first_forward(sizes, *fit, budget, self.max_batch, merge_plan.FUTURE)
+        return k if k < len(sizes) else None
 
     def _budget(self, oldest: _Item, waiting: deque[_Item]) -> int:
         """Tokens the next batch may take: `token_budget`, or with a latency target what the cost

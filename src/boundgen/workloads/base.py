@@ -30,9 +30,10 @@ class WorkloadContext:
     """The runner, tokenizer and input limits a pipeline works with, the model's task and EOS
     ids, the cross-request batching knobs (`token_budget` tokens per merged batch,
     `max_wait_ms` a forming batch may wait, `max_batch_requests`, `latency_target_ms` that adapts
-    the token budget to the measured batch cost, `device_depth` batches queued on the device), and
-    where the model nodes log the shapes of
-    their forwards (`traffic`, None: nowhere)."""
+    the token budget to the measured batch cost, `device_depth` batches queued on the device,
+    `merge_policy`: how the forward node splits waiting requests into forwards — `BatchingNode`'s;
+    the beam node always merges all, its fixed cost dominating), and where the model
+    nodes log the shapes of their forwards (`traffic`, None: nowhere)."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class WorkloadContext:
         traffic: TrafficLog | None = None,
         latency_target_ms: float | None = None,
         device_depth: int = 2,
+        merge_policy: str = "tail",
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -60,6 +62,7 @@ class WorkloadContext:
         self.traffic = traffic
         self.latency_target_ms = latency_target_ms
         self.device_depth = device_depth
+        self.merge_policy = merge_policy
 
     @property
     def task(self) -> str:
@@ -80,16 +83,22 @@ class WorkloadContext:
             Forward(self.runner, self.traffic),
             inputs={"groups": list, "pooling": str},
             outputs={"rows": torch.Tensor},
+            merge_policy=self.merge_policy,
         )
 
     def batching(
-        self, name: str, fn: Any, inputs: dict, outputs: dict, raises: tuple = ()
+        self,
+        name: str,
+        fn: Any,
+        inputs: dict,
+        outputs: dict,
+        raises: tuple = (),
+        merge_policy: str = "all",
     ) -> BatchingNode:
         """A batching node with this context's knobs; `fn` has `merge`, `split` and `size`, and
         may have `shapes`, `lane`, `count`, `lane_max`, `finish`, `late_merge` and
-        `batch_streams`
-        (`BatchingNode`);
-        `raises` pass through as themselves."""
+        `batch_streams` (`BatchingNode`); `raises` pass through as themselves; `merge_policy`:
+        `BatchingNode`'s."""
         return BatchingNode(
             name,
             fn,
@@ -109,6 +118,7 @@ class WorkloadContext:
             max_batch=self.max_batch_requests,
             latency_target_ms=self.latency_target_ms,
             device_depth=self.device_depth,
+            merge_policy=merge_policy,
             batch_streams=getattr(fn, "batch_streams", 1),
             raises=raises,
         )
