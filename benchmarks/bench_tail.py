@@ -98,6 +98,11 @@ def with_forwards(url: str, run, client_cpus: str | None) -> dict:
         "paced_wait_ms_per_forward": wrk.per_batch(before, after, "paced_wait_s") * 1e3,
         # the host time of forming and launching a forward (merge, pack, stage, launch)
         "launch_ms_per_forward": wrk.per_batch(before, after, "launch_s") * 1e3,
+        # batches the tail merge plan ended early (`batch_merge` tail), per forward; the node's
+        # fitted cost at the end of the run (its fixed ms a forward, µs a token)
+        "planned_cuts_per_forward": wrk.per_batch(before, after, "planned_cuts"),
+        "cost_fixed_ms": after["cost_fixed_s"] * 1e3,
+        "cost_per_token_us": after["cost_per_unit_s"] * 1e6,
         "host_ms_per_forward": {
             part: wrk.per_batch(before, after, f"host_{part}_s") * 1e3 for part in HOST_PARTS
         },

@@ -195,6 +195,10 @@ def node_counters(url: str, node: str) -> dict[str, float]:
         "device_s": value("boundgen_runtime_device_seconds"),
         "paced_wait_s": value("boundgen_runtime_paced_wait_seconds"),
         "launch_s": value("boundgen_runtime_launch_seconds"),
+        "planned_cuts": value("boundgen_runtime_planned_cuts"),
+        # the node's cost model at the reading (gauges: the after side is the one to read)
+        "cost_fixed_s": value("boundgen_runtime_cost_fixed_seconds"),
+        "cost_per_unit_s": value("boundgen_runtime_cost_per_unit_seconds"),
         **{f"host_{part}_s": value(host, f'part="{part}"') for part in HOST_PARTS},
         **{f"host_cpu_{part}_s": value(cpu, f'part="{part}"') for part in HOST_PARTS},
         # CPU seconds per server thread (`boundgen_thread_cpu_seconds`), as thread_cpu:NAME

@@ -108,6 +108,10 @@ def test_device_time_series_per_batching_node(engine_for):
     assert metric(page, "boundgen_runtime_batches_total", 'node="forward"') >= 1.0
     # on CPU the call is the batch: its launch time is the forward's host time, above 0
     assert metric(page, "boundgen_runtime_launch_seconds_total", 'node="forward"') > 0.0
+    # the tail merge plan's cuts and the cost model's fit (one lone request: none, still cold)
+    assert metric(page, "boundgen_runtime_planned_cuts_total", 'node="forward"') == 0.0
+    assert metric(page, "boundgen_runtime_cost_fixed_seconds", 'node="forward"') == 0.0
+    assert metric(page, "boundgen_runtime_cost_per_unit_seconds", 'node="forward"') == 0.0
 
 
 def test_admission_gauges_and_shed_reasons(engine_for):

@@ -156,6 +156,22 @@ class _RuntimeCollector:
             "(near 0 per batch at saturation: the host, not the device, sets the pace)",
             labels=["node"],
         )
+        planned = CounterMetricFamily(
+            "boundgen_runtime_planned_cuts",
+            "batches a node's tail merge plan ended with requests waiting that would have fit "
+            "(`batch_merge` tail)",
+            labels=["node"],
+        )
+        fixed = GaugeMetricFamily(
+            "boundgen_runtime_cost_fixed_seconds",
+            "a node's cost model: the fitted fixed time of one forward (0 while cold)",
+            labels=["node"],
+        )
+        per_unit = GaugeMetricFamily(
+            "boundgen_runtime_cost_per_unit_seconds",
+            "a node's cost model: the fitted time of one unit (a token; 0 while cold)",
+            labels=["node"],
+        )
         try:
             for node, st in self.runtime.stats().get("batching", {}).items():
                 batches.add_metric([node], float(st.get("batches", 0)))
@@ -164,6 +180,10 @@ class _RuntimeCollector:
                 device.add_metric([node], float(st.get("device_seconds", 0.0)))
                 launch.add_metric([node], float(st.get("launch_seconds", 0.0)))
                 paced.add_metric([node], float(st.get("paced_wait_seconds", 0.0)))
+                planned.add_metric([node], float(st.get("planned_cuts", 0)))
+                cost = st.get("cost", {})
+                fixed.add_metric([node], float(cost.get("fixed_ms", 0.0)) / 1e3)
+                per_unit.add_metric([node], float(cost.get("per_unit_us", 0.0)) / 1e6)
         except Exception:
             pass
         yield batches
@@ -172,6 +192,9 @@ class _RuntimeCollector:
         yield device
         yield launch
         yield paced
+        yield planned
+        yield fixed
+        yield per_unit
         try:
             tracer = self.runtime.executor.tracer
             for (pipeline, node), h in sorted(tracer.histograms().items()):
