@@ -1,0 +1,89 @@
+"""One GPU queue simulated (CPU, seconds): the p99 time in system of equal requests under Poisson
+arrivals, when each forward merges everything waiting ("all"), at most a fixed number of requests
+("capK"), or the first forward of `runtime.merge_plan`'s plan ("plan"). A forward of k requests
+costs `a + (1 - a) k` (a: the fixed share of a lone request's forward), so times are in lone
+forwards and loads in shares of the unmerged capacity. Why the engine's forward node merges by the
+plan (`EngineConfig.batch_merge`, default "tail"): W2's fixed share is ~0.13 on the H200.
+
+    python benchmarks/sim_merge.py [--shares 0 0.05 0.13 0.3 0.5] [--loads 0.6 0.7 0.8 0.9]
+                                   [--requests 200000] [--futures 0 2 4 16]
+                                   [--json $OUT/sim_merge.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common
+
+from boundgen.runtime.merge_plan import WINDOW, first_forward
+
+
+def p99_time_in_system(load: float, share: float, policy, n: int, seed: int = 0) -> float:
+    rng = random.Random(seed)
+    t, arrivals = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(load)
+        arrivals.append(t)
+    clock, i, times = 0.0, 0, []
+    while i < n:
+        clock = max(clock, arrivals[i])
+        j = i
+        while j < n and arrivals[j] <= clock and j - i < WINDOW:
+            j += 1
+        k = max(1, min(j - i, policy(j - i, share)))
+        clock += share + (1 - share) * k
+        times += [clock - a for a in arrivals[i : i + k]]
+        i += k
+    times = sorted(times[n // 100 :])  # past the empty start
+    return times[int(0.99 * (len(times) - 1))]
+
+
+POLICIES = {
+    "all": lambda queued, share: queued,
+    "cap1": lambda queued, share: 1,
+    "cap2": lambda queued, share: 2,
+    "cap4": lambda queued, share: 4,
+    "plan": lambda queued, share: first_forward([1.0] * queued, share, 1 - share, float("inf")),
+}
+
+
+def plan_with(future: float):
+    """The plan with another `FUTURE` (`--futures`)."""
+    return lambda queued, share: first_forward(
+        [1.0] * queued, share, 1 - share, float("inf"), future=future
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.05, 0.13, 0.3, 0.5])
+    ap.add_argument("--loads", type=float, nargs="+", default=[0.6, 0.7, 0.8, 0.9])
+    ap.add_argument("--requests", type=int, default=200_000)
+    ap.add_argument("--futures", type=float, nargs="*", default=[], help="plan variants")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    policies = dict(POLICIES, **{f"plan{f:g}": plan_with(f) for f in args.futures})
+    rows = []
+    print(f"p99 time in system, in lone forwards ({args.requests} requests a cell)")
+    print(f"{'fixed share':>11} {'load':>5} " + " ".join(f"{p:>6}" for p in policies))
+    for share in args.shares:
+        for load in args.loads:
+            cells = {
+                name: p99_time_in_system(load, share, fn, args.requests)
+                for name, fn in policies.items()
+            }
+            rows.append({"fixed_share": share, "load": load, "p99": cells})
+            line = " ".join(f"{v:6.2f}" for v in cells.values())
+            print(f"{share:11.2f} {load:5.2f} {line}")
+    if args.json:
+        out = {"env": common.env_info(), "window": WINDOW, "rows": rows}
+        common.write_json(args.json, out)
+
+
+if __name__ == "__main__":
+    main()
