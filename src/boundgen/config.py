@@ -292,9 +292,9 @@ class EngineConfig:
         "tail",
         "how the model node splits waiting requests into forwards: tail (the default: merge only "
         "where a forward's fixed cost saved outweighs the wait added to the requests already "
-        "merged, by the measured cost — long prefills merge little, short ones all; a lower p99 "
-        "under load) | all (everything waiting that fits the budget); beam search always merges "
-        "all (its fixed cost dominates)",
+        "merged, by the measured cost — long prefills merge little, short ones all; p99 lower or "
+        "the same under load) | all (everything waiting that fits the budget); beam search always "
+        "merges all (its fixed cost dominates)",
         choices=("tail", "all"),
     )
     cpu_workers: int | None = option(

@@ -8,7 +8,9 @@ per-token cost does: W2's forward of 2 requests took 1.86x one's GPU time, of 8 
 BENCHMARKS.md, 2026-12-02 fifth session: fixed ~0.48 ms, ~3.1 ms a request). There, under Poisson
 arrivals at 70 % of the unmerged capacity, one simulated GPU queue (`benchmarks/sim_merge.py`, fixed
 share 0.13 of a lone request's forward) has its p99 at 7.7 lone forwards' time merging everything
-waiting, 6.7 with this plan (BENCHMARKS.md, CPU, 2026-12-06).
+waiting, 6.7 with this plan (BENCHMARKS.md, CPU, 2026-12-06). On the H100's served path the cost
+model fitted ~1 ms fixed a forward (launch and host work on top of the GPU's), a share of ~0.25 for
+W2, where the plan merges nearly as much as `all` (thirty-fifth session).
 
 The plan: split the queue (oldest first, at most `WINDOW` requests) into consecutive forwards
 that minimise the sum of the requests' completion times, plus `FUTURE` requests more waiting
