@@ -1,5 +1,6 @@
 """`host_cores`: the cores a process may use — its affinity, at most its cgroup's CPU quota
-(a container's CPU limit), in cgroup v2 and v1 layouts, at the process's own cgroup or the root."""
+(a container's CPU limit), in cgroup v2 and v1 layouts, at the process's own cgroup, a parent
+of it, or the root."""
 
 from __future__ import annotations
 
@@ -45,6 +46,26 @@ def _tree(tmp_path, files: dict[str, str], proc: str = "0::/\n"):
             "3:cpu,cpuacct:/\n",
             None,
         ),  # v1, no limit
+        (
+            {"system.slice/cpu.max": "150000 100000\n", "system.slice/app.service/cpu.max": "max"},
+            "0::/system.slice/app.service\n",
+            1.5,
+        ),  # v2, the limit on a parent (a systemd slice) and none on the process's own cgroup
+        (
+            {"kubepods/cpu.max": "800000 100000\n", "kubepods/pod1/cpu.max": "300000 100000\n"},
+            "0::/kubepods/pod1\n",
+            3.0,
+        ),  # v2, limits at two levels: the smaller applies
+        (
+            {
+                "cpu/batch/cpu.cfs_quota_us": "200000\n",
+                "cpu/batch/cpu.cfs_period_us": "100000\n",
+                "cpu/batch/job/cpu.cfs_quota_us": "-1\n",
+                "cpu/batch/job/cpu.cfs_period_us": "100000\n",
+            },
+            "3:cpu:/batch/job\n",
+            2.0,
+        ),  # v1, the limit on a parent
         ({}, "", None),  # no cgroups at all (not Linux, or not mounted)
         ({"cpu.max": "garbage\n"}, "0::/\n", None),
     ],
