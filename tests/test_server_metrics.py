@@ -99,7 +99,8 @@ def test_device_time_series_per_batching_node(engine_for):
     """`boundgen_runtime_device_seconds_total` and `boundgen_runtime_paced_wait_seconds_total` per
     batching node: 0 on CPU (no device queue); `boundgen_runtime_launch_seconds_total`, the host
     time of forming and launching the batches."""
-    client = TestClient(create_app(engine_for(), ServerConfig()), base_url=LOCAL)
+    engine = engine_for()
+    client = TestClient(create_app(engine, ServerConfig()), base_url=LOCAL)
     body = {"query": [1, 2, 3], "items": [[4, 5], [6]], "label_token_ids": [1, 2]}
     assert client.post("/v1/score", json=body).status_code == 200
     page = client.get("/metrics").text
@@ -108,10 +109,32 @@ def test_device_time_series_per_batching_node(engine_for):
     assert metric(page, "boundgen_runtime_batches_total", 'node="forward"') >= 1.0
     # on CPU the call is the batch: its launch time is the forward's host time, above 0
     assert metric(page, "boundgen_runtime_launch_seconds_total", 'node="forward"') > 0.0
-    # the tail merge plan's cuts and the cost model's fit (one lone request: none, still cold)
-    assert metric(page, "boundgen_runtime_planned_cuts_total", 'node="forward"') == 0.0
+    # the tail merge plan's cuts and the cost model's fit, as the node has them (0 while cold)
+    node = engine.runtime.stats()["batching"]["forward"]
+    cost, warm = node["cost"], node["cost"]["warm"]
+    assert metric(page, "boundgen_runtime_planned_cuts_total", 'node="forward"') == float(
+        node["planned_cuts"]
+    )
+    fixed = metric(page, "boundgen_runtime_cost_fixed_seconds", 'node="forward"')
+    per_unit = metric(page, "boundgen_runtime_cost_per_unit_seconds", 'node="forward"')
+    assert fixed == pytest.approx(cost["fixed_ms"] / 1e3 if warm else 0.0)
+    assert per_unit == pytest.approx(cost["per_unit_us"] / 1e6 if warm else 0.0)
+
+
+def test_the_cost_fit_series_read_zero_until_the_model_is_warm(engine_for, monkeypatch):
+    """A cold cost model's fit (a first batch or two) predicts nothing: the gauges read 0 until
+    it is warm, then its fit."""
+    engine = engine_for()
+    client = TestClient(create_app(engine, ServerConfig()), base_url=LOCAL)
+    node = engine.runtime.context.forward
+    monkeypatch.setattr(node.cost, "_fit", (2_000_000.0, 3_000.0))
+    monkeypatch.setattr(type(node.cost), "warm", property(lambda self: False))
+    page = client.get("/metrics").text
     assert metric(page, "boundgen_runtime_cost_fixed_seconds", 'node="forward"') == 0.0
-    assert metric(page, "boundgen_runtime_cost_per_unit_seconds", 'node="forward"') == 0.0
+    monkeypatch.setattr(type(node.cost), "warm", property(lambda self: True))
+    page = client.get("/metrics").text
+    assert metric(page, "boundgen_runtime_cost_fixed_seconds", 'node="forward"') == 0.002
+    assert metric(page, "boundgen_runtime_cost_per_unit_seconds", 'node="forward"') == 3e-06
 
 
 def test_admission_gauges_and_shed_reasons(engine_for):

@@ -182,8 +182,9 @@ class _RuntimeCollector:
                 paced.add_metric([node], float(st.get("paced_wait_seconds", 0.0)))
                 planned.add_metric([node], float(st.get("planned_cuts", 0)))
                 cost = st.get("cost", {})
-                fixed.add_metric([node], float(cost.get("fixed_ms", 0.0)) / 1e3)
-                per_unit.add_metric([node], float(cost.get("per_unit_us", 0.0)) / 1e6)
+                warm = bool(cost.get("warm"))  # a cold model's fit predicts nothing yet
+                fixed.add_metric([node], float(cost.get("fixed_ms", 0.0)) / 1e3 * warm)
+                per_unit.add_metric([node], float(cost.get("per_unit_us", 0.0)) / 1e6 * warm)
         except Exception:
             pass
         yield batches
