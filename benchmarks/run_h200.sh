@@ -146,7 +146,7 @@ run_phase() {
     # TAIL_SERVE_ARGS: server-only flags (e.g. "--config benchmarks/configs/cpu_workers2.yaml");
     # TAIL_CLOSED: wrk's closed-loop connection counts (no think time: "1 4 64" reaches saturation)
     # TAIL_DURATION: seconds a step (6: ~1,300 W5 requests at ~220 req/s, ~13 of them in the slowest
-    # 1 %; the thirty-fifth session's alternated p99s moved by ±30 % between runs of one setting)
+    # 1 %; the thirty-fifth session's p99s of one setting moved by up to half between runs)
     tail) phase ${TAIL_NAME:-tail} 240 env -u LD_PRELOAD python3 benchmarks/bench_tail.py --model $M --serve-args "$W5_SERVE ${TAIL_SERVE_ARGS:-}" --items 100 --item-tokens 16 --query-tokens 256 --closed ${TAIL_CLOSED:-1 4} --rates ${TAIL_RATES:-25 50 100 150 200 300} --wrk-connections ${TAIL_WRK_CONNS:-64} --client-processes 4 --duration ${TAIL_DURATION:-6} --server-cpus 0-7 --client-cpus 8-15 --server-prelude "${TAIL_PRELUDE:-}" --gil-profile ${TAIL_GIL:-0} --gil-profile-connections ${TAIL_GIL_CONNS:-64} --gpu-window ${TAIL_GPU_WINDOW:-0} --out "$OUT/${TAIL_NAME:-tail}.json" ;;
     hf-serving) phase hf-serving 90 python3 benchmarks/bench_serving.py --model $M --device cuda --servers hf --qps-steps 5 10 --duration 6 --warmup 5 --out-dir "$OUT/hf" ;;
     beam-serving) echo '[{"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": 16, "trie": "w4"}]' > /tmp/beam_profile.json
