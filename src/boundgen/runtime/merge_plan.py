@@ -17,9 +17,10 @@ that minimise the sum of the requests' completion times, plus `FUTURE` requests 
 behind the whole queue (what arrives meanwhile waits for all of it, so the fixed costs a plan
 pays delay them too); the next forward is the plan's first. A dynamic programme over the queue's
 suffixes, O(WINDOW²). With no fixed cost it never merges (nothing to save); the longer the queue
-and the larger the fixed cost, the more it merges, so under a backlog it merges as much as `all`.
-(`FUTURE` from that simulation, `--futures`: 8 against 0, 2, 4 and 16 at fixed shares 0.05–0.3
-and 60–90 % load; 8 was never above merging everything, and within 12 % of the best fixed cap.)
+and the larger the fixed cost, the more it merges, so under a backlog it keeps what merging
+saves. (`FUTURE` from that simulation, `--futures`: 8 against 0, 2, 4 and 16 at fixed shares
+0.05–0.3 and 60–90 % load; 8 was never above merging everything, and within 13 % of the best
+fixed cap.)
 """
 
 from __future__ import annotations
