@@ -298,5 +298,5 @@ class EngineConfig:
         choices=("tail", "all"),
     )
     cpu_workers: int | None = option(
-        None, "threads for CPU pipeline nodes (default: 2 per core, at most 8)", flag=False
+        None, "threads for CPU pipeline nodes (default: 2 per usable core, at most 8)", flag=False
     )

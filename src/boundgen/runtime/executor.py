@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
+from boundgen.host_cores import usable_cores
 from boundgen.runtime.dag import Pipeline
 from boundgen.runtime.device_waits import DeviceWaits
 from boundgen.runtime.memory import Lease, MemoryPools
@@ -303,7 +303,9 @@ class Executor:
 
         from boundgen import cuda_waits
 
-        self.cpu_workers = max(1, cpu_workers or min(8, (os.cpu_count() or 2) * 2))
+        # two per core this process may use (a container's CPU limit counts, `host_cores`), at
+        # most 8
+        self.cpu_workers = max(1, cpu_workers or min(8, usable_cores() * 2))
         want_cuda = device is None or str(device).startswith("cuda")
         self.cuda = bool(want_cuda and torch.cuda.is_available())
         self.device = (
