@@ -3,8 +3,7 @@ cross call + LSE merge + cat) against the Triton `segments` kernel (one call), o
 
     # H200 (a minute):
     python benchmarks/bench_attention.py --out $OUT/attention.json
-    # also sweep the kernel's tiles (BLOCK_M, BLOCK_N, BLOCK_NP, warps, stages) and both ways of
-    # finding a row's segment (`segments.SEGMENT_LOOKUP`):
+    # also sweep the kernel's tiles (BLOCK_M, BLOCK_N, warps, stages):
     python benchmarks/bench_attention.py --sweep --out $OUT/attention.json
 
 Layouts (Qwen2.5-0.5B heads by default: 14 query heads, 2 KV heads, head_dim 64):
@@ -82,17 +81,14 @@ def time_us(fn, iters: int) -> dict:
     return {"graph_us": replayed, "eager_us": eager}
 
 
-def with_tile(segments, tile, lookup, backend, q, k, v, a):
-    """The kernel through the backend with another tile (BLOCK_M, BLOCK_N, BLOCK_NP, warps,
-    stages) and segment lookup."""
-    saved, saved_lookup = dict(segments.CONFIGS), segments.SEGMENT_LOOKUP
+def with_tile(segments, tile, backend, q, k, v, a):
+    """The kernel through the backend with another tile (BLOCK_M, BLOCK_N, warps, stages)."""
+    saved = dict(segments.CONFIGS)
     segments.CONFIGS.update(dict.fromkeys(saved, tile))
-    segments.SEGMENT_LOOKUP = lookup
     try:
         return prefill_attention(q, k, v, a, backend)
     finally:
         segments.CONFIGS.update(saved)
-        segments.SEGMENT_LOOKUP = saved_lookup
 
 
 def main() -> None:
@@ -143,19 +139,11 @@ def main() -> None:
         }
         if args.sweep:
             # BLOCK_M counts rows (tokens × the GQA group): 7 query heads a KV head make 64 rows
-            # 9 tokens, so a program re-reads its group's prefix for every 9 tokens. BLOCK_NP
-            # (the prefix's keys a step) only matters where groups share a prefix (w2, w5).
-            tiles = itertools.product((64, 128), (32, 64), (32, 64, 128), (4, 8), (2,))
-            for tile, lookup in itertools.product(tiles, segments.SEGMENT_LOOKUPS):
-                label = "segments m{} n{} np{} w{} s{}".format(*tile) + f" {lookup}"
-                variants[label] = lambda tile=tile, lookup=lookup: with_tile(
-                    segments, tile, lookup, ours, q, k, v, a
-                )
-        else:  # the default tile, both lookups
-            for lookup in segments.SEGMENT_LOOKUPS:
-                variants[f"segments {lookup}"] = lambda lookup=lookup: with_tile(
-                    segments, segments.config_for(args.head_dim), lookup, ours, q, k, v, a
-                )
+            # 9 tokens, so a program re-reads its group's prefix for every 9 tokens
+            tiles = itertools.product((32, 64, 128, 256), (32, 64), (4, 8), (2, 3))
+            for tile in tiles:
+                label = "segments m{} n{} w{} s{}".format(*tile)
+                variants[label] = lambda tile=tile: with_tile(segments, tile, ours, q, k, v, a)
         for label, fn in variants.items():
             try:
                 got = fn()

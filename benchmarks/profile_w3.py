@@ -13,8 +13,6 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --rotations apart,together            # the q/k rotation modes built and timed side by side
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after --autotune 0,1
-    python benchmarks/profile_w3.py --workload w2 --backend aoti+graphs --variants after \
-        --lookups binary,count                # how the attention kernel finds a row's segment
     BOUNDGEN_SKINNY_TILES=$OUT/tiles.json python benchmarks/profile_w3.py --backend aoti+graphs \
         --variants after --skinny 0,64        # the layers' GEMMs by cuBLAS + Inductor, or fused
 
@@ -61,7 +59,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common
 
 from boundgen import Engine
-from boundgen.attention import segments
 from boundgen.checkpoints import ensure_model
 from boundgen.compile import bucket_autotune
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
@@ -359,12 +356,6 @@ def main() -> int:
         "mode, then timed interleaved call by call; `models.decoder.QK_ROTATION`)",
     )
     ap.add_argument(
-        "--lookups",
-        default=None,
-        help="attention segment lookups to build side by side (binary,count: "
-        "`attention.segments.SEGMENT_LOOKUP`), crossed with the other axes",
-    )
-    ap.add_argument(
         "--autotune",
         default=None,
         help="bucket GEMM autotune modes to build side by side (0,1: aoti+graphs; "
@@ -401,27 +392,22 @@ def main() -> int:
         ap.error(f"--rotations: choose from {','.join(decoder.QK_ROTATIONS)}")
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
-    lookups = args.lookups.split(",") if args.lookups else [None]
-    if any(x is not None and x not in segments.SEGMENT_LOOKUPS for x in lookups):
-        ap.error(f"--lookups: choose from {','.join(segments.SEGMENT_LOOKUPS)}")
     sides = [
-        (v, r, a, k, x)
+        (v, r, a, k)
         for v in args.variants.split(",")
         for r in rotations
         for a in autotunes
         for k in skinnies
-        for x in lookups
     ]
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for variant, rotation, autotune, skinny_rows, lookup in sides:
+        for variant, rotation, autotune, skinny_rows in sides:
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
                 + ([f"autotune{autotune}"] if autotune is not None else [])
                 + ([f"skinny{skinny_rows}"] if skinny_rows is not None else [])
-                + ([lookup] if lookup is not None else [])
             )
             # each read when the runner traces, builds or captures the model
             if rotation is not None:
@@ -430,8 +416,6 @@ def main() -> int:
                 bucket_autotune.MODE = autotune
             if skinny_rows is not None:
                 skinny.MAX_ROWS = int(skinny_rows)
-            if lookup is not None:
-                segments.SEGMENT_LOOKUP = lookup
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":

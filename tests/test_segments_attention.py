@@ -119,51 +119,6 @@ def test_both_ways_of_loading_keys(monkeypatch, block_pointers):
     check(pack(groups(), share_prefix=share), 14, 2, 64, torch.float32, 2e-5)
 
 
-@pytest.mark.parametrize("lookup", segments.SEGMENT_LOOKUPS)
-@pytest.mark.parametrize(
-    "groups",
-    [
-        # more segments than one SEG_CHUNK load (several steps of `_count`), and a bucket's
-        # zero-length trailing segments
-        lambda: [SequenceGroup([], [[1 + n % 5] * (1 + n % 3) for n in range(150)])],
-        # more groups than one GROUP_CHUNK load, short suffixes straddling the kernel's tiles
-        lambda: [SequenceGroup([1] * (2 + n % 4), [[2] * (1 + n % 2)] * 2) for n in range(21)],
-    ],
-    ids=["150-segments", "21-groups"],
-)
-def test_both_ways_of_finding_a_rows_segment(monkeypatch, lookup, groups):
-    """A row's segment and group by binary search or by counting the entries <= its token: both
-    give the reference's result, past the first chunk of entries too (the interpreter reads the
-    switch at call time)."""
-    monkeypatch.setattr(segments, "SEGMENT_LOOKUP", lookup)
-    check(pack(groups()), 14, 2, 64, torch.float32, 2e-5)
-    bucket = Bucket.parse("t384-s200-m16-g24-p96-q96")
-    if pack(groups()).attn.has_shared_prefix:
-        from boundgen.compile.buckets import BucketSet
-
-        _, padded = BucketSet([bucket]).pad(pack(groups()))
-        check(padded, 14, 2, 64, torch.float32, 2e-5)
-
-
-def test_the_lookup_is_part_of_the_platform_key_only_when_counting(monkeypatch):
-    from boundgen.compile.cache import platform_info
-
-    monkeypatch.setattr(segments, "SEGMENT_LOOKUP", "binary")
-    assert "segment_lookup" not in platform_info("cpu")  # the keys of the packages before it
-    monkeypatch.setattr(segments, "SEGMENT_LOOKUP", "count")
-    assert platform_info("cpu")["segment_lookup"] == "count"
-
-
-@pytest.mark.parametrize("block_np", [16, 64])
-def test_prefix_keys_in_steps_of_their_own_size(monkeypatch, block_np):
-    """The shared prefix walked BLOCK_NP keys a step, the own segments BLOCK_N: any pair gives
-    the reference's result (prefixes longer and shorter than a step, not a multiple of it)."""
-    block_m, block_n, _, warps, stages = segments.config_for(64)
-    monkeypatch.setitem(segments.CONFIGS, 64, (block_m, block_n, block_np, warps, stages))
-    groups = [SequenceGroup([1] * n, [[2] * 5, [3] * 9, [4]]) for n in (3, 40, 64, 90)]
-    check(pack(groups), 14, 2, 64, torch.float32, 2e-5)
-
-
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(14, 2, 64), (16, 2, 128)])
 def test_kernel_matches_reference_bf16(hq, hkv, d):
     # bf16 inputs, fp32 accumulation, probabilities rounded to bf16 for the PV product (as flash)
@@ -259,11 +214,10 @@ from boundgen.attention import segments
 
 d, gqa, scale_type = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 fn = segments._packed_prefill_kernel
-block_m, block_n, block_np, warps, stages = segments.config_for(d)
+block_m, block_n, warps, stages = segments.config_for(d)
 const = dict(
-    SEG_ITERS=8, GROUP_ITERS=4, COUNT=sys.argv[4] == "count", GQA=gqa, HEAD_DIM=d, BLOCK_D=d,
-    BLOCK_T=block_m // gqa, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_NP=block_np, HAS_PREFIX=True,
-    IEEE=False, INTERPRET=False,
+    SEG_ITERS=8, GROUP_ITERS=4, GQA=gqa, HEAD_DIM=d, BLOCK_D=d, BLOCK_T=block_m // gqa,
+    BLOCK_M=block_m, BLOCK_N=block_n, HAS_PREFIX=True, IEEE=False, INTERPRET=False,
 )
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({n: "*bf16" for n in ("Q", "K", "V", "Out")})
@@ -274,16 +228,10 @@ aligned = [n for n in fn.arg_names if n.startswith("stride") or sig[n].startswit
 
 
 @pytest.mark.parametrize(
-    ("d", "gqa", "scale_type", "lookup"),
-    [
-        (64, 7, "fp32", "binary"),
-        (64, 7, "fp32", "count"),
-        (128, 8, "fp32", "count"),
-        (64, 7, "fp64", "binary"),
-        (64, 7, "constexpr", "binary"),
-    ],
+    ("d", "gqa", "scale_type"),
+    [(64, 7, "fp32"), (128, 8, "fp32"), (64, 7, "fp64"), (64, 7, "constexpr")],
 )
-def test_kernel_compiles_for_hopper(d, gqa, scale_type, lookup):
+def test_kernel_compiles_for_hopper(d, gqa, scale_type):
     """The interpreter runs the kernel as Python; this compiles it for sm_90 (Triton's bundled
     ptxas, no GPU needed), so what only the compiler checks (loop-carried types, layouts, shared
     memory) fails here too. The float scale comes typed fp32 from Triton's own launcher and fp64
@@ -291,7 +239,7 @@ def test_kernel_compiles_for_hopper(d, gqa, scale_type, lookup):
     it), and as a constexpr Python float in torch 2.11's analysis of which tensors a user kernel
     mutates (`generate_ttir`: on the H200 the analysis failed on `.to` of a float, and Inductor
     then assumed that the kernel writes every input)."""
-    compile_in_child(HOPPER, str(d), str(gqa), scale_type, lookup)
+    compile_in_child(HOPPER, str(d), str(gqa), scale_type)
 
 
 # -- GPU: against flash attention, compiled, exported ---------------------------------------------
@@ -309,11 +257,9 @@ def w1_batch(tokens: int = 8192, seed: int = 0) -> object:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lookup", segments.SEGMENT_LOOKUPS)
 @pytest.mark.parametrize("workload", ["w2", "w1"])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(14, 2, 64), (32, 8, 64), (16, 8, 128)])
-def test_kernel_matches_flash_on_cuda(monkeypatch, workload, hq, hkv, d, lookup):
-    monkeypatch.setattr(segments, "SEGMENT_LOOKUP", lookup)
+def test_kernel_matches_flash_on_cuda(workload, hq, hkv, d):
     batch = (w2_batch() if workload == "w2" else w1_batch()).to("cuda")
     q, k, v = qkv(batch.num_tokens, hq, hkv, d, torch.bfloat16)
     flash = prefill_attention(q, k, v, batch.attn, get_backend("varlen", "cuda"))

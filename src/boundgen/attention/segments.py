@@ -24,14 +24,12 @@ prefill never needs the LSE). Importing this module needs `triton`; `backends` i
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from boundgen.settings import env_choice
 from boundgen.triton_launch import traceable, unit_last_stride
 
 
@@ -67,31 +65,6 @@ def _search(cu, x, n, ITERS: tl.constexpr):
         lo = tl.where(go, mid, lo)
         hi = tl.where(go, hi, mid)
     return lo
-
-
-@triton.jit
-def _count(cu, x, n, CHUNK: tl.constexpr, INTERPRET: tl.constexpr):
-    """Per row: the largest i in [0, n) with cu[i] <= x (cu sorted, cu[0] <= x < cu[n]), as the
-    number of cu[1..n) that are <= x: cu read CHUNK entries a step, every step's load independent
-    of the last (a binary search is a chain of dependent loads, one per halving)."""
-    found = tl.zeros_like(x)
-    if INTERPRET:  # (as `_sweep`: the interpreter's range() takes no tensor bound)
-        start = 1
-        while start < n:
-            found += _counted(cu, x, n, start, CHUNK)
-            start += CHUNK
-    else:
-        for start in range(1, n, CHUNK):
-            found += _counted(cu, x, n, start, CHUNK)
-    return found
-
-
-@triton.jit
-def _counted(cu, x, n, start, CHUNK: tl.constexpr):
-    """How many of cu[start : min(start + CHUNK, n)] are <= x, per row."""
-    j = start + tl.arange(0, CHUNK)
-    c = tl.load(cu + j, mask=j < n, other=2147483647)
-    return tl.sum((c[None, :] <= x[:, None]).to(tl.int32), 1)
 
 
 @triton.jit
@@ -370,14 +343,12 @@ def _packed_prefill_kernel(
     qk_scale,
     SEG_ITERS: tl.constexpr,
     GROUP_ITERS: tl.constexpr,
-    COUNT: tl.constexpr,
     GQA: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_NP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -417,10 +388,7 @@ def _packed_prefill_kernel(
         # suffix rows of group g also see prefix g, non-causally
         shared = row_ok & (tok >= num_prefix) & (tok < num_prefix + num_shared)
         u = tl.minimum(tl.maximum(tok - num_prefix, 0), num_shared - 1)
-        if COUNT:
-            g = _count(CU_GROUP_Q, u, num_groups, GROUP_CHUNK, INTERPRET)
-        else:
-            g = _search(CU_GROUP_Q, u, num_groups, GROUP_ITERS)
+        g = _search(CU_GROUP_Q, u, num_groups, GROUP_ITERS)
         p_lo = tl.where(shared, tl.load(CU_PREFIX + g), T)  # other rows: an empty range
         p_hi = tl.where(shared, tl.load(CU_PREFIX + g + 1), 0)
         acc, m_i, l_i = _attend(
@@ -439,16 +407,13 @@ def _packed_prefill_kernel(
             qk_scale,
             HEAD_DIM,
             BLOCK_D,
-            BLOCK_NP,
+            BLOCK_N,
             IEEE,
             INTERPRET,
         )
 
     # every row sees its own causal segment: keys [segment start, token]
-    if COUNT:
-        seg = _count(CU, tok, num_segments, SEG_CHUNK, INTERPRET)
-    else:
-        seg = _search(CU, tok, num_segments, SEG_ITERS)
+    seg = _search(CU, tok, num_segments, SEG_ITERS)
     s_lo = tl.where(row_ok, tl.load(CU + seg), T)
     s_hi = tl.where(row_ok, tok + 1, 0)
     acc, m_i, l_i = _attend(
@@ -480,32 +445,16 @@ def _packed_prefill_kernel(
     )
 
 
-# (head_dim ≤ 64, head_dim ≤ 128): BLOCK_M rows (tokens × GQA heads), BLOCK_N keys a step of a
-# row's own segment, BLOCK_NP keys a step of a group's shared prefix, warps, stages.
-# head_dim 64 from `bench_attention.py --sweep` on the H200 (2026-12-02, 14/2 heads, µs of one
-# call replayed from a graph, one BLOCK_N for both): BLOCK_N 32 against 64, W2 in its bucket 16.8
-# (64 keys not among the six fastest, > 18.9), W1 30.4 against 34.2 (a 16-token candidate's own
-# segment is one 32-key block, not half of a 64-key one); BLOCK_M 128 and 256 were slower.
-# head_dim 128 not swept.
-CONFIGS = {64: (64, 32, 32, 4, 2), 128: (64, 64, 64, 4, 2)}
+# (head_dim ≤ 64, head_dim ≤ 128): BLOCK_M rows (tokens × GQA heads), BLOCK_N keys, warps, stages.
+# head_dim 64 from `bench_attention.py --sweep` on the H200 (2026-12-02, 14/2 heads, µs of one call
+# replayed from a graph): BLOCK_N 32 against 64, W2 in its bucket 16.8 (64 keys not among the six
+# fastest, > 18.9), W1 30.4 against 34.2 (a 16-token candidate's own segment is one 32-key block,
+# not half of a 64-key one); BLOCK_M 128 and 256 were slower. head_dim 128 not swept.
+CONFIGS = {64: (64, 32, 4, 2), 128: (64, 64, 4, 2)}
 
 
-def config_for(head_dim: int) -> tuple[int, int, int, int, int]:
+def config_for(head_dim: int) -> tuple[int, int, int, int]:
     return CONFIGS[64] if head_dim <= 64 else CONFIGS[128]
-
-
-# How a row finds its segment in `cu_seqlens` and its group in `cu_group_q`: "binary" (a binary
-# search, SEG_ITERS / GROUP_ITERS halvings: a chain of that many dependent loads before the first
-# key can be read, 8 + 4 in W2's bucket) or "count" (`_count`: the row's index is how many entries
-# are <= its token, SEG_CHUNK / GROUP_CHUNK entries a load, the loads independent). Same result;
-# `BOUNDGEN_SEGMENT_LOOKUP` for the A/B (part of the compiled artifacts' platform key when not
-# "binary").
-SEGMENT_LOOKUPS = ("binary", "count")
-SEGMENT_LOOKUP = env_choice(
-    "BOUNDGEN_SEGMENT_LOOKUP", os.environ.get("BOUNDGEN_SEGMENT_LOOKUP", "binary"), SEGMENT_LOOKUPS
-)
-SEG_CHUNK = tl.constexpr(128)
-GROUP_CHUNK = tl.constexpr(16)
 
 
 def _iters(n: int) -> int:
@@ -526,7 +475,6 @@ def launch(
     num_shared: int,
     block_m: int,
     block_n: int,
-    block_np: int,
     num_warps: int,
     num_stages: int,
 ) -> torch.Tensor:
@@ -565,14 +513,12 @@ def launch(
         (1.0 / math.sqrt(d)) * 1.4426950408889634,
         SEG_ITERS=_iters(num_segments),
         GROUP_ITERS=_iters(num_groups),
-        COUNT=SEGMENT_LOOKUP == "count",
         GQA=gqa,
         HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_T=block_t,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_NP=block_np,
         HAS_PREFIX=num_shared > 0,
         IEEE=q.dtype == torch.float32,
         INTERPRET=q.device.type != "cuda",  # Triton's CPU interpreter (TRITON_INTERPRET=1)

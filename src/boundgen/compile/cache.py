@@ -121,22 +121,12 @@ def kernels_digest(modules: tuple[str, ...] = KERNEL_MODULES) -> str:
     return h.hexdigest()[:16]
 
 
-def _segment_lookup() -> str:
-    """`attention.segments.SEGMENT_LOOKUP`; "binary" where Triton is missing (no kernel to key)."""
-    try:
-        from boundgen.attention import segments
-    except ImportError:
-        return "binary"
-    return segments.SEGMENT_LOOKUP
-
-
 def platform_info(device: torch.device | str) -> dict[str, str]:
     """What an artifact is only valid for: torch build, the exact device kind it was compiled
     for, and the source of the kernels it embeds (and the rows up to which the layers take
     the fused few-row kernels and their tiles, the residual pass's mode, `compile.residual`,
-    how q and k are rotated, `models.decoder.QK_ROTATION`, how the attention kernel finds a row's
-    segment, `attention.segments.SEGMENT_LOOKUP`, and whether the buckets' GEMMs were autotuned,
-    `compile.bucket_autotune`)."""
+    how q and k are rotated, `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were
+    autotuned, `compile.bucket_autotune`)."""
     from boundgen.compile import bucket_autotune, residual
     from boundgen.models import decoder, skinny, skinny_tiles
 
@@ -155,9 +145,6 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         info["skinny_tiles"] = tiles
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
-    lookup = _segment_lookup()
-    if lookup != "binary":  # "binary" keeps the keys of the packages built before it
-        info["segment_lookup"] = lookup
     if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it
         info["bucket_autotune"] = bucket_autotune.mode()
     if dev.type == "cuda":
