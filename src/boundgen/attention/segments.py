@@ -449,7 +449,12 @@ def _packed_prefill_kernel(
 # head_dim 64 from `bench_attention.py --sweep` on the H200 (2026-12-02, 14/2 heads, µs of one call
 # replayed from a graph): BLOCK_N 32 against 64, W2 in its bucket 16.8 (64 keys not among the six
 # fastest, > 18.9), W1 30.4 against 34.2 (a 16-token candidate's own segment is one 32-key block,
-# not half of a 64-key one); BLOCK_M 128 and 256 were slower. head_dim 128 not swept.
+# not half of a 64-key one); BLOCK_M 128 and 256 were slower. head_dim 128 not swept. Measured
+# and dropped (H100, 2026-12-06, BENCHMARKS.md thirty-sixth session): the prefix walked in steps
+# of its own size (64 keys: W2 in its bucket not among the six fastest, > 17.7 against 16.4 µs),
+# and a row's segment and group found by counting the entries at or below its token instead of
+# `_search` (one load instead of a chain of dependent ones: W3's GPU busy +12 µs, W2's runner
+# +0.06 ms; the searches' latency is not what bounds the kernel). Git history has both.
 CONFIGS = {64: (64, 32, 4, 2), 128: (64, 64, 4, 2)}
 
 
