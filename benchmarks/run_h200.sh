@@ -108,6 +108,8 @@ run_phase() {
     # issue 24: one big CUDA graph's launch vs a chain of smaller ones (is the whole-search graph's early idle its launch?)
     graph-launch) phase graph-launch 90 python3 benchmarks/bench_graph_launch.py --out "$OUT/graph_launch.json" ;;
     # (with --sweep: the fastest tiles to $OUT/skinny_tiles.json, for BOUNDGEN_SKINNY_TILES)
+    # issue 24 item 2: a weight-streaming GEMM (swap AB, split K into fp32 partials, TMA loads) against cuBLAS at 16/64 rows
+    weight-stream) phase weight-stream 300 python3 benchmarks/bench_weight_stream.py --out "$OUT/weight_stream.json" ${WEIGHT_STREAM_ARGS:-} ;;
     skinny) phase skinny 180 python3 benchmarks/bench_skinny.py --out "$OUT/skinny.json" --tiles-out "$OUT/skinny_tiles.json" ${SKINNY_ARGS:-} ;;
     attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
     attention-sweep) phase attention-sweep 300 python3 benchmarks/bench_attention.py --sweep --iters 100 --out "$OUT/attention_sweep.json" ;;

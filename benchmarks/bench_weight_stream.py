@@ -1,0 +1,268 @@
+"""Issue 24 item 2 / issue 25's W3: a weight-streaming GEMM for few rows against cuBLAS, on the GPU.
+
+    python benchmarks/bench_weight_stream.py --out $OUT/weight_stream.json     # H100/H200, ~2 min
+
+At 16–64 rows (a beam decode step, a W3 prompt) a decoder's four GEMMs only stream their weights:
+Qwen2.5-0.5B's layer is 29.7 MB, 9 µs at 3.35 TB/s, but cuBLAS's kernels run W3's layer in ~26 µs
+(BENCHMARKS.md, thirty-sixth session: gate_up 2.0 TB/s, `down` 1.0 TB/s with its split-K reduce,
+qkv and o_proj 0.4 TB/s). The earlier few-row fused kernels (`models/skinny.py`) streamed at
+0.35–1.41 TB/s (twenty-sixth session). This kernel is the plain GEMM `x @ W.T` only, built for
+the stream:
+
+- "swap AB": the weight tile [BLOCK_N, BLOCK_K] is the MMA's left operand (the MMA's M is the
+  weight's columns, ≥ 64: Hopper's warpgroup MMA), the rows of x its right one (N = the few rows);
+- K split over SPLIT_K programs a column tile, each writing its own fp32 partial [M, N] — no
+  atomics, no counters to zero, no reduction kernel of its own: in a layer the sum over the
+  partials is one more input of the elementwise kernel that follows the GEMM (Inductor fuses
+  `partials.sum(0) + residual` into the residual + RMSNorm it already runs). Timed here alone
+  (`kernel`) and with a separate `sum(0)` (`+sum`), the two bounds of that.
+
+Per GEMM shape of the preset (qkv, o_proj, gate_up, down) and row count, the device µs of one call
+replayed from a CUDA graph over `--layers` weight copies called in turn (past the L2: one layer's
+weights would stay in it), the bytes streamed over that time, for cuBLAS (`F.linear`) and for the
+fastest tiles of the sweep (BLOCK_N × BLOCK_K × SPLIT_K × stages, 4 warps); each tile checked
+against cuBLAS (max abs difference, fp32 accumulation both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import env_info, graph_us, write_json
+
+# (name, K, N): Qwen2.5-0.5B's projections (x [M, K] @ W [N, K].T)
+SHAPES = {
+    "qkv": (896, 1152),
+    "o_proj": (896, 896),
+    "gate_up": (896, 9728),
+    "down": (4864, 896),
+}
+
+
+@triton.jit
+def _stream_mm(
+    X,
+    W,
+    Out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_os,
+    stride_om,
+    K_PER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
+    """out[s] = x[:, Ks] @ W[n-tile, Ks].T for this program's column tile and K slice Ks."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k0 = pid_k * K_PER
+    for k in range(k0, k0 + K_PER, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        w = tl.load(
+            W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+            mask=n_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        x = tl.load(
+            X + offs_m[None, :] * stride_xm + offs_k[:, None],
+            mask=m_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        acc += tl.dot(w, x)  # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]
+    out = Out + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = n_ok[:, None] & m_ok[None, :]
+    if PARTIAL:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stream_mm_tma(
+    x_desc,
+    w_desc,
+    Out,
+    M,
+    N,
+    K,
+    stride_os,
+    stride_om,
+    K_PER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
+    """`_stream_mm` with both tiles loaded by the Tensor Memory Accelerator (host-made
+    descriptors: no pointer tensors in registers, zero fill past the edges)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k0 = pid_k * K_PER
+    for k in range(k0, tl.minimum(k0 + K_PER, K), BLOCK_K):
+        w = w_desc.load([pid_n * BLOCK_N, k])
+        x = x_desc.load([0, k])
+        acc += tl.dot(w, tl.trans(x))
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    out = Out + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    if PARTIAL:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+def stream_mm(x, w, block_n, block_k, split_k, stages, warps=4, out=None, tma=False):
+    """x [M, K] @ w [N, K].T: bf16 [M, N] with split_k 1, else fp32 partials [split_k, M, N]."""
+    m, k = x.shape
+    n = w.shape[0]
+    block_m = max(16, triton.next_power_of_2(m))
+    k_per = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split = triton.cdiv(k, k_per)
+    if out is None:
+        shape, dtype = ((m, n), x.dtype) if split == 1 else ((split, m, n), torch.float32)
+        out = torch.empty(shape, device=x.device, dtype=dtype)
+    stride_os = 0 if split == 1 else out.stride(0)
+    grid = (triton.cdiv(n, block_n), split)
+    if tma:
+        _stream_mm_tma[grid](
+            TensorDescriptor.from_tensor(x, [block_m, block_k]),
+            TensorDescriptor.from_tensor(w, [block_n, block_k]),
+            out,
+            m,
+            n,
+            k,
+            stride_os,
+            out.stride(-2),
+            K_PER=k_per,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            PARTIAL=split > 1,
+            num_warps=warps,
+            num_stages=stages,
+        )
+        return out
+    _stream_mm[grid](
+        x,
+        w,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        stride_os,
+        out.stride(-2),
+        K_PER=k_per,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PARTIAL=split > 1,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
+
+
+def tiles(k: int, n: int, quick: bool):
+    """(BLOCK_N, BLOCK_K, SPLIT_K, stages, TMA) to time for a K × N weight."""
+    splits = (1, 2, 4, 8, 16) if k > 2048 else (1, 2, 4)
+    if n > 4096:
+        splits = (1, 2)
+    blocks_n, blocks_k, stages = (64, 128), (64, 128, 256), (3, 5)
+    if quick:
+        blocks_n, blocks_k, stages, splits = (64,), (128,), (3,), splits[:2]
+    # the pointer loads for one tile a split (their pointer tensors take 128–255 registers a
+    # thread and spill at BLOCK_N 128: Triton's sm_90 build), every tile with TMA loads
+    plain = [(64, 128, s, 3, False) for s in splits]
+    return plain + list(itertools.product(blocks_n, blocks_k, splits, stages, (True,)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--quick", action="store_true", help="one tile a shape (a smoke test)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_weight_stream needs CUDA")
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    result = {"env": env_info(), "layers": args.layers, "shapes": {}}
+    for name in args.shapes:
+        k, n = SHAPES[name]
+        ws = [
+            torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
+            for _ in range(args.layers)
+        ]
+        nbytes = n * k * 2
+        for m in args.rows:
+            x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+            want = F.linear(x, ws[0]).float()
+            row = {"rows": m, "weight_mb": nbytes / 1e6}
+
+            def per_layer(fn):
+                return graph_us(lambda: [fn(w) for w in ws], args.iters) / len(ws)
+
+            us = per_layer(lambda w: F.linear(x, w))
+            row["cublas"] = {"us": us, "tb_s": nbytes / us / 1e6}
+            timed = []
+            for bn, bk, sk, st, tma in tiles(k, n, args.quick):
+                label = f"n{bn} k{bk} s{sk} st{st}" + (" tma" if tma else "")
+                try:
+                    got = stream_mm(x, ws[0], bn, bk, sk, st, tma=tma)
+                    got = got.float() if got.dim() == 2 else got.sum(0)
+                    diff = (got - want).abs().max().item()
+                    call = lambda w, a=(bn, bk, sk, st), t=tma: stream_mm(x, w, *a, tma=t)
+                    us = per_layer(call)
+                    entry = {"us": us, "tb_s": nbytes / us / 1e6, "max_abs_diff": diff}
+                    if sk > 1:
+                        entry["us_with_sum"] = per_layer(lambda w, c=call: c(w).sum(0))
+                    timed.append((us, label))
+                    row[label] = entry
+                except Exception as exc:  # a tile over the shared-memory limit
+                    row[label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+            timed.sort()
+            row["best"] = [label for _, label in timed[:5]]
+            result["shapes"][f"{name} m{m}"] = row
+            best = row[timed[0][1]] if timed else {}
+            print(
+                f"{name:8s} M={m:3d} {nbytes / 1e6:6.2f} MB  cuBLAS {row['cublas']['us']:6.2f} µs "
+                f"({row['cublas']['tb_s']:.2f} TB/s)  best {timed[0][1] if timed else '-'}: "
+                f"{best.get('us', float('nan')):6.2f} µs ({best.get('tb_s', 0):.2f} TB/s, "
+                f"+sum {best.get('us_with_sum', best.get('us', float('nan'))):6.2f})  "
+                f"diff {best.get('max_abs_diff', float('nan')):.2e}",
+                flush=True,
+            )
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
