@@ -19,10 +19,11 @@ computed from the full head.
     python benchmarks/bench_beam.py --heads-only --head-compile --out $OUT/beam_heads.json
 
 With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
-kernels (`skinny.MAX_ROWS` N) and `--trie-select` the one with each trie step's selection in one
-kernel (`trie_select`, the other variants then take the ATen step: the kernel is the default);
-`--residual-add` the one with the residual adds out of `addmm` (`compile.residual`, the others
-then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
+kernels (`skinny.MAX_ROWS` N), `--stream-rows N` the one with o_proj and down streamed up to N
+rows (`models/stream.py`, `stream.MAX_ROWS` N), and `--trie-select` the one with each trie step's
+selection in one kernel (`trie_select`, the other variants then take the ATen step: the kernel
+is the default); `--residual-add` the one with the residual adds out of `addmm`
+(`compile.residual`, the others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
 `--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
 attention + the own-slot kernel) or `fusedN[wW]` (one kernel, `attention/beam_decode.py`, N rows a
 program — 16, the default, 32, 64 or 128 — on W warps, by default `beam_decode.DEFAULT_WARPS`);
@@ -62,7 +63,7 @@ from boundgen.checkpoints import ensure_model
 from boundgen.compile import residual
 from boundgen.compile.decode import SearchGraphs, plain_session
 from boundgen.logsumexp import row_logsumexp
-from boundgen.models import skinny
+from boundgen.models import skinny, stream
 from boundgen.search import search
 
 
@@ -173,7 +174,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     # a variant's kernels while it runs (its graphs are captured then): `skinny.MAX_ROWS`,
     # whether a trie step is one kernel, the one-kernel decode attention's tile; the others run
     # the process's defaults
-    rows_of, select_of, tile_of = {}, {}, {}
+    rows_of, select_of, tile_of, stream_of = {}, {}, {}, {}
     # with --trie-select the other variants take the ATen step (the A/B's other side)
     select_default = False if args.trie_select else trie_select.ENABLED
     if args.head_compile:
@@ -194,13 +195,15 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
         # any of them together (one value of each kind)
         kinds = [
             [("skinny", args.skinny_rows)] if args.skinny_rows else [],
+            [("stream", args.stream_rows)] if args.stream_rows else [],
             [("select", True)] if args.trie_select else [],
             [("add", True)] if args.residual_add else [],
             [("attention", kind) for kind in args.decode_attention],
         ]
         for combo in _one_of_each(kinds):
             name = "graph+compile+" + "+".join(
-                f"skinny{v}" if n == "skinny" else v if n == "attention" else n for n, v in combo
+                f"{n}{v}" if n in ("skinny", "stream") else v if n == "attention" else n
+                for n, v in combo
             )
             opts = dict(combo)
             # the residual mode and the attention's kind are read as the variant's layers are set up
@@ -215,8 +218,8 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             for n, v in combo:
                 if n == "attention" and v.startswith("fused"):
                     tile_of[name] = _fused_tile(v)
-                elif n in ("skinny", "select"):
-                    (rows_of if n == "skinny" else select_of)[name] = v
+                elif n in ("skinny", "select", "stream"):
+                    {"skinny": rows_of, "select": select_of, "stream": stream_of}[n][name] = v
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
     out = {}
     g = torch.Generator().manual_seed(11)
@@ -261,13 +264,15 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     entry.update(kernels(lambda: ungraphed.run(prompts, w, s, t_, eos), dev))
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
+                        streamed = stream_of.get(vname, stream.MAX_ROWS)
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
-                        def call(sg=sg, rows_=rows_, one_kernel=one_kernel, tile=tile):
+                        def call(sg=sg, rows_=rows_, s_=streamed, one_kernel=one_kernel, tile=tile):
                             # read as the search's layers compile and its graph is captured
                             with (
                                 skinny.rows_up_to(rows_),
+                                stream.rows_up_to(s_),
                                 trie_select.enabled(one_kernel),
                                 beam_decode.tile(*tile),
                             ):
@@ -456,6 +461,13 @@ def main() -> int:
         default=0,
         help="heads with --head-compile: also the compiled search with the few-row fused "
         "kernels up to this many rows (`skinny.MAX_ROWS`; BOUNDGEN_SKINNY_TILES' tiles)",
+    )
+    ap.add_argument(
+        "--stream-rows",
+        type=int,
+        default=0,
+        help="heads with --head-compile: also the compiled search with o_proj and down streamed "
+        "up to this many rows (`stream.MAX_ROWS`)",
     )
     ap.add_argument(
         "--trie-select",

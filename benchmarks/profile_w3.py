@@ -15,6 +15,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after --autotune 0,1
     BOUNDGEN_SKINNY_TILES=$OUT/tiles.json python benchmarks/profile_w3.py --backend aoti+graphs \
         --variants after --skinny 0,64        # the layers' GEMMs by cuBLAS + Inductor, or fused
+    python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
+        --stream 0,64                         # o_proj and down by cuBLAS, or streamed
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -64,7 +66,7 @@ from boundgen.compile import bucket_autotune
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
-from boundgen.models import decoder, skinny, skinny_tiles
+from boundgen.models import decoder, skinny, skinny_tiles, stream
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.packing import SequenceGroup
 from boundgen.workloads.score import ScoreRequest, request_scores
@@ -368,6 +370,12 @@ def main() -> int:
         "Inductor or by the fused few-row kernels, with BOUNDGEN_SKINNY_TILES' tiles), crossed "
         "with --rotations and --autotune",
     )
+    ap.add_argument(
+        "--stream",
+        default=None,
+        help="`stream.MAX_ROWS` values to build side by side (0,64: o_proj and down by cuBLAS or "
+        "streamed, `models/stream.py`), crossed with the other axes",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -392,22 +400,25 @@ def main() -> int:
         ap.error(f"--rotations: choose from {','.join(decoder.QK_ROTATIONS)}")
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
+    streams = args.stream.split(",") if args.stream else [None]
     sides = [
-        (v, r, a, k)
+        (v, r, a, k, st)
         for v in args.variants.split(",")
         for r in rotations
         for a in autotunes
         for k in skinnies
+        for st in streams
     ]
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for variant, rotation, autotune, skinny_rows in sides:
+        for variant, rotation, autotune, skinny_rows, stream_rows in sides:
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
                 + ([f"autotune{autotune}"] if autotune is not None else [])
                 + ([f"skinny{skinny_rows}"] if skinny_rows is not None else [])
+                + ([f"stream{stream_rows}"] if stream_rows is not None else [])
             )
             # each read when the runner traces, builds or captures the model
             if rotation is not None:
@@ -416,6 +427,8 @@ def main() -> int:
                 bucket_autotune.MODE = autotune
             if skinny_rows is not None:
                 skinny.MAX_ROWS = int(skinny_rows)
+            if stream_rows is not None:
+                stream.MAX_ROWS = int(stream_rows)
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":

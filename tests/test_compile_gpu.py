@@ -146,6 +146,36 @@ def test_aoti_with_the_fused_linear_kernels_matches_eager(cuda_engine, tmp_path,
     assert e.runner.stats()["misses"] == 0
 
 
+def test_aoti_with_the_streaming_residual_gemm_matches_eager(cuda_engine, tmp_path, monkeypatch):
+    """A 64-token cascade bucket built by AOTInductor with o_proj and `down` streamed
+    (`stream.MAX_ROWS` 64: the op traced into the package, its partials summed by Inductor's
+    residual kernels) scores as the eager engine, and its package is keyed apart."""
+    from boundgen.compile.cache import platform_info
+    from boundgen.models import stream
+
+    want = _scores(cuda_engine)  # the eager layers on cuBLAS
+    monkeypatch.setattr(stream, "MAX_ROWS", 64)
+    assert platform_info("cuda")["stream_max_rows"] == "64"
+    e = cuda_engine.with_runner(_aoti_runner(cuda_engine, "aoti+graphs", tmp_path))
+    torch.testing.assert_close(_scores(e), want, atol=2e-2, rtol=0)
+    assert e.runner.stats()["misses"] == 0
+
+
+@pytest.mark.parametrize(("compile_layers", "attention"), [(False, "flash"), (True, "fused")])
+def test_search_graphs_with_the_streaming_residual_gemm_match_plain_search(
+    cuda_engine, float32_truth, compile_layers, attention, monkeypatch
+):
+    """The whole-search graphs with o_proj and `down` streamed (`stream.MAX_ROWS` 64: the
+    prefills of up to 64 tokens and every decode step), eagerly and inside the compiled decode
+    layers: as good a search as the plain one (they round the GEMM's output once less)."""
+    from boundgen.models import stream
+
+    monkeypatch.setattr(stream, "MAX_ROWS", 64)
+    _search_graphs_match(
+        cuda_engine, float32_truth, compile_layers, attention, monkeypatch, exact_eager=False
+    )
+
+
 @pytest.mark.parametrize("attention", ["flash", "fused"])
 @pytest.mark.parametrize("compile_layers", [False, True])
 def test_search_graphs_match_plain_search(
@@ -249,7 +279,7 @@ def _search_graphs_match(
     from boundgen.compile.aoti import export_attention
     from boundgen.compile.buckets import parse_buckets
     from boundgen.compile.decode import SearchGraphs
-    from boundgen.models import skinny
+    from boundgen.models import skinny, stream
     from boundgen.workloads.trie import Trie
 
     monkeypatch.setattr(beam_decode, "MODE", attention)
@@ -271,7 +301,7 @@ def _search_graphs_match(
         prompts = [torch.randint(1, 400, (k,), generator=g).tolist() for k in (7, 12, 3)]
         with torch.inference_mode():
             got = sg.run(prompts, 4, 3, t)
-            with skinny.rows_up_to(0):  # the plain search on cuBLAS
+            with skinny.rows_up_to(0), stream.rows_up_to(0):  # the plain search on cuBLAS
                 want = cuda_engine.runner.beam_search(prompts, 4, 3, t)
         assert got is not None
         # (the fused kernel rounds once, where flash + merge round their parts: near-ties too)

@@ -96,18 +96,26 @@ KERNEL_MODULES = (
     "boundgen.quant.triton_quant",
     "boundgen.models.skinny",
     "boundgen.models.skinny_tiles",
+    "boundgen.models.stream",
 )
 
 
 def embedded_kernel_modules() -> tuple[str, ...]:
     """`KERNEL_MODULES` that this process's packages embed: the fused few-row linear kernels (and
-    their tiles' choice) only where the layers take them (`skinny.MAX_ROWS` > 0), so a change to
-    them (a tile swept into `skinny_tiles.TILES`) leaves the packages built without them valid."""
-    from boundgen.models import skinny
+    their tiles' choice) only where the layers take them (`skinny.MAX_ROWS` > 0), the streaming
+    residual GEMM (and the row blocks it takes from `skinny_tiles`) only where `stream.MAX_ROWS`
+    > 0, so a change to them (a tile swept into `skinny_tiles.TILES`) leaves the packages built
+    without them valid."""
+    from boundgen.models import skinny, stream
 
-    if skinny.MAX_ROWS > 0:
-        return KERNEL_MODULES
-    return tuple(m for m in KERNEL_MODULES if not m.startswith("boundgen.models.skinny"))
+    drop = set()
+    if skinny.MAX_ROWS <= 0:
+        drop.add("boundgen.models.skinny")
+        if stream.MAX_ROWS <= 0:
+            drop.add("boundgen.models.skinny_tiles")
+    if stream.MAX_ROWS <= 0:
+        drop.add("boundgen.models.stream")
+    return tuple(m for m in KERNEL_MODULES if m not in drop)
 
 
 def kernels_digest(modules: tuple[str, ...] = KERNEL_MODULES) -> str:
@@ -125,10 +133,11 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     """What an artifact is only valid for: torch build, the exact device kind it was compiled
     for, and the source of the kernels it embeds (and the rows up to which the layers take
     the fused few-row kernels and their tiles, the residual pass's mode, `compile.residual`,
-    how q and k are rotated, `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were
+    the rows up to which o_proj and down stream their weights, `models.stream.MAX_ROWS`, how q
+    and k are rotated, `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were
     autotuned, `compile.bucket_autotune`)."""
     from boundgen.compile import bucket_autotune, residual
-    from boundgen.models import decoder, skinny, skinny_tiles
+    from boundgen.models import decoder, skinny, skinny_tiles, stream
 
     dev = torch.device(device)
     info = {
@@ -143,6 +152,8 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     tiles = skinny_tiles.tiles_digest()
     if tiles:  # none keeps the keys of the packages built before them
         info["skinny_tiles"] = tiles
+    if stream.MAX_ROWS > 0:  # off keeps the keys of the packages built before it
+        info["stream_max_rows"] = str(stream.MAX_ROWS)
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
     if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it

@@ -18,7 +18,7 @@ from boundgen.attention.cascade import by_kv_head, prefill_attention
 from boundgen.attention.metadata import AttnInputs
 from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
-from boundgen.models import skinny
+from boundgen.models import skinny, stream
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from boundgen.settings import env_choice
 
@@ -176,6 +176,8 @@ class DecoderLayer(nn.Module):
         proj = self.self_attn.o_proj
         if skinny.applies(o, proj):
             return skinny.linear_residual(o, proj.weight, x, counts)
+        if stream.applies(o, proj):
+            return stream.linear_residual(o, proj.weight, x)
         return x + proj(o)
 
     def mlp_block(self, x, counts=None) -> torch.Tensor:
@@ -184,6 +186,8 @@ class DecoderLayer(nn.Module):
         if skinny.applies(x, mlp.gate_up_proj, mlp.down_proj):
             h = skinny.norm_gated(x, norm.weight, norm.eps, mlp.gate_up_proj.weight, counts)
             return skinny.linear_residual(h, mlp.down_proj.weight, x, counts)
+        if stream.applies(x, mlp.down_proj):
+            return stream.linear_residual(mlp.gated(norm(x)), mlp.down_proj.weight, x)
         return x + mlp(norm(x))
 
     def forward(self, x, cos, sin, attn, kv, layer, backend, counts=None):

@@ -96,11 +96,14 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
         # a down projection that takes SiLU·mul's input itself (FP8: the SiLU·mul and its input
         # quantize in one pass, `quant.fp8.Fp8Linear.silu_mul_forward`)
         down = getattr(self.down_proj, "silu_mul_forward", None)
         if down is not None:
-            return down(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            return down(self.gate_up_proj(x))
+        return self.down_proj(self.gated(x))
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate)·up of x: the down projection's input."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return F.silu(gate) * up

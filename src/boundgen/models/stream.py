@@ -1,0 +1,202 @@
+"""The residual linear layers (o_proj, down) for few rows as one weight-streaming Triton GEMM whose
+K is split into float32 partial sums, summed by the residual add that follows.
+
+At a beam decode step (16–64 rows) or a short prompt (W3: 64 tokens) a GEMM only streams its
+weights. cuBLAS runs `down` (K 4,864 × N 896) as a split-K GEMM and a `splitKreduce` kernel, and
+o_proj (896 × 896) latency-bound: on an H100, replayed over 8 layers' weights, `down` 8.4 µs at 16
+rows and 9.2 at 64, o_proj 3.7 (BENCHMARKS.md, thirty-sixth session, `bench_weight_stream.py`).
+This kernel takes the weight tile [BLOCK_N, BLOCK_K] as the MMA's left operand (swap AB: the rows
+may be as few as 16) and splits K over `split_k(K)` programs a column tile, each writing its own
+partial [M, N]: 6.1 / 7.0 µs for `down` and 2.4 / 3.2 for o_proj at 16 / 64 rows in that
+benchmark. No second kernel sums the partials and no counters are kept (the few-row kernels of
+`models/skinny.py` let the last program of a tile sum them): `linear_residual` returns
+`residual + partials.sum(0)` in torch, and Inductor, which unrolls a reduction of at most 8
+values (`unroll_reductions_threshold`), computes the sum inside the kernel that already adds
+the residual and takes the next RMSNorm. Hence at most 8 splits.
+
+Numerics: float32 products and sums (the partials, their sum, the residual added in float32),
+rounded once to the residual's dtype; the plain layer rounds the GEMM's output first, then the sum.
+
+`MAX_ROWS` (`BOUNDGEN_STREAM_MAX_ROWS`, default 0: never) decides which calls take it, read when
+a layer traces, compiles or is captured; compiled packages record it
+(`compile.cache.platform_info`). The op is a `torch.library.triton_op`: torch.compile and
+torch.export + AOTInductor trace into the kernel. Without CUDA it runs in Triton's CPU interpreter
+(`TRITON_INTERPRET=1`), which only the tests use (`forced()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from boundgen.models import skinny_tiles
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op
+
+    from boundgen.triton_launch import traceable
+
+    AVAILABLE = True
+except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
+    AVAILABLE = False
+
+# The most rows a call takes the kernel for; 0 (the default): never, until it wins W3 and W4 in
+# the engine (an A/B: `BOUNDGEN_STREAM_MAX_ROWS=64`).
+MAX_ROWS = int(os.environ.get("BOUNDGEN_STREAM_MAX_ROWS", "0"))
+# Tile: columns a program, K a step, warps, stages (the fastest pointer-load tiles of
+# `bench_weight_stream.py` on the H100 for both projections at 16 and 64 rows)
+BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
+
+_FORCED = False
+
+
+@contextlib.contextmanager
+def forced():
+    """Inside: the kernel also for CPU tensors (Triton's interpreter; the tests' switch)."""
+    global _FORCED
+    before, _FORCED = _FORCED, True
+    try:
+        yield
+    finally:
+        _FORCED = before
+
+
+@contextlib.contextmanager
+def rows_up_to(rows: int):
+    """Inside: the kernel takes calls of at most `rows` rows (`MAX_ROWS`; 0: none), read when a
+    layer traces, compiles or is captured (an A/B's switch)."""
+    global MAX_ROWS
+    before, MAX_ROWS = MAX_ROWS, rows
+    try:
+        yield
+    finally:
+        MAX_ROWS = before
+
+
+def applies(x: torch.Tensor, linear: nn.Module) -> bool:
+    """Whether `linear_residual` takes `x` through `linear`: a plain `nn.Linear` without bias (not
+    FP8's), at most `MAX_ROWS` rows, on CUDA in bf16/fp16 (or anywhere under `forced()` with
+    the interpreter)."""
+    if not AVAILABLE or x.dim() != 2 or x.shape[0] > MAX_ROWS:
+        return False
+    if type(linear) is not nn.Linear or linear.bias is not None:
+        return False
+    if torch.is_grad_enabled() and linear.weight.requires_grad:
+        return False  # no backward formula: training (the demo trainer) keeps the plain op
+    if x.is_cuda:
+        return x.dtype in (torch.bfloat16, torch.float16)
+    return _FORCED and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def split_k(k: int) -> int:
+    """Programs a column tile's K is split over: ~256 of K each (o_proj 896 → 4; `down` 4,864 →
+    8, 16 ran no faster at 64 rows), at most 8 (Inductor sums up to 8 partials inline)."""
+    return max(1, min(8, round(k / 256)))
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _stream_kernel(
+        X,
+        W,
+        Parts,
+        M,
+        stride_xm,
+        K: tl.constexpr,
+        N: tl.constexpr,
+        K_PER: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
+        """Parts[s, rows, cols] = X[rows, Ks] @ W[cols, Ks].T over this program's column tile,
+        row tile and K slice Ks (s = program_id(1))."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        col_ok = cols < N
+        row_ok = rows < M
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        k0 = pid_k * K_PER
+        for k in range(k0, k0 + K_PER, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            w = tl.load(
+                W + cols.to(tl.int64)[:, None] * K + ks[None, :],
+                mask=col_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            x = tl.load(
+                X + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None],
+                mask=row_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            if INTERPRET:  # the interpreter's dot multiplies 16-bit floats as integers
+                w, x = w.to(tl.float32), x.to(tl.float32)
+            acc += tl.dot(w, x, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+        out = Parts + (pid_k * M + rows.to(tl.int64))[None, :] * N + cols[:, None]
+        tl.store(out, acc, mask=col_ok[:, None] & row_ok[None, :])
+
+    @triton_op("boundgen::stream_partials", mutates_args=())
+    def _stream_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        weight = weight.contiguous()
+        # K and N from the weight (static); the rows may be symbolic (the compiled beam layers)
+        m = x.shape[0]
+        n, k = weight.shape
+        torch._check(x.shape[1] == k)
+        split = split_k(k)
+        block_m = skinny_tiles.block_m_for(m)
+        k_per = skinny_tiles.cdiv(skinny_tiles.cdiv(k, split), BLOCK_K) * BLOCK_K
+        split = skinny_tiles.cdiv(k, k_per)
+        parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(n, BLOCK_N), split, triton.cdiv(m, block_m))
+        traceable(_stream_kernel)[grid](
+            x,
+            weight,
+            parts,
+            m,
+            x.stride(0),
+            K=k,
+            N=n,
+            K_PER=k_per,
+            BLOCK_M=block_m,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            # float32 (the tests): float32's own products, not TF32's (Triton's dot default)
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            INTERPRET=not x.is_cuda,
+            num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
+        )
+        return parts
+
+
+def partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T as float32 partial sums over `split_k(K)` slices of K:
+    [splits, M, N]."""
+    return torch.ops.boundgen.stream_partials(x, weight)
+
+
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ weight.T: x [M, K], residual [M, N] → [M, N] in the residual's dtype."""
+    return (residual.float() + partials(x, weight).sum(0)).to(residual.dtype)
+
+
+def reference_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What `partials` computes, slice by slice in float32 (the tests' oracle)."""
+    k = weight.shape[1]
+    per = skinny_tiles.cdiv(skinny_tiles.cdiv(k, split_k(k)), BLOCK_K) * BLOCK_K
+    return torch.stack(
+        [x[:, s : s + per].float() @ weight[:, s : s + per].float().T for s in range(0, k, per)]
+    )
