@@ -51,7 +51,7 @@ def test_the_partials_are_the_k_slices_products(m, k, n):
 
 
 def test_k_splits_by_about_256_and_at_most_8():
-    """o_proj's 896 → 4, `down`'s 4,864 → 8 (Inductor sums up to 8 inline), a short K → 1."""
+    """o_proj's 896 → 4, `down`'s 4,864 → 8, a short K → 1, a long one at most 8."""
     assert [stream.split_k(k) for k in (64, 256, 896, 1024, 4864, 16384)] == [1, 1, 4, 4, 8, 8]
 
 

@@ -10,9 +10,9 @@ may be as few as 16) and splits K over `split_k(K)` programs a column tile, each
 partial [M, N]: 6.1 / 7.0 µs for `down` and 2.4 / 3.2 for o_proj at 16 / 64 rows in that
 benchmark. No second kernel sums the partials and no counters are kept (the few-row kernels of
 `models/skinny.py` let the last program of a tile sum them): `linear_residual` returns
-`residual + partials.sum(0)` in torch, and Inductor, which unrolls a reduction of at most 8
-values (`unroll_reductions_threshold`), computes the sum inside the kernel that already adds
-the residual and takes the next RMSNorm. Hence at most 8 splits.
+the residual plus each partial in torch, pointwise adds that Inductor computes inside the
+kernel that already adds the residual and takes the next RMSNorm. At most 8 splits: each is one
+more [M, N] float32 read there.
 
 Numerics: float32 products and sums (the partials, their sum, the residual added in float32),
 rounded once to the residual's dtype; the plain layer rounds the GEMM's output first, then the sum.
@@ -95,7 +95,8 @@ def applies(x: torch.Tensor, linear: nn.Module) -> bool:
 
 def split_k(k: int) -> int:
     """Programs a column tile's K is split over: ~256 of K each (o_proj 896 → 4; `down` 4,864 →
-    8, 16 ran no faster at 64 rows), at most 8 (Inductor sums up to 8 partials inline)."""
+    8, 16 ran no faster at 64 rows), at most 8 (each partial is read again by the residual's
+    kernel)."""
     return max(1, min(8, round(k / 256)))
 
 
@@ -189,8 +190,17 @@ def partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + x @ weight.T: x [M, K], residual [M, N] → [M, N] in the residual's dtype."""
-    return (residual.float() + partials(x, weight).sum(0)).to(residual.dtype)
+    """residual + x @ weight.T: x [M, K], residual [M, N] → [M, N] in the residual's dtype.
+
+    The partials are added one by one (their count is static: K's split), not by `sum(0)`:
+    Inductor made a reduction kernel of its own for one of a layer's two `sum(0)`s (W3 on an
+    H100, BENCHMARKS.md thirty-sixth session), where adds of slices are pointwise and go into
+    the kernel that reads the result."""
+    parts = partials(x, weight)
+    out = residual.float()
+    for s in range(parts.shape[0]):
+        out = out + parts[s]
+    return out.to(residual.dtype)
 
 
 def reference_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
