@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import env_info, graph_us, write_json
 
+from boundgen.models import stream
+
 # (name, K, N): Qwen2.5-0.5B's projections (x [M, K] @ W [N, K].T)
 SHAPES = {
     "qkv": (896, 1152),
@@ -48,55 +50,6 @@ SHAPES = {
     "gate_up": (896, 9728),
     "down": (4864, 896),
 }
-
-
-@triton.jit
-def _stream_mm(
-    X,
-    W,
-    Out,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_os,
-    stride_om,
-    K_PER: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PARTIAL: tl.constexpr,
-):
-    """out[s] = x[:, Ks] @ W[n-tile, Ks].T for this program's column tile and K slice Ks."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    n_ok = offs_n < N
-    m_ok = offs_m < M
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    k0 = pid_k * K_PER
-    for k in range(k0, k0 + K_PER, BLOCK_K):
-        offs_k = k + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        w = tl.load(
-            W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
-            mask=n_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        x = tl.load(
-            X + offs_m[None, :] * stride_xm + offs_k[:, None],
-            mask=m_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
-        acc += tl.dot(w, x)  # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]
-    out = Out + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-    mask = n_ok[:, None] & m_ok[None, :]
-    if PARTIAL:
-        tl.store(out, acc, mask=mask)
-    else:
-        tl.store(out, acc.to(Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -113,10 +66,9 @@ def _stream_mm_tma(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PARTIAL: tl.constexpr,
 ):
-    """`_stream_mm` with both tiles loaded by the Tensor Memory Accelerator (host-made
-    descriptors: no pointer tensors in registers, zero fill past the edges)."""
+    """`models.stream`'s kernel with both tiles loaded by the Tensor Memory Accelerator
+    (host-made descriptors: no pointer tensors in registers, zero fill past the edges)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -128,60 +80,33 @@ def _stream_mm_tma(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     out = Out + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-    if PARTIAL:
-        tl.store(out, acc, mask=mask)
-    else:
-        tl.store(out, acc.to(Out.dtype.element_ty), mask=mask)
+    tl.store(out, acc, mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
 
-def stream_mm(x, w, block_n, block_k, split_k, stages, warps=4, out=None, tma=False):
-    """x [M, K] @ w [N, K].T: bf16 [M, N] with split_k 1, else fp32 partials [split_k, M, N]."""
+def stream_mm(x, w, block_n, block_k, split_k, stages, warps=4, tma=False):
+    """x [M, K] @ w [N, K].T as float32 partials [splits, M, N]: `stream.launch` (pointer loads)
+    or the TMA kernel above, the same tile."""
+    if not tma:
+        return stream.launch(x, w, split_k, block_n, block_k, warps, stages)
     m, k = x.shape
     n = w.shape[0]
     block_m = max(16, triton.next_power_of_2(m))
     k_per = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split = triton.cdiv(k, k_per)
-    if out is None:
-        shape, dtype = ((m, n), x.dtype) if split == 1 else ((split, m, n), torch.float32)
-        out = torch.empty(shape, device=x.device, dtype=dtype)
-    stride_os = 0 if split == 1 else out.stride(0)
-    grid = (triton.cdiv(n, block_n), split)
-    if tma:
-        _stream_mm_tma[grid](
-            TensorDescriptor.from_tensor(x, [block_m, block_k]),
-            TensorDescriptor.from_tensor(w, [block_n, block_k]),
-            out,
-            m,
-            n,
-            k,
-            stride_os,
-            out.stride(-2),
-            K_PER=k_per,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            PARTIAL=split > 1,
-            num_warps=warps,
-            num_stages=stages,
-        )
-        return out
-    _stream_mm[grid](
-        x,
-        w,
+    out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    _stream_mm_tma[(triton.cdiv(n, block_n), split)](
+        TensorDescriptor.from_tensor(x, [block_m, block_k]),
+        TensorDescriptor.from_tensor(w, [block_n, block_k]),
         out,
         m,
         n,
         k,
-        x.stride(0),
-        w.stride(0),
-        stride_os,
-        out.stride(-2),
+        out.stride(0),
+        out.stride(1),
         K_PER=k_per,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PARTIAL=split > 1,
         num_warps=warps,
         num_stages=stages,
     )
@@ -237,8 +162,7 @@ def main() -> None:
             for bn, bk, sk, st, tma in tiles(k, n, args.quick):
                 label = f"n{bn} k{bk} s{sk} st{st}" + (" tma" if tma else "")
                 try:
-                    got = stream_mm(x, ws[0], bn, bk, sk, st, tma=tma)
-                    got = got.float() if got.dim() == 2 else got.sum(0)
+                    got = stream_mm(x, ws[0], bn, bk, sk, st, tma=tma).sum(0)
                     diff = (got - want).abs().max().item()
                     call = lambda w, a=(bn, bk, sk, st), t=tma: stream_mm(x, w, *a, tma=t)
                     us = per_layer(call)

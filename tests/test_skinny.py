@@ -15,11 +15,11 @@ import sys
 import pytest
 import torch
 from hopper import compile_in_child
+from small_layer import small_config
 from torch import nn
 
 pytest.importorskip("triton")
 
-from boundgen.config import ModelConfig
 from boundgen.models import skinny, skinny_tiles
 from boundgen.models.decoder import DecoderLayer
 from boundgen.quant.fp8 import Fp8Linear
@@ -202,7 +202,7 @@ def test_a_decode_step_s_input_with_the_kernels_equals_it_without(grouped):
     write) against the layer's plain input and `index_copy_` into the slot."""
     torch.manual_seed(1)
     dtype = torch.bfloat16 if CUDA else torch.float32
-    cfg = _config()
+    cfg = small_config()
     layer = DecoderLayer(cfg).to(DEV, dtype)
     for p in layer.parameters():
         nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.1)
@@ -354,29 +354,6 @@ def test_strided_rows_are_read_by_their_stride():
     _close(got, skinny.reference_linear_residual(x.contiguous(), w, res), torch.float32)
 
 
-def _config(**kw) -> ModelConfig:
-    base = dict(
-        architecture="Qwen2ForCausalLM",
-        family="qwen2",
-        task="causal_lm",
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        qkv_bias=True,
-        qk_norm=False,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
-
-
 def test_rows_up_to_sets_the_row_limit_inside_only():
     with skinny.rows_up_to(0):
         assert skinny.MAX_ROWS == 0
@@ -388,7 +365,7 @@ def test_rows_up_to_sets_the_row_limit_inside_only():
 
 
 def test_which_calls_the_kernels_take():
-    layer = DecoderLayer(_config()).to(DEV)
+    layer = DecoderLayer(small_config()).to(DEV)
     few, many = torch.zeros(skinny.MAX_ROWS, 64, device=DEV), torch.zeros(65, 64, device=DEV)
     lin = layer.self_attn.qkv_proj
     with skinny.forced(), torch.no_grad():
@@ -405,7 +382,7 @@ def test_which_calls_the_kernels_take():
 def test_training_keeps_the_plain_ops():
     """The kernels have no backward: with grad on and weights that want it, the layer does not
     take them (the demo trainer trains through these layers)."""
-    layer = DecoderLayer(_config()).to(DEV, torch.bfloat16)
+    layer = DecoderLayer(small_config()).to(DEV, torch.bfloat16)
     x = torch.zeros(4, 64, device=DEV, dtype=torch.bfloat16)
     with skinny.forced():
         assert not skinny.applies(x, layer.self_attn.qkv_proj)
@@ -419,7 +396,8 @@ def test_a_decoder_layer_with_the_kernels_equals_it_without(qk_norm):
     interpreter; bf16 on CUDA) — every weight path used: qkv bias, Qwen3's q/k norms."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if CUDA else torch.float32
-    cfg = _config(family="qwen3" if qk_norm else "qwen2", qk_norm=qk_norm, qkv_bias=not qk_norm)
+    family = "qwen3" if qk_norm else "qwen2"
+    cfg = small_config(family=family, qk_norm=qk_norm, qkv_bias=not qk_norm)
     layer = DecoderLayer(cfg).to(DEV, dtype)
     for p in layer.parameters():  # norms away from 1, so a dropped norm weight shows
         nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.1)
@@ -460,7 +438,7 @@ def test_a_forward_s_calls_share_one_counter_buffer(tile):
 
     torch.manual_seed(1)
     dtype = torch.bfloat16 if CUDA else torch.float32
-    cfg = _config(num_layers=3)
+    cfg = small_config(num_layers=3)
     model = DecoderModel(cfg).to(DEV, dtype)
     for p in model.parameters():
         nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.1)
@@ -508,7 +486,7 @@ def test_the_kernels_inside_torch_compile_with_dynamic_rows():
     bits where both take 64-row blocks; the q/k/v within bf16 noise (RoPE is fused by Inductor
     there)."""
     torch.manual_seed(0)
-    cfg = _config(
+    cfg = small_config(
         hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2, head_dim=64
     )
     layer = DecoderLayer(cfg).to("cuda", torch.bfloat16)
@@ -592,10 +570,10 @@ from boundgen.models import skinny
 from boundgen.models.decoder import DecoderLayer
 import sys
 sys.path.insert(0, sys.argv[1])
-from test_skinny import _config
+from small_layer import small_config
 
 skinny.applies = lambda *a, **k: True  # (CPU tensors: traced with fake tensors, never run)
-layer = DecoderLayer(_config()).to(torch.bfloat16)
+layer = DecoderLayer(small_config()).to(torch.bfloat16)
 
 
 class Parts(torch.nn.Module):

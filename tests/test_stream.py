@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 from hopper import compile_in_child
+from small_layer import small_config
 from torch import nn
 
 pytest.importorskip("triton")
 
-from boundgen.config import ModelConfig
 from boundgen.models import stream
 from boundgen.models.decoder import DecoderLayer
 from boundgen.quant.fp8 import Fp8Linear
@@ -69,7 +69,7 @@ def test_linear_residual_adds_the_residual_in_float32(dtype):
 
 
 def test_which_calls_the_kernel_takes():
-    layer = DecoderLayer(_config()).to(DEV)
+    layer = DecoderLayer(small_config()).to(DEV)
     few, many = torch.zeros(stream.MAX_ROWS, 96, device=DEV), torch.zeros(65, 96, device=DEV)
     down, qkv = layer.mlp.down_proj, layer.self_attn.qkv_proj
     with stream.forced(), torch.no_grad():
@@ -94,7 +94,7 @@ def test_a_decoder_layer_with_the_kernel_equals_it_without():
     against the same layer without it (float32 on the CPU: the interpreter; bf16 on CUDA)."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if CUDA else torch.float32
-    cfg = _config(intermediate_size=640)
+    cfg = small_config(intermediate_size=640)
     assert stream.split_k(cfg.intermediate_size) == 2
     layer = DecoderLayer(cfg).to(DEV, dtype)
     for p in layer.parameters():
@@ -142,7 +142,7 @@ def test_a_compiled_layer_with_the_kernel_equals_the_plain_one():
     """Inside `torch.compile` (the op traced, its partials summed by Inductor's residual kernel)
     at 16 and 64 rows, the rows marked dynamic as the compiled beam layers' are."""
     torch.manual_seed(0)
-    cfg = _config(hidden_size=896, intermediate_size=4864, num_heads=14, head_dim=64)
+    cfg = small_config(hidden_size=896, intermediate_size=4864, num_heads=14, head_dim=64)
     layer = DecoderLayer(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
     for p in layer.parameters():
         nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.02)
@@ -158,26 +158,3 @@ def test_a_compiled_layer_with_the_kernel_equals_the_plain_one():
                 want = (layer.attention_output(x, o), layer.mlp_block(x))
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
-
-
-def _config(**kw) -> ModelConfig:
-    base = dict(
-        architecture="Qwen2ForCausalLM",
-        family="qwen2",
-        task="causal_lm",
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        qkv_bias=True,
-        qk_norm=False,
-    )
-    base.update(kw)
-    return ModelConfig(**base)

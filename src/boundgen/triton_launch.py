@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+_INTERPRETED = False
+
+
+@contextlib.contextmanager
+def interpreted():
+    """Inside: the few-row kernels (`models/skinny.py`, `models/stream.py`) also take CPU tensors,
+    which Triton's interpreter runs where `TRITON_INTERPRET=1` (the tests' switch)."""
+    global _INTERPRETED
+    before, _INTERPRETED = _INTERPRETED, True
+    try:
+        yield
+    finally:
+        _INTERPRETED = before
+
+
+def takes_cpu() -> bool:
+    """Whether a few-row kernel takes CPU tensors here: inside `interpreted()`, with the
+    interpreter on."""
+    return _INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def traceable(kernel):

@@ -59,6 +59,7 @@ import os
 import torch
 from torch import nn
 
+from boundgen import triton_launch
 from boundgen.models import skinny_tiles
 
 try:
@@ -81,18 +82,8 @@ except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev
 # (`compile.cache.platform_info`), so a change rebuilds them.
 MAX_ROWS = int(os.environ.get("BOUNDGEN_SKINNY_MAX_ROWS", "0"))
 
-_FORCED = False
-
-
-@contextlib.contextmanager
-def forced():
-    """Inside: the fused kernels also for CPU tensors (Triton's interpreter; the tests' switch)."""
-    global _FORCED
-    before, _FORCED = _FORCED, True
-    try:
-        yield
-    finally:
-        _FORCED = before
+# Inside: the fused kernels also for CPU tensors (Triton's interpreter; the tests' switch)
+forced = triton_launch.interpreted
 
 
 @contextlib.contextmanager
@@ -108,10 +99,6 @@ def rows_up_to(rows: int):
         MAX_ROWS = before
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def applies(x: torch.Tensor, *linears: nn.Module) -> bool:
     """Whether the fused kernels take `x` through `linears`: plain `nn.Linear`s (not FP8's), at
     most `MAX_ROWS` rows, on CUDA in bf16/fp16 (or anywhere under `forced()` with the
@@ -124,7 +111,7 @@ def applies(x: torch.Tensor, *linears: nn.Module) -> bool:
         return False  # no backward formulas: training (the demo trainer) keeps the plain ops
     if x.is_cuda:
         return x.dtype in (torch.bfloat16, torch.float16)
-    return _FORCED and _interpreting()
+    return triton_launch.takes_cpu()
 
 
 if AVAILABLE:

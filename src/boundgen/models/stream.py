@@ -32,6 +32,7 @@ import os
 import torch
 from torch import nn
 
+from boundgen import triton_launch
 from boundgen.models import skinny_tiles
 
 try:
@@ -52,18 +53,8 @@ MAX_ROWS = int(os.environ.get("BOUNDGEN_STREAM_MAX_ROWS", "0"))
 # `bench_weight_stream.py` on the H100 for both projections at 16 and 64 rows)
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
 
-_FORCED = False
-
-
-@contextlib.contextmanager
-def forced():
-    """Inside: the kernel also for CPU tensors (Triton's interpreter; the tests' switch)."""
-    global _FORCED
-    before, _FORCED = _FORCED, True
-    try:
-        yield
-    finally:
-        _FORCED = before
+# Inside: the kernel also for CPU tensors (Triton's interpreter; the tests' switch)
+forced = triton_launch.interpreted
 
 
 @contextlib.contextmanager
@@ -90,7 +81,7 @@ def applies(x: torch.Tensor, linear: nn.Module) -> bool:
         return False  # no backward formula: training (the demo trainer) keeps the plain op
     if x.is_cuda:
         return x.dtype in (torch.bfloat16, torch.float16)
-    return _FORCED and os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_launch.takes_cpu()
 
 
 def split_k(k: int) -> int:
@@ -148,20 +139,28 @@ if AVAILABLE:
         out = Parts + (pid_k * M + rows.to(tl.int64))[None, :] * N + cols[:, None]
         tl.store(out, acc, mask=col_ok[:, None] & row_ok[None, :])
 
-    @triton_op("boundgen::stream_partials", mutates_args=())
-    def _stream_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def launch(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        split: int,
+        block_n: int = BLOCK_N,
+        block_k: int = BLOCK_K,
+        warps: int = NUM_WARPS,
+        stages: int = NUM_STAGES,
+    ) -> torch.Tensor:
+        """The kernel with an explicit tile (what the op and `bench_weight_stream.py` call):
+        partials [splits, M, N], K cut into `split` whole BLOCK_K steps (fewer where K is short)."""
         x = x if x.stride(-1) == 1 else x.contiguous()
         weight = weight.contiguous()
         # K and N from the weight (static); the rows may be symbolic (the compiled beam layers)
         m = x.shape[0]
         n, k = weight.shape
         torch._check(x.shape[1] == k)
-        split = split_k(k)
         block_m = skinny_tiles.block_m_for(m)
-        k_per = skinny_tiles.cdiv(skinny_tiles.cdiv(k, split), BLOCK_K) * BLOCK_K
+        k_per = _k_per(k, split, block_k)
         split = skinny_tiles.cdiv(k, k_per)
         parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        grid = (triton.cdiv(n, BLOCK_N), split, triton.cdiv(m, block_m))
+        grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
         traceable(_stream_kernel)[grid](
             x,
             weight,
@@ -172,15 +171,24 @@ if AVAILABLE:
             N=n,
             K_PER=k_per,
             BLOCK_M=block_m,
-            BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
             # float32 (the tests): float32's own products, not TF32's (Triton's dot default)
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             INTERPRET=not x.is_cuda,
-            num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES,
+            num_warps=warps,
+            num_stages=stages,
         )
         return parts
+
+    @triton_op("boundgen::stream_partials", mutates_args=())
+    def _stream_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return launch(x, weight, split_k(weight.shape[1]))
+
+
+def _k_per(k: int, split: int, block_k: int) -> int:
+    """K a program takes: K over `split`, rounded up to whole BLOCK_K steps."""
+    return skinny_tiles.cdiv(skinny_tiles.cdiv(k, split), block_k) * block_k
 
 
 def partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -206,7 +214,7 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 def reference_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """What `partials` computes, slice by slice in float32 (the tests' oracle)."""
     k = weight.shape[1]
-    per = skinny_tiles.cdiv(skinny_tiles.cdiv(k, split_k(k)), BLOCK_K) * BLOCK_K
+    per = _k_per(k, split_k(k), BLOCK_K)
     return torch.stack(
         [x[:, s : s + per].float() @ weight[:, s : s + per].float().T for s in range(0, k, per)]
     )
