@@ -262,6 +262,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                             lambda: torch.log_softmax(model.head(hidden), -1).gather(1, tokens), dev
                         )
                     entry.update(kernels(lambda: ungraphed.run(prompts, w, s, t_, eos), dev))
+                    calls, results = {}, {}
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
                         streamed = stream_of.get(vname, stream.MAX_ROWS)
@@ -278,8 +279,13 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                             ):
                                 return sg.run(prompts, w, s, t_, eos)
 
-                        got = call()
-                        tm = common.timed(call, dev, warmup=2, iters=args.iters)
+                        # (copies: a graph's outputs are its static buffers)
+                        calls[vname] = call
+                        results[vname] = tuple(t.clone() for t in call()[:2])
+                    # the variants timed call by call in turn (an A/B on one drifting machine)
+                    timings = common.timed_interleaved(calls, dev, warmup=2, iters=args.iters)
+                    for vname, call in calls.items():
+                        got, tm = results[vname], timings[vname]
                         if dev.type == "cuda" and vname.startswith("graph+compile"):
                             # one whole-search replay profiled: GPU busy, idle, the top kernels
                             tm["profile"] = common.kernel_table(call, top=15)

@@ -73,6 +73,40 @@ def timed(fn, device, warmup: int = 2, iters: int = 10, budget_s: float = 30.0) 
     }
 
 
+def timed_interleaved(
+    fns: dict, device, warmup: int = 2, iters: int = 10, budget_s: float = 60.0
+) -> dict:
+    """`timed` of every side of an A/B, call by call in turn (side 1, side 2, …, side 1, …), so
+    that the sides share the machine's state as it drifts (clocks, the host's load), where one
+    side timed after the other compares different moments (W4's sides moved by ±0.3 ms that way,
+    BENCHMARKS.md thirty-sixth session). → {name: median/min/p90 ms, iters}."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync(device)
+    times: dict = {name: [] for name in fns}
+    start = time.perf_counter()
+    for _ in range(iters):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+        if time.perf_counter() - start > budget_s and len(times[name]) >= 3:
+            break
+    out = {}
+    for name, ts in times.items():
+        ts.sort()
+        out[name] = {
+            "median_ms": statistics.median(ts),
+            "min_ms": ts[0],
+            "p90_ms": ts[int(0.9 * (len(ts) - 1))],
+            "iters": len(ts),
+            "interleaved": True,
+        }
+    return out
+
+
 def w1_prompts(
     vocab: int, n: int = 256, lo: int = 64, hi: int = 256, seed: int = 0
 ) -> list[list[int]]:
