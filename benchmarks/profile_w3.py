@@ -316,21 +316,14 @@ def interleaved(built, groups, query, items, args, cuda: bool) -> dict:
     for name, runner, engine in built:
         calls[(name, "engine")] = lambda e=engine: e.score(query, items, LABELS, apply_softmax=True)
         calls[(name, "runner")] = runner_call(runner, groups, cuda)
-    for _ in range(args.warmup):
-        for fn in calls.values():
-            fn()
-    times = {key: [] for key in calls}
-    for _ in range(args.iters):
-        for key, fn in calls.items():
-            common.sync("cuda" if cuda else "cpu")
-            t0 = time.perf_counter()
-            fn()
-            common.sync("cuda" if cuda else "cpu")
-            times[key].append((time.perf_counter() - t0) * 1e3)
+    device = "cuda" if cuda else "cpu"
+    times = common.timed_interleaved(
+        calls, device, warmup=args.warmup, iters=args.iters, budget_s=float("inf")
+    )
     out = {}
     print("\n== interleaved, ms (median / min)", flush=True)
-    for (name, path_), ts in times.items():
-        med, low = round(statistics.median(ts), 4), round(min(ts), 4)
+    for (name, path_), tm in times.items():
+        med, low = round(tm["median_ms"], 4), round(tm["min_ms"], 4)
         out.setdefault(name, {})[path_] = {"wall_ms_median": med, "wall_ms_min": low}
         print(f"{name:18s} {path_:7s} {med:7.3f} / {low:7.3f}", flush=True)
     return out
