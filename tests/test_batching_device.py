@@ -358,6 +358,47 @@ def test_late_merge_stops_waiting_once_the_running_batch_has_run(device):
     h.node.close()
 
 
+@pytest.mark.parametrize("late", [False, True])
+def test_a_node_without_finish_merges_late_by_the_prediction(device, late):
+    """The forward node's late merge (no finisher): once batch 10 runs alone on the device, the
+    leader keeps its slot until 80 % of its predicted 5 ms less 1 ms of margin (3 ms on the
+    node's clock), so 11 and 12, arriving meanwhile, merge into the batch after it. Without it,
+    11 forms a batch at once and 12 waits behind both."""
+    now = [0]
+    h = Harness(device_depth=2, clock=lambda: now[0])
+    h.node.cost.warm_units = 1
+    device.auto = True
+    for rid in range(8):
+        h.start(rid).join(10)
+        h.wait_done(1)
+    assert h.node.cost.warm
+    device.auto = False
+    h.node.late_merge = late
+    leader = h.start(10)
+    h.until(lambda: len(device.flights) == 9, "batch 10 queued")
+    h.wait_done(1)  # answered at once (with the batch's event)
+    if late:
+        assert leader.is_alive()  # held: the running batch is predicted to end at 5 ms
+    else:
+        leader.join(10)
+        assert not leader.is_alive()
+    h.start(11)
+    if not late:
+        h.until(lambda: len(device.flights) == 10, "11 alone, at once")
+    h.start(12)
+    h.until(lambda: h.waiting() == (2 if late else 1), "the later requests waiting")
+    now[0] = 3_000_000  # due: the held leader's next wake-up (at most 3 ms of real time) lets go
+    leader.join(10)
+    assert not leader.is_alive()
+    device.flights[8].ran.set()  # batch 10 has run: the next leader's pace moves on
+    h.until(lambda: len(device.flights) == (10 if late else 11), "the batch after")
+    for f in device.flights:
+        f.ran.set()
+    h.wait_done(2)
+    assert h.batches[8:] == ([[10], [11, 12]] if late else [[10], [11], [12]])
+    h.node.close()
+
+
 def test_finish_runs_in_the_call_without_a_device_queue():
     """On CPU the batch has run when the function returns: `finish` follows it on the leader's
     thread, and no finisher thread is made."""

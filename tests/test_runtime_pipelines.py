@@ -365,3 +365,15 @@ def test_the_score_head_of_a_seen_label_set_is_two_torch_calls(engine_for):
     want = torch.softmax(engine.model.head(rows, torch.tensor([5, 7, 11])), dim=-1)
     assert torch.equal(first, again)
     torch.testing.assert_close(again, want, rtol=0, atol=0)
+
+
+
+def test_the_forward_node_merges_late_only_when_configured(engine_for, monkeypatch):
+    """`EngineConfig.batch_late_merge` reaches the forward node (off by default)."""
+    import dataclasses
+
+    eng = engine_for("qwen2")
+    assert eng.workload_context().forward.late_merge is False
+    late = dataclasses.replace(eng.engine_config, batch_late_merge=True)
+    monkeypatch.setattr(eng, "engine_config", late)
+    assert eng.workload_context().forward.late_merge is True

@@ -288,6 +288,13 @@ class EngineConfig:
         "(a request that arrives meanwhile waits for it, then runs in the next); default: always "
         "the full budget",
     )
+    batch_late_merge: bool = option(
+        False,
+        "the model node forms its next forward shortly before the running one is predicted to "
+        "end (at 0.8 of its predicted time, less a launch margin), so what arrives while a "
+        "forward runs merges into the next one, not the one after it (off: as soon as the "
+        "running one starts; beam search always merges late)",
+    )
     batch_merge: str = option(
         "tail",
         "how the model node splits waiting requests into forwards: tail (the default: merge only "

@@ -164,6 +164,7 @@ class Engine:
             latency_target_ms=cfg.batch_latency_target_ms,
             device_depth=cfg.batch_device_depth,
             merge_policy=cfg.batch_merge,
+            late_merge=cfg.batch_late_merge,
         )
 
     def _traffic_log(self) -> TrafficLog | None:

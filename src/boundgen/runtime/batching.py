@@ -409,14 +409,17 @@ class BatchingNode(Node):
       the device at a time). Above 1, a batch queued while another runs starts beside it: only
       for a `fn` whose device work is safe to run at once with itself (the beam node's searches,
       one whole-search graph replica per stream: `compile.search_streams`).
-    - `late_merge` (with `finish`): once the cost model is warm, a lane forms its next batch
-      only shortly before the batch running on the device is predicted to end (`LATE_MERGE_SHARE`
-      of its predicted time, less twice its launch's host time and at least
-      `LATE_MERGE_MARGIN_NS`), unless it has ended or the waiting requests already fill a batch:
-      what arrives meanwhile merges into it. For a batch
+    - `late_merge`: once the cost model is warm, a lane forms its next batch only shortly
+      before the batch running on the device is predicted to end (`LATE_MERGE_SHARE` of its
+      predicted time, less twice its launch's host time and at least `LATE_MERGE_MARGIN_NS`),
+      unless the waiting requests already fill a batch or (with `finish`, whose finisher sees
+      it) the running batch has ended: what arrives meanwhile merges into it. For a batch
       whose fixed cost dominates (the beam node: a search of 1 prompt 6.1 ms, of 16 9.7 ms on the
       H200), forming the next batch as soon as the device starts the running one made batches of
-      a few requests, each paying the fixed cost.
+      a few requests, each paying the fixed cost. Without `finish` (the forward node, with
+      `device_depth` 2: only while one batch is on the device) the prediction alone ends the
+      wait, so one too long idles the device for the rest; what it buys there is that a request
+      arriving while a batch runs goes into the batch after it, not the one after that.
     - `clock`: nanoseconds, monotonic (tests inject one).
     """
 
@@ -878,6 +881,8 @@ class BatchingNode(Node):
             t0 = self._clock()
             done.flight.wait()
             self._learn(done, self._clock() - t0)
+        if len(lane.in_flight) == 1:  # the batch just queued runs now (its predecessor has run)
+            self._merge_late(lane, queued)
 
     def _learn(self, queued: _Queued, waited_ns: int) -> bool:
         """A queued batch has run: count its device time (and how long a leader waited for it),
@@ -916,7 +921,8 @@ class BatchingNode(Node):
         """With `late_merge`: keep the leader slot (so what arrives waits and merges) until shortly
         before `running`, which the device runs now, is predicted to end, until it has ended (the
         finisher took it: a prediction too long must not leave the device idle), or until the
-        waiting requests fill a batch (the class docstring)."""
+        waiting requests fill a batch (the class docstring). A node without `finish` has no
+        finisher to see the batch end: there only the prediction and a full batch end the wait."""
         if not self.late_merge or not self.cost.warm:
             return
         run_ns = self.cost.predict_ns(running.units, running.forwards)

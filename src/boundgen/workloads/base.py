@@ -32,7 +32,8 @@ class WorkloadContext:
     `max_wait_ms` a forming batch may wait, `max_batch_requests`, `latency_target_ms` that adapts
     the token budget to the measured batch cost, `device_depth` batches queued on the device,
     `merge_policy`: how the forward node splits waiting requests into forwards — `BatchingNode`'s;
-    the beam node always merges all, its fixed cost dominating), and where the model
+    the beam node always merges all, its fixed cost dominating; `late_merge`: whether the forward
+    node forms its next batch late — the beam node always does), and where the model
     nodes log the shapes of their forwards (`traffic`, None: nowhere)."""
 
     def __init__(
@@ -50,6 +51,7 @@ class WorkloadContext:
         latency_target_ms: float | None = None,
         device_depth: int = 2,
         merge_policy: str = "tail",
+        late_merge: bool = False,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -63,6 +65,7 @@ class WorkloadContext:
         self.latency_target_ms = latency_target_ms
         self.device_depth = device_depth
         self.merge_policy = merge_policy
+        self.late_merge = late_merge
 
     @property
     def task(self) -> str:
@@ -84,6 +87,7 @@ class WorkloadContext:
             inputs={"groups": list, "pooling": str},
             outputs={"rows": torch.Tensor},
             merge_policy=self.merge_policy,
+            late_merge=self.late_merge,
         )
 
     def batching(
@@ -94,11 +98,12 @@ class WorkloadContext:
         outputs: dict,
         raises: tuple = (),
         merge_policy: str = "all",
+        late_merge: bool | None = None,
     ) -> BatchingNode:
         """A batching node with this context's knobs; `fn` has `merge`, `split` and `size`, and
         may have `shapes`, `lane`, `count`, `lane_max`, `finish`, `late_merge` and
-        `batch_streams` (`BatchingNode`); `raises` pass through as themselves; `merge_policy`:
-        `BatchingNode`'s."""
+        `batch_streams` (`BatchingNode`); `raises` pass through as themselves; `merge_policy`
+        and `late_merge` (None: `fn`'s): `BatchingNode`'s."""
         return BatchingNode(
             name,
             fn,
@@ -112,7 +117,7 @@ class WorkloadContext:
             count=getattr(fn, "count", None),
             lane_max=getattr(fn, "lane_max", None),
             finish=getattr(fn, "finish", None),
-            late_merge=getattr(fn, "late_merge", False),
+            late_merge=getattr(fn, "late_merge", False) if late_merge is None else late_merge,
             token_budget=self.token_budget,
             max_wait_ms=self.max_wait_ms,
             max_batch=self.max_batch_requests,
