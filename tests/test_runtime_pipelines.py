@@ -367,7 +367,6 @@ def test_the_score_head_of_a_seen_label_set_is_two_torch_calls(engine_for):
     torch.testing.assert_close(again, want, rtol=0, atol=0)
 
 
-
 def test_the_forward_node_merges_late_only_when_configured(engine_for, monkeypatch):
     """`EngineConfig.batch_late_merge` reaches the forward node (off by default)."""
     import dataclasses
