@@ -285,18 +285,24 @@ def test_close_answers_the_batches_still_on_the_device(device):
     assert not closing.is_alive() and h.events == {100: None}
 
 
+def warm_up(h: Harness, device, requests: int) -> None:
+    """`requests` lone batches run at once (5 ms of device time each), so the node's cost model
+    is warm; then the device runs batches only when the test says."""
+    h.node.cost.warm_units = 1
+    device.auto = True
+    for rid in range(requests):
+        h.start(rid).join(10)
+        h.wait_done(1)
+    assert h.node.cost.warm
+    device.auto = False
+
+
 def late_merging(device, now: list[int], first: int) -> tuple[Harness, threading.Thread]:
     """A `finish` node of batches of at most 3 with `late_merge`, its cost model warm (each batch
     5 ms of device time) and the device's batches run only when the test says; request `first`
     queued as the batch the device runs, and its leader's thread."""
     h = finish_harness(max_batch=3, clock=lambda: now[0])
-    h.node.cost.warm_units = 1
-    device.auto = True
-    for rid in range(4):
-        h.start(rid).join(10)
-        h.wait_done(1)
-    assert h.node.cost.warm
-    device.auto = False
+    warm_up(h, device, 4)
     h.node.late_merge = True
     leader = h.start(first)
     h.until(lambda: len(device.flights) == 5, f"batch {first} queued")
@@ -366,13 +372,7 @@ def test_a_node_without_finish_merges_late_by_the_prediction(device, late):
     11 forms a batch at once and 12 waits behind both."""
     now = [0]
     h = Harness(device_depth=2, clock=lambda: now[0])
-    h.node.cost.warm_units = 1
-    device.auto = True
-    for rid in range(8):
-        h.start(rid).join(10)
-        h.wait_done(1)
-    assert h.node.cost.warm
-    device.auto = False
+    warm_up(h, device, 8)  # (a node without finish learns a batch once the next one is queued)
     h.node.late_merge = late
     leader = h.start(10)
     h.until(lambda: len(device.flights) == 9, "batch 10 queued")
