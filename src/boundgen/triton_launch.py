@@ -30,6 +30,20 @@ def takes_cpu() -> bool:
     return _INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def takes(x: torch.Tensor, weights) -> bool:
+    """What every few-row kernel asks of its call, beside its own row limit and layer types:
+    not while training (the kernels have no backward: with grad on and `weights` that want it,
+    the demo trainer keeps the plain ops), and activations on CUDA in bf16/fp16 — or CPU ones
+    under `interpreted()`."""
+    import torch
+
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        return False
+    if x.is_cuda:
+        return x.dtype in (torch.bfloat16, torch.float16)
+    return takes_cpu()
+
+
 def traceable(kernel):
     """`kernel` as torch.compile and torch.export can trace it inside a `triton_op`
     (`wrap_triton`). NOTE: under TRITON_INTERPRET=1 it is an InterpretedFunction, which some torch

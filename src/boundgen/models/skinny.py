@@ -107,11 +107,7 @@ def applies(x: torch.Tensor, *linears: nn.Module) -> bool:
         return False
     if any(type(lin) is not nn.Linear for lin in linears):
         return False
-    if torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears):
-        return False  # no backward formulas: training (the demo trainer) keeps the plain ops
-    if x.is_cuda:
-        return x.dtype in (torch.bfloat16, torch.float16)
-    return triton_launch.takes_cpu()
+    return triton_launch.takes(x, [lin.weight for lin in linears])
 
 
 if AVAILABLE:

@@ -77,11 +77,7 @@ def applies(x: torch.Tensor, linear: nn.Module) -> bool:
         return False
     if type(linear) is not nn.Linear or linear.bias is not None:
         return False
-    if torch.is_grad_enabled() and linear.weight.requires_grad:
-        return False  # no backward formula: training (the demo trainer) keeps the plain op
-    if x.is_cuda:
-        return x.dtype in (torch.bfloat16, torch.float16)
-    return triton_launch.takes_cpu()
+    return triton_launch.takes(x, [linear.weight])
 
 
 def split_k(k: int) -> int:
