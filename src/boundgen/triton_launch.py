@@ -24,12 +24,6 @@ def interpreted():
         _INTERPRETED = before
 
 
-def takes_cpu() -> bool:
-    """Whether a few-row kernel takes CPU tensors here: inside `interpreted()`, with the
-    interpreter on."""
-    return _INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def takes(x: torch.Tensor, weights) -> bool:
     """What every few-row kernel asks of its call, beside its own row limit and layer types:
     not while training (the kernels have no backward: with grad on and `weights` that want it,
@@ -41,7 +35,7 @@ def takes(x: torch.Tensor, weights) -> bool:
         return False
     if x.is_cuda:
         return x.dtype in (torch.bfloat16, torch.float16)
-    return takes_cpu()
+    return _INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def traceable(kernel):
