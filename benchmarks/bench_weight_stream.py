@@ -91,7 +91,7 @@ def stream_mm(x, w, block_n, block_k, split_k, stages, warps=4, tma=False):
     m, k = x.shape
     n = w.shape[0]
     block_m = max(16, triton.next_power_of_2(m))
-    k_per = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    k_per = stream.k_per(k, split_k, block_k)
     split = triton.cdiv(k, k_per)
     out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     _stream_mm_tma[(triton.cdiv(n, block_n), split)](

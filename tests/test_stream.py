@@ -121,7 +121,7 @@ from boundgen.models import stream
 
 fn = stream._stream_kernel
 k, n, block_m = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-per = stream._k_per(k, stream.split_k(k), stream.BLOCK_K)
+per = stream.k_per(k, stream.split_k(k))
 const = dict(K=k, N=n, K_PER=per, BLOCK_M=block_m, BLOCK_N=stream.BLOCK_N, BLOCK_K=stream.BLOCK_K,
              PRECISION="tf32", INTERPRET=False)
 sig = {"X": "*bf16", "W": "*bf16", "Parts": "*fp32", "M": "i32", "stride_xm": "i32"}

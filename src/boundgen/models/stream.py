@@ -153,8 +153,8 @@ if AVAILABLE:
         n, k = weight.shape
         torch._check(x.shape[1] == k)
         block_m = skinny_tiles.block_m_for(m)
-        k_per = _k_per(k, split, block_k)
-        split = skinny_tiles.cdiv(k, k_per)
+        per = k_per(k, split, block_k)
+        split = skinny_tiles.cdiv(k, per)
         parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
         traceable(_stream_kernel)[grid](
@@ -165,7 +165,7 @@ if AVAILABLE:
             x.stride(0),
             K=k,
             N=n,
-            K_PER=k_per,
+            K_PER=per,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
@@ -182,7 +182,7 @@ if AVAILABLE:
         return launch(x, weight, split_k(weight.shape[1]))
 
 
-def _k_per(k: int, split: int, block_k: int) -> int:
+def k_per(k: int, split: int, block_k: int = BLOCK_K) -> int:
     """K a program takes: K over `split`, rounded up to whole BLOCK_K steps."""
     return skinny_tiles.cdiv(skinny_tiles.cdiv(k, split), block_k) * block_k
 
@@ -210,7 +210,7 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
 def reference_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """What `partials` computes, slice by slice in float32 (the tests' oracle)."""
     k = weight.shape[1]
-    per = _k_per(k, split_k(k), BLOCK_K)
+    per = k_per(k, split_k(k))
     return torch.stack(
         [x[:, s : s + per].float() @ weight[:, s : s + per].float().T for s in range(0, k, per)]
     )
