@@ -31,12 +31,24 @@ import common
 from boundgen.runtime.merge_plan import WINDOW, first_forward
 
 
-def p99_time_in_system(load: float, share: float, policy, n: int, seed: int = 0) -> float:
+def poisson_arrivals(load: float, n: int, seed: int) -> list[float]:
+    """n arrival times of a Poisson stream of `load` requests a lone forward."""
     rng = random.Random(seed)
     t, arrivals = 0.0, []
     for _ in range(n):
         t += rng.expovariate(load)
         arrivals.append(t)
+    return arrivals
+
+
+def p99(times: list[float], n: int) -> float:
+    """The p99 of the requests' times in system past the first 1 % (the empty start)."""
+    times = sorted(times[n // 100 :])
+    return times[int(0.99 * (len(times) - 1))]
+
+
+def p99_time_in_system(load: float, share: float, policy, n: int, seed: int = 0) -> float:
+    arrivals = poisson_arrivals(load, n, seed)
     clock, i, times = 0.0, 0, []
     while i < n:
         clock = max(clock, arrivals[i])
@@ -47,8 +59,7 @@ def p99_time_in_system(load: float, share: float, policy, n: int, seed: int = 0)
         clock += share + (1 - share) * k
         times += [clock - a for a in arrivals[i : i + k]]
         i += k
-    times = sorted(times[n // 100 :])  # past the empty start
-    return times[int(0.99 * (len(times) - 1))]
+    return p99(times, n)
 
 
 def p99_paced(
@@ -56,11 +67,7 @@ def p99_paced(
 ) -> float:
     """p99 time in system when a forward of everything waiting forms as `BatchingNode` forms it
     at `device_depth` 2 (`late`: with late merging), launched `launch` after it forms."""
-    rng = random.Random(seed)
-    t, arrivals = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(load)
-        arrivals.append(t)
+    arrivals = poisson_arrivals(load, n, seed)
     starts: list[float] = []
     ends: list[float] = []
     times: list[float] = []
@@ -84,8 +91,7 @@ def p99_paced(
         ends.append(free)
         times += [free - a for a in arrivals[i:j]]
         slot, i = form + launch, j
-    times = sorted(times[n // 100 :])
-    return times[int(0.99 * (len(times) - 1))]
+    return p99(times, n)
 
 
 POLICIES = {
