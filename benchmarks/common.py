@@ -64,7 +64,12 @@ def timed(fn, device, warmup: int = 2, iters: int = 10, budget_s: float = 30.0) 
         times.append((time.perf_counter() - t0) * 1e3)
         if time.perf_counter() - start > budget_s and len(times) >= 3:
             break
-    times.sort()
+    return _summary(times)
+
+
+def _summary(times: list[float]) -> dict:
+    """Median/min/p90 ms of a list of call times, and how many."""
+    times = sorted(times)
     return {
         "median_ms": statistics.median(times),
         "min_ms": times[0],
@@ -94,17 +99,7 @@ def timed_interleaved(
             times[name].append((time.perf_counter() - t0) * 1e3)
         if time.perf_counter() - start > budget_s and len(times[name]) >= 3:
             break
-    out = {}
-    for name, ts in times.items():
-        ts.sort()
-        out[name] = {
-            "median_ms": statistics.median(ts),
-            "min_ms": ts[0],
-            "p90_ms": ts[int(0.9 * (len(ts) - 1))],
-            "iters": len(ts),
-            "interleaved": True,
-        }
-    return out
+    return {name: {**_summary(ts), "interleaved": True} for name, ts in times.items()}
 
 
 def w1_prompts(
