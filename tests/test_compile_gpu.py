@@ -184,7 +184,11 @@ def test_search_graphs_match_plain_search(
     """A whole search replayed from one CUDA graph (prefill, steps, selection) = the plain search,
     across replays that reuse the bucket, with and without a trie: exactly with the eager layers
     and flash, else as good a search (`assert_as_good_as_plain`). `attention`: a decode step's
-    attention as flash + the own slots or as one kernel (`attention/beam_decode.py`)."""
+    attention as flash + the own slots or as one kernel (`attention/beam_decode.py`). o_proj and
+    `down` on cuBLAS as in the plain search (streamed: the test above)."""
+    from boundgen.models import stream
+
+    monkeypatch.setattr(stream, "MAX_ROWS", 0)
     _search_graphs_match(
         cuda_engine, float32_truth, compile_layers, attention, monkeypatch, exact_eager=True
     )

@@ -25,7 +25,7 @@ DEV = "cuda" if CUDA else "cpu"
 
 @pytest.fixture(autouse=True)
 def kernel_on(monkeypatch):
-    """The kernel is off by default (`stream.MAX_ROWS` 0, until it wins in the engine)."""
+    """The kernel on at its default rows whatever `BOUNDGEN_STREAM_MAX_ROWS` says."""
     monkeypatch.setattr(stream, "MAX_ROWS", 64)
 
 
