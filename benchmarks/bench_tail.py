@@ -303,6 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--closed", type=int, nargs="*", default=[1, 2, 4], help="wrk connections")
     p.add_argument("--rates", type=float, nargs="*", default=[5, 10, 20, 30])
     p.add_argument("--wrk-connections", type=int, default=16, help="wrk clients per rate step")
+    p.add_argument(
+        "--open-loop",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after wrk's step, the same rate by `boundgen loadtest`'s open loop (--no-open-loop: "
+        "wrk only, an A/B's shorter run)",
+    )
     p.add_argument("--duration", type=float, default=15.0, help="seconds per run")
     p.add_argument(
         "--client-processes", type=int, default=1, help="boundgen loadtest's client processes"
@@ -414,8 +421,9 @@ def main(argv: list[str] | None = None) -> int:
                 think = max(0.0, c / rate * 1e3 - unloaded)
                 wait_idle(cfg)
                 record(run_wrk(url, script, bodies, c, think, args.duration, args.client_cpus))
-                wait_idle(cfg)
-                record(run_open_loop(cfg, rate, args.client_cpus))
+                if args.open_loop:
+                    wait_idle(cfg)
+                    record(run_open_loop(cfg, rate, args.client_cpus))
             # last, saturated closed loops under py-spy and under the GPU window
             gil, gpu = wrk.profiled_steps(
                 proc.pid if proc is not None else None,
