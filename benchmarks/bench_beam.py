@@ -20,7 +20,8 @@ computed from the full head.
 
 With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
 kernels (`skinny.MAX_ROWS` N), `--stream-rows N` the one with o_proj and down streamed up to N
-rows (`models/stream.py`, `stream.MAX_ROWS` N), and `--trie-select` the one with each trie step's
+rows (`models/stream.py`, `stream.MAX_ROWS` N; `N+silu`: `down` also computing SiLU·mul,
+`stream.SILU_MUL`), and `--trie-select` the one with each trie step's
 selection in one kernel (`trie_select`, the other variants then take the ATen step: the kernel
 is the default); `--residual-add` the one with the residual adds out of `addmm`
 (`compile.residual`, the others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
@@ -195,14 +196,20 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
         # any of them together (one value of each kind)
         kinds = [
             [("skinny", args.skinny_rows)] if args.skinny_rows else [],
-            [("stream", args.stream_rows)] if args.stream_rows else [],
+            [("stream", args.stream_rows)] if args.stream_rows is not None else [],
             [("select", True)] if args.trie_select else [],
             [("add", True)] if args.residual_add else [],
             [("attention", kind) for kind in args.decode_attention],
         ]
         for combo in _one_of_each(kinds):
             name = "graph+compile+" + "+".join(
-                f"{n}{v}" if n in ("skinny", "stream") else v if n == "attention" else n
+                f"{n}{v}"
+                if n == "skinny"
+                else f"stream{v[0]}" + ("+silu" if v[1] else "")
+                if n == "stream"
+                else v
+                if n == "attention"
+                else n
                 for n, v in combo
             )
             opts = dict(combo)
@@ -265,7 +272,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     calls, results = {}, {}
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
-                        streamed = stream_of.get(vname, stream.MAX_ROWS)
+                        streamed = stream_of.get(vname, (stream.MAX_ROWS, stream.SILU_MUL))
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
@@ -273,7 +280,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                             # read as the search's layers compile and its graph is captured
                             with (
                                 skinny.rows_up_to(rows_),
-                                stream.rows_up_to(s_),
+                                stream.rows_up_to(*s_),
                                 trie_select.enabled(one_kernel),
                                 beam_decode.tile(*tile),
                             ):
@@ -470,10 +477,10 @@ def main() -> int:
     )
     ap.add_argument(
         "--stream-rows",
-        type=int,
-        default=0,
+        type=common.stream_setting,
+        default=None,
         help="heads with --head-compile: also the compiled search with o_proj and down streamed "
-        "up to this many rows (`stream.MAX_ROWS`)",
+        "up to this many rows (`stream.MAX_ROWS`; ROWS+silu: `down` also computing SiLU·mul)",
     )
     ap.add_argument(
         "--trie-select",

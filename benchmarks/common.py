@@ -102,6 +102,15 @@ def timed_interleaved(
     return {name: {**_summary(ts), "interleaved": True} for name, ts in times.items()}
 
 
+def stream_setting(text: str) -> tuple[int, bool]:
+    """A benchmark's streamed-GEMM side, "ROWS" or "ROWS+silu" → (`stream.MAX_ROWS`, whether
+    `down` computes SiLU·mul itself, `stream.SILU_MUL`)."""
+    rows, plus, extra = text.partition("+")
+    if not rows.isdigit() or (plus and extra != "silu"):
+        raise ValueError(f"a stream setting is ROWS or ROWS+silu, not {text!r}")
+    return int(rows), extra == "silu"
+
+
 def w1_prompts(
     vocab: int, n: int = 256, lo: int = 64, hi: int = 256, seed: int = 0
 ) -> list[list[int]]:

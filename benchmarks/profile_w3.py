@@ -17,6 +17,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --variants after --skinny 0,64        # the layers' GEMMs by cuBLAS + Inductor, or fused
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --stream 0,64                         # o_proj and down by cuBLAS, or streamed
+    python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
+        --stream 64,64+silu                   # streamed, `down` also computing SiLU·mul
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -367,10 +369,18 @@ def main() -> int:
         "--stream",
         default=None,
         help="`stream.MAX_ROWS` values to build side by side (0,64: o_proj and down by cuBLAS or "
-        "streamed, `models/stream.py`), crossed with the other axes",
+        "streamed, `models/stream.py`; 64+silu: `down` also computing SiLU·mul, "
+        "`stream.SILU_MUL`), crossed with the other axes",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    streams = args.stream.split(",") if args.stream else [None]
+    for st in streams:
+        if st is not None:
+            try:
+                common.stream_setting(st)
+            except ValueError as e:
+                ap.error(f"--stream: {e}")
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     path = ensure_model(args.preset, dtype=dtype, root=args.root)
@@ -393,7 +403,6 @@ def main() -> int:
         ap.error(f"--rotations: choose from {','.join(decoder.QK_ROTATIONS)}")
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
-    streams = args.stream.split(",") if args.stream else [None]
     sides = [
         (v, r, a, k, st)
         for v in args.variants.split(",")
@@ -421,7 +430,7 @@ def main() -> int:
             if skinny_rows is not None:
                 skinny.MAX_ROWS = int(skinny_rows)
             if stream_rows is not None:
-                stream.MAX_ROWS = int(stream_rows)
+                stream.MAX_ROWS, stream.SILU_MUL = common.stream_setting(stream_rows)
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":

@@ -1,6 +1,6 @@
-"""`benchmarks/profile_w3.py --rotations/--autotune/--skinny`: every q/k rotation mode (and bucket
-autotune mode, and fused-kernel row limit) is built as its own side and timed interleaved; on the
-CPU (its smoke test) each side still answers the request as eager."""
+"""`benchmarks/profile_w3.py --rotations/--autotune/--skinny/--stream`: every q/k rotation mode
+(and bucket autotune mode, fused-kernel row limit, streamed-GEMM setting) is built as its own side
+and timed interleaved; on the CPU (its smoke test) each side still answers the request as eager."""
 
 from __future__ import annotations
 
@@ -18,13 +18,26 @@ def test_rotations_are_built_and_timed_side_by_side(tmp_path):
     cmd += ["--root", str(tmp_path / "models"), "--device", "cpu", "--variants", "after"]
     cmd += ["--iters", "3", "--warmup", "1", "--profile-calls", "1", "--kernels", "2"]
     cmd += ["--rotations", "apart,together", "--autotune", "0", "--skinny", "64"]
+    cmd += ["--stream", "64+silu"]
     cmd += ["--json", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(out.read_text())
-    sides = ["after/apart/autotune0/skinny64", "after/together/autotune0/skinny64"]
+    sides = [
+        "after/apart/autotune0/skinny64/stream64+silu",
+        "after/together/autotune0/skinny64/stream64+silu",
+    ]
     assert list(got["variants"]) == sides
     assert list(got["interleaved"]) == sides
     for side in sides:
         assert set(got["interleaved"][side]) == {"engine", "runner"}
         assert got["variants"][side]["max_abs_diff_vs_eager"] < 1e-4
+
+
+def test_a_bad_stream_setting_is_refused_before_anything_is_built(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_w3.py"), "--preset", "tiny"]
+    cmd += ["--root", str(tmp_path / "models"), "--device", "cpu", "--stream", "64,64+gelu"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 2
+    assert "--stream: a stream setting is ROWS or ROWS+silu, not '64+gelu'" in res.stderr
+    assert not (tmp_path / "models").exists()

@@ -50,6 +50,36 @@ def test_the_partials_are_the_k_slices_products(m, k, n):
     torch.testing.assert_close(got.sum(0).cpu(), (x @ w.T).cpu(), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 96, 48), (17, 1000, 70), (70, 512, 96)])
+def test_the_silu_mul_partials_take_gate_and_up(m, k, n):
+    """`down` fed gate_up's output [M, 2K]: the partials of SiLU(gate)·up, rounded once to the
+    input's dtype, times the weight's K slices."""
+    g = torch.Generator().manual_seed(m + k + n)
+    for dtype in (torch.float32, torch.bfloat16):
+        gate_up, w = _randn(g, m, 2 * k, dtype=dtype), _randn(g, n, k, dtype=dtype, scale=k**-0.5)
+        with stream.forced():
+            got = stream.partials(gate_up, w, silu_mul=True)
+        want = stream.reference_partials(gate_up, w, silu_mul=True)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        tol = 2e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=tol, atol=tol)
+    # the oracle itself: SiLU(gate)·up, then the product (float32)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    h = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(
+        stream.reference_partials(gate_up.float(), w.float(), silu_mul=True).sum(0),
+        h @ w.float().T,
+        rtol=2e-5,
+        atol=2e-5,
+    )
+
+
+def test_the_silu_mul_op_wants_gate_and_up():
+    x, w = torch.zeros(4, 100), torch.zeros(8, 100)  # 100 columns, not 2 × 100
+    with stream.forced(), pytest.raises(RuntimeError):
+        stream.partials(x.to(DEV), w.to(DEV), silu_mul=True)
+
+
 def test_k_splits_by_about_256_and_at_most_8():
     """o_proj's 896 → 4, `down`'s 4,864 → 8, a short K → 1, a long one at most 8."""
     assert [stream.split_k(k) for k in (64, 256, 896, 1024, 4864, 16384)] == [1, 1, 4, 4, 8, 8]
@@ -89,9 +119,11 @@ def test_which_calls_the_kernel_takes():
         assert not stream.applies(few.to(torch.bfloat16), bf16.mlp.down_proj)
 
 
-def test_a_decoder_layer_with_the_kernel_equals_it_without():
-    """o_proj + residual and the MLP's down + residual (its K split in two) through the kernel
-    against the same layer without it (float32 on the CPU: the interpreter; bf16 on CUDA)."""
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_a_decoder_layer_with_the_kernel_equals_it_without(silu_mul, monkeypatch):
+    """o_proj + residual and the MLP's down + residual (its K split in two; with `silu_mul` down
+    also computing SiLU·mul) through the kernel against the same layer without it (float32 on
+    the CPU: the interpreter; bf16 on CUDA)."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if CUDA else torch.float32
     cfg = small_config(intermediate_size=640)
@@ -105,11 +137,17 @@ def test_a_decoder_layer_with_the_kernel_equals_it_without():
     def parts():
         return layer.attention_output(x, o), layer.mlp_block(x)
 
+    calls, partials = [], stream.partials
+    monkeypatch.setattr(
+        stream, "partials", lambda h, w, silu=False: calls.append(silu) or partials(h, w, silu)
+    )
     with torch.no_grad():
         with stream.rows_up_to(0):
             plain = parts()
-        with stream.forced():
+        assert calls == []
+        with stream.forced(), stream.rows_up_to(stream.MAX_ROWS, silu_mul=silu_mul):
             got = parts()
+    assert calls == [False, silu_mul]  # o_proj, then down
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     for a, b in zip(got, plain, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -120,10 +158,10 @@ HOPPER = """
 from boundgen.models import stream
 
 fn = stream._stream_kernel
-k, n, block_m = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+k, n, block_m, silu_mul = (int(a) for a in sys.argv[1:5])
 per = stream.k_per(k, stream.split_k(k))
 const = dict(K=k, N=n, K_PER=per, BLOCK_M=block_m, BLOCK_N=stream.BLOCK_N, BLOCK_K=stream.BLOCK_K,
-             PRECISION="tf32", INTERPRET=False)
+             SILU_MUL=bool(silu_mul), PRECISION="tf32", INTERPRET=False)
 sig = {"X": "*bf16", "W": "*bf16", "Parts": "*fp32", "M": "i32", "stride_xm": "i32"}
 sig.update(dict.fromkeys(const, "constexpr"))
 aligned = ["X", "W", "Parts", "stride_xm"]
@@ -131,29 +169,37 @@ warps, stages = stream.NUM_WARPS, stream.NUM_STAGES
 """
 
 
-@pytest.mark.parametrize(("k", "n", "block_m"), [(896, 896, 16), (4864, 896, 64)])
-def test_the_kernel_compiles_for_hopper(k, n, block_m):
-    """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed): o_proj and `down`."""
-    compile_in_child(HOPPER, str(k), str(n), str(block_m))
+@pytest.mark.parametrize(
+    ("k", "n", "block_m", "silu_mul"),
+    [(896, 896, 16, 0), (4864, 896, 64, 0), (4864, 896, 16, 1), (4864, 896, 64, 1)],
+)
+def test_the_kernel_compiles_for_hopper(k, n, block_m, silu_mul):
+    """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed): o_proj and `down` (also
+    taking gate_up's output)."""
+    compile_in_child(HOPPER, str(k), str(n), str(block_m), str(silu_mul))
 
 
 @pytest.mark.gpu
-def test_a_compiled_layer_with_the_kernel_equals_the_plain_one():
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_a_compiled_layer_with_the_kernel_equals_the_plain_one(silu_mul):
     """Inside `torch.compile` (the op traced, its partials summed by Inductor's residual kernel)
-    at 16 and 64 rows, the rows marked dynamic as the compiled beam layers' are."""
+    at 16 and 64 rows, the rows marked dynamic as the compiled beam layers' are; with
+    `silu_mul`, `down` also computing SiLU·mul."""
     torch.manual_seed(0)
     cfg = small_config(hidden_size=896, intermediate_size=4864, num_heads=14, head_dim=64)
     layer = DecoderLayer(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
     for p in layer.parameters():
         nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.02)
     compiled = torch.compile(lambda x, o: (layer.attention_output(x, o), layer.mlp_block(x)))
+    switch = stream.rows_up_to(stream.MAX_ROWS, silu_mul=silu_mul)
     for rows in (16, 64):
         x = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
         o = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
         torch._dynamo.mark_dynamic(x, 0)
         torch._dynamo.mark_dynamic(o, 0)
         with torch.no_grad():
-            got = compiled(x, o)
+            with switch:
+                got = compiled(x, o)
             with stream.rows_up_to(0):
                 want = (layer.attention_output(x, o), layer.mlp_block(x))
         for a, b in zip(got, want, strict=True):

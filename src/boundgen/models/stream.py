@@ -14,6 +14,10 @@ the residual plus each partial in torch, pointwise adds that Inductor computes i
 kernel that already adds the residual and takes the next RMSNorm. At most 8 splits: each is one
 more [M, N] float32 read there.
 
+With `SILU_MUL` on, `down` reads gate_up's output and computes SiLU(gate)·up as it loads its rows
+(float32, rounded once to the weight's dtype, as the plain path's fused kernel rounds it): the
+layer's SiLU·mul kernel is gone at few rows.
+
 Numerics: float32 products and sums (the partials, their sum, the residual added in float32),
 rounded once to the residual's dtype; the plain layer rounds the GEMM's output first, then the sum.
 
@@ -51,6 +55,11 @@ except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev
 # runner 1.229 → 1.165 ms and its GPU busy 874 → 827 µs, W4 at one prompt 5.72 → 5.54 ms (trie,
 # full head) and 5.87 → 5.48 (trie, children's head).
 MAX_ROWS = int(os.environ.get("BOUNDGEN_STREAM_MAX_ROWS", "64"))
+# `down` takes gate_up's output and computes SiLU(gate)·up as it loads its rows (`SILU_MUL`,
+# `BOUNDGEN_STREAM_SILU_MUL=1`): a layer's SiLU·mul kernel less at few rows (1.5 µs and a
+# launch in W3's graph on an H100). Off until it wins W3 and W4 on the GPU
+# (`profile_w3.py --stream-silu-mul 0,1`, `bench_beam.py --stream-silu-mul`).
+SILU_MUL = os.environ.get("BOUNDGEN_STREAM_SILU_MUL", "0") == "1"
 # Tile: columns a program, K a step, warps, stages (the fastest pointer-load tiles of
 # `bench_weight_stream.py` on the H100 for both projections at 16 and 64 rows)
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
@@ -60,15 +69,19 @@ forced = triton_launch.interpreted
 
 
 @contextlib.contextmanager
-def rows_up_to(rows: int):
-    """Inside: the kernel takes calls of at most `rows` rows (`MAX_ROWS`; 0: none), read when a
-    layer traces, compiles or is captured (an A/B's switch)."""
-    global MAX_ROWS
-    before, MAX_ROWS = MAX_ROWS, rows
+def rows_up_to(rows: int, silu_mul: bool | None = None):
+    """Inside: the kernel takes calls of at most `rows` rows (`MAX_ROWS`; 0: none) and, with
+    `silu_mul` given, `down` takes SiLU·mul's input or not (`SILU_MUL`); read when a layer traces,
+    compiles or is captured (an A/B's switch)."""
+    global MAX_ROWS, SILU_MUL
+    before = MAX_ROWS, SILU_MUL
+    MAX_ROWS = rows
+    if silu_mul is not None:
+        SILU_MUL = silu_mul
     try:
         yield
     finally:
-        MAX_ROWS = before
+        MAX_ROWS, SILU_MUL = before
 
 
 def applies(x: torch.Tensor, linear: nn.Module) -> bool:
@@ -104,11 +117,14 @@ if AVAILABLE:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        SILU_MUL: tl.constexpr,
         PRECISION: tl.constexpr,
         INTERPRET: tl.constexpr,
     ):
         """Parts[s, rows, cols] = X[rows, Ks] @ W[cols, Ks].T over this program's column tile,
-        row tile and K slice Ks (s = program_id(1))."""
+        row tile and K slice Ks (s = program_id(1)). SILU_MUL: X is [M, 2K] (gate | up) and its
+        rows are SiLU(gate)·up, computed in float32 and rounded once to W's dtype, as the
+        plain path's fused kernel does."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -126,11 +142,12 @@ if AVAILABLE:
                 mask=col_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            x = tl.load(
-                X + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None],
-                mask=row_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            )
+            at = X + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None]
+            x = tl.load(at, mask=row_ok[None, :] & k_ok[:, None], other=0.0)
+            if SILU_MUL:  # (gate 0 where masked: SiLU(0)·up = 0)
+                up = tl.load(at + K, mask=row_ok[None, :] & k_ok[:, None], other=0.0)
+                gate = x.to(tl.float32)
+                x = (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(W.dtype.element_ty)
             if INTERPRET:  # the interpreter's dot multiplies 16-bit floats as integers
                 w, x = w.to(tl.float32), x.to(tl.float32)
             acc += tl.dot(w, x, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
@@ -145,15 +162,17 @@ if AVAILABLE:
         block_k: int = BLOCK_K,
         warps: int = NUM_WARPS,
         stages: int = NUM_STAGES,
+        silu_mul: bool = False,
     ) -> torch.Tensor:
-        """The kernel with an explicit tile (what the op and `bench_weight_stream.py` call):
-        partials [splits, M, N], K cut into `split` whole BLOCK_K steps (fewer where K is short)."""
+        """The kernel with an explicit tile (what the ops and `bench_weight_stream.py` call):
+        partials [splits, M, N], K cut into `split` whole BLOCK_K steps (fewer where K is short).
+        `silu_mul`: x is [M, 2K], gate then up, and the rows multiplied are SiLU(gate)·up."""
         x = x if x.stride(-1) == 1 else x.contiguous()
         weight = weight.contiguous()
         # K and N from the weight (static); the rows may be symbolic (the compiled beam layers)
         m = x.shape[0]
         n, k = weight.shape
-        torch._check(x.shape[1] == k)
+        torch._check(x.shape[1] == (2 * k if silu_mul else k))
         block_m = skinny_tiles.block_m_for(m)
         per = k_per(k, split, block_k)
         split = skinny_tiles.cdiv(k, per)
@@ -171,6 +190,7 @@ if AVAILABLE:
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            SILU_MUL=silu_mul,
             # float32 (the tests): float32's own products, not TF32's (Triton's dot default)
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             INTERPRET=not x.is_cuda,
@@ -183,35 +203,49 @@ if AVAILABLE:
     def _stream_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return launch(x, weight, split_k(weight.shape[1]))
 
+    @triton_op("boundgen::stream_silu_mul_partials", mutates_args=())
+    def _stream_silu_mul_partials(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return launch(gate_up, weight, split_k(weight.shape[1]), silu_mul=True)
+
 
 def k_per(k: int, split: int, block_k: int = BLOCK_K) -> int:
     """K a program takes: K over `split`, rounded up to whole BLOCK_K steps."""
     return skinny_tiles.cdiv(skinny_tiles.cdiv(k, split), block_k) * block_k
 
 
-def partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def partials(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T as float32 partial sums over `split_k(K)` slices of K:
-    [splits, M, N]."""
+    [splits, M, N]. `silu_mul`: x is [M, 2K] (gate | up) and SiLU(gate)·up is multiplied."""
+    if silu_mul:
+        return torch.ops.boundgen.stream_silu_mul_partials(x, weight)
     return torch.ops.boundgen.stream_partials(x, weight)
 
 
-def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + x @ weight.T: x [M, K], residual [M, N] → [M, N] in the residual's dtype.
+def linear_residual(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, silu_mul: bool = False
+) -> torch.Tensor:
+    """residual + x @ weight.T: x [M, K], residual [M, N] → [M, N] in the residual's dtype
+    (`silu_mul`: residual + (SiLU(gate)·up) @ weight.T of x = gate_up's output [M, 2K]).
 
     The partials are added one by one (their count is static: K's split), not by `sum(0)`:
     Inductor made a reduction kernel of its own for one of a layer's two `sum(0)`s (W3 on an
     H100, BENCHMARKS.md thirty-sixth session), where adds of slices are pointwise and go into
     the kernel that reads the result."""
-    parts = partials(x, weight)
+    parts = partials(x, weight, silu_mul)
     out = residual.float()
     for s in range(parts.shape[0]):
         out = out + parts[s]
     return out.to(residual.dtype)
 
 
-def reference_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def reference_partials(
+    x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False
+) -> torch.Tensor:
     """What `partials` computes, slice by slice in float32 (the tests' oracle)."""
     k = weight.shape[1]
+    if silu_mul:  # in float32, rounded once to x's dtype (the kernel's MMA operand)
+        gate, up = x.float().chunk(2, dim=-1)
+        x = (torch.nn.functional.silu(gate) * up).to(x.dtype)
     per = k_per(k, split_k(k))
     return torch.stack(
         [x[:, s : s + per].float() @ weight[:, s : s + per].float().T for s in range(0, k, per)]
