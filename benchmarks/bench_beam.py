@@ -21,9 +21,9 @@ computed from the full head.
 With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
 kernels (`skinny.MAX_ROWS` N), `--stream-rows N` the one with o_proj and down streamed up to N
 rows (`models/stream.py`, `stream.MAX_ROWS` N; `N+silu`: `down` also computing SiLU·mul,
-`stream.SILU_MUL`), and `--trie-select` the one with each trie step's
-selection in one kernel (`trie_select`, the other variants then take the ATen step: the kernel
-is the default); `--residual-add` the one with the residual adds out of `addmm`
+`stream.SILU_MUL`; `N+qkv`: qkv streamed too, `stream.QKV`), and `--trie-select` the one with
+each trie step's selection in one kernel (`trie_select`, the other variants then take the ATen
+step: the kernel is the default); `--residual-add` the one with the residual adds out of `addmm`
 (`compile.residual`, the others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
 `--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
 attention + the own-slot kernel) or `fusedN[wW]` (one kernel, `attention/beam_decode.py`, N rows a
@@ -154,6 +154,13 @@ def _attention_kind(kind: str) -> str:
     return kind
 
 
+def _stream_arg(text: str) -> str:
+    """--stream-rows' value, checked (`common.stream_setting`), kept as given (the variant's
+    name)."""
+    common.stream_setting(text)
+    return text
+
+
 def _one_of_each(kinds: list[list[tuple]]) -> list[tuple]:
     """Every combination of at most one option of each kind (an empty kind: not asked for), the
     empty one left out: single options first, then pairs, … ."""
@@ -205,7 +212,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             name = "graph+compile+" + "+".join(
                 f"{n}{v}"
                 if n == "skinny"
-                else f"stream{v[0]}" + ("+silu" if v[1] else "")
+                else f"stream{v}"
                 if n == "stream"
                 else v
                 if n == "attention"
@@ -226,6 +233,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                 if n == "attention" and v.startswith("fused"):
                     tile_of[name] = _fused_tile(v)
                 elif n in ("skinny", "select", "stream"):
+                    v = common.stream_setting(v) if n == "stream" else v
                     {"skinny": rows_of, "select": select_of, "stream": stream_of}[n][name] = v
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
     out = {}
@@ -272,7 +280,14 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     calls, results = {}, {}
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
-                        streamed = stream_of.get(vname, (stream.MAX_ROWS, stream.SILU_MUL))
+                        streamed = stream_of.get(
+                            vname,
+                            {
+                                "rows": stream.MAX_ROWS,
+                                "silu_mul": stream.SILU_MUL,
+                                "qkv": stream.QKV,
+                            },
+                        )
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
@@ -280,7 +295,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                             # read as the search's layers compile and its graph is captured
                             with (
                                 skinny.rows_up_to(rows_),
-                                stream.rows_up_to(*s_),
+                                stream.rows_up_to(**s_),
                                 trie_select.enabled(one_kernel),
                                 beam_decode.tile(*tile),
                             ):
@@ -477,10 +492,11 @@ def main() -> int:
     )
     ap.add_argument(
         "--stream-rows",
-        type=common.stream_setting,
+        type=_stream_arg,
         default=None,
         help="heads with --head-compile: also the compiled search with o_proj and down streamed "
-        "up to this many rows (`stream.MAX_ROWS`; ROWS+silu: `down` also computing SiLU·mul)",
+        "up to this many rows (`stream.MAX_ROWS`; ROWS+silu: `down` also computing SiLU·mul; "
+        "ROWS+qkv: qkv streamed too; both: ROWS+silu+qkv)",
     )
     ap.add_argument(
         "--trie-select",

@@ -102,13 +102,14 @@ def timed_interleaved(
     return {name: {**_summary(ts), "interleaved": True} for name, ts in times.items()}
 
 
-def stream_setting(text: str) -> tuple[int, bool]:
-    """A benchmark's streamed-GEMM side, "ROWS" or "ROWS+silu" → (`stream.MAX_ROWS`, whether
-    `down` computes SiLU·mul itself, `stream.SILU_MUL`)."""
-    rows, plus, extra = text.partition("+")
-    if not rows.isdigit() or (plus and extra != "silu"):
-        raise ValueError(f"a stream setting is ROWS or ROWS+silu, not {text!r}")
-    return int(rows), extra == "silu"
+def stream_setting(text: str) -> dict:
+    """A benchmark's streamed-GEMM side, "ROWS[+silu][+qkv]" → `stream.rows_up_to`'s arguments:
+    the rows (`stream.MAX_ROWS`), whether `down` computes SiLU·mul itself (`stream.SILU_MUL`),
+    whether qkv streams too (`stream.QKV`)."""
+    rows, *extras = text.split("+")
+    if not rows.isdigit() or not set(extras) <= {"silu", "qkv"} or len(set(extras)) < len(extras):
+        raise ValueError(f"a stream setting is ROWS[+silu][+qkv], not {text!r}")
+    return {"rows": int(rows), "silu_mul": "silu" in extras, "qkv": "qkv" in extras}
 
 
 def w1_prompts(

@@ -39,5 +39,5 @@ def test_a_bad_stream_setting_is_refused_before_anything_is_built(tmp_path):
     cmd += ["--root", str(tmp_path / "models"), "--device", "cpu", "--stream", "64,64+gelu"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 2
-    assert "--stream: a stream setting is ROWS or ROWS+silu, not '64+gelu'" in res.stderr
+    assert "--stream: a stream setting is ROWS[+silu][+qkv], not '64+gelu'" in res.stderr
     assert not (tmp_path / "models").exists()

@@ -80,6 +80,47 @@ def test_the_silu_mul_op_wants_gate_and_up():
         stream.partials(x.to(DEV), w.to(DEV), silu_mul=True)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_sums_few_enough_partials_for_the_rotation_to_take_them(with_bias, monkeypatch):
+    """qkv's `linear`: x @ w.T + bias in x's dtype from at most 4 reads (3 partials and the
+    bias, or 4 without one: what Inductor inlines into a kernel reading the value twice)."""
+    g = torch.Generator().manual_seed(5)
+    x, w = _randn(g, 10, 896, scale=0.5), _randn(g, 144, 896, scale=896**-0.5)
+    bias = _randn(g, 144) if with_bias else None
+    splits, partials = [], stream.partials
+    monkeypatch.setattr(
+        stream,
+        "partials",
+        lambda h, w_, silu=False, split=None: splits.append(split) or partials(h, w_, silu, split),
+    )
+    with stream.forced(), torch.no_grad():
+        got = stream.linear(x, w, bias)
+    assert splits == [3 if with_bias else 4]  # split_k(896) = 4
+    want = x @ w.T + (bias if with_bias else 0)
+    assert got.dtype == x.dtype
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=2e-5, atol=2e-5)
+    with stream.forced():  # the split given: its K slices
+        parts = stream.partials(x, w, split=3)
+    torch.testing.assert_close(parts.cpu(), stream.reference_partials(x, w, split=3).cpu())
+    assert parts.shape[0] == 3
+
+
+def test_rotated_with_v_is_what_heads_returns():
+    """One pass over all of qkv's heads (v's by cos 1, sin 0) = `heads`' rotation of q and k and
+    its view of v, bit for bit (bf16)."""
+    torch.manual_seed(1)
+    attn = DecoderLayer(small_config()).self_attn
+    t, d = 7, attn.head_dim
+    qkv = torch.randn(t, (attn.num_heads + 2 * attn.num_kv_heads) * d, dtype=torch.bfloat16)
+    cos = torch.randn(t, 1, d // 2, dtype=torch.bfloat16)
+    sin = torch.randn(t, 1, d // 2, dtype=torch.bfloat16)
+    for got, want in zip(
+        attn.rotated_with_v(qkv, cos, sin), attn.heads(qkv, cos, sin), strict=True
+    ):
+        assert got.shape == want.shape
+        assert torch.equal(got, want)
+
+
 def test_k_splits_by_about_256_and_at_most_8():
     """o_proj's 896 → 4, `down`'s 4,864 → 8, a short K → 1, a long one at most 8."""
     assert [stream.split_k(k) for k in (64, 256, 896, 1024, 4864, 16384)] == [1, 1, 4, 4, 8, 8]
@@ -107,6 +148,7 @@ def test_which_calls_the_kernel_takes():
         assert stream.applies(few.to(torch.bfloat16), down)
         assert not stream.applies(many.to(torch.bfloat16), down)  # more rows than MAX_ROWS
         assert not stream.applies(few[:, :64].to(torch.bfloat16), qkv)  # a bias: not this op
+        assert stream.applies(few[:, :64].to(torch.bfloat16), qkv, bias=True)  # `linear`'s
         fp8 = Fp8Linear.from_linear(down, mode="emulate")
         assert not stream.applies(few.to(torch.bfloat16), fp8)  # FP8 layers keep their path
         with stream.rows_up_to(0):
@@ -119,11 +161,12 @@ def test_which_calls_the_kernel_takes():
         assert not stream.applies(few.to(torch.bfloat16), bf16.mlp.down_proj)
 
 
-@pytest.mark.parametrize("silu_mul", [False, True])
-def test_a_decoder_layer_with_the_kernel_equals_it_without(silu_mul, monkeypatch):
-    """o_proj + residual and the MLP's down + residual (its K split in two; with `silu_mul` down
-    also computing SiLU·mul) through the kernel against the same layer without it (float32 on
-    the CPU: the interpreter; bf16 on CUDA)."""
+@pytest.mark.parametrize("extras", [False, True])
+def test_a_decoder_layer_with_the_kernel_equals_it_without(extras, monkeypatch):
+    """o_proj + residual and the MLP's down + residual (its K split in two) through the kernel
+    against the same layer without it; with `extras` also qkv streamed (`stream.QKV`: q and k
+    rotated, v, from its partials) and `down` computing SiLU·mul (`stream.SILU_MUL`). Float32 on
+    the CPU (the interpreter), bf16 on CUDA."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if CUDA else torch.float32
     cfg = small_config(intermediate_size=640)
@@ -133,21 +176,29 @@ def test_a_decoder_layer_with_the_kernel_equals_it_without(silu_mul, monkeypatch
         nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.1)
     x = torch.randn(12, 64, device=DEV, dtype=dtype)
     o = torch.randn(12, cfg.num_heads * cfg.head_dim, device=DEV, dtype=dtype)
+    cos = torch.randn(12, 1, cfg.head_dim // 2, device=DEV, dtype=dtype)
+    sin = torch.randn(12, 1, cfg.head_dim // 2, device=DEV, dtype=dtype)
 
     def parts():
-        return layer.attention_output(x, o), layer.mlp_block(x)
+        q, k, v = layer.attention_input(x, cos, sin)
+        return q, k, v, layer.attention_output(x, o), layer.mlp_block(x)
 
     calls, partials = [], stream.partials
-    monkeypatch.setattr(
-        stream, "partials", lambda h, w, silu=False: calls.append(silu) or partials(h, w, silu)
-    )
+
+    def spy(h, w, silu=False, split=None):
+        calls.append((w.shape[0], silu))
+        return partials(h, w, silu, split)
+
+    monkeypatch.setattr(stream, "partials", spy)
     with torch.no_grad():
-        with stream.rows_up_to(0):
+        with stream.rows_up_to(0, silu_mul=True, qkv=True):
             plain = parts()
         assert calls == []
-        with stream.forced(), stream.rows_up_to(stream.MAX_ROWS, silu_mul=silu_mul):
+        with stream.forced(), stream.rows_up_to(stream.MAX_ROWS, silu_mul=extras, qkv=extras):
             got = parts()
-    assert calls == [False, silu_mul]  # o_proj, then down
+    qkv_cols = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    want_calls = [(64, False), (64, extras)]  # o_proj, down (SiLU·mul with extras)
+    assert calls == ([(qkv_cols, False)] if extras else []) + want_calls
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     for a, b in zip(got, plain, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -180,27 +231,34 @@ def test_the_kernel_compiles_for_hopper(k, n, block_m, silu_mul):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("silu_mul", [False, True])
-def test_a_compiled_layer_with_the_kernel_equals_the_plain_one(silu_mul):
+@pytest.mark.parametrize("extras", [False, True])
+def test_a_compiled_layer_with_the_kernel_equals_the_plain_one(extras):
     """Inside `torch.compile` (the op traced, its partials summed by Inductor's residual kernel)
-    at 16 and 64 rows, the rows marked dynamic as the compiled beam layers' are; with
-    `silu_mul`, `down` also computing SiLU·mul."""
+    at 16 and 64 rows, the rows marked dynamic as the compiled beam layers' are; with `extras`
+    qkv streamed too (its partials summed in the rotation's kernel) and `down` computing
+    SiLU·mul."""
     torch.manual_seed(0)
     cfg = small_config(hidden_size=896, intermediate_size=4864, num_heads=14, head_dim=64)
     layer = DecoderLayer(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
     for p in layer.parameters():
         nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.02)
-    compiled = torch.compile(lambda x, o: (layer.attention_output(x, o), layer.mlp_block(x)))
-    switch = stream.rows_up_to(stream.MAX_ROWS, silu_mul=silu_mul)
+
+    def parts(x, o, cos, sin):
+        q, k, v = layer.attention_input(x, cos, sin)
+        return q, k, v, layer.attention_output(x, o), layer.mlp_block(x)
+
+    compiled = torch.compile(parts)
     for rows in (16, 64):
         x = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
         o = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
-        torch._dynamo.mark_dynamic(x, 0)
-        torch._dynamo.mark_dynamic(o, 0)
+        cos = torch.randn(rows, 1, 32, device="cuda", dtype=torch.bfloat16)
+        sin = torch.randn(rows, 1, 32, device="cuda", dtype=torch.bfloat16)
+        for t in (x, o, cos, sin):
+            torch._dynamo.mark_dynamic(t, 0)
         with torch.no_grad():
-            with switch:
-                got = compiled(x, o)
+            with stream.rows_up_to(stream.MAX_ROWS, silu_mul=extras, qkv=extras):
+                got = compiled(x, o, cos, sin)
             with stream.rows_up_to(0):
-                want = (layer.attention_output(x, o), layer.mlp_block(x))
+                want = parts(x, o, cos, sin)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)

@@ -87,6 +87,18 @@ class Attention(nn.Module):
         `rotated_columns` columns (`QK_ROTATION`)."""
         return QK_ROTATION == "together" and self.q_norm is None and not grouped
 
+    def rotated_with_v(self, qkv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k rotated and v, as views of one [T, Hq + 2·Hkv, D] tensor that one pointwise pass
+        over all the projection's heads writes (v's heads "rotated" by cos 1 and sin 0: the same
+        values). Where qkv is the streamed GEMM's partials summed (`stream.linear`), Inductor sums
+        them in that pass; with v a view of qkv, as in `heads`, it would write qkv out first."""
+        t, kv_heads = qkv.shape[0], self.num_kv_heads
+        heads = self.num_heads + 2 * kv_heads
+        x = qkv.view(t, heads, self.head_dim)
+        rotated = torch.arange(heads, device=qkv.device).view(1, heads, 1) < heads - kv_heads
+        out = apply_rope(x, torch.where(rotated, cos, 1.0), torch.where(rotated, sin, 0.0))
+        return out.split([self.num_heads, kv_heads, kv_heads], dim=1)
+
     @property
     def rotated_columns(self) -> int:
         return (self.num_heads + self.num_kv_heads) * self.head_dim
@@ -130,7 +142,11 @@ class DecoderLayer(nn.Module):
             fused = attn.rotates_together(grouped)
             qkv = self._fused_qkv(x, cos, sin, counts, fused)
             return attn.heads(qkv, cos, sin, grouped, rotate=not fused)
-        return attn.heads(attn.qkv_proj(self.input_layernorm(x)), cos, sin, grouped)
+        proj = attn.qkv_proj
+        if stream.QKV and attn.rotates_together(grouped) and stream.applies(x, proj, bias=True):
+            qkv = stream.linear(self.input_layernorm(x), proj.weight, proj.bias)
+            return attn.rotated_with_v(qkv, cos, sin)
+        return attn.heads(proj(self.input_layernorm(x)), cos, sin, grouped)
 
     def _fused_qkv(self, x, cos, sin, counts, rotate: bool, group=1, kv=None, step=None):
         """`skinny.norm_linear` over the layer's input norm and qkv projection: q and k rotated

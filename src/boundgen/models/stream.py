@@ -1,5 +1,6 @@
-"""The residual linear layers (o_proj, down) for few rows as one weight-streaming Triton GEMM whose
-K is split into float32 partial sums, summed by the residual add that follows.
+"""The residual linear layers (o_proj, down), and optionally qkv, for few rows as one
+weight-streaming Triton GEMM whose K is split into float32 partial sums, summed by the pointwise
+kernel that follows (the residual add, or the q/k rotation).
 
 At a beam decode step (16–64 rows) or a short prompt (W3: 64 tokens) a GEMM only streams its
 weights. cuBLAS runs `down` (K 4,864 × N 896) as a split-K GEMM and a `splitKreduce` kernel, and
@@ -16,7 +17,8 @@ more [M, N] float32 read there.
 
 With `SILU_MUL` on, `down` reads gate_up's output and computes SiLU(gate)·up as it loads its rows
 (float32, rounded once to the weight's dtype, as the plain path's fused kernel rounds it): the
-layer's SiLU·mul kernel is gone at few rows.
+layer's SiLU·mul kernel is gone at few rows. With `QKV` on, qkv (+ its bias) streams too, in at
+most 3 partials that the q/k rotation's kernel sums (`linear`).
 
 Numerics: float32 products and sums (the partials, their sum, the residual added in float32),
 rounded once to the residual's dtype; the plain layer rounds the GEMM's output first, then the sum.
@@ -35,6 +37,7 @@ import os
 
 import torch
 from torch import nn
+from torch._inductor import config as inductor_config
 
 from boundgen import triton_launch
 from boundgen.models import skinny_tiles
@@ -60,6 +63,10 @@ MAX_ROWS = int(os.environ.get("BOUNDGEN_STREAM_MAX_ROWS", "64"))
 # launch in W3's graph on an H100). Off until it wins W3 and W4 on the GPU
 # (`profile_w3.py --stream-silu-mul 0,1`, `bench_beam.py --stream-silu-mul`).
 SILU_MUL = os.environ.get("BOUNDGEN_STREAM_SILU_MUL", "0") == "1"
+# qkv streams its weights too (`QKV`, `BOUNDGEN_STREAM_QKV=1`), its partials and bias summed in the
+# q/k rotation's kernel (`linear`, `Attention.rotated_with_v`): cuBLAS ran it in 3.6–3.8 µs, the
+# kernel alone in 2.5–3.0 (H100, `bench_weight_stream.py`). Off until it wins W3 and W4.
+QKV = os.environ.get("BOUNDGEN_STREAM_QKV", "0") == "1"
 # Tile: columns a program, K a step, warps, stages (the fastest pointer-load tiles of
 # `bench_weight_stream.py` on the H100 for both projections at 16 and 64 rows)
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
@@ -69,28 +76,30 @@ forced = triton_launch.interpreted
 
 
 @contextlib.contextmanager
-def rows_up_to(rows: int, silu_mul: bool | None = None):
-    """Inside: the kernel takes calls of at most `rows` rows (`MAX_ROWS`; 0: none) and, with
-    `silu_mul` given, `down` takes SiLU·mul's input or not (`SILU_MUL`); read when a layer traces,
-    compiles or is captured (an A/B's switch)."""
-    global MAX_ROWS, SILU_MUL
-    before = MAX_ROWS, SILU_MUL
+def rows_up_to(rows: int, silu_mul: bool | None = None, qkv: bool | None = None):
+    """Inside: the kernel takes calls of at most `rows` rows (`MAX_ROWS`; 0: none) and, where
+    given, `down` takes SiLU·mul's input or not (`SILU_MUL`) and qkv streams or not (`QKV`); read
+    when a layer traces, compiles or is captured (an A/B's switch)."""
+    global MAX_ROWS, SILU_MUL, QKV
+    before = MAX_ROWS, SILU_MUL, QKV
     MAX_ROWS = rows
     if silu_mul is not None:
         SILU_MUL = silu_mul
+    if qkv is not None:
+        QKV = qkv
     try:
         yield
     finally:
-        MAX_ROWS, SILU_MUL = before
+        MAX_ROWS, SILU_MUL, QKV = before
 
 
-def applies(x: torch.Tensor, linear: nn.Module) -> bool:
-    """Whether `linear_residual` takes `x` through `linear`: a plain `nn.Linear` without bias (not
-    FP8's), at most `MAX_ROWS` rows, on CUDA in bf16/fp16 (or anywhere under `forced()` with
-    the interpreter)."""
+def applies(x: torch.Tensor, linear: nn.Module, bias: bool = False) -> bool:
+    """Whether the kernel takes `x` through `linear`: a plain `nn.Linear` (not FP8's), without
+    a bias unless `bias` (`linear` adds one, `linear_residual` does not), at most `MAX_ROWS`
+    rows, on CUDA in bf16/fp16 (or anywhere under `forced()` with the interpreter)."""
     if not AVAILABLE or x.dim() != 2 or x.shape[0] > MAX_ROWS:
         return False
-    if type(linear) is not nn.Linear or linear.bias is not None:
+    if type(linear) is not nn.Linear or (linear.bias is not None and not bias):
         return False
     return triton_launch.takes(x, [linear.weight])
 
@@ -200,12 +209,14 @@ if AVAILABLE:
         return parts
 
     @triton_op("boundgen::stream_partials", mutates_args=())
-    def _stream_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return launch(x, weight, split_k(weight.shape[1]))
+    def _stream_partials(x: torch.Tensor, weight: torch.Tensor, split: int) -> torch.Tensor:
+        return launch(x, weight, split)
 
     @triton_op("boundgen::stream_silu_mul_partials", mutates_args=())
-    def _stream_silu_mul_partials(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return launch(gate_up, weight, split_k(weight.shape[1]), silu_mul=True)
+    def _stream_silu_mul_partials(
+        gate_up: torch.Tensor, weight: torch.Tensor, split: int
+    ) -> torch.Tensor:
+        return launch(gate_up, weight, split, silu_mul=True)
 
 
 def k_per(k: int, split: int, block_k: int = BLOCK_K) -> int:
@@ -213,40 +224,59 @@ def k_per(k: int, split: int, block_k: int = BLOCK_K) -> int:
     return skinny_tiles.cdiv(skinny_tiles.cdiv(k, split), block_k) * block_k
 
 
-def partials(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T as float32 partial sums over `split_k(K)` slices of K:
-    [splits, M, N]. `silu_mul`: x is [M, 2K] (gate | up) and SiLU(gate)·up is multiplied."""
+def partials(
+    x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, split: int | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T as float32 partial sums over `split` (default `split_k(K)`)
+    slices of K: [splits, M, N]. `silu_mul`: x is [M, 2K] (gate | up) and SiLU(gate)·up is
+    multiplied."""
+    split = split_k(weight.shape[1]) if split is None else split
     if silu_mul:
-        return torch.ops.boundgen.stream_silu_mul_partials(x, weight)
-    return torch.ops.boundgen.stream_partials(x, weight)
+        return torch.ops.boundgen.stream_silu_mul_partials(x, weight, split)
+    return torch.ops.boundgen.stream_partials(x, weight, split)
+
+
+def _sum_onto(start: torch.Tensor | None, parts: torch.Tensor) -> torch.Tensor:
+    """start + each partial in turn (float32), one add a partial: their count is static (K's
+    split), and adds of slices are pointwise, so they go into the kernel that reads the sum.
+    Inductor made a reduction kernel of its own for one of a layer's two `sum(0)`s (W3 on an
+    H100, BENCHMARKS.md thirty-sixth session)."""
+    out = start
+    for s in range(parts.shape[0]):
+        out = parts[s] if out is None else out + parts[s]
+    return out
 
 
 def linear_residual(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, silu_mul: bool = False
 ) -> torch.Tensor:
     """residual + x @ weight.T: x [M, K], residual [M, N] → [M, N] in the residual's dtype
-    (`silu_mul`: residual + (SiLU(gate)·up) @ weight.T of x = gate_up's output [M, 2K]).
+    (`silu_mul`: residual + (SiLU(gate)·up) @ weight.T of x = gate_up's output [M, 2K]), the
+    partials summed by the kernel that reads the result (the residual add + the next RMSNorm)."""
+    return _sum_onto(residual.float(), partials(x, weight, silu_mul)).to(residual.dtype)
 
-    The partials are added one by one (their count is static: K's split), not by `sum(0)`:
-    Inductor made a reduction kernel of its own for one of a layer's two `sum(0)`s (W3 on an
-    H100, BENCHMARKS.md thirty-sixth session), where adds of slices are pointwise and go into
-    the kernel that reads the result."""
-    parts = partials(x, weight, silu_mul)
-    out = residual.float()
-    for s in range(parts.shape[0]):
-        out = out + parts[s]
-    return out.to(residual.dtype)
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias in x's dtype, for a consumer that reads each column twice (the q/k
+    rotation reads both halves of a head): Inductor computes a pointwise value read more than
+    once inside its readers' kernel only while it reads at most `realize_reads_threshold` (4)
+    inputs, else it writes it out in a kernel of its own. So K splits into at most 4 partials
+    with the bias counted (qkv: 3 and the bias, where `split_k` would make 4)."""
+    reads = inductor_config.realize_reads_threshold - (bias is not None)
+    parts = partials(x, weight, split=max(1, min(split_k(weight.shape[1]), reads)))
+    return _sum_onto(None if bias is None else bias.float(), parts).to(x.dtype)
 
 
 def reference_partials(
-    x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False
+    x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, split: int | None = None
 ) -> torch.Tensor:
     """What `partials` computes, slice by slice in float32 (the tests' oracle)."""
     k = weight.shape[1]
+    split = split_k(k) if split is None else split
     if silu_mul:  # in float32, rounded once to x's dtype (the kernel's MMA operand)
         gate, up = x.float().chunk(2, dim=-1)
         x = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-    per = k_per(k, split_k(k))
+    per = k_per(k, split)
     return torch.stack(
         [x[:, s : s + per].float() @ weight[:, s : s + per].float().T for s in range(0, k, per)]
     )
