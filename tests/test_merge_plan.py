@@ -10,7 +10,9 @@ import random
 
 import pytest
 from batching_sim import Sim, p99, poisson
+from fake_request import FakeRequest
 
+from boundgen.runtime import batching
 from boundgen.runtime.merge_plan import first_forward
 from boundgen.runtime.node import PipelineError
 
@@ -149,3 +151,20 @@ def test_tail_lowers_a_w2_streams_p99_without_losing_throughput():
     assert p99(tail.latencies_ms()) < 0.9 * p99(everything.latencies_ms())
     makespan = max(tail.finished.values()) / max(everything.finished.values())
     assert makespan <= 1.01
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_planned_cut_counts_only_a_live_request_it_kept_out(cancelled):
+    """`planned_cuts` counts a batch the plan ended while a live request that fits waited, not one
+    whose next request was cancelled while it waited (nothing was kept out)."""
+    sim = Sim([], merge_policy="tail", token_budget=8192)
+    node = sim.node
+    node._planned = lambda first, waiting, budget: 1  # the plan: the first request alone
+    lane = batching._Lane("key")
+    reqs = [FakeRequest(i) for i in range(2)]
+    reqs[1].failed = cancelled
+    lane.waiting.extend(batching._Item(r, {}, lambda *a: None, 100, 0) for r in reqs)
+    batch = node._take(lane)
+    assert [it.req.request_id for it in batch] == [0]
+    assert node.stats()["planned_cuts"] == (0 if cancelled else 1)
+    assert len(lane.waiting) == (0 if cancelled else 1)

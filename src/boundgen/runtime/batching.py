@@ -693,6 +693,8 @@ class BatchingNode(Node):
                 if most is not None and count >= most:
                     break
                 if planned is not None and len(batch) >= planned:
+                    while waiting and waiting[0].req.failed:  # not a request the cut kept out
+                        waiting.popleft()
                     if waiting and tokens + waiting[0].size <= budget:
                         self.planned_cuts += 1
                     break
