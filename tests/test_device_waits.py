@@ -263,3 +263,38 @@ def test_a_batching_device_node_orders_its_inputs_through_the_default_stream(
         assert calls == []
     else:  # the device node ran on the pool stream (its own prologue waited for host inputs)
         assert calls == [("pool", "wait_stream"), ("default", "wait_event", events[0])]
+
+
+@pytest.mark.parametrize("fake_cuda_executor", [1, 2], indirect=True)
+def test_the_device_wait_counts_in_the_deadline_estimate(fake_cuda_executor):
+    """The device work a host node waits for (0.2 s here) is in the executor's estimate of the
+    rest of the pipeline, on the waiting thread's path (one worker) and a worker's own wait (two),
+    though not in any node's run: a request whose deadline is shorter fails before its device
+    work is queued."""
+    from boundgen.runtime import DeadlineExceeded
+
+    ex, events = fake_cuda_executor
+    pipe = Pipeline("p", {"x": int}, [on_device, on_host], ["z"])
+    for k in range(2):
+        threading.Timer(0.2, lambda: [ev.done.set() for ev in list(events)]).start()
+        assert ex.submit(pipe, {"x": k}, unwrap=True).result(timeout=10) == 10 * k + 1
+    stats = ex._stats_for(pipe)
+    assert max(stats.ema_ns) < 50e6  # no node's run holds the wait
+    assert ex.estimate_ms(pipe) >= 150
+    queued = len(events)
+    with pytest.raises(DeadlineExceeded, match="before node 'on_device'"):
+        ex.run(pipe, {"x": 5}, timeout_ms=100)
+    assert len(events) == queued  # dropped before its device node ran
+
+
+def test_a_host_node_whose_device_inputs_have_run_waits_nothing(fake_cuda_executor):
+    """A host node whose device inputs have run already: a wait of 0 in the estimate."""
+    ex, events = fake_cuda_executor
+    done = FakeEvent()
+    done.done.set()
+    ex._torch.cuda.Event = lambda *a, **kw: done  # device work that has run when it is asked
+    pipe = Pipeline("p", {"x": int}, [on_device, on_host], ["z"])
+    stats = ex._stats_for(pipe)
+    stats.wait_ns[1] = 200e6  # as if it had waited before
+    assert ex.run(pipe, {"x": 1}, unwrap=True) == 11
+    assert stats.wait_ns[1] == pytest.approx(0.9 * 200e6)  # one sample of 0 in the average

@@ -119,35 +119,44 @@ class RequestFuture(Future):
 
 class _PipelineStats:
     """Running per-node duration estimates and the derived rest-of-critical-path estimate per
-    node."""
+    node: each node's run (`ema_ns`) and, before a host node, its wait for the device work it
+    reads (`wait_ns`) — an async device node (a batching node) answers once its batch is
+    launched, so the batch's GPU time is only seen as the wait of the node that reads it."""
 
-    __slots__ = ("ema_ns", "finished", "pipeline", "refresh_every", "rest_ns")
+    __slots__ = ("ema_ns", "finished", "pipeline", "refresh_every", "rest_ns", "wait_ns")
 
     def __init__(self, pipeline: Pipeline, refresh_every: int = 16):
         self.pipeline = pipeline
         self.ema_ns = [0.0] * len(pipeline.plan)
+        self.wait_ns = [0.0] * len(pipeline.plan)
         self.rest_ns: list[float] = [0.0] * len(pipeline.plan)
         self.finished = 0
         self.refresh_every = refresh_every
 
     def observe(self, i: int, ns: int) -> None:
-        # NOTE: racy read-modify-write across threads; losing an update only blurs an estimate.
-        ema = self.ema_ns[i]
-        if ema <= 0.0:
-            self.ema_ns[i] = float(ns)
-        else:
-            sample = min(
-                float(ns), 4.0 * ema
-            )  # one outlier must not make every request look too slow
-            self.ema_ns[i] = ema + 0.1 * (sample - ema)
+        _ema_update(self.ema_ns, i, ns)
+
+    def observe_wait(self, i: int, ns: int) -> None:
+        """Node i waited `ns` for its inputs' device work (0: it had run already)."""
+        _ema_update(self.wait_ns, i, ns)
 
     def refresh(self) -> None:
         plan = self.pipeline.plan
         rest = [0.0] * len(plan)
         for p in reversed(plan):  # plan is topologically ordered
             tail = max((rest[s] for s in p.successors), default=0.0)
-            rest[p.index] = self.ema_ns[p.index] + tail
+            rest[p.index] = self.wait_ns[p.index] + self.ema_ns[p.index] + tail
         self.rest_ns = rest
+
+
+def _ema_update(values: list[float], i: int, ns: int) -> None:
+    # NOTE: racy read-modify-write across threads; losing an update only blurs an estimate.
+    ema = values[i]
+    if ema <= 0.0:
+        values[i] = float(ns)
+    else:
+        sample = min(float(ns), 4.0 * ema)  # one outlier must not make every request look too slow
+        values[i] = ema + 0.1 * (sample - ema)
 
 
 class RequestContext:
@@ -184,6 +193,7 @@ class RequestContext:
         "_streams",
         "_unwrap",
         "_values",
+        "_waited",
         "deadline_ns",
         "pipeline",
         "request_id",
@@ -229,6 +239,7 @@ class RequestContext:
         self._failed = False
         self._node_state = bytearray(len(pipe.plan))  # 0 waiting, 1 running, 2 done
         self._annotations: dict[str, Any] | None = None
+        self._waited = 0  # bit i: node i's device wait was observed when it resumed
 
     def remaining_ms(self) -> float:
         if self.deadline_ns is None:
@@ -596,7 +607,7 @@ class Executor:
                 unfinished = self._unfinished_inputs(req, p)
                 if unfinished and not self._reserve_wait():  # run it once they have completed
                     self._device_waits.after(
-                        unfinished, functools.partial(self._resume, req, i, ready_ns)
+                        unfinished, functools.partial(self._resume, req, i, ready_ns, start)
                     )
                     return ()
                 if unfinished:  # few workers are waiting: wait here, no hand-off
@@ -609,8 +620,12 @@ class Executor:
                     # the device wait counts as the node's wait, as on the `DeviceWaits` path:
                     # counted as its run, a W5 `finish` "took" 14 ms in the slowest 1 % (H100,
                     # 2026-12-05) and its run-time average, which sends a quick node's resume
-                    # to the waiting thread (`_resume`) and feeds the deadlines, held GPU time
-                    start = _now()
+                    # to the waiting thread (`_resume`), held GPU time. The deadlines take it
+                    # as the node's device wait.
+                    waited_from, start = start, _now()
+                    req._stats.observe_wait(i, start - waited_from)
+                elif not req._waited >> i & 1:  # (resumed: observed in `_resume`)
+                    req._stats.observe_wait(i, 0)
         values = req._values
         args = {name: values[slot] for name, slot in zip(p.arg_names, p.arg_slots)}
         req._node_state[i] = 1
@@ -648,12 +663,15 @@ class Executor:
                 return True
             return False
 
-    def _resume(self, req: RequestContext, i: int, ready_ns: int) -> None:
+    def _resume(self, req: RequestContext, i: int, ready_ns: int, waited_from: int) -> None:
         """Node i after the device work it reads has run (on the `DeviceWaits` thread): a node
         expected to be quick (`fanout_us`, a `finish` making lists) runs right there, with its
         quick successors — two thread hand-offs fewer on every request; a longer one goes back to
         the worker pool, so the waits behind it are not held up. The device wait counts as the
-        node's wait (from `ready_ns`, when its inputs were queued)."""
+        node's wait (from `ready_ns`, when its inputs were queued); the deadlines' estimate takes
+        it, from `waited_from`, as the node's device wait."""
+        req._stats.observe_wait(i, _now() - waited_from)
+        req._waited |= 1 << i
         if req._stats.ema_ns[i] < self.fanout_ns:
             self._drive(req, i, ready_ns)
         else:
