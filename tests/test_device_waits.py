@@ -289,7 +289,7 @@ def test_the_device_wait_counts_in_the_deadline_estimate(fake_cuda_executor):
 
 def test_a_host_node_whose_device_inputs_have_run_waits_nothing(fake_cuda_executor):
     """A host node whose device inputs have run already: a wait of 0 in the estimate."""
-    ex, events = fake_cuda_executor
+    ex, _ = fake_cuda_executor
     done = FakeEvent()
     done.done.set()
     ex._torch.cuda.Event = lambda *a, **kw: done  # device work that has run when it is asked
@@ -298,3 +298,25 @@ def test_a_host_node_whose_device_inputs_have_run_waits_nothing(fake_cuda_execut
     stats.wait_ns[1] = 200e6  # as if it had waited before
     assert ex.run(pipe, {"x": 1}, unwrap=True) == 11
     assert stats.wait_ns[1] == pytest.approx(0.9 * 200e6)  # one sample of 0 in the average
+
+
+def test_a_wait_behind_a_batch_that_was_not_steady_is_not_learned(fake_cuda_executor):
+    """Device work its node marked not steady (a batch that compiled: `batch_steady=False`) teaches
+    neither its run nor the wait of the node that reads it — else one slow first batch would make
+    every request with a shorter deadline fail fast, and none would run to show otherwise."""
+    ex, events = fake_cuda_executor
+    ran = []
+
+    @node(outputs="y", kind="device")
+    def compiles_once(x: int, ctx) -> int:
+        if not ran:  # the first batch compiled
+            ctx.annotate(batch_steady=False)
+        ran.append(x)
+        return x * 10
+
+    pipe = Pipeline("p", {"x": int}, [compiles_once, on_host], ["z"])
+    threading.Timer(0.3, lambda: [ev.done.set() for ev in list(events)]).start()
+    assert ex.run(pipe, {"x": 1}, unwrap=True) == 11  # its device work "ran" 0.3 s
+    assert ex.estimate_ms(pipe) < 100
+    threading.Timer(0.01, lambda: [ev.done.set() for ev in list(events)]).start()
+    assert ex.run(pipe, {"x": 2}, unwrap=True, timeout_ms=200) == 21

@@ -61,7 +61,7 @@ MAX_ROWS = int(os.environ.get("BOUNDGEN_STREAM_MAX_ROWS", "64"))
 # `down` takes gate_up's output and computes SiLU(gate)·up as it loads its rows (`SILU_MUL`,
 # `BOUNDGEN_STREAM_SILU_MUL=1`): a layer's SiLU·mul kernel less at few rows (1.5 µs and a
 # launch in W3's graph on an H100). Off until it wins W3 and W4 on the GPU
-# (`profile_w3.py --stream-silu-mul 0,1`, `bench_beam.py --stream-silu-mul`).
+# (`profile_w3.py --stream 64,64+silu`, `bench_beam.py --stream-rows 64+silu`).
 SILU_MUL = os.environ.get("BOUNDGEN_STREAM_SILU_MUL", "0") == "1"
 # qkv streams its weights too (`QKV`, `BOUNDGEN_STREAM_QKV=1`), its partials and bias summed in the
 # q/k rotation's kernel (`linear`, `Attention.rotated_with_v`): cuBLAS ran it in 3.6–3.8 µs, the

@@ -239,7 +239,9 @@ class RequestContext:
         self._failed = False
         self._node_state = bytearray(len(pipe.plan))  # 0 waiting, 1 running, 2 done
         self._annotations: dict[str, Any] | None = None
-        self._waited = 0  # bit i: node i's device wait was observed when it resumed
+        # bit i: node i's device wait is observed already (when it resumed), or must not be
+        # (every bit: it reads the work of a batch that was not steady, e.g. one that compiled)
+        self._waited = 0
 
     def remaining_ms(self) -> float:
         if self.deadline_ns is None:
@@ -623,7 +625,8 @@ class Executor:
                     # to the waiting thread (`_resume`), held GPU time. The deadlines take it
                     # as the node's device wait.
                     waited_from, start = start, _now()
-                    req._stats.observe_wait(i, start - waited_from)
+                    if not req._waited >> i & 1:
+                        req._stats.observe_wait(i, start - waited_from)
                 elif not req._waited >> i & 1:  # (resumed: observed in `_resume`)
                     req._stats.observe_wait(i, 0)
         values = req._values
@@ -670,7 +673,8 @@ class Executor:
         the worker pool, so the waits behind it are not held up. The device wait counts as the
         node's wait (from `ready_ns`, when its inputs were queued); the deadlines' estimate takes
         it, from `waited_from`, as the node's device wait."""
-        req._stats.observe_wait(i, _now() - waited_from)
+        if not req._waited >> i & 1:
+            req._stats.observe_wait(i, _now() - waited_from)
         req._waited |= 1 << i
         if req._stats.ema_ns[i] < self.fanout_ns:
             self._drive(req, i, ready_ns)
@@ -786,6 +790,8 @@ class Executor:
         # next: a deadline estimate learned from it would drop requests that would have made it
         if ann is None or ann.get("batch_steady", True):
             req._stats.observe(p.index, end - start)
+        else:  # nor the device time after it: a wait behind a compile would drop what follows
+            req._waited = -1
         req._spans.append((p.node.name, start, end, _get_ident(), ready_ns, ann))
 
     def _complete(self, req: RequestContext, p: Any) -> list[int]:
