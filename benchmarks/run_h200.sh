@@ -46,6 +46,7 @@ W5_BUCKETS=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import co
 W5_SERVE="--device cuda --dtype bfloat16 --backend aoti+graphs --batch-token-budget 15000 ${W5_ARGS:-}"
 . benchmarks/device_wheels.sh
 install_device_wheels
+. benchmarks/pack_out.sh
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 # which host this is (Python speed, thread hand-off, steal): machines differ by 2.5x in a request's Python
@@ -163,9 +164,9 @@ run_phase() {
     # BEAM_WRK_SERVE_ARGS: more server flags (e.g. "--config benchmarks/configs/fp8_selective_forced.yaml")
     beam-wrk) echo '[{"kind": "beam", "prompt_tokens": 128, "width": 16, "steps": 4, "count": '${BEAM_COUNT:-16}', "trie": "w4"}]' > /tmp/beam_profile.json
       phase beam-wrk 300 python3 benchmarks/bench_beam_wrk.py --model $M --trie-items 100000 --connections ${BEAM_WRK_CONNS:-1 4 16 64 256} --rates ${BEAM_WRK_RATES:-250 500 1000} --wrk-connections 256 --duration ${BEAM_WRK_S:-8} --budget-s $(( ${B:-300} - 10 )) --server-cpus 0-7 --client-cpus 8-15 --serve-args "--device cuda --dtype bfloat16 --backend compile+graphs --compile-buckets t64 --warmup /tmp/beam_profile.json ${BEAM_WRK_SERVE_ARGS:-}" --server-prelude "${BEAM_WRK_PRELUDE:-}" --gpu-window ${BEAM_GPU_WINDOW:-0} --gil-profile ${BEAM_GIL:-0} --gil-profile-connections ${BEAM_GIL_CONNS:-64} --out "$OUT/${BEAM_WRK_NAME:-beam_wrk}.json" ;;
-    # last: every log and JSON in one file (a call brings back at most 8 files)
-    # (the tar is written outside $OUT first: written inside, tar saw the folder change and failed)
-    pack-logs) (cd "$OUT" && tar -czf /tmp/logs.tgz --exclude='cache.tgz.*' . && find . -type f ! -name 'cache.tgz.*' -delete && mv /tmp/logs.tgz . && ls -la) ;;
+    # last: every log and JSON in one file (a call brings back at most 8 files; a call whose $OUT
+    # holds more when run_h200.sh ends is packed anyway, below)
+    pack-logs) pack_out "$OUT" force; ls -la "$OUT" ;;
     *) echo "unknown phase $p" ;;
   esac
 }
@@ -177,3 +178,5 @@ for spec in "$@"; do
   esac
 done
 wait
+# more than 8 files would come back from $OUT (the device tool's limit): one logs.tgz instead
+pack_out "$OUT"
