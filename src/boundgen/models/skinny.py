@@ -378,7 +378,7 @@ if AVAILABLE:
         kv_step=None,
     ):
         # the kernel takes rows by their stride and everything else packed
-        x = x if x.stride(-1) == 1 else x.contiguous()
+        (x,) = triton_launch.unit_last_stride(x)
         weight = weight.contiguous()
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()

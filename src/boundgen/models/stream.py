@@ -176,7 +176,7 @@ if AVAILABLE:
         """The kernel with an explicit tile (what the ops and `bench_weight_stream.py` call):
         partials [splits, M, N], K cut into `split` whole BLOCK_K steps (fewer where K is short).
         `silu_mul`: x is [M, 2K], gate then up, and the rows multiplied are SiLU(gate)·up."""
-        x = x if x.stride(-1) == 1 else x.contiguous()
+        (x,) = triton_launch.unit_last_stride(x)
         weight = weight.contiguous()
         # K and N from the weight (static); the rows may be symbolic (the compiled beam layers)
         m = x.shape[0]
