@@ -48,6 +48,15 @@ def traceable(kernel):
     return wrap_triton(kernel) if isinstance(kernel, triton.runtime.JITFunction) else kernel
 
 
+def dot_precision(x: torch.Tensor) -> str:
+    """`tl.dot`'s input precision for a call on `x`: float32's own products for float32 (the
+    tests' oracle precision; the engine takes the few-row kernels in bf16/fp16 only), not TF32's,
+    which Triton's dot defaults to."""
+    import torch
+
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 def unit_last_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`tensors` as the kernels index them, each with its last dim contiguous: as it is where it
     already is, else a contiguous copy."""

@@ -462,9 +462,7 @@ if AVAILABLE:
             BLOCK_K=block_k,
             K_SPLIT=per,
             SPLIT_K=split,
-            # float32 (the tests; the engine takes the kernels in bf16/fp16 only): float32's own
-            # products, not TF32's, which Triton's dot defaults to
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            PRECISION=triton_launch.dot_precision(x),
             INTERPRET=not x.is_cuda,
             num_warps=warps,
             num_stages=stages,

@@ -200,8 +200,7 @@ if AVAILABLE:
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             SILU_MUL=silu_mul,
-            # float32 (the tests): float32's own products, not TF32's (Triton's dot default)
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            PRECISION=triton_launch.dot_precision(x),
             INTERPRET=not x.is_cuda,
             num_warps=warps,
             num_stages=stages,
