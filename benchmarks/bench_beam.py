@@ -19,12 +19,13 @@ computed from the full head.
     python benchmarks/bench_beam.py --heads-only --head-compile --out $OUT/beam_heads.json
 
 With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
-kernels (`skinny.MAX_ROWS` N), `--stream-rows N` the one with o_proj and down streamed up to N
-rows (`models/stream.py`, `stream.MAX_ROWS` N; `N+silu`: `down` also computing SiLU·mul,
-`stream.SILU_MUL`; `N+qkv`: qkv streamed too, `stream.QKV`), and `--trie-select` the one with
-each trie step's selection in one kernel (`trie_select`, the other variants then take the ATen
-step: the kernel is the default); `--residual-add` the one with the residual adds out of `addmm`
-(`compile.residual`, the others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
+kernels (`skinny.MAX_ROWS` N), `--stream-rows N…` one with o_proj and down streamed up to N rows
+for each N given (`models/stream.py`, `stream.MAX_ROWS` N; `N+qkv`: qkv streamed too,
+`stream.QKV`), and `--trie-select` the
+one with each trie step's selection in one kernel (`trie_select`, the other variants then take
+the ATen step: the kernel is the default); `--residual-add` the one with the residual adds out
+of `addmm` (`compile.residual`, the others then keep them in `addmm`, whatever
+`BOUNDGEN_RESIDUAL` says),
 `--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
 attention + the own-slot kernel) or `fusedN[wW]` (one kernel, `attention/beam_decode.py`, N rows a
 program — 16, the default, 32, 64 or 128 — on W warps, by default `beam_decode.DEFAULT_WARPS`);
@@ -203,7 +204,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
         # any of them together (one value of each kind)
         kinds = [
             [("skinny", args.skinny_rows)] if args.skinny_rows else [],
-            [("stream", args.stream_rows)] if args.stream_rows is not None else [],
+            [("stream", v) for v in args.stream_rows],
             [("select", True)] if args.trie_select else [],
             [("add", True)] if args.residual_add else [],
             [("attention", kind) for kind in args.decode_attention],
@@ -282,11 +283,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
                         streamed = stream_of.get(
                             vname,
-                            {
-                                "rows": stream.MAX_ROWS,
-                                "silu_mul": stream.SILU_MUL,
-                                "qkv": stream.QKV,
-                            },
+                            {"rows": stream.MAX_ROWS, "qkv": stream.QKV},
                         )
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
@@ -493,10 +490,11 @@ def main() -> int:
     ap.add_argument(
         "--stream-rows",
         type=_stream_arg,
-        default=None,
+        nargs="+",
+        default=[],
         help="heads with --head-compile: also the compiled search with o_proj and down streamed "
-        "up to this many rows (`stream.MAX_ROWS`; ROWS+silu: `down` also computing SiLU·mul; "
-        "ROWS+qkv: qkv streamed too; both: ROWS+silu+qkv)",
+        "up to this many rows (`stream.MAX_ROWS`; ROWS+qkv: qkv streamed too), a variant per "
+        "setting given",
     )
     ap.add_argument(
         "--trie-select",

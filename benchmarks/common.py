@@ -103,13 +103,12 @@ def timed_interleaved(
 
 
 def stream_setting(text: str) -> dict:
-    """A benchmark's streamed-GEMM side, "ROWS[+silu][+qkv]" → `stream.rows_up_to`'s arguments:
-    the rows (`stream.MAX_ROWS`), whether `down` computes SiLU·mul itself (`stream.SILU_MUL`),
-    whether qkv streams too (`stream.QKV`)."""
+    """A benchmark's streamed-GEMM side, "ROWS[+qkv]" → `stream.rows_up_to`'s arguments: the rows
+    (`stream.MAX_ROWS`) and whether qkv streams too (`stream.QKV`)."""
     rows, *extras = text.split("+")
-    if not rows.isdigit() or not set(extras) <= {"silu", "qkv"} or len(set(extras)) < len(extras):
-        raise ValueError(f"a stream setting is ROWS[+silu][+qkv], not {text!r}")
-    return {"rows": int(rows), "silu_mul": "silu" in extras, "qkv": "qkv" in extras}
+    if not rows.isdigit() or extras not in ([], ["qkv"]):
+        raise ValueError(f"a stream setting is ROWS[+qkv], not {text!r}")
+    return {"rows": int(rows), "qkv": extras == ["qkv"]}
 
 
 def w1_prompts(

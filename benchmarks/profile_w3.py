@@ -18,7 +18,7 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --stream 0,64                         # o_proj and down by cuBLAS, or streamed
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
-        --stream 64,64+silu,64+qkv            # streamed, `down` also computing SiLU·mul, qkv too
+        --stream 64,64+qkv                    # o_proj and down streamed, qkv too
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -369,8 +369,8 @@ def main() -> int:
         "--stream",
         default=None,
         help="`stream.MAX_ROWS` values to build side by side (0,64: o_proj and down by cuBLAS or "
-        "streamed, `models/stream.py`; 64+silu: `down` also computing SiLU·mul, "
-        "`stream.SILU_MUL`; 64+qkv: qkv streamed too, `stream.QKV`), crossed with the other axes",
+        "streamed, `models/stream.py`; 64+qkv: qkv streamed too, `stream.QKV`), crossed with the "
+        "other axes",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -431,8 +431,7 @@ def main() -> int:
                 skinny.MAX_ROWS = int(skinny_rows)
             if stream_rows is not None:
                 setting = common.stream_setting(stream_rows)
-                stream.MAX_ROWS, stream.SILU_MUL = setting["rows"], setting["silu_mul"]
-                stream.QKV = setting["qkv"]
+                stream.MAX_ROWS, stream.QKV = setting["rows"], setting["qkv"]
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":

@@ -405,17 +405,13 @@ def test_the_fused_linear_kernels_key_only_the_packages_that_embed_them(monkeypa
     assert "boundgen.models.skinny" not in embedded
     assert platform_info("cpu")["stream_max_rows"] == "64"
     assert platform_info("cpu")["kernels"] != off["kernels"]
-    # `down` taking SiLU·mul's input, qkv streamed: keys of their own only where they are on
-    monkeypatch.setattr(stream, "SILU_MUL", False)
+    # qkv streamed: a key of its own only where it is on
     monkeypatch.setattr(stream, "QKV", False)
-    assert not {"stream_silu_mul", "stream_qkv"} & set(platform_info("cpu"))
-    monkeypatch.setattr(stream, "SILU_MUL", True)
-    assert platform_info("cpu")["stream_silu_mul"] == "1"
     assert "stream_qkv" not in platform_info("cpu")
     monkeypatch.setattr(stream, "QKV", True)
     assert platform_info("cpu")["stream_qkv"] == "1"
-    monkeypatch.setattr(stream, "MAX_ROWS", 0)  # streaming off: nothing to take them
-    assert not {"stream_silu_mul", "stream_qkv"} & set(platform_info("cpu"))
+    monkeypatch.setattr(stream, "MAX_ROWS", 0)  # streaming off: nothing to take it
+    assert "stream_qkv" not in platform_info("cpu")
 
 
 # -- libstdc++ preload guard

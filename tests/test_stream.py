@@ -50,36 +50,6 @@ def test_the_partials_are_the_k_slices_products(m, k, n):
     torch.testing.assert_close(got.sum(0).cpu(), (x @ w.T).cpu(), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize(("m", "k", "n"), [(1, 96, 48), (17, 1000, 70), (70, 512, 96)])
-def test_the_silu_mul_partials_take_gate_and_up(m, k, n):
-    """`down` fed gate_up's output [M, 2K]: the partials of SiLU(gate)·up, rounded once to the
-    input's dtype, times the weight's K slices."""
-    g = torch.Generator().manual_seed(m + k + n)
-    for dtype in (torch.float32, torch.bfloat16):
-        gate_up, w = _randn(g, m, 2 * k, dtype=dtype), _randn(g, n, k, dtype=dtype, scale=k**-0.5)
-        with stream.forced():
-            got = stream.partials(gate_up, w, silu_mul=True)
-        want = stream.reference_partials(gate_up, w, silu_mul=True)
-        assert got.dtype == torch.float32 and got.shape == want.shape
-        tol = 2e-5 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=tol, atol=tol)
-    # the oracle itself: SiLU(gate)·up, then the product (float32)
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    h = torch.nn.functional.silu(gate) * up
-    torch.testing.assert_close(
-        stream.reference_partials(gate_up.float(), w.float(), silu_mul=True).sum(0),
-        h @ w.float().T,
-        rtol=2e-5,
-        atol=2e-5,
-    )
-
-
-def test_the_silu_mul_op_wants_gate_and_up():
-    x, w = torch.zeros(4, 100), torch.zeros(8, 100)  # 100 columns, not 2 × 100
-    with stream.forced(), pytest.raises(RuntimeError):
-        stream.partials(x.to(DEV), w.to(DEV), silu_mul=True)
-
-
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_linear_sums_few_enough_partials_for_the_rotation_to_take_them(with_bias, monkeypatch):
     """qkv's `linear`: x @ w.T + bias in x's dtype from at most 4 reads (3 partials and the
@@ -91,7 +61,7 @@ def test_linear_sums_few_enough_partials_for_the_rotation_to_take_them(with_bias
     monkeypatch.setattr(
         stream,
         "partials",
-        lambda h, w_, silu=False, split=None: splits.append(split) or partials(h, w_, silu, split),
+        lambda h, w_, split=None: splits.append(split) or partials(h, w_, split),
     )
     with stream.forced(), torch.no_grad():
         got = stream.linear(x, w, bias)
@@ -161,12 +131,11 @@ def test_which_calls_the_kernel_takes():
         assert not stream.applies(few.to(torch.bfloat16), bf16.mlp.down_proj)
 
 
-@pytest.mark.parametrize("extras", [False, True])
-def test_a_decoder_layer_with_the_kernel_equals_it_without(extras, monkeypatch):
+@pytest.mark.parametrize("qkv", [False, True])
+def test_a_decoder_layer_with_the_kernel_equals_it_without(qkv, monkeypatch):
     """o_proj + residual and the MLP's down + residual (its K split in two) through the kernel
-    against the same layer without it; with `extras` also qkv streamed (`stream.QKV`: q and k
-    rotated, v, from its partials) and `down` computing SiLU·mul (`stream.SILU_MUL`). Float32 on
-    the CPU (the interpreter), bf16 on CUDA."""
+    against the same layer without it; with `qkv` also qkv streamed (`stream.QKV`: q and k
+    rotated, v, from its partials). Float32 on the CPU (the interpreter), bf16 on CUDA."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if CUDA else torch.float32
     cfg = small_config(intermediate_size=640)
@@ -185,20 +154,19 @@ def test_a_decoder_layer_with_the_kernel_equals_it_without(extras, monkeypatch):
 
     calls, partials = [], stream.partials
 
-    def spy(h, w, silu=False, split=None):
-        calls.append((w.shape[0], silu))
-        return partials(h, w, silu, split)
+    def spy(h, w, split=None):
+        calls.append(w.shape[0])
+        return partials(h, w, split)
 
     monkeypatch.setattr(stream, "partials", spy)
     with torch.no_grad():
-        with stream.rows_up_to(0, silu_mul=True, qkv=True):
+        with stream.rows_up_to(0, qkv=True):
             plain = parts()
         assert calls == []
-        with stream.forced(), stream.rows_up_to(stream.MAX_ROWS, silu_mul=extras, qkv=extras):
+        with stream.forced(), stream.rows_up_to(stream.MAX_ROWS, qkv=qkv):
             got = parts()
     qkv_cols = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    want_calls = [(64, False), (64, extras)]  # o_proj, down (SiLU·mul with extras)
-    assert calls == ([(qkv_cols, False)] if extras else []) + want_calls
+    assert calls == ([qkv_cols] if qkv else []) + [64, 64]  # (qkv), o_proj, down
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     for a, b in zip(got, plain, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -209,10 +177,10 @@ HOPPER = """
 from boundgen.models import stream
 
 fn = stream._stream_kernel
-k, n, block_m, silu_mul = (int(a) for a in sys.argv[1:5])
+k, n, block_m = (int(a) for a in sys.argv[1:4])
 per = stream.k_per(k, stream.split_k(k))
 const = dict(K=k, N=n, K_PER=per, BLOCK_M=block_m, BLOCK_N=stream.BLOCK_N, BLOCK_K=stream.BLOCK_K,
-             SILU_MUL=bool(silu_mul), PRECISION="tf32", INTERPRET=False)
+             PRECISION="tf32", INTERPRET=False)
 sig = {"X": "*bf16", "W": "*bf16", "Parts": "*fp32", "M": "i32", "stride_xm": "i32"}
 sig.update(dict.fromkeys(const, "constexpr"))
 aligned = ["X", "W", "Parts", "stride_xm"]
@@ -220,23 +188,18 @@ warps, stages = stream.NUM_WARPS, stream.NUM_STAGES
 """
 
 
-@pytest.mark.parametrize(
-    ("k", "n", "block_m", "silu_mul"),
-    [(896, 896, 16, 0), (4864, 896, 64, 0), (4864, 896, 16, 1), (4864, 896, 64, 1)],
-)
-def test_the_kernel_compiles_for_hopper(k, n, block_m, silu_mul):
-    """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed): o_proj and `down` (also
-    taking gate_up's output)."""
-    compile_in_child(HOPPER, str(k), str(n), str(block_m), str(silu_mul))
+@pytest.mark.parametrize(("k", "n", "block_m"), [(896, 896, 16), (4864, 896, 64), (896, 1152, 64)])
+def test_the_kernel_compiles_for_hopper(k, n, block_m):
+    """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed): o_proj, `down` and qkv."""
+    compile_in_child(HOPPER, str(k), str(n), str(block_m))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extras", [False, True])
-def test_a_compiled_layer_with_the_kernel_equals_the_plain_one(extras):
+@pytest.mark.parametrize("qkv", [False, True])
+def test_a_compiled_layer_with_the_kernel_equals_the_plain_one(qkv):
     """Inside `torch.compile` (the op traced, its partials summed by Inductor's residual kernel)
-    at 16 and 64 rows, the rows marked dynamic as the compiled beam layers' are; with `extras`
-    qkv streamed too (its partials summed in the rotation's kernel) and `down` computing
-    SiLU·mul."""
+    at 16, 64 and 128 rows, the rows marked dynamic as the compiled beam layers' are; with `qkv`
+    qkv streamed too (its partials summed in the rotation's kernel)."""
     torch.manual_seed(0)
     cfg = small_config(hidden_size=896, intermediate_size=4864, num_heads=14, head_dim=64)
     layer = DecoderLayer(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
@@ -248,7 +211,7 @@ def test_a_compiled_layer_with_the_kernel_equals_the_plain_one(extras):
         return q, k, v, layer.attention_output(x, o), layer.mlp_block(x)
 
     compiled = torch.compile(parts)
-    for rows in (16, 64):
+    for rows in (16, 64, 128):
         x = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
         o = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
         cos = torch.randn(rows, 1, 32, device="cuda", dtype=torch.bfloat16)
@@ -256,7 +219,7 @@ def test_a_compiled_layer_with_the_kernel_equals_the_plain_one(extras):
         for t in (x, o, cos, sin):
             torch._dynamo.mark_dynamic(t, 0)
         with torch.no_grad():
-            with stream.rows_up_to(stream.MAX_ROWS, silu_mul=extras, qkv=extras):
+            with stream.rows_up_to(128, qkv=qkv):
                 got = compiled(x, o, cos, sin)
             with stream.rows_up_to(0):
                 want = parts(x, o, cos, sin)

@@ -134,10 +134,9 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     for, and the source of the kernels it embeds (and the rows up to which the layers take
     the fused few-row kernels and their tiles, the residual pass's mode, `compile.residual`,
     the rows up to which o_proj and down stream their weights, `models.stream.MAX_ROWS`, and
-    whether `down` then computes SiLU·mul itself and qkv streams too, `models.stream.SILU_MUL`
-    and `QKV`, how q
-    and k are rotated, `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were
-    autotuned, `compile.bucket_autotune`)."""
+    whether qkv then streams too, `models.stream.QKV`, how q and k are rotated,
+    `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were autotuned,
+    `compile.bucket_autotune`)."""
     from boundgen.compile import bucket_autotune, residual
     from boundgen.models import decoder, skinny, skinny_tiles, stream
 
@@ -156,8 +155,6 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         info["skinny_tiles"] = tiles
     if stream.MAX_ROWS > 0:  # off keeps the keys of the packages built before it
         info["stream_max_rows"] = str(stream.MAX_ROWS)
-        if stream.SILU_MUL:  # off keeps the keys of the packages built before it
-            info["stream_silu_mul"] = "1"
         if stream.QKV:  # off keeps the keys of the packages built before it
             info["stream_qkv"] = "1"
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it

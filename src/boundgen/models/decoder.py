@@ -203,9 +203,6 @@ class DecoderLayer(nn.Module):
             h = skinny.norm_gated(x, norm.weight, norm.eps, mlp.gate_up_proj.weight, counts)
             return skinny.linear_residual(h, mlp.down_proj.weight, x, counts)
         if stream.applies(x, mlp.down_proj):
-            if stream.SILU_MUL:  # `down` computes SiLU·mul as it loads gate_up's output
-                h = mlp.gate_up_proj(norm(x))
-                return stream.linear_residual(h, mlp.down_proj.weight, x, silu_mul=True)
             return stream.linear_residual(mlp.gated(norm(x)), mlp.down_proj.weight, x)
         return x + mlp(norm(x))
 

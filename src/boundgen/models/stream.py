@@ -15,16 +15,14 @@ the residual plus each partial in torch, pointwise adds that Inductor computes i
 kernel that already adds the residual and takes the next RMSNorm. At most 8 splits: each is one
 more [M, N] float32 read there.
 
-With `SILU_MUL` on, `down` reads gate_up's output and computes SiLU(gate)·up as it loads its rows
-(float32, rounded once to the weight's dtype, as the plain path's fused kernel rounds it): the
-layer's SiLU·mul kernel is gone at few rows. With `QKV` on, qkv (+ its bias) streams too, in at
-most 3 partials that the q/k rotation's kernel sums (`linear`).
+With `QKV` on, qkv (+ its bias) streams too, in at most 3 partials that the q/k rotation's kernel
+sums (`linear`).
 
 Numerics: float32 products and sums (the partials, their sum, the residual added in float32),
 rounded once to the residual's dtype; the plain layer rounds the GEMM's output first, then the sum.
 
-`MAX_ROWS` (`BOUNDGEN_STREAM_MAX_ROWS`, default 64; 0: never) decides which calls take it, read when
-a layer traces, compiles or is captured; compiled packages record it
+`MAX_ROWS` (`BOUNDGEN_STREAM_MAX_ROWS`, default 128; 0: never) decides which calls take it, read
+when a layer traces, compiles or is captured; compiled packages record it
 (`compile.cache.platform_info`). The op is a `torch.library.triton_op`: torch.compile and
 torch.export + AOTInductor trace into the kernel. Without CUDA it runs in Triton's CPU interpreter
 (`TRITON_INTERPRET=1`), which only the tests use (`forced()`).
@@ -53,16 +51,13 @@ try:
 except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
     AVAILABLE = False
 
-# The most rows a call takes the kernel for (0: never). 64: W3's prompt and a one-prompt beam
-# search's decode steps (16–64 rows). On an H100 (thirty-seventh session, interleaved) it took W3's
-# runner 1.229 → 1.165 ms and its GPU busy 874 → 827 µs, W4 at one prompt 5.72 → 5.54 ms (trie,
-# full head) and 5.87 → 5.48 (trie, children's head).
-MAX_ROWS = int(os.environ.get("BOUNDGEN_STREAM_MAX_ROWS", "64"))
-# `down` takes gate_up's output and computes SiLU(gate)·up as it loads its rows (`SILU_MUL`,
-# `BOUNDGEN_STREAM_SILU_MUL=1`): a layer's SiLU·mul kernel less at few rows (1.5 µs and a
-# launch in W3's graph on an H100). Off until it wins W3 and W4 on the GPU
-# (`profile_w3.py --stream 64,64+silu`, `bench_beam.py --stream-rows 64+silu`).
-SILU_MUL = os.environ.get("BOUNDGEN_STREAM_SILU_MUL", "0") == "1"
+# The most rows a call takes the kernel for (0: never). 128: W3's prompt, a one-prompt beam
+# search's decode steps (16–64 rows) and eight prompts' (128 rows). On an H100 (thirty-seventh
+# session, interleaved) 64 rows took W3's runner 1.229 → 1.165 ms and its GPU busy 874 → 827 µs,
+# W4 at one prompt 5.72 → 5.54 ms (trie, full head) and 5.87 → 5.48 (trie, children's head); 128
+# against 64 took W4 at eight prompts 7.18 → 7.00 and 7.12 → 6.87 ms (thirty-seventh), 7.03 →
+# 6.88 and 6.87 → 6.62 (thirty-eighth), and the GPU suite passed at 128 on the H200.
+MAX_ROWS = int(os.environ.get("BOUNDGEN_STREAM_MAX_ROWS", "128"))
 # qkv streams its weights too (`QKV`, `BOUNDGEN_STREAM_QKV=1`), its partials and bias summed in the
 # q/k rotation's kernel (`linear`, `Attention.rotated_with_v`): cuBLAS ran it in 3.6–3.8 µs, the
 # kernel alone in 2.5–3.0 (H100, `bench_weight_stream.py`). Off until it wins W3 and W4.
@@ -76,21 +71,19 @@ forced = triton_launch.interpreted
 
 
 @contextlib.contextmanager
-def rows_up_to(rows: int, silu_mul: bool | None = None, qkv: bool | None = None):
+def rows_up_to(rows: int, qkv: bool | None = None):
     """Inside: the kernel takes calls of at most `rows` rows (`MAX_ROWS`; 0: none) and, where
-    given, `down` takes SiLU·mul's input or not (`SILU_MUL`) and qkv streams or not (`QKV`); read
-    when a layer traces, compiles or is captured (an A/B's switch)."""
-    global MAX_ROWS, SILU_MUL, QKV
-    before = MAX_ROWS, SILU_MUL, QKV
+    given, qkv streams or not (`QKV`); read when a layer traces, compiles or is captured (an A/B's
+    switch)."""
+    global MAX_ROWS, QKV
+    before = MAX_ROWS, QKV
     MAX_ROWS = rows
-    if silu_mul is not None:
-        SILU_MUL = silu_mul
     if qkv is not None:
         QKV = qkv
     try:
         yield
     finally:
-        MAX_ROWS, SILU_MUL, QKV = before
+        MAX_ROWS, QKV = before
 
 
 def applies(x: torch.Tensor, linear: nn.Module, bias: bool = False) -> bool:
@@ -126,14 +119,11 @@ if AVAILABLE:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        SILU_MUL: tl.constexpr,
         PRECISION: tl.constexpr,
         INTERPRET: tl.constexpr,
     ):
         """Parts[s, rows, cols] = X[rows, Ks] @ W[cols, Ks].T over this program's column tile,
-        row tile and K slice Ks (s = program_id(1)). SILU_MUL: X is [M, 2K] (gate | up) and its
-        rows are SiLU(gate)·up, computed in float32 and rounded once to W's dtype, as the
-        plain path's fused kernel does."""
+        row tile and K slice Ks (s = program_id(1))."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -151,12 +141,11 @@ if AVAILABLE:
                 mask=col_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            at = X + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None]
-            x = tl.load(at, mask=row_ok[None, :] & k_ok[:, None], other=0.0)
-            if SILU_MUL:  # (gate 0 where masked: SiLU(0)·up = 0)
-                up = tl.load(at + K, mask=row_ok[None, :] & k_ok[:, None], other=0.0)
-                gate = x.to(tl.float32)
-                x = (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(W.dtype.element_ty)
+            x = tl.load(
+                X + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None],
+                mask=row_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
             if INTERPRET:  # the interpreter's dot multiplies 16-bit floats as integers
                 w, x = w.to(tl.float32), x.to(tl.float32)
             acc += tl.dot(w, x, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
@@ -171,17 +160,15 @@ if AVAILABLE:
         block_k: int = BLOCK_K,
         warps: int = NUM_WARPS,
         stages: int = NUM_STAGES,
-        silu_mul: bool = False,
     ) -> torch.Tensor:
-        """The kernel with an explicit tile (what the ops and `bench_weight_stream.py` call):
-        partials [splits, M, N], K cut into `split` whole BLOCK_K steps (fewer where K is short).
-        `silu_mul`: x is [M, 2K], gate then up, and the rows multiplied are SiLU(gate)·up."""
+        """The kernel with an explicit tile (what the op and `bench_weight_stream.py` call):
+        partials [splits, M, N], K cut into `split` whole BLOCK_K steps (fewer where K is short)."""
         (x,) = triton_launch.unit_last_stride(x)
         weight = weight.contiguous()
         # K and N from the weight (static); the rows may be symbolic (the compiled beam layers)
         m = x.shape[0]
         n, k = weight.shape
-        torch._check(x.shape[1] == (2 * k if silu_mul else k))
+        torch._check(x.shape[1] == k)
         block_m = skinny_tiles.block_m_for(m)
         per = k_per(k, split, block_k)
         split = skinny_tiles.cdiv(k, per)
@@ -199,7 +186,6 @@ if AVAILABLE:
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
-            SILU_MUL=silu_mul,
             PRECISION=triton_launch.dot_precision(x),
             INTERPRET=not x.is_cuda,
             num_warps=warps,
@@ -211,27 +197,16 @@ if AVAILABLE:
     def _stream_partials(x: torch.Tensor, weight: torch.Tensor, split: int) -> torch.Tensor:
         return launch(x, weight, split)
 
-    @triton_op("boundgen::stream_silu_mul_partials", mutates_args=())
-    def _stream_silu_mul_partials(
-        gate_up: torch.Tensor, weight: torch.Tensor, split: int
-    ) -> torch.Tensor:
-        return launch(gate_up, weight, split, silu_mul=True)
-
 
 def k_per(k: int, split: int, block_k: int = BLOCK_K) -> int:
     """K a program takes: K over `split`, rounded up to whole BLOCK_K steps."""
     return skinny_tiles.cdiv(skinny_tiles.cdiv(k, split), block_k) * block_k
 
 
-def partials(
-    x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, split: int | None = None
-) -> torch.Tensor:
+def partials(x: torch.Tensor, weight: torch.Tensor, split: int | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T as float32 partial sums over `split` (default `split_k(K)`)
-    slices of K: [splits, M, N]. `silu_mul`: x is [M, 2K] (gate | up) and SiLU(gate)·up is
-    multiplied."""
+    slices of K: [splits, M, N]."""
     split = split_k(weight.shape[1]) if split is None else split
-    if silu_mul:
-        return torch.ops.boundgen.stream_silu_mul_partials(x, weight, split)
     return torch.ops.boundgen.stream_partials(x, weight, split)
 
 
@@ -246,13 +221,10 @@ def _sum_onto(start: torch.Tensor | None, parts: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear_residual(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, silu_mul: bool = False
-) -> torch.Tensor:
-    """residual + x @ weight.T: x [M, K], residual [M, N] → [M, N] in the residual's dtype
-    (`silu_mul`: residual + (SiLU(gate)·up) @ weight.T of x = gate_up's output [M, 2K]), the
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ weight.T: x [M, K], residual [M, N] → [M, N] in the residual's dtype, the
     partials summed by the kernel that reads the result (the residual add + the next RMSNorm)."""
-    return _sum_onto(residual.float(), partials(x, weight, silu_mul)).to(residual.dtype)
+    return _sum_onto(residual.float(), partials(x, weight)).to(residual.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -267,14 +239,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def reference_partials(
-    x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, split: int | None = None
+    x: torch.Tensor, weight: torch.Tensor, split: int | None = None
 ) -> torch.Tensor:
     """What `partials` computes, slice by slice in float32 (the tests' oracle)."""
     k = weight.shape[1]
     split = split_k(k) if split is None else split
-    if silu_mul:  # in float32, rounded once to x's dtype (the kernel's MMA operand)
-        gate, up = x.float().chunk(2, dim=-1)
-        x = (torch.nn.functional.silu(gate) * up).to(x.dtype)
     per = k_per(k, split)
     return torch.stack(
         [x[:, s : s + per].float() @ weight[:, s : s + per].float().T for s in range(0, k, per)]
