@@ -91,12 +91,20 @@ class Attention(nn.Module):
         """q and k rotated and v, as views of one [T, Hq + 2·Hkv, D] tensor that one pointwise pass
         over all the projection's heads writes (v's heads "rotated" by cos 1 and sin 0: the same
         values). Where qkv is the streamed GEMM's partials summed (`stream.linear`), Inductor sums
-        them in that pass; with v a view of qkv, as in `heads`, it would write qkv out first."""
-        t, kv_heads = qkv.shape[0], self.num_kv_heads
+        them in that pass; with v a view of qkv, as in `heads`, it would write qkv out first.
+        Rotate-half without `cat` (`apply_rope`'s): x·cos + (x with its halves swapped)·(−sin,
+        sin), the same products and sums bit for bit. With `cat` the streamed qkv ran 3 more
+        kernels a layer in W3 (H100, thirty-eighth session): on CUDA Inductor writes a `cat`
+        whose inputs take more than 2 ops each (the partials' sum, then the rotation) by a
+        kernel an input (`ConcatKernel`, `lowering.cat`)."""
+        t, kv_heads, half = qkv.shape[0], self.num_kv_heads, self.head_dim // 2
         heads = self.num_heads + 2 * kv_heads
-        x = qkv.view(t, heads, self.head_dim)
-        rotated = torch.arange(heads, device=qkv.device).view(1, heads, 1) < heads - kv_heads
-        out = apply_rope(x, torch.where(rotated, cos, 1.0), torch.where(rotated, sin, 0.0))
+        x = qkv.view(t, heads, 2, half)
+        rotated = torch.arange(heads, device=qkv.device).view(1, heads, 1, 1) < heads - kv_heads
+        cos = torch.where(rotated, cos.unsqueeze(-2), 1.0)
+        sign = torch.arange(2, device=qkv.device).view(2, 1) * 2 - 1  # (−1, 1): first half −sin
+        sin = torch.where(rotated, sin.unsqueeze(-2), 0.0) * sign
+        out = (x * cos + x.flip(-2) * sin).view(t, heads, self.head_dim)
         return out.split([self.num_heads, kv_heads, kv_heads], dim=1)
 
     @property
