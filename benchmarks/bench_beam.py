@@ -20,8 +20,7 @@ computed from the full head.
 
 With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
 kernels (`skinny.MAX_ROWS` N), `--stream-rows N…` one with o_proj and down streamed up to N rows
-for each N given (`models/stream.py`, `stream.MAX_ROWS` N; `N+qkv`: qkv streamed too,
-`stream.QKV`), and `--trie-select` the
+for each N given (`models/stream.py`, `stream.MAX_ROWS` N), and `--trie-select` the
 one with each trie step's selection in one kernel (`trie_select`, the other variants then take
 the ATen step: the kernel is the default); `--residual-add` the one with the residual adds out
 of `addmm` (`compile.residual`, the others then keep them in `addmm`, whatever
@@ -155,13 +154,6 @@ def _attention_kind(kind: str) -> str:
     return kind
 
 
-def _stream_arg(text: str) -> str:
-    """--stream-rows' value, checked (`common.stream_setting`), kept as given (the variant's
-    name)."""
-    common.stream_setting(text)
-    return text
-
-
 def _one_of_each(kinds: list[list[tuple]]) -> list[tuple]:
     """Every combination of at most one option of each kind (an empty kind: not asked for), the
     empty one left out: single options first, then pairs, … ."""
@@ -234,7 +226,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                 if n == "attention" and v.startswith("fused"):
                     tile_of[name] = _fused_tile(v)
                 elif n in ("skinny", "select", "stream"):
-                    v = common.stream_setting(v) if n == "stream" else v
                     {"skinny": rows_of, "select": select_of, "stream": stream_of}[n][name] = v
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
     out = {}
@@ -281,10 +272,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     calls, results = {}, {}
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
-                        streamed = stream_of.get(
-                            vname,
-                            {"rows": stream.MAX_ROWS, "qkv": stream.QKV},
-                        )
+                        streamed = stream_of.get(vname, stream.MAX_ROWS)
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
@@ -292,7 +280,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                             # read as the search's layers compile and its graph is captured
                             with (
                                 skinny.rows_up_to(rows_),
-                                stream.rows_up_to(**s_),
+                                stream.rows_up_to(s_),
                                 trie_select.enabled(one_kernel),
                                 beam_decode.tile(*tile),
                             ):
@@ -489,12 +477,11 @@ def main() -> int:
     )
     ap.add_argument(
         "--stream-rows",
-        type=_stream_arg,
+        type=int,
         nargs="+",
         default=[],
         help="heads with --head-compile: also the compiled search with o_proj and down streamed "
-        "up to this many rows (`stream.MAX_ROWS`; ROWS+qkv: qkv streamed too), a variant per "
-        "setting given",
+        "up to this many rows (`stream.MAX_ROWS`), a variant per value given",
     )
     ap.add_argument(
         "--trie-select",

@@ -102,15 +102,6 @@ def timed_interleaved(
     return {name: {**_summary(ts), "interleaved": True} for name, ts in times.items()}
 
 
-def stream_setting(text: str) -> dict:
-    """A benchmark's streamed-GEMM side, "ROWS[+qkv]" → `stream.rows_up_to`'s arguments: the rows
-    (`stream.MAX_ROWS`) and whether qkv streams too (`stream.QKV`)."""
-    rows, *extras = text.split("+")
-    if not rows.isdigit() or extras not in ([], ["qkv"]):
-        raise ValueError(f"a stream setting is ROWS[+qkv], not {text!r}")
-    return {"rows": int(rows), "qkv": extras == ["qkv"]}
-
-
 def w1_prompts(
     vocab: int, n: int = 256, lo: int = 64, hi: int = 256, seed: int = 0
 ) -> list[list[int]]:

@@ -17,8 +17,6 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --variants after --skinny 0,64        # the layers' GEMMs by cuBLAS + Inductor, or fused
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --stream 0,64                         # o_proj and down by cuBLAS, or streamed
-    python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
-        --stream 64,64+qkv                    # o_proj and down streamed, qkv too
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -369,18 +367,14 @@ def main() -> int:
         "--stream",
         default=None,
         help="`stream.MAX_ROWS` values to build side by side (0,64: o_proj and down by cuBLAS or "
-        "streamed, `models/stream.py`; 64+qkv: qkv streamed too, `stream.QKV`), crossed with the "
-        "other axes",
+        "streamed, `models/stream.py`), crossed with the other axes",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     streams = args.stream.split(",") if args.stream else [None]
     for st in streams:
-        if st is not None:
-            try:
-                common.stream_setting(st)
-            except ValueError as e:
-                ap.error(f"--stream: {e}")
+        if st is not None and not st.isdigit():
+            ap.error(f"--stream: rows are a whole number, not {st!r}")
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     path = ensure_model(args.preset, dtype=dtype, root=args.root)
@@ -430,8 +424,7 @@ def main() -> int:
             if skinny_rows is not None:
                 skinny.MAX_ROWS = int(skinny_rows)
             if stream_rows is not None:
-                setting = common.stream_setting(stream_rows)
-                stream.MAX_ROWS, stream.QKV = setting["rows"], setting["qkv"]
+                stream.MAX_ROWS = int(stream_rows)
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":

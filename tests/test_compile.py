@@ -405,13 +405,6 @@ def test_the_fused_linear_kernels_key_only_the_packages_that_embed_them(monkeypa
     assert "boundgen.models.skinny" not in embedded
     assert platform_info("cpu")["stream_max_rows"] == "64"
     assert platform_info("cpu")["kernels"] != off["kernels"]
-    # qkv streamed: a key of its own only where it is on
-    monkeypatch.setattr(stream, "QKV", False)
-    assert "stream_qkv" not in platform_info("cpu")
-    monkeypatch.setattr(stream, "QKV", True)
-    assert platform_info("cpu")["stream_qkv"] == "1"
-    monkeypatch.setattr(stream, "MAX_ROWS", 0)  # streaming off: nothing to take it
-    assert "stream_qkv" not in platform_info("cpu")
 
 
 # -- libstdc++ preload guard

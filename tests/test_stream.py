@@ -50,47 +50,6 @@ def test_the_partials_are_the_k_slices_products(m, k, n):
     torch.testing.assert_close(got.sum(0).cpu(), (x @ w.T).cpu(), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_linear_sums_few_enough_partials_for_the_rotation_to_take_them(with_bias, monkeypatch):
-    """qkv's `linear`: x @ w.T + bias in x's dtype from at most 4 reads (3 partials and the
-    bias, or 4 without one: what Inductor inlines into a kernel reading the value twice)."""
-    g = torch.Generator().manual_seed(5)
-    x, w = _randn(g, 10, 896, scale=0.5), _randn(g, 144, 896, scale=896**-0.5)
-    bias = _randn(g, 144) if with_bias else None
-    splits, partials = [], stream.partials
-    monkeypatch.setattr(
-        stream,
-        "partials",
-        lambda h, w_, split=None: splits.append(split) or partials(h, w_, split),
-    )
-    with stream.forced(), torch.no_grad():
-        got = stream.linear(x, w, bias)
-    assert splits == [3 if with_bias else 4]  # split_k(896) = 4
-    want = x @ w.T + (bias if with_bias else 0)
-    assert got.dtype == x.dtype
-    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=2e-5, atol=2e-5)
-    with stream.forced():  # the split given: its K slices
-        parts = stream.partials(x, w, split=3)
-    torch.testing.assert_close(parts.cpu(), stream.reference_partials(x, w, split=3).cpu())
-    assert parts.shape[0] == 3
-
-
-def test_rotated_with_v_is_what_heads_returns():
-    """One pass over all of qkv's heads (v's by cos 1, sin 0) = `heads`' rotation of q and k and
-    its view of v, bit for bit (bf16)."""
-    torch.manual_seed(1)
-    attn = DecoderLayer(small_config()).self_attn
-    t, d = 7, attn.head_dim
-    qkv = torch.randn(t, (attn.num_heads + 2 * attn.num_kv_heads) * d, dtype=torch.bfloat16)
-    cos = torch.randn(t, 1, d // 2, dtype=torch.bfloat16)
-    sin = torch.randn(t, 1, d // 2, dtype=torch.bfloat16)
-    for got, want in zip(
-        attn.rotated_with_v(qkv, cos, sin), attn.heads(qkv, cos, sin), strict=True
-    ):
-        assert got.shape == want.shape
-        assert torch.equal(got, want)
-
-
 def test_k_splits_by_about_256_and_at_most_8():
     """o_proj's 896 → 4, `down`'s 4,864 → 8, a short K → 1, a long one at most 8."""
     assert [stream.split_k(k) for k in (64, 256, 896, 1024, 4864, 16384)] == [1, 1, 4, 4, 8, 8]
@@ -111,14 +70,14 @@ def test_linear_residual_adds_the_residual_in_float32(dtype):
 
 def test_which_calls_the_kernel_takes():
     layer = DecoderLayer(small_config()).to(DEV)
-    few, many = torch.zeros(stream.MAX_ROWS, 96, device=DEV), torch.zeros(65, 96, device=DEV)
+    few = torch.zeros(stream.MAX_ROWS, 96, device=DEV)
+    many = torch.zeros(stream.MAX_ROWS + 1, 96, device=DEV)
     down, qkv = layer.mlp.down_proj, layer.self_attn.qkv_proj
     with stream.forced(), torch.no_grad():
         assert stream.applies(few, down) == (CUDA is False)  # float32 on CUDA: cuBLAS
         assert stream.applies(few.to(torch.bfloat16), down)
         assert not stream.applies(many.to(torch.bfloat16), down)  # more rows than MAX_ROWS
         assert not stream.applies(few[:, :64].to(torch.bfloat16), qkv)  # a bias: not this op
-        assert stream.applies(few[:, :64].to(torch.bfloat16), qkv, bias=True)  # `linear`'s
         fp8 = Fp8Linear.from_linear(down, mode="emulate")
         assert not stream.applies(few.to(torch.bfloat16), fp8)  # FP8 layers keep their path
         with stream.rows_up_to(0):
@@ -131,11 +90,10 @@ def test_which_calls_the_kernel_takes():
         assert not stream.applies(few.to(torch.bfloat16), bf16.mlp.down_proj)
 
 
-@pytest.mark.parametrize("qkv", [False, True])
-def test_a_decoder_layer_with_the_kernel_equals_it_without(qkv, monkeypatch):
+def test_a_decoder_layer_with_the_kernel_equals_it_without(monkeypatch):
     """o_proj + residual and the MLP's down + residual (its K split in two) through the kernel
-    against the same layer without it; with `qkv` also qkv streamed (`stream.QKV`: q and k
-    rotated, v, from its partials). Float32 on the CPU (the interpreter), bf16 on CUDA."""
+    against the same layer without it (qkv stays on the plain op). Float32 on the CPU (the
+    interpreter), bf16 on CUDA."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if CUDA else torch.float32
     cfg = small_config(intermediate_size=640)
@@ -154,19 +112,18 @@ def test_a_decoder_layer_with_the_kernel_equals_it_without(qkv, monkeypatch):
 
     calls, partials = [], stream.partials
 
-    def spy(h, w, split=None):
+    def spy(h, w):
         calls.append(w.shape[0])
-        return partials(h, w, split)
+        return partials(h, w)
 
     monkeypatch.setattr(stream, "partials", spy)
     with torch.no_grad():
-        with stream.rows_up_to(0, qkv=True):
+        with stream.rows_up_to(0):
             plain = parts()
         assert calls == []
-        with stream.forced(), stream.rows_up_to(stream.MAX_ROWS, qkv=qkv):
+        with stream.forced(), stream.rows_up_to(stream.MAX_ROWS):
             got = parts()
-    qkv_cols = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    assert calls == ([qkv_cols] if qkv else []) + [64, 64]  # (qkv), o_proj, down
+    assert calls == [64, 64]  # o_proj, down
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     for a, b in zip(got, plain, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -188,18 +145,16 @@ warps, stages = stream.NUM_WARPS, stream.NUM_STAGES
 """
 
 
-@pytest.mark.parametrize(("k", "n", "block_m"), [(896, 896, 16), (4864, 896, 64), (896, 1152, 64)])
+@pytest.mark.parametrize(("k", "n", "block_m"), [(896, 896, 16), (4864, 896, 64)])
 def test_the_kernel_compiles_for_hopper(k, n, block_m):
-    """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed): o_proj, `down` and qkv."""
+    """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed): o_proj and `down`."""
     compile_in_child(HOPPER, str(k), str(n), str(block_m))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qkv", [False, True])
-def test_a_compiled_layer_with_the_kernel_equals_the_plain_one(qkv):
+def test_a_compiled_layer_with_the_kernel_equals_the_plain_one():
     """Inside `torch.compile` (the op traced, its partials summed by Inductor's residual kernel)
-    at 16, 64 and 128 rows, the rows marked dynamic as the compiled beam layers' are; with `qkv`
-    qkv streamed too (its partials summed in the rotation's kernel)."""
+    at 16, 64 and 128 rows, the rows marked dynamic as the compiled beam layers' are."""
     torch.manual_seed(0)
     cfg = small_config(hidden_size=896, intermediate_size=4864, num_heads=14, head_dim=64)
     layer = DecoderLayer(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
@@ -222,7 +177,7 @@ def test_a_compiled_layer_with_the_kernel_equals_the_plain_one(qkv):
         for t in (x, o, cos, sin):
             torch._dynamo.mark_dynamic(t, 0)
         with torch.no_grad():
-            with stream.rows_up_to(128, qkv=qkv):
+            with stream.rows_up_to(128):
                 got = compiled(x, o, cos, sin)
             with stream.rows_up_to(0):
                 want = parts(x, o, cos, sin)

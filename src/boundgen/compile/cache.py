@@ -133,10 +133,9 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     """What an artifact is only valid for: torch build, the exact device kind it was compiled
     for, and the source of the kernels it embeds (and the rows up to which the layers take
     the fused few-row kernels and their tiles, the residual pass's mode, `compile.residual`,
-    the rows up to which o_proj and down stream their weights, `models.stream.MAX_ROWS`, and
-    whether qkv then streams too, `models.stream.QKV`, how q and k are rotated,
-    `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were autotuned,
-    `compile.bucket_autotune`)."""
+    the rows up to which o_proj and down stream their weights, `models.stream.MAX_ROWS`, how q
+    and k are rotated, `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were
+    autotuned, `compile.bucket_autotune`)."""
     from boundgen.compile import bucket_autotune, residual
     from boundgen.models import decoder, skinny, skinny_tiles, stream
 
@@ -155,8 +154,6 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         info["skinny_tiles"] = tiles
     if stream.MAX_ROWS > 0:  # off keeps the keys of the packages built before it
         info["stream_max_rows"] = str(stream.MAX_ROWS)
-        if stream.QKV:  # off keeps the keys of the packages built before it
-            info["stream_qkv"] = "1"
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
     if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it

@@ -87,26 +87,6 @@ class Attention(nn.Module):
         `rotated_columns` columns (`QK_ROTATION`)."""
         return QK_ROTATION == "together" and self.q_norm is None and not grouped
 
-    def rotated_with_v(self, qkv, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q and k rotated and v, as views of one [T, Hq + 2·Hkv, D] tensor that one pointwise pass
-        over all the projection's heads writes (v's heads "rotated" by cos 1 and sin 0: the same
-        values). Where qkv is the streamed GEMM's partials summed (`stream.linear`), Inductor sums
-        them in that pass; with v a view of qkv, as in `heads`, it would write qkv out first.
-        Rotate-half without `cat` (`apply_rope`'s): x·cos + (x with its halves swapped)·(−sin,
-        sin), the same products and sums bit for bit. With `cat` the streamed qkv ran 3 more
-        kernels a layer in W3 (H100, thirty-eighth session): on CUDA Inductor writes a `cat`
-        whose inputs take more than 2 ops each (the partials' sum, then the rotation) by a
-        kernel an input (`ConcatKernel`, `lowering.cat`)."""
-        t, kv_heads, half = qkv.shape[0], self.num_kv_heads, self.head_dim // 2
-        heads = self.num_heads + 2 * kv_heads
-        x = qkv.view(t, heads, 2, half)
-        rotated = torch.arange(heads, device=qkv.device).view(1, heads, 1, 1) < heads - kv_heads
-        cos = torch.where(rotated, cos.unsqueeze(-2), 1.0)
-        sign = torch.arange(2, device=qkv.device).view(2, 1) * 2 - 1  # (−1, 1): first half −sin
-        sin = torch.where(rotated, sin.unsqueeze(-2), 0.0) * sign
-        out = (x * cos + x.flip(-2) * sin).view(t, heads, self.head_dim)
-        return out.split([self.num_heads, kv_heads, kv_heads], dim=1)
-
     @property
     def rotated_columns(self) -> int:
         return (self.num_heads + self.num_kv_heads) * self.head_dim
@@ -150,11 +130,7 @@ class DecoderLayer(nn.Module):
             fused = attn.rotates_together(grouped)
             qkv = self._fused_qkv(x, cos, sin, counts, fused)
             return attn.heads(qkv, cos, sin, grouped, rotate=not fused)
-        proj = attn.qkv_proj
-        if stream.QKV and attn.rotates_together(grouped) and stream.applies(x, proj, bias=True):
-            qkv = stream.linear(self.input_layernorm(x), proj.weight, proj.bias)
-            return attn.rotated_with_v(qkv, cos, sin)
-        return attn.heads(proj(self.input_layernorm(x)), cos, sin, grouped)
+        return attn.heads(attn.qkv_proj(self.input_layernorm(x)), cos, sin, grouped)
 
     def _fused_qkv(self, x, cos, sin, counts, rotate: bool, group=1, kv=None, step=None):
         """`skinny.norm_linear` over the layer's input norm and qkv projection: q and k rotated

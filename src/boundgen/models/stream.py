@@ -1,6 +1,6 @@
-"""The residual linear layers (o_proj, down), and optionally qkv, for few rows as one
-weight-streaming Triton GEMM whose K is split into float32 partial sums, summed by the pointwise
-kernel that follows (the residual add, or the q/k rotation).
+"""The residual linear layers (o_proj, down) for few rows as one weight-streaming Triton GEMM whose
+K is split into float32 partial sums, summed by the pointwise kernel that follows (the residual
+add).
 
 At a beam decode step (16–64 rows) or a short prompt (W3: 64 tokens) a GEMM only streams its
 weights. cuBLAS runs `down` (K 4,864 × N 896) as a split-K GEMM and a `splitKreduce` kernel, and
@@ -14,9 +14,6 @@ benchmark. No second kernel sums the partials and no counters are kept (the few-
 the residual plus each partial in torch, pointwise adds that Inductor computes inside the
 kernel that already adds the residual and takes the next RMSNorm. At most 8 splits: each is one
 more [M, N] float32 read there.
-
-With `QKV` on, qkv (+ its bias) streams too, in at most 3 partials that the q/k rotation's kernel
-sums (`linear`).
 
 Numerics: float32 products and sums (the partials, their sum, the residual added in float32),
 rounded once to the residual's dtype; the plain layer rounds the GEMM's output first, then the sum.
@@ -35,7 +32,6 @@ import os
 
 import torch
 from torch import nn
-from torch._inductor import config as inductor_config
 
 from boundgen import triton_launch
 from boundgen.models import skinny_tiles
@@ -58,10 +54,6 @@ except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev
 # against 64 took W4 at eight prompts 7.18 → 7.00 and 7.12 → 6.87 ms (thirty-seventh), 7.03 →
 # 6.88 and 6.87 → 6.62 (thirty-eighth), and the GPU suite passed at 128 on the H200.
 MAX_ROWS = int(os.environ.get("BOUNDGEN_STREAM_MAX_ROWS", "128"))
-# qkv streams its weights too (`QKV`, `BOUNDGEN_STREAM_QKV=1`), its partials and bias summed in the
-# q/k rotation's kernel (`linear`, `Attention.rotated_with_v`): cuBLAS ran it in 3.6–3.8 µs, the
-# kernel alone in 2.5–3.0 (H100, `bench_weight_stream.py`). Off until it wins W3 and W4.
-QKV = os.environ.get("BOUNDGEN_STREAM_QKV", "0") == "1"
 # Tile: columns a program, K a step, warps, stages (the fastest pointer-load tiles of
 # `bench_weight_stream.py` on the H100 for both projections at 16 and 64 rows)
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
@@ -71,28 +63,24 @@ forced = triton_launch.interpreted
 
 
 @contextlib.contextmanager
-def rows_up_to(rows: int, qkv: bool | None = None):
-    """Inside: the kernel takes calls of at most `rows` rows (`MAX_ROWS`; 0: none) and, where
-    given, qkv streams or not (`QKV`); read when a layer traces, compiles or is captured (an A/B's
-    switch)."""
-    global MAX_ROWS, QKV
-    before = MAX_ROWS, QKV
-    MAX_ROWS = rows
-    if qkv is not None:
-        QKV = qkv
+def rows_up_to(rows: int):
+    """Inside: the kernel takes calls of at most `rows` rows (`MAX_ROWS`; 0: none); read when a
+    layer traces, compiles or is captured (an A/B's switch)."""
+    global MAX_ROWS
+    before, MAX_ROWS = MAX_ROWS, rows
     try:
         yield
     finally:
-        MAX_ROWS, QKV = before
+        MAX_ROWS = before
 
 
-def applies(x: torch.Tensor, linear: nn.Module, bias: bool = False) -> bool:
-    """Whether the kernel takes `x` through `linear`: a plain `nn.Linear` (not FP8's), without
-    a bias unless `bias` (`linear` adds one, `linear_residual` does not), at most `MAX_ROWS`
-    rows, on CUDA in bf16/fp16 (or anywhere under `forced()` with the interpreter)."""
+def applies(x: torch.Tensor, linear: nn.Module) -> bool:
+    """Whether the kernel takes `x` through `linear`: a plain `nn.Linear` (not FP8's) without a
+    bias, at most `MAX_ROWS` rows, on CUDA in bf16/fp16 (or anywhere under `forced()` with the
+    interpreter)."""
     if not AVAILABLE or x.dim() != 2 or x.shape[0] > MAX_ROWS:
         return False
-    if type(linear) is not nn.Linear or (linear.bias is not None and not bias):
+    if type(linear) is not nn.Linear or linear.bias is not None:
         return False
     return triton_launch.takes(x, [linear.weight])
 
@@ -203,21 +191,20 @@ def k_per(k: int, split: int, block_k: int = BLOCK_K) -> int:
     return skinny_tiles.cdiv(skinny_tiles.cdiv(k, split), block_k) * block_k
 
 
-def partials(x: torch.Tensor, weight: torch.Tensor, split: int | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T as float32 partial sums over `split` (default `split_k(K)`)
-    slices of K: [splits, M, N]."""
-    split = split_k(weight.shape[1]) if split is None else split
-    return torch.ops.boundgen.stream_partials(x, weight, split)
+def partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T as float32 partial sums over `split_k(K)` slices of K:
+    [splits, M, N]."""
+    return torch.ops.boundgen.stream_partials(x, weight, split_k(weight.shape[1]))
 
 
-def _sum_onto(start: torch.Tensor | None, parts: torch.Tensor) -> torch.Tensor:
+def _sum_onto(start: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
     """start + each partial in turn (float32), one add a partial: their count is static (K's
     split), and adds of slices are pointwise, so they go into the kernel that reads the sum.
     Inductor made a reduction kernel of its own for one of a layer's two `sum(0)`s (W3 on an
     H100, BENCHMARKS.md thirty-sixth session)."""
     out = start
     for s in range(parts.shape[0]):
-        out = parts[s] if out is None else out + parts[s]
+        out = out + parts[s]
     return out
 
 
@@ -227,24 +214,10 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     return _sum_onto(residual.float(), partials(x, weight)).to(residual.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias in x's dtype, for a consumer that reads each column twice (the q/k
-    rotation reads both halves of a head): Inductor computes a pointwise value read more than
-    once inside its readers' kernel only while it reads at most `realize_reads_threshold` (4)
-    inputs, else it writes it out in a kernel of its own. So K splits into at most 4 partials
-    with the bias counted (qkv: 3 and the bias, where `split_k` would make 4)."""
-    reads = inductor_config.realize_reads_threshold - (bias is not None)
-    parts = partials(x, weight, split=max(1, min(split_k(weight.shape[1]), reads)))
-    return _sum_onto(None if bias is None else bias.float(), parts).to(x.dtype)
-
-
-def reference_partials(
-    x: torch.Tensor, weight: torch.Tensor, split: int | None = None
-) -> torch.Tensor:
+def reference_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """What `partials` computes, slice by slice in float32 (the tests' oracle)."""
     k = weight.shape[1]
-    split = split_k(k) if split is None else split
-    per = k_per(k, split)
+    per = k_per(k, split_k(k))
     return torch.stack(
         [x[:, s : s + per].float() @ weight[:, s : s + per].float().T for s in range(0, k, per)]
     )
