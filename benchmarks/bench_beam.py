@@ -20,7 +20,8 @@ computed from the full head.
 
 With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
 kernels (`skinny.MAX_ROWS` N), `--stream-rows N…` one with o_proj and down streamed up to N rows
-for each N given (`models/stream.py`, `stream.MAX_ROWS` N), and `--trie-select` the
+for each N given (`models/stream.py`, `stream.MAX_ROWS` N), `--stream-gated` the one with gate_up
+and SiLU·mul as one streamed GEMM (`models/stream_gated.py`), and `--trie-select` the
 one with each trie step's selection in one kernel (`trie_select`, the other variants then take
 the ATen step: the kernel is the default); `--residual-add` the one with the residual adds out
 of `addmm` (`compile.residual`, the others then keep them in `addmm`, whatever
@@ -64,7 +65,7 @@ from boundgen.checkpoints import ensure_model
 from boundgen.compile import residual
 from boundgen.compile.decode import SearchGraphs, plain_session
 from boundgen.logsumexp import row_logsumexp
-from boundgen.models import skinny, stream
+from boundgen.models import skinny, stream, stream_gated
 from boundgen.search import search
 
 
@@ -175,7 +176,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     # a variant's kernels while it runs (its graphs are captured then): `skinny.MAX_ROWS`,
     # whether a trie step is one kernel, the one-kernel decode attention's tile; the others run
     # the process's defaults
-    rows_of, select_of, tile_of, stream_of = {}, {}, {}, {}
+    rows_of, select_of, tile_of, stream_of, gated_of = {}, {}, {}, {}, {}
     # with --trie-select the other variants take the ATen step (the A/B's other side)
     select_default = False if args.trie_select else trie_select.ENABLED
     if args.head_compile:
@@ -197,6 +198,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
         kinds = [
             [("skinny", args.skinny_rows)] if args.skinny_rows else [],
             [("stream", v) for v in args.stream_rows],
+            [("gated", True)] if args.stream_gated else [],
             [("select", True)] if args.trie_select else [],
             [("add", True)] if args.residual_add else [],
             [("attention", kind) for kind in args.decode_attention],
@@ -225,8 +227,10 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             for n, v in combo:
                 if n == "attention" and v.startswith("fused"):
                     tile_of[name] = _fused_tile(v)
-                elif n in ("skinny", "select", "stream"):
-                    {"skinny": rows_of, "select": select_of, "stream": stream_of}[n][name] = v
+                elif n in ("skinny", "select", "stream", "gated"):
+                    kind_of = {"skinny": rows_of, "select": select_of, "stream": stream_of}
+                    kind_of["gated"] = gated_of
+                    kind_of[n][name] = v
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
     out = {}
     g = torch.Generator().manual_seed(11)
@@ -273,14 +277,23 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
                         streamed = stream_of.get(vname, stream.MAX_ROWS)
+                        gated = gated_of.get(vname, stream_gated.GATED)
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
-                        def call(sg=sg, rows_=rows_, s_=streamed, one_kernel=one_kernel, tile=tile):
+                        def call(
+                            sg=sg,
+                            rows_=rows_,
+                            s_=streamed,
+                            g_=gated,
+                            one_kernel=one_kernel,
+                            tile=tile,
+                        ):
                             # read as the search's layers compile and its graph is captured
                             with (
                                 skinny.rows_up_to(rows_),
                                 stream.rows_up_to(s_),
+                                stream_gated.enabled(g_),
                                 trie_select.enabled(one_kernel),
                                 beam_decode.tile(*tile),
                             ):
@@ -482,6 +495,12 @@ def main() -> int:
         default=[],
         help="heads with --head-compile: also the compiled search with o_proj and down streamed "
         "up to this many rows (`stream.MAX_ROWS`), a variant per value given",
+    )
+    ap.add_argument(
+        "--stream-gated",
+        action="store_true",
+        help="heads with --head-compile: also the compiled search with gate_up and SiLU·mul as "
+        "one streamed GEMM (`models/stream_gated.py`; with --stream-rows, also each together)",
     )
     ap.add_argument(
         "--trie-select",

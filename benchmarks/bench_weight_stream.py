@@ -17,6 +17,10 @@ the stream:
   `partials.sum(0) + residual` into the residual + RMSNorm it already runs). Timed here alone
   (`kernel`) and with a separate `sum(0)` (`+sum`), the two bounds of that.
 
+`--shapes gated`: gate_up with SiLU·mul as its epilogue (`models/stream_gated.py`, its tiles swept)
+against cuBLAS's gate_up and Inductor's SiLU·mul kernel (what the compiled layers run), checked
+against the same.
+
 Per GEMM shape of the preset (qkv, o_proj, gate_up, down) and row count, the device µs of one call
 replayed from a CUDA graph over `--layers` weight copies called in turn (past the L2: one layer's
 weights would stay in it), the bytes streamed over that time, for cuBLAS (`F.linear`) and for the
@@ -41,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import env_info, graph_us, write_json
 
-from boundgen.models import stream
+from boundgen.models import stream, stream_gated
 
 # (name, K, N): Qwen2.5-0.5B's projections (x [M, K] @ W [N, K].T)
 SHAPES = {
@@ -127,10 +131,66 @@ def tiles(k: int, n: int, quick: bool):
     return plain + list(itertools.product(blocks_n, blocks_k, splits, stages, (True,)))
 
 
+def gated_tiles(quick: bool):
+    """(BLOCK_N, BLOCK_K, stages) to time for gate_up + SiLU·mul (BLOCK_N columns of each half)."""
+    if quick:
+        return [(stream_gated.BLOCK_N, stream_gated.BLOCK_K, stream_gated.NUM_STAGES)]
+    return list(itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5)))
+
+
+def time_gated(args, g, per_layer_of) -> dict:
+    """gate_up + SiLU·mul at each row count: cuBLAS + Inductor's SiLU·mul kernel against the
+    streamed kernel's tiles (µs a layer, the weight's TB/s)."""
+    dev = "cuda"
+    k, two_i = SHAPES["gate_up"]
+    i = two_i // 2
+    ws = [
+        torch.randn(two_i, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
+        for _ in range(args.layers)
+    ]
+    nbytes = two_i * k * 2
+    silu_mul = torch.compile(lambda gu: F.silu(gu[:, :i]) * gu[:, i:], dynamic=False)
+    rows = {}
+    for m in args.rows:
+        x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+        want = stream_gated.reference(x, ws[0]).float()
+        per_layer = per_layer_of(ws)
+        row = {"rows": m, "weight_mb": nbytes / 1e6}
+        plain = lambda w: silu_mul(F.linear(x, w))
+        plain(ws[0])  # compiled before the graph is captured
+        us = per_layer(plain)
+        diff = (plain(ws[0]).float() - want).abs().max().item()
+        row["cublas+silu_mul"] = {"us": us, "tb_s": nbytes / us / 1e6, "max_abs_diff": diff}
+        timed = []
+        for bn, bk, st in gated_tiles(args.quick):
+            label = f"n{bn} k{bk} st{st}"
+            try:
+                call = lambda w, a=(bn, bk, 4, st): stream_gated.launch(x, w, *a)
+                diff = (call(ws[0]).float() - want).abs().max().item()
+                us = per_layer(call)
+                row[label] = {"us": us, "tb_s": nbytes / us / 1e6, "max_abs_diff": diff}
+                timed.append((us, label))
+            except Exception as exc:  # a tile over the shared-memory limit
+                row[label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        timed.sort()
+        row["best"] = [label for _, label in timed[:5]]
+        rows[f"gated m{m}"] = row
+        best = row[timed[0][1]] if timed else {}
+        print(
+            f"gated    M={m:3d} {nbytes / 1e6:6.2f} MB  cuBLAS + SiLU·mul "
+            f"{row['cublas+silu_mul']['us']:6.2f} µs  best {timed[0][1] if timed else '-'}: "
+            f"{best.get('us', float('nan')):6.2f} µs ({best.get('tb_s', 0):.2f} TB/s)  "
+            f"diff {best.get('max_abs_diff', float('nan')):.2e} (cuBLAS "
+            f"{row['cublas+silu_mul']['max_abs_diff']:.2e})",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=[*SHAPES, "gated"], choices=[*SHAPES, "gated"])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="one tile a shape (a smoke test)")
@@ -141,7 +201,14 @@ def main() -> None:
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     result = {"env": env_info(), "layers": args.layers, "shapes": {}}
+
+    def per_layer_of(ws):
+        return lambda fn: graph_us(lambda: [fn(w) for w in ws], args.iters) / len(ws)
+
     for name in args.shapes:
+        if name == "gated":
+            result["shapes"].update(time_gated(args, g, per_layer_of))
+            continue
         k, n = SHAPES[name]
         ws = [
             torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
@@ -152,9 +219,7 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
             want = F.linear(x, ws[0]).float()
             row = {"rows": m, "weight_mb": nbytes / 1e6}
-
-            def per_layer(fn):
-                return graph_us(lambda: [fn(w) for w in ws], args.iters) / len(ws)
+            per_layer = per_layer_of(ws)
 
             us = per_layer(lambda w: F.linear(x, w))
             row["cublas"] = {"us": us, "tb_s": nbytes / us / 1e6}

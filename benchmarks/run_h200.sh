@@ -110,6 +110,7 @@ run_phase() {
     graph-launch) phase graph-launch 90 python3 benchmarks/bench_graph_launch.py --out "$OUT/graph_launch.json" ;;
     # (with --sweep: the fastest tiles to $OUT/skinny_tiles.json, for BOUNDGEN_SKINNY_TILES)
     # issue 24 item 2: a weight-streaming GEMM (swap AB, split K into fp32 partials, TMA loads) against cuBLAS at 16/64 rows
+    # (WEIGHT_STREAM_ARGS="--shapes gated --rows 16 64 128": gate_up with SiLU·mul as its epilogue, its tiles swept)
     weight-stream) phase weight-stream 300 python3 benchmarks/bench_weight_stream.py --out "$OUT/weight_stream.json" ${WEIGHT_STREAM_ARGS:-} ;;
     skinny) phase skinny 180 python3 benchmarks/bench_skinny.py --out "$OUT/skinny.json" --tiles-out "$OUT/skinny_tiles.json" ${SKINNY_ARGS:-} ;;
     attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;

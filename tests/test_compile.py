@@ -383,10 +383,11 @@ def test_the_fused_linear_kernels_key_only_the_packages_that_embed_them(monkeypa
     """The few-row fused kernels' source (and the streaming residual GEMM's) is part of the key
     only where the layers take them: a tile swept into `skinny_tiles.TILES` leaves every package
     built with them off valid."""
-    from boundgen.models import skinny, stream
+    from boundgen.models import skinny, stream, stream_gated
 
     monkeypatch.setattr(skinny, "MAX_ROWS", 0)
     monkeypatch.setattr(stream, "MAX_ROWS", 0)
+    monkeypatch.setattr(stream_gated, "GATED", False)
     embedded = cache_mod.embedded_kernel_modules()
     assert "boundgen.models.skinny" not in embedded
     assert "boundgen.models.skinny_tiles" not in embedded
@@ -405,6 +406,15 @@ def test_the_fused_linear_kernels_key_only_the_packages_that_embed_them(monkeypa
     assert "boundgen.models.skinny" not in embedded
     assert platform_info("cpu")["stream_max_rows"] == "64"
     assert platform_info("cpu")["kernels"] != off["kernels"]
+    # gate_up with SiLU·mul: its source and a key of its own only where it is on
+    assert "boundgen.models.stream_gated" not in embedded
+    assert "stream_gated" not in platform_info("cpu")
+    monkeypatch.setattr(stream_gated, "GATED", True)
+    assert "boundgen.models.stream_gated" in cache_mod.embedded_kernel_modules()
+    assert platform_info("cpu")["stream_gated"] == "1"
+    monkeypatch.setattr(stream, "MAX_ROWS", 0)  # streaming off: nothing takes it
+    assert "boundgen.models.stream_gated" not in cache_mod.embedded_kernel_modules()
+    assert "stream_gated" not in platform_info("cpu")
 
 
 # -- libstdc++ preload guard

@@ -25,7 +25,7 @@ DEV = "cuda" if CUDA else "cpu"
 
 @pytest.fixture(autouse=True)
 def kernel_on(monkeypatch):
-    """The kernel on at its default rows whatever `BOUNDGEN_STREAM_MAX_ROWS` says."""
+    """The kernel on (64 rows) whatever `BOUNDGEN_STREAM_MAX_ROWS` says."""
     monkeypatch.setattr(stream, "MAX_ROWS", 64)
 
 

@@ -18,7 +18,7 @@ from boundgen.attention.cascade import by_kv_head, prefill_attention
 from boundgen.attention.metadata import AttnInputs
 from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
-from boundgen.models import skinny, stream
+from boundgen.models import skinny, stream, stream_gated
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from boundgen.settings import env_choice
 
@@ -186,9 +186,15 @@ class DecoderLayer(nn.Module):
         if skinny.applies(x, mlp.gate_up_proj, mlp.down_proj):
             h = skinny.norm_gated(x, norm.weight, norm.eps, mlp.gate_up_proj.weight, counts)
             return skinny.linear_residual(h, mlp.down_proj.weight, x, counts)
+        if stream_gated.applies(x, mlp.gate_up_proj):  # gate_up with SiLU·mul as its epilogue
+            h = stream_gated.gated(norm(x), mlp.gate_up_proj.weight)
+        elif stream.applies(x, mlp.down_proj):
+            h = mlp.gated(norm(x))
+        else:
+            return x + mlp(norm(x))
         if stream.applies(x, mlp.down_proj):
-            return stream.linear_residual(mlp.gated(norm(x)), mlp.down_proj.weight, x)
-        return x + mlp(norm(x))
+            return stream.linear_residual(h, mlp.down_proj.weight, x)
+        return x + mlp.down_proj(h)
 
     def forward(self, x, cos, sin, attn, kv, layer, backend, counts=None):
         q, k, v = self.attention_input(x, cos, sin, counts=counts)

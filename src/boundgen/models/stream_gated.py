@@ -1,0 +1,171 @@
+"""The MLP's gate_up projection and SiLU·mul for few rows as one weight-streaming Triton GEMM
+whose epilogue computes SiLU(gate)·up: the down projection's input, without gate_up's output
+ever written.
+
+At 16–128 rows cuBLAS runs gate_up (K 896 × N 9,728) near its weights' bandwidth (9.0–9.3 µs on
+an H100, ~1.9 TB/s), and a kernel of Inductor's then computes SiLU·mul (1.5 µs and one more
+launch a layer: 36 µs and 24 launches of W3's 225; BENCHMARKS.md, thirty-eighth session). The
+streamed kernel (`models/stream.py`'s tile, one K split) ran gate_up alone in 8.6–9.1 µs
+(`bench_weight_stream.py`, thirty-sixth session). Here a program streams both halves' rows of its
+column tile (gate's `cols`, up's `I + cols`) into two float32 accumulators over all of K (SiLU is
+not linear: no K split), then writes SiLU(gate)·up once, rounded to x's dtype. Computing SiLU·mul
+as `down` loads its input instead lost (each of its column tiles recomputed it: W3's GPU busy
+827 → 1,066 µs).
+
+Numerics: gate and up stay float32 into SiLU·mul (the plain path rounds gate_up's output to bf16
+first), rounded once.
+
+Off until it wins W3 and W4 on the GPU (`GATED`, `BOUNDGEN_STREAM_GATED=1`); it takes the calls
+`stream.applies` takes (at most `stream.MAX_ROWS` rows). Compiled packages record the switch
+(`compile.cache.platform_info`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from boundgen import triton_launch
+from boundgen.models import skinny_tiles, stream
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op
+
+    from boundgen.triton_launch import traceable
+
+    AVAILABLE = True
+except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
+    AVAILABLE = False
+
+GATED = os.environ.get("BOUNDGEN_STREAM_GATED", "0") == "1"
+# Tile: columns of each half a program, K a step, warps, stages. 32 columns: 152 programs for
+# Qwen2.5-0.5B's 4,864 (64 would leave 76 programs on 132 SMs); not yet swept
+# (`bench_weight_stream.py --shapes gated`)
+BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 32, 128, 4, 3
+
+
+@contextlib.contextmanager
+def enabled(on: bool):
+    """Inside: gate_up + SiLU·mul take the kernel (`GATED`) or not; read when a layer traces,
+    compiles or is captured (an A/B's switch)."""
+    global GATED
+    before, GATED = GATED, on
+    try:
+        yield
+    finally:
+        GATED = before
+
+
+def applies(x: torch.Tensor, gate_up: nn.Module) -> bool:
+    """Whether the kernel takes `x` through `gate_up` and SiLU·mul: on (`GATED`) and a call
+    `stream.applies` takes (plain `nn.Linear` without a bias, at most `stream.MAX_ROWS` rows,
+    bf16/fp16 on CUDA or the interpreter under `stream.forced()`)."""
+    return GATED and AVAILABLE and stream.applies(x, gate_up)
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _gated_kernel(
+        X,
+        W,
+        Out,
+        M,
+        stride_xm,
+        K: tl.constexpr,
+        I: tl.constexpr,  # noqa: E741 - the intermediate size, as in the docstring
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
+        """Out[rows, cols] = SiLU(X[rows] @ W[cols].T) · (X[rows] @ W[I + cols].T) over this
+        program's column tile and row tile, W = gate_up's weight [2I, K] (gate's rows, then
+        up's)."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        col_ok = cols < I
+        row_ok = rows < M
+        gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            at = W + cols.to(tl.int64)[:, None] * K + ks[None, :]
+            w_gate = tl.load(at, mask=w_mask, other=0.0)
+            w_up = tl.load(at + I * K, mask=w_mask, other=0.0)
+            x = tl.load(
+                X + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None],
+                mask=row_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            if INTERPRET:  # the interpreter's dot multiplies 16-bit floats as integers
+                w_gate, w_up, x = w_gate.to(tl.float32), w_up.to(tl.float32), x.to(tl.float32)
+            gate += tl.dot(w_gate, x, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+            up += tl.dot(w_up, x, input_precision=PRECISION)
+        h = gate * tl.sigmoid(gate) * up
+        out = Out + rows.to(tl.int64)[None, :] * I + cols[:, None]
+        tl.store(out, h.to(Out.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+
+    def launch(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        block_n: int = BLOCK_N,
+        block_k: int = BLOCK_K,
+        warps: int = NUM_WARPS,
+        stages: int = NUM_STAGES,
+    ) -> torch.Tensor:
+        """The kernel with an explicit tile (what the op and `bench_weight_stream.py` call):
+        SiLU(x @ gate.T) · (x @ up.T) [M, I] in x's dtype, weight = [gate; up] [2I, K]."""
+        (x,) = triton_launch.unit_last_stride(x)
+        weight = weight.contiguous()
+        # K and I from the weight (static); the rows may be symbolic (the compiled beam layers)
+        m = x.shape[0]
+        two_i, k = weight.shape
+        torch._check(two_i % 2 == 0 and x.shape[1] == k)
+        i = two_i // 2
+        block_m = skinny_tiles.block_m_for(m)
+        out = torch.empty((m, i), dtype=x.dtype, device=x.device)
+        grid = (triton.cdiv(i, block_n), triton.cdiv(m, block_m))
+        traceable(_gated_kernel)[grid](
+            x,
+            weight,
+            out,
+            m,
+            x.stride(0),
+            K=k,
+            I=i,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            PRECISION=triton_launch.dot_precision(x),
+            INTERPRET=not x.is_cuda,
+            num_warps=warps,
+            num_stages=stages,
+        )
+        return out
+
+    @triton_op("boundgen::stream_gated", mutates_args=())
+    def _stream_gated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return launch(x, weight)
+
+
+def gated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU(x @ gate.T) · (x @ up.T): x [M, K], weight = gate_up's [2I, K] → [M, I] in x's
+    dtype."""
+    return torch.ops.boundgen.stream_gated(x, weight)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What `gated` computes, in float32, rounded once to x's dtype (the tests' oracle)."""
+    gate, up = (x.float() @ weight.float().T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
