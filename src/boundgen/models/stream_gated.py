@@ -31,16 +31,13 @@ from torch import nn
 from boundgen import triton_launch
 from boundgen.models import skinny_tiles, stream
 
-try:
+AVAILABLE = stream.AVAILABLE  # Triton and torch's triton_op, as `stream` found them
+if AVAILABLE:
     import triton
     import triton.language as tl
     from torch.library import triton_op
 
     from boundgen.triton_launch import traceable
-
-    AVAILABLE = True
-except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
-    AVAILABLE = False
 
 GATED = os.environ.get("BOUNDGEN_STREAM_GATED", "0") == "1"
 # Tile: columns of each half a program, K a step, warps, stages. 32 columns: 152 programs for
