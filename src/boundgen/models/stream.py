@@ -151,26 +151,38 @@ if AVAILABLE:
     ) -> torch.Tensor:
         """The kernel with an explicit tile (what the op and `bench_weight_stream.py` call):
         partials [splits, M, N], K cut into `split` whole BLOCK_K steps (fewer where K is short)."""
-        (x,) = triton_launch.unit_last_stride(x)
-        weight = weight.contiguous()
-        # K and N from the weight (static); the rows may be symbolic (the compiled beam layers)
+        x, weight, block_m = operands(x, weight)
         m = x.shape[0]
         n, k = weight.shape
-        torch._check(x.shape[1] == k)
-        block_m = skinny_tiles.block_m_for(m)
         per = k_per(k, split, block_k)
         split = skinny_tiles.cdiv(k, per)
         parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
-        traceable(_stream_kernel)[grid](
+        tile = (block_m, block_n, block_k, warps, stages)
+        run(_stream_kernel, grid, x, weight, parts, tile, K=k, N=n, K_PER=per)
+        return parts
+
+    def operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """x and the weight [N, K] as the streamed kernels read them (last dims contiguous), and
+        the rows a program takes. K from the weight (static); the rows may be symbolic (the
+        compiled beam layers)."""
+        (x,) = triton_launch.unit_last_stride(x)
+        weight = weight.contiguous()
+        torch._check(x.shape[1] == weight.shape[1])
+        return x, weight, skinny_tiles.block_m_for(x.shape[0])
+
+    def run(kernel, grid, x, weight, out, tile: tuple, **shape) -> None:
+        """`kernel`[grid] as the streamed kernels take their arguments: X, W, Out, M, stride_xm,
+        the shape's constexprs, then the tile's (`tile`: BLOCK_M, BLOCK_N, BLOCK_K, warps,
+        stages), `tl.dot`'s precision and whether Triton's interpreter runs it."""
+        block_m, block_n, block_k, warps, stages = tile
+        traceable(kernel)[grid](
             x,
             weight,
-            parts,
-            m,
+            out,
+            x.shape[0],
             x.stride(0),
-            K=k,
-            N=n,
-            K_PER=per,
+            **shape,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
@@ -179,7 +191,6 @@ if AVAILABLE:
             num_warps=warps,
             num_stages=stages,
         )
-        return parts
 
     @triton_op("boundgen::stream_partials", mutates_args=())
     def _stream_partials(x: torch.Tensor, weight: torch.Tensor, split: int) -> torch.Tensor:

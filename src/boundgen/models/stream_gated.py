@@ -28,16 +28,13 @@ import os
 import torch
 from torch import nn
 
-from boundgen import triton_launch
-from boundgen.models import skinny_tiles, stream
+from boundgen.models import stream
 
 AVAILABLE = stream.AVAILABLE  # Triton and torch's triton_op, as `stream` found them
 if AVAILABLE:
     import triton
     import triton.language as tl
     from torch.library import triton_op
-
-    from boundgen.triton_launch import traceable
 
 GATED = os.environ.get("BOUNDGEN_STREAM_GATED", "0") == "1"
 # Tile: columns of each half a program, K a step, warps, stages. 32 columns: 152 programs for
@@ -123,32 +120,14 @@ if AVAILABLE:
     ) -> torch.Tensor:
         """The kernel with an explicit tile (what the op and `bench_weight_stream.py` call):
         SiLU(x @ gate.T) · (x @ up.T) [M, I] in x's dtype, weight = [gate; up] [2I, K]."""
-        (x,) = triton_launch.unit_last_stride(x)
-        weight = weight.contiguous()
-        # K and I from the weight (static); the rows may be symbolic (the compiled beam layers)
-        m = x.shape[0]
+        x, weight, block_m = stream.operands(x, weight)
         two_i, k = weight.shape
-        torch._check(two_i % 2 == 0 and x.shape[1] == k)
+        torch._check(two_i % 2 == 0)
         i = two_i // 2
-        block_m = skinny_tiles.block_m_for(m)
-        out = torch.empty((m, i), dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(i, block_n), triton.cdiv(m, block_m))
-        traceable(_gated_kernel)[grid](
-            x,
-            weight,
-            out,
-            m,
-            x.stride(0),
-            K=k,
-            I=i,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            PRECISION=triton_launch.dot_precision(x),
-            INTERPRET=not x.is_cuda,
-            num_warps=warps,
-            num_stages=stages,
-        )
+        out = torch.empty((x.shape[0], i), dtype=x.dtype, device=x.device)
+        grid = (triton.cdiv(i, block_n), triton.cdiv(x.shape[0], block_m))
+        tile = (block_m, block_n, block_k, warps, stages)
+        stream.run(_gated_kernel, grid, x, weight, out, tile, K=k, I=i)
         return out
 
     @triton_op("boundgen::stream_gated", mutates_args=())
