@@ -360,6 +360,13 @@ LATE_MERGE_MARGIN_NS = 1_000_000
 MERGE_POLICIES = ("all", "tail")  # `BatchingNode(merge_policy=...)`
 
 
+def _drop_failed_heads(waiting) -> None:
+    """Pop the requests at the head of a lane's queue that were cancelled or failed while they
+    waited."""
+    while waiting and waiting[0].req.failed:
+        waiting.popleft()
+
+
 class BatchingNode(Node):
     """A node whose calls from concurrent requests are merged into one `fn(batch)` call.
 
@@ -675,8 +682,7 @@ class BatchingNode(Node):
     def _take(self, lane: _Lane) -> list[_Item]:
         with self._cv:
             waiting = lane.waiting
-            while waiting and waiting[0].req.failed:  # cancelled or failed while it waited
-                waiting.popleft()
+            _drop_failed_heads(waiting)
             if not waiting:
                 return []
             first = waiting.popleft()
@@ -693,16 +699,13 @@ class BatchingNode(Node):
                 if most is not None and count >= most:
                     break
                 if planned is not None and len(batch) >= planned:
-                    while waiting and waiting[0].req.failed:  # not a request the cut kept out
-                        waiting.popleft()
+                    _drop_failed_heads(waiting)  # not a request the cut kept out
                     if waiting and tokens + waiting[0].size <= budget:
                         self.planned_cuts += 1
                     break
+                _drop_failed_heads(waiting)
                 if waiting:
                     nxt = waiting[0]
-                    if nxt.req.failed:
-                        waiting.popleft()
-                        continue
                     if tokens + nxt.size > budget:
                         break  # starts the next batch
                     if most is not None and count + nxt.count > most:
