@@ -186,13 +186,14 @@ class DecoderLayer(nn.Module):
         if skinny.applies(x, mlp.gate_up_proj, mlp.down_proj):
             h = skinny.norm_gated(x, norm.weight, norm.eps, mlp.gate_up_proj.weight, counts)
             return skinny.linear_residual(h, mlp.down_proj.weight, x, counts)
+        streamed = stream.applies(x, mlp.down_proj)
         if stream_gated.applies(x, mlp.gate_up_proj):  # gate_up with SiLU·mul as its epilogue
             h = stream_gated.gated(norm(x), mlp.gate_up_proj.weight)
-        elif stream.applies(x, mlp.down_proj):
+        elif streamed:
             h = mlp.gated(norm(x))
         else:
             return x + mlp(norm(x))
-        if stream.applies(x, mlp.down_proj):
+        if streamed:
             return stream.linear_residual(h, mlp.down_proj.weight, x)
         return x + mlp.down_proj(h)
 

@@ -59,7 +59,7 @@ def applies(x: torch.Tensor, gate_up: nn.Module) -> bool:
     """Whether the kernel takes `x` through `gate_up` and SiLU·mul: on (`GATED`) and a call
     `stream.applies` takes (plain `nn.Linear` without a bias, at most `stream.MAX_ROWS` rows,
     bf16/fp16 on CUDA or the interpreter under `stream.forced()`)."""
-    return GATED and AVAILABLE and stream.applies(x, gate_up)
+    return GATED and stream.applies(x, gate_up)
 
 
 if AVAILABLE:
