@@ -177,6 +177,12 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     # whether a trie step is one kernel, the one-kernel decode attention's tile; the others run
     # the process's defaults
     rows_of, select_of, tile_of, stream_of, gated_of = {}, {}, {}, {}, {}
+    of_kind = {
+        "skinny": rows_of,
+        "select": select_of,
+        "stream": stream_of,
+        "gated": gated_of,
+    }
     # with --trie-select the other variants take the ATen step (the A/B's other side)
     select_default = False if args.trie_select else trie_select.ENABLED
     if args.head_compile:
@@ -227,10 +233,8 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             for n, v in combo:
                 if n == "attention" and v.startswith("fused"):
                     tile_of[name] = _fused_tile(v)
-                elif n in ("skinny", "select", "stream", "gated"):
-                    kind_of = {"skinny": rows_of, "select": select_of, "stream": stream_of}
-                    kind_of["gated"] = gated_of
-                    kind_of[n][name] = v
+                elif n in of_kind:
+                    of_kind[n][name] = v
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
     out = {}
     g = torch.Generator().manual_seed(11)

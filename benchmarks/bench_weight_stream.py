@@ -131,6 +131,20 @@ def tiles(k: int, n: int, quick: bool):
     return plain + list(itertools.product(blocks_n, blocks_k, splits, stages, (True,)))
 
 
+def time_tile(row, label, call, w0, want, per_layer, nbytes, total=lambda out: out) -> float | None:
+    """One tile's `call`: its largest difference from `want` (of `total` of its output on the
+    first weight `w0`), its µs a layer and the weight's TB/s, into `row[label]` → its µs; a tile
+    over the shared-memory limit: its error there, None."""
+    try:
+        diff = (total(call(w0)).float() - want).abs().max().item()
+        us = per_layer(call)
+    except Exception as exc:  # a tile over the shared-memory limit
+        row[label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        return None
+    row[label] = {"us": us, "tb_s": nbytes / us / 1e6, "max_abs_diff": diff}
+    return us
+
+
 def gated_tiles(quick: bool):
     """(BLOCK_N, BLOCK_K, stages) to time for gate_up + SiLU·mul (BLOCK_N columns of each half)."""
     if quick:
@@ -164,14 +178,10 @@ def time_gated(args, g, per_layer_of) -> dict:
         timed = []
         for bn, bk, st in gated_tiles(args.quick):
             label = f"n{bn} k{bk} st{st}"
-            try:
-                call = lambda w, a=(bn, bk, 4, st): stream_gated.launch(x, w, *a)
-                diff = (call(ws[0]).float() - want).abs().max().item()
-                us = per_layer(call)
-                row[label] = {"us": us, "tb_s": nbytes / us / 1e6, "max_abs_diff": diff}
+            call = lambda w, a=(bn, bk, 4, st): stream_gated.launch(x, w, *a)
+            us = time_tile(row, label, call, ws[0], want, per_layer, nbytes)
+            if us is not None:
                 timed.append((us, label))
-            except Exception as exc:  # a tile over the shared-memory limit
-                row[label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
         timed.sort()
         row["best"] = [label for _, label in timed[:5]]
         rows[f"gated m{m}"] = row
@@ -226,18 +236,13 @@ def main() -> None:
             timed = []
             for bn, bk, sk, st, tma in tiles(k, n, args.quick):
                 label = f"n{bn} k{bk} s{sk} st{st}" + (" tma" if tma else "")
-                try:
-                    got = stream_mm(x, ws[0], bn, bk, sk, st, tma=tma).sum(0)
-                    diff = (got - want).abs().max().item()
-                    call = lambda w, a=(bn, bk, sk, st), t=tma: stream_mm(x, w, *a, tma=t)
-                    us = per_layer(call)
-                    entry = {"us": us, "tb_s": nbytes / us / 1e6, "max_abs_diff": diff}
-                    if sk > 1:
-                        entry["us_with_sum"] = per_layer(lambda w, c=call: c(w).sum(0))
-                    timed.append((us, label))
-                    row[label] = entry
-                except Exception as exc:  # a tile over the shared-memory limit
-                    row[label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+                call = lambda w, a=(bn, bk, sk, st), t=tma: stream_mm(x, w, *a, tma=t)
+                us = time_tile(row, label, call, ws[0], want, per_layer, nbytes, lambda p: p.sum(0))
+                if us is None:
+                    continue
+                if sk > 1:  # with the partials summed apart
+                    row[label]["us_with_sum"] = per_layer(lambda w, c=call: c(w).sum(0))
+                timed.append((us, label))
             timed.sort()
             row["best"] = [label for _, label in timed[:5]]
             result["shapes"][f"{name} m{m}"] = row
