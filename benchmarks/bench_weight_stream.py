@@ -145,11 +145,13 @@ def time_tile(row, label, call, w0, want, per_layer, nbytes, total=lambda out: o
     return us
 
 
-def gated_tiles(quick: bool):
-    """(BLOCK_N, BLOCK_K, stages) to time for gate_up + SiLU·mul (BLOCK_N columns of each half)."""
+def gated_tiles(quick: bool, m: int):
+    """(BLOCK_N, BLOCK_K, warps, stages) to time for gate_up + SiLU·mul at `m` rows (BLOCK_N
+    columns of each half): the one `stream_gated.tile_for` gives, or all."""
     if quick:
-        return [(stream_gated.BLOCK_N, stream_gated.BLOCK_K, stream_gated.NUM_STAGES)]
-    return list(itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5)))
+        return [stream_gated.tile_for(m)]
+    grid = itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5))
+    return [(bn, bk, 4, st) for bn, bk, st in grid]
 
 
 def time_gated(args, g, per_layer_of) -> dict:
@@ -176,9 +178,10 @@ def time_gated(args, g, per_layer_of) -> dict:
         diff = (plain(ws[0]).float() - want).abs().max().item()
         row["cublas+silu_mul"] = {"us": us, "tb_s": nbytes / us / 1e6, "max_abs_diff": diff}
         timed = []
-        for bn, bk, st in gated_tiles(args.quick):
+        for tile in gated_tiles(args.quick, m):
+            bn, bk, _, st = tile
             label = f"n{bn} k{bk} st{st}"
-            call = lambda w, a=(bn, bk, 4, st): stream_gated.launch(x, w, *a)
+            call = lambda w, t=tile: stream_gated.launch(x, w, t)
             us = time_tile(row, label, call, ws[0], want, per_layer, nbytes)
             if us is not None:
                 timed.append((us, label))

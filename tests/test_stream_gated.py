@@ -126,20 +126,21 @@ from boundgen.models import stream_gated
 
 fn = stream_gated._gated_kernel
 k, i, block_m = (int(a) for a in sys.argv[1:4])
-const = dict(K=k, I=i, BLOCK_M=block_m, BLOCK_N=stream_gated.BLOCK_N,
-             BLOCK_K=stream_gated.BLOCK_K, PRECISION="tf32", INTERPRET=False)
+block_n, block_k, warps, stages = stream_gated.tile_for(int(sys.argv[4]))
+const = dict(K=k, I=i, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32",
+             INTERPRET=False)
 sig = {"X": "*bf16", "W": "*bf16", "Out": "*bf16", "M": "i32", "stride_xm": "i32"}
 sig.update(dict.fromkeys(const, "constexpr"))
 aligned = ["X", "W", "Out", "stride_xm"]
-warps, stages = stream_gated.NUM_WARPS, stream_gated.NUM_STAGES
 """
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_the_kernel_compiles_for_hopper(block_m):
-    """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed): Qwen2.5-0.5B's gate_up
-    (K 896, I 4,864) at a decode step's 16 rows and a prompt's 64."""
-    compile_in_child(HOPPER, "896", "4864", str(block_m))
+@pytest.mark.parametrize("block_m,rows", [(16, 16), (64, 64), (64, 128)])
+def test_the_kernel_compiles_for_hopper(block_m, rows):
+    """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed) with the tile `tile_for`
+    gives the rows: Qwen2.5-0.5B's gate_up (K 896, I 4,864) at a decode step's 16 rows, a
+    prompt's 64, and 128 (two row tiles)."""
+    compile_in_child(HOPPER, "896", "4864", str(block_m), str(rows))
 
 
 @pytest.mark.gpu

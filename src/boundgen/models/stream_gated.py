@@ -37,10 +37,20 @@ if AVAILABLE:
     from torch.library import triton_op
 
 GATED = os.environ.get("BOUNDGEN_STREAM_GATED", "0") == "1"
-# Tile: columns of each half a program, K a step, warps, stages. 32 columns: 152 programs for
-# Qwen2.5-0.5B's 4,864 (64 would leave 76 programs on 132 SMs); not yet swept
-# (`bench_weight_stream.py --shapes gated`)
-BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 32, 128, 4, 3
+# Tiles (columns of each half a program, K a step, warps, stages), swept on an H100 at gate_up's
+# shape (`bench_weight_stream.py --shapes gated`, thirty-ninth session). One row tile (≤ 64 rows):
+# 64 × 128, 4 stages — 8.6 µs at 16 rows, 9.7 at 64 (cuBLAS + SiLU·mul 10.6 / 11.0; the first
+# guess, 32 × 128 with 3 stages, 9.5 / 11.4). Two row tiles (65–128 rows, or rows unknown when
+# traced): K 64 a step — 11.6 µs at 128 rows (cuBLAS + SiLU·mul 12.0), where 128 a step took 15.2:
+# its 48 KB a stage, 4 stages, leave one program an SM, and 152 programs then run in two waves.
+ONE_ROW_TILE = (64, 128, 4, 4)
+ROW_TILES = (64, 64, 4, 4)
+
+
+def tile_for(m) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for `m` rows (symbolic in the compiled beam layers,
+    whose rows reach `stream.MAX_ROWS`)."""
+    return ONE_ROW_TILE if isinstance(m, int) and m <= 64 else ROW_TILES
 
 
 @contextlib.contextmanager
@@ -110,17 +120,12 @@ if AVAILABLE:
         out = Out + rows.to(tl.int64)[None, :] * I + cols[:, None]
         tl.store(out, h.to(Out.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
-    def launch(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        block_n: int = BLOCK_N,
-        block_k: int = BLOCK_K,
-        warps: int = NUM_WARPS,
-        stages: int = NUM_STAGES,
-    ) -> torch.Tensor:
-        """The kernel with an explicit tile (what the op and `bench_weight_stream.py` call):
-        SiLU(x @ gate.T) · (x @ up.T) [M, I] in x's dtype, weight = [gate; up] [2I, K]."""
+    def launch(x: torch.Tensor, weight: torch.Tensor, tile: tuple | None = None) -> torch.Tensor:
+        """The kernel (what the op and `bench_weight_stream.py` call): SiLU(x @ gate.T) ·
+        (x @ up.T) [M, I] in x's dtype, weight = [gate; up] [2I, K]; `tile` (BLOCK_N, BLOCK_K,
+        warps, stages), `tile_for` the rows' when not given."""
         x, weight, block_m = stream.operands(x, weight)
+        block_n, block_k, warps, stages = tile or tile_for(x.shape[0])
         two_i, k = weight.shape
         torch._check(two_i % 2 == 0)
         i = two_i // 2
