@@ -21,7 +21,8 @@ computed from the full head.
 With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
 kernels (`skinny.MAX_ROWS` N), `--stream-rows N…` one with o_proj and down streamed up to N rows
 for each N given (`models/stream.py`, `stream.MAX_ROWS` N), `--stream-gated` the one with gate_up
-and SiLU·mul as one streamed GEMM (`models/stream_gated.py`), and `--trie-select` the
+and SiLU·mul as one streamed GEMM (`models/stream_gated.py`; the other variants then take cuBLAS
+and Inductor's SiLU·mul: the GEMM is the default), and `--trie-select` the
 one with each trie step's selection in one kernel (`trie_select`, the other variants then take
 the ATen step: the kernel is the default); `--residual-add` the one with the residual adds out
 of `addmm` (`compile.residual`, the others then keep them in `addmm`, whatever
@@ -185,6 +186,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     }
     # with --trie-select the other variants take the ATen step (the A/B's other side)
     select_default = False if args.trie_select else trie_select.ENABLED
+    gated_default = False if args.stream_gated else stream_gated.GATED
     if args.head_compile:
         from boundgen.compile.aoti import export_attention
         from boundgen.compile.backends import allow_recompiles
@@ -281,7 +283,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     for vname, sg in variants.items():
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
                         streamed = stream_of.get(vname, stream.MAX_ROWS)
-                        gated = gated_of.get(vname, stream_gated.GATED)
+                        gated = gated_of.get(vname, gated_default)
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
@@ -504,7 +506,8 @@ def main() -> int:
         "--stream-gated",
         action="store_true",
         help="heads with --head-compile: also the compiled search with gate_up and SiLU·mul as "
-        "one streamed GEMM (`models/stream_gated.py`; with --stream-rows, also each together)",
+        "one streamed GEMM (`models/stream_gated.py`; with --stream-rows, also each together); "
+        "the other variants then without it",
     )
     ap.add_argument(
         "--trie-select",

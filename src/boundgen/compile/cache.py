@@ -158,7 +158,7 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         info["skinny_tiles"] = tiles
     if stream.MAX_ROWS > 0:  # off keeps the keys of the packages built before it
         info["stream_max_rows"] = str(stream.MAX_ROWS)
-        if stream_gated.GATED:  # off keeps the keys of the packages built before it
+        if stream_gated.GATED:  # off keeps the keys of the packages built before it was on
             info["stream_gated"] = "1"
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
