@@ -19,7 +19,8 @@ the stream:
 
 `--shapes gated`: gate_up with SiLU·mul as its epilogue (`models/stream_gated.py`, its tiles swept)
 against cuBLAS's gate_up and Inductor's SiLU·mul kernel (what the compiled layers run), checked
-against the same.
+against the same. `--shapes rotated`: qkv (+ bias) with the q/k rotation as its epilogue
+(`models/stream_qkv.py`) against cuBLAS's biased GEMM and Inductor's rotation kernel.
 
 Per GEMM shape of the preset (qkv, o_proj, gate_up, down) and row count, the device µs of one call
 replayed from a CUDA graph over `--layers` weight copies called in turn (past the L2: one layer's
@@ -45,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import env_info, graph_us, write_json
 
-from boundgen.models import stream, stream_gated
+from boundgen.models import stream, stream_gated, stream_qkv
+from boundgen.models.layers import apply_rope
 
 # (name, K, N): Qwen2.5-0.5B's projections (x [M, K] @ W [N, K].T)
 SHAPES = {
@@ -154,56 +156,119 @@ def gated_tiles(quick: bool, m: int):
     return [(bn, bk, 4, st) for bn, bk, st in grid]
 
 
-def time_gated(args, g, per_layer_of) -> dict:
-    """gate_up + SiLU·mul at each row count: cuBLAS + Inductor's SiLU·mul kernel against the
-    streamed kernel's tiles (µs a layer, the weight's TB/s)."""
-    dev = "cuda"
-    k, two_i = SHAPES["gate_up"]
-    i = two_i // 2
-    ws = [
-        torch.randn(two_i, k, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
-        for _ in range(args.layers)
-    ]
-    nbytes = two_i * k * 2
-    silu_mul = torch.compile(lambda gu: F.silu(gu[:, :i]) * gu[:, i:], dynamic=False)
+def sweep_fused(name, args, ws, per_layer_of, plain_label, setup) -> dict:
+    """A fused kernel's tiles at each row count against the plain ops it replaces (µs a layer,
+    the weight's TB/s, max |difference| from the float32 oracle): `setup(m)` → (plain call, the
+    oracle's output on the first weight, [(tile label, call)]), each call taking a weight."""
+    nbytes = ws[0].numel() * ws[0].element_size()
     rows = {}
     for m in args.rows:
-        x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
-        want = stream_gated.reference(x, ws[0]).float()
+        plain, want, calls = setup(m)
         per_layer = per_layer_of(ws)
         row = {"rows": m, "weight_mb": nbytes / 1e6}
-        plain = lambda w: silu_mul(F.linear(x, w))
         plain(ws[0])  # compiled before the graph is captured
         us = per_layer(plain)
         diff = (plain(ws[0]).float() - want).abs().max().item()
-        row["cublas+silu_mul"] = {"us": us, "tb_s": nbytes / us / 1e6, "max_abs_diff": diff}
+        row[plain_label] = {"us": us, "tb_s": nbytes / us / 1e6, "max_abs_diff": diff}
         timed = []
-        for tile in gated_tiles(args.quick, m):
-            bn, bk, _, st = tile
-            label = f"n{bn} k{bk} st{st}"
-            call = lambda w, t=tile: stream_gated.launch(x, w, t)
+        for label, call in calls:
             us = time_tile(row, label, call, ws[0], want, per_layer, nbytes)
             if us is not None:
                 timed.append((us, label))
         timed.sort()
         row["best"] = [label for _, label in timed[:5]]
-        rows[f"gated m{m}"] = row
+        rows[f"{name} m{m}"] = row
         best = row[timed[0][1]] if timed else {}
         print(
-            f"gated    M={m:3d} {nbytes / 1e6:6.2f} MB  cuBLAS + SiLU·mul "
-            f"{row['cublas+silu_mul']['us']:6.2f} µs  best {timed[0][1] if timed else '-'}: "
+            f"{name:8s} M={m:3d} {nbytes / 1e6:6.2f} MB  {plain_label} "
+            f"{row[plain_label]['us']:6.2f} µs  best {timed[0][1] if timed else '-'}: "
             f"{best.get('us', float('nan')):6.2f} µs ({best.get('tb_s', 0):.2f} TB/s)  "
-            f"diff {best.get('max_abs_diff', float('nan')):.2e} (cuBLAS "
-            f"{row['cublas+silu_mul']['max_abs_diff']:.2e})",
+            f"diff {best.get('max_abs_diff', float('nan')):.2e} (plain "
+            f"{row[plain_label]['max_abs_diff']:.2e})",
             flush=True,
         )
     return rows
 
 
+def _weights(args, g, k: int, n: int) -> list[torch.Tensor]:
+    return [
+        torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+        for _ in range(args.layers)
+    ]
+
+
+def time_gated(args, g, per_layer_of) -> dict:
+    """gate_up + SiLU·mul at each row count: cuBLAS + Inductor's SiLU·mul kernel against the
+    streamed kernel's tiles."""
+    k, two_i = SHAPES["gate_up"]
+    i = two_i // 2
+    ws = _weights(args, g, k, two_i)
+    silu_mul = torch.compile(lambda gu: F.silu(gu[:, :i]) * gu[:, i:], dynamic=False)
+
+    def setup(m):
+        x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        calls = [
+            (f"n{t[0]} k{t[1]} st{t[3]}", lambda w, t=t: stream_gated.launch(x, w, t))
+            for t in gated_tiles(args.quick, m)
+        ]
+        plain = lambda w: silu_mul(F.linear(x, w))
+        return plain, stream_gated.reference(x, ws[0]).float(), calls
+
+    return sweep_fused("gated", args, ws, per_layer_of, "cuBLAS + SiLU·mul", setup)
+
+
+def rotated_tiles(quick: bool):
+    """(BLOCK_H, most rows a program, BLOCK_K, warps, stages) to time for qkv + the rotation."""
+    q = stream_qkv
+    if quick:
+        return [(q.BLOCK_H, q.MAX_BLOCK_M, q.BLOCK_K, q.NUM_WARPS, q.NUM_STAGES)]
+    grid = itertools.product((16, 32), (16, 32, 64), (64, 128, 256), (3, 4))
+    return [(bh, bm, bk, 4, st) for bh, bm, bk, st in grid]
+
+
+def time_rotated(args, g, per_layer_of) -> dict:
+    """qkv (+ bias) and the q/k rotation at each row count: cuBLAS's biased GEMM + Inductor's
+    rotation kernel (the compiled layers' path) against the streamed kernel's tiles."""
+    k, n = SHAPES["qkv"]
+    d, kv = 64, 128  # Qwen2.5-0.5B: heads of 64, K and V 128 columns each
+    rot = n - 2 * kv
+    ws = _weights(args, g, k, n)
+    bias = torch.randn(n, device="cuda", generator=g, dtype=torch.bfloat16) * 0.1
+
+    def rotation(y, cos, sin):
+        t = y.shape[0]
+        qk = apply_rope(y[:, :rot].view(t, rot // d, d), cos, sin).reshape(t, rot)
+        return torch.cat((qk, y[:, rot:]), dim=1)
+
+    rotation = torch.compile(rotation, dynamic=False)
+
+    def setup(m):
+        x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+        theta = torch.rand(m, 1, d // 2, device="cuda", generator=g) * 6.3
+        cos, sin = theta.cos().bfloat16(), theta.sin().bfloat16()
+        calls = [
+            (
+                f"h{t[0]} m{t[1]} k{t[2]} st{t[4]}",
+                lambda w, t=t: stream_qkv.launch(x, w, bias, cos, sin, rot, t),
+            )
+            for t in rotated_tiles(args.quick)
+        ]
+        plain = lambda w: rotation(F.linear(x, w, bias), cos, sin)
+        want = stream_qkv.reference(x, ws[0], bias, cos, sin, rot).float()
+        return plain, want, calls
+
+    return sweep_fused("rotated", args, ws, per_layer_of, "cuBLAS + rotation", setup)
+
+
+# the fused kernels' sweeps, by --shapes name
+FUSED = {"gated": time_gated, "rotated": time_rotated}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--shapes", nargs="+", default=[*SHAPES, "gated"], choices=[*SHAPES, "gated"])
+    shapes = [*SHAPES, *FUSED]
+    ap.add_argument("--shapes", nargs="+", default=shapes, choices=shapes)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="one tile a shape (a smoke test)")
@@ -219,8 +284,8 @@ def main() -> None:
         return lambda fn: graph_us(lambda: [fn(w) for w in ws], args.iters) / len(ws)
 
     for name in args.shapes:
-        if name == "gated":
-            result["shapes"].update(time_gated(args, g, per_layer_of))
+        if name in FUSED:
+            result["shapes"].update(FUSED[name](args, g, per_layer_of))
             continue
         k, n = SHAPES[name]
         ws = [

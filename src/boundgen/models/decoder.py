@@ -18,7 +18,7 @@ from boundgen.attention.cascade import by_kv_head, prefill_attention
 from boundgen.attention.metadata import AttnInputs
 from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
-from boundgen.models import skinny, stream, stream_gated
+from boundgen.models import skinny, stream, stream_gated, stream_qkv
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from boundgen.settings import env_choice
 
@@ -130,7 +130,13 @@ class DecoderLayer(nn.Module):
             fused = attn.rotates_together(grouped)
             qkv = self._fused_qkv(x, cos, sin, counts, fused)
             return attn.heads(qkv, cos, sin, grouped, rotate=not fused)
-        return attn.heads(attn.qkv_proj(self.input_layernorm(x)), cos, sin, grouped)
+        proj = attn.qkv_proj
+        if stream_qkv.applies(x, proj, attn.head_dim) and attn.rotates_together(grouped):
+            # one streamed GEMM rotates q and k in its epilogue: no rotation kernel
+            h = self.input_layernorm(x)
+            qkv = stream_qkv.rotated(h, proj.weight, proj.bias, cos, sin, attn.rotated_columns)
+            return attn.heads(qkv, cos, sin, grouped, rotate=False)
+        return attn.heads(proj(self.input_layernorm(x)), cos, sin, grouped)
 
     def _fused_qkv(self, x, cos, sin, counts, rotate: bool, group=1, kv=None, step=None):
         """`skinny.norm_linear` over the layer's input norm and qkv projection: q and k rotated
