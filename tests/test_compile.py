@@ -383,11 +383,12 @@ def test_the_fused_linear_kernels_key_only_the_packages_that_embed_them(monkeypa
     """The few-row fused kernels' source (and the streaming residual GEMM's) is part of the key
     only where the layers take them: a tile swept into `skinny_tiles.TILES` leaves every package
     built with them off valid."""
-    from boundgen.models import skinny, stream, stream_gated
+    from boundgen.models import skinny, stream, stream_gated, stream_qkv
 
     monkeypatch.setattr(skinny, "MAX_ROWS", 0)
     monkeypatch.setattr(stream, "MAX_ROWS", 0)
     monkeypatch.setattr(stream_gated, "GATED", False)
+    monkeypatch.setattr(stream_qkv, "ROTATED", False)
     embedded = cache_mod.embedded_kernel_modules()
     assert "boundgen.models.skinny" not in embedded
     assert "boundgen.models.skinny_tiles" not in embedded
@@ -412,9 +413,17 @@ def test_the_fused_linear_kernels_key_only_the_packages_that_embed_them(monkeypa
     monkeypatch.setattr(stream_gated, "GATED", True)
     assert "boundgen.models.stream_gated" in cache_mod.embedded_kernel_modules()
     assert platform_info("cpu")["stream_gated"] == "1"
-    monkeypatch.setattr(stream, "MAX_ROWS", 0)  # streaming off: nothing takes it
-    assert "boundgen.models.stream_gated" not in cache_mod.embedded_kernel_modules()
+    # qkv with the rotation: the same, its own key
+    assert "boundgen.models.stream_qkv" not in cache_mod.embedded_kernel_modules()
+    monkeypatch.setattr(stream_qkv, "ROTATED", True)
+    assert "boundgen.models.stream_qkv" in cache_mod.embedded_kernel_modules()
+    assert platform_info("cpu")["stream_qkv"] == "1"
+    monkeypatch.setattr(stream, "MAX_ROWS", 0)  # streaming off: nothing takes them
+    embedded = cache_mod.embedded_kernel_modules()
+    assert "boundgen.models.stream_gated" not in embedded
+    assert "boundgen.models.stream_qkv" not in embedded
     assert "stream_gated" not in platform_info("cpu")
+    assert "stream_qkv" not in platform_info("cpu")
 
 
 # -- libstdc++ preload guard

@@ -98,6 +98,7 @@ KERNEL_MODULES = (
     "boundgen.models.skinny_tiles",
     "boundgen.models.stream",
     "boundgen.models.stream_gated",
+    "boundgen.models.stream_qkv",
 )
 
 
@@ -105,9 +106,10 @@ def embedded_kernel_modules() -> tuple[str, ...]:
     """`KERNEL_MODULES` that this process's packages embed: the fused few-row linear kernels (and
     their tiles' choice) only where the layers take them (`skinny.MAX_ROWS` > 0), the streaming
     residual GEMM (and the row blocks it takes from `skinny_tiles`) only where `stream.MAX_ROWS`
-    > 0, gate_up's with SiLU·mul only where it is on too (`stream_gated.GATED`), so a change to
+    > 0, gate_up's with SiLU·mul and qkv's with the rotation only where each is on too
+    (`stream_gated.GATED`, `stream_qkv.ROTATED`), so a change to
     them (a tile swept into `skinny_tiles.TILES`) leaves the packages built without them valid."""
-    from boundgen.models import skinny, stream, stream_gated
+    from boundgen.models import skinny, stream, stream_gated, stream_qkv
 
     drop = set()
     if skinny.MAX_ROWS <= 0:
@@ -118,6 +120,8 @@ def embedded_kernel_modules() -> tuple[str, ...]:
         drop.add("boundgen.models.stream")
     if stream.MAX_ROWS <= 0 or not stream_gated.GATED:
         drop.add("boundgen.models.stream_gated")
+    if stream.MAX_ROWS <= 0 or not stream_qkv.ROTATED:
+        drop.add("boundgen.models.stream_qkv")
     return tuple(m for m in KERNEL_MODULES if m not in drop)
 
 
@@ -137,11 +141,12 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     for, and the source of the kernels it embeds (and the rows up to which the layers take
     the fused few-row kernels and their tiles, the residual pass's mode, `compile.residual`,
     the rows up to which o_proj and down stream their weights, `models.stream.MAX_ROWS`, and
-    whether gate_up then streams with SiLU·mul as its epilogue, `models.stream_gated.GATED`, how q
-    and k are rotated, `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were
+    whether gate_up then streams with SiLU·mul as its epilogue, `models.stream_gated.GATED`, and
+    qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, how q and k are
+    rotated, `models.decoder.QK_ROTATION`, and whether the buckets' GEMMs were
     autotuned, `compile.bucket_autotune`)."""
     from boundgen.compile import bucket_autotune, residual
-    from boundgen.models import decoder, skinny, skinny_tiles, stream, stream_gated
+    from boundgen.models import decoder, skinny, skinny_tiles, stream, stream_gated, stream_qkv
 
     dev = torch.device(device)
     info = {
@@ -160,6 +165,8 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         info["stream_max_rows"] = str(stream.MAX_ROWS)
         if stream_gated.GATED:  # off keeps the keys of the packages built before it was on
             info["stream_gated"] = "1"
+        if stream_qkv.ROTATED:  # off keeps the keys of the packages built before it
+            info["stream_qkv"] = "1"
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
     if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it
