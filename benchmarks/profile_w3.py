@@ -19,6 +19,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --stream 0,64                         # o_proj and down by cuBLAS, or streamed
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --gated 0,1                           # gate_up + SiLU·mul by cuBLAS + Inductor, or one GEMM
+    python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
+        --qkv 0,1                             # qkv + q/k rotation by cuBLAS + Inductor, or one GEMM
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -68,7 +70,7 @@ from boundgen.compile import bucket_autotune
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
-from boundgen.models import decoder, skinny, skinny_tiles, stream, stream_gated
+from boundgen.models import decoder, skinny, skinny_tiles, stream, stream_gated, stream_qkv
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.packing import SequenceGroup
 from boundgen.workloads.score import ScoreRequest, request_scores
@@ -378,6 +380,13 @@ def main() -> int:
         "SiLU·mul by Inductor, or both as one streamed GEMM, `models/stream_gated.py`), crossed "
         "with the other axes",
     )
+    ap.add_argument(
+        "--qkv",
+        default=None,
+        help="`stream_qkv.ROTATED` values to build side by side (0,1: qkv by cuBLAS and the q/k "
+        "rotation by Inductor, or both as one streamed GEMM, `models/stream_qkv.py`), crossed "
+        "with the other axes",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     streams = args.stream.split(",") if args.stream else [None]
@@ -387,6 +396,9 @@ def main() -> int:
     gateds = args.gated.split(",") if args.gated else [None]
     if any(gt not in (None, "0", "1") for gt in gateds):
         ap.error("--gated: 0 or 1")
+    qkvs = args.qkv.split(",") if args.qkv else [None]
+    if any(q not in (None, "0", "1") for q in qkvs):
+        ap.error("--qkv: 0 or 1")
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     path = ensure_model(args.preset, dtype=dtype, root=args.root)
@@ -410,18 +422,19 @@ def main() -> int:
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [
-        (v, r, a, k, st, gt)
+        (v, r, a, k, st, gt, q)
         for v in args.variants.split(",")
         for r in rotations
         for a in autotunes
         for k in skinnies
         for st in streams
         for gt in gateds
+        for q in qkvs
     ]
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for variant, rotation, autotune, skinny_rows, stream_rows, gated in sides:
+        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv in sides:
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
@@ -429,6 +442,7 @@ def main() -> int:
                 + ([f"skinny{skinny_rows}"] if skinny_rows is not None else [])
                 + ([f"stream{stream_rows}"] if stream_rows is not None else [])
                 + ([f"gated{gated}"] if gated is not None else [])
+                + ([f"qkv{qkv}"] if qkv is not None else [])
             )
             # each read when the runner traces, builds or captures the model
             if rotation is not None:
@@ -441,6 +455,8 @@ def main() -> int:
                 stream.MAX_ROWS = int(stream_rows)
             if gated is not None:
                 stream_gated.GATED = gated == "1"
+            if qkv is not None:
+                stream_qkv.ROTATED = qkv == "1"
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":
