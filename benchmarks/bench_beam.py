@@ -22,7 +22,8 @@ With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-r
 kernels (`skinny.MAX_ROWS` N), `--stream-rows N…` one with o_proj and down streamed up to N rows
 for each N given (`models/stream.py`, `stream.MAX_ROWS` N), `--stream-gated` the one with gate_up
 and SiLU·mul as one streamed GEMM (`models/stream_gated.py`; the other variants then take cuBLAS
-and Inductor's SiLU·mul: the GEMM is the default), and `--trie-select` the
+and Inductor's SiLU·mul: the GEMM is the default), `--stream-qkv` the one with qkv and the q/k
+rotation as one streamed GEMM (`models/stream_qkv.py`), and `--trie-select` the
 one with each trie step's selection in one kernel (`trie_select`, the other variants then take
 the ATen step: the kernel is the default); `--residual-add` the one with the residual adds out
 of `addmm` (`compile.residual`, the others then keep them in `addmm`, whatever
@@ -66,7 +67,7 @@ from boundgen.checkpoints import ensure_model
 from boundgen.compile import residual
 from boundgen.compile.decode import SearchGraphs, plain_session
 from boundgen.logsumexp import row_logsumexp
-from boundgen.models import skinny, stream, stream_gated
+from boundgen.models import skinny, stream, stream_gated, stream_qkv
 from boundgen.search import search
 
 
@@ -177,16 +178,18 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     # a variant's kernels while it runs (its graphs are captured then): `skinny.MAX_ROWS`,
     # whether a trie step is one kernel, the one-kernel decode attention's tile; the others run
     # the process's defaults
-    rows_of, select_of, tile_of, stream_of, gated_of = {}, {}, {}, {}, {}
+    rows_of, select_of, tile_of, stream_of, gated_of, qkv_of = {}, {}, {}, {}, {}, {}
     of_kind = {
         "skinny": rows_of,
         "select": select_of,
         "stream": stream_of,
         "gated": gated_of,
+        "qkv": qkv_of,
     }
     # with --trie-select the other variants take the ATen step (the A/B's other side)
     select_default = False if args.trie_select else trie_select.ENABLED
     gated_default = False if args.stream_gated else stream_gated.GATED
+    qkv_default = False if args.stream_qkv else stream_qkv.ROTATED
     if args.head_compile:
         from boundgen.compile.aoti import export_attention
         from boundgen.compile.backends import allow_recompiles
@@ -207,6 +210,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             [("skinny", args.skinny_rows)] if args.skinny_rows else [],
             [("stream", v) for v in args.stream_rows],
             [("gated", True)] if args.stream_gated else [],
+            [("qkv", True)] if args.stream_qkv else [],
             [("select", True)] if args.trie_select else [],
             [("add", True)] if args.residual_add else [],
             [("attention", kind) for kind in args.decode_attention],
@@ -284,6 +288,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                         rows_ = rows_of.get(vname, skinny.MAX_ROWS)
                         streamed = stream_of.get(vname, stream.MAX_ROWS)
                         gated = gated_of.get(vname, gated_default)
+                        rotated = qkv_of.get(vname, qkv_default)
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
@@ -292,6 +297,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                             rows_=rows_,
                             s_=streamed,
                             g_=gated,
+                            q_=rotated,
                             one_kernel=one_kernel,
                             tile=tile,
                         ):
@@ -300,6 +306,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                                 skinny.rows_up_to(rows_),
                                 stream.rows_up_to(s_),
                                 stream_gated.enabled(g_),
+                                stream_qkv.enabled(q_),
                                 trie_select.enabled(one_kernel),
                                 beam_decode.tile(*tile),
                             ):
@@ -508,6 +515,12 @@ def main() -> int:
         help="heads with --head-compile: also the compiled search with gate_up and SiLU·mul as "
         "one streamed GEMM (`models/stream_gated.py`; with --stream-rows, also each together); "
         "the other variants then without it",
+    )
+    ap.add_argument(
+        "--stream-qkv",
+        action="store_true",
+        help="heads with --head-compile: also the compiled search with qkv and the q/k rotation "
+        "as one streamed GEMM (`models/stream_qkv.py`; crossed with the other variants' kinds)",
     )
     ap.add_argument(
         "--trie-select",
