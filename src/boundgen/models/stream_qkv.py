@@ -12,8 +12,8 @@ columns of its tile — `BLOCK_H` pairs of one head — in two float32 accumulat
 (`models/stream_gated.py`'s shape), adds the bias, rounds to x's dtype as the plain GEMM's output
 is, and rotates in float32 by the rows' cos and sin, rounded once, as Inductor's compiled rotation
 does. v's heads are stored as computed. The columns are few (576 pairs for Qwen2.5-0.5B: 36
-programs of 16), so the rows are cut into tiles of at most `BLOCK_M` — every row tile reads the
-same weight tile, from L2 after the first — to spread the weight's read over the SMs.
+programs of 16), so the rows are cut into tiles of at most `MAX_BLOCK_M` — every row tile reads
+the same weight tile, from L2 after the first — to spread the weight's read over the SMs.
 
 Off until it wins W3 and W4 on the GPU (`ROTATED`, `BOUNDGEN_STREAM_QKV=1`); it takes the calls
 of at most `stream.MAX_ROWS` rows whose q and k rotate as one run of heads
@@ -40,9 +40,12 @@ if AVAILABLE:
 
 ROTATED = os.environ.get("BOUNDGEN_STREAM_QKV", "0") == "1"
 # Tile: pairs of columns a program (BLOCK_H of a head's first half and the same of its second;
-# at most D/2, dividing it), rows a program at most, K a step, warps, stages. Not yet swept
-# (`bench_weight_stream.py --shapes qkv`): 16 pairs, 16 rows → 36 × 4 programs at W3's 64 rows.
-BLOCK_H, MAX_BLOCK_M, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 16, 128, 4, 3
+# at most D/2, dividing it), rows a program at most, K a step, warps, stages. Swept on an H100
+# (`bench_weight_stream.py --shapes rotated`, thirty-ninth session, 36 tiles): 16 pairs, 32 rows,
+# 64 of K, 4 stages — 4.70 / 4.50 / 6.29 µs at 16 / 64 / 128 rows against cuBLAS + Inductor's
+# rotation's 5.22 / 5.74 / 6.54 (the first guess, 16 rows a program: 4.93 / 6.70 / 8.61; every
+# row tile reads the weight tile again, from L2, and 16-row tiles made that the cost).
+BLOCK_H, MAX_BLOCK_M, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 32, 64, 4, 4
 
 
 @contextlib.contextmanager
