@@ -13,7 +13,10 @@ Layouts (Qwen2.5-0.5B heads by default: 14 query heads, 2 KV heads, head_dim 64)
 - w1: plain sequences of 64–256 tokens (DESIGN §9 W1 lengths) packed to 8192 tokens, padded into
   `--w1-bucket` (default t8192-s256-m512);
 - w5: eight W2 requests merged, as the W5 server runs them at saturation (eight cascade groups,
-  14,848 tokens), padded into `--w5-bucket` (default: the largest of `common.w5_buckets`).
+  14,848 tokens), padded into `--w5-bucket` (default: the largest of `common.w5_buckets`);
+- w3: one 64-token prompt in W3's bucket `--w3-bucket` (default t64-s4-m64, `profile_w3.py`'s):
+  the kernel's default tile makes 16 programs there (64 rows: 9 tokens × 7 query heads each, 2
+  KV heads), 4 µs a layer in W3's graph on an H100 (BENCHMARKS.md, thirty-ninth session).
 
 Each variant is timed two ways with CUDA events: `graph_us`, one call captured in a CUDA graph and
 replayed (GPU time, what `aoti+graphs` buckets see), and `eager_us`, back-to-back eager calls
@@ -52,8 +55,14 @@ def layouts(args) -> dict:
         lens.append(len(p))
         total += len(p)
     w1 = pack([SequenceGroup([], [[1] * n for n in lens])])
+    w3 = pack([SequenceGroup([], [[3] * 64])])
     out = {"w2-unpadded": w2}
-    padded = (("w2", w2, args.w2_bucket), ("w1", w1, args.w1_bucket), ("w5", w5, args.w5_bucket))
+    padded = (
+        ("w2", w2, args.w2_bucket),
+        ("w1", w1, args.w1_bucket),
+        ("w5", w5, args.w5_bucket),
+        ("w3", w3, args.w3_bucket),
+    )
     for name, batch, spec in padded:
         bucket, padded = BucketSet([Bucket.parse(spec)]).pad(batch)
         if bucket is None:
@@ -100,6 +109,8 @@ def main() -> None:
     p.add_argument("--w2-bucket", default="t2048-s128-m512-g2-p320-q1728")
     p.add_argument("--w1-bucket", default="t8192-s256-m512")
     p.add_argument("--w5-bucket", default=w5_buckets(warmup=False)[-1])
+    p.add_argument("--w3-bucket", default="t64-s4-m64")
+    p.add_argument("--layouts", nargs="+", default=None, help="only these layouts (default: all)")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--sweep", action="store_true", help="also time other kernel tiles")
     p.add_argument("--out", default=None, help="write the JSON here too")
@@ -121,6 +132,8 @@ def main() -> None:
     }
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, batch in layouts(args).items():
+        if args.layouts and name not in args.layouts:
+            continue
         batch = batch.to("cuda")
         a, t = batch.attn, batch.num_tokens
         mk = lambda h: torch.randn(t, h, args.head_dim, device="cuda", generator=g, dtype=dtype)
@@ -139,8 +152,9 @@ def main() -> None:
         }
         if args.sweep:
             # BLOCK_M counts rows (tokens × the GQA group): 7 query heads a KV head make 64 rows
-            # 9 tokens, so a program re-reads its group's prefix for every 9 tokens
-            tiles = itertools.product((32, 64, 128, 256), (32, 64), (4, 8), (2, 3))
+            # 9 tokens, so a program re-reads its group's prefix for every 9 tokens; 16 rows (2
+            # tokens) spread a short prompt (W3) over more programs
+            tiles = itertools.product((16, 32, 64, 128, 256), (32, 64), (4, 8), (2, 3))
             for tile in tiles:
                 label = "segments m{} n{} w{} s{}".format(*tile)
                 variants[label] = lambda tile=tile: with_tile(segments, tile, ours, q, k, v, a)
