@@ -113,8 +113,9 @@ run_phase() {
     # (WEIGHT_STREAM_ARGS="--shapes gated --rows 16 64 128": gate_up with SiLU·mul as its epilogue, its tiles swept)
     weight-stream) phase weight-stream 300 python3 benchmarks/bench_weight_stream.py --out "$OUT/weight_stream.json" ${WEIGHT_STREAM_ARGS:-} ;;
     skinny) phase skinny 180 python3 benchmarks/bench_skinny.py --out "$OUT/skinny.json" --tiles-out "$OUT/skinny_tiles.json" ${SKINNY_ARGS:-} ;;
-    attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ;;
-    attention-sweep) phase attention-sweep 300 python3 benchmarks/bench_attention.py --sweep --iters 100 --out "$OUT/attention_sweep.json" ;;
+    # ATTENTION_ARGS: e.g. "--layouts w3" (W3's 64-token prompt alone)
+    attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ${ATTENTION_ARGS:-} ;;
+    attention-sweep) phase attention-sweep 300 python3 benchmarks/bench_attention.py --sweep --iters 100 --out "$OUT/attention_sweep.json" ${ATTENTION_ARGS:-} ;;
     fp8-kernels) phase fp8-kernels 240 python3 benchmarks/bench_fp8.py --sections env,gemm,quant,mlp --out "$OUT/fp8_kernels.json" ;;
     # issue 26: silu_mul_quant's tiles swept at W1's 8,192 rows (the fastest per K → triton_quant.TILES)
     fp8-tiles) phase fp8-tiles 120 python3 benchmarks/bench_fp8.py --sections env,quant --tokens 8192 --out "$OUT/fp8_tiles.json" ;;
