@@ -21,6 +21,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --gated 0,1                           # gate_up + SiLU·mul by cuBLAS + Inductor, or one GEMM
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --qkv 0,1                             # qkv + q/k rotation by cuBLAS + Inductor, or one GEMM
+    python benchmarks/profile_w3.py --backend compile+graphs --variants after \
+        --pdl 0,1                             # Inductor's kernels as programmatic dependent launch
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -60,6 +62,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch._inductor import config as inductor_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common
@@ -387,6 +390,14 @@ def main() -> int:
         "rotation by Inductor, or both as one streamed GEMM, `models/stream_qkv.py`), crossed "
         "with the other axes",
     )
+    ap.add_argument(
+        "--pdl",
+        default=None,
+        help="`torch._inductor.config.triton.enable_pdl` values to build side by side (0,1: "
+        "Inductor's kernels launched plainly or as programmatic dependent launches, Hopper; "
+        "the torch.compile backends only — AOTInductor's C++ launcher has no such launch), "
+        "crossed with the other axes",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     streams = args.stream.split(",") if args.stream else [None]
@@ -399,6 +410,11 @@ def main() -> int:
     qkvs = args.qkv.split(",") if args.qkv else [None]
     if any(q not in (None, "0", "1") for q in qkvs):
         ap.error("--qkv: 0 or 1")
+    pdls = args.pdl.split(",") if args.pdl else [None]
+    if any(p not in (None, "0", "1") for p in pdls):
+        ap.error("--pdl: 0 or 1")
+    if args.pdl and not hasattr(inductor_config.triton, "enable_pdl"):
+        ap.error(f"--pdl: torch {torch.__version__} has no inductor triton.enable_pdl")
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     path = ensure_model(args.preset, dtype=dtype, root=args.root)
@@ -422,7 +438,7 @@ def main() -> int:
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [
-        (v, r, a, k, st, gt, q)
+        (v, r, a, k, st, gt, q, p)
         for v in args.variants.split(",")
         for r in rotations
         for a in autotunes
@@ -430,11 +446,12 @@ def main() -> int:
         for st in streams
         for gt in gateds
         for q in qkvs
+        for p in pdls
     ]
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv in sides:
+        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, pdl in sides:
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
@@ -443,6 +460,7 @@ def main() -> int:
                 + ([f"stream{stream_rows}"] if stream_rows is not None else [])
                 + ([f"gated{gated}"] if gated is not None else [])
                 + ([f"qkv{qkv}"] if qkv is not None else [])
+                + ([f"pdl{pdl}"] if pdl is not None else [])
             )
             # each read when the runner traces, builds or captures the model
             if rotation is not None:
@@ -458,7 +476,10 @@ def main() -> int:
             if qkv is not None:
                 stream_qkv.ROTATED = qkv == "1"
             t0 = time.perf_counter()
-            runner = build_runner(base, args, staged=variant == "after")
+            # read as Inductor generates the bucket's kernels (and as they launch: in their code)
+            pdl_on = {"triton.enable_pdl": pdl == "1"} if pdl is not None else {}
+            with inductor_config.patch(pdl_on):
+                runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":
                 old_path(runner)
             print(f"[{name}] runner built in {time.perf_counter() - t0:.1f} s", flush=True)
