@@ -160,15 +160,16 @@ def _attention_kind(kind: str) -> str:
 
 
 def _inductor_pdl(on: bool):
-    """Inductor's kernels compiled as programmatic dependent launches (`on`) or as this
-    process's config has them; refused where this torch has no such switch."""
+    """Inductor's kernels compiled as programmatic dependent launches or not (`on`), set the
+    same way for every variant (each timed call pays the same patch); refused where this torch
+    has no such switch and `on` asks for it."""
     from torch._inductor import config
 
-    if not on:
-        return contextlib.nullcontext()
     if not hasattr(config.triton, "enable_pdl"):
-        raise SystemExit(f"--pdl: torch {torch.__version__} has no inductor triton.enable_pdl")
-    return config.patch({"triton.enable_pdl": True})
+        if on:
+            raise SystemExit(f"--pdl: torch {torch.__version__} has no inductor triton.enable_pdl")
+        return contextlib.nullcontext()
+    return config.patch({"triton.enable_pdl": on})
 
 
 def _one_of_each(kinds: list[list[tuple]]) -> list[tuple]:
