@@ -59,6 +59,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import torch._inductor.config
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common
@@ -161,13 +162,10 @@ def _attention_kind(kind: str) -> str:
 
 def _inductor_pdl(on: bool):
     """Inductor's kernels compiled as programmatic dependent launches or not (`on`), set the
-    same way for every variant (each timed call pays the same patch); refused where this torch
-    has no such switch and `on` asks for it."""
+    same way for every variant (each timed call pays the same patch)."""
     from torch._inductor import config
 
-    if not hasattr(config.triton, "enable_pdl"):
-        if on:
-            raise SystemExit(f"--pdl: torch {torch.__version__} has no inductor triton.enable_pdl")
+    if not hasattr(config.triton, "enable_pdl"):  # (--pdl was refused up front)
         return contextlib.nullcontext()
     return config.patch({"triton.enable_pdl": on})
 
@@ -583,6 +581,8 @@ def main() -> int:
         "--stacks-after", type=float, default=0, help="overlap: print every stack after S seconds"
     )
     args = ap.parse_args()
+    if args.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        ap.error(f"--pdl: torch {torch.__version__} has no inductor triton.enable_pdl")
     if args.heads_only:
         args.heads, args.hf, args.backends = True, [], args.backends[:1]
     if args.overlap_only:
