@@ -642,6 +642,11 @@ def test_search_buckets_equal_the_plain_search(engine_for):
     # two prompts and three pad to the same 4-prompt bucket; one prompt has its own
     assert {k[1] for k in sg.slots} == {1, 2, 4}
     assert sg.searches == 10  # every search above ran in a bucket
+    # each search's prompts went in as one copy of its slot's staged buffer (one more each
+    # when the slot was made: all padding), nothing allocated past the slot's two buffers
+    slots = sg.slots.values()
+    assert sum(s.inputs.copies for s in slots) == sg.searches + len(slots)
+    assert all(s.inputs.allocations == 2 for s in slots)
     assert sg.run([_ids(g, 100)], 3, 3) is None  # no bucket fits → the caller's plain path
 
 

@@ -121,6 +121,33 @@ def test_smaller_request_after_bigger_one_sees_no_stale_data(engine_for):
     torch.testing.assert_close(got, engine.runner.rows(small), rtol=1e-4, atol=1e-4)
 
 
+def test_a_beam_search_s_prompts_staged_with_their_lengths():
+    """`lengths=True` (a whole-search bucket's inputs, `compile.decode.SearchGraphs`): the
+    prompts' ids, positions, segments, last rows and lengths are what padding their packed
+    batch gives, a later smaller fill leaves nothing of an earlier one, and rows past a fill are
+    length 1 (a pad prompt's)."""
+    from boundgen.compile.buckets import BucketSet
+    from boundgen.text.packing import pack, pack_arrays
+
+    bucket = Bucket.parse("t64-s8-m64")
+    inputs = StagedInputs(bucket, "cpu", rows=4, lengths=True)
+    assert inputs.host_views["lengths"].shape == (4,) and inputs.allocations == 2
+    g = torch.Generator().manual_seed(3)
+    for lens in [(20, 30, 5, 9), (7, 1), (12,)]:
+        group = SequenceGroup([], [_ids(g, n) for n in lens])
+        k = inputs.fill(pack_arrays([group], share_prefix=False))
+        inputs.copy()
+        _, want = BucketSet([bucket]).pad(pack([group], share_prefix=False))
+        v = inputs.views
+        assert k == len(lens)
+        assert torch.equal(v["input_ids"], want.input_ids)
+        assert torch.equal(v["positions"], want.positions)
+        assert torch.equal(v["cu_seqlens"], want.attn.cu_seqlens)
+        assert torch.equal(v["rows"][:k], want.last_index)
+        assert v["lengths"].tolist() == list(lens) + [1] * (4 - k)
+    assert inputs.copies == 3 and inputs.allocations == 2
+
+
 def test_cascade_bucket_rows(engine_for):
     """A shared-prefix group staged into a cascade bucket (cu_prefix, cu_group_q in the buffer):
     eager's rows; then a plain request in the same bucket (its cascade part all padding)."""

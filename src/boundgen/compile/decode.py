@@ -37,10 +37,11 @@ from boundgen.attention.cascade import grouped_rows_attention, grouped_rows_part
 from boundgen.compile import residual
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
+from boundgen.compile.staging import StagedInputs
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
 from boundgen.models import skinny
 from boundgen.search import banned_tensor, search
-from boundgen.text.packing import SequenceGroup, pack
+from boundgen.text.packing import Footprint, SequenceGroup, pack, pack_arrays
 
 log = logging.getLogger("boundgen.compile")
 
@@ -306,12 +307,8 @@ BATCH_SIZES = batch_sizes(os.environ.get("BOUNDGEN_BEAM_BATCH_SIZES", "1,2,4,8,1
 class _Slot:
     """One bucket's persistent buffers, its graph (once captured) and its lock."""
 
-    ids: torch.Tensor  # [T] padded prompt tokens
-    positions: torch.Tensor  # [T]
-    cu_seqlens: torch.Tensor  # int32, the bucket's segments
+    inputs: StagedInputs  # the padded prompts' layout: one pinned host buffer, one device buffer
     max_seqlen: int
-    last_index: torch.Tensor  # [B] row of each prompt's last token
-    lengths: torch.Tensor  # [B]
     state: DecodeKV
     initial: tuple  # the beam KV's buffers in their initial order
     steps: torch.Tensor  # int64 [S]: step i's slot index, sliced [i:i+1] per step
@@ -407,9 +404,12 @@ class SearchGraphs:
     def _key_tail(self, width: int, steps: int, trie: Any, banned: tuple) -> tuple:
         return (width, steps, id(trie) if trie is not None else None, banned)
 
-    def _padded(self, prompts: list[list[int]], b_pad: int):
-        padded_prompts = list(prompts) + [[0]] * (b_pad - len(prompts))  # dummies, dropped
-        return pack([SequenceGroup([], padded_prompts)], share_prefix=False)
+    @staticmethod
+    def _padded(prompts: list[list[int]], b_pad: int) -> tuple[SequenceGroup, Footprint]:
+        """The prompts and `b_pad` - B one-token dummies (their results dropped) as one group of
+        plain sequences, and its packed footprint."""
+        group = SequenceGroup([], list(prompts) + [[0]] * (b_pad - len(prompts)))
+        return group, Footprint.of(group, share_prefix=False)
 
     def _run_new(self, prompts, width, steps, trie, banned):
         """Before sealing: the bucket this search pads to, made on first use."""
@@ -417,15 +417,18 @@ class SearchGraphs:
         b_pad = next((s for s in BATCH_SIZES if s >= b), None)
         if b_pad is None:
             return None
-        bucket, padded = self.buckets.pad(self._padded(prompts, b_pad))
+        group, fp = self._padded(prompts, b_pad)
+        bucket = self.buckets.smallest(fp)
         if bucket is None:
+            self.buckets.stats.misses += 1
             return None
+        self.buckets.count(bucket, fp.tokens)
         key = (bucket, b_pad, *self._key_tail(width, steps, trie, banned))
         slot = self._slot(key, bucket, b_pad, width, steps, banned)
         if slot is None or not slot.lock.acquire(blocking=False):
             return None
         try:
-            return self._replay(slot, padded, b, width, steps, trie)
+            return self._replay(slot, group, b, width, steps, trie)
         finally:
             slot.lock.release()
 
@@ -441,12 +444,12 @@ class SearchGraphs:
             )
         for key in made:
             bucket, b_pad = key[0], key[1]
-            chosen, padded = BucketSet([bucket]).pad(self._padded(prompts, b_pad))
-            if chosen is None:
+            group, fp = self._padded(prompts, b_pad)
+            if not bucket.fits(fp):
                 continue
             slot = self.slots[key]
             with slot.lock:  # sealed: waiting for the bucket beats the plain path by far
-                return self._replay(slot, padded, b, width, steps, trie)
+                return self._replay(slot, group, b, width, steps, trie)
         if b == 1:
             return None
         half = (b + 1) // 2
@@ -476,27 +479,29 @@ class SearchGraphs:
                 longest,
             )
 
-    def _replay(self, slot: _Slot, padded, b: int, width: int, steps: int, trie: Any):
-        """Copy the padded prompts into `slot` (locked by the caller), run or replay it.
+    def _replay(self, slot: _Slot, group: SequenceGroup, b: int, width: int, steps: int, trie):
+        """Stage the padded prompts into `slot` (locked by the caller), run or replay it.
 
-        The inputs go in as five copies from pageable memory, each of which waits for the work
-        queued on the stream before it. One copy from a pinned buffer made once per slot (which
-        lets the next search queue behind the running one) served `/v1/beam` no better on the
-        H200 (1,095.8 against 1,095.0 req/s at 64 connections on one machine, 998.7 against
-        1,005.3 on another, 2026-12-04), and pinning each search's prompts on the fly served
-        less (twelfth session)."""
+        The prompts' layout is written padded into the slot's pinned host buffer through numpy
+        views and goes in as one H2D copy (`StagedInputs`, as a small scoring request's; no
+        packed batch, no padded copy of it, no tensor a field). Until the thirty-ninth session
+        they went in as five copies from pageable memory, each waiting for the work queued
+        before it: one copy from a pinned buffer made once per slot had served `/v1/beam` no
+        better on the H200 (1,095.8 against 1,095.0 req/s at 64 connections on one machine,
+        998.7 against 1,005.3 on another, 2026-12-04), while pinning each search's prompts on
+        the fly served less (twelfth session); the host time before a search's replay is what
+        this cuts (BENCHMARKS.md, thirty-ninth session)."""
         slot.trie = trie
-        slot.ids.copy_(padded.input_ids, non_blocking=True)
-        slot.positions.copy_(padded.positions, non_blocking=True)
-        slot.cu_seqlens.copy_(padded.attn.cu_seqlens, non_blocking=True)
-        slot.last_index.copy_(padded.last_index, non_blocking=True)
-        slot.lengths.copy_(padded.seq_len, non_blocking=True)
+        slot.inputs.fill(pack_arrays([group], share_prefix=False))
+        slot.inputs.copy()
         if slot.graph is None:
             self._prepare(slot, width, steps, trie)
         else:
             slot.graph.replay()
         self.searches += 1
-        return slot.tokens[:b].clone(), slot.scores[:b].clone()
+        out = slot.tokens[:b].clone(), slot.scores[:b].clone()
+        slot.inputs.done()
+        return out
 
     def _slot(
         self, key: tuple, bucket: Bucket, b: int, w: int, steps: int, banned: tuple
@@ -508,24 +513,22 @@ class SearchGraphs:
             cfg, dev = self.model.config, self.device
             dtype = self.model.embed_tokens.weight.dtype
             n = b * w
-            example = bucket.example(dev)
+            inputs = StagedInputs(bucket, dev, rows=b, lengths=True)
+            inputs.fill(None)  # all padding: a valid layout until the first search's
+            inputs.copy()
             prompt = PromptKV(
                 cfg.num_layers, bucket.tokens, cfg.num_kv_heads, cfg.head_dim, dtype, dev
             )
             beams = BeamKV(cfg.num_layers, n, steps, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
             cu_beams = torch.arange(0, n + 1, w, dtype=torch.int32, device=dev)
-            cu_seqlens = example.attn.cu_seqlens.clone()
+            cu_seqlens = inputs.views["cu_seqlens"]
             # NOTE: the prompts are the first b segments of the padded layout (pad segments after)
             state = DecodeKV(
                 prompt, cu_seqlens[: b + 1], bucket.max_seqlen, beams, cu_beams, w, cfg.gqa
             )
             slot = _Slot(
-                ids=example.input_ids.clone(),
-                positions=example.positions.clone(),
-                cu_seqlens=cu_seqlens,
+                inputs=inputs,
                 max_seqlen=bucket.max_seqlen,
-                last_index=torch.zeros(b, dtype=torch.int64, device=dev),
-                lengths=torch.ones(b, dtype=torch.int64, device=dev),
                 state=state,
                 initial=(beams.kv, beams._spare),
                 steps=torch.arange(max(steps, 1), dtype=torch.int64, device=dev),
@@ -539,8 +542,9 @@ class SearchGraphs:
         """One search over the slot's buffers (what the graph captures)."""
         beams = slot.state.beams
         beams.kv, beams._spare = slot.initial
+        v = slot.inputs.views
         hidden = self.steps.prefill(
-            slot.ids, slot.positions, slot.cu_seqlens, slot.max_seqlen, slot.state.prompt
+            v["input_ids"], v["positions"], v["cu_seqlens"], slot.max_seqlen, slot.state.prompt
         )
 
         def step_hidden(i: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -548,8 +552,8 @@ class SearchGraphs:
 
         session = DecodeSession(
             slot.state,
-            slot.lengths,
-            hidden.index_select(0, slot.last_index),
+            v["lengths"],
+            hidden.index_select(0, v["rows"]),
             step_hidden,
             self.model.logits,
         )

@@ -15,7 +15,8 @@ Buffer layout (byte offsets, each field on a 16-byte boundary: AOTInductor kerne
 inputs and copy a misaligned one on every call):
 
     [ input_ids i64 [T] | positions i64 [T] | rows i64 [R] | cu_seqlens i32 [S+1]
-      | cu_prefix i32 [G+1] | cu_group_q i32 [G+1] ]          (the last two in cascade buckets)
+      | cu_prefix i32 [G+1] | cu_group_q i32 [G+1]            (the last two in cascade buckets)
+      | lengths i64 [R] ]                                     (with `lengths`: a beam search's)
 
 Every field but `rows` is written whole on each call (a padded batch has the bucket's exact
 shapes), so nothing of an earlier, larger request survives; `rows` beyond the request's k rows is
@@ -43,7 +44,7 @@ from boundgen.text.packing import HostLayout, PackedBatch
 _ALIGN = 16
 
 
-def _fields(bucket: Bucket, rows: int) -> list[tuple[str, torch.dtype, int]]:
+def _fields(bucket: Bucket, rows: int, lengths: bool) -> list[tuple[str, torch.dtype, int]]:
     out = [
         ("input_ids", torch.int64, bucket.tokens),
         ("positions", torch.int64, bucket.tokens),
@@ -53,6 +54,8 @@ def _fields(bucket: Bucket, rows: int) -> list[tuple[str, torch.dtype, int]]:
     if bucket.cascade:
         out += [("cu_prefix", torch.int32, bucket.groups + 1)]
         out += [("cu_group_q", torch.int32, bucket.groups + 1)]
+    if lengths:
+        out += [("lengths", torch.int64, rows)]
     return out
 
 
@@ -60,15 +63,23 @@ class StagedInputs:
     """A bucket's per-call inputs: one host buffer (pinned when CUDA is present), one buffer on
     `device` (a second plain buffer on CPU, so the same copy runs there), typed views of both, and
     the static device `PackedBatch` the bucket's graph reads. `capacity`: most output rows a call
-    may ask for (default: the bucket's segments)."""
+    may ask for (default: the bucket's segments). `lengths`: also each output row's sequence
+    length (a whole-search bucket's prompts, `compile.decode.SearchGraphs`), 1 past the rows
+    written."""
 
-    def __init__(self, bucket: Bucket, device: torch.device | str, rows: int | None = None) -> None:
+    def __init__(
+        self,
+        bucket: Bucket,
+        device: torch.device | str,
+        rows: int | None = None,
+        lengths: bool = False,
+    ) -> None:
         self.bucket = bucket
         self.device = torch.device(device)
         self.capacity = rows or bucket.segments
         self.layout: dict[str, tuple[torch.dtype, int, int]] = {}  # name → (dtype, byte, numel)
         off = 0
-        for name, dtype, n in _fields(bucket, self.capacity):
+        for name, dtype, n in _fields(bucket, self.capacity, lengths):
             self.layout[name] = (dtype, off, n)
             off += -(-(n * dtype.itemsize) // _ALIGN) * _ALIGN
         self.nbytes = off
@@ -129,6 +140,11 @@ class StagedInputs:
             self._copied.synchronize()
         write_padded(b, lay, self._np)
         self._np["rows"][k:] = 0
+        lengths = self._np.get("lengths")
+        if lengths is not None:
+            if k:
+                lengths[:k] = lay.length
+            lengths[k:] = 1
         self.fills += 1
         return k
 
