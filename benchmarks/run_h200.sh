@@ -25,6 +25,7 @@
 #   bash benchmarks/run_h200.sh w5-compile w5-profile           # issue 25 item 4: W5's merged forwards, per kernel
 #   bash benchmarks/run_h200.sh fp8-tiles                       # issue 26: silu_mul_quant's tiles swept
 #   SKINNY_ARGS=--sweep bash benchmarks/run_h200.sh skinny:300  # few-row fused linear kernels vs cuBLAS + Inductor
+#   bash benchmarks/run_h200.sh search-staging                  # issue 24: a search's host staging, before/after (~15 s)
 #   bash benchmarks/run_h200.sh graph-launch                    # issue 24: one big CUDA graph's launch vs a chain (answered: no wait)
 #   BACKENDS_ARGS="--attention varlen --workloads w2 w1" bash benchmarks/run_h200.sh backends   # A/B
 # Wheels for the serving phases: `bash benchmarks/fetch_device_wheels.sh --with-wrk [--with-ray]` here first.
@@ -112,6 +113,8 @@ run_phase() {
     # issue 24 item 2: a weight-streaming GEMM (swap AB, split K into fp32 partials, TMA loads) against cuBLAS at 16/64 rows
     # (WEIGHT_STREAM_ARGS="--shapes gated --rows 16 64 128": gate_up with SiLU·mul as its epilogue, its tiles swept)
     weight-stream) phase weight-stream 300 python3 benchmarks/bench_weight_stream.py --out "$OUT/weight_stream.json" ${WEIGHT_STREAM_ARGS:-} ;;
+    # issue 24: a search's prompts into its slot, staged (one pinned buffer, one copy) against packed + padded + five copies
+    search-staging) phase search-staging 60 python3 benchmarks/bench_search_staging.py --out "$OUT/search_staging.json" ;;
     skinny) phase skinny 180 python3 benchmarks/bench_skinny.py --out "$OUT/skinny.json" --tiles-out "$OUT/skinny_tiles.json" ${SKINNY_ARGS:-} ;;
     # ATTENTION_ARGS: e.g. "--layouts w3" (W3's 64-token prompt alone)
     attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ${ATTENTION_ARGS:-} ;;
