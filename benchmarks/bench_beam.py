@@ -24,7 +24,8 @@ for each N given (`models/stream.py`, `stream.MAX_ROWS` N), `--stream-gated` the
 and SiLU·mul as one streamed GEMM (`models/stream_gated.py`; the other variants then take cuBLAS
 and Inductor's SiLU·mul: the GEMM is the default), `--stream-qkv` the one with qkv and the q/k
 rotation as one streamed GEMM (`models/stream_qkv.py`), `--pdl` the one with Inductor's kernels
-as programmatic dependent launches (Hopper: a kernel starts as the one before it ends), and
+as programmatic dependent launches (Hopper: a kernel starts as the one before it ends),
+`--copy-in-graph` the one whose graph copies its staged prompts in itself, and
 `--trie-select` the one with each trie step's selection in one kernel (`trie_select`, the other
 variants then take the ATen step: the kernel is the default); `--residual-add` the one with the
 residual adds out of `addmm` (`compile.residual`, the others then keep them in `addmm`, whatever
@@ -67,7 +68,7 @@ import common
 from boundgen import Engine, Trie, trie_select
 from boundgen.attention import beam_decode
 from boundgen.checkpoints import ensure_model
-from boundgen.compile import residual
+from boundgen.compile import residual, staging
 from boundgen.compile.decode import SearchGraphs, plain_session
 from boundgen.logsumexp import row_logsumexp
 from boundgen.models import skinny, stream, stream_gated, stream_qkv
@@ -227,6 +228,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             [("gated", True)] if args.stream_gated else [],
             [("qkv", True)] if args.stream_qkv else [],
             [("pdl", True)] if args.pdl else [],
+            [("copy", True)] if args.copy_in_graph else [],
             [("select", True)] if args.trie_select else [],
             [("add", True)] if args.residual_add else [],
             [("attention", kind) for kind in args.decode_attention],
@@ -250,6 +252,8 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             with (
                 mock.patch.object(residual, "MODE", mode),
                 mock.patch.object(beam_decode, "MODE", kind),
+                # read as the searches are set up: whether their graphs copy the prompts in
+                mock.patch.object(staging, "COPY_IN_GRAPH", "copy" in opts),
             ):
                 variants[name] = SearchGraphs(model, dev, backend, compile_layers=True)
             for n, v in combo:
@@ -548,6 +552,13 @@ def main() -> int:
         "launched as programmatic dependent launches (`torch._inductor.config.triton.enable_pdl`, "
         "TORCHINDUCTOR_ENABLE_PDL: each kernel starts while the one before it ends and waits on "
         "it before its first dependent load; Hopper and later)",
+    )
+    ap.add_argument(
+        "--copy-in-graph",
+        action="store_true",
+        help="heads with --head-compile: also the compiled search whose graph copies the staged "
+        "prompts in as its first node (`staging.COPY_IN_GRAPH`; the others copy them before "
+        "the replay)",
     )
     ap.add_argument(
         "--trie-select",

@@ -23,6 +23,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --qkv 0,1                             # qkv + q/k rotation by cuBLAS + Inductor, or one GEMM
     python benchmarks/profile_w3.py --backend compile+graphs --variants after \
         --pdl 0,1                             # Inductor's kernels as programmatic dependent launch
+    python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
+        --copy call,graph                     # staged inputs copied by the call or by the graph
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -69,7 +71,7 @@ import common
 
 from boundgen import Engine
 from boundgen.checkpoints import ensure_model
-from boundgen.compile import bucket_autotune
+from boundgen.compile import bucket_autotune, staging
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
@@ -245,11 +247,16 @@ def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) ->
             t.append(time.perf_counter())
             k = staged.inputs.fill(lay)
             t.append(time.perf_counter())
-            staged.inputs.copy()
+            if staged.copies_in_graph:  # the graph's first node copies the buffer in
+                staged.inputs.order()
+            else:
+                staged.inputs.copy()
             t.append(time.perf_counter())
             e0.record()
             staged.graph.graph.replay()
             e1.record()
+            if staged.copies_in_graph:
+                staged.inputs.copied()
             t.append(time.perf_counter())
             rows = staged.graph.output[1][:k].clone()
             staged.inputs.done()
@@ -391,6 +398,13 @@ def main() -> int:
         "with the other axes",
     )
     ap.add_argument(
+        "--copy",
+        default=None,
+        help="`staging.COPY_IN_GRAPH` values to build side by side (call,graph: each call copies "
+        "the staged inputs in before the replay, or the bucket's graph copies them in as its "
+        "first node), crossed with the other axes",
+    )
+    ap.add_argument(
         "--pdl",
         default=None,
         help="`torch._inductor.config.triton.enable_pdl` values to build side by side (0,1: "
@@ -410,6 +424,9 @@ def main() -> int:
     qkvs = args.qkv.split(",") if args.qkv else [None]
     if any(q not in (None, "0", "1") for q in qkvs):
         ap.error("--qkv: 0 or 1")
+    copies = args.copy.split(",") if args.copy else [None]
+    if any(c not in (None, "call", "graph") for c in copies):
+        ap.error("--copy: call or graph")
     pdls = args.pdl.split(",") if args.pdl else [None]
     if any(p not in (None, "0", "1") for p in pdls):
         ap.error("--pdl: 0 or 1")
@@ -438,7 +455,7 @@ def main() -> int:
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [
-        (v, r, a, k, st, gt, q, p)
+        (v, r, a, k, st, gt, q, p, c)
         for v in args.variants.split(",")
         for r in rotations
         for a in autotunes
@@ -447,11 +464,12 @@ def main() -> int:
         for gt in gateds
         for q in qkvs
         for p in pdls
+        for c in copies
     ]
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, pdl in sides:
+        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, pdl, copy in sides:
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
@@ -461,6 +479,7 @@ def main() -> int:
                 + ([f"gated{gated}"] if gated is not None else [])
                 + ([f"qkv{qkv}"] if qkv is not None else [])
                 + ([f"pdl{pdl}"] if pdl is not None else [])
+                + ([f"copy-{copy}"] if copy is not None else [])
             )
             # each read when the runner traces, builds or captures the model
             if rotation is not None:
@@ -475,6 +494,8 @@ def main() -> int:
                 stream_gated.GATED = gated == "1"
             if qkv is not None:
                 stream_qkv.ROTATED = qkv == "1"
+            if copy is not None:
+                staging.COPY_IN_GRAPH = copy == "graph"
             t0 = time.perf_counter()
             # read as Inductor generates the bucket's kernels (and as they launch: in their code)
             pdl_on = {"triton.enable_pdl": pdl == "1"} if pdl is not None else {}

@@ -621,12 +621,16 @@ def _cpu_search_buckets(engine, buckets: list[str]):
     )
 
 
-def test_search_buckets_equal_the_plain_search(engine_for):
+@pytest.mark.parametrize("copy_in_graph", [False, True])
+def test_search_buckets_equal_the_plain_search(engine_for, copy_in_graph, monkeypatch):
     """The whole-search buckets (the CUDA-graph layout, here run without graphs) give the plain
     search's results, across requests that reuse a bucket's buffers, with and without a trie, with
-    padded prompt counts."""
+    padded prompt counts; `copy_in_graph`: the search itself copies its staged prompts in (what
+    its graph's first node does, `staging.COPY_IN_GRAPH`)."""
+    from boundgen.compile import staging
     from boundgen.workloads.trie import Trie
 
+    monkeypatch.setattr(staging, "COPY_IN_GRAPH", copy_in_graph)
     engine = engine_for("qwen2")
     sg = _cpu_search_buckets(engine, ["t32-s8", "t64-s8"])
     trie = Trie.from_sequences([[5, 6, 7], [5, 6, 8], [5, 9, 10], [11, 12, 13]])

@@ -188,19 +188,31 @@ def test_search_graphs_with_the_streaming_residual_gemm_match_plain_search(
     )
 
 
-@pytest.mark.parametrize("attention", ["flash", "fused"])
-@pytest.mark.parametrize("compile_layers", [False, True])
+@pytest.mark.parametrize(
+    ("compile_layers", "attention", "copy_in_graph"),
+    [
+        (False, "flash", False),
+        (False, "fused", False),
+        (True, "flash", False),
+        (True, "fused", False),
+        (False, "flash", True),
+        (True, "fused", True),
+    ],
+)
 def test_search_graphs_match_plain_search(
-    cuda_engine, float32_truth, compile_layers, attention, monkeypatch
+    cuda_engine, float32_truth, compile_layers, attention, copy_in_graph, monkeypatch
 ):
     """A whole search replayed from one CUDA graph (prefill, steps, selection) = the plain search,
     across replays that reuse the bucket, with and without a trie: exactly with the eager layers
     and flash, else as good a search (`assert_as_good_as_plain`). `attention`: a decode step's
     attention as flash + the own slots or as one kernel (`attention/beam_decode.py`). o_proj and
-    `down` on cuBLAS as in the plain search (streamed: the test above)."""
+    `down` on cuBLAS as in the plain search (streamed: the test above). `copy_in_graph`: the
+    graph copies the staged prompts in as its first node (`staging.COPY_IN_GRAPH`)."""
+    from boundgen.compile import staging
     from boundgen.models import stream
 
     monkeypatch.setattr(stream, "MAX_ROWS", 0)
+    monkeypatch.setattr(staging, "COPY_IN_GRAPH", copy_in_graph)
     _search_graphs_match(
         cuda_engine, float32_truth, compile_layers, attention, monkeypatch, exact_eager=True
     )

@@ -24,10 +24,13 @@ def _ids(gen, n, vocab=500):
     return torch.randint(1, vocab, (n,), generator=gen).tolist()
 
 
-def _staged_runner(engine, specs=(W3_BUCKET, CASCADE), rows=None) -> ModelRunner:
+def _staged_runner(engine, specs=(W3_BUCKET, CASCADE), rows=None, copy_in_graph=None):
     buckets = parse_buckets(list(specs))
     eager = _eager_fns(engine.model, buckets)
-    fns = {b: StagedBucket(eager[b], b, engine.device, rows=rows) for b in buckets}
+    fns = {
+        b: StagedBucket(eager[b], b, engine.device, rows=rows, copy_in_graph=copy_in_graph)
+        for b in buckets
+    }
     return ModelRunner(engine.model, engine.device, CompiledForwards("staged", buckets, fns, False))
 
 
@@ -212,16 +215,51 @@ def test_engine_score_through_staged_buckets(engine_for):
         staged_engine.close()
 
 
+def test_inputs_copied_in_by_the_bucket_s_own_body(engine_for):
+    """`copy_in_graph` (the graph's first node copies the host buffer in; without a graph, the
+    body on each call): the last-token path fills and replays with no copy call of its own, the
+    general path stages its device batch into the host buffer first — the same rows as eager,
+    one copy counted a call either way, the device buffer the host buffer's after each."""
+    engine = engine_for("qwen2")
+    g = torch.Generator().manual_seed(12)
+    runner = _staged_runner(engine, rows=2, copy_in_graph=True)
+    staged = _staged(runner, W3_BUCKET)
+    assert staged.copies_in_graph
+    assert not _staged(_staged_runner(engine), W3_BUCKET).copies_in_graph  # CPU: no graph
+    copies = staged.inputs.copies
+    requests = [[SequenceGroup([], [_ids(g, 40)])], [SequenceGroup([], [_ids(g, 9), _ids(g, 3)])]]
+    for groups in requests * 2:
+        torch.testing.assert_close(
+            runner.rows(groups), engine.runner.rows(groups), rtol=1e-4, atol=1e-4
+        )
+        assert torch.equal(staged.inputs.staged, staged.inputs.host)
+    assert staged.inputs.copies == copies + 4
+    # three rows: past the gather's two, so the bucket's call with a device batch
+    groups = [SequenceGroup([], [_ids(g, 7), _ids(g, 11), _ids(g, 5)])]
+    for pooling in ("mean", "last"):
+        torch.testing.assert_close(
+            runner.rows(groups, pooling), engine.runner.rows(groups, pooling), rtol=1e-4, atol=1e-4
+        )
+    assert staged.inputs.copies == copies + 6
+    host = staged.inputs.host_views
+    assert host["input_ids"][:23].tolist() == [t for s in groups[0].suffixes for t in s]
+    assert host["cu_seqlens"][:4].tolist() == [0, 7, 18, 23]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_staged_graphs_match_the_older_graphs(tiny_model):
+@pytest.mark.parametrize("copy_in_graph", [False, True])
+def test_cuda_staged_graphs_match_the_older_graphs(tiny_model, copy_in_graph, monkeypatch):
     """On CUDA (eager+graphs, bf16, varlen): the staged graphs give exactly the rows of the older
     graphs, a small request after a big one included, from one stream or two; one H2D copy per
-    call from a pinned buffer, one device allocation (the rows handed out), and scores equal."""
+    call from a pinned buffer (made by the call, or by the graph's own first node with
+    `copy_in_graph`), one device allocation (the rows handed out), and scores equal."""
     from boundgen import Engine
+    from boundgen.compile import staging
     from boundgen.compile.backends import CompileOptions
     from boundgen.runner import make_runner
 
+    monkeypatch.setattr(staging, "COPY_IN_GRAPH", copy_in_graph)
     base = Engine.from_pretrained(
         tiny_model("qwen2"), device="cuda", dtype="bfloat16", attention="varlen", backend="eager"
     )
@@ -233,6 +271,7 @@ def test_cuda_staged_graphs_match_the_older_graphs(tiny_model):
     new, old = runner(True), runner(False)
     staged = _staged(new, W3_BUCKET)
     assert staged.graph is not None and staged.inputs.host.is_pinned()
+    assert staged.copies_in_graph is copy_in_graph
     g = torch.Generator().manual_seed(11)
     requests = [
         [SequenceGroup([], [_ids(g, 20), _ids(g, 20), _ids(g, 24)])],

@@ -34,7 +34,7 @@ import torch
 
 from boundgen.attention import beam_decode, own_slots
 from boundgen.attention.cascade import grouped_rows_attention, grouped_rows_partial, merge_partial
-from boundgen.compile import residual
+from boundgen.compile import residual, staging
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
 from boundgen.compile.staging import StagedInputs
@@ -351,6 +351,9 @@ class SearchGraphs:
         self.buckets = BucketSet(plain)
         self.steps = ModelSteps(model, backend, compile_layers)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        # the search's graph copies its prompts in as its first node (`staging.COPY_IN_GRAPH`;
+        # without graphs each search does, the same order of work)
+        self.copies_in_graph = staging.COPY_IN_GRAPH
         self.max_slots = max_slots
         self.slots: dict[tuple, _Slot] = {}
         self.compile_layers = compile_layers
@@ -493,11 +496,16 @@ class SearchGraphs:
         this cuts (BENCHMARKS.md, thirty-ninth session)."""
         slot.trie = trie
         slot.inputs.fill(pack_arrays([group], share_prefix=False))
-        slot.inputs.copy()
+        if self.copies_in_graph:  # (the search copies them in: `_search`)
+            slot.inputs.order()
+        else:
+            slot.inputs.copy()
         if slot.graph is None:
             self._prepare(slot, width, steps, trie)
         else:
             slot.graph.replay()
+        if self.copies_in_graph:
+            slot.inputs.copied()
         self.searches += 1
         out = slot.tokens[:b].clone(), slot.scores[:b].clone()
         slot.inputs.done()
@@ -540,6 +548,8 @@ class SearchGraphs:
 
     def _search(self, slot: _Slot, width: int, steps: int, trie: Any) -> None:
         """One search over the slot's buffers (what the graph captures)."""
+        if self.copies_in_graph:
+            slot.inputs.copy_in()
         beams = slot.state.beams
         beams.kv, beams._spare = slot.initial
         v = slot.inputs.views

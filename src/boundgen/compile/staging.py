@@ -11,6 +11,12 @@ with one non-blocking H2D into the device buffer, the graph is replayed (the for
 `hidden[rows]` into its static output), and the k wanted rows are copied out once. No pooled buffer,
 no per-call event object, no per-input device-to-device copy.
 
+With `BOUNDGEN_STAGED_COPY=graph` (`COPY_IN_GRAPH`; off until measured) the captured graph copies
+its inputs in itself — an H2D memcpy node from the pinned host buffer, its first node — so a call
+fills the host buffer and replays, and the copy call's host time (37 µs of W3's 1.08 ms call on
+an H100's host, BENCHMARKS.md thirty-ninth session) leaves the path before the replay. A call with a device batch of its own (`__call__`)
+then stages it into the host buffer by a device-to-host copy queued before the replay (no wait).
+
 Buffer layout (byte offsets, each field on a 16-byte boundary: AOTInductor kernels assume aligned
 inputs and copy a misaligned one on every call):
 
@@ -31,6 +37,7 @@ replay, so the device buffer is never rewritten under a replay that still reads 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Callable
 
@@ -42,6 +49,9 @@ from boundgen.compile.graphs import StaticGraph
 from boundgen.text.packing import HostLayout, PackedBatch
 
 _ALIGN = 16
+# Whether a captured bucket copies its inputs in inside its graph ("graph") or each call copies
+# them before the replay ("call"): read when a bucket is captured
+COPY_IN_GRAPH = os.environ.get("BOUNDGEN_STAGED_COPY", "call") == "graph"
 
 
 def _fields(bucket: Bucket, rows: int, lengths: bool) -> list[tuple[str, torch.dtype, int]]:
@@ -151,10 +161,35 @@ class StagedInputs:
     def copy(self) -> None:
         """The one host → device copy of this call (non-blocking: the host buffer is pinned)."""
         self._order()
+        self.copy_in()
+        self.copied()
+
+    def copy_in(self) -> None:
+        """The copy alone (what a graph that copies its inputs in captures: no event, no count)."""
         self.staged.copy_(self.host, non_blocking=True)
+
+    def copied(self) -> None:
+        """After the work that copies the host buffer out (`copy`, or a replay whose graph
+        copies it in): count it, and mark where a later fill may rewrite the buffer."""
         self.copies += 1
         if self._copied is not None:
             self._copied.record()
+
+    def stage_on_device(self, batch: PackedBatch) -> None:
+        """A device batch of this layout into the host buffer, by device-to-host copies queued on
+        the stream (no wait: they run before the replay that copies the buffer back in), for a
+        graph that copies its inputs in."""
+        self._order()
+        if self._copied is not None and not self._copied.query():
+            self.waits += 1
+            self._copied.synchronize()
+        h, a = self.host_views, batch.attn
+        h["input_ids"].copy_(batch.input_ids, non_blocking=True)
+        h["positions"].copy_(batch.positions, non_blocking=True)
+        h["cu_seqlens"].copy_(a.cu_seqlens, non_blocking=True)
+        if self.bucket.cascade:
+            h["cu_prefix"].copy_(a.cu_prefix, non_blocking=True)
+            h["cu_group_q"].copy_(a.cu_group_q, non_blocking=True)
 
     def assign(self, batch: PackedBatch) -> None:
         """Copy a device batch of this layout into the static views (`StagedBucket.__call__`: a
@@ -167,6 +202,10 @@ class StagedInputs:
         if self.bucket.cascade:
             v["cu_prefix"].copy_(a.cu_prefix, non_blocking=True)
             v["cu_group_q"].copy_(a.cu_group_q, non_blocking=True)
+
+    def order(self) -> None:
+        """`_order`, for a caller whose graph copies the inputs in (no `copy` before it)."""
+        self._order()
 
     def _order(self) -> None:
         """On another stream than the previous call: wait (on the device) for that call's replay
@@ -197,7 +236,8 @@ class StagedBucket:
     """A bucket's packed forward `fn(batch) -> hidden [T, H]` over `StagedInputs`' device views,
     with the gather of the wanted rows (`hidden[rows]` into a static [capacity, H] output); on
     CUDA captured as one CUDA graph (`capture`), elsewhere called as is (CPU tests: same buffers,
-    same copies, no graph)."""
+    same copies, no graph). `copy_in_graph` (default: `COPY_IN_GRAPH` where captured): the
+    graph copies the host buffer in itself (without a graph, the body on each call)."""
 
     def __init__(
         self,
@@ -207,6 +247,7 @@ class StagedBucket:
         pool=None,
         capture: bool | None = None,
         rows: int | None = None,
+        copy_in_graph: bool | None = None,
     ) -> None:
         self.bucket = bucket
         self.inputs = StagedInputs(bucket, device, rows)
@@ -216,11 +257,18 @@ class StagedBucket:
         self.lock = threading.Lock()
         self.replays = 0
         capture = self.inputs.device.type == "cuda" if capture is None else capture
+        # asked for explicitly it holds without a graph too: the body copies on each call, the
+        # graph's order of work without one (what the CPU tests run)
+        self.copies_in_graph = (
+            copy_in_graph if copy_in_graph is not None else capture and COPY_IN_GRAPH
+        )
         self.graph = None
         if capture:
             self.graph = StaticGraph(lambda: self._body(), [], pool=pool)
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.copies_in_graph:  # the graph's first node: the host buffer in
+            self.inputs.copy_in()
         hidden = self._fn(self.inputs.batch)
         return hidden, hidden.index_select(0, self.inputs.rows)
 
@@ -237,8 +285,13 @@ class StagedBucket:
         output (a tensor of the caller's, valid after the next call)."""
         with self.lock:
             k = self.inputs.fill(lay)
-            self.inputs.copy()
+            if self.copies_in_graph:
+                self.inputs.order()
+            else:
+                self.inputs.copy()
             _, out = self._replay()
+            if self.copies_in_graph:
+                self.inputs.copied()
             out = out[:k].clone()
             self.inputs.done()
             return out
@@ -247,7 +300,12 @@ class StagedBucket:
         """`GraphedBucket`'s call: a device batch of this layout → hidden [T, H] (the graph's static
         output on CUDA: valid until the next call; hold `lock` to share)."""
         with self.lock:
-            self.inputs.assign(batch)
+            if self.copies_in_graph:
+                self.inputs.stage_on_device(batch)
+            else:
+                self.inputs.assign(batch)
             hidden, _ = self._replay()
+            if self.copies_in_graph:
+                self.inputs.copied()
             self.inputs.done()
             return hidden
