@@ -23,13 +23,11 @@ kernels (`skinny.MAX_ROWS` N), `--stream-rows N…` one with o_proj and down str
 for each N given (`models/stream.py`, `stream.MAX_ROWS` N), `--stream-gated` the one with gate_up
 and SiLU·mul as one streamed GEMM (`models/stream_gated.py`; the other variants then take cuBLAS
 and Inductor's SiLU·mul: the GEMM is the default), `--stream-qkv` the one with qkv and the q/k
-rotation as one streamed GEMM (`models/stream_qkv.py`), `--pdl` the one with Inductor's kernels
-as programmatic dependent launches (Hopper: a kernel starts as the one before it ends),
-`--copy-in-graph` the one whose graph copies its staged prompts in itself, and
-`--trie-select` the one with each trie step's selection in one kernel (`trie_select`, the other
-variants then take the ATen step: the kernel is the default); `--residual-add` the one with the
-residual adds out of `addmm` (`compile.residual`, the others then keep them in `addmm`, whatever
-`BOUNDGEN_RESIDUAL` says),
+rotation as one streamed GEMM (`models/stream_qkv.py`), `--copy-in-graph` the one whose graph
+copies its staged prompts in itself, and `--trie-select` the one with each trie step's selection
+in one kernel (`trie_select`, the other variants then take the ATen step: the kernel is the
+default); `--residual-add` the one with the residual adds out of `addmm` (`compile.residual`, the
+others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
 `--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
 attention + the own-slot kernel) or `fusedN[wW]` (one kernel, `attention/beam_decode.py`, N rows a
 program — 16, the default, 32, 64 or 128 — on W warps, by default `beam_decode.DEFAULT_WARPS`);
@@ -49,7 +47,6 @@ once.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
 import itertools
 import os
@@ -60,7 +57,6 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-import torch._inductor.config
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common
@@ -161,16 +157,6 @@ def _attention_kind(kind: str) -> str:
     return kind
 
 
-def _inductor_pdl(on: bool):
-    """Inductor's kernels compiled as programmatic dependent launches or not (`on`), set the
-    same way for every variant (each timed call pays the same patch)."""
-    from torch._inductor import config
-
-    if not hasattr(config.triton, "enable_pdl"):  # (--pdl was refused up front)
-        return contextlib.nullcontext()
-    return config.patch({"triton.enable_pdl": on})
-
-
 def _one_of_each(kinds: list[list[tuple]]) -> list[tuple]:
     """Every combination of at most one option of each kind (an empty kind: not asked for), the
     empty one left out: single options first, then pairs, … ."""
@@ -193,14 +179,12 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     # whether a trie step is one kernel, the one-kernel decode attention's tile; the others run
     # the process's defaults
     rows_of, select_of, tile_of, stream_of, gated_of, qkv_of = {}, {}, {}, {}, {}, {}
-    pdl_of = {}
     of_kind = {
         "skinny": rows_of,
         "select": select_of,
         "stream": stream_of,
         "gated": gated_of,
         "qkv": qkv_of,
-        "pdl": pdl_of,
     }
     # with --trie-select the other variants take the ATen step (the A/B's other side)
     select_default = False if args.trie_select else trie_select.ENABLED
@@ -227,7 +211,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             [("stream", v) for v in args.stream_rows],
             [("gated", True)] if args.stream_gated else [],
             [("qkv", True)] if args.stream_qkv else [],
-            [("pdl", True)] if args.pdl else [],
             [("copy", True)] if args.copy_in_graph else [],
             [("select", True)] if args.trie_select else [],
             [("add", True)] if args.residual_add else [],
@@ -309,7 +292,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                         streamed = stream_of.get(vname, stream.MAX_ROWS)
                         gated = gated_of.get(vname, gated_default)
                         rotated = qkv_of.get(vname, qkv_default)
-                        pdl = pdl_of.get(vname, False)
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
@@ -319,7 +301,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                             s_=streamed,
                             g_=gated,
                             q_=rotated,
-                            pdl=pdl,
                             one_kernel=one_kernel,
                             tile=tile,
                         ):
@@ -329,7 +310,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                                 stream.rows_up_to(s_),
                                 stream_gated.enabled(g_),
                                 stream_qkv.enabled(q_),
-                                _inductor_pdl(pdl),
                                 trie_select.enabled(one_kernel),
                                 beam_decode.tile(*tile),
                             ):
@@ -546,14 +526,6 @@ def main() -> int:
         "as one streamed GEMM (`models/stream_qkv.py`; crossed with the other variants' kinds)",
     )
     ap.add_argument(
-        "--pdl",
-        action="store_true",
-        help="heads with --head-compile: also the compiled search with Inductor's kernels "
-        "launched as programmatic dependent launches (`torch._inductor.config.triton.enable_pdl`, "
-        "TORCHINDUCTOR_ENABLE_PDL: each kernel starts while the one before it ends and waits on "
-        "it before its first dependent load; Hopper and later)",
-    )
-    ap.add_argument(
         "--copy-in-graph",
         action="store_true",
         help="heads with --head-compile: also the compiled search whose graph copies the staged "
@@ -592,8 +564,6 @@ def main() -> int:
         "--stacks-after", type=float, default=0, help="overlap: print every stack after S seconds"
     )
     args = ap.parse_args()
-    if args.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
-        ap.error(f"--pdl: torch {torch.__version__} has no inductor triton.enable_pdl")
     if args.heads_only:
         args.heads, args.hf, args.backends = True, [], args.backends[:1]
     if args.overlap_only:

@@ -21,8 +21,6 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --gated 0,1                           # gate_up + SiLU·mul by cuBLAS + Inductor, or one GEMM
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --qkv 0,1                             # qkv + q/k rotation by cuBLAS + Inductor, or one GEMM
-    python benchmarks/profile_w3.py --backend compile+graphs --variants after \
-        --pdl 0,1                             # Inductor's kernels as programmatic dependent launch
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --copy call,graph                     # staged inputs copied by the call or by the graph
 
@@ -64,7 +62,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch._inductor import config as inductor_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common
@@ -404,14 +401,6 @@ def main() -> int:
         "the staged inputs in before the replay, or the bucket's graph copies them in as its "
         "first node), crossed with the other axes",
     )
-    ap.add_argument(
-        "--pdl",
-        default=None,
-        help="`torch._inductor.config.triton.enable_pdl` values to build side by side (0,1: "
-        "Inductor's kernels launched plainly or as programmatic dependent launches, Hopper; "
-        "the torch.compile backends only — AOTInductor's C++ launcher has no such launch), "
-        "crossed with the other axes",
-    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     streams = args.stream.split(",") if args.stream else [None]
@@ -427,11 +416,6 @@ def main() -> int:
     copies = args.copy.split(",") if args.copy else [None]
     if any(c not in (None, "call", "graph") for c in copies):
         ap.error("--copy: call or graph")
-    pdls = args.pdl.split(",") if args.pdl else [None]
-    if any(p not in (None, "0", "1") for p in pdls):
-        ap.error("--pdl: 0 or 1")
-    if args.pdl and not hasattr(inductor_config.triton, "enable_pdl"):
-        ap.error(f"--pdl: torch {torch.__version__} has no inductor triton.enable_pdl")
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     path = ensure_model(args.preset, dtype=dtype, root=args.root)
@@ -455,7 +439,7 @@ def main() -> int:
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [
-        (v, r, a, k, st, gt, q, p, c)
+        (v, r, a, k, st, gt, q, c)
         for v in args.variants.split(",")
         for r in rotations
         for a in autotunes
@@ -463,13 +447,12 @@ def main() -> int:
         for st in streams
         for gt in gateds
         for q in qkvs
-        for p in pdls
         for c in copies
     ]
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, pdl, copy in sides:
+        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, copy in sides:
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
@@ -478,7 +461,6 @@ def main() -> int:
                 + ([f"stream{stream_rows}"] if stream_rows is not None else [])
                 + ([f"gated{gated}"] if gated is not None else [])
                 + ([f"qkv{qkv}"] if qkv is not None else [])
-                + ([f"pdl{pdl}"] if pdl is not None else [])
                 + ([f"copy-{copy}"] if copy is not None else [])
             )
             # each read when the runner traces, builds or captures the model
@@ -497,10 +479,7 @@ def main() -> int:
             if copy is not None:
                 staging.COPY_IN_GRAPH = copy == "graph"
             t0 = time.perf_counter()
-            # read as Inductor generates the bucket's kernels (and as they launch: in their code)
-            pdl_on = {"triton.enable_pdl": pdl == "1"} if pdl is not None else {}
-            with inductor_config.patch(pdl_on):
-                runner = build_runner(base, args, staged=variant == "after")
+            runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":
                 old_path(runner)
             print(f"[{name}] runner built in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -1,7 +1,7 @@
-"""`benchmarks/profile_w3.py --rotations/--autotune/--skinny/--stream/--gated/--qkv/--pdl/--copy`:
-every q/k rotation mode (and bucket autotune mode, fused-kernel row limit, streamed-GEMM settings,
-Inductor's launch kind, where the staged inputs are copied in) is built as its own side and timed
-interleaved; on the CPU (its smoke test) each side still answers the request as eager."""
+"""`benchmarks/profile_w3.py --rotations/--autotune/--skinny/--stream/--gated/--qkv/--copy`: every
+q/k rotation mode (and bucket autotune mode, fused-kernel row limit, streamed-GEMM settings, where
+the staged inputs are copied in) is built as its own side and timed interleaved; on the CPU (its
+smoke test) each side still answers the request as eager."""
 
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ def test_rotations_are_built_and_timed_side_by_side(tmp_path):
     cmd += ["--root", str(tmp_path / "models"), "--device", "cpu", "--variants", "after"]
     cmd += ["--iters", "3", "--warmup", "1", "--profile-calls", "1", "--kernels", "2"]
     cmd += ["--rotations", "apart,together", "--autotune", "0", "--skinny", "64"]
-    cmd += ["--stream", "64", "--gated", "1", "--qkv", "1", "--pdl", "1"]
+    cmd += ["--stream", "64", "--gated", "1", "--qkv", "1"]
     cmd += ["--copy", "graph"]
     cmd += ["--json", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(out.read_text())
     sides = [
-        "after/apart/autotune0/skinny64/stream64/gated1/qkv1/pdl1/copy-graph",
-        "after/together/autotune0/skinny64/stream64/gated1/qkv1/pdl1/copy-graph",
+        "after/apart/autotune0/skinny64/stream64/gated1/qkv1/copy-graph",
+        "after/together/autotune0/skinny64/stream64/gated1/qkv1/copy-graph",
     ]
     assert list(got["variants"]) == sides
     assert list(got["interleaved"]) == sides
