@@ -14,8 +14,9 @@ no per-call event object, no per-input device-to-device copy.
 With `BOUNDGEN_STAGED_COPY=graph` (`COPY_IN_GRAPH`; off until measured) the captured graph copies
 its inputs in itself — an H2D memcpy node from the pinned host buffer, its first node — so a call
 fills the host buffer and replays, and the copy call's host time (37 µs of W3's 1.08 ms call on
-an H100's host, BENCHMARKS.md thirty-ninth session) leaves the path before the replay. A call with a device batch of its own (`__call__`)
-then stages it into the host buffer by a device-to-host copy queued before the replay (no wait).
+an H100's host, BENCHMARKS.md thirty-ninth session) leaves the path before the replay. A call with
+a device batch of its own (`__call__`) then stages it into the host buffer by device-to-host
+copies queued before the replay (no wait).
 
 Buffer layout (byte offsets, each field on a 16-byte boundary: AOTInductor kernels assume aligned
 inputs and copy a misaligned one on every call):
@@ -145,9 +146,7 @@ class StagedInputs:
                     f"staging {b.name}: a batch of {len(lay.input_ids)} tokens and {k} rows does "
                     f"not fit (capacity {self.capacity} rows)"
                 )
-        if self._copied is not None and not self._copied.query():
-            self.waits += 1
-            self._copied.synchronize()
+        self._wait_copied()
         write_padded(b, lay, self._np)
         self._np["rows"][k:] = 0
         lengths = self._np.get("lengths")
@@ -158,9 +157,16 @@ class StagedInputs:
         self.fills += 1
         return k
 
+    def _wait_copied(self) -> None:
+        """Before the host buffer is rewritten: the last copy out of it has run (queried; waited
+        on only when the device is that far behind, counted)."""
+        if self._copied is not None and not self._copied.query():
+            self.waits += 1
+            self._copied.synchronize()
+
     def copy(self) -> None:
         """The one host → device copy of this call (non-blocking: the host buffer is pinned)."""
-        self._order()
+        self.order()
         self.copy_in()
         self.copied()
 
@@ -179,37 +185,30 @@ class StagedInputs:
         """A device batch of this layout into the host buffer, by device-to-host copies queued on
         the stream (no wait: they run before the replay that copies the buffer back in), for a
         graph that copies its inputs in."""
-        self._order()
-        if self._copied is not None and not self._copied.query():
-            self.waits += 1
-            self._copied.synchronize()
-        h, a = self.host_views, batch.attn
-        h["input_ids"].copy_(batch.input_ids, non_blocking=True)
-        h["positions"].copy_(batch.positions, non_blocking=True)
-        h["cu_seqlens"].copy_(a.cu_seqlens, non_blocking=True)
-        if self.bucket.cascade:
-            h["cu_prefix"].copy_(a.cu_prefix, non_blocking=True)
-            h["cu_group_q"].copy_(a.cu_group_q, non_blocking=True)
+        self.order()
+        self._wait_copied()
+        self._batch_into(self.host_views, batch)
 
     def assign(self, batch: PackedBatch) -> None:
         """Copy a device batch of this layout into the static views (`StagedBucket.__call__`: a
         caller that staged its batch itself)."""
-        self._order()
-        v, a = self.views, batch.attn
-        v["input_ids"].copy_(batch.input_ids, non_blocking=True)
-        v["positions"].copy_(batch.positions, non_blocking=True)
-        v["cu_seqlens"].copy_(a.cu_seqlens, non_blocking=True)
+        self.order()
+        self._batch_into(self.views, batch)
+
+    def _batch_into(self, views: dict[str, torch.Tensor], batch: PackedBatch) -> None:
+        """A batch's inputs into `views` (the device buffer's or the host buffer's), queued."""
+        a = batch.attn
+        views["input_ids"].copy_(batch.input_ids, non_blocking=True)
+        views["positions"].copy_(batch.positions, non_blocking=True)
+        views["cu_seqlens"].copy_(a.cu_seqlens, non_blocking=True)
         if self.bucket.cascade:
-            v["cu_prefix"].copy_(a.cu_prefix, non_blocking=True)
-            v["cu_group_q"].copy_(a.cu_group_q, non_blocking=True)
+            views["cu_prefix"].copy_(a.cu_prefix, non_blocking=True)
+            views["cu_group_q"].copy_(a.cu_group_q, non_blocking=True)
 
     def order(self) -> None:
-        """`_order`, for a caller whose graph copies the inputs in (no `copy` before it)."""
-        self._order()
-
-    def _order(self) -> None:
         """On another stream than the previous call: wait (on the device) for that call's replay
-        before the device buffer is rewritten. Same stream: stream order suffices."""
+        before the device buffer is rewritten (by `copy`, or by a graph that copies its inputs
+        in). Same stream: stream order suffices."""
         if self._done is None:
             return
         stream = torch.cuda.current_stream(self.device)
