@@ -95,6 +95,49 @@ def split_k(k: int) -> int:
 if AVAILABLE:
 
     @triton.jit
+    def two_products(
+        X,
+        W,
+        rows,
+        row_ok,
+        a,
+        col_ok,
+        stride_xm,
+        K: tl.constexpr,
+        B_OFFSET: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
+        """X[rows] @ W[a].T and X[rows] @ W[a + B_OFFSET].T over all of K, two float32
+        [BLOCK_N, BLOCK_M] accumulators (swap AB; `a`: BLOCK_N weight rows, masked by `col_ok`):
+        the two halves a program of the epilogue kernels keeps, gate's and up's columns
+        (`stream_gated`: B_OFFSET = I) or a head's first and second halves (`stream_qkv`: D/2);
+        x's tile is loaded once for both, the second half's pointers are the first's plus a
+        constant."""
+        acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            at = W + a.to(tl.int64)[:, None] * K + ks[None, :]
+            w_a = tl.load(at, mask=w_mask, other=0.0)
+            w_b = tl.load(at + B_OFFSET * K, mask=w_mask, other=0.0)
+            x = tl.load(
+                X + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None],
+                mask=row_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            if INTERPRET:  # the interpreter's dot multiplies 16-bit floats as integers
+                w_a, w_b, x = w_a.to(tl.float32), w_b.to(tl.float32), x.to(tl.float32)
+            acc_a += tl.dot(w_a, x, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+            acc_b += tl.dot(w_b, x, input_precision=PRECISION)
+        return acc_a, acc_b
+
+    @triton.jit
     def _stream_kernel(
         X,
         W,

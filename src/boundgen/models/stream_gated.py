@@ -38,6 +38,8 @@ if AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op
 
+    from boundgen.models.stream import two_products
+
 GATED = os.environ.get("BOUNDGEN_STREAM_GATED", "1") == "1"
 # Tiles (columns of each half a program, K a step, warps, stages), swept on an H100 at gate_up's
 # shape (`bench_weight_stream.py --shapes gated`, thirty-ninth session). One row tile (≤ 64 rows):
@@ -100,24 +102,10 @@ if AVAILABLE:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         col_ok = cols < I
         row_ok = rows < M
-        gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            ks = k + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            w_mask = col_ok[:, None] & k_ok[None, :]
-            at = W + cols.to(tl.int64)[:, None] * K + ks[None, :]
-            w_gate = tl.load(at, mask=w_mask, other=0.0)
-            w_up = tl.load(at + I * K, mask=w_mask, other=0.0)
-            x = tl.load(
-                X + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None],
-                mask=row_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            )
-            if INTERPRET:  # the interpreter's dot multiplies 16-bit floats as integers
-                w_gate, w_up, x = w_gate.to(tl.float32), w_up.to(tl.float32), x.to(tl.float32)
-            gate += tl.dot(w_gate, x, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
-            up += tl.dot(w_up, x, input_precision=PRECISION)
+        gate, up = two_products(
+            X, W, rows, row_ok, cols, col_ok, stride_xm, K, I, BLOCK_N, BLOCK_M, BLOCK_K,
+            PRECISION, INTERPRET,
+        )  # fmt: skip
         h = gate * tl.sigmoid(gate) * up
         out = Out + rows.to(tl.int64)[None, :] * I + cols[:, None]
         tl.store(out, h.to(Out.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])

@@ -38,6 +38,8 @@ if AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op
 
+    from boundgen.models.stream import two_products
+
 ROTATED = os.environ.get("BOUNDGEN_STREAM_QKV", "0") == "1"
 # Tile: pairs of columns a program (BLOCK_H of a head's first half and the same of its second;
 # at most D/2, dividing it), rows a program at most, K a step, warps, stages. Swept on an H100
@@ -110,23 +112,10 @@ if AVAILABLE:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         col_ok = lo < N
         row_ok = rows < M
-        acc_lo = tl.zeros([BLOCK_H, BLOCK_M], dtype=tl.float32)
-        acc_hi = tl.zeros([BLOCK_H, BLOCK_M], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            ks = k + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            w_mask = col_ok[:, None] & k_ok[None, :]
-            w_lo = tl.load(W + lo.to(tl.int64)[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
-            w_hi = tl.load(W + hi.to(tl.int64)[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
-            x = tl.load(
-                X + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None],
-                mask=row_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            )
-            if INTERPRET:  # the interpreter's dot multiplies 16-bit floats as integers
-                w_lo, w_hi, x = w_lo.to(tl.float32), w_hi.to(tl.float32), x.to(tl.float32)
-            acc_lo += tl.dot(w_lo, x, input_precision=PRECISION)  # [BLOCK_H, BLOCK_M]
-            acc_hi += tl.dot(w_hi, x, input_precision=PRECISION)
+        acc_lo, acc_hi = two_products(
+            X, W, rows, row_ok, lo, col_ok, stride_xm, K, HEAD_D // 2, BLOCK_H, BLOCK_M, BLOCK_K,
+            PRECISION, INTERPRET,
+        )  # fmt: skip
         if HAS_BIAS:
             acc_lo += tl.load(Bias + lo, mask=col_ok, other=0.0).to(tl.float32)[:, None]
             acc_hi += tl.load(Bias + hi, mask=col_ok, other=0.0).to(tl.float32)[:, None]
