@@ -47,12 +47,18 @@ import torch
 from boundgen import cuda_waits
 from boundgen.compile.buckets import Bucket, write_padded
 from boundgen.compile.graphs import StaticGraph
+from boundgen.settings import env_choice
 from boundgen.text.packing import HostLayout, PackedBatch
 
 _ALIGN = 16
 # Whether a captured bucket copies its inputs in inside its graph ("graph") or each call copies
 # them before the replay ("call"): read when a bucket is captured
-COPY_IN_GRAPH = os.environ.get("BOUNDGEN_STAGED_COPY", "call") == "graph"
+COPY_IN_GRAPH = (
+    env_choice(
+        "BOUNDGEN_STAGED_COPY", os.environ.get("BOUNDGEN_STAGED_COPY", "call"), ("call", "graph")
+    )
+    == "graph"
+)
 
 
 def _fields(bucket: Bucket, rows: int, lengths: bool) -> list[tuple[str, torch.dtype, int]]:
