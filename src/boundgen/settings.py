@@ -10,6 +10,7 @@ given. `from_dict` builds one from a config-file section and `read_file` reads a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import types
 import typing
@@ -33,6 +34,19 @@ def env_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name}={value!r}: choose one of {', '.join(choices)}")
     return value
+
+
+@contextlib.contextmanager
+def switched(namespace: dict[str, Any], name: str, value: Any):
+    """Inside: the process-wide switch `name` of a module (its `globals()`) set to `value`,
+    restored after — an A/B's sides in one process, a test's reference path (the kernels read
+    their switches as a layer traces, compiles or is captured)."""
+    before = namespace[name]
+    namespace[name] = value
+    try:
+        yield
+    finally:
+        namespace[name] = before
 
 
 def _base_type(tp: Any) -> Any:

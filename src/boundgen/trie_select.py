@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 
 import torch
+
+from boundgen.settings import switched
 
 try:
     import triton
@@ -60,15 +61,9 @@ def chosen(device: torch.device, beams: int, children: int) -> bool:
     return _padded(beams) * _padded(children) <= MAX_CANDIDATES
 
 
-@contextlib.contextmanager
-def enabled(on: bool = True) -> Iterator[None]:
+def enabled(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """The kernel on (or off) while the block runs: an A/B of searches captured in one process."""
-    global ENABLED
-    before, ENABLED = ENABLED, on
-    try:
-        yield
-    finally:
-        ENABLED = before
+    return switched(globals(), "ENABLED", on)
 
 
 def _padded(n: int) -> int:

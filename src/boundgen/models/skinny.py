@@ -61,6 +61,7 @@ from torch import nn
 
 from boundgen import triton_launch
 from boundgen.models import skinny_tiles
+from boundgen.settings import switched
 
 try:
     import triton
@@ -86,17 +87,11 @@ MAX_ROWS = int(os.environ.get("BOUNDGEN_SKINNY_MAX_ROWS", "0"))
 forced = triton_launch.interpreted
 
 
-@contextlib.contextmanager
-def rows_up_to(rows: int):
+def rows_up_to(rows: int) -> contextlib.AbstractContextManager[None]:
     """Inside: the fused kernels take calls of at most `rows` rows (`MAX_ROWS`; 0: none), read when
     a layer traces, compiles or is captured (an A/B's switch: a benchmark's sides, a test's
     reference path)."""
-    global MAX_ROWS
-    before, MAX_ROWS = MAX_ROWS, rows
-    try:
-        yield
-    finally:
-        MAX_ROWS = before
+    return switched(globals(), "MAX_ROWS", rows)
 
 
 def applies(x: torch.Tensor, *linears: nn.Module) -> bool:

@@ -35,6 +35,7 @@ from torch import nn
 
 from boundgen import triton_launch
 from boundgen.models import skinny_tiles
+from boundgen.settings import switched
 
 try:
     import triton
@@ -62,16 +63,10 @@ BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
 forced = triton_launch.interpreted
 
 
-@contextlib.contextmanager
-def rows_up_to(rows: int):
+def rows_up_to(rows: int) -> contextlib.AbstractContextManager[None]:
     """Inside: the kernel takes calls of at most `rows` rows (`MAX_ROWS`; 0: none); read when a
     layer traces, compiles or is captured (an A/B's switch)."""
-    global MAX_ROWS
-    before, MAX_ROWS = MAX_ROWS, rows
-    try:
-        yield
-    finally:
-        MAX_ROWS = before
+    return switched(globals(), "MAX_ROWS", rows)
 
 
 def applies(x: torch.Tensor, linear: nn.Module) -> bool:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from boundgen.models import stream
+from boundgen.settings import switched
 
 AVAILABLE = stream.AVAILABLE  # Triton and torch's triton_op, as `stream` found them
 if AVAILABLE:
@@ -57,16 +58,10 @@ def tile_for(m) -> tuple[int, int, int, int]:
     return ONE_ROW_TILE if isinstance(m, int) and m <= 64 else ROW_TILES
 
 
-@contextlib.contextmanager
-def enabled(on: bool):
+def enabled(on: bool) -> contextlib.AbstractContextManager[None]:
     """Inside: gate_up + SiLU·mul take the kernel (`GATED`) or not; read when a layer traces,
     compiles or is captured (an A/B's switch)."""
-    global GATED
-    before, GATED = GATED, on
-    try:
-        yield
-    finally:
-        GATED = before
+    return switched(globals(), "GATED", on)
 
 
 def applies(x: torch.Tensor, gate_up: nn.Module) -> bool:

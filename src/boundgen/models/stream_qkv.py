@@ -31,6 +31,7 @@ from torch import nn
 
 from boundgen import triton_launch
 from boundgen.models import stream
+from boundgen.settings import switched
 
 AVAILABLE = stream.AVAILABLE  # Triton and torch's triton_op, as `stream` found them
 if AVAILABLE:
@@ -50,16 +51,10 @@ ROTATED = os.environ.get("BOUNDGEN_STREAM_QKV", "0") == "1"
 BLOCK_H, MAX_BLOCK_M, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 32, 64, 4, 4
 
 
-@contextlib.contextmanager
-def enabled(on: bool):
+def enabled(on: bool) -> contextlib.AbstractContextManager[None]:
     """Inside: qkv + the q/k rotation take the kernel (`ROTATED`) or not; read when a layer
     traces, compiles or is captured (an A/B's switch)."""
-    global ROTATED
-    before, ROTATED = ROTATED, on
-    try:
-        yield
-    finally:
-        ROTATED = before
+    return switched(globals(), "ROTATED", on)
 
 
 def applies(x: torch.Tensor, qkv: nn.Module, head_dim: int) -> bool:
