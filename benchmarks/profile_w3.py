@@ -340,6 +340,15 @@ def interleaved(built, groups, query, items, args, cuda: bool) -> dict:
     return out
 
 
+def _axis(ap, flag: str, text: str | None, choices) -> list:
+    """An axis's values from its comma list, each one of `choices` (else the parser's error, before
+    anything is built); [None] when the flag is not given (the process's setting)."""
+    values = text.split(",") if text else [None]
+    if any(v is not None and v not in choices for v in values):
+        ap.error(f"{flag}: choose from {','.join(choices)}")
+    return values
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2.5-0.5b")
@@ -407,15 +416,10 @@ def main() -> int:
     for st in streams:
         if st is not None and not st.isdigit():
             ap.error(f"--stream: rows are a whole number, not {st!r}")
-    gateds = args.gated.split(",") if args.gated else [None]
-    if any(gt not in (None, "0", "1") for gt in gateds):
-        ap.error("--gated: 0 or 1")
-    qkvs = args.qkv.split(",") if args.qkv else [None]
-    if any(q not in (None, "0", "1") for q in qkvs):
-        ap.error("--qkv: 0 or 1")
-    copies = args.copy.split(",") if args.copy else [None]
-    if any(c not in (None, "call", "graph") for c in copies):
-        ap.error("--copy: call or graph")
+    gateds = _axis(ap, "--gated", args.gated, ("0", "1"))
+    qkvs = _axis(ap, "--qkv", args.qkv, ("0", "1"))
+    copies = _axis(ap, "--copy", args.copy, ("call", "graph"))
+    rotations = _axis(ap, "--rotations", args.rotations, decoder.QK_ROTATIONS)
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     path = ensure_model(args.preset, dtype=dtype, root=args.root)
@@ -433,9 +437,6 @@ def main() -> int:
     res = {"env": common.env_info(), "backend": args.backend, "workload": args.workload}
     res["fp8"] = args.fp8
     res.update(bucket=bucket, variants={})
-    rotations = args.rotations.split(",") if args.rotations else [None]
-    if any(r is not None and r not in decoder.QK_ROTATIONS for r in rotations):
-        ap.error(f"--rotations: choose from {','.join(decoder.QK_ROTATIONS)}")
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [
