@@ -244,16 +244,12 @@ def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) ->
             t.append(time.perf_counter())
             k = staged.inputs.fill(lay)
             t.append(time.perf_counter())
-            if staged.copies_in_graph:  # the graph's first node copies the buffer in
-                staged.inputs.order()
-            else:
-                staged.inputs.copy()
+            staged.inputs.before_replay()  # the copy (or, where the graph copies, the order)
             t.append(time.perf_counter())
             e0.record()
             staged.graph.graph.replay()
             e1.record()
-            if staged.copies_in_graph:
-                staged.inputs.copied()
+            staged.inputs.after_replay()
             t.append(time.perf_counter())
             rows = staged.graph.output[1][:k].clone()
             staged.inputs.done()

@@ -224,8 +224,8 @@ def test_inputs_copied_in_by_the_bucket_s_own_body(engine_for):
     g = torch.Generator().manual_seed(12)
     runner = _staged_runner(engine, rows=2, copy_in_graph=True)
     staged = _staged(runner, W3_BUCKET)
-    assert staged.copies_in_graph
-    assert not _staged(_staged_runner(engine), W3_BUCKET).copies_in_graph  # CPU: no graph
+    assert staged.inputs.by_graph
+    assert not _staged(_staged_runner(engine), W3_BUCKET).inputs.by_graph  # CPU: no graph
     copies = staged.inputs.copies
     requests = [[SequenceGroup([], [_ids(g, 40)])], [SequenceGroup([], [_ids(g, 9), _ids(g, 3)])]]
     for groups in requests * 2:
@@ -271,7 +271,7 @@ def test_cuda_staged_graphs_match_the_older_graphs(tiny_model, copy_in_graph, mo
     new, old = runner(True), runner(False)
     staged = _staged(new, W3_BUCKET)
     assert staged.graph is not None and staged.inputs.host.is_pinned()
-    assert staged.copies_in_graph is copy_in_graph
+    assert staged.inputs.by_graph is copy_in_graph
     g = torch.Generator().manual_seed(11)
     requests = [
         [SequenceGroup([], [_ids(g, 20), _ids(g, 20), _ids(g, 24)])],

@@ -351,9 +351,9 @@ class SearchGraphs:
         self.buckets = BucketSet(plain)
         self.steps = ModelSteps(model, backend, compile_layers)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        # the search's graph copies its prompts in as its first node (`staging.COPY_IN_GRAPH`;
-        # without graphs each search does, the same order of work)
-        self.copies_in_graph = staging.COPY_IN_GRAPH
+        # the search's graph copies its prompts in as its first node (`staging.COPY_IN_GRAPH`,
+        # read here; without graphs each search does, the same order of work)
+        self._copy_in_graph = staging.COPY_IN_GRAPH
         self.max_slots = max_slots
         self.slots: dict[tuple, _Slot] = {}
         self.compile_layers = compile_layers
@@ -496,16 +496,12 @@ class SearchGraphs:
         this cuts (BENCHMARKS.md, thirty-ninth session)."""
         slot.trie = trie
         slot.inputs.fill(pack_arrays([group], share_prefix=False))
-        if self.copies_in_graph:  # (the search copies them in: `_search`)
-            slot.inputs.order()
-        else:
-            slot.inputs.copy()
+        slot.inputs.before_replay()  # (or the search copies them in: `_search`)
         if slot.graph is None:
             self._prepare(slot, width, steps, trie)
         else:
             slot.graph.replay()
-        if self.copies_in_graph:
-            slot.inputs.copied()
+        slot.inputs.after_replay()
         self.searches += 1
         out = slot.tokens[:b].clone(), slot.scores[:b].clone()
         slot.inputs.done()
@@ -521,7 +517,7 @@ class SearchGraphs:
             cfg, dev = self.model.config, self.device
             dtype = self.model.embed_tokens.weight.dtype
             n = b * w
-            inputs = StagedInputs(bucket, dev, rows=b, lengths=True)
+            inputs = StagedInputs(bucket, dev, b, lengths=True, by_graph=self._copy_in_graph)
             inputs.fill(None)  # all padding: a valid layout until the first search's
             inputs.copy()
             prompt = PromptKV(
@@ -548,7 +544,7 @@ class SearchGraphs:
 
     def _search(self, slot: _Slot, width: int, steps: int, trie: Any) -> None:
         """One search over the slot's buffers (what the graph captures)."""
-        if self.copies_in_graph:
+        if slot.inputs.by_graph:
             slot.inputs.copy_in()
         beams = slot.state.beams
         beams.kv, beams._spare = slot.initial

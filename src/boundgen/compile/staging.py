@@ -82,7 +82,9 @@ class StagedInputs:
     the static device `PackedBatch` the bucket's graph reads. `capacity`: most output rows a call
     may ask for (default: the bucket's segments). `lengths`: also each output row's sequence
     length (a whole-search bucket's prompts, `compile.decode.SearchGraphs`), 1 past the rows
-    written."""
+    written. `by_graph`: the graph that reads the device buffer copies the host buffer in as its
+    first node (`copy_in`), so a call copies nothing before its replay (`before_replay`) and a
+    device batch goes to the host buffer (`assign`)."""
 
     def __init__(
         self,
@@ -90,8 +92,10 @@ class StagedInputs:
         device: torch.device | str,
         rows: int | None = None,
         lengths: bool = False,
+        by_graph: bool = False,
     ) -> None:
         self.bucket = bucket
+        self.by_graph = by_graph
         self.device = torch.device(device)
         self.capacity = rows or bucket.segments
         self.layout: dict[str, tuple[torch.dtype, int, int]] = {}  # name → (dtype, byte, numel)
@@ -187,19 +191,30 @@ class StagedInputs:
         if self._copied is not None:
             self._copied.record()
 
-    def stage_on_device(self, batch: PackedBatch) -> None:
-        """A device batch of this layout into the host buffer, by device-to-host copies queued on
-        the stream (no wait: they run before the replay that copies the buffer back in), for a
-        graph that copies its inputs in."""
-        self.order()
-        self._wait_copied()
-        self._batch_into(self.host_views, batch)
+    def before_replay(self) -> None:
+        """After a `fill`, before the replay that reads the device buffer: the copy in — this
+        call's (`copy`), or only the stream order where the graph copies it in (`by_graph`)."""
+        if self.by_graph:
+            self.order()
+        else:
+            self.copy()
+
+    def after_replay(self) -> None:
+        """After that replay: where the graph copied the host buffer in, that copy counted."""
+        if self.by_graph:
+            self.copied()
 
     def assign(self, batch: PackedBatch) -> None:
-        """Copy a device batch of this layout into the static views (`StagedBucket.__call__`: a
-        caller that staged its batch itself)."""
+        """A device batch of this layout into the inputs (`StagedBucket.__call__`: a caller that
+        staged its batch itself): into the device buffer's views, or with `by_graph` into the host
+        buffer's, by device-to-host copies queued before the replay that copies it back in (no
+        wait)."""
         self.order()
-        self._batch_into(self.views, batch)
+        if self.by_graph:
+            self._wait_copied()
+            self._batch_into(self.host_views, batch)
+        else:
+            self._batch_into(self.views, batch)
 
     def _batch_into(self, views: dict[str, torch.Tensor], batch: PackedBatch) -> None:
         """A batch's inputs into `views` (the device buffer's or the host buffer's), queued."""
@@ -255,24 +270,22 @@ class StagedBucket:
         copy_in_graph: bool | None = None,
     ) -> None:
         self.bucket = bucket
-        self.inputs = StagedInputs(bucket, device, rows)
+        capture = torch.device(device).type == "cuda" if capture is None else capture
+        # asked for explicitly it holds without a graph too: the body copies on each call, the
+        # graph's order of work without one (what the CPU tests run)
+        by_graph = copy_in_graph if copy_in_graph is not None else capture and COPY_IN_GRAPH
+        self.inputs = StagedInputs(bucket, device, rows, by_graph=by_graph)
         self.inputs.fill(None)  # all padding: valid inputs for the warm-up and the capture
         self.inputs.copy()
         self._fn = fn
         self.lock = threading.Lock()
         self.replays = 0
-        capture = self.inputs.device.type == "cuda" if capture is None else capture
-        # asked for explicitly it holds without a graph too: the body copies on each call, the
-        # graph's order of work without one (what the CPU tests run)
-        self.copies_in_graph = (
-            copy_in_graph if copy_in_graph is not None else capture and COPY_IN_GRAPH
-        )
         self.graph = None
         if capture:
             self.graph = StaticGraph(lambda: self._body(), [], pool=pool)
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.copies_in_graph:  # the graph's first node: the host buffer in
+        if self.inputs.by_graph:  # the graph's first node: the host buffer in
             self.inputs.copy_in()
         hidden = self._fn(self.inputs.batch)
         return hidden, hidden.index_select(0, self.inputs.rows)
@@ -290,13 +303,9 @@ class StagedBucket:
         output (a tensor of the caller's, valid after the next call)."""
         with self.lock:
             k = self.inputs.fill(lay)
-            if self.copies_in_graph:
-                self.inputs.order()
-            else:
-                self.inputs.copy()
+            self.inputs.before_replay()
             _, out = self._replay()
-            if self.copies_in_graph:
-                self.inputs.copied()
+            self.inputs.after_replay()
             out = out[:k].clone()
             self.inputs.done()
             return out
@@ -305,12 +314,8 @@ class StagedBucket:
         """`GraphedBucket`'s call: a device batch of this layout → hidden [T, H] (the graph's static
         output on CUDA: valid until the next call; hold `lock` to share)."""
         with self.lock:
-            if self.copies_in_graph:
-                self.inputs.stage_on_device(batch)
-            else:
-                self.inputs.assign(batch)
+            self.inputs.assign(batch)
             hidden, _ = self._replay()
-            if self.copies_in_graph:
-                self.inputs.copied()
+            self.inputs.after_replay()
             self.inputs.done()
             return hidden
