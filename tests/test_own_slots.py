@@ -94,6 +94,7 @@ def test_decode_layer_takes_the_kernel_when_chosen(monkeypatch, engine_for):
     dt = model.embed_tokens.weight.dtype
     mk = lambda *shape: torch.randn(*shape, generator=g).to(dt)
     x = mk(n, cfg.hidden_size)
+    normed = layer.input_layernorm(x)
     cos, sin = model.rotary(torch.full((n,), 7), dt)
     pk, pv = mk(t, cfg.num_kv_heads, cfg.head_dim), mk(t, cfg.num_kv_heads, cfg.head_dim)
     cu = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32)
@@ -115,12 +116,11 @@ def test_decode_layer_takes_the_kernel_when_chosen(monkeypatch, engine_for):
             monkeypatch.setattr(own_slots, "chosen", lambda device, use=use: use)
             rows = (cu_b * group, max(widths) * group)
             kvs = (pk, pv, bkv0.clone())
-            args = (layer, x, cos, sin, *kvs, s, cu_b, cu_p, max(widths), max(prompt))
-            outs.append(
-                decode.decode_layer(*args, *rows, group, ReferenceBackend(), own_kernel=True)
-            )
+            args = (layer, x, normed, cos, sin, *kvs, s, cu_b, cu_p, max(widths), max(prompt))
+            backend = (group, ReferenceBackend(), model.norm)
+            outs.append(decode.decode_layer(*args, *rows, *backend, own_kernel=True))
         # an eager layer (own_kernel False) keeps the plain search's arithmetic, chosen or not
-        eager = decode.decode_layer(*args, *rows, group, ReferenceBackend())
+        eager = decode.decode_layer(*args, *rows, *backend)
         torch.testing.assert_close(eager, outs[0], rtol=0, atol=0)
         tol = 2e-5 if dt == torch.float32 else 3e-2
         torch.testing.assert_close(outs[1], outs[0], rtol=tol, atol=tol)

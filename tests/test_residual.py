@@ -108,8 +108,10 @@ def test_a_compiled_prefill_layer_has_both_residual_adds_taken_out(engine_for):
     backend = export_attention(model, "cpu")
     pass_ = residual.UnfusedResidual()
     with torch.no_grad():
-        got = run_compiled(prefill_layer, pass_, layer, x, cos, sin, cu, 7, kv(), kv(), backend)
-        want = prefill_layer(layer, x, cos, sin, cu, 7, kv(), kv(), backend)
+        normed, nxt = layer.input_layernorm(x), model.layers[1].input_layernorm
+        args = (layer, x, normed, cos, sin, cu, 7)
+        got = run_compiled(prefill_layer, pass_, *args, kv(), kv(), backend, nxt)
+        want = prefill_layer(*args, kv(), kv(), backend, nxt)
     assert pass_.rewritten == 2
     tol = 2e-5 if dt == torch.float32 else 1e-1
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -103,20 +103,32 @@ def plain_session(model, device, prompts: list[list[int]], width: int, steps: in
 # ---- one layer of the prefill and of a decode step, as functions of their tensors ---------------
 
 
-def prefill_layer(layer, x, cos, sin, cu_seqlens, max_seqlen: int, pk, pv, backend, counts=None):
+# A layer function takes its input x with x through the layer's input norm (`normed`) and returns
+# its output with the norm that follows it (`next_norm`: the next layer's input norm, the model's
+# final norm after the last layer). Compiled one layer at a time, a layer that returned x alone
+# ended in a kernel of its own for its last residual add (its output must exist in memory) and
+# the next layer's graph began with the norm; ending the layer with that norm lets Inductor put
+# the add into the norm's kernel: one launch fewer a layer (24 a forward, 96 a W4 search).
+
+
+def prefill_layer(
+    layer, x, normed, cos, sin, cu_seqlens, max_seqlen: int, pk, pv, backend, next_norm, counts=None
+):
     """A decoder layer over packed prompts (causal per segment), storing k/v into `pk`/`pv`
-    [T, Hkv, D] (`counts`: the fused kernels' counters, `skinny.counters`). x [T, hidden] →
-    [T, hidden]."""
-    q, k, v = layer.attention_input(x, cos, sin, counts=counts)
+    [T, Hkv, D] (`counts`: the fused kernels' counters, `skinny.counters`). x, normed
+    [T, hidden] → (its output, `next_norm` of it)."""
+    q, k, v = layer.attention_input(x, cos, sin, counts=counts, normed=normed)
     pk.copy_(k)
     pv.copy_(v)
     o, _ = backend.varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True)
-    return layer.mlp_block(layer.attention_output(x, o.reshape(x.shape[0], -1), counts), counts)
+    out = layer.mlp_block(layer.attention_output(x, o.reshape(x.shape[0], -1), counts), counts)
+    return out, next_norm(out)
 
 
 def decode_layer(
     layer,
     x,
+    normed,
     cos,
     sin,
     pk,
@@ -131,6 +143,7 @@ def decode_layer(
     max_rows,
     group: int,
     backend,
+    next_norm,
     fused: bool = False,
     own_kernel: bool = False,
     counts=None,
@@ -142,11 +155,12 @@ def decode_layer(
     `cascade.grouped_rows_attention`) and to their own slots ≤ step, merged by log-sum-exp; with
     `fused` (on CUDA) in one kernel (`attention/beam_decode.py`); else with `own_kernel` (on CUDA)
     flash and one kernel for the own slots and the merge (`attention/own_slots.py`). `counts`:
-    the fused linear kernels' counters (`skinny.counters`). x [N, hidden] → [N, hidden]."""
+    the fused linear kernels' counters (`skinny.counters`). x, normed [N, hidden] → (its output,
+    `next_norm` of it)."""
     n = x.shape[0]
     fused = fused and x.is_cuda
     # the prompt attention reads q grouped by KV head: rotated into that order, not copied there
-    q = layer.decode_input(x, cos, sin, bkv, step, group > 1 and not fused, counts)
+    q = layer.decode_input(x, cos, sin, bkv, step, group > 1 and not fused, counts, normed)
     bk, bv = bkv[:, :, 0], bkv[:, :, 1]
     if fused:  # one kernel for the prompt part, own slots and merge
         # the kernel's tile, read here: dynamo guards on it (another tile, another compile)
@@ -165,7 +179,8 @@ def decode_layer(
         )
         own, own_lse = _own_slots_attention(q, bk, bv, step)
         o = merge_partial(shared, shared_lse, own, own_lse)
-    return layer.mlp_block(layer.attention_output(x, o.reshape(n, -1), counts), counts)
+    out = layer.mlp_block(layer.attention_output(x, o.reshape(n, -1), counts), counts)
+    return out, next_norm(out)
 
 
 def _own_slots_attention(q, k, v, step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,19 +236,39 @@ class ModelSteps:
             self._prefill = torch.compile(prefill_layer, fullgraph=True, options=options)
             self._decode = torch.compile(decode_layer, fullgraph=True, options=options)
 
+    def _norms(self, x):
+        """x's first norm (layer 0's input norm) and each layer's next norm: the next layer's
+        input norm, the model's final norm after the last (see `prefill_layer`)."""
+        m = self.model
+        nexts = [layer.input_layernorm for layer in m.layers[1:]] + [m.norm]
+        return m.layers[0].input_layernorm(x), zip(m.layers, nexts)
+
     def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, prompt: PromptKV):
+        """Final-normed hidden states [T, H] of the packed prompts, their KV stored."""
         m = self.model
         x = m.embed_tokens(ids)
         cos, sin = m.rotary(positions, x.dtype)
         counts = skinny.counters(x, m.layers[0])
-        for i, layer in enumerate(m.layers):
+        normed, layers = self._norms(x)
+        for i, (layer, next_norm) in enumerate(layers):
             pk, pv = prompt.k[i], prompt.v[i]
             if self.compiled:
-                _rows_dynamic(x, cos, sin, pk, pv, cu_seqlens)
-            x = self._prefill(
-                layer, x, cos, sin, cu_seqlens, max_seqlen, pk, pv, self.backend, counts
+                _rows_dynamic(x, normed, cos, sin, pk, pv, cu_seqlens)
+            x, normed = self._prefill(
+                layer,
+                x,
+                normed,
+                cos,
+                sin,
+                cu_seqlens,
+                max_seqlen,
+                pk,
+                pv,
+                self.backend,
+                next_norm,
+                counts,
             )
-        return m.norm(x)
+        return normed
 
     def decode(self, tokens, positions, state: DecodeKV, step: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] of one decode step."""
@@ -245,15 +280,17 @@ class ModelSteps:
         x = m.embed_tokens(tokens)
         cos, sin = m.rotary(positions, x.dtype)
         counts = skinny.counters(x, m.layers[0])
-        for i, layer in enumerate(m.layers):
+        normed, layers = self._norms(x)
+        for i, (layer, next_norm) in enumerate(layers):
             pk, pv, bkv = state.prompt.k[i], state.prompt.v[i], b.kv[i]
             if self.compiled:
                 _rows_dynamic(
-                    x, cos, sin, pk, pv, bkv, state.cu_beams, state.cu_prompt, state.cu_rows
+                    x, normed, cos, sin, pk, pv, bkv, state.cu_beams, state.cu_prompt, state.cu_rows
                 )
-            x = self._decode(
+            x, normed = self._decode(
                 layer,
                 x,
+                normed,
                 cos,
                 sin,
                 pk,
@@ -268,6 +305,7 @@ class ModelSteps:
                 state.max_rows,
                 state.group,
                 self.backend,
+                next_norm,
                 self.fused_attention,
                 # the own-slot kernel in compiled layers only: eager ones keep the plain search's
                 # arithmetic (their graph search recommends exactly what it does; the kernel
@@ -275,7 +313,7 @@ class ModelSteps:
                 self.compiled,
                 counts,
             )
-        return m.norm(x)
+        return normed
 
 
 # ---- the whole search, captured per bucket ------------------------------------------------------

@@ -121,9 +121,12 @@ class DecoderLayer(nn.Module):
     # each call zeroes its own)
 
     def attention_input(
-        self, x, cos, sin, grouped: bool = False, counts=None
+        self, x, cos, sin, grouped: bool = False, counts=None, normed=None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] → q, k, v of the normed x (`Attention.heads`, q `grouped` or not)."""
+        """x [T, hidden] → q, k, v of the normed x (`Attention.heads`, q `grouped` or not).
+        `normed`: x through this layer's input norm, computed already (the beam layers compute
+        it at the end of the layer before, where it fuses with that layer's last residual add;
+        the fused few-row kernels norm x themselves and do not read it)."""
         attn = self.self_attn
         if skinny.applies(x, attn.qkv_proj):
             # the kernel rotates q and k as it stores them (its epilogue): no rotation kernel
@@ -133,10 +136,11 @@ class DecoderLayer(nn.Module):
         proj = attn.qkv_proj
         if stream_qkv.applies(x, proj, attn.head_dim) and attn.rotates_together(grouped):
             # one streamed GEMM rotates q and k in its epilogue: no rotation kernel
-            h = self.input_layernorm(x)
+            h = self.input_layernorm(x) if normed is None else normed
             qkv = stream_qkv.rotated(h, proj.weight, proj.bias, cos, sin, attn.rotated_columns)
             return attn.heads(qkv, cos, sin, grouped, rotate=False)
-        return attn.heads(proj(self.input_layernorm(x)), cos, sin, grouped)
+        h = self.input_layernorm(x) if normed is None else normed
+        return attn.heads(proj(h), cos, sin, grouped)
 
     def _fused_qkv(self, x, cos, sin, counts, rotate: bool, group=1, kv=None, step=None):
         """`skinny.norm_linear` over the layer's input norm and qkv projection: q and k rotated
@@ -159,12 +163,13 @@ class DecoderLayer(nn.Module):
             step,
         )
 
-    def decode_input(self, x, cos, sin, kv, step, grouped: bool = False, counts=None):
+    def decode_input(self, x, cos, sin, kv, step, grouped: bool = False, counts=None, normed=None):
         """A decode step's q, its k and v stored: x [N, hidden] (one token a beam) → q [N, Hq, D]
         (or grouped by KV head, [N, G, Hkv, D]), with k and v written into slot `step` (an int64
         tensor [1]) of `kv` [N, S, 2, Hkv, D] (`BeamKV`'s layer). Where the fused qkv kernel
         takes the layer it also rotates q and k, orders q's heads and writes the slot (one
-        kernel, where the rotation and the slot's write were one or two more)."""
+        kernel, where the rotation and the slot's write were one or two more). `normed`: as
+        `attention_input`'s."""
         attn = self.self_attn
         if skinny.applies(x, attn.qkv_proj) and attn.rotates_together(False):
             n = x.shape[0]
@@ -173,7 +178,7 @@ class DecoderLayer(nn.Module):
             if grouped:
                 return q.view(n, group, attn.num_kv_heads, attn.head_dim)
             return q.view(n, attn.num_heads, attn.head_dim)
-        q, k, v = self.attention_input(x, cos, sin, grouped=grouped, counts=counts)
+        q, k, v = self.attention_input(x, cos, sin, grouped, counts, normed)
         kv.index_copy_(1, step, torch.stack((k, v), 1).unsqueeze(1))
         return q
 
