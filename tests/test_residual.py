@@ -84,10 +84,11 @@ def test_the_beam_layers_compile_with_the_pass_in_add_mode(engine_for, monkeypat
     for mode in ("addmm", "add"):
         monkeypatch.setattr(residual, "MODE", mode)
         ModelSteps(model, aoti.export_attention(model, "cpu"), compile_layers=True)
-    assert seen[:2] == [None, None]  # prefill and decode layers, Inductor's own config
-    assert len(seen) == 4
+    # the first layer's inputs, the prefill and the decode layers: Inductor's own config
+    assert seen[:3] == [None, None, None]
+    assert len(seen) == 6
     assert all(
-        isinstance(o["post_grad_custom_post_pass"], residual.UnfusedResidual) for o in seen[2:]
+        isinstance(o["post_grad_custom_post_pass"], residual.UnfusedResidual) for o in seen[3:]
     )
 
 

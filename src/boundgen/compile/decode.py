@@ -111,6 +111,15 @@ def plain_session(model, device, prompts: list[list[int]], width: int, steps: in
 # the add into the norm's kernel: one launch fewer a layer (24 a forward, 96 a W4 search).
 
 
+def first_layer_inputs(model, ids, positions):
+    """ids, positions [T] → the first layer's x (the embedded tokens), x through its input
+    norm, and cos, sin of the positions. Compiled with the layers: eagerly these were a dozen
+    kernels a forward (the lookups, casts and the norm's steps), compiled two."""
+    x = model.embed_tokens(ids)
+    cos, sin = model.rotary(positions, x.dtype)
+    return x, model.layers[0].input_layernorm(x), cos, sin
+
+
 def prefill_layer(
     layer, x, normed, cos, sin, cu_seqlens, max_seqlen: int, pk, pv, backend, next_norm, counts=None
 ):
@@ -219,7 +228,7 @@ class ModelSteps:
 
     def __init__(self, model, backend, compile_layers: bool) -> None:
         self.model, self.backend = model, backend
-        self._prefill, self._decode = prefill_layer, decode_layer
+        self._first, self._prefill, self._decode = first_layer_inputs, prefill_layer, decode_layer
         self.compiled = compile_layers
         self.fused_attention = beam_decode.chosen(getattr(backend, "name", ""))
         if compile_layers:
@@ -233,23 +242,24 @@ class ModelSteps:
             # lengths) specialise once, then turn dynamic at their second value (dynamo's
             # automatic dynamic shapes): two compiles per function for every bucket there is
             options = residual.inductor_options() or None  # None: Inductor's own config
+            self._first = torch.compile(first_layer_inputs, fullgraph=True, options=options)
             self._prefill = torch.compile(prefill_layer, fullgraph=True, options=options)
             self._decode = torch.compile(decode_layer, fullgraph=True, options=options)
 
-    def _norms(self, x):
-        """x's first norm (layer 0's input norm) and each layer's next norm: the next layer's
-        input norm, the model's final norm after the last (see `prefill_layer`)."""
+    def _inputs(self, ids, positions):
+        """A forward's first layer's inputs (`first_layer_inputs`, compiled with the layers),
+        the fused kernels' counters, and each layer with its next norm (the next layer's input
+        norm, the model's final norm after the last: see `prefill_layer`)."""
         m = self.model
+        if self.compiled:
+            _rows_dynamic(ids, positions)
+        x, normed, cos, sin = self._first(m, ids, positions)
         nexts = [layer.input_layernorm for layer in m.layers[1:]] + [m.norm]
-        return m.layers[0].input_layernorm(x), zip(m.layers, nexts)
+        return x, normed, cos, sin, skinny.counters(x, m.layers[0]), zip(m.layers, nexts)
 
     def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, prompt: PromptKV):
         """Final-normed hidden states [T, H] of the packed prompts, their KV stored."""
-        m = self.model
-        x = m.embed_tokens(ids)
-        cos, sin = m.rotary(positions, x.dtype)
-        counts = skinny.counters(x, m.layers[0])
-        normed, layers = self._norms(x)
+        x, normed, cos, sin, counts, layers = self._inputs(ids, positions)
         for i, (layer, next_norm) in enumerate(layers):
             pk, pv = prompt.k[i], prompt.v[i]
             if self.compiled:
@@ -276,11 +286,8 @@ class ModelSteps:
 
     def decode_hidden(self, tokens, positions, state: DecodeKV, step: torch.Tensor):
         """Final-normed hidden states [N, H] of one decode step."""
-        m, b = self.model, state.beams
-        x = m.embed_tokens(tokens)
-        cos, sin = m.rotary(positions, x.dtype)
-        counts = skinny.counters(x, m.layers[0])
-        normed, layers = self._norms(x)
+        b = state.beams
+        x, normed, cos, sin, counts, layers = self._inputs(tokens, positions)
         for i, (layer, next_norm) in enumerate(layers):
             pk, pv, bkv = state.prompt.k[i], state.prompt.v[i], b.kv[i]
             if self.compiled:
