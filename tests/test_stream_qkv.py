@@ -141,11 +141,15 @@ def test_a_decoder_layer_s_attention_input_with_the_kernel_equals_it_without(gro
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
 
 
-def test_a_decode_step_with_the_kernel_stores_the_same_slot():
-    """`decode_input` (a beam step: q out, k and v into the cache's slot) takes the kernel's
-    rotated q and k as the plain path's."""
+def test_a_decode_step_with_the_kernel_stores_the_same_slot(monkeypatch):
+    """`decode_input` (a beam step: q out, k and v into the cache's slot) with the kernel, which
+    writes the slot itself (`rotated_into_slot`), gives the plain path's q and slot."""
     layer, x, cos, sin, dtype = _layer_and_input(6)
-    out = {}
+    out, calls, into_slot = {}, [], stream_qkv.rotated_into_slot
+    monkeypatch.setattr(stream_qkv, "rotated", lambda *a: pytest.fail("the copying path taken"))
+    monkeypatch.setattr(
+        stream_qkv, "rotated_into_slot", lambda *a: calls.append(1) or into_slot(*a)
+    )
     for on in (False, True):
         kv = torch.zeros(6, 3, 2, 2, 32, device=DEV, dtype=dtype)
         with torch.no_grad(), stream.forced(), stream_qkv.enabled(on):
@@ -155,6 +159,7 @@ def test_a_decode_step_with_the_kernel_stores_the_same_slot():
     for a, b in zip(out[True], out[False], strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
     assert out[True][1][:, [0, 2]].abs().max() == 0  # only slot 1 written
+    assert calls == [1]
 
 
 def test_qwen3_s_normed_heads_keep_the_plain_path(monkeypatch):
@@ -169,23 +174,27 @@ HOPPER = """
 from boundgen.models import stream_qkv
 
 fn = stream_qkv._qkv_kernel
-k, n, d, block_m = (int(a) for a in sys.argv[1:5])
-const = dict(K=k, N=n, HEAD_D=d, ROT_COLS=n - 2 * 128, HAS_BIAS=True, BLOCK_M=block_m,
-             BLOCK_H=stream_qkv.BLOCK_H, BLOCK_K=stream_qkv.BLOCK_K, PRECISION="tf32",
-             INTERPRET=False)
+k, n, d, block_m, slot = (int(a) for a in sys.argv[1:6])
+const = dict(K=k, N=n, HEAD_D=d, ROT_COLS=n - 128, Q_COLS=n - 2 * 128, KV_COLS=128,
+             SLOT=bool(slot), HAS_BIAS=True, BLOCK_M=block_m, BLOCK_H=stream_qkv.BLOCK_H,
+             BLOCK_K=stream_qkv.BLOCK_K, PRECISION="tf32", INTERPRET=False)
 sig = {"X": "*bf16", "W": "*bf16", "Bias": "*bf16", "Cos": "*bf16", "Sin": "*bf16", "Out": "*bf16",
-       "M": "i32", "stride_xm": "i32", "stride_rope": "i32"}
+       "KV": "*bf16", "Step": "*i64", "M": "i32", "stride_xm": "i32", "stride_rope": "i32",
+       "stride_out": "i32", "stride_kv_row": "i32", "stride_kv_slot": "i32",
+       "stride_kv_kind": "i32"}
 sig.update(dict.fromkeys(const, "constexpr"))
-aligned = ["X", "W", "Bias", "Cos", "Sin", "Out", "stride_xm", "stride_rope"]
+aligned = ["X", "W", "Bias", "Cos", "Sin", "Out", "KV", "stride_xm", "stride_rope", "stride_out",
+           "stride_kv_row", "stride_kv_slot", "stride_kv_kind"]
 warps, stages = stream_qkv.NUM_WARPS, stream_qkv.NUM_STAGES
 """
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_the_kernel_compiles_for_hopper(block_m):
+@pytest.mark.parametrize(("block_m", "slot"), [(16, 0), (64, 0), (16, 1)])
+def test_the_kernel_compiles_for_hopper(block_m, slot):
     """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed): Qwen2.5-0.5B's qkv (K 896,
-    14 + 2 + 2 heads of 64) at a 16-row tile and a 64-row one."""
-    compile_in_child(HOPPER, "896", "1152", "64", str(block_m))
+    14 + 2 + 2 heads of 64) at a 16-row tile and a 64-row one, and at 16 rows writing k and v into
+    a beam step's cache slot."""
+    compile_in_child(HOPPER, "896", "1152", "64", str(block_m), str(slot))
 
 
 @pytest.mark.gpu

@@ -178,6 +178,14 @@ class DecoderLayer(nn.Module):
             if grouped:
                 return q.view(n, group, attn.num_kv_heads, attn.head_dim)
             return q.view(n, attn.num_heads, attn.head_dim)
+        proj = attn.qkv_proj
+        if stream_qkv.applies(x, proj, attn.head_dim) and attn.rotates_together(grouped):
+            # the streamed qkv kernel writes k and v into the slot itself: no copy kernel after
+            h = self.input_layernorm(x) if normed is None else normed
+            q = stream_qkv.rotated_into_slot(
+                h, proj.weight, proj.bias, cos, sin, attn.rotated_columns, kv, step
+            )
+            return q.view(x.shape[0], attn.num_heads, attn.head_dim)
         q, k, v = self.attention_input(x, cos, sin, grouped, counts, normed)
         kv.index_copy_(1, step, torch.stack((k, v), 1).unsqueeze(1))
         return q

@@ -80,13 +80,22 @@ if AVAILABLE:
         Cos,
         Sin,
         Out,
+        KV,
+        Step,
         M,
         stride_xm,
         stride_rope,
+        stride_out,
+        stride_kv_row,
+        stride_kv_slot,
+        stride_kv_kind,
         K: tl.constexpr,
         N: tl.constexpr,
         HEAD_D: tl.constexpr,
         ROT_COLS: tl.constexpr,
+        Q_COLS: tl.constexpr,
+        KV_COLS: tl.constexpr,
+        SLOT: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_H: tl.constexpr,
@@ -97,7 +106,8 @@ if AVAILABLE:
         """Out[rows, lo] and Out[rows, lo + D/2] for this program's `BLOCK_H` pairs of one head
         (lo = head·D + d): X @ W[lo].T and X @ W[lo + D/2].T (+ bias), rounded to Out's dtype,
         then rotated by cos/sin [T, D/2] of the rows where the head is one of q's or k's
-        (columns before ROT_COLS)."""
+        (columns before ROT_COLS). With SLOT, Out holds q's columns only and k's and v's heads go
+        into slot Step[0] of KV [rows, slots, 2, Hkv, D] (a beam step's cache: no copy after)."""
         pid_h = tl.program_id(0)
         pid_m = tl.program_id(1)
         pairs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # pair index: head · D/2 + d
@@ -123,10 +133,19 @@ if AVAILABLE:
             cos = tl.load(Cos + at, mask=row_ok[None, :], other=0.0).to(tl.float32)
             sin = tl.load(Sin + at, mask=row_ok[None, :], other=0.0).to(tl.float32)
             x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-        out = Out + rows.to(tl.int64)[None, :] * N
         mask = col_ok[:, None] & row_ok[None, :]
-        tl.store(out + lo[:, None], x1.to(dtype), mask=mask)
-        tl.store(out + hi[:, None], x2.to(dtype), mask=mask)
+        if SLOT and pid_h * BLOCK_H * 2 >= Q_COLS:  # a k or v head: into the cache's slot
+            c = lo - Q_COLS  # kind · Hkv · D + head · D + d: [2, Hkv, D]'s flat index
+            kind = c // KV_COLS
+            at = (c - kind * KV_COLS) + kind * stride_kv_kind
+            slot = tl.load(Step)
+            out = KV + rows.to(tl.int64)[None, :] * stride_kv_row + slot * stride_kv_slot
+            tl.store(out + at[:, None], x1.to(dtype), mask=mask)
+            tl.store(out + at[:, None] + HEAD_D // 2, x2.to(dtype), mask=mask)
+        else:
+            out = Out + rows.to(tl.int64)[None, :] * stride_out
+            tl.store(out + lo[:, None], x1.to(dtype), mask=mask)
+            tl.store(out + hi[:, None], x2.to(dtype), mask=mask)
 
     def launch(
         x: torch.Tensor,
@@ -136,10 +155,13 @@ if AVAILABLE:
         sin: torch.Tensor,
         rotated_columns: int,
         tile: tuple | None = None,
+        kv: torch.Tensor | None = None,
+        step: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The kernel (what the op and `bench_weight_stream.py` call): `rotated` of x @ weight.T
+        """The kernel (what the ops and `bench_weight_stream.py` call): `rotated` of x @ weight.T
         (+ bias) [M, N] in x's dtype; `tile` (BLOCK_H, most rows a program, BLOCK_K, warps,
-        stages), the module's when not given."""
+        stages), the module's when not given. With `kv` [M, S, 2, Hkv, D] and `step` (int64
+        [1]): q's columns [M, N − 2·Hkv·D] out, k and v written into `kv`'s slot `step`."""
         block_h, max_block_m, block_k, warps, stages = tile or (
             BLOCK_H, MAX_BLOCK_M, BLOCK_K, NUM_WARPS, NUM_STAGES
         )  # fmt: skip
@@ -151,7 +173,13 @@ if AVAILABLE:
         cos, sin = cos.reshape(-1, half), sin.reshape(-1, half)
         if cos.stride() != sin.stride() or cos.stride(-1) != 1:
             cos, sin = cos.contiguous(), sin.contiguous()
-        out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+        slot = kv is not None
+        kv_cols = kv.shape[3] * kv.shape[4] if slot else 0  # Hkv · D
+        if slot:  # the slot's [2, Hkv, D] is read as one flat run of k's then v's columns
+            torch._check(kv.stride(4) == 1 and kv.stride(3) == kv.shape[4])
+            torch._check(n == rotated_columns + kv_cols and kv.shape[2] == 2)
+        q_cols = n - 2 * kv_cols
+        out = torch.empty((x.shape[0], q_cols if slot else n), dtype=x.dtype, device=x.device)
         grid = (n // 2 // block_h, triton.cdiv(x.shape[0], block_m))
         triton_launch.traceable(_qkv_kernel)[grid](
             x,
@@ -160,13 +188,22 @@ if AVAILABLE:
             cos,
             sin,
             out,
+            kv if slot else out,
+            step if slot else out,
             x.shape[0],
             x.stride(0),
             cos.stride(0),
+            out.stride(0),
+            kv.stride(0) if slot else 0,
+            kv.stride(1) if slot else 0,
+            kv.stride(2) if slot else 0,
             K=k,
             N=n,
             HEAD_D=2 * half,
             ROT_COLS=rotated_columns,
+            Q_COLS=q_cols,
+            KV_COLS=max(kv_cols, 1),
+            SLOT=slot,
             HAS_BIAS=bias is not None,
             BLOCK_M=block_m,
             BLOCK_H=block_h,
@@ -189,6 +226,19 @@ if AVAILABLE:
     ) -> torch.Tensor:
         return launch(x, weight, bias, cos, sin, rotated_columns)
 
+    @triton_op("boundgen::stream_qkv_slot", mutates_args=("kv",))
+    def _stream_qkv_slot(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rotated_columns: int,
+        kv: torch.Tensor,
+        step: torch.Tensor,
+    ) -> torch.Tensor:
+        return launch(x, weight, bias, cos, sin, rotated_columns, kv=kv, step=step)
+
 
 def rotated(
     x: torch.Tensor,
@@ -203,6 +253,22 @@ def rotated(
     qkv projection's output with q and k rotated (`Attention.heads(..., rotate=False)` takes
     it)."""
     return torch.ops.boundgen.stream_qkv(x, weight, bias, cos, sin, rotated_columns)
+
+
+def rotated_into_slot(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotated_columns: int,
+    kv: torch.Tensor,
+    step: torch.Tensor,
+) -> torch.Tensor:
+    """`rotated` for a beam decode step: q's rotated columns [M, Hq·D] out, k (rotated) and v
+    written by the same kernel into slot `step` (int64 [1]) of `kv` [M, S, 2, Hkv, D] (the step's
+    cache layer, `BeamKV`): no stack-and-copy kernel after it."""
+    return torch.ops.boundgen.stream_qkv_slot(x, weight, bias, cos, sin, rotated_columns, kv, step)
 
 
 def reference(x, weight, bias, cos, sin, rotated_columns: int) -> torch.Tensor:
