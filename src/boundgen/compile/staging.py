@@ -11,7 +11,8 @@ with one non-blocking H2D into the device buffer, the graph is replayed (the for
 `hidden[rows]` into its static output), and the k wanted rows are copied out once. No pooled buffer,
 no per-call event object, no per-input device-to-device copy.
 
-With `BOUNDGEN_STAGED_COPY=graph` (`COPY_IN_GRAPH`; off until measured) the captured graph copies
+With `BOUNDGEN_STAGED_COPY=graph` (`COPY_IN_GRAPH`; off until the GPU suite passes with it on; W4
+−0.06 to −0.08 ms on an H100, fortieth session) the captured graph copies
 its inputs in itself — an H2D memcpy node from the pinned host buffer, its first node — so a call
 fills the host buffer and replays, and the copy call's host time (37 µs of W3's 1.08 ms call on
 an H100's host, BENCHMARKS.md thirty-ninth session) leaves the path before the replay. A call with

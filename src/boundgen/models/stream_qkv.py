@@ -15,7 +15,10 @@ does. v's heads are stored as computed. The columns are few (576 pairs for Qwen2
 programs of 16), so the rows are cut into tiles of at most `MAX_BLOCK_M` — every row tile reads
 the same weight tile, from L2 after the first — to spread the weight's read over the SMs.
 
-Off until it wins W3 and W4 on the GPU (`ROTATED`, `BOUNDGEN_STREAM_QKV=1`); it takes the calls
+At a beam decode step the same kernel writes k and v into the cache's slot (`rotated_into_slot`):
+no stack-and-copy kernel after it. Off until the GPU suite passes with it on (`ROTATED`,
+`BOUNDGEN_STREAM_QKV=1`; W4 at one prompt 4.96 → 4.85 ms on an H100, W3 a wash: BENCHMARKS.md,
+fortieth session); it takes the calls
 of at most `stream.MAX_ROWS` rows whose q and k rotate as one run of heads
 (`Attention.rotates_together`: no q/k norm, q not grouped). Compiled packages record the switch
 (`compile.cache.platform_info`).
