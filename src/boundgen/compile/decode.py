@@ -108,13 +108,15 @@ def plain_session(model, device, prompts: list[list[int]], width: int, steps: in
 # final norm after the last layer). Compiled one layer at a time, a layer that returned x alone
 # ended in a kernel of its own for its last residual add (its output must exist in memory) and
 # the next layer's graph began with the norm; ending the layer with that norm lets Inductor put
-# the add into the norm's kernel: one launch fewer a layer (24 a forward, 96 a W4 search).
+# the add into the norm's kernel: one launch fewer a layer (Inductor's CPU code shows it; on the
+# GPU, 24 a forward and 96 a W4 search expected, BENCHMARKS.md "Still to measure").
 
 
 def first_layer_inputs(model, ids, positions):
     """ids, positions [T] → the first layer's x (the embedded tokens), x through its input
     norm, and cos, sin of the positions. Compiled with the layers: eagerly these were a dozen
-    kernels a forward (the lookups, casts and the norm's steps), compiled two."""
+    kernels a forward (the lookups, casts and the norm's steps); Inductor's CPU code fuses them
+    into one."""
     x = model.embed_tokens(ids)
     cos, sin = model.rotary(positions, x.dtype)
     return x, model.layers[0].input_layernorm(x), cos, sin
