@@ -232,6 +232,9 @@ class ModelSteps:
         self.model, self.backend = model, backend
         self._first, self._prefill, self._decode = first_layer_inputs, prefill_layer, decode_layer
         self.compiled = compile_layers
+        # each layer with the norm its function ends with (see `prefill_layer`)
+        nexts = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
+        self._layers = list(zip(model.layers, nexts))
         self.fused_attention = beam_decode.chosen(getattr(backend, "name", ""))
         if compile_layers:
             import torch._inductor.config as inductor
@@ -249,20 +252,18 @@ class ModelSteps:
             self._decode = torch.compile(decode_layer, fullgraph=True, options=options)
 
     def _inputs(self, ids, positions):
-        """A forward's first layer's inputs (`first_layer_inputs`, compiled with the layers),
-        the fused kernels' counters, and each layer with its next norm (the next layer's input
-        norm, the model's final norm after the last: see `prefill_layer`)."""
+        """A forward's first layer's inputs (`first_layer_inputs`, compiled with the layers) and
+        the fused kernels' counters."""
         m = self.model
         if self.compiled:
             _rows_dynamic(ids, positions)
         x, normed, cos, sin = self._first(m, ids, positions)
-        nexts = [layer.input_layernorm for layer in m.layers[1:]] + [m.norm]
-        return x, normed, cos, sin, skinny.counters(x, m.layers[0]), zip(m.layers, nexts)
+        return x, normed, cos, sin, skinny.counters(x, m.layers[0])
 
     def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, prompt: PromptKV):
         """Final-normed hidden states [T, H] of the packed prompts, their KV stored."""
-        x, normed, cos, sin, counts, layers = self._inputs(ids, positions)
-        for i, (layer, next_norm) in enumerate(layers):
+        x, normed, cos, sin, counts = self._inputs(ids, positions)
+        for i, (layer, next_norm) in enumerate(self._layers):
             pk, pv = prompt.k[i], prompt.v[i]
             if self.compiled:
                 _rows_dynamic(x, normed, cos, sin, pk, pv, cu_seqlens)
@@ -289,8 +290,8 @@ class ModelSteps:
     def decode_hidden(self, tokens, positions, state: DecodeKV, step: torch.Tensor):
         """Final-normed hidden states [N, H] of one decode step."""
         b = state.beams
-        x, normed, cos, sin, counts, layers = self._inputs(tokens, positions)
-        for i, (layer, next_norm) in enumerate(layers):
+        x, normed, cos, sin, counts = self._inputs(tokens, positions)
+        for i, (layer, next_norm) in enumerate(self._layers):
             pk, pv, bkv = state.prompt.k[i], state.prompt.v[i], b.kv[i]
             if self.compiled:
                 _rows_dynamic(
@@ -591,8 +592,7 @@ class SearchGraphs:
 
     def _search(self, slot: _Slot, width: int, steps: int, trie: Any) -> None:
         """One search over the slot's buffers (what the graph captures)."""
-        if slot.inputs.by_graph:
-            slot.inputs.copy_in()
+        slot.inputs.graph_prologue()
         beams = slot.state.beams
         beams.kv, beams._spare = slot.initial
         v = slot.inputs.views

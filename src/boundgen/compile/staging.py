@@ -185,6 +185,12 @@ class StagedInputs:
         """The copy alone (what a graph that copies its inputs in captures: no event, no count)."""
         self.staged.copy_(self.host, non_blocking=True)
 
+    def graph_prologue(self) -> None:
+        """The first work of the body a graph captures over these inputs: the host buffer in
+        where the graph copies it (`by_graph`); nothing where each call copies it before."""
+        if self.by_graph:
+            self.copy_in()
+
     def copied(self) -> None:
         """After the work that copies the host buffer out (`copy`, or a replay whose graph
         copies it in): count it, and mark where a later fill may rewrite the buffer."""
@@ -286,8 +292,7 @@ class StagedBucket:
             self.graph = StaticGraph(lambda: self._body(), [], pool=pool)
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inputs.by_graph:  # the graph's first node: the host buffer in
-            self.inputs.copy_in()
+        self.inputs.graph_prologue()
         hidden = self._fn(self.inputs.batch)
         return hidden, hidden.index_select(0, self.inputs.rows)
 

@@ -133,14 +133,23 @@ class DecoderLayer(nn.Module):
             fused = attn.rotates_together(grouped)
             qkv = self._fused_qkv(x, cos, sin, counts, fused)
             return attn.heads(qkv, cos, sin, grouped, rotate=not fused)
-        proj = attn.qkv_proj
-        if stream_qkv.applies(x, proj, attn.head_dim) and attn.rotates_together(grouped):
+        proj, h = attn.qkv_proj, self._input_normed(x, normed)
+        if self._streams_qkv(x, grouped):
             # one streamed GEMM rotates q and k in its epilogue: no rotation kernel
-            h = self.input_layernorm(x) if normed is None else normed
             qkv = stream_qkv.rotated(h, proj.weight, proj.bias, cos, sin, attn.rotated_columns)
             return attn.heads(qkv, cos, sin, grouped, rotate=False)
-        h = self.input_layernorm(x) if normed is None else normed
         return attn.heads(proj(h), cos, sin, grouped)
+
+    def _input_normed(self, x, normed):
+        """x through the input norm: `normed` where the caller has it already."""
+        return self.input_layernorm(x) if normed is None else normed
+
+    def _streams_qkv(self, x, grouped: bool) -> bool:
+        """Whether qkv and the q/k rotation take the streamed kernel (`models/stream_qkv.py`)."""
+        attn = self.self_attn
+        return stream_qkv.applies(x, attn.qkv_proj, attn.head_dim) and attn.rotates_together(
+            grouped
+        )
 
     def _fused_qkv(self, x, cos, sin, counts, rotate: bool, group=1, kv=None, step=None):
         """`skinny.norm_linear` over the layer's input norm and qkv projection: q and k rotated
@@ -178,10 +187,9 @@ class DecoderLayer(nn.Module):
             if grouped:
                 return q.view(n, group, attn.num_kv_heads, attn.head_dim)
             return q.view(n, attn.num_heads, attn.head_dim)
-        proj = attn.qkv_proj
-        if stream_qkv.applies(x, proj, attn.head_dim) and attn.rotates_together(grouped):
+        if self._streams_qkv(x, grouped):
             # the streamed qkv kernel writes k and v into the slot itself: no copy kernel after
-            h = self.input_layernorm(x) if normed is None else normed
+            proj, h = attn.qkv_proj, self._input_normed(x, normed)
             q = stream_qkv.rotated_into_slot(
                 h, proj.weight, proj.bias, cos, sin, attn.rotated_columns, kv, step
             )
