@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hopper import compile_in_child
-from small_layer import small_config
+from small_layer import qwen_layer_on_cuda, small_config
 from torch import nn
 
 pytest.importorskip("triton")
@@ -206,12 +206,7 @@ def test_the_kernel_compiles_for_hopper(block_m, slot, split):
 def test_a_compiled_layer_with_the_kernel_equals_the_plain_one():
     """Inside `torch.compile` (the op traced) at 16, 64 and 128 rows, the rows marked dynamic as
     the compiled beam layers' are: q, k and v against the plain layer's."""
-    torch.manual_seed(0)
-    cfg = small_config(hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2,
-                       head_dim=64, max_position_embeddings=4096)  # fmt: skip
-    layer = DecoderLayer(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
-    for p in layer.parameters():
-        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.02)
+    layer, cfg = qwen_layer_on_cuda()
     rope = RotaryEmbedding(cfg).to("cuda")
     compiled = torch.compile(layer.attention_input)
     for rows in (16, 64, 128):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from small_layer import small_config
+from small_layer import qwen_layer_on_cuda, small_config
 from torch import nn
 
 pytest.importorskip("triton")
@@ -155,12 +155,7 @@ def test_a_compiled_layer_with_the_split_equals_the_plain_one():
     """Inside `torch.compile` (the ops traced with the forward's counters, which they mutate), at
     16, 64 and 128 rows marked dynamic as the compiled beam layers' are (a symbolic row count
     splits as one row tile): qkv's q, k, v and the MLP block against the plain layer's."""
-    torch.manual_seed(0)
-    cfg = small_config(hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2,
-                       head_dim=64, max_position_embeddings=4096)  # fmt: skip
-    layer = DecoderLayer(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
-    for p in layer.parameters():
-        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.02)
+    layer, cfg = qwen_layer_on_cuda()
     rope = RotaryEmbedding(cfg).to("cuda")
 
     def parts(x, cos, sin, counts):

@@ -165,12 +165,16 @@ if AVAILABLE:
         return acc_a, acc_b
 
     @triton.jit
-    def counted_in(acc_a, acc_b, Parts, Counts, tile, tiles, pid_k, BLOCK_N: tl.constexpr,
-                   BLOCK_M: tl.constexpr):  # fmt: skip
-        """A K split's two partial accumulators left in `Parts` [splits, tiles, 2, BLOCK_N,
-        BLOCK_M] (float32) and the program counted in on its tile's counter: how many of the
-        tile's programs had arrived before it (the last to arrive, SPLIT − 1, sums them all,
-        `summed_partials`, and finishes the tile)."""
+    def split_sums(acc_a, acc_b, Parts, Counts, pid_n, pid_m, pid_k, SPLIT: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+        """A K split's two partial accumulators [BLOCK_N, BLOCK_M] left in `Parts` [splits, tiles,
+        2, BLOCK_N, BLOCK_M] (float32), and the program counted in on its tile's counter →
+        (whether it arrived last, the sums): the last program sums the tile's partials in split
+        order (the same bits whichever arrives last), sets the counter back to zero (the next
+        call on the stream may take the same counters: a forward's calls share them) and
+        finishes the tile; the others are done."""
+        tiles = tl.num_programs(0) * tl.num_programs(1)
+        tile = pid_m * tl.num_programs(0) + pid_n
         offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         mine = Parts + (pid_k * tiles + tile).to(tl.int64) * (2 * BLOCK_N * BLOCK_M)
         tl.store(mine + offs, acc_a)
@@ -178,24 +182,17 @@ if AVAILABLE:
         # every thread's stores issued before the count (the threadfence-reduction pattern: the
         # barrier, then a release at device scope; the last program's acquire sees them)
         tl.debug_barrier()
-        return tl.atomic_add(Counts + tile, 1, sem="acq_rel", scope="gpu")
-
-    @triton.jit
-    def summed_partials(Parts, Counts, tile, tiles, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr):  # fmt: skip
-        """The last program of a tile: its splits' partials summed in split order (the same
-        bits whichever program arrives last), and the tile's counter set back to zero (the next
-        call on the stream may take the same counters: a forward's calls share them)."""
-        offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for s in range(SPLIT):
-            part = Parts + (s * tiles + tile).to(tl.int64) * (2 * BLOCK_N * BLOCK_M)
-            # .cg: from L2, where the other multiprocessors' stores are
-            acc_a += tl.load(part + offs, cache_modifier=".cg")
-            acc_b += tl.load(part + BLOCK_N * BLOCK_M + offs, cache_modifier=".cg")
-        tl.store(Counts + tile, 0)
-        return acc_a, acc_b
+        last = tl.atomic_add(Counts + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if last:
+            acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT):
+                part = Parts + (s * tiles + tile).to(tl.int64) * (2 * BLOCK_N * BLOCK_M)
+                # .cg: from L2, where the other multiprocessors' stores are
+                acc_a += tl.load(part + offs, cache_modifier=".cg")
+                acc_b += tl.load(part + BLOCK_N * BLOCK_M + offs, cache_modifier=".cg")
+            tl.store(Counts + tile, 0)
+        return last, acc_a, acc_b
 
     @triton.jit
     def _stream_kernel(

@@ -39,7 +39,7 @@ if AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op
 
-    from boundgen.models.stream import counted_in, summed_partials, two_products
+    from boundgen.models.stream import split_sums, two_products
 
 GATED = os.environ.get("BOUNDGEN_STREAM_GATED", "1") == "1"
 # Tiles (columns of each half a program, K a step, warps, stages), swept on an H100 at gate_up's
@@ -95,7 +95,7 @@ if AVAILABLE:
         """Out[rows, cols] = SiLU(X[rows] @ W[cols].T) · (X[rows] @ W[I + cols].T) over this
         program's column tile and row tile, W = gate_up's weight [2I, K] (gate's rows, then
         up's). With SPLIT > 1 the tile's K is split over SPLIT programs (program_id(2)) and the
-        last of them to finish sums their partials (`stream.counted_in`) and writes the tile."""
+        last of them to finish sums their partials (`stream.split_sums`) and writes the tile."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -109,12 +109,9 @@ if AVAILABLE:
         )  # fmt: skip
         last = True
         if SPLIT > 1:
-            tiles = tl.num_programs(0) * tl.num_programs(1)
-            tile = pid_m * tl.num_programs(0) + pid_n
-            last = counted_in(gate, up, Parts, Counts, tile, tiles, pid_k, BLOCK_N, BLOCK_M)
-            last = last == SPLIT - 1
-            if last:
-                gate, up = summed_partials(Parts, Counts, tile, tiles, SPLIT, BLOCK_N, BLOCK_M)
+            last, gate, up = split_sums(
+                gate, up, Parts, Counts, pid_n, pid_m, pid_k, SPLIT, BLOCK_N, BLOCK_M
+            )  # fmt: skip
         if last:
             h = gate * tl.sigmoid(gate) * up
             out = Out + rows.to(tl.int64)[None, :] * I + cols[:, None]

@@ -42,7 +42,7 @@ if AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op
 
-    from boundgen.models.stream import counted_in, summed_partials, two_products
+    from boundgen.models.stream import split_sums, two_products
 
 ROTATED = os.environ.get("BOUNDGEN_STREAM_QKV", "0") == "1"
 # Tile: pairs of columns a program (BLOCK_H of a head's first half and the same of its second;
@@ -116,7 +116,7 @@ if AVAILABLE:
         (columns before ROT_COLS). With SLOT, Out holds q's columns only and k's and v's heads go
         into slot Step[0] of KV [rows, slots, 2, Hkv, D] (a beam step's cache: no copy after).
         With SPLIT > 1 the tile's K is split over SPLIT programs (program_id(2)) and the last of
-        them to finish sums their partials (`stream.counted_in`) and finishes the tile."""
+        them to finish sums their partials (`stream.split_sums`) and finishes the tile."""
         pid_h = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -133,14 +133,9 @@ if AVAILABLE:
         )  # fmt: skip
         last = True
         if SPLIT > 1:
-            tiles = tl.num_programs(0) * tl.num_programs(1)
-            tile = pid_m * tl.num_programs(0) + pid_h
-            last = counted_in(acc_lo, acc_hi, Parts, Counts, tile, tiles, pid_k, BLOCK_H, BLOCK_M)
-            last = last == SPLIT - 1
-            if last:
-                acc_lo, acc_hi = summed_partials(
-                    Parts, Counts, tile, tiles, SPLIT, BLOCK_H, BLOCK_M
-                )  # fmt: skip
+            last, acc_lo, acc_hi = split_sums(
+                acc_lo, acc_hi, Parts, Counts, pid_h, pid_m, pid_k, SPLIT, BLOCK_H, BLOCK_M
+            )  # fmt: skip
         if last:
             _rotated_store(
                 acc_lo, acc_hi, Bias, Cos, Sin, Out, KV, Step, pid_h, rows, row_ok, d, lo, hi,
