@@ -23,12 +23,11 @@ kernels (`skinny.MAX_ROWS` N), `--stream-rows N…` one with o_proj and down str
 for each N given (`models/stream.py`, `stream.MAX_ROWS` N), `--stream-gated` the one with gate_up
 and SiLU·mul as one streamed GEMM (`models/stream_gated.py`; the other variants then take cuBLAS
 and Inductor's SiLU·mul: the GEMM is the default), `--stream-qkv` the one with qkv and the q/k
-rotation as one streamed GEMM (`models/stream_qkv.py`), `--stream-split` the one whose
-epilogue kernels split K where their tiles are few (`stream.SPLIT_K`), `--copy-in-graph` the one
-whose graph copies its staged prompts in itself, and `--trie-select` the one with each trie
-step's selection in one kernel (`trie_select`, the other variants then take the ATen step: the
-kernel is the default); `--residual-add` the one with the residual adds out of `addmm`
-(`compile.residual`, the others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
+rotation as one streamed GEMM (`models/stream_qkv.py`), `--copy-in-graph` the one whose graph
+copies its staged prompts in itself, and `--trie-select` the one with each trie step's selection
+in one kernel (`trie_select`, the other variants then take the ATen step: the kernel is the
+default); `--residual-add` the one with the residual adds out of `addmm` (`compile.residual`, the
+others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
 `--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
 attention + the own-slot kernel) or `fusedN[wW]` (one kernel, `attention/beam_decode.py`, N rows a
 program — 16, the default, 32, 64 or 128 — on W warps, by default `beam_decode.DEFAULT_WARPS`);
@@ -180,20 +179,17 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     # whether a trie step is one kernel, the one-kernel decode attention's tile; the others run
     # the process's defaults
     rows_of, select_of, tile_of, stream_of, gated_of, qkv_of = {}, {}, {}, {}, {}, {}
-    split_of = {}
     of_kind = {
         "skinny": rows_of,
         "select": select_of,
         "stream": stream_of,
         "gated": gated_of,
         "qkv": qkv_of,
-        "split": split_of,
     }
     # with --trie-select the other variants take the ATen step (the A/B's other side)
     select_default = False if args.trie_select else trie_select.ENABLED
     gated_default = False if args.stream_gated else stream_gated.GATED
     qkv_default = False if args.stream_qkv else stream_qkv.ROTATED
-    split_default = False if args.stream_split else stream.SPLIT_K
     if args.head_compile:
         from boundgen.compile.aoti import export_attention
         from boundgen.compile.backends import allow_recompiles
@@ -216,7 +212,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             [("gated", True)] if args.stream_gated else [],
             [("qkv", True)] if args.stream_qkv else [],
             [("copy", True)] if args.copy_in_graph else [],
-            [("split", True)] if args.stream_split else [],
             [("select", True)] if args.trie_select else [],
             [("add", True)] if args.residual_add else [],
             [("attention", kind) for kind in args.decode_attention],
@@ -297,7 +292,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                         streamed = stream_of.get(vname, stream.MAX_ROWS)
                         gated = gated_of.get(vname, gated_default)
                         rotated = qkv_of.get(vname, qkv_default)
-                        split = split_of.get(vname, split_default)
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
@@ -307,7 +301,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                             s_=streamed,
                             g_=gated,
                             q_=rotated,
-                            k_=split,
                             one_kernel=one_kernel,
                             tile=tile,
                         ):
@@ -317,7 +310,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                                 stream.rows_up_to(s_),
                                 stream_gated.enabled(g_),
                                 stream_qkv.enabled(q_),
-                                stream.splitting(k_),
                                 trie_select.enabled(one_kernel),
                                 beam_decode.tile(*tile),
                             ):
@@ -532,13 +524,6 @@ def main() -> int:
         action="store_true",
         help="heads with --head-compile: also the compiled search with qkv and the q/k rotation "
         "as one streamed GEMM (`models/stream_qkv.py`; crossed with the other variants' kinds)",
-    )
-    ap.add_argument(
-        "--stream-split",
-        action="store_true",
-        help="heads with --head-compile: also the compiled search whose epilogue kernels "
-        "(gate_up + SiLU·mul, qkv + rotation) split K where their tiles are few "
-        "(`stream.SPLIT_K`; crossed with the other variants' kinds)",
     )
     ap.add_argument(
         "--copy-in-graph",

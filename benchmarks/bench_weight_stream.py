@@ -147,18 +147,13 @@ def time_tile(row, label, call, w0, want, per_layer, nbytes, total=lambda out: o
     return us
 
 
-def gated_tiles(quick: bool, m: int, splits: tuple[int, ...]):
-    """(BLOCK_N, BLOCK_K, warps, stages, K splits) to time for gate_up + SiLU·mul at `m` rows
-    (BLOCK_N columns of each half). `quick`: the one `stream_gated.tile_for` gives, at each of
-    `splits`. Else the default tile unsplit (the reference), the whole grid unsplit where 1 is in
-    `splits`, and at each other split (the last program of a tile sums the partials) the tiles
-    around the thirty-ninth session's best."""
+def gated_tiles(quick: bool, m: int):
+    """(BLOCK_N, BLOCK_K, warps, stages) to time for gate_up + SiLU·mul at `m` rows (BLOCK_N
+    columns of each half): the one `stream_gated.tile_for` gives, or all."""
     if quick:
-        return [(*stream_gated.tile_for(m)[:4], s) for s in splits]
-    whole = itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5), (1,) if 1 in splits else ())
-    near = itertools.product((32, 64), (64, 128), (3, 4), [s for s in splits if s > 1])
-    own = (*stream_gated.tile_for(m)[:4], 1)  # the default, always: the reference
-    return list(dict.fromkeys([own, *((bn, bk, 4, st, sk) for bn, bk, st, sk in [*whole, *near])]))
+        return [stream_gated.tile_for(m)]
+    grid = itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 5))
+    return [(bn, bk, 4, st) for bn, bk, st in grid]
 
 
 def sweep_fused(name, args, ws, per_layer_of, plain_label, setup) -> dict:
@@ -212,13 +207,9 @@ def time_gated(args, g, per_layer_of) -> dict:
 
     def setup(m):
         x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-        counts = stream.split_counters(x, i)  # left at zero by every split call
         calls = [
-            (
-                f"n{t[0]} k{t[1]} st{t[3]} s{t[4]}",
-                lambda w, t=t: stream_gated.launch(x, w, t, counts),
-            )
-            for t in gated_tiles(args.quick, m, tuple(args.splits))
+            (f"n{t[0]} k{t[1]} st{t[3]}", lambda w, t=t: stream_gated.launch(x, w, t))
+            for t in gated_tiles(args.quick, m)
         ]
         plain = lambda w: silu_mul(F.linear(x, w))
         return plain, stream_gated.reference(x, ws[0]).float(), calls
@@ -226,22 +217,13 @@ def time_gated(args, g, per_layer_of) -> dict:
     return sweep_fused("gated", args, ws, per_layer_of, "cuBLAS + SiLU·mul", setup)
 
 
-def rotated_tiles(quick: bool, splits: tuple[int, ...]):
-    """(BLOCK_H, most rows a program, BLOCK_K, warps, stages, K splits) to time for qkv + the
-    rotation. `quick`: the module's tile at each of `splits`. Else the module's tile unsplit
-    (the reference), the whole grid unsplit where 1 is in `splits`, and at each other split (the
-    last program of a tile sums the partials) the tiles around the thirty-ninth session's
-    best."""
+def rotated_tiles(quick: bool):
+    """(BLOCK_H, most rows a program, BLOCK_K, warps, stages) to time for qkv + the rotation."""
     q = stream_qkv
     if quick:
-        return [(q.BLOCK_H, q.MAX_BLOCK_M, q.BLOCK_K, q.NUM_WARPS, q.NUM_STAGES, s) for s in splits]
-    whole = itertools.product(
-        (16, 32), (16, 32, 64), (64, 128, 256), (3, 4), (1,) if 1 in splits else ()
-    )
-    near = itertools.product((16,), (16, 32), (64, 128), (3, 4), [s for s in splits if s > 1])
-    own = (q.BLOCK_H, q.MAX_BLOCK_M, q.BLOCK_K, q.NUM_WARPS, q.NUM_STAGES, 1)  # the reference
-    tiles = ((bh, bm, bk, 4, st, sk) for bh, bm, bk, st, sk in [*whole, *near])
-    return list(dict.fromkeys([own, *tiles]))
+        return [(q.BLOCK_H, q.MAX_BLOCK_M, q.BLOCK_K, q.NUM_WARPS, q.NUM_STAGES)]
+    grid = itertools.product((16, 32), (16, 32, 64), (64, 128, 256), (3, 4))
+    return [(bh, bm, bk, 4, st) for bh, bm, bk, st in grid]
 
 
 def time_rotated(args, g, per_layer_of) -> dict:
@@ -262,15 +244,14 @@ def time_rotated(args, g, per_layer_of) -> dict:
 
     def setup(m):
         x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-        counts = stream.split_counters(x, n)  # left at zero by every split call
         theta = torch.rand(m, 1, d // 2, device="cuda", generator=g) * 6.3
         cos, sin = theta.cos().bfloat16(), theta.sin().bfloat16()
         calls = [
             (
-                f"h{t[0]} m{t[1]} k{t[2]} st{t[4]} s{t[5]}",
-                lambda w, t=t: stream_qkv.launch(x, w, bias, cos, sin, rot, t, counts=counts),
+                f"h{t[0]} m{t[1]} k{t[2]} st{t[4]}",
+                lambda w, t=t: stream_qkv.launch(x, w, bias, cos, sin, rot, t),
             )
-            for t in rotated_tiles(args.quick, tuple(args.splits))
+            for t in rotated_tiles(args.quick)
         ]
         plain = lambda w: rotation(F.linear(x, w, bias), cos, sin)
         want = stream_qkv.reference(x, ws[0], bias, cos, sin, rot).float()
@@ -291,14 +272,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="one tile a shape (a smoke test)")
-    ap.add_argument(
-        "--splits",
-        type=int,
-        nargs="+",
-        default=[1],
-        help="gated, rotated: K splits to sweep each tile at (the last program of a tile sums "
-        "the partials; one zeroed counter buffer serves every call, as a forward's does)",
-    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -22,7 +22,6 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --qkv 0,1                             # qkv + q/k rotation by cuBLAS + Inductor, or one GEMM
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
-        --split 0,1                           # the epilogue kernels' K unsplit, or split
         --copy call,graph                     # staged inputs copied by the call or by the graph
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
@@ -401,12 +400,6 @@ def main() -> int:
         "with the other axes",
     )
     ap.add_argument(
-        "--split",
-        default=None,
-        help="`stream.SPLIT_K` values to build side by side (0,1: the epilogue kernels with all "
-        "of K in one program, or split where their tiles are few), crossed with the other axes",
-    )
-    ap.add_argument(
         "--copy",
         default=None,
         help="`staging.COPY_IN_GRAPH` values to build side by side (call,graph: each call copies "
@@ -421,7 +414,6 @@ def main() -> int:
             ap.error(f"--stream: rows are a whole number, not {st!r}")
     gateds = _axis(ap, "--gated", args.gated, ("0", "1"))
     qkvs = _axis(ap, "--qkv", args.qkv, ("0", "1"))
-    splits = _axis(ap, "--split", args.split, ("0", "1"))
     copies = _axis(ap, "--copy", args.copy, ("call", "graph"))
     rotations = _axis(ap, "--rotations", args.rotations, decoder.QK_ROTATIONS)
     cuda = args.device.startswith("cuda")
@@ -444,7 +436,7 @@ def main() -> int:
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [
-        (v, r, a, k, st, gt, q, sp, c)
+        (v, r, a, k, st, gt, q, c)
         for v in args.variants.split(",")
         for r in rotations
         for a in autotunes
@@ -452,23 +444,12 @@ def main() -> int:
         for st in streams
         for gt in gateds
         for q in qkvs
-        for sp in splits
         for c in copies
     ]
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for (
-            variant,
-            rotation,
-            autotune,
-            skinny_rows,
-            stream_rows,
-            gated,
-            qkv,
-            split_k,
-            copy,
-        ) in sides:
+        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, copy in sides:
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
@@ -477,7 +458,6 @@ def main() -> int:
                 + ([f"stream{stream_rows}"] if stream_rows is not None else [])
                 + ([f"gated{gated}"] if gated is not None else [])
                 + ([f"qkv{qkv}"] if qkv is not None else [])
-                + ([f"split{split_k}"] if split_k is not None else [])
                 + ([f"copy-{copy}"] if copy is not None else [])
             )
             # each read when the runner traces, builds or captures the model
@@ -493,8 +473,6 @@ def main() -> int:
                 stream_gated.GATED = gated == "1"
             if qkv is not None:
                 stream_qkv.ROTATED = qkv == "1"
-            if split_k is not None:
-                stream.SPLIT_K = split_k == "1"
             if copy is not None:
                 staging.COPY_IN_GRAPH = copy == "graph"
             t0 = time.perf_counter()

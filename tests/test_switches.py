@@ -28,7 +28,6 @@ def test_the_switch_is_set_inside_and_restored_after_a_raise():
         (stream, "MAX_ROWS", stream.rows_up_to, 9),
         (stream_gated, "GATED", stream_gated.enabled, False),
         (stream_qkv, "ROTATED", stream_qkv.enabled, True),
-        (stream, "SPLIT_K", stream.splitting, True),
     ],
 )
 def test_each_kernel_switch_sets_its_own_module_global(module, name, switch, value):

@@ -167,8 +167,6 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
             info["stream_gated"] = "1"
         if stream_qkv.ROTATED:  # off keeps the keys of the packages built before it
             info["stream_qkv"] = "1"
-        if stream.SPLIT_K:  # off keeps the keys of the packages built before it
-            info["stream_split"] = "1"
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
     if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it

@@ -39,7 +39,7 @@ from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
 from boundgen.compile.staging import StagedInputs
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
-from boundgen.models.decoder import kernel_counters
+from boundgen.models import skinny
 from boundgen.search import banned_tensor, search
 from boundgen.text.packing import Footprint, SequenceGroup, pack, pack_arrays
 
@@ -126,7 +126,7 @@ def prefill_layer(
     layer, x, normed, cos, sin, cu_seqlens, max_seqlen: int, pk, pv, backend, next_norm, counts=None
 ):
     """A decoder layer over packed prompts (causal per segment), storing k/v into `pk`/`pv`
-    [T, Hkv, D] (`counts`: the K-split kernels' counters, `kernel_counters`). x, normed
+    [T, Hkv, D] (`counts`: the fused kernels' counters, `skinny.counters`). x, normed
     [T, hidden] → (its output, `next_norm` of it)."""
     q, k, v = layer.attention_input(x, cos, sin, counts=counts, normed=normed)
     pk.copy_(k)
@@ -166,7 +166,7 @@ def decode_layer(
     `cascade.grouped_rows_attention`) and to their own slots ≤ step, merged by log-sum-exp; with
     `fused` (on CUDA) in one kernel (`attention/beam_decode.py`); else with `own_kernel` (on CUDA)
     flash and one kernel for the own slots and the merge (`attention/own_slots.py`). `counts`:
-    the K-split kernels' counters (`kernel_counters`). x, normed [N, hidden] → (its output,
+    the fused linear kernels' counters (`skinny.counters`). x, normed [N, hidden] → (its output,
     `next_norm` of it)."""
     n = x.shape[0]
     fused = fused and x.is_cuda
@@ -253,12 +253,12 @@ class ModelSteps:
 
     def _inputs(self, ids, positions):
         """A forward's first layer's inputs (`first_layer_inputs`, compiled with the layers) and
-        the K-split kernels' counters."""
+        the fused kernels' counters."""
         m = self.model
         if self.compiled:
             _rows_dynamic(ids, positions)
         x, normed, cos, sin = self._first(m, ids, positions)
-        return x, normed, cos, sin, kernel_counters(x, m.layers[0])
+        return x, normed, cos, sin, skinny.counters(x, m.layers[0])
 
     def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, prompt: PromptKV):
         """Final-normed hidden states [T, H] of the packed prompts, their KV stored."""

@@ -117,8 +117,8 @@ class DecoderLayer(nn.Module):
     # decode step or a short prompt is bound by its kernels' count, not by FLOPs
     # (models/skinny.py).
 
-    # `counts`: the forward's counters for the K-split kernels (`kernel_counters`; None: each
-    # call zeroes its own)
+    # `counts`: the forward's counters for the fused kernels' K splits (`skinny.counters`; None:
+    # each call zeroes its own)
 
     def attention_input(
         self, x, cos, sin, grouped: bool = False, counts=None, normed=None
@@ -136,9 +136,7 @@ class DecoderLayer(nn.Module):
         proj, h = attn.qkv_proj, self._input_normed(x, normed)
         if self._streams_qkv(x, grouped):
             # one streamed GEMM rotates q and k in its epilogue: no rotation kernel
-            qkv = stream_qkv.rotated(
-                h, proj.weight, proj.bias, cos, sin, attn.rotated_columns, counts
-            )
+            qkv = stream_qkv.rotated(h, proj.weight, proj.bias, cos, sin, attn.rotated_columns)
             return attn.heads(qkv, cos, sin, grouped, rotate=False)
         return attn.heads(proj(h), cos, sin, grouped)
 
@@ -193,7 +191,7 @@ class DecoderLayer(nn.Module):
             # the streamed qkv kernel writes k and v into the slot itself: no copy kernel after
             proj, h = attn.qkv_proj, self._input_normed(x, normed)
             q = stream_qkv.rotated_into_slot(
-                h, proj.weight, proj.bias, cos, sin, attn.rotated_columns, kv, step, counts
+                h, proj.weight, proj.bias, cos, sin, attn.rotated_columns, kv, step
             )
             return q.view(x.shape[0], attn.num_heads, attn.head_dim)
         q, k, v = self.attention_input(x, cos, sin, grouped, counts, normed)
@@ -217,7 +215,7 @@ class DecoderLayer(nn.Module):
             return skinny.linear_residual(h, mlp.down_proj.weight, x, counts)
         streamed = stream.applies(x, mlp.down_proj)
         if stream_gated.applies(x, mlp.gate_up_proj):  # gate_up with SiLU·mul as its epilogue
-            h = stream_gated.gated(norm(x), mlp.gate_up_proj.weight, counts)
+            h = stream_gated.gated(norm(x), mlp.gate_up_proj.weight)
         elif streamed:
             h = mlp.gated(norm(x))
         else:
@@ -230,20 +228,6 @@ class DecoderLayer(nn.Module):
         q, k, v = self.attention_input(x, cos, sin, counts=counts)
         o = self.self_attn.attend(q, k, v, attn, kv, layer, backend)
         return self.mlp_block(self.attention_output(x, o, counts), counts)
-
-
-def kernel_counters(x: torch.Tensor, layer: DecoderLayer) -> torch.Tensor | None:
-    """One zeroed counter buffer for the K-split kernels of a forward (or a decode step) over rows
-    `x` through layers shaped like `layer`: the few-row fused kernels' (`skinny.counters`), else
-    the streamed epilogue kernels' where they split K (`stream.SPLIT_K`); None where no kernel
-    splits. Each call leaves its counters at zero: one zero fill a forward."""
-    counts = skinny.counters(x, layer)
-    if counts is not None or not stream.SPLIT_K:
-        return counts
-    attn, gate_up = layer.self_attn, layer.mlp.gate_up_proj
-    if stream_gated.applies(x, gate_up) or stream_qkv.applies(x, attn.qkv_proj, attn.head_dim):
-        return stream.split_counters(x, max(gate_up.out_features, attn.qkv_proj.out_features))
-    return None
 
 
 class DecoderModel(nn.Module):
@@ -272,7 +256,7 @@ class DecoderModel(nn.Module):
         """input_ids, positions: [T] → final-normed hidden states [T, H]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        counts = kernel_counters(x, self.layers[0])
+        counts = skinny.counters(x, self.layers[0])
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn, kv, i, self.backend, counts)
         return self.norm(x)

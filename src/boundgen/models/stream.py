@@ -28,7 +28,6 @@ torch.export + AOTInductor trace into the kernel. Without CUDA it runs in Triton
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 
 import torch
@@ -60,18 +59,6 @@ MAX_ROWS = int(os.environ.get("BOUNDGEN_STREAM_MAX_ROWS", "128"))
 # `bench_weight_stream.py` on the H100 for both projections at 16 and 64 rows)
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
 
-# Whether the epilogue kernels (`stream_gated`, `stream_qkv`) split K where their tiles make too
-# few programs to spread the weight's read over the multiprocessors (`split_for`): the last
-# program of a tile sums the partials and runs the epilogue. Off until measured
-# (`BOUNDGEN_STREAM_SPLIT=1`): qkv's 576 column pairs make 36 programs of 16 at one row tile, and
-# the kernel ran 6.0 µs a layer in W4's graph against cuBLAS's 4.4 (BENCHMARKS.md, fortieth
-# session); gate_up + SiLU·mul's 76 at one row tile (8.6 µs, 2.0 TB/s).
-SPLIT_K = os.environ.get("BOUNDGEN_STREAM_SPLIT", "0") == "1"
-# The programs a split aims at: one wave on an H100's or H200's 132 multiprocessors
-SPLIT_TARGET = 132
-# The most splits: each is one more partial tile for the last program to read
-MAX_SPLIT = 4
-
 # Inside: the kernel also for CPU tensors (Triton's interpreter; the tests' switch)
 forced = triton_launch.interpreted
 
@@ -80,23 +67,6 @@ def rows_up_to(rows: int) -> contextlib.AbstractContextManager[None]:
     """Inside: the kernel takes calls of at most `rows` rows (`MAX_ROWS`; 0: none); read when a
     layer traces, compiles or is captured (an A/B's switch)."""
     return switched(globals(), "MAX_ROWS", rows)
-
-
-def splitting(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside: the epilogue kernels split K (`SPLIT_K`) or not; read when a layer traces,
-    compiles or is captured (an A/B's switch)."""
-    return switched(globals(), "SPLIT_K", on)
-
-
-def split_for(column_tiles: int, row_tiles, k: int, block_k: int) -> int:
-    """K splits for an epilogue kernel's call of `column_tiles` × `row_tiles` tiles over K: enough
-    for about `SPLIT_TARGET` programs, at most `MAX_SPLIT` and at most K's steps; one with
-    `SPLIT_K` off. Rows unknown when traced (the compiled beam layers' are symbolic) count as one
-    row tile: a beam decode step's 16–64 rows, where the split is wanted."""
-    if not SPLIT_K:
-        return 1
-    programs = column_tiles * (row_tiles if isinstance(row_tiles, int) else 1)
-    return max(1, min(MAX_SPLIT, skinny_tiles.cdiv(k, block_k), round(SPLIT_TARGET / programs)))
 
 
 def applies(x: torch.Tensor, linear: nn.Module) -> bool:
@@ -128,9 +98,7 @@ if AVAILABLE:
         a,
         col_ok,
         stride_xm,
-        k0,
         K: tl.constexpr,
-        K_PER: tl.constexpr,
         B_OFFSET: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -138,15 +106,15 @@ if AVAILABLE:
         PRECISION: tl.constexpr,
         INTERPRET: tl.constexpr,
     ):
-        """X[rows] @ W[a].T and X[rows] @ W[a + B_OFFSET].T over K's slice [k0, k0 + K_PER)
-        (all of K: k0 0, K_PER K), two float32 [BLOCK_N, BLOCK_M] accumulators (swap AB; `a`:
-        BLOCK_N weight rows, masked by `col_ok`): the two halves a program of the epilogue
-        kernels keeps, gate's and up's columns (`stream_gated`: B_OFFSET = I) or a head's first
-        and second halves (`stream_qkv`: D/2); x's tile is loaded once for both, the second
-        half's pointers are the first's plus a constant."""
+        """X[rows] @ W[a].T and X[rows] @ W[a + B_OFFSET].T over all of K, two float32
+        [BLOCK_N, BLOCK_M] accumulators (swap AB; `a`: BLOCK_N weight rows, masked by `col_ok`):
+        the two halves a program of the epilogue kernels keeps, gate's and up's columns
+        (`stream_gated`: B_OFFSET = I) or a head's first and second halves (`stream_qkv`: D/2);
+        x's tile is loaded once for both, the second half's pointers are the first's plus a
+        constant."""
         acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k in range(k0, k0 + K_PER, BLOCK_K):
+        for k in range(0, K, BLOCK_K):
             ks = k + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             w_mask = col_ok[:, None] & k_ok[None, :]
@@ -163,36 +131,6 @@ if AVAILABLE:
             acc_a += tl.dot(w_a, x, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
             acc_b += tl.dot(w_b, x, input_precision=PRECISION)
         return acc_a, acc_b
-
-    @triton.jit
-    def split_sums(acc_a, acc_b, Parts, Counts, pid_n, pid_m, pid_k, SPLIT: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-        """A K split's two partial accumulators [BLOCK_N, BLOCK_M] left in `Parts` [splits, tiles,
-        2, BLOCK_N, BLOCK_M] (float32), and the program counted in on its tile's counter →
-        (whether it arrived last, the sums): the last program sums the tile's partials in split
-        order (the same bits whichever arrives last), sets the counter back to zero (the next
-        call on the stream may take the same counters: a forward's calls share them) and
-        finishes the tile; the others are done."""
-        tiles = tl.num_programs(0) * tl.num_programs(1)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        mine = Parts + (pid_k * tiles + tile).to(tl.int64) * (2 * BLOCK_N * BLOCK_M)
-        tl.store(mine + offs, acc_a)
-        tl.store(mine + BLOCK_N * BLOCK_M + offs, acc_b)
-        # every thread's stores issued before the count (the threadfence-reduction pattern: the
-        # barrier, then a release at device scope; the last program's acquire sees them)
-        tl.debug_barrier()
-        last = tl.atomic_add(Counts + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-        if last:
-            acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(SPLIT):
-                part = Parts + (s * tiles + tile).to(tl.int64) * (2 * BLOCK_N * BLOCK_M)
-                # .cg: from L2, where the other multiprocessors' stores are
-                acc_a += tl.load(part + offs, cache_modifier=".cg")
-                acc_b += tl.load(part + BLOCK_N * BLOCK_M + offs, cache_modifier=".cg")
-            tl.store(Counts + tile, 0)
-        return last, acc_a, acc_b
 
     @triton.jit
     def _stream_kernel(
@@ -271,17 +209,15 @@ if AVAILABLE:
         torch._check(x.shape[1] == weight.shape[1])
         return x, weight, skinny_tiles.block_m_for(x.shape[0])
 
-    def run(kernel, grid, x, weight, out, tile: tuple, *buffers, **shape) -> None:
-        """`kernel`[grid] as the streamed kernels take their arguments: X, W, Out, the kernel's
-        other `buffers` (a K split's partials and counters), M, stride_xm, the shape's
-        constexprs, then the tile's (`tile`: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages),
-        `tl.dot`'s precision and whether Triton's interpreter runs it."""
+    def run(kernel, grid, x, weight, out, tile: tuple, **shape) -> None:
+        """`kernel`[grid] as the streamed kernels take their arguments: X, W, Out, M, stride_xm,
+        the shape's constexprs, then the tile's (`tile`: BLOCK_M, BLOCK_N, BLOCK_K, warps,
+        stages), `tl.dot`'s precision and whether Triton's interpreter runs it."""
         block_m, block_n, block_k, warps, stages = tile
         traceable(kernel)[grid](
             x,
             weight,
             out,
-            *buffers,
             x.shape[0],
             x.stride(0),
             **shape,
@@ -297,48 +233,6 @@ if AVAILABLE:
     @triton_op("boundgen::stream_partials", mutates_args=())
     def _stream_partials(x: torch.Tensor, weight: torch.Tensor, split: int) -> torch.Tensor:
         return launch(x, weight, split)
-
-
-@dataclasses.dataclass(frozen=True)
-class KSplit:
-    """How an epilogue kernel (`stream_gated`, `stream_qkv`) splits K over `splits` programs a
-    tile, each taking `per` of K (whole BLOCK_K steps), and the float32 partials' size for its
-    `tiles` tiles of [BLOCK_N, BLOCK_M] (two accumulators each). One split: all of K in one
-    program, no partials, no counters."""
-
-    per: int
-    splits: int
-    tiles: object  # int, or symbolic where the rows are (the compiled beam layers)
-    tile_size: int
-
-    @classmethod
-    def of(cls, k: int, block_k: int, split: int, grid: tuple, block_n: int, block_m: int):
-        per, splits = skinny_tiles.k_split(k, block_k, max(1, split))
-        return cls(per, splits, grid[0] * grid[1], 2 * block_n * block_m)
-
-    def buffers(self, x: torch.Tensor, counts: torch.Tensor | None) -> tuple:
-        """(partials, counters) for the kernel: with one split, x twice (never read); else the
-        partials, and `counts` (zero, and left at zero by the call) or counters zeroed here."""
-        if self.splits == 1:
-            return x, x
-        parts = torch.empty(
-            self.splits * self.tiles * self.tile_size, dtype=torch.float32, device=x.device
-        )
-        if counts is None:
-            counts = torch.zeros(self.tiles, dtype=torch.int32, device=x.device)
-        torch._check(counts.numel() >= self.tiles)
-        return parts, counts
-
-
-def split_counters(x: torch.Tensor, columns: int) -> torch.Tensor:
-    """One zeroed counter buffer for split calls over rows `x` of at most `columns` output
-    columns (a counter a tile: tiles are at least 16 columns by 16 rows), which every split call
-    of a forward (or a decode step) shares: the calls run one after another on the forward's
-    stream and each leaves its counters at zero, so one zero fill serves them all (a buffer
-    zeroed per call is a fill kernel per GEMM). One per forward: forwards may run at once on the
-    device's streams."""
-    tiles = skinny_tiles.cdiv(columns, 16) * skinny_tiles.cdiv(x.shape[0], 16)
-    return torch.zeros(tiles, dtype=torch.int32, device=x.device)
 
 
 def k_per(k: int, split: int, block_k: int = BLOCK_K) -> int:

@@ -39,7 +39,7 @@ if AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op
 
-    from boundgen.models.stream import split_sums, two_products
+    from boundgen.models.stream import two_products
 
 GATED = os.environ.get("BOUNDGEN_STREAM_GATED", "1") == "1"
 # Tiles (columns of each half a program, K a step, warps, stages), swept on an H100 at gate_up's
@@ -78,14 +78,10 @@ if AVAILABLE:
         X,
         W,
         Out,
-        Parts,
-        Counts,
         M,
         stride_xm,
         K: tl.constexpr,
         I: tl.constexpr,  # noqa: E741 - the intermediate size, as in the docstring
-        K_PER: tl.constexpr,
-        SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -94,70 +90,45 @@ if AVAILABLE:
     ):
         """Out[rows, cols] = SiLU(X[rows] @ W[cols].T) · (X[rows] @ W[I + cols].T) over this
         program's column tile and row tile, W = gate_up's weight [2I, K] (gate's rows, then
-        up's). With SPLIT > 1 the tile's K is split over SPLIT programs (program_id(2)) and the
-        last of them to finish sums their partials (`stream.split_sums`) and writes the tile."""
+        up's)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
-        pid_k = tl.program_id(2)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         col_ok = cols < I
         row_ok = rows < M
         gate, up = two_products(
-            X, W, rows, row_ok, cols, col_ok, stride_xm, pid_k * K_PER, K, K_PER, I, BLOCK_N,
-            BLOCK_M, BLOCK_K, PRECISION, INTERPRET,
+            X, W, rows, row_ok, cols, col_ok, stride_xm, K, I, BLOCK_N, BLOCK_M, BLOCK_K,
+            PRECISION, INTERPRET,
         )  # fmt: skip
-        last = True
-        if SPLIT > 1:
-            last, gate, up = split_sums(
-                gate, up, Parts, Counts, pid_n, pid_m, pid_k, SPLIT, BLOCK_N, BLOCK_M
-            )  # fmt: skip
-        if last:
-            h = gate * tl.sigmoid(gate) * up
-            out = Out + rows.to(tl.int64)[None, :] * I + cols[:, None]
-            tl.store(out, h.to(Out.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+        h = gate * tl.sigmoid(gate) * up
+        out = Out + rows.to(tl.int64)[None, :] * I + cols[:, None]
+        tl.store(out, h.to(Out.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
-    def launch(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        tile: tuple | None = None,
-        counts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def launch(x: torch.Tensor, weight: torch.Tensor, tile: tuple | None = None) -> torch.Tensor:
         """The kernel (what the op and `bench_weight_stream.py` call): SiLU(x @ gate.T) ·
         (x @ up.T) [M, I] in x's dtype, weight = [gate; up] [2I, K]; `tile` (BLOCK_N, BLOCK_K,
-        warps, stages[, K splits]), `tile_for` the rows' when not given (split by
-        `stream.split_for`). `counts`: zeroed int32 counters for a K split
-        (`stream.split_counters`), left at zero; a split without them zeroes its own."""
+        warps, stages), `tile_for` the rows' when not given."""
         x, weight, block_m = stream.operands(x, weight)
-        block_n, block_k, warps, stages, *split = tile or tile_for(x.shape[0])
+        block_n, block_k, warps, stages = tile or tile_for(x.shape[0])
         two_i, k = weight.shape
         torch._check(two_i % 2 == 0)
         i = two_i // 2
         out = torch.empty((x.shape[0], i), dtype=x.dtype, device=x.device)
         grid = (triton.cdiv(i, block_n), triton.cdiv(x.shape[0], block_m))
         tile = (block_m, block_n, block_k, warps, stages)
-        split = split[0] if split else stream.split_for(*grid, k, block_k)
-        split = stream.KSplit.of(k, block_k, split, grid, block_n, block_m)
-        stream.run(
-            _gated_kernel, (*grid, split.splits), x, weight, out, tile,
-            *split.buffers(x, counts), K=k, I=i, K_PER=split.per, SPLIT=split.splits,
-        )  # fmt: skip
+        stream.run(_gated_kernel, grid, x, weight, out, tile, K=k, I=i)
         return out
 
-    @triton_op("boundgen::stream_gated", mutates_args={"counts"})
-    def _stream_gated(
-        x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return launch(x, weight, counts=counts)
+    @triton_op("boundgen::stream_gated", mutates_args=())
+    def _stream_gated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return launch(x, weight)
 
 
-def gated(
-    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor | None = None
-) -> torch.Tensor:
+def gated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """SiLU(x @ gate.T) · (x @ up.T): x [M, K], weight = gate_up's [2I, K] → [M, I] in x's
-    dtype. `counts`: the forward's split counters (`stream.split_counters`), where its tile
-    splits K."""
-    return torch.ops.boundgen.stream_gated(x, weight, counts)
+    dtype."""
+    return torch.ops.boundgen.stream_gated(x, weight)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

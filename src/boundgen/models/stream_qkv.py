@@ -42,7 +42,7 @@ if AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op
 
-    from boundgen.models.stream import split_sums, two_products
+    from boundgen.models.stream import two_products
 
 ROTATED = os.environ.get("BOUNDGEN_STREAM_QKV", "0") == "1"
 # Tile: pairs of columns a program (BLOCK_H of a head's first half and the same of its second;
@@ -85,8 +85,6 @@ if AVAILABLE:
         Out,
         KV,
         Step,
-        Parts,
-        Counts,
         M,
         stride_xm,
         stride_rope,
@@ -102,8 +100,6 @@ if AVAILABLE:
         KV_COLS: tl.constexpr,
         SLOT: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        K_PER: tl.constexpr,
-        SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -114,12 +110,9 @@ if AVAILABLE:
         (lo = head·D + d): X @ W[lo].T and X @ W[lo + D/2].T (+ bias), rounded to Out's dtype,
         then rotated by cos/sin [T, D/2] of the rows where the head is one of q's or k's
         (columns before ROT_COLS). With SLOT, Out holds q's columns only and k's and v's heads go
-        into slot Step[0] of KV [rows, slots, 2, Hkv, D] (a beam step's cache: no copy after).
-        With SPLIT > 1 the tile's K is split over SPLIT programs (program_id(2)) and the last of
-        them to finish sums their partials (`stream.split_sums`) and finishes the tile."""
+        into slot Step[0] of KV [rows, slots, 2, Hkv, D] (a beam step's cache: no copy after)."""
         pid_h = tl.program_id(0)
         pid_m = tl.program_id(1)
-        pid_k = tl.program_id(2)
         pairs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # pair index: head · D/2 + d
         d = pairs % (HEAD_D // 2)
         lo = (pairs // (HEAD_D // 2)) * HEAD_D + d
@@ -128,30 +121,9 @@ if AVAILABLE:
         col_ok = lo < N
         row_ok = rows < M
         acc_lo, acc_hi = two_products(
-            X, W, rows, row_ok, lo, col_ok, stride_xm, pid_k * K_PER, K, K_PER, HEAD_D // 2,
-            BLOCK_H, BLOCK_M, BLOCK_K, PRECISION, INTERPRET,
+            X, W, rows, row_ok, lo, col_ok, stride_xm, K, HEAD_D // 2, BLOCK_H, BLOCK_M, BLOCK_K,
+            PRECISION, INTERPRET,
         )  # fmt: skip
-        last = True
-        if SPLIT > 1:
-            last, acc_lo, acc_hi = split_sums(
-                acc_lo, acc_hi, Parts, Counts, pid_h, pid_m, pid_k, SPLIT, BLOCK_H, BLOCK_M
-            )  # fmt: skip
-        if last:
-            _rotated_store(
-                acc_lo, acc_hi, Bias, Cos, Sin, Out, KV, Step, pid_h, rows, row_ok, d, lo, hi,
-                col_ok, stride_rope, stride_out, stride_kv_row, stride_kv_slot, stride_kv_kind,
-                HEAD_D, ROT_COLS, Q_COLS, KV_COLS, SLOT, HAS_BIAS, BLOCK_H,
-            )  # fmt: skip
-
-    @triton.jit
-    def _rotated_store(
-        acc_lo, acc_hi, Bias, Cos, Sin, Out, KV, Step, pid_h, rows, row_ok, d, lo, hi, col_ok,
-        stride_rope, stride_out, stride_kv_row, stride_kv_slot, stride_kv_kind,
-        HEAD_D: tl.constexpr, ROT_COLS: tl.constexpr, Q_COLS: tl.constexpr,
-        KV_COLS: tl.constexpr, SLOT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):  # fmt: skip
-        """A tile's epilogue: the bias, the rounding, the rotation, and the store (Out, or the
-        cache's slot for k and v with SLOT)."""
         if HAS_BIAS:
             acc_lo += tl.load(Bias + lo, mask=col_ok, other=0.0).to(tl.float32)[:, None]
             acc_hi += tl.load(Bias + hi, mask=col_ok, other=0.0).to(tl.float32)[:, None]
@@ -188,16 +160,12 @@ if AVAILABLE:
         tile: tuple | None = None,
         kv: torch.Tensor | None = None,
         step: torch.Tensor | None = None,
-        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The kernel (what the ops and `bench_weight_stream.py` call): `rotated` of x @ weight.T
         (+ bias) [M, N] in x's dtype; `tile` (BLOCK_H, most rows a program, BLOCK_K, warps,
-        stages[, K splits]), the module's when not given (split by `stream.split_for`). With `kv`
-        [M, S, 2, Hkv, D] and `step`
-        (int64 [1]): q's columns [M, N − 2·Hkv·D] out, k and v written into `kv`'s slot `step`.
-        `counts`: zeroed int32 counters for a K split (`stream.split_counters`), left at zero; a
-        split without them zeroes its own."""
-        block_h, max_block_m, block_k, warps, stages, *split = tile or (
+        stages), the module's when not given. With `kv` [M, S, 2, Hkv, D] and `step` (int64
+        [1]): q's columns [M, N − 2·Hkv·D] out, k and v written into `kv`'s slot `step`."""
+        block_h, max_block_m, block_k, warps, stages = tile or (
             BLOCK_H, MAX_BLOCK_M, BLOCK_K, NUM_WARPS, NUM_STAGES
         )  # fmt: skip
         x, weight, block_m = stream.operands(x, weight)
@@ -216,9 +184,7 @@ if AVAILABLE:
         q_cols = n - 2 * kv_cols
         out = torch.empty((x.shape[0], q_cols if slot else n), dtype=x.dtype, device=x.device)
         grid = (n // 2 // block_h, triton.cdiv(x.shape[0], block_m))
-        split = split[0] if split else stream.split_for(*grid, k, block_k)
-        split = stream.KSplit.of(k, block_k, split, grid, block_h, block_m)
-        triton_launch.traceable(_qkv_kernel)[(*grid, split.splits)](
+        triton_launch.traceable(_qkv_kernel)[grid](
             x,
             weight,
             bias if bias is not None else weight,
@@ -227,7 +193,6 @@ if AVAILABLE:
             out,
             kv if slot else out,
             step if slot else out,
-            *split.buffers(x, counts),
             x.shape[0],
             x.stride(0),
             cos.stride(0),
@@ -243,8 +208,6 @@ if AVAILABLE:
             KV_COLS=max(kv_cols, 1),
             SLOT=slot,
             HAS_BIAS=bias is not None,
-            K_PER=split.per,
-            SPLIT=split.splits,
             BLOCK_M=block_m,
             BLOCK_H=block_h,
             BLOCK_K=block_k,
@@ -255,7 +218,7 @@ if AVAILABLE:
         )
         return out
 
-    @triton_op("boundgen::stream_qkv", mutates_args={"counts"})
+    @triton_op("boundgen::stream_qkv", mutates_args=())
     def _stream_qkv(
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -263,11 +226,10 @@ if AVAILABLE:
         cos: torch.Tensor,
         sin: torch.Tensor,
         rotated_columns: int,
-        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return launch(x, weight, bias, cos, sin, rotated_columns, counts=counts)
+        return launch(x, weight, bias, cos, sin, rotated_columns)
 
-    @triton_op("boundgen::stream_qkv_slot", mutates_args={"kv", "counts"})
+    @triton_op("boundgen::stream_qkv_slot", mutates_args=("kv",))
     def _stream_qkv_slot(
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -277,9 +239,8 @@ if AVAILABLE:
         rotated_columns: int,
         kv: torch.Tensor,
         step: torch.Tensor,
-        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return launch(x, weight, bias, cos, sin, rotated_columns, kv=kv, step=step, counts=counts)
+        return launch(x, weight, bias, cos, sin, rotated_columns, kv=kv, step=step)
 
 
 def rotated(
@@ -289,13 +250,12 @@ def rotated(
     cos: torch.Tensor,
     sin: torch.Tensor,
     rotated_columns: int,
-    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) with the heads of its first `rotated_columns` columns
     rotated by cos, sin ([M, 1, D/2] or [M, D/2]; HF's rotate-half) → [M, N] in x's dtype: the
     qkv projection's output with q and k rotated (`Attention.heads(..., rotate=False)` takes
-    it). `counts`: the forward's split counters (`stream.split_counters`), where K splits."""
-    return torch.ops.boundgen.stream_qkv(x, weight, bias, cos, sin, rotated_columns, counts)
+    it)."""
+    return torch.ops.boundgen.stream_qkv(x, weight, bias, cos, sin, rotated_columns)
 
 
 def rotated_into_slot(
@@ -307,14 +267,11 @@ def rotated_into_slot(
     rotated_columns: int,
     kv: torch.Tensor,
     step: torch.Tensor,
-    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`rotated` for a beam decode step: q's rotated columns [M, Hq·D] out, k (rotated) and v
     written by the same kernel into slot `step` (int64 [1]) of `kv` [M, S, 2, Hkv, D] (the step's
     cache layer, `BeamKV`): no stack-and-copy kernel after it."""
-    return torch.ops.boundgen.stream_qkv_slot(
-        x, weight, bias, cos, sin, rotated_columns, kv, step, counts
-    )
+    return torch.ops.boundgen.stream_qkv_slot(x, weight, bias, cos, sin, rotated_columns, kv, step)
 
 
 def reference(x, weight, bias, cos, sin, rotated_columns: int) -> torch.Tensor:
