@@ -27,7 +27,7 @@ def test_the_switch_is_set_inside_and_restored_after_a_raise():
         (skinny, "MAX_ROWS", skinny.rows_up_to, 7),
         (stream, "MAX_ROWS", stream.rows_up_to, 9),
         (stream_gated, "GATED", stream_gated.enabled, False),
-        (stream_qkv, "ROTATED", stream_qkv.enabled, True),
+        (stream_qkv, "ROTATED", stream_qkv.enabled, False),
     ],
 )
 def test_each_kernel_switch_sets_its_own_module_global(module, name, switch, value):

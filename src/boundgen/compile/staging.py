@@ -11,11 +11,12 @@ with one non-blocking H2D into the device buffer, the graph is replayed (the for
 `hidden[rows]` into its static output), and the k wanted rows are copied out once. No pooled buffer,
 no per-call event object, no per-input device-to-device copy.
 
-With `BOUNDGEN_STAGED_COPY=graph` (`COPY_IN_GRAPH`; off until the GPU suite passes with it on; W4
-−0.06 to −0.08 ms on an H100, fortieth session) the captured graph copies
-its inputs in itself — an H2D memcpy node from the pinned host buffer, its first node — so a call
-fills the host buffer and replays, and the copy call's host time (37 µs of W3's 1.08 ms call on
-an H100's host, BENCHMARKS.md thirty-ninth session) leaves the path before the replay. A call with
+By default (`COPY_IN_GRAPH`, `BOUNDGEN_STAGED_COPY=graph`; `call` for the copy before the replay;
+W4 −0.06 to −0.08 ms on an H100, fortieth session; the GPU suite passed with it on, forty-first)
+the captured graph copies its inputs in itself — an H2D memcpy node from the pinned host buffer,
+its first node — so a call fills the host buffer and replays, and the copy call's host time (37 µs
+of W3's 1.08 ms call on an H100's host, BENCHMARKS.md thirty-ninth session) leaves the path before
+the replay. A call with
 a device batch of its own (`__call__`) then stages it into the host buffer by device-to-host
 copies queued before the replay (no wait).
 
@@ -56,7 +57,7 @@ _ALIGN = 16
 # them before the replay ("call"): read when a bucket is captured
 COPY_IN_GRAPH = (
     env_choice(
-        "BOUNDGEN_STAGED_COPY", os.environ.get("BOUNDGEN_STAGED_COPY", "call"), ("call", "graph")
+        "BOUNDGEN_STAGED_COPY", os.environ.get("BOUNDGEN_STAGED_COPY", "graph"), ("call", "graph")
     )
     == "graph"
 )

@@ -16,10 +16,10 @@ programs of 16), so the rows are cut into tiles of at most `MAX_BLOCK_M` — eve
 the same weight tile, from L2 after the first — to spread the weight's read over the SMs.
 
 At a beam decode step the same kernel writes k and v into the cache's slot (`rotated_into_slot`):
-no stack-and-copy kernel after it. Off until the GPU suite passes with it on (`ROTATED`,
-`BOUNDGEN_STREAM_QKV=1`; W4 at one prompt 4.96 → 4.85 ms on an H100, W3 a wash: BENCHMARKS.md,
-fortieth session); it takes the calls
-of at most `stream.MAX_ROWS` rows whose q and k rotate as one run of heads
+no stack-and-copy kernel after it. On by default since the forty-first session, when the GPU
+suite passed with it on (`ROTATED`; `BOUNDGEN_STREAM_QKV=0` turns it off; W4 at one prompt 4.96 →
+4.85 ms on an H100, W3 a wash: BENCHMARKS.md, fortieth session); it takes the calls of at most
+`stream.MAX_ROWS` rows whose q and k rotate as one run of heads
 (`Attention.rotates_together`: no q/k norm, q not grouped). Compiled packages record the switch
 (`compile.cache.platform_info`).
 """
@@ -44,7 +44,7 @@ if AVAILABLE:
 
     from boundgen.models.stream import two_products
 
-ROTATED = os.environ.get("BOUNDGEN_STREAM_QKV", "0") == "1"
+ROTATED = os.environ.get("BOUNDGEN_STREAM_QKV", "1") == "1"
 # Tile: pairs of columns a program (BLOCK_H of a head's first half and the same of its second;
 # at most D/2, dividing it), rows a program at most, K a step, warps, stages. Swept on an H100
 # (`bench_weight_stream.py --shapes rotated`, thirty-ninth session, 36 tiles): 16 pairs, 32 rows,
