@@ -16,9 +16,8 @@ W4 −0.06 to −0.08 ms on an H100, fortieth session; the GPU suite passed with
 the captured graph copies its inputs in itself — an H2D memcpy node from the pinned host buffer,
 its first node — so a call fills the host buffer and replays, and the copy call's host time (37 µs
 of W3's 1.08 ms call on an H100's host, BENCHMARKS.md thirty-ninth session) leaves the path before
-the replay. A call with
-a device batch of its own (`__call__`) then stages it into the host buffer by device-to-host
-copies queued before the replay (no wait).
+the replay. A call with a device batch of its own (`__call__`) then stages it into the host
+buffer by device-to-host copies queued before the replay (no wait).
 
 Buffer layout (byte offsets, each field on a 16-byte boundary: AOTInductor kernels assume aligned
 inputs and copy a misaligned one on every call):
