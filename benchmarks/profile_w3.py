@@ -23,6 +23,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --qkv 0,1                             # qkv + q/k rotation by cuBLAS + Inductor, or one GEMM
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --copy call,graph                     # staged inputs copied by the call or by the graph
+    python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
+        --pdl 0,1                             # the graph as captured, or with programmatic edges
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -68,7 +70,7 @@ import common
 
 from boundgen import Engine
 from boundgen.checkpoints import ensure_model
-from boundgen.compile import bucket_autotune, staging
+from boundgen.compile import bucket_autotune, programmatic, staging
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
@@ -406,6 +408,13 @@ def main() -> int:
         "the staged inputs in before the replay, or the bucket's graph copies them in as its "
         "first node), crossed with the other axes",
     )
+    ap.add_argument(
+        "--pdl",
+        default=None,
+        help="`programmatic.ON` values to build side by side (0,1: the bucket's graph as captured, "
+        "or its edges into boundgen's kernels made programmatic, `compile/programmatic.py`), "
+        "crossed with the other axes",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     streams = args.stream.split(",") if args.stream else [None]
@@ -415,6 +424,7 @@ def main() -> int:
     gateds = _axis(ap, "--gated", args.gated, ("0", "1"))
     qkvs = _axis(ap, "--qkv", args.qkv, ("0", "1"))
     copies = _axis(ap, "--copy", args.copy, ("call", "graph"))
+    pdls = _axis(ap, "--pdl", args.pdl, ("0", "1"))
     rotations = _axis(ap, "--rotations", args.rotations, decoder.QK_ROTATIONS)
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
@@ -436,7 +446,7 @@ def main() -> int:
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [
-        (v, r, a, k, st, gt, q, c)
+        (v, r, a, k, st, gt, q, c, p)
         for v in args.variants.split(",")
         for r in rotations
         for a in autotunes
@@ -445,11 +455,12 @@ def main() -> int:
         for gt in gateds
         for q in qkvs
         for c in copies
+        for p in pdls
     ]
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, copy in sides:
+        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, copy, pdl in sides:
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
@@ -459,6 +470,7 @@ def main() -> int:
                 + ([f"gated{gated}"] if gated is not None else [])
                 + ([f"qkv{qkv}"] if qkv is not None else [])
                 + ([f"copy-{copy}"] if copy is not None else [])
+                + ([f"pdl{pdl}"] if pdl is not None else [])
             )
             # each read when the runner traces, builds or captures the model
             if rotation is not None:
@@ -475,6 +487,8 @@ def main() -> int:
                 stream_qkv.ROTATED = qkv == "1"
             if copy is not None:
                 staging.COPY_IN_GRAPH = copy == "graph"
+            if pdl is not None:
+                programmatic.ON = pdl == "1"
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":

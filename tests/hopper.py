@@ -39,12 +39,19 @@ src = ASTSource(
 )
 kernel = triton.compile(src, GPUTarget("cuda", 90, 32), dict(num_warps=warps, num_stages=stages))
 print("cubin", len(kernel.asm["cubin"]))
+# whether the kernel's first global access comes after a grid dependency wait (`grid_dependency`)
+ptx = kernel.asm["ptx"]
+ptx = ptx[ptx.index(".entry"):]
+wait = ptx.find("griddepcontrol.wait")
+first = min([i for i in (ptx.find(op) for op in ("ld.global", "st.global", "cp.async")) if i >= 0])
+print("waits first", 0 <= wait < first)
 """
 
 
 def compile_in_child(script: str, *args: str) -> str:
-    """Run `script` between the common head and tail above (argv: `args`) → its stdout; skips the
-    test where this Triton has no CUDA compiler API."""
+    """Run `script` between the common head and tail above (argv: `args`) → its stdout ("cubin
+    SIZE", then "waits first True" where the kernel waits for the kernels before it ahead of its
+    first global load or store); skips the test where this Triton has no CUDA compiler API."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = _HEAD + script + _TAIL
     res = subprocess.run(

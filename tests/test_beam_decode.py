@@ -72,7 +72,7 @@ gqa, d, scale_type, block_m, warps = (
 fn = m._beam_decode_kernel
 const = dict(
     SLOTS_P2=4, GQA=gqa, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_N=m.BLOCK_N, IEEE=False,
-    INTERPRET=False,
+    INTERPRET=False, PDL=True,
 )
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({n: "*bf16" for n in ("Q", "PK", "PV", "BK", "BV", "Out")})
@@ -98,7 +98,8 @@ def test_kernel_compiles_for_hopper(gqa, d, scale_type, block_m, warps):
     """The interpreter runs the kernel as Python; this compiles it for sm_90 (the while loop to a
     runtime bound, the scale as Inductor's fp64 or a constexpr, 16 to 128 rows a program on one
     to four warps)."""
-    compile_in_child(HOPPER, str(gqa), str(d), scale_type, str(block_m), str(warps))
+    out = compile_in_child(HOPPER, str(gqa), str(d), scale_type, str(block_m), str(warps))
+    assert "waits first True" in out  # programmatic launch: nothing read before the wait
 
 
 @pytest.mark.parametrize(

@@ -217,7 +217,7 @@ fn = segments._packed_prefill_kernel
 block_m, block_n, warps, stages = segments.config_for(d)
 const = dict(
     SEG_ITERS=8, GROUP_ITERS=4, GQA=gqa, HEAD_DIM=d, BLOCK_D=d, BLOCK_T=block_m // gqa,
-    BLOCK_M=block_m, BLOCK_N=block_n, HAS_PREFIX=True, IEEE=False, INTERPRET=False,
+    BLOCK_M=block_m, BLOCK_N=block_n, HAS_PREFIX=True, IEEE=False, INTERPRET=False, PDL=True,
 )
 sig = {n: "i32" for n in fn.arg_names}
 sig.update({n: "*bf16" for n in ("Q", "K", "V", "Out")})
@@ -239,7 +239,8 @@ def test_kernel_compiles_for_hopper(d, gqa, scale_type):
     it), and as a constexpr Python float in torch 2.11's analysis of which tensors a user kernel
     mutates (`generate_ttir`: on the H200 the analysis failed on `.to` of a float, and Inductor
     then assumed that the kernel writes every input)."""
-    compile_in_child(HOPPER, str(d), str(gqa), scale_type)
+    out = compile_in_child(HOPPER, str(d), str(gqa), scale_type)
+    assert "waits first True" in out  # programmatic launch: nothing read before the wait
 
 
 # -- GPU: against flash attention, compiled, exported ---------------------------------------------

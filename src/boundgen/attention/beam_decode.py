@@ -37,7 +37,9 @@ try:
     import triton.language as tl
     from torch.library import triton_op
 
+    from boundgen import grid_dependency
     from boundgen.attention.segments import dot
+    from boundgen.grid_dependency import await_inputs
     from boundgen.triton_launch import one_stride_set, traceable, unit_last_stride
 
     AVAILABLE = True
@@ -126,6 +128,7 @@ if AVAILABLE:
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
         return m_new, l_i, acc
 
+    @grid_dependency.awaits
     @triton.jit
     def _beam_decode_kernel(
         Q,
@@ -155,7 +158,9 @@ if AVAILABLE:
         SLOTS_P2: tl.constexpr,  # the own slots, padded to a power of two
         IEEE: tl.constexpr,
         INTERPRET: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         # Inductor hands a Python float over typed fp64 (attention/segments.py); the interpreter
@@ -284,6 +289,7 @@ if AVAILABLE:
             # float32 multiplied exactly: as tf32 the H200 missed the eager path's 2e-5 (GPU test)
             IEEE=q.dtype == torch.float32,
             INTERPRET=not q.is_cuda,
+            PDL=grid_dependency.waits(q),
             num_warps=num_warps,
         )
         return out

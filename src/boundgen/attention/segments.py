@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
+from boundgen import grid_dependency
+from boundgen.grid_dependency import await_inputs
 from boundgen.triton_launch import traceable, unit_last_stride
 
 
@@ -318,6 +320,7 @@ def _attend(
 
 # NOTE: the sizes that change from batch to batch are not specialised on (an eager forward of a new
 # shape must not compile the kernel again); SEG_ITERS/GROUP_ITERS take a few values (`_iters`).
+@grid_dependency.awaits
 @triton.jit(do_not_specialize=["T", "num_segments", "num_groups", "num_prefix", "num_shared"])
 def _packed_prefill_kernel(
     Q,
@@ -352,7 +355,9 @@ def _packed_prefill_kernel(
     HAS_PREFIX: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     # Inductor launches a user kernel with a Python float typed fp64 (Triton's own launcher: fp32);
@@ -527,6 +532,7 @@ def launch(
         HAS_PREFIX=num_shared > 0,
         IEEE=q.dtype == torch.float32,
         INTERPRET=q.device.type != "cuda",  # Triton's CPU interpreter (TRITON_INTERPRET=1)
+        PDL=grid_dependency.waits(q),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -34,7 +34,7 @@ import torch
 
 from boundgen.attention import beam_decode, own_slots
 from boundgen.attention.cascade import grouped_rows_attention, grouped_rows_partial, merge_partial
-from boundgen.compile import residual, staging
+from boundgen.compile import programmatic, residual, staging
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
 from boundgen.compile.staging import StagedInputs
@@ -637,8 +637,7 @@ class SearchGraphs:
         # NOTE: one graph for the whole search. A graph's launch costs the host ~20 us even at
         # 4,000 kernels and the GPU starts at once, so a chain of graphs (one per decode step)
         # hid nothing: W4 6.89 against 6.82 ms (H200, BENCHMARKS.md 2026-12-02 eighth session)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
+        with programmatic.capture(pool=self._pool, stream=self._capture_stream) as graph:
             self._search(slot, width, steps, trie)
         graph.replay()  # this request's results (the capture itself computes nothing)
         slot.graph = graph

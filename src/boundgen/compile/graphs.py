@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from boundgen.compile import programmatic
 from boundgen.compile.aoti import flat_inputs
 from boundgen.compile.buckets import Bucket
 from boundgen.text.packing import PackedBatch
@@ -43,8 +44,7 @@ class StaticGraph:
             for _ in range(warmup):
                 fn(*static_inputs)
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with programmatic.capture(pool=pool) as self.graph:
             self.output = fn(*static_inputs)
         self.lock = threading.Lock()
 

@@ -33,7 +33,7 @@ import os
 import torch
 from torch import nn
 
-from boundgen import triton_launch
+from boundgen import grid_dependency, triton_launch
 from boundgen.models import skinny_tiles
 from boundgen.settings import switched
 
@@ -42,6 +42,7 @@ try:
     import triton.language as tl
     from torch.library import triton_op
 
+    from boundgen.grid_dependency import await_inputs
     from boundgen.triton_launch import traceable
 
     AVAILABLE = True
@@ -132,6 +133,7 @@ if AVAILABLE:
             acc_b += tl.dot(w_b, x, input_precision=PRECISION)
         return acc_a, acc_b
 
+    @grid_dependency.awaits
     @triton.jit
     def _stream_kernel(
         X,
@@ -147,9 +149,11 @@ if AVAILABLE:
         BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,
         INTERPRET: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Parts[s, rows, cols] = X[rows, Ks] @ W[cols, Ks].T over this program's column tile,
         row tile and K slice Ks (s = program_id(1))."""
+        await_inputs(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -212,7 +216,8 @@ if AVAILABLE:
     def run(kernel, grid, x, weight, out, tile: tuple, **shape) -> None:
         """`kernel`[grid] as the streamed kernels take their arguments: X, W, Out, M, stride_xm,
         the shape's constexprs, then the tile's (`tile`: BLOCK_M, BLOCK_N, BLOCK_K, warps,
-        stages), `tl.dot`'s precision and whether Triton's interpreter runs it."""
+        stages), `tl.dot`'s precision, whether Triton's interpreter runs it and whether the
+        kernel waits for its inputs (`grid_dependency`)."""
         block_m, block_n, block_k, warps, stages = tile
         traceable(kernel)[grid](
             x,
@@ -226,6 +231,7 @@ if AVAILABLE:
             BLOCK_K=block_k,
             PRECISION=triton_launch.dot_precision(x),
             INTERPRET=not x.is_cuda,
+            PDL=grid_dependency.waits(x),
             num_warps=warps,
             num_stages=stages,
         )

@@ -30,6 +30,7 @@ import os
 import torch
 from torch import nn
 
+from boundgen import grid_dependency
 from boundgen.models import stream
 from boundgen.settings import switched
 
@@ -39,6 +40,7 @@ if AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op
 
+    from boundgen.grid_dependency import await_inputs
     from boundgen.models.stream import two_products
 
 GATED = os.environ.get("BOUNDGEN_STREAM_GATED", "1") == "1"
@@ -73,6 +75,7 @@ def applies(x: torch.Tensor, gate_up: nn.Module) -> bool:
 
 if AVAILABLE:
 
+    @grid_dependency.awaits
     @triton.jit
     def _gated_kernel(
         X,
@@ -87,10 +90,12 @@ if AVAILABLE:
         BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,
         INTERPRET: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Out[rows, cols] = SiLU(X[rows] @ W[cols].T) · (X[rows] @ W[I + cols].T) over this
         program's column tile and row tile, W = gate_up's weight [2I, K] (gate's rows, then
         up's)."""
+        await_inputs(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -32,7 +32,7 @@ import os
 import torch
 from torch import nn
 
-from boundgen import triton_launch
+from boundgen import grid_dependency, triton_launch
 from boundgen.models import stream
 from boundgen.settings import switched
 
@@ -42,6 +42,7 @@ if AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op
 
+    from boundgen.grid_dependency import await_inputs
     from boundgen.models.stream import two_products
 
 ROTATED = os.environ.get("BOUNDGEN_STREAM_QKV", "1") == "1"
@@ -75,6 +76,7 @@ def applies(x: torch.Tensor, qkv: nn.Module, head_dim: int) -> bool:
 
 if AVAILABLE:
 
+    @grid_dependency.awaits
     @triton.jit
     def _qkv_kernel(
         X,
@@ -105,12 +107,14 @@ if AVAILABLE:
         BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,
         INTERPRET: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Out[rows, lo] and Out[rows, lo + D/2] for this program's `BLOCK_H` pairs of one head
         (lo = head·D + d): X @ W[lo].T and X @ W[lo + D/2].T (+ bias), rounded to Out's dtype,
         then rotated by cos/sin [T, D/2] of the rows where the head is one of q's or k's
         (columns before ROT_COLS). With SLOT, Out holds q's columns only and k's and v's heads go
         into slot Step[0] of KV [rows, slots, 2, Hkv, D] (a beam step's cache: no copy after)."""
+        await_inputs(PDL)
         pid_h = tl.program_id(0)
         pid_m = tl.program_id(1)
         pairs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # pair index: head · D/2 + d
@@ -213,6 +217,7 @@ if AVAILABLE:
             BLOCK_K=block_k,
             PRECISION=triton_launch.dot_precision(x),
             INTERPRET=not x.is_cuda,
+            PDL=grid_dependency.waits(x),
             num_warps=warps,
             num_stages=stages,
         )

@@ -1,0 +1,176 @@
+"""Programmatic graph edges (`compile/programmatic.py`) and the kernels that may take them
+(`grid_dependency`): which edges a captured graph's rewrite changes, on a fake driver graph; that
+every awaiting kernel waits before anything else (the kernels' Hopper compile tests check the
+PTX); and, on a GPU with programmatic launch, that a graph rewritten so replays what the plain one
+does."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+from boundgen import grid_dependency
+from boundgen.compile import programmatic
+from boundgen.compile.programmatic import EdgeData, programmatic_edge
+
+pytest.importorskip("triton")
+
+# the modules whose kernels wait first (importing them registers the kernels)
+from boundgen.attention import beam_decode, segments
+from boundgen.models import stream, stream_gated, stream_qkv
+
+AWAITING = {
+    "_stream_kernel": stream,
+    "_gated_kernel": stream_gated,
+    "_qkv_kernel": stream_qkv,
+    "_packed_prefill_kernel": segments,
+    "_beam_decode_kernel": beam_decode,
+}
+
+
+class FakeGraph:
+    """A driver graph: nodes named by kind ("kernel:NAME", "memcpy"), edges with their data."""
+
+    def __init__(self, nodes: dict[int, str], edges: list[tuple[int, int, EdgeData]]) -> None:
+        self.nodes, self.edges_ = nodes, list(edges)
+        self.fail_add = False
+
+    def edges(self, graph: int) -> list[tuple[int, int, EdgeData]]:
+        assert graph == 7
+        return list(self.edges_)
+
+    def kernel_name(self, node: int) -> str | None:
+        kind = self.nodes[node]
+        return kind.split(":", 1)[1] if kind.startswith("kernel:") else None
+
+    def replace(self, graph, edges, old, new) -> None:
+        for (a, b), data in zip(edges, old):
+            edge = next(e for e in self.edges_ if e[:2] == (a, b))
+            assert bytes(edge[2]) == bytes(data)  # the edge's own data, as the driver wants it
+            self.edges_.remove(edge)
+        if self.fail_add:
+            self.edges_ += [(a, b, d) for (a, b), d in zip(edges, old)]
+            raise programmatic.DriverError("add failed")
+        self.edges_ += [(a, b, d) for (a, b), d in zip(edges, new)]
+
+    def kinds(self) -> dict[tuple[int, int], str]:
+        return {(a, b): "plain" if d.plain else "programmatic" for a, b, d in self.edges_}
+
+
+def _chain(*kinds: str) -> FakeGraph:
+    nodes = dict(enumerate(kinds))
+    return FakeGraph(nodes, [(i, i + 1, EdgeData()) for i in range(len(kinds) - 1)])
+
+
+def test_only_edges_from_a_kernel_into_an_awaiting_kernel_are_rewritten():
+    g = _chain(
+        "memcpy",  # a copy into an awaiting kernel: stays a full dependency
+        "kernel:_qkv_kernel",
+        "kernel:_packed_prefill_kernel",  # awaiting after awaiting
+        "kernel:triton_per_fused_add_mean",  # into Inductor's kernel: stays
+        "kernel:_gated_kernel",  # Inductor's into awaiting
+        "kernel:nvjet_gemm",  # into cuBLAS: stays
+    )
+    assert programmatic.rewrite(g, 7, grid_dependency.KERNELS) == 2
+    assert g.kinds() == {
+        (0, 1): "plain",
+        (1, 2): "programmatic",
+        (2, 3): "plain",
+        (3, 4): "programmatic",
+        (4, 5): "plain",
+    }
+    data = next(d for a, b, d in g.edges_ if (a, b) == (1, 2))
+    assert (data.from_port, data.to_port, data.type) == (1, 0, 1)  # port and type: programmatic
+
+
+def test_a_rewritten_graph_is_left_alone_and_a_failed_add_restores_the_edges():
+    g = _chain("kernel:_qkv_kernel", "kernel:_stream_kernel")
+    assert programmatic.rewrite(g, 7, grid_dependency.KERNELS) == 1
+    assert programmatic.rewrite(g, 7, grid_dependency.KERNELS) == 0  # no plain edge left to change
+    g = _chain("kernel:_qkv_kernel", "kernel:_stream_kernel")
+    g.fail_add = True
+    with pytest.raises(programmatic.DriverError):
+        programmatic.rewrite(g, 7, grid_dependency.KERNELS)
+    assert g.kinds() == {(0, 1): "plain"}
+
+
+def test_programmatic_edge_data_is_the_driver_struct():
+    assert list(bytes(programmatic_edge())) == [1, 0, 1, 0, 0, 0, 0, 0]
+    assert EdgeData().plain and not programmatic_edge().plain
+
+
+def test_the_awaiting_kernels_are_registered_and_wait_first():
+    """Every kernel `grid_dependency.awaits` marks starts with `await_inputs(PDL)` (nothing
+    before the wait may read or write), and the five the graphs run are marked."""
+    assert set(AWAITING) <= grid_dependency.KERNELS
+    for name in grid_dependency.KERNELS:
+        module = AWAITING.get(name)
+        assert module is not None, f"{name}: a kernel marked awaiting that this test does not know"
+        fn = getattr(module, name)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn.fn)))
+        body = tree.body[0].body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        first = ast.unparse(body[0])
+        assert first == "await_inputs(PDL)", f"{name} starts with {first!r}"
+
+
+def test_kernels_wait_only_on_hopper_cuda():
+    assert not grid_dependency.waits(torch.zeros(1))  # CPU (the interpreter lacks the wait)
+
+
+def test_capture_is_off_without_the_switch(monkeypatch):
+    monkeypatch.setattr(programmatic, "ON", False)
+    assert not programmatic.applies()
+
+
+@pytest.mark.gpu
+def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeypatch):
+    """A W3-sized chain of the streamed kernels (qkv with the rotation, o_proj, gate_up + SiLU·mul,
+    down) over eight layers, with torch's ops between, captured with and without programmatic
+    edges: the same output, bit for bit, replay after replay."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic launch needs sm_90+")
+    monkeypatch.setattr(stream, "MAX_ROWS", 128)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev, dt, m, h, inter = "cuda", torch.bfloat16, 64, 896, 4864
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g, device=dev) * shape[-1] ** -0.5).to(dt)
+
+    layers = [(w(1152, h), w(h, h), w(2 * inter, h), w(h, inter)) for _ in range(8)]
+    cos = torch.randn(m, 32, generator=g, device=dev).to(dt)
+    sin = torch.randn(m, 32, generator=g, device=dev).to(dt)
+    x0 = torch.randn(m, h, generator=g, device=dev).to(dt)
+
+    def forward(x):
+        for qkv, o, gate_up, down in layers:
+            y = stream_qkv.rotated(torch.nn.functional.rms_norm(x, (h,)), qkv, None, cos, sin, 1024)
+            x = stream.linear_residual(y[:, :h].contiguous(), o, x)
+            act = stream_gated.gated(torch.nn.functional.rms_norm(x, (h,)), gate_up)
+            x = stream.linear_residual(act, down, x)
+        return x
+
+    outs, edges = [], []
+    for on in (False, True):
+        monkeypatch.setattr(programmatic, "ON", on)
+        static = x0.clone()
+        forward(static)  # compile the kernels outside the capture
+        torch.cuda.synchronize()
+        with programmatic.capture() as graph:
+            out = forward(static)
+        edges.append(graph.programmatic_edges)
+        runs = []
+        for _ in range(3):
+            graph.replay()
+            runs.append(out.clone())
+        torch.cuda.synchronize()
+        assert all(torch.equal(r, runs[0]) for r in runs)
+        outs.append(runs[0])
+    assert edges[0] == 0 and edges[1] >= 8 * 3  # at least qkv, o_proj's and down's edges a layer
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], forward(x0.clone()))
