@@ -19,17 +19,16 @@ computed from the full head.
     python benchmarks/bench_beam.py --heads-only --head-compile --out $OUT/beam_heads.json
 
 With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
-kernels (`skinny.MAX_ROWS` N), `--stream-rows N…` one with o_proj and down streamed up to N rows for
-each N given (`models/stream.py`, `stream.MAX_ROWS` N), `--stream-gated` the one with gate_up and
-SiLU·mul as one streamed GEMM (`models/stream_gated.py`; the other variants then take cuBLAS and
-Inductor's SiLU·mul: the GEMM is the default), `--stream-qkv` the one with qkv and the q/k rotation
-as one streamed GEMM (`models/stream_qkv.py`), `--copy-in-graph` the one whose graph copies its
-staged prompts in itself, `--pdl` the one whose graph's edges into boundgen's kernels are
-programmatic (`compile/programmatic.py`), `--prefetch` the one whose weight-streaming kernels
-prefetch their weights before their wait (`grid_dependency.PREFETCH`), and `--trie-select` the one
-with each trie step's selection in one kernel (`trie_select`, the other variants then take the ATen
-step: the kernel is the default); `--residual-add` the one with the residual adds out of `addmm`
-(`compile.residual`, the others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
+kernels (`skinny.MAX_ROWS` N), `--stream-rows N…` one with o_proj and down streamed up to N rows
+for each N given (`models/stream.py`, `stream.MAX_ROWS` N), `--stream-gated` the one with gate_up
+and SiLU·mul as one streamed GEMM (`models/stream_gated.py`; the other variants then take cuBLAS
+and Inductor's SiLU·mul: the GEMM is the default), `--stream-qkv` the one with qkv and the q/k
+rotation as one streamed GEMM (`models/stream_qkv.py`), `--copy-in-graph` the one whose graph
+copies its staged prompts in itself, `--pdl` the one whose graph's edges into boundgen's kernels
+are programmatic (`compile/programmatic.py`), and `--trie-select` the one with each trie step's
+selection in one kernel (`trie_select`, the other variants then take the ATen step: the kernel is
+the default); `--residual-add` the one with the residual adds out of `addmm` (`compile.residual`,
+the others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
 `--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
 attention + the own-slot kernel) or `fusedN[wW]` (one kernel, `attention/beam_decode.py`, N rows a
 program — 16, the default, 32, 64 or 128 — on W warps, by default `beam_decode.DEFAULT_WARPS`);
@@ -63,7 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import common
 
-from boundgen import Engine, Trie, grid_dependency, trie_select
+from boundgen import Engine, Trie, trie_select
 from boundgen.attention import beam_decode
 from boundgen.checkpoints import ensure_model
 from boundgen.compile import programmatic, residual, staging
@@ -180,8 +179,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     # a variant's kernels while it runs (its graphs are captured then): `skinny.MAX_ROWS`,
     # whether a trie step is one kernel, the one-kernel decode attention's tile; the others run
     # the process's defaults
-    rows_of, select_of, tile_of, stream_of, gated_of, qkv_of = {}, {}, {}, {}, {}, {}
-    pdl_of, prefetch_of = {}, {}
+    rows_of, select_of, tile_of, stream_of, gated_of, qkv_of, pdl_of = {}, {}, {}, {}, {}, {}, {}
     of_kind = {
         "skinny": rows_of,
         "select": select_of,
@@ -189,14 +187,12 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
         "gated": gated_of,
         "qkv": qkv_of,
         "pdl": pdl_of,
-        "prefetch": prefetch_of,
     }
     # with --trie-select the other variants take the ATen step (the A/B's other side)
     select_default = False if args.trie_select else trie_select.ENABLED
     gated_default = False if args.stream_gated else stream_gated.GATED
     qkv_default = False if args.stream_qkv else stream_qkv.ROTATED
     pdl_default = False if args.pdl else programmatic.ON
-    prefetch_default = False if args.prefetch else grid_dependency.PREFETCH
     if args.head_compile:
         from boundgen.compile.aoti import export_attention
         from boundgen.compile.backends import allow_recompiles
@@ -220,7 +216,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             [("qkv", True)] if args.stream_qkv else [],
             [("copy", True)] if args.copy_in_graph else [],
             [("pdl", True)] if args.pdl else [],
-            [("prefetch", True)] if args.prefetch else [],
             [("select", True)] if args.trie_select else [],
             [("add", True)] if args.residual_add else [],
             [("attention", kind) for kind in args.decode_attention],
@@ -302,7 +297,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                         gated = gated_of.get(vname, gated_default)
                         rotated = qkv_of.get(vname, qkv_default)
                         pdl = pdl_of.get(vname, pdl_default)
-                        prefetch = prefetch_of.get(vname, prefetch_default)
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
@@ -313,7 +307,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                             g_=gated,
                             q_=rotated,
                             p_=pdl,
-                            f_=prefetch,
                             one_kernel=one_kernel,
                             tile=tile,
                         ):
@@ -324,7 +317,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                                 stream_gated.enabled(g_),
                                 stream_qkv.enabled(q_),
                                 programmatic.enabled(p_),
-                                grid_dependency.prefetching(f_),
                                 trie_select.enabled(one_kernel),
                                 beam_decode.tile(*tile),
                             ):
@@ -553,13 +545,6 @@ def main() -> int:
         help="heads with --head-compile: also the compiled search whose graph's edges into "
         "boundgen's kernels are programmatic (`compile/programmatic.py`; the others then "
         "without)",
-    )
-    ap.add_argument(
-        "--prefetch",
-        action="store_true",
-        help="heads with --head-compile: also the compiled search whose weight-streaming "
-        "kernels prefetch their weights into L2 before their wait (`grid_dependency.PREFETCH`; "
-        "with --pdl, also both)",
     )
     ap.add_argument(
         "--trie-select",

@@ -103,26 +103,20 @@ def test_programmatic_edge_data_is_the_driver_struct():
     assert EdgeData().plain and not programmatic_edge().plain
 
 
-# what a kernel may call before its wait: its program's indices, and the weights' prefetch
-BEFORE_THE_WAIT = {"tl.program_id", "tl.arange", "prefetch_rows"}
-
-
 def test_the_awaiting_kernels_are_registered_and_wait_first():
-    """Every kernel `grid_dependency.awaits` marks calls `await_inputs(PDL)` in its body, and
-    before it nothing but index arithmetic and the weights' prefetch (no load or store of what
-    the kernels before write); the five the graphs run are marked."""
+    """Every kernel `grid_dependency.awaits` marks starts with `await_inputs(PDL)` (nothing
+    before the wait may read or write), and the five the graphs run are marked."""
     assert set(AWAITING) <= grid_dependency.KERNELS
     for name in grid_dependency.KERNELS:
         module = AWAITING.get(name)
         assert module is not None, f"{name}: a kernel marked awaiting that this test does not know"
         fn = getattr(module, name)
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn.fn)))
-        body = [ast.unparse(s) for s in tree.body[0].body]
-        assert "await_inputs(PDL)" in body, f"{name} never waits"
-        for statement in tree.body[0].body[: body.index("await_inputs(PDL)")]:
-            for call in (n for n in ast.walk(statement) if isinstance(n, ast.Call)):
-                callee = ast.unparse(call.func)
-                assert callee in BEFORE_THE_WAIT, f"{name} calls {callee} before its wait"
+        body = tree.body[0].body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        first = ast.unparse(body[0])
+        assert first == "await_inputs(PDL)", f"{name} starts with {first!r}"
 
 
 def test_kernels_wait_only_on_hopper_cuda():
@@ -138,8 +132,7 @@ def test_capture_is_off_without_the_switch(monkeypatch):
 def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeypatch):
     """A W3-sized chain of the streamed kernels (qkv with the rotation, o_proj, gate_up + SiLU·mul,
     down) over eight layers, with torch's ops between, captured with and without programmatic
-    edges (and with the weights prefetched before each wait): the same output, bit for bit,
-    replay after replay."""
+    edges: the same output, bit for bit, replay after replay."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic launch needs sm_90+")
     monkeypatch.setattr(stream, "MAX_ROWS", 128)
@@ -163,11 +156,14 @@ def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeyp
         return x
 
     outs, edges = [], []
-    for on, prefetch in ((False, False), (True, False), (True, True)):
+    for on in (False, True):
         monkeypatch.setattr(programmatic, "ON", on)
-        monkeypatch.setattr(grid_dependency, "PREFETCH", prefetch)  # read as the kernels launch
         static = x0.clone()
-        forward(static)  # compile the kernels outside the capture
+        side = torch.cuda.Stream()  # warmed up as `StaticGraph` does: on a side stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward(static)  # compile the kernels outside the capture
+        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         with programmatic.capture() as graph:
             out = forward(static)
@@ -180,6 +176,5 @@ def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeyp
         assert all(torch.equal(r, runs[0]) for r in runs)
         outs.append(runs[0])
     assert edges[0] == 0 and edges[1] >= 8 * 3  # at least qkv, o_proj's and down's edges a layer
-    assert edges[2] == edges[1]
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0], forward(x0.clone()))

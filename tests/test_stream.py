@@ -137,7 +137,7 @@ fn = stream._stream_kernel
 k, n, block_m = (int(a) for a in sys.argv[1:4])
 per = stream.k_per(k, stream.split_k(k))
 const = dict(K=k, N=n, K_PER=per, BLOCK_M=block_m, BLOCK_N=stream.BLOCK_N, BLOCK_K=stream.BLOCK_K,
-             PRECISION="tf32", INTERPRET=False, PDL=True, PREFETCH=True)
+             PRECISION="tf32", INTERPRET=False, PDL=True)
 sig = {"X": "*bf16", "W": "*bf16", "Parts": "*fp32", "M": "i32", "stride_xm": "i32"}
 sig.update(dict.fromkeys(const, "constexpr"))
 aligned = ["X", "W", "Parts", "stride_xm"]

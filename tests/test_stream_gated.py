@@ -128,7 +128,7 @@ fn = stream_gated._gated_kernel
 k, i, block_m = (int(a) for a in sys.argv[1:4])
 block_n, block_k, warps, stages = stream_gated.tile_for(int(sys.argv[4]))
 const = dict(K=k, I=i, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32",
-             INTERPRET=False, PDL=True, PREFETCH=True)
+             INTERPRET=False, PDL=True)
 sig = {"X": "*bf16", "W": "*bf16", "Out": "*bf16", "M": "i32", "stride_xm": "i32"}
 sig.update(dict.fromkeys(const, "constexpr"))
 aligned = ["X", "W", "Out", "stride_xm"]
