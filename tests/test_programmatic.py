@@ -7,7 +7,9 @@ does."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
+import logging
 import textwrap
 
 import pytest
@@ -119,6 +121,46 @@ def test_the_awaiting_kernels_are_registered_and_wait_first():
         assert first == "await_inputs(PDL)", f"{name} starts with {first!r}"
 
 
+class FakeCudaGraph:
+    """torch.cuda.CUDAGraph as `capture` uses it: kept, its handle, instantiated once."""
+
+    def __init__(self, keep_graph: bool = False) -> None:
+        self.kept, self.instantiated = keep_graph, 0
+
+    def raw_cuda_graph(self) -> int:
+        return 7
+
+    def instantiate(self) -> None:
+        self.instantiated += 1
+
+
+@pytest.fixture
+def fake_capture(monkeypatch):
+    """`capture` around fakes of torch's graph and of the driver (a chain qkv → stream)."""
+    monkeypatch.setattr(programmatic, "applies", lambda: True)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeCudaGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    api = _chain("kernel:_qkv_kernel", "kernel:_stream_kernel")
+    monkeypatch.setattr(programmatic, "driver", lambda: api)
+    return api
+
+
+def test_capture_rewrites_the_kept_graph_then_instantiates_it(fake_capture):
+    with programmatic.capture() as graph:
+        pass
+    assert graph.kept and graph.instantiated == 1 and graph.programmatic_edges == 1
+    assert fake_capture.kinds() == {(0, 1): "programmatic"}
+
+
+def test_a_refused_rewrite_leaves_the_graph_as_captured(fake_capture, caplog):
+    fake_capture.fail_add = True
+    with caplog.at_level(logging.WARNING), programmatic.capture() as graph:
+        pass
+    assert graph.instantiated == 1 and graph.programmatic_edges == 0
+    assert fake_capture.kinds() == {(0, 1): "plain"}
+    assert "left as captured" in caplog.text
+
+
 def test_kernels_wait_only_on_hopper_cuda():
     assert not grid_dependency.waits(torch.zeros(1))  # CPU (the interpreter lacks the wait)
 
@@ -165,7 +207,8 @@ def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeyp
             forward(static)  # compile the kernels outside the capture
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        with programmatic.capture() as graph:
+        # thread-local: a thread an earlier test left (an engine's) cannot spoil this capture
+        with programmatic.capture(capture_error_mode="thread_local") as graph:
             out = forward(static)
         edges.append(graph.programmatic_edges)
         runs = []

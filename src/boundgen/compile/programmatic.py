@@ -212,17 +212,26 @@ def applies() -> bool:
 
 
 @contextlib.contextmanager
-def capture(pool=None, stream=None) -> Iterator[torch.cuda.CUDAGraph]:
-    """`torch.cuda.graph` into a new graph, its edges into the awaiting kernels made programmatic
-    after the capture (where `applies`), then instantiated. The graph's `programmatic_edges` says
-    how many edges were rewritten (0 where off)."""
+def capture(
+    pool=None, stream=None, capture_error_mode: str = "global"
+) -> Iterator[torch.cuda.CUDAGraph]:
+    """`torch.cuda.graph` into a new graph (`pool`, `stream`, `capture_error_mode` as there), its
+    edges into the awaiting kernels made programmatic after the capture (where `applies`), then
+    instantiated. The graph's `programmatic_edges` says how many edges were rewritten (0 where
+    off, or where the driver refused the rewrite: said in the log, the graph left as captured)."""
     rewrites = applies()
     # kept uninstantiated after the capture only where its edges are rewritten
     captured = torch.cuda.CUDAGraph(keep_graph=True) if rewrites else torch.cuda.CUDAGraph()
-    with torch.cuda.graph(captured, pool=pool, stream=stream):
+    with torch.cuda.graph(
+        captured, pool=pool, stream=stream, capture_error_mode=capture_error_mode
+    ):
         yield captured
     captured.programmatic_edges = 0
     if rewrites:
-        handle = captured.raw_cuda_graph()
-        captured.programmatic_edges = rewrite(driver(), handle, grid_dependency.KERNELS)
+        try:
+            captured.programmatic_edges = rewrite(
+                driver(), captured.raw_cuda_graph(), grid_dependency.KERNELS
+            )
+        except DriverError as e:  # `Driver.replace` put the edges back: a plain graph
+            log.warning("programmatic graph edges not made, the graph left as captured: %s", e)
         captured.instantiate()
