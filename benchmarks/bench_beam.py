@@ -62,10 +62,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import common
 
-from boundgen import Engine, Trie, trie_select
+from boundgen import Engine, Trie, grid_dependency, trie_select
 from boundgen.attention import beam_decode
 from boundgen.checkpoints import ensure_model
-from boundgen.compile import programmatic, residual, staging
+from boundgen.compile import residual, staging
 from boundgen.compile.decode import SearchGraphs, plain_session
 from boundgen.logsumexp import row_logsumexp
 from boundgen.models import skinny, stream, stream_gated, stream_qkv
@@ -192,7 +192,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     select_default = False if args.trie_select else trie_select.ENABLED
     gated_default = False if args.stream_gated else stream_gated.GATED
     qkv_default = False if args.stream_qkv else stream_qkv.ROTATED
-    pdl_default = False if args.pdl else programmatic.ON
+    pdl_default = False if args.pdl else grid_dependency.ON
     if args.head_compile:
         from boundgen.compile.aoti import export_attention
         from boundgen.compile.backends import allow_recompiles
@@ -316,7 +316,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                                 stream.rows_up_to(s_),
                                 stream_gated.enabled(g_),
                                 stream_qkv.enabled(q_),
-                                programmatic.enabled(p_),
+                                grid_dependency.enabled(p_),
                                 trie_select.enabled(one_kernel),
                                 beam_decode.tile(*tile),
                             ):

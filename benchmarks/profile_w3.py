@@ -68,9 +68,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import common
 
-from boundgen import Engine
+from boundgen import Engine, grid_dependency
 from boundgen.checkpoints import ensure_model
-from boundgen.compile import bucket_autotune, programmatic, staging
+from boundgen.compile import bucket_autotune, staging
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
@@ -411,9 +411,9 @@ def main() -> int:
     ap.add_argument(
         "--pdl",
         default=None,
-        help="`programmatic.ON` values to build side by side (0,1: the bucket's graph as captured, "
-        "or its edges into boundgen's kernels made programmatic, `compile/programmatic.py`), "
-        "crossed with the other axes",
+        help="`grid_dependency.ON` values to build side by side (0,1: a package each; the bucket's "
+        "graph as captured, or its kernels waiting for the ones before and its edges into them "
+        "made programmatic, `compile/programmatic.py`), crossed with the other axes",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -488,7 +488,7 @@ def main() -> int:
             if copy is not None:
                 staging.COPY_IN_GRAPH = copy == "graph"
             if pdl is not None:
-                programmatic.ON = pdl == "1"
+                grid_dependency.ON = pdl == "1"
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":

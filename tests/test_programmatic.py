@@ -165,8 +165,18 @@ def test_kernels_wait_only_on_hopper_cuda():
     assert not grid_dependency.waits(torch.zeros(1))  # CPU (the interpreter lacks the wait)
 
 
+def test_packages_record_the_switch():
+    """Kernels built with the switch on carry the wait: their packages are other packages."""
+    from boundgen.compile.cache import platform_info
+
+    with grid_dependency.enabled(False):
+        assert "pdl" not in platform_info("cpu")
+    with grid_dependency.enabled(True):
+        assert platform_info("cpu")["pdl"] == "1"
+
+
 def test_capture_is_off_without_the_switch(monkeypatch):
-    monkeypatch.setattr(programmatic, "ON", False)
+    monkeypatch.setattr(grid_dependency, "ON", False)
     assert not programmatic.applies()
 
 
@@ -199,7 +209,7 @@ def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeyp
 
     outs, edges = [], []
     for on in (False, True):
-        monkeypatch.setattr(programmatic, "ON", on)
+        monkeypatch.setattr(grid_dependency, "ON", on)  # the kernels' wait and the edges
         static = x0.clone()
         side = torch.cuda.Stream()  # warmed up as `StaticGraph` does: on a side stream
         side.wait_stream(torch.cuda.current_stream())

@@ -14,16 +14,24 @@ A kernel may take such an edge only where nothing it reads or writes is touched 
 each kernel of `KERNELS` starts with `await_inputs(PDL)` (the wait, then the trigger that lets its
 own successor launch). The trigger is a hint: a successor whose edge stays a plain one (Inductor's
 kernels, cuBLAS, copies) still starts after this kernel has finished. Both instructions are no-ops
-in a kernel launched without a programmatic edge, so the kernels carry them whatever
-`compile.programmatic.ON` says; `PDL` is false where the GPU has no `griddepcontrol` (before
-sm_90) and in Triton's CPU interpreter, which lacks it.
+in a kernel launched without a programmatic edge.
+
+`ON` (`BOUNDGEN_PDL`, default "0" until the GPU measures it) decides both sides: the kernels traced
+or launched while it is on carry the instructions (`PDL`, also false where the GPU has no
+`griddepcontrol`, before sm_90, and in Triton's CPU interpreter, which lacks it), and graphs
+captured while it is on get the edges. Off, the kernels are the ones the GPU suite last passed
+with; compiled packages record it (`compile.cache.platform_info`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 
 import torch
+
+from boundgen.settings import switched
 
 try:
     import triton
@@ -32,6 +40,8 @@ try:
     AVAILABLE = True
 except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
     AVAILABLE = False
+
+ON = os.environ.get("BOUNDGEN_PDL", "0") == "1"
 
 # The names of the kernels that start with `await_inputs` (`awaits` adds them as their modules
 # load): the kernels a captured graph's edges into may be made programmatic.
@@ -50,10 +60,16 @@ def _device_waits(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def enabled(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside: kernels traced or launched, and graphs captured, take programmatic launch (`ON`)
+    or not (an A/B's switch)."""
+    return switched(globals(), "ON", on)
+
+
 def waits(x: torch.Tensor) -> bool:
-    """`PDL` for a kernel launched on `x`'s device: whether it carries `griddepcontrol` (CUDA,
-    sm_90 and later; never in the interpreter, on CPU tensors)."""
-    if not (AVAILABLE and x.is_cuda):
+    """`PDL` for a kernel launched on `x`'s device: whether it carries `griddepcontrol` (`ON`,
+    CUDA, sm_90 and later; never in the interpreter, on CPU tensors)."""
+    if not (ON and AVAILABLE and x.is_cuda):
         return False
     return _device_waits(x.device.index if x.device.index is not None else 0)
 

@@ -10,10 +10,10 @@ step) becomes {from_port: programmatic, type: programmatic}; every other edge â€
 kernels, cuBLAS, copies, or from a node that is not a kernel â€” stays a full dependency.
 `grid_dependency` says what a programmatic edge changes and why the kernels are safe on one.
 
-`ON` (`BOUNDGEN_PDL`, default "0" until the GPU measures it; "1" rewrites) is read as a graph is
-captured (`capture`): the kernels carry the wait either way, so an A/B needs no new
-compiled packages. Where the driver lacks the edge API (CUDA < 12.3) or the GPU has no
-programmatic launch (before sm_90) the graph is left as captured, said once in the log.
+`grid_dependency.ON` (`BOUNDGEN_PDL`, default "0" until the GPU measures it; "1" rewrites) is read
+as a graph is captured (`capture`), as the kernels read it when traced or launched. Where the driver
+lacks the edge API (CUDA < 12.3) or the GPU has no programmatic launch (before sm_90) the graph is
+left as captured, said once in the log.
 """
 
 from __future__ import annotations
@@ -23,18 +23,14 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import torch
 
 from boundgen import grid_dependency
-from boundgen.settings import switched
 
 log = logging.getLogger(__name__)
-
-ON = os.environ.get("BOUNDGEN_PDL", "0") == "1"
 
 # cuda.h: CUgraphNodeType, CUgraphDependencyType, the kernel node's output ports
 NODE_KERNEL = 0
@@ -198,15 +194,10 @@ def driver() -> Driver | None:
         return None
 
 
-def enabled(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside: graphs captured get programmatic edges (`ON`) or not (an A/B's switch)."""
-    return switched(globals(), "ON", on)
-
-
 def applies() -> bool:
-    """Whether graphs captured now (on the current device) get programmatic edges: `ON`, a GPU
-    with programmatic launch (sm_90+) and the driver's edge API."""
-    if not (ON and torch.cuda.is_available()):
+    """Whether graphs captured now (on the current device) get programmatic edges:
+    `grid_dependency.ON`, a GPU with programmatic launch (sm_90+) and the driver's edge API."""
+    if not (grid_dependency.ON and torch.cuda.is_available()):
         return False
     return torch.cuda.get_device_capability()[0] >= 9 and driver() is not None
 
