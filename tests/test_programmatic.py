@@ -175,6 +175,17 @@ def test_packages_record_the_switch():
         assert platform_info("cpu")["pdl"] == "1"
 
 
+def test_the_compiled_layers_blob_is_kept_apart_with_the_switch(tmp_path):
+    """The beam layers' torch.compile blob (`compile/torch_cache.py`): the switch is a constexpr
+    of the kernels, not an op of the graph, so a blob made with it off is not loaded with it on."""
+    from boundgen.compile import torch_cache
+
+    with grid_dependency.enabled(False):
+        off = torch_cache.path_for(tmp_path)
+    with grid_dependency.enabled(True):
+        assert torch_cache.path_for(tmp_path) != off
+
+
 def test_capture_is_off_without_the_switch(monkeypatch):
     monkeypatch.setattr(grid_dependency, "ON", False)
     assert not programmatic.applies()

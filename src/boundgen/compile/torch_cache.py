@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from boundgen import grid_dependency
+
 log = logging.getLogger("boundgen.compile")
 
 
@@ -30,6 +32,8 @@ def _platform() -> str:
     parts = [torch.__version__, str(torch.version.cuda)]
     if torch.cuda.is_available():
         parts += [torch.cuda.get_device_name(), str(torch.cuda.get_device_capability())]
+    if grid_dependency.ON:  # kernels that wait for the ones before: a constexpr, not an op of
+        parts.append("pdl")  # the graph, so kept apart from the blob of kernels that do not
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
