@@ -8,7 +8,7 @@ new machine — a fresh GPU node, a copied cache — compiles again. PyTorch's p
 autotuning and Triton kernel caches as one blob) is written here after a warm-up that compiled,
 and loaded before the next warm-up:
 
-    <root>/torch-compile-<platform>.bin     one blob per torch / CUDA / GPU
+    <root>/torch-compile-<platform>.bin     one blob per torch / CUDA / GPU (/ `BOUNDGEN_PDL`)
 
 `load(root)` and `save(root)` never raise: a cache that cannot be read or written only costs the
 compile it would have saved (logged).
