@@ -232,6 +232,9 @@ def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeyp
         with programmatic.capture(capture_error_mode="thread_local") as graph:
             out = forward(static)
         edges.append(graph.programmatic_edges)
+        if on:  # the driver holds the edges the rewrite counted (the graph is kept after capture)
+            kept = programmatic.driver().edges(graph.raw_cuda_graph())
+            assert sum(not d.plain for _, _, d in kept) == graph.programmatic_edges
         runs = []
         for _ in range(3):
             graph.replay()
