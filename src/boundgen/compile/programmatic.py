@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import functools
 import logging
 from collections.abc import Iterable, Iterator
@@ -90,7 +89,6 @@ class Driver:
     """The CUDA driver's graph edge API through ctypes (libcuda, CUDA 12.3 and later)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._lib = lib
         self._get_edges = lib.cuGraphGetEdges_v2
         self._remove = lib.cuGraphRemoveDependencies_v2
         self._add = lib.cuGraphAddDependencies_v2
@@ -188,7 +186,7 @@ def rewrite(api: GraphApi, graph: int, awaiting: Iterable[str]) -> int:
 def driver() -> Driver | None:
     """The driver's edge API, or None (said once) where it is missing."""
     try:
-        return Driver(ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1"))
+        return Driver(ctypes.CDLL("libcuda.so.1"))  # the driver's name, as `cuda_waits` loads it
     except (OSError, AttributeError) as e:
         log.warning("programmatic graph edges off: the CUDA driver lacks the edge API (%s)", e)
         return None
