@@ -25,6 +25,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --copy call,graph                     # staged inputs copied by the call or by the graph
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --pdl 0,1                             # the graph as captured, or with programmatic edges
+    python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
+        --hf eager,compile                    # HF eager and HF + torch.compile in the same process
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -338,6 +340,44 @@ def interleaved(built, groups, query, items, args, cuda: bool) -> dict:
     return out
 
 
+def hf_baselines(path, modes, query, items, want, args, cuda: bool, dtype: str) -> dict:
+    """The request through transformers, per mode (eager, compile): median / min ms of a call
+    (`--iters`, after the warm-up; compile's first calls compile) and the largest difference of
+    its scores from boundgen eager's, printed. A mode that fails is recorded as its error."""
+    device = "cuda" if cuda else "cpu"
+    seqs = [query + item for item in items]
+    out = {}
+    for mode in modes:
+        try:
+            t0 = time.perf_counter()
+            compiled = "reduce-overhead" if mode == "compile" else None
+            model = common.hf_model(path, device, getattr(torch, dtype), compiled)
+
+            def call(model=model):
+                logits = common.hf_last_logits(model, seqs, device, len(seqs), LABELS)
+                return logits.softmax(-1).cpu().tolist()
+
+            got = call()
+            for _ in range(max(args.warmup, 3)):
+                call()
+            load_s = time.perf_counter() - t0
+            tm = common.timed(call, device, warmup=0, iters=args.iters, budget_s=60.0)
+            diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
+            out[mode] = {
+                "wall_ms_median": round(tm["median_ms"], 4),
+                "wall_ms_min": round(tm["min_ms"], 4),
+                "iters": tm["iters"],
+                "load_and_warmup_s": round(load_s, 1),
+                "max_abs_diff_vs_eager": diff,
+            }
+            print(f"\n== HF {mode}: {json.dumps(out[mode])}", flush=True)
+            del model
+        except Exception as e:  # one baseline failing leaves boundgen's numbers standing
+            out[mode] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"\n== HF {mode} failed: {out[mode]['error']}", flush=True)
+    return out
+
+
 def _axis(ap, flag: str, text: str | None, choices) -> list:
     """An axis's values from its comma list, each one of `choices` (else the parser's error, before
     anything is built); [None] when the flag is not given (the process's setting)."""
@@ -415,8 +455,16 @@ def main() -> int:
         "graph as captured, or its kernels waiting for the ones before and its edges into them "
         "made programmatic, `compile/programmatic.py`), crossed with the other axes",
     )
+    ap.add_argument(
+        "--hf",
+        default=None,
+        help="HF baselines timed in the same process after boundgen's sides (eager,compile: "
+        "transformers eager and with `torch.compile(mode='reduce-overhead')`), the same request "
+        "scored as HF servers do (`common.hf_last_logits`, label softmax, scores to the host)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    hf_modes = _axis(ap, "--hf", args.hf, ("eager", "compile"))
     streams = args.stream.split(",") if args.stream else [None]
     for st in streams:
         if st is not None and not st.isdigit():
@@ -514,6 +562,8 @@ def main() -> int:
     finally:
         for _, _, engine in built:
             engine.close()
+    if hf_modes != [None]:
+        res["hf"] = hf_baselines(path, hf_modes, query, items, want, args, cuda, dtype)
     print(
         "\nvariant         path    wall ms  GPU busy us  API host us  H2D  D2H  DtoD  syncs  "
         "graphs  launches  dev allocs"
