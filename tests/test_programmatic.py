@@ -245,3 +245,23 @@ def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeyp
     assert edges[0] == 0 and edges[1] >= 8 * 3  # at least qkv, o_proj's and down's edges a layer
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0], forward(x0.clone()))
+
+
+def test_operandless_inline_asm_is_no_write_for_torchs_analysis():
+    # Triton 3.6's griddepcontrol instructions are impure inline assembly without operands:
+    # torch's analysis of what a kernel writes must pass over them (it took every argument as
+    # written on the H200), and keep refusing assembly that takes a pointer
+    wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
+    Op, Param, Intermediate = wrap.Op, wrap.Param, wrap.Intermediate
+    wait = Op("tt.elementwise_inline_asm", None, [], Intermediate(-1))
+    with_operand = Op("tt.elementwise_inline_asm", None, [Param(0)], Intermediate(2))
+    store = Op("tt.store", None, [Param(1), Intermediate(2)], Intermediate(-2))
+    functions = {"k": {Intermediate(-1): [wait], Intermediate(2): [with_operand, store]}}
+    out = grid_dependency.without_operandless_asm(functions)
+    assert [op.name for op in out["k"][Intermediate(-1)]] == ["boundgen.operandless_inline_asm"]
+    assert out["k"][Intermediate(2)] == [with_operand, store]
+    # installed as the kernels were defined, once
+    assert getattr(wrap.ttir_to_functions, "_boundgen_operandless_asm", False)
+    installed = wrap.ttir_to_functions
+    grid_dependency._operandless_asm_writes_nothing()
+    assert wrap.ttir_to_functions is installed

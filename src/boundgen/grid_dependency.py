@@ -16,6 +16,13 @@ own successor launch). The trigger is a hint: a successor whose edge stays a pla
 kernels, cuBLAS, copies) still starts after this kernel has finished. Both instructions are no-ops
 in a kernel launched without a programmatic edge.
 
+Triton before 3.7 writes both instructions as inline assembly without operands, marked impure.
+torch's analysis of what a user Triton kernel writes (run when Inductor traces one) refuses impure
+inline assembly and then takes every argument as written: on the H200 (forty-third session) 26
+GPU tests failed that way with the switch on. Assembly without operands cannot name a tensor, so
+it writes none of the kernel's arguments: `_operandless_asm_writes_nothing` tells the analysis so
+(installed on import, as the kernels are defined).
+
 `ON` (`BOUNDGEN_PDL`, default "0" until the GPU measures it) decides both sides: the kernels traced
 or launched while it is on carry the instructions (`PDL`, also false where the GPU has no
 `griddepcontrol`, before sm_90, and in Triton's CPU interpreter, which lacks it), and graphs
@@ -26,6 +33,7 @@ with; compiled packages record it (`compile.cache.platform_info`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -74,7 +82,46 @@ def waits(x: torch.Tensor) -> bool:
     return _device_waits(x.device.index if x.device.index is not None else 0)
 
 
+# the analysis' op for inline assembly, and the name an operandless one takes instead: an op it
+# neither reads nor writes through
+_ASM_OP, _OPERANDLESS_ASM = "tt.elementwise_inline_asm", "boundgen.operandless_inline_asm"
+
+
+def without_operandless_asm(functions: dict) -> dict:
+    """torch's parsed kernel (`ttir_to_functions`: function → result → ops) with every inline
+    assembly op that takes no operand renamed, in place, so that the analysis passes over it."""
+    for ops in functions.values():
+        for result, op_list in ops.items():
+            ops[result] = [
+                dataclasses.replace(op, name=_OPERANDLESS_ASM)
+                if op.name == _ASM_OP and not op.args
+                else op
+                for op in op_list
+            ]
+    return functions
+
+
+def _operandless_asm_writes_nothing() -> None:
+    """Wraps torch's TTIR parser of user Triton kernels (`triton_kernel_wrap.ttir_to_functions`,
+    what torch 2.11's and later analyses call by name) with `without_operandless_asm`. Once."""
+    try:
+        from torch._higher_order_ops import triton_kernel_wrap as wrap
+    except ImportError:  # pragma: no cover - a torch without user Triton kernels in Inductor
+        return
+    original = getattr(wrap, "ttir_to_functions", None)
+    if original is None or getattr(original, "_boundgen_operandless_asm", False):
+        return
+
+    @functools.wraps(original)
+    def ttir_to_functions(*args, **kwargs):
+        return without_operandless_asm(original(*args, **kwargs))
+
+    ttir_to_functions._boundgen_operandless_asm = True
+    wrap.ttir_to_functions = ttir_to_functions
+
+
 if AVAILABLE:
+    _operandless_asm_writes_nothing()
 
     @triton.jit
     def await_inputs(PDL: tl.constexpr):
