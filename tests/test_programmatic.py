@@ -218,7 +218,10 @@ def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeyp
             x = stream.linear_residual(act, down, x)
         return x
 
-    outs, edges = [], []
+    # every graph and its output live to the end: rebinding `graph` in the second capture freed
+    # the first while that capture ran, which invalidated it (the H200, forty-third session; the
+    # worker's CUDA generator then stayed "capturing" and failed every test after it)
+    outs, edges, graphs = [], [], []
     for on in (False, True):
         monkeypatch.setattr(grid_dependency, "ON", on)  # the kernels' wait and the edges
         static = x0.clone()
@@ -231,6 +234,7 @@ def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeyp
         # thread-local: a thread an earlier test left (an engine's) cannot spoil this capture
         with programmatic.capture(capture_error_mode="thread_local") as graph:
             out = forward(static)
+        graphs.append((graph, out))
         edges.append(graph.programmatic_edges)
         if on:  # the driver holds the edges the rewrite counted (the graph is kept after capture)
             kept = programmatic.driver().edges(graph.raw_cuda_graph())
