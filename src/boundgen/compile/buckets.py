@@ -27,6 +27,7 @@ import bisect
 import math
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import accumulate
 
 import numpy as np
@@ -65,7 +66,7 @@ class Bucket:
     def cascade(self) -> bool:
         return self.groups > 0
 
-    @property
+    @cached_property  # frozen: built once, not on each `BucketSet.count` (3.7 µs of W3's pieces)
     def name(self) -> str:
         base = f"t{self.tokens}-s{self.segments}-m{self.max_seqlen}"
         if self.cascade:
