@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from boundgen.attention.metadata import AttnInputs
+from boundgen.compile import buckets as buckets_module
 from boundgen.compile.buckets import Bucket, BucketSet, default_buckets, ladder, write_padded
 from boundgen.compile.staging import StagedInputs
 from boundgen.text.packing import Footprint, PackedBatch, SequenceGroup, pack, pack_arrays
@@ -143,6 +144,29 @@ def test_fit_and_padding_equal_the_torch_oracle(groups, share_prefix):
             assert_same_batch(padded, reference_pad(b, batch))
     fitting = [b for b in BUCKETS if reference_fits(b, batch)]
     assert BucketSet(BUCKETS).choose(batch) == (min(fitting) if fitting else None)
+
+
+SHARED_SET = BucketSet(BUCKETS)  # one set across examples: its remembered answers are reused
+
+
+@settings(max_examples=300)
+@given(groups_st, st.booleans())
+def test_smallest_remembered_is_the_first_that_fits(groups, share_prefix):
+    fp = sum((Footprint.of(g, share_prefix) for g in groups), Footprint())
+    fitting = [b for b in BUCKETS if b.fits(fp)]
+    want = min(fitting) if fitting else None
+    assert SHARED_SET.smallest(fp) == want
+    assert SHARED_SET.smallest(fp) == want  # now remembered
+
+
+def test_smallest_forgets_past_its_bound(monkeypatch):
+    monkeypatch.setattr(buckets_module, "_REMEMBERED", 2)
+    bs = BucketSet(BUCKETS)
+    fps = [Footprint(0, 0, n, 1, 0, n) for n in (10, 20, 30)]
+    want = [Bucket.parse(s) for s in ("t16", "t32-s4-m32", "t32-s4-m32")]
+    assert [bs.smallest(fp) for fp in fps] == want
+    assert len(bs._smallest) == 1  # cleared when full, then the third remembered
+    assert [bs.smallest(fp) for fp in fps] == want
 
 
 def _stale_host_arrays(b: Bucket) -> dict:
