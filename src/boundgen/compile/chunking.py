@@ -71,7 +71,8 @@ def chunk(
     if isinstance(buckets, list):
         buckets = BucketSet(buckets)
     unbucketed = buckets is None or not buckets.largest
-    fp = sum((Footprint.of(g, share_prefix) for g in groups), Footprint())
+    fps = (Footprint.of(g, share_prefix) for g in groups)
+    fp = sum(fps, next(fps))  # one group (a small request): its own footprint, no sum
     if fp.tokens <= max_tokens:  # the whole forward in one piece: nothing to search
         bucket = None if unbucketed else buckets.smallest(fp)
         if unbucketed or bucket is not None:

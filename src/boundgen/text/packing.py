@@ -44,7 +44,7 @@ class Footprint:
         if shares_prefix(group, share_prefix):
             nonempty = len(lens) - lens.count(0)
             return cls(p, sum(lens), 0, 1 + nonempty, 1, max(p, *lens))
-        longest = max((p + n for n in lens), default=0)
+        longest = p + max(lens) if lens else 0
         return cls(0, 0, p * len(lens) + sum(lens), len(lens), 0, longest)
 
     def __add__(self, other: Footprint) -> Footprint:
