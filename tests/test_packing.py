@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from boundgen.attention.metadata import AttnInputs
-from boundgen.text.packing import Footprint, PackedBatch, SequenceGroup, pack
+from boundgen.text import packing
+from boundgen.text.packing import Footprint, PackedBatch, SequenceGroup, pack, pack_arrays
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -142,3 +143,24 @@ def test_empty_inputs_are_rejected():
         pack([SequenceGroup([], [[]])])
     with pytest.raises(ValueError, match="without sequences"):
         pack([SequenceGroup([1, 2], [])])
+
+
+@pytest.mark.parametrize(
+    "prefix, suffix", [([], [5, 6, 7]), ([1, 2], [5, 6, 7]), ([1, 2], []), ([9], [])]
+)
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_one_sequence_fast_path_equals_the_general_layout(prefix, suffix, share_prefix):
+    """A single plain sequence takes `pack_arrays`' short path: the layout of the general one."""
+    groups = [SequenceGroup(prefix, [suffix])]
+    got, want = pack_arrays(groups, share_prefix), packing._pack_groups(groups, share_prefix)
+    for name in ("input_ids", "positions", "seg_len", "last", "start", "length"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
+    assert (got.prefix_lens, got.group_q, got.span_segments) == ([], [], (0, 0))
+    assert (want.prefix_lens, want.group_q, want.span_segments) == ([], [], (0, 0))
+
+
+def test_one_empty_sequence_is_rejected_as_in_the_general_path():
+    for pack_fn in (pack_arrays, packing._pack_groups):
+        with pytest.raises(ValueError, match="empty sequence"):
+            pack_fn([SequenceGroup([], [[]])], True)
