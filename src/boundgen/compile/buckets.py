@@ -231,15 +231,16 @@ def write_padded(b: Bucket, lay: HostLayout | None, out: dict[str, np.ndarray]) 
     segs = np.concatenate([x for x in parts if len(x)])
     cu = out["cu_seqlens"]
     cu[0] = 0
-    np.cumsum(segs, out=cu[1 : len(segs) + 1])
+    cu[1 : len(segs) + 1] = segs.cumsum()  # the method: np.cumsum's wrapper, 1.5 µs more a fill
     cu[len(segs) + 1 :] = b.tokens
     ids, pos = out["input_ids"], out["positions"]
     start = 0  # of the span in `lay`
     for dst, n, room in ((0, p, P), (P, q, Q), (P + Q, tail, b.tokens - P - Q)):
-        ids[dst : dst + n] = ids_in[start : start + n]
-        pos[dst : dst + n] = pos_in[start : start + n]
-        ids[dst + n : dst + room] = 0
-        pos[dst + n : dst + room] = 0
+        if room:  # none in a plain bucket's first two spans: 8 numpy calls fewer a fill there
+            ids[dst : dst + n] = ids_in[start : start + n]
+            pos[dst : dst + n] = pos_in[start : start + n]
+            ids[dst + n : dst + room] = 0
+            pos[dst + n : dst + room] = 0
         start += n
     if b.cascade:  # the pad group (and any unused group) gets the pad prefix tokens as keys
         real = lay is not None and lay.cascade
