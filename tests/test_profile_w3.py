@@ -1,7 +1,8 @@
 """`benchmarks/profile_w3.py --rotations/--autotune/--skinny/--stream/--gated/--qkv/--copy`: every
 q/k rotation mode (and bucket autotune mode, fused-kernel row limit, streamed-GEMM settings, where
 the staged inputs are copied in) is built as its own side and timed interleaved; on the CPU (its
-smoke test) each side still answers the request as eager."""
+smoke test) each side still answers the request as eager, and its host steps before a replay are
+timed; `--hf` times transformers on the same request in the same process."""
 
 from __future__ import annotations
 
@@ -34,6 +35,30 @@ def test_rotations_are_built_and_timed_side_by_side(tmp_path):
     for side in sides:
         assert set(got["interleaved"][side]) == {"engine", "runner"}
         assert got["variants"][side]["max_abs_diff_vs_eager"] < 1e-4
+        # the host steps before a replay, timed on the CPU too
+        assert set(got["variants"][side]["split_us"]) == {"pieces", "fill"}
+
+
+def test_hf_is_timed_after_boundgen_in_the_same_process(tmp_path):
+    out = tmp_path / "w3.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_w3.py"), "--preset", "tiny"]
+    cmd += ["--root", str(tmp_path / "models"), "--device", "cpu", "--variants", "after"]
+    cmd += ["--iters", "3", "--warmup", "1", "--profile-calls", "1", "--kernels", "2"]
+    cmd += ["--hf", "eager", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    hf = json.loads(out.read_text())["hf"]
+    assert list(hf) == ["eager"]
+    assert hf["eager"]["iters"] == 3 and hf["eager"]["wall_ms_median"] > 0
+    assert hf["eager"]["max_abs_diff_vs_eager"] < 1e-4  # the same scores as boundgen's eager
+
+
+def test_an_unknown_hf_baseline_is_refused(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_w3.py"), "--preset", "tiny"]
+    cmd += ["--root", str(tmp_path / "models"), "--device", "cpu", "--hf", "eager,vllm"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 2
+    assert "--hf: choose from eager,compile" in res.stderr
 
 
 def test_a_bad_stream_setting_is_refused_before_anything_is_built(tmp_path):
