@@ -10,6 +10,9 @@ import ast
 import contextlib
 import inspect
 import logging
+import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -269,3 +272,59 @@ def test_operandless_inline_asm_is_no_write_for_torchs_analysis():
     installed = wrap.ttir_to_functions
     grid_dependency._operandless_asm_writes_nothing()
     assert wrap.ttir_to_functions is installed
+
+
+# torch's own analysis, on a kernel that starts as Triton 3.6's `gdc_wait` does (impure inline
+# assembly without operands), for an sm_90 target on a machine without a GPU; in a child without
+# TRITON_INTERPRET (the interpreter's kernels are not the JIT functions torch analyses), from a
+# file (Triton reads a kernel's source). Prints the arguments taken as written by torch's parser as
+# it came, then with the mend.
+_ANALYSIS = """
+import sys
+from unittest import mock
+import torch, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+import torch._higher_order_ops.triton_kernel_wrap as wrap
+from boundgen import grid_dependency  # installs the mend
+
+@triton.jit
+def copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    tl.inline_asm_elementwise(
+        "griddepcontrol.wait; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+class Sm90:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+def written():
+    kwargs = {"x_ptr": torch.zeros(16), "y_ptr": torch.zeros(16), "n": 16, "BLOCK": 16}
+    if hasattr(wrap, "identify_accessed_tensors"):  # torch 2.12 and later
+        acc = wrap.identify_accessed_tensors(copy, kwargs, {})
+        return sorted(d.name for d in acc.read_writes.writes)
+    return sorted(wrap.identify_mutated_tensors(copy, kwargs, {}))  # torch 2.11
+
+with mock.patch.object(triton.runtime.driver, "_active", Sm90(), create=True):
+    mended = wrap.ttir_to_functions
+    wrap.ttir_to_functions = mended.__wrapped__
+    print("as it came", written())
+    wrap.ttir_to_functions = mended
+    print("mended", written())
+"""
+
+
+def test_torchs_analysis_takes_only_the_stored_argument_as_written_with_the_mend(tmp_path):
+    script = tmp_path / "analysis.py"
+    script.write_text(_ANALYSIS)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    if "No module named" in res.stderr or "ImportError" in res.stderr:
+        pytest.skip(f"this triton has no CUDA compiler API: {res.stderr.strip()[-200:]}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    assert "as it came ['x_ptr', 'y_ptr']" in lines  # the failure the H200 saw: every argument
+    assert "mended ['y_ptr']" in lines
