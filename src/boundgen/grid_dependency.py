@@ -16,12 +16,13 @@ own successor launch). The trigger is a hint: a successor whose edge stays a pla
 kernels, cuBLAS, copies) still starts after this kernel has finished. Both instructions are no-ops
 in a kernel launched without a programmatic edge.
 
-Triton before 3.7 writes both instructions as inline assembly without operands, marked impure.
-torch's analysis of what a user Triton kernel writes (run when Inductor traces one) refuses impure
-inline assembly and then takes every argument as written: on the H200 (forty-third session) 26
-GPU tests failed that way with the switch on. Assembly without operands cannot name a tensor, so
-it writes none of the kernel's arguments: `_operandless_asm_writes_nothing` tells the analysis so
-(installed on import, as the kernels are defined).
+Triton 3.6 (the GPU image's) writes both instructions as inline assembly without operands, marked
+impure (3.9, the CPU builds', as ops of their own). torch's analysis of what a user Triton kernel
+writes (run when Inductor traces one) refuses impure inline assembly and then takes every argument
+as written: on the H200 (forty-third session), with the switch on, the compiled searches failed to
+compile and the AOTInductor buckets' scores came out wrong. Assembly without operands cannot name
+a tensor, so it writes none of the kernel's arguments: `_operandless_asm_writes_nothing` tells the
+analysis so (installed on import, as the kernels are defined).
 
 `ON` (`BOUNDGEN_PDL`, default "0" until the GPU measures it) decides both sides: the kernels traced
 or launched while it is on carry the instructions (`PDL`, also false where the GPU has no
