@@ -14,11 +14,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_rotations_are_built_and_timed_side_by_side(tmp_path):
-    out = tmp_path / "w3.json"
+def _smoke_run(tmp_path) -> list[str]:
+    """The benchmark on the CPU, tiny model, the current path, a few calls."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_w3.py"), "--preset", "tiny"]
     cmd += ["--root", str(tmp_path / "models"), "--device", "cpu", "--variants", "after"]
-    cmd += ["--iters", "3", "--warmup", "1", "--profile-calls", "1", "--kernels", "2"]
+    return cmd + ["--iters", "3", "--warmup", "1", "--profile-calls", "1", "--kernels", "2"]
+
+
+def test_rotations_are_built_and_timed_side_by_side(tmp_path):
+    out = tmp_path / "w3.json"
+    cmd = _smoke_run(tmp_path)
     cmd += ["--rotations", "apart,together", "--autotune", "0", "--skinny", "64"]
     cmd += ["--stream", "64", "--gated", "1", "--qkv", "1"]
     cmd += ["--copy", "graph"]
@@ -41,10 +46,7 @@ def test_rotations_are_built_and_timed_side_by_side(tmp_path):
 
 def test_hf_is_timed_after_boundgen_in_the_same_process(tmp_path):
     out = tmp_path / "w3.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_w3.py"), "--preset", "tiny"]
-    cmd += ["--root", str(tmp_path / "models"), "--device", "cpu", "--variants", "after"]
-    cmd += ["--iters", "3", "--warmup", "1", "--profile-calls", "1", "--kernels", "2"]
-    cmd += ["--hf", "eager", "--json", str(out)]
+    cmd = _smoke_run(tmp_path) + ["--hf", "eager", "--json", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     hf = json.loads(out.read_text())["hf"]
