@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -55,18 +57,17 @@ def test_hf_is_timed_after_boundgen_in_the_same_process(tmp_path):
     assert hf["eager"]["max_abs_diff_vs_eager"] < 1e-4  # the same scores as boundgen's eager
 
 
-def test_an_unknown_hf_baseline_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--stream", "64,64+gelu", "--stream: rows are a whole number, not '64+gelu'"),
+        ("--hf", "eager,vllm", "--hf: choose from eager,compile"),
+    ],
+)
+def test_a_bad_setting_is_refused_before_anything_is_built(tmp_path, flag, value, message):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_w3.py"), "--preset", "tiny"]
-    cmd += ["--root", str(tmp_path / "models"), "--device", "cpu", "--hf", "eager,vllm"]
+    cmd += ["--root", str(tmp_path / "models"), "--device", "cpu", flag, value]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 2
-    assert "--hf: choose from eager,compile" in res.stderr
-
-
-def test_a_bad_stream_setting_is_refused_before_anything_is_built(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_w3.py"), "--preset", "tiny"]
-    cmd += ["--root", str(tmp_path / "models"), "--device", "cpu", "--stream", "64,64+gelu"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 2
-    assert "--stream: rows are a whole number, not '64+gelu'" in res.stderr
+    assert message in res.stderr
     assert not (tmp_path / "models").exists()
