@@ -152,3 +152,20 @@ def test_many_ids_is_to_ids_per_item(items):
         lambda: [to_ids(x, Chars(), limits, f"items[{i}]") for i, x in enumerate(items)]
     )
     assert outcome(lambda: many_ids(items, Chars(), limits, "items")) == per_item
+
+
+@pytest.mark.parametrize("bad", [None, -1, 10, 2**64, True, 2.0])
+@pytest.mark.parametrize("n_items", [2, 40])  # 32 ids: Python's min and max; 640: numpy's
+def test_many_ids_names_the_item_at_fault_few_ids_or_many(bad, n_items):
+    """Both range checks of `many_ids` (Python's for few ids, numpy's for many) pass good ids
+    and send any bad one to the per-item check, which names its item."""
+    from boundgen.workloads.inputs import Limits, many_ids
+
+    limits = Limits(vocab_size=10, max_seq_len=64, max_items=64)
+    items = [[i % 10] * 16 for i in range(n_items)]
+    assert many_ids(items, None, limits, "items") == items
+    if bad is None:
+        return
+    items[-1] = items[-1][:15] + [bad]
+    with pytest.raises(ValueError, match=rf"items\[{n_items - 1}\]"):
+        many_ids(items, None, limits, "items")
