@@ -218,3 +218,13 @@ def test_forward_split_gives_each_request_a_view_of_its_rows():
     for got, want in zip(parts, torch.split(rows, [3, 0, 4])):
         assert torch.equal(got, want)
         assert got.data_ptr() == want.data_ptr() or got.numel() == 0
+
+
+def test_forward_split_gives_a_lone_request_every_row_as_is():
+    """A batch of one request that owns every row gets the rows themselves (no slice); one that
+    owns fewer rows than there are gets its slice."""
+    rows = torch.arange(14.0).view(7, 2)
+    (whole,) = Forward.split(rows, [7])
+    assert whole is rows
+    (part,) = Forward.split(rows, [5])
+    assert torch.equal(part, rows[:5])
