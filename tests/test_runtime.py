@@ -587,3 +587,21 @@ def test_trace_cli_writes_chrome_trace(tmp_path, capsys):
     events = json.loads(out.read_text())["traceEvents"]
     assert sum(1 for e in events if e.get("cat") == "request") == 6
     assert json.loads(stats.read_text())["demo"]["forward"]["count"] == 6
+
+
+def test_latency_histogram_counts_sums_and_keeps_the_max_per_thread():
+    """`record_ns` reads the thread's shard directly (made on its first record) and keeps the
+    max by comparison: the merged snapshot counts every record of every thread."""
+    from boundgen.runtime.trace import LatencyHistogram
+
+    h = LatencyHistogram()
+    h.record_ns(5_000)
+    h.record_ns(2_000)
+    other = threading.Thread(target=h.record_ns, args=(9_000,))
+    other.start()
+    other.join()
+    snap = h.snapshot()
+    assert snap["count"] == 3
+    assert snap["max_us"] == 9.0
+    assert snap["mean_us"] == pytest.approx(16.0 / 3)
+    assert sum(n for _, n in h.buckets()) == 3
