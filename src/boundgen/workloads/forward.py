@@ -50,7 +50,7 @@ class Forward:
         the switch interval to take it back (BENCHMARKS.md, CPU twenty-third session). A batch of
         one request that owns every row gets `rows` itself: a slice is a new tensor (W3's
         `Engine.score`, the model stubbed, ~5 µs less on the 2-core dev CPU, 2026-12-06)."""
-        if len(sizes) == 1 and sizes[0] == len(rows):
+        if len(sizes) == 1 and sizes[0] == rows.shape[0]:  # not `len`: a Python call of torch's
             return [rows]
         out, first = [], 0
         for n in sizes:
