@@ -27,6 +27,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --pdl 0,1                             # the graph as captured, or with programmatic edges
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --hf eager,compile                    # HF eager and HF + torch.compile in the same process
+    python benchmarks/profile_w3.py --preset tiny --device cpu --variants after \
+        --stub-rows --iters 2000              # the host path around the model alone
 
 Variants (one model, one engine each, the same bucket: `t64-s4-m64`, W2's `WORKLOADS` entry):
 - before: `CompileOptions(staged_inputs=False)` (each input copied into the graph's buffers, the
@@ -324,6 +326,14 @@ def head(runner: ModelRunner, rows: torch.Tensor) -> torch.Tensor:
     return request_scores(runner, rows, HEAD_REQUEST)
 
 
+def stub_rows(runner: ModelRunner, groups: list[SequenceGroup]) -> None:
+    """`runner.rows` answers every call with the rows it computed once for `groups` (the model
+    and its packing skipped): what a call then costs is the host path around the model."""
+    with torch.inference_mode():
+        rows = runner.rows(groups)
+    runner.rows = lambda *args, **kwargs: rows
+
+
 def runner_call(runner: ModelRunner, groups: list[SequenceGroup], cuda: bool):
     def call():
         with torch.inference_mode():
@@ -482,6 +492,13 @@ def main() -> int:
         "transformers eager and with `torch.compile(mode='reduce-overhead')`), the same request "
         "scored as HF servers do (`common.hf_last_logits`, label softmax, scores to the host)",
     )
+    ap.add_argument(
+        "--stub-rows",
+        action="store_true",
+        help="the model's rows computed once and handed back on every call (`stub_rows`): the "
+        "host work of `Engine.score` (executor, batching, the score nodes) and of the runner's "
+        "head alone, on any device",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     hf_modes = _axis(ap, "--hf", args.hf, ("eager", "compile"))
@@ -561,6 +578,8 @@ def main() -> int:
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":
                 old_path(runner)
+            if args.stub_rows:
+                stub_rows(runner, groups)
             print(f"[{name}] runner built in {time.perf_counter() - t0:.1f} s", flush=True)
             built.append((name, runner, base.with_runner(runner)))
         if len(built) > 1:

@@ -2,7 +2,8 @@
 q/k rotation mode (and bucket autotune mode, fused-kernel row limit, streamed-GEMM settings, where
 the staged inputs are copied in) is built as its own side and timed interleaved; on the CPU (its
 smoke test) each side still answers the request as eager, and its host steps before a replay are
-timed; `--hf` times transformers on the same request in the same process."""
+timed; `--hf` times transformers on the same request in the same process; `--stub-rows` leaves
+the host path alone."""
 
 from __future__ import annotations
 
@@ -55,6 +56,17 @@ def test_hf_is_timed_after_boundgen_in_the_same_process(tmp_path):
     assert list(hf) == ["eager"]
     assert hf["eager"]["iters"] == 3 and hf["eager"]["wall_ms_median"] > 0
     assert hf["eager"]["max_abs_diff_vs_eager"] < 1e-4  # the same scores as boundgen's eager
+
+
+def test_stubbed_rows_still_answer_the_request(tmp_path):
+    # the host path alone: the rows computed once are handed back, the scores stay the model's
+    out = tmp_path / "w3.json"
+    cmd = _smoke_run(tmp_path) + ["--workload", "w2", "--stub-rows", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    side = json.loads(out.read_text())["variants"]["after"]
+    assert side["max_abs_diff_vs_eager"] < 1e-4
+    assert side["engine"]["wall_ms_median"] > 0 and side["runner"]["wall_ms_median"] > 0
 
 
 @pytest.mark.parametrize(
