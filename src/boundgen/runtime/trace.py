@@ -36,13 +36,12 @@ class LatencyHistogram:
         self._shards: list[list[float]] = []  # each: counts per bucket + [count, sum_us, max_us]
         self._shards_lock = threading.Lock()
 
-    def _shard(self) -> list[float]:
-        shard = getattr(self._local, "shard", None)
-        if shard is None:
-            shard = [0] * (len(_BOUNDS_US) + 1) + [0, 0.0, 0.0]
-            with self._shards_lock:  # once per thread
-                self._shards.append(shard)
-            self._local.shard = shard
+    def _new_shard(self) -> list[float]:
+        """This thread's shard, made on its first record (`record_ns` reads it straight after)."""
+        shard = [0] * _COUNT + [0, 0.0, 0.0]
+        with self._shards_lock:  # once per thread
+            self._shards.append(shard)
+        self._local.shard = shard
         return shard
 
     def record_ns(self, ns: int) -> None:
@@ -51,8 +50,8 @@ class LatencyHistogram:
         us = ns / 1000.0
         try:
             shard = self._local.shard
-        except AttributeError:
-            shard = self._shard()
+        except AttributeError:  # this thread's first record
+            shard = self._new_shard()
         shard[_bisect_left(_BOUNDS_US, us)] += 1
         shard[_COUNT] += 1
         shard[_COUNT + 1] += us
