@@ -65,7 +65,8 @@ def awaits(kernel):
 
 
 @functools.cache
-def _device_waits(index: int) -> bool:
+def device_waits(index: int) -> bool:
+    """Whether CUDA device `index` has programmatic launch (`griddepcontrol`: sm_90 and later)."""
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -80,7 +81,7 @@ def waits(x: torch.Tensor) -> bool:
     CUDA, sm_90 and later; never in the interpreter, on CPU tensors)."""
     if not (ON and AVAILABLE and x.is_cuda):
         return False
-    return _device_waits(x.device.index if x.device.index is not None else 0)
+    return device_waits(x.device.index if x.device.index is not None else 0)
 
 
 # the analysis' op for inline assembly, and the name an operandless one takes instead: an op it

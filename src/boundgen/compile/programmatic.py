@@ -197,7 +197,7 @@ def applies() -> bool:
     `grid_dependency.ON`, a GPU with programmatic launch (sm_90+) and the driver's edge API."""
     if not (grid_dependency.ON and torch.cuda.is_available()):
         return False
-    return torch.cuda.get_device_capability()[0] >= 9 and driver() is not None
+    return grid_dependency.device_waits(torch.cuda.current_device()) and driver() is not None
 
 
 @contextlib.contextmanager
