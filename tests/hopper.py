@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -52,13 +54,27 @@ def compile_in_child(script: str, *args: str) -> str:
     """Run `script` between the common head and tail above (argv: `args`) → its stdout ("cubin
     SIZE", then "waits first True" where the kernel waits for the kernels before it ahead of its
     first global load or store); skips the test where this Triton has no CUDA compiler API."""
+    out = run_in_child(_HEAD + script + _TAIL, *args)
+    assert "cubin" in out
+    return out
+
+
+def run_in_child(code: str, *args: str) -> str:
+    """Run `code` (argv: `args`) in a child without `TRITON_INTERPRET`, from a file (Triton reads
+    the source of a kernel the code defines) → its stdout; skips the test where this Triton has
+    no CUDA compiler API."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = _HEAD + script + _TAIL
-    res = subprocess.run(
-        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "child.py"
+        script.write_text(code)
+        res = subprocess.run(
+            [sys.executable, str(script), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     if "No module named" in res.stderr or "ImportError" in res.stderr:
         pytest.skip(f"this triton has no CUDA compiler API: {res.stderr.strip()[-200:]}")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "cubin" in res.stdout
     return res.stdout
