@@ -204,10 +204,15 @@ def profiled(fn, calls: int, cuda: bool) -> dict:
     }
 
 
-def measure(name: str, fn, args, cuda: bool) -> dict:
+def measure(name: str, fn, args, cuda: bool, runtime=None) -> dict:
+    """`fn()`'s wall time (median and min ms over `--iters` after `--warmup`), allocations a
+    call, its profile; with an engine's `runtime`, also where its calls went by the executor's own
+    histograms (`nodes`: each node's and the whole request's p50 / mean µs over the timed calls)."""
     for _ in range(args.warmup):
         fn()
     common.sync("cuda" if cuda else "cpu")
+    if runtime is not None:
+        runtime.executor.tracer.reset()
     times = []
     d0, h0 = device_allocs(), host_allocs()
     for _ in range(args.iters):
@@ -224,6 +229,8 @@ def measure(name: str, fn, args, cuda: bool) -> dict:
             k: round((h1[k] - h0.get(k, 0)) / args.iters, 2) for k in h1
         },
     }
+    if runtime is not None:
+        out["nodes"] = node_split(runtime)
     out.update(profiled(fn, args.profile_calls, cuda))
     print(f"\n== {name}", flush=True)
     print(json.dumps(out, indent=1), flush=True)
@@ -293,6 +300,20 @@ def host_split(runner, staged, groups, modes, args) -> dict:
             steps["fill"].append((t2 - t1) * 1e6)
     out = {m: round(statistics.median(v), 1) for m, v in steps.items()}
     print("\n== host steps before the replay (median µs): " + json.dumps(out), flush=True)
+    return out
+
+
+def node_split(runtime) -> dict:
+    """{node: {p50_us, mean_us}} of the score pipeline's nodes and "<request>" (the executor's
+    histograms since its tracer's last reset), printed: where `Engine.score` spends what the
+    runner alone does not."""
+    nodes = runtime.stats()["nodes"].get("score", {})
+    out = {n: {"p50_us": s["p50_us"], "mean_us": round(s["mean_us"], 1)} for n, s in nodes.items()}
+    print(
+        "  nodes (p50 / mean µs): "
+        + ", ".join(f"{n} {v['p50_us']:.0f} / {v['mean_us']:.0f}" for n, v in out.items()),
+        flush=True,
+    )
     return out
 
 
@@ -590,7 +611,7 @@ def main() -> int:
             call = lambda e=engine: e.score(query, items, LABELS, apply_softmax=True)
             res["variants"][name] = {
                 "max_abs_diff_vs_eager": diff,
-                "engine": measure(f"{name}: Engine.score", call, args, cuda),
+                "engine": measure(f"{name}: Engine.score", call, args, cuda, engine.runtime),
                 "runner": measure(
                     f"{name}: runner only", runner_call(runner, groups, cuda), args, cuda
                 ),
