@@ -12,7 +12,10 @@ that such a host should show:
 - `handoff_us`: two threads passing a turn back and forth through locks, µs a round trip (median
   and p99) — what every hand-off between the event loop and a worker costs: a wake-up of a
   sleeping thread and the GIL passing to it;
-- `steal`: the share of the CPUs' time the hypervisor took over a second of this probe.
+- `steal`: the share of the CPUs' time the hypervisor took over a second of this probe;
+- `clock_ns`: one reading of each clock the runtime reads several times a request
+  (`perf_counter_ns`, and `thread_time_ns`, a system call where the wall clock is not: a virtual
+  machine may trap it).
 
     python benchmarks/host_probe.py [--json out.json]
 """
@@ -69,6 +72,23 @@ def handoff_us(trips: int = 2_000) -> tuple[float, float]:
     return statistics.median(times), times[int(0.99 * (len(times) - 1))]
 
 
+def clock_ns(reads: int = 20_000) -> dict[str, float]:
+    """Median ns of one reading of each clock (over batches of 100 readings)."""
+    out = {}
+    for name, clock in (
+        ("perf_counter_ns", time.perf_counter_ns),
+        ("thread_time_ns", time.thread_time_ns),
+    ):
+        batches = []
+        for _ in range(reads // 100):
+            t0 = time.perf_counter_ns()
+            for _ in range(100):
+                clock()
+            batches.append((time.perf_counter_ns() - t0) / 100)
+        out[name] = round(statistics.median(batches), 1)
+    return out
+
+
 def cpu_model() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -85,6 +105,7 @@ def probe() -> dict:
     t0 = time.perf_counter()
     py = python_ms()
     median, p99 = handoff_us()
+    clocks = clock_ns()
     rest = 1.0 - (time.perf_counter() - t0)
     if rest > 0:
         time.sleep(rest)  # at least a second of accounting for the steal share
@@ -96,6 +117,7 @@ def probe() -> dict:
         "handoff_us_median": round(median, 1),
         "handoff_us_p99": round(p99, 1),
         "steal": None if stolen is None else round(stolen, 4),
+        "clock_ns": clocks,
     }
 
 
@@ -108,7 +130,8 @@ def main() -> None:
     print(
         f"host: {r['cpus']} CPUs ({r['cpu_model']}); Python workload {r['python_ms']:.1f} ms; "
         f"thread hand-off {r['handoff_us_median']:.1f} µs median, {r['handoff_us_p99']:.1f} p99; "
-        f"steal {steal}",
+        f"steal {steal}; a clock reading {r['clock_ns']['perf_counter_ns']:.0f} ns (wall), "
+        f"{r['clock_ns']['thread_time_ns']:.0f} ns (thread CPU)",
         flush=True,
     )
     if args.json:

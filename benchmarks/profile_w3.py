@@ -282,6 +282,35 @@ def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) ->
         steps["wall"].append((t[-1] - t[0]) * 1e6)
     out = {m: round(statistics.median(v), 1) for m, v in steps.items()}
     print("\n== host/GPU split of one staged call (median µs): " + json.dumps(out), flush=True)
+    out["runner"] = runner_steps(runner, groups, args)
+    return out
+
+
+def runner_steps(runner: ModelRunner, groups: list[SequenceGroup], args) -> dict:
+    """The runner-alone call (`runner_call`) timed in its steps (median µs over `--iters`):
+    `rows` (packing, fill, copy, replay, clone, as the runner does them: what `split` times step
+    by step, in its own loop), `head`, `wait` for the GPU, `tolist`; beside `split`, where the
+    runner alone spends what the split's steps do not."""
+    marks = ("rows", "head", "wait", "tolist")
+    steps: dict[str, list[float]] = {m: [] for m in marks + ("wall",)}
+    for i in range(args.warmup + args.iters):
+        t = [time.perf_counter()]
+        with torch.inference_mode():
+            rows = runner.rows(groups)
+            t.append(time.perf_counter())
+            host = head(runner, rows)
+            t.append(time.perf_counter())
+            torch.cuda.current_stream().synchronize()
+            t.append(time.perf_counter())
+            host.tolist()
+            t.append(time.perf_counter())
+        if i < args.warmup:
+            continue
+        for m, a, b in zip(marks, t, t[1:]):
+            steps[m].append((b - a) * 1e6)
+        steps["wall"].append((t[-1] - t[0]) * 1e6)
+    out = {m: round(statistics.median(v), 1) for m, v in steps.items()}
+    print("== the runner-alone call's steps (median µs): " + json.dumps(out), flush=True)
     return out
 
 
