@@ -25,9 +25,7 @@ and SiLU·mul as one streamed GEMM (`models/stream_gated.py`; the other variants
 and Inductor's SiLU·mul: the GEMM is the default), `--stream-qkv` the one with qkv and the q/k
 rotation as one streamed GEMM (`models/stream_qkv.py`), `--copy-in-graph` the one whose graph
 copies its staged prompts in itself, `--pdl` the one whose graph's edges into boundgen's kernels
-are programmatic (`compile/programmatic.py`), `--prefetch` the same with the weight-streaming
-kernels prefetching their weights into L2 before their wait (`grid_dependency.PREFETCH`: PDL on
-too, the prefetch comes only with the wait), and `--trie-select` the one with each trie step's
+are programmatic (`compile/programmatic.py`), and `--trie-select` the one with each trie step's
 selection in one kernel (`trie_select`, the other variants then take the ATen step: the kernel is
 the default); `--residual-add` the one with the residual adds out of `addmm` (`compile.residual`,
 the others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
@@ -181,8 +179,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     # a variant's kernels while it runs (its graphs are captured then): `skinny.MAX_ROWS`,
     # whether a trie step is one kernel, the one-kernel decode attention's tile; the others run
     # the process's defaults
-    rows_of, select_of, tile_of, stream_of, gated_of, qkv_of = {}, {}, {}, {}, {}, {}
-    pdl_of, prefetch_of = {}, {}
+    rows_of, select_of, tile_of, stream_of, gated_of, qkv_of, pdl_of = {}, {}, {}, {}, {}, {}, {}
     of_kind = {
         "skinny": rows_of,
         "select": select_of,
@@ -190,14 +187,12 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
         "gated": gated_of,
         "qkv": qkv_of,
         "pdl": pdl_of,
-        "prefetch": prefetch_of,
     }
     # with --trie-select the other variants take the ATen step (the A/B's other side)
     select_default = False if args.trie_select else trie_select.ENABLED
     gated_default = False if args.stream_gated else stream_gated.GATED
     qkv_default = False if args.stream_qkv else stream_qkv.ROTATED
     pdl_default = False if args.pdl else grid_dependency.ON
-    prefetch_default = False if args.prefetch else grid_dependency.PREFETCH
     if args.head_compile:
         from boundgen.compile.aoti import export_attention
         from boundgen.compile.backends import allow_recompiles
@@ -220,8 +215,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             [("gated", True)] if args.stream_gated else [],
             [("qkv", True)] if args.stream_qkv else [],
             [("copy", True)] if args.copy_in_graph else [],
-            # one kind, never combined: the prefetch's variant already waits (PDL on)
-            [("pdl", True)] * args.pdl + [("prefetch", True)] * args.prefetch,
+            [("pdl", True)] if args.pdl else [],
             [("select", True)] if args.trie_select else [],
             [("add", True)] if args.residual_add else [],
             [("attention", kind) for kind in args.decode_attention],
@@ -254,8 +248,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     tile_of[name] = _fused_tile(v)
                 elif n in of_kind:
                     of_kind[n][name] = v
-                if n == "prefetch":  # the prefetch runs only where the kernels wait
-                    pdl_of[name] = True
     ungraphed = SearchGraphs(model, dev, model.backend, use_graphs=False)
     out = {}
     g = torch.Generator().manual_seed(11)
@@ -305,7 +297,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                         gated = gated_of.get(vname, gated_default)
                         rotated = qkv_of.get(vname, qkv_default)
                         pdl = pdl_of.get(vname, pdl_default)
-                        prefetch = prefetch_of.get(vname, prefetch_default)
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
@@ -316,7 +307,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                             g_=gated,
                             q_=rotated,
                             p_=pdl,
-                            f_=prefetch,
                             one_kernel=one_kernel,
                             tile=tile,
                         ):
@@ -327,7 +317,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                                 stream_gated.enabled(g_),
                                 stream_qkv.enabled(q_),
                                 grid_dependency.enabled(p_),
-                                grid_dependency.prefetching(f_),
                                 trie_select.enabled(one_kernel),
                                 beam_decode.tile(*tile),
                             ):
@@ -556,13 +545,6 @@ def main() -> int:
         help="heads with --head-compile: also the compiled search whose graph's edges into "
         "boundgen's kernels are programmatic (`compile/programmatic.py`; the others then "
         "without)",
-    )
-    ap.add_argument(
-        "--prefetch",
-        action="store_true",
-        help="heads with --head-compile: also the compiled search whose kernels wait as with "
-        "--pdl and whose weight-streaming kernels prefetch their weights into L2 before their "
-        "wait (`grid_dependency.PREFETCH`; the others then without)",
     )
     ap.add_argument(
         "--trie-select",

@@ -25,8 +25,6 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --copy call,graph                     # staged inputs copied by the call or by the graph
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --pdl 0,1                             # the graph as captured, or with programmatic edges
-    python benchmarks/profile_w3.py --backend aoti+graphs --variants after --pdl 1 \
-        --prefetch 0,1                        # and the weights prefetched before the kernels' wait
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --hf eager,compile                    # HF eager and HF + torch.compile in the same process
     python benchmarks/profile_w3.py --preset tiny --device cpu --variants after \
@@ -538,13 +536,6 @@ def main() -> int:
         "made programmatic, `compile/programmatic.py`), crossed with the other axes",
     )
     ap.add_argument(
-        "--prefetch",
-        default=None,
-        help="`grid_dependency.PREFETCH` values to build side by side (0,1: a package each; the "
-        "weight-streaming kernels prefetch their weights into L2 before their wait or not: only "
-        "where they wait, so with --pdl 1 or BOUNDGEN_PDL=1), crossed with the other axes",
-    )
-    ap.add_argument(
         "--hf",
         default=None,
         help="HF baselines timed in the same process after boundgen's sides (eager,compile: "
@@ -569,7 +560,6 @@ def main() -> int:
     qkvs = _axis(ap, "--qkv", args.qkv, ("0", "1"))
     copies = _axis(ap, "--copy", args.copy, ("call", "graph"))
     pdls = _axis(ap, "--pdl", args.pdl, ("0", "1"))
-    prefetches = _axis(ap, "--prefetch", args.prefetch, ("0", "1"))
     rotations = _axis(ap, "--rotations", args.rotations, decoder.QK_ROTATIONS)
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
@@ -591,7 +581,7 @@ def main() -> int:
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [
-        (v, r, a, k, st, gt, q, c, p, f)
+        (v, r, a, k, st, gt, q, c, p)
         for v in args.variants.split(",")
         for r in rotations
         for a in autotunes
@@ -601,13 +591,11 @@ def main() -> int:
         for q in qkvs
         for c in copies
         for p in pdls
-        for f in prefetches
     ]
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for side in sides:
-            variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, copy, pdl, pf = side
+        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, copy, pdl in sides:
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
@@ -618,7 +606,6 @@ def main() -> int:
                 + ([f"qkv{qkv}"] if qkv is not None else [])
                 + ([f"copy-{copy}"] if copy is not None else [])
                 + ([f"pdl{pdl}"] if pdl is not None else [])
-                + ([f"prefetch{pf}"] if pf is not None else [])
             )
             # each read when the runner traces, builds or captures the model
             if rotation is not None:
@@ -637,8 +624,6 @@ def main() -> int:
                 staging.COPY_IN_GRAPH = copy == "graph"
             if pdl is not None:
                 grid_dependency.ON = pdl == "1"
-            if pf is not None:
-                grid_dependency.PREFETCH = pf == "1"
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":
