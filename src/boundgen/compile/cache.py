@@ -145,9 +145,8 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     whether gate_up then streams with SiLU·mul as its epilogue, `models.stream_gated.GATED`, and
     qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, how q and k are
     rotated, `models.decoder.QK_ROTATION`, whether the kernels wait for the kernels before them
-    (programmatic launch), `grid_dependency.ON`, and whether the weight-streaming kernels
-    prefetch their weights before that wait, `grid_dependency.prefetch_compiled`, and whether the
-    buckets' GEMMs were autotuned, `compile.bucket_autotune`)."""
+    (programmatic launch), `grid_dependency.ON`, and whether the buckets' GEMMs were
+    autotuned, `compile.bucket_autotune`)."""
     from boundgen import grid_dependency
     from boundgen.compile import bucket_autotune, residual
     from boundgen.models import decoder, skinny, skinny_tiles, stream, stream_gated, stream_qkv
@@ -173,8 +172,6 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
             info["stream_qkv"] = "1"
     if grid_dependency.ON:  # off keeps the keys of the packages built before it
         info["pdl"] = "1"
-    if grid_dependency.prefetch_compiled():  # off keeps the keys of the packages built before it
-        info["prefetch"] = "1"
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
     if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it

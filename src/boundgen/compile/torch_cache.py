@@ -8,8 +8,7 @@ new machine — a fresh GPU node, a copied cache — compiles again. PyTorch's p
 autotuning and Triton kernel caches as one blob) is written here after a warm-up that compiled,
 and loaded before the next warm-up:
 
-    <root>/torch-compile-<platform>.bin     one blob per torch / CUDA / GPU (/ `BOUNDGEN_PDL`,
-                                            / `BOUNDGEN_PREFETCH` with it)
+    <root>/torch-compile-<platform>.bin     one blob per torch / CUDA / GPU (/ `BOUNDGEN_PDL`)
 
 `load(root)` and `save(root)` never raise: a cache that cannot be read or written only costs the
 compile it would have saved (logged).
@@ -35,8 +34,6 @@ def _platform() -> str:
         parts += [torch.cuda.get_device_name(), str(torch.cuda.get_device_capability())]
     if grid_dependency.ON:  # kernels that wait for the ones before: a constexpr, not an op of
         parts.append("pdl")  # the graph, so kept apart from the blob of kernels that do not
-    if grid_dependency.prefetch_compiled():  # the same for the weights' prefetch before the wait
-        parts.append("prefetch")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
