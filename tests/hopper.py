@@ -47,16 +47,13 @@ ptx = ptx[ptx.index(".entry"):]
 wait = ptx.find("griddepcontrol.wait")
 first = min([i for i in (ptx.find(op) for op in ("ld.global", "st.global", "cp.async")) if i >= 0])
 print("waits first", 0 <= wait < first)
-# whether it fetches weight lines into L2 ahead of that wait (`grid_dependency.prefetch_rows`)
-print("prefetches first", 0 <= ptx.find("prefetch.global.L2") < wait)
 """
 
 
 def compile_in_child(script: str, *args: str) -> str:
     """Run `script` between the common head and tail above (argv: `args`) → its stdout ("cubin
     SIZE", then "waits first True" where the kernel waits for the kernels before it ahead of its
-    first global load or store, "prefetches first True" where it prefetches into L2 before that
-    wait); skips the test where this Triton has no CUDA compiler API."""
+    first global load or store); skips the test where this Triton has no CUDA compiler API."""
     out = run_in_child(_HEAD + script + _TAIL, *args)
     assert "cubin" in out
     return out

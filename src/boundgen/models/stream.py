@@ -42,7 +42,7 @@ try:
     import triton.language as tl
     from torch.library import triton_op
 
-    from boundgen.grid_dependency import await_inputs, prefetch_rows
+    from boundgen.grid_dependency import await_inputs
     from boundgen.triton_launch import traceable
 
     AVAILABLE = True
@@ -150,23 +150,19 @@ if AVAILABLE:
         PRECISION: tl.constexpr,
         INTERPRET: tl.constexpr,
         PDL: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         """Parts[s, rows, cols] = X[rows, Ks] @ W[cols, Ks].T over this program's column tile,
         row tile and K slice Ks (s = program_id(1))."""
+        await_inputs(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        k0 = pid_k * K_PER
-        # the weight slice into L2 while the kernel before runs (by the first row tile's program:
-        # the others read the same slice); only the weight, which no kernel writes, before the wait
-        prefetch_rows(W, cols, col_ok & (pid_m == 0), k0, K, K_PER, PREFETCH)
-        await_inputs(PDL)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        col_ok = cols < N
         row_ok = rows < M
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        k0 = pid_k * K_PER
         for k in range(k0, k0 + K_PER, BLOCK_K):
             ks = k + tl.arange(0, BLOCK_K)
             k_ok = ks < K
@@ -220,8 +216,8 @@ if AVAILABLE:
     def run(kernel, grid, x, weight, out, tile: tuple, **shape) -> None:
         """`kernel`[grid] as the streamed kernels take their arguments: X, W, Out, M, stride_xm,
         the shape's constexprs, then the tile's (`tile`: BLOCK_M, BLOCK_N, BLOCK_K, warps,
-        stages), `tl.dot`'s precision, whether Triton's interpreter runs it, whether the kernel
-        waits for its inputs and whether it prefetches its weights before (`grid_dependency`)."""
+        stages), `tl.dot`'s precision, whether Triton's interpreter runs it and whether the
+        kernel waits for its inputs (`grid_dependency`)."""
         block_m, block_n, block_k, warps, stages = tile
         traceable(kernel)[grid](
             x,
@@ -236,7 +232,6 @@ if AVAILABLE:
             PRECISION=triton_launch.dot_precision(x),
             INTERPRET=not x.is_cuda,
             PDL=grid_dependency.waits(x),
-            PREFETCH=grid_dependency.prefetches(x),
             num_warps=warps,
             num_stages=stages,
         )

@@ -40,7 +40,7 @@ if AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op
 
-    from boundgen.grid_dependency import await_inputs, prefetch_rows
+    from boundgen.grid_dependency import await_inputs
     from boundgen.models.stream import two_products
 
 GATED = os.environ.get("BOUNDGEN_STREAM_GATED", "1") == "1"
@@ -91,21 +91,16 @@ if AVAILABLE:
         PRECISION: tl.constexpr,
         INTERPRET: tl.constexpr,
         PDL: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         """Out[rows, cols] = SiLU(X[rows] @ W[cols].T) · (X[rows] @ W[I + cols].T) over this
         program's column tile and row tile, W = gate_up's weight [2I, K] (gate's rows, then
         up's)."""
+        await_inputs(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < I
-        # gate's and up's rows into L2 while the kernel before runs (by the first row tile's
-        # program); only the weight, which no kernel writes, before the wait
-        prefetch_rows(W, cols, col_ok & (pid_m == 0), 0, K, K, PREFETCH)
-        prefetch_rows(W, I + cols, col_ok & (pid_m == 0), 0, K, K, PREFETCH)
-        await_inputs(PDL)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        col_ok = cols < I
         row_ok = rows < M
         gate, up = two_products(
             X, W, rows, row_ok, cols, col_ok, stride_xm, K, I, BLOCK_N, BLOCK_M, BLOCK_K,

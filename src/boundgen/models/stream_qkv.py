@@ -42,7 +42,7 @@ if AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op
 
-    from boundgen.grid_dependency import await_inputs, prefetch_rows
+    from boundgen.grid_dependency import await_inputs
     from boundgen.models.stream import two_products
 
 ROTATED = os.environ.get("BOUNDGEN_STREAM_QKV", "1") == "1"
@@ -108,27 +108,21 @@ if AVAILABLE:
         PRECISION: tl.constexpr,
         INTERPRET: tl.constexpr,
         PDL: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         """Out[rows, lo] and Out[rows, lo + D/2] for this program's `BLOCK_H` pairs of one head
         (lo = head·D + d): X @ W[lo].T and X @ W[lo + D/2].T (+ bias), rounded to Out's dtype,
         then rotated by cos/sin [T, D/2] of the rows where the head is one of q's or k's
         (columns before ROT_COLS). With SLOT, Out holds q's columns only and k's and v's heads go
         into slot Step[0] of KV [rows, slots, 2, Hkv, D] (a beam step's cache: no copy after)."""
+        await_inputs(PDL)
         pid_h = tl.program_id(0)
         pid_m = tl.program_id(1)
         pairs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # pair index: head · D/2 + d
         d = pairs % (HEAD_D // 2)
         lo = (pairs // (HEAD_D // 2)) * HEAD_D + d
         hi = lo + HEAD_D // 2
-        col_ok = lo < N
-        # both halves' weight rows into L2 while the kernel before runs (by the first row tile's
-        # program); only the weight, which no kernel writes, before the wait (the bias, cos, sin
-        # and the step after it)
-        prefetch_rows(W, lo, col_ok & (pid_m == 0), 0, K, K, PREFETCH)
-        prefetch_rows(W, hi, col_ok & (pid_m == 0), 0, K, K, PREFETCH)
-        await_inputs(PDL)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        col_ok = lo < N
         row_ok = rows < M
         acc_lo, acc_hi = two_products(
             X, W, rows, row_ok, lo, col_ok, stride_xm, K, HEAD_D // 2, BLOCK_H, BLOCK_M, BLOCK_K,
@@ -224,7 +218,6 @@ if AVAILABLE:
             PRECISION=triton_launch.dot_precision(x),
             INTERPRET=not x.is_cuda,
             PDL=grid_dependency.waits(x),
-            PREFETCH=grid_dependency.prefetches(x),
             num_warps=warps,
             num_stages=stages,
         )
