@@ -1,19 +1,16 @@
 """Programmatic graph edges (`compile/programmatic.py`) and the kernels that may take them
 (`grid_dependency`): which edges a captured graph's rewrite changes, on a fake driver graph; that
-every awaiting kernel waits before any load or store, with only its weight's prefetch before (the
-kernels' Hopper compile tests check the PTX); that torch's analysis of what a kernel writes passes
-over the assembly that writes nothing and over nothing else; and, on a GPU with programmatic
-launch, that a graph rewritten so replays what the plain one does."""
+every awaiting kernel waits before anything else (the kernels' Hopper compile tests check the
+PTX); and, on a GPU with programmatic launch, that a graph rewritten so replays what the plain one
+does."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
 import inspect
-import json
 import logging
 import textwrap
-from unittest import mock
 
 import pytest
 import torch
@@ -169,20 +166,6 @@ def test_kernels_wait_only_on_hopper_cuda():
     assert not grid_dependency.waits(torch.zeros(1))  # CPU (the interpreter lacks the wait)
 
 
-def test_kernels_prefetch_only_where_they_wait():
-    cpu = torch.zeros(1)
-    with grid_dependency.enabled(True), grid_dependency.prefetching(True):
-        assert not grid_dependency.prefetches(cpu)  # the interpreter: neither instruction
-    with (
-        grid_dependency.enabled(True),
-        grid_dependency.prefetching(True),
-        mock.patch.object(grid_dependency, "waits", lambda x: True),  # as on a Hopper GPU
-    ):
-        assert grid_dependency.prefetches(cpu)
-        with grid_dependency.prefetching(False):
-            assert not grid_dependency.prefetches(cpu)
-
-
 def test_packages_record_the_switch():
     """Kernels built with the switch on carry the wait: their packages are other packages."""
     from boundgen.compile.cache import platform_info
@@ -269,138 +252,38 @@ def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeyp
     torch.testing.assert_close(outs[0], forward(x0.clone()))
 
 
-def _parsed_kernel(wrap) -> tuple[dict, object, object]:
-    """torch's parsed form of a kernel with an operandless inline assembly op (Triton 3.6's
-    `griddepcontrol.wait`), one that takes an operand and a store: (functions, the op with the
-    operand, the store)."""
+def test_operandless_inline_asm_is_no_write_for_torchs_analysis():
+    # Triton 3.6's griddepcontrol instructions are impure inline assembly without operands:
+    # torch's analysis of what a kernel writes must pass over them (it took every argument as
+    # written on the H200), and keep refusing assembly that takes a pointer
+    wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
     Op, Param, Intermediate = wrap.Op, wrap.Param, wrap.Intermediate
     wait = Op("tt.elementwise_inline_asm", None, [], Intermediate(-1))
     with_operand = Op("tt.elementwise_inline_asm", None, [Param(0)], Intermediate(2))
     store = Op("tt.store", None, [Param(1), Intermediate(2)], Intermediate(-2))
     functions = {"k": {Intermediate(-1): [wait], Intermediate(2): [with_operand, store]}}
-    return functions, with_operand, store
-
-
-def test_operandless_inline_asm_is_no_write_for_torchs_analysis():
-    # Triton 3.6's griddepcontrol instructions are impure inline assembly without operands:
-    # torch's analysis of what a kernel writes must pass over them (it took every argument as
-    # written on the H200), and keep refusing assembly that takes a pointer unless the module's
-    # every inline assembly was checked to write nothing
-    wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
-    Intermediate = wrap.Intermediate
-    functions, with_operand, store = _parsed_kernel(wrap)
-    out = grid_dependency.without_asm_writing_nothing(functions)
-    assert [op.name for op in out["k"][Intermediate(-1)]] == ["boundgen.asm_writing_nothing"]
+    out = grid_dependency.without_operandless_asm(functions)
+    assert [op.name for op in out["k"][Intermediate(-1)]] == ["boundgen.operandless_inline_asm"]
     assert out["k"][Intermediate(2)] == [with_operand, store]
-    functions, with_operand, store = _parsed_kernel(wrap)
-    out = grid_dependency.without_asm_writing_nothing(functions, every_asm=True)
-    assert [op.name for op in out["k"][Intermediate(2)]] == [
-        "boundgen.asm_writing_nothing",
-        "tt.store",
-    ]
-    assert out["k"][Intermediate(2)][0].args == with_operand.args
     # installed as the kernels were defined, once
-    assert getattr(wrap.ttir_to_functions, "_boundgen_asm_writing_nothing", False)
+    assert getattr(wrap.ttir_to_functions, "_boundgen_operandless_asm", False)
     installed = wrap.ttir_to_functions
-    grid_dependency._asm_writing_nothing_passed_over()
+    grid_dependency._operandless_asm_writes_nothing()
     assert wrap.ttir_to_functions is installed
 
 
-class FakeOp:
-    """An op of a TTIR module as the mend reads it (Triton's MLIR bindings)."""
-
-    def __init__(self, name: str, operands: int = 0, asm: str | None = None, fails=False):
-        self.name, self.operands, self.asm, self.fails = name, operands, asm, fails
-
-    def get_name(self) -> str:
-        return self.name
-
-    def get_num_operands(self) -> int:
-        return self.operands
-
-    def get_str_attr(self, name: str) -> str | None:
-        if self.fails:
-            raise RuntimeError("no such attribute")
-        return self.asm if name == "asm_string" else None
-
-
-class FakeModule:
-    def __init__(self, *ops: FakeOp, fails: bool = False) -> None:
-        self.ops, self.fails = ops, fails
-
-    def walk(self, fn) -> None:
-        if self.fails:
-            raise RuntimeError("no walk")
-        for op in self.ops:
-            fn(op)
-
-
-@pytest.mark.parametrize(
-    ("ops", "fails", "expected"),
-    [
-        ([], False, True),
-        (["wait", "prefetch", "load"], False, True),
-        (["wait", "prefetch", "other"], False, False),  # any other assembly with operands
-        (["other"], False, False),
-        (["wait", "no text"], False, False),  # an asm op without its text
-        (["wait", "unreadable"], False, False),
-        (["wait", "prefetch"], True, False),  # a module that cannot be walked
-    ],
-)
-def test_only_the_known_assembly_is_taken_as_writing_nothing(ops, fails, expected):
-    asm = "tt.elementwise_inline_asm"
-    made = {
-        "wait": FakeOp(asm, 0, "griddepcontrol.wait; // dummy $0"),
-        "prefetch": FakeOp(asm, 2, grid_dependency.PREFETCH_L2_ASM),
-        "load": FakeOp("tt.load", 1),
-        "other": FakeOp(asm, 2, "st.global.b32 [$1], $2; mov.u32 $0, 0;"),
-        "no text": FakeOp(asm, 2, None),
-        "unreadable": FakeOp(asm, 2, fails=True),
-    }
-    module = FakeModule(*(made[name] for name in ops), fails=fails)
-    assert grid_dependency.every_asm_writes_nothing(module) is expected
-
-
-# torch's own analysis of what a kernel writes, for an sm_90 target on a machine without a GPU, in
-# a child without TRITON_INTERPRET (the interpreter's kernels are not the JIT functions torch
-# analyses); `written_by(parser, ...)`: the arguments taken as written with torch's parser as it
-# came, with the mend as it was before assembly with operands was checked, or with the mend.
-_CHILD_HEAD = """
-import json
+# torch's own analysis, on a kernel that starts as Triton 3.6's `gdc_wait` does (impure inline
+# assembly without operands), for an sm_90 target on a machine without a GPU; in a child without
+# TRITON_INTERPRET (the interpreter's kernels are not the JIT functions torch analyses). Prints the
+# arguments taken as written by torch's parser as it came, then with the mend.
+_ANALYSIS = """
+import sys
 from unittest import mock
 import torch, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 import torch._higher_order_ops.triton_kernel_wrap as wrap
 from boundgen import grid_dependency  # installs the mend
 
-class Sm90:
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-def written(kernel, kwargs):
-    if hasattr(wrap, "identify_accessed_tensors"):  # torch 2.12 and later
-        acc = wrap.identify_accessed_tensors(kernel, kwargs, {})
-        return sorted(d.name for d in acc.read_writes.writes)
-    return sorted(wrap.identify_mutated_tensors(kernel, kwargs, {}))  # torch 2.11
-
-mended = wrap.ttir_to_functions
-PARSERS = {
-    "as it came": mended.__wrapped__,
-    "operandless only": lambda m: grid_dependency.without_asm_writing_nothing(
-        mended.__wrapped__(m)
-    ),
-    "mended": mended,
-}
-
-def written_by(how, kernel, kwargs):
-    with mock.patch.object(wrap, "ttir_to_functions", PARSERS[how]):
-        return written(kernel, kwargs)
-
-sm90 = mock.patch.object(triton.runtime.driver, "_active", Sm90(), create=True)
-"""
-
-# a kernel that starts as Triton 3.6's `gdc_wait` does (impure inline assembly without operands)
-_OPERANDLESS = """
 @triton.jit
 def copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.inline_asm_elementwise(
@@ -409,55 +292,28 @@ def copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
-kwargs = {"x_ptr": torch.zeros(16), "y_ptr": torch.zeros(16), "n": 16, "BLOCK": 16}
-with sm90:
-    print(json.dumps({how: written_by(how, copy, kwargs) for how in ("as it came", "mended")}))
+class Sm90:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+def written():
+    kwargs = {"x_ptr": torch.zeros(16), "y_ptr": torch.zeros(16), "n": 16, "BLOCK": 16}
+    if hasattr(wrap, "identify_accessed_tensors"):  # torch 2.12 and later
+        acc = wrap.identify_accessed_tensors(copy, kwargs, {})
+        return sorted(d.name for d in acc.read_writes.writes)
+    return sorted(wrap.identify_mutated_tensors(copy, kwargs, {}))  # torch 2.11
+
+with mock.patch.object(triton.runtime.driver, "_active", Sm90(), create=True):
+    mended = wrap.ttir_to_functions
+    wrap.ttir_to_functions = mended.__wrapped__
+    print("as it came", written())
+    wrap.ttir_to_functions = mended
+    print("mended", written())
 """
-
-
-def _analysed(code: str):
-    """What the child prints last (JSON)."""
-    return json.loads(run_in_child(_CHILD_HEAD + code).splitlines()[-1])
 
 
 def test_torchs_analysis_takes_only_the_stored_argument_as_written_with_the_mend():
-    got = _analysed(_OPERANDLESS)
-    assert got["as it came"] == ["x_ptr", "y_ptr"]  # the failure the H200 saw: every argument
-    assert got["mended"] == ["y_ptr"]
-
-
-# a kernel with other impure assembly that takes operands (a store through it), with and without
-# the weights' prefetch beside it
-_OTHER_ASM = """
-from boundgen.grid_dependency import prefetch_rows
-
-@triton.jit
-def poke(x_ptr, y_ptr, w_ptr, n, BLOCK: tl.constexpr, PREFETCH: tl.constexpr, POKE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    prefetch_rows(w_ptr, offs, offs < n, 0, BLOCK, BLOCK, PREFETCH)
-    v = tl.load(x_ptr + offs, mask=offs < n)
-    if POKE:
-        tl.inline_asm_elementwise(
-            "st.global.b32 [$1], $2; mov.u32 $0, 0;", "=r,l,r", [x_ptr + offs, v.to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )
-    tl.store(y_ptr + offs, v, mask=offs < n)
-
-got = {}
-with sm90:
-    for prefetch, poked in ((True, False), (True, True), (False, True)):
-        kwargs = {"x_ptr": torch.zeros(16), "y_ptr": torch.zeros(16), "w_ptr": torch.zeros(256),
-                  "n": 16, "BLOCK": 16, "PREFETCH": prefetch, "POKE": poked}
-        got[f"prefetch{int(prefetch)} poke{int(poked)}"] = written_by("mended", poke, kwargs)
-print(json.dumps(got))
-"""
-
-
-def test_other_assembly_with_operands_keeps_torchs_conservative_answer():
-    """Assembly with operands that boundgen does not know (here it stores through x) leaves the
-    whole kernel to torch's answer, every tensor written, even beside the prefetch."""
-    assert _analysed(_OTHER_ASM) == {
-        "prefetch1 poke0": ["y_ptr"],
-        "prefetch1 poke1": ["w_ptr", "x_ptr", "y_ptr"],
-        "prefetch0 poke1": ["w_ptr", "x_ptr", "y_ptr"],
-    }
+    out = run_in_child(_ANALYSIS)
+    lines = out.splitlines()
+    assert "as it came ['x_ptr', 'y_ptr']" in lines  # the failure the H200 saw: every argument
+    assert "mended ['y_ptr']" in lines
