@@ -192,6 +192,100 @@ def test_capture_is_off_without_the_switch(monkeypatch):
     assert not programmatic.applies()
 
 
+@pytest.mark.parametrize("value", ["0", "buckets", "1"])
+def test_the_modes_are_taken(value):
+    assert grid_dependency.mode_of(value) == value
+
+
+@pytest.mark.parametrize("value", ["", "2", "on", "Buckets", "searches"])
+def test_an_unknown_mode_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="BOUNDGEN_PDL=.*buckets"):
+        grid_dependency.mode_of(value)
+
+
+def buckets_mode(monkeypatch):
+    """`BOUNDGEN_PDL=buckets` in this process: on, but not for the searches."""
+    monkeypatch.setattr(grid_dependency, "ON", True)
+    monkeypatch.setattr(grid_dependency, "SEARCHES", False)
+
+
+def test_buckets_mode_leaves_the_searches_without_it_on_their_thread_only(monkeypatch):
+    import threading
+
+    buckets_mode(monkeypatch)
+    assert grid_dependency.active()
+    seen = []
+    with grid_dependency.for_searches():
+        assert not grid_dependency.active()
+        other = threading.Thread(target=lambda: seen.append(grid_dependency.active()))
+        other.start()
+        other.join()
+        with grid_dependency.for_searches():  # nested: still the searches'
+            assert not grid_dependency.active()
+        assert not grid_dependency.active()
+    assert seen == [True]  # a bucket's capture on another thread meanwhile takes it
+    assert grid_dependency.active()
+
+
+def test_every_graph_mode_takes_it_in_the_searches_too(monkeypatch):
+    monkeypatch.setattr(grid_dependency, "ON", True)
+    monkeypatch.setattr(grid_dependency, "SEARCHES", True)
+    with grid_dependency.for_searches():
+        assert grid_dependency.active()
+
+
+def test_the_switch_turns_the_searches_on_and_off_with_the_rest(monkeypatch):
+    buckets_mode(monkeypatch)
+    with grid_dependency.enabled(True), grid_dependency.for_searches():
+        assert grid_dependency.active()
+    with grid_dependency.enabled(False):
+        assert not grid_dependency.active()
+    assert grid_dependency.ON and not grid_dependency.SEARCHES  # restored
+
+
+def test_a_search_is_traced_and_captured_as_a_search(monkeypatch):
+    """`ModelRunner.beam_search` (the plain path) and `SearchGraphs.run` (where a bucket's layers
+    are traced and its graph captured) run inside `for_searches`: with "buckets", a search's
+    kernels carry no wait and its graphs get no edges."""
+    from boundgen import runner as runner_module
+    from boundgen.compile.decode import SearchGraphs
+
+    buckets_mode(monkeypatch)
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append(grid_dependency.active())
+        raise StopIteration  # what the search would do next does not matter here
+
+    monkeypatch.setattr(runner_module, "plain_session", record)
+    plain = runner_module.ModelRunner.__new__(runner_module.ModelRunner)
+    plain.forwards, plain._on_device = None, lambda trie: trie
+    plain.model, plain.device = None, torch.device("cpu")
+    with pytest.raises(StopIteration):
+        runner_module.ModelRunner.beam_search(plain, [[1, 2]], 2, 1)
+    graphs = SearchGraphs.__new__(SearchGraphs)
+    graphs.sealed = False
+    monkeypatch.setattr(SearchGraphs, "_run_new", record)
+    with pytest.raises(StopIteration):
+        graphs.run([[1, 2]], 2, 1)
+    assert seen == [False, False]
+
+
+def test_buckets_mode_keys_packages_as_on_and_the_searches_blob_as_off(monkeypatch, tmp_path):
+    """Packages (the buckets') record what their kernels carry; the searches' compiled layers
+    carry no wait under "buckets", so their blob is the one made with the switch off."""
+    from boundgen.compile import torch_cache
+    from boundgen.compile.cache import platform_info
+
+    with grid_dependency.enabled(False):
+        off_blob, off_package = torch_cache.path_for(tmp_path), platform_info("cpu")
+    buckets_mode(monkeypatch)
+    assert platform_info("cpu")["pdl"] == "1"
+    with grid_dependency.for_searches():
+        assert platform_info("cpu") == off_package
+    assert torch_cache.path_for(tmp_path) == off_blob
+
+
 @pytest.mark.gpu
 def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeypatch):
     """A W3-sized chain of the streamed kernels (qkv with the rotation, o_proj, gate_up + SiLU·mul,

@@ -24,11 +24,19 @@ compile and the AOTInductor buckets' scores came out wrong. Assembly without ope
 a tensor, so it writes none of the kernel's arguments: `_operandless_asm_writes_nothing` tells the
 analysis so (installed on import, as the kernels are defined).
 
-`ON` (`BOUNDGEN_PDL`, default "0" until the GPU measures it) decides both sides: the kernels traced
-or launched while it is on carry the instructions (`PDL`, also false where the GPU has no
-`griddepcontrol`, before sm_90, and in Triton's CPU interpreter, which lacks it), and graphs
-captured while it is on get the edges. Off, the kernels are the ones the GPU suite last passed
-with; compiled packages record it (`compile.cache.platform_info`).
+`BOUNDGEN_PDL` (`MODE`) says which graphs take it: "0" none (the default), "buckets" the prefill
+buckets' graphs (score, classify, embed: W1–W3, W5) but not the beam searches', "1" every graph.
+On an H100 (forty-fourth session) the edges took W3's graph 899–906 → 873 µs but lost W4's
+searches 0.17 ms. `active()` decides both sides, read on the thread that traces or captures: the
+kernels traced or launched while it is true carry the instructions (`PDL`, also false where the
+GPU has no `griddepcontrol`, before sm_90, and in Triton's CPU interpreter, which lacks it), and
+graphs captured while it is true get the edges. It is `ON` (any mode but "0"), except inside
+`for_searches()` — a beam search's trace and capture (`ModelRunner.beam_search`,
+`SearchGraphs.run`) — where it is `ON and SEARCHES` (mode "1"). A graph is captured in the context
+its kernels were traced in, so its edges only go into kernels that wait: an edge into a kernel
+traced without the wait would let it read its inputs before they are written. Compiled packages
+and the searches' compiled-layers blob record what their kernels carry
+(`compile.cache.platform_info`, `compile.torch_cache`).
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ import contextlib
 import dataclasses
 import functools
 import os
+import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -50,7 +60,24 @@ try:
 except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
     AVAILABLE = False
 
-ON = os.environ.get("BOUNDGEN_PDL", "0") == "1"
+MODES = ("0", "buckets", "1")
+
+
+def mode_of(value: str) -> str:
+    """`BOUNDGEN_PDL`'s value checked: one of `MODES`."""
+    if value not in MODES:
+        raise ValueError(
+            f"BOUNDGEN_PDL={value!r}: use 0 (no graph), buckets (the prefill buckets' graphs) or "
+            "1 (every graph, the beam searches' too)"
+        )
+    return value
+
+
+MODE = mode_of(os.environ.get("BOUNDGEN_PDL", "0"))
+ON = MODE != "0"  # kernels traced and graphs captured take it (outside `for_searches`)
+SEARCHES = MODE == "1"  # the beam searches' too
+# per thread: False inside `for_searches` where the searches do not take it
+_thread = threading.local()
 
 # The names of the kernels that start with `await_inputs` (`awaits` adds them as their modules
 # load): the kernels a captured graph's edges into may be made programmatic.
@@ -70,16 +97,36 @@ def device_waits(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def enabled(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside: kernels traced or launched, and graphs captured, take programmatic launch (`ON`)
-    or not (an A/B's switch)."""
-    return switched(globals(), "ON", on)
+@contextlib.contextmanager
+def enabled(on: bool) -> Iterator[None]:
+    """Inside: kernels traced or launched, and graphs captured, take programmatic launch or not,
+    the beam searches' too (`ON` and `SEARCHES`: an A/B's switch, process-wide)."""
+    with switched(globals(), "ON", on), switched(globals(), "SEARCHES", on):
+        yield
+
+
+@contextlib.contextmanager
+def for_searches() -> Iterator[None]:
+    """Inside, on this thread: a beam search's kernels traced and graphs captured take
+    programmatic launch only where the searches do (`SEARCHES`)."""
+    before = getattr(_thread, "searches_off", False)
+    _thread.searches_off = not SEARCHES
+    try:
+        yield
+    finally:
+        _thread.searches_off = before
+
+
+def active() -> bool:
+    """Whether kernels traced or launched, and graphs captured, on this thread now take
+    programmatic launch: `ON`, but not inside `for_searches` unless `SEARCHES`."""
+    return ON and not getattr(_thread, "searches_off", False)
 
 
 def waits(x: torch.Tensor) -> bool:
-    """`PDL` for a kernel launched on `x`'s device: whether it carries `griddepcontrol` (`ON`,
-    CUDA, sm_90 and later; never in the interpreter, on CPU tensors)."""
-    if not (ON and AVAILABLE and x.is_cuda):
+    """`PDL` for a kernel launched on `x`'s device: whether it carries `griddepcontrol`
+    (`active()`, CUDA, sm_90 and later; never in the interpreter, on CPU tensors)."""
+    if not (AVAILABLE and x.is_cuda and active()):
         return False
     return device_waits(x.device.index if x.device.index is not None else 0)
 

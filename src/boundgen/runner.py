@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from boundgen import cuda_waits
+from boundgen import cuda_waits, grid_dependency
 from boundgen.compile.backends import CompiledForwards, CompileOptions, select_forwards
 from boundgen.compile.buckets import Bucket, BucketSet
 from boundgen.compile.chunking import Piece, chunk
@@ -327,8 +327,10 @@ class ModelRunner:
             out = graphs.run(prompts, width, steps, trie, tuple(banned))
             if out is not None:
                 return out
-        session = plain_session(self.model, self.device, prompts, width, steps)
-        return search(session, self.model.logits, width, steps, trie, banned)
+        # the plain session's kernels as a search's (`grid_dependency.for_searches`)
+        with grid_dependency.for_searches():
+            session = plain_session(self.model, self.device, prompts, width, steps)
+            return search(session, self.model.logits, width, steps, trie, banned)
 
     @property
     def search_streams(self) -> int:

@@ -145,7 +145,7 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     whether gate_up then streams with SiLU·mul as its epilogue, `models.stream_gated.GATED`, and
     qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, how q and k are
     rotated, `models.decoder.QK_ROTATION`, whether the kernels wait for the kernels before them
-    (programmatic launch), `grid_dependency.ON`, and whether the buckets' GEMMs were
+    (programmatic launch), `grid_dependency.active()`, and whether the buckets' GEMMs were
     autotuned, `compile.bucket_autotune`)."""
     from boundgen import grid_dependency
     from boundgen.compile import bucket_autotune, residual
@@ -170,7 +170,7 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
             info["stream_gated"] = "1"
         if stream_qkv.ROTATED:  # off keeps the keys of the packages built before it
             info["stream_qkv"] = "1"
-    if grid_dependency.ON:  # off keeps the keys of the packages built before it
+    if grid_dependency.active():  # off keeps the keys of the packages built before it
         info["pdl"] = "1"
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from boundgen import grid_dependency
 from boundgen.attention import beam_decode, own_slots
 from boundgen.attention.cascade import grouped_rows_attention, grouped_rows_partial, merge_partial
 from boundgen.compile import programmatic, residual, staging
@@ -435,8 +436,9 @@ class SearchGraphs:
         banned: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         banned = tuple(banned)
-        if not self.sealed:
-            return self._run_new(prompts, width, steps, trie, banned)
+        if not self.sealed:  # the layers traced and the graph captured as a search's
+            with grid_dependency.for_searches():
+                return self._run_new(prompts, width, steps, trie, banned)
         out = self._run_sealed(prompts, width, steps, trie, banned)
         if out is None:
             self._miss(len(prompts), max(len(p) for p in prompts), width, steps, trie)

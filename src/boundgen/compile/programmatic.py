@@ -10,8 +10,9 @@ step) becomes {from_port: programmatic, type: programmatic}; every other edge â€
 kernels, cuBLAS, copies, or from a node that is not a kernel â€” stays a full dependency.
 `grid_dependency` says what a programmatic edge changes and why the kernels are safe on one.
 
-`grid_dependency.ON` (`BOUNDGEN_PDL`, default "0" until the GPU measures it; "1" rewrites) is read
-as a graph is captured (`capture`), as the kernels read it when traced or launched. Where the driver
+`grid_dependency.active()` (`BOUNDGEN_PDL`: "0" none, the default; "buckets" the prefill buckets'
+graphs; "1" every graph) is read as a graph is captured (`capture`), as the kernels read it when
+traced or launched. Where the driver
 lacks the edge API (CUDA < 12.3) or the GPU has no programmatic launch (before sm_90) the graph is
 left as captured, said once in the log.
 """
@@ -194,8 +195,9 @@ def driver() -> Driver | None:
 
 def applies() -> bool:
     """Whether graphs captured now (on the current device) get programmatic edges:
-    `grid_dependency.ON`, a GPU with programmatic launch (sm_90+) and the driver's edge API."""
-    if not (grid_dependency.ON and torch.cuda.is_available()):
+    `grid_dependency.active()` (on this thread: not a beam search's capture unless the searches
+    take it too), a GPU with programmatic launch (sm_90+) and the driver's edge API."""
+    if not (grid_dependency.active() and torch.cuda.is_available()):
         return False
     return grid_dependency.device_waits(torch.cuda.current_device()) and driver() is not None
 

@@ -32,8 +32,10 @@ def _platform() -> str:
     parts = [torch.__version__, str(torch.version.cuda)]
     if torch.cuda.is_available():
         parts += [torch.cuda.get_device_name(), str(torch.cuda.get_device_capability())]
-    if grid_dependency.ON:  # kernels that wait for the ones before: a constexpr, not an op of
-        parts.append("pdl")  # the graph, so kept apart from the blob of kernels that do not
+    # the searches' layers whose kernels wait for the ones before (`BOUNDGEN_PDL=1`): a
+    # constexpr, not an op of the graph, so kept apart from the blob of kernels that do not
+    if grid_dependency.ON and grid_dependency.SEARCHES:
+        parts.append("pdl")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
