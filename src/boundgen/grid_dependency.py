@@ -27,10 +27,11 @@ analysis so (installed on import, as the kernels are defined).
 `BOUNDGEN_PDL` (`MODE`) says which graphs take it: "0" none (the default), "buckets" the prefill
 buckets' graphs (score, classify, embed: W1–W3, W5) but not the beam searches', "1" every graph.
 On an H100 (forty-fourth session) the edges took W3's graph 899–906 → 873 µs but lost W4's
-searches 0.17 ms. `active()` decides both sides, read on the thread that traces or captures: the
-kernels traced or launched while it is true carry the instructions (`PDL`, also false where the
-GPU has no `griddepcontrol`, before sm_90, and in Triton's CPU interpreter, which lacks it), and
-graphs captured while it is true get the edges. It is `ON` (any mode but "0"), except inside
+searches 0.17 ms and W2 0.03 ms (a few long GEMMs: no gaps to save), so the default is "0".
+`active()` decides both sides, read on the thread that traces or captures: the kernels traced or
+launched while it is true carry the instructions (`PDL`, also false where the GPU has no
+`griddepcontrol`, before sm_90, and in Triton's CPU interpreter, which lacks it), and graphs
+captured while it is true get the edges. It is `ON` (any mode but "0"), except inside
 `for_searches()` — a beam search's trace and capture (`ModelRunner.beam_search`,
 `SearchGraphs.run`) — where it is `ON and SEARCHES` (mode "1"). A graph is captured in the context
 its kernels were traced in, so its edges only go into kernels that wait: an edge into a kernel
