@@ -269,11 +269,7 @@ def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) ->
             rows = staged.graph.output[1][:k].clone()
             staged.inputs.done()
             t.append(time.perf_counter())
-            host = head(runner, rows)
-            t.append(time.perf_counter())
-            torch.cuda.current_stream().synchronize()
-            t.append(time.perf_counter())
-            host.tolist()
+            head_and_wait(runner, rows, t)
         if i < args.warmup:
             continue
         for m, a, b in zip(marks, t, t[1:]):
@@ -284,6 +280,16 @@ def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) ->
     print("\n== host/GPU split of one staged call (median µs): " + json.dumps(out), flush=True)
     out["runner"] = runner_steps(runner, groups, args)
     return out
+
+
+def head_and_wait(runner: ModelRunner, rows: torch.Tensor, marks: list[float]) -> None:
+    """A staged call's end as the splits time it: the head (a time appended to `marks`), the wait
+    for the GPU (another), then the scores to lists."""
+    host = head(runner, rows)
+    marks.append(time.perf_counter())
+    torch.cuda.current_stream().synchronize()
+    marks.append(time.perf_counter())
+    host.tolist()
 
 
 def runner_steps(runner: ModelRunner, groups: list[SequenceGroup], args) -> dict:
@@ -298,11 +304,7 @@ def runner_steps(runner: ModelRunner, groups: list[SequenceGroup], args) -> dict
         with torch.inference_mode():
             rows = runner.rows(groups)
             t.append(time.perf_counter())
-            host = head(runner, rows)
-            t.append(time.perf_counter())
-            torch.cuda.current_stream().synchronize()
-            t.append(time.perf_counter())
-            host.tolist()
+            head_and_wait(runner, rows, t)
             t.append(time.perf_counter())
         if i < args.warmup:
             continue
