@@ -204,15 +204,18 @@ def profiled(fn, calls: int, cuda: bool) -> dict:
     }
 
 
-def measure(name: str, fn, args, cuda: bool, runtime=None) -> dict:
+def measure(name: str, fn, args, cuda: bool, runner: ModelRunner, runtime=None) -> dict:
     """`fn()`'s wall time (median and min ms over `--iters` after `--warmup`), allocations a
-    call, its profile; with an engine's `runtime`, also where its calls went by the executor's own
-    histograms (`nodes`: each node's and the whole request's p50 / mean µs over the timed calls)."""
+    call, its profile, the `runner`'s own host time a call by part (`runner_host_us`: packing,
+    launch — the same parts whichever path calls it); with an engine's `runtime`, also where its
+    calls went by the executor's own histograms (`nodes`: each node's and the whole request's p50 /
+    mean µs over the timed calls)."""
     for _ in range(args.warmup):
         fn()
     common.sync("cuda" if cuda else "cpu")
     if runtime is not None:
         runtime.executor.tracer.reset()
+    host0 = runner.stats()["host_seconds"]
     times = []
     d0, h0 = device_allocs(), host_allocs()
     for _ in range(args.iters):
@@ -228,6 +231,10 @@ def measure(name: str, fn, args, cuda: bool, runtime=None) -> dict:
         "pinned_host_allocations_per_call": {
             k: round((h1[k] - h0.get(k, 0)) / args.iters, 2) for k in h1
         },
+    }
+    host1 = runner.stats()["host_seconds"]
+    out["runner_host_us"] = {
+        part: round((host1[part] - host0.get(part, 0.0)) / args.iters * 1e6, 1) for part in host1
     }
     if runtime is not None:
         out["nodes"] = node_split(runtime)
@@ -642,9 +649,11 @@ def main() -> int:
             call = lambda e=engine: e.score(query, items, LABELS, apply_softmax=True)
             res["variants"][name] = {
                 "max_abs_diff_vs_eager": diff,
-                "engine": measure(f"{name}: Engine.score", call, args, cuda, engine.runtime),
+                "engine": measure(
+                    f"{name}: Engine.score", call, args, cuda, runner, engine.runtime
+                ),
                 "runner": measure(
-                    f"{name}: runner only", runner_call(runner, groups, cuda), args, cuda
+                    f"{name}: runner only", runner_call(runner, groups, cuda), args, cuda, runner
                 ),
                 "split_us": split(runner, groups, args, cuda),
                 "kernels": kernels(runner_call(runner, groups, cuda), args.kernels),
