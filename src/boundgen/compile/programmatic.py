@@ -12,9 +12,8 @@ kernels, cuBLAS, copies, or from a node that is not a kernel — stays a full de
 
 `grid_dependency.active()` (`BOUNDGEN_PDL`: "0" none, the default; "buckets" the prefill buckets'
 graphs; "1" every graph) is read as a graph is captured (`capture`), as the kernels read it when
-traced or launched. Where the driver
-lacks the edge API (CUDA < 12.3) or the GPU has no programmatic launch (before sm_90) the graph is
-left as captured, said once in the log.
+traced or launched. Where the driver lacks the edge API (CUDA < 12.3) or the GPU has no
+programmatic launch (before sm_90) the graph is left as captured, said once in the log.
 """
 
 from __future__ import annotations
