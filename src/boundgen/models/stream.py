@@ -510,7 +510,9 @@ def counters(x: torch.Tensor, n: int) -> torch.Tensor:
     forward's stream and each leaves its counters at zero, so one fill serves them all (a
     buffer zeroed per call would be a fill kernel per GEMM). A buffer kept across forwards would
     be shared by forwards running at once on the device's streams: one per forward."""
-    size = skinny_tiles.cdiv(n, BLOCK_N) * skinny_tiles.cdiv(x.shape[0], 16)  # 16: least BLOCK_M
+    # the most tiles a call may take: 16-column tiles (the narrowest a sweep times) over 16-row
+    # blocks (the fewest rows a program takes)
+    size = skinny_tiles.cdiv(n, 16) * skinny_tiles.cdiv(x.shape[0], 16)
     return torch.zeros(size, dtype=torch.int32, device=x.device)
 
 
