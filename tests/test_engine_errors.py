@@ -169,3 +169,60 @@ def test_many_ids_names_the_item_at_fault_few_ids_or_many(bad, n_items):
     items[-1] = items[-1][:15] + [bad]
     with pytest.raises(ValueError, match=rf"items\[{n_items - 1}\]"):
         many_ids(items, None, limits, "items")
+
+
+@given(
+    query=st.lists(_ENTRY, max_size=5) | st.text(max_size=3),
+    items=st.lists(st.lists(_ENTRY, max_size=5) | st.text(max_size=3), min_size=1, max_size=4),
+    truncate=st.booleans(),
+    item_first=st.booleans(),
+)
+@example(query=[1, 2], items=[[3] * 300, [4]], truncate=False, item_first=False)  # numpy's check
+@example(query=[1, 2, 3, 4, 5, 6], items=[[7, 8]], truncate=True, item_first=False)  # a cut query
+def test_prepare_score_one_array_check_is_the_per_entry_check(query, items, truncate, item_first):
+    """`prepare_score` checks a token-id request's query and items as one array (kept as the
+    group's `ids`); whatever it returns or raises, the per-entry checks alone give the same groups
+    or the same error, and the array holds the group's ids."""
+    from unittest import mock
+
+    from boundgen.workloads import score
+    from boundgen.workloads.inputs import Limits
+
+    class Chars:  # a tokenizer: one id per character
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) % 10 for c in text]
+
+        def encode_batch(self, texts):
+            return [self.encode(t) for t in texts]
+
+    limits = Limits(vocab_size=10, max_seq_len=6 if len(items) < 2 else 400, max_items=8)
+    req = score.ScoreRequest(query, items, [1], item_first=item_first, truncate=truncate)
+
+    def outcome():
+        try:
+            return score.prepare_score(req, Chars(), limits)
+        except ValueError as exc:
+            return str(exc)
+
+    got = outcome()
+    with mock.patch.object(score, "token_ids_array", lambda seqs, vocab_size: None):
+        want = outcome()
+    assert got == want  # groups compare by their lists
+    for g in got if isinstance(got, list) else []:
+        if g.ids is not None:
+            assert g.ids.tolist() == g.prefix + [t for s in g.suffixes for t in s]
+
+
+def test_prepare_score_keeps_a_token_id_requests_array_unless_cut():
+    from boundgen.workloads import score
+    from boundgen.workloads.inputs import Limits
+
+    limits = Limits(vocab_size=10, max_seq_len=6, max_items=8)
+    prepare = lambda q, items, **kw: score.prepare_score(
+        score.ScoreRequest(q, items, [1], **kw), None, limits
+    )[0]
+    assert prepare([1, 2], [[3, 4], [5]]).ids.tolist() == [1, 2, 3, 4, 5]
+    assert prepare((1, 2), ((3, 4), [5])).ids.tolist() == [1, 2, 3, 4, 5]  # tuples too
+    assert prepare([1, 2, 3, 4, 5, 6], [[7]], truncate=True).ids is None  # the query cut
+    assert prepare([1, 2], [[3] * 6], truncate=True).ids is None  # an item cut
+    assert prepare([1, 2], [[3, 4]], item_first=True).ids is None  # item + query: other lists

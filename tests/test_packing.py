@@ -3,6 +3,7 @@ below), and `Footprint` predicts the packed layout's sizes without packing."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -122,6 +123,35 @@ def test_pack_equals_per_token_oracle(groups, share_prefix):
     assert_same_batch(got, want)
     fp = sum((Footprint.of(g, share_prefix) for g in groups), Footprint())
     assert fp.as_packed() == got.footprint and fp.tokens == got.num_tokens
+
+
+def _with_ids(g: SequenceGroup) -> SequenceGroup:
+    """`g` carrying its ids as one array, as a checked request's group does."""
+    flat = list(g.prefix) + [t for s in g.suffixes for t in s]
+    return SequenceGroup(g.prefix, g.suffixes, np.array(flat, dtype=np.int64))
+
+
+@settings(max_examples=300)
+@given(groups_st, st.booleans(), st.data())
+def test_groups_ids_arrays_give_the_layout_of_their_lists(groups, share_prefix, data):
+    """Groups that carry their ids as arrays (`SequenceGroup.ids`, all or some) pack to the layout
+    of the same groups' lists."""
+    with_ids = [_with_ids(g) if data.draw(st.booleans()) else g for g in groups]
+    try:
+        want = pack_arrays(groups, share_prefix)
+    except ValueError:
+        with pytest.raises(ValueError):
+            pack_arrays(with_ids, share_prefix)
+        return
+    got = pack_arrays(with_ids, share_prefix)
+    for name in ("input_ids", "positions", "seg_len", "last", "start", "length"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
+    assert (got.prefix_lens, got.group_q, got.span_segments) == (
+        want.prefix_lens,
+        want.group_q,
+        want.span_segments,
+    )
 
 
 def test_pack_big_mixed_batch_equals_oracle():

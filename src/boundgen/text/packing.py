@@ -162,11 +162,12 @@ class HostLayout:
 def pack_arrays(groups: list[SequenceGroup], share_prefix: bool = True) -> HostLayout:
     """`pack`'s token layout as host arrays (see `pack`)."""
     if len(groups) == 1 and len(groups[0].suffixes) == 1:  # never shared: one plain sequence
-        return _one_sequence(groups[0].prefix, groups[0].suffixes[0])
+        g = groups[0]
+        return _one_sequence(g.prefix, g.suffixes[0], g.ids)
     return _pack_groups(groups, share_prefix)
 
 
-def _one_sequence(prefix: list[int], suffix: list[int]) -> HostLayout:
+def _one_sequence(prefix: list[int], suffix: list[int], ids: np.ndarray | None) -> HostLayout:
     """`_pack_groups` of one plain sequence (a small request, W3's one prompt) in five numpy calls
     where the general path makes about twenty: W3's pieces were 54.7 µs of host time before the
     replay on the H100 (BENCHMARKS.md, forty-second session)."""
@@ -175,7 +176,7 @@ def _one_sequence(prefix: list[int], suffix: list[int]) -> HostLayout:
         raise ValueError("cannot pack an empty sequence (prefix and suffix both empty)")
     one = lambda x: np.array([x], dtype=np.int64)
     return HostLayout(
-        np.fromiter(chain(prefix, suffix), np.int64, n),
+        np.fromiter(chain(prefix, suffix), np.int64, n) if ids is None else ids,
         np.arange(n, dtype=np.int64),
         one(n),  # seg_len
         one(n - 1),  # last
@@ -213,12 +214,7 @@ def _pack_groups(groups: list[SequenceGroup], share_prefix: bool) -> HostLayout:
         pos0_row[first : first + n] -= np.repeat(seg_len[:first], nonempty)
     positions = np.arange(total, dtype=np.int64) - np.repeat(pos0_row, seg_len)
 
-    parts: list[list[int]] = [g.prefix for g in shared]
-    for g in shared:
-        parts += g.suffixes
-    for g in plain:
-        parts += [x for s in g.suffixes for x in (g.prefix, s)] if g.prefix else g.suffixes
-    input_ids = np.fromiter(chain.from_iterable(parts), np.int64, total)
+    input_ids = _token_ids(shared, plain, total)
 
     # output rows: plain ones are the last segments; shared ones end at their suffix (an empty
     # suffix scores its prefix's last token)
@@ -255,6 +251,29 @@ def _pack_groups(groups: list[SequenceGroup], share_prefix: bool) -> HostLayout:
     return HostLayout(
         input_ids, positions, seg_len, last, start, length, prefix_lens, group_q, spans
     )
+
+
+def _token_ids(shared: list[SequenceGroup], plain: list[SequenceGroup], total: int) -> np.ndarray:
+    """The layout's token ids: [ shared prefixes | their suffixes | plain sequences ]. From the
+    groups' own arrays where every group has one (`SequenceGroup.ids`: slices joined, no Python
+    int converted) and no plain group repeats a prefix, else from their lists."""
+    if all(g.ids is not None for g in shared) and all(
+        g.ids is not None and not g.prefix for g in plain
+    ):
+        if len(shared) + len(plain) == 1:  # a lone group (W2): its array is the layout
+            return (shared or plain)[0].ids
+        cut = [len(g.prefix) for g in shared]
+        return np.concatenate(
+            [g.ids[:p] for g, p in zip(shared, cut)]
+            + [g.ids[p:] for g, p in zip(shared, cut)]
+            + [g.ids for g in plain]
+        )
+    parts: list[list[int]] = [g.prefix for g in shared]
+    for g in shared:
+        parts += g.suffixes
+    for g in plain:
+        parts += [x for s in g.suffixes for x in (g.prefix, s)] if g.prefix else g.suffixes
+    return np.fromiter(chain.from_iterable(parts), np.int64, total)
 
 
 def pack(groups: list[SequenceGroup], share_prefix: bool = True) -> PackedBatch:

@@ -44,29 +44,30 @@ def to_ids(
     return list(x)
 
 
-def all_token_ids_within(seqs, vocab_size: int) -> bool:
-    """Whether every entry of `seqs` is a list (or tuple) of ints in [0, vocab_size): one pass in C
-    over all of them. False sends the caller to its per-entry checks, which name the entry at
-    fault."""
+def token_ids_array(seqs, vocab_size: int) -> np.ndarray | None:
+    """Every entry of `seqs` flattened into one int64 array, when each is a list (or tuple) of ints
+    in [0, vocab_size): one pass in C over all of them. None sends the caller to its per-entry
+    checks, which name the entry at fault. The array is what packing reads (`SequenceGroup.ids`):
+    the ids are converted from Python ints once, here."""
     if not set(map(type, seqs)) <= _SEQ:
-        return False
+        return None
     flat = list(chain.from_iterable(seqs))
-    if not flat:
-        return True
     if not set(map(type, flat)) <= _INT:  # first: numpy would take a float or a bool as an int
-        return False
-    if len(flat) <= _FEW_IDS:  # Python's min and max: no array to make, no numpy call to enter
-        return min(flat) >= 0 and max(flat) < vocab_size
+        return None
+    if len(flat) <= _FEW_IDS:  # Python's min and max: no numpy reduction to enter
+        if flat and (min(flat) < 0 or max(flat) >= vocab_size):
+            return None
+        return np.fromiter(flat, np.int64, len(flat))
     try:  # the range in numpy: Python's min and max compare the ints one by one
         ids = np.fromiter(flat, np.int64, len(flat))
     except OverflowError:  # beyond int64: out of any vocabulary
-        return False
-    return int(ids.min()) >= 0 and int(ids.max()) < vocab_size
+        return None
+    return ids if int(ids.min()) >= 0 and int(ids.max()) < vocab_size else None
 
 
 _SEQ = {list, tuple}
-# Up to here Python's min and max beat numpy's conversion and two reductions: 64 ids (W3) 1.8 µs,
-# not 3.3; 256 at par; 1,856 (W2) 43 µs, not 31 (the 2-core dev CPU, 2026-12-06).
+# Up to here Python's min and max beat numpy's two reductions: 64 ids (W3) 1.8 µs, not 3.3 with
+# the conversion; 256 at par; 1,856 (W2) 43 µs, not 31 (the 2-core dev CPU, 2026-12-06).
 _FEW_IDS = 256
 
 
@@ -74,7 +75,7 @@ def many_ids(xs, tokenizer: Tokenizer, limits: Limits, what: str) -> list[list[i
     """`to_ids` of each entry of `xs` (named `what[i]` in errors), all token-id lists checked at
     once (W5's 100 items of 16 ids: BENCHMARKS.md, the CPU sections of the eighth and twenty-first
     sessions)."""
-    if all_token_ids_within(xs, limits.vocab_size):
+    if token_ids_array(xs, limits.vocab_size) is not None:
         return list(map(list, xs))  # the copies in a C loop: W2's 100 items 7.8 → 6.8 µs
     return [to_ids(x, tokenizer, limits, f"{what}[{i}]") for i, x in enumerate(xs)]
 

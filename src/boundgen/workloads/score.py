@@ -34,6 +34,7 @@ from boundgen.workloads.inputs import (
     many_ids,
     out_of_vocabulary,
     to_ids,
+    token_ids_array,
 )
 
 # Full-vocabulary logits are made this many elements at a time (128 MiB of float32), so a request of
@@ -68,20 +69,30 @@ def prepare_score(req: ScoreRequest, tokenizer: Tokenizer, limits: Limits) -> li
     check_items(req.items, limits)
     if isinstance(req.query, str) and all(isinstance(x, str) for x in req.items):
         return [_prepare_joined_text(req, tokenizer, limits)]
-    query = to_ids(req.query, tokenizer, limits, "query")
-    items = many_ids(req.items, tokenizer, limits, "items")
+    # token ids: the query and the items checked as one array, which packing reads as it is
+    # (`SequenceGroup.ids`); anything else (text, a bad id) checked entry by entry, which names the
+    # entry at fault
+    ids = None
+    if not isinstance(req.query, str):
+        ids = token_ids_array([req.query, *req.items], limits.vocab_size)
+    if ids is not None:
+        query, items = list(req.query), list(map(list, req.items))
+    else:
+        query = to_ids(req.query, tokenizer, limits, "query")
+        items = many_ids(req.items, tokenizer, limits, "items")
     if not query and any(not x for x in items):
         raise ValueError("query and an item are both empty: nothing to score")
     budget = limits.max_seq_len - 1 if items else limits.max_seq_len
-    query = fit_length(query, budget, req.truncate, "query")
-    budget = limits.max_seq_len - len(query)
+    fitted = fit_length(query, budget, req.truncate, "query")
+    budget = limits.max_seq_len - len(fitted)
     if max(map(len, items)) > budget:  # else all fit as they are (100 items: 2 µs, not 11)
+        ids = None  # cut (or refused): the array no longer holds the lists' ids
         items = [
             fit_length(x, budget, req.truncate, f"query + items[{i}]") for i, x in enumerate(items)
         ]
     if req.item_first:
-        return [SequenceGroup([], [x + query for x in items])]
-    return [SequenceGroup(query, items)]
+        return [SequenceGroup([], [x + fitted for x in items])]
+    return [SequenceGroup(fitted, items, ids if fitted is query else None)]
 
 
 def _prepare_joined_text(req: ScoreRequest, tokenizer: Tokenizer, limits: Limits) -> SequenceGroup:
