@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from boundgen.attention.metadata import AttnInputs
@@ -188,6 +188,38 @@ def test_one_sequence_fast_path_equals_the_general_layout(prefix, suffix, share_
         assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
     assert (got.prefix_lens, got.group_q, got.span_segments) == ([], [], (0, 0))
     assert (want.prefix_lens, want.group_q, want.span_segments) == ([], [], (0, 0))
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.integers(0, 1000), max_size=6),
+    st.lists(st.lists(st.integers(0, 1000), max_size=5), min_size=2, max_size=6),
+    st.booleans(),
+    st.booleans(),
+)
+@example([1, 2, 3], [[4], [5, 6], [7]], True, True)  # the short path, its array read as is
+@example([1, 2, 3], [[4], [5, 6], [7]], True, False)
+def test_one_group_fast_path_equals_the_general_layout(prefix, suffixes, share_prefix, ids):
+    """One group (a query and its items) takes `pack_arrays`' short path where it is shared and
+    no suffix is empty, with or without its ids array: the layout of the general path."""
+    g = SequenceGroup(prefix, suffixes)
+    if ids:
+        g = _with_ids(g)
+    try:
+        want = packing._pack_groups([g], share_prefix)
+    except ValueError:
+        with pytest.raises(ValueError):
+            pack_arrays([g], share_prefix)
+        return
+    got = pack_arrays([g], share_prefix)
+    for name in ("input_ids", "positions", "seg_len", "last", "start", "length"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
+    assert (got.prefix_lens, got.group_q, got.span_segments) == (
+        want.prefix_lens,
+        want.group_q,
+        want.span_segments,
+    )
 
 
 def test_one_empty_sequence_is_rejected_as_in_the_general_path():
