@@ -6,7 +6,7 @@ suffixes attend to it (see `boundgen.attention.metadata`). Everything else is a 
 sequence. `Footprint` gives the sizes of that layout without packing (what chooses a bucket).
 
 Packing works on lengths with numpy, one vector op per field: Python touches each sequence once
-(its length), never each token; the tokens themselves go through one `np.fromiter`.
+(its length), never each token; the tokens themselves go through one `int64_array`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from boundgen.attention.metadata import AttnInputs
-from boundgen.text.sequences import SequenceGroup
+from boundgen.text.sequences import SequenceGroup, int64_array
 
 
 def shares_prefix(group: SequenceGroup, share_prefix: bool = True) -> bool:
@@ -181,7 +181,7 @@ def _one_sequence(prefix: list[int], suffix: list[int], ids: np.ndarray | None) 
         raise ValueError("cannot pack an empty sequence (prefix and suffix both empty)")
     one = lambda x: np.array([x], dtype=np.int64)
     return HostLayout(
-        np.fromiter(chain(prefix, suffix), np.int64, n) if ids is None else ids,
+        int64_array(chain(prefix, suffix), n) if ids is None else ids,
         np.arange(n, dtype=np.int64),
         one(n),  # seg_len
         one(n - 1),  # last
@@ -208,7 +208,7 @@ def _one_group(g: SequenceGroup, lens: list[int]) -> HostLayout:
     positions = np.arange(total, dtype=np.int64) - np.repeat(first, seg_len)
     ids = g.ids
     if ids is None:
-        ids = np.fromiter(chain(g.prefix, chain.from_iterable(g.suffixes)), np.int64, total)
+        ids = int64_array(chain(g.prefix, chain.from_iterable(g.suffixes)), total)
     start = np.empty(len(lens), dtype=np.int64)
     start.fill(-1)  # shared rows have no plain start (np.full's wrapper: ~2 µs more)
     s_len = seg_len[1:]
@@ -302,7 +302,7 @@ def _token_ids(shared: list[SequenceGroup], plain: list[SequenceGroup], total: i
         parts += g.suffixes
     for g in plain:
         parts += [x for s in g.suffixes for x in (g.prefix, s)] if g.prefix else g.suffixes
-    return np.fromiter(chain.from_iterable(parts), np.int64, total)
+    return int64_array(chain.from_iterable(parts), total)
 
 
 def pack(groups: list[SequenceGroup], share_prefix: bool = True) -> PackedBatch:

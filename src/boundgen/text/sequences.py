@@ -4,6 +4,8 @@ builds these while parsing a request, and `text.packing` lays them out for the m
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +25,15 @@ class SequenceGroup:
     @property
     def num_tokens(self) -> int:
         return len(self.prefix) + sum(map(len, self.suffixes))  # a C loop: sizes every request
+
+
+def int64_array(ints: Iterable[int], n: int) -> np.ndarray:
+    """`n` Python ints as an int64 array: `struct` packs them straight into the array's buffer, in
+    C, ~7 ns an id where `np.fromiter` takes ~12 (W2's 1,856 ids 23.2 → 13.6 µs, 2-core dev CPU).
+    `struct.error` for an int past int64 or a count other than `n`."""
+    out = np.empty(n, dtype=np.int64)
+    struct.pack_into(f"{n}q", out, 0, *ints)
+    return out
 
 
 def shared_prefix_group(seqs: list[list[int]]) -> SequenceGroup:

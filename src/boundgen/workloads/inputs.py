@@ -3,12 +3,13 @@ No torch: the server's HTTP frontends (`serve --frontends`) validate with these 
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 
-from boundgen.text.sequences import SequenceGroup
+from boundgen.text.sequences import SequenceGroup, int64_array
 from boundgen.text.tokenizer import Tokenizer
 
 
@@ -57,10 +58,10 @@ def token_ids_array(seqs, vocab_size: int) -> np.ndarray | None:
     if len(flat) <= _FEW_IDS:  # Python's min and max: no numpy reduction to enter
         if flat and (min(flat) < 0 or max(flat) >= vocab_size):
             return None
-        return np.fromiter(flat, np.int64, len(flat))
+        return int64_array(flat, len(flat))
     try:  # the range in numpy: Python's min and max compare the ints one by one
-        ids = np.fromiter(flat, np.int64, len(flat))
-    except OverflowError:  # beyond int64: out of any vocabulary
+        ids = int64_array(flat, len(flat))
+    except struct.error:  # beyond int64: out of any vocabulary
         return None
     return ids if int(ids.min()) >= 0 and int(ids.max()) < vocab_size else None
 
