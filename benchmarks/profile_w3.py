@@ -84,7 +84,7 @@ from boundgen.compile.staging import StagedBucket
 from boundgen.models import decoder, skinny, skinny_tiles, stream, stream_gated, stream_qkv
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.packing import SequenceGroup
-from boundgen.workloads.score import ScoreRequest, request_scores
+from boundgen.workloads.score import ScoreRequest, prepare_score, request_scores
 
 # workload → the bucket it runs in (W2's: `boundgen compile --profile` for one W2 request)
 WORKLOADS = {"w3": "t64-s4-m64", "w2": "t1920-s104-m512-g2-p320-q1600"}
@@ -592,7 +592,9 @@ def main() -> int:
     base = Engine.from_pretrained(path, device=args.device, dtype=dtype, backend="eager", **fp8)
     vocab = base.config.vocab_size
     query, items = request(args.workload, vocab)
-    groups = [SequenceGroup(query, items)]
+    # the groups as `Engine.score`'s prepare node makes them (with their checked ids as one array,
+    # `SequenceGroup.ids`): the runner's pieces as the served path packs them
+    groups = prepare_score(ScoreRequest(query, items, LABELS), base.tokenizer, base.limits)
     want = base.score(query, items, LABELS, apply_softmax=True)
     bucket = WORKLOADS[args.workload]
     res = {"env": common.env_info(), "backend": args.backend, "workload": args.workload}
