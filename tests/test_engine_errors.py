@@ -205,7 +205,7 @@ def test_prepare_score_one_array_check_is_the_per_entry_check(query, items, trun
             return str(exc)
 
     got = outcome()
-    with mock.patch.object(score, "token_ids_array", lambda seqs, vocab_size: None):
+    with mock.patch.object(score, "check_token_ids", lambda seqs, vocab_size: (False, None)):
         want = outcome()
     assert got == want  # groups compare by their lists
     for g in got if isinstance(got, list) else []:
@@ -214,15 +214,20 @@ def test_prepare_score_one_array_check_is_the_per_entry_check(query, items, trun
 
 
 def test_prepare_score_keeps_a_token_id_requests_array_unless_cut():
-    from boundgen.workloads import score
-    from boundgen.workloads.inputs import Limits
+    """Past `_FEW_IDS` ids a token-id request's group carries them as one array; not where any is
+    cut, or few."""
+    from boundgen.workloads import inputs, score
 
-    limits = Limits(vocab_size=10, max_seq_len=6, max_items=8)
+    limits = inputs.Limits(vocab_size=10, max_seq_len=400, max_items=8)
     prepare = lambda q, items, **kw: score.prepare_score(
         score.ScoreRequest(q, items, [1], **kw), None, limits
     )[0]
-    assert prepare([1, 2], [[3, 4], [5]]).ids.tolist() == [1, 2, 3, 4, 5]
-    assert prepare((1, 2), ((3, 4), [5])).ids.tolist() == [1, 2, 3, 4, 5]  # tuples too
-    assert prepare([1, 2, 3, 4, 5, 6], [[7]], truncate=True).ids is None  # the query cut
-    assert prepare([1, 2], [[3] * 6], truncate=True).ids is None  # an item cut
-    assert prepare([1, 2], [[3, 4]], item_first=True).ids is None  # item + query: other lists
+    query, item = [1, 2] * 100, [3] * 100  # 300 ids in all
+    assert len(query) + len(item) > inputs._FEW_IDS
+    flat = query + item + [4]
+    assert prepare(query, [item, [4]]).ids.tolist() == flat
+    assert prepare(tuple(query), (tuple(item), [4])).ids.tolist() == flat  # tuples too
+    assert prepare(query + [5] * 200, [item], truncate=True).ids is None  # the query cut
+    assert prepare(query, [item * 3], truncate=True).ids is None  # an item cut
+    assert prepare(query, [item], item_first=True).ids is None  # item + query: other lists
+    assert prepare([1, 2], [[3, 4], [5]]).ids is None  # few ids: packing converts them

@@ -16,7 +16,7 @@ class SequenceGroup:
     prefix: list[int]
     suffixes: list[list[int]]
     # prefix + suffixes as one int64 array, where the group's maker has them so already (a
-    # request's token ids, checked as one array: `workloads.inputs.token_ids_array`); packing then
+    # request's token ids, checked as one array: `workloads.inputs.check_token_ids`); packing then
     # takes the ids from it instead of converting every Python int again (W2's 1,856 ids: its
     # runner pieces 83-93 → 49-58 µs on the 2-core dev CPU).
     # It must hold the same ids as the lists: set it only on a group whose lists nobody changes.

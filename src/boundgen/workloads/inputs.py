@@ -45,32 +45,34 @@ def to_ids(
     return list(x)
 
 
-def token_ids_array(seqs, vocab_size: int) -> np.ndarray | None:
-    """Every entry of `seqs` flattened into one int64 array, when each is a list (or tuple) of ints
-    in [0, vocab_size): one pass in C over all of them. None sends the caller to its per-entry
-    checks, which name the entry at fault. The array is what packing reads (`SequenceGroup.ids`):
-    the ids are converted from Python ints once, here."""
+def check_token_ids(seqs, vocab_size: int) -> tuple[bool, np.ndarray | None]:
+    """(ok, ids): whether every entry of `seqs` is a list (or tuple) of ints in [0, vocab_size),
+    one pass in C over all of them (False sends the caller to its per-entry checks, which name the
+    entry at fault); and, past `_FEW_IDS` ids, all of them flattened into one int64 array, which
+    packing reads as it is (`SequenceGroup.ids`: the ids converted from Python ints once, here).
+    Few ids get no array: packing converts them as cheaply, and on W3's `Engine.score` (64 ids)
+    an array made here measured 3-5 µs more (2-core dev CPU, interleaved)."""
     if not set(map(type, seqs)) <= _SEQ:
-        return None
+        return False, None
     flat = list(chain.from_iterable(seqs))
     # every id exactly an int (first: struct takes a bool as an int): types counted in a list, not
     # gathered in a set (W2's 1,856 ids 28.1 → 19.3 µs, 2-core dev CPU)
     if list(map(type, flat)).count(int) != len(flat):
-        return None
-    if len(flat) <= _FEW_IDS:  # Python's min and max: no numpy reduction to enter
-        if flat and (min(flat) < 0 or max(flat) >= vocab_size):
-            return None
-        return int64_array(flat, len(flat))
+        return False, None
+    if len(flat) <= _FEW_IDS:  # Python's min and max: no array to make, no numpy call to enter
+        return not flat or (min(flat) >= 0 and max(flat) < vocab_size), None
     try:  # the range in numpy: Python's min and max compare the ints one by one
         ids = int64_array(flat, len(flat))
     except struct.error:  # beyond int64: out of any vocabulary
-        return None
-    return ids if int(ids.min()) >= 0 and int(ids.max()) < vocab_size else None
+        return False, None
+    if int(ids.min()) >= 0 and int(ids.max()) < vocab_size:
+        return True, ids
+    return False, None
 
 
 _SEQ = {list, tuple}
-# Up to here Python's min and max beat numpy's two reductions: 64 ids (W3) 1.8 µs, not 3.3 with
-# the conversion; 256 at par; 1,856 (W2) 43 µs, not 31 (the 2-core dev CPU, 2026-12-06).
+# Up to here Python's min and max beat numpy's conversion and two reductions: 64 ids (W3) 1.8 µs,
+# not 3.3; 256 at par; 1,856 (W2) 43 µs, not 31 (the 2-core dev CPU, 2026-12-06).
 _FEW_IDS = 256
 
 
@@ -78,7 +80,7 @@ def many_ids(xs, tokenizer: Tokenizer, limits: Limits, what: str) -> list[list[i
     """`to_ids` of each entry of `xs` (named `what[i]` in errors), all token-id lists checked at
     once (W5's 100 items of 16 ids: BENCHMARKS.md, the CPU sections of the eighth and twenty-first
     sessions)."""
-    if token_ids_array(xs, limits.vocab_size) is not None:
+    if check_token_ids(xs, limits.vocab_size)[0]:
         return list(map(list, xs))  # the copies in a C loop: W2's 100 items 7.8 → 6.8 µs
     return [to_ids(x, tokenizer, limits, f"{what}[{i}]") for i, x in enumerate(xs)]
 

@@ -29,12 +29,12 @@ from boundgen.workloads.base import Workload, WorkloadContext, cpu_node, device_
 from boundgen.workloads.inputs import (
     Limits,
     check_items,
+    check_token_ids,
     fit_length,
     joined_sequences,
     many_ids,
     out_of_vocabulary,
     to_ids,
-    token_ids_array,
 )
 
 # Full-vocabulary logits are made this many elements at a time (128 MiB of float32), so a request of
@@ -69,13 +69,13 @@ def prepare_score(req: ScoreRequest, tokenizer: Tokenizer, limits: Limits) -> li
     check_items(req.items, limits)
     if isinstance(req.query, str) and all(isinstance(x, str) for x in req.items):
         return [_prepare_joined_text(req, tokenizer, limits)]
-    # token ids: the query and the items checked as one array, which packing reads as it is
-    # (`SequenceGroup.ids`); anything else (text, a bad id) checked entry by entry, which names the
-    # entry at fault
-    ids = None
+    # token ids: the query and the items checked at once, many of them kept as one array, which
+    # packing reads as it is (`SequenceGroup.ids`); anything else (text, a bad id) checked entry by
+    # entry, which names the entry at fault
+    ok, ids = False, None
     if not isinstance(req.query, str):
-        ids = token_ids_array([req.query, *req.items], limits.vocab_size)
-    if ids is not None:
+        ok, ids = check_token_ids([req.query, *req.items], limits.vocab_size)
+    if ok:
         query, items = list(req.query), list(map(list, req.items))
     else:
         query = to_ids(req.query, tokenizer, limits, "query")
