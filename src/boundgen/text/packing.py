@@ -181,7 +181,9 @@ def _one_sequence(prefix: list[int], suffix: list[int], ids: np.ndarray | None) 
         raise ValueError("cannot pack an empty sequence (prefix and suffix both empty)")
     one = lambda x: np.array([x], dtype=np.int64)
     return HostLayout(
-        int64_array(chain(prefix, suffix), n) if ids is None else ids,
+        # np.fromiter, not `int64_array`: a short prompt's ids from a chain of two lists come
+        # 0.2-0.5 µs faster so (W3's 64 ids, interleaved, 2-core dev CPU)
+        np.fromiter(chain(prefix, suffix), np.int64, n) if ids is None else ids,
         np.arange(n, dtype=np.int64),
         one(n),  # seg_len
         one(n - 1),  # last
