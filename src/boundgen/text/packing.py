@@ -6,7 +6,8 @@ suffixes attend to it (see `boundgen.attention.metadata`). Everything else is a 
 sequence. `Footprint` gives the sizes of that layout without packing (what chooses a bucket).
 
 Packing works on lengths with numpy, one vector op per field: Python touches each sequence once
-(its length), never each token; the tokens themselves go through one `int64_array`.
+(its length), never each token; the tokens themselves are read from the groups' own arrays
+(`SequenceGroup.ids`, a checked request's) or go through one conversion (`int64_array`).
 """
 
 from __future__ import annotations
