@@ -23,13 +23,12 @@ kernels (`skinny.MAX_ROWS` N), `--stream-rows N…` one with o_proj and down str
 for each N given (`models/stream.py`, `stream.MAX_ROWS` N), `--stream-gated` the one with gate_up
 and SiLU·mul as one streamed GEMM (`models/stream_gated.py`; the other variants then take cuBLAS
 and Inductor's SiLU·mul: the GEMM is the default), `--stream-qkv` the one with qkv and the q/k
-rotation as one streamed GEMM (`models/stream_qkv.py`), `--stream-norms` the one with the
-residual stream's norms folded into the streamed GEMMs (`stream.NORMS`), `--copy-in-graph` the one
-whose graph copies its staged prompts in itself, `--pdl` the one whose graph's edges into
-boundgen's kernels are programmatic (`compile/programmatic.py`), and `--trie-select` the one with
-each trie step's selection in one kernel (`trie_select`, the other variants then take the ATen
-step: the kernel is the default); `--residual-add` the one with the residual adds out of `addmm`
-(`compile.residual`, the others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
+rotation as one streamed GEMM (`models/stream_qkv.py`), `--copy-in-graph` the one whose graph
+copies its staged prompts in itself, `--pdl` the one whose graph's edges into boundgen's kernels
+are programmatic (`compile/programmatic.py`), and `--trie-select` the one with each trie step's
+selection in one kernel (`trie_select`, the other variants then take the ATen step: the kernel is
+the default); `--residual-add` the one with the residual adds out of `addmm` (`compile.residual`,
+the others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
 `--decode-attention KIND…` the one with each decode step's attention as KIND: `flash` (flash
 attention + the own-slot kernel) or `fusedN[wW]` (one kernel, `attention/beam_decode.py`, N rows a
 program — 16, the default, 32, 64 or 128 — on W warps, by default `beam_decode.DEFAULT_WARPS`);
@@ -181,9 +180,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     # whether a trie step is one kernel, the one-kernel decode attention's tile; the others run
     # the process's defaults
     rows_of, select_of, tile_of, stream_of, gated_of, qkv_of, pdl_of = {}, {}, {}, {}, {}, {}, {}
-    norms_of = {}
     of_kind = {
-        "norms": norms_of,
         "skinny": rows_of,
         "select": select_of,
         "stream": stream_of,
@@ -195,7 +192,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     select_default = False if args.trie_select else trie_select.ENABLED
     gated_default = False if args.stream_gated else stream_gated.GATED
     qkv_default = False if args.stream_qkv else stream_qkv.ROTATED
-    norms_default = False if args.stream_norms else stream.NORMS
     # the searches' own side of `BOUNDGEN_PDL` (its "buckets" leaves them without)
     pdl_default = False if args.pdl else grid_dependency.ON and grid_dependency.SEARCHES
     if args.head_compile:
@@ -219,7 +215,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
             [("stream", v) for v in args.stream_rows],
             [("gated", True)] if args.stream_gated else [],
             [("qkv", True)] if args.stream_qkv else [],
-            [("norms", True)] if args.stream_norms else [],
             [("copy", True)] if args.copy_in_graph else [],
             [("pdl", True)] if args.pdl else [],
             [("select", True)] if args.trie_select else [],
@@ -303,7 +298,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                         gated = gated_of.get(vname, gated_default)
                         rotated = qkv_of.get(vname, qkv_default)
                         pdl = pdl_of.get(vname, pdl_default)
-                        norms = norms_of.get(vname, norms_default)
                         one_kernel = select_of.get(vname, select_default)
                         tile = tile_of.get(vname, (beam_decode.BLOCK_M, beam_decode.NUM_WARPS))
 
@@ -314,7 +308,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                             g_=gated,
                             q_=rotated,
                             p_=pdl,
-                            n_=norms,
                             one_kernel=one_kernel,
                             tile=tile,
                         ):
@@ -325,7 +318,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                                 stream_gated.enabled(g_),
                                 stream_qkv.enabled(q_),
                                 grid_dependency.enabled(p_),
-                                stream.norms_folded(n_),
                                 trie_select.enabled(one_kernel),
                                 beam_decode.tile(*tile),
                             ):
@@ -540,13 +532,6 @@ def main() -> int:
         action="store_true",
         help="heads with --head-compile: also the compiled search with qkv and the q/k rotation "
         "as one streamed GEMM (`models/stream_qkv.py`; crossed with the other variants' kinds)",
-    )
-    ap.add_argument(
-        "--stream-norms",
-        action="store_true",
-        help="heads with --head-compile: also the compiled search with the residual stream's "
-        "norms folded into the streamed GEMMs (`stream.NORMS`, `decoder.FoldedNorms`; the "
-        "others then without)",
     )
     ap.add_argument(
         "--copy-in-graph",

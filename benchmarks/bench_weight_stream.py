@@ -21,9 +21,6 @@ the stream:
 against cuBLAS's gate_up and Inductor's SiLU·mul kernel (what the compiled layers run), checked
 against the same. `--shapes rotated`: qkv (+ bias) with the q/k rotation as its epilogue
 (`models/stream_qkv.py`) against cuBLAS's biased GEMM and Inductor's rotation kernel.
-`--shapes finished`: o_proj and `down` + residual summed by the kernel itself with the next
-RMSNorm's squares (`stream.launch_finished`, the folded norms) against the partials' kernel and
-Inductor's residual-sum + RMSNorm kernel it replaces.
 
 Per GEMM shape of the preset (qkv, o_proj, gate_up, down) and row count, the device µs of one call
 replayed from a CUDA graph over `--layers` weight copies called in turn (past the L2: one layer's
@@ -263,55 +260,8 @@ def time_rotated(args, g, per_layer_of) -> dict:
     return sweep_fused("rotated", args, ws, per_layer_of, "cuBLAS + rotation", setup)
 
 
-def finished_tiles(quick: bool):
-    """(BLOCK_N, BLOCK_K, warps, stages) to time for the finishing residual GEMM."""
-    if quick:
-        return [(stream.BLOCK_N, stream.BLOCK_K, stream.NUM_WARPS, stream.NUM_STAGES)]
-    grid = itertools.product((32, 64, 128), (64, 128, 256), (3, 4))
-    return [(bn, bk, 4, st) for bn, bk, st in grid]
-
-
-def time_finished(args, g, per_layer_of) -> dict:
-    """o_proj and `down` + residual with the next RMSNorm's squares (`stream.launch_finished`:
-    the K slices summed by each column tile's last program, the norms folded) against what it
-    replaces: the partials' kernel and Inductor's kernel that sums them onto the residual and
-    takes the RMSNorm."""
-    out = {}
-    for name in ("o_proj", "down"):
-        k, n = SHAPES[name]
-        ws = _weights(args, g, k, n)
-        norm = 1 + 0.1 * torch.randn(n, device="cuda", generator=g, dtype=torch.bfloat16)
-
-        def sum_and_norm(x, w, r):
-            y = stream.linear_residual(x, w, r)
-            yf = y.float()
-            return y, norm * (yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(y.dtype)
-
-        plain_fn = torch.compile(sum_and_norm, dynamic=False)
-
-        def setup(m, k=k, n=n, plain_fn=plain_fn):
-            x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-            r = torch.randn(m, n, device="cuda", generator=g, dtype=torch.bfloat16)
-            counts = stream.counters(x, n)
-            calls = [
-                (
-                    f"n{t[0]} k{t[1]} st{t[3]}",
-                    lambda w, t=t: stream.launch_finished(x, w, r, counts, *t)[0],
-                )
-                for t in finished_tiles(args.quick)
-            ]
-            plain = lambda w: plain_fn(x, w, r)[0]  # (the norm computed too: Inductor's kernel)
-            want = (r.float() + x.float() @ ws[0].float().T).bfloat16().float()
-            return plain, want, calls
-
-        out.update(
-            sweep_fused(f"finished {name}", args, ws, per_layer_of, "partials + sum/norm", setup)
-        )
-    return out
-
-
 # the fused kernels' sweeps, by --shapes name
-FUSED = {"gated": time_gated, "rotated": time_rotated, "finished": time_finished}
+FUSED = {"gated": time_gated, "rotated": time_rotated}
 
 
 def main() -> None:

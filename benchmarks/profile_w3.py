@@ -26,8 +26,6 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --pdl 0,1                             # the graph as captured, or with programmatic edges
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
-        --norms 0,1                           # the norms' own kernels, or folded into the GEMMs
-    python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --hf eager,compile                    # HF eager and HF + torch.compile in the same process
     python benchmarks/profile_w3.py --preset tiny --device cpu --variants after \
         --stub-rows --iters 2000              # the host path around the model alone
@@ -62,7 +60,6 @@ then loads it).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import sys
@@ -534,13 +531,6 @@ def main() -> int:
         "with the other axes",
     )
     ap.add_argument(
-        "--norms",
-        default=None,
-        help="`stream.NORMS` values to build side by side (0,1: the residual stream's norms by "
-        "Inductor's kernels, or folded into the streamed GEMMs, `decoder.FoldedNorms`), crossed "
-        "with the other axes",
-    )
-    ap.add_argument(
         "--copy",
         default=None,
         help="`staging.COPY_IN_GRAPH` values to build side by side (call,graph: each call copies "
@@ -579,7 +569,6 @@ def main() -> int:
     qkvs = _axis(ap, "--qkv", args.qkv, ("0", "1"))
     copies = _axis(ap, "--copy", args.copy, ("call", "graph"))
     pdls = _axis(ap, "--pdl", args.pdl, ("0", "1"))
-    norms = _axis(ap, "--norms", args.norms, ("0", "1"))
     rotations = _axis(ap, "--rotations", args.rotations, decoder.QK_ROTATIONS)
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
@@ -602,28 +591,50 @@ def main() -> int:
     res.update(bucket=bucket, variants={})
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
-    # (the side name's prefix, the values to build, the switch each sets): each read when the
-    # runner traces, builds or captures the model; None leaves the switch as it is
-    axes = [
-        ("", rotations, lambda v: setattr(decoder, "QK_ROTATION", v)),
-        ("autotune", autotunes, lambda v: setattr(bucket_autotune, "MODE", v)),
-        ("skinny", skinnies, lambda v: setattr(skinny, "MAX_ROWS", int(v))),
-        ("stream", streams, lambda v: setattr(stream, "MAX_ROWS", int(v))),
-        ("gated", gateds, lambda v: setattr(stream_gated, "GATED", v == "1")),
-        ("qkv", qkvs, lambda v: setattr(stream_qkv, "ROTATED", v == "1")),
-        ("norms", norms, lambda v: setattr(stream, "NORMS", v == "1")),
-        ("copy-", copies, lambda v: setattr(staging, "COPY_IN_GRAPH", v == "graph")),
-        ("pdl", pdls, lambda v: setattr(grid_dependency, "ON", v == "1")),
+    sides = [
+        (v, r, a, k, st, gt, q, c, p)
+        for v in args.variants.split(",")
+        for r in rotations
+        for a in autotunes
+        for k in skinnies
+        for st in streams
+        for gt in gateds
+        for q in qkvs
+        for c in copies
+        for p in pdls
     ]
-    sides = list(itertools.product(args.variants.split(","), *(values for _, values, _ in axes)))
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for variant, *values in sides:
-            chosen = [(axis, v) for axis, v in zip(axes, values, strict=True) if v is not None]
-            name = "/".join([variant] + [f"{prefix}{v}" for (prefix, _, _), v in chosen])
-            for (_, _, set_switch), v in chosen:
-                set_switch(v)
+        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, copy, pdl in sides:
+            name = "/".join(
+                [variant]
+                + ([rotation] if rotation is not None else [])
+                + ([f"autotune{autotune}"] if autotune is not None else [])
+                + ([f"skinny{skinny_rows}"] if skinny_rows is not None else [])
+                + ([f"stream{stream_rows}"] if stream_rows is not None else [])
+                + ([f"gated{gated}"] if gated is not None else [])
+                + ([f"qkv{qkv}"] if qkv is not None else [])
+                + ([f"copy-{copy}"] if copy is not None else [])
+                + ([f"pdl{pdl}"] if pdl is not None else [])
+            )
+            # each read when the runner traces, builds or captures the model
+            if rotation is not None:
+                decoder.QK_ROTATION = rotation
+            if autotune is not None:
+                bucket_autotune.MODE = autotune
+            if skinny_rows is not None:
+                skinny.MAX_ROWS = int(skinny_rows)
+            if stream_rows is not None:
+                stream.MAX_ROWS = int(stream_rows)
+            if gated is not None:
+                stream_gated.GATED = gated == "1"
+            if qkv is not None:
+                stream_qkv.ROTATED = qkv == "1"
+            if copy is not None:
+                staging.COPY_IN_GRAPH = copy == "graph"
+            if pdl is not None:
+                grid_dependency.ON = pdl == "1"
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":

@@ -418,18 +418,12 @@ def test_the_fused_linear_kernels_key_only_the_packages_that_embed_them(monkeypa
     monkeypatch.setattr(stream_qkv, "ROTATED", True)
     assert "boundgen.models.stream_qkv" in cache_mod.embedded_kernel_modules()
     assert platform_info("cpu")["stream_qkv"] == "1"
-    # the norms folded into them: a key of its own only where it is on
-    monkeypatch.setattr(stream, "NORMS", False)
-    assert "stream_norms" not in platform_info("cpu")
-    monkeypatch.setattr(stream, "NORMS", True)
-    assert platform_info("cpu")["stream_norms"] == "1"
     monkeypatch.setattr(stream, "MAX_ROWS", 0)  # streaming off: nothing takes them
     embedded = cache_mod.embedded_kernel_modules()
     assert "boundgen.models.stream_gated" not in embedded
     assert "boundgen.models.stream_qkv" not in embedded
     assert "stream_gated" not in platform_info("cpu")
     assert "stream_qkv" not in platform_info("cpu")
-    assert "stream_norms" not in platform_info("cpu")
 
 
 # -- libstdc++ preload guard

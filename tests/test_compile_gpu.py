@@ -146,55 +146,43 @@ def test_aoti_with_the_fused_linear_kernels_matches_eager(cuda_engine, tmp_path,
     assert e.runner.stats()["misses"] == 0
 
 
-@pytest.mark.parametrize(("gated", "norms"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("gated", [False, True])
 def test_aoti_with_the_streaming_residual_gemm_matches_eager(
-    cuda_engine, tmp_path, monkeypatch, gated, norms
+    cuda_engine, tmp_path, monkeypatch, gated
 ):
     """A 64-token cascade bucket built by AOTInductor with o_proj and `down` streamed
     (`stream.MAX_ROWS` 64: the op traced into the package, its partials summed by Inductor's
     residual kernels) scores as the eager engine, and its package is keyed apart; with `gated`
-    gate_up and SiLU·mul streamed too (`stream_gated.GATED`); with `norms` the residual
-    stream's norms folded into the streamed kernels (`stream.NORMS`: the producers' counters
-    and squares)."""
+    gate_up and SiLU·mul streamed too (`stream_gated.GATED`)."""
     from boundgen.compile.cache import platform_info
     from boundgen.models import stream, stream_gated
 
     want = _scores(cuda_engine)  # the eager layers on cuBLAS
     monkeypatch.setattr(stream, "MAX_ROWS", 64)
     monkeypatch.setattr(stream_gated, "GATED", gated)
-    monkeypatch.setattr(stream, "NORMS", norms)
     info = platform_info("cuda")
     assert info["stream_max_rows"] == "64"
     assert ("stream_gated" in info) == gated
-    assert ("stream_norms" in info) == norms
     e = cuda_engine.with_runner(_aoti_runner(cuda_engine, "aoti+graphs", tmp_path))
     torch.testing.assert_close(_scores(e), want, atol=2e-2, rtol=0)
     assert e.runner.stats()["misses"] == 0
 
 
 @pytest.mark.parametrize(
-    ("compile_layers", "attention", "gated", "norms"),
-    [
-        (False, "flash", False, False),
-        (True, "fused", False, False),
-        (True, "fused", True, False),
-        (False, "flash", True, True),
-        (True, "fused", True, True),
-    ],
+    ("compile_layers", "attention", "gated"),
+    [(False, "flash", False), (True, "fused", False), (True, "fused", True)],
 )
 def test_search_graphs_with_the_streaming_residual_gemm_match_plain_search(
-    cuda_engine, float32_truth, compile_layers, attention, gated, norms, monkeypatch
+    cuda_engine, float32_truth, compile_layers, attention, gated, monkeypatch
 ):
     """The whole-search graphs with o_proj and `down` streamed (`stream.MAX_ROWS` 64: the
     prefills of up to 64 tokens and every decode step), eagerly and inside the compiled decode
     layers: as good a search as the plain one (they round the GEMM's output once less); with
-    `gated` gate_up and SiLU·mul streamed too; with `norms` the norms folded into the streamed
-    kernels (the layers hand each other x's squares, the final norm after the last)."""
+    `gated` gate_up and SiLU·mul streamed too."""
     from boundgen.models import stream, stream_gated
 
     monkeypatch.setattr(stream, "MAX_ROWS", 64)
     monkeypatch.setattr(stream_gated, "GATED", gated)
-    monkeypatch.setattr(stream, "NORMS", norms)
     _search_graphs_match(
         cuda_engine, float32_truth, compile_layers, attention, monkeypatch, exact_eager=False
     )

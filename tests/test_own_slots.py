@@ -116,7 +116,7 @@ def test_decode_layer_takes_the_kernel_when_chosen(monkeypatch, engine_for):
             monkeypatch.setattr(own_slots, "chosen", lambda device, use=use: use)
             rows = (cu_b * group, max(widths) * group)
             kvs = (pk, pv, bkv0.clone())
-            args = (layer, x, normed, None, cos, sin, *kvs, s, cu_b, cu_p, max(widths), max(prompt))
+            args = (layer, x, normed, cos, sin, *kvs, s, cu_b, cu_p, max(widths), max(prompt))
             backend = (group, ReferenceBackend(), model.norm)
             outs.append(decode.decode_layer(*args, *rows, *backend, own_kernel=True))
         # an eager layer (own_kernel False) keeps the plain search's arithmetic, chosen or not

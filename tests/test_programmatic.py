@@ -28,7 +28,6 @@ from boundgen.models import stream, stream_gated, stream_qkv
 
 AWAITING = {
     "_stream_kernel": stream,
-    "_finished_kernel": stream,
     "_gated_kernel": stream_gated,
     "_qkv_kernel": stream_qkv,
     "_packed_prefill_kernel": segments,
@@ -109,7 +108,7 @@ def test_programmatic_edge_data_is_the_driver_struct():
 
 def test_the_awaiting_kernels_are_registered_and_wait_first():
     """Every kernel `grid_dependency.awaits` marks starts with `await_inputs(PDL)` (nothing
-    before the wait may read or write), and the six the graphs run are marked."""
+    before the wait may read or write), and the five the graphs run are marked."""
     assert set(AWAITING) <= grid_dependency.KERNELS
     for name in grid_dependency.KERNELS:
         module = AWAITING.get(name)

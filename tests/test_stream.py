@@ -152,30 +152,6 @@ def test_the_kernel_compiles_for_hopper(k, n, block_m):
     assert "waits first True" in out  # programmatic launch: nothing read before the wait
 
 
-HOPPER_FINISHED = """
-from boundgen.models import stream
-
-fn = stream._finished_kernel
-k, n, block_m = (int(a) for a in sys.argv[1:4])
-per = stream.k_per(k, stream.split_k(k))
-const = dict(K=k, N=n, K_PER=per, SPLITS=-(-k // per), BLOCK_M=block_m, BLOCK_N=stream.BLOCK_N,
-             BLOCK_K=stream.BLOCK_K, PRECISION="tf32", INTERPRET=False, PDL=True)
-sig = {"X": "*bf16", "W": "*bf16", "Res": "*bf16", "Out": "*bf16", "Squares": "*fp32",
-       "Parts": "*fp32", "Counts": "*i32", "M": "i32", "stride_xm": "i32", "stride_res": "i32"}
-sig.update(dict.fromkeys(const, "constexpr"))
-aligned = ["X", "W", "Res", "Out", "Squares", "Parts", "Counts", "stride_xm", "stride_res"]
-warps, stages = stream.NUM_WARPS, stream.NUM_STAGES
-"""
-
-
-@pytest.mark.parametrize(("k", "n", "block_m"), [(896, 896, 16), (4864, 896, 64), (192, 896, 32)])
-def test_the_finishing_kernel_compiles_for_hopper(k, n, block_m):
-    """`linear_residual_squares`'s kernel compiled for sm_90 (no GPU needed): o_proj and `down`
-    (K split: the counters), and a K of one slice (summed in the program)."""
-    out = compile_in_child(HOPPER_FINISHED, str(k), str(n), str(block_m))
-    assert "waits first True" in out  # programmatic launch: nothing read before the wait
-
-
 @pytest.mark.gpu
 def test_a_compiled_layer_with_the_kernel_equals_the_plain_one():
     """Inside `torch.compile` (the op traced, its partials summed by Inductor's residual kernel)

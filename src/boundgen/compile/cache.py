@@ -143,8 +143,7 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     the fused few-row kernels and their tiles, the residual pass's mode, `compile.residual`,
     the rows up to which o_proj and down stream their weights, `models.stream.MAX_ROWS`, and
     whether gate_up then streams with SiLU·mul as its epilogue, `models.stream_gated.GATED`, and
-    qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, whether the
-    residual stream's norms fold into those kernels, `models.stream.NORMS`, how q and k are
+    qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, how q and k are
     rotated, `models.decoder.QK_ROTATION`, whether the kernels wait for the kernels before them
     (programmatic launch), `grid_dependency.active()`, and whether the buckets' GEMMs were
     autotuned, `compile.bucket_autotune`)."""
@@ -171,8 +170,6 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
             info["stream_gated"] = "1"
         if stream_qkv.ROTATED:  # off keeps the keys of the packages built before it
             info["stream_qkv"] = "1"
-        if stream.NORMS:  # off keeps the keys of the packages built before it
-            info["stream_norms"] = "1"
     if grid_dependency.active():  # off keeps the keys of the packages built before it
         info["pdl"] = "1"
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it

@@ -40,8 +40,7 @@ from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
 from boundgen.compile.staging import StagedInputs
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
-from boundgen.models import skinny, stream
-from boundgen.models.decoder import FoldedNorms
+from boundgen.models import skinny
 from boundgen.search import banned_tensor, search
 from boundgen.text.packing import Footprint, SequenceGroup, pack, pack_arrays
 
@@ -112,82 +111,36 @@ def plain_session(model, device, prompts: list[list[int]], width: int, steps: in
 # the next layer's graph began with the norm; ending the layer with that norm lets Inductor put
 # the add into the norm's kernel: one launch fewer a layer (Inductor's CPU code shows it; on the
 # GPU, 24 a forward and 96 a W4 search expected, BENCHMARKS.md "Still to measure").
-#
-# Where the norms fold into the streamed GEMMs (`DecoderLayer.folds_norms`) no norm runs between
-# the layers: a layer function takes x's squares instead of `normed` (`FoldedNorms`), returns its
-# output's, and the model's final norm runs after the last layer (`final_norm`). Every layer then
-# takes the same arguments, so one compiled graph still serves them all.
 
 
 def first_layer_inputs(model, ids, positions):
-    """ids, positions [T] → the first layer's x (the embedded tokens), x through its input norm
-    (None where the norms fold), x's squares where they fold (`stream.row_squares`, else None),
-    and cos, sin of the positions. Compiled with the layers: eagerly these were a dozen kernels
-    a forward (the lookups, casts and the norm's steps); Inductor's CPU code fuses them into
-    one."""
+    """ids, positions [T] → the first layer's x (the embedded tokens), x through its input
+    norm, and cos, sin of the positions. Compiled with the layers: eagerly these were a dozen
+    kernels a forward (the lookups, casts and the norm's steps); Inductor's CPU code fuses them
+    into one."""
     x = model.embed_tokens(ids)
     cos, sin = model.rotary(positions, x.dtype)
-    first = model.layers[0]
-    if first.folds_norms(x):
-        return x, None, stream.row_squares(x), cos, sin
-    return x, first.input_layernorm(x), None, cos, sin
-
-
-def final_norm(model, x):
-    """The model's final norm of the last layer's output, where the norms fold (compiled with
-    the layers: one kernel)."""
-    return model.norm(x)
-
-
-def _folded(squares, counts) -> FoldedNorms | None:
-    """The layer function's folded norms: x's squares and the producers' counters (None: the
-    norms do not fold, `normed` is given)."""
-    return None if squares is None else FoldedNorms(counts, squares)
-
-
-def _layer_output(out, next_norm, folded):
-    """A layer function's return: its output with `next_norm` of it, or with its squares where
-    the norms fold (then None for the norm)."""
-    if folded is not None:
-        return out, None, folded.squares
-    return out, next_norm(out), None
+    return x, model.layers[0].input_layernorm(x), cos, sin
 
 
 def prefill_layer(
-    layer,
-    x,
-    normed,
-    squares,
-    cos,
-    sin,
-    cu_seqlens,
-    max_seqlen: int,
-    pk,
-    pv,
-    backend,
-    next_norm,
-    counts=None,
-    fold_counts=None,
+    layer, x, normed, cos, sin, cu_seqlens, max_seqlen: int, pk, pv, backend, next_norm, counts=None
 ):
     """A decoder layer over packed prompts (causal per segment), storing k/v into `pk`/`pv`
     [T, Hkv, D] (`counts`: the fused kernels' counters, `skinny.counters`). x, normed
-    [T, hidden] (or x's `squares` where the norms fold, with the producers' `fold_counts`) →
-    (its output, `next_norm` of it, None) (or (its output, None, its squares))."""
-    folded = _folded(squares, fold_counts)
-    q, k, v = layer.attention_input(x, cos, sin, counts=counts, normed=normed, folded=folded)
+    [T, hidden] → (its output, `next_norm` of it)."""
+    q, k, v = layer.attention_input(x, cos, sin, counts=counts, normed=normed)
     pk.copy_(k)
     pv.copy_(v)
     o, _ = backend.varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True)
-    o = o.reshape(x.shape[0], -1)
-    out = layer.mlp_block(layer.attention_output(x, o, counts, folded), counts, folded)
-    return _layer_output(out, next_norm, folded)
+    out = layer.mlp_block(layer.attention_output(x, o.reshape(x.shape[0], -1), counts), counts)
+    return out, next_norm(out)
 
 
 def decode_layer(
     layer,
     x,
     normed,
-    squares,
     cos,
     sin,
     pk,
@@ -206,7 +159,6 @@ def decode_layer(
     fused: bool = False,
     own_kernel: bool = False,
     counts=None,
-    fold_counts=None,
 ):
     """A decoder layer for one token per beam. The beam's k/v go into slot `step` (an int64 tensor
     [1]) of `bkv` [N, S, 2, Hkv, D] (k and v side by side, `BeamKV`: one write); queries attend
@@ -215,14 +167,12 @@ def decode_layer(
     `cascade.grouped_rows_attention`) and to their own slots ≤ step, merged by log-sum-exp; with
     `fused` (on CUDA) in one kernel (`attention/beam_decode.py`); else with `own_kernel` (on CUDA)
     flash and one kernel for the own slots and the merge (`attention/own_slots.py`). `counts`:
-    the fused linear kernels' counters (`skinny.counters`). x, normed [N, hidden] (or x's
-    `squares` with `fold_counts`) → as `prefill_layer`'s."""
+    the fused linear kernels' counters (`skinny.counters`). x, normed [N, hidden] → (its output,
+    `next_norm` of it)."""
     n = x.shape[0]
     fused = fused and x.is_cuda
-    folded = _folded(squares, fold_counts)
     # the prompt attention reads q grouped by KV head: rotated into that order, not copied there
-    grouped = group > 1 and not fused
-    q = layer.decode_input(x, cos, sin, bkv, step, grouped, counts, normed, folded)
+    q = layer.decode_input(x, cos, sin, bkv, step, group > 1 and not fused, counts, normed)
     bk, bv = bkv[:, :, 0], bkv[:, :, 1]
     if fused:  # one kernel for the prompt part, own slots and merge
         # the kernel's tile, read here: dynamo guards on it (another tile, another compile)
@@ -241,9 +191,8 @@ def decode_layer(
         )
         own, own_lse = _own_slots_attention(q, bk, bv, step)
         o = merge_partial(shared, shared_lse, own, own_lse)
-    o = o.reshape(n, -1)
-    out = layer.mlp_block(layer.attention_output(x, o, counts, folded), counts, folded)
-    return _layer_output(out, next_norm, folded)
+    out = layer.mlp_block(layer.attention_output(x, o.reshape(n, -1), counts), counts)
+    return out, next_norm(out)
 
 
 def _own_slots_attention(q, k, v, step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,16 +217,12 @@ def _own_slots_attention(q, k, v, step) -> tuple[torch.Tensor, torch.Tensor]:
     return out.reshape(n, hq, d).to(q.dtype), lse.reshape(n, hq)
 
 
-def _rows_dynamic(*tensors: torch.Tensor | None, squares: torch.Tensor | None = None) -> None:
+def _rows_dynamic(*tensors: torch.Tensor) -> None:
     """Mark dim 0 (tokens, rows, segments) dynamic for the compiled layers: one compiled graph
     serves every bucket (padded prompt tokens T, rows B·W), so a new bucket costs a CUDA-graph
-    capture, not a compile. `maybe_`: a dim of size 1 may stay specialised. None (the norm or
-    the squares a layer is not given) is skipped; `squares` [tiles, rows] has its rows in dim 1."""
+    capture, not a compile. `maybe_`: a dim of size 1 may stay specialised."""
     for t in tensors:
-        if t is not None:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-    if squares is not None:
-        torch._dynamo.maybe_mark_dynamic(squares, 1)
+        torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 class ModelSteps:
@@ -287,7 +232,6 @@ class ModelSteps:
     def __init__(self, model, backend, compile_layers: bool) -> None:
         self.model, self.backend = model, backend
         self._first, self._prefill, self._decode = first_layer_inputs, prefill_layer, decode_layer
-        self._final = final_norm
         self.compiled = compile_layers
         # each layer with the norm its function ends with (see `prefill_layer`)
         nexts = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
@@ -307,36 +251,27 @@ class ModelSteps:
             self._first = torch.compile(first_layer_inputs, fullgraph=True, options=options)
             self._prefill = torch.compile(prefill_layer, fullgraph=True, options=options)
             self._decode = torch.compile(decode_layer, fullgraph=True, options=options)
-            self._final = torch.compile(final_norm, fullgraph=True, options=options)
 
     def _inputs(self, ids, positions):
-        """A forward's first layer's inputs (`first_layer_inputs`, compiled with the layers): x,
-        normed, squares, cos, sin; then the fused kernels' counters and the folded norms'
-        producers' counters (None where the norms do not fold)."""
+        """A forward's first layer's inputs (`first_layer_inputs`, compiled with the layers) and
+        the fused kernels' counters."""
         m = self.model
         if self.compiled:
             _rows_dynamic(ids, positions)
-        x, normed, squares, cos, sin = self._first(m, ids, positions)
-        fold_counts = None if squares is None else stream.counters(x, x.shape[1])
-        return x, normed, squares, cos, sin, skinny.counters(x, m.layers[0]), fold_counts
-
-    def _hidden(self, x, normed):
-        """The final-normed hidden states after the last layer: its `normed`, or the final norm
-        of x where the norms fold (no layer normed it)."""
-        return normed if normed is not None else self._final(self.model, x)
+        x, normed, cos, sin = self._first(m, ids, positions)
+        return x, normed, cos, sin, skinny.counters(x, m.layers[0])
 
     def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, prompt: PromptKV):
         """Final-normed hidden states [T, H] of the packed prompts, their KV stored."""
-        x, normed, squares, cos, sin, counts, fold_counts = self._inputs(ids, positions)
+        x, normed, cos, sin, counts = self._inputs(ids, positions)
         for i, (layer, next_norm) in enumerate(self._layers):
             pk, pv = prompt.k[i], prompt.v[i]
             if self.compiled:
-                _rows_dynamic(x, normed, cos, sin, pk, pv, cu_seqlens, squares=squares)
-            x, normed, squares = self._prefill(
+                _rows_dynamic(x, normed, cos, sin, pk, pv, cu_seqlens)
+            x, normed = self._prefill(
                 layer,
                 x,
                 normed,
-                squares,
                 cos,
                 sin,
                 cu_seqlens,
@@ -346,9 +281,8 @@ class ModelSteps:
                 self.backend,
                 next_norm,
                 counts,
-                fold_counts,
             )
-        return self._hidden(x, normed)
+        return normed
 
     def decode(self, tokens, positions, state: DecodeKV, step: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] of one decode step."""
@@ -357,17 +291,17 @@ class ModelSteps:
     def decode_hidden(self, tokens, positions, state: DecodeKV, step: torch.Tensor):
         """Final-normed hidden states [N, H] of one decode step."""
         b = state.beams
-        x, normed, squares, cos, sin, counts, fold_counts = self._inputs(tokens, positions)
+        x, normed, cos, sin, counts = self._inputs(tokens, positions)
         for i, (layer, next_norm) in enumerate(self._layers):
             pk, pv, bkv = state.prompt.k[i], state.prompt.v[i], b.kv[i]
             if self.compiled:
-                rows = (state.cu_beams, state.cu_prompt, state.cu_rows)
-                _rows_dynamic(x, normed, cos, sin, pk, pv, bkv, *rows, squares=squares)
-            x, normed, squares = self._decode(
+                _rows_dynamic(
+                    x, normed, cos, sin, pk, pv, bkv, state.cu_beams, state.cu_prompt, state.cu_rows
+                )
+            x, normed = self._decode(
                 layer,
                 x,
                 normed,
-                squares,
                 cos,
                 sin,
                 pk,
@@ -389,9 +323,8 @@ class ModelSteps:
                 # rounds once where the plain search rounds twice)
                 self.compiled,
                 counts,
-                fold_counts,
             )
-        return self._hidden(x, normed)
+        return normed
 
 
 # ---- the whole search, captured per bucket ------------------------------------------------------

@@ -7,7 +7,6 @@ KV state), so `torch.export` sees them as inputs. Output rows are gathered by th
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -103,23 +102,6 @@ class Attention(nn.Module):
         return o.reshape(q.shape[0], -1)
 
 
-@dataclasses.dataclass
-class FoldedNorms:
-    """The residual stream's RMSNorms taken inside the streamed GEMMs (`stream.NORMS`,
-    `DecoderLayer.folds_norms`): o_proj and `down` write x whole with its rows' sums of squares
-    (`stream.linear_residual_squares`), and qkv and gate_up norm x as they load it, so neither
-    residual-add + RMSNorm kernel of a layer runs. A layer's parts read `squares` for the x they
-    are given and set it for the x they return. `counts`: the producers' counters, one buffer a
-    forward (`stream.counters`)."""
-
-    counts: torch.Tensor
-    squares: torch.Tensor
-
-    def by(self, norm: RMSNorm) -> stream.NormedBy:
-        """`norm` of the current x, as an epilogue kernel takes it."""
-        return stream.NormedBy(norm.weight, self.squares, norm.eps)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -138,20 +120,8 @@ class DecoderLayer(nn.Module):
     # `counts`: the forward's counters for the fused kernels' K splits (`skinny.counters`; None:
     # each call zeroes its own)
 
-    # `folded`: the norms taken inside the streamed GEMMs (`FoldedNorms`; None: not folded)
-
-    def folds_norms(self, x) -> bool:
-        """Whether a forward over rows `x` folds the residual stream's norms into the streamed
-        GEMMs (`FoldedNorms`): on (`stream.NORMS`) and o_proj and `down` streamed (their kernels
-        write x whole, with its squares; qkv and gate_up norm x themselves where their kernels
-        take it, and call the norm where not)."""
-        attn, mlp = self.self_attn, self.mlp
-        if not stream.NORMS or skinny.applies(x, attn.o_proj, mlp.down_proj):
-            return False
-        return stream.applies(x, attn.o_proj) and stream.applies(x, mlp.down_proj)
-
     def attention_input(
-        self, x, cos, sin, grouped: bool = False, counts=None, normed=None, folded=None
+        self, x, cos, sin, grouped: bool = False, counts=None, normed=None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] → q, k, v of the normed x (`Attention.heads`, q `grouped` or not).
         `normed`: x through this layer's input norm, computed already (the beam layers compute
@@ -163,25 +133,16 @@ class DecoderLayer(nn.Module):
             fused = attn.rotates_together(grouped)
             qkv = self._fused_qkv(x, cos, sin, counts, fused)
             return attn.heads(qkv, cos, sin, grouped, rotate=not fused)
-        proj = attn.qkv_proj
+        proj, h = attn.qkv_proj, self._input_normed(x, normed)
         if self._streams_qkv(x, grouped):
             # one streamed GEMM rotates q and k in its epilogue: no rotation kernel
-            h, by = self._qkv_input(x, normed, folded)
-            cols = attn.rotated_columns
-            qkv = stream_qkv.rotated(h, proj.weight, proj.bias, cos, sin, cols, by)
+            qkv = stream_qkv.rotated(h, proj.weight, proj.bias, cos, sin, attn.rotated_columns)
             return attn.heads(qkv, cos, sin, grouped, rotate=False)
-        return attn.heads(proj(self._input_normed(x, normed)), cos, sin, grouped)
+        return attn.heads(proj(h), cos, sin, grouped)
 
     def _input_normed(self, x, normed):
         """x through the input norm: `normed` where the caller has it already."""
         return self.input_layernorm(x) if normed is None else normed
-
-    def _qkv_input(self, x, normed, folded) -> tuple[torch.Tensor, stream.NormedBy | None]:
-        """The streamed qkv kernel's input: x and its input norm for the kernel to take where
-        the norms are folded, else x through the norm."""
-        if folded is not None:
-            return x, folded.by(self.input_layernorm)
-        return self._input_normed(x, normed), None
 
     def _streams_qkv(self, x, grouped: bool) -> bool:
         """Whether qkv and the q/k rotation take the streamed kernel (`models/stream_qkv.py`)."""
@@ -211,9 +172,7 @@ class DecoderLayer(nn.Module):
             step,
         )
 
-    def decode_input(
-        self, x, cos, sin, kv, step, grouped: bool = False, counts=None, normed=None, folded=None
-    ):
+    def decode_input(self, x, cos, sin, kv, step, grouped: bool = False, counts=None, normed=None):
         """A decode step's q, its k and v stored: x [N, hidden] (one token a beam) → q [N, Hq, D]
         (or grouped by KV head, [N, G, Hkv, D]), with k and v written into slot `step` (an int64
         tensor [1]) of `kv` [N, S, 2, Hkv, D] (`BeamKV`'s layer). Where the fused qkv kernel
@@ -230,27 +189,25 @@ class DecoderLayer(nn.Module):
             return q.view(n, attn.num_heads, attn.head_dim)
         if self._streams_qkv(x, grouped):
             # the streamed qkv kernel writes k and v into the slot itself: no copy kernel after
-            proj, (h, by) = attn.qkv_proj, self._qkv_input(x, normed, folded)
+            proj, h = attn.qkv_proj, self._input_normed(x, normed)
             q = stream_qkv.rotated_into_slot(
-                h, proj.weight, proj.bias, cos, sin, attn.rotated_columns, kv, step, by
+                h, proj.weight, proj.bias, cos, sin, attn.rotated_columns, kv, step
             )
             return q.view(x.shape[0], attn.num_heads, attn.head_dim)
-        q, k, v = self.attention_input(x, cos, sin, grouped, counts, normed, folded)
+        q, k, v = self.attention_input(x, cos, sin, grouped, counts, normed)
         kv.index_copy_(1, step, torch.stack((k, v), 1).unsqueeze(1))
         return q
 
-    def attention_output(self, x, o, counts=None, folded=None) -> torch.Tensor:
+    def attention_output(self, x, o, counts=None) -> torch.Tensor:
         """x + o_proj(o): o [T, Hq·D] → [T, hidden]."""
         proj = self.self_attn.o_proj
-        if folded is not None:  # (`folds_norms`: o_proj streamed)
-            return self._residual_with_squares(o, proj, x, folded)
         if skinny.applies(o, proj):
             return skinny.linear_residual(o, proj.weight, x, counts)
         if stream.applies(o, proj):
             return stream.linear_residual(o, proj.weight, x)
         return x + proj(o)
 
-    def mlp_block(self, x, counts=None, folded=None) -> torch.Tensor:
+    def mlp_block(self, x, counts=None) -> torch.Tensor:
         """x + MLP(RMSNorm(x))."""
         norm, mlp = self.post_attention_layernorm, self.mlp
         if skinny.applies(x, mlp.gate_up_proj, mlp.down_proj):
@@ -258,31 +215,19 @@ class DecoderLayer(nn.Module):
             return skinny.linear_residual(h, mlp.down_proj.weight, x, counts)
         streamed = stream.applies(x, mlp.down_proj)
         if stream_gated.applies(x, mlp.gate_up_proj):  # gate_up with SiLU·mul as its epilogue
-            if folded is not None:  # the kernel norms x as it loads it
-                h = stream_gated.gated(x, mlp.gate_up_proj.weight, folded.by(norm))
-            else:
-                h = stream_gated.gated(norm(x), mlp.gate_up_proj.weight)
+            h = stream_gated.gated(norm(x), mlp.gate_up_proj.weight)
         elif streamed:
             h = mlp.gated(norm(x))
         else:
             return x + mlp(norm(x))
-        if folded is not None:  # (`folds_norms`: `down` streamed)
-            return self._residual_with_squares(h, mlp.down_proj, x, folded)
         if streamed:
             return stream.linear_residual(h, mlp.down_proj.weight, x)
         return x + mlp.down_proj(h)
 
-    @staticmethod
-    def _residual_with_squares(h, proj, x, folded: FoldedNorms) -> torch.Tensor:
-        """x + proj(h) by the streamed kernel that also leaves the result's squares in
-        `folded` for the norm that reads it next."""
-        out, folded.squares = stream.linear_residual_squares(h, proj.weight, x, folded.counts)
-        return out
-
-    def forward(self, x, cos, sin, attn, kv, layer, backend, counts=None, folded=None):
-        q, k, v = self.attention_input(x, cos, sin, counts=counts, folded=folded)
+    def forward(self, x, cos, sin, attn, kv, layer, backend, counts=None):
+        q, k, v = self.attention_input(x, cos, sin, counts=counts)
         o = self.self_attn.attend(q, k, v, attn, kv, layer, backend)
-        return self.mlp_block(self.attention_output(x, o, counts, folded), counts, folded)
+        return self.mlp_block(self.attention_output(x, o, counts), counts)
 
 
 class DecoderModel(nn.Module):
@@ -312,9 +257,8 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         counts = skinny.counters(x, self.layers[0])
-        folded = folded_norms(x, self.layers[0])
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn, kv, i, self.backend, counts, folded)
+            x = layer(x, cos, sin, attn, kv, i, self.backend, counts)
         return self.norm(x)
 
     @property
@@ -339,12 +283,3 @@ class DecoderModel(nn.Module):
         """The head's weight rows of vocabulary ids `columns` [C, H]: `F.linear(rows, it)` is the
         model's label logits (`logits(rows, columns)`), for a caller that keeps it."""
         return self.head_weight.index_select(0, columns)
-
-
-def folded_norms(x: torch.Tensor, layer: DecoderLayer) -> FoldedNorms | None:
-    """The folded norms' state for a forward over the embedded tokens `x` through layers shaped
-    like `layer` (their squares computed here: no kernel wrote them), or None where the forward
-    does not fold them (`DecoderLayer.folds_norms`)."""
-    if not layer.folds_norms(x):
-        return None
-    return FoldedNorms(stream.counters(x, x.shape[1]), stream.row_squares(x))

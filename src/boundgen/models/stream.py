@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -57,13 +56,6 @@ except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev
 # against 64 took W4 at eight prompts 7.18 → 7.00 and 7.12 → 6.87 ms (thirty-seventh), 7.03 →
 # 6.88 and 6.87 → 6.62 (thirty-eighth), and the GPU suite passed at 128 on the H200.
 MAX_ROWS = int(os.environ.get("BOUNDGEN_STREAM_MAX_ROWS", "128"))
-# Whether the residual stream's RMSNorms are taken inside the streamed GEMMs
-# (`BOUNDGEN_STREAM_NORMS=1`; off by default until measured on the GPU): o_proj and `down` write
-# x whole with its rows' sums of squares (`linear_residual_squares`), and the qkv and gate_up
-# kernels norm x as they load it (`NormedBy`), so the layer's two residual-add + RMSNorm kernels
-# go (`DecoderLayer.folds_norms`). Read when a layer traces, compiles or is captured; compiled
-# packages record it (`compile.cache.platform_info`).
-NORMS = os.environ.get("BOUNDGEN_STREAM_NORMS", "0") == "1"
 # Tile: columns a program, K a step, warps, stages (the fastest pointer-load tiles of
 # `bench_weight_stream.py` on the H100 for both projections at 16 and 64 rows)
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
@@ -76,12 +68,6 @@ def rows_up_to(rows: int) -> contextlib.AbstractContextManager[None]:
     """Inside: the kernel takes calls of at most `rows` rows (`MAX_ROWS`; 0: none); read when a
     layer traces, compiles or is captured (an A/B's switch)."""
     return switched(globals(), "MAX_ROWS", rows)
-
-
-def norms_folded(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside: the residual stream's norms are taken inside the streamed GEMMs (`NORMS`) or not;
-    read when a layer traces, compiles or is captured (an A/B's switch)."""
-    return switched(globals(), "NORMS", on)
 
 
 def applies(x: torch.Tensor, linear: nn.Module) -> bool:
@@ -105,19 +91,6 @@ def split_k(k: int) -> int:
 if AVAILABLE:
 
     @triton.jit
-    def rms_scale(
-        Squares, rows, row_ok, stride_sq, TILES: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr
-    ):
-        """1 / RMS of each of `rows` [BLOCK_M] from its sums of squares by column tile, Squares
-        [TILES, M] (`linear_residual_squares`, rows `stride_sq` apart): rsqrt(mean + eps), as
-        the plain RMSNorm computes it (its mean summed in another order: float32 rounding
-        apart)."""
-        ss = tl.load(Squares + rows, mask=row_ok, other=0.0)
-        for t in tl.static_range(1, TILES):
-            ss += tl.load(Squares + t * stride_sq + rows, mask=row_ok, other=0.0)
-        return tl.rsqrt(ss / K + EPS)
-
-    @triton.jit
     def two_products(
         X,
         W,
@@ -126,14 +99,11 @@ if AVAILABLE:
         a,
         col_ok,
         stride_xm,
-        Norm,
-        rstd,
         K: tl.constexpr,
         B_OFFSET: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        NORM: tl.constexpr,
         PRECISION: tl.constexpr,
         INTERPRET: tl.constexpr,
     ):
@@ -142,9 +112,7 @@ if AVAILABLE:
         the two halves a program of the epilogue kernels keeps, gate's and up's columns
         (`stream_gated`: B_OFFSET = I) or a head's first and second halves (`stream_qkv`: D/2);
         x's tile is loaded once for both, the second half's pointers are the first's plus a
-        constant. With NORM, X is the residual stream and its RMSNorm is taken as the tile
-        loads: Norm · (x · rstd) (`rms_scale`), with the plain norm's roundings (x · rstd to x's
-        dtype, then its product with the norm's weight)."""
+        constant."""
         acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -159,10 +127,6 @@ if AVAILABLE:
                 mask=row_ok[None, :] & k_ok[:, None],
                 other=0.0,
             )
-            if NORM:
-                g = tl.load(Norm + ks, mask=k_ok, other=0.0).to(tl.float32)
-                normed = (x.to(tl.float32) * rstd[None, :]).to(x.dtype)
-                x = (normed.to(tl.float32) * g[:, None]).to(x.dtype)
             if INTERPRET:  # the interpreter's dot multiplies 16-bit floats as integers
                 w_a, w_b, x = w_a.to(tl.float32), w_b.to(tl.float32), x.to(tl.float32)
             acc_a += tl.dot(w_a, x, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
@@ -197,34 +161,8 @@ if AVAILABLE:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         col_ok = cols < N
         row_ok = rows < M
-        acc = k_slice_product(
-            X, W, rows, row_ok, cols, col_ok, stride_xm, pid_k * K_PER, K, K_PER, BLOCK_N,
-            BLOCK_M, BLOCK_K, PRECISION, INTERPRET,
-        )  # fmt: skip
-        out = Parts + (pid_k * M + rows.to(tl.int64))[None, :] * N + cols[:, None]
-        tl.store(out, acc, mask=col_ok[:, None] & row_ok[None, :])
-
-    @triton.jit
-    def k_slice_product(
-        X,
-        W,
-        rows,
-        row_ok,
-        cols,
-        col_ok,
-        stride_xm,
-        k0,
-        K: tl.constexpr,
-        K_PER: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
-        INTERPRET: tl.constexpr,
-    ):
-        """X[rows, k0 : k0 + K_PER] @ W[cols, k0 : k0 + K_PER].T as a float32 [BLOCK_N, BLOCK_M]
-        accumulator (swap AB: the weight tile is the dot's left operand)."""
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        k0 = pid_k * K_PER
         for k in range(k0, k0 + K_PER, BLOCK_K):
             ks = k + tl.arange(0, BLOCK_K)
             k_ok = ks < K
@@ -241,82 +179,8 @@ if AVAILABLE:
             if INTERPRET:  # the interpreter's dot multiplies 16-bit floats as integers
                 w, x = w.to(tl.float32), x.to(tl.float32)
             acc += tl.dot(w, x, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
-        return acc
-
-    @grid_dependency.awaits
-    @triton.jit
-    def _finished_kernel(
-        X,
-        W,
-        Res,
-        Out,
-        Squares,
-        Parts,
-        Counts,
-        M,
-        stride_xm,
-        stride_res,
-        K: tl.constexpr,
-        N: tl.constexpr,
-        K_PER: tl.constexpr,
-        SPLITS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
-        INTERPRET: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        """Out[rows, cols] = Res + X @ W[cols].T over this program's column and row tiles, its
-        K slice's product left in Parts[s] (s = program_id(1)) and summed by the tile's last
-        program to arrive (`Counts`), which also writes Squares[pid_n, rows]: the sums of
-        squares of Out's rows over the tile's columns, what the next RMSNorm needs."""
-        await_inputs(PDL)
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        col_ok = cols < N
-        row_ok = rows < M
-        mask = col_ok[:, None] & row_ok[None, :]
-        acc = k_slice_product(
-            X, W, rows, row_ok, cols, col_ok, stride_xm, pid_k * K_PER, K, K_PER, BLOCK_N,
-            BLOCK_M, BLOCK_K, PRECISION, INTERPRET,
-        )  # fmt: skip
-        at = rows.to(tl.int64)[None, :] * N + cols[:, None]  # [BLOCK_N, BLOCK_M] of [M, N]
-        res = Res + rows.to(tl.int64)[None, :] * stride_res + cols[:, None]
-        if SPLITS == 1:
-            y = tl.load(res, mask=mask, other=0.0).to(tl.float32) + acc
-            _store_with_squares(y, Out, Squares, at, rows, row_ok, mask, pid_n, M)
-        else:
-            # each program leaves its product and counts itself in on the tile's counter; the
-            # last to arrive sums the products in split order (the same bits whichever arrives
-            # last, and the same as the residual kernel's sum: residual + part 0 + part 1 ...)
-            tl.store(Parts + pid_k * M * N + at, acc, mask=mask)
-            # every thread's stores issued before the count (the threadfence-reduction pattern:
-            # the barrier, then a release at device scope; the last program's acquire sees them)
-            tl.debug_barrier()
-            tile = pid_m * tl.num_programs(0) + pid_n
-            arrived = tl.atomic_add(Counts + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLITS - 1:
-                y = tl.load(res, mask=mask, other=0.0).to(tl.float32)
-                for s in tl.static_range(SPLITS):
-                    # .cg: from L2, where the other multiprocessors' stores are
-                    y += tl.load(Parts + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
-                _store_with_squares(y, Out, Squares, at, rows, row_ok, mask, pid_n, M)
-                # the counter back to zero: the next call on this stream takes the same buffer
-                # (a forward's calls share one, `counters`)
-                tl.store(Counts + tile, 0)
-
-    @triton.jit
-    def _store_with_squares(y, Out, Squares, at, rows, row_ok, mask, pid_n, M):
-        """y [BLOCK_N, BLOCK_M] (float32) rounded to Out's dtype and stored at `at`; the rounded
-        rows' sums of squares over the tile's columns to Squares[pid_n, rows]."""
-        out = y.to(Out.dtype.element_ty)
-        tl.store(Out + at, out, mask=mask)
-        of = tl.where(mask, out.to(tl.float32), 0.0)
-        tl.store(Squares + pid_n * M + rows, tl.sum(of * of, axis=0), mask=row_ok)
+        out = Parts + (pid_k * M + rows.to(tl.int64))[None, :] * N + cols[:, None]
+        tl.store(out, acc, mask=col_ok[:, None] & row_ok[None, :])
 
     def launch(
         x: torch.Tensor,
@@ -349,11 +213,11 @@ if AVAILABLE:
         torch._check(x.shape[1] == weight.shape[1])
         return x, weight, skinny_tiles.block_m_for(x.shape[0])
 
-    def run(kernel, grid, x, weight, out, tile: tuple, *extra, **shape) -> None:
+    def run(kernel, grid, x, weight, out, tile: tuple, **shape) -> None:
         """`kernel`[grid] as the streamed kernels take their arguments: X, W, Out, M, stride_xm,
-        the kernel's `extra` arguments, the shape's constexprs, then the tile's (`tile`:
-        BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), `tl.dot`'s precision, whether Triton's
-        interpreter runs it and whether the kernel waits for its inputs (`grid_dependency`)."""
+        the shape's constexprs, then the tile's (`tile`: BLOCK_M, BLOCK_N, BLOCK_K, warps,
+        stages), `tl.dot`'s precision, whether Triton's interpreter runs it and whether the
+        kernel waits for its inputs (`grid_dependency`)."""
         block_m, block_n, block_k, warps, stages = tile
         traceable(kernel)[grid](
             x,
@@ -361,7 +225,6 @@ if AVAILABLE:
             out,
             x.shape[0],
             x.stride(0),
-            *extra,
             **shape,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
@@ -376,93 +239,6 @@ if AVAILABLE:
     @triton_op("boundgen::stream_partials", mutates_args=())
     def _stream_partials(x: torch.Tensor, weight: torch.Tensor, split: int) -> torch.Tensor:
         return launch(x, weight, split)
-
-    def launch_finished(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        residual: torch.Tensor,
-        counts: torch.Tensor,
-        block_n: int = BLOCK_N,
-        block_k: int = BLOCK_K,
-        warps: int = NUM_WARPS,
-        stages: int = NUM_STAGES,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The finishing kernel (what the op and `bench_weight_stream.py` call): residual +
-        x @ weight.T [M, N] in the residual's dtype and its rows' sums of squares by column tile
-        [cdiv(N, block_n), M] float32; K split as `partials` splits it. `counts`: `counters`."""
-        x, weight, block_m = operands(x, weight)
-        (residual,) = triton_launch.unit_last_stride(residual)
-        m = x.shape[0]
-        n, k = weight.shape
-        torch._check(residual.shape[0] == m and residual.shape[1] == n)
-        per = k_per(k, split_k(k), block_k)
-        split = skinny_tiles.cdiv(k, per)
-        grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
-        torch._check(counts.numel() >= grid[0] * grid[2])
-        out = torch.empty((m, n), dtype=residual.dtype, device=x.device)
-        squares = torch.empty((grid[0], m), dtype=torch.float32, device=x.device)
-        # the K slices' products (one slice: summed in the program, nothing to keep)
-        parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        traceable(_finished_kernel)[grid](
-            x,
-            weight,
-            residual,
-            out,
-            squares,
-            parts if split > 1 else squares,
-            counts,
-            m,
-            x.stride(0),
-            residual.stride(0),
-            K=k,
-            N=n,
-            K_PER=per,
-            SPLITS=split,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            PRECISION=triton_launch.dot_precision(x),
-            INTERPRET=not x.is_cuda,
-            PDL=grid_dependency.waits(x),
-            num_warps=warps,
-            num_stages=stages,
-        )
-        return out, squares
-
-    # `counts` (`counters`): zero, and left at zero by the call; declared mutated, since the
-    # kernel counts in it while it runs
-    @triton_op("boundgen::stream_residual_squares", mutates_args={"counts"})
-    def _stream_residual_squares(
-        x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, counts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return launch_finished(x, weight, residual, counts)
-
-
-class NormedBy(NamedTuple):
-    """An RMSNorm that an epilogue kernel (`stream_qkv`, `stream_gated`) takes as it loads its
-    input, the residual stream x: the norm's weight [K] and eps, and x's rows' sums of squares
-    by column tile [tiles, M] (`linear_residual_squares`, `row_squares`)."""
-
-    weight: torch.Tensor
-    squares: torch.Tensor
-    eps: float
-
-    @classmethod
-    def of(cls, weight, squares, eps: float) -> NormedBy | None:
-        """The ops' arguments as one (None where no norm is given)."""
-        return None if weight is None else cls(weight, squares, eps)
-
-
-def norm_arguments(norm: NormedBy | None, x: torch.Tensor) -> tuple[tuple, dict]:
-    """An epilogue kernel's RMSNorm arguments: (Norm, Squares, stride_sq) and the constexprs
-    NORM, TILES (the squares' column tiles) and EPS; without a norm, placeholders never read."""
-    if norm is None:
-        return (x, x, 0), {"NORM": False, "TILES": 1, "EPS": 0.0}
-    weight, squares, eps = norm
-    (squares,) = triton_launch.unit_last_stride(squares)
-    torch._check(weight.shape[0] == x.shape[1] and squares.shape[1] == x.shape[0])
-    consts = {"NORM": True, "TILES": squares.shape[0], "EPS": float(eps)}
-    return (weight.contiguous(), squares, squares.stride(0)), consts
 
 
 def k_per(k: int, split: int, block_k: int = BLOCK_K) -> int:
@@ -491,39 +267,6 @@ def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     """residual + x @ weight.T: x [M, K], residual [M, N] → [M, N] in the residual's dtype, the
     partials summed by the kernel that reads the result (the residual add + the next RMSNorm)."""
     return _sum_onto(residual.float(), partials(x, weight)).to(residual.dtype)
-
-
-def linear_residual_squares(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, counts: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`linear_residual` in one kernel, with what the next RMSNorm needs: (residual +
-    x @ weight.T [M, N] in the residual's dtype, its rows' sums of squares by `BLOCK_N`-column
-    tile [cdiv(N, BLOCK_N), M] float32). The K slices' products are summed by each column
-    tile's last program (in split order: the same bits as `linear_residual`), where
-    `linear_residual` leaves the sum to the kernel after it. `counts`: `counters`."""
-    return torch.ops.boundgen.stream_residual_squares(x, weight, residual, counts)
-
-
-def counters(x: torch.Tensor, n: int) -> torch.Tensor:
-    """One zeroed int32 counter buffer for every `linear_residual_squares` call of a forward (or
-    a decode step) over rows `x` into `n` columns: the calls run one after another on the
-    forward's stream and each leaves its counters at zero, so one fill serves them all (a
-    buffer zeroed per call would be a fill kernel per GEMM). A buffer kept across forwards would
-    be shared by forwards running at once on the device's streams: one per forward."""
-    # the most tiles a call may take: 16-column tiles (the narrowest a sweep times) over 16-row
-    # blocks (the fewest rows a program takes)
-    size = skinny_tiles.cdiv(n, 16) * skinny_tiles.cdiv(x.shape[0], 16)
-    return torch.zeros(size, dtype=torch.int32, device=x.device)
-
-
-def row_squares(y: torch.Tensor) -> torch.Tensor:
-    """y [M, N]'s rows' sums of squares by `BLOCK_N`-column tile, [cdiv(N, BLOCK_N), M]
-    float32, as `linear_residual_squares` leaves them beside its output: for an input no kernel
-    wrote (the embedded tokens, `DecoderModel.forward`), and the tests' oracle."""
-    m, n = y.shape
-    tiles = skinny_tiles.cdiv(n, BLOCK_N)
-    yf = torch.nn.functional.pad(y.float(), (0, tiles * BLOCK_N - n))
-    return yf.square().view(m, tiles, BLOCK_N).sum(-1).T.contiguous()
 
 
 def reference_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ if AVAILABLE:
     from torch.library import triton_op
 
     from boundgen.grid_dependency import await_inputs
-    from boundgen.models.stream import rms_scale, two_products
+    from boundgen.models.stream import two_products
 
 GATED = os.environ.get("BOUNDGEN_STREAM_GATED", "1") == "1"
 # Tiles (columns of each half a program, K a step, warps, stages), swept on an H100 at gate_up's
@@ -83,14 +83,8 @@ if AVAILABLE:
         Out,
         M,
         stride_xm,
-        Norm,
-        Squares,
-        stride_sq,
         K: tl.constexpr,
         I: tl.constexpr,  # noqa: E741 - the intermediate size, as in the docstring
-        NORM: tl.constexpr,
-        TILES: tl.constexpr,
-        EPS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -100,8 +94,7 @@ if AVAILABLE:
     ):
         """Out[rows, cols] = SiLU(X[rows] @ W[cols].T) · (X[rows] @ W[I + cols].T) over this
         program's column tile and row tile, W = gate_up's weight [2I, K] (gate's rows, then
-        up's). With NORM, X[rows] is first RMS-normed by Norm [K] and its rows' sums of squares
-        by column tile, Squares [TILES, M] (`stream.rms_scale`)."""
+        up's)."""
         await_inputs(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -109,25 +102,18 @@ if AVAILABLE:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         col_ok = cols < I
         row_ok = rows < M
-        rstd = rms_scale(Squares, rows, row_ok, stride_sq, TILES, K, EPS) if NORM else 0.0
         gate, up = two_products(
-            X, W, rows, row_ok, cols, col_ok, stride_xm, Norm, rstd, K, I, BLOCK_N, BLOCK_M,
-            BLOCK_K, NORM, PRECISION, INTERPRET,
+            X, W, rows, row_ok, cols, col_ok, stride_xm, K, I, BLOCK_N, BLOCK_M, BLOCK_K,
+            PRECISION, INTERPRET,
         )  # fmt: skip
         h = gate * tl.sigmoid(gate) * up
         out = Out + rows.to(tl.int64)[None, :] * I + cols[:, None]
         tl.store(out, h.to(Out.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
-    def launch(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        tile: tuple | None = None,
-        norm: stream.NormedBy | None = None,
-    ) -> torch.Tensor:
+    def launch(x: torch.Tensor, weight: torch.Tensor, tile: tuple | None = None) -> torch.Tensor:
         """The kernel (what the op and `bench_weight_stream.py` call): SiLU(x @ gate.T) ·
         (x @ up.T) [M, I] in x's dtype, weight = [gate; up] [2I, K]; `tile` (BLOCK_N, BLOCK_K,
-        warps, stages), `tile_for` the rows' when not given; with `norm`, of x RMS-normed
-        first."""
+        warps, stages), `tile_for` the rows' when not given."""
         x, weight, block_m = stream.operands(x, weight)
         block_n, block_k, warps, stages = tile or tile_for(x.shape[0])
         two_i, k = weight.shape
@@ -136,30 +122,18 @@ if AVAILABLE:
         out = torch.empty((x.shape[0], i), dtype=x.dtype, device=x.device)
         grid = (triton.cdiv(i, block_n), triton.cdiv(x.shape[0], block_m))
         tile = (block_m, block_n, block_k, warps, stages)
-        args, consts = stream.norm_arguments(norm, x)
-        stream.run(_gated_kernel, grid, x, weight, out, tile, *args, K=k, I=i, **consts)
+        stream.run(_gated_kernel, grid, x, weight, out, tile, K=k, I=i)
         return out
 
-    # No argument has a default: callers go through `gated`, which passes every one (torch
-    # 2.11's dispatcher drops trailing arguments equal to their defaults: `models/skinny.py`)
     @triton_op("boundgen::stream_gated", mutates_args=())
-    def _stream_gated(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        norm: torch.Tensor | None,
-        squares: torch.Tensor | None,
-        eps: float,
-    ) -> torch.Tensor:
-        return launch(x, weight, norm=stream.NormedBy.of(norm, squares, eps))
+    def _stream_gated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return launch(x, weight)
 
 
-def gated(
-    x: torch.Tensor, weight: torch.Tensor, norm: stream.NormedBy | None = None
-) -> torch.Tensor:
+def gated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """SiLU(x @ gate.T) · (x @ up.T): x [M, K], weight = gate_up's [2I, K] → [M, I] in x's
-    dtype; with `norm`, x is the residual stream, RMS-normed by the kernel as it loads it."""
-    norm_weight, squares, eps = norm if norm is not None else (None, None, 0.0)
-    return torch.ops.boundgen.stream_gated(x, weight, norm_weight, squares, eps)
+    dtype."""
+    return torch.ops.boundgen.stream_gated(x, weight)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ if AVAILABLE:
     from torch.library import triton_op
 
     from boundgen.grid_dependency import await_inputs
-    from boundgen.models.stream import rms_scale, two_products
+    from boundgen.models.stream import two_products
 
 ROTATED = os.environ.get("BOUNDGEN_STREAM_QKV", "1") == "1"
 # Tile: pairs of columns a program (BLOCK_H of a head's first half and the same of its second;
@@ -94,9 +94,6 @@ if AVAILABLE:
         stride_kv_row,
         stride_kv_slot,
         stride_kv_kind,
-        Norm,
-        Squares,
-        stride_sq,
         K: tl.constexpr,
         N: tl.constexpr,
         HEAD_D: tl.constexpr,
@@ -105,9 +102,6 @@ if AVAILABLE:
         KV_COLS: tl.constexpr,
         SLOT: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        NORM: tl.constexpr,
-        TILES: tl.constexpr,
-        EPS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -119,9 +113,7 @@ if AVAILABLE:
         (lo = head·D + d): X @ W[lo].T and X @ W[lo + D/2].T (+ bias), rounded to Out's dtype,
         then rotated by cos/sin [T, D/2] of the rows where the head is one of q's or k's
         (columns before ROT_COLS). With SLOT, Out holds q's columns only and k's and v's heads go
-        into slot Step[0] of KV [rows, slots, 2, Hkv, D] (a beam step's cache: no copy after).
-        With NORM, X[rows] is first RMS-normed by Norm [K] and its rows' sums of squares by
-        column tile, Squares [TILES, M] (`stream.rms_scale`)."""
+        into slot Step[0] of KV [rows, slots, 2, Hkv, D] (a beam step's cache: no copy after)."""
         await_inputs(PDL)
         pid_h = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -132,10 +124,9 @@ if AVAILABLE:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         col_ok = lo < N
         row_ok = rows < M
-        rstd = rms_scale(Squares, rows, row_ok, stride_sq, TILES, K, EPS) if NORM else 0.0
         acc_lo, acc_hi = two_products(
-            X, W, rows, row_ok, lo, col_ok, stride_xm, Norm, rstd, K, HEAD_D // 2, BLOCK_H,
-            BLOCK_M, BLOCK_K, NORM, PRECISION, INTERPRET,
+            X, W, rows, row_ok, lo, col_ok, stride_xm, K, HEAD_D // 2, BLOCK_H, BLOCK_M, BLOCK_K,
+            PRECISION, INTERPRET,
         )  # fmt: skip
         if HAS_BIAS:
             acc_lo += tl.load(Bias + lo, mask=col_ok, other=0.0).to(tl.float32)[:, None]
@@ -173,13 +164,11 @@ if AVAILABLE:
         tile: tuple | None = None,
         kv: torch.Tensor | None = None,
         step: torch.Tensor | None = None,
-        norm: stream.NormedBy | None = None,
     ) -> torch.Tensor:
         """The kernel (what the ops and `bench_weight_stream.py` call): `rotated` of x @ weight.T
         (+ bias) [M, N] in x's dtype; `tile` (BLOCK_H, most rows a program, BLOCK_K, warps,
         stages), the module's when not given. With `kv` [M, S, 2, Hkv, D] and `step` (int64
-        [1]): q's columns [M, N − 2·Hkv·D] out, k and v written into `kv`'s slot `step`. With
-        `norm`: of x RMS-normed first."""
+        [1]): q's columns [M, N − 2·Hkv·D] out, k and v written into `kv`'s slot `step`."""
         block_h, max_block_m, block_k, warps, stages = tile or (
             BLOCK_H, MAX_BLOCK_M, BLOCK_K, NUM_WARPS, NUM_STAGES
         )  # fmt: skip
@@ -199,7 +188,6 @@ if AVAILABLE:
         q_cols = n - 2 * kv_cols
         out = torch.empty((x.shape[0], q_cols if slot else n), dtype=x.dtype, device=x.device)
         grid = (n // 2 // block_h, triton.cdiv(x.shape[0], block_m))
-        norm_args, norm_consts = stream.norm_arguments(norm, x)
         triton_launch.traceable(_qkv_kernel)[grid](
             x,
             weight,
@@ -216,7 +204,6 @@ if AVAILABLE:
             kv.stride(0) if slot else 0,
             kv.stride(1) if slot else 0,
             kv.stride(2) if slot else 0,
-            *norm_args,
             K=k,
             N=n,
             HEAD_D=2 * half,
@@ -225,7 +212,6 @@ if AVAILABLE:
             KV_COLS=max(kv_cols, 1),
             SLOT=slot,
             HAS_BIAS=bias is not None,
-            **norm_consts,
             BLOCK_M=block_m,
             BLOCK_H=block_h,
             BLOCK_K=block_k,
@@ -237,9 +223,6 @@ if AVAILABLE:
         )
         return out
 
-    # No argument has a default: callers go through `rotated` and `rotated_into_slot`, which
-    # pass every one (torch 2.11's dispatcher drops trailing arguments equal to their defaults:
-    # `models/skinny.py`). `norm`, `squares`, `eps`: `stream.NormedBy`'s, or None.
     @triton_op("boundgen::stream_qkv", mutates_args=())
     def _stream_qkv(
         x: torch.Tensor,
@@ -248,12 +231,8 @@ if AVAILABLE:
         cos: torch.Tensor,
         sin: torch.Tensor,
         rotated_columns: int,
-        norm: torch.Tensor | None,
-        squares: torch.Tensor | None,
-        eps: float,
     ) -> torch.Tensor:
-        normed_by = stream.NormedBy.of(norm, squares, eps)
-        return launch(x, weight, bias, cos, sin, rotated_columns, norm=normed_by)
+        return launch(x, weight, bias, cos, sin, rotated_columns)
 
     @triton_op("boundgen::stream_qkv_slot", mutates_args=("kv",))
     def _stream_qkv_slot(
@@ -265,17 +244,8 @@ if AVAILABLE:
         rotated_columns: int,
         kv: torch.Tensor,
         step: torch.Tensor,
-        norm: torch.Tensor | None,
-        squares: torch.Tensor | None,
-        eps: float,
     ) -> torch.Tensor:
-        normed_by = stream.NormedBy.of(norm, squares, eps)
-        return launch(x, weight, bias, cos, sin, rotated_columns, kv=kv, step=step, norm=normed_by)
-
-
-def _norm_args(norm) -> tuple:
-    """`stream.NormedBy` (or None) as the ops take it: weight, squares, eps."""
-    return tuple(norm) if norm is not None else (None, None, 0.0)
+        return launch(x, weight, bias, cos, sin, rotated_columns, kv=kv, step=step)
 
 
 def rotated(
@@ -285,15 +255,12 @@ def rotated(
     cos: torch.Tensor,
     sin: torch.Tensor,
     rotated_columns: int,
-    norm: stream.NormedBy | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) with the heads of its first `rotated_columns` columns
     rotated by cos, sin ([M, 1, D/2] or [M, D/2]; HF's rotate-half) → [M, N] in x's dtype: the
     qkv projection's output with q and k rotated (`Attention.heads(..., rotate=False)` takes
-    it). With `norm`, x is the residual stream, RMS-normed by the kernel as it loads it."""
-    return torch.ops.boundgen.stream_qkv(
-        x, weight, bias, cos, sin, rotated_columns, *_norm_args(norm)
-    )
+    it)."""
+    return torch.ops.boundgen.stream_qkv(x, weight, bias, cos, sin, rotated_columns)
 
 
 def rotated_into_slot(
@@ -305,14 +272,11 @@ def rotated_into_slot(
     rotated_columns: int,
     kv: torch.Tensor,
     step: torch.Tensor,
-    norm: stream.NormedBy | None = None,
 ) -> torch.Tensor:
     """`rotated` for a beam decode step: q's rotated columns [M, Hq·D] out, k (rotated) and v
     written by the same kernel into slot `step` (int64 [1]) of `kv` [M, S, 2, Hkv, D] (the step's
-    cache layer, `BeamKV`): no stack-and-copy kernel after it. `norm`: as `rotated`'s."""
-    return torch.ops.boundgen.stream_qkv_slot(
-        x, weight, bias, cos, sin, rotated_columns, kv, step, *_norm_args(norm)
-    )
+    cache layer, `BeamKV`): no stack-and-copy kernel after it."""
+    return torch.ops.boundgen.stream_qkv_slot(x, weight, bias, cos, sin, rotated_columns, kv, step)
 
 
 def reference(x, weight, bias, cos, sin, rotated_columns: int) -> torch.Tensor:
