@@ -143,7 +143,11 @@ def test_groups_ids_arrays_give_the_layout_of_their_lists(groups, share_prefix, 
         with pytest.raises(ValueError):
             pack_arrays(with_ids, share_prefix)
         return
-    got = pack_arrays(with_ids, share_prefix)
+    assert_same_layout(pack_arrays(with_ids, share_prefix), want)
+
+
+def assert_same_layout(got, want) -> None:
+    """Two `HostLayout`s hold the same arrays (dtype and values) and the same cascade sizes."""
     for name in ("input_ids", "positions", "seg_len", "last", "start", "length"):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
@@ -183,10 +187,7 @@ def test_one_sequence_fast_path_equals_the_general_layout(prefix, suffix, share_
     """A single plain sequence takes `pack_arrays`' short path: the layout of the general one."""
     groups = [SequenceGroup(prefix, [suffix])]
     got, want = pack_arrays(groups, share_prefix), packing._pack_groups(groups, share_prefix)
-    for name in ("input_ids", "positions", "seg_len", "last", "start", "length"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
-    assert (got.prefix_lens, got.group_q, got.span_segments) == ([], [], (0, 0))
+    assert_same_layout(got, want)
     assert (want.prefix_lens, want.group_q, want.span_segments) == ([], [], (0, 0))
 
 
@@ -211,15 +212,7 @@ def test_one_group_fast_path_equals_the_general_layout(prefix, suffixes, share_p
         with pytest.raises(ValueError):
             pack_arrays([g], share_prefix)
         return
-    got = pack_arrays([g], share_prefix)
-    for name in ("input_ids", "positions", "seg_len", "last", "start", "length"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
-    assert (got.prefix_lens, got.group_q, got.span_segments) == (
-        want.prefix_lens,
-        want.group_q,
-        want.span_segments,
-    )
+    assert_same_layout(pack_arrays([g], share_prefix), want)
 
 
 def test_one_empty_sequence_is_rejected_as_in_the_general_path():
