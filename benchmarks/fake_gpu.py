@@ -70,8 +70,9 @@ class Pending(torch.Tensor):
 # The last stretch of a wait is spun, not slept: a sleep ends ~50–100 µs late on Linux (its timer
 # slack), and a request waits for the fake device two or three times (the finish node for its
 # head's event, the head's read), so W3 through `Engine.score` with a 0.9 ms fake forward read
-# 309 µs from the device's end to the answer with sleeps, 90 µs spinning the last 150 µs (2-core
-# dev CPU, forty-fifth session). A CUDA wait spins too (`cuda_waits`: CUDA's default).
+# 309 µs from the device's end to the answer with sleeps, 62 µs spinning the last 150 µs (2-core
+# dev CPU, forty-fifth session: BENCHMARKS.md). A CUDA wait spins too (`cuda_waits`: CUDA's
+# default).
 SPIN_S = 150e-6
 
 
