@@ -279,14 +279,25 @@ def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) ->
             head_and_wait(runner, rows, t)
         if i < args.warmup:
             continue
-        for m, a, b in zip(marks, t, t[1:]):
-            steps[m].append((b - a) * 1e6)
+        add_steps(steps, marks, t)
         steps["graph_gpu"].append(e0.elapsed_time(e1) * 1e3)
-        steps["wall"].append((t[-1] - t[0]) * 1e6)
-    out = {m: round(statistics.median(v), 1) for m, v in steps.items()}
+    out = medians(steps)
     print("\n== host/GPU split of one staged call (median µs): " + json.dumps(out), flush=True)
     out["runner"] = runner_steps(runner, groups, args)
     return out
+
+
+def add_steps(steps: dict[str, list[float]], marks: tuple[str, ...], t: list[float]) -> None:
+    """One timed call's `time.perf_counter()` readings `t` into `steps`: µs of each step of
+    `marks` (between consecutive readings) and of the whole call ("wall")."""
+    for m, a, b in zip(marks, t, t[1:]):
+        steps[m].append((b - a) * 1e6)
+    steps["wall"].append((t[-1] - t[0]) * 1e6)
+
+
+def medians(steps: dict[str, list[float]]) -> dict[str, float]:
+    """Each step's median µs, to a tenth."""
+    return {m: round(statistics.median(v), 1) for m, v in steps.items()}
 
 
 def head_and_wait(runner: ModelRunner, rows: torch.Tensor, marks: list[float]) -> None:
@@ -315,10 +326,8 @@ def runner_steps(runner: ModelRunner, groups: list[SequenceGroup], args) -> dict
             t.append(time.perf_counter())
         if i < args.warmup:
             continue
-        for m, a, b in zip(marks, t, t[1:]):
-            steps[m].append((b - a) * 1e6)
-        steps["wall"].append((t[-1] - t[0]) * 1e6)
-    out = {m: round(statistics.median(v), 1) for m, v in steps.items()}
+        add_steps(steps, marks, t)
+    out = medians(steps)
     print("== the runner-alone call's steps (median µs): " + json.dumps(out), flush=True)
     return out
 
@@ -336,7 +345,7 @@ def host_split(runner, staged, groups, modes, args) -> dict:
         if i >= args.warmup:
             steps["pieces"].append((t1 - t0) * 1e6)
             steps["fill"].append((t2 - t1) * 1e6)
-    out = {m: round(statistics.median(v), 1) for m, v in steps.items()}
+    out = medians(steps)
     print("\n== host steps before the replay (median µs): " + json.dumps(out), flush=True)
     return out
 
