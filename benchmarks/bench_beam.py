@@ -193,7 +193,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     gated_default = False if args.stream_gated else stream_gated.GATED
     qkv_default = False if args.stream_qkv else stream_qkv.ROTATED
     # the searches' own side of `BOUNDGEN_PDL` (its "buckets" leaves them without)
-    pdl_default = False if args.pdl else grid_dependency.ON and grid_dependency.SEARCHES
+    pdl_default = False if args.pdl else grid_dependency.in_searches()
     if args.head_compile:
         from boundgen.compile.aoti import export_attention
         from boundgen.compile.backends import allow_recompiles

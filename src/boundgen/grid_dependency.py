@@ -118,6 +118,12 @@ def for_searches() -> Iterator[None]:
         _thread.searches_off = before
 
 
+def in_searches() -> bool:
+    """Whether a beam search's kernels and graphs take programmatic launch (`ON` and
+    `SEARCHES`): what `active()` says inside `for_searches`."""
+    return ON and SEARCHES
+
+
 def active() -> bool:
     """Whether kernels traced or launched, and graphs captured, on this thread now take
     programmatic launch: `ON`, but not inside `for_searches` unless `SEARCHES`."""

@@ -34,7 +34,7 @@ def _platform() -> str:
         parts += [torch.cuda.get_device_name(), str(torch.cuda.get_device_capability())]
     # the searches' layers whose kernels wait for the ones before (`BOUNDGEN_PDL=1`): a
     # constexpr, not an op of the graph, so kept apart from the blob of kernels that do not
-    if grid_dependency.ON and grid_dependency.SEARCHES:
+    if grid_dependency.in_searches():
         parts.append("pdl")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
