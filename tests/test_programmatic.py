@@ -244,9 +244,10 @@ def test_the_switch_turns_the_searches_on_and_off_with_the_rest(monkeypatch):
 
 
 def test_a_search_is_traced_and_captured_as_a_search(monkeypatch):
-    """`ModelRunner.beam_search` (the plain path) and `SearchGraphs.run` (where a bucket's layers
-    are traced and its graph captured) run inside `for_searches`: with "buckets", a search's
-    kernels carry no wait and its graphs get no edges."""
+    """`ModelRunner.beam_search` (the plain path) and `SearchGraphs.run` (unsealed, where a
+    bucket's layers are traced and its graph captured; sealed, where without graphs its kernels
+    launch live) run inside `for_searches`: with "buckets", a search's kernels carry no wait and
+    its graphs get no edges."""
     from boundgen import runner as runner_module
     from boundgen.compile.decode import SearchGraphs
 
@@ -268,7 +269,12 @@ def test_a_search_is_traced_and_captured_as_a_search(monkeypatch):
     monkeypatch.setattr(SearchGraphs, "_run_new", record)
     with pytest.raises(StopIteration):
         graphs.run([[1, 2]], 2, 1)
-    assert seen == [False, False]
+    graphs.sealed = True
+    monkeypatch.setattr(SearchGraphs, "_run_sealed", record)
+    with pytest.raises(StopIteration):
+        graphs.run([[1, 2]], 2, 1)
+    assert seen == [False, False, False]
+    assert grid_dependency.active()  # and outside a search, the buckets' rule again
 
 
 def test_buckets_mode_keys_packages_as_on_and_the_searches_blob_as_off(monkeypatch, tmp_path):

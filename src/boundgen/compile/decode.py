@@ -436,10 +436,13 @@ class SearchGraphs:
         banned: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         banned = tuple(banned)
-        if not self.sealed:  # the layers traced and the graph captured as a search's
-            with grid_dependency.for_searches():
+        # a search's rule on both paths: its layers traced and graph captured unsealed, and,
+        # sealed without graphs, its kernels launched live, take programmatic launch only where
+        # the searches do
+        with grid_dependency.for_searches():
+            if not self.sealed:
                 return self._run_new(prompts, width, steps, trie, banned)
-        out = self._run_sealed(prompts, width, steps, trie, banned)
+            out = self._run_sealed(prompts, width, steps, trie, banned)
         if out is None:
             self._miss(len(prompts), max(len(p) for p in prompts), width, steps, trie)
         return out
