@@ -25,6 +25,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --copy call,graph                     # staged inputs copied by the call or by the graph
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --pdl 0,1                             # the graph as captured, or with programmatic edges
+    python benchmarks/profile_w3.py --workload w2 --backend aoti+graphs --variants after \
+        --gated-tma 0,1                       # a bucket's gate_up + SiLU·mul: cuBLAS or TMA
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --hf eager,compile                    # HF eager and HF + torch.compile in the same process
     python benchmarks/profile_w3.py --preset tiny --device cpu --variants after \
@@ -78,7 +80,15 @@ from boundgen.compile import bucket_autotune, staging
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
-from boundgen.models import decoder, skinny, skinny_tiles, stream, stream_gated, stream_qkv
+from boundgen.models import (
+    decoder,
+    gated_tma,
+    skinny,
+    skinny_tiles,
+    stream,
+    stream_gated,
+    stream_qkv,
+)
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.packing import SequenceGroup
 from boundgen.workloads.score import ScoreRequest, prepare_score, request_scores
@@ -533,6 +543,13 @@ def main() -> int:
         "with the other axes",
     )
     ap.add_argument(
+        "--gated-tma",
+        default=None,
+        help="`gated_tma.GATED` values to build side by side (0,1: a bucket's gate_up by cuBLAS "
+        "and SiLU·mul by Inductor, or both as one TMA-fed GEMM, `models/gated_tma.py`), crossed "
+        "with the other axes",
+    )
+    ap.add_argument(
         "--qkv",
         default=None,
         help="`stream_qkv.ROTATED` values to build side by side (0,1: qkv by cuBLAS and the q/k "
@@ -576,6 +593,7 @@ def main() -> int:
             ap.error(f"--stream: rows are a whole number, not {st!r}")
     gateds = _axis(ap, "--gated", args.gated, ("0", "1"))
     qkvs = _axis(ap, "--qkv", args.qkv, ("0", "1"))
+    tmas = _axis(ap, "--gated-tma", args.gated_tma, ("0", "1"))
     copies = _axis(ap, "--copy", args.copy, ("call", "graph"))
     pdls = _axis(ap, "--pdl", args.pdl, ("0", "1"))
     rotations = _axis(ap, "--rotations", args.rotations, decoder.QK_ROTATIONS)
@@ -601,7 +619,7 @@ def main() -> int:
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [
-        (v, r, a, k, st, gt, q, c, p)
+        (v, r, a, k, st, gt, q, c, p, tm)
         for v in args.variants.split(",")
         for r in rotations
         for a in autotunes
@@ -611,11 +629,13 @@ def main() -> int:
         for q in qkvs
         for c in copies
         for p in pdls
+        for tm in tmas
     ]
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
-        for variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, copy, pdl in sides:
+        for side in sides:
+            variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, copy, pdl, tma = side
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
@@ -626,6 +646,7 @@ def main() -> int:
                 + ([f"qkv{qkv}"] if qkv is not None else [])
                 + ([f"copy-{copy}"] if copy is not None else [])
                 + ([f"pdl{pdl}"] if pdl is not None else [])
+                + ([f"gated-tma{tma}"] if tma is not None else [])
             )
             # each read when the runner traces, builds or captures the model
             if rotation is not None:
@@ -644,6 +665,8 @@ def main() -> int:
                 staging.COPY_IN_GRAPH = copy == "graph"
             if pdl is not None:
                 grid_dependency.ON = pdl == "1"
+            if tma is not None:
+                gated_tma.GATED = tma == "1"
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":

@@ -18,7 +18,7 @@ from boundgen.attention.cascade import by_kv_head, prefill_attention
 from boundgen.attention.metadata import AttnInputs
 from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
-from boundgen.models import skinny, stream, stream_gated, stream_qkv
+from boundgen.models import gated_tma, skinny, stream, stream_gated, stream_qkv
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from boundgen.settings import env_choice
 
@@ -218,6 +218,8 @@ class DecoderLayer(nn.Module):
             h = stream_gated.gated(norm(x), mlp.gate_up_proj.weight)
         elif streamed:
             h = mlp.gated(norm(x))
+        elif gated_tma.applies(x, mlp.gate_up_proj):  # a bucket's rows: TMA-fed, same epilogue
+            h = gated_tma.gated(norm(x), mlp.gate_up_proj.weight)
         else:
             return x + mlp(norm(x))
         if streamed:
