@@ -12,7 +12,8 @@ streamed operand in registers costs more than the kernel it saves), TMA loads (t
 feeds shared memory; no pointer tensors in registers), optionally persistent (one program an SM
 walking the output tiles, its next tile's loads overlapping this one's epilogue).
 
-Variants (each a tile sweep, `--quick`: one tile each):
+Variants (each a tile sweep, `--quick`: one tile each; `two-pers` is the engine's own kernel,
+`models/gated_tma.py`, the others this file's):
 - `two`: gate's and up's rows of a column tile (`cols`, `I + cols`) through two descriptor loads
   into two float32 accumulators — the checkpoint's own [2I, K] layout;
 - `interleaved`: the weight's rows interleaved once (gate j, up j, …): one [2·BLOCK_N, K] load and
@@ -41,19 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import env_info, graph_us, write_json
 
+from boundgen.models import gated_tma
+from boundgen.models.gated_tma import _tile_of
+
 K, INTER = 896, 4864  # Qwen2.5-0.5B: hidden, intermediate
-
-
-@triton.jit
-def _tile_of(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Output tile `tile` → (row tile, column tile), GROUP_M row tiles walked together (their
-    column tiles' weights read from L2 by the group's other programs)."""
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile // in_group) * GROUP_M
-    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % in_group) % group_m
-    pid_n = (tile % in_group) // group_m
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -102,9 +94,12 @@ def sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def gated_tma(x, w, tile, interleaved: bool, persistent: bool, flatten: bool):
-    """SiLU(x @ gate.T) · (x @ up.T) [M, I] by the kernel above; `w` is [2I, K] as the checkpoint
-    holds it, or interleaved (row 2j gate j, 2j + 1 up j)."""
+def gated_variant(x, w, tile, interleaved: bool, persistent: bool, flatten: bool):
+    """SiLU(x @ gate.T) · (x @ up.T) [M, I]: the engine's kernel (`gated_tma.launch`: two
+    accumulators, persistent) or the variants above; `w` is [2I, K] as the checkpoint holds it, or
+    interleaved (row 2j gate j, 2j + 1 up j)."""
+    if not interleaved and persistent and not flatten:
+        return gated_tma.launch(x, w, tile)
     bm, bn, bk, group_m, warps, stages = tile
     m, k = x.shape
     i = w.shape[0] // 2
@@ -211,7 +206,7 @@ def main() -> None:
                 )
                 record(
                     label,
-                    lambda x, w, t=tile, i=interleaved, p=persistent, f=flatten: gated_tma(
+                    lambda x, w, t=tile, i=interleaved, p=persistent, f=flatten: gated_variant(
                         x, w, t, i, p, f
                     ),
                     wis if interleaved else ws,
