@@ -225,7 +225,7 @@ def main() -> None:
         errors = [k for k, v in row.items() if "error" in v]
         if errors:
             print(f"  {len(errors)} tiles failed, e.g. {errors[0]}: {row[errors[0]]['error']}")
-    write_json(args.out, result)
+        write_json(args.out, result)  # after each row count: a phase cut short keeps the done
 
 
 if __name__ == "__main__":
