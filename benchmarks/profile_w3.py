@@ -26,7 +26,7 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --pdl 0,1                             # the graph as captured, or with programmatic edges
     python benchmarks/profile_w3.py --workload w2 --backend aoti+graphs --variants after \
-        --gated-tma 0,1                       # a bucket's gate_up + SiLU·mul: cuBLAS or TMA
+        --bucket-tma 0,1                      # the buckets' GEMM + pointwise: cuBLAS or TMA
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --hf eager,compile                    # HF eager and HF + torch.compile in the same process
     python benchmarks/profile_w3.py --preset tiny --device cpu --variants after \
@@ -81,8 +81,8 @@ from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_f
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
 from boundgen.models import (
+    bucket_tma,
     decoder,
-    gated_tma,
     skinny,
     skinny_tiles,
     stream,
@@ -543,11 +543,11 @@ def main() -> int:
         "with the other axes",
     )
     ap.add_argument(
-        "--gated-tma",
+        "--bucket-tma",
         default=None,
-        help="`gated_tma.GATED` values to build side by side (0,1: a bucket's gate_up by cuBLAS "
-        "and SiLU·mul by Inductor, or both as one TMA-fed GEMM, `models/gated_tma.py`), crossed "
-        "with the other axes",
+        help="the buckets' TMA-fed GEMMs to build side by side (`models/bucket_tma.py`; 0: none, "
+        "cuBLAS + Inductor's pointwise kernels; gated: gate_up + SiLU·mul; qkv: qkv + the q/k "
+        "rotation; 1: both), crossed with the other axes",
     )
     ap.add_argument(
         "--qkv",
@@ -593,7 +593,7 @@ def main() -> int:
             ap.error(f"--stream: rows are a whole number, not {st!r}")
     gateds = _axis(ap, "--gated", args.gated, ("0", "1"))
     qkvs = _axis(ap, "--qkv", args.qkv, ("0", "1"))
-    tmas = _axis(ap, "--gated-tma", args.gated_tma, ("0", "1"))
+    tmas = _axis(ap, "--bucket-tma", args.bucket_tma, ("0", "gated", "qkv", "1"))
     copies = _axis(ap, "--copy", args.copy, ("call", "graph"))
     pdls = _axis(ap, "--pdl", args.pdl, ("0", "1"))
     rotations = _axis(ap, "--rotations", args.rotations, decoder.QK_ROTATIONS)
@@ -646,7 +646,7 @@ def main() -> int:
                 + ([f"qkv{qkv}"] if qkv is not None else [])
                 + ([f"copy-{copy}"] if copy is not None else [])
                 + ([f"pdl{pdl}"] if pdl is not None else [])
-                + ([f"gated-tma{tma}"] if tma is not None else [])
+                + ([f"bucket-tma-{tma}"] if tma is not None else [])
             )
             # each read when the runner traces, builds or captures the model
             if rotation is not None:
@@ -666,7 +666,7 @@ def main() -> int:
             if pdl is not None:
                 grid_dependency.ON = pdl == "1"
             if tma is not None:
-                gated_tma.GATED = tma == "1"
+                bucket_tma.GATED, bucket_tma.ROTATED = tma in ("gated", "1"), tma in ("qkv", "1")
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":

@@ -100,7 +100,7 @@ KERNEL_MODULES = (
     "boundgen.models.stream",
     "boundgen.models.stream_gated",
     "boundgen.models.stream_qkv",
-    "boundgen.models.gated_tma",
+    "boundgen.models.bucket_tma",
 )
 
 
@@ -109,10 +109,10 @@ def embedded_kernel_modules() -> tuple[str, ...]:
     their tiles' choice) only where the layers take them (`skinny.MAX_ROWS` > 0), the streaming
     residual GEMM (and the row blocks it takes from `skinny_tiles`) only where `stream.MAX_ROWS`
     > 0, gate_up's with SiLU·mul and qkv's with the rotation only where each is on too
-    (`stream_gated.GATED`, `stream_qkv.ROTATED`), and a bucket's gate_up + SiLU·mul only where it
-    is on (`gated_tma.GATED`), so a change to them (a tile swept into `skinny_tiles.TILES`)
-    leaves the packages built without them valid."""
-    from boundgen.models import gated_tma, skinny, stream, stream_gated, stream_qkv
+    (`stream_gated.GATED`, `stream_qkv.ROTATED`), and the buckets' TMA-fed GEMMs only where one
+    is on (`bucket_tma.GATED`, `bucket_tma.ROTATED`), so a change to them (a tile swept into
+    `skinny_tiles.TILES`) leaves the packages built without them valid."""
+    from boundgen.models import bucket_tma, skinny, stream, stream_gated, stream_qkv
 
     drop = set()
     if skinny.MAX_ROWS <= 0:
@@ -125,8 +125,8 @@ def embedded_kernel_modules() -> tuple[str, ...]:
         drop.add("boundgen.models.stream_gated")
     if stream.MAX_ROWS <= 0 or not stream_qkv.ROTATED:
         drop.add("boundgen.models.stream_qkv")
-    if not gated_tma.GATED:
-        drop.add("boundgen.models.gated_tma")
+    if not (bucket_tma.GATED or bucket_tma.ROTATED):
+        drop.add("boundgen.models.bucket_tma")
     return tuple(m for m in KERNEL_MODULES if m not in drop)
 
 
@@ -148,15 +148,15 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     the rows up to which o_proj and down stream their weights, `models.stream.MAX_ROWS`, and
     whether gate_up then streams with SiLU·mul as its epilogue, `models.stream_gated.GATED`, and
     qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, whether a bucket's
-    gate_up takes SiLU·mul as its epilogue, `models.gated_tma.GATED`, how q and k are
+    gate_up and qkv take theirs, `models.bucket_tma.GATED` and `.ROTATED`, how q and k are
     rotated, `models.decoder.QK_ROTATION`, whether the kernels wait for the kernels before them
     (programmatic launch), `grid_dependency.active()`, and whether the buckets' GEMMs were
     autotuned, `compile.bucket_autotune`)."""
     from boundgen import grid_dependency
     from boundgen.compile import bucket_autotune, residual
     from boundgen.models import (
+        bucket_tma,
         decoder,
-        gated_tma,
         skinny,
         skinny_tiles,
         stream,
@@ -183,8 +183,10 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
             info["stream_gated"] = "1"
         if stream_qkv.ROTATED:  # off keeps the keys of the packages built before it
             info["stream_qkv"] = "1"
-    if gated_tma.GATED:  # off keeps the keys of the packages built before it
-        info["gated_tma"] = "1"
+    if bucket_tma.GATED:  # off keeps the keys of the packages built before it
+        info["bucket_gated"] = "1"
+    if bucket_tma.ROTATED:  # off keeps the keys of the packages built before it
+        info["bucket_qkv"] = "1"
     if grid_dependency.active():  # off keeps the keys of the packages built before it
         info["pdl"] = "1"
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it

@@ -18,7 +18,7 @@ from boundgen.attention.cascade import by_kv_head, prefill_attention
 from boundgen.attention.metadata import AttnInputs
 from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
-from boundgen.models import gated_tma, skinny, stream, stream_gated, stream_qkv
+from boundgen.models import bucket_tma, skinny, stream, stream_gated, stream_qkv
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from boundgen.settings import env_choice
 
@@ -138,6 +138,10 @@ class DecoderLayer(nn.Module):
             # one streamed GEMM rotates q and k in its epilogue: no rotation kernel
             qkv = stream_qkv.rotated(h, proj.weight, proj.bias, cos, sin, attn.rotated_columns)
             return attn.heads(qkv, cos, sin, grouped, rotate=False)
+        if bucket_tma.rotates(x, proj, attn.head_dim) and attn.rotates_together(grouped):
+            # a bucket's rows: the TMA-fed GEMM rotates q and k in its epilogue
+            qkv = bucket_tma.rotated(h, proj.weight, proj.bias, cos, sin, attn.rotated_columns)
+            return attn.heads(qkv, cos, sin, grouped, rotate=False)
         return attn.heads(proj(h), cos, sin, grouped)
 
     def _input_normed(self, x, normed):
@@ -218,8 +222,8 @@ class DecoderLayer(nn.Module):
             h = stream_gated.gated(norm(x), mlp.gate_up_proj.weight)
         elif streamed:
             h = mlp.gated(norm(x))
-        elif gated_tma.applies(x, mlp.gate_up_proj):  # a bucket's rows: TMA-fed, same epilogue
-            h = gated_tma.gated(norm(x), mlp.gate_up_proj.weight)
+        elif bucket_tma.applies(x, mlp.gate_up_proj):  # a bucket's rows: TMA-fed, same epilogue
+            h = bucket_tma.gated(norm(x), mlp.gate_up_proj.weight)
         else:
             return x + mlp(norm(x))
         if streamed:
