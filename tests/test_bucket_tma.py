@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hopper import compile_in_child
 from small_layer import small_config
 from torch import nn
 
@@ -173,6 +174,39 @@ def test_a_decoder_layer_with_the_kernels_equals_it_without(monkeypatch):
         for u, v in zip(a, b):
             assert u.dtype == v.dtype and u.shape == v.shape
             torch.testing.assert_close(u.float(), v.float(), rtol=tol, atol=tol)
+
+
+HOPPER = """
+from boundgen.models import bucket_tma
+
+kind = sys.argv[1]
+block_m, block_n, block_k, group_m, warps, stages = (
+    bucket_tma.GATED_TILE if kind == "gated" else bucket_tma.qkv_tile(64)
+)
+const = dict(K=896, PROGRAMS=132, BLOCK_M=block_m, BLOCK_K=block_k, GROUP_M=group_m,
+             PRECISION="tf32", INTERPRET=False)
+weight = f"tensordesc<bf16[{block_n},{block_k}]>"
+sig = {"x_desc": f"tensordesc<bf16[{block_m},{block_k}]>", "w_desc": weight,
+       "o_desc": f"tensordesc<bf16[{block_m},{block_n}]>"}
+if kind == "gated":
+    fn = bucket_tma._gated_kernel
+    sig["M"] = "i32"
+    const.update(INTER=4864, BLOCK_N=block_n)
+else:
+    fn = bucket_tma._qkv_kernel
+    sig.update(Bias="*bf16", Cos="*bf16", Sin="*bf16", M="i32", stride_rope="i32")
+    const.update(N=1152, HEAD_D=64, ROT_COLS=1024, HAS_BIAS=True, BLOCK_H=block_n)
+sig.update(dict.fromkeys(const, "constexpr"))
+aligned = []
+"""
+
+
+@pytest.mark.parametrize("kind", ["gated", "qkv"])
+def test_the_kernels_compile_for_hopper(kind):
+    """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed) with their default tiles at
+    Qwen2.5-0.5B's shapes (gate_up K 896, I 4,864; qkv N 1,152 with bias, heads of 64): the
+    tensor descriptors' loads and stores, the persistent tile walk and the epilogues."""
+    assert "cubin" in compile_in_child(HOPPER, kind)
 
 
 @pytest.mark.gpu
