@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from boundgen import triton_launch
-from boundgen.models import stream
+from boundgen.models import stream, stream_qkv
 from boundgen.settings import switched
 
 try:
@@ -265,9 +265,7 @@ if AVAILABLE:
         tile = tile or qkv_tile(2 * half)
         n = weight.shape[0]
         torch._check(n % (2 * half) == 0 and half % tile[1] == 0 and weight.shape[1] == x.shape[1])
-        cos, sin = cos.reshape(-1, half), sin.reshape(-1, half)
-        if cos.stride() != sin.stride() or cos.stride(-1) != 1:
-            cos, sin = cos.contiguous(), sin.contiguous()
+        cos, sin = stream_qkv.rope_rows(cos, sin)
         m = x.shape[0]
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         tiles = triton.cdiv(m, tile[0]) * (n // 2 // tile[1])
