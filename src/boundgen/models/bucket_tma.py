@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -58,13 +59,12 @@ GATED_TILE = (128, 64, 64, 8, 8, 4)
 QKV_TILE = (128, 32, 64, 8, 8, 4)
 
 
-def enabled(gated: bool, rotated: bool) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def enabled(gated: bool, rotated: bool) -> Iterator[None]:
     """Inside: a bucket's gate_up + SiLU·mul (`GATED`) and qkv + rotation (`ROTATED`) take the
     kernels or not; read when a layer traces or compiles (an A/B's switch)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(switched(globals(), "GATED", gated))
-    stack.enter_context(switched(globals(), "ROTATED", rotated))
-    return stack
+    with switched(globals(), "GATED", gated), switched(globals(), "ROTATED", rotated):
+        yield
 
 
 @functools.cache
