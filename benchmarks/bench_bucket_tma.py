@@ -64,7 +64,6 @@ def _gated_variant_kernel(
     K,
     PROGRAMS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
-    FLATTEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -73,7 +72,7 @@ def _gated_variant_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(INTER_N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS):
         pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         if INTERLEAVED:
@@ -100,11 +99,11 @@ def sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def gated_variant(x, w, tile, interleaved: bool, persistent: bool, flatten: bool):
+def gated_variant(x, w, tile, interleaved: bool, persistent: bool):
     """SiLU(x @ gate.T) · (x @ up.T) [M, I]: the engine's kernel (`bucket_tma.launch_gated`: two
     accumulators, persistent) or the variants above; `w` is [2I, K] as the checkpoint holds it, or
     interleaved (row 2j gate j, 2j + 1 up j)."""
-    if not interleaved and persistent and not flatten:
+    if not interleaved and persistent:
         return bucket_tma.launch_gated(x, w, tile)
     bm, bn, bk, group_m, warps, stages = tile
     m, k = x.shape
@@ -121,7 +120,6 @@ def gated_variant(x, w, tile, interleaved: bool, persistent: bool, flatten: bool
         k,
         PROGRAMS=programs,
         INTERLEAVED=interleaved,
-        FLATTEN=flatten,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -232,9 +230,7 @@ def time_gated(args, g, m, result) -> None:
             label = f"{'inter' if interleaved else 'two'}{'-pers' if persistent else ''} "
             record(
                 label + "x".join(map(str, tile)),
-                lambda x, w, t=tile, i=interleaved, p=persistent: gated_variant(
-                    x, w, t, i, p, False
-                ),
+                lambda x, w, t=tile, i=interleaved, p=persistent: gated_variant(x, w, t, i, p),
                 wis if interleaved else ws,
             )
     report("gated", m, row, "cublas+silu_mul", result)
