@@ -1,7 +1,10 @@
-"""A one-layer Qwen2-shaped `ModelConfig` small enough for Triton's CPU interpreter (the few-row
-kernels' tests: `test_skinny.py`, `test_stream.py`)."""
+"""A one-layer Qwen2-shaped `ModelConfig` small enough for Triton's CPU interpreter, and random
+inputs on the device the kernels' tests run on (the few-row and bucket kernels' tests:
+`test_skinny.py`, `test_stream*.py`, `test_bucket_tma.py`)."""
 
 from __future__ import annotations
+
+import torch
 
 from boundgen.config import ModelConfig
 
@@ -27,3 +30,10 @@ def small_config(**kw) -> ModelConfig:
     )
     base.update(kw)
     return ModelConfig(**base)
+
+
+def randn(g: torch.Generator, *shape, dtype=torch.float32, scale=1.0) -> torch.Tensor:
+    """Normal values × `scale` drawn from the CPU generator `g` (the same draws on any machine), in
+    `dtype`, on CUDA where there is one, else on the CPU (Triton's interpreter)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(dev)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hopper import compile_in_child
-from small_layer import small_config
+from small_layer import randn, small_config
 from torch import nn
 
 pytest.importorskip("triton")
@@ -39,10 +39,6 @@ def kernels_on(monkeypatch):
     monkeypatch.setattr(bucket_tma, "ROTATED", True)
 
 
-def _randn(g, *shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
-
-
 def _angles(m: int, half: int, dtype, device=DEV):
     """cos, sin [m, 1, D/2] of m positions' angles (|·| ≤ 1, as a RoPE table's)."""
     theta = torch.arange(m, dtype=torch.float32)[:, None, None] * torch.linspace(0.05, 1.3, half)
@@ -62,8 +58,8 @@ def _tile():
 def test_gated_is_silu_of_gate_times_up(m, k, i):
     g = torch.Generator().manual_seed(m * k + i)
     for dtype in (torch.float32, torch.bfloat16):
-        x = _randn(g, m, k, dtype=dtype)
-        w = _randn(g, 2 * i, k, dtype=dtype, scale=k**-0.5)
+        x = randn(g, m, k, dtype=dtype)
+        w = randn(g, 2 * i, k, dtype=dtype, scale=k**-0.5)
         with stream.forced():
             got = bucket_tma.launch_gated(x, w, _tile())
         want = stream_gated.reference(x, w)
@@ -77,8 +73,8 @@ def test_every_tile_is_walked_by_some_program():
     walks every PROGRAMS-th tile, GROUP_M row tiles together, and no output tile is left
     unwritten (the output starts as torch.empty: a skipped tile would hold garbage)."""
     g = torch.Generator().manual_seed(7)
-    x = _randn(g, 7 * 32, 32)
-    w = _randn(g, 2 * 5 * 16, 32, scale=0.2)
+    x = randn(g, 7 * 32, 32)
+    w = randn(g, 2 * 5 * 16, 32, scale=0.2)
     with stream.forced():
         got = bucket_tma.launch_gated(x, w, _tile())
     assert torch.isfinite(got).all()
@@ -95,9 +91,9 @@ def test_rotated_is_qkv_with_q_and_k_rotated(m, k, bias):
     d, heads = 32, 5
     rot = 4 * d
     for dtype in (torch.float32, torch.bfloat16):
-        x = _randn(g, m, k, dtype=dtype)
-        w = _randn(g, heads * d, k, dtype=dtype, scale=k**-0.5)
-        b = _randn(g, heads * d, dtype=dtype) if bias else None
+        x = randn(g, m, k, dtype=dtype)
+        w = randn(g, heads * d, k, dtype=dtype, scale=k**-0.5)
+        b = randn(g, heads * d, dtype=dtype) if bias else None
         cos, sin = _angles(m, d // 2, dtype)
         with stream.forced():
             got = bucket_tma.launch_qkv(x, w, b, cos, sin, rot, _tile())

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 from hopper import compile_in_child
-from small_layer import small_config
+from small_layer import randn, small_config
 from torch import nn
 
 pytest.importorskip("triton")
@@ -47,10 +47,6 @@ def test_the_ops_schemas_give_no_argument_a_default(name):
     assert any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
-def _randn(g, *shape, scale=1.0, dtype=torch.float32):
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
-
-
 # bf16 through a norm: two units in the last place at outputs of 4-8. The kernels scale each row by
 # RMSNorm's 1/rms after the sum (x·norm rounded once before the product) where eager rounds x/rms,
 # then its product with the norm, before the GEMM.
@@ -69,9 +65,9 @@ def _close(got, want, dtype, bf16_tol=3e-2):
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_norm_linear_is_rmsnorm_then_the_linear_layer(m, k, n, dtype):
     g = torch.Generator().manual_seed(m * k + n)
-    x = _randn(g, m, k, scale=3.0, dtype=dtype)
+    x = randn(g, m, k, scale=3.0, dtype=dtype)
     norm = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEV)
-    w, bias = _randn(g, n, k, scale=k**-0.5, dtype=dtype), _randn(g, n, dtype=dtype)
+    w, bias = randn(g, n, k, scale=k**-0.5, dtype=dtype), randn(g, n, dtype=dtype)
     with skinny.forced():
         for b in (bias, None):
             got = skinny.norm_linear(x, norm, 1e-6, w, b)
@@ -83,9 +79,9 @@ def test_norm_linear_is_rmsnorm_then_the_linear_layer(m, k, n, dtype):
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_norm_gated_is_rmsnorm_gate_up_and_silu_mul(m, k, n, dtype):
     g = torch.Generator().manual_seed(m + k * n)
-    x = _randn(g, m, k, scale=3.0, dtype=dtype)
+    x = randn(g, m, k, scale=3.0, dtype=dtype)
     norm = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEV)
-    w = _randn(g, 2 * n, k, scale=k**-0.5, dtype=dtype)
+    w = randn(g, 2 * n, k, scale=k**-0.5, dtype=dtype)
     with skinny.forced():
         got = skinny.norm_gated(x, norm, 1e-6, w)
     _close(got, skinny.reference_norm_gated(x, norm, 1e-6, w), dtype, bf16_tol=NORM_BF16_TOL)
@@ -95,8 +91,8 @@ def test_norm_gated_is_rmsnorm_gate_up_and_silu_mul(m, k, n, dtype):
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
 def test_linear_residual_adds_the_residual(m, k, n, dtype):
     g = torch.Generator().manual_seed(m * n + k)
-    x, w = _randn(g, m, k, dtype=dtype), _randn(g, n, k, scale=k**-0.5, dtype=dtype)
-    res = _randn(g, m, n, scale=4.0, dtype=dtype)
+    x, w = randn(g, m, k, dtype=dtype), randn(g, n, k, scale=k**-0.5, dtype=dtype)
+    res = randn(g, m, n, scale=4.0, dtype=dtype)
     with skinny.forced():
         got = skinny.linear_residual(x, w, res)
     _close(got, skinny.reference_linear_residual(x, w, res), dtype)
@@ -116,9 +112,9 @@ def test_norm_linear_rotates_the_q_and_k_heads(m, tile, dtype, monkeypatch):
     k, d, heads, kv = 80, 16, 6, 2
     n = (heads + kv) * d
     g = torch.Generator().manual_seed(m)
-    x = _randn(g, m, k, scale=3.0, dtype=dtype)
+    x = randn(g, m, k, scale=3.0, dtype=dtype)
     norm = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEV)
-    w, bias = _randn(g, n, k, scale=k**-0.5, dtype=dtype), _randn(g, n, dtype=dtype)
+    w, bias = randn(g, n, k, scale=k**-0.5, dtype=dtype), randn(g, n, dtype=dtype)
     angle = torch.rand(m, 1, d // 2, generator=g) * 6.3
     cos, sin = angle.cos().to(dtype).to(DEV), angle.sin().to(dtype).to(DEV)
     with skinny.forced():
@@ -155,12 +151,12 @@ def test_norm_linear_writes_k_and_v_into_the_cache_slot(m, tile, group, monkeypa
     k, d, heads, kv_heads, slots = 80, 16, 4, 2, 3
     n = (heads + 2 * kv_heads) * d
     g = torch.Generator().manual_seed(m + group)
-    x = _randn(g, m, k, scale=3.0, dtype=dtype)
+    x = randn(g, m, k, scale=3.0, dtype=dtype)
     norm = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEV)
-    w, bias = _randn(g, n, k, scale=k**-0.5, dtype=dtype), _randn(g, n, dtype=dtype)
+    w, bias = randn(g, n, k, scale=k**-0.5, dtype=dtype), randn(g, n, dtype=dtype)
     angle = torch.rand(m, d // 2, generator=g) * 6.3
     cos, sin = angle.cos().to(dtype).to(DEV), angle.sin().to(dtype).to(DEV)
-    cache = _randn(g, m, slots, 2, kv_heads, d, dtype=dtype)
+    cache = randn(g, m, slots, 2, kv_heads, d, dtype=dtype)
     before = cache.clone()
     step = torch.tensor([1], device=DEV)
     rotated = (heads + kv_heads) * d
@@ -278,11 +274,11 @@ def test_a_split_k_sums_every_split_once(tile, dtype, m):
     (70: two of 64), and a second call the same bits (its counters start at zero again)."""
     k, n = 80, 48
     g = torch.Generator().manual_seed(m + tile[2])
-    x = _randn(g, m, k, scale=3.0, dtype=dtype)
+    x = randn(g, m, k, scale=3.0, dtype=dtype)
     norm = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEV)
-    w, bias = _randn(g, n, k, scale=k**-0.5, dtype=dtype), _randn(g, n, dtype=dtype)
-    w2 = _randn(g, 2 * n, k, scale=k**-0.5, dtype=dtype)
-    res = _randn(g, m, n, scale=4.0, dtype=dtype)
+    w, bias = randn(g, n, k, scale=k**-0.5, dtype=dtype), randn(g, n, dtype=dtype)
+    w2 = randn(g, 2 * n, k, scale=k**-0.5, dtype=dtype)
+    res = randn(g, m, n, scale=4.0, dtype=dtype)
     with skinny.forced():
         got = [
             skinny.norm_linear(x, norm, 1e-6, w, bias),
@@ -347,8 +343,8 @@ def test_swept_tiles_load_from_a_file_and_key_the_packages(tmp_path, monkeypatch
 def test_strided_rows_are_read_by_their_stride():
     """A view whose rows are not packed (a slice of wider rows) gives what its copy gives."""
     g = torch.Generator().manual_seed(3)
-    wide = _randn(g, 9, 2 * 64)
-    x, w, res = wide[:, :64], _randn(g, 32, 64, scale=0.125), _randn(g, 9, 32)
+    wide = randn(g, 9, 2 * 64)
+    x, w, res = wide[:, :64], randn(g, 32, 64, scale=0.125), randn(g, 9, 32)
     with skinny.forced():
         got = skinny.linear_residual(x, w, res)
     _close(got, skinny.reference_linear_residual(x.contiguous(), w, res), torch.float32)

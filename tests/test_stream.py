@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hopper import compile_in_child
-from small_layer import small_config
+from small_layer import randn, small_config
 from torch import nn
 
 pytest.importorskip("triton")
@@ -29,10 +29,6 @@ def kernel_on(monkeypatch):
     monkeypatch.setattr(stream, "MAX_ROWS", 64)
 
 
-def _randn(g, *shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
-
-
 @pytest.mark.parametrize(
     ("m", "k", "n"),
     # K in one slice, split unevenly (the last slice short), past a BLOCK_K step; rows from 1 to
@@ -41,7 +37,7 @@ def _randn(g, *shape, dtype=torch.float32, scale=1.0):
 )
 def test_the_partials_are_the_k_slices_products(m, k, n):
     g = torch.Generator().manual_seed(m * k + n)
-    x, w = _randn(g, m, k), _randn(g, n, k, scale=k**-0.5)
+    x, w = randn(g, m, k), randn(g, n, k, scale=k**-0.5)
     with stream.forced():
         got = stream.partials(x, w)
     want = stream.reference_partials(x, w)
@@ -58,7 +54,7 @@ def test_k_splits_by_about_256_and_at_most_8():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_residual_adds_the_residual_in_float32(dtype):
     g = torch.Generator().manual_seed(3)
-    x, w, r = _randn(g, 9, 384, dtype=dtype), _randn(g, 80, 384, dtype=dtype), _randn(g, 9, 80)
+    x, w, r = randn(g, 9, 384, dtype=dtype), randn(g, 80, 384, dtype=dtype), randn(g, 9, 80)
     r = r.to(dtype)
     with stream.forced(), torch.no_grad():
         got = stream.linear_residual(x, w, r)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hopper import compile_in_child
-from small_layer import small_config
+from small_layer import randn, small_config
 from torch import nn
 
 pytest.importorskip("triton")
@@ -31,10 +31,6 @@ def kernel_on(monkeypatch):
     monkeypatch.setattr(stream_gated, "GATED", True)
 
 
-def _randn(g, *shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
-
-
 @pytest.mark.parametrize(
     ("m", "k", "i"),
     # one K step, K past a step and not a multiple of it, columns not a multiple of BLOCK_N, rows
@@ -44,8 +40,8 @@ def _randn(g, *shape, dtype=torch.float32, scale=1.0):
 def test_the_kernel_is_silu_of_gate_times_up(m, k, i):
     g = torch.Generator().manual_seed(m * k + i)
     for dtype in (torch.float32, torch.bfloat16):
-        x = _randn(g, m, k, dtype=dtype)
-        w = _randn(g, 2 * i, k, dtype=dtype, scale=k**-0.5)
+        x = randn(g, m, k, dtype=dtype)
+        w = randn(g, 2 * i, k, dtype=dtype, scale=k**-0.5)
         with stream.forced():
             got = stream_gated.gated(x, w)
         want = stream_gated.reference(x, w)
