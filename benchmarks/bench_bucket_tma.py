@@ -95,10 +95,6 @@ def _gated_variant_kernel(
         o_desc.store([off_m, pid_n * BLOCK_N], h.to(o_desc.dtype))
 
 
-def sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
-
-
 def gated_variant(x, w, tile, interleaved: bool, persistent: bool):
     """SiLU(x @ gate.T) · (x @ up.T) [M, I]: the engine's kernel (`bucket_tma.launch_gated`: two
     accumulators, persistent) or the variants above; `w` is [2I, K] as the checkpoint holds it, or
@@ -110,7 +106,7 @@ def gated_variant(x, w, tile, interleaved: bool, persistent: bool):
     i = w.shape[0] // 2
     out = torch.empty((m, i), device=x.device, dtype=x.dtype)
     tiles = triton.cdiv(m, bm) * triton.cdiv(i, bn)
-    programs = min(tiles, sms()) if persistent else tiles
+    programs = bucket_tma.programs(tiles, x) if persistent else tiles  # one an SM, as the engine's
     _gated_variant_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]),
         TensorDescriptor.from_tensor(w, [2 * bn if interleaved else bn, bk]),
