@@ -134,13 +134,9 @@ class DecoderLayer(nn.Module):
             qkv = self._fused_qkv(x, cos, sin, counts, fused)
             return attn.heads(qkv, cos, sin, grouped, rotate=not fused)
         proj, h = attn.qkv_proj, self._input_normed(x, normed)
-        if self._streams_qkv(x, grouped):
-            # one streamed GEMM rotates q and k in its epilogue: no rotation kernel
-            qkv = stream_qkv.rotated(h, proj.weight, proj.bias, cos, sin, attn.rotated_columns)
-            return attn.heads(qkv, cos, sin, grouped, rotate=False)
-        if bucket_tma.rotates(x, proj, attn.head_dim) and attn.rotates_together(grouped):
-            # a bucket's rows: the TMA-fed GEMM rotates q and k in its epilogue
-            qkv = bucket_tma.rotated(h, proj.weight, proj.bias, cos, sin, attn.rotated_columns)
+        rotating = self._rotating_qkv(x, grouped)
+        if rotating is not None:  # one GEMM rotates q and k in its epilogue: no rotation kernel
+            qkv = rotating(h, proj.weight, proj.bias, cos, sin, attn.rotated_columns)
             return attn.heads(qkv, cos, sin, grouped, rotate=False)
         return attn.heads(proj(h), cos, sin, grouped)
 
@@ -154,6 +150,19 @@ class DecoderLayer(nn.Module):
         return stream_qkv.applies(x, attn.qkv_proj, attn.head_dim) and attn.rotates_together(
             grouped
         )
+
+    def _rotating_qkv(self, x, grouped: bool):
+        """The GEMM that takes x through qkv with the q/k rotation as its epilogue, where q and k
+        rotate together: streamed at few rows (`stream_qkv.rotated`), TMA-fed at a bucket's
+        (`bucket_tma.rotated`); None where neither takes it."""
+        attn = self.self_attn
+        if not attn.rotates_together(grouped):
+            return None
+        if stream_qkv.applies(x, attn.qkv_proj, attn.head_dim):
+            return stream_qkv.rotated
+        if bucket_tma.rotates(x, attn.qkv_proj, attn.head_dim):
+            return bucket_tma.rotated
+        return None
 
     def _fused_qkv(self, x, cos, sin, counts, rotate: bool, group=1, kv=None, step=None):
         """`skinny.norm_linear` over the layer's input norm and qkv projection: q and k rotated
