@@ -26,7 +26,7 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --pdl 0,1                             # the graph as captured, or with programmatic edges
     python benchmarks/profile_w3.py --workload w2 --backend aoti+graphs --variants after \
-        --bucket-tma 0,1                      # the buckets' GEMM + pointwise: cuBLAS or TMA
+        --bucket-gated 0,1                    # a bucket's gate_up + SiLU·mul: cuBLAS or one GEMM
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --hf eager,compile                    # HF eager and HF + torch.compile in the same process
     python benchmarks/profile_w3.py --preset tiny --device cpu --variants after \
@@ -81,7 +81,7 @@ from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_f
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
 from boundgen.models import (
-    bucket_tma,
+    bucket_gated,
     decoder,
     skinny,
     skinny_tiles,
@@ -543,11 +543,11 @@ def main() -> int:
         "with the other axes",
     )
     ap.add_argument(
-        "--bucket-tma",
+        "--bucket-gated",
         default=None,
-        help="the buckets' TMA-fed GEMMs to build side by side (`models/bucket_tma.py`; 0: none, "
-        "cuBLAS + Inductor's pointwise kernels; gated: gate_up + SiLU·mul; qkv: qkv + the q/k "
-        "rotation; 1: both), crossed with the other axes",
+        help="`bucket_gated.GATED` values to build side by side (0,1: a bucket's gate_up by "
+        "cuBLAS and SiLU·mul by Inductor, or both as one GEMM, `models/bucket_gated.py`), "
+        "crossed with the other axes",
     )
     ap.add_argument(
         "--qkv",
@@ -593,7 +593,7 @@ def main() -> int:
             ap.error(f"--stream: rows are a whole number, not {st!r}")
     gateds = _axis(ap, "--gated", args.gated, ("0", "1"))
     qkvs = _axis(ap, "--qkv", args.qkv, ("0", "1"))
-    tmas = _axis(ap, "--bucket-tma", args.bucket_tma, ("0", "gated", "qkv", "1"))
+    bucket_gateds = _axis(ap, "--bucket-gated", args.bucket_gated, ("0", "1"))
     copies = _axis(ap, "--copy", args.copy, ("call", "graph"))
     pdls = _axis(ap, "--pdl", args.pdl, ("0", "1"))
     rotations = _axis(ap, "--rotations", args.rotations, decoder.QK_ROTATIONS)
@@ -619,7 +619,7 @@ def main() -> int:
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [
-        (v, r, a, k, st, gt, q, c, p, tm)
+        (v, r, a, k, st, gt, q, c, p, bg)
         for v in args.variants.split(",")
         for r in rotations
         for a in autotunes
@@ -629,13 +629,24 @@ def main() -> int:
         for q in qkvs
         for c in copies
         for p in pdls
-        for tm in tmas
+        for bg in bucket_gateds
     ]
     res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
         for side in sides:
-            variant, rotation, autotune, skinny_rows, stream_rows, gated, qkv, copy, pdl, tma = side
+            (
+                variant,
+                rotation,
+                autotune,
+                skinny_rows,
+                stream_rows,
+                gated,
+                qkv,
+                copy,
+                pdl,
+                b_gated,
+            ) = side
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
@@ -646,7 +657,7 @@ def main() -> int:
                 + ([f"qkv{qkv}"] if qkv is not None else [])
                 + ([f"copy-{copy}"] if copy is not None else [])
                 + ([f"pdl{pdl}"] if pdl is not None else [])
-                + ([f"bucket-tma-{tma}"] if tma is not None else [])
+                + ([f"bucket-gated{b_gated}"] if b_gated is not None else [])
             )
             # each read when the runner traces, builds or captures the model
             if rotation is not None:
@@ -665,8 +676,8 @@ def main() -> int:
                 staging.COPY_IN_GRAPH = copy == "graph"
             if pdl is not None:
                 grid_dependency.ON = pdl == "1"
-            if tma is not None:
-                bucket_tma.GATED, bucket_tma.ROTATED = tma in ("gated", "1"), tma in ("qkv", "1")
+            if b_gated is not None:
+                bucket_gated.GATED = b_gated == "1"
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":

@@ -169,18 +169,15 @@ def test_aoti_with_the_streaming_residual_gemm_matches_eager(
 
 
 def test_aoti_with_the_bucket_gated_gemm_matches_eager(cuda_engine, tmp_path, monkeypatch):
-    """A 64-token cascade bucket built by AOTInductor with gate_up + SiLU·mul as the TMA-fed
-    bucket GEMM (`bucket_tma.GATED`, streaming up to 16 rows: the bucket's 64 rows take it; its
-    tensor descriptors made in the package) scores as the eager engine, its package keyed apart.
-    The tiny model's heads (16) are too narrow for the bucket qkv kernel: W2's A/B builds that."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs sm_90+")
+    """A 64-token cascade bucket built by AOTInductor with gate_up + SiLU·mul as the bucket GEMM
+    (`bucket_gated.GATED`, streaming up to 16 rows: the bucket's 64 rows take it) scores as the
+    eager engine, its package keyed apart."""
     from boundgen.compile.cache import platform_info
-    from boundgen.models import bucket_tma, stream
+    from boundgen.models import bucket_gated, stream
 
     want = _scores(cuda_engine)  # the eager layers on cuBLAS
     monkeypatch.setattr(stream, "MAX_ROWS", 16)
-    monkeypatch.setattr(bucket_tma, "GATED", True)
+    monkeypatch.setattr(bucket_gated, "GATED", True)
     assert platform_info("cuda")["bucket_gated"] == "1"
     e = cuda_engine.with_runner(_aoti_runner(cuda_engine, "aoti+graphs", tmp_path))
     torch.testing.assert_close(_scores(e), want, atol=2e-2, rtol=0)

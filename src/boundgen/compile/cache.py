@@ -100,7 +100,7 @@ KERNEL_MODULES = (
     "boundgen.models.stream",
     "boundgen.models.stream_gated",
     "boundgen.models.stream_qkv",
-    "boundgen.models.bucket_tma",
+    "boundgen.models.bucket_gated",
 )
 
 
@@ -109,10 +109,10 @@ def embedded_kernel_modules() -> tuple[str, ...]:
     their tiles' choice) only where the layers take them (`skinny.MAX_ROWS` > 0), the streaming
     residual GEMM (and the row blocks it takes from `skinny_tiles`) only where `stream.MAX_ROWS`
     > 0, gate_up's with SiLU·mul and qkv's with the rotation only where each is on too
-    (`stream_gated.GATED`, `stream_qkv.ROTATED`), and the buckets' TMA-fed GEMMs only where one
-    is on (`bucket_tma.GATED`, `bucket_tma.ROTATED`), so a change to them (a tile swept into
+    (`stream_gated.GATED`, `stream_qkv.ROTATED`), and the buckets' gate_up with SiLU·mul only
+    where it is on (`bucket_gated.GATED`), so a change to them (a tile swept into
     `skinny_tiles.TILES`) leaves the packages built without them valid."""
-    from boundgen.models import bucket_tma, skinny, stream, stream_gated, stream_qkv
+    from boundgen.models import bucket_gated, skinny, stream, stream_gated, stream_qkv
 
     drop = set()
     if skinny.MAX_ROWS <= 0:
@@ -125,8 +125,8 @@ def embedded_kernel_modules() -> tuple[str, ...]:
         drop.add("boundgen.models.stream_gated")
     if stream.MAX_ROWS <= 0 or not stream_qkv.ROTATED:
         drop.add("boundgen.models.stream_qkv")
-    if not (bucket_tma.GATED or bucket_tma.ROTATED):
-        drop.add("boundgen.models.bucket_tma")
+    if not bucket_gated.GATED:
+        drop.add("boundgen.models.bucket_gated")
     return tuple(m for m in KERNEL_MODULES if m not in drop)
 
 
@@ -148,14 +148,14 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     the rows up to which o_proj and down stream their weights, `models.stream.MAX_ROWS`, and
     whether gate_up then streams with SiLU·mul as its epilogue, `models.stream_gated.GATED`, and
     qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, whether a bucket's
-    gate_up and qkv take theirs, `models.bucket_tma.GATED` and `.ROTATED`, how q and k are
+    gate_up takes its SiLU·mul, `models.bucket_gated.GATED`, how q and k are
     rotated, `models.decoder.QK_ROTATION`, whether the kernels wait for the kernels before them
     (programmatic launch), `grid_dependency.active()`, and whether the buckets' GEMMs were
     autotuned, `compile.bucket_autotune`)."""
     from boundgen import grid_dependency
     from boundgen.compile import bucket_autotune, residual
     from boundgen.models import (
-        bucket_tma,
+        bucket_gated,
         decoder,
         skinny,
         skinny_tiles,
@@ -183,10 +183,8 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
             info["stream_gated"] = "1"
         if stream_qkv.ROTATED:  # off keeps the keys of the packages built before it
             info["stream_qkv"] = "1"
-    if bucket_tma.GATED:  # off keeps the keys of the packages built before it
+    if bucket_gated.GATED:  # off keeps the keys of the packages built before it
         info["bucket_gated"] = "1"
-    if bucket_tma.ROTATED:  # off keeps the keys of the packages built before it
-        info["bucket_qkv"] = "1"
     if grid_dependency.active():  # off keeps the keys of the packages built before it
         info["pdl"] = "1"
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it

@@ -18,7 +18,7 @@ from boundgen.attention.cascade import by_kv_head, prefill_attention
 from boundgen.attention.metadata import AttnInputs
 from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
-from boundgen.models import bucket_tma, skinny, stream, stream_gated, stream_qkv
+from boundgen.models import bucket_gated, skinny, stream, stream_gated, stream_qkv
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from boundgen.settings import env_choice
 
@@ -134,9 +134,9 @@ class DecoderLayer(nn.Module):
             qkv = self._fused_qkv(x, cos, sin, counts, fused)
             return attn.heads(qkv, cos, sin, grouped, rotate=not fused)
         proj, h = attn.qkv_proj, self._input_normed(x, normed)
-        rotating = self._rotating_qkv(x, grouped)
-        if rotating is not None:  # one GEMM rotates q and k in its epilogue: no rotation kernel
-            qkv = rotating(h, proj.weight, proj.bias, cos, sin, attn.rotated_columns)
+        if self._streams_qkv(x, grouped):
+            # one streamed GEMM rotates q and k in its epilogue: no rotation kernel
+            qkv = stream_qkv.rotated(h, proj.weight, proj.bias, cos, sin, attn.rotated_columns)
             return attn.heads(qkv, cos, sin, grouped, rotate=False)
         return attn.heads(proj(h), cos, sin, grouped)
 
@@ -150,19 +150,6 @@ class DecoderLayer(nn.Module):
         return stream_qkv.applies(x, attn.qkv_proj, attn.head_dim) and attn.rotates_together(
             grouped
         )
-
-    def _rotating_qkv(self, x, grouped: bool):
-        """The GEMM that takes x through qkv with the q/k rotation as its epilogue, where q and k
-        rotate together: streamed at few rows (`stream_qkv.rotated`), TMA-fed at a bucket's
-        (`bucket_tma.rotated`); None where neither takes it."""
-        attn = self.self_attn
-        if not attn.rotates_together(grouped):
-            return None
-        if stream_qkv.applies(x, attn.qkv_proj, attn.head_dim):
-            return stream_qkv.rotated
-        if bucket_tma.rotates(x, attn.qkv_proj, attn.head_dim):
-            return bucket_tma.rotated
-        return None
 
     def _fused_qkv(self, x, cos, sin, counts, rotate: bool, group=1, kv=None, step=None):
         """`skinny.norm_linear` over the layer's input norm and qkv projection: q and k rotated
@@ -231,8 +218,8 @@ class DecoderLayer(nn.Module):
             h = stream_gated.gated(norm(x), mlp.gate_up_proj.weight)
         elif streamed:
             h = mlp.gated(norm(x))
-        elif bucket_tma.applies(x, mlp.gate_up_proj):  # a bucket's rows: TMA-fed, same epilogue
-            h = bucket_tma.gated(norm(x), mlp.gate_up_proj.weight)
+        elif bucket_gated.applies(x, mlp.gate_up_proj):  # a bucket's rows: the same epilogue
+            h = bucket_gated.gated(norm(x), mlp.gate_up_proj.weight)
         else:
             return x + mlp(norm(x))
         if streamed:
