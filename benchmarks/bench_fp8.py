@@ -8,6 +8,8 @@
     # `selective` against bf16, same process, through aoti+graphs, with the per-kernel tables:
     python benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs \
         --policies none selective --profile --out $OUT/fp8_selective.json
+    python benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs \
+        --policies none --bucket-gated 0 1 --compiled-buckets plan --out $OUT/w1_gated.json
     python benchmarks/bench_fp8.py --dry-run-cpu --out /tmp/fp8.json  # code paths on CPU, untimed
 
 Kernel-level sections (gemm, quant, mlp, the quantize tiles) time the device work alone: calls
@@ -58,6 +60,7 @@ import torch.nn.functional as F
 from common import kernel_table
 
 from boundgen.compile.backends import allow_recompiles
+from boundgen.models import bucket_gated
 from boundgen.quant import fp8_modules, fp8_swapped, select_modules
 from boundgen.quant.fp8 import Fp8Linear, fp8_supported
 from boundgen.quant.rowwise import quantize_rowwise, quantize_weight
@@ -457,11 +460,11 @@ def _time_w1_w2(row, engine, w1, w1_tokens, w2_prefix, w2_items, labels, args) -
 
 
 def _speedups(runs: list[dict]) -> None:
-    """Ratios against the bf16 run (the first) of the same `graph_max_tokens`, for whatever both
-    rows measured."""
+    """Ratios against the bf16 run (the first) of the same `graph_max_tokens` and
+    `bucket_gated`, for whatever both rows measured."""
     bases: dict = {}
     for row in runs:
-        base = bases.setdefault(row.get("graph_max_tokens"), row)
+        base = bases.setdefault((row.get("graph_max_tokens"), row.get("bucket_gated")), row)
         if "w1_tok_s" in row and "w1_tok_s" in base:
             row["w1_speedup"] = row["w1_tok_s"] / base["w1_tok_s"]
         if "w2_ms" in row and "w2_ms" in base:
@@ -555,8 +558,9 @@ def section_compiled(res: dict, args) -> None:
         },
     )
     variants = [
-        (p, aq, g)
+        (p, aq, g, bg)
         for g in args.graph_max_tokens
+        for bg in args.bucket_gated
         for p in args.policies
         for aq in (["-"] if p == "none" else args.act_quants)
     ]
@@ -564,10 +568,12 @@ def section_compiled(res: dict, args) -> None:
         out["silu_tiles"] = _set_fastest_tiles(
             engine.config.intermediate_size, args.compiled_budget
         )
-    for policy, act_quant, graph_max_tokens in variants:
+    for policy, act_quant, graph_max_tokens, gated in variants:
         row = {"policy": policy, "act_quant": act_quant}
         if graph_max_tokens is not None:
             row["graph_max_tokens"] = graph_max_tokens
+        if gated is not None:  # read when the buckets trace
+            row["bucket_gated"] = bucket_gated.GATED = gated == "1"
         options = {} if graph_max_tokens is None else {"graph_max_tokens": graph_max_tokens}
         try:
             with _fp8(engine, policy, act_quant=act_quant if act_quant != "-" else "torch"):
@@ -798,6 +804,15 @@ def main(argv=None) -> int:
         default=[None],
         help="compiled section: CompileOptions.graph_max_tokens values, each a run of every "
         "policy (default: the backend's own); 8192 replays W1's t8192 pieces as CUDA graphs",
+    )
+    ap.add_argument(
+        "--bucket-gated",
+        nargs="+",
+        default=[None],
+        choices=["0", "1"],
+        help="compiled section: `bucket_gated.GATED` values, each a run of every policy (a "
+        "bucket's gate_up + SiLU·mul by cuBLAS + Inductor, or one GEMM, `models/bucket_gated.py`;"
+        " default: as the environment says)",
     )
     ap.add_argument(
         "--silu-tiles",

@@ -22,6 +22,7 @@
 #   bash benchmarks/run_h200.sh beam-wrk                        # issue 24: /v1/beam under wrk (carry .whl .tools; ≤ 5 min)
 #   bash benchmarks/run_h200.sh segments-tests attention; then: attention-sweep   # issue 25 item 2
 #   bash benchmarks/run_h200.sh bucket-gated                    # issue 25 item 3: gate_up + SiLU·mul as one GEMM at 1,920–14,912 rows
+#   bash benchmarks/run_h200.sh w1-gated                        # issue 25 item 3: W1/W2 with that GEMM off and on (≈ 6–7 min)
 #   bash benchmarks/run_h200.sh rope                            # issue 25 item 3: RoPE computed vs table
 #   bash benchmarks/run_h200.sh w5-compile w5-profile           # issue 25 item 4: W5's merged forwards, per kernel
 #   bash benchmarks/run_h200.sh fp8-tiles                       # issue 26: silu_mul_quant's tiles swept
@@ -107,6 +108,9 @@ run_phase() {
     segments-tests) phase segments-tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_segments_attention.py tests/test_attention.py ;;
     # issue 25 item 3: W1's RoPE kernel with cos/sin computed in-graph vs gathered from a table
     # issue 25 item 3: a bucket's gate_up + SiLU·mul and qkv + rotation, TMA-fed Triton GEMMs vs cuBLAS + Inductor
+    # W1 and W2 in the planner's buckets with a bucket's gate_up + SiLU·mul by cuBLAS + Inductor
+    # and as one GEMM (`models/bucket_gated.py`), HF eager after them in the same process
+    w1-gated) phase w1-gated 420 python3 benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs --policies none --bucket-gated 0 1 --compiled-buckets plan --iters 10 --profile --hf --out "$OUT/w1_gated.json" ${W1_GATED_ARGS:-} ;;
     bucket-gated) phase bucket-gated 180 python3 benchmarks/bench_bucket_gated.py --out "$OUT/bucket_gated.json" ${BUCKET_GATED_ARGS:-} ;;
     rope) phase rope 90 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ;;
     # issue 24 item 2 / issue 25: a layer's linear parts at few rows, fused kernels vs cuBLAS + Inductor (SKINNY_ARGS="--sweep")
