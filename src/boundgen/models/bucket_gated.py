@@ -11,19 +11,23 @@ cuBLAS + SiLU·mul at every bucket size, more the larger: 59.3 against 63.2 µs 
 rows, 227 against 256 at 8,192, 409 against 502 at 14,912 (128 × 64 tiles, K 64 a step, three
 stages, a program a tile). That run fed shared memory by host-side TMA descriptors, which
 `torch.compile` and AOTInductor (torch 2.11) cannot carry into a package; this kernel loads
-through pointers (Triton pipelines them with `cp.async` on Hopper), whose cost against TMA the
-same bench measures. Persistent programs (one an SM walking the tiles) lost there (67–82 µs at
-1,920 rows) and are not used. qkv + bias with the q/k rotation as the epilogue of the same kind
-of kernel lost 1.7–1.9x to cuBLAS + the rotation at every size (removed).
+through pointers (Triton pipelines them with `cp.async` on Hopper). On an H100 it ran 65.5 µs
+against cuBLAS + SiLU·mul's 68.0 at 1,920 rows, 242 against 280 at 8,192 and 430 against 506 at
+14,912 (TMA-fed: 60.4 / 233 / 463; descriptors made in the kernel lost everywhere), and took
+W2's call 0.08 ms shorter (interleaved, twice). Persistent programs (one an SM walking the
+tiles) lost (67–82 µs at 1,920 rows on the H200) and are not used. qkv + bias with the q/k
+rotation as the epilogue of the same kind of kernel lost 1.7–1.9x to cuBLAS + the rotation at
+every size (removed).
 
 Numerics as `stream_gated`'s: SiLU·mul on the float32 accumulators, rounded once (the plain path
 rounds gate_up's output first).
 
-Off by default until W2 and W1 measure it in their buckets: `BOUNDGEN_BUCKET_GATED=1`
-(`GATED`). It takes the calls of more than `stream.MAX_ROWS` rows (fewer stream through
-`models/stream_gated.py`) with a static row count (the prefill buckets; the compiled beam
-layers' rows are symbolic), bf16/fp16 on CUDA (Triton's interpreter under `stream.forced()` in
-the tests). Compiled packages record the switch (`compile.cache.platform_info`).
+Off by default until the whole GPU suite passes with it on and W1 measures it in its buckets
+(`run_h200.sh w1-gated`): `BOUNDGEN_BUCKET_GATED=1` (`GATED`). It takes the calls of more than
+`stream.MAX_ROWS` rows (fewer stream through `models/stream_gated.py`) with a static row count
+(the prefill buckets; the compiled beam layers' rows are symbolic), bf16/fp16 on CUDA (Triton's
+interpreter under `stream.forced()` in the tests). Compiled packages record the switch
+(`compile.cache.platform_info`).
 """
 
 from __future__ import annotations
