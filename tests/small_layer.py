@@ -1,6 +1,6 @@
-"""A one-layer Qwen2-shaped `ModelConfig` small enough for Triton's CPU interpreter, and random
-inputs on the device the kernels' tests run on (the few-row and bucket kernels' tests:
-`test_skinny.py`, `test_stream*.py`, `test_bucket_gated.py`)."""
+"""A one-layer Qwen2-shaped `ModelConfig` small enough for Triton's CPU interpreter, random
+weights for it, and random inputs on the device the kernels' tests run on (the few-row and
+bucket kernels' tests: `test_skinny.py`, `test_stream*.py`, `test_bucket_gated.py`)."""
 
 from __future__ import annotations
 
@@ -37,3 +37,13 @@ def randn(g: torch.Generator, *shape, dtype=torch.float32, scale=1.0) -> torch.T
     `dtype`, on CUDA where there is one, else on the CPU (Triton's interpreter)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     return (torch.randn(*shape, generator=g) * scale).to(dtype).to(dev)
+
+
+def spread_weights(module: torch.nn.Module, std: float, norm_std: float | None = None) -> None:
+    """`module`'s parameters drawn at random, in place: 1-D ones (norms' weights, biases) around
+    1 (std `norm_std`, `std` where not given), matrices around 0 (std `std`) — far enough from
+    the checkpoint's init that a kernel skipping a norm or a bias shows."""
+    for p in module.parameters():
+        one_d = p.dim() == 1
+        spread = (std if norm_std is None else norm_std) if one_d else std
+        torch.nn.init.normal_(p, mean=1.0 if one_d else 0.0, std=spread)

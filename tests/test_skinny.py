@@ -15,8 +15,7 @@ import sys
 import pytest
 import torch
 from hopper import compile_in_child
-from small_layer import randn, small_config
-from torch import nn
+from small_layer import randn, small_config, spread_weights
 
 pytest.importorskip("triton")
 
@@ -200,8 +199,7 @@ def test_a_decode_step_s_input_with_the_kernels_equals_it_without(grouped):
     dtype = torch.bfloat16 if CUDA else torch.float32
     cfg = small_config()
     layer = DecoderLayer(cfg).to(DEV, dtype)
-    for p in layer.parameters():
-        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.1)
+    spread_weights(layer, 0.1, norm_std=0.3)
     n, slots = 6, 4
     x = torch.randn(n, cfg.hidden_size, device=DEV, dtype=dtype)
     cos = torch.randn(n, 1, cfg.head_dim // 2, device=DEV, dtype=dtype)
@@ -395,8 +393,7 @@ def test_a_decoder_layer_with_the_kernels_equals_it_without(qk_norm):
     family = "qwen3" if qk_norm else "qwen2"
     cfg = small_config(family=family, qk_norm=qk_norm, qkv_bias=not qk_norm)
     layer = DecoderLayer(cfg).to(DEV, dtype)
-    for p in layer.parameters():  # norms away from 1, so a dropped norm weight shows
-        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.1)
+    spread_weights(layer, 0.1, norm_std=0.3)  # norms away from 1, so a dropped norm weight shows
     x = torch.randn(12, 64, device=DEV, dtype=dtype)
     o = torch.randn(12, cfg.num_heads * cfg.head_dim, device=DEV, dtype=dtype)
     cos = torch.randn(12, 1, cfg.head_dim // 2, device=DEV, dtype=dtype)
@@ -436,8 +433,7 @@ def test_a_forward_s_calls_share_one_counter_buffer(tile):
     dtype = torch.bfloat16 if CUDA else torch.float32
     cfg = small_config(num_layers=3)
     model = DecoderModel(cfg).to(DEV, dtype)
-    for p in model.parameters():
-        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.1)
+    spread_weights(model, 0.1, norm_std=0.3)
     ids = torch.randint(0, cfg.vocab_size, (12,), device=DEV)
     positions = torch.arange(12, device=DEV)
     attn = AttnInputs(
@@ -486,8 +482,7 @@ def test_the_kernels_inside_torch_compile_with_dynamic_rows():
         hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2, head_dim=64
     )
     layer = DecoderLayer(cfg).to("cuda", torch.bfloat16)
-    for p in layer.parameters():
-        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.02)
+    spread_weights(layer, 0.02, norm_std=0.3)
     compiled = {
         name: torch.compile(getattr(layer, name), fullgraph=True)
         for name in ("attention_input", "attention_output", "mlp_block")

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hopper import compile_in_child
-from small_layer import randn, small_config
-from torch import nn
+from small_layer import randn, small_config, spread_weights
 
 pytest.importorskip("triton")
 
@@ -95,8 +94,7 @@ def test_a_decoder_layer_with_the_kernel_equals_it_without(monkeypatch):
     cfg = small_config(intermediate_size=640)
     assert stream.split_k(cfg.intermediate_size) == 2
     layer = DecoderLayer(cfg).to(DEV, dtype)
-    for p in layer.parameters():
-        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.1)
+    spread_weights(layer, 0.1, norm_std=0.3)
     x = torch.randn(12, 64, device=DEV, dtype=dtype)
     o = torch.randn(12, cfg.num_heads * cfg.head_dim, device=DEV, dtype=dtype)
     cos = torch.randn(12, 1, cfg.head_dim // 2, device=DEV, dtype=dtype)
@@ -155,8 +153,7 @@ def test_a_compiled_layer_with_the_kernel_equals_the_plain_one():
     torch.manual_seed(0)
     cfg = small_config(hidden_size=896, intermediate_size=4864, num_heads=14, head_dim=64)
     layer = DecoderLayer(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
-    for p in layer.parameters():
-        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.02)
+    spread_weights(layer, 0.02)
 
     def parts(x, o, cos, sin):
         q, k, v = layer.attention_input(x, cos, sin)

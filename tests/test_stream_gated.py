@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hopper import compile_in_child
-from small_layer import randn, small_config
+from small_layer import randn, small_config, spread_weights
 from torch import nn
 
 pytest.importorskip("triton")
@@ -91,8 +91,7 @@ def test_a_decoder_layer_with_the_kernel_equals_it_without(down_bias, monkeypatc
     torch.manual_seed(0)
     dtype = torch.bfloat16 if CUDA else torch.float32
     layer = DecoderLayer(small_config(intermediate_size=200)).to(DEV, dtype)
-    for p in layer.parameters():
-        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.1)
+    spread_weights(layer, 0.1, norm_std=0.3)
     if down_bias:
         layer.mlp.down_proj = nn.Linear(200, 64, bias=True).to(DEV, dtype)
     x = torch.randn(12, 64, device=DEV, dtype=dtype)
@@ -147,8 +146,7 @@ def test_a_compiled_layer_with_the_kernel_equals_the_plain_one():
     torch.manual_seed(0)
     cfg = small_config(hidden_size=896, intermediate_size=4864, num_heads=14, head_dim=64)
     layer = DecoderLayer(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
-    for p in layer.parameters():
-        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.02)
+    spread_weights(layer, 0.02)
     compiled = torch.compile(layer.mlp_block)
     for rows in (16, 64, 128):
         x = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)

@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hopper import compile_in_child
-from small_layer import small_config
-from torch import nn
+from small_layer import small_config, spread_weights
 
 pytest.importorskip("triton")
 
@@ -109,8 +108,7 @@ def _layer_and_input(rows: int, **cfg):
     dtype = torch.bfloat16 if CUDA else torch.float32
     config = small_config(head_dim=32, **cfg)
     layer = DecoderLayer(config).to(DEV, dtype)
-    for p in layer.parameters():
-        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3 if p.dim() == 1 else 0.1)
+    spread_weights(layer, 0.1, norm_std=0.3)
     rope = RotaryEmbedding(config).to(DEV)
     cos, sin = rope(torch.arange(rows, device=DEV) * 3, dtype)
     return layer, torch.randn(rows, 64, device=DEV, dtype=dtype), cos, sin, dtype
@@ -206,8 +204,7 @@ def test_a_compiled_layer_with_the_kernel_equals_the_plain_one():
     cfg = small_config(hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2,
                        head_dim=64, max_position_embeddings=4096)  # fmt: skip
     layer = DecoderLayer(cfg).to("cuda", torch.bfloat16).requires_grad_(False)
-    for p in layer.parameters():
-        nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.02)
+    spread_weights(layer, 0.02)
     rope = RotaryEmbedding(cfg).to("cuda")
     compiled = torch.compile(layer.attention_input)
     for rows in (16, 64, 128):
