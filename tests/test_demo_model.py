@@ -177,7 +177,7 @@ def test_demo_first_screen_shows_what_the_model_gets_right():
     assets = DemoAssets.load(ASSETS)
     trie = Trie.from_file(assets.trie_path)
     query, ids, attrs = demo._showcase(assets)
-    matching = {i for i in ids if demo._matches(assets.catalog.items[i], attrs)}
+    matching = {i for i in ids if cat.matches(assets.catalog.items[i], attrs)}
     assert 2 <= len(matching) < len(ids)
     probs = dict(zip(ids, score_items(engine, assets, query, ids)))
     assert (
@@ -186,7 +186,7 @@ def test_demo_first_screen_shows_what_the_model_gets_right():
         > 0.1
         > max(p for i, p in probs.items() if i not in matching)
     )
-    in_catalog = {it.item_id for it in assets.catalog.items if demo._matches(it, attrs)}
+    in_catalog = {it.item_id for it in assets.catalog.items if cat.matches(it, attrs)}
     recommended = [item for item, _ in recommend(engine, trie, retrieval_prompt(query))]
     assert set(recommended[: len(in_catalog)]) == in_catalog
     shown = assets.eval["history"][demo.SHOWCASE_HISTORY]

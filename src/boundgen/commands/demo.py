@@ -6,6 +6,7 @@ import re
 import time
 
 from boundgen.commands._common import DEMO_MODEL, add_engine_args
+from boundgen.demo.catalog import matches
 
 HELP = "score a query against catalog items, recommend by trie beam search, print held-out quality"
 
@@ -64,16 +65,11 @@ def _showcase(assets) -> tuple[str, list[int], dict]:
     return group["query"], [c["item_id"] for c in group["candidates"]], group["attrs"]
 
 
-def _matches(item, attrs: dict) -> bool:
-    """Whether a catalog item has every attribute the query names (the ground truth)."""
-    return all(getattr(item, k) == v for k, v in attrs.items())
-
-
 def _truth(item, attrs: dict | None) -> str:
     """The `matches` column: yes / no where the query's attributes are known, else no column."""
     if attrs is None:
         return ""
-    return f"{'yes' if _matches(item, attrs) else 'no':>7}  "
+    return f"{'yes' if matches(item, attrs) else 'no':>7}  "
 
 
 def run(args) -> int:
@@ -147,7 +143,7 @@ def run(args) -> int:
     )
     print(f'query: "{query}"')
     if attrs:
-        n = sum(_matches(it, attrs) for it in items)
+        n = sum(matches(it, attrs) for it in items)
         print(f"  (the catalog has {n} product{'s' if n != 1 else ''} matching it)")
     print(f"  {'P':>6}  {'semantic ID':<22} {column}item")
     for item, lp in recommend(engine, trie, retrieval_prompt(query))[: args.top]:

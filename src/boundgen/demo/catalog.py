@@ -257,12 +257,6 @@ class Catalog:
         for it in self.items:
             self.by_category.setdefault(it.category, []).append(it)
 
-    def matching(self, attrs: dict) -> list[int]:
-        """Ids of items whose attributes match every key of `attrs`."""
-        return [
-            it.item_id for it in self.items if all(getattr(it, k) == v for k, v in attrs.items())
-        ]
-
     def to_json(self) -> dict:
         return {"seed": self.seed, "items": [asdict(it) for it in self.items]}
 
@@ -394,7 +388,8 @@ def make_query(rng: random.Random, item: Item, allow_city: bool) -> tuple[str, d
     return (lead + core).strip(), attrs
 
 
-def _matches(item: Item, attrs: dict) -> bool:
+def matches(item: Item, attrs: dict) -> bool:
+    """Whether a catalog item has every attribute the query names (the ground truth)."""
     return all(getattr(item, k) == v for k, v in attrs.items())
 
 
@@ -430,7 +425,7 @@ def relevance_groups(
         item = rng.choice(pool)
         query, attrs = make_query(rng, item, allow_city=True)
         same = _same_category(catalog, item.category)
-        positives = [it for it in same if _matches(it, attrs)]
+        positives = [it for it in same if matches(it, attrs)]
         cands: dict[int, int] = {}
         for it in rng.sample(positives, min(len(positives), rng.randint(1, 2))):
             cands[it.item_id] = 1
@@ -446,7 +441,7 @@ def relevance_groups(
                 neg = rng.choice(catalog.items)
             if neg is None or neg.item_id in cands:
                 continue
-            cands[neg.item_id] = int(_matches(neg, attrs))
+            cands[neg.item_id] = int(matches(neg, attrs))
         groups.append(
             {
                 "query": query,
@@ -468,7 +463,7 @@ def retrieval_queries(
         item = rng.choice(pool)
         query, attrs = make_query(rng, item, allow_city=False)
         relevant = [
-            it.item_id for it in _same_category(catalog, item.category) if _matches(it, attrs)
+            it.item_id for it in _same_category(catalog, item.category) if matches(it, attrs)
         ]
         out.append({"query": query, "target": item.item_id, "relevant": relevant})
     return out
