@@ -177,7 +177,9 @@ if AVAILABLE:
         n, k = weight.shape
         half = cos.shape[-1]
         torch._check(n % (2 * half) == 0 and half % block_h == 0)
-        cos, sin = rope_rows(cos, sin)
+        cos, sin = cos.reshape(-1, half), sin.reshape(-1, half)
+        if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+            cos, sin = cos.contiguous(), sin.contiguous()
         slot = kv is not None
         kv_cols = kv.shape[3] * kv.shape[4] if slot else 0  # Hkv · D
         if slot:  # the slot's [2, Hkv, D] is read as one flat run of k's then v's columns
@@ -244,16 +246,6 @@ if AVAILABLE:
         step: torch.Tensor,
     ) -> torch.Tensor:
         return launch(x, weight, bias, cos, sin, rotated_columns, kv=kv, step=step)
-
-
-def rope_rows(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin ([M, 1, D/2] or [M, D/2]) as the rotating kernels read them: [M, D/2] with one
-    row stride for both and their last dim contiguous (views where they are so, else copies)."""
-    half = cos.shape[-1]
-    cos, sin = cos.reshape(-1, half), sin.reshape(-1, half)
-    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
-        cos, sin = cos.contiguous(), sin.contiguous()
-    return cos, sin
 
 
 def rotated(
