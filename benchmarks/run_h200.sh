@@ -106,12 +106,12 @@ run_phase() {
     backends) phase backends 575 python3 benchmarks/bench_backends.py --root $ROOT --out "$OUT/backends.json" --budget-s $(( ${B:-575} - 15 )) ${BACKENDS_ARGS:-} ;;
     # issue 25 item 2: the Triton segments prefill kernel (tests incl. GPU, flash vs kernel, tiles)
     segments-tests) phase segments-tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_segments_attention.py tests/test_attention.py ;;
-    # issue 25 item 3: W1's RoPE kernel with cos/sin computed in-graph vs gathered from a table
-    # issue 25 item 3: a bucket's gate_up + SiLU·mul and qkv + rotation, TMA-fed Triton GEMMs vs cuBLAS + Inductor
-    # W1 and W2 in the planner's buckets with a bucket's gate_up + SiLU·mul by cuBLAS + Inductor
-    # and as one GEMM (`models/bucket_gated.py`), HF eager after them in the same process
+    # issue 25 item 3: W1 and W2 in the planner's buckets with a bucket's gate_up + SiLU·mul by
+    # cuBLAS + Inductor and as one GEMM (`models/bucket_gated.py`), HF eager after them in the same process
     w1-gated) phase w1-gated 420 python3 benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs --policies none --bucket-gated 0 1 --compiled-buckets plan --iters 10 --profile --hf --out "$OUT/w1_gated.json" ${W1_GATED_ARGS:-} ;;
+    # issue 25 item 3: that GEMM alone (and TMA-fed variants) vs cuBLAS + Inductor at 1,920–14,912 rows
     bucket-gated) phase bucket-gated 180 python3 benchmarks/bench_bucket_gated.py --out "$OUT/bucket_gated.json" ${BUCKET_GATED_ARGS:-} ;;
+    # issue 25 item 3: W1's RoPE kernel with cos/sin computed in-graph vs gathered from a table
     rope) phase rope 90 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ;;
     # issue 24 item 2 / issue 25: a layer's linear parts at few rows, fused kernels vs cuBLAS + Inductor (SKINNY_ARGS="--sweep")
     # issue 24: one big CUDA graph's launch vs a chain of smaller ones (is the whole-search graph's early idle its launch?)
