@@ -305,3 +305,38 @@ def test_cuda_staged_graphs_match_the_older_graphs(tiny_model, copy_in_graph, mo
     finally:
         e_new.close()
         e_old.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_fill_waits_for_the_graph_s_copy_not_its_whole_replay():
+    """A graph that copies its inputs in marks the copy from inside (a record node): the next
+    call fills the host buffer while the previous replay still runs, never before that replay's
+    copy has read it. Each replay sleeps ~20 ms after its copy and returns its last-token ids:
+    calls made back to back each get their own ids (a fill too early would hand a call the next
+    one's), and a call returns while the one before it still sleeps (a fill that waited for the
+    whole replay, as when the host marked the copy after it, could not)."""
+    from boundgen.text.packing import pack_arrays
+
+    bucket = Bucket.parse(W3_BUCKET)
+
+    def fn(batch):
+        torch.cuda._sleep(40_000_000)  # ~20 ms at 2 GHz, after the graph's copy in
+        return batch.input_ids.to(torch.float32)[:, None].repeat(1, 4)
+
+    staged = StagedBucket(fn, bucket, "cuda", copy_in_graph=True)
+    assert staged.graph is not None and staged.inputs.by_graph
+    torch.cuda.synchronize()
+    ids = [[7 + 10 * i, 8 + 10 * i, 9 + 10 * i] for i in range(5)]
+    outs, ends, running_before = [], [], []
+    with torch.inference_mode():
+        for i, seq in enumerate(ids):
+            outs.append(staged.rows(pack_arrays([SequenceGroup([], [seq])], share_prefix=False)))
+            if i:
+                running_before.append(not ends[-1].query())
+            ends.append(torch.cuda.Event())
+            ends[-1].record()
+    torch.cuda.synchronize()
+    assert [o[:, 0].tolist() for o in outs] == [[float(s[-1])] for s in ids]
+    assert all(running_before), running_before
+    assert staged.inputs.waits >= 2  # the later fills did wait: for their predecessor's copy

@@ -31,7 +31,8 @@ shapes), so nothing of an earlier, larger request survives; `rows` beyond the re
 zeroed (row 0: a valid row whose gathered copy is never returned).
 
 Reuse rules: the host buffer is rewritten only once the previous call's copy out of it has run
-(its event, queried; waited on only if the device is that far behind, counted in `waits`); a call
+(its event, recorded right after the copy — inside the graph where the graph copies — queried;
+waited on only if the device is that far behind, counted in `waits`); a call
 on another stream than the previous one first waits (on the device) for the previous call's
 replay, so the device buffer is never rewritten under a replay that still reads it.
 """
@@ -132,7 +133,13 @@ class StagedInputs:
         self.fills = 0
         self.copies = 0  # host → device copies
         self.waits = 0  # fills that had to wait for the previous copy out of the host buffer
-        self._copied = cuda_waits.event() if cuda else None  # the last copy out of `host` ran
+        # the last copy out of `host` ran. Where the graph copies it in, the graph records it right
+        # after that copy (an external event: a record node, not a fork in the capture), so the
+        # next call may fill the host buffer while the rest of this call's graph still runs; when
+        # the host recorded it after the replay, each fill waited for the whole previous replay:
+        # W1's pieces of one bucket ran back to back with the GPU idle for the fill and the launch
+        # between them (0.6 ms a t8192 piece on an H100, forty-eighth session)
+        self._copied = cuda_waits.event(external=by_graph) if cuda else None
         self._done = cuda_waits.event() if cuda else None  # the last replay over `staged` ran
         self._stream = None  # the stream of the last call
 
@@ -182,8 +189,11 @@ class StagedInputs:
         self.copied()
 
     def copy_in(self) -> None:
-        """The copy alone (what a graph that copies its inputs in captures: no event, no count)."""
+        """The copy and the mark after it where a later fill may rewrite the host buffer (what a
+        graph that copies its inputs in captures: a record node; no count)."""
         self.staged.copy_(self.host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def graph_prologue(self) -> None:
         """The first work of the body a graph captures over these inputs: the host buffer in
@@ -193,10 +203,8 @@ class StagedInputs:
 
     def copied(self) -> None:
         """After the work that copies the host buffer out (`copy`, or a replay whose graph
-        copies it in): count it, and mark where a later fill may rewrite the buffer."""
+        copies it in): count it (`copy_in` marked it)."""
         self.copies += 1
-        if self._copied is not None:
-            self._copied.record()
 
     def before_replay(self) -> None:
         """After a `fill`, before the replay that reads the device buffer: the copy in — this
