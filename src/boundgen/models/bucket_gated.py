@@ -22,9 +22,11 @@ every size (removed).
 Numerics as `stream_gated`'s: SiLU·mul on the float32 accumulators, rounded once (the plain path
 rounds gate_up's output first).
 
-Off by default until the whole GPU suite passes with it on and W1 measures it in its buckets
-(`run_h200.sh w1-gated`): `BOUNDGEN_BUCKET_GATED=1` (`GATED`). It takes the calls of more than
-`stream.MAX_ROWS` rows (fewer stream through `models/stream_gated.py`) with a static row count
+On by default since the forty-eighth session: the whole GPU suite passed with it on (86 passed,
+H100) and W1 in the planner's buckets ran 576.2K → 590.2K tok/s with the GPU busy 67.3 → 62.7 ms a
+call (H100, `run_h200.sh w1-gated`); `BOUNDGEN_BUCKET_GATED=0` (`GATED`) turns it off. It takes
+the calls of more than `stream.MAX_ROWS` rows (fewer stream through `models/stream_gated.py`) with
+a static row count
 (the prefill buckets; the compiled beam layers' rows are symbolic), bf16/fp16 on CUDA (Triton's
 interpreter under `stream.forced()` in the tests). Compiled packages record the switch
 (`compile.cache.platform_info`).
@@ -49,7 +51,7 @@ if AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op
 
-GATED = os.environ.get("BOUNDGEN_BUCKET_GATED", "0") == "1"
+GATED = os.environ.get("BOUNDGEN_BUCKET_GATED", "1") == "1"
 # Tile: rows, output columns (of each half), K a step, row tiles walked together, warps, stages.
 # This kernel's best at W1's 14,912 rows on an H100 (forty-seventh session: 430 µs, the next
 # 478) and within 0.4 µs of its best at W2's 1,920 (65.5 against 65.2; a warpgroup per 64 rows).
