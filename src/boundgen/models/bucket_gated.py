@@ -24,10 +24,10 @@ rounds gate_up's output first).
 
 On by default since the forty-eighth session: the whole GPU suite passed with it on (86 passed,
 H100) and W1 in the planner's buckets ran 576.2K → 590.2K tok/s with the GPU busy 67.3 → 62.7 ms a
-call (H100, `run_h200.sh w1-gated`); `BOUNDGEN_BUCKET_GATED=0` (`GATED`) turns it off. It takes
-the calls of more than `stream.MAX_ROWS` rows (fewer stream through `models/stream_gated.py`) with
-a static row count
-(the prefill buckets; the compiled beam layers' rows are symbolic), bf16/fp16 on CUDA (Triton's
+call, 587.7K → 621.6K once the pieces no longer waited for each other (H100, `run_h200.sh
+w1-gated`); `BOUNDGEN_BUCKET_GATED=0` (`GATED`) turns it off. It takes the calls of more than
+`stream.MAX_ROWS` rows (fewer stream through `models/stream_gated.py`) with a static row count (the
+prefill buckets; the compiled beam layers' rows are symbolic), bf16/fp16 on CUDA (Triton's
 interpreter under `stream.forced()` in the tests). Compiled packages record the switch
 (`compile.cache.platform_info`).
 """
