@@ -47,3 +47,22 @@ def spread_weights(module: torch.nn.Module, std: float, norm_std: float | None =
         one_d = p.dim() == 1
         spread = (std if norm_std is None else norm_std) if one_d else std
         torch.nn.init.normal_(p, mean=1.0 if one_d else 0.0, std=spread)
+
+
+def check_gated(gated, m: int, k: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated(x, w)` — a gate_up + SiLU·mul kernel, run under `stream.forced()` — against
+    `stream_gated.reference` for x [m, k] and w [2i, k], in float32 and bf16 (seeded by the
+    shape); returns the last (x, w)."""
+    from boundgen.models import stream, stream_gated  # Triton's, imported where a test runs
+
+    g = torch.Generator().manual_seed(m * k + i)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = randn(g, m, k, dtype=dtype)
+        w = randn(g, 2 * i, k, dtype=dtype, scale=k**-0.5)
+        with stream.forced():
+            got = gated(x, w)
+        want = stream_gated.reference(x, w)
+        assert got.dtype == dtype and got.shape == (m, i)
+        tol = 2e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=tol, atol=tol)
+    return x, w

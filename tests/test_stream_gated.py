@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hopper import compile_in_child
-from small_layer import randn, small_config, spread_weights
+from small_layer import check_gated, small_config, spread_weights
 from torch import nn
 
 pytest.importorskip("triton")
@@ -38,16 +38,7 @@ def kernel_on(monkeypatch):
     [(1, 96, 48), (5, 300, 70), (17, 130, 40), (64, 256, 100), (70, 128, 33)],
 )
 def test_the_kernel_is_silu_of_gate_times_up(m, k, i):
-    g = torch.Generator().manual_seed(m * k + i)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = randn(g, m, k, dtype=dtype)
-        w = randn(g, 2 * i, k, dtype=dtype, scale=k**-0.5)
-        with stream.forced():
-            got = stream_gated.gated(x, w)
-        want = stream_gated.reference(x, w)
-        assert got.dtype == dtype and got.shape == (m, i)
-        tol = 2e-5 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=tol, atol=tol)
+    x, w = check_gated(stream_gated.gated, m, k, i)
     # the oracle itself: gate is the weight's first half, up its second
     x, w = x.float(), w.float()
     gate, up = x @ w[:i].T, x @ w[i:].T
