@@ -22,7 +22,6 @@
 #   bash benchmarks/run_h200.sh beam-wrk                        # issue 24: /v1/beam under wrk (carry .whl .tools; ≤ 5 min)
 #   bash benchmarks/run_h200.sh segments-tests attention; then: attention-sweep   # issue 25 item 2
 #   bash benchmarks/run_h200.sh bucket-gated                    # issue 25 item 3: gate_up + SiLU·mul as one GEMM at 1,920–14,912 rows
-#   bash benchmarks/run_h200.sh l2-prefetch                     # issues 24/25: few-row layers with their weights prefetched into L2
 #   bash benchmarks/run_h200.sh w1-gated                        # issue 25 item 3: W1/W2 with that GEMM off and on (≈ 6–7 min)
 #   bash benchmarks/run_h200.sh rope                            # issue 25 item 3: RoPE computed vs table
 #   bash benchmarks/run_h200.sh w5-compile w5-profile           # issue 25 item 4: W5's merged forwards, per kernel
@@ -112,8 +111,6 @@ run_phase() {
     w1-gated) phase w1-gated 420 python3 benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs --policies none --bucket-gated 0 1 --compiled-buckets plan --iters 10 --profile --hf --out "$OUT/w1_gated.json" ${W1_GATED_ARGS:-} ;;
     # issue 25 item 3: that GEMM alone (and TMA-fed variants) vs cuBLAS + Inductor at 1,920–14,912 rows
     bucket-gated) phase bucket-gated 180 python3 benchmarks/bench_bucket_gated.py --out "$OUT/bucket_gated.json" ${BUCKET_GATED_ARGS:-} ;;
-    # issues 24/25: a few-row layer's weights prefetched into L2 ahead of its GEMMs (L2_ARGS)
-    l2-prefetch) phase l2-prefetch 150 python3 benchmarks/bench_l2_prefetch.py --out "$OUT/l2_prefetch.json" ${L2_ARGS:-} ;;
     # issue 25 item 3: W1's RoPE kernel with cos/sin computed in-graph vs gathered from a table
     rope) phase rope 90 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ;;
     # issue 24 item 2 / issue 25: a layer's linear parts at few rows, fused kernels vs cuBLAS + Inductor (SKINNY_ARGS="--sweep")
