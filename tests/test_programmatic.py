@@ -166,10 +166,11 @@ def test_kernels_wait_only_on_hopper_cuda():
     assert not grid_dependency.waits(torch.zeros(1))  # CPU (the interpreter lacks the wait)
 
 
-def test_packages_record_the_switch():
+def test_packages_record_the_switch(monkeypatch):
     """Kernels built with the switch on carry the wait: their packages are other packages."""
     from boundgen.compile.cache import platform_info
 
+    monkeypatch.setattr(grid_dependency, "MAX_TOKENS", None)  # every bucket ("buckets", "1")
     with grid_dependency.enabled(False):
         assert "pdl" not in platform_info("cpu")
     with grid_dependency.enabled(True):
@@ -192,12 +193,12 @@ def test_capture_is_off_without_the_switch(monkeypatch):
     assert not programmatic.applies()
 
 
-@pytest.mark.parametrize("value", ["0", "buckets", "1"])
+@pytest.mark.parametrize("value", ["0", "small", "buckets", "1"])
 def test_the_modes_are_taken(value):
     assert grid_dependency.mode_of(value) == value
 
 
-@pytest.mark.parametrize("value", ["", "2", "on", "Buckets", "searches"])
+@pytest.mark.parametrize("value", ["", "2", "on", "Buckets", "searches", "small:128"])
 def test_an_unknown_mode_is_refused_by_name(value):
     with pytest.raises(ValueError, match="BOUNDGEN_PDL=.*buckets"):
         grid_dependency.mode_of(value)
@@ -207,6 +208,7 @@ def buckets_mode(monkeypatch):
     """`BOUNDGEN_PDL=buckets` in this process: on, but not for the searches."""
     monkeypatch.setattr(grid_dependency, "ON", True)
     monkeypatch.setattr(grid_dependency, "SEARCHES", False)
+    monkeypatch.setattr(grid_dependency, "MAX_TOKENS", None)
 
 
 def test_buckets_mode_leaves_the_searches_without_it_on_their_thread_only(monkeypatch):
@@ -230,6 +232,7 @@ def test_buckets_mode_leaves_the_searches_without_it_on_their_thread_only(monkey
 def test_every_graph_mode_takes_it_in_the_searches_too(monkeypatch):
     monkeypatch.setattr(grid_dependency, "ON", True)
     monkeypatch.setattr(grid_dependency, "SEARCHES", True)
+    monkeypatch.setattr(grid_dependency, "MAX_TOKENS", None)
     with grid_dependency.for_searches():
         assert grid_dependency.active()
 
@@ -290,6 +293,98 @@ def test_buckets_mode_keys_packages_as_on_and_the_searches_blob_as_off(monkeypat
     with grid_dependency.for_searches():
         assert platform_info("cpu") == off_package
     assert torch_cache.path_for(tmp_path) == off_blob
+
+
+def small_mode(monkeypatch):
+    """`BOUNDGEN_PDL=small` in this process: on for the buckets of at most `SMALL_TOKENS`."""
+    buckets_mode(monkeypatch)
+    monkeypatch.setattr(grid_dependency, "MAX_TOKENS", grid_dependency.SMALL_TOKENS)
+
+
+def test_small_mode_takes_it_only_inside_a_small_bucket(monkeypatch):
+    small_mode(monkeypatch)
+    small, large = grid_dependency.SMALL_TOKENS, grid_dependency.SMALL_TOKENS + 1
+    assert not grid_dependency.active()  # no bucket: a live call, a warm-up outside one
+    with grid_dependency.for_bucket(small):
+        assert grid_dependency.active()
+        with grid_dependency.for_bucket(large):  # nested: the inner bucket's size
+            assert not grid_dependency.active()
+        assert grid_dependency.active()
+        with grid_dependency.for_searches():  # the searches stay without it
+            assert not grid_dependency.active()
+    with grid_dependency.for_bucket(large):
+        assert not grid_dependency.active()
+    assert not grid_dependency.active()
+    with grid_dependency.enabled(False), grid_dependency.for_bucket(small):
+        assert not grid_dependency.active()  # the A/B's switch still turns it off
+
+
+def test_small_mode_keys_every_package_by_the_mode_and_the_searches_blob_as_off(
+    monkeypatch, tmp_path
+):
+    """Under "small" each package carries what its bucket's size says; the key records the mode
+    (and its limit), inside a bucket or not, so no package of another mode is taken for one."""
+    from boundgen.compile import torch_cache
+    from boundgen.compile.cache import platform_info
+
+    with grid_dependency.enabled(False):
+        off_blob, off_package = torch_cache.path_for(tmp_path), platform_info("cpu")
+    small_mode(monkeypatch)
+    key = f"small:{grid_dependency.SMALL_TOKENS}"
+    assert platform_info("cpu")["pdl"] == key
+    with grid_dependency.for_bucket(10_000):
+        assert platform_info("cpu")["pdl"] == key
+    with grid_dependency.for_searches():
+        assert platform_info("cpu") == off_package
+    assert torch_cache.path_for(tmp_path) == off_blob
+    buckets_mode(monkeypatch)
+    assert platform_info("cpu")["pdl"] == "1"  # "buckets"' packages are other packages
+
+
+class _Bucket:
+    def __init__(self, tokens: int) -> None:
+        self.tokens, self.name = tokens, f"t{tokens}"
+
+
+def test_a_bucket_is_exported_and_captured_as_its_size_says(monkeypatch):
+    """Where a bucket's kernels are traced (`build_package`'s export, the compiled backend's
+    warm-up) and its graph captured (`capture_buckets`), `active()` follows the bucket's size:
+    the kernels that wait and the graphs whose edges go into them are the same buckets'."""
+    from boundgen.compile import aoti, backends, graphs
+
+    small_mode(monkeypatch)
+    small, large = _Bucket(grid_dependency.SMALL_TOKENS), _Bucket(4096)
+    built = {}
+
+    def build(model, bucket, path, device):
+        built[bucket.tokens] = grid_dependency.active()
+
+    monkeypatch.setattr(aoti, "_build_package", build)
+    for b in (small, large):
+        aoti.build_package(None, b, "unused", "cpu")
+    assert built == {small.tokens: True, large.tokens: False}
+
+    captured = {}
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+
+    def make(fn, bucket, device, pool=None):
+        captured[bucket.tokens] = grid_dependency.active()
+        return fn
+
+    fns = {small: "s", large: "l"}
+    out = graphs.capture_buckets(fns, torch.device("cpu"), max_tokens=10_000, make=make)
+    assert out == fns and captured == {small.tokens: True, large.tokens: False}
+
+    traced = []
+    monkeypatch.setattr(backends, "PackedForward", lambda model: None)
+    monkeypatch.setattr(
+        torch, "compile", lambda *a, **k: lambda *x: traced.append(grid_dependency.active())
+    )
+    for b in (small, large):
+        b.example = lambda device: type("Ex", (), dict(input_ids=0, positions=0, attn=0))
+    backends._compile_fns(None, [large, small], torch.device("cpu"), warmup=True)
+    assert traced == [False, True]
+    assert not grid_dependency.active()
 
 
 @pytest.mark.gpu

@@ -24,20 +24,24 @@ compile and the AOTInductor buckets' scores came out wrong. Assembly without ope
 a tensor, so it writes none of the kernel's arguments: `_operandless_asm_writes_nothing` tells the
 analysis so (installed on import, as the kernels are defined).
 
-`BOUNDGEN_PDL` (`MODE`) says which graphs take it: "0" none (the default), "buckets" the prefill
-buckets' graphs (score, classify, embed: W1–W3, W5) but not the beam searches', "1" every graph.
+`BOUNDGEN_PDL` (`MODE`) says which graphs take it: "0" none (the default), "small" the graphs of
+prefill buckets of at most `SMALL_TOKENS` tokens (short prompts: W3), "buckets" every prefill
+bucket's graph (score, classify, embed: W1–W3, W5) but not the beam searches', "1" every graph.
 On an H100 (forty-fourth session) the edges took W3's graph 899–906 → 873 µs but lost W4's
-searches 0.17 ms and W2 0.03 ms (a few long GEMMs: no gaps to save), so the default is "0".
-`active()` decides both sides, read on the thread that traces or captures: the kernels traced or
-launched while it is true carry the instructions (`PDL`, also false where the GPU has no
-`griddepcontrol`, before sm_90, and in Triton's CPU interpreter, which lacks it), and graphs
-captured while it is true get the edges. It is `ON` (any mode but "0"), except inside
-`for_searches()` — a beam search's trace and capture (`ModelRunner.beam_search`,
-`SearchGraphs.run`) — where it is `ON and SEARCHES` (mode "1"). A graph is captured in the context
-its kernels were traced in, so its edges only go into kernels that wait: an edge into a kernel
-traced without the wait would let it read its inputs before they are written. Compiled packages
-and the searches' compiled-layers blob record what their kernels carry
-(`compile.cache.platform_info`, `compile.torch_cache`).
+searches 0.17 ms and W2 0.03 ms (a few long GEMMs: no gaps to save): hence "small", which gives
+them to the graphs of many short kernels only (to be measured on its own). `active()` decides both
+sides, read on the thread that traces or captures: the kernels traced or launched while it is true
+carry the instructions (`PDL`, also false where the GPU has no `griddepcontrol`, before sm_90, and
+in Triton's CPU interpreter, which lacks it), and graphs captured while it is true get the edges.
+It is `ON` (any mode but "0"), except inside `for_searches()` — a beam search's trace and capture
+(`ModelRunner.beam_search`, `SearchGraphs.run`) — where it is `ON and SEARCHES` (mode "1"), and
+under "small" only inside `for_bucket(tokens)` of a small bucket (a bucket's export,
+`compile.aoti.build_package`, the compiled backend's warm-up, and its graph's capture,
+`compile.graphs.capture_buckets`). A graph
+is captured in the context its kernels were traced in, so its edges only go into kernels that
+wait: an edge into a kernel traced without the wait would let it read its inputs before they are
+written. Compiled packages and the searches' compiled-layers blob record what their kernels carry
+(`key()` in `compile.cache.platform_info`, `compile.torch_cache`).
 """
 
 from __future__ import annotations
@@ -61,15 +65,19 @@ try:
 except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
     AVAILABLE = False
 
-MODES = ("0", "buckets", "1")
+MODES = ("0", "small", "buckets", "1")
+# "small": the buckets of at most this many tokens take it (the rows up to which the layers stream
+# their weights, `models.stream.MAX_ROWS`: short prompts, whose graphs are many short kernels)
+SMALL_TOKENS = 128
 
 
 def mode_of(value: str) -> str:
     """`BOUNDGEN_PDL`'s value checked: one of `MODES`."""
     if value not in MODES:
         raise ValueError(
-            f"BOUNDGEN_PDL={value!r}: use 0 (no graph), buckets (the prefill buckets' graphs) or "
-            "1 (every graph, the beam searches' too)"
+            f"BOUNDGEN_PDL={value!r}: use 0 (no graph), small (the graphs of prefill buckets of "
+            f"at most {SMALL_TOKENS} tokens), buckets (every prefill bucket's graph) or 1 (every "
+            "graph, the beam searches' too)"
         )
     return value
 
@@ -77,7 +85,10 @@ def mode_of(value: str) -> str:
 MODE = mode_of(os.environ.get("BOUNDGEN_PDL", "0"))
 ON = MODE != "0"  # kernels traced and graphs captured take it (outside `for_searches`)
 SEARCHES = MODE == "1"  # the beam searches' too
-# per thread: False inside `for_searches` where the searches do not take it
+# the most tokens a bucket that takes it may have (None: any)
+MAX_TOKENS = SMALL_TOKENS if MODE == "small" else None
+# per thread: `searches_off`, True inside `for_searches` where the searches do not take it;
+# `bucket_tokens`, the tokens of the bucket traced or captured inside `for_bucket`
 _thread = threading.local()
 
 # The names of the kernels that start with `await_inputs` (`awaits` adds them as their modules
@@ -118,16 +129,49 @@ def for_searches() -> Iterator[None]:
         _thread.searches_off = before
 
 
+@contextlib.contextmanager
+def for_bucket(tokens: int) -> Iterator[None]:
+    """Inside, on this thread: a prefill bucket of `tokens` tokens is traced or captured (under
+    "small" it takes programmatic launch only where `tokens` ≤ `MAX_TOKENS`)."""
+    before = getattr(_thread, "bucket_tokens", None)
+    _thread.bucket_tokens = tokens
+    try:
+        yield
+    finally:
+        _thread.bucket_tokens = before
+
+
 def in_searches() -> bool:
     """Whether a beam search's kernels and graphs take programmatic launch (`ON` and
     `SEARCHES`): what `active()` says inside `for_searches`."""
     return ON and SEARCHES
 
 
+def _switched_on() -> bool:
+    """`ON`, but not inside `for_searches` unless `SEARCHES`."""
+    return ON and not getattr(_thread, "searches_off", False)
+
+
 def active() -> bool:
     """Whether kernels traced or launched, and graphs captured, on this thread now take
-    programmatic launch: `ON`, but not inside `for_searches` unless `SEARCHES`."""
-    return ON and not getattr(_thread, "searches_off", False)
+    programmatic launch: `ON`, but not inside `for_searches` unless `SEARCHES`, and where there
+    is a `MAX_TOKENS` ("small") only inside `for_bucket` of a bucket that small."""
+    if not _switched_on():
+        return False
+    if MAX_TOKENS is None:
+        return True
+    tokens = getattr(_thread, "bucket_tokens", None)
+    return tokens is not None and tokens <= MAX_TOKENS
+
+
+def key() -> str | None:
+    """What compiled packages record of it (`compile.cache.platform_info`; None: nothing, the
+    keys of the packages built before the switch): "1" where every bucket traced on this thread
+    now takes it, "small:<MAX_TOKENS>" where the small ones do (each package then carries what its
+    bucket's size says)."""
+    if not _switched_on():
+        return None
+    return "1" if MAX_TOKENS is None else f"small:{MAX_TOKENS}"
 
 
 def waits(x: torch.Tensor) -> bool:

@@ -29,6 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from boundgen import grid_dependency
 from boundgen.attention.backends import AttentionBackend, SegmentsBackend, get_backend
 from boundgen.compile import bucket_autotune, inductor_fixes, residual
 from boundgen.compile.attention import FlashBackend, MaskedBackend
@@ -243,7 +244,15 @@ def build_package(
     model: DecoderModel, bucket: Bucket, path: str | Path, device: torch.device | str | None = None
 ) -> BuildInfo:
     """Export `model`'s packed forward at `bucket`'s shapes and write an AOTInductor package to
-    `path`."""
+    `path` (its kernels carrying the grid dependency wait as the bucket's size says:
+    `grid_dependency.for_bucket`)."""
+    with grid_dependency.for_bucket(bucket.tokens):
+        return _build_package(model, bucket, path, device)
+
+
+def _build_package(
+    model: DecoderModel, bucket: Bucket, path: str | Path, device: torch.device | str | None
+) -> BuildInfo:
     device = torch.device(device or next(model.parameters()).device)
     fwd = PackedForward(model).eval()
     ex = bucket.example(device)

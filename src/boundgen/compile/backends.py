@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from boundgen import grid_dependency
 from boundgen.compile.aoti import (
     UNCAPTURED_INSTANCES,
     AOTIBucket,
@@ -134,7 +135,9 @@ def _compile_fns(model: DecoderModel, buckets: list[Bucket], device, warmup: boo
     if warmup:
         with torch.inference_mode():
             for b in buckets:
-                fn(b.example(device))
+                # traced as its graph will be captured (`grid_dependency`'s "small" mode)
+                with grid_dependency.for_bucket(b.tokens):
+                    fn(b.example(device))
     return dict.fromkeys(buckets, fn)
 
 

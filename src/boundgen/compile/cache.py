@@ -150,7 +150,7 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, whether a bucket's
     gate_up takes its SiLU·mul, `models.bucket_gated.GATED`, how q and k are
     rotated, `models.decoder.QK_ROTATION`, whether the kernels wait for the kernels before them
-    (programmatic launch), `grid_dependency.active()`, and whether the buckets' GEMMs were
+    (programmatic launch), `grid_dependency.key()`, and whether the buckets' GEMMs were
     autotuned, `compile.bucket_autotune`)."""
     from boundgen import grid_dependency
     from boundgen.compile import bucket_autotune, residual
@@ -185,8 +185,9 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
             info["stream_qkv"] = "1"
     if bucket_gated.GATED:  # off keeps the keys of the packages built before it
         info["bucket_gated"] = "1"
-    if grid_dependency.active():  # off keeps the keys of the packages built before it
-        info["pdl"] = "1"
+    pdl = grid_dependency.key()
+    if pdl is not None:  # off keeps the keys of the packages built before it
+        info["pdl"] = pdl
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
     if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from boundgen import grid_dependency
 from boundgen.compile import programmatic
 from boundgen.compile.aoti import flat_inputs
 from boundgen.compile.buckets import Bucket
@@ -86,5 +87,8 @@ def capture_buckets(
     pool = torch.cuda.graph_pool_handle()
     out = dict(fns)
     for bucket in sorted((b for b in fns if b.tokens <= max_tokens), key=lambda b: -b.tokens):
-        out[bucket] = make(fns[bucket], bucket, device, pool=pool)
+        # its kernels traced (compiled backends' warm-up) and its graph captured as its size
+        # says (`grid_dependency`'s "small" mode)
+        with grid_dependency.for_bucket(bucket.tokens):
+            out[bucket] = make(fns[bucket], bucket, device, pool=pool)
     return out
