@@ -423,12 +423,17 @@ def test_a_graph_with_programmatic_edges_replays_what_the_plain_one_does(monkeyp
         static = x0.clone()
         side = torch.cuda.Stream()  # warmed up as `StaticGraph` does: on a side stream
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        # traced and captured as a bucket of `m` tokens is (one that takes the edges in every
+        # mode that is on, "small" too: a W3 prompt's)
+        with torch.cuda.stream(side), grid_dependency.for_bucket(m):
             forward(static)  # compile the kernels outside the capture
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         # thread-local: a thread an earlier test left (an engine's) cannot spoil this capture
-        with programmatic.capture(capture_error_mode="thread_local") as graph:
+        with (
+            grid_dependency.for_bucket(m),
+            programmatic.capture(capture_error_mode="thread_local") as graph,
+        ):
             out = forward(static)
         graphs.append((graph, out))
         edges.append(graph.programmatic_edges)
