@@ -709,9 +709,13 @@ def main() -> int:
             engine.close()
     if hf_modes != [None]:
         res["hf"] = hf_baselines(path, hf_modes, query, items, want, args, cuda, dtype)
+    # `alone`: each side's `measure`, the sides one after another (a host that slows meanwhile
+    # slows one side only: on an H100 in the forty-ninth session every host step of the second
+    # side doubled); an A/B reads `interleaved`, the sides timed call by call
+    both = res.get("interleaved", {})
     print(
-        "\nvariant         path    wall ms  GPU busy us  API host us  H2D  D2H  DtoD  syncs  "
-        "graphs  launches  dev allocs"
+        "\nvariant         path   alone ms  interleaved ms  GPU busy us  API host us  H2D  D2H  "
+        "DtoD  syncs  graphs  launches  dev allocs"
     )
     for variant, out in res["variants"].items():
         for path_ in ("engine", "runner"):
@@ -719,10 +723,13 @@ def main() -> int:
             c, a = m["device_copies"], m["api_calls"]
             syncs = sum(v for k, v in a.items() if "Synchronize" in k)
             launches = sum(v for k, v in a.items() if "LaunchKernel" in k or "cuLaunch" in k)
+            mixed = both.get(variant, {}).get(path_, {}).get("wall_ms_median")
+            mixed = f"{mixed:14.3f}" if mixed is not None else f"{'–':>14s}"
             print(
-                f"{variant:15s} {path_:7s} {m['wall_ms_median']:7.3f} {m['gpu_busy_us']:12.1f} "
-                f"{m['api_host_us_total']:12.1f} {c.get('HtoD', 0):4} {c.get('DtoH', 0):4} "
-                f"{c.get('DtoD', 0):5} {syncs:6} {a.get('cudaGraphLaunch', 0):7} {launches:9} "
+                f"{variant:15s} {path_:7s} {m['wall_ms_median']:8.3f} {mixed} "
+                f"{m['gpu_busy_us']:12.1f} {m['api_host_us_total']:12.1f} {c.get('HtoD', 0):4} "
+                f"{c.get('DtoH', 0):4} {c.get('DtoD', 0):5} {syncs:6} "
+                f"{a.get('cudaGraphLaunch', 0):7} {launches:9} "
                 f"{m['device_allocations_per_call']:11}"
             )
     if args.json:

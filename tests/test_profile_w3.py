@@ -45,6 +45,16 @@ def test_rotations_are_built_and_timed_side_by_side(tmp_path):
         assert got["variants"][side]["max_abs_diff_vs_eager"] < 1e-4
         # the host steps before a replay, timed on the CPU too
         assert set(got["variants"][side]["split_us"]) == {"pieces", "fill"}
+        # the summary (the last table) sets each side's interleaved time beside its time alone
+        for path_ in ("engine", "runner"):
+            row = [
+                line.split()
+                for line in res.stdout.splitlines()
+                if line.split()[:2] == [side, path_]
+            ][-1]
+            want = got["interleaved"][side][path_]["wall_ms_median"]
+            assert float(row[3]) == pytest.approx(want, abs=5e-4)  # printed to 3 decimals
+    assert "alone ms  interleaved ms" in res.stdout
 
 
 def test_hf_is_timed_after_boundgen_in_the_same_process(tmp_path):
