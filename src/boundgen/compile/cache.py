@@ -148,15 +148,16 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     the rows up to which o_proj and down stream their weights, `models.stream.MAX_ROWS`, and
     whether gate_up then streams with SiLU·mul as its epilogue, `models.stream_gated.GATED`, and
     qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, whether a bucket's
-    gate_up takes its SiLU·mul, `models.bucket_gated.GATED`, how q and k are
-    rotated, `models.decoder.QK_ROTATION`, whether the kernels wait for the kernels before them
-    (programmatic launch), `grid_dependency.key()`, and whether the buckets' GEMMs were
-    autotuned, `compile.bucket_autotune`)."""
+    gate_up takes its SiLU·mul, `models.bucket_gated.GATED`, how q and k are rotated,
+    `models.decoder.QK_ROTATION`, and written, `models.layers.ROPE_FORM`, whether the kernels
+    wait for the kernels before them (programmatic launch), `grid_dependency.key()`, and whether
+    the buckets' GEMMs were autotuned, `compile.bucket_autotune`)."""
     from boundgen import grid_dependency
     from boundgen.compile import bucket_autotune, residual
     from boundgen.models import (
         bucket_gated,
         decoder,
+        layers,
         skinny,
         skinny_tiles,
         stream,
@@ -190,6 +191,8 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         info["pdl"] = pdl
     if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
         info["qk_rotation"] = decoder.QK_ROTATION
+    if layers.ROPE_FORM != "cat":  # "cat" keeps the keys of the packages built before it
+        info["rope_form"] = layers.ROPE_FORM
     if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it
         info["bucket_autotune"] = bucket_autotune.mode()
     if dev.type == "cuda":
