@@ -27,6 +27,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --pdl 0,1                             # the graph as captured, or with programmatic edges
     python benchmarks/profile_w3.py --workload w2 --backend aoti+graphs --variants after \
         --bucket-gated 0,1                    # a bucket's gate_up + SiLU·mul: cuBLAS or one GEMM
+    python benchmarks/profile_w3.py --workload w2 --backend aoti+graphs --variants after \
+        --rope-forms cat,flip                 # the bucket's q/k rotation with or without `cat`
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --hf eager,compile                    # HF eager and HF + torch.compile in the same process
     python benchmarks/profile_w3.py --preset tiny --device cpu --variants after \
@@ -83,6 +85,7 @@ from boundgen.compile.staging import StagedBucket
 from boundgen.models import (
     bucket_gated,
     decoder,
+    layers,
     skinny,
     skinny_tiles,
     stream,
@@ -517,6 +520,12 @@ def main() -> int:
         "mode, then timed interleaved call by call; `models.decoder.QK_ROTATION`)",
     )
     ap.add_argument(
+        "--rope-forms",
+        default=None,
+        help="how the q/k rotation is written, side by side (cat,flip: "
+        "`models.layers.ROPE_FORM`; the bucket's rotation where no streamed kernel rotates, W2)",
+    )
+    ap.add_argument(
         "--autotune",
         default=None,
         help="bucket GEMM autotune modes to build side by side (0,1: aoti+graphs; "
@@ -597,6 +606,7 @@ def main() -> int:
     copies = _axis(ap, "--copy", args.copy, ("call", "graph"))
     pdls = _axis(ap, "--pdl", args.pdl, ("0", "1"))
     rotations = _axis(ap, "--rotations", args.rotations, decoder.QK_ROTATIONS)
+    rope_forms = _axis(ap, "--rope-forms", args.rope_forms, layers.ROPE_FORMS)
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     path = ensure_model(args.preset, dtype=dtype, root=args.root)
@@ -619,9 +629,10 @@ def main() -> int:
     autotunes = args.autotune.split(",") if args.autotune else [None]
     skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [
-        (v, r, a, k, st, gt, q, c, p, bg)
+        (v, r, rf, a, k, st, gt, q, c, p, bg)
         for v in args.variants.split(",")
         for r in rotations
+        for rf in rope_forms
         for a in autotunes
         for k in skinnies
         for st in streams
@@ -638,6 +649,7 @@ def main() -> int:
             (
                 variant,
                 rotation,
+                rope_form,
                 autotune,
                 skinny_rows,
                 stream_rows,
@@ -650,6 +662,7 @@ def main() -> int:
             name = "/".join(
                 [variant]
                 + ([rotation] if rotation is not None else [])
+                + ([f"rope-{rope_form}"] if rope_form is not None else [])
                 + ([f"autotune{autotune}"] if autotune is not None else [])
                 + ([f"skinny{skinny_rows}"] if skinny_rows is not None else [])
                 + ([f"stream{stream_rows}"] if stream_rows is not None else [])
@@ -662,6 +675,8 @@ def main() -> int:
             # each read when the runner traces, builds or captures the model
             if rotation is not None:
                 decoder.QK_ROTATION = rotation
+            if rope_form is not None:
+                layers.ROPE_FORM = rope_form
             if autotune is not None:
                 bucket_autotune.MODE = autotune
             if skinny_rows is not None:

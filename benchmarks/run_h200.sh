@@ -112,7 +112,7 @@ run_phase() {
     # issue 25 item 3: that GEMM alone (and TMA-fed variants) vs cuBLAS + Inductor at 1,920–14,912 rows
     bucket-gated) phase bucket-gated 180 python3 benchmarks/bench_bucket_gated.py --out "$OUT/bucket_gated.json" ${BUCKET_GATED_ARGS:-} ;;
     # issue 25 item 3: W1's RoPE kernel with cos/sin computed in-graph vs gathered from a table
-    rope) phase rope 90 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ;;
+    rope) phase rope 90 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ${ROPE_ARGS:-} ;;
     # issue 24 item 2 / issue 25: a layer's linear parts at few rows, fused kernels vs cuBLAS + Inductor (SKINNY_ARGS="--sweep")
     # issue 24: one big CUDA graph's launch vs a chain of smaller ones (is the whole-search graph's early idle its launch?)
     graph-launch) phase graph-launch 90 python3 benchmarks/bench_graph_launch.py --out "$OUT/graph_launch.json" ;;

@@ -57,6 +57,18 @@ def test_rotations_are_built_and_timed_side_by_side(tmp_path):
     assert "alone ms  interleaved ms" in res.stdout
 
 
+def test_rope_forms_are_built_side_by_side_and_score_alike(tmp_path):
+    out = tmp_path / "w2.json"
+    cmd = _smoke_run(tmp_path) + ["--workload", "w2", "--rope-forms", "cat,flip"]
+    cmd += ["--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert list(got["variants"]) == ["after/rope-cat", "after/rope-flip"]
+    for side in got["variants"].values():
+        assert side["max_abs_diff_vs_eager"] < 1e-4
+
+
 def test_hf_is_timed_after_boundgen_in_the_same_process(tmp_path):
     out = tmp_path / "w3.json"
     cmd = _smoke_run(tmp_path) + ["--hf", "eager", "--json", str(out)]
