@@ -1,15 +1,13 @@
 """`BOUNDGEN_QK_ROTATION` (`models/decoder.py`): q and k rotated by one op over the qkv projection's
 view (`together`, the default) or one op each (`apart`). The same arithmetic per element, so on CPU
-every workload answers exactly alike; the compiled artifacts are keyed apart."""
+every workload answers exactly alike; the compiled artifacts are keyed apart (the default, the key
+and a bad value: `test_switches.py`)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-from boundgen.compile.cache import platform_info
 from boundgen.models import decoder
 
 QUERY = [5, 9, 2, 33, 7, 12, 40, 3]
@@ -58,21 +56,3 @@ def test_together_answers_exactly_as_apart(arch, engine_for, monkeypatch):
         assert heads not in calls
     else:  # the prompt forwards rotate once a layer (beam steps rotate grouped queries apart)
         assert heads in calls and per_layer_apart >= 2
-
-
-def test_the_default_rotates_together():
-    assert os.environ.get("BOUNDGEN_QK_ROTATION", "together") == decoder.QK_ROTATION
-
-
-def test_the_rotation_is_part_of_the_platform_key_only_when_together(monkeypatch):
-    monkeypatch.setattr(decoder, "QK_ROTATION", "apart")
-    assert "qk_rotation" not in platform_info("cpu")  # apart: the keys of the packages before it
-    monkeypatch.setattr(decoder, "QK_ROTATION", "together")
-    assert platform_info("cpu")["qk_rotation"] == "together"
-
-
-def test_a_bad_value_names_the_variable():
-    from boundgen.settings import env_choice
-
-    with pytest.raises(ValueError, match="BOUNDGEN_QK_ROTATION='joint': choose one of apart"):
-        env_choice("BOUNDGEN_QK_ROTATION", "joint", decoder.QK_ROTATIONS)

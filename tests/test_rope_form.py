@@ -1,16 +1,13 @@
 """`BOUNDGEN_ROPE_FORM` (`models/layers.py`): HF's rotate-half written with `torch.cat` ("cat", the
 default) or as x·cos + flip(x)·(∓sin) over x's two halves ("flip", no `cat` for Inductor to lower
 two ways). The same products and sums per element, so eager answers bit for bit alike; the
-compiled artifacts are keyed apart."""
+compiled artifacts are keyed apart (the default, the key and a bad value: `test_switches.py`)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-from boundgen.compile.cache import platform_info
 from boundgen.models import layers
 from boundgen.models.layers import apply_rope
 
@@ -110,21 +107,3 @@ def test_compiled_flip_computes_what_compiled_cat_does(monkeypatch):
         out[form] = torch.compile(apply_rope, fullgraph=True)(x, cos, sin)
     assert torch.equal(out["flip"], out["cat"])
     torch.testing.assert_close(out["flip"], apply_rope(x, cos, sin), rtol=0, atol=0.016)
-
-
-def test_the_default_is_cat():
-    assert os.environ.get("BOUNDGEN_ROPE_FORM", "cat") == layers.ROPE_FORM
-
-
-def test_the_form_is_part_of_the_platform_key_only_when_flip(monkeypatch):
-    monkeypatch.setattr(layers, "ROPE_FORM", "cat")
-    assert "rope_form" not in platform_info("cpu")  # cat: the keys of the packages before it
-    monkeypatch.setattr(layers, "ROPE_FORM", "flip")
-    assert platform_info("cpu")["rope_form"] == "flip"
-
-
-def test_a_bad_value_names_the_variable():
-    from boundgen.settings import env_choice
-
-    with pytest.raises(ValueError, match="BOUNDGEN_ROPE_FORM='swap': choose one of cat, flip"):
-        env_choice("BOUNDGEN_ROPE_FORM", "swap", layers.ROPE_FORMS)
