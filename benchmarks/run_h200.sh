@@ -111,7 +111,8 @@ run_phase() {
     w1-gated) phase w1-gated 420 python3 benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs --policies none --bucket-gated 0 1 --compiled-buckets plan --iters 10 --profile --hf --out "$OUT/w1_gated.json" ${W1_GATED_ARGS:-} ;;
     # issue 25 item 3: that GEMM alone (and TMA-fed variants) vs cuBLAS + Inductor at 1,920–14,912 rows
     bucket-gated) phase bucket-gated 180 python3 benchmarks/bench_bucket_gated.py --out "$OUT/bucket_gated.json" ${BUCKET_GATED_ARGS:-} ;;
-    # issue 25 item 3: W1's RoPE kernel with cos/sin computed in-graph vs gathered from a table
+    # issue 25 item 3: a bucket's RoPE kernel: cos/sin computed in-graph, gathered from a table or given,
+    # the rotation with or without `cat` (ROPE_ARGS="--variants table --forms cat flip --tokens 1920 8192")
     rope) phase rope 90 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ${ROPE_ARGS:-} ;;
     # issue 24 item 2 / issue 25: a layer's linear parts at few rows, fused kernels vs cuBLAS + Inductor (SKINNY_ARGS="--sweep")
     # issue 24: one big CUDA graph's launch vs a chain of smaller ones (is the whole-search graph's early idle its launch?)
