@@ -46,10 +46,11 @@ def test_usage_counts_the_run_on_the_cpus_but_the_clients():
     assert "70 % busy, 10.0 % stolen" in host_cpu.line({"host_cpu": u})
 
 
-def test_the_host_probe_times_python_and_a_thread_hand_off():
+def test_the_host_probe_times_python_numpy_and_a_thread_hand_off():
     import host_probe
 
     assert host_probe.python_ms(rounds=1) > 0
+    assert host_probe.numpy_us(rounds=1, calls=2) > 0
     median, p99 = host_probe.handoff_us(trips=200)  # returns: the two threads took turns
     assert 0 < median <= p99
     assert host_probe.cpu_model()
