@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import host_cpu
+import numpy as np
 
 
 def python_ms(rounds: int = 5) -> float:
@@ -56,8 +57,6 @@ def numpy_us(rounds: int = 5, calls: int = 200) -> float:
     """Best µs of one round of small numpy calls as packing makes them for a W2 request: 1,856
     token ids from a list, cumulative offsets of 101 segments, their positions concatenated, the
     ids copied into a padded buffer and the rest zeroed."""
-    import numpy as np
-
     ids = list(range(1_856))
     lengths = np.full(101, 16, dtype=np.int64)
     lengths[0] = 256
