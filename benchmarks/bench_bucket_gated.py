@@ -16,7 +16,17 @@ loads through pointers. This times, each over a tile sweep (`--quick`: one tile 
 - `tma-inter`: the same with the weight's rows interleaved once (gate j, up j, …): one
   [2·BLOCK_N, K] load and one accumulator a step, split into gate and up in registers;
 - `tma-device`: `tma-two` with the descriptors made in the kernel (`tl.make_tensor_descriptor`,
-  what a compiled package could carry; Triton's allocator gives their scratch).
+  what a compiled package could carry; Triton's allocator gives their scratch);
+- `tma-persist` and `tma-ws`: `tma-device` as persistent programs (one an SM, walking the tiles
+  GROUP_M row tiles at a time), `tma-ws` with the tile loop warp-specialized
+  (`tl.range(..., warp_specialize=True)`: load warps feed the MMA warps, whose epilogue then
+  overlaps the next tile's loads — what cuBLAS's kernels do; Triton's Hopper pass,
+  triton-lang/triton#7642, at 4 warps a program: `ws_tile`). Whether the GPU image's Triton
+  (3.6) specialized it, the compiled kernel's warps say (`compiled_warps` in the JSON: 12 where
+  it did). Why: in W1's profile (forty-eighth session, H100) cuBLAS's gate_up took 26.19 ms a call
+  and the engine's kernel, SiLU·mul included, 33.21; at cuBLAS's GEMM time W1 would be ~7 ms
+  (~10 %) faster. The forty-seventh session's persistent programs had neither device
+  descriptors nor warp specialization.
 
 Per row count: device µs of one call replayed from a CUDA graph over `--layers` weight copies
 called in turn, TFLOPS of the GEMM, max |difference| from the float32 oracle (SiLU·mul over the
@@ -92,13 +102,54 @@ def _gated_variant_kernel(
     o_desc.store([off_m, pid_n * BLOCK_N], h.to(o_desc.dtype))
 
 
+@triton.jit
+def _gated_persistent_kernel(
+    X,
+    W,
+    Out,
+    M,
+    INTER_N: tl.constexpr,
+    K: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """`_gated_variant_kernel`'s `tma-two` with the descriptors made here, as persistent
+    programs: program p takes tiles p, p + NUM_PROGRAMS, …"""
+    x_desc = tl.make_tensor_descriptor(X, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(W, [2 * INTER_N, K], [K, 1], [BLOCK_N, BLOCK_K])
+    o_desc = tl.make_tensor_descriptor(Out, [M, INTER_N], [INTER_N, 1], [BLOCK_M, BLOCK_N])
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(INTER_N, BLOCK_N)
+    for tile in tl.range(
+        tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE
+    ):
+        pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            a = x_desc.load([off_m, k])
+            g = w_desc.load([pid_n * BLOCK_N, k])
+            u = w_desc.load([INTER_N + pid_n * BLOCK_N, k])
+            gate = tl.dot(a, g.T, gate)
+            up = tl.dot(a, u.T, up)
+        h = gate * tl.sigmoid(gate) * up
+        o_desc.store([off_m, pid_n * BLOCK_N], h.to(o_desc.dtype))
+
+
 def _scratch(size: int, alignment: int, stream):
     """Triton's allocator: the device-made descriptors' global scratch (a graph's pool while
     capturing)."""
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-VARIANTS = ("engine", "tma-two", "tma-inter", "tma-device")
+VARIANTS = ("engine", "tma-two", "tma-inter", "tma-device", "tma-persist", "tma-ws")
+# "variant tile" → the warps its persistent kernel compiled to (12 where Triton specialized it)
+COMPILED_WARPS: dict[str, int] = {}
 
 
 def gated_variant(x, w, tile, variant: str):
@@ -111,6 +162,27 @@ def gated_variant(x, w, tile, variant: str):
     m, k = x.shape
     i = w.shape[0] // 2
     out = torch.empty((m, i), device=x.device, dtype=x.dtype)
+    if variant in ("tma-persist", "tma-ws"):
+        programs = min(_sms(x.device), triton.cdiv(m, bm) * triton.cdiv(i, bn))
+        compiled = _gated_persistent_kernel[(programs,)](
+            x,
+            w,
+            out,
+            m,
+            INTER_N=i,
+            K=k,
+            NUM_PROGRAMS=programs,
+            WARP_SPECIALIZE=variant == "tma-ws",
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            GROUP_M=group_m,
+            num_warps=warps,
+            num_stages=stages,
+        )
+        label = f"{variant} " + "x".join(map(str, tile))
+        COMPILED_WARPS[label] = getattr(getattr(compiled, "metadata", None), "num_warps", warps)
+        return out
     inter, device = variant == "tma-inter", variant == "tma-device"
     if device:
         args = (x, w, out)
@@ -137,6 +209,13 @@ def gated_variant(x, w, tile, variant: str):
     return out
 
 
+def _sms(device: torch.device) -> int:
+    """The device's SMs (its multiprocessors): a persistent grid's programs."""
+    if device.type != "cuda":  # the interpreter's smoke run
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def interleave(w: torch.Tensor) -> torch.Tensor:
     """[gate; up] rows → gate 0, up 0, gate 1, up 1, …"""
     i = w.shape[0] // 2
@@ -155,6 +234,14 @@ def tiles(quick: bool):
         # a warpgroup (4 warps) per 64 rows: 64–128 float32 accumulator registers a thread
         out.append((bm, bn, bk, 8, 4 * bm // 64, stages))
     return out
+
+
+def ws_tile(tile):
+    """`tile` as `tma-ws` takes it: 4 warps, which Triton's Hopper warp specialization turns into
+    a load warpgroup and two MMA warpgroups (12 warps: sm_90 compiles with Triton 3.9, checked in
+    tests/test_bench_bucket_gated.py); with 8 it leaves the loop as it is, silently."""
+    bm, bn, bk, group_m, _, stages = tile
+    return (bm, bn, bk, group_m, 4, stages)
 
 
 def timer(args, xs):
@@ -226,9 +313,10 @@ def time_gated(args, g, m, result) -> None:
     record("cublas+silu_mul", plain, ws)
     for tile in tiles(args.quick):
         for variant in args.variants:
+            t = ws_tile(tile) if variant == "tma-ws" else tile
             record(
-                f"{variant} " + "x".join(map(str, tile)),
-                lambda x, w, t=tile, v=variant: gated_variant(x, w, t, v),
+                f"{variant} " + "x".join(map(str, t)),
+                lambda x, w, t=t, v=variant: gated_variant(x, w, t, v),
                 wis if variant == "tma-inter" else ws,
             )
     report("gated", m, row, "cublas+silu_mul", result)
@@ -254,6 +342,7 @@ def main() -> None:
     }
     for m in args.rows:
         time_gated(args, g, m, result)
+        result["compiled_warps"] = dict(COMPILED_WARPS)
         write_json(args.out, result)  # after each: a phase cut short keeps the done
 
 
