@@ -58,6 +58,29 @@ K, INTER = 896, 4864
 
 
 @triton.jit
+def _gated_tile(
+    x_desc,
+    w_desc,
+    off_m,
+    off_n,
+    INTER_N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """SiLU·mul of the output tile at (off_m, off_n) in float32: x's tile loaded once a K step
+    for gate's rows of the tile's columns and up's (`INTER_N` rows further)."""
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = x_desc.load([off_m, k])
+        gate = tl.dot(a, w_desc.load([off_n, k]).T, gate)
+        up = tl.dot(a, w_desc.load([INTER_N + off_n, k]).T, up)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def _gated_variant_kernel(
     x_desc,
     w_desc,
@@ -89,16 +112,11 @@ def _gated_variant_kernel(
             b = w_desc.load([pid_n * 2 * BLOCK_N, k])
             acc = tl.dot(a, b.T, acc)
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        h = gate * tl.sigmoid(gate) * up
     else:
-        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            a = x_desc.load([off_m, k])
-            g = w_desc.load([pid_n * BLOCK_N, k])
-            u = w_desc.load([INTER_N + pid_n * BLOCK_N, k])
-            gate = tl.dot(a, g.T, gate)
-            up = tl.dot(a, u.T, up)
-    h = gate * tl.sigmoid(gate) * up
+        h = _gated_tile(
+            x_desc, w_desc, off_m, pid_n * BLOCK_N, INTER_N, K, BLOCK_M, BLOCK_N, BLOCK_K
+        )
     o_desc.store([off_m, pid_n * BLOCK_N], h.to(o_desc.dtype))
 
 
@@ -128,17 +146,9 @@ def _gated_persistent_kernel(
         tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE
     ):
         pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            a = x_desc.load([off_m, k])
-            g = w_desc.load([pid_n * BLOCK_N, k])
-            u = w_desc.load([INTER_N + pid_n * BLOCK_N, k])
-            gate = tl.dot(a, g.T, gate)
-            up = tl.dot(a, u.T, up)
-        h = gate * tl.sigmoid(gate) * up
-        o_desc.store([off_m, pid_n * BLOCK_N], h.to(o_desc.dtype))
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        h = _gated_tile(x_desc, w_desc, off_m, off_n, INTER_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        o_desc.store([off_m, off_n], h.to(o_desc.dtype))
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -162,23 +172,12 @@ def gated_variant(x, w, tile, variant: str):
     m, k = x.shape
     i = w.shape[0] // 2
     out = torch.empty((m, i), device=x.device, dtype=x.dtype)
+    meta = dict(INTER_N=i, K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m)
+    meta.update(num_warps=warps, num_stages=stages)
     if variant in ("tma-persist", "tma-ws"):
         programs = min(_sms(x.device), triton.cdiv(m, bm) * triton.cdiv(i, bn))
         compiled = _gated_persistent_kernel[(programs,)](
-            x,
-            w,
-            out,
-            m,
-            INTER_N=i,
-            K=k,
-            NUM_PROGRAMS=programs,
-            WARP_SPECIALIZE=variant == "tma-ws",
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            GROUP_M=group_m,
-            num_warps=warps,
-            num_stages=stages,
+            x, w, out, m, NUM_PROGRAMS=programs, WARP_SPECIALIZE=variant == "tma-ws", **meta
         )
         label = f"{variant} " + "x".join(map(str, tile))
         COMPILED_WARPS[label] = getattr(getattr(compiled, "metadata", None), "num_warps", warps)
@@ -193,18 +192,7 @@ def gated_variant(x, w, tile, variant: str):
             TensorDescriptor.from_tensor(out, [bm, bn]),
         )
     _gated_variant_kernel[(triton.cdiv(m, bm) * triton.cdiv(i, bn),)](
-        *args,
-        m,
-        INTER_N=i,
-        K=k,
-        DEVICE=device,
-        INTERLEAVED=inter,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=group_m,
-        num_warps=warps,
-        num_stages=stages,
+        *args, m, DEVICE=device, INTERLEAVED=inter, **meta
     )
     return out
 
