@@ -30,11 +30,11 @@ def test_every_variant_computes_silu_mul_of_gate_up(variant):
     w = torch.randn(2 * inter, k, generator=g) * 0.1
     y = x @ w.T
     want = F.silu(y[:, :inter]) * y[:, inter:]
-    weight = bench.interleave(w) if variant == "tma-inter" else w
+    weight = bench.interleave(w) if variant.endswith("-inter") else w
     got = bench.gated_variant(x, weight, TILE, variant)
     assert got.shape == (rows, inter)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    if variant in ("tma-persist", "tma-ws"):  # the interpreter's "compiled" warps: the tile's
+    if variant in bench.PERSISTENT:  # the interpreter's "compiled" warps: the tile's
         assert bench.COMPILED_WARPS[f"{variant} 16x16x32x2x4x2"] == 4
 
 
@@ -56,10 +56,12 @@ from boundgen.models import bucket_gated
 
 fn = bench._gated_persistent_kernel
 ws_tile = bench.ws_tile(bucket_gated.GATED_TILE)
-for label, tile in (("ws_tile", ws_tile), ("8 warps", (128, 128, 64, 8, 8, 3))):
+cases = (("ws_tile", ws_tile, False), ("8 warps", (128, 128, 64, 8, 8, 3), False),
+         ("ws_tile inter", ws_tile, True))
+for label, tile, inter in cases:
     block_m, block_n, block_k, group_m, warps, stages = tile
-    const = dict(INTER_N=4864, K=896, NUM_PROGRAMS=132, WARP_SPECIALIZE=True, BLOCK_M=block_m,
-                 BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m)
+    const = dict(INTER_N=4864, K=896, NUM_PROGRAMS=132, WARP_SPECIALIZE=True, INTERLEAVED=inter,
+                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m)
     sig = {"X": "*bf16", "W": "*bf16", "Out": "*bf16", "M": "i32"}
     sig.update(dict.fromkeys(const, "constexpr"))
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("X", "W", "Out")}
@@ -72,8 +74,10 @@ for label, tile in (("ws_tile", ws_tile), ("8 warps", (128, 128, 64, 8, 8, 3))):
 
 def test_the_warp_specialized_variant_compiles_warp_specialized_for_hopper():
     """`tma-ws` at `ws_tile`'s 4 warps compiles for sm_90 (Triton's bundled ptxas, no GPU) into
-    a load warpgroup and two MMA warpgroups that trade registers (`setmaxnreg`, 12 warps); at 8
-    warps Triton's Hopper pass leaves the loop as it is — why `ws_tile` sets 4."""
+    a load warpgroup and two MMA warpgroups that trade registers (`setmaxnreg`, 12 warps), its
+    one-dot `tma-ws-inter` too; at 8 warps Triton's Hopper pass leaves the loop as it is — why
+    `ws_tile` sets 4."""
     out = run_in_child(WARP_SPECIALIZED, str(Path(bench.__file__).parent)).splitlines()
     assert "ws_tile True 12" in out
     assert "8 warps False 8" in out
+    assert "ws_tile inter True 12" in out
