@@ -24,14 +24,14 @@ compile and the AOTInductor buckets' scores came out wrong. Assembly without ope
 a tensor, so it writes none of the kernel's arguments: `_operandless_asm_writes_nothing` tells the
 analysis so (installed on import, as the kernels are defined).
 
-`BOUNDGEN_PDL` (`MODE`) says which graphs take it: "0" none (the default), "small" the graphs of
+`BOUNDGEN_PDL` (`MODE`) says which graphs take it: "0" none, "small" (the default) the graphs of
 prefill buckets of at most `SMALL_TOKENS` tokens (short prompts: W3), "buckets" every prefill
 bucket's graph (score, classify, embed: W1–W3, W5) but not the beam searches', "1" every graph.
 On an H100 (forty-fourth session) the edges took W3's graph 899–906 → 873 µs but lost W4's
 searches 0.17 ms and W2 0.03 ms (a few long GEMMs: no gaps to save): hence "small", which gives
 them to the graphs of many short kernels only (forty-ninth session, W3's bucket, interleaved: the
-runner −0.035 ms, `Engine.score` −0.035 to −0.043; the default once the whole GPU suite has
-passed under it). `active()` decides both sides, read on the thread that traces or captures: the
+runner −0.035 ms, `Engine.score` −0.035 to −0.043; the default since the whole GPU suite passed
+under it, fifty-first session, H100: 87 passed). `active()` decides both sides, read on the thread that traces or captures: the
 kernels traced or launched while it is true carry the instructions (`PDL`, also false where the
 GPU has no `griddepcontrol`, before sm_90, and in Triton's CPU interpreter, which lacks it), and
 graphs captured while it is true get the edges. It is `ON` (any mode but "0"), except inside
@@ -83,7 +83,7 @@ def mode_of(value: str) -> str:
     return value
 
 
-MODE = mode_of(os.environ.get("BOUNDGEN_PDL", "0"))
+MODE = mode_of(os.environ.get("BOUNDGEN_PDL", "small"))
 ON = MODE != "0"  # kernels traced and graphs captured take it (outside `for_searches`)
 SEARCHES = MODE == "1"  # the beam searches' too
 # the most tokens a bucket that takes it may have (None: any)

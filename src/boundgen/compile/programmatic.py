@@ -10,8 +10,8 @@ step) becomes {from_port: programmatic, type: programmatic}; every other edge â€
 kernels, cuBLAS, copies, or from a node that is not a kernel â€” stays a full dependency.
 `grid_dependency` says what a programmatic edge changes and why the kernels are safe on one.
 
-`grid_dependency.active()` (`BOUNDGEN_PDL`: "0" none, the default; "buckets" the prefill buckets'
-graphs; "1" every graph) is read as a graph is captured (`capture`), as the kernels read it when
+`grid_dependency.active()` (`BOUNDGEN_PDL`: "0" none; "small", the default, the graphs of the
+prefill buckets of at most 128 tokens; "buckets" every prefill bucket's graph; "1" every graph) is read as a graph is captured (`capture`), as the kernels read it when
 traced or launched. Where the driver lacks the edge API (CUDA < 12.3) or the GPU has no
 programmatic launch (before sm_90) the graph is left as captured, said once in the log.
 """
