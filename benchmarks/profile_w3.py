@@ -51,6 +51,7 @@ runner alone (`rows` + `head` + softmax + `to_host` + sync):
   inside them; device-side copies by kind (HtoD, DtoH, DtoD), kernels, GPU busy time;
 - on CUDA, one staged call's steps timed apart without the profiler (`split_us`): pieces, fill,
   copy, replay (the launch's host time), clone, head, wait, and the graph's GPU time by events;
+  and pieces right after a wait for the GPU against pieces again at once (`pieces_after_wait`);
 - one runner call's per-kernel table (`--kernels` rows: own time, calls, share);
 - device tensor allocations per call (the caching allocator's `allocation.all.allocated`), pinned
   host allocations per call (`torch.cuda.host_memory_stats`, where this torch has it).
@@ -297,6 +298,31 @@ def split(runner: ModelRunner, groups: list[SequenceGroup], args, cuda: bool) ->
     out = medians(steps)
     print("\n== host/GPU split of one staged call (median µs): " + json.dumps(out), flush=True)
     out["runner"] = runner_steps(runner, groups, args)
+    out["pieces_after_wait"] = pieces_after_wait(runner, staged, groups, modes, args)
+    return out
+
+
+def pieces_after_wait(runner, staged, groups, modes, args) -> dict:
+    """`pieces` right after a wait for the GPU (the graph replayed, the stream synchronized: as
+    in `split`) and again at once (median µs over `--iters`): the CPU path times `pieces` hot,
+    back to back, at a third of what `split` reads on the GPU hosts (fifty-first session, H100:
+    35.4 against 97.9–150.8 µs for W2) — whether the wait itself (a core idling, its caches and
+    clock cold) or the CUDA path's own work costs the difference."""
+    steps: dict[str, list[float]] = {"after_wait": [], "again": []}
+    for i in range(args.warmup + args.iters):
+        with torch.inference_mode():
+            staged.graph.graph.replay()
+            torch.cuda.current_stream().synchronize()
+            t0 = time.perf_counter()
+            next(runner.pieces(groups, modes))
+            t1 = time.perf_counter()
+            next(runner.pieces(groups, modes))
+            t2 = time.perf_counter()
+        if i >= args.warmup:
+            steps["after_wait"].append((t1 - t0) * 1e6)
+            steps["again"].append((t2 - t1) * 1e6)
+    out = medians(steps)
+    print("== pieces after the wait and at once again (median µs): " + json.dumps(out), flush=True)
     return out
 
 
