@@ -308,19 +308,18 @@ def pieces_after_wait(runner, staged, groups, modes, args) -> dict:
     back to back, at a third of what `split` reads on the GPU hosts (fifty-first session, H100:
     35.4 against 97.9–150.8 µs for W2) — whether the wait itself (a core idling, its caches and
     clock cold) or the CUDA path's own work costs the difference."""
-    steps: dict[str, list[float]] = {"after_wait": [], "again": []}
+    marks = ("after_wait", "again")
+    steps: dict[str, list[float]] = {m: [] for m in marks + ("wall",)}
     for i in range(args.warmup + args.iters):
         with torch.inference_mode():
             staged.graph.graph.replay()
             torch.cuda.current_stream().synchronize()
-            t0 = time.perf_counter()
-            next(runner.pieces(groups, modes))
-            t1 = time.perf_counter()
-            next(runner.pieces(groups, modes))
-            t2 = time.perf_counter()
+            t = [time.perf_counter()]
+            for _ in marks:
+                next(runner.pieces(groups, modes))
+                t.append(time.perf_counter())
         if i >= args.warmup:
-            steps["after_wait"].append((t1 - t0) * 1e6)
-            steps["again"].append((t2 - t1) * 1e6)
+            add_steps(steps, marks, t)
     out = medians(steps)
     print("== pieces after the wait and at once again (median µs): " + json.dumps(out), flush=True)
     return out
@@ -374,16 +373,16 @@ def runner_steps(runner: ModelRunner, groups: list[SequenceGroup], args) -> dict
 def host_split(runner, staged, groups, modes, args) -> dict:
     """`split`'s host steps before the replay (`pieces`, `fill`), median µs over `--iters` calls,
     where no graph replays (CPU: the same Python and numpy as on a GPU host)."""
-    steps: dict[str, list[float]] = {"pieces": [], "fill": []}
+    marks = ("pieces", "fill")
+    steps: dict[str, list[float]] = {m: [] for m in marks + ("wall",)}
     for i in range(args.warmup + args.iters):
-        t0 = time.perf_counter()
+        t = [time.perf_counter()]
         _, lay = next(runner.pieces(groups, modes))
-        t1 = time.perf_counter()
+        t.append(time.perf_counter())
         staged.inputs.fill(lay)
-        t2 = time.perf_counter()
+        t.append(time.perf_counter())
         if i >= args.warmup:
-            steps["pieces"].append((t1 - t0) * 1e6)
-            steps["fill"].append((t2 - t1) * 1e6)
+            add_steps(steps, marks, t)
     out = medians(steps)
     print("\n== host steps before the replay (median µs): " + json.dumps(out), flush=True)
     return out

@@ -44,7 +44,7 @@ def test_rotations_are_built_and_timed_side_by_side(tmp_path):
         assert set(got["interleaved"][side]) == {"engine", "runner"}
         assert got["variants"][side]["max_abs_diff_vs_eager"] < 1e-4
         # the host steps before a replay, timed on the CPU too
-        assert set(got["variants"][side]["split_us"]) == {"pieces", "fill"}
+        assert set(got["variants"][side]["split_us"]) == {"pieces", "fill", "wall"}
         # the summary (the last table) sets each side's interleaved time beside its time alone
         for path_ in ("engine", "runner"):
             row = [
