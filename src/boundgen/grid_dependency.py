@@ -26,23 +26,23 @@ analysis so (installed on import, as the kernels are defined).
 
 `BOUNDGEN_PDL` (`MODE`) says which graphs take it: "0" none, "small" (the default) the graphs of
 prefill buckets of at most `SMALL_TOKENS` tokens (short prompts: W3), "buckets" every prefill
-bucket's graph (score, classify, embed: W1–W3, W5) but not the beam searches', "1" every graph.
-On an H100 (forty-fourth session) the edges took W3's graph 899–906 → 873 µs but lost W4's
-searches 0.17 ms and W2 0.03 ms (a few long GEMMs: no gaps to save): hence "small", which gives
-them to the graphs of many short kernels only (forty-ninth session, W3's bucket, interleaved: the
-runner −0.035 ms, `Engine.score` −0.035 to −0.043; the default since the whole GPU suite passed
-under it, fifty-first session, H100: 87 passed). `active()` decides both sides, read on the thread that traces or captures: the
-kernels traced or launched while it is true carry the instructions (`PDL`, also false where the
-GPU has no `griddepcontrol`, before sm_90, and in Triton's CPU interpreter, which lacks it), and
-graphs captured while it is true get the edges. It is `ON` (any mode but "0"), except inside
-`for_searches()` — a beam search's trace and capture (`ModelRunner.beam_search`,
+bucket's graph (score, classify, embed: W1–W3, W5) but not the beam searches', "1" every graph. On
+an H100 (forty-fourth session) the edges took W3's graph 899–906 → 873 µs but lost W4's searches
+0.17 ms and W2 0.03 ms (a few long GEMMs: no gaps to save): hence "small", which gives them to the
+graphs of many short kernels only (forty-ninth session, W3's bucket, interleaved: the runner −0.035
+ms, `Engine.score` −0.035 to −0.043; the default since the whole GPU suite passed under it,
+fifty-first session, H100: 87 passed). `active()` decides both sides, read on the thread that traces
+or captures: the kernels traced or launched while it is true carry the instructions (`PDL`, also
+false where the GPU has no `griddepcontrol`, before sm_90, and in Triton's CPU interpreter, which
+lacks it), and graphs captured while it is true get the edges. It is `ON` (any mode but "0"), except
+inside `for_searches()` — a beam search's trace and capture (`ModelRunner.beam_search`,
 `SearchGraphs.run`) — where it is `ON and SEARCHES` (mode "1"), and under "small" only inside
 `for_bucket(tokens)` of a small bucket (a bucket's export, `compile.aoti.build_package`, the
 compiled backend's warm-up, and its graph's capture, `compile.graphs.capture_buckets`). A graph is
-captured in the context its kernels were traced in, so its edges only go into kernels that wait:
-an edge into a kernel traced without the wait would let it read its inputs before they are
-written. Compiled packages and the searches' compiled-layers blob record what their kernels carry
-(`key()` in `compile.cache.platform_info`, `compile.torch_cache`).
+captured in the context its kernels were traced in, so its edges only go into kernels that wait: an
+edge into a kernel traced without the wait would let it read its inputs before they are written.
+Compiled packages and the searches' compiled-layers blob record what their kernels carry (`key()` in
+`compile.cache.platform_info`, `compile.torch_cache`).
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ kernels, cuBLAS, copies, or from a node that is not a kernel — stays a full de
 `grid_dependency` says what a programmatic edge changes and why the kernels are safe on one.
 
 `grid_dependency.active()` (`BOUNDGEN_PDL`: "0" none; "small", the default, the graphs of the
-prefill buckets of at most 128 tokens; "buckets" every prefill bucket's graph; "1" every graph) is read as a graph is captured (`capture`), as the kernels read it when
-traced or launched. Where the driver lacks the edge API (CUDA < 12.3) or the GPU has no
-programmatic launch (before sm_90) the graph is left as captured, said once in the log.
+prefill buckets of at most 128 tokens; "buckets" every prefill bucket's graph; "1" every graph) is
+read as a graph is captured (`capture`), as the kernels read it when traced or launched. Where the
+driver lacks the edge API (CUDA < 12.3) or the GPU has no programmatic launch (before sm_90) the
+graph is left as captured, said once in the log.
 """
 
 from __future__ import annotations
