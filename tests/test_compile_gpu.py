@@ -168,9 +168,11 @@ def test_aoti_with_the_streaming_residual_gemm_matches_eager(
     assert e.runner.stats()["misses"] == 0
 
 
-def test_aoti_with_the_bucket_gated_gemm_matches_eager(cuda_engine, tmp_path, monkeypatch):
+@pytest.mark.parametrize("form", ["1", "persist"])
+def test_aoti_with_the_bucket_gated_gemm_matches_eager(cuda_engine, tmp_path, monkeypatch, form):
     """A 64-token cascade bucket built by AOTInductor with gate_up + SiLU·mul as the bucket GEMM
-    (`bucket_gated.GATED`, streaming up to 16 rows: the bucket's 64 rows take it) scores as the
+    (`bucket_gated.GATED`, streaming up to 16 rows: the bucket's 64 rows take it; "persist" its
+    persistent TMA-fed kernel, whose descriptors' scratch AOTInductor allocates) scores as the
     eager engine, its package keyed apart."""
     from boundgen.compile.cache import platform_info
     from boundgen.models import bucket_gated, stream
@@ -178,7 +180,8 @@ def test_aoti_with_the_bucket_gated_gemm_matches_eager(cuda_engine, tmp_path, mo
     want = _scores(cuda_engine)  # the eager layers on cuBLAS
     monkeypatch.setattr(stream, "MAX_ROWS", 16)
     monkeypatch.setattr(bucket_gated, "GATED", True)
-    assert platform_info("cuda")["bucket_gated"] == "1"
+    monkeypatch.setattr(bucket_gated, "PERSISTENT", form == "persist")
+    assert platform_info("cuda")["bucket_gated"] == form
     e = cuda_engine.with_runner(_aoti_runner(cuda_engine, "aoti+graphs", tmp_path))
     torch.testing.assert_close(_scores(e), want, atol=2e-2, rtol=0)
     assert e.runner.stats()["misses"] == 0

@@ -148,7 +148,8 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     the rows up to which o_proj and down stream their weights, `models.stream.MAX_ROWS`, and
     whether gate_up then streams with SiLU·mul as its epilogue, `models.stream_gated.GATED`, and
     qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, whether a bucket's
-    gate_up takes its SiLU·mul, `models.bucket_gated.GATED`, how q and k are rotated,
+    gate_up takes its SiLU·mul, `models.bucket_gated.GATED`, and by which kernel, `PERSISTENT`,
+    how q and k are rotated,
     `models.decoder.QK_ROTATION`, and written, `models.layers.ROPE_FORM`, whether the kernels
     wait for the kernels before them (programmatic launch), `grid_dependency.key()`, and whether
     the buckets' GEMMs were autotuned, `compile.bucket_autotune`)."""
@@ -185,7 +186,7 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         if stream_qkv.ROTATED:  # off keeps the keys of the packages built before it
             info["stream_qkv"] = "1"
     if bucket_gated.GATED:  # off keeps the keys of the packages built before it
-        info["bucket_gated"] = "1"
+        info["bucket_gated"] = "persist" if bucket_gated.PERSISTENT else "1"
     pdl = grid_dependency.key()
     if pdl is not None:  # off keeps the keys of the packages built before it
         info["pdl"] = pdl

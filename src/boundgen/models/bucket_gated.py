@@ -15,7 +15,8 @@ through pointers (Triton pipelines them with `cp.async` on Hopper). On an H100 i
 against cuBLAS + SiLU·mul's 68.0 at 1,920 rows, 242 against 280 at 8,192 and 430 against 506 at
 14,912 (TMA-fed: 60.4 / 233 / 463; descriptors made in the kernel lost everywhere), and took
 W2's call 0.08 ms shorter (interleaved, twice). Persistent programs (one an SM walking the
-tiles) lost (67–82 µs at 1,920 rows on the H200) and are not used. qkv + bias with the q/k
+tiles) with host-made descriptors lost (67–82 µs at 1,920 rows on the H200); with descriptors
+made in the kernel they are `PERSISTENT` below. qkv + bias with the q/k
 rotation as the epilogue of the same kind of kernel lost 1.7–1.9x to cuBLAS + the rotation at
 every size (removed).
 
@@ -30,6 +31,16 @@ w1-gated`); `BOUNDGEN_BUCKET_GATED=0` (`GATED`) turns it off. It takes the calls
 prefill buckets; the compiled beam layers' rows are symbolic), bf16/fp16 on CUDA (Triton's
 interpreter under `stream.forced()` in the tests). Compiled packages record the switch
 (`compile.cache.platform_info`).
+
+`BOUNDGEN_BUCKET_GATED=persist` (`PERSISTENT`, opt-in until measured in W1 and W2): the same
+product by persistent programs, one an SM walking the output tiles in the grouped order, each
+tile's operands fed to shared memory by TMA through descriptors the kernel makes
+(`tl.make_tensor_descriptor`: a compiled package can carry them, host-made ones it cannot; their
+global scratch comes from Triton's allocator, which AOTInductor's and Inductor's launchers set
+and `launch_gated` sets on its thread). On an H100 (fifty-first session,
+`bench_bucket_gated.py`'s `tma-persist`, the same tile) it ran 64.5 µs against this kernel's
+65.2 at 1,920 rows, 239.6 against 255.6 at 8,192 and 439.4 against 471.6 at 14,912. It takes
+what the pointer kernel takes when K's and I's rows are whole 16-byte multiples (TMA's strides).
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ from torch import nn
 
 from boundgen import triton_launch
 from boundgen.models import stream
-from boundgen.settings import switched
+from boundgen.settings import env_choice, switched
 
 AVAILABLE = stream.AVAILABLE  # Triton and torch's triton_op, as `stream` found them
 if AVAILABLE:
@@ -51,7 +62,11 @@ if AVAILABLE:
     import triton.language as tl
     from torch.library import triton_op
 
-GATED = os.environ.get("BOUNDGEN_BUCKET_GATED", "1") == "1"
+# "0" off, "1" the pointer-fed kernel, "persist" the persistent TMA-fed one
+FORMS = ("0", "1", "persist")
+_FORM = env_choice("BOUNDGEN_BUCKET_GATED", os.environ.get("BOUNDGEN_BUCKET_GATED", "1"), FORMS)
+GATED = _FORM != "0"
+PERSISTENT = _FORM == "persist"
 # Tile: rows, output columns (of each half), K a step, row tiles walked together, warps, stages.
 # This kernel's best at W1's 14,912 rows on an H100 (forty-seventh session: 430 µs, the next
 # 478) and within 0.4 µs of its best at W2's 1,920 (65.5 against 65.2; a warpgroup per 64 rows).
@@ -64,6 +79,14 @@ def enabled(on: bool) -> Iterator[None]:
     traces or compiles (an A/B's switch)."""
     with switched(globals(), "GATED", on):
         yield
+
+
+def set_form(form: str) -> None:
+    """`GATED` and `PERSISTENT` as `BOUNDGEN_BUCKET_GATED=form` sets them (an A/B's sides,
+    read when the buckets trace)."""
+    global GATED, PERSISTENT
+    env_choice("BOUNDGEN_BUCKET_GATED", form, FORMS)
+    GATED, PERSISTENT = form != "0", form == "persist"
 
 
 def applies(x: torch.Tensor, gate_up: nn.Module) -> bool:
@@ -133,16 +156,84 @@ if AVAILABLE:
             out_at, h.to(Out.dtype.element_ty), mask=(rows < M)[:, None] & (cols < INTER)[None, :]
         )
 
-    def launch_gated(x: torch.Tensor, weight: torch.Tensor, tile=None) -> torch.Tensor:
+    @triton.jit
+    def _gated_persistent_kernel(
+        X, W, Out, M, INTER: tl.constexpr, K: tl.constexpr, PROGRAMS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    ):  # fmt: skip
+        """`_gated_kernel`'s product by PROGRAMS persistent programs, program p taking output
+        tiles p, p + PROGRAMS, …; operands loaded by TMA through descriptors made here. Past
+        the edges TMA reads zeros and drops stores; a gate tile past column INTER reads up's
+        first rows, never stored."""
+        x_desc = tl.make_tensor_descriptor(X, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(W, [2 * INTER, K], [K, 1], [BLOCK_N, BLOCK_K])
+        o_desc = tl.make_tensor_descriptor(Out, [M, INTER], [INTER, 1], [BLOCK_M, BLOCK_N])
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(INTER, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS):
+            pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+            off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+            gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                x = x_desc.load([off_m, k])
+                w_gate = w_desc.load([off_n, k])
+                w_up = w_desc.load([INTER + off_n, k])
+                if INTERPRET:  # as in `_gated_kernel`
+                    x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+                gate = tl.dot(x, w_gate.T, gate, input_precision=PRECISION)
+                up = tl.dot(x, w_up.T, up, input_precision=PRECISION)
+            h = gate * tl.sigmoid(gate) * up
+            o_desc.store([off_m, off_n], h.to(o_desc.dtype))
+
+    def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+        """Triton's allocator: the global scratch the persistent kernel's descriptors are made
+        in, from torch's caching allocator (a graph's pool while capturing)."""
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    def _with_scratch() -> None:
+        """Triton's allocator set on this thread where none is: it is a context variable, so
+        each worker thread starts without one; AOTInductor's and Inductor's launchers set
+        theirs."""
+        from triton.runtime import _allocation
+
+        if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            triton.set_allocator(_scratch)
+
+    def _tma_strides(x: torch.Tensor, inter: int) -> bool:
+        """Whether TMA takes x's, the weight's and the output's rows: 16-byte multiples."""
+        return (x.shape[1] * x.element_size()) % 16 == 0 and (inter * x.element_size()) % 16 == 0
+
+    def _programs(x: torch.Tensor, tiles: int) -> int:
+        """The persistent grid: an SM a program (4 in the interpreter), at most a tile each."""
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        return min(sms, tiles)
+
+    def launch_gated(
+        x: torch.Tensor, weight: torch.Tensor, tile=None, persistent: bool | None = None
+    ) -> torch.Tensor:
         """SiLU(x @ gate.T) · (x @ up.T) [M, I] in x's dtype, weight = [gate; up] [2I, K];
         `tile` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages), `GATED_TILE` when not
-        given (what the op and `bench_bucket_gated.py` call)."""
+        given (what the op and `bench_bucket_gated.py` call); `persistent`: the persistent TMA
+        kernel (`PERSISTENT` when not given) where TMA takes the rows (`_tma_strides`)."""
         x, weight = x.contiguous(), weight.contiguous()
         block_m, block_n, block_k, group_m, warps, stages = tile or GATED_TILE
         torch._check(weight.shape[0] % 2 == 0 and weight.shape[1] == x.shape[1])
         m, inter = x.shape[0], weight.shape[0] // 2
         out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
         tiles = triton.cdiv(m, block_m) * triton.cdiv(inter, block_n)
+        if (PERSISTENT if persistent is None else persistent) and _tma_strides(x, inter):
+            if x.is_cuda:
+                _with_scratch()
+            programs = _programs(x, tiles)
+            triton_launch.traceable(_gated_persistent_kernel)[(programs,)](
+                x, weight, out, m, INTER=inter, K=x.shape[1], PROGRAMS=programs, BLOCK_M=block_m,
+                BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+                PRECISION=triton_launch.dot_precision(x), INTERPRET=not x.is_cuda,
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
+            return out
         triton_launch.traceable(_gated_kernel)[(tiles,)](
             x, weight, out, m, INTER=inter, K=x.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, GROUP_M=group_m, PRECISION=triton_launch.dot_precision(x),
