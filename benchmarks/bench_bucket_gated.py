@@ -11,6 +11,8 @@ tiles, three stages) beat the pair at every size; persistent programs lost, and 
 descriptors cannot go through `torch.compile` or AOTInductor (torch 2.11), so the engine's kernel
 loads through pointers. This times, each over a tile sweep (`--quick`: one tile each):
 - `engine`: `bucket_gated.launch_gated`, pointer loads, a program a tile;
+- `engine-persist`: its persistent TMA-fed kernel (`BOUNDGEN_BUCKET_GATED=persist`:
+  `tma-persist` as the engine builds it);
 - `tma-two`: host-side TMA descriptors, gate's and up's rows of a column tile (`cols`,
   `I + cols`) as two loads into two float32 accumulators — the checkpoint's own [2I, K] layout;
 - `tma-inter`: the same with the weight's rows interleaved once (gate j, up j, …): one
@@ -182,7 +184,8 @@ def _scratch(size: int, alignment: int, stream):
 
 
 PERSISTENT = ("tma-persist", "tma-ws", "tma-persist-inter", "tma-ws-inter")
-VARIANTS = ("engine", "tma-two", "tma-inter", "tma-device", "tma-ws-k") + PERSISTENT
+VARIANTS = ("engine", "engine-persist", "tma-two", "tma-inter", "tma-device", "tma-ws-k")
+VARIANTS += PERSISTENT
 # "variant tile" → the warps its persistent kernel compiled to (12 where Triton specialized it)
 COMPILED_WARPS: dict[str, int] = {}
 
@@ -191,8 +194,8 @@ def gated_variant(x, w, tile, variant: str):
     """SiLU(x @ gate.T) · (x @ up.T) [M, I]: the engine's kernel or a TMA variant above; `w` is
     [2I, K] as the checkpoint holds it, or interleaved (row 2j gate j, 2j + 1 up j) for
     the `-inter` variants."""
-    if variant == "engine":
-        return bucket_gated.launch_gated(x, w, tile)
+    if variant in ("engine", "engine-persist"):
+        return bucket_gated.launch_gated(x, w, tile, persistent=variant == "engine-persist")
     bm, bn, bk, group_m, warps, stages = tile
     m, k = x.shape
     i = w.shape[0] // 2

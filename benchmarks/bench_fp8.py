@@ -573,7 +573,8 @@ def section_compiled(res: dict, args) -> None:
         if graph_max_tokens is not None:
             row["graph_max_tokens"] = graph_max_tokens
         if gated is not None:  # read when the buckets trace
-            row["bucket_gated"] = bucket_gated.GATED = gated == "1"
+            bucket_gated.set_form(gated)
+            row["bucket_gated"] = gated
         options = {} if graph_max_tokens is None else {"graph_max_tokens": graph_max_tokens}
         try:
             with _fp8(engine, policy, act_quant=act_quant if act_quant != "-" else "torch"):
@@ -809,10 +810,10 @@ def main(argv=None) -> int:
         "--bucket-gated",
         nargs="+",
         default=[None],
-        choices=["0", "1"],
-        help="compiled section: `bucket_gated.GATED` values, each a run of every policy (a "
-        "bucket's gate_up + SiLU·mul by cuBLAS + Inductor, or one GEMM, `models/bucket_gated.py`;"
-        " default: as the environment says)",
+        choices=list(bucket_gated.FORMS),
+        help="compiled section: `BOUNDGEN_BUCKET_GATED` forms, each a run of every policy (a "
+        "bucket's gate_up + SiLU·mul by cuBLAS + Inductor, or one GEMM, `models/bucket_gated.py`:"
+        " pointer-fed 1, persistent TMA-fed persist; default: as the environment says)",
     )
     ap.add_argument(
         "--silu-tiles",

@@ -26,7 +26,8 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --pdl 0,1                             # the graph as captured, or with programmatic edges
     python benchmarks/profile_w3.py --workload w2 --backend aoti+graphs --variants after \
-        --bucket-gated 0,1                    # a bucket's gate_up + SiLU·mul: cuBLAS or one GEMM
+        --bucket-gated 0,1,persist            # a bucket's gate_up + SiLU·mul: cuBLAS or one GEMM
+                                              # (pointer-fed, or persistent and TMA-fed)
     python benchmarks/profile_w3.py --workload w2 --backend aoti+graphs --variants after \
         --rope-forms cat,flip                 # the bucket's q/k rotation with or without `cat`
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
@@ -579,8 +580,9 @@ def main() -> int:
     ap.add_argument(
         "--bucket-gated",
         default=None,
-        help="`bucket_gated.GATED` values to build side by side (0,1: a bucket's gate_up by "
-        "cuBLAS and SiLU·mul by Inductor, or both as one GEMM, `models/bucket_gated.py`), "
+        help="`BOUNDGEN_BUCKET_GATED` forms to build side by side (0,1,persist: a bucket's gate_up "
+        "by cuBLAS and SiLU·mul by Inductor, or both as one GEMM, `models/bucket_gated.py`, "
+        "pointer-fed or persistent TMA-fed), "
         "crossed with the other axes",
     )
     ap.add_argument(
@@ -627,7 +629,7 @@ def main() -> int:
             ap.error(f"--stream: rows are a whole number, not {st!r}")
     gateds = _axis(ap, "--gated", args.gated, ("0", "1"))
     qkvs = _axis(ap, "--qkv", args.qkv, ("0", "1"))
-    bucket_gateds = _axis(ap, "--bucket-gated", args.bucket_gated, ("0", "1"))
+    bucket_gateds = _axis(ap, "--bucket-gated", args.bucket_gated, bucket_gated.FORMS)
     copies = _axis(ap, "--copy", args.copy, ("call", "graph"))
     pdls = _axis(ap, "--pdl", args.pdl, ("0", "1"))
     rotations = _axis(ap, "--rotations", args.rotations, decoder.QK_ROTATIONS)
@@ -717,7 +719,7 @@ def main() -> int:
             if pdl is not None:
                 grid_dependency.ON = pdl == "1"
             if b_gated is not None:
-                bucket_gated.GATED = b_gated == "1"
+                bucket_gated.set_form(b_gated)
             t0 = time.perf_counter()
             runner = build_runner(base, args, staged=variant == "after")
             if variant == "before":
