@@ -192,15 +192,6 @@ if AVAILABLE:
         in, from torch's caching allocator (a graph's pool while capturing)."""
         return torch.empty(size, dtype=torch.int8, device="cuda")
 
-    def _with_scratch() -> None:
-        """Triton's allocator set on this thread where none is: it is a context variable, so
-        each worker thread starts without one; AOTInductor's and Inductor's launchers set
-        theirs."""
-        from triton.runtime import _allocation
-
-        if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            triton.set_allocator(_scratch)
-
     def _tma_strides(x: torch.Tensor, inter: int) -> bool:
         """Whether TMA takes x's, the weight's and the output's rows: 16-byte multiples."""
         return (x.shape[1] * x.element_size()) % 16 == 0 and (inter * x.element_size()) % 16 == 0
@@ -224,8 +215,10 @@ if AVAILABLE:
         out = torch.empty((m, inter), dtype=x.dtype, device=x.device)
         tiles = triton.cdiv(m, block_m) * triton.cdiv(inter, block_n)
         if (PERSISTENT if persistent is None else persistent) and _tma_strides(x, inter):
-            if x.is_cuda:
-                _with_scratch()
+            if x.is_cuda:  # on this thread (a context variable: each thread starts without
+                # one), as Inductor's launcher sets its own before each run; AOTInductor's
+                # allocates the scratch itself
+                triton.set_allocator(_scratch)
             programs = _programs(x, tiles)
             triton_launch.traceable(_gated_persistent_kernel)[(programs,)](
                 x, weight, out, m, INTER=inter, K=x.shape[1], PROGRAMS=programs, BLOCK_M=block_m,
