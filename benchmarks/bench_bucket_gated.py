@@ -11,8 +11,6 @@ tiles, three stages) beat the pair at every size; persistent programs lost, and 
 descriptors cannot go through `torch.compile` or AOTInductor (torch 2.11), so the engine's kernel
 loads through pointers. This times, each over a tile sweep (`--quick`: one tile each):
 - `engine`: `bucket_gated.launch_gated`, pointer loads, a program a tile;
-- `engine-persist`: its persistent TMA-fed kernel (`BOUNDGEN_BUCKET_GATED=persist`:
-  `tma-persist` as the engine builds it);
 - `tma-two`: host-side TMA descriptors, gate's and up's rows of a column tile (`cols`,
   `I + cols`) as two loads into two float32 accumulators — the checkpoint's own [2I, K] layout;
 - `tma-inter`: the same with the weight's rows interleaved once (gate j, up j, …): one
@@ -21,16 +19,17 @@ loads through pointers. This times, each over a tile sweep (`--quick`: one tile 
   what a compiled package could carry; Triton's allocator gives their scratch);
 - `tma-ws-k`: `tma-device` with its K loop warp-specialized (one tile a program);
 - `tma-persist` and `tma-ws`: `tma-device` as persistent programs (one an SM, walking the tiles
-  GROUP_M row tiles at a time), `tma-ws` with the tile loop warp-specialized
-  (`tl.range(..., warp_specialize=True)`: load warps feed the MMA warps, whose epilogue then
-  overlaps the next tile's loads — what cuBLAS's kernels do; Triton's Hopper pass,
-  triton-lang/triton#7642, at 4 warps a program: `ws_tile`). Whether the GPU image's Triton
-  (3.6) specialized it, the compiled kernel's warps say (`compiled_warps` in the JSON: 12 where
-  it did). Why: in W1's profile (forty-eighth session, H100) cuBLAS's gate_up took 26.19 ms a call
-  and the engine's kernel, SiLU·mul included, 33.21; at cuBLAS's GEMM time W1 would be ~7 ms
-  (~10 %) faster. The forty-seventh session's persistent programs had neither device
-  descriptors nor warp specialization. On the H100 (fifty-first session, Triton 3.6)
-  `tma-ws` compiled to 12 warps and beat the pair, but every tile's output held NaN;
+  GROUP_M row tiles at a time; `tma-persist` is the engine's `BOUNDGEN_BUCKET_GATED=persist` kernel,
+  `bucket_gated.launch_gated(..., persistent=True)`), `tma-ws` the same loop written here,
+  warp-specialized (`tl.range(..., warp_specialize=True)`: load warps feed the MMA warps, whose
+  epilogue then overlaps the next tile's loads — what cuBLAS's kernels do; Triton's Hopper pass,
+  triton-lang/triton#7642, at 4 warps a program: `ws_tile`). Whether the GPU image's Triton (3.6)
+  specialized it, the compiled kernel's warps say (`compiled_warps` in the JSON: 12 where it did).
+  Why: in W1's profile (forty-eighth session, H100) cuBLAS's gate_up took 26.19 ms a call and the
+  engine's kernel, SiLU·mul included, 33.21; at cuBLAS's GEMM time W1 would be ~7 ms (~10 %) faster.
+  The forty-seventh session's persistent programs had neither device descriptors nor warp
+  specialization. On the H100 (fifty-first session, Triton 3.6) `tma-ws` compiled to 12 warps and
+  beat the pair, but every tile's output held NaN;
 - `tma-persist-inter` and `tma-ws-inter`: the two over `tma-inter`'s interleaved weight, one dot
   a K step (Triton 3.6's Hopper pass cannot partition its split: `tma-ws-inter` fails to
   compile there; 3.9 compiles it).
@@ -177,14 +176,9 @@ def _gated_persistent_kernel(
         o_desc.store([off_m, off_n], h.to(o_desc.dtype))
 
 
-def _scratch(size: int, alignment: int, stream):
-    """Triton's allocator: the device-made descriptors' global scratch (a graph's pool while
-    capturing)."""
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-PERSISTENT = ("tma-persist", "tma-ws", "tma-persist-inter", "tma-ws-inter")
-VARIANTS = ("engine", "engine-persist", "tma-two", "tma-inter", "tma-device", "tma-ws-k")
+# the variants this file's persistent kernel runs (`tma-persist` is the engine's)
+PERSISTENT = ("tma-ws", "tma-persist-inter", "tma-ws-inter")
+VARIANTS = ("engine", "tma-persist", "tma-two", "tma-inter", "tma-device", "tma-ws-k")
 VARIANTS += PERSISTENT
 # "variant tile" → the warps its persistent kernel compiled to (12 where Triton specialized it)
 COMPILED_WARPS: dict[str, int] = {}
@@ -194,8 +188,8 @@ def gated_variant(x, w, tile, variant: str):
     """SiLU(x @ gate.T) · (x @ up.T) [M, I]: the engine's kernel or a TMA variant above; `w` is
     [2I, K] as the checkpoint holds it, or interleaved (row 2j gate j, 2j + 1 up j) for
     the `-inter` variants."""
-    if variant in ("engine", "engine-persist"):
-        return bucket_gated.launch_gated(x, w, tile, persistent=variant == "engine-persist")
+    if variant in ("engine", "tma-persist"):
+        return bucket_gated.launch_gated(x, w, tile, persistent=variant == "tma-persist")
     bm, bn, bk, group_m, warps, stages = tile
     m, k = x.shape
     i = w.shape[0] // 2
@@ -204,7 +198,7 @@ def gated_variant(x, w, tile, variant: str):
     meta.update(num_warps=warps, num_stages=stages)
     inter = variant.endswith("-inter")
     if variant in PERSISTENT:
-        programs = min(_sms(x.device), triton.cdiv(m, bm) * triton.cdiv(i, bn))
+        programs = bucket_gated._programs(x, triton.cdiv(m, bm) * triton.cdiv(i, bn))
         compiled = _gated_persistent_kernel[(programs,)](
             x,
             w,
@@ -231,13 +225,6 @@ def gated_variant(x, w, tile, variant: str):
         *args, m, DEVICE=device, INTERLEAVED=inter, WS_K=variant == "tma-ws-k", **meta
     )
     return out
-
-
-def _sms(device: torch.device) -> int:
-    """The device's SMs (its multiprocessors): a persistent grid's programs."""
-    if device.type != "cuda":  # the interpreter's smoke run
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def interleave(w: torch.Tensor) -> torch.Tensor:
@@ -363,7 +350,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    triton.set_allocator(_scratch)
+    triton.set_allocator(bucket_gated._scratch)
     result = {
         "env": env_info(),
         "k": K,

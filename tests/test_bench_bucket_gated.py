@@ -18,7 +18,7 @@ import bench_bucket_gated as bench
 from hopper import run_in_child
 
 # rows past the row tiles, several column tiles, two K steps: (rows, columns, K, GROUP_M, warps,
-# stages); the persistent variants' 4 programs (the CPU's `_sms`) walk 9 tiles
+# stages); the persistent variants' 4 programs (`bucket_gated._programs` on the CPU) walk 9 tiles
 TILE = (16, 16, 32, 2, 4, 2)
 
 
