@@ -233,6 +233,26 @@ class _EmbeddingSession:
         pass
 
 
+class _CountingSession(_EmbeddingSession):
+    def __init__(self):
+        super().__init__(False)
+        self.reorders = 0
+
+    def reorder(self, parent):
+        self.reorders += 1
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 5])
+def test_a_search_reorders_the_beams_kv_only_before_a_step_that_reads_it(steps):
+    # step 0 picks new beams (nothing to reorder); after the last step no decode step reads the
+    # beams' KV, so its gather would be a kernel a search for nothing
+    from boundgen.search import search
+
+    session = _CountingSession()
+    search(session, session.head, 4, steps, None)
+    assert session.reorders == max(steps - 2, 0)
+
+
 @pytest.mark.parametrize("softmax", [None, "vocab", "children"])
 def test_search_over_bf16_logits_equals_search_over_their_float32_copy(softmax):
     # the search reads the model's bf16 logits in place (no float32 copy of 512 × vocab a step):

@@ -186,7 +186,7 @@ def search(
         scores, next_node, global_parent, hist = picked
         if next_node is not None:
             node = next_node
-        if step > 0:
+        if 0 < step < steps - 1:  # after the last step no decode step reads the beams' KV
             session.reorder(global_parent)
     return hist, scores
 
