@@ -21,6 +21,7 @@
 #   W3_ARGS="--workload w2 --variants after" W3_NAME=w2 bash benchmarks/run_h200.sh w3   # one W2 call's host vs GPU
 #   bash benchmarks/run_h200.sh beam-wrk                        # issue 24: /v1/beam under wrk (carry .whl .tools; ≤ 5 min)
 #   bash benchmarks/run_h200.sh segments-tests attention; then: attention-sweep   # issue 25 item 2
+#   bash benchmarks/run_h200.sh layer-kernel                    # issues 24/25: a short prompt's layer as one kernel
 #   bash benchmarks/run_h200.sh bucket-gated                    # issue 25 item 3: gate_up + SiLU·mul as one GEMM at 1,920–14,912 rows
 #   bash benchmarks/run_h200.sh w1-gated                        # issue 25 item 3: W1/W2 with that GEMM off and on (≈ 6–7 min)
 #   bash benchmarks/run_h200.sh rope                            # issue 25 item 3: RoPE computed vs table
@@ -111,6 +112,10 @@ run_phase() {
     w1-gated) phase w1-gated 420 python3 benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs --policies none --bucket-gated 0 1 --compiled-buckets plan --iters 10 --profile --hf --out "$OUT/w1_gated.json" ${W1_GATED_ARGS:-} ;;
     # issue 25 item 3: that GEMM alone (and TMA-fed variants: persistent, warp-specialized) vs cuBLAS + Inductor
     # at 1,920–14,912 rows (BUCKET_GATED_ARGS="--variants engine tma-persist tma-ws": those against the engine's)
+    # issues 24/25: each short prompt's layer as one persistent kernel: its GPU tests, then against the
+    # compiled layers (LAYER_KERNEL_ARGS="--layouts w3 packed 16 --profile")
+    layer-kernel) phase layer-kernel-tests 120 python3 -m pytest -v -rfs --tb=short -p no:cacheprovider -m gpu tests/test_layer_kernel.py
+      phase layer-kernel 200 python3 benchmarks/bench_layer_kernel.py --out "$OUT/layer_kernel.json" ${LAYER_KERNEL_ARGS:-} ;;
     bucket-gated) phase bucket-gated 180 python3 benchmarks/bench_bucket_gated.py --out "$OUT/bucket_gated.json" ${BUCKET_GATED_ARGS:-} ;;
     # issue 25 item 3: a bucket's RoPE kernel: cos/sin computed in-graph, gathered from a table or given,
     # the rotation with or without `cat` (ROPE_ARGS="--variants table --forms cat flip --tokens 1920 8192")

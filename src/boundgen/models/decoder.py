@@ -18,7 +18,7 @@ from boundgen.attention.cascade import by_kv_head, prefill_attention
 from boundgen.attention.metadata import AttnInputs
 from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
-from boundgen.models import bucket_gated, skinny, stream, stream_gated, stream_qkv
+from boundgen.models import bucket_gated, layer_kernel, skinny, stream, stream_gated, stream_qkv
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from boundgen.settings import env_choice
 
@@ -258,6 +258,8 @@ class DecoderModel(nn.Module):
         """input_ids, positions: [T] → final-normed hidden states [T, H]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        if layer_kernel.applies(self, x, attn, kv):  # a short prompt: one kernel a layer
+            return self.norm(layer_kernel.run_layers(self, x, cos, sin, attn))
         counts = skinny.counters(x, self.layers[0])
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn, kv, i, self.backend, counts)

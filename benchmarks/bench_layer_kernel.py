@@ -1,0 +1,146 @@
+"""Issue 25 (W3) and 24 (few-row layers): each decoder layer of a short prompt as one persistent
+kernel (`models/layer_kernel.py`) against the layers the engine compiles today, on the GPU.
+
+    python benchmarks/bench_layer_kernel.py --out $OUT/layer_kernel.json     # H100/H200, ~1-2 min
+
+A Qwen2.5-0.5B-shaped model (24 layers, random weights ~N(0, 0.02), a small vocabulary: the head is
+not part of it) compiled as the engine compiles a prefill bucket (`torch.compile` of
+`PackedForward`, the streamed few-row kernels, programmatic edges for buckets of ≤ 128 tokens),
+with and without `BOUNDGEN_LAYER_KERNEL_MAX_ROWS` (traced apart), each forward captured as one CUDA
+graph. Per batch layout (`--layouts`: one 64-token prompt is W3's), the sides' graphs replayed
+alternately (`--rounds` × `--replays`), median µs a forward and a layer; each side's output against
+the eager model's (max |diff|, bf16), and the kernel's from two calls (equal: the counters it left
+are zero). `--profile`: a kernel table of one replay a side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import env_info, kernel_table, write_json
+
+from boundgen import grid_dependency
+from boundgen.compile import programmatic
+from boundgen.compile.aoti import PackedForward
+from boundgen.config import ModelConfig
+from boundgen.models import layer_kernel
+from boundgen.models.decoder import DecoderModel
+from boundgen.text.packing import SequenceGroup, pack
+
+LAYOUTS = {"w3": [64], "packed": [20, 30, 14], "16": [16], "32": [32]}
+
+
+def build_model(device) -> DecoderModel:
+    cfg = ModelConfig(
+        architecture="Qwen2ForCausalLM", family="qwen2", task="causal_lm",
+        vocab_size=1024,  # the head is not timed here
+        hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+        head_dim=64, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
+        tie_word_embeddings=True, qkv_bias=True, qk_norm=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = DecoderModel(cfg).eval().requires_grad_(False)
+    for p in model.parameters():
+        if p.dim() == 1:
+            torch.nn.init.normal_(p, mean=1.0, std=0.1)
+        else:
+            torch.nn.init.normal_(p, std=0.02)
+    model = model.to(device, torch.bfloat16)
+    model.rotary.reset()
+    return model
+
+
+def graphed(fn, tokens: int) -> torch.cuda.CUDAGraph:
+    """`fn` warmed up and captured as the engine captures a small bucket's forward."""
+    with grid_dependency.for_bucket(tokens):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with programmatic.capture() as graph:
+            fn()
+    return graph
+
+
+def time_sides(graphs: dict, rounds: int, replays: int) -> dict:
+    times = {name: [] for name in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / replays)
+    return {name: round(statistics.median(t), 2) for name, t in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", nargs="+", default=["w3", "packed", "16"], choices=list(LAYOUTS))
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="a kernel table a side (first layout)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    model = build_model(device)
+    layers = model.config.num_layers
+    forward = PackedForward(model)
+    sides = {"layers": 0, "kernel": layer_kernel.LIMIT}
+    compiled = {
+        name: torch.compile(forward, fullgraph=True, dynamic=False) for name in sides
+    }  # one compiled function a side: the switch is read when a forward traces
+    results = {"env": env_info(), "sms": layer_kernel.programs(device), "layouts": {}}
+    for name in args.layouts:
+        lengths = LAYOUTS[name]
+        prompts = [[(i * 7 + j) % 1000 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+        batch = pack([SequenceGroup([], prompts)], share_prefix=False).to(device)
+        inputs = (batch.input_ids, batch.positions, batch.attn)
+        tokens = batch.num_tokens
+        with torch.inference_mode():
+            want = model(*inputs).float()
+            outs, graphs, diffs = {}, {}, {}
+            for side, rows in sides.items():
+                fn = compiled[side]
+                with layer_kernel.rows_up_to(rows), grid_dependency.for_bucket(tokens):
+                    outs[side] = fn(*inputs)
+                    again = fn(*inputs)
+                    graphs[side] = graphed(lambda fn=fn: fn(*inputs), tokens)
+                diffs[side] = {
+                    "max_abs_diff_vs_eager": (outs[side].float() - want).abs().max().item(),
+                    "repeat_equal": bool(torch.equal(outs[side], again)),
+                }
+            torch.cuda.synchronize()
+        us = time_sides(graphs, args.rounds, args.replays)
+        row = {
+            "tokens": tokens,
+            "lengths": lengths,
+            "us_a_forward": us,
+            "us_a_layer": {k: round(v / layers, 2) for k, v in us.items()},
+            "checks": diffs,
+            "speedup": round(us["layers"] / us["kernel"], 3),
+        }
+        print(f"{name} {lengths}: {row['us_a_forward']} µs a forward; {diffs}")
+        if args.profile and name == args.layouts[0]:
+            row["kernels"] = {side: kernel_table(graphs[side].replay, top=12) for side in graphs}
+            for side, table in row["kernels"].items():
+                print(f"-- {side}: busy {table['gpu_busy_ms']} ms, {table['launches']} launches")
+                for k in table["kernels"]:
+                    print(f"   {k}")
+        results["layouts"][name] = row
+    write_json(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

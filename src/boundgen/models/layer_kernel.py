@@ -1,0 +1,515 @@
+"""A whole decoder layer of a short prompt as one persistent Triton kernel (opt-in, measured next).
+
+A W3 prompt (64 tokens) is latency-bound layer by layer: its 24 layers are ~7 kernels each —
+qkv + rotation, attention, o_proj, residual + RMSNorm, gate_up + SiLU·mul, `down`, residual +
+RMSNorm — ~37 µs a layer on an H100 where its 29.8 MB of weights stream in ~9 µs, and even
+with every weight in L2 a 64-row layer of those kernels took 41 µs (BENCHMARKS.md, forty-ninth
+session): each kernel's programs ramp up, walk their K loop and drain before the next may start.
+Here one launch a layer runs every step on one program per multiprocessor, the steps separated
+by grid-wide barriers (an arrival count and a spin on it, as a cooperative launch's grid sync):
+
+    A  RMSNorm(x) @ qkv.T + bias, q and k rotated      items: the heads (a head's two halves
+                                                              as two accumulators)
+    B  causal attention within each packed segment    items: the query heads
+    C  x1 = x + attn @ o_proj.T, x1's squares summed   items: column tiles of the hidden size
+    D  SiLU(g)·u, [g | u] = RMSNorm(x1) @ gate_up.T    items: column tiles of the intermediate
+    E  out = x1 + act @ down.T, out's squares summed   items: column tile × K slice; the last
+                                                              slice to finish a tile sums them
+
+RMSNorm needs a row's sum of squares before its first product: each layer returns its output's
+(per column tile, `squares`), the next layer sums them, and the first layer's come from torch.
+E's K slices leave float32 partials; the last of a tile's slices to arrive (a counter per tile)
+sums them in slice order, so the result does not depend on which finishes last, and sets the
+counter back to zero.
+
+The barriers need every program resident at once: the grid is the multiprocessor count, one
+program each (`programs`); only one such kernel may run on the GPU at a time (two beside each
+other on two streams could each hold multiprocessors the other waits for). The counters live in
+`sync` [SYNC_SLOTS] int32, zero between calls: the last program to leave sets them back
+(`exit` slot). Without CUDA (Triton's interpreter, the tests) the programs of a launch run one
+after another, so each step is launched on its own (`PHASE`) instead of crossing a barrier.
+
+Numerics follow the compiled layer's: the norms as eager (x · rstd rounded, times the weight,
+rounded), GEMMs in float32 rounded once with their bias, the rotation in float32 from the
+rounded qkv, rounded once, SiLU·mul from the rounded gate and up in float32, residual sums in
+float32 rounded once.
+
+`MAX_ROWS` (`BOUNDGEN_LAYER_KERNEL_MAX_ROWS`, default 0: never) decides which forwards take it:
+packed prefill without a shared prefix or KV to store, at most that many tokens (≤ 64). Compiled
+packages record it (`compile.cache.platform_info`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from boundgen import grid_dependency, triton_launch
+from boundgen.settings import switched
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op
+
+    from boundgen.grid_dependency import await_inputs
+    from boundgen.triton_launch import traceable
+
+    AVAILABLE = True
+except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev extra
+    AVAILABLE = False
+
+MAX_ROWS = int(os.environ.get("BOUNDGEN_LAYER_KERNEL_MAX_ROWS", "0"))
+LIMIT = 64  # the most rows one program's tiles hold (BLOCK_M)
+SYNC_SLOTS = 8  # barriers A|B, B|C, C|D, D|E, the exit count, spare
+_EXIT = 4
+HIDDEN_TILE = 64  # columns of the hidden size a C or E item takes
+INTER_TILE = 32  # columns of the intermediate size a D item takes (gate's and up's each)
+BLOCK_K = 64
+DOWN_SPLITS = 9  # K slices of `down` per column tile (14 tiles × 9 ≈ 132 items at 896 × 4864)
+
+
+def rows_up_to(rows: int) -> contextlib.AbstractContextManager[None]:
+    """Inside: forwards of at most `rows` tokens take the kernel (`MAX_ROWS`; 0: none), read when
+    a forward traces, compiles or is captured (an A/B's switch)."""
+    return switched(globals(), "MAX_ROWS", rows)
+
+
+def applies(model, x: torch.Tensor, attn, kv) -> bool:
+    """Whether `model`'s forward of `x` runs its layers through the kernel: on for `x`'s rows
+    (`MAX_ROWS`, ≤ `LIMIT`), a packed prefill without a shared prefix or KV to store, CUDA bf16
+    (or the interpreter, `triton_launch.interpreted`) and a layer the kernel has: plain
+    `nn.Linear`s (no FP8), no q/k norm (Qwen3), a head size of 64 or 128."""
+    rows = x.shape[0]
+    if not (AVAILABLE and 0 < rows <= min(MAX_ROWS, LIMIT)):
+        return False
+    if kv is not None or attn is None or attn.has_shared_prefix:
+        return False
+    layer = model.layers[0]
+    a, mlp = layer.self_attn, layer.mlp
+    linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if any(type(m) is not torch.nn.Linear for m in linears):
+        return False
+    if getattr(a, "q_norm", None) is not None or a.head_dim not in (64, 128):
+        return False
+    cfg = model.config
+    if cfg.hidden_size % HIDDEN_TILE or cfg.intermediate_size % INTER_TILE:
+        return False
+    return triton_launch.takes(x, [m.weight for m in linears])
+
+
+def programs(device: torch.device) -> int:
+    """The grid: one program a multiprocessor (every program must be resident for the
+    barriers), a few in the interpreter."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _grid_sync(Sync, slot, nprog, ENABLED: tl.constexpr):
+        """Every program waits here until all `nprog` have arrived (CUDA's grid sync: the
+        program's writes ordered before its arrival, the others' visible after the wait)."""
+        if ENABLED:
+            tl.debug_barrier()
+            tl.atomic_add(Sync + slot, 1, sem="release", scope="gpu")
+            while tl.atomic_add(Sync + slot, 0, sem="acquire", scope="gpu") < nprog:
+                pass
+            tl.debug_barrier()
+
+    @triton.jit
+    def _normed_tile(X, rows, row_ok, ks, k_ok, rstd, NormW, H: tl.constexpr):
+        """RMSNorm(X)[rows, ks] transposed, [BLOCK_K, BLOCK_M], as eager rounds it:
+        (x · rstd) rounded, times the norm's weight, rounded."""
+        x = tl.load(
+            X + rows[None, :] * H + ks[:, None],
+            mask=row_ok[None, :] & k_ok[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        ).to(tl.float32)
+        # the product of two rounded values is exact in float32: one rounding, as eager's
+        xn = (x * rstd[None, :]).to(NormW.dtype.element_ty).to(tl.float32)
+        w = tl.load(NormW + ks, mask=k_ok, other=0.0).to(tl.float32)
+        return (xn * w[:, None]).to(NormW.dtype.element_ty)
+
+    @triton.jit
+    def _rstd(Squares, n_tiles, rows, row_ok, eps, H: tl.constexpr, BLOCK_M: tl.constexpr):
+        """1 / rms of each row from its sums of squares per column tile (summed in tile order)."""
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for t in range(0, n_tiles):
+            total += tl.load(
+                Squares + t * BLOCK_M + rows, mask=row_ok, other=0.0, cache_modifier=".cg"
+            )
+        return tl.rsqrt(total / H + eps)
+
+    @triton.jit
+    def _step_qkv(
+        X, SqIn, n_sq, NormW, W, Bias, Cos, Sin, Qkv, M, eps, pid, nprog,
+        H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    ):  # fmt: skip
+        """A: one head a item — its two halves' columns (rows `a`, `a + D/2` of W) as two
+        accumulators, so the rotation pairs them in registers."""
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        rstd = _rstd(SqIn, n_sq, rows, row_ok, eps, H, BLOCK_M)
+        half = tl.arange(0, D // 2)
+        QKV: tl.constexpr = (HQ + 2 * HKV) * D
+        for head in range(pid, HQ + 2 * HKV, nprog):
+            a = head * D + half
+            acc_a = tl.zeros([D // 2, BLOCK_M], dtype=tl.float32)
+            acc_b = tl.zeros([D // 2, BLOCK_M], dtype=tl.float32)
+            for k in range(0, H, BLOCK_K):
+                ks = k + tl.arange(0, BLOCK_K)
+                k_ok = ks < H
+                h = _normed_tile(X, rows, row_ok, ks, k_ok, rstd, NormW, H)
+                w_a = tl.load(W + a[:, None] * H + ks[None, :], mask=k_ok[None, :], other=0.0)
+                w_b = tl.load(
+                    W + (a + D // 2)[:, None] * H + ks[None, :], mask=k_ok[None, :], other=0.0
+                )
+                if INTERPRET:  # the interpreter's dot multiplies 16-bit floats as integers
+                    h, w_a, w_b = h.to(tl.float32), w_a.to(tl.float32), w_b.to(tl.float32)
+                acc_a += tl.dot(w_a, h, input_precision=PRECISION)
+                acc_b += tl.dot(w_b, h, input_precision=PRECISION)
+            if HAS_BIAS:
+                acc_a += tl.load(Bias + a).to(tl.float32)[:, None]
+                acc_b += tl.load(Bias + a + D // 2).to(tl.float32)[:, None]
+            # the GEMM's output rounded, as the compiled layer's rotation reads it
+            x1 = acc_a.to(Qkv.dtype.element_ty).to(tl.float32)
+            x2 = acc_b.to(Qkv.dtype.element_ty).to(tl.float32)
+            if head < HQ + HKV:  # q and k heads turn; v heads do not
+                cs_at = rows[None, :] * (D // 2) + half[:, None]
+                cs_ok = row_ok[None, :]
+                cos = tl.load(Cos + cs_at, mask=cs_ok, other=0.0).to(tl.float32)
+                sin = tl.load(Sin + cs_at, mask=cs_ok, other=0.0).to(tl.float32)
+                x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+            out = Qkv + rows[None, :] * QKV + a[:, None]
+            tl.store(out, x1.to(Qkv.dtype.element_ty), mask=row_ok[None, :])
+            tl.store(out + D // 2, x2.to(Qkv.dtype.element_ty), mask=row_ok[None, :])
+
+    @triton.jit
+    def _segment_of(rows, CuSeq, n_seg, BLOCK_M: tl.constexpr, SEG_P: tl.constexpr):
+        """Each row's causal segment: how many segment ends `cu_seqlens[1:]` are ≤ the row."""
+        s = tl.arange(0, SEG_P)
+        ends = tl.load(CuSeq + 1 + s, mask=s < n_seg, other=2147483647)
+        return tl.sum((rows[:, None] >= ends[None, :]).to(tl.int32), 1)
+
+    @triton.jit
+    def _step_attention(
+        Qkv, CuSeq, n_seg, Attn, M, scale, pid, nprog,
+        D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+        BLOCK_M: tl.constexpr, SEG_P: tl.constexpr, INTERPRET: tl.constexpr,
+    ):  # fmt: skip
+        """B: one query head a item, all rows at once — softmax(q kᵀ · scale) v over the keys
+        of the row's own segment up to itself."""
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        d = tl.arange(0, D)
+        seg = _segment_of(rows, CuSeq, n_seg, BLOCK_M, SEG_P)
+        causal = (seg[:, None] == seg[None, :]) & (rows[None, :] <= rows[:, None])
+        # keys past M never count; a padding row keeps its own key (no row without one: no NaN)
+        allowed = causal & (row_ok[None, :] | (rows[None, :] == rows[:, None]))
+        QKV: tl.constexpr = (HQ + 2 * HKV) * D
+        for head in range(pid, HQ, nprog):
+            kv_head = head // (HQ // HKV)
+            at = Qkv + rows[:, None] * QKV + d[None, :]
+            ok = row_ok[:, None]
+            q = tl.load(at + head * D, mask=ok, other=0.0, cache_modifier=".cg")
+            k = tl.load(at + (HQ + kv_head) * D, mask=ok, other=0.0, cache_modifier=".cg")
+            v = tl.load(at + (HQ + HKV + kv_head) * D, mask=ok, other=0.0, cache_modifier=".cg")
+            if INTERPRET:
+                q, k = q.to(tl.float32), k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_M]
+            s = tl.where(allowed, s, float("-inf"))
+            p = tl.exp(s - tl.max(s, 1)[:, None])
+            p = p / tl.sum(p, 1)[:, None]
+            pv = p.to(v.dtype)
+            if INTERPRET:
+                pv, v = pv.to(tl.float32), v.to(tl.float32)
+            o = tl.dot(pv, v)  # [BLOCK_M, D]
+            out = Attn + rows[:, None] * (HQ * D) + head * D + d[None, :]
+            tl.store(out, o.to(Attn.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _residual_out(acc, Res, Out, Squares, tile, cols, rows, row_ok, H: tl.constexpr,
+                      BLOCK_M: tl.constexpr):  # fmt: skip
+        """Out[rows, cols] = Res + acc (float32, rounded once) and the rows' sums of squares of
+        the rounded result over these columns (`Squares[tile]`, the next norm's)."""
+        at = rows[None, :] * H + cols[:, None]
+        res = tl.load(Res + at, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
+        y = (acc + res.to(tl.float32)).to(Out.dtype.element_ty)
+        tl.store(Out + at, y, mask=row_ok[None, :])
+        yf = y.to(tl.float32)
+        tl.store(Squares + tile * BLOCK_M + rows, tl.sum(yf * yf, 0), mask=row_ok)
+
+    @triton.jit
+    def _step_o_proj(
+        Attn, W, X, X1, Sq1, M, pid, nprog,
+        H: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    ):  # fmt: skip
+        """C: x1 = x + attn @ o_projᵀ, a column tile an item."""
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        for tile in range(pid, H // BLOCK_N, nprog):
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                ks = k + tl.arange(0, BLOCK_K)
+                w = tl.load(W + cols[:, None] * K + ks[None, :])
+                a = tl.load(
+                    Attn + rows[None, :] * K + ks[:, None],
+                    mask=row_ok[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                if INTERPRET:
+                    w, a = w.to(tl.float32), a.to(tl.float32)
+                acc += tl.dot(w, a, input_precision=PRECISION)
+            _residual_out(acc, X, X1, Sq1, tile, cols, rows, row_ok, H, BLOCK_M)
+
+    @triton.jit
+    def _step_gated(
+        X1, Sq1, NormW, W, Act, M, eps, pid, nprog,
+        H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,  # noqa: E741
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HIDDEN_TILE: tl.constexpr,
+        PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    ):  # fmt: skip
+        """D: SiLU(g)·u of RMSNorm(x1), a column tile of gate's and up's an item."""
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        rstd = _rstd(Sq1, H // HIDDEN_TILE, rows, row_ok, eps, H, BLOCK_M)
+        for tile in range(pid, I // BLOCK_N, nprog):
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for k in range(0, H, BLOCK_K):
+                ks = k + tl.arange(0, BLOCK_K)
+                k_ok = ks < H
+                h = _normed_tile(X1, rows, row_ok, ks, k_ok, rstd, NormW, H)
+                w_g = tl.load(W + cols[:, None] * H + ks[None, :])
+                w_u = tl.load(W + (I + cols)[:, None] * H + ks[None, :])
+                if INTERPRET:
+                    h, w_g, w_u = h.to(tl.float32), w_g.to(tl.float32), w_u.to(tl.float32)
+                acc_g += tl.dot(w_g, h, input_precision=PRECISION)
+                acc_u += tl.dot(w_u, h, input_precision=PRECISION)
+            g = acc_g.to(Act.dtype.element_ty).to(tl.float32)
+            u = acc_u.to(Act.dtype.element_ty).to(tl.float32)
+            act = g * tl.sigmoid(g) * u
+            out = Act + rows[None, :] * I + cols[:, None]
+            tl.store(out, act.to(Act.dtype.element_ty), mask=row_ok[None, :])
+
+    @triton.jit
+    def _step_down(
+        Act, W, X1, Out, SqOut, Parts, Counts, M, pid, nprog,
+        H: tl.constexpr, K: tl.constexpr, SPLITS: tl.constexpr, K_PER: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    ):  # fmt: skip
+        """E: out = x1 + act @ downᵀ, (column tile, K slice) an item; the tile's last slice to
+        arrive sums the partials in slice order."""
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        tiles: tl.constexpr = H // BLOCK_N
+        for item in range(pid, tiles * SPLITS, nprog):
+            tile = item // SPLITS
+            split = item % SPLITS
+            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            k0 = split * K_PER
+            for k in range(k0, k0 + K_PER, BLOCK_K):
+                ks = k + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                w = tl.load(W + cols[:, None] * K + ks[None, :], mask=k_ok[None, :], other=0.0)
+                a = tl.load(
+                    Act + rows[None, :] * K + ks[:, None],
+                    mask=row_ok[None, :] & k_ok[:, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                if INTERPRET:
+                    w, a = w.to(tl.float32), a.to(tl.float32)
+                acc += tl.dot(w, a, input_precision=PRECISION)
+            part = Parts + (split * BLOCK_M + rows)[None, :] * H + cols[:, None]
+            tl.store(part, acc, mask=row_ok[None, :])
+            tl.debug_barrier()  # the whole partial written before the arrival below
+            if tl.atomic_add(Counts + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                for s in range(0, SPLITS):
+                    total += tl.load(
+                        Parts + (s * BLOCK_M + rows)[None, :] * H + cols[:, None],
+                        mask=row_ok[None, :],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                _residual_out(total, X1, Out, SqOut, tile, cols, rows, row_ok, H, BLOCK_M)
+                tl.atomic_xchg(Counts + tile, 0)
+
+    @grid_dependency.awaits
+    @triton.jit
+    def _layer_kernel(
+        X, SqIn, n_sq, Cos, Sin, CuSeq, n_seg,
+        Norm1, Wqkv, Bqkv, Wo, Norm2, Wgu, Wd,
+        Qkv, Attn, X1, Sq1, Act, Parts, Counts, Out, SqOut, Sync,
+        M, eps, scale,
+        H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+        I: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, SEG_P: tl.constexpr,  # noqa: E741
+        BLOCK_K: tl.constexpr, HIDDEN_TILE: tl.constexpr, INTER_TILE: tl.constexpr,
+        SPLITS: tl.constexpr, K_PER: tl.constexpr, PHASE: tl.constexpr,
+        PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """One decoder layer over M ≤ BLOCK_M packed rows: steps A–E (the module's docstring),
+        all of them with barriers between (PHASE -1) or only step PHASE (the interpreter)."""
+        await_inputs(PDL)
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        SYNC: tl.constexpr = PHASE < 0
+        if PHASE < 0 or PHASE == 0:
+            _step_qkv(
+                X, SqIn, n_sq, Norm1, Wqkv, Bqkv, Cos, Sin, Qkv, M, eps, pid, nprog,
+                H, D, HQ, HKV, HAS_BIAS, BLOCK_M, BLOCK_K, PRECISION, INTERPRET,
+            )  # fmt: skip
+        _grid_sync(Sync, 0, nprog, SYNC)
+        if PHASE < 0 or PHASE == 1:
+            _step_attention(
+                Qkv, CuSeq, n_seg, Attn, M, scale, pid, nprog, D, HQ, HKV, BLOCK_M, SEG_P,
+                INTERPRET,
+            )  # fmt: skip
+        _grid_sync(Sync, 1, nprog, SYNC)
+        if PHASE < 0 or PHASE == 2:
+            _step_o_proj(
+                Attn, Wo, X, X1, Sq1, M, pid, nprog, H, HQ * D, BLOCK_M, HIDDEN_TILE, BLOCK_K,
+                PRECISION, INTERPRET,
+            )  # fmt: skip
+        _grid_sync(Sync, 2, nprog, SYNC)
+        if PHASE < 0 or PHASE == 3:
+            _step_gated(
+                X1, Sq1, Norm2, Wgu, Act, M, eps, pid, nprog, H, I, BLOCK_M, INTER_TILE,
+                BLOCK_K, HIDDEN_TILE, PRECISION, INTERPRET,
+            )  # fmt: skip
+        _grid_sync(Sync, 3, nprog, SYNC)
+        if PHASE < 0 or PHASE == 4:
+            _step_down(
+                Act, Wd, X1, Out, SqOut, Parts, Counts, M, pid, nprog, H, I, SPLITS, K_PER,
+                BLOCK_M, HIDDEN_TILE, BLOCK_K, PRECISION, INTERPRET,
+            )  # fmt: skip
+        if SYNC:  # the last program out sets the counters back for the next call
+            tl.debug_barrier()
+            if tl.atomic_add(Sync + 4, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+                for slot in range(0, 4):
+                    tl.atomic_xchg(Sync + slot, 0)
+                tl.atomic_xchg(Sync + 4, 0, sem="release", scope="gpu")
+
+    def launch(
+        x: torch.Tensor,
+        squares: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        norm1: torch.Tensor,
+        qkv: torch.Tensor,
+        qkv_bias: torch.Tensor | None,
+        o_proj: torch.Tensor,
+        norm2: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        sync: torch.Tensor,
+        counts: torch.Tensor,
+        eps: float,
+        head_dim: int,
+        kv_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer (what the op calls): x [M, H] → (out [M, H], its sums of squares per
+        hidden tile [H / HIDDEN_TILE, LIMIT] float32). `squares` [n, LIMIT]: x's, per any n
+        column tiles; `sync` [SYNC_SLOTS] and `counts` [H / HIDDEN_TILE] int32, zero."""
+        m, h = x.shape
+        d = head_dim
+        heads = o_proj.shape[1] // d
+        inter = down.shape[1]
+        dev, dt = x.device, x.dtype
+        qkv_s = torch.empty((m, (heads + 2 * kv_heads) * d), dtype=dt, device=dev)
+        attn = torch.empty((m, heads * d), dtype=dt, device=dev)
+        x1 = torch.empty_like(x)
+        tiles = h // HIDDEN_TILE
+        sq1 = torch.empty((tiles, LIMIT), dtype=torch.float32, device=dev)
+        act = torch.empty((m, inter), dtype=dt, device=dev)
+        k_per = triton.cdiv(triton.cdiv(inter, DOWN_SPLITS), BLOCK_K) * BLOCK_K
+        splits = triton.cdiv(inter, k_per)
+        parts = torch.empty((splits, LIMIT, h), dtype=torch.float32, device=dev)
+        out = torch.empty_like(x)
+        sq_out = torch.empty((tiles, LIMIT), dtype=torch.float32, device=dev)
+        n_seg = cu_seqlens.shape[0] - 1
+        interpret = not x.is_cuda
+        phases = range(5) if interpret else (-1,)
+        bias = qkv_bias if qkv_bias is not None else qkv  # unread without HAS_BIAS
+        for phase in phases:
+            traceable(_layer_kernel)[(programs(dev),)](
+                x, squares, squares.shape[0], cos, sin, cu_seqlens, n_seg,
+                norm1, qkv, bias, o_proj, norm2, gate_up, down,
+                qkv_s, attn, x1, sq1, act, parts, counts, out, sq_out, sync,
+                m, eps, d**-0.5,
+                H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=qkv_bias is not None,
+                BLOCK_M=LIMIT, SEG_P=max(triton.next_power_of_2(n_seg), 2), BLOCK_K=BLOCK_K,
+                HIDDEN_TILE=HIDDEN_TILE, INTER_TILE=INTER_TILE, SPLITS=splits, K_PER=k_per,
+                PHASE=phase, PRECISION=triton_launch.dot_precision(x), INTERPRET=interpret,
+                PDL=grid_dependency.waits(x), num_warps=4, num_stages=3,
+            )  # fmt: skip
+        return out, sq_out
+
+    @triton_op("boundgen::fused_layer", mutates_args=("sync", "counts"))
+    def _fused_layer(
+        x: torch.Tensor,
+        squares: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        norm1: torch.Tensor,
+        qkv: torch.Tensor,
+        qkv_bias: torch.Tensor | None,
+        o_proj: torch.Tensor,
+        norm2: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        sync: torch.Tensor,
+        counts: torch.Tensor,
+        eps: float,
+        head_dim: int,
+        kv_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return launch(
+            x, squares, cos, sin, cu_seqlens, norm1, qkv, qkv_bias, o_proj, norm2, gate_up,
+            down, sync, counts, eps, head_dim, kv_heads,
+        )  # fmt: skip
+
+
+def first_squares(x: torch.Tensor) -> torch.Tensor:
+    """x's rows' sums of squares as the first layer's `squares` [1, LIMIT] (float32)."""
+    sq = x.float().pow(2).sum(-1)
+    return torch.nn.functional.pad(sq, (0, LIMIT - x.shape[0])).unsqueeze(0)
+
+
+def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+    """Every layer of `model` over x [M, H] through the kernel (`applies` said so): cos, sin
+    [M, 1, D/2] as `RotaryEmbedding` gives them. One zeroed counter buffer serves every layer
+    (each call leaves it zero)."""
+    cfg = model.config
+    h = cfg.hidden_size
+    counters = torch.zeros(SYNC_SLOTS + h // HIDDEN_TILE, dtype=torch.int32, device=x.device)
+    sync, counts = counters[:SYNC_SLOTS], counters[SYNC_SLOTS:]
+    cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
+    squares = first_squares(x)
+    for layer in model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        x, squares = torch.ops.boundgen.fused_layer(
+            x, squares, cos, sin, attn.cu_seqlens,
+            layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
+            a.o_proj.weight, layer.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight, mlp.down_proj.weight, sync, counts,
+            layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
+        )  # fmt: skip
+    return x

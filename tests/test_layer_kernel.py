@@ -1,0 +1,180 @@
+"""The one-kernel decoder layer (`models/layer_kernel.py`) against the model's own layers.
+
+Without CUDA the kernel's steps run one launch each in Triton's CPU interpreter (conftest.py sets
+`TRITON_INTERPRET=1`, `triton_launch.interpreted()` lets CPU tensors in); the barriers between
+them are compiled for sm_90 here (`compile_in_child`) and run only on the GPU (`gpu` tests).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hopper import compile_in_child
+from small_layer import small_config, spread_weights
+
+pytest.importorskip("triton")
+
+from boundgen import triton_launch
+from boundgen.models import layer_kernel
+from boundgen.models.decoder import DecoderModel
+from boundgen.quant.fp8 import Fp8Linear
+from boundgen.text.packing import SequenceGroup, pack
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+# The smallest shapes the kernel takes: a hidden size of two 64-column tiles, heads of 64, an
+# intermediate size of two 32-column tiles; two layers, so the second reads the first's squares.
+SMALL = dict(
+    hidden_size=128, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=64, num_layers=2
+)
+
+
+def _model(dtype, **kw) -> DecoderModel:
+    torch.manual_seed(0)
+    model = DecoderModel(small_config(**{**SMALL, **kw})).eval().requires_grad_(False)
+    spread_weights(model, 0.05, 0.1)
+    model = model.to(DEV, dtype)
+    model.rotary.reset()
+    return model
+
+
+def _batch(lengths):
+    ids = torch.arange(sum(lengths)) % 120 + 1
+    prompts, at = [], 0
+    for n in lengths:
+        prompts.append(ids[at : at + n].tolist())
+        at += n
+    return pack([SequenceGroup([], prompts)], share_prefix=False).to(DEV)
+
+
+def _both(model, batch):
+    """The model's hidden states through its own layers and through the kernel."""
+    args = (batch.input_ids, batch.positions, batch.attn)
+    want = model(*args)
+    with triton_launch.interpreted(), layer_kernel.rows_up_to(64):
+        x = model.embed_tokens(batch.input_ids)
+        assert layer_kernel.applies(model, x, batch.attn, None)
+        got = model(*args)
+    return got, want
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    # one prompt; packed prompts whose attention must not cross; one token; a full 64-row tile
+    [[7], [4, 6, 3], [1], [40, 24]],
+)
+def test_the_kernel_computes_the_layers_in_float32(lengths):
+    # float32: only the summation order differs (and the norm's rounding points, exact here)
+    got, want = _both(_model(torch.float32), _batch(lengths))
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_kernel_computes_the_layers_in_bf16(bias):
+    # bf16: GEMMs rounded once with their bias, residual sums rounded once (eager rounds the
+    # GEMM's output first): a few units in the last place after two layers
+    got, want = _both(_model(torch.bfloat16, qkv_bias=bias), _batch([5, 9]))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=6e-2)
+
+
+def test_every_call_leaves_its_counters_at_zero():
+    # the down step's per-tile counters (and on the GPU the barriers') serve every layer of a
+    # forward: a call that left one set would make the next layer's last slice sum too early
+    model = _model(torch.float32)
+    batch = _batch([6])
+    with triton_launch.interpreted(), layer_kernel.rows_up_to(64), torch.no_grad():
+        x = model.embed_tokens(batch.input_ids)
+        cos, sin = model.rotary(batch.positions, x.dtype)
+        counters = torch.zeros(layer_kernel.SYNC_SLOTS + 2, dtype=torch.int32, device=DEV)
+        squares = layer_kernel.first_squares(x)
+        layer, a = model.layers[0], model.layers[0].self_attn
+        torch.ops.boundgen.fused_layer(
+            x, squares, cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous(),
+            batch.attn.cu_seqlens, layer.input_layernorm.weight, a.qkv_proj.weight,
+            a.qkv_proj.bias, a.o_proj.weight, layer.post_attention_layernorm.weight,
+            layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
+            counters[: layer_kernel.SYNC_SLOTS], counters[layer_kernel.SYNC_SLOTS :],
+            layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
+        )  # fmt: skip
+    assert counters.tolist() == [0] * len(counters)
+
+
+def test_off_by_default_and_only_for_the_forwards_it_has():
+    model = _model(torch.float32)
+    batch = _batch([5])
+    with triton_launch.interpreted():
+        x = model.embed_tokens(batch.input_ids)
+        assert not layer_kernel.applies(model, x, batch.attn, None)  # MAX_ROWS 0
+        with layer_kernel.rows_up_to(64):
+            assert layer_kernel.applies(model, x, batch.attn, None)
+            assert not layer_kernel.applies(model, x, batch.attn, kv=object())  # a KV to store
+        with layer_kernel.rows_up_to(4):
+            assert not layer_kernel.applies(model, x, batch.attn, None)  # 5 rows > 4
+        with layer_kernel.rows_up_to(128):  # past one program's tile
+            long = torch.zeros(65, x.shape[1], dtype=x.dtype, device=DEV)
+            assert not layer_kernel.applies(model, long, batch.attn, None)
+    shared = pack([SequenceGroup([1, 2, 3], [[4, 5], [6, 7]])], share_prefix=True).to(DEV)
+    with triton_launch.interpreted(), layer_kernel.rows_up_to(64):
+        assert shared.attn.has_shared_prefix
+        assert not layer_kernel.applies(model, x, shared.attn, None)
+        model.layers[0].mlp.down_proj = Fp8Linear.from_linear(model.layers[0].mlp.down_proj)
+        assert not layer_kernel.applies(model, x, batch.attn, None)
+
+
+HOPPER = """
+from boundgen.models import layer_kernel as lk
+
+fn = lk._layer_kernel
+h, inter, heads, kv_heads, d = (int(a) for a in sys.argv[1:6])
+k_per = -(-inter // lk.DOWN_SPLITS // lk.BLOCK_K) * lk.BLOCK_K
+const = dict(H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=True, BLOCK_M=lk.LIMIT, SEG_P=4,
+             BLOCK_K=lk.BLOCK_K, HIDDEN_TILE=lk.HIDDEN_TILE, INTER_TILE=lk.INTER_TILE,
+             SPLITS=-(-inter // k_per), K_PER=k_per, PHASE=-1, PRECISION="tf32", INTERPRET=False,
+             PDL=True)
+pointers = ["X", "SqIn", "Cos", "Sin", "CuSeq", "Norm1", "Wqkv", "Bqkv", "Wo", "Norm2", "Wgu", "Wd",
+            "Qkv", "Attn", "X1", "Sq1", "Act", "Parts", "Counts", "Out", "SqOut", "Sync"]
+kinds = {"SqIn": "*fp32", "CuSeq": "*i32", "Sq1": "*fp32", "Parts": "*fp32", "Counts": "*i32",
+         "SqOut": "*fp32", "Sync": "*i32"}
+sig = {p: kinds.get(p, "*bf16") for p in pointers}
+sig.update({"n_sq": "i32", "n_seg": "i32", "M": "i32", "eps": "fp32", "scale": "fp32"})
+sig.update(dict.fromkeys(const, "constexpr"))
+aligned = pointers
+warps, stages = 4, 3
+"""
+
+
+@pytest.mark.parametrize(
+    ("h", "inter", "heads", "kv_heads", "d"),
+    [(896, 4864, 14, 2, 64), (2048, 8192, 32, 8, 64)],  # Qwen2.5-0.5B, Llama-3.2-1B
+)
+def test_the_kernel_compiles_for_hopper(h, inter, heads, kv_heads, d):
+    """Compiled for sm_90 by Triton's bundled ptxas, barriers and all: Qwen2.5-0.5B's layer and
+    Llama-3.2-1B's."""
+    out = compile_in_child(HOPPER, str(h), str(inter), str(heads), str(kv_heads), str(d))
+    assert "waits first True" in out  # programmatic launch: nothing read before the wait
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[64], [20, 30, 14], [3]])
+def test_the_kernel_matches_the_compiled_layers_on_the_gpu(lengths):
+    """Qwen2.5-0.5B's layer shape, 4 layers, bf16: the kernel's forward against the model's own
+    (eager), within bf16 noise, and again (the counters it left are zero)."""
+    torch.manual_seed(0)
+    cfg = small_config(
+        hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2, head_dim=64,
+        num_layers=4, vocab_size=512,
+    )  # fmt: skip
+    model = DecoderModel(cfg).eval().requires_grad_(False)
+    spread_weights(model, 0.02, 0.1)
+    model = model.to("cuda", torch.bfloat16)
+    model.rotary.reset()
+    batch = _batch(lengths)
+    args = (batch.input_ids, batch.positions, batch.attn)
+    want = model(*args)
+    with layer_kernel.rows_up_to(64):
+        got = model(*args)
+        again = model(*args)
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=6e-2)
+    assert torch.equal(got, again)
