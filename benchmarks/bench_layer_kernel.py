@@ -37,11 +37,15 @@ from boundgen.text.packing import SequenceGroup, pack
 LAYOUTS = {"w3": [64], "packed": [20, 30, 14], "16": [16], "32": [32]}
 
 
-def build_model(device) -> DecoderModel:
+def w3_batch(device):
+    return pack([SequenceGroup([], [[(j % 1000) + 1 for j in range(64)]])]).to(device)
+
+
+def build_model(device, layers: int = 24) -> DecoderModel:
     cfg = ModelConfig(
         architecture="Qwen2ForCausalLM", family="qwen2", task="causal_lm",
         vocab_size=1024,  # the head is not timed here
-        hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+        hidden_size=896, intermediate_size=4864, num_layers=layers, num_heads=14, num_kv_heads=2,
         head_dim=64, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
         tie_word_embeddings=True, qkv_bias=True, qk_norm=False,
     )  # fmt: skip
@@ -85,23 +89,136 @@ def time_sides(graphs: dict, rounds: int, replays: int) -> dict:
     return {name: round(statistics.median(t), 2) for name, t in times.items()}
 
 
+def layer_args(model, x, squares, cos, sin, cu_seqlens, counters, i: int) -> tuple:
+    """`layer_kernel.launch`'s arguments for layer i (as `layer_kernel.run_layers` passes them)."""
+    layer = model.layers[i]
+    a, mlp = layer.self_attn, layer.mlp
+    slots = layer_kernel.SYNC_SLOTS
+    return (
+        x, squares, cos, sin, cu_seqlens, layer.input_layernorm.weight, a.qkv_proj.weight,
+        a.qkv_proj.bias, a.o_proj.weight, layer.post_attention_layernorm.weight,
+        mlp.gate_up_proj.weight, mlp.down_proj.weight, counters[:slots], counters[slots:],
+        layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
+    )  # fmt: skip
+
+
+def time_steps(model, batch, rounds: int, replays: int) -> dict:
+    """Each step of the kernel (`PHASE`) launched alone over every layer's weights, one graph a
+    step, and all steps with the barriers: µs a layer, where a layer's time goes (timing only:
+    a step launched alone reads the scratch its step before would have written, uninitialised,
+    and each layer reads the embedded tokens)."""
+    x = model.embed_tokens(batch.input_ids)
+    cos, sin = model.rotary(batch.positions, x.dtype)
+    cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
+    counters = torch.zeros(
+        layer_kernel.SYNC_SLOTS + model.config.hidden_size // layer_kernel.HIDDEN_TILE,
+        dtype=torch.int32,
+        device=x.device,
+    )
+    squares = layer_kernel.first_squares(x)
+    layers = model.config.num_layers
+    args = [
+        layer_args(model, x, squares, cos, sin, batch.attn.cu_seqlens, counters, i)
+        for i in range(layers)
+    ]
+    graphs = {}
+    for name, steps in [("all", (-1,)), *((f"step{k}", (k,)) for k in range(5))]:
+
+        def run(steps=steps):
+            for a in args:
+                layer_kernel.launch(*a, steps=steps)
+
+        graphs[name] = graphed(run, batch.num_tokens)
+    us = time_sides(graphs, rounds, replays)
+    return {name: round(v / layers, 2) for name, v in us.items()}
+
+
+def diagnose(model, batch, out_dir: str | None) -> dict:
+    """The compiled forward with the kernel against the eager one with it, and what torch's
+    analysis takes the kernel to write (torch 2.11: `identify_mutated_tensors`); Inductor's code
+    of the compiled forward written to `out_dir` (layer_kernel_code.py)."""
+    import torch._higher_order_ops.triton_kernel_wrap as wrap
+    from torch._inductor.utils import run_and_get_code
+
+    inputs = (batch.input_ids, batch.positions, batch.attn)
+    found = {}
+    real = layer_kernel.traceable
+
+    def spy(kernel):
+        wrapped = real(kernel)
+
+        class Grid:
+            def __getitem__(self, grid):
+                def call(*a, **kw):
+                    names = kernel.arg_names
+                    kwargs = {**dict(zip(names, a)), **kw}
+                    launch_only = ("num_warps", "num_stages")
+                    kwargs = {k: v for k, v in kwargs.items() if k not in launch_only}
+                    try:
+                        if hasattr(wrap, "identify_accessed_tensors"):
+                            acc = wrap.identify_accessed_tensors(kernel, kwargs, {})
+                            found["written"] = sorted(d.name for d in acc.read_writes.writes)
+                        else:
+                            found["written"] = sorted(
+                                wrap.identify_mutated_tensors(kernel, kwargs, {})
+                            )
+                    except Exception as e:  # the analysis' own failure is the finding
+                        found["written"] = f"{type(e).__name__}: {e}"
+                    return wrapped[grid](*a, **kw)
+
+                return call
+
+        return Grid()
+
+    with torch.inference_mode(), layer_kernel.rows_up_to(layer_kernel.LIMIT):
+        layer_kernel.traceable = spy
+        try:
+            eager = model(*inputs)
+        finally:
+            layer_kernel.traceable = real
+        compiled = torch.compile(PackedForward(model), fullgraph=True, dynamic=False)
+        got, codes = run_and_get_code(compiled, *inputs)
+    plain = model(*inputs)
+    if out_dir:
+        Path(out_dir, "layer_kernel_code.py").write_text("\n\n# ----\n\n".join(codes))
+    return {
+        "written_by_the_analysis": found.get("written"),
+        "eager_kernel_vs_plain": (eager.float() - plain.float()).abs().max().item(),
+        "compiled_kernel_vs_plain": (got.float() - plain.float()).abs().max().item(),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", nargs="+", default=["w3", "packed", "16"], choices=list(LAYOUTS))
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="a kernel table a side (first layout)")
+    ap.add_argument("--steps", action="store_true", help="each step alone (w3), µs a layer")
+    ap.add_argument("--diagnose", action="store_true", help="compiled against eager (2 layers)")
     ap.add_argument("--out")
     args = ap.parse_args()
     device = torch.device("cuda")
     model = build_model(device)
+    results = {"env": env_info(), "sms": layer_kernel.programs(device), "layouts": {}}
+    if args.diagnose:
+        small = build_model(device, layers=2)
+        results["diagnose"] = diagnose(
+            small, w3_batch(device), str(Path(args.out).parent) if args.out else None
+        )
+        print("diagnose:", results["diagnose"])
+    if args.steps:
+        with torch.inference_mode():
+            results["steps_us_a_layer"] = time_steps(
+                model, w3_batch(device), args.rounds, args.replays
+            )
+        print("steps (µs a layer):", results["steps_us_a_layer"])
     layers = model.config.num_layers
     forward = PackedForward(model)
     sides = {"layers": 0, "kernel": layer_kernel.LIMIT}
     compiled = {
         name: torch.compile(forward, fullgraph=True, dynamic=False) for name in sides
     }  # one compiled function a side: the switch is read when a forward traces
-    results = {"env": env_info(), "sms": layer_kernel.programs(device), "layouts": {}}
     for name in args.layouts:
         lengths = LAYOUTS[name]
         prompts = [[(i * 7 + j) % 1000 + 1 for j in range(n)] for i, n in enumerate(lengths)]

@@ -423,10 +423,13 @@ if AVAILABLE:
         eps: float,
         head_dim: int,
         kv_heads: int,
+        steps: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer (what the op calls): x [M, H] → (out [M, H], its sums of squares per
         hidden tile [H / HIDDEN_TILE, LIMIT] float32). `squares` [n, LIMIT]: x's, per any n
-        column tiles; `sync` [SYNC_SLOTS] and `counts` [H / HIDDEN_TILE] int32, zero."""
+        column tiles; `sync` [SYNC_SLOTS] and `counts` [H / HIDDEN_TILE] int32, zero. `steps`:
+        the launches (a step each, `PHASE`; -1: all with barriers), as the device says where not
+        given (`bench_layer_kernel.py --steps` times each step alone)."""
         m, h = x.shape
         d = head_dim
         heads = o_proj.shape[1] // d
@@ -445,7 +448,7 @@ if AVAILABLE:
         sq_out = torch.empty((tiles, LIMIT), dtype=torch.float32, device=dev)
         n_seg = cu_seqlens.shape[0] - 1
         interpret = not x.is_cuda
-        phases = range(5) if interpret else (-1,)
+        phases = steps if steps is not None else range(5) if interpret else (-1,)
         bias = qkv_bias if qkv_bias is not None else qkv  # unread without HAS_BIAS
         for phase in phases:
             traceable(_layer_kernel)[(programs(dev),)](
