@@ -16,6 +16,7 @@ are zero). `--profile`: a kernel table of one replay a side.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -100,6 +101,23 @@ def layer_args(model, x, squares, cos, sin, cu_seqlens, counters, i: int) -> tup
         mlp.gate_up_proj.weight, mlp.down_proj.weight, counters[:slots], counters[slots:],
         layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def knobs(config: str):
+    """Inside: `layer_kernel`'s tile knobs set as `config` says ("default": as they are)."""
+    if config == "default":
+        yield
+        return
+    values = [int(v) for v in config.split(":")]
+    before = {k: getattr(layer_kernel, k) for k in layer_kernel.KNOBS}
+    try:
+        for k, v in zip(layer_kernel.KNOBS, values, strict=True):
+            setattr(layer_kernel, k, v)
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(layer_kernel, k, v)
 
 
 def time_steps(model, batch, rounds: int, replays: int) -> dict:
@@ -190,11 +208,18 @@ def diagnose(model, batch, out_dir: str | None) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", nargs="+", default=["w3", "packed", "16"], choices=list(LAYOUTS))
+    ap.add_argument("--layouts", nargs="*", default=["w3", "packed", "16"], choices=list(LAYOUTS))
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="a kernel table a side (first layout)")
     ap.add_argument("--steps", action="store_true", help="each step alone (w3), µs a layer")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=[],
+        help="with --steps, tiles to time beside the default's: BLOCK_K:INTER_TILE:DOWN_SPLITS:"
+        "NUM_WARPS:NUM_STAGES each (layer_kernel.KNOBS)",
+    )
     ap.add_argument("--diagnose", action="store_true", help="compiled against eager (2 layers)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -208,11 +233,12 @@ def main() -> None:
         )
         print("diagnose:", results["diagnose"])
     if args.steps:
-        with torch.inference_mode():
-            results["steps_us_a_layer"] = time_steps(
-                model, w3_batch(device), args.rounds, args.replays
-            )
-        print("steps (µs a layer):", results["steps_us_a_layer"])
+        results["steps_us_a_layer"] = {}
+        for config in ["default", *args.configs]:
+            with torch.inference_mode(), knobs(config):
+                us = time_steps(model, w3_batch(device), args.rounds, args.replays)
+            results["steps_us_a_layer"][config] = us
+            print(f"steps, {config} (µs a layer):", us)
     layers = model.config.num_layers
     forward = PackedForward(model)
     sides = {"layers": 0, "kernel": layer_kernel.LIMIT}

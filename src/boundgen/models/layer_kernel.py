@@ -69,6 +69,9 @@ HIDDEN_TILE = 64  # columns of the hidden size a C or E item takes
 INTER_TILE = 32  # columns of the intermediate size a D item takes (gate's and up's each)
 BLOCK_K = 64
 DOWN_SPLITS = 9  # K slices of `down` per column tile (14 tiles × 9 ≈ 132 items at 896 × 4864)
+NUM_WARPS, NUM_STAGES = 4, 3
+# the tile knobs above, as `bench_layer_kernel.py --configs` sweeps them (read at each launch)
+KNOBS = ("BLOCK_K", "INTER_TILE", "DOWN_SPLITS", "NUM_WARPS", "NUM_STAGES")
 
 
 def rows_up_to(rows: int) -> contextlib.AbstractContextManager[None]:
@@ -460,7 +463,7 @@ if AVAILABLE:
                 BLOCK_M=LIMIT, SEG_P=max(triton.next_power_of_2(n_seg), 2), BLOCK_K=BLOCK_K,
                 HIDDEN_TILE=HIDDEN_TILE, INTER_TILE=INTER_TILE, SPLITS=splits, K_PER=k_per,
                 PHASE=phase, PRECISION=triton_launch.dot_precision(x), INTERPRET=interpret,
-                PDL=grid_dependency.waits(x), num_warps=4, num_stages=3,
+                PDL=grid_dependency.waits(x), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
             )  # fmt: skip
         return out, sq_out
 
