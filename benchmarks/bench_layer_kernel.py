@@ -129,7 +129,7 @@ def time_steps(model, batch, rounds: int, replays: int) -> dict:
     cos, sin = model.rotary(batch.positions, x.dtype)
     cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
     counters = torch.zeros(
-        layer_kernel.SYNC_SLOTS + model.config.hidden_size // layer_kernel.HIDDEN_TILE,
+        layer_kernel.SYNC_SLOTS + layer_kernel.counted(model),
         dtype=torch.int32,
         device=x.device,
     )
@@ -223,6 +223,7 @@ def main() -> None:
     ap.add_argument("--diagnose", action="store_true", help="compiled against eager (2 layers)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    layer_kernel.TRACED = True  # the compiled sides trace the kernel (its known failure: see there)
     device = torch.device("cuda")
     model = build_model(device)
     results = {"env": env_info(), "sms": layer_kernel.programs(device), "layouts": {}}

@@ -70,6 +70,15 @@ def test_the_kernel_computes_the_layers_in_float32(lengths):
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("splits", [(1, 1, 1, 1), (7, 7, 2, 9), (2, 1, 2, 1)])
+def test_the_kernel_computes_the_layers_with_its_k_cut_or_not(monkeypatch, splits):
+    # one slice: the products' epilogue at once; more: partials summed by the last to arrive
+    for name, n in zip(("QKV_SPLITS", "O_SPLITS", "GATED_SPLITS", "DOWN_SPLITS"), splits):
+        monkeypatch.setattr(layer_kernel, name, n)
+    got, want = _both(_model(torch.float32), _batch([4, 6, 3]))
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_kernel_computes_the_layers_in_bf16(bias):
     # bf16: GEMMs rounded once with their bias, residual sums rounded once (eager rounds the
@@ -87,7 +96,8 @@ def test_every_call_leaves_its_counters_at_zero():
     with triton_launch.interpreted(), layer_kernel.rows_up_to(64), torch.no_grad():
         x = model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary(batch.positions, x.dtype)
-        counters = torch.zeros(layer_kernel.SYNC_SLOTS + 2, dtype=torch.int32, device=DEV)
+        slots = layer_kernel.SYNC_SLOTS
+        counters = torch.zeros(slots + layer_kernel.counted(model), dtype=torch.int32, device=DEV)
         squares = layer_kernel.first_squares(x)
         layer, a = model.layers[0], model.layers[0].self_attn
         torch.ops.boundgen.fused_layer(
@@ -95,7 +105,7 @@ def test_every_call_leaves_its_counters_at_zero():
             batch.attn.cu_seqlens, layer.input_layernorm.weight, a.qkv_proj.weight,
             a.qkv_proj.bias, a.o_proj.weight, layer.post_attention_layernorm.weight,
             layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
-            counters[: layer_kernel.SYNC_SLOTS], counters[layer_kernel.SYNC_SLOTS :],
+            counters[:slots], counters[slots:],
             layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
         )  # fmt: skip
     assert counters.tolist() == [0] * len(counters)
@@ -128,11 +138,13 @@ from boundgen.models import layer_kernel as lk
 
 fn = lk._layer_kernel
 h, inter, heads, kv_heads, d = (int(a) for a in sys.argv[1:6])
-k_per = -(-inter // lk.DOWN_SPLITS // lk.BLOCK_K) * lk.BLOCK_K
+splits = int(sys.argv[6])  # every GEMM's K in this many slices (1: none summed by the last)
+cuts = dict(QKV=(h, splits), O=(heads * d, splits), GATED=(h, splits), DOWN=(inter, splits))
 const = dict(H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=True, BLOCK_M=lk.LIMIT, SEG_P=4,
-             BLOCK_K=lk.BLOCK_K, HIDDEN_TILE=lk.HIDDEN_TILE, INTER_TILE=lk.INTER_TILE,
-             SPLITS=-(-inter // k_per), K_PER=k_per, PHASE=-1, PRECISION="tf32", INTERPRET=False,
-             PDL=True)
+             BLOCK_K=lk.BLOCK_K, HIDDEN_TILE=lk.HIDDEN_TILE, INTER_TILE=lk.INTER_TILE, PHASE=-1,
+             PRECISION="tf32", INTERPRET=False, PDL=True)
+for name, (k, n) in cuts.items():
+    const[f"{name}_SPLITS"], const[f"{name}_K_PER"], _ = lk._cut(k, n, 0)
 pointers = ["X", "SqIn", "Cos", "Sin", "CuSeq", "Norm1", "Wqkv", "Bqkv", "Wo", "Norm2", "Wgu", "Wd",
             "Qkv", "Attn", "X1", "Sq1", "Act", "Parts", "Counts", "Out", "SqOut", "Sync"]
 kinds = {"SqIn": "*fp32", "CuSeq": "*i32", "Sq1": "*fp32", "Parts": "*fp32", "Counts": "*i32",
@@ -146,13 +158,14 @@ warps, stages = 4, 3
 
 
 @pytest.mark.parametrize(
-    ("h", "inter", "heads", "kv_heads", "d"),
-    [(896, 4864, 14, 2, 64), (2048, 8192, 32, 8, 64)],  # Qwen2.5-0.5B, Llama-3.2-1B
+    ("h", "inter", "heads", "kv_heads", "d", "splits"),
+    # Qwen2.5-0.5B's layer, its K cut and not; Llama-3.2-1B's
+    [(896, 4864, 14, 2, 64, 7), (896, 4864, 14, 2, 64, 1), (2048, 8192, 32, 8, 64, 7)],
 )
-def test_the_kernel_compiles_for_hopper(h, inter, heads, kv_heads, d):
-    """Compiled for sm_90 by Triton's bundled ptxas, barriers and all: Qwen2.5-0.5B's layer and
-    Llama-3.2-1B's."""
-    out = compile_in_child(HOPPER, str(h), str(inter), str(heads), str(kv_heads), str(d))
+def test_the_kernel_compiles_for_hopper(h, inter, heads, kv_heads, d, splits):
+    """Compiled for sm_90 by Triton's bundled ptxas, barriers and all."""
+    shape = (h, inter, heads, kv_heads, d, splits)
+    out = compile_in_child(HOPPER, *map(str, shape))
     assert "waits first True" in out  # programmatic launch: nothing read before the wait
 
 
