@@ -1,16 +1,19 @@
 """Issue 25 (W3) and 24 (few-row layers): each decoder layer of a short prompt as one persistent
 kernel (`models/layer_kernel.py`) against the layers the engine compiles today, on the GPU.
 
-    python benchmarks/bench_layer_kernel.py --out $OUT/layer_kernel.json     # H100/H200, ~1-2 min
+    python benchmarks/bench_layer_kernel.py --out $OUT/layer_kernel.json     # H100/H200, ~3-4 min
 
 A Qwen2.5-0.5B-shaped model (24 layers, random weights ~N(0, 0.02), a small vocabulary: the head is
 not part of it) compiled as the engine compiles a prefill bucket (`torch.compile` of
-`PackedForward`, the streamed few-row kernels, programmatic edges for buckets of ≤ 128 tokens),
-with and without `BOUNDGEN_LAYER_KERNEL_MAX_ROWS` (traced apart), each forward captured as one CUDA
-graph. Per batch layout (`--layouts`: one 64-token prompt is W3's), the sides' graphs replayed
-alternately (`--rounds` × `--replays`), median µs a forward and a layer; each side's output against
-the eager model's (max |diff|, bf16), and the kernel's from two calls (equal: the counters it left
-are zero). `--profile`: a kernel table of one replay a side.
+`PackedForward`, the streamed few-row kernels, programmatic edges for buckets of ≤ 128 tokens), with
+and without `BOUNDGEN_LAYER_KERNEL_MAX_ROWS` (traced apart), and the eager forward with it (what the
+`eager+graphs` backend runs: the engine takes the kernel in eager forwards only), each forward
+captured as one CUDA graph. Per batch layout (`--layouts`: one 64-token prompt is W3's), the sides'
+graphs replayed alternately (`--rounds` × `--replays`), median µs a forward and a layer; each side's
+output against the eager model's (max |diff|, bf16), and the kernel's from two calls (equal: the
+counters it left are zero). `--profile`: a kernel table of one replay a side. `--steps`: each of the
+kernel's steps launched alone (W3's prompt), µs a layer, for its tiles and any `--configs`;
+`--diagnose`: the traced forward against the eager one on 2 layers, with Inductor's code of it.
 """
 
 from __future__ import annotations
@@ -217,8 +220,9 @@ def main() -> None:
         "--configs",
         nargs="+",
         default=[],
-        help="with --steps, tiles to time beside the default's: BLOCK_K:INTER_TILE:DOWN_SPLITS:"
-        "NUM_WARPS:NUM_STAGES each (layer_kernel.KNOBS)",
+        help="with --steps, tiles to time beside the default's: each the values of "
+        "layer_kernel.KNOBS joined by ':' (BLOCK_K:INTER_TILE:QKV_SPLITS:O_SPLITS:GATED_SPLITS:"
+        "DOWN_SPLITS:NUM_WARPS:NUM_STAGES; 64:32:1:1:1:9:4:3 is the first version)",
     )
     ap.add_argument("--diagnose", action="store_true", help="compiled against eager (2 layers)")
     ap.add_argument("--out")
@@ -242,10 +246,15 @@ def main() -> None:
             print(f"steps, {config} (µs a layer):", us)
     layers = model.config.num_layers
     forward = PackedForward(model)
-    sides = {"layers": 0, "kernel": layer_kernel.LIMIT}
-    compiled = {
-        name: torch.compile(forward, fullgraph=True, dynamic=False) for name in sides
-    }  # one compiled function a side: the switch is read when a forward traces
+    # side → (rows up to which the kernel takes a forward, the forward): the compiled layers
+    # (what W3 runs today), the kernel traced by torch.compile (wrong so far: see the module),
+    # and the kernel in the eager forward (what the `eager+graphs` backend would run). One
+    # compiled function a side: the switch is read when a forward traces.
+    sides = {
+        "layers": (0, torch.compile(forward, fullgraph=True, dynamic=False)),
+        "kernel": (layer_kernel.LIMIT, torch.compile(forward, fullgraph=True, dynamic=False)),
+        "kernel-eager": (layer_kernel.LIMIT, forward),
+    }
     for name in args.layouts:
         lengths = LAYOUTS[name]
         prompts = [[(i * 7 + j) % 1000 + 1 for j in range(n)] for i, n in enumerate(lengths)]
@@ -255,8 +264,7 @@ def main() -> None:
         with torch.inference_mode():
             want = model(*inputs).float()
             outs, graphs, diffs = {}, {}, {}
-            for side, rows in sides.items():
-                fn = compiled[side]
+            for side, (rows, fn) in sides.items():
                 with layer_kernel.rows_up_to(rows), grid_dependency.for_bucket(tokens):
                     outs[side] = fn(*inputs)
                     again = fn(*inputs)
@@ -273,7 +281,7 @@ def main() -> None:
             "us_a_forward": us,
             "us_a_layer": {k: round(v / layers, 2) for k, v in us.items()},
             "checks": diffs,
-            "speedup": round(us["layers"] / us["kernel"], 3),
+            "speedup": {k: round(us["layers"] / v, 3) for k, v in us.items() if k != "layers"},
         }
         print(f"{name} {lengths}: {row['us_a_forward']} µs a forward; {diffs}")
         if args.profile and name == args.layouts[0]:

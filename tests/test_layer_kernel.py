@@ -7,6 +7,8 @@ them are compiled for sm_90 here (`compile_in_child`) and run only on the GPU (`
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hopper import compile_in_child
@@ -122,6 +124,10 @@ def test_off_by_default_and_only_for_the_forwards_it_has():
             assert not layer_kernel.applies(model, x, batch.attn, kv=object())  # a KV to store
         with layer_kernel.rows_up_to(4):
             assert not layer_kernel.applies(model, x, batch.attn, None)  # 5 rows > 4
+        with layer_kernel.rows_up_to(64), mock.patch("torch.compiler.is_compiling", lambda: True):
+            assert not layer_kernel.applies(model, x, batch.attn, None)  # traced: not yet
+            with mock.patch.object(layer_kernel, "TRACED", True):  # the bench's diagnosis
+                assert layer_kernel.applies(model, x, batch.attn, None)
         with layer_kernel.rows_up_to(128):  # past one program's tile
             long = torch.zeros(65, x.shape[1], dtype=x.dtype, device=DEV)
             assert not layer_kernel.applies(model, long, batch.attn, None)
