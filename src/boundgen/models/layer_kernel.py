@@ -81,6 +81,10 @@ BLOCK_K = 64
 # o_proj 14 × 7 = 98, gate_up 152 × 2 = 304, `down` 14 × 9 = 126 on 132 multiprocessors.
 QKV_SPLITS, O_SPLITS, GATED_SPLITS, DOWN_SPLITS = 7, 7, 2, 9
 NUM_WARPS, NUM_STAGES = 4, 3
+# The launches a call makes, a step each (`PHASE`; -1: all with the barriers between): None, as
+# the device says (all at once on CUDA, one by one in the interpreter); `bench_layer_kernel.py
+# --steps` times each step alone.
+STEPS: tuple[int, ...] | None = None
 # Traced by torch.compile the forward came out wrong on an H100 (max |diff| 7.6 against eager's
 # 0.09, fifty-second session) where the eager kernel matched: eager forwards only (the `eager`
 # and `eager+graphs` backends) until the compiled path matches; `bench_layer_kernel.py
@@ -350,6 +354,13 @@ if AVAILABLE:
         tl.store(Squares + tile * BLOCK_M + rows, tl.sum(yf * yf, 0), mask=row_ok)
 
     @triton.jit
+    def _item(item, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Item → (column tile, K slice, the tile's columns): consecutive items take
+        consecutive tiles, so a tile's slices go to programs TILES apart."""
+        tile = item % TILES
+        return tile, item // TILES, tile * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    @triton.jit
     def _step_residual(
         In, W, Res, Out, SqOut, Parts, Counts, M, pid, nprog,
         H: tl.constexpr, K: tl.constexpr, SPLITS: tl.constexpr, K_PER: tl.constexpr,
@@ -362,9 +373,7 @@ if AVAILABLE:
         row_ok = rows < M
         TILES: tl.constexpr = H // BLOCK_N
         for item in range(pid, TILES * SPLITS, nprog):
-            tile = item % TILES
-            split = item // TILES
-            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            tile, split, cols = _item(item, TILES, BLOCK_N)
             acc, _ = _products(
                 In, None, None, W, rows, row_ok, cols, split * K_PER, K, K_PER, 0, False, False,
                 BLOCK_N, BLOCK_M, BLOCK_K, PRECISION, INTERPRET,
@@ -390,9 +399,7 @@ if AVAILABLE:
         rstd = _rstd(Sq1, H // HIDDEN_TILE, rows, row_ok, eps, H, BLOCK_M)
         TILES: tl.constexpr = I // BLOCK_N
         for item in range(pid, TILES * SPLITS, nprog):
-            tile = item % TILES
-            split = item // TILES
-            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            tile, split, cols = _item(item, TILES, BLOCK_N)
             acc_g, acc_u = _products(
                 X1, rstd, NormW, W, rows, row_ok, cols, split * K_PER, H, K_PER, I, True, True,
                 BLOCK_N, BLOCK_M, BLOCK_K, PRECISION, INTERPRET,
@@ -464,75 +471,6 @@ if AVAILABLE:
                     tl.atomic_xchg(Sync + slot, 0)
                 tl.atomic_xchg(Sync + 4, 0, sem="release", scope="gpu")
 
-    def launch(
-        x: torch.Tensor,
-        squares: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        norm1: torch.Tensor,
-        qkv: torch.Tensor,
-        qkv_bias: torch.Tensor | None,
-        o_proj: torch.Tensor,
-        norm2: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
-        sync: torch.Tensor,
-        counts: torch.Tensor,
-        eps: float,
-        head_dim: int,
-        kv_heads: int,
-        steps: tuple[int, ...] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer (what the op calls): x [M, H] → (out [M, H], its sums of squares per
-        hidden tile [H / HIDDEN_TILE, LIMIT] float32). `squares` [n, LIMIT]: x's, per any n
-        column tiles; `sync` [SYNC_SLOTS] and `counts` [`counted(model)`] int32, zero. `steps`:
-        the launches (a step each, `PHASE`; -1: all with barriers), as the device says where not
-        given (`bench_layer_kernel.py --steps` times each step alone)."""
-        m, h = x.shape
-        d = head_dim
-        heads = o_proj.shape[1] // d
-        inter = down.shape[1]
-        dev, dt = x.device, x.dtype
-        qkv_s = torch.empty((m, (heads + 2 * kv_heads) * d), dtype=dt, device=dev)
-        attn = torch.empty((m, heads * d), dtype=dt, device=dev)
-        x1 = torch.empty_like(x)
-        tiles = h // HIDDEN_TILE
-        sq1 = torch.empty((tiles, LIMIT), dtype=torch.float32, device=dev)
-        act = torch.empty((m, inter), dtype=dt, device=dev)
-        width = (heads + 2 * kv_heads) * d
-        # (slices, K a slice, weight rows) of A's, C's, D's and E's GEMMs
-        cuts = [
-            _cut(h, QKV_SPLITS, width),
-            _cut(heads * d, O_SPLITS, h),
-            _cut(h, GATED_SPLITS, 2 * inter),
-            _cut(inter, DOWN_SPLITS, h),
-        ]
-        floats = [splits * LIMIT * rows for splits, _, rows in cuts if splits > 1]
-        parts = torch.empty(max(floats, default=1), dtype=torch.float32, device=dev)
-        out = torch.empty_like(x)
-        sq_out = torch.empty((tiles, LIMIT), dtype=torch.float32, device=dev)
-        n_seg = cu_seqlens.shape[0] - 1
-        interpret = not x.is_cuda
-        phases = steps if steps is not None else range(5) if interpret else (-1,)
-        bias = qkv_bias if qkv_bias is not None else qkv  # unread without HAS_BIAS
-        for phase in phases:
-            traceable(_layer_kernel)[(programs(dev),)](
-                x, squares, squares.shape[0], cos, sin, cu_seqlens, n_seg,
-                norm1, qkv, bias, o_proj, norm2, gate_up, down,
-                qkv_s, attn, x1, sq1, act, parts, counts, out, sq_out, sync,
-                m, eps, d**-0.5,
-                H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=qkv_bias is not None,
-                BLOCK_M=LIMIT, SEG_P=max(triton.next_power_of_2(n_seg), 2), BLOCK_K=BLOCK_K,
-                HIDDEN_TILE=HIDDEN_TILE, INTER_TILE=INTER_TILE,
-                QKV_SPLITS=cuts[0][0], QKV_K_PER=cuts[0][1], O_SPLITS=cuts[1][0],
-                O_K_PER=cuts[1][1], GATED_SPLITS=cuts[2][0], GATED_K_PER=cuts[2][1],
-                DOWN_SPLITS=cuts[3][0], DOWN_K_PER=cuts[3][1], PHASE=phase,
-                PRECISION=triton_launch.dot_precision(x), INTERPRET=interpret,
-                PDL=grid_dependency.waits(x), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-            )  # fmt: skip
-        return out, sq_out
-
     def _cut(k: int, splits: int, rows: int) -> tuple[int, int, int]:
         """(slices, K a slice, weight rows) of a GEMM over K = `k` cut into at most `splits`
         slices of whole BLOCK_K steps (fewer where K is short)."""
@@ -559,10 +497,52 @@ if AVAILABLE:
         head_dim: int,
         kv_heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return launch(
-            x, squares, cos, sin, cu_seqlens, norm1, qkv, qkv_bias, o_proj, norm2, gate_up,
-            down, sync, counts, eps, head_dim, kv_heads,
-        )  # fmt: skip
+        """One layer: x [M, H] → (out [M, H], its sums of squares per hidden tile
+        [H / HIDDEN_TILE, LIMIT] float32). `squares` [n, LIMIT]: x's, per any n column tiles;
+        `sync` [SYNC_SLOTS] and `counts` [`counted(model)`] int32, zero."""
+        m, h = x.shape
+        d = head_dim
+        heads = o_proj.shape[1] // d
+        inter = down.shape[1]
+        width = (heads + 2 * kv_heads) * d
+        dev, dt = x.device, x.dtype
+        qkv_s = torch.empty((m, width), dtype=dt, device=dev)
+        attn = torch.empty((m, heads * d), dtype=dt, device=dev)
+        x1 = torch.empty_like(x)
+        tiles = h // HIDDEN_TILE
+        sq1 = torch.empty((tiles, LIMIT), dtype=torch.float32, device=dev)
+        act = torch.empty((m, inter), dtype=dt, device=dev)
+        # (slices, K a slice, weight rows) of A's, C's, D's and E's GEMMs
+        cuts = [
+            _cut(h, QKV_SPLITS, width),
+            _cut(heads * d, O_SPLITS, h),
+            _cut(h, GATED_SPLITS, 2 * inter),
+            _cut(inter, DOWN_SPLITS, h),
+        ]
+        floats = [splits * LIMIT * rows for splits, _, rows in cuts if splits > 1]
+        parts = torch.empty(max(floats, default=1), dtype=torch.float32, device=dev)
+        out = torch.empty_like(x)
+        sq_out = torch.empty((tiles, LIMIT), dtype=torch.float32, device=dev)
+        n_seg = cu_seqlens.shape[0] - 1
+        interpret = not x.is_cuda
+        phases = STEPS if STEPS is not None else range(5) if interpret else (-1,)
+        bias = qkv_bias if qkv_bias is not None else qkv  # unread without HAS_BIAS
+        for phase in phases:
+            traceable(_layer_kernel)[(programs(dev),)](
+                x, squares, squares.shape[0], cos, sin, cu_seqlens, n_seg,
+                norm1, qkv, bias, o_proj, norm2, gate_up, down,
+                qkv_s, attn, x1, sq1, act, parts, counts, out, sq_out, sync,
+                m, eps, d**-0.5,
+                H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=qkv_bias is not None,
+                BLOCK_M=LIMIT, SEG_P=max(triton.next_power_of_2(n_seg), 2), BLOCK_K=BLOCK_K,
+                HIDDEN_TILE=HIDDEN_TILE, INTER_TILE=INTER_TILE,
+                QKV_SPLITS=cuts[0][0], QKV_K_PER=cuts[0][1], O_SPLITS=cuts[1][0],
+                O_K_PER=cuts[1][1], GATED_SPLITS=cuts[2][0], GATED_K_PER=cuts[2][1],
+                DOWN_SPLITS=cuts[3][0], DOWN_K_PER=cuts[3][1], PHASE=phase,
+                PRECISION=triton_launch.dot_precision(x), INTERPRET=interpret,
+                PDL=grid_dependency.waits(x), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            )  # fmt: skip
+        return out, sq_out
 
 
 def first_squares(x: torch.Tensor) -> torch.Tensor:
