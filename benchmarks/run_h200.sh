@@ -110,12 +110,12 @@ run_phase() {
     # issue 25 item 3: W1 and W2 in the planner's buckets with a bucket's gate_up + SiLU·mul by
     # cuBLAS + Inductor and as one GEMM (`models/bucket_gated.py`), HF eager after them in the same process
     w1-gated) phase w1-gated 420 python3 benchmarks/bench_fp8.py --sections env,compiled --compiled-backend aoti+graphs --policies none --bucket-gated 0 1 --compiled-buckets plan --iters 10 --profile --hf --out "$OUT/w1_gated.json" ${W1_GATED_ARGS:-} ;;
-    # issue 25 item 3: that GEMM alone (and TMA-fed variants: persistent, warp-specialized) vs cuBLAS + Inductor
-    # at 1,920–14,912 rows (BUCKET_GATED_ARGS="--variants engine tma-persist tma-ws": those against the engine's)
     # issues 24/25: each short prompt's layer as one persistent kernel: its GPU tests, then against the
     # compiled layers (LAYER_KERNEL_ARGS="--layouts w3 packed 16 --profile")
     layer-kernel) phase layer-kernel-tests 120 python3 -m pytest -v -rfs --tb=short -p no:cacheprovider -m gpu tests/test_layer_kernel.py
       phase layer-kernel 200 python3 benchmarks/bench_layer_kernel.py --out "$OUT/layer_kernel.json" ${LAYER_KERNEL_ARGS:-} ;;
+    # issue 25 item 3: that GEMM alone (and TMA-fed variants: persistent, warp-specialized) vs cuBLAS + Inductor
+    # at 1,920–14,912 rows (BUCKET_GATED_ARGS="--variants engine tma-persist tma-ws": those against the engine's)
     bucket-gated) phase bucket-gated 180 python3 benchmarks/bench_bucket_gated.py --out "$OUT/bucket_gated.json" ${BUCKET_GATED_ARGS:-} ;;
     # issue 25 item 3: a bucket's RoPE kernel: cos/sin computed in-graph, gathered from a table or given,
     # the rotation with or without `cat` (ROPE_ARGS="--variants table --forms cat flip --tokens 1920 8192")

@@ -101,7 +101,6 @@ KERNEL_MODULES = (
     "boundgen.models.stream_gated",
     "boundgen.models.stream_qkv",
     "boundgen.models.bucket_gated",
-    "boundgen.models.layer_kernel",
 )
 
 
@@ -111,10 +110,9 @@ def embedded_kernel_modules() -> tuple[str, ...]:
     residual GEMM (and the row blocks it takes from `skinny_tiles`) only where `stream.MAX_ROWS`
     > 0, gate_up's with SiLU·mul and qkv's with the rotation only where each is on too
     (`stream_gated.GATED`, `stream_qkv.ROTATED`), and the buckets' gate_up with SiLU·mul only
-    where it is on (`bucket_gated.GATED`), and the one-kernel layer only where forwards take it
-    (`layer_kernel.MAX_ROWS` > 0), so a change to them (a tile swept into `skinny_tiles.TILES`)
-    leaves the packages built without them valid."""
-    from boundgen.models import bucket_gated, layer_kernel, skinny, stream, stream_gated, stream_qkv
+    where it is on (`bucket_gated.GATED`), so a change to them (a tile swept into
+    `skinny_tiles.TILES`) leaves the packages built without them valid."""
+    from boundgen.models import bucket_gated, skinny, stream, stream_gated, stream_qkv
 
     drop = set()
     if skinny.MAX_ROWS <= 0:
@@ -129,8 +127,6 @@ def embedded_kernel_modules() -> tuple[str, ...]:
         drop.add("boundgen.models.stream_qkv")
     if not bucket_gated.GATED:
         drop.add("boundgen.models.bucket_gated")
-    if layer_kernel.MAX_ROWS <= 0:
-        drop.add("boundgen.models.layer_kernel")
     return tuple(m for m in KERNEL_MODULES if m not in drop)
 
 
@@ -153,7 +149,6 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     whether gate_up then streams with SiLU·mul as its epilogue, `models.stream_gated.GATED`, and
     qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, whether a bucket's
     gate_up takes its SiLU·mul, `models.bucket_gated.GATED`, and by which kernel, `PERSISTENT`,
-    the rows up to which a forward runs each layer as one kernel, `models.layer_kernel.MAX_ROWS`,
     how q and k are rotated,
     `models.decoder.QK_ROTATION`, and written, `models.layers.ROPE_FORM`, whether the kernels
     wait for the kernels before them (programmatic launch), `grid_dependency.key()`, and whether
@@ -163,7 +158,6 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     from boundgen.models import (
         bucket_gated,
         decoder,
-        layer_kernel,
         layers,
         skinny,
         skinny_tiles,
@@ -193,8 +187,6 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
             info["stream_qkv"] = "1"
     if bucket_gated.GATED:  # off keeps the keys of the packages built before it
         info["bucket_gated"] = "persist" if bucket_gated.PERSISTENT else "1"
-    if layer_kernel.MAX_ROWS > 0:  # off keeps the keys of the packages built before it
-        info["layer_kernel_max_rows"] = str(layer_kernel.MAX_ROWS)
     pdl = grid_dependency.key()
     if pdl is not None:  # off keeps the keys of the packages built before it
         info["pdl"] = pdl

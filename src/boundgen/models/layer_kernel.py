@@ -36,7 +36,8 @@ float32 rounded once.
 
 `MAX_ROWS` (`BOUNDGEN_LAYER_KERNEL_MAX_ROWS`, default 0: never) decides which forwards take it:
 packed prefill without a shared prefix or KV to store, at most that many tokens (≤ 64), not
-traced by torch.compile (`TRACED`). Compiled packages record it (`compile.cache.platform_info`).
+traced by torch.compile (`TRACED`), so no compiled package holds it and the packages' keys leave
+it out.
 
 Measured (H100, fifty-second session, `bench_layer_kernel.py`): the first version — one K slice
 for qkv, o_proj and gate_up, 9 for `down` — matched the model's layers eagerly (the GPU tests)
