@@ -23,8 +23,9 @@ finishes last, runs the step's epilogue and sets the counter back to zero. One s
 epilogue at once, no partials.
 
 The barriers need every program resident at once: the grid is the multiprocessor count, one
-program each (`programs`); only one such kernel may run on the GPU at a time (two beside each
-other on two streams could each hold multiprocessors the other waits for). The counters live in
+program each (`programs`), launched cooperatively (all programs start together or none), so two
+such kernels on two streams (the runtime's device streams) cannot each hold multiprocessors the
+other's programs wait for. The counters live in
 `sync` [SYNC_SLOTS] int32, zero between calls: the last program to leave (counted in slot 4) sets
 them back. Without CUDA (Triton's interpreter, the tests) the programs of a launch run one
 after another, so each step is launched on its own (`PHASE`) instead of crossing a barrier.
@@ -528,6 +529,12 @@ if AVAILABLE:
         interpret = not x.is_cuda
         phases = STEPS if STEPS is not None else range(5) if interpret else (-1,)
         bias = qkv_bias if qkv_bias is not None else qkv  # unread without HAS_BIAS
+        # a cooperative launch starts every program at once or none (the barriers' need): two
+        # forwards on two streams cannot each hold multiprocessors the other's programs wait for.
+        # Eager launches only: traced (`TRACED`), Inductor launches the kernel itself.
+        launch = (
+            {} if interpret or torch.compiler.is_compiling() else {"launch_cooperative_grid": True}
+        )
         for phase in phases:
             traceable(_layer_kernel)[(programs(dev),)](
                 x, squares, squares.shape[0], cos, sin, cu_seqlens, n_seg,
@@ -542,6 +549,7 @@ if AVAILABLE:
                 DOWN_SPLITS=cuts[3][0], DOWN_K_PER=cuts[3][1], PHASE=phase,
                 PRECISION=triton_launch.dot_precision(x), INTERPRET=interpret,
                 PDL=grid_dependency.waits(x), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+                **launch,
             )  # fmt: skip
         return out, sq_out
 
