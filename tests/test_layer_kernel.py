@@ -177,9 +177,10 @@ def test_the_kernel_compiles_for_hopper(h, inter, heads, kv_heads, d, splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [[64], [20, 30, 14], [3]])
-def test_the_kernel_matches_the_compiled_layers_on_the_gpu(lengths):
-    """Qwen2.5-0.5B's layer shape, 4 layers, bf16: the kernel's forward against the model's own
-    (eager), within bf16 noise, and again (the counters it left are zero)."""
+def test_the_kernel_matches_the_models_layers_on_the_gpu(lengths):
+    """Qwen2.5-0.5B's layer shape, 4 layers, bf16: the kernel's forward (launched cooperatively,
+    with its barriers) against the model's own eager layers, within bf16 noise, and again (the
+    counters it left are zero)."""
     torch.manual_seed(0)
     cfg = small_config(
         hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2, head_dim=64,
