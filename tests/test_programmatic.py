@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 # the modules whose kernels wait first (importing them registers the kernels)
 from boundgen.attention import beam_decode, segments
-from boundgen.models import stream, stream_gated, stream_qkv
+from boundgen.models import layer_kernel, stream, stream_gated, stream_qkv
 
 AWAITING = {
     "_stream_kernel": stream,
@@ -32,6 +32,7 @@ AWAITING = {
     "_qkv_kernel": stream_qkv,
     "_packed_prefill_kernel": segments,
     "_beam_decode_kernel": beam_decode,
+    "_layer_kernel": layer_kernel,
 }
 
 
@@ -108,7 +109,7 @@ def test_programmatic_edge_data_is_the_driver_struct():
 
 def test_the_awaiting_kernels_are_registered_and_wait_first():
     """Every kernel `grid_dependency.awaits` marks starts with `await_inputs(PDL)` (nothing
-    before the wait may read or write), and the five the graphs run are marked."""
+    before the wait may read or write), and the six the graphs run are marked."""
     assert set(AWAITING) <= grid_dependency.KERNELS
     for name in grid_dependency.KERNELS:
         module = AWAITING.get(name)
