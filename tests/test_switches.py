@@ -14,7 +14,7 @@ import pytest
 
 from boundgen import settings, trie_select
 from boundgen.compile.cache import platform_info
-from boundgen.models import decoder, layers, skinny, stream, stream_gated, stream_qkv
+from boundgen.models import decoder, layer_kernel, layers, skinny, stream, stream_gated, stream_qkv
 
 
 def test_the_switch_is_set_inside_and_restored_after_a_raise():
@@ -36,6 +36,7 @@ def test_the_switch_is_set_inside_and_restored_after_a_raise():
         (stream, "MAX_ROWS", stream.rows_up_to, 9),
         (stream_gated, "GATED", stream_gated.enabled, False),
         (stream_qkv, "ROTATED", stream_qkv.enabled, False),
+        (layer_kernel, "MAX_ROWS", layer_kernel.rows_up_to, 5),
     ],
 )
 def test_each_kernel_switch_sets_its_own_module_global(module, name, switch, value):
