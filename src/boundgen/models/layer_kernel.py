@@ -433,6 +433,11 @@ if AVAILABLE:
         """One decoder layer over M ≤ BLOCK_M packed rows: steps A–E (the module's docstring),
         all of them with barriers between (PHASE -1) or only step PHASE (the interpreter)."""
         await_inputs(PDL)
+        # Inductor hands a user kernel Python floats typed fp64 (Triton's own launcher: fp32), as
+        # in `attention.segments`: cast, so the norms' and the softmax's math stays float32
+        if not INTERPRET:  # (the interpreter hands scalars over as Python floats)
+            eps = tl.cast(eps, tl.float32)
+            scale = tl.cast(scale, tl.float32)
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         SYNC: tl.constexpr = PHASE < 0
