@@ -181,6 +181,43 @@ def test_the_kernel_matches_the_models_layers_on_the_gpu(lengths):
     """Qwen2.5-0.5B's layer shape, 4 layers, bf16: the kernel's forward (launched cooperatively,
     with its barriers) against the model's own eager layers, within bf16 noise, and again (the
     counters it left are zero)."""
+    model = _gpu_model()
+    batch = _batch(lengths)
+    args = (batch.input_ids, batch.positions, batch.attn)
+    want = model(*args)
+    with layer_kernel.rows_up_to(64):
+        got = model(*args)
+        again = model(*args)
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=6e-2)
+    assert torch.equal(got, again)
+
+
+@pytest.mark.gpu
+def test_the_kernel_replays_from_a_cuda_graph():
+    """The `eager+graphs` backend's path: the forward with the kernel captured as one CUDA graph
+    (its cooperative launches and its counters' zeroing inside) replays what it computes
+    eagerly, twice."""
+    model = _gpu_model()
+    batch = _batch([40, 24])
+    args = (batch.input_ids, batch.positions, batch.attn)
+    with layer_kernel.rows_up_to(64):
+        want = model(*args)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(*args)  # warmed up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(*args)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
+def _gpu_model() -> DecoderModel:
+    """Qwen2.5-0.5B's layer shape, 4 layers, bf16, random weights."""
     torch.manual_seed(0)
     cfg = small_config(
         hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2, head_dim=64,
@@ -190,11 +227,4 @@ def test_the_kernel_matches_the_models_layers_on_the_gpu(lengths):
     spread_weights(model, 0.02, 0.1)
     model = model.to("cuda", torch.bfloat16)
     model.rotary.reset()
-    batch = _batch(lengths)
-    args = (batch.input_ids, batch.positions, batch.attn)
-    want = model(*args)
-    with layer_kernel.rows_up_to(64):
-        got = model(*args)
-        again = model(*args)
-    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=6e-2)
-    assert torch.equal(got, again)
+    return model
