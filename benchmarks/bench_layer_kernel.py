@@ -23,7 +23,6 @@ import contextlib
 import statistics
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -37,6 +36,7 @@ from boundgen.compile.aoti import PackedForward
 from boundgen.config import ModelConfig
 from boundgen.models import layer_kernel
 from boundgen.models.decoder import DecoderModel
+from boundgen.settings import switched
 from boundgen.text.packing import SequenceGroup, pack
 
 LAYOUTS = {"w3": [64], "packed": [20, 30, 14], "16": [16], "32": [32]}
@@ -110,18 +110,11 @@ def layer_args(model, x, squares, cos, sin, cu_seqlens, counters, i: int) -> tup
 @contextlib.contextmanager
 def knobs(config: str):
     """Inside: `layer_kernel`'s tile knobs set as `config` says ("default": as they are)."""
-    if config == "default":
+    values = [] if config == "default" else [int(v) for v in config.split(":")]
+    with contextlib.ExitStack() as stack:
+        for name, value in zip(layer_kernel.KNOBS, values, strict=bool(values)):
+            stack.enter_context(switched(vars(layer_kernel), name, value))
         yield
-        return
-    values = [int(v) for v in config.split(":")]
-    before = {k: getattr(layer_kernel, k) for k in layer_kernel.KNOBS}
-    try:
-        for k, v in zip(layer_kernel.KNOBS, values, strict=True):
-            setattr(layer_kernel, k, v)
-        yield
-    finally:
-        for k, v in before.items():
-            setattr(layer_kernel, k, v)
 
 
 def time_steps(model, batch, rounds: int, replays: int) -> dict:
@@ -150,7 +143,7 @@ def time_steps(model, batch, rounds: int, replays: int) -> dict:
             for a in args:
                 torch.ops.boundgen.fused_layer(*a)
 
-        with mock.patch.object(layer_kernel, "STEPS", steps):
+        with switched(vars(layer_kernel), "STEPS", steps):
             graphs[name] = graphed(run, batch.num_tokens)
     us = time_sides(graphs, rounds, replays)
     return {name: round(v / layers, 2) for name, v in us.items()}
