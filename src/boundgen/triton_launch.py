@@ -48,6 +48,13 @@ def traceable(kernel):
     return wrap_triton(kernel) if isinstance(kernel, triton.runtime.JITFunction) else kernel
 
 
+def multiprocessors(device: torch.device) -> int:
+    """The CUDA device's multiprocessors (SMs): a persistent kernel's grid, a program each."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def dot_precision(x: torch.Tensor) -> str:
     """`tl.dot`'s input precision for a call on `x`: float32's own products for float32 (the
     tests' oracle precision; the engine takes the few-row kernels in bf16/fp16 only), not TF32's,

@@ -198,7 +198,7 @@ if AVAILABLE:
 
     def _programs(x: torch.Tensor, tiles: int) -> int:
         """The persistent grid: an SM a program (4 in the interpreter), at most a tile each."""
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        sms = triton_launch.multiprocessors(x.device) if x.is_cuda else 4
         return min(sms, tiles)
 
     def launch_gated(

@@ -135,7 +135,7 @@ def programs(device: torch.device) -> int:
     barriers), a few in the interpreter."""
     if device.type != "cuda":
         return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return triton_launch.multiprocessors(device)
 
 
 if AVAILABLE:
