@@ -64,9 +64,15 @@ if AVAILABLE:
 
 # "0" off, "1" the pointer-fed kernel, "persist" the persistent TMA-fed one
 FORMS = ("0", "1", "persist")
-_FORM = env_choice("BOUNDGEN_BUCKET_GATED", os.environ.get("BOUNDGEN_BUCKET_GATED", "1"), FORMS)
-GATED = _FORM != "0"
-PERSISTENT = _FORM == "persist"
+
+
+def _switches(form: str) -> tuple[bool, bool]:
+    """(`GATED`, `PERSISTENT`) of `BOUNDGEN_BUCKET_GATED=form` (checked: one of `FORMS`)."""
+    env_choice("BOUNDGEN_BUCKET_GATED", form, FORMS)
+    return form != "0", form == "persist"
+
+
+GATED, PERSISTENT = _switches(os.environ.get("BOUNDGEN_BUCKET_GATED", "1"))
 # Tile: rows, output columns (of each half), K a step, row tiles walked together, warps, stages.
 # This kernel's best at W1's 14,912 rows on an H100 (forty-seventh session: 430 µs, the next
 # 478) and within 0.4 µs of its best at W2's 1,920 (65.5 against 65.2; a warpgroup per 64 rows).
@@ -85,8 +91,7 @@ def set_form(form: str) -> None:
     """`GATED` and `PERSISTENT` as `BOUNDGEN_BUCKET_GATED=form` sets them (an A/B's sides,
     read when the buckets trace)."""
     global GATED, PERSISTENT
-    env_choice("BOUNDGEN_BUCKET_GATED", form, FORMS)
-    GATED, PERSISTENT = form != "0", form == "persist"
+    GATED, PERSISTENT = _switches(form)
 
 
 def applies(x: torch.Tensor, gate_up: nn.Module) -> bool:
