@@ -217,7 +217,7 @@ def main() -> None:
         default=[],
         help="with --steps, tiles to time beside the default's: each the values of "
         "layer_kernel.KNOBS joined by ':' (BLOCK_K:INTER_TILE:QKV_SPLITS:O_SPLITS:GATED_SPLITS:"
-        "DOWN_SPLITS:NUM_WARPS:NUM_STAGES; 64:32:1:1:1:9:4:3 is the first version)",
+        "DOWN_SPLITS:NUM_WARPS:NUM_STAGES:PREFETCH; 64:32:1:1:1:9:4:3:0 is the first version)",
     )
     ap.add_argument("--diagnose", action="store_true", help="compiled against eager (2 layers)")
     ap.add_argument("--out")

@@ -16,7 +16,7 @@ import pytest
 # What every such script starts and ends with: it defines the kernel `fn`, its signature `sig`,
 # its constexprs `const`, the pointer/stride arguments `aligned` (16-byte divisible) and its
 # `warps`/`stages` (an attention kernel's scale: `constexprs_with_scale`); this compiles it for
-# sm_90 and prints the cubin's size.
+# sm_90 and prints the cubin's size (and what its PTX says of the waits and prefetches).
 _HEAD = """
 import sys
 import triton
@@ -47,6 +47,7 @@ ptx = ptx[ptx.index(".entry"):]
 wait = ptx.find("griddepcontrol.wait")
 first = min([i for i in (ptx.find(op) for op in ("ld.global", "st.global", "cp.async")) if i >= 0])
 print("waits first", 0 <= wait < first)
+print("prefetches", ptx.count("prefetch.global.L2"))  # L2 prefetches asked for (layer_kernel)
 """
 
 

@@ -145,10 +145,11 @@ from boundgen.models import layer_kernel as lk
 fn = lk._layer_kernel
 h, inter, heads, kv_heads, d = (int(a) for a in sys.argv[1:6])
 splits = int(sys.argv[6])  # every GEMM's K in this many slices (1: none summed by the last)
+prefetch = int(sys.argv[7])  # the L2 prefetches' lanes (0: none)
 cuts = dict(QKV=(h, splits), O=(heads * d, splits), GATED=(h, splits), DOWN=(inter, splits))
 const = dict(H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=True, BLOCK_M=lk.LIMIT, SEG_P=4,
              BLOCK_K=lk.BLOCK_K, HIDDEN_TILE=lk.HIDDEN_TILE, INTER_TILE=lk.INTER_TILE, PHASE=-1,
-             PRECISION="tf32", INTERPRET=False, PDL=True)
+             PRECISION="tf32", INTERPRET=False, PDL=True, PREFETCH=prefetch)
 for name, (k, n) in cuts.items():
     const[f"{name}_SPLITS"], const[f"{name}_K_PER"], _ = lk._cut(k, n, 0)
 pointers = ["X", "SqIn", "Cos", "Sin", "CuSeq", "Norm1", "Wqkv", "Bqkv", "Wo", "Norm2", "Wgu", "Wd",
@@ -164,15 +165,21 @@ warps, stages = 4, 3
 
 
 @pytest.mark.parametrize(
-    ("h", "inter", "heads", "kv_heads", "d", "splits"),
-    # Qwen2.5-0.5B's layer, its K cut and not; Llama-3.2-1B's
-    [(896, 4864, 14, 2, 64, 7), (896, 4864, 14, 2, 64, 1), (2048, 8192, 32, 8, 64, 7)],
+    ("h", "inter", "heads", "kv_heads", "d", "splits", "prefetch"),
+    # Qwen2.5-0.5B's layer, its K cut and not, with the L2 prefetches; Llama-3.2-1B's
+    [
+        (896, 4864, 14, 2, 64, 7, 0),
+        (896, 4864, 14, 2, 64, 1, 0),
+        (896, 4864, 14, 2, 64, 7, 128),
+        (2048, 8192, 32, 8, 64, 7, 0),
+    ],
 )
-def test_the_kernel_compiles_for_hopper(h, inter, heads, kv_heads, d, splits):
-    """Compiled for sm_90 by Triton's bundled ptxas, barriers and all."""
-    shape = (h, inter, heads, kv_heads, d, splits)
+def test_the_kernel_compiles_for_hopper(h, inter, heads, kv_heads, d, splits, prefetch):
+    """Compiled for sm_90 by Triton's bundled ptxas, barriers (and prefetches) and all."""
+    shape = (h, inter, heads, kv_heads, d, splits, prefetch)
     out = compile_in_child(HOPPER, *map(str, shape))
     assert "waits first True" in out  # programmatic launch: nothing read before the wait
+    assert ("prefetches 0\n" in out) == (prefetch == 0)
 
 
 @pytest.mark.gpu

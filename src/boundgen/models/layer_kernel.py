@@ -83,6 +83,11 @@ BLOCK_K = 64
 # o_proj 14 × 7 = 98, gate_up 152 × 2 = 304, `down` 14 × 9 = 126 on 132 multiprocessors.
 QKV_SPLITS, O_SPLITS, GATED_SPLITS, DOWN_SPLITS = 7, 7, 2, 9
 NUM_WARPS, NUM_STAGES = 4, 3
+# 1: each program asks L2 for its next steps' weights while the steps before run (o_proj's and
+# gate_up's after A, `down`'s after C; the weights need nothing computed): DRAM streams on through
+# the barriers and attention instead of waiting for each step's first loads. 0: each step loads
+# its own. Unmeasured: off until `bench_layer_kernel.py --configs` says.
+PREFETCH = 0
 # The launches a call makes, a step each (`PHASE`; -1: all with the barriers between): None, as
 # the device says (all at once on CUDA, one by one in the interpreter); `bench_layer_kernel.py
 # --steps` times each step alone.
@@ -95,7 +100,7 @@ TRACED = False
 # the tile knobs above, as `bench_layer_kernel.py --configs` sweeps them (read at each launch)
 KNOBS = (
     "BLOCK_K", "INTER_TILE", "QKV_SPLITS", "O_SPLITS", "GATED_SPLITS", "DOWN_SPLITS",
-    "NUM_WARPS", "NUM_STAGES",
+    "NUM_WARPS", "NUM_STAGES", "PREFETCH",
 )  # fmt: skip
 
 
@@ -150,6 +155,43 @@ if AVAILABLE:
             while tl.atomic_add(Sync + slot, 0, sem="acquire", scope="gpu") < nprog:
                 pass
             tl.debug_barrier()
+
+    @triton.jit
+    def _prefetch(W, row0, k0, K: tl.constexpr, ROWS: tl.constexpr, K_PER: tl.constexpr,
+                  LANES: tl.constexpr):  # fmt: skip
+        """Asks L2 for W[row0 : row0 + ROWS, k0 : k0 + K_PER] (W: [N, K]) without waiting for it:
+        one 128-byte line a lane (lanes past the slice ask for its first line again)."""
+        LINE: tl.constexpr = 1024 // W.dtype.element_ty.primitive_bitwidth  # elements a line
+        PER_ROW: tl.constexpr = (K_PER + LINE - 1) // LINE
+        N: tl.constexpr = ROWS * PER_ROW
+        for start in tl.static_range(0, N, LANES):
+            i = start + tl.arange(0, LANES)
+            k = k0 + (i % PER_ROW) * LINE
+            ok = (i < N) & (k < K)
+            at = W + tl.where(ok, (row0 + i // PER_ROW) * K + k, row0 * K + k0)
+            tl.inline_asm_elementwise(
+                "mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];",
+                "=r,l",
+                [at],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+
+    @triton.jit
+    def _prefetch_items(
+        W, pid, nprog, K: tl.constexpr, TILES: tl.constexpr, SPLITS: tl.constexpr,
+        K_PER: tl.constexpr, BLOCK_N: tl.constexpr, B_OFFSET: tl.constexpr, PAIR: tl.constexpr,
+        LANES: tl.constexpr,
+    ):  # fmt: skip
+        """`_prefetch` of the weight slices this program's items of a C, D or E step will read
+        (the items as `_item` deals them; PAIR: also the rows B_OFFSET further, D's up)."""
+        for item in range(pid, TILES * SPLITS, nprog):
+            tile = item % TILES
+            k0 = (item // TILES) * K_PER
+            _prefetch(W, tile * BLOCK_N, k0, K, BLOCK_N, K_PER, LANES)
+            if PAIR:
+                _prefetch(W, tile * BLOCK_N + B_OFFSET, k0, K, BLOCK_N, K_PER, LANES)
 
     @triton.jit
     def _normed_tile(X, rows, row_ok, ks, k_ok, rstd, NormW, H: tl.constexpr):
@@ -429,6 +471,7 @@ if AVAILABLE:
         O_K_PER: tl.constexpr, GATED_SPLITS: tl.constexpr, GATED_K_PER: tl.constexpr,
         DOWN_SPLITS: tl.constexpr, DOWN_K_PER: tl.constexpr, PHASE: tl.constexpr,
         PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """One decoder layer over M ≤ BLOCK_M packed rows: steps A–E (the module's docstring),
         all of them with barriers between (PHASE -1) or only step PHASE (the interpreter)."""
@@ -441,12 +484,19 @@ if AVAILABLE:
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         SYNC: tl.constexpr = PHASE < 0
+        # the prefetches: inline assembly, which the interpreter cannot run
+        AHEAD: tl.constexpr = PREFETCH > 0 and SYNC and not INTERPRET
         if PHASE < 0 or PHASE == 0:
             _step_qkv(
                 X, SqIn, n_sq, Norm1, Wqkv, Bqkv, Cos, Sin, Qkv, Parts, Counts, M, eps, pid,
                 nprog, H, D, HQ, HKV, HAS_BIAS, QKV_SPLITS, QKV_K_PER, BLOCK_M, BLOCK_K,
                 PRECISION, INTERPRET,
             )  # fmt: skip
+        if AHEAD:  # o_proj's and gate_up's slices stream in through the barrier and attention
+            _prefetch_items(Wo, pid, nprog, HQ * D, H // HIDDEN_TILE, O_SPLITS, O_K_PER,
+                            HIDDEN_TILE, 0, False, PREFETCH)  # fmt: skip
+            _prefetch_items(Wgu, pid, nprog, H, I // INTER_TILE, GATED_SPLITS, GATED_K_PER,
+                            INTER_TILE, I, True, PREFETCH)  # fmt: skip
         _grid_sync(Sync, 0, nprog, SYNC)
         if PHASE < 0 or PHASE == 1:
             _step_attention(
@@ -459,6 +509,9 @@ if AVAILABLE:
                 Attn, Wo, X, X1, Sq1, Parts, Counts, M, pid, nprog, H, HQ * D, O_SPLITS,
                 O_K_PER, BLOCK_M, HIDDEN_TILE, BLOCK_K, PRECISION, INTERPRET,
             )  # fmt: skip
+        if AHEAD:  # `down`'s, while gate_up's run
+            _prefetch_items(Wd, pid, nprog, I, H // HIDDEN_TILE, DOWN_SPLITS, DOWN_K_PER,
+                            HIDDEN_TILE, 0, False, PREFETCH)  # fmt: skip
         _grid_sync(Sync, 2, nprog, SYNC)
         if PHASE < 0 or PHASE == 3:
             _step_gated(
@@ -553,7 +606,8 @@ if AVAILABLE:
                 O_K_PER=cuts[1][1], GATED_SPLITS=cuts[2][0], GATED_K_PER=cuts[2][1],
                 DOWN_SPLITS=cuts[3][0], DOWN_K_PER=cuts[3][1], PHASE=phase,
                 PRECISION=triton_launch.dot_precision(x), INTERPRET=interpret,
-                PDL=grid_dependency.waits(x), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+                PDL=grid_dependency.waits(x), PREFETCH=32 * NUM_WARPS if PREFETCH else 0,
+                num_warps=NUM_WARPS, num_stages=NUM_STAGES,
                 **launch,
             )  # fmt: skip
         return out, sq_out
