@@ -98,11 +98,10 @@ def layer_args(model, x, squares, cos, sin, cu_seqlens, counters, i: int) -> tup
     """The `fused_layer` op's arguments for layer i (as `layer_kernel.run_layers` passes them)."""
     layer = model.layers[i]
     a, mlp = layer.self_attn, layer.mlp
-    slots = layer_kernel.SYNC_SLOTS
     return (
         x, squares, cos, sin, cu_seqlens, layer.input_layernorm.weight, a.qkv_proj.weight,
         a.qkv_proj.bias, a.o_proj.weight, layer.post_attention_layernorm.weight,
-        mlp.gate_up_proj.weight, mlp.down_proj.weight, counters[:slots], counters[slots:],
+        mlp.gate_up_proj.weight, mlp.down_proj.weight, counters,
         layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
     )  # fmt: skip
 

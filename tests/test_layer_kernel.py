@@ -107,7 +107,7 @@ def test_every_call_leaves_its_counters_at_zero():
             batch.attn.cu_seqlens, layer.input_layernorm.weight, a.qkv_proj.weight,
             a.qkv_proj.bias, a.o_proj.weight, layer.post_attention_layernorm.weight,
             layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
-            counters[:slots], counters[slots:],
+            counters,
             layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
         )  # fmt: skip
     assert counters.tolist() == [0] * len(counters)
@@ -149,13 +149,13 @@ prefetch = int(sys.argv[7])  # the L2 prefetches' lanes (0: none)
 cuts = dict(QKV=(h, splits), O=(heads * d, splits), GATED=(h, splits), DOWN=(inter, splits))
 const = dict(H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=True, BLOCK_M=lk.LIMIT, SEG_P=4,
              BLOCK_K=lk.BLOCK_K, HIDDEN_TILE=lk.HIDDEN_TILE, INTER_TILE=lk.INTER_TILE, PHASE=-1,
-             PRECISION="tf32", INTERPRET=False, PDL=True, PREFETCH=prefetch)
+             PRECISION="tf32", INTERPRET=False, PDL=True, PREFETCH=prefetch, SLOTS=lk.SYNC_SLOTS)
 for name, (k, n) in cuts.items():
     const[f"{name}_SPLITS"], const[f"{name}_K_PER"], _ = lk._cut(k, n, 0)
 pointers = ["X", "SqIn", "Cos", "Sin", "CuSeq", "Norm1", "Wqkv", "Bqkv", "Wo", "Norm2", "Wgu", "Wd",
-            "Qkv", "Attn", "X1", "Sq1", "Act", "Parts", "Counts", "Out", "SqOut", "Sync"]
-kinds = {"SqIn": "*fp32", "CuSeq": "*i32", "Sq1": "*fp32", "Parts": "*fp32", "Counts": "*i32",
-         "SqOut": "*fp32", "Sync": "*i32"}
+            "Qkv", "Attn", "X1", "Sq1", "Act", "Parts", "Out", "SqOut", "Counters"]
+kinds = {"SqIn": "*fp32", "CuSeq": "*i32", "Sq1": "*fp32", "Parts": "*fp32", "SqOut": "*fp32",
+         "Counters": "*i32"}
 sig = {p: kinds.get(p, "*bf16") for p in pointers}
 sig.update({"n_sq": "i32", "n_seg": "i32", "M": "i32", "eps": "fp32", "scale": "fp32"})
 sig.update(dict.fromkeys(const, "constexpr"))

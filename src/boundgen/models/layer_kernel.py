@@ -26,8 +26,8 @@ The barriers need every program resident at once: the grid is the multiprocessor
 program each (`programs`), launched cooperatively (all programs start together or none), so two
 such kernels on two streams (the runtime's device streams) cannot each hold multiprocessors the
 other's programs wait for. The counters live in
-`sync` [SYNC_SLOTS] int32, zero between calls: the last program to leave (counted in slot 4) sets
-them back. Without CUDA (Triton's interpreter, the tests) the programs of a launch run one
+`counters`' first SYNC_SLOTS int32, zero between calls: the last program to leave (counted in slot
+4) sets them back. Without CUDA (Triton's interpreter, the tests) the programs of a launch run one
 after another, so each step is launched on its own (`PHASE`) instead of crossing a barrier.
 
 Numerics follow the compiled layer's: the norms as eager (x · rstd rounded, times the weight,
@@ -462,8 +462,8 @@ if AVAILABLE:
     def _layer_kernel(
         X, SqIn, n_sq, Cos, Sin, CuSeq, n_seg,
         Norm1, Wqkv, Bqkv, Wo, Norm2, Wgu, Wd,
-        Qkv, Attn, X1, Sq1, Act, Parts, Counts, Out, SqOut, Sync,
-        M, eps, scale,
+        Qkv, Attn, X1, Sq1, Act, Parts, Out, SqOut, Counters,
+        M, eps, scale, SLOTS: tl.constexpr,
         H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
         I: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, SEG_P: tl.constexpr,  # noqa: E741
         BLOCK_K: tl.constexpr, HIDDEN_TILE: tl.constexpr, INTER_TILE: tl.constexpr,
@@ -483,6 +483,7 @@ if AVAILABLE:
             scale = tl.cast(scale, tl.float32)
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
+        Sync, Counts = Counters, Counters + SLOTS  # the barriers' slots, then the tiles' counts
         SYNC: tl.constexpr = PHASE < 0
         # the prefetches: inline assembly, which the interpreter cannot run
         AHEAD: tl.constexpr = PREFETCH > 0 and SYNC and not INTERPRET
@@ -537,7 +538,7 @@ if AVAILABLE:
         per = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
         return triton.cdiv(k, per), per, rows
 
-    @triton_op("boundgen::fused_layer", mutates_args=("sync", "counts"))
+    @triton_op("boundgen::fused_layer", mutates_args=("counters",))
     def _fused_layer(
         x: torch.Tensor,
         squares: torch.Tensor,
@@ -551,15 +552,16 @@ if AVAILABLE:
         norm2: torch.Tensor,
         gate_up: torch.Tensor,
         down: torch.Tensor,
-        sync: torch.Tensor,
-        counts: torch.Tensor,
+        counters: torch.Tensor,
         eps: float,
         head_dim: int,
         kv_heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer: x [M, H] → (out [M, H], its sums of squares per hidden tile
         [H / HIDDEN_TILE, LIMIT] float32). `squares` [n, LIMIT]: x's, per any n column tiles;
-        `sync` [SYNC_SLOTS] and `counts` [`counted(model)`] int32, zero."""
+        `counters` [SYNC_SLOTS + `counted(model)`] int32, zero: the barriers' slots, then the
+        column tiles' arrival counts (one tensor: torch.compile copied two views of one buffer
+        around every call)."""
         m, h = x.shape
         d = head_dim
         heads = o_proj.shape[1] // d
@@ -597,8 +599,8 @@ if AVAILABLE:
             traceable(_layer_kernel)[(programs(dev),)](
                 x, squares, squares.shape[0], cos, sin, cu_seqlens, n_seg,
                 norm1, qkv, bias, o_proj, norm2, gate_up, down,
-                qkv_s, attn, x1, sq1, act, parts, counts, out, sq_out, sync,
-                m, eps, d**-0.5,
+                qkv_s, attn, x1, sq1, act, parts, out, sq_out, counters,
+                m, eps, d**-0.5, SLOTS=SYNC_SLOTS,
                 H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=qkv_bias is not None,
                 BLOCK_M=LIMIT, SEG_P=max(triton.next_power_of_2(n_seg), 2), BLOCK_K=BLOCK_K,
                 HIDDEN_TILE=HIDDEN_TILE, INTER_TILE=INTER_TILE,
@@ -621,7 +623,7 @@ def first_squares(x: torch.Tensor) -> torch.Tensor:
 
 def counted(model) -> int:
     """The column tiles of the GEMM with the most (each tile's slices count their arrivals):
-    `counts`' length."""
+    how many counts follow the barriers' slots in `counters`."""
     cfg = model.config
     heads = cfg.num_heads + 2 * cfg.num_kv_heads
     return max(cfg.hidden_size // HIDDEN_TILE, cfg.intermediate_size // INTER_TILE, heads)
@@ -632,7 +634,6 @@ def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, att
     [M, 1, D/2] as `RotaryEmbedding` gives them. One zeroed counter buffer serves every layer
     (each call leaves it zero)."""
     counters = torch.zeros(SYNC_SLOTS + counted(model), dtype=torch.int32, device=x.device)
-    sync, counts = counters[:SYNC_SLOTS], counters[SYNC_SLOTS:]
     cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
     squares = first_squares(x)
     for layer in model.layers:
@@ -641,7 +642,7 @@ def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, att
             x, squares, cos, sin, attn.cu_seqlens,
             layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
             a.o_proj.weight, layer.post_attention_layernorm.weight,
-            mlp.gate_up_proj.weight, mlp.down_proj.weight, sync, counts,
+            mlp.gate_up_proj.weight, mlp.down_proj.weight, counters,
             layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
         )  # fmt: skip
     return x
