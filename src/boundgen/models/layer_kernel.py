@@ -560,8 +560,8 @@ if AVAILABLE:
         """One layer: x [M, H] → (out [M, H], its sums of squares per hidden tile
         [H / HIDDEN_TILE, LIMIT] float32). `squares` [n, LIMIT]: x's, per any n column tiles;
         `counters` [SYNC_SLOTS + `counted(model)`] int32, zero: the barriers' slots, then the
-        column tiles' arrival counts (one tensor: torch.compile copied two views of one buffer
-        around every call)."""
+        column tiles' arrival counts (one tensor: as two written views of one buffer, the
+        traced forward ran ~50 `slice` copy kernels besides, fifty-second session's profile)."""
         m, h = x.shape
         d = head_dim
         heads = o_proj.shape[1] // d
