@@ -94,18 +94,6 @@ def time_sides(graphs: dict, rounds: int, replays: int) -> dict:
     return {name: round(statistics.median(t), 2) for name, t in times.items()}
 
 
-def layer_args(model, x, squares, cos, sin, cu_seqlens, counters, i: int) -> tuple:
-    """The `fused_layer` op's arguments for layer i (as `layer_kernel.run_layers` passes them)."""
-    layer = model.layers[i]
-    a, mlp = layer.self_attn, layer.mlp
-    return (
-        x, squares, cos, sin, cu_seqlens, layer.input_layernorm.weight, a.qkv_proj.weight,
-        a.qkv_proj.bias, a.o_proj.weight, layer.post_attention_layernorm.weight,
-        mlp.gate_up_proj.weight, mlp.down_proj.weight, counters,
-        layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
-    )  # fmt: skip
-
-
 @contextlib.contextmanager
 def knobs(config: str):
     """Inside: `layer_kernel`'s tile knobs set as `config` says ("default": as they are)."""
@@ -124,16 +112,12 @@ def time_steps(model, batch, rounds: int, replays: int) -> dict:
     x = model.embed_tokens(batch.input_ids)
     cos, sin = model.rotary(batch.positions, x.dtype)
     cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
-    counters = torch.zeros(
-        layer_kernel.SYNC_SLOTS + layer_kernel.counted(model),
-        dtype=torch.int32,
-        device=x.device,
-    )
+    counters = layer_kernel.new_counters(model, x.device)
     squares = layer_kernel.first_squares(x)
     layers = model.config.num_layers
     args = [
-        layer_args(model, x, squares, cos, sin, batch.attn.cu_seqlens, counters, i)
-        for i in range(layers)
+        layer_kernel.op_args(layer, x, squares, cos, sin, batch.attn.cu_seqlens, counters)
+        for layer in model.layers
     ]
     graphs = {}
     for name, steps in [("all", (-1,)), *((f"step{k}", (k,)) for k in range(5))]:

@@ -98,18 +98,13 @@ def test_every_call_leaves_its_counters_at_zero():
     with triton_launch.interpreted(), layer_kernel.rows_up_to(64), torch.no_grad():
         x = model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary(batch.positions, x.dtype)
-        slots = layer_kernel.SYNC_SLOTS
-        counters = torch.zeros(slots + layer_kernel.counted(model), dtype=torch.int32, device=DEV)
+        counters = layer_kernel.new_counters(model, DEV)
         squares = layer_kernel.first_squares(x)
-        layer, a = model.layers[0], model.layers[0].self_attn
-        torch.ops.boundgen.fused_layer(
-            x, squares, cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous(),
-            batch.attn.cu_seqlens, layer.input_layernorm.weight, a.qkv_proj.weight,
-            a.qkv_proj.bias, a.o_proj.weight, layer.post_attention_layernorm.weight,
-            layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
-            counters,
-            layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
-        )  # fmt: skip
+        cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
+        args = layer_kernel.op_args(
+            model.layers[0], x, squares, cos, sin, batch.attn.cu_seqlens, counters
+        )
+        torch.ops.boundgen.fused_layer(*args)
     assert counters.tolist() == [0] * len(counters)
 
 

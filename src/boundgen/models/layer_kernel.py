@@ -157,6 +157,14 @@ if AVAILABLE:
             tl.debug_barrier()
 
     @triton.jit
+    def _item(item, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Item → (column tile, K slice, the tile's columns): consecutive items take
+        consecutive tiles, so a tile's slices go to programs TILES apart (every step's items
+        and the prefetches of them are dealt by this)."""
+        tile = item % TILES
+        return tile, item // TILES, tile * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    @triton.jit
     def _prefetch(W, row0, k0, K: tl.constexpr, ROWS: tl.constexpr, K_PER: tl.constexpr,
                   LANES: tl.constexpr):  # fmt: skip
         """Asks L2 for W[row0 : row0 + ROWS, k0 : k0 + K_PER] (W: [N, K]) without waiting for it:
@@ -187,11 +195,10 @@ if AVAILABLE:
         """`_prefetch` of the weight slices this program's items of a C, D or E step will read
         (the items as `_item` deals them; PAIR: also the rows B_OFFSET further, D's up)."""
         for item in range(pid, TILES * SPLITS, nprog):
-            tile = item % TILES
-            k0 = (item // TILES) * K_PER
-            _prefetch(W, tile * BLOCK_N, k0, K, BLOCK_N, K_PER, LANES)
+            tile, split, _ = _item(item, TILES, BLOCK_N)
+            _prefetch(W, tile * BLOCK_N, split * K_PER, K, BLOCK_N, K_PER, LANES)
             if PAIR:
-                _prefetch(W, tile * BLOCK_N + B_OFFSET, k0, K, BLOCK_N, K_PER, LANES)
+                _prefetch(W, tile * BLOCK_N + B_OFFSET, split * K_PER, K, BLOCK_N, K_PER, LANES)
 
     @triton.jit
     def _normed_tile(X, rows, row_ok, ks, k_ok, rstd, NormW, H: tl.constexpr):
@@ -323,8 +330,7 @@ if AVAILABLE:
         rstd = _rstd(SqIn, n_sq, rows, row_ok, eps, H, BLOCK_M)
         HEADS: tl.constexpr = HQ + 2 * HKV
         for item in range(pid, HEADS * SPLITS, nprog):
-            head = item % HEADS
-            split = item // HEADS
+            head, split, _ = _item(item, HEADS, D)
             a = head * D + tl.arange(0, D // 2)
             acc_a, acc_b = _products(
                 X, rstd, NormW, W, rows, row_ok, a, split * K_PER, H, K_PER, D // 2, True,
@@ -396,13 +402,6 @@ if AVAILABLE:
         tl.store(Out + at, y, mask=row_ok[None, :])
         yf = y.to(tl.float32)
         tl.store(Squares + tile * BLOCK_M + rows, tl.sum(yf * yf, 0), mask=row_ok)
-
-    @triton.jit
-    def _item(item, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Item → (column tile, K slice, the tile's columns): consecutive items take
-        consecutive tiles, so a tile's slices go to programs TILES apart."""
-        tile = item % TILES
-        return tile, item // TILES, tile * BLOCK_N + tl.arange(0, BLOCK_N)
 
     @triton.jit
     def _step_residual(
@@ -629,20 +628,31 @@ def counted(model) -> int:
     return max(cfg.hidden_size // HIDDEN_TILE, cfg.intermediate_size // INTER_TILE, heads)
 
 
+def new_counters(model, device) -> torch.Tensor:
+    """The zeroed `counters` a forward's layers share (each call leaves them zero)."""
+    return torch.zeros(SYNC_SLOTS + counted(model), dtype=torch.int32, device=device)
+
+
+def op_args(layer, x, squares, cos, sin, cu_seqlens, counters) -> tuple:
+    """The `fused_layer` op's arguments for `layer` over x (cos, sin [M, D/2])."""
+    a, mlp = layer.self_attn, layer.mlp
+    return (
+        x, squares, cos, sin, cu_seqlens,
+        layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
+        a.o_proj.weight, layer.post_attention_layernorm.weight,
+        mlp.gate_up_proj.weight, mlp.down_proj.weight, counters,
+        layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
+    )  # fmt: skip
+
+
 def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
     """Every layer of `model` over x [M, H] through the kernel (`applies` said so): cos, sin
     [M, 1, D/2] as `RotaryEmbedding` gives them. One zeroed counter buffer serves every layer
     (each call leaves it zero)."""
-    counters = torch.zeros(SYNC_SLOTS + counted(model), dtype=torch.int32, device=x.device)
+    counters = new_counters(model, x.device)
     cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
     squares = first_squares(x)
     for layer in model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        x, squares = torch.ops.boundgen.fused_layer(
-            x, squares, cos, sin, attn.cu_seqlens,
-            layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
-            a.o_proj.weight, layer.post_attention_layernorm.weight,
-            mlp.gate_up_proj.weight, mlp.down_proj.weight, counters,
-            layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
-        )  # fmt: skip
+        args = op_args(layer, x, squares, cos, sin, attn.cu_seqlens, counters)
+        x, squares = torch.ops.boundgen.fused_layer(*args)
     return x
