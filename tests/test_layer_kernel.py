@@ -106,6 +106,11 @@ def test_every_call_leaves_its_counters_at_zero():
         )
         torch.ops.boundgen.fused_layer(*args)
     assert counters.tolist() == [0] * len(counters)
+    # every layer's norm sums a fixed count of tiles (unrolled): the first layer's sums come in
+    # that layout, and another is refused before the kernel could read past it
+    assert squares.shape == (SMALL["hidden_size"] // layer_kernel.HIDDEN_TILE, layer_kernel.LIMIT)
+    with triton_launch.interpreted(), pytest.raises(ValueError, match="squares"):
+        torch.ops.boundgen.fused_layer(*args[:1], squares[:1], *args[2:])
 
 
 def test_off_by_default_and_only_for_the_forwards_it_has():
@@ -152,7 +157,7 @@ pointers = ["X", "SqIn", "Cos", "Sin", "CuSeq", "Norm1", "Wqkv", "Bqkv", "Wo", "
 kinds = {"SqIn": "*fp32", "CuSeq": "*i32", "Sq1": "*fp32", "Parts": "*fp32", "SqOut": "*fp32",
          "Counters": "*i32"}
 sig = {p: kinds.get(p, "*bf16") for p in pointers}
-sig.update({"n_sq": "i32", "n_seg": "i32", "M": "i32", "eps": "fp32", "scale": "fp32"})
+sig.update({"n_seg": "i32", "M": "i32", "eps": "fp32", "scale": "fp32"})
 sig.update(dict.fromkeys(const, "constexpr"))
 aligned = pointers
 warps, stages = 4, 3

@@ -148,7 +148,9 @@ if AVAILABLE:
     @triton.jit
     def _grid_sync(Sync, slot, nprog, ENABLED: tl.constexpr):
         """Every program waits here until all `nprog` have arrived (CUDA's grid sync: the
-        program's writes ordered before its arrival, the others' visible after the wait)."""
+        program's writes ordered before its arrival, the others' visible after the wait). The
+        spin's atomic add of 0 is a load (Triton writes it as `ld.global.gpu.acquire`, sm_90
+        PTX): the waiting programs do not queue read-modify-writes ahead of the arrivals."""
         if ENABLED:
             tl.debug_barrier()
             tl.atomic_add(Sync + slot, 1, sem="release", scope="gpu")
@@ -216,10 +218,13 @@ if AVAILABLE:
         return (xn * w[:, None]).to(NormW.dtype.element_ty)
 
     @triton.jit
-    def _rstd(Squares, n_tiles, rows, row_ok, eps, H: tl.constexpr, BLOCK_M: tl.constexpr):
-        """1 / rms of each row from its sums of squares per column tile (summed in tile order)."""
+    def _rstd(Squares, rows, row_ok, eps, H: tl.constexpr, BLOCK_M: tl.constexpr,
+              TILES: tl.constexpr):  # fmt: skip
+        """1 / rms of each row from its sums of squares per column tile (summed in tile order).
+        Unrolled: every tile's load in flight at once, where a loop of a runtime count (sm_90
+        PTX, fifty-fourth session) waited for each load before the next."""
         total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for t in range(0, n_tiles):
+        for t in tl.static_range(0, TILES):
             total += tl.load(
                 Squares + t * BLOCK_M + rows, mask=row_ok, other=0.0, cache_modifier=".cg"
             )
@@ -278,9 +283,11 @@ if AVAILABLE:
     @triton.jit
     def _summed(Parts, rows, row_ok, a, N_W: tl.constexpr, SPLITS: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-        """The partials of columns `a`, summed in slice order (whichever arrived last)."""
+        """The partials of columns `a`, summed in slice order (whichever arrived last).
+        Unrolled: every slice's load in flight at once (as a loop, sm_90 PTX waited for each
+        slice's load before the next, fifty-fourth session)."""
         total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for s in range(0, SPLITS):
+        for s in tl.static_range(0, SPLITS):
             at = Parts + (s * BLOCK_M + rows)[None, :] * N_W + a[:, None]
             total += tl.load(at, mask=row_ok[None, :], other=0.0, cache_modifier=".cg")
         return total
@@ -317,17 +324,17 @@ if AVAILABLE:
 
     @triton.jit
     def _step_qkv(
-        X, SqIn, n_sq, NormW, W, Bias, Cos, Sin, Qkv, Parts, Counts, M, eps, pid, nprog,
+        X, SqIn, NormW, W, Bias, Cos, Sin, Qkv, Parts, Counts, M, eps, pid, nprog,
         H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, K_PER: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-        INTERPRET: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HIDDEN_TILE: tl.constexpr,
+        PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     ):  # fmt: skip
         """A: (head, K slice) an item — a head's two halves (rows `a`, `a + D/2` of W) as two
         accumulators, so the rotation pairs them in registers."""
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
-        rstd = _rstd(SqIn, n_sq, rows, row_ok, eps, H, BLOCK_M)
+        rstd = _rstd(SqIn, rows, row_ok, eps, H, BLOCK_M, H // HIDDEN_TILE)
         HEADS: tl.constexpr = HQ + 2 * HKV
         for item in range(pid, HEADS * SPLITS, nprog):
             head, split, _ = _item(item, HEADS, D)
@@ -439,7 +446,7 @@ if AVAILABLE:
         """D: SiLU(g)·u of RMSNorm(x1), (column tile of gate's and up's, K slice) an item."""
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
-        rstd = _rstd(Sq1, H // HIDDEN_TILE, rows, row_ok, eps, H, BLOCK_M)
+        rstd = _rstd(Sq1, rows, row_ok, eps, H, BLOCK_M, H // HIDDEN_TILE)
         TILES: tl.constexpr = I // BLOCK_N
         for item in range(pid, TILES * SPLITS, nprog):
             tile, split, cols = _item(item, TILES, BLOCK_N)
@@ -459,7 +466,7 @@ if AVAILABLE:
     @grid_dependency.awaits
     @triton.jit
     def _layer_kernel(
-        X, SqIn, n_sq, Cos, Sin, CuSeq, n_seg,
+        X, SqIn, Cos, Sin, CuSeq, n_seg,
         Norm1, Wqkv, Bqkv, Wo, Norm2, Wgu, Wd,
         Qkv, Attn, X1, Sq1, Act, Parts, Out, SqOut, Counters,
         M, eps, scale, SLOTS: tl.constexpr,
@@ -488,8 +495,8 @@ if AVAILABLE:
         AHEAD: tl.constexpr = PREFETCH > 0 and SYNC and not INTERPRET
         if PHASE < 0 or PHASE == 0:
             _step_qkv(
-                X, SqIn, n_sq, Norm1, Wqkv, Bqkv, Cos, Sin, Qkv, Parts, Counts, M, eps, pid,
-                nprog, H, D, HQ, HKV, HAS_BIAS, QKV_SPLITS, QKV_K_PER, BLOCK_M, BLOCK_K,
+                X, SqIn, Norm1, Wqkv, Bqkv, Cos, Sin, Qkv, Parts, Counts, M, eps, pid, nprog,
+                H, D, HQ, HKV, HAS_BIAS, QKV_SPLITS, QKV_K_PER, BLOCK_M, BLOCK_K, HIDDEN_TILE,
                 PRECISION, INTERPRET,
             )  # fmt: skip
         if AHEAD:  # o_proj's and gate_up's slices stream in through the barrier and attention
@@ -557,11 +564,14 @@ if AVAILABLE:
         kv_heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer: x [M, H] → (out [M, H], its sums of squares per hidden tile
-        [H / HIDDEN_TILE, LIMIT] float32). `squares` [n, LIMIT]: x's, per any n column tiles;
+        [H / HIDDEN_TILE, LIMIT] float32). `squares`: x's, as that (`first_squares`);
         `counters` [SYNC_SLOTS + `counted(model)`] int32, zero: the barriers' slots, then the
         column tiles' arrival counts (one tensor: as two written views of one buffer, the
         traced forward ran ~50 `slice` copy kernels besides, fifty-second session's profile)."""
         m, h = x.shape
+        tiles = h // HIDDEN_TILE
+        if tuple(squares.shape) != (tiles, LIMIT):  # the kernel reads that many, unchecked
+            raise ValueError(f"squares {tuple(squares.shape)}: want ({tiles}, {LIMIT})")
         d = head_dim
         heads = o_proj.shape[1] // d
         inter = down.shape[1]
@@ -570,7 +580,6 @@ if AVAILABLE:
         qkv_s = torch.empty((m, width), dtype=dt, device=dev)
         attn = torch.empty((m, heads * d), dtype=dt, device=dev)
         x1 = torch.empty_like(x)
-        tiles = h // HIDDEN_TILE
         sq1 = torch.empty((tiles, LIMIT), dtype=torch.float32, device=dev)
         act = torch.empty((m, inter), dtype=dt, device=dev)
         # (slices, K a slice, weight rows) of A's, C's, D's and E's GEMMs
@@ -596,7 +605,7 @@ if AVAILABLE:
         )
         for phase in phases:
             traceable(_layer_kernel)[(programs(dev),)](
-                x, squares, squares.shape[0], cos, sin, cu_seqlens, n_seg,
+                x, squares, cos, sin, cu_seqlens, n_seg,
                 norm1, qkv, bias, o_proj, norm2, gate_up, down,
                 qkv_s, attn, x1, sq1, act, parts, out, sq_out, counters,
                 m, eps, d**-0.5, SLOTS=SYNC_SLOTS,
@@ -615,9 +624,14 @@ if AVAILABLE:
 
 
 def first_squares(x: torch.Tensor) -> torch.Tensor:
-    """x's rows' sums of squares as the first layer's `squares` [1, LIMIT] (float32)."""
-    sq = x.float().pow(2).sum(-1)
-    return torch.nn.functional.pad(sq, (0, LIMIT - x.shape[0])).unsqueeze(0)
+    """x's rows' sums of squares as the first layer's `squares` [H / HIDDEN_TILE, LIMIT]
+    (float32), laid out as a layer leaves its output's: the whole sum in the first tile, zeros
+    in the others (adding them changes nothing), so every layer's norm sums a known count of
+    tiles."""
+    sq = torch.nn.functional.pad(x.float().pow(2).sum(-1), (0, LIMIT - x.shape[0]))
+    squares = sq.new_zeros((x.shape[1] // HIDDEN_TILE, LIMIT))
+    squares[0] = sq
+    return squares
 
 
 def counted(model) -> int:
