@@ -1,0 +1,170 @@
+"""The one-kernel layer (`models/layer_kernel.py`) compiled for sm_90 on a machine without a GPU:
+what each tile configuration costs before a device call spends minutes on it.
+
+    python benchmarks/sm90_layer_kernel.py --configs default 64:32:7:7:2:9:4:6:0 --out sm90.json
+
+Per configuration (`layer_kernel.KNOBS` joined by ':', as `bench_layer_kernel.py --configs`): the
+shared memory a program takes, its registers and spills (Triton's bundled `ptxas -v`), and the
+loops of its TTGIR that load from global memory without the software pipeline's asynchronous
+copies — each such loop waits for one load before it issues the next (the fifty-fourth session
+found the norm's tile sum and the last slice's partial sums written so; LLVM may still unroll a
+loop of a constant count, which the PTX then shows). The kernel's arguments
+are those a real call passes (`fused_layer` on CPU tensors of Qwen2.5-0.5B's layer shape, its
+launch captured, not run); the kernel is compiled as the GPU launches it (all steps with their
+barriers, the programmatic wait). Needs Triton with its CUDA backend (the CPU wheels have it) and
+no CUDA device; the GPU image's Triton is 3.6 (`pip install --target DIR triton==3.6.0`, then
+`PYTHONPATH=DIR`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compiled, not interpreted
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_layer_kernel import build_model, knobs, w3_batch
+from common import write_json
+
+from boundgen.models import layer_kernel
+
+
+def captured_launch(model, batch) -> dict:
+    """The keyword arguments of the kernel's launch for the first layer of `batch` (CPU
+    tensors), captured instead of launched."""
+    found: dict = {}
+
+    def capture(kernel):
+        class Grid:
+            def __getitem__(self, grid):
+                def call(*args, **kwargs):
+                    found.setdefault("kwargs", {**dict(zip(kernel.arg_names, args)), **kwargs})
+
+                return call
+
+        return Grid()
+
+    x = model.embed_tokens(batch.input_ids)
+    cos, sin = model.rotary(batch.positions, x.dtype)
+    cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
+    args = layer_kernel.op_args(
+        model.layers[0], x, layer_kernel.first_squares(x), cos, sin, batch.attn.cu_seqlens,
+        layer_kernel.new_counters(model, x.device),
+    )  # fmt: skip
+    real = layer_kernel.traceable
+    layer_kernel.traceable = capture
+    try:
+        layer_kernel._fused_layer(*args)
+    finally:
+        layer_kernel.traceable = real
+    return found["kwargs"]
+
+
+def signature(kernel, kwargs: dict) -> tuple[dict, dict, dict]:
+    """(Triton's signature, the constexprs, the launch options) of a captured call, as the GPU
+    launch has them: every step with its barriers, the programmatic wait."""
+    kwargs = {**kwargs, "PHASE": -1, "INTERPRET": False, "PDL": True}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages")}
+    sig, const = {}, {}
+    for param, name in zip(kernel.params, kernel.arg_names):
+        value = kwargs[name]
+        if param.is_constexpr:
+            sig[name], const[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[name] = (
+                "*"
+                + {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}[value.dtype]
+            )
+        else:
+            sig[name] = "fp32" if isinstance(value, float) else "i32"
+    return sig, const, options
+
+
+def unpipelined_loops(ttgir: str) -> list[str]:
+    """The innermost `scf.for` loops that load from global memory with `tt.load`: loads the
+    pipeline did not turn into asynchronous copies, each waited for before the next iteration
+    (an outer loop's own loads, such as a work item's epilogue, are not a chain and not listed)."""
+    found, stack = [], []  # stack: [header line, own loads, has a nested loop, brace depth inside]
+    for line in ttgir.splitlines():
+        if re.search(r"\bscf\.for\b", line):
+            if stack:
+                stack[-1][2] = True
+            stack.append([line.strip()[:90], 0, False, 0])
+        elif stack and " tt.load " in line:
+            stack[-1][1] += 1
+        if stack:
+            stack[-1][3] += line.count("{") - line.count("}")
+            if stack[-1][3] <= 0:
+                header, loads, nested, _ = stack.pop()
+                if loads and not nested:
+                    found.append(f"{loads} load(s): {header}")
+    return found
+
+
+def compile_one(kernel, sig, const, options, ptxas: str) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    at = kernel.arg_names.index
+    aligned = {(at(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    src = ASTSource(kernel, sig, {(at(n),): v for n, v in const.items()}, aligned)
+    compiled = triton.compile(src, GPUTarget("cuda", 90, 32), options)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp, "k.ptx")
+        ptx.write_text(compiled.asm["ptx"])
+        info = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp, "k.cubin"))],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    return {
+        "shared_bytes": compiled.metadata.shared,
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_bytes": [int(spills.group(1)), int(spills.group(2))] if spills else None,
+        "unpipelined_loops": unpipelined_loops(compiled.asm["ttgir"]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", default=["default"])
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    import triton
+    from triton.backends.nvidia import compiler
+
+    # the ptxas Triton itself compiles sm_90 with (3.9 bundles two; its older one fails on 3.9's
+    # sm_90 PTX)
+    ptxas = compiler.get_ptxas(90).path
+    model = build_model(torch.device("cpu"), layers=1)
+    batch = w3_batch(torch.device("cpu"))
+    results = {"triton": triton.__version__, "configs": {}}
+    for config in args.configs:
+        with torch.inference_mode(), knobs(config), contextlib.redirect_stdout(sys.stderr):
+            kwargs = captured_launch(model, batch)
+        kernel = layer_kernel._layer_kernel
+        row = compile_one(kernel, *signature(kernel, kwargs), ptxas)
+        results["configs"][config] = row
+        print(
+            f"{config}: shared {row['shared_bytes']} B, {row['registers']} registers, spills "
+            f"{row['spill_bytes']}, loops loading unpipelined: {len(row['unpipelined_loops'])}"
+        )
+        for loop in row["unpipelined_loops"]:
+            print(f"   {loop}")
+    write_json(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

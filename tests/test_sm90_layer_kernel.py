@@ -1,0 +1,59 @@
+"""`benchmarks/sm90_layer_kernel.py`: the one-kernel layer compiled for sm_90 without a GPU, with
+what its configuration costs (shared memory, registers, loops that wait for each load)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import sm90_layer_kernel as tool  # noqa: E402
+
+# TTGIR's shape: a work-item loop whose epilogue loads (not a chain) around a K loop whose loads
+# are asynchronous copies, then a sum over slices that loads in turn
+TTGIR = """
+    scf.for %item = %pid to %c126_i32 step %nprog  : i32 {
+      %a = scf.for %k = %0 to %1 step %c64_i32 iter_args(%x = %y) -> (tensor<32x64xf32>) : i32 {
+        %c = ttg.async_copy_global_to_local %p, %q : tensor<32x64x!tt.ptr<bf16>>
+        scf.yield %c : tensor<32x64xf32>
+      }
+      %e = tt.load %bias : tensor<32x!tt.ptr<bf16>>
+      %t = scf.for %s = %c0_i32 to %c7_i32 step %c1_i32 iter_args(%u = %v) -> (tensor<32x64xf32>) {
+        %l = tt.load %parts : tensor<32x64x!tt.ptr<f32>>
+        scf.yield %l : tensor<32x64xf32>
+      }
+    }
+"""
+
+
+def test_only_inner_loops_that_load_in_turn_are_listed():
+    found = tool.unpipelined_loops(TTGIR)
+    assert len(found) == 1 and found[0].startswith("1 load(s): %t = scf.for %s")
+
+
+def test_the_layer_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    # in a child: this process runs Triton's interpreter (conftest.py), the tool compiles
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    out = tmp_path / "sm90.json"
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sm90_layer_kernel.py"), "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if "No module named" in res.stderr:
+        pytest.skip(f"this triton has no CUDA compiler API: {res.stderr.strip()[-200:]}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    row = json.loads(out.read_text())["configs"]["default"]
+    # one program a multiprocessor: it must fit one (228 KB of shared memory, 255 registers a
+    # thread), and the default's sums load all at once
+    assert 0 < row["shared_bytes"] <= 227 * 1024 and 0 < row["registers"] <= 255
+    assert row["spill_bytes"] == [0, 0] and row["unpipelined_loops"] == []
