@@ -96,10 +96,14 @@ def time_sides(graphs: dict, rounds: int, replays: int) -> dict:
 
 @contextlib.contextmanager
 def knobs(config: str):
-    """Inside: `layer_kernel`'s tile knobs set as `config` says ("default": as they are)."""
+    """Inside: `layer_kernel`'s tile knobs set as `config` says ("default": as they are; fewer
+    values than knobs: the first ones, the rest as they are, so an older command line still
+    reads as it did)."""
     values = [] if config == "default" else [int(v) for v in config.split(":")]
+    if len(values) > len(layer_kernel.KNOBS):
+        raise ValueError(f"{config}: at most {len(layer_kernel.KNOBS)} values")
     with contextlib.ExitStack() as stack:
-        for name, value in zip(layer_kernel.KNOBS, values, strict=bool(values)):
+        for name, value in zip(layer_kernel.KNOBS, values):
             stack.enter_context(switched(vars(layer_kernel), name, value))
         yield
 
@@ -200,7 +204,8 @@ def main() -> None:
         default=[],
         help="with --steps, tiles to time beside the default's: each the values of "
         "layer_kernel.KNOBS joined by ':' (BLOCK_K:INTER_TILE:QKV_SPLITS:O_SPLITS:GATED_SPLITS:"
-        "DOWN_SPLITS:NUM_WARPS:NUM_STAGES:PREFETCH; 64:32:1:1:1:9:4:3:0 is the first version)",
+        "DOWN_SPLITS:NUM_WARPS:NUM_STAGES:PREFETCH:FLOW, the first ones only for the rest as they "
+        "are; 64:32:1:1:1:9:4:3:0:0 is the first version)",
     )
     ap.add_argument("--diagnose", action="store_true", help="compiled against eager (2 layers)")
     ap.add_argument("--out")

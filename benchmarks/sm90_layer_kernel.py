@@ -27,8 +27,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)  # compiled, not interpreted
-
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -93,7 +91,8 @@ def signature(kernel, kwargs: dict) -> tuple[dict, dict, dict]:
 def unpipelined_loops(ttgir: str) -> list[str]:
     """The innermost `scf.for` loops that load from global memory with `tt.load`: loads the
     pipeline did not turn into asynchronous copies, each waited for before the next iteration
-    (an outer loop's own loads, such as a work item's epilogue, are not a chain and not listed)."""
+    (an outer loop's own loads, such as a work item's epilogue, are not a chain and not listed;
+    nor a loop over work items, `step %nprog`, a few a program)."""
     found, stack = [], []  # stack: [header line, own loads, has a nested loop, brace depth inside]
     for line in ttgir.splitlines():
         if re.search(r"\bscf\.for\b", line):
@@ -106,7 +105,7 @@ def unpipelined_loops(ttgir: str) -> list[str]:
             stack[-1][3] += line.count("{") - line.count("}")
             if stack[-1][3] <= 0:
                 header, loads, nested, _ = stack.pop()
-                if loads and not nested:
+                if loads and not nested and "step %nprog" not in header:
                     found.append(f"{loads} load(s): {header}")
     return found
 
@@ -142,6 +141,9 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["default"])
     ap.add_argument("--out")
     args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        # its kernels would be the interpreter's, which do not compile
+        ap.error("TRITON_INTERPRET is set: this compiles the kernel; run it without")
     import triton
     from triton.backends.nvidia import compiler
 

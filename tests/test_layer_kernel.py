@@ -72,13 +72,28 @@ def test_the_kernel_computes_the_layers_in_float32(lengths):
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("flow", [0, 1])
 @pytest.mark.parametrize("splits", [(1, 1, 1, 1), (7, 7, 2, 9), (2, 1, 2, 1)])
-def test_the_kernel_computes_the_layers_with_its_k_cut_or_not(monkeypatch, splits):
-    # one slice: the products' epilogue at once; more: partials summed by the last to arrive
+def test_the_kernel_computes_the_layers_with_its_k_cut_or_not(monkeypatch, splits, flow):
+    # one slice: the products' epilogue at once; more: partials summed by the last to arrive.
+    # FLOW: every wait finds its count complete (else the op raises: each step's launch here
+    # runs after the steps before, what the GPU's one launch waits for)
     for name, n in zip(("QKV_SPLITS", "O_SPLITS", "GATED_SPLITS", "DOWN_SPLITS"), splits):
         monkeypatch.setattr(layer_kernel, name, n)
+    monkeypatch.setattr(layer_kernel, "FLOW", flow)
     got, want = _both(_model(torch.float32), _batch([4, 6, 3]))
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")  # the unwritten scratch it reads
+def test_flows_counts_are_checked(monkeypatch):
+    # a step launched without the steps before: its FLOW waits find their counts short, which
+    # the interpreter's launch counts and the op raises on (the check is not vacuous)
+    monkeypatch.setattr(layer_kernel, "FLOW", 1)
+    monkeypatch.setattr(layer_kernel, "STEPS", (3,))
+    model = _model(torch.float32)
+    with pytest.raises(RuntimeError, match="FLOW waits"):
+        _both(model, _batch([6]))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -90,9 +105,12 @@ def test_the_kernel_computes_the_layers_in_bf16(bias):
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=6e-2)
 
 
-def test_every_call_leaves_its_counters_at_zero():
-    # the down step's per-tile counters (and on the GPU the barriers') serve every layer of a
-    # forward: a call that left one set would make the next layer's last slice sum too early
+@pytest.mark.parametrize("flow", [0, 1])
+def test_every_call_leaves_its_counters_at_zero(monkeypatch, flow):
+    # the down step's per-tile counters (and on the GPU the barriers', with FLOW its counts)
+    # serve every layer of a forward: a call that left one set would make the next layer's last
+    # slice sum, or a FLOW wait end, too early
+    monkeypatch.setattr(layer_kernel, "FLOW", flow)
     model = _model(torch.float32)
     batch = _batch([6])
     with triton_launch.interpreted(), layer_kernel.rows_up_to(64), torch.no_grad():
@@ -146,10 +164,15 @@ fn = lk._layer_kernel
 h, inter, heads, kv_heads, d = (int(a) for a in sys.argv[1:6])
 splits = int(sys.argv[6])  # every GEMM's K in this many slices (1: none summed by the last)
 prefetch = int(sys.argv[7])  # the L2 prefetches' lanes (0: none)
+flow = bool(int(sys.argv[8]))  # FLOW's counts instead of the barriers
+flow_slots = lk._flow_slots(heads, d, inter)
 cuts = dict(QKV=(h, splits), O=(heads * d, splits), GATED=(h, splits), DOWN=(inter, splits))
 const = dict(H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=True, BLOCK_M=lk.LIMIT, SEG_P=4,
              BLOCK_K=lk.BLOCK_K, HIDDEN_TILE=lk.HIDDEN_TILE, INTER_TILE=lk.INTER_TILE, PHASE=-1,
-             PRECISION="tf32", INTERPRET=False, PDL=True, PREFETCH=prefetch, SLOTS=lk.SYNC_SLOTS)
+             PRECISION="tf32", INTERPRET=False, PDL=True, PREFETCH=prefetch, SLOTS=lk.SYNC_SLOTS,
+             COUNTED=lk._counted(h, inter, heads + 2 * kv_heads), PARTS2=1 << 20, FLOW=flow,
+             G_P2=triton.next_power_of_2(heads // kv_heads), FLOW_SLOTS=flow_slots,
+             FLOW_P2=triton.next_power_of_2(flow_slots))
 for name, (k, n) in cuts.items():
     const[f"{name}_SPLITS"], const[f"{name}_K_PER"], _ = lk._cut(k, n, 0)
 pointers = ["X", "SqIn", "Cos", "Sin", "CuSeq", "Norm1", "Wqkv", "Bqkv", "Wo", "Norm2", "Wgu", "Wd",
@@ -165,18 +188,21 @@ warps, stages = 4, 3
 
 
 @pytest.mark.parametrize(
-    ("h", "inter", "heads", "kv_heads", "d", "splits", "prefetch"),
-    # Qwen2.5-0.5B's layer, its K cut and not, with the L2 prefetches; Llama-3.2-1B's
+    ("h", "inter", "heads", "kv_heads", "d", "splits", "prefetch", "flow"),
+    # Qwen2.5-0.5B's layer, its K cut and not, with the L2 prefetches, with FLOW's counts;
+    # Llama-3.2-1B's
     [
-        (896, 4864, 14, 2, 64, 7, 0),
-        (896, 4864, 14, 2, 64, 1, 0),
-        (896, 4864, 14, 2, 64, 7, 128),
-        (2048, 8192, 32, 8, 64, 7, 0),
+        (896, 4864, 14, 2, 64, 7, 0, 0),
+        (896, 4864, 14, 2, 64, 1, 0, 0),
+        (896, 4864, 14, 2, 64, 7, 128, 0),
+        (896, 4864, 14, 2, 64, 7, 0, 1),
+        (2048, 8192, 32, 8, 64, 7, 0, 1),
     ],
 )
-def test_the_kernel_compiles_for_hopper(h, inter, heads, kv_heads, d, splits, prefetch):
-    """Compiled for sm_90 by Triton's bundled ptxas, barriers (and prefetches) and all."""
-    shape = (h, inter, heads, kv_heads, d, splits, prefetch)
+def test_the_kernel_compiles_for_hopper(h, inter, heads, kv_heads, d, splits, prefetch, flow):
+    """Compiled for sm_90 by Triton's bundled ptxas, barriers or FLOW's waits (and prefetches)
+    and all."""
+    shape = (h, inter, heads, kv_heads, d, splits, prefetch, flow)
     out = compile_in_child(HOPPER, *map(str, shape))
     assert "waits first True" in out  # programmatic launch: nothing read before the wait
     assert ("prefetches 0\n" in out) == (prefetch == 0)

@@ -38,6 +38,9 @@ TTGIR = """
 def test_only_inner_loops_that_load_in_turn_are_listed():
     found = tool.unpipelined_loops(TTGIR)
     assert len(found) == 1 and found[0].startswith("1 load(s): %t = scf.for %s")
+    # a loop over work items (a few a program) is no chain, innermost or not
+    items = "    scf.for %h = %pid to %c14_i32 step %nprog  : i32 {\n      %q = tt.load %p\n    }\n"
+    assert tool.unpipelined_loops(items) == []
 
 
 def test_the_layer_kernel_compiles_for_sm90_without_a_gpu(tmp_path):

@@ -30,6 +30,13 @@ other's programs wait for. The counters live in
 4) sets them back. Without CUDA (Triton's interpreter, the tests) the programs of a launch run one
 after another, so each step is launched on its own (`PHASE`) instead of crossing a barrier.
 
+`FLOW` (opt-in) drops the barriers: each work item waits only for the items of the step before
+that it reads — the finishing program of an output tile counts it for the K slices of the next
+step that read it (a release), and an item spins until its count is complete (an acquire) — so
+a program done with one step goes on to the next step's ready items instead of waiting for the
+slowest program of the step. The interpreter, a launch a step, checks that every such count is
+complete when its step begins (the op raises otherwise).
+
 Numerics follow the compiled layer's: the norms as eager (x · rstd rounded, times the weight,
 rounded), GEMMs in float32 rounded once with their bias, the rotation in float32 from the
 rounded qkv, rounded once, SiLU·mul from the rounded gate and up in float32, residual sums in
@@ -44,7 +51,9 @@ Measured (H100, fifty-second session, `bench_layer_kernel.py`): the first versio
 for qkv, o_proj and gate_up, 9 for `down` — matched the model's layers eagerly (the GPU tests)
 but took 1,760 µs a 24-layer forward of one 64-token prompt against 922 for the compiled layers
 (68.6 µs a layer of kernel time): a program walked K = 896 in 14 dependent steps. The K slices
-of every GEMM (this version) are not yet measured; off until they beat the compiled layers.
+of every GEMM (this version), the unrolled sums of the partials and of the norm's squares
+(fifty-fourth session: as loops, each load waited for the one before), `PREFETCH` and `FLOW`
+are not yet measured; off until they beat the compiled layers.
 """
 
 from __future__ import annotations
@@ -71,7 +80,8 @@ except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev
 
 MAX_ROWS = int(os.environ.get("BOUNDGEN_LAYER_KERNEL_MAX_ROWS", "0"))
 LIMIT = 64  # the most rows one program's tiles hold (BLOCK_M)
-SYNC_SLOTS = 8  # barriers A|B, B|C, C|D, D|E, the exit count, spare
+# barriers A|B, B|C, C|D, D|E, the exit count, the interpreter's unmet `FLOW` waits, spare
+SYNC_SLOTS = 8
 HIDDEN_TILE = 64  # columns of the hidden size a C or E item takes
 INTER_TILE = 32  # columns of the intermediate size a D item takes (gate's and up's each)
 BLOCK_K = 64
@@ -88,6 +98,16 @@ NUM_WARPS, NUM_STAGES = 4, 3
 # the barriers and attention instead of waiting for each step's first loads. 0: each step loads
 # its own. Unmeasured: off until `bench_layer_kernel.py --configs` says.
 PREFETCH = 0
+# 1: no grid-wide barriers; each work item waits only for the items of the step before that it
+# reads (counts the finishing program of each output tile signals, FLOW's waits): a query head
+# for its q, k and v heads, an o_proj K slice for its heads' attention, gate_up for every tile
+# of x1 (the norm reads whole rows), a `down` K slice for its SiLU·mul tiles. Programs that
+# finish a step early go on to the next step's ready items instead of waiting for the slowest
+# (the barriers made 118 of 132 programs wait out attention's 14 heads, and every program
+# gate_up's third round of items). Every program resident (the cooperative launch) and every
+# wait on an earlier step: no cycle. 0: the barriers. Unmeasured: off until
+# `bench_layer_kernel.py --configs` says.
+FLOW = 0
 # The launches a call makes, a step each (`PHASE`; -1: all with the barriers between): None, as
 # the device says (all at once on CUDA, one by one in the interpreter); `bench_layer_kernel.py
 # --steps` times each step alone.
@@ -100,7 +120,7 @@ TRACED = False
 # the tile knobs above, as `bench_layer_kernel.py --configs` sweeps them (read at each launch)
 KNOBS = (
     "BLOCK_K", "INTER_TILE", "QKV_SPLITS", "O_SPLITS", "GATED_SPLITS", "DOWN_SPLITS",
-    "NUM_WARPS", "NUM_STAGES", "PREFETCH",
+    "NUM_WARPS", "NUM_STAGES", "PREFETCH", "FLOW",
 )  # fmt: skip
 
 
@@ -157,6 +177,38 @@ if AVAILABLE:
             while tl.atomic_add(Sync + slot, 0, sem="acquire", scope="gpu") < nprog:
                 pass
             tl.debug_barrier()
+
+    @triton.jit
+    def _await(Ready, need, Sync, MODE: tl.constexpr):
+        """`FLOW`'s wait: until the count at `Ready` reaches `need` (MODE 1, the GPU's one launch
+        of every step); MODE 2, the interpreter's launch a step, where what a step waits for was
+        done by the launches before: a count short of `need` is counted in `Sync[5]` (the op
+        raises); MODE 0: no wait (`FLOW` off, or one step timed alone)."""
+        if MODE == 1:
+            while tl.atomic_add(Ready, 0, sem="acquire", scope="gpu") < need:
+                pass
+            tl.debug_barrier()
+        elif MODE == 2:
+            if tl.atomic_add(Ready, 0) < need:
+                tl.atomic_add(Sync + 5, 1)
+
+    @triton.jit
+    def _signal(Ready, col0, W: tl.constexpr, K_PER: tl.constexpr, ON: tl.constexpr):
+        """`FLOW`'s signal of a finished output tile of columns [col0, col0 + W): one count for
+        each K slice of `K_PER` of the next step that reads any of them (one or two), after every
+        thread's stores of the tile (the barrier; the release makes them visible with it)."""
+        if ON:
+            g = col0 // K_PER + tl.arange(0, 2)
+            tl.debug_barrier()
+            tl.atomic_add(Ready + g, 1, mask=g <= (col0 + W - 1) // K_PER, sem="release",
+                          scope="gpu")  # fmt: skip
+
+    @triton.jit
+    def _producers(split, K_PER: tl.constexpr, W: tl.constexpr, K: tl.constexpr):
+        """How many tiles of W columns of the step before (each signalled once) K slice `split`
+        of `K_PER` reads: what its `_await` needs."""
+        lo = split * K_PER
+        return (tl.minimum(lo + K_PER, K) - 1) // W - lo // W + 1
 
     @triton.jit
     def _item(item, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -323,12 +375,26 @@ if AVAILABLE:
         tl.store(out, (g * tl.sigmoid(g) * u).to(Act.dtype.element_ty), mask=row_ok[None, :])
 
     @triton.jit
+    def _signal_heads(ReadyB, head, HQ: tl.constexpr, HKV: tl.constexpr, ON: tl.constexpr,
+                      G_P2: tl.constexpr):  # fmt: skip
+        """`FLOW`'s signal of a finished qkv head to the query heads whose attention reads it:
+        a q head to itself, a k or v head to each q head of its group (each q head waits for 3)."""
+        if ON:
+            G: tl.constexpr = HQ // HKV
+            kv = tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV)
+            first = tl.where(head < HQ, head, kv * G)
+            n = tl.where(head < HQ, 1, G)
+            lane = tl.arange(0, G_P2)
+            tl.debug_barrier()
+            tl.atomic_add(ReadyB + first + lane, 1, mask=lane < n, sem="release", scope="gpu")
+
+    @triton.jit
     def _step_qkv(
-        X, SqIn, NormW, W, Bias, Cos, Sin, Qkv, Parts, Counts, M, eps, pid, nprog,
+        X, SqIn, NormW, W, Bias, Cos, Sin, Qkv, Parts, Counts, ReadyB, M, eps, pid, nprog,
         H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, K_PER: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HIDDEN_TILE: tl.constexpr,
-        PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+        PRECISION: tl.constexpr, INTERPRET: tl.constexpr, ON: tl.constexpr, G_P2: tl.constexpr,
     ):  # fmt: skip
         """A: (head, K slice) an item — a head's two halves (rows `a`, `a + D/2` of W) as two
         accumulators, so the rotation pairs them in registers."""
@@ -346,6 +412,7 @@ if AVAILABLE:
             if SPLITS == 1:
                 _qkv_out(acc_a, acc_b, head, a, Bias, Cos, Sin, Qkv, rows, row_ok, D, HQ, HKV,
                          HAS_BIAS)  # fmt: skip
+                _signal_heads(ReadyB, head, HQ, HKV, ON, G_P2)
             elif _arrive(acc_a, acc_b, Parts, Counts, head, split, rows, row_ok, a,
                          HEADS * D, D // 2, True, SPLITS, BLOCK_M):  # fmt: skip
                 sum_a = _summed(Parts, rows, row_ok, a, HEADS * D, SPLITS, D // 2, BLOCK_M)
@@ -354,6 +421,7 @@ if AVAILABLE:
                 _qkv_out(sum_a, sum_b, head, a, Bias, Cos, Sin, Qkv, rows, row_ok, D, HQ, HKV,
                          HAS_BIAS)  # fmt: skip
                 tl.atomic_xchg(Counts + head, 0)
+                _signal_heads(ReadyB, head, HQ, HKV, ON, G_P2)
 
     @triton.jit
     def _segment_of(rows, CuSeq, n_seg, BLOCK_M: tl.constexpr, SEG_P: tl.constexpr):
@@ -364,9 +432,10 @@ if AVAILABLE:
 
     @triton.jit
     def _step_attention(
-        Qkv, CuSeq, n_seg, Attn, M, scale, pid, nprog,
+        Qkv, CuSeq, n_seg, Attn, Sync, ReadyB, ReadyC, M, scale, pid, nprog,
         D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
         BLOCK_M: tl.constexpr, SEG_P: tl.constexpr, INTERPRET: tl.constexpr,
+        O_K_PER: tl.constexpr, WAIT: tl.constexpr, ON: tl.constexpr,
     ):  # fmt: skip
         """B: one query head a item, all rows at once — softmax(q kᵀ · scale) v over the keys
         of the row's own segment up to itself."""
@@ -379,6 +448,7 @@ if AVAILABLE:
         allowed = causal & (row_ok[None, :] | (rows[None, :] == rows[:, None]))
         QKV: tl.constexpr = (HQ + 2 * HKV) * D
         for head in range(pid, HQ, nprog):
+            _await(ReadyB + head, 3, Sync, WAIT)  # its q head, its group's k and v heads
             kv_head = head // (HQ // HKV)
             at = Qkv + rows[:, None] * QKV + d[None, :]
             ok = row_ok[:, None]
@@ -397,6 +467,7 @@ if AVAILABLE:
             o = tl.dot(pv, v)  # [BLOCK_M, D]
             out = Attn + rows[:, None] * (HQ * D) + head * D + d[None, :]
             tl.store(out, o.to(Attn.dtype.element_ty), mask=ok)
+            _signal(ReadyC, head * D, D, O_K_PER, ON)
 
     @triton.jit
     def _residual_out(acc, Res, Out, Squares, tile, cols, rows, row_ok, H: tl.constexpr,
@@ -412,40 +483,50 @@ if AVAILABLE:
 
     @triton.jit
     def _step_residual(
-        In, W, Res, Out, SqOut, Parts, Counts, M, pid, nprog,
+        In, W, Res, Out, SqOut, Parts, Counts, Sync, Ready, Done, M, pid, nprog,
         H: tl.constexpr, K: tl.constexpr, SPLITS: tl.constexpr, K_PER: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+        PRECISION: tl.constexpr, INTERPRET: tl.constexpr, IN_TILE: tl.constexpr,
+        WAIT: tl.constexpr, ON: tl.constexpr, SIGNAL_DONE: tl.constexpr,
     ):  # fmt: skip
         """C and E: Out = Res + In @ Wᵀ (o_proj on the attention, `down` on SiLU·mul),
-        (column tile, K slice) an item, and Out's sums of squares per tile."""
+        (column tile, K slice) an item, and Out's sums of squares per tile. `FLOW`: an item waits
+        for the tiles of `In` (IN_TILE columns each) its slice reads; C's finished tiles are
+        counted at `Done` (SIGNAL_DONE), what D waits for."""
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
         TILES: tl.constexpr = H // BLOCK_N
         for item in range(pid, TILES * SPLITS, nprog):
             tile, split, cols = _item(item, TILES, BLOCK_N)
+            _await(Ready + split, _producers(split, K_PER, IN_TILE, K), Sync, WAIT)
             acc, _ = _products(
                 In, None, None, W, rows, row_ok, cols, split * K_PER, K, K_PER, 0, False, False,
                 BLOCK_N, BLOCK_M, BLOCK_K, PRECISION, INTERPRET,
             )  # fmt: skip
             if SPLITS == 1:
                 _residual_out(acc, Res, Out, SqOut, tile, cols, rows, row_ok, H, BLOCK_M)
+                _signal(Done, 0, 1, 1, ON and SIGNAL_DONE)
             elif _arrive(acc, acc, Parts, Counts, tile, split, rows, row_ok, cols, H, 0, False,
                          SPLITS, BLOCK_M):  # fmt: skip
                 total = _summed(Parts, rows, row_ok, cols, H, SPLITS, BLOCK_N, BLOCK_M)
                 _residual_out(total, Res, Out, SqOut, tile, cols, rows, row_ok, H, BLOCK_M)
                 tl.atomic_xchg(Counts + tile, 0)
+                _signal(Done, 0, 1, 1, ON and SIGNAL_DONE)
 
     @triton.jit
     def _step_gated(
-        X1, Sq1, NormW, W, Act, Parts, Counts, M, eps, pid, nprog,
+        X1, Sq1, NormW, W, Act, Parts, Counts, Sync, CDone, ReadyE, M, eps, pid, nprog,
         H: tl.constexpr, I: tl.constexpr, SPLITS: tl.constexpr, K_PER: tl.constexpr,  # noqa: E741
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         HIDDEN_TILE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+        DOWN_K_PER: tl.constexpr, WAIT: tl.constexpr, ON: tl.constexpr,
     ):  # fmt: skip
-        """D: SiLU(g)·u of RMSNorm(x1), (column tile of gate's and up's, K slice) an item."""
+        """D: SiLU(g)·u of RMSNorm(x1), (column tile of gate's and up's, K slice) an item.
+        `FLOW`: after every tile of x1 (the norm reads whole rows); each finished tile
+        signalled to the K slices of `down` that read it."""
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
+        _await(CDone, H // HIDDEN_TILE, Sync, WAIT)
         rstd = _rstd(Sq1, rows, row_ok, eps, H, BLOCK_M, H // HIDDEN_TILE)
         TILES: tl.constexpr = I // BLOCK_N
         for item in range(pid, TILES * SPLITS, nprog):
@@ -456,12 +537,14 @@ if AVAILABLE:
             )  # fmt: skip
             if SPLITS == 1:
                 _gated_out(acc_g, acc_u, cols, Act, rows, row_ok, I)
+                _signal(ReadyE, tile * BLOCK_N, BLOCK_N, DOWN_K_PER, ON)
             elif _arrive(acc_g, acc_u, Parts, Counts, tile, split, rows, row_ok, cols, 2 * I, I,
                          True, SPLITS, BLOCK_M):  # fmt: skip
                 g = _summed(Parts, rows, row_ok, cols, 2 * I, SPLITS, BLOCK_N, BLOCK_M)
                 u = _summed(Parts, rows, row_ok, cols + I, 2 * I, SPLITS, BLOCK_N, BLOCK_M)
                 _gated_out(g, u, cols, Act, rows, row_ok, I)
                 tl.atomic_xchg(Counts + tile, 0)
+                _signal(ReadyE, tile * BLOCK_N, BLOCK_N, DOWN_K_PER, ON)
 
     @grid_dependency.awaits
     @triton.jit
@@ -469,7 +552,7 @@ if AVAILABLE:
         X, SqIn, Cos, Sin, CuSeq, n_seg,
         Norm1, Wqkv, Bqkv, Wo, Norm2, Wgu, Wd,
         Qkv, Attn, X1, Sq1, Act, Parts, Out, SqOut, Counters,
-        M, eps, scale, SLOTS: tl.constexpr,
+        M, eps, scale, SLOTS: tl.constexpr, COUNTED: tl.constexpr, PARTS2: tl.constexpr,
         H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
         I: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, SEG_P: tl.constexpr,  # noqa: E741
         BLOCK_K: tl.constexpr, HIDDEN_TILE: tl.constexpr, INTER_TILE: tl.constexpr,
@@ -477,10 +560,12 @@ if AVAILABLE:
         O_K_PER: tl.constexpr, GATED_SPLITS: tl.constexpr, GATED_K_PER: tl.constexpr,
         DOWN_SPLITS: tl.constexpr, DOWN_K_PER: tl.constexpr, PHASE: tl.constexpr,
         PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-        PREFETCH: tl.constexpr,
+        PREFETCH: tl.constexpr, FLOW: tl.constexpr, G_P2: tl.constexpr,
+        FLOW_SLOTS: tl.constexpr, FLOW_P2: tl.constexpr,
     ):  # fmt: skip
         """One decoder layer over M ≤ BLOCK_M packed rows: steps A–E (the module's docstring),
-        all of them with barriers between (PHASE -1) or only step PHASE (the interpreter)."""
+        all of them with barriers (or `FLOW`'s counts) between (PHASE -1) or only step PHASE
+        (the interpreter)."""
         await_inputs(PDL)
         # Inductor hands a user kernel Python floats typed fp64 (Triton's own launcher: fp32), as
         # in `attention.segments`: cast, so the norms' and the softmax's math stays float32
@@ -489,53 +574,76 @@ if AVAILABLE:
             scale = tl.cast(scale, tl.float32)
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
-        Sync, Counts = Counters, Counters + SLOTS  # the barriers' slots, then the tiles' counts
+        # `counters`: the barriers' slots; the tiles' arrival counts of A and D, then of C and E
+        # (under FLOW a step may run while the one before is still summing: two regions, as
+        # `Parts` has two, D's and E's reused only once A's and C's are all summed); FLOW's counts
+        Sync = Counters
+        Counts1 = Counters + SLOTS
+        Counts2 = Counts1 + COUNTED
+        ReadyB = Counts2 + COUNTED  # a query head's: its q, k and v heads done (3)
+        ReadyC = ReadyB + HQ  # an o_proj K slice's: the attention heads it reads done
+        CDone = ReadyC + (HQ * D) // 16  # x1's column tiles done (D needs all: whole rows)
+        ReadyE = CDone + 1  # a `down` K slice's: the SiLU·mul tiles it reads done
+        Parts2 = Parts + PARTS2
         SYNC: tl.constexpr = PHASE < 0
+        # FLOW's waits: spun on in the one launch of every step; checked in the interpreter's
+        # launch a step; none where one step is timed alone (what it waits for never runs)
+        WAIT: tl.constexpr = (1 if SYNC else 2 if INTERPRET else 0) if FLOW else 0
+        ON: tl.constexpr = WAIT > 0  # FLOW's signals
+        BARRIERS: tl.constexpr = SYNC and not FLOW
         # the prefetches: inline assembly, which the interpreter cannot run
         AHEAD: tl.constexpr = PREFETCH > 0 and SYNC and not INTERPRET
         if PHASE < 0 or PHASE == 0:
             _step_qkv(
-                X, SqIn, Norm1, Wqkv, Bqkv, Cos, Sin, Qkv, Parts, Counts, M, eps, pid, nprog,
-                H, D, HQ, HKV, HAS_BIAS, QKV_SPLITS, QKV_K_PER, BLOCK_M, BLOCK_K, HIDDEN_TILE,
-                PRECISION, INTERPRET,
+                X, SqIn, Norm1, Wqkv, Bqkv, Cos, Sin, Qkv, Parts, Counts1, ReadyB, M, eps, pid,
+                nprog, H, D, HQ, HKV, HAS_BIAS, QKV_SPLITS, QKV_K_PER, BLOCK_M, BLOCK_K,
+                HIDDEN_TILE, PRECISION, INTERPRET, ON, G_P2,
             )  # fmt: skip
         if AHEAD:  # o_proj's and gate_up's slices stream in through the barrier and attention
             _prefetch_items(Wo, pid, nprog, HQ * D, H // HIDDEN_TILE, O_SPLITS, O_K_PER,
                             HIDDEN_TILE, 0, False, PREFETCH)  # fmt: skip
             _prefetch_items(Wgu, pid, nprog, H, I // INTER_TILE, GATED_SPLITS, GATED_K_PER,
                             INTER_TILE, I, True, PREFETCH)  # fmt: skip
-        _grid_sync(Sync, 0, nprog, SYNC)
+        _grid_sync(Sync, 0, nprog, BARRIERS)
         if PHASE < 0 or PHASE == 1:
             _step_attention(
-                Qkv, CuSeq, n_seg, Attn, M, scale, pid, nprog, D, HQ, HKV, BLOCK_M, SEG_P,
-                INTERPRET,
+                Qkv, CuSeq, n_seg, Attn, Sync, ReadyB, ReadyC, M, scale, pid, nprog, D, HQ, HKV,
+                BLOCK_M, SEG_P, INTERPRET, O_K_PER, WAIT, ON,
             )  # fmt: skip
-        _grid_sync(Sync, 1, nprog, SYNC)
+        _grid_sync(Sync, 1, nprog, BARRIERS)
         if PHASE < 0 or PHASE == 2:
             _step_residual(
-                Attn, Wo, X, X1, Sq1, Parts, Counts, M, pid, nprog, H, HQ * D, O_SPLITS,
-                O_K_PER, BLOCK_M, HIDDEN_TILE, BLOCK_K, PRECISION, INTERPRET,
+                Attn, Wo, X, X1, Sq1, Parts2, Counts2, Sync, ReadyC, CDone, M, pid, nprog, H,
+                HQ * D, O_SPLITS, O_K_PER, BLOCK_M, HIDDEN_TILE, BLOCK_K, PRECISION, INTERPRET,
+                D, WAIT, ON, True,
             )  # fmt: skip
         if AHEAD:  # `down`'s, while gate_up's run
             _prefetch_items(Wd, pid, nprog, I, H // HIDDEN_TILE, DOWN_SPLITS, DOWN_K_PER,
                             HIDDEN_TILE, 0, False, PREFETCH)  # fmt: skip
-        _grid_sync(Sync, 2, nprog, SYNC)
+        _grid_sync(Sync, 2, nprog, BARRIERS)
         if PHASE < 0 or PHASE == 3:
             _step_gated(
-                X1, Sq1, Norm2, Wgu, Act, Parts, Counts, M, eps, pid, nprog, H, I, GATED_SPLITS,
-                GATED_K_PER, BLOCK_M, INTER_TILE, BLOCK_K, HIDDEN_TILE, PRECISION, INTERPRET,
+                X1, Sq1, Norm2, Wgu, Act, Parts, Counts1, Sync, CDone, ReadyE, M, eps, pid,
+                nprog, H, I, GATED_SPLITS, GATED_K_PER, BLOCK_M, INTER_TILE, BLOCK_K,
+                HIDDEN_TILE, PRECISION, INTERPRET, DOWN_K_PER, WAIT, ON,
             )  # fmt: skip
-        _grid_sync(Sync, 3, nprog, SYNC)
+        _grid_sync(Sync, 3, nprog, BARRIERS)
         if PHASE < 0 or PHASE == 4:
             _step_residual(
-                Act, Wd, X1, Out, SqOut, Parts, Counts, M, pid, nprog, H, I, DOWN_SPLITS,
-                DOWN_K_PER, BLOCK_M, HIDDEN_TILE, BLOCK_K, PRECISION, INTERPRET,
+                Act, Wd, X1, Out, SqOut, Parts2, Counts2, Sync, ReadyE, CDone, M, pid, nprog, H,
+                I, DOWN_SPLITS, DOWN_K_PER, BLOCK_M, HIDDEN_TILE, BLOCK_K, PRECISION, INTERPRET,
+                INTER_TILE, WAIT, ON, False,
             )  # fmt: skip
-        if SYNC:  # the last program out sets the counters back for the next call
+        # the last program out sets the counters back for the next call (the interpreter's: the
+        # last of the last step's launch, where FLOW left counts)
+        if SYNC or (ON and PHASE == 4):
             tl.debug_barrier()
             if tl.atomic_add(Sync + 4, 1, sem="acq_rel", scope="gpu") == nprog - 1:
                 for slot in range(0, 4):
                     tl.atomic_xchg(Sync + slot, 0)
+                if ON:
+                    at = tl.arange(0, FLOW_P2)
+                    tl.store(ReadyB + at, tl.zeros([FLOW_P2], tl.int32), mask=at < FLOW_SLOTS)
                 tl.atomic_xchg(Sync + 4, 0, sem="release", scope="gpu")
 
     def _cut(k: int, splits: int, rows: int) -> tuple[int, int, int]:
@@ -565,9 +673,9 @@ if AVAILABLE:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer: x [M, H] → (out [M, H], its sums of squares per hidden tile
         [H / HIDDEN_TILE, LIMIT] float32). `squares`: x's, as that (`first_squares`);
-        `counters` [SYNC_SLOTS + `counted(model)`] int32, zero: the barriers' slots, then the
-        column tiles' arrival counts (one tensor: as two written views of one buffer, the
-        traced forward ran ~50 `slice` copy kernels besides, fifty-second session's profile)."""
+        `counters` int32 (`new_counters`), zero: the barriers' slots, the column tiles' arrival
+        counts, `FLOW`'s counts (one tensor: as two written views of one buffer, the traced
+        forward ran ~50 `slice` copy kernels besides, fifty-second session's profile)."""
         m, h = x.shape
         tiles = h // HIDDEN_TILE
         if tuple(squares.shape) != (tiles, LIMIT):  # the kernel reads that many, unchecked
@@ -576,6 +684,10 @@ if AVAILABLE:
         heads = o_proj.shape[1] // d
         inter = down.shape[1]
         width = (heads + 2 * kv_heads) * d
+        per_region = _counted(h, inter, heads + 2 * kv_heads)
+        flow_slots = _flow_slots(heads, d, inter)
+        if counters.numel() < SYNC_SLOTS + 2 * per_region + flow_slots:
+            raise ValueError(f"counters of {counters.numel()}: too few (`new_counters`)")
         dev, dt = x.device, x.dtype
         qkv_s = torch.empty((m, width), dtype=dt, device=dev)
         attn = torch.empty((m, heads * d), dtype=dt, device=dev)
@@ -589,8 +701,12 @@ if AVAILABLE:
             _cut(h, GATED_SPLITS, 2 * inter),
             _cut(inter, DOWN_SPLITS, h),
         ]
-        floats = [splits * LIMIT * rows for splits, _, rows in cuts if splits > 1]
-        parts = torch.empty(max(floats, default=1), dtype=torch.float32, device=dev)
+        # the float32 partials: A's or D's in a first region, C's or E's in a second (`FLOW`
+        # lets C begin while A is still summing; D and E begin only once A and C have summed)
+        floats = [splits * LIMIT * rows if splits > 1 else 0 for splits, _, rows in cuts]
+        first = max(floats[0], floats[2])
+        size = max(first + max(floats[1], floats[3]), 1)
+        parts = torch.empty(size, dtype=torch.float32, device=dev)
         out = torch.empty_like(x)
         sq_out = torch.empty((tiles, LIMIT), dtype=torch.float32, device=dev)
         n_seg = cu_seqlens.shape[0] - 1
@@ -608,7 +724,7 @@ if AVAILABLE:
                 x, squares, cos, sin, cu_seqlens, n_seg,
                 norm1, qkv, bias, o_proj, norm2, gate_up, down,
                 qkv_s, attn, x1, sq1, act, parts, out, sq_out, counters,
-                m, eps, d**-0.5, SLOTS=SYNC_SLOTS,
+                m, eps, d**-0.5, SLOTS=SYNC_SLOTS, COUNTED=per_region, PARTS2=first,
                 H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=qkv_bias is not None,
                 BLOCK_M=LIMIT, SEG_P=max(triton.next_power_of_2(n_seg), 2), BLOCK_K=BLOCK_K,
                 HIDDEN_TILE=HIDDEN_TILE, INTER_TILE=INTER_TILE,
@@ -617,9 +733,15 @@ if AVAILABLE:
                 DOWN_SPLITS=cuts[3][0], DOWN_K_PER=cuts[3][1], PHASE=phase,
                 PRECISION=triton_launch.dot_precision(x), INTERPRET=interpret,
                 PDL=grid_dependency.waits(x), PREFETCH=32 * NUM_WARPS if PREFETCH else 0,
+                FLOW=bool(FLOW), G_P2=triton.next_power_of_2(heads // kv_heads),
+                FLOW_SLOTS=flow_slots, FLOW_P2=triton.next_power_of_2(flow_slots),
                 num_warps=NUM_WARPS, num_stages=NUM_STAGES,
                 **launch,
             )  # fmt: skip
+        if interpret and FLOW and counters[5].item():  # a wait the steps before did not meet
+            missed = counters[5].item()
+            counters[5] = 0
+            raise RuntimeError(f"layer kernel: {missed} FLOW waits found their count short")
         return out, sq_out
 
 
@@ -634,17 +756,25 @@ def first_squares(x: torch.Tensor) -> torch.Tensor:
     return squares
 
 
-def counted(model) -> int:
+def _counted(hidden: int, inter: int, qkv_heads: int) -> int:
     """The column tiles of the GEMM with the most (each tile's slices count their arrivals):
-    how many counts follow the barriers' slots in `counters`."""
-    cfg = model.config
-    heads = cfg.num_heads + 2 * cfg.num_kv_heads
-    return max(cfg.hidden_size // HIDDEN_TILE, cfg.intermediate_size // INTER_TILE, heads)
+    the counts of one of `counters`' two arrival regions."""
+    return max(hidden // HIDDEN_TILE, inter // INTER_TILE, qkv_heads)
+
+
+def _flow_slots(heads: int, head_dim: int, inter: int) -> int:
+    """`FLOW`'s counts: one a query head, one an o_proj K slice (at most a slice of 16), x1's
+    finished tiles, one a `down` K slice."""
+    return heads + heads * head_dim // 16 + 1 + inter // 16
 
 
 def new_counters(model, device) -> torch.Tensor:
-    """The zeroed `counters` a forward's layers share (each call leaves them zero)."""
-    return torch.zeros(SYNC_SLOTS + counted(model), dtype=torch.int32, device=device)
+    """The zeroed `counters` a forward's layers share (each call leaves them zero): the
+    barriers' slots, two regions of arrival counts, `FLOW`'s counts."""
+    cfg = model.config
+    counts = _counted(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads + 2 * cfg.num_kv_heads)
+    flow = _flow_slots(cfg.num_heads, cfg.head_dim, cfg.intermediate_size)
+    return torch.zeros(SYNC_SLOTS + 2 * counts + flow, dtype=torch.int32, device=device)
 
 
 def op_args(layer, x, squares, cos, sin, cu_seqlens, counters) -> tuple:
