@@ -209,11 +209,14 @@ def test_the_kernel_compiles_for_hopper(h, inter, heads, kv_heads, d, splits, pr
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("flow", [0, 1])
 @pytest.mark.parametrize("lengths", [[64], [20, 30, 14], [3]])
-def test_the_kernel_matches_the_models_layers_on_the_gpu(lengths):
+def test_the_kernel_matches_the_models_layers_on_the_gpu(monkeypatch, lengths, flow):
     """Qwen2.5-0.5B's layer shape, 4 layers, bf16: the kernel's forward (launched cooperatively,
-    with its barriers) against the model's own eager layers, within bf16 noise, and again (the
-    counters it left are zero)."""
+    with its barriers or FLOW's waits, whose order only the GPU's concurrent programs test)
+    against the model's own eager layers, within bf16 noise, and again (the counters it left are
+    zero)."""
+    monkeypatch.setattr(layer_kernel, "FLOW", flow)
     model = _gpu_model()
     batch = _batch(lengths)
     args = (batch.input_ids, batch.positions, batch.attn)
