@@ -204,8 +204,8 @@ def main() -> None:
         default=[],
         help="with --steps, tiles to time beside the default's: each the values of "
         "layer_kernel.KNOBS joined by ':' (BLOCK_K:INTER_TILE:QKV_SPLITS:O_SPLITS:GATED_SPLITS:"
-        "DOWN_SPLITS:NUM_WARPS:NUM_STAGES:PREFETCH:FLOW, the first ones only for the rest as they "
-        "are; 64:32:1:1:1:9:4:3:0:0 is the first version)",
+        "DOWN_SPLITS:NUM_WARPS:NUM_STAGES:PREFETCH:FLOW; fewer values set the first knobs, the "
+        "rest stay; 64:32:1:1:1:9:4:3:0:0 is the first version)",
     )
     ap.add_argument("--diagnose", action="store_true", help="compiled against eager (2 layers)")
     ap.add_argument("--out")
