@@ -763,8 +763,8 @@ def _counted(hidden: int, inter: int, qkv_heads: int) -> int:
 
 
 def _flow_slots(heads: int, head_dim: int, inter: int) -> int:
-    """`FLOW`'s counts: one a query head, one an o_proj K slice (at most a slice of 16), x1's
-    finished tiles, one a `down` K slice."""
+    """`FLOW`'s counts: one a query head, one an o_proj K slice, x1's finished tiles, one a
+    `down` K slice (room for slices as narrow as 16 columns, `tl.dot`'s least K)."""
     return heads + heads * head_dim // 16 + 1 + inter // 16
 
 
