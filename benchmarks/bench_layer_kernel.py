@@ -115,9 +115,7 @@ def time_steps(model, batch, rounds: int, replays: int) -> dict:
     and each layer reads the embedded tokens)."""
     x = model.embed_tokens(batch.input_ids)
     cos, sin = model.rotary(batch.positions, x.dtype)
-    cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
-    counters = layer_kernel.new_counters(model, x.device)
-    squares = layer_kernel.first_squares(x)
+    cos, sin, squares, counters = layer_kernel.first_inputs(model, x, cos, sin)
     layers = model.config.num_layers
     args = [
         layer_kernel.op_args(layer, x, squares, cos, sin, batch.attn.cu_seqlens, counters)

@@ -53,12 +53,12 @@ def captured_launch(model, batch) -> dict:
         return Grid()
 
     x = model.embed_tokens(batch.input_ids)
-    cos, sin = model.rotary(batch.positions, x.dtype)
-    cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
+    cos, sin, squares, counters = layer_kernel.first_inputs(
+        model, x, *model.rotary(batch.positions, x.dtype)
+    )
     args = layer_kernel.op_args(
-        model.layers[0], x, layer_kernel.first_squares(x), cos, sin, batch.attn.cu_seqlens,
-        layer_kernel.new_counters(model, x.device),
-    )  # fmt: skip
+        model.layers[0], x, squares, cos, sin, batch.attn.cu_seqlens, counters
+    )
     real = layer_kernel.traceable
     layer_kernel.traceable = capture
     try:

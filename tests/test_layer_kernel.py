@@ -116,9 +116,7 @@ def test_every_call_leaves_its_counters_at_zero(monkeypatch, flow):
     with triton_launch.interpreted(), layer_kernel.rows_up_to(64), torch.no_grad():
         x = model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary(batch.positions, x.dtype)
-        counters = layer_kernel.new_counters(model, DEV)
-        squares = layer_kernel.first_squares(x)
-        cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
+        cos, sin, squares, counters = layer_kernel.first_inputs(model, x, cos, sin)
         args = layer_kernel.op_args(
             model.layers[0], x, squares, cos, sin, batch.attn.cu_seqlens, counters
         )

@@ -168,22 +168,21 @@ if AVAILABLE:
     @triton.jit
     def _grid_sync(Sync, slot, nprog, ENABLED: tl.constexpr):
         """Every program waits here until all `nprog` have arrived (CUDA's grid sync: the
-        program's writes ordered before its arrival, the others' visible after the wait). The
-        spin's atomic add of 0 is a load (Triton writes it as `ld.global.gpu.acquire`, sm_90
-        PTX): the waiting programs do not queue read-modify-writes ahead of the arrivals."""
+        program's writes ordered before its arrival, the others' visible after the wait): an
+        arrival, then `_await`'s spin on the count."""
         if ENABLED:
             tl.debug_barrier()
             tl.atomic_add(Sync + slot, 1, sem="release", scope="gpu")
-            while tl.atomic_add(Sync + slot, 0, sem="acquire", scope="gpu") < nprog:
-                pass
-            tl.debug_barrier()
+            _await(Sync + slot, nprog, Sync, 1)
 
     @triton.jit
     def _await(Ready, need, Sync, MODE: tl.constexpr):
         """`FLOW`'s wait: until the count at `Ready` reaches `need` (MODE 1, the GPU's one launch
         of every step); MODE 2, the interpreter's launch a step, where what a step waits for was
         done by the launches before: a count short of `need` is counted in `Sync[5]` (the op
-        raises); MODE 0: no wait (`FLOW` off, or one step timed alone)."""
+        raises); MODE 0: no wait (`FLOW` off, or one step timed alone). The spin's atomic add of
+        0 is a load (Triton writes it as `ld.global.gpu.acquire`, sm_90 PTX): the waiting
+        programs do not queue read-modify-writes ahead of the counts they wait for."""
         if MODE == 1:
             while tl.atomic_add(Ready, 0, sem="acquire", scope="gpu") < need:
                 pass
@@ -738,8 +737,9 @@ if AVAILABLE:
                 num_warps=NUM_WARPS, num_stages=NUM_STAGES,
                 **launch,
             )  # fmt: skip
-        if interpret and FLOW and counters[5].item():  # a wait the steps before did not meet
-            missed = counters[5].item()
+        # FLOW's waits the steps before did not meet (the interpreter counts them)
+        missed = int(counters[5]) if interpret and FLOW else 0
+        if missed:
             counters[5] = 0
             raise RuntimeError(f"layer kernel: {missed} FLOW waits found their count short")
         return out, sq_out
@@ -777,6 +777,13 @@ def new_counters(model, device) -> torch.Tensor:
     return torch.zeros(SYNC_SLOTS + 2 * counts + flow, dtype=torch.int32, device=device)
 
 
+def first_inputs(model, x, cos, sin) -> tuple[torch.Tensor, ...]:
+    """What the first layer's op takes beside x: (cos, sin [M, D/2] from `RotaryEmbedding`'s
+    [M, 1, D/2], x's `first_squares`, zeroed `new_counters` every layer shares)."""
+    cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
+    return cos, sin, first_squares(x), new_counters(model, x.device)
+
+
 def op_args(layer, x, squares, cos, sin, cu_seqlens, counters) -> tuple:
     """The `fused_layer` op's arguments for `layer` over x (cos, sin [M, D/2])."""
     a, mlp = layer.self_attn, layer.mlp
@@ -793,9 +800,7 @@ def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, att
     """Every layer of `model` over x [M, H] through the kernel (`applies` said so): cos, sin
     [M, 1, D/2] as `RotaryEmbedding` gives them. One zeroed counter buffer serves every layer
     (each call leaves it zero)."""
-    counters = new_counters(model, x.device)
-    cos, sin = cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous()
-    squares = first_squares(x)
+    cos, sin, squares, counters = first_inputs(model, x, cos, sin)
     for layer in model.layers:
         args = op_args(layer, x, squares, cos, sin, attn.cu_seqlens, counters)
         x, squares = torch.ops.boundgen.fused_layer(*args)
