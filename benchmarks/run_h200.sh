@@ -113,7 +113,8 @@ run_phase() {
     # issues 24/25: each short prompt's layer as one persistent kernel: its GPU tests, then against the
     # compiled layers (LAYER_KERNEL_ARGS="--layouts w3 packed 16 --profile")
     # (the tests keep their own budget: a hung wait there must not eat the bench's)
-    layer-kernel) B=150 phase layer-kernel-tests 150 python3 -m pytest -v -rfs --tb=short -p no:cacheprovider -m gpu tests/test_layer_kernel.py
+    # LAYER_KERNEL_TESTS=0: its GPU tests already ran in this call's gpu-tests
+    layer-kernel) [ "${LAYER_KERNEL_TESTS:-1}" = 0 ] || B=150 phase layer-kernel-tests 150 python3 -m pytest -v -rfs --tb=short -p no:cacheprovider -m gpu tests/test_layer_kernel.py
       phase layer-kernel 200 python3 benchmarks/bench_layer_kernel.py --out "$OUT/layer_kernel.json" ${LAYER_KERNEL_ARGS:-} ;;
     # issue 25 item 3: that GEMM alone (and TMA-fed variants: persistent, warp-specialized) vs cuBLAS + Inductor
     # at 1,920–14,912 rows (BUCKET_GATED_ARGS="--variants engine tma-persist tma-ws": those against the engine's)
