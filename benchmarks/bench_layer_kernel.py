@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import env_info, kernel_table, write_json
 
 from boundgen import grid_dependency
+from boundgen.checkpoints import hf_config
 from boundgen.compile import programmatic
 from boundgen.compile.aoti import PackedForward
 from boundgen.config import ModelConfig
@@ -46,14 +47,11 @@ def w3_batch(device):
     return pack([SequenceGroup([], [[(j % 1000) + 1 for j in range(64)]])]).to(device)
 
 
-def build_model(device, layers: int = 24) -> DecoderModel:
-    cfg = ModelConfig(
-        architecture="Qwen2ForCausalLM", family="qwen2", task="causal_lm",
-        vocab_size=1024,  # the head is not timed here
-        hidden_size=896, intermediate_size=4864, num_layers=layers, num_heads=14, num_kv_heads=2,
-        head_dim=64, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
-        tie_word_embeddings=True, qkv_bias=True, qk_norm=False,
-    )  # fmt: skip
+def build_model(device, layers: int = 24, preset: str = "qwen2.5-0.5b") -> DecoderModel:
+    """A model of `preset`'s layer shape (`checkpoints.PRESETS`), `layers` of them, random
+    weights."""
+    hf = {**hf_config(preset), "num_hidden_layers": layers, "vocab_size": 1024}  # no head timed
+    cfg = ModelConfig.from_hf(hf)
     torch.manual_seed(0)
     model = DecoderModel(cfg).eval().requires_grad_(False)
     for p in model.parameters():

@@ -2,18 +2,20 @@
 what each tile configuration costs before a device call spends minutes on it.
 
     python benchmarks/sm90_layer_kernel.py --configs default 64:32:7:7:2:9:4:6:0 --out sm90.json
+    python benchmarks/sm90_layer_kernel.py --preset llama3.2-1b --configs 64:32:7:7:2:9:4:3:0:1
 
 Per configuration (`layer_kernel.KNOBS` joined by ':', as `bench_layer_kernel.py --configs`): the
-shared memory a program takes, its registers and spills (Triton's bundled `ptxas -v`), and the
-loops of its TTGIR that load from global memory without the software pipeline's asynchronous
-copies — each such loop waits for one load before it issues the next (the fifty-fourth session
-found the norm's tile sum and the last slice's partial sums written so; LLVM may still unroll a
-loop of a constant count, which the PTX then shows). The kernel's arguments
-are those a real call passes (`fused_layer` on CPU tensors of Qwen2.5-0.5B's layer shape, its
-launch captured, not run); the kernel is compiled as the GPU launches it (all steps with their
-barriers, the programmatic wait). Needs Triton with its CUDA backend (the CPU wheels have it) and
-no CUDA device; the GPU image's Triton is 3.6 (`pip install --target DIR triton==3.6.0`, then
-`PYTHONPATH=DIR`).
+shared memory a program takes, its registers and spills (Triton's bundled `ptxas -v`), whether its
+PTX waits for the kernels before it (programmatic launch) ahead of its first global access, the L2
+prefetches it asks for (`PREFETCH`), and the loops of its TTGIR that load from global memory
+without the software pipeline's asynchronous copies — each such loop waits for one load before it
+issues the next (the fifty-fourth session found the norm's tile sum and the last slice's partial
+sums written so; LLVM may still unroll a loop of a constant count, which the PTX then shows). The
+kernel's arguments are those a real call passes (`fused_layer` on CPU tensors of a layer of
+`--preset`'s shape, Qwen2.5-0.5B's by default, its launch captured, not run); the kernel is
+compiled as the GPU launches it (all steps, with their barriers or FLOW's waits, and the
+programmatic wait). Needs Triton with its CUDA backend (the CPU wheels have it) and no CUDA device;
+the GPU image's Triton is 3.6 (`pip install --target DIR triton==3.6.0`, then `PYTHONPATH=DIR`).
 """
 
 from __future__ import annotations
@@ -132,13 +134,32 @@ def compile_one(kernel, sig, const, options, ptxas: str) -> dict:
         "shared_bytes": compiled.metadata.shared,
         "registers": int(regs.group(1)) if regs else None,
         "spill_bytes": [int(spills.group(1)), int(spills.group(2))] if spills else None,
+        **ptx_facts(compiled.asm["ptx"]),
         "unpipelined_loops": unpipelined_loops(compiled.asm["ttgir"]),
+    }
+
+
+def ptx_facts(ptx: str) -> dict:
+    """Whether the kernel's first global load, store or copy comes after its grid dependency wait
+    (nothing read before the kernels it depends on have written it), and how many L2 prefetches
+    it issues."""
+    body = ptx[ptx.index(".entry") :]
+    wait = body.find("griddepcontrol.wait")
+    accesses = [
+        i for i in (body.find(op) for op in ("ld.global", "st.global", "cp.async")) if i >= 0
+    ]
+    return {
+        "waits_first": 0 <= wait < min(accesses),
+        "l2_prefetches": body.count("prefetch.global.L2"),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", default=["default"])
+    ap.add_argument(
+        "--preset", default="qwen2.5-0.5b", help="the layer's shape (checkpoints.PRESETS)"
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -150,9 +171,9 @@ def main() -> None:
     # the ptxas Triton itself compiles sm_90 with (3.9 bundles two; its older one fails on 3.9's
     # sm_90 PTX)
     ptxas = compiler.get_ptxas(90).path
-    model = build_model(torch.device("cpu"), layers=1)
+    model = build_model(torch.device("cpu"), layers=1, preset=args.preset)
     batch = w3_batch(torch.device("cpu"))
-    results = {"triton": triton.__version__, "configs": {}}
+    results = {"triton": triton.__version__, "preset": args.preset, "configs": {}}
     for config in args.configs:
         with torch.inference_mode(), knobs(config), contextlib.redirect_stdout(sys.stderr):
             kwargs = captured_launch(model, batch)
@@ -161,7 +182,8 @@ def main() -> None:
         results["configs"][config] = row
         print(
             f"{config}: shared {row['shared_bytes']} B, {row['registers']} registers, spills "
-            f"{row['spill_bytes']}, loops loading unpipelined: {len(row['unpipelined_loops'])}"
+            f"{row['spill_bytes']}, waits first {row['waits_first']}, L2 prefetches "
+            f"{row['l2_prefetches']}, loops loading unpipelined: {len(row['unpipelined_loops'])}"
         )
         for loop in row["unpipelined_loops"]:
             print(f"   {loop}")

@@ -2,7 +2,8 @@
 
 Without CUDA the kernel's steps run one launch each in Triton's CPU interpreter (conftest.py sets
 `TRITON_INTERPRET=1`, `triton_launch.interpreted()` lets CPU tensors in); the barriers between
-them are compiled for sm_90 here (`compile_in_child`) and run only on the GPU (`gpu` tests).
+them run only on the GPU (`gpu` tests); the kernel is compiled for sm_90 without one in
+test_sm90_layer_kernel.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from unittest import mock
 
 import pytest
 import torch
-from hopper import compile_in_child
 from small_layer import small_config, spread_weights
 
 pytest.importorskip("triton")
@@ -153,57 +153,6 @@ def test_off_by_default_and_only_for_the_forwards_it_has():
         assert not layer_kernel.applies(model, x, shared.attn, None)
         model.layers[0].mlp.down_proj = Fp8Linear.from_linear(model.layers[0].mlp.down_proj)
         assert not layer_kernel.applies(model, x, batch.attn, None)
-
-
-HOPPER = """
-from boundgen.models import layer_kernel as lk
-
-fn = lk._layer_kernel
-h, inter, heads, kv_heads, d = (int(a) for a in sys.argv[1:6])
-splits = int(sys.argv[6])  # every GEMM's K in this many slices (1: none summed by the last)
-prefetch = int(sys.argv[7])  # the L2 prefetches' lanes (0: none)
-flow = bool(int(sys.argv[8]))  # FLOW's counts instead of the barriers
-flow_slots = lk._flow_slots(heads, d, inter)
-cuts = dict(QKV=(h, splits), O=(heads * d, splits), GATED=(h, splits), DOWN=(inter, splits))
-const = dict(H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=True, BLOCK_M=lk.LIMIT, SEG_P=4,
-             BLOCK_K=lk.BLOCK_K, HIDDEN_TILE=lk.HIDDEN_TILE, INTER_TILE=lk.INTER_TILE, PHASE=-1,
-             PRECISION="tf32", INTERPRET=False, PDL=True, PREFETCH=prefetch, SLOTS=lk.SYNC_SLOTS,
-             COUNTED=lk._counted(h, inter, heads + 2 * kv_heads), PARTS2=1 << 20, FLOW=flow,
-             G_P2=triton.next_power_of_2(heads // kv_heads), FLOW_SLOTS=flow_slots,
-             FLOW_P2=triton.next_power_of_2(flow_slots))
-for name, (k, n) in cuts.items():
-    const[f"{name}_SPLITS"], const[f"{name}_K_PER"], _ = lk._cut(k, n, 0)
-pointers = ["X", "SqIn", "Cos", "Sin", "CuSeq", "Norm1", "Wqkv", "Bqkv", "Wo", "Norm2", "Wgu", "Wd",
-            "Qkv", "Attn", "X1", "Sq1", "Act", "Parts", "Out", "SqOut", "Counters"]
-kinds = {"SqIn": "*fp32", "CuSeq": "*i32", "Sq1": "*fp32", "Parts": "*fp32", "SqOut": "*fp32",
-         "Counters": "*i32"}
-sig = {p: kinds.get(p, "*bf16") for p in pointers}
-sig.update({"n_seg": "i32", "M": "i32", "eps": "fp32", "scale": "fp32"})
-sig.update(dict.fromkeys(const, "constexpr"))
-aligned = pointers
-warps, stages = 4, 3
-"""
-
-
-@pytest.mark.parametrize(
-    ("h", "inter", "heads", "kv_heads", "d", "splits", "prefetch", "flow"),
-    # Qwen2.5-0.5B's layer, its K cut and not, with the L2 prefetches, with FLOW's counts;
-    # Llama-3.2-1B's
-    [
-        (896, 4864, 14, 2, 64, 7, 0, 0),
-        (896, 4864, 14, 2, 64, 1, 0, 0),
-        (896, 4864, 14, 2, 64, 7, 128, 0),
-        (896, 4864, 14, 2, 64, 7, 0, 1),
-        (2048, 8192, 32, 8, 64, 7, 0, 1),
-    ],
-)
-def test_the_kernel_compiles_for_hopper(h, inter, heads, kv_heads, d, splits, prefetch, flow):
-    """Compiled for sm_90 by Triton's bundled ptxas, barriers or FLOW's waits (and prefetches)
-    and all."""
-    shape = (h, inter, heads, kv_heads, d, splits, prefetch, flow)
-    out = compile_in_child(HOPPER, *map(str, shape))
-    assert "waits first True" in out  # programmatic launch: nothing read before the wait
-    assert ("prefetches 0\n" in out) == (prefetch == 0)
 
 
 @pytest.mark.gpu

@@ -43,20 +43,53 @@ def test_only_inner_loops_that_load_in_turn_are_listed():
     assert tool.unpipelined_loops(items) == []
 
 
-def test_the_layer_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
-    # in a child: this process runs Triton's interpreter (conftest.py), the tool compiles
+def compiled(tmp_path, *args: str) -> dict:
+    """The tool's rows (configuration → row) for `args`, run in a child: this process runs
+    Triton's interpreter (conftest.py), the tool compiles."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     out = tmp_path / "sm90.json"
     res = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sm90_layer_kernel.py"), "--out", str(out)],
+        [sys.executable, tool.__file__, "--out", str(out), *args],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     if "No module named" in res.stderr:
         pytest.skip(f"this triton has no CUDA compiler API: {res.stderr.strip()[-200:]}")
     assert res.returncode == 0, res.stderr[-3000:]
-    row = json.loads(out.read_text())["configs"]["default"]
-    # one program a multiprocessor: it must fit one (228 KB of shared memory, 255 registers a
-    # thread), and the default's sums load all at once
-    assert 0 < row["shared_bytes"] <= 227 * 1024 and 0 < row["registers"] <= 255
-    assert row["spill_bytes"] == [0, 0] and row["unpipelined_loops"] == []
+    return json.loads(out.read_text())["configs"]
+
+
+def fits_one_program_a_multiprocessor(row: dict) -> bool:
+    """228 KB of shared memory and 255 registers a thread, nothing spilled."""
+    return (
+        0 < row["shared_bytes"] <= 227 * 1024
+        and 0 < row["registers"] <= 255
+        and row["spill_bytes"] == [0, 0]
+    )
+
+
+def test_the_layer_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    row = compiled(tmp_path)["default"]
+    # the default's sums load all at once; nothing read before the kernels before it are done
+    assert fits_one_program_a_multiprocessor(row) and row["unpipelined_loops"] == []
+    assert row["waits_first"] and row["l2_prefetches"] == 0
+
+
+# (knobs, L2 prefetches asked for): the GEMMs' K not cut, the L2 prefetches, FLOW's waits
+# instead of the barriers (with the prefetches and a deeper pipeline)
+KNOB_CASES = {"64:32:1:1:1:1": False, "64:32:7:7:2:9:4:3:128": True, "64:32:7:7:2:9:4:6:1:1": True}
+
+
+@pytest.mark.parametrize(
+    ("preset", "configs"),
+    [("qwen2.5-0.5b", list(KNOB_CASES)), ("llama3.2-1b", ["64:32:7:7:2:9:4:6:1:1"])],
+)
+def test_every_form_of_the_layer_kernel_compiles_for_sm90(tmp_path, preset, configs):
+    """The kernel's other forms, as a real call of each layer shape launches them (Llama-3.2-1B's:
+    no q/k/v bias, 32 heads over 8)."""
+    rows = compiled(tmp_path, "--preset", preset, "--configs", *configs)
+    for config in configs:
+        row = rows[config]
+        assert fits_one_program_a_multiprocessor(row), (config, row)
+        assert row["waits_first"], config  # programmatic launch: nothing read before the wait
+        assert (row["l2_prefetches"] > 0) == KNOB_CASES[config], (config, row)
