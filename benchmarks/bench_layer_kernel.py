@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -212,9 +213,13 @@ def main() -> None:
     results = {"env": env_info(), "sms": layer_kernel.programs(device), "layouts": {}}
     if args.diagnose:
         small = build_model(device, layers=2)
-        results["diagnose"] = diagnose(
-            small, w3_batch(device), str(Path(args.out).parent) if args.out else None
-        )
+        try:
+            results["diagnose"] = diagnose(
+                small, w3_batch(device), str(Path(args.out).parent) if args.out else None
+            )
+        except Exception as e:  # a failed trace is the finding; the timings still run
+            traceback.print_exc()
+            results["diagnose"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
         print("diagnose:", results["diagnose"])
     if args.steps:
         results["steps_us_a_layer"] = {}

@@ -230,8 +230,11 @@ if AVAILABLE:
             k = k0 + (i % PER_ROW) * LINE
             ok = (i < N) & (k < K)
             at = W + tl.where(ok, (row0 + i // PER_ROW) * K + k, row0 * K + k0)
+            # one line, no backslash escapes: Inductor copies a traced kernel's source into a
+            # string literal that turns an escaped line break into a real one (a SyntaxError in
+            # its generated module, fifty-fifth session)
             tl.inline_asm_elementwise(
-                "mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];",
+                "mov.u32 $0, 0; prefetch.global.L2 [$1];",
                 "=r,l",
                 [at],
                 dtype=tl.int32,
