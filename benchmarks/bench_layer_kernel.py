@@ -205,6 +205,19 @@ def main() -> None:
         "rest stay; 64:32:1:1:1:9:4:3:0:0 is the first version)",
     )
     ap.add_argument("--diagnose", action="store_true", help="compiled against eager (2 layers)")
+    ap.add_argument(
+        "--sides",
+        nargs="+",
+        default=["layers", "kernel", "kernel-eager"],
+        choices=["layers", "kernel", "kernel-eager"],
+        help="the forwards timed per layout (`layers` first: the others' speedups are over it)",
+    )
+    ap.add_argument(
+        "--knobs",
+        nargs="+",
+        default=["default"],
+        help="the eager kernel side's tile configurations per layout (as --configs), each a side",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     layer_kernel.TRACED = True  # the compiled sides trace the kernel (its known failure: see there)
@@ -239,6 +252,15 @@ def main() -> None:
         "kernel": (layer_kernel.LIMIT, torch.compile(forward, fullgraph=True, dynamic=False)),
         "kernel-eager": (layer_kernel.LIMIT, forward),
     }
+    # the eager kernel side once per `--knobs` tile configuration (captured with its knobs)
+    sides = {
+        (side if config == "default" or side != "kernel-eager" else f"{side} {config}"): (
+            *sides[side],
+            config if side == "kernel-eager" else "default",
+        )
+        for side in args.sides
+        for config in (args.knobs if side == "kernel-eager" else ["default"])
+    }
     for name in args.layouts:
         lengths = LAYOUTS[name]
         prompts = [[(i * 7 + j) % 1000 + 1 for j in range(n)] for i, n in enumerate(lengths)]
@@ -248,8 +270,12 @@ def main() -> None:
         with torch.inference_mode():
             want = model(*inputs).float()
             outs, graphs, diffs = {}, {}, {}
-            for side, (rows, fn) in sides.items():
-                with layer_kernel.rows_up_to(rows), grid_dependency.for_bucket(tokens):
+            for side, (rows, fn, config) in sides.items():
+                with (
+                    layer_kernel.rows_up_to(rows),
+                    grid_dependency.for_bucket(tokens),
+                    knobs(config),
+                ):
                     outs[side] = fn(*inputs)
                     again = fn(*inputs)
                     graphs[side] = graphed(lambda fn=fn: fn(*inputs), tokens)
@@ -265,7 +291,11 @@ def main() -> None:
             "us_a_forward": us,
             "us_a_layer": {k: round(v / layers, 2) for k, v in us.items()},
             "checks": diffs,
-            "speedup": {k: round(us["layers"] / v, 3) for k, v in us.items() if k != "layers"},
+            "speedup": {
+                k: round(us["layers"] / v, 3)
+                for k, v in us.items()
+                if "layers" in us and k != "layers"
+            },
         }
         print(f"{name} {lengths}: {row['us_a_forward']} µs a forward; {diffs}")
         if args.profile and name == args.layouts[0]:
