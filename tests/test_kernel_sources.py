@@ -27,8 +27,10 @@ def boundgen_kernels() -> dict[str, str]:
         except ImportError:  # an extra this environment lacks (the server's, Ray's)
             continue
         for name, value in vars(module).items():
-            fn = getattr(value, "fn", None)  # the Python function the decorator wraps
-            if isinstance(value, KernelInterface) and fn.__module__ == info.name:
+            fn = value
+            while isinstance(fn, KernelInterface):  # through any autotuner to the Python function
+                fn = fn.fn
+            if fn is not value and fn.__module__ == info.name:
                 found[f"{info.name}.{name}"] = inspect.getsource(fn)
     return found
 
