@@ -243,24 +243,21 @@ def main() -> None:
             print(f"steps, {config} (µs a layer):", us)
     layers = model.config.num_layers
     forward = PackedForward(model)
-    # side → (rows up to which the kernel takes a forward, the forward): the compiled layers
-    # (what W3 runs today), the kernel traced by torch.compile (wrong so far: see the module),
-    # and the kernel in the eager forward (what the `eager+graphs` backend would run). One
-    # compiled function a side: the switch is read when a forward traces.
-    sides = {
-        "layers": (0, torch.compile(forward, fullgraph=True, dynamic=False)),
-        "kernel": (layer_kernel.LIMIT, torch.compile(forward, fullgraph=True, dynamic=False)),
-        "kernel-eager": (layer_kernel.LIMIT, forward),
-    }
-    # the eager kernel side once per `--knobs` tile configuration (captured with its knobs)
-    sides = {
-        (side if config == "default" or side != "kernel-eager" else f"{side} {config}"): (
-            *sides[side],
-            config if side == "kernel-eager" else "default",
-        )
-        for side in args.sides
-        for config in (args.knobs if side == "kernel-eager" else ["default"])
-    }
+    # side → (rows up to which the kernel takes a forward, the forward, its tile knobs): the
+    # compiled layers (what W3 runs today), the kernel traced by torch.compile (wrong so far: see
+    # the module), and the kernel in the eager forward (what the `eager+graphs` backend would
+    # run) once per `--knobs` configuration, captured with its knobs. One compiled function a
+    # side: the switch is read when a forward traces.
+    sides = {}
+    if "layers" in args.sides:
+        sides["layers"] = (0, torch.compile(forward, fullgraph=True, dynamic=False), "default")
+    if "kernel" in args.sides:
+        traced = torch.compile(forward, fullgraph=True, dynamic=False)
+        sides["kernel"] = (layer_kernel.LIMIT, traced, "default")
+    if "kernel-eager" in args.sides:
+        for config in args.knobs:
+            side = "kernel-eager" if config == "default" else f"kernel-eager {config}"
+            sides[side] = (layer_kernel.LIMIT, forward, config)
     for name in args.layouts:
         lengths = LAYOUTS[name]
         prompts = [[(i * 7 + j) % 1000 + 1 for j in range(n)] for i, n in enumerate(lengths)]
@@ -291,11 +288,11 @@ def main() -> None:
             "us_a_forward": us,
             "us_a_layer": {k: round(v / layers, 2) for k, v in us.items()},
             "checks": diffs,
-            "speedup": {
-                k: round(us["layers"] / v, 3)
-                for k, v in us.items()
-                if "layers" in us and k != "layers"
-            },
+            "speedup": (
+                {k: round(us["layers"] / v, 3) for k, v in us.items() if k != "layers"}
+                if "layers" in us
+                else {}
+            ),
         }
         print(f"{name} {lengths}: {row['us_a_forward']} µs a forward; {diffs}")
         if args.profile and name == args.layouts[0]:
