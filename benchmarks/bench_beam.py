@@ -18,14 +18,13 @@ computed from the full head.
 
     python benchmarks/bench_beam.py --heads-only --head-compile --out $OUT/beam_heads.json
 
-With `--head-compile`, `--skinny-rows N` adds the compiled search with the few-row fused linear
-kernels (`skinny.MAX_ROWS` N), `--stream-rows N…` one with o_proj and down streamed up to N rows
-for each N given (`models/stream.py`, `stream.MAX_ROWS` N), `--stream-gated` the one with gate_up
-and SiLU·mul as one streamed GEMM (`models/stream_gated.py`; the other variants then take cuBLAS
-and Inductor's SiLU·mul: the GEMM is the default), `--stream-qkv` the one with qkv and the q/k
-rotation as one streamed GEMM (`models/stream_qkv.py`), `--copy-in-graph` the one whose graph
-copies its staged prompts in itself, `--pdl` the one whose graph's edges into boundgen's kernels
-are programmatic (`compile/programmatic.py`), and `--trie-select` the one with each trie step's
+With `--head-compile`, `--stream-rows N…` adds the compiled search with o_proj and down streamed up
+to N rows for each N given (`models/stream.py`, `stream.MAX_ROWS` N), `--stream-gated` the one with
+gate_up and SiLU·mul as one streamed GEMM (`models/stream_gated.py`; the other variants then take
+cuBLAS and Inductor's SiLU·mul: the GEMM is the default), `--stream-qkv` the one with qkv and the
+q/k rotation as one streamed GEMM (`models/stream_qkv.py`), `--copy-in-graph` the one whose graph
+copies its staged prompts in itself, `--pdl` the one whose graph's edges into boundgen's kernels are
+programmatic (`compile/programmatic.py`), and `--trie-select` the one with each trie step's
 selection in one kernel (`trie_select`, the other variants then take the ATen step: the kernel is
 the default); `--residual-add` the one with the residual adds out of `addmm` (`compile.residual`,
 the others then keep them in `addmm`, whatever `BOUNDGEN_RESIDUAL` says),
@@ -68,7 +67,7 @@ from boundgen.checkpoints import ensure_model
 from boundgen.compile import residual, staging
 from boundgen.compile.decode import SearchGraphs, plain_session
 from boundgen.logsumexp import row_logsumexp
-from boundgen.models import skinny, stream, stream_gated, stream_qkv
+from boundgen.models import stream, stream_gated, stream_qkv
 from boundgen.search import search
 
 
@@ -176,12 +175,11 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
     kids = trie.with_softmax("children")
     w, s = args.width, args.steps
     variants = {"graph": SearchGraphs(model, dev, model.backend)}
-    # a variant's kernels while it runs (its graphs are captured then): `skinny.MAX_ROWS`,
+    # a variant's kernels while it runs (its graphs are captured then): `stream.MAX_ROWS`,
     # whether a trie step is one kernel, the one-kernel decode attention's tile; the others run
     # the process's defaults
-    rows_of, select_of, tile_of, stream_of, gated_of, qkv_of, pdl_of = {}, {}, {}, {}, {}, {}, {}
+    select_of, tile_of, stream_of, gated_of, qkv_of, pdl_of = {}, {}, {}, {}, {}, {}
     of_kind = {
-        "skinny": rows_of,
         "select": select_of,
         "stream": stream_of,
         "gated": gated_of,
@@ -207,11 +205,10 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
         residual_default = "addmm" if args.residual_add else residual.MODE
         with mock.patch.object(residual, "MODE", residual_default):
             variants["graph+compile"] = SearchGraphs(model, dev, backend, compile_layers=True)
-        # the same with the few-row fused linear kernels, the one-kernel trie step, the residual
+        # the same with the streamed few-row kernels, the one-kernel trie step, the residual
         # adds out of `addmm`, the decode attention as one kernel (at each of its row blocks), or
         # any of them together (one value of each kind)
         kinds = [
-            [("skinny", args.skinny_rows)] if args.skinny_rows else [],
             [("stream", v) for v in args.stream_rows],
             [("gated", True)] if args.stream_gated else [],
             [("qkv", True)] if args.stream_qkv else [],
@@ -223,14 +220,7 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
         ]
         for combo in _one_of_each(kinds):
             name = "graph+compile+" + "+".join(
-                f"{n}{v}"
-                if n == "skinny"
-                else f"stream{v}"
-                if n == "stream"
-                else v
-                if n == "attention"
-                else n
-                for n, v in combo
+                f"stream{v}" if n == "stream" else v if n == "attention" else n for n, v in combo
             )
             opts = dict(combo)
             # the residual mode and the attention's kind are read as the variant's layers are set up
@@ -293,7 +283,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                     entry.update(kernels(lambda: ungraphed.run(prompts, w, s, t_, eos), dev))
                     calls, results = {}, {}
                     for vname, sg in variants.items():
-                        rows_ = rows_of.get(vname, skinny.MAX_ROWS)
                         streamed = stream_of.get(vname, stream.MAX_ROWS)
                         gated = gated_of.get(vname, gated_default)
                         rotated = qkv_of.get(vname, qkv_default)
@@ -303,7 +292,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
 
                         def call(
                             sg=sg,
-                            rows_=rows_,
                             s_=streamed,
                             g_=gated,
                             q_=rotated,
@@ -313,7 +301,6 @@ def section_heads(args, engine, trie: Trie, prompts_by_batch: dict, rows: list) 
                         ):
                             # read as the search's layers compile and its graph is captured
                             with (
-                                skinny.rows_up_to(rows_),
                                 stream.rows_up_to(s_),
                                 stream_gated.enabled(g_),
                                 stream_qkv.enabled(q_),
@@ -506,13 +493,6 @@ def main() -> int:
     ap.add_argument("--heads-only", action="store_true", help="only the trie heads section")
     ap.add_argument("--head-compile", action="store_true", help="heads: also compiled layers")
     ap.add_argument(
-        "--skinny-rows",
-        type=int,
-        default=0,
-        help="heads with --head-compile: also the compiled search with the few-row fused "
-        "kernels up to this many rows (`skinny.MAX_ROWS`; BOUNDGEN_SKINNY_TILES' tiles)",
-    )
-    ap.add_argument(
         "--stream-rows",
         type=int,
         nargs="+",
@@ -551,8 +531,8 @@ def main() -> int:
         "--trie-select",
         action="store_true",
         help="heads with --head-compile: also the compiled search with each trie step's "
-        "selection in one kernel (`trie_select`, the others then take the ATen step; with "
-        "--skinny-rows, also both)",
+        "selection in one kernel (`trie_select`, the others then take the ATen step; crossed "
+        "with the other variants' kinds)",
     )
     ap.add_argument(
         "--residual-add",

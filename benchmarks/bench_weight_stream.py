@@ -4,10 +4,10 @@
 
 At 16–64 rows (a beam decode step, a W3 prompt) a decoder's four GEMMs only stream their weights:
 Qwen2.5-0.5B's layer is 29.7 MB, 9 µs at 3.35 TB/s, but cuBLAS's kernels run W3's layer in ~26 µs
-(BENCHMARKS.md, thirty-sixth session: gate_up 2.0 TB/s, `down` 1.0 TB/s with its split-K reduce,
-qkv and o_proj 0.4 TB/s). The earlier few-row fused kernels (`models/skinny.py`) streamed at
-0.35–1.41 TB/s (twenty-sixth session). This kernel is the plain GEMM `x @ W.T` only, built for
-the stream:
+(BENCHMARKS.md, thirty-sixth session: gate_up 2.0 TB/s, `down` 1.0 TB/s with its split-K reduce, qkv
+and o_proj 0.4 TB/s). The earlier few-row fused kernels (norm + GEMM + epilogue, K summed in the
+kernel; removed) streamed at 0.35–1.41 TB/s (twenty-sixth session). This kernel is the plain GEMM
+`x @ W.T` only, built for the stream:
 
 - "swap AB": the weight tile [BLOCK_N, BLOCK_K] is the MMA's left operand (the MMA's M is the
   weight's columns, ≥ 64: Hopper's warpgroup MMA), the rows of x its right one (N = the few rows);

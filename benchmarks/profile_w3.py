@@ -13,8 +13,6 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --rotations apart,together            # the q/k rotation modes built and timed side by side
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after --autotune 0,1
-    BOUNDGEN_SKINNY_TILES=$OUT/tiles.json python benchmarks/profile_w3.py --backend aoti+graphs \
-        --variants after --skinny 0,64        # the layers' GEMMs by cuBLAS + Inductor, or fused
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --stream 0,64                         # o_proj and down by cuBLAS, or streamed
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
@@ -88,8 +86,6 @@ from boundgen.models import (
     bucket_gated,
     decoder,
     layers,
-    skinny,
-    skinny_tiles,
     stream,
     stream_gated,
     stream_qkv,
@@ -558,13 +554,6 @@ def main() -> int:
         "`compile.bucket_autotune`), crossed with --rotations",
     )
     ap.add_argument(
-        "--skinny",
-        default=None,
-        help="`skinny.MAX_ROWS` values to build side by side (0,64: W3's 64 rows by cuBLAS + "
-        "Inductor or by the fused few-row kernels, with BOUNDGEN_SKINNY_TILES' tiles), crossed "
-        "with --rotations and --autotune",
-    )
-    ap.add_argument(
         "--stream",
         default=None,
         help="`stream.MAX_ROWS` values to build side by side (0,64: o_proj and down by cuBLAS or "
@@ -654,14 +643,12 @@ def main() -> int:
     res["fp8"] = args.fp8
     res.update(bucket=bucket, variants={})
     autotunes = args.autotune.split(",") if args.autotune else [None]
-    skinnies = args.skinny.split(",") if args.skinny else [None]
     sides = [
-        (v, r, rf, a, k, st, gt, q, c, p, bg)
+        (v, r, rf, a, st, gt, q, c, p, bg)
         for v in args.variants.split(",")
         for r in rotations
         for rf in rope_forms
         for a in autotunes
-        for k in skinnies
         for st in streams
         for gt in gateds
         for q in qkvs
@@ -669,7 +656,6 @@ def main() -> int:
         for p in pdls
         for bg in bucket_gateds
     ]
-    res["skinny_tiles"] = [[list(k), list(v)] for k, v in skinny_tiles.TILES.items()]
     built = []  # (name, runner, engine): every side built first, then measured
     try:
         for side in sides:
@@ -678,7 +664,6 @@ def main() -> int:
                 rotation,
                 rope_form,
                 autotune,
-                skinny_rows,
                 stream_rows,
                 gated,
                 qkv,
@@ -691,7 +676,6 @@ def main() -> int:
                 + ([rotation] if rotation is not None else [])
                 + ([f"rope-{rope_form}"] if rope_form is not None else [])
                 + ([f"autotune{autotune}"] if autotune is not None else [])
-                + ([f"skinny{skinny_rows}"] if skinny_rows is not None else [])
                 + ([f"stream{stream_rows}"] if stream_rows is not None else [])
                 + ([f"gated{gated}"] if gated is not None else [])
                 + ([f"qkv{qkv}"] if qkv is not None else [])
@@ -706,8 +690,6 @@ def main() -> int:
                 layers.ROPE_FORM = rope_form
             if autotune is not None:
                 bucket_autotune.MODE = autotune
-            if skinny_rows is not None:
-                skinny.MAX_ROWS = int(skinny_rows)
             if stream_rows is not None:
                 stream.MAX_ROWS = int(stream_rows)
             if gated is not None:

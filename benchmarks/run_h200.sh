@@ -27,7 +27,6 @@
 #   bash benchmarks/run_h200.sh rope                            # issue 25 item 3: RoPE computed vs table
 #   bash benchmarks/run_h200.sh w5-compile w5-profile           # issue 25 item 4: W5's merged forwards, per kernel
 #   bash benchmarks/run_h200.sh fp8-tiles                       # issue 26: silu_mul_quant's tiles swept
-#   SKINNY_ARGS=--sweep bash benchmarks/run_h200.sh skinny:300  # few-row fused linear kernels vs cuBLAS + Inductor
 #   bash benchmarks/run_h200.sh search-staging                  # issue 24: a search's host staging, before/after (~15 s)
 #   bash benchmarks/run_h200.sh graph-launch                    # issue 24: one big CUDA graph's launch vs a chain (answered: no wait)
 #   BACKENDS_ARGS="--attention varlen --workloads w2 w1" bash benchmarks/run_h200.sh backends   # A/B
@@ -122,16 +121,13 @@ run_phase() {
     # issue 25 item 3: a bucket's RoPE kernel: cos/sin computed in-graph, gathered from a table or given,
     # the rotation with or without `cat` (ROPE_ARGS="--variants table --forms cat flip --tokens 1920 8192")
     rope) phase rope 90 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ${ROPE_ARGS:-} ;;
-    # issue 24 item 2 / issue 25: a layer's linear parts at few rows, fused kernels vs cuBLAS + Inductor (SKINNY_ARGS="--sweep")
     # issue 24: one big CUDA graph's launch vs a chain of smaller ones (is the whole-search graph's early idle its launch?)
     graph-launch) phase graph-launch 90 python3 benchmarks/bench_graph_launch.py --out "$OUT/graph_launch.json" ;;
-    # (with --sweep: the fastest tiles to $OUT/skinny_tiles.json, for BOUNDGEN_SKINNY_TILES)
     # issue 24 item 2: a weight-streaming GEMM (swap AB, split K into fp32 partials, TMA loads) against cuBLAS at 16/64 rows
     # (WEIGHT_STREAM_ARGS="--shapes gated --rows 16 64 128": gate_up with SiLU·mul as its epilogue, its tiles swept)
     weight-stream) phase weight-stream 300 python3 benchmarks/bench_weight_stream.py --out "$OUT/weight_stream.json" ${WEIGHT_STREAM_ARGS:-} ;;
     # issue 24: a search's prompts into its slot, staged (one pinned buffer, one copy) against packed + padded + five copies
     search-staging) phase search-staging 60 python3 benchmarks/bench_search_staging.py --out "$OUT/search_staging.json" ;;
-    skinny) phase skinny 180 python3 benchmarks/bench_skinny.py --out "$OUT/skinny.json" --tiles-out "$OUT/skinny_tiles.json" ${SKINNY_ARGS:-} ;;
     # ATTENTION_ARGS: e.g. "--layouts w3" (W3's 64-token prompt alone)
     attention) phase attention 120 python3 benchmarks/bench_attention.py --out "$OUT/attention.json" ${ATTENTION_ARGS:-} ;;
     attention-sweep) phase attention-sweep 300 python3 benchmarks/bench_attention.py --sweep --iters 100 --out "$OUT/attention_sweep.json" ${ATTENTION_ARGS:-} ;;

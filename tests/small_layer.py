@@ -1,6 +1,6 @@
 """A one-layer Qwen2-shaped `ModelConfig` small enough for Triton's CPU interpreter, random
 weights for it, and random inputs on the device the kernels' tests run on (the few-row and
-bucket kernels' tests: `test_skinny.py`, `test_stream*.py`, `test_bucket_gated.py`)."""
+bucket kernels' tests: `test_stream*.py`, `test_bucket_gated.py`, `test_layer_kernel.py`)."""
 
 from __future__ import annotations
 

@@ -379,32 +379,22 @@ def test_a_changed_kernel_makes_artifacts_stale(engine_for, cache_copy, tmp_path
     assert err.value.kind == "stale"
 
 
-def test_the_fused_linear_kernels_key_only_the_packages_that_embed_them(monkeypatch):
-    """The few-row fused kernels' source (and the streaming residual GEMM's) is part of the key
-    only where the layers take them: a tile swept into `skinny_tiles.TILES` leaves every package
-    built with them off valid."""
-    from boundgen.models import skinny, stream, stream_gated, stream_qkv
+def test_the_few_row_kernels_key_only_the_packages_that_embed_them(monkeypatch):
+    """The streamed few-row kernels' source is part of the key only where the layers take them:
+    an edit of one leaves every package built with it off valid."""
+    from boundgen.models import stream, stream_gated, stream_qkv
 
-    monkeypatch.setattr(skinny, "MAX_ROWS", 0)
     monkeypatch.setattr(stream, "MAX_ROWS", 0)
     monkeypatch.setattr(stream_gated, "GATED", False)
     monkeypatch.setattr(stream_qkv, "ROTATED", False)
     embedded = cache_mod.embedded_kernel_modules()
-    assert "boundgen.models.skinny" not in embedded
-    assert "boundgen.models.skinny_tiles" not in embedded
     assert "boundgen.models.stream" not in embedded
     off = platform_info("cpu")
     assert "stream_max_rows" not in off  # the keys of the packages built before it
-    monkeypatch.setattr(skinny, "MAX_ROWS", 64)
-    assert "boundgen.models.skinny" in cache_mod.embedded_kernel_modules()
-    assert "boundgen.models.stream" not in cache_mod.embedded_kernel_modules()
-    assert platform_info("cpu")["kernels"] != off["kernels"]
-    # the streaming GEMM: its source (and the row blocks it takes from skinny_tiles) and its rows
-    monkeypatch.setattr(skinny, "MAX_ROWS", 0)
+    # the streaming GEMM: its source and its rows
     monkeypatch.setattr(stream, "MAX_ROWS", 64)
     embedded = cache_mod.embedded_kernel_modules()
-    assert "boundgen.models.stream" in embedded and "boundgen.models.skinny_tiles" in embedded
-    assert "boundgen.models.skinny" not in embedded
+    assert "boundgen.models.stream" in embedded
     assert platform_info("cpu")["stream_max_rows"] == "64"
     assert platform_info("cpu")["kernels"] != off["kernels"]
     # gate_up with SiLU·mul: its source and a key of its own only where it is on

@@ -129,23 +129,6 @@ def test_aoti_cuda_matches_eager(cuda_engine, tmp_path):
         assert e.runner.stats()["misses"] == 0
 
 
-@pytest.mark.slow
-def test_aoti_with_the_fused_linear_kernels_matches_eager(cuda_engine, tmp_path, monkeypatch):
-    """A 64-token cascade bucket built by AOTInductor with the few-row fused linear kernels in it
-    (`skinny.MAX_ROWS` 64: K split, the forward's one counter buffer, the ops' declared
-    mutation of it) scores as the eager engine, and its package is keyed apart from one built
-    without them."""
-    from boundgen.compile.cache import platform_info
-    from boundgen.models import skinny
-
-    want = _scores(cuda_engine)  # the eager layers on cuBLAS
-    monkeypatch.setattr(skinny, "MAX_ROWS", 64)
-    assert platform_info("cuda")["skinny_max_rows"] == "64"
-    e = cuda_engine.with_runner(_aoti_runner(cuda_engine, "aoti+graphs", tmp_path))
-    torch.testing.assert_close(_scores(e), want, atol=2e-2, rtol=0)
-    assert e.runner.stats()["misses"] == 0
-
-
 @pytest.mark.parametrize("gated", [False, True])
 def test_aoti_with_the_streaming_residual_gemm_matches_eager(
     cuda_engine, tmp_path, monkeypatch, gated
@@ -237,26 +220,6 @@ def test_search_graphs_match_plain_search(
     )
 
 
-@pytest.mark.parametrize(
-    ("compile_layers", "attention"), [(False, "flash"), (True, "flash"), (True, "fused")]
-)
-def test_search_graphs_with_the_fused_linear_kernels_match_plain_search(
-    cuda_engine, float32_truth, compile_layers, attention, monkeypatch
-):
-    """The same with the few-row fused linear kernels on (`skinny.MAX_ROWS` 64: the prefills of
-    32 and 64 tokens and every decode step take them, K split, one counter buffer a forward),
-    eagerly and inside the compiled decode layers, replayed from the search's graph; a decode
-    step's qkv kernel also writes the cache slot, with q by KV head for flash (the compiled
-    layers' default). They round the norm once where the plain layers round twice: near-ties
-    may reorder."""
-    from boundgen.models import skinny
-
-    monkeypatch.setattr(skinny, "MAX_ROWS", 64)
-    _search_graphs_match(
-        cuda_engine, float32_truth, compile_layers, attention, monkeypatch, exact_eager=False
-    )
-
-
 @pytest.fixture(scope="module")
 def float32_truth(tiny_model):
     """truth(prompts, width, steps, trie) → (the float32 search's beams, a scorer): the plain
@@ -326,7 +289,7 @@ def _search_graphs_match(
     from boundgen.compile.aoti import export_attention
     from boundgen.compile.buckets import parse_buckets
     from boundgen.compile.decode import SearchGraphs
-    from boundgen.models import skinny, stream
+    from boundgen.models import stream
     from boundgen.workloads.trie import Trie
 
     monkeypatch.setattr(beam_decode, "MODE", attention)
@@ -348,7 +311,7 @@ def _search_graphs_match(
         prompts = [torch.randint(1, 400, (k,), generator=g).tolist() for k in (7, 12, 3)]
         with torch.inference_mode():
             got = sg.run(prompts, 4, 3, t)
-            with skinny.rows_up_to(0), stream.rows_up_to(0):  # the plain search on cuBLAS
+            with stream.rows_up_to(0):  # the plain search on cuBLAS
                 want = cuda_engine.runner.beam_search(prompts, 4, 3, t)
         assert got is not None
         # (the fused kernel rounds once, where flash + merge round their parts: near-ties too)

@@ -10,6 +10,8 @@ BENCHMARKS.md forty-first session). This checks every op's schema on the CPU.
 from __future__ import annotations
 
 import importlib
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +23,8 @@ OP_MODULES = (
     "boundgen.attention.beam_decode",
     "boundgen.attention.own_slots",
     "boundgen.attention.segments",
-    "boundgen.models.skinny",
+    "boundgen.models.bucket_gated",
+    "boundgen.models.layer_kernel",
     "boundgen.models.stream",
     "boundgen.models.stream_gated",
     "boundgen.models.stream_qkv",
@@ -42,8 +45,19 @@ def _schemas() -> dict[str, torch.FunctionSchema]:
 
 def test_the_op_modules_register_operators():
     schemas = _schemas()
-    # the streamed kernels' and the few-row kernels' ops, among others
-    assert {"stream_qkv", "stream_qkv_slot", "stream_gated", "norm_linear"} <= set(schemas)
+    # the streamed kernels' and the one-kernel layer's ops, among others
+    assert {"stream_qkv", "stream_qkv_slot", "stream_gated", "fused_layer"} <= set(schemas)
+
+
+def test_every_module_that_registers_an_operator_is_checked():
+    # a new op module left out of OP_MODULES would go unchecked
+    src = Path(__file__).resolve().parents[1] / "src"
+    registering = {
+        ".".join(path.relative_to(src).with_suffix("").parts)
+        for path in src.rglob("*.py")
+        if re.search(r'triton_op\(\s*"boundgen::', path.read_text())
+    }
+    assert registering == set(OP_MODULES)
 
 
 def test_no_operator_argument_that_is_written_has_a_default():
@@ -57,4 +71,4 @@ def test_no_operator_argument_that_is_written_has_a_default():
                     "it out fail on CUDA (torch drops trailing defaults before indexing the "
                     "mutated arguments); declare it without one"
                 )
-    assert "stream_qkv_slot.kv" in written and "norm_linear.counts" in written
+    assert "stream_qkv_slot.kv" in written and "fused_layer.counters" in written

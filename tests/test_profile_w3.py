@@ -1,9 +1,9 @@
-"""`benchmarks/profile_w3.py --rotations/--autotune/--skinny/--stream/--gated/--qkv/--copy/
---bucket-gated`: every q/k rotation mode (and bucket autotune mode, fused-kernel row limit,
-streamed-GEMM settings, where the staged inputs are copied in, the bucket's gate_up kernel) is
-built as its own side and timed interleaved; on the CPU (its smoke test) each side still answers
-the request as eager, and its host steps before a replay are timed; `--hf` times transformers on
-the same request in the same process; `--stub-rows` leaves the host path alone."""
+"""`benchmarks/profile_w3.py --rotations/--autotune/--stream/--gated/--qkv/--copy/--bucket-gated`:
+every q/k rotation mode (and bucket autotune mode, streamed-GEMM settings, where the staged inputs
+are copied in, the bucket's gate_up kernel) is built as its own side and timed interleaved; on the
+CPU (its smoke test) each side still answers the request as eager, and its host steps before a
+replay are timed; `--hf` times transformers on the same request in the same process; `--stub-rows`
+leaves the host path alone."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _smoke_run(tmp_path) -> list[str]:
 def test_rotations_are_built_and_timed_side_by_side(tmp_path):
     out = tmp_path / "w3.json"
     cmd = _smoke_run(tmp_path)
-    cmd += ["--rotations", "apart,together", "--autotune", "0", "--skinny", "64"]
+    cmd += ["--rotations", "apart,together", "--autotune", "0"]
     cmd += ["--stream", "64", "--gated", "1", "--qkv", "1"]
     cmd += ["--copy", "graph", "--bucket-gated", "1"]
     cmd += ["--json", str(out)]
@@ -35,8 +35,8 @@ def test_rotations_are_built_and_timed_side_by_side(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(out.read_text())
     sides = [
-        "after/apart/autotune0/skinny64/stream64/gated1/qkv1/copy-graph/bucket-gated1",
-        "after/together/autotune0/skinny64/stream64/gated1/qkv1/copy-graph/bucket-gated1",
+        "after/apart/autotune0/stream64/gated1/qkv1/copy-graph/bucket-gated1",
+        "after/together/autotune0/stream64/gated1/qkv1/copy-graph/bucket-gated1",
     ]
     assert list(got["variants"]) == sides
     assert list(got["interleaved"]) == sides

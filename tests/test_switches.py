@@ -14,7 +14,7 @@ import pytest
 
 from boundgen import settings, trie_select
 from boundgen.compile.cache import platform_info
-from boundgen.models import decoder, layer_kernel, layers, skinny, stream, stream_gated, stream_qkv
+from boundgen.models import decoder, layer_kernel, layers, stream, stream_gated, stream_qkv
 
 
 def test_the_switch_is_set_inside_and_restored_after_a_raise():
@@ -32,7 +32,6 @@ def test_the_switch_is_set_inside_and_restored_after_a_raise():
     ("module", "name", "switch", "value"),
     [
         (trie_select, "ENABLED", trie_select.enabled, False),
-        (skinny, "MAX_ROWS", skinny.rows_up_to, 7),
         (stream, "MAX_ROWS", stream.rows_up_to, 9),
         (stream_gated, "GATED", stream_gated.enabled, False),
         (stream_qkv, "ROTATED", stream_qkv.enabled, False),

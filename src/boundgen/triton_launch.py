@@ -14,8 +14,9 @@ _INTERPRETED = False
 
 @contextlib.contextmanager
 def interpreted():
-    """Inside: the few-row kernels (`models/skinny.py`, `models/stream.py`) also take CPU tensors,
-    which Triton's interpreter runs where `TRITON_INTERPRET=1` (the tests' switch)."""
+    """Inside: the few-row kernels (`models/stream*.py`, `models/layer_kernel.py`) also take
+    CPU tensors, which Triton's interpreter runs where `TRITON_INTERPRET=1` (the tests'
+    switch)."""
     global _INTERPRETED
     before, _INTERPRETED = _INTERPRETED, True
     try:

@@ -252,7 +252,7 @@ if AVAILABLE:
         attention over its prompt's keys and its own slots ≤ step, in one softmax; `block_m`
         rows (beam × GQA head) a program of `num_warps` warps (the callers pass `BLOCK_M`,
         `NUM_WARPS`). No argument has a default: torch 2.11's dispatcher drops trailing
-        defaults (see models/skinny.py)."""
+        defaults (see tests/test_op_schemas.py)."""
         hq, d = q.shape[1], q.shape[2]
         hkv, slots = pk.shape[1], bk.shape[1]
         gqa = hq // hkv

@@ -88,15 +88,13 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 # Modules whose Triton kernels a compiled package embeds (the packed-prefill attention, the fused
-# FP8 SiLU·mul + quantize, the fused linear layers): a package built with an older version of one
-# keeps running the old kernel, so their source is part of the platform and a change makes the
+# FP8 SiLU·mul + quantize, the few-row and bucket GEMMs): a package built with an older version of
+# one keeps running the old kernel, so their source is part of the platform and a change makes the
 # artifacts stale.
 KERNEL_MODULES = (
     "boundgen.grid_dependency",  # every kernel below that waits for its inputs calls it
     "boundgen.attention.segments",
     "boundgen.quant.triton_quant",
-    "boundgen.models.skinny",
-    "boundgen.models.skinny_tiles",
     "boundgen.models.stream",
     "boundgen.models.stream_gated",
     "boundgen.models.stream_qkv",
@@ -105,20 +103,14 @@ KERNEL_MODULES = (
 
 
 def embedded_kernel_modules() -> tuple[str, ...]:
-    """`KERNEL_MODULES` that this process's packages embed: the fused few-row linear kernels (and
-    their tiles' choice) only where the layers take them (`skinny.MAX_ROWS` > 0), the streaming
-    residual GEMM (and the row blocks it takes from `skinny_tiles`) only where `stream.MAX_ROWS`
-    > 0, gate_up's with SiLU·mul and qkv's with the rotation only where each is on too
-    (`stream_gated.GATED`, `stream_qkv.ROTATED`), and the buckets' gate_up with SiLU·mul only
-    where it is on (`bucket_gated.GATED`), so a change to them (a tile swept into
-    `skinny_tiles.TILES`) leaves the packages built without them valid."""
-    from boundgen.models import bucket_gated, skinny, stream, stream_gated, stream_qkv
+    """`KERNEL_MODULES` that this process's packages embed: the streaming residual GEMM only
+    where `stream.MAX_ROWS` > 0, gate_up's with SiLU·mul and qkv's with the rotation only where
+    each is on too (`stream_gated.GATED`, `stream_qkv.ROTATED`), and the buckets' gate_up with
+    SiLU·mul only where it is on (`bucket_gated.GATED`), so a change to them leaves the packages
+    built without them valid."""
+    from boundgen.models import bucket_gated, stream, stream_gated, stream_qkv
 
     drop = set()
-    if skinny.MAX_ROWS <= 0:
-        drop.add("boundgen.models.skinny")
-        if stream.MAX_ROWS <= 0:
-            drop.add("boundgen.models.skinny_tiles")
     if stream.MAX_ROWS <= 0:
         drop.add("boundgen.models.stream")
     if stream.MAX_ROWS <= 0 or not stream_gated.GATED:
@@ -143,8 +135,7 @@ def kernels_digest(modules: tuple[str, ...] = KERNEL_MODULES) -> str:
 
 def platform_info(device: torch.device | str) -> dict[str, str]:
     """What an artifact is only valid for: torch build, the exact device kind it was compiled
-    for, and the source of the kernels it embeds (and the rows up to which the layers take
-    the fused few-row kernels and their tiles, the residual pass's mode, `compile.residual`,
+    for, and the source of the kernels it embeds (and the residual pass's mode, `compile.residual`,
     the rows up to which o_proj and down stream their weights, `models.stream.MAX_ROWS`, and
     whether gate_up then streams with SiLU·mul as its epilogue, `models.stream_gated.GATED`, and
     qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, whether a bucket's
@@ -159,8 +150,6 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         bucket_gated,
         decoder,
         layers,
-        skinny,
-        skinny_tiles,
         stream,
         stream_gated,
         stream_qkv,
@@ -173,12 +162,8 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
         "machine": platform.machine(),
         "format": str(FORMAT),
         "kernels": kernels_digest(embedded_kernel_modules()),
-        "skinny_max_rows": str(skinny.MAX_ROWS),
         "residual": residual.mode(),
     }
-    tiles = skinny_tiles.tiles_digest()
-    if tiles:  # none keeps the keys of the packages built before them
-        info["skinny_tiles"] = tiles
     if stream.MAX_ROWS > 0:  # off keeps the keys of the packages built before it
         info["stream_max_rows"] = str(stream.MAX_ROWS)
         if stream_gated.GATED:  # off keeps the keys of the packages built before it was on

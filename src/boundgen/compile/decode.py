@@ -40,7 +40,6 @@ from boundgen.compile.buckets import Bucket, BucketSet, default_buckets
 from boundgen.compile.events import BEAM_GRAPH, COMPILES
 from boundgen.compile.staging import StagedInputs
 from boundgen.kv import BeamKV, DecodeKV, PromptKV
-from boundgen.models import skinny
 from boundgen.search import banned_tensor, search
 from boundgen.text.packing import Footprint, SequenceGroup, pack, pack_arrays
 
@@ -124,16 +123,15 @@ def first_layer_inputs(model, ids, positions):
 
 
 def prefill_layer(
-    layer, x, normed, cos, sin, cu_seqlens, max_seqlen: int, pk, pv, backend, next_norm, counts=None
+    layer, x, normed, cos, sin, cu_seqlens, max_seqlen: int, pk, pv, backend, next_norm
 ):
     """A decoder layer over packed prompts (causal per segment), storing k/v into `pk`/`pv`
-    [T, Hkv, D] (`counts`: the fused kernels' counters, `skinny.counters`). x, normed
-    [T, hidden] → (its output, `next_norm` of it)."""
-    q, k, v = layer.attention_input(x, cos, sin, counts=counts, normed=normed)
+    [T, Hkv, D]. x, normed [T, hidden] → (its output, `next_norm` of it)."""
+    q, k, v = layer.attention_input(x, cos, sin, normed=normed)
     pk.copy_(k)
     pv.copy_(v)
     o, _ = backend.varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, True)
-    out = layer.mlp_block(layer.attention_output(x, o.reshape(x.shape[0], -1), counts), counts)
+    out = layer.mlp_block(layer.attention_output(x, o.reshape(x.shape[0], -1)))
     return out, next_norm(out)
 
 
@@ -158,7 +156,6 @@ def decode_layer(
     next_norm,
     fused: bool = False,
     own_kernel: bool = False,
-    counts=None,
 ):
     """A decoder layer for one token per beam. The beam's k/v go into slot `step` (an int64 tensor
     [1]) of `bkv` [N, S, 2, Hkv, D] (k and v side by side, `BeamKV`: one write); queries attend
@@ -166,13 +163,12 @@ def decode_layer(
     beams `cu_beams`; their `group` query heads of a KV head as rows `cu_rows`, `max_rows`:
     `cascade.grouped_rows_attention`) and to their own slots ≤ step, merged by log-sum-exp; with
     `fused` (on CUDA) in one kernel (`attention/beam_decode.py`); else with `own_kernel` (on CUDA)
-    flash and one kernel for the own slots and the merge (`attention/own_slots.py`). `counts`:
-    the fused linear kernels' counters (`skinny.counters`). x, normed [N, hidden] → (its output,
-    `next_norm` of it)."""
+    flash and one kernel for the own slots and the merge (`attention/own_slots.py`). x, normed
+    [N, hidden] → (its output, `next_norm` of it)."""
     n = x.shape[0]
     fused = fused and x.is_cuda
     # the prompt attention reads q grouped by KV head: rotated into that order, not copied there
-    q = layer.decode_input(x, cos, sin, bkv, step, group > 1 and not fused, counts, normed)
+    q = layer.decode_input(x, cos, sin, bkv, step, group > 1 and not fused, normed)
     bk, bv = bkv[:, :, 0], bkv[:, :, 1]
     if fused:  # one kernel for the prompt part, own slots and merge
         # the kernel's tile, read here: dynamo guards on it (another tile, another compile)
@@ -191,7 +187,7 @@ def decode_layer(
         )
         own, own_lse = _own_slots_attention(q, bk, bv, step)
         o = merge_partial(shared, shared_lse, own, own_lse)
-    out = layer.mlp_block(layer.attention_output(x, o.reshape(n, -1), counts), counts)
+    out = layer.mlp_block(layer.attention_output(x, o.reshape(n, -1)))
     return out, next_norm(out)
 
 
@@ -253,17 +249,14 @@ class ModelSteps:
             self._decode = torch.compile(decode_layer, fullgraph=True, options=options)
 
     def _inputs(self, ids, positions):
-        """A forward's first layer's inputs (`first_layer_inputs`, compiled with the layers) and
-        the fused kernels' counters."""
-        m = self.model
+        """A forward's first layer's inputs (`first_layer_inputs`, compiled with the layers)."""
         if self.compiled:
             _rows_dynamic(ids, positions)
-        x, normed, cos, sin = self._first(m, ids, positions)
-        return x, normed, cos, sin, skinny.counters(x, m.layers[0])
+        return self._first(self.model, ids, positions)
 
     def prefill(self, ids, positions, cu_seqlens, max_seqlen: int, prompt: PromptKV):
         """Final-normed hidden states [T, H] of the packed prompts, their KV stored."""
-        x, normed, cos, sin, counts = self._inputs(ids, positions)
+        x, normed, cos, sin = self._inputs(ids, positions)
         for i, (layer, next_norm) in enumerate(self._layers):
             pk, pv = prompt.k[i], prompt.v[i]
             if self.compiled:
@@ -280,7 +273,6 @@ class ModelSteps:
                 pv,
                 self.backend,
                 next_norm,
-                counts,
             )
         return normed
 
@@ -291,7 +283,7 @@ class ModelSteps:
     def decode_hidden(self, tokens, positions, state: DecodeKV, step: torch.Tensor):
         """Final-normed hidden states [N, H] of one decode step."""
         b = state.beams
-        x, normed, cos, sin, counts = self._inputs(tokens, positions)
+        x, normed, cos, sin = self._inputs(tokens, positions)
         for i, (layer, next_norm) in enumerate(self._layers):
             pk, pv, bkv = state.prompt.k[i], state.prompt.v[i], b.kv[i]
             if self.compiled:
@@ -322,7 +314,6 @@ class ModelSteps:
                 # arithmetic (their graph search recommends exactly what it does; the kernel
                 # rounds once where the plain search rounds twice)
                 self.compiled,
-                counts,
             )
         return normed
 

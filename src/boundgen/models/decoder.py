@@ -18,14 +18,14 @@ from boundgen.attention.cascade import by_kv_head, prefill_attention
 from boundgen.attention.metadata import AttnInputs
 from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
-from boundgen.models import bucket_gated, layer_kernel, skinny, stream, stream_gated, stream_qkv
+from boundgen.models import bucket_gated, layer_kernel, stream, stream_gated, stream_qkv
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 from boundgen.settings import env_choice
 
 # How q and k are rotated. "together" (the default): one rotation over the q and k heads of the
 # qkv projection's view, then q and k are views of its output (attention kernels take head
-# strides), so Inductor compiles one kernel a layer (none where the fused few-row kernels take
-# the layer: the qkv kernel rotates them, `models/skinny.py`). "apart"
+# strides), so Inductor compiles one kernel a layer (none where the streamed qkv kernel takes
+# the layer: it rotates them, `models/stream_qkv.py`). "apart"
 # (`BOUNDGEN_QK_ROTATION=apart`): one rotation each, two kernels a layer. On the H200 (W3's
 # package, BENCHMARKS.md twenty-second session) together took 24 kernels and ~30 µs of GPU time
 # off a call. Same arithmetic per element. Models with q/k norms (Qwen3) and the grouped query
@@ -111,28 +111,20 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     # The layer's three parts around attention, which the engine's forward and the beam layers
-    # (compile/decode.py) share. With few rows and the fused kernels on (`skinny.applies`; off by
-    # default until they beat cuBLAS + Inductor on the H200) each is one Triton kernel (norm +
-    # GEMM + the q/k rotation, GEMM + residual, norm + GEMM + SiLU·mul, GEMM + residual), since a
-    # decode step or a short prompt is bound by its kernels' count, not by FLOPs
-    # (models/skinny.py).
-
-    # `counts`: the forward's counters for the fused kernels' K splits (`skinny.counters`; None:
-    # each call zeroes its own)
+    # (compile/decode.py) share. With few rows (a decode step, a short prompt: bound by their
+    # kernels' count and weight reads, not by FLOPs) qkv takes the q/k rotation into its GEMM
+    # (`models/stream_qkv.py`), gate_up its SiLU·mul (`models/stream_gated.py`), and o_proj and
+    # `down` stream their weights into partial sums (`models/stream.py`). A version that also
+    # folded the norms in and summed K's splits inside the kernel (`models/skinny.py`) lost W4 by
+    # 2.0–2.5 ms (BENCHMARKS.md, twenty-ninth session; git history has it).
 
     def attention_input(
-        self, x, cos, sin, grouped: bool = False, counts=None, normed=None
+        self, x, cos, sin, grouped: bool = False, normed=None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] → q, k, v of the normed x (`Attention.heads`, q `grouped` or not).
         `normed`: x through this layer's input norm, computed already (the beam layers compute
-        it at the end of the layer before, where it fuses with that layer's last residual add;
-        the fused few-row kernels norm x themselves and do not read it)."""
+        it at the end of the layer before, where it fuses with that layer's last residual add)."""
         attn = self.self_attn
-        if skinny.applies(x, attn.qkv_proj):
-            # the kernel rotates q and k as it stores them (its epilogue): no rotation kernel
-            fused = attn.rotates_together(grouped)
-            qkv = self._fused_qkv(x, cos, sin, counts, fused)
-            return attn.heads(qkv, cos, sin, grouped, rotate=not fused)
         proj, h = attn.qkv_proj, self._input_normed(x, normed)
         if self._streams_qkv(x, grouped):
             # one streamed GEMM rotates q and k in its epilogue: no rotation kernel
@@ -151,42 +143,14 @@ class DecoderLayer(nn.Module):
             grouped
         )
 
-    def _fused_qkv(self, x, cos, sin, counts, rotate: bool, group=1, kv=None, step=None):
-        """`skinny.norm_linear` over the layer's input norm and qkv projection: q and k rotated
-        in its epilogue with `rotate`; with `kv` and `step` q alone (in KV-head order with
-        `group` > 1), k and v written into the cache slot (`decode_input`)."""
-        norm, attn, proj = self.input_layernorm, self.self_attn, self.self_attn.qkv_proj
-        t = x.shape[0]
-        return skinny.norm_linear(
-            x,
-            norm.weight,
-            norm.eps,
-            proj.weight,
-            proj.bias,
-            counts,
-            cos.reshape(t, -1) if rotate else None,
-            sin.reshape(t, -1) if rotate else None,
-            attn.rotated_columns if rotate else 0,
-            group,
-            kv,
-            step,
-        )
-
-    def decode_input(self, x, cos, sin, kv, step, grouped: bool = False, counts=None, normed=None):
+    def decode_input(self, x, cos, sin, kv, step, grouped: bool = False, normed=None):
         """A decode step's q, its k and v stored: x [N, hidden] (one token a beam) → q [N, Hq, D]
         (or grouped by KV head, [N, G, Hkv, D]), with k and v written into slot `step` (an int64
-        tensor [1]) of `kv` [N, S, 2, Hkv, D] (`BeamKV`'s layer). Where the fused qkv kernel
-        takes the layer it also rotates q and k, orders q's heads and writes the slot (one
-        kernel, where the rotation and the slot's write were one or two more). `normed`: as
+        tensor [1]) of `kv` [N, S, 2, Hkv, D] (`BeamKV`'s layer). Where the streamed qkv kernel
+        takes the layer it also rotates q and k and writes the slot (one kernel, where the
+        rotation and the slot's write were one or two more). `normed`: as
         `attention_input`'s."""
         attn = self.self_attn
-        if skinny.applies(x, attn.qkv_proj) and attn.rotates_together(False):
-            n = x.shape[0]
-            group = attn.num_heads // attn.num_kv_heads if grouped else 1
-            q = self._fused_qkv(x, cos, sin, counts, True, group, kv, step)
-            if grouped:
-                return q.view(n, group, attn.num_kv_heads, attn.head_dim)
-            return q.view(n, attn.num_heads, attn.head_dim)
         if self._streams_qkv(x, grouped):
             # the streamed qkv kernel writes k and v into the slot itself: no copy kernel after
             proj, h = attn.qkv_proj, self._input_normed(x, normed)
@@ -194,25 +158,20 @@ class DecoderLayer(nn.Module):
                 h, proj.weight, proj.bias, cos, sin, attn.rotated_columns, kv, step
             )
             return q.view(x.shape[0], attn.num_heads, attn.head_dim)
-        q, k, v = self.attention_input(x, cos, sin, grouped, counts, normed)
+        q, k, v = self.attention_input(x, cos, sin, grouped, normed)
         kv.index_copy_(1, step, torch.stack((k, v), 1).unsqueeze(1))
         return q
 
-    def attention_output(self, x, o, counts=None) -> torch.Tensor:
+    def attention_output(self, x, o) -> torch.Tensor:
         """x + o_proj(o): o [T, Hq·D] → [T, hidden]."""
         proj = self.self_attn.o_proj
-        if skinny.applies(o, proj):
-            return skinny.linear_residual(o, proj.weight, x, counts)
         if stream.applies(o, proj):
             return stream.linear_residual(o, proj.weight, x)
         return x + proj(o)
 
-    def mlp_block(self, x, counts=None) -> torch.Tensor:
+    def mlp_block(self, x) -> torch.Tensor:
         """x + MLP(RMSNorm(x))."""
         norm, mlp = self.post_attention_layernorm, self.mlp
-        if skinny.applies(x, mlp.gate_up_proj, mlp.down_proj):
-            h = skinny.norm_gated(x, norm.weight, norm.eps, mlp.gate_up_proj.weight, counts)
-            return skinny.linear_residual(h, mlp.down_proj.weight, x, counts)
         streamed = stream.applies(x, mlp.down_proj)
         if stream_gated.applies(x, mlp.gate_up_proj):  # gate_up with SiLU·mul as its epilogue
             h = stream_gated.gated(norm(x), mlp.gate_up_proj.weight)
@@ -226,10 +185,10 @@ class DecoderLayer(nn.Module):
             return stream.linear_residual(h, mlp.down_proj.weight, x)
         return x + mlp.down_proj(h)
 
-    def forward(self, x, cos, sin, attn, kv, layer, backend, counts=None):
-        q, k, v = self.attention_input(x, cos, sin, counts=counts)
+    def forward(self, x, cos, sin, attn, kv, layer, backend):
+        q, k, v = self.attention_input(x, cos, sin)
         o = self.self_attn.attend(q, k, v, attn, kv, layer, backend)
-        return self.mlp_block(self.attention_output(x, o, counts), counts)
+        return self.mlp_block(self.attention_output(x, o))
 
 
 class DecoderModel(nn.Module):
@@ -260,9 +219,8 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         if layer_kernel.applies(self, x, attn, kv):  # a short prompt: one kernel a layer
             return self.norm(layer_kernel.run_layers(self, x, cos, sin, attn))
-        counts = skinny.counters(x, self.layers[0])
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn, kv, i, self.backend, counts)
+            x = layer(x, cos, sin, attn, kv, i, self.backend)
         return self.norm(x)
 
     @property

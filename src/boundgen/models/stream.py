@@ -9,8 +9,9 @@ rows and 9.2 at 64, o_proj 3.7 (BENCHMARKS.md, thirty-sixth session, `bench_weig
 This kernel takes the weight tile [BLOCK_N, BLOCK_K] as the MMA's left operand (swap AB: the rows
 may be as few as 16) and splits K over `split_k(K)` programs a column tile, each writing its own
 partial [M, N]: 6.1 / 7.0 µs for `down` and 2.4 / 3.2 for o_proj at 16 / 64 rows in that
-benchmark. No second kernel sums the partials and no counters are kept (the few-row kernels of
-`models/skinny.py` let the last program of a tile sum them): `linear_residual` returns
+benchmark. No second kernel sums the partials and no counters are kept (the last program of a
+tile summing them, as an earlier few-row kernel did, cost a counter buffer a forward and lost W4
+by ~2 ms, BENCHMARKS.md twenty-ninth session): `linear_residual` returns
 the residual plus each partial in torch, pointwise adds that Inductor computes inside the
 kernel that already adds the residual and takes the next RMSNorm. At most 8 splits: each is one
 more [M, N] float32 read there.
@@ -34,7 +35,6 @@ import torch
 from torch import nn
 
 from boundgen import grid_dependency, triton_launch
-from boundgen.models import skinny_tiles
 from boundgen.settings import switched
 
 try:
@@ -197,7 +197,7 @@ if AVAILABLE:
         m = x.shape[0]
         n, k = weight.shape
         per = k_per(k, split, block_k)
-        split = skinny_tiles.cdiv(k, per)
+        split = cdiv(k, per)
         parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
         tile = (block_m, block_n, block_k, warps, stages)
@@ -211,7 +211,7 @@ if AVAILABLE:
         (x,) = triton_launch.unit_last_stride(x)
         weight = weight.contiguous()
         torch._check(x.shape[1] == weight.shape[1])
-        return x, weight, skinny_tiles.block_m_for(x.shape[0])
+        return x, weight, block_m_for(x.shape[0])
 
     def run(kernel, grid, x, weight, out, tile: tuple, **shape) -> None:
         """`kernel`[grid] as the streamed kernels take their arguments: X, W, Out, M, stride_xm,
@@ -241,9 +241,22 @@ if AVAILABLE:
         return launch(x, weight, split)
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_m_for(m) -> int:
+    """Rows a program takes (the MMA's narrow side, at least 16): the fewest of 16, 32 and 64 that
+    hold `m`, so 16 beam rows do not pay a 64-row product; 64 when `m` is symbolic (the compiled
+    beam layers' rows), since a branch on it would guard the compiled caller."""
+    if not isinstance(m, int):
+        return 64
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
 def k_per(k: int, split: int, block_k: int = BLOCK_K) -> int:
     """K a program takes: K over `split`, rounded up to whole BLOCK_K steps."""
-    return skinny_tiles.cdiv(skinny_tiles.cdiv(k, split), block_k) * block_k
+    return cdiv(cdiv(k, split), block_k) * block_k
 
 
 def partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
