@@ -11,9 +11,6 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
         --fp8 selective                                                      # FP8, gate skipped
     python benchmarks/profile_w3.py --preset tiny --device cpu --iters 50     # smoke test
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
-        --rotations apart,together            # the q/k rotation modes built and timed side by side
-    python benchmarks/profile_w3.py --backend aoti+graphs --variants after --autotune 0,1
-    python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --stream 0,64                         # o_proj and down by cuBLAS, or streamed
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --gated 0,1                           # gate_up + SiLU·mul by cuBLAS + Inductor, or one GEMM
@@ -26,8 +23,6 @@ wall time on the H200 is ~1.8 ms above its GPU time (BENCHMARKS.md, 2026-12-03).
     python benchmarks/profile_w3.py --workload w2 --backend aoti+graphs --variants after \
         --bucket-gated 0,1,persist            # a bucket's gate_up + SiLU·mul: cuBLAS or one GEMM
                                               # (pointer-fed, or persistent and TMA-fed)
-    python benchmarks/profile_w3.py --workload w2 --backend aoti+graphs --variants after \
-        --rope-forms cat,flip                 # the bucket's q/k rotation with or without `cat`
     python benchmarks/profile_w3.py --backend aoti+graphs --variants after \
         --hf eager,compile                    # HF eager and HF + torch.compile in the same process
     python benchmarks/profile_w3.py --preset tiny --device cpu --variants after \
@@ -78,18 +73,11 @@ import common
 
 from boundgen import Engine, grid_dependency
 from boundgen.checkpoints import ensure_model
-from boundgen.compile import bucket_autotune, staging
+from boundgen.compile import staging
 from boundgen.compile.backends import CompiledForwards, CompileOptions, _eager_fns
 from boundgen.compile.buckets import parse_buckets
 from boundgen.compile.staging import StagedBucket
-from boundgen.models import (
-    bucket_gated,
-    decoder,
-    layers,
-    stream,
-    stream_gated,
-    stream_qkv,
-)
+from boundgen.models import bucket_gated, stream, stream_gated, stream_qkv
 from boundgen.runner import ModelRunner, make_runner
 from boundgen.text.packing import SequenceGroup
 from boundgen.workloads.score import ScoreRequest, prepare_score, request_scores
@@ -536,24 +524,6 @@ def main() -> int:
     ap.add_argument("--fp8", default="none", help="FP8 policy (e.g. selective), gate skipped")
     ap.add_argument("--kernels", type=int, default=30, help="rows of the per-kernel table")
     ap.add_argument(
-        "--rotations",
-        default=None,
-        help="q/k rotation modes to build side by side (apart,together: each variant once per "
-        "mode, then timed interleaved call by call; `models.decoder.QK_ROTATION`)",
-    )
-    ap.add_argument(
-        "--rope-forms",
-        default=None,
-        help="how the q/k rotation is written, side by side (cat,flip: "
-        "`models.layers.ROPE_FORM`; the bucket's rotation where no streamed kernel rotates, W2)",
-    )
-    ap.add_argument(
-        "--autotune",
-        default=None,
-        help="bucket GEMM autotune modes to build side by side (0,1: aoti+graphs; "
-        "`compile.bucket_autotune`), crossed with --rotations",
-    )
-    ap.add_argument(
         "--stream",
         default=None,
         help="`stream.MAX_ROWS` values to build side by side (0,64: o_proj and down by cuBLAS or "
@@ -621,8 +591,6 @@ def main() -> int:
     bucket_gateds = _axis(ap, "--bucket-gated", args.bucket_gated, bucket_gated.FORMS)
     copies = _axis(ap, "--copy", args.copy, ("call", "graph"))
     pdls = _axis(ap, "--pdl", args.pdl, ("0", "1"))
-    rotations = _axis(ap, "--rotations", args.rotations, decoder.QK_ROTATIONS)
-    rope_forms = _axis(ap, "--rope-forms", args.rope_forms, layers.ROPE_FORMS)
     cuda = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     path = ensure_model(args.preset, dtype=dtype, root=args.root)
@@ -642,13 +610,9 @@ def main() -> int:
     res = {"env": common.env_info(), "backend": args.backend, "workload": args.workload}
     res["fp8"] = args.fp8
     res.update(bucket=bucket, variants={})
-    autotunes = args.autotune.split(",") if args.autotune else [None]
     sides = [
-        (v, r, rf, a, st, gt, q, c, p, bg)
+        (v, st, gt, q, c, p, bg)
         for v in args.variants.split(",")
-        for r in rotations
-        for rf in rope_forms
-        for a in autotunes
         for st in streams
         for gt in gateds
         for q in qkvs
@@ -659,23 +623,9 @@ def main() -> int:
     built = []  # (name, runner, engine): every side built first, then measured
     try:
         for side in sides:
-            (
-                variant,
-                rotation,
-                rope_form,
-                autotune,
-                stream_rows,
-                gated,
-                qkv,
-                copy,
-                pdl,
-                b_gated,
-            ) = side
+            variant, stream_rows, gated, qkv, copy, pdl, b_gated = side
             name = "/".join(
                 [variant]
-                + ([rotation] if rotation is not None else [])
-                + ([f"rope-{rope_form}"] if rope_form is not None else [])
-                + ([f"autotune{autotune}"] if autotune is not None else [])
                 + ([f"stream{stream_rows}"] if stream_rows is not None else [])
                 + ([f"gated{gated}"] if gated is not None else [])
                 + ([f"qkv{qkv}"] if qkv is not None else [])
@@ -684,12 +634,6 @@ def main() -> int:
                 + ([f"bucket-gated{b_gated}"] if b_gated is not None else [])
             )
             # each read when the runner traces, builds or captures the model
-            if rotation is not None:
-                decoder.QK_ROTATION = rotation
-            if rope_form is not None:
-                layers.ROPE_FORM = rope_form
-            if autotune is not None:
-                bucket_autotune.MODE = autotune
             if stream_rows is not None:
                 stream.MAX_ROWS = int(stream_rows)
             if gated is not None:

@@ -24,7 +24,6 @@
 #   bash benchmarks/run_h200.sh layer-kernel                    # issues 24/25: a short prompt's layer as one kernel
 #   bash benchmarks/run_h200.sh bucket-gated                    # issue 25 item 3: gate_up + SiLU·mul as one GEMM at 1,920–14,912 rows
 #   bash benchmarks/run_h200.sh w1-gated                        # issue 25 item 3: W1/W2 with that GEMM off and on (≈ 6–7 min)
-#   bash benchmarks/run_h200.sh rope                            # issue 25 item 3: RoPE computed vs table
 #   bash benchmarks/run_h200.sh w5-compile w5-profile           # issue 25 item 4: W5's merged forwards, per kernel
 #   bash benchmarks/run_h200.sh fp8-tiles                       # issue 26: silu_mul_quant's tiles swept
 #   bash benchmarks/run_h200.sh search-staging                  # issue 24: a search's host staging, before/after (~15 s)
@@ -118,9 +117,6 @@ run_phase() {
     # issue 25 item 3: that GEMM alone (and TMA-fed variants: persistent, warp-specialized) vs cuBLAS + Inductor
     # at 1,920–14,912 rows (BUCKET_GATED_ARGS="--variants engine tma-persist tma-ws": those against the engine's)
     bucket-gated) phase bucket-gated 180 python3 benchmarks/bench_bucket_gated.py --out "$OUT/bucket_gated.json" ${BUCKET_GATED_ARGS:-} ;;
-    # issue 25 item 3: a bucket's RoPE kernel: cos/sin computed in-graph, gathered from a table or given,
-    # the rotation with or without `cat` (ROPE_ARGS="--variants table --forms cat flip --tokens 1920 8192")
-    rope) phase rope 90 python3 benchmarks/bench_rope.py --out "$OUT/rope.json" ${ROPE_ARGS:-} ;;
     # issue 24: one big CUDA graph's launch vs a chain of smaller ones (is the whole-search graph's early idle its launch?)
     graph-launch) phase graph-launch 90 python3 benchmarks/bench_graph_launch.py --out "$OUT/graph_launch.json" ;;
     # issue 24 item 2: a weight-streaming GEMM (swap AB, split K into fp32 partials, TMA loads) against cuBLAS at 16/64 rows

@@ -1,7 +1,6 @@
-"""`BOUNDGEN_QK_ROTATION` (`models/decoder.py`): q and k rotated by one op over the qkv projection's
-view (`together`, the default) or one op each (`apart`). The same arithmetic per element, so on CPU
-every workload answers exactly alike; the compiled artifacts are keyed apart (the default, the key
-and a bad value: `test_switches.py`)."""
+"""q and k rotated by one op over the qkv projection's view (`Attention.rotates_together`: no q/k
+norm, q not grouped) against one op each (the layout Qwen3 and grouped queries take): the same
+arithmetic per element, so on CPU every workload answers exactly alike."""
 
 from __future__ import annotations
 
@@ -42,17 +41,19 @@ def test_together_answers_exactly_as_apart(arch, engine_for, monkeypatch):
     engine = engine_for(arch)
     cfg = engine.config
     calls = _rotations(monkeypatch)
-    monkeypatch.setattr(decoder, "QK_ROTATION", "apart")
-    apart = _answers(engine)
-    per_layer_apart = len(calls) // cfg.num_layers
-    calls.clear()
-    monkeypatch.setattr(decoder, "QK_ROTATION", "together")
     together = _answers(engine)
+    rotated_together = list(calls)
+    calls.clear()
+    with monkeypatch.context() as apart_only:
+        apart_only.setattr(decoder.Attention, "rotates_together", lambda self, grouped: False)
+        apart = _answers(engine)
+    per_layer_apart = len(calls) // cfg.num_layers
     for name in ("score", "score_full", "beam"):
         assert together[name] == apart[name], name
     assert torch.equal(together["embed"], apart["embed"])
     heads = (cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+    assert heads not in calls  # apart: never the joined heads
     if arch == "qwen3":  # q/k norms: rotated apart either way
-        assert heads not in calls
+        assert heads not in rotated_together
     else:  # the prompt forwards rotate once a layer (beam steps rotate grouped queries apart)
-        assert heads in calls and per_layer_apart >= 2
+        assert heads in rotated_together and per_layer_apart >= 2

@@ -1,20 +1,13 @@
 """`settings.switched`: the process-wide kernel switches' A/B context (a module global set inside
 the block, restored after it, also when the block raises), as each module's own switch uses it;
-and the switches read from the environment that change what a compiled artifact holds
-(`settings.env_choice`): their defaults, their part in the artifacts' platform key, a bad value
-named."""
+and a bad value of a switch read from the environment named (`settings.env_choice`)."""
 
 from __future__ import annotations
-
-import os
-from types import ModuleType
-from typing import NamedTuple
 
 import pytest
 
 from boundgen import settings, trie_select
-from boundgen.compile.cache import platform_info
-from boundgen.models import decoder, layer_kernel, layers, stream, stream_gated, stream_qkv
+from boundgen.models import layer_kernel, stream, stream_gated, stream_qkv
 
 
 def test_the_switch_is_set_inside_and_restored_after_a_raise():
@@ -45,45 +38,8 @@ def test_each_kernel_switch_sets_its_own_module_global(module, name, switch, val
     assert getattr(module, name) == before
 
 
-class Keyed(NamedTuple):
-    """A switch read from the environment whose value a compiled artifact holds: `old` is the
-    value the packages built before it were built with (left out of the platform key), `new` one
-    the key records under `key`."""
-
-    env: str
-    module: ModuleType
-    name: str
-    choices: tuple[str, ...]
-    default: str
-    old: str
-    new: str
-    key: str
-
-
-KEYED = [
-    Keyed("BOUNDGEN_QK_ROTATION", decoder, "QK_ROTATION", decoder.QK_ROTATIONS, "together",
-          "apart", "together", "qk_rotation"),
-    Keyed("BOUNDGEN_ROPE_FORM", layers, "ROPE_FORM", layers.ROPE_FORMS, "cat", "cat", "flip",
-          "rope_form"),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("switch", KEYED, ids=lambda k: k.env)
-def test_a_keyed_switch_defaults_as_documented(switch):
-    assert getattr(switch.module, switch.name) == os.environ.get(switch.env, switch.default)
-    assert switch.default in switch.choices
-
-
-@pytest.mark.parametrize("switch", KEYED, ids=lambda k: k.env)
-def test_a_keyed_switch_is_in_the_platform_key_only_off_its_old_value(switch, monkeypatch):
-    monkeypatch.setattr(switch.module, switch.name, switch.old)
-    assert switch.key not in platform_info("cpu")  # the keys of the packages built before it
-    monkeypatch.setattr(switch.module, switch.name, switch.new)
-    assert platform_info("cpu")[switch.key] == switch.new
-
-
-@pytest.mark.parametrize("switch", KEYED, ids=lambda k: k.env)
-def test_a_bad_value_names_the_variable_and_the_choices(switch):
-    named = f"{switch.env}='nope': choose one of {', '.join(switch.choices)}"
-    with pytest.raises(ValueError, match=named):
-        settings.env_choice(switch.env, "nope", switch.choices)
+def test_a_bad_value_names_the_variable_and_the_choices():
+    # every `BOUNDGEN_*` choice read from the environment is checked so (`settings.env_choice`)
+    with pytest.raises(ValueError, match="BOUNDGEN_X='nope': choose one of a, b"):
+        settings.env_choice("BOUNDGEN_X", "nope", ("a", "b"))
+    assert settings.env_choice("BOUNDGEN_X", "b", ("a", "b")) == "b"

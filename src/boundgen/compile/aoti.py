@@ -31,7 +31,7 @@ from torch import nn
 
 from boundgen import grid_dependency
 from boundgen.attention.backends import AttentionBackend, SegmentsBackend, get_backend
-from boundgen.compile import bucket_autotune, inductor_fixes, residual
+from boundgen.compile import inductor_fixes, residual
 from boundgen.compile.attention import FlashBackend, MaskedBackend
 from boundgen.compile.buckets import Bucket
 from boundgen.models.decoder import DecoderModel
@@ -272,7 +272,6 @@ def _build_package(
     # a bucket in the same process, were then never found by a server (H200, 2026-12-04)
     configs["aot_inductor.metadata"] = {"boundgen_recipe": recipe} if recipe else {}
     configs.update(residual.inductor_options())
-    configs.update(bucket_autotune.inductor_options())
     inductor_fixes.keep_int_array_targets_alive()
     with _timed_cpp_builds(cpp), _heuristics(recipe):
         torch._inductor.aoti_compile_and_package(

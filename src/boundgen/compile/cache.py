@@ -140,16 +140,12 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     whether gate_up then streams with SiLU·mul as its epilogue, `models.stream_gated.GATED`, and
     qkv with the q/k rotation as its epilogue, `models.stream_qkv.ROTATED`, whether a bucket's
     gate_up takes its SiLU·mul, `models.bucket_gated.GATED`, and by which kernel, `PERSISTENT`,
-    how q and k are rotated,
-    `models.decoder.QK_ROTATION`, and written, `models.layers.ROPE_FORM`, whether the kernels
-    wait for the kernels before them (programmatic launch), `grid_dependency.key()`, and whether
-    the buckets' GEMMs were autotuned, `compile.bucket_autotune`)."""
+    and whether the kernels wait for the kernels before them (programmatic launch),
+    `grid_dependency.key()`)."""
     from boundgen import grid_dependency
-    from boundgen.compile import bucket_autotune, residual
+    from boundgen.compile import residual
     from boundgen.models import (
         bucket_gated,
-        decoder,
-        layers,
         stream,
         stream_gated,
         stream_qkv,
@@ -175,12 +171,6 @@ def platform_info(device: torch.device | str) -> dict[str, str]:
     pdl = grid_dependency.key()
     if pdl is not None:  # off keeps the keys of the packages built before it
         info["pdl"] = pdl
-    if decoder.QK_ROTATION != "apart":  # "apart" keeps the keys of the packages built before it
-        info["qk_rotation"] = decoder.QK_ROTATION
-    if layers.ROPE_FORM != "cat":  # "cat" keeps the keys of the packages built before it
-        info["rope_form"] = layers.ROPE_FORM
-    if bucket_autotune.mode() != "0":  # off keeps the keys of the packages built before it
-        info["bucket_autotune"] = bucket_autotune.mode()
     if dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(idx)

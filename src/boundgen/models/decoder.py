@@ -7,8 +7,6 @@ KV state), so `torch.export` sees them as inputs. Output rows are gathered by th
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,23 +18,16 @@ from boundgen.config import ModelConfig
 from boundgen.kv import DecodeKV, PromptKV, decode_attention
 from boundgen.models import bucket_gated, layer_kernel, stream, stream_gated, stream_qkv
 from boundgen.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
-from boundgen.settings import env_choice
 
-# How q and k are rotated. "together" (the default): one rotation over the q and k heads of the
-# qkv projection's view, then q and k are views of its output (attention kernels take head
-# strides), so Inductor compiles one kernel a layer (none where the streamed qkv kernel takes
-# the layer: it rotates them, `models/stream_qkv.py`). "apart"
-# (`BOUNDGEN_QK_ROTATION=apart`): one rotation each, two kernels a layer. On the H200 (W3's
-# package, BENCHMARKS.md twenty-second session) together took 24 kernels and ~30 µs of GPU time
-# off a call. Same arithmetic per element. Models with q/k norms (Qwen3) and the grouped query
-# layout rotate apart either way. Part of the compiled artifacts' platform key when not "apart".
-# A third mode, "attention" (the `segments` kernel rotating q and k as it loads them), was tried
-# and removed: it lost W3 and W2 (BENCHMARKS.md twenty-third and thirty-fourth sessions; git
-# history has it).
-QK_ROTATIONS = ("apart", "together")
-QK_ROTATION = env_choice(
-    "BOUNDGEN_QK_ROTATION", os.environ.get("BOUNDGEN_QK_ROTATION", "together"), QK_ROTATIONS
-)
+# q and k are rotated together: one rotation over the q and k heads of the qkv projection's
+# view, then q and k are views of its output (attention kernels take head strides), so Inductor
+# compiles one kernel a layer (none where the streamed qkv kernel takes the layer: it rotates
+# them, `models/stream_qkv.py`). Rotated apart, one rotation each, it was two kernels a layer: on
+# the H200 (W3's package, BENCHMARKS.md twenty-second session) together took 24 kernels and ~30 µs
+# of GPU time off a call, with the same arithmetic per element (the switch back to apart was
+# removed in the fifty-sixth session). Models with q/k norms (Qwen3) and the grouped query layout
+# rotate apart. A third form, the `segments` kernel rotating q and k as it loads them, lost W3 and
+# W2 (BENCHMARKS.md twenty-third and thirty-fourth sessions; git history has it).
 
 
 class Attention(nn.Module):
@@ -84,8 +75,8 @@ class Attention(nn.Module):
 
     def rotates_together(self, grouped: bool) -> bool:
         """Whether q and k are rotated as one run of heads, the qkv projection's first
-        `rotated_columns` columns (`QK_ROTATION`)."""
-        return QK_ROTATION == "together" and self.q_norm is None and not grouped
+        `rotated_columns` columns: no q/k norm, q not grouped by KV head."""
+        return self.q_norm is None and not grouped
 
     @property
     def rotated_columns(self) -> int:

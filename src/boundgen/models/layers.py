@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from boundgen.config import ModelConfig
-from boundgen.settings import env_choice
-
-# How `apply_rope` writes HF's rotate-half. "cat" (the default): the halves' two expressions joined
-# by `torch.cat`, which Inductor lowers either as one pointwise kernel that evaluates both halves'
-# expressions for every element or as writes into the halves' slices: W2's rotation kernel took
-# 92.9, 69.1 and 166.8 µs a call (24 layers) in three compiles of one bucket on an H100
-# (BENCHMARKS.md, forty-seventh and forty-eighth sessions). "flip" (`BOUNDGEN_ROPE_FORM=flip`): x
-# viewed as its two halves, x·cos + flip(x)·(∓sin), no `cat`: one pointwise pass, each element read
-# with its partner; the same products and sums per element (the same values in eager). Part of the
-# compiled artifacts' platform key when not "cat". Not yet measured on a GPU (`bench_rope.py`,
-# `profile_w3.py --rope-forms`).
-ROPE_FORMS = ("cat", "flip")
-ROPE_FORM = env_choice(
-    "BOUNDGEN_ROPE_FORM", os.environ.get("BOUNDGEN_ROPE_FORM", "cat"), ROPE_FORMS
-)
 
 
 class RMSNorm(nn.Module):
@@ -101,15 +85,10 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., D] rotated by cos, sin [..., D/2] (broadcast over x's leading dims) with HF's
-    rotate-half convention: (x1·cos − x2·sin, x2·cos + x1·sin) of x's halves x1, x2, written as
-    `ROPE_FORM` says."""
-    if ROPE_FORM == "flip":
-        halves = x.unflatten(-1, (2, x.shape[-1] // 2))  # [..., 2, D/2]: x1, x2
-        # [[-1], [1]] from an op, not a constant: an exported graph lifts a constant tensor as
-        # an input no model parameter is (the packages load without their constants)
-        sign = (torch.arange(2, device=x.device) * 2 - 1).to(sin.dtype).unsqueeze(-1)
-        turned = halves.flip(-2) * (sin.unsqueeze(-2) * sign)  # −x2·sin, x1·sin (sign exact)
-        return (halves * cos.unsqueeze(-2) + turned).flatten(-2)
+    rotate-half convention: (x1·cos − x2·sin, x2·cos + x1·sin) of x's halves x1, x2. Written
+    with `cat`: a form without it (x·cos + flip(x)·(∓sin)) rotated 1.2x faster alone but cost W2's
+    compiled graph more (111.4 against 94.2 µs a call, H100, BENCHMARKS.md fifty-first session;
+    removed, git history has it)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
