@@ -116,16 +116,22 @@ def time_steps(model, batch, rounds: int, replays: int) -> dict:
     cos, sin = model.rotary(batch.positions, x.dtype)
     cos, sin, squares, counters = layer_kernel.first_inputs(model, x, cos, sin)
     layers = model.config.num_layers
+    # `STACK`: every layer in one launch a step (the first layer's op, the others' offsets)
+    offsets = layer_kernel.stack_offsets(model) if layer_kernel.STACK else None
+    if offsets is not None:
+        calls = [(model.layers[0], offsets)]
+    else:
+        calls = [(layer, None) for layer in model.layers]
     args = [
-        layer_kernel.op_args(layer, x, squares, cos, sin, batch.attn.cu_seqlens, counters)
-        for layer in model.layers
+        layer_kernel.op_args(layer, x, squares, cos, sin, batch.attn.cu_seqlens, counters, offs)
+        for layer, offs in calls
     ]
     graphs = {}
     for name, steps in [("all", (-1,)), *((f"step{k}", (k,)) for k in range(5))]:
 
         def run():
             for a in args:
-                torch.ops.boundgen.fused_layer(*a)
+                torch.ops.boundgen.fused_layers(*a)
 
         with switched(vars(layer_kernel), "STEPS", steps):
             graphs[name] = graphed(run, batch.num_tokens)
@@ -201,8 +207,8 @@ def main() -> None:
         default=[],
         help="with --steps, tiles to time beside the default's: each the values of "
         "layer_kernel.KNOBS joined by ':' (BLOCK_K:INTER_TILE:QKV_SPLITS:O_SPLITS:GATED_SPLITS:"
-        "DOWN_SPLITS:NUM_WARPS:NUM_STAGES:PREFETCH:FLOW; fewer values set the first knobs, the "
-        "rest stay; 64:32:1:1:1:9:4:3:0:0 is the first version)",
+        "DOWN_SPLITS:NUM_WARPS:NUM_STAGES:PREFETCH:FLOW:STACK; fewer values set the first "
+        "knobs, the rest stay; 64:32:1:1:1:9:4:3:0:0 is the first version)",
     )
     ap.add_argument("--diagnose", action="store_true", help="compiled against eager (2 layers)")
     ap.add_argument(

@@ -11,7 +11,7 @@ prefetches it asks for (`PREFETCH`), and the loops of its TTGIR that load from g
 without the software pipeline's asynchronous copies — each such loop waits for one load before it
 issues the next (the fifty-fourth session found the norm's tile sum and the last slice's partial
 sums written so; LLVM may still unroll a loop of a constant count, which the PTX then shows). The
-kernel's arguments are those a real call passes (`fused_layer` on CPU tensors of a layer of
+kernel's arguments are those a real call passes (`fused_layers` on CPU tensors of a layer of
 `--preset`'s shape, Qwen2.5-0.5B's by default, its launch captured, not run); the kernel is
 compiled as the GPU launches it (all steps, with their barriers or FLOW's waits, and the
 programmatic wait). Needs Triton with its CUDA backend (the CPU wheels have it) and no CUDA device;
@@ -58,16 +58,22 @@ def captured_launch(model, batch) -> dict:
     cos, sin, squares, counters = layer_kernel.first_inputs(
         model, x, *model.rotary(batch.positions, x.dtype)
     )
+    # STACK: every layer's launch (its weights found from the first's)
+    offsets = layer_kernel.stack_offsets(model) if layer_kernel.STACK else None
     args = layer_kernel.op_args(
-        model.layers[0], x, squares, cos, sin, batch.attn.cu_seqlens, counters
+        model.layers[0], x, squares, cos, sin, batch.attn.cu_seqlens, counters, offsets
     )
     real = layer_kernel.traceable
     layer_kernel.traceable = capture
     try:
-        layer_kernel._fused_layer(*args)
+        layer_kernel._fused_layers(*args)
     finally:
         layer_kernel.traceable = real
     return found["kwargs"]
+
+
+# a tensor argument's element type, as Triton's signature names it
+TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 
 
 def signature(kernel, kwargs: dict) -> tuple[dict, dict, dict]:
@@ -81,10 +87,7 @@ def signature(kernel, kwargs: dict) -> tuple[dict, dict, dict]:
         if param.is_constexpr:
             sig[name], const[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
-            sig[name] = (
-                "*"
-                + {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}[value.dtype]
-            )
+            sig[name] = "*" + TYPES[value.dtype]
         else:
             sig[name] = "fp32" if isinstance(value, float) else "i32"
     return sig, const, options

@@ -85,6 +85,40 @@ def test_the_kernel_computes_the_layers_with_its_k_cut_or_not(monkeypatch, split
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("flow", [0, 1])
+@pytest.mark.parametrize("layers", [2, 4])
+def test_every_layer_in_one_launch_computes_the_layers(monkeypatch, flow, layers):
+    # STACK: the first layer's weights and the others' offsets from them; the layers between the
+    # first and the last pass their output on through two buffers in turn (4 layers: both
+    # reused); FLOW's counts grow over the layers (each wait checked against its layer's need)
+    monkeypatch.setattr(layer_kernel, "STACK", 1)
+    monkeypatch.setattr(layer_kernel, "FLOW", flow)
+    model = _model(torch.float32, num_layers=layers)
+    seen = []
+    real = layer_kernel.stack_offsets
+    monkeypatch.setattr(layer_kernel, "stack_offsets", lambda m: seen.append(real(m)) or seen[-1])
+    got, want = _both(model, _batch([4, 6, 3]))
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    assert seen and seen[0] is not None and tuple(seen[0].shape) == (layers, 7)  # one op call
+
+
+def test_the_offsets_are_made_once_and_refused_off_the_16_element_grid():
+    model = _model(torch.float32, num_layers=3)
+    offsets = layer_kernel.stack_offsets(model)
+    assert offsets.dtype == torch.int64 and tuple(offsets.shape) == (3, 7)
+    assert offsets[0].tolist() == [0] * 7
+    assert layer_kernel.stack_offsets(model) is offsets  # cached while the weights stay put
+    # a layer's weight as a view 3 elements into a buffer: no whole 16-element distance
+    norm = model.layers[1].input_layernorm
+    moved = torch.zeros(norm.weight.numel() + 3, dtype=norm.weight.dtype, device=DEV)[3:]
+    norm.weight = torch.nn.Parameter(moved.copy_(norm.weight.detach()), requires_grad=False)
+    assert layer_kernel.stack_offsets(model) is None
+    # and the forward then takes a launch a layer, still right
+    with mock.patch.object(layer_kernel, "STACK", 1):
+        got, want = _both(model, _batch([5]))
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")  # the unwritten scratch it reads
 def test_flows_counts_are_checked(monkeypatch):
     # a step launched without the steps before: its FLOW waits find their counts short, which
@@ -105,8 +139,9 @@ def test_the_kernel_computes_the_layers_in_bf16(bias):
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=6e-2)
 
 
+@pytest.mark.parametrize("stack", [0, 1])
 @pytest.mark.parametrize("flow", [0, 1])
-def test_every_call_leaves_its_counters_at_zero(monkeypatch, flow):
+def test_every_call_leaves_its_counters_at_zero(monkeypatch, flow, stack):
     # the down step's per-tile counters (and on the GPU the barriers', with FLOW its counts)
     # serve every layer of a forward: a call that left one set would make the next layer's last
     # slice sum, or a FLOW wait end, too early
@@ -117,16 +152,17 @@ def test_every_call_leaves_its_counters_at_zero(monkeypatch, flow):
         x = model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary(batch.positions, x.dtype)
         cos, sin, squares, counters = layer_kernel.first_inputs(model, x, cos, sin)
+        offsets = layer_kernel.stack_offsets(model) if stack else None  # every layer, one op
         args = layer_kernel.op_args(
-            model.layers[0], x, squares, cos, sin, batch.attn.cu_seqlens, counters
+            model.layers[0], x, squares, cos, sin, batch.attn.cu_seqlens, counters, offsets
         )
-        torch.ops.boundgen.fused_layer(*args)
+        torch.ops.boundgen.fused_layers(*args)
     assert counters.tolist() == [0] * len(counters)
     # every layer's norm sums a fixed count of tiles (unrolled): the first layer's sums come in
     # that layout, and another is refused before the kernel could read past it
     assert squares.shape == (SMALL["hidden_size"] // layer_kernel.HIDDEN_TILE, layer_kernel.LIMIT)
     with triton_launch.interpreted(), pytest.raises(ValueError, match="squares"):
-        torch.ops.boundgen.fused_layer(*args[:1], squares[:1], *args[2:])
+        torch.ops.boundgen.fused_layers(*args[:1], squares[:1], *args[2:])
 
 
 def test_off_by_default_and_only_for_the_forwards_it_has():
@@ -156,14 +192,16 @@ def test_off_by_default_and_only_for_the_forwards_it_has():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stack", [0, 1])
 @pytest.mark.parametrize("flow", [0, 1])
 @pytest.mark.parametrize("lengths", [[64], [20, 30, 14], [3]])
-def test_the_kernel_matches_the_models_layers_on_the_gpu(monkeypatch, lengths, flow):
+def test_the_kernel_matches_the_models_layers_on_the_gpu(monkeypatch, lengths, flow, stack):
     """Qwen2.5-0.5B's layer shape, 4 layers, bf16: the kernel's forward (launched cooperatively,
-    with its barriers or FLOW's waits, whose order only the GPU's concurrent programs test)
-    against the model's own eager layers, within bf16 noise, and again (the counters it left are
-    zero)."""
+    with its barriers or FLOW's waits, whose order only the GPU's concurrent programs test; a
+    launch a layer, or with `stack` all 4 in one) against the model's own eager layers, within
+    bf16 noise, and again (the counters it left are zero)."""
     monkeypatch.setattr(layer_kernel, "FLOW", flow)
+    monkeypatch.setattr(layer_kernel, "STACK", stack)
     model = _gpu_model()
     batch = _batch(lengths)
     args = (batch.input_ids, batch.positions, batch.attn)
@@ -176,10 +214,13 @@ def test_the_kernel_matches_the_models_layers_on_the_gpu(monkeypatch, lengths, f
 
 
 @pytest.mark.gpu
-def test_the_kernel_replays_from_a_cuda_graph():
+@pytest.mark.parametrize("stack", [0, 1])
+def test_the_kernel_replays_from_a_cuda_graph(monkeypatch, stack):
     """The `eager+graphs` backend's path: the forward with the kernel captured as one CUDA graph
-    (its cooperative launches and its counters' zeroing inside) replays what it computes
-    eagerly, twice."""
+    (its cooperative launches and its counters' zeroing inside; with `stack` one launch of
+    every layer, its offsets made before the capture) replays what it computes eagerly,
+    twice."""
+    monkeypatch.setattr(layer_kernel, "STACK", stack)
     model = _gpu_model()
     batch = _batch([40, 24])
     args = (batch.input_ids, batch.positions, batch.attn)

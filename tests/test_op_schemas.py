@@ -46,7 +46,7 @@ def _schemas() -> dict[str, torch.FunctionSchema]:
 def test_the_op_modules_register_operators():
     schemas = _schemas()
     # the streamed kernels' and the one-kernel layer's ops, among others
-    assert {"stream_qkv", "stream_qkv_slot", "stream_gated", "fused_layer"} <= set(schemas)
+    assert {"stream_qkv", "stream_qkv_slot", "stream_gated", "fused_layers"} <= set(schemas)
 
 
 def test_every_module_that_registers_an_operator_is_checked():
@@ -71,4 +71,4 @@ def test_no_operator_argument_that_is_written_has_a_default():
                     "it out fail on CUDA (torch drops trailing defaults before indexing the "
                     "mutated arguments); declare it without one"
                 )
-    assert "stream_qkv_slot.kv" in written and "fused_layer.counters" in written
+    assert "stream_qkv_slot.kv" in written and "fused_layers.counters" in written

@@ -76,8 +76,14 @@ def test_the_layer_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
 
 
 # (knobs, L2 prefetches asked for): the GEMMs' K not cut, the L2 prefetches, FLOW's waits
-# instead of the barriers (with the prefetches and a deeper pipeline)
-KNOB_CASES = {"64:32:1:1:1:1": False, "64:32:7:7:2:9:4:3:128": True, "64:32:7:7:2:9:4:6:1:1": True}
+# instead of the barriers (with the prefetches and a deeper pipeline), every layer in one launch
+# (STACK: the steps a called function in the loop over layers)
+KNOB_CASES = {
+    "64:32:1:1:1:1": False,
+    "64:32:7:7:2:9:4:3:128": True,
+    "64:32:7:7:2:9:4:6:1:1": True,
+    "64:32:7:7:2:9:4:3:0:0:1": False,
+}
 
 
 @pytest.mark.parametrize(

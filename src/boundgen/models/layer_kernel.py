@@ -37,6 +37,17 @@ a program done with one step goes on to the next step's ready items instead of w
 slowest program of the step. The interpreter, a launch a step, checks that every such count is
 complete when its step begins (the op raises otherwise).
 
+`STACK` (opt-in) runs every layer of a forward in one launch (`fused_layers` with `offsets`):
+the first layer's weight pointers and each layer's distance from them (`stack_offsets`, in
+16-element units so the moved pointers keep the alignment the loads are compiled for); the
+layers between the first and the last hand their output on through two buffers in turn; a
+barrier (or, under FLOW, each A's wait for all of the layer before's output tiles) between
+layers; every count only grows over the launch (a wait needs its count times the layers
+passed) and the last program out sets them back. The layer's steps are a function of their own
+(`_layer_steps`), called once for one layer and from a loop, not inlined (`noinline`), for a
+launch of several: inlined in the loop, the kernel took 255 registers and spilled 56 bytes on
+sm_90 (Triton 3.6) where one layer takes 190 and none.
+
 Numerics follow the compiled layer's: the norms as eager (x · rstd rounded, times the weight,
 rounded), GEMMs in float32 rounded once with their bias, the rotation in float32 from the
 rounded qkv, rounded once, SiLU·mul from the rounded gate and up in float32, residual sums in
@@ -54,13 +65,15 @@ but took 1,760 µs a 24-layer forward of one 64-token prompt against 922 for the
 of every GEMM (this version), the unrolled sums of the partials and of the norm's squares
 (fifty-fourth session: as loops, each load waited for the one before), `PREFETCH` and `FLOW`
 are not yet timed (the K slices, the unrolled sums and `FLOW` pass the GPU tests: H100,
-fifty-fifth session); off until they beat the compiled layers.
+fifty-fifth session) and `STACK` (written in the fifty-sixth, tested in the interpreter) are
+off until they beat the compiled layers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 import torch
 
@@ -81,7 +94,8 @@ except Exception:  # pragma: no cover - triton ships with CUDA torch and the dev
 
 MAX_ROWS = int(os.environ.get("BOUNDGEN_LAYER_KERNEL_MAX_ROWS", "0"))
 LIMIT = 64  # the most rows one program's tiles hold (BLOCK_M)
-# barriers A|B, B|C, C|D, D|E, the exit count, the interpreter's unmet `FLOW` waits, spare
+# barriers A|B, B|C, C|D, D|E, the exit count, the interpreter's unmet `FLOW` waits, E|A
+# (a layer's output whole before the next layer of a launch), spare
 SYNC_SLOTS = 8
 HIDDEN_TILE = 64  # columns of the hidden size a C or E item takes
 INTER_TILE = 32  # columns of the intermediate size a D item takes (gate's and up's each)
@@ -109,6 +123,12 @@ PREFETCH = 0
 # wait on an earlier step: no cycle. 0: the barriers. Unmeasured: off until
 # `bench_layer_kernel.py --configs` says.
 FLOW = 0
+# 1: every layer of a forward in one launch (the layers' weights found from the first's by
+# `stack_offsets`; a barrier, or under FLOW each A's wait for the layer before's output tiles,
+# between layers), where a launch a layer ramps its programs up and drains them 24 times a W3
+# forward. Eager forwards only (the offsets are the weights' addresses). Unmeasured: off until
+# `bench_layer_kernel.py --knobs` says.
+STACK = 0
 # The launches a call makes, a step each (`PHASE`; -1: all with the barriers between): None, as
 # the device says (all at once on CUDA, one by one in the interpreter); `bench_layer_kernel.py
 # --steps` times each step alone.
@@ -121,7 +141,7 @@ TRACED = False
 # the tile knobs above, as `bench_layer_kernel.py --configs` sweeps them (read at each launch)
 KNOBS = (
     "BLOCK_K", "INTER_TILE", "QKV_SPLITS", "O_SPLITS", "GATED_SPLITS", "DOWN_SPLITS",
-    "NUM_WARPS", "NUM_STAGES", "PREFETCH", "FLOW",
+    "NUM_WARPS", "NUM_STAGES", "PREFETCH", "FLOW", "STACK",
 )  # fmt: skip
 
 
@@ -167,14 +187,16 @@ def programs(device: torch.device) -> int:
 if AVAILABLE:
 
     @triton.jit
-    def _grid_sync(Sync, slot, nprog, ENABLED: tl.constexpr):
-        """Every program waits here until all `nprog` have arrived (CUDA's grid sync: the
-        program's writes ordered before its arrival, the others' visible after the wait): an
-        arrival, then `_await`'s spin on the count."""
+    def _grid_sync(Sync, slot, need, ENABLED: tl.constexpr):
+        """Every program waits here until the count at `slot` reaches `need` (CUDA's grid sync:
+        the program's writes ordered before its arrival, the others' visible after the wait): an
+        arrival, then `_await`'s spin on the count. A slot serves a barrier of every layer of a
+        launch: its count only grows (`need`: the programs times the layers passed, itself
+        included), and the last program out sets it back."""
         if ENABLED:
             tl.debug_barrier()
             tl.atomic_add(Sync + slot, 1, sem="release", scope="gpu")
-            _await(Sync + slot, nprog, Sync, 1)
+            _await(Sync + slot, need, Sync, 1)
 
     @triton.jit
     def _await(Ready, need, Sync, MODE: tl.constexpr):
@@ -393,16 +415,20 @@ if AVAILABLE:
 
     @triton.jit
     def _step_qkv(
-        X, SqIn, NormW, W, Bias, Cos, Sin, Qkv, Parts, Counts, ReadyB, M, eps, pid, nprog,
-        H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+        X, SqIn, NormW, W, Bias, Cos, Sin, Qkv, Parts, Counts, ReadyB, Sync, EDone, M, eps, pid,
+        nprog, layer, H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, K_PER: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HIDDEN_TILE: tl.constexpr,
-        PRECISION: tl.constexpr, INTERPRET: tl.constexpr, ON: tl.constexpr, G_P2: tl.constexpr,
+        PRECISION: tl.constexpr, INTERPRET: tl.constexpr, WAIT: tl.constexpr, ON: tl.constexpr,
+        G_P2: tl.constexpr,
     ):  # fmt: skip
         """A: (head, K slice) an item — a head's two halves (rows `a`, `a + D/2` of W) as two
-        accumulators, so the rotation pairs them in registers."""
+        accumulators, so the rotation pairs them in registers. `FLOW`, past a launch's first
+        layer: after every tile of the layer before's output (the norm reads whole rows)."""
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
+        if layer > 0:
+            _await(EDone, layer * (H // HIDDEN_TILE), Sync, WAIT)
         rstd = _rstd(SqIn, rows, row_ok, eps, H, BLOCK_M, H // HIDDEN_TILE)
         HEADS: tl.constexpr = HQ + 2 * HKV
         for item in range(pid, HEADS * SPLITS, nprog):
@@ -435,7 +461,7 @@ if AVAILABLE:
 
     @triton.jit
     def _step_attention(
-        Qkv, CuSeq, n_seg, Attn, Sync, ReadyB, ReadyC, M, scale, pid, nprog,
+        Qkv, CuSeq, n_seg, Attn, Sync, ReadyB, ReadyC, M, scale, pid, nprog, rounds,
         D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
         BLOCK_M: tl.constexpr, SEG_P: tl.constexpr, INTERPRET: tl.constexpr,
         O_K_PER: tl.constexpr, WAIT: tl.constexpr, ON: tl.constexpr,
@@ -451,7 +477,8 @@ if AVAILABLE:
         allowed = causal & (row_ok[None, :] | (rows[None, :] == rows[:, None]))
         QKV: tl.constexpr = (HQ + 2 * HKV) * D
         for head in range(pid, HQ, nprog):
-            _await(ReadyB + head, 3, Sync, WAIT)  # its q head, its group's k and v heads
+            # its q head, its group's k and v heads (3 a layer: the counts only grow)
+            _await(ReadyB + head, 3 * rounds, Sync, WAIT)
             kv_head = head // (HQ // HKV)
             at = Qkv + rows[:, None] * QKV + d[None, :]
             ok = row_ok[:, None]
@@ -486,7 +513,7 @@ if AVAILABLE:
 
     @triton.jit
     def _step_residual(
-        In, W, Res, Out, SqOut, Parts, Counts, Sync, Ready, Done, M, pid, nprog,
+        In, W, Res, Out, SqOut, Parts, Counts, Sync, Ready, Done, M, pid, nprog, rounds,
         H: tl.constexpr, K: tl.constexpr, SPLITS: tl.constexpr, K_PER: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr, INTERPRET: tl.constexpr, IN_TILE: tl.constexpr,
@@ -495,13 +522,15 @@ if AVAILABLE:
         """C and E: Out = Res + In @ Wᵀ (o_proj on the attention, `down` on SiLU·mul),
         (column tile, K slice) an item, and Out's sums of squares per tile. `FLOW`: an item waits
         for the tiles of `In` (IN_TILE columns each) its slice reads; C's finished tiles are
-        counted at `Done` (SIGNAL_DONE), what D waits for."""
+        counted at `Done` (SIGNAL_DONE), what D waits for, and E's, what the next layer's A
+        waits for. A count of every layer of a launch only grows: `rounds` layers' worth is what
+        a wait needs."""
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
         TILES: tl.constexpr = H // BLOCK_N
         for item in range(pid, TILES * SPLITS, nprog):
             tile, split, cols = _item(item, TILES, BLOCK_N)
-            _await(Ready + split, _producers(split, K_PER, IN_TILE, K), Sync, WAIT)
+            _await(Ready + split, rounds * _producers(split, K_PER, IN_TILE, K), Sync, WAIT)
             acc, _ = _products(
                 In, None, None, W, rows, row_ok, cols, split * K_PER, K, K_PER, 0, False, False,
                 BLOCK_N, BLOCK_M, BLOCK_K, PRECISION, INTERPRET,
@@ -518,7 +547,7 @@ if AVAILABLE:
 
     @triton.jit
     def _step_gated(
-        X1, Sq1, NormW, W, Act, Parts, Counts, Sync, CDone, ReadyE, M, eps, pid, nprog,
+        X1, Sq1, NormW, W, Act, Parts, Counts, Sync, CDone, ReadyE, M, eps, pid, nprog, rounds,
         H: tl.constexpr, I: tl.constexpr, SPLITS: tl.constexpr, K_PER: tl.constexpr,  # noqa: E741
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         HIDDEN_TILE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
@@ -529,7 +558,7 @@ if AVAILABLE:
         signalled to the K slices of `down` that read it."""
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
-        _await(CDone, H // HIDDEN_TILE, Sync, WAIT)
+        _await(CDone, rounds * (H // HIDDEN_TILE), Sync, WAIT)
         rstd = _rstd(Sq1, rows, row_ok, eps, H, BLOCK_M, H // HIDDEN_TILE)
         TILES: tl.constexpr = I // BLOCK_N
         for item in range(pid, TILES * SPLITS, nprog):
@@ -549,13 +578,106 @@ if AVAILABLE:
                 tl.atomic_xchg(Counts + tile, 0)
                 _signal(ReadyE, tile * BLOCK_N, BLOCK_N, DOWN_K_PER, ON)
 
+    @triton.jit
+    def _layer_steps(
+        layer, total, X, SqIn, Out, SqOut, Between, SqBetween, Offsets, Norm1, Wqkv, Bqkv, Wo,
+        Norm2, Wgu, Wd, Cos, Sin, CuSeq, n_seg, Qkv, Attn, X1, Sq1, Act, Parts, Parts2, Sync,
+        Counts1, Counts2, ReadyB, ReadyC, CDone, ReadyE, EDone, M, eps, scale, pid, nprog,
+        H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+        I: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,  # noqa: E741
+        SEG_P: tl.constexpr, BLOCK_K: tl.constexpr, HIDDEN_TILE: tl.constexpr,
+        INTER_TILE: tl.constexpr, QKV_SPLITS: tl.constexpr,
+        QKV_K_PER: tl.constexpr, O_SPLITS: tl.constexpr, O_K_PER: tl.constexpr,
+        GATED_SPLITS: tl.constexpr, GATED_K_PER: tl.constexpr, DOWN_SPLITS: tl.constexpr,
+        DOWN_K_PER: tl.constexpr, PHASE: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, G_P2: tl.constexpr, STACKED: tl.constexpr,
+        WAIT: tl.constexpr, ON: tl.constexpr, BARRIERS: tl.constexpr, AHEAD: tl.constexpr,
+    ):  # fmt: skip
+        """Layer `layer`'s steps A–E (of `total`), each program's part of them: `_layer_kernel`'s
+        body, a function of its own so that one layer a launch compiles as before (the loop over
+        a launch's layers, inlined, raised the kernel from 188 registers to 255 and 56 bytes of
+        spills on sm_90: its values live across the whole body)."""
+        BETWEEN: tl.constexpr = BLOCK_M * H  # one of `Between`'s two buffers
+        rounds = layer + 1  # the layers a count has passed once this one's step is done
+        if STACKED:
+            at = Offsets + layer * 7
+            norm1 = Norm1 + tl.load(at).to(tl.int64) * 16
+            wqkv = Wqkv + tl.load(at + 1).to(tl.int64) * 16
+            bqkv = Bqkv + tl.load(at + 2).to(tl.int64) * 16
+            wo = Wo + tl.load(at + 3).to(tl.int64) * 16
+            norm2 = Norm2 + tl.load(at + 4).to(tl.int64) * 16
+            wgu = Wgu + tl.load(at + 5).to(tl.int64) * 16
+            wd = Wd + tl.load(at + 6).to(tl.int64) * 16
+        else:
+            norm1, wqkv, bqkv, wo, norm2, wgu, wd = Norm1, Wqkv, Bqkv, Wo, Norm2, Wgu, Wd
+        if layer == 0:
+            x, sq_in = X, SqIn
+        else:
+            x = Between + ((layer - 1) % 2) * BETWEEN
+            sq_in = SqBetween + ((layer - 1) % 2) * (H // HIDDEN_TILE) * BLOCK_M
+        if layer == total - 1:
+            out, sq_out = Out, SqOut
+        else:
+            out = Between + (layer % 2) * BETWEEN
+            sq_out = SqBetween + (layer % 2) * (H // HIDDEN_TILE) * BLOCK_M
+        # the layer before's output whole (its A reads whole rows): a barrier of its own
+        if layer > 0:
+            _grid_sync(Sync, 6, layer * nprog, BARRIERS)
+        if PHASE < 0 or PHASE == 0:
+            _step_qkv(
+                x, sq_in, norm1, wqkv, bqkv, Cos, Sin, Qkv, Parts, Counts1, ReadyB, Sync,
+                EDone, M, eps, pid, nprog, layer, H, D, HQ, HKV, HAS_BIAS, QKV_SPLITS,
+                QKV_K_PER, BLOCK_M, BLOCK_K, HIDDEN_TILE, PRECISION, INTERPRET, WAIT, ON,
+                G_P2,
+            )  # fmt: skip
+        if AHEAD:  # o_proj's and gate_up's slices stream in through the barrier and attention
+            _prefetch_items(wo, pid, nprog, HQ * D, H // HIDDEN_TILE, O_SPLITS, O_K_PER,
+                            HIDDEN_TILE, 0, False, PREFETCH)  # fmt: skip
+            _prefetch_items(wgu, pid, nprog, H, I // INTER_TILE, GATED_SPLITS, GATED_K_PER,
+                            INTER_TILE, I, True, PREFETCH)  # fmt: skip
+        _grid_sync(Sync, 0, rounds * nprog, BARRIERS)
+        if PHASE < 0 or PHASE == 1:
+            _step_attention(
+                Qkv, CuSeq, n_seg, Attn, Sync, ReadyB, ReadyC, M, scale, pid, nprog, rounds,
+                D, HQ, HKV, BLOCK_M, SEG_P, INTERPRET, O_K_PER, WAIT, ON,
+            )  # fmt: skip
+        _grid_sync(Sync, 1, rounds * nprog, BARRIERS)
+        if PHASE < 0 or PHASE == 2:
+            _step_residual(
+                Attn, wo, x, X1, Sq1, Parts2, Counts2, Sync, ReadyC, CDone, M, pid, nprog,
+                rounds, H, HQ * D, O_SPLITS, O_K_PER, BLOCK_M, HIDDEN_TILE, BLOCK_K,
+                PRECISION, INTERPRET, D, WAIT, ON, True,
+            )  # fmt: skip
+        if AHEAD:  # `down`'s, while gate_up's run
+            _prefetch_items(wd, pid, nprog, I, H // HIDDEN_TILE, DOWN_SPLITS, DOWN_K_PER,
+                            HIDDEN_TILE, 0, False, PREFETCH)  # fmt: skip
+        _grid_sync(Sync, 2, rounds * nprog, BARRIERS)
+        if PHASE < 0 or PHASE == 3:
+            _step_gated(
+                X1, Sq1, norm2, wgu, Act, Parts, Counts1, Sync, CDone, ReadyE, M, eps, pid,
+                nprog, rounds, H, I, GATED_SPLITS, GATED_K_PER, BLOCK_M, INTER_TILE, BLOCK_K,
+                HIDDEN_TILE, PRECISION, INTERPRET, DOWN_K_PER, WAIT, ON,
+            )  # fmt: skip
+        _grid_sync(Sync, 3, rounds * nprog, BARRIERS)
+        if PHASE < 0 or PHASE == 4:
+            _step_residual(
+                Act, wd, X1, out, sq_out, Parts2, Counts2, Sync, ReadyE, EDone, M, pid, nprog,
+                rounds, H, I, DOWN_SPLITS, DOWN_K_PER, BLOCK_M, HIDDEN_TILE, BLOCK_K,
+                PRECISION, INTERPRET, INTER_TILE, WAIT, ON, True,
+            )  # fmt: skip
+
+    # the same steps as a called function, for the loop over a launch's layers (inlined there,
+    # the loop kept the body's values live across it: 255 registers, 56 bytes of spills)
+    _layer_steps_call = triton.jit(_layer_steps.fn, noinline=True)
+
     @grid_dependency.awaits
     @triton.jit
     def _layer_kernel(
         X, SqIn, Cos, Sin, CuSeq, n_seg,
-        Norm1, Wqkv, Bqkv, Wo, Norm2, Wgu, Wd,
-        Qkv, Attn, X1, Sq1, Act, Parts, Out, SqOut, Counters,
-        M, eps, scale, SLOTS: tl.constexpr, COUNTED: tl.constexpr, PARTS2: tl.constexpr,
+        Norm1, Wqkv, Bqkv, Wo, Norm2, Wgu, Wd, Offsets,
+        Qkv, Attn, X1, Sq1, Act, Parts, Out, SqOut, Between, SqBetween, Counters,
+        M, eps, scale, first, count, total,
+        SLOTS: tl.constexpr, COUNTED: tl.constexpr, PARTS2: tl.constexpr,
         H: tl.constexpr, D: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
         I: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, SEG_P: tl.constexpr,  # noqa: E741
         BLOCK_K: tl.constexpr, HIDDEN_TILE: tl.constexpr, INTER_TILE: tl.constexpr,
@@ -564,11 +686,16 @@ if AVAILABLE:
         DOWN_SPLITS: tl.constexpr, DOWN_K_PER: tl.constexpr, PHASE: tl.constexpr,
         PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
         PREFETCH: tl.constexpr, FLOW: tl.constexpr, G_P2: tl.constexpr,
-        FLOW_SLOTS: tl.constexpr, FLOW_P2: tl.constexpr,
+        FLOW_SLOTS: tl.constexpr, FLOW_P2: tl.constexpr, STACKED: tl.constexpr,
     ):  # fmt: skip
-        """One decoder layer over M ≤ BLOCK_M packed rows: steps A–E (the module's docstring),
-        all of them with barriers (or `FLOW`'s counts) between (PHASE -1) or only step PHASE
-        (the interpreter)."""
+        """Decoder layers `first` .. `first + count - 1` of `total` over M ≤ BLOCK_M packed
+        rows: steps A–E of each (the module's docstring), all of them with barriers (or `FLOW`'s
+        counts) between (PHASE -1) or only step PHASE (the interpreter). Layer 0 reads X and
+        SqIn, the last writes Out and SqOut, the ones between pass theirs on through `Between`
+        and `SqBetween` (two of each, in turn). `STACKED`: layer k's weights are layer 0's
+        pointers moved by `Offsets[k]` (16-element units: what `stack_offsets` measured, so the
+        moved pointers keep 16-byte alignment for the compiler); else the pointers are the
+        layer's own (one layer)."""
         await_inputs(PDL)
         # Inductor hands a user kernel Python floats typed fp64 (Triton's own launcher: fp32), as
         # in `attention.segments`: cast, so the norms' and the softmax's math stays float32
@@ -579,14 +706,17 @@ if AVAILABLE:
         nprog = tl.num_programs(0)
         # `counters`: the barriers' slots; the tiles' arrival counts of A and D, then of C and E
         # (under FLOW a step may run while the one before is still summing: two regions, as
-        # `Parts` has two, D's and E's reused only once A's and C's are all summed); FLOW's counts
+        # `Parts` has two, D's and E's reused only once A's and C's are all summed); FLOW's
+        # counts, which only grow over a launch's layers (a wait needs the layers passed times
+        # its count) and the last program out sets back
         Sync = Counters
         Counts1 = Counters + SLOTS
         Counts2 = Counts1 + COUNTED
-        ReadyB = Counts2 + COUNTED  # a query head's: its q, k and v heads done (3)
+        ReadyB = Counts2 + COUNTED  # a query head's: its q, k and v heads done (3 a layer)
         ReadyC = ReadyB + HQ  # an o_proj K slice's: the attention heads it reads done
         CDone = ReadyC + (HQ * D) // 16  # x1's column tiles done (D needs all: whole rows)
         ReadyE = CDone + 1  # a `down` K slice's: the SiLU·mul tiles it reads done
+        EDone = ReadyE + I // 16  # the output's column tiles done (the next layer's A: all)
         Parts2 = Parts + PARTS2
         SYNC: tl.constexpr = PHASE < 0
         # FLOW's waits: spun on in the one launch of every step; checked in the interpreter's
@@ -596,58 +726,41 @@ if AVAILABLE:
         BARRIERS: tl.constexpr = SYNC and not FLOW
         # the prefetches: inline assembly, which the interpreter cannot run
         AHEAD: tl.constexpr = PREFETCH > 0 and SYNC and not INTERPRET
-        if PHASE < 0 or PHASE == 0:
-            _step_qkv(
-                X, SqIn, Norm1, Wqkv, Bqkv, Cos, Sin, Qkv, Parts, Counts1, ReadyB, M, eps, pid,
-                nprog, H, D, HQ, HKV, HAS_BIAS, QKV_SPLITS, QKV_K_PER, BLOCK_M, BLOCK_K,
-                HIDDEN_TILE, PRECISION, INTERPRET, ON, G_P2,
-            )  # fmt: skip
-        if AHEAD:  # o_proj's and gate_up's slices stream in through the barrier and attention
-            _prefetch_items(Wo, pid, nprog, HQ * D, H // HIDDEN_TILE, O_SPLITS, O_K_PER,
-                            HIDDEN_TILE, 0, False, PREFETCH)  # fmt: skip
-            _prefetch_items(Wgu, pid, nprog, H, I // INTER_TILE, GATED_SPLITS, GATED_K_PER,
-                            INTER_TILE, I, True, PREFETCH)  # fmt: skip
-        _grid_sync(Sync, 0, nprog, BARRIERS)
-        if PHASE < 0 or PHASE == 1:
-            _step_attention(
-                Qkv, CuSeq, n_seg, Attn, Sync, ReadyB, ReadyC, M, scale, pid, nprog, D, HQ, HKV,
-                BLOCK_M, SEG_P, INTERPRET, O_K_PER, WAIT, ON,
-            )  # fmt: skip
-        _grid_sync(Sync, 1, nprog, BARRIERS)
-        if PHASE < 0 or PHASE == 2:
-            _step_residual(
-                Attn, Wo, X, X1, Sq1, Parts2, Counts2, Sync, ReadyC, CDone, M, pid, nprog, H,
-                HQ * D, O_SPLITS, O_K_PER, BLOCK_M, HIDDEN_TILE, BLOCK_K, PRECISION, INTERPRET,
-                D, WAIT, ON, True,
-            )  # fmt: skip
-        if AHEAD:  # `down`'s, while gate_up's run
-            _prefetch_items(Wd, pid, nprog, I, H // HIDDEN_TILE, DOWN_SPLITS, DOWN_K_PER,
-                            HIDDEN_TILE, 0, False, PREFETCH)  # fmt: skip
-        _grid_sync(Sync, 2, nprog, BARRIERS)
-        if PHASE < 0 or PHASE == 3:
-            _step_gated(
-                X1, Sq1, Norm2, Wgu, Act, Parts, Counts1, Sync, CDone, ReadyE, M, eps, pid,
-                nprog, H, I, GATED_SPLITS, GATED_K_PER, BLOCK_M, INTER_TILE, BLOCK_K,
-                HIDDEN_TILE, PRECISION, INTERPRET, DOWN_K_PER, WAIT, ON,
-            )  # fmt: skip
-        _grid_sync(Sync, 3, nprog, BARRIERS)
-        if PHASE < 0 or PHASE == 4:
-            _step_residual(
-                Act, Wd, X1, Out, SqOut, Parts2, Counts2, Sync, ReadyE, CDone, M, pid, nprog, H,
-                I, DOWN_SPLITS, DOWN_K_PER, BLOCK_M, HIDDEN_TILE, BLOCK_K, PRECISION, INTERPRET,
-                INTER_TILE, WAIT, ON, False,
+        if STACKED:
+            for layer in range(first, first + count):
+                _layer_steps_call(
+                    layer, total, X, SqIn, Out, SqOut, Between, SqBetween, Offsets, Norm1, Wqkv,
+                    Bqkv, Wo, Norm2, Wgu, Wd, Cos, Sin, CuSeq, n_seg, Qkv, Attn, X1, Sq1, Act,
+                    Parts, Parts2, Sync, Counts1, Counts2, ReadyB, ReadyC, CDone, ReadyE, EDone, M,
+                    eps, scale, pid, nprog, H, D, HQ, HKV, I, HAS_BIAS, BLOCK_M, SEG_P, BLOCK_K,
+                    HIDDEN_TILE, INTER_TILE, QKV_SPLITS, QKV_K_PER, O_SPLITS, O_K_PER, GATED_SPLITS,
+                    GATED_K_PER, DOWN_SPLITS, DOWN_K_PER, PHASE, PRECISION, INTERPRET, PREFETCH,
+                    G_P2, STACKED, WAIT, ON, BARRIERS, AHEAD,
+                )  # fmt: skip
+        else:  # one layer: no loop around it
+            _layer_steps(
+                first, total, X, SqIn, Out, SqOut, Between, SqBetween, Offsets, Norm1, Wqkv, Bqkv,
+                Wo, Norm2, Wgu, Wd, Cos, Sin, CuSeq, n_seg, Qkv, Attn, X1, Sq1, Act, Parts, Parts2,
+                Sync, Counts1, Counts2, ReadyB, ReadyC, CDone, ReadyE, EDone, M, eps, scale, pid,
+                nprog, H, D, HQ, HKV, I, HAS_BIAS, BLOCK_M, SEG_P, BLOCK_K, HIDDEN_TILE, INTER_TILE,
+                QKV_SPLITS, QKV_K_PER, O_SPLITS, O_K_PER, GATED_SPLITS, GATED_K_PER, DOWN_SPLITS,
+                DOWN_K_PER, PHASE, PRECISION, INTERPRET, PREFETCH, G_P2, STACKED, WAIT, ON,
+                BARRIERS, AHEAD,
             )  # fmt: skip
         # the last program out sets the counters back for the next call (the interpreter's: the
-        # last of the last step's launch, where FLOW left counts)
+        # last of the last layer's last step's launch, where FLOW left counts)
         if SYNC or (ON and PHASE == 4):
-            tl.debug_barrier()
-            if tl.atomic_add(Sync + 4, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-                for slot in range(0, 4):
-                    tl.atomic_xchg(Sync + slot, 0)
-                if ON:
-                    at = tl.arange(0, FLOW_P2)
-                    tl.store(ReadyB + at, tl.zeros([FLOW_P2], tl.int32), mask=at < FLOW_SLOTS)
-                tl.atomic_xchg(Sync + 4, 0, sem="release", scope="gpu")
+            if first + count == total:
+                tl.debug_barrier()
+                if tl.atomic_add(Sync + 4, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+                    for slot in range(0, 4):
+                        tl.atomic_xchg(Sync + slot, 0)
+                    tl.atomic_xchg(Sync + 6, 0)
+                    if ON:
+                        at = tl.arange(0, FLOW_P2)
+                        zero = tl.zeros([FLOW_P2], tl.int32)
+                        tl.store(ReadyB + at, zero, mask=at < FLOW_SLOTS)
+                    tl.atomic_xchg(Sync + 4, 0, sem="release", scope="gpu")
 
     def _cut(k: int, splits: int, rows: int) -> tuple[int, int, int]:
         """(slices, K a slice, weight rows) of a GEMM over K = `k` cut into at most `splits`
@@ -655,8 +768,8 @@ if AVAILABLE:
         per = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
         return triton.cdiv(k, per), per, rows
 
-    @triton_op("boundgen::fused_layer", mutates_args=("counters",))
-    def _fused_layer(
+    @triton_op("boundgen::fused_layers", mutates_args=("counters",))
+    def _fused_layers(
         x: torch.Tensor,
         squares: torch.Tensor,
         cos: torch.Tensor,
@@ -669,20 +782,26 @@ if AVAILABLE:
         norm2: torch.Tensor,
         gate_up: torch.Tensor,
         down: torch.Tensor,
+        offsets: torch.Tensor | None,
         counters: torch.Tensor,
         eps: float,
         head_dim: int,
         kv_heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer: x [M, H] → (out [M, H], its sums of squares per hidden tile
+        """Layers over x [M, H] → (out [M, H], its sums of squares per hidden tile
         [H / HIDDEN_TILE, LIMIT] float32). `squares`: x's, as that (`first_squares`);
         `counters` int32 (`new_counters`), zero: the barriers' slots, the column tiles' arrival
         counts, `FLOW`'s counts (one tensor: as two written views of one buffer, the traced
-        forward ran ~50 `slice` copy kernels besides, fifty-second session's profile)."""
+        forward ran ~50 `slice` copy kernels besides, fifty-second session's profile). The
+        weights are one layer's; with `offsets` (int64 [L, 7], `stack_offsets`) the first of L
+        layers', the others' found from them, all L in one launch."""
         m, h = x.shape
         tiles = h // HIDDEN_TILE
         if tuple(squares.shape) != (tiles, LIMIT):  # the kernel reads that many, unchecked
             raise ValueError(f"squares {tuple(squares.shape)}: want ({tiles}, {LIMIT})")
+        layers = 1 if offsets is None else offsets.shape[0]
+        if offsets is not None and (offsets.dtype != torch.int64 or offsets.shape[1:] != (7,)):
+            raise ValueError(f"offsets {offsets.dtype} {tuple(offsets.shape)}: want int64 [L, 7]")
         d = head_dim
         heads = o_proj.shape[1] // d
         inter = down.shape[1]
@@ -712,6 +831,7 @@ if AVAILABLE:
         parts = torch.empty(size, dtype=torch.float32, device=dev)
         out = torch.empty_like(x)
         sq_out = torch.empty((tiles, LIMIT), dtype=torch.float32, device=dev)
+        between, sq_between = _between(layers, x, tiles)
         n_seg = cu_seqlens.shape[0] - 1
         interpret = not x.is_cuda
         phases = STEPS if STEPS is not None else range(5) if interpret else (-1,)
@@ -722,31 +842,51 @@ if AVAILABLE:
         launch = (
             {} if interpret or torch.compiler.is_compiling() else {"launch_cooperative_grid": True}
         )
-        for phase in phases:
-            traceable(_layer_kernel)[(programs(dev),)](
-                x, squares, cos, sin, cu_seqlens, n_seg,
-                norm1, qkv, bias, o_proj, norm2, gate_up, down,
-                qkv_s, attn, x1, sq1, act, parts, out, sq_out, counters,
-                m, eps, d**-0.5, SLOTS=SYNC_SLOTS, COUNTED=per_region, PARTS2=first,
-                H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=qkv_bias is not None,
-                BLOCK_M=LIMIT, SEG_P=max(triton.next_power_of_2(n_seg), 2), BLOCK_K=BLOCK_K,
-                HIDDEN_TILE=HIDDEN_TILE, INTER_TILE=INTER_TILE,
-                QKV_SPLITS=cuts[0][0], QKV_K_PER=cuts[0][1], O_SPLITS=cuts[1][0],
-                O_K_PER=cuts[1][1], GATED_SPLITS=cuts[2][0], GATED_K_PER=cuts[2][1],
-                DOWN_SPLITS=cuts[3][0], DOWN_K_PER=cuts[3][1], PHASE=phase,
-                PRECISION=triton_launch.dot_precision(x), INTERPRET=interpret,
-                PDL=grid_dependency.waits(x), PREFETCH=32 * NUM_WARPS if PREFETCH else 0,
-                FLOW=bool(FLOW), G_P2=triton.next_power_of_2(heads // kv_heads),
-                FLOW_SLOTS=flow_slots, FLOW_P2=triton.next_power_of_2(flow_slots),
-                num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-                **launch,
-            )  # fmt: skip
+        # every layer in one launch on the GPU; the interpreter's launches run a layer's step
+        # each, in order (what the GPU's one launch orders by its barriers or waits)
+        spans = [(k, 1) for k in range(layers)] if interpret else [(0, layers)]
+        for span_first, span_count in spans:
+            for phase in phases:
+                traceable(_layer_kernel)[(programs(dev),)](
+                    x, squares, cos, sin, cu_seqlens, n_seg,
+                    norm1, qkv, bias, o_proj, norm2, gate_up, down,
+                    offsets if offsets is not None else counters,  # unread unless STACKED
+                    qkv_s, attn, x1, sq1, act, parts, out, sq_out, between, sq_between, counters,
+                    m, eps, d**-0.5, span_first, span_count, layers,
+                    SLOTS=SYNC_SLOTS, COUNTED=per_region, PARTS2=first,
+                    H=h, D=d, HQ=heads, HKV=kv_heads, I=inter, HAS_BIAS=qkv_bias is not None,
+                    BLOCK_M=LIMIT, SEG_P=max(triton.next_power_of_2(n_seg), 2), BLOCK_K=BLOCK_K,
+                    HIDDEN_TILE=HIDDEN_TILE, INTER_TILE=INTER_TILE,
+                    QKV_SPLITS=cuts[0][0], QKV_K_PER=cuts[0][1], O_SPLITS=cuts[1][0],
+                    O_K_PER=cuts[1][1], GATED_SPLITS=cuts[2][0], GATED_K_PER=cuts[2][1],
+                    DOWN_SPLITS=cuts[3][0], DOWN_K_PER=cuts[3][1], PHASE=phase,
+                    PRECISION=triton_launch.dot_precision(x), INTERPRET=interpret,
+                    PDL=grid_dependency.waits(x), PREFETCH=32 * NUM_WARPS if PREFETCH else 0,
+                    FLOW=bool(FLOW), G_P2=triton.next_power_of_2(heads // kv_heads),
+                    FLOW_SLOTS=flow_slots, FLOW_P2=triton.next_power_of_2(flow_slots),
+                    STACKED=offsets is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+                    **launch,
+                )  # fmt: skip
         # FLOW's waits the steps before did not meet (the interpreter counts them)
         missed = int(counters[5]) if interpret and FLOW else 0
         if missed:
             counters[5] = 0
             raise RuntimeError(f"layer kernel: {missed} FLOW waits found their count short")
         return out, sq_out
+
+
+def _between(layers: int, x: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the layers between a launch's first and last hand their output (and its sums of
+    squares) on: two buffers used in turn, since a layer's input is read until the next layer's
+    A is done ([2, LIMIT, H], [2, tiles, LIMIT]); fewer layers, fewer (one layer: a placeholder,
+    unread)."""
+    n = min(layers - 1, 2)
+    if n == 0:
+        return x.new_empty(1), x.new_empty(1, dtype=torch.float32)
+    return (
+        x.new_empty((n, LIMIT, x.shape[1])),
+        x.new_empty((n, tiles, LIMIT), dtype=torch.float32),
+    )
 
 
 def first_squares(x: torch.Tensor) -> torch.Tensor:
@@ -768,8 +908,9 @@ def _counted(hidden: int, inter: int, qkv_heads: int) -> int:
 
 def _flow_slots(heads: int, head_dim: int, inter: int) -> int:
     """`FLOW`'s counts: one a query head, one an o_proj K slice, x1's finished tiles, one a
-    `down` K slice (room for slices as narrow as 16 columns, `tl.dot`'s least K)."""
-    return heads + heads * head_dim // 16 + 1 + inter // 16
+    `down` K slice (room for slices as narrow as 16 columns, `tl.dot`'s least K), the output's
+    finished tiles."""
+    return heads + heads * head_dim // 16 + 1 + inter // 16 + 1
 
 
 def new_counters(model, device) -> torch.Tensor:
@@ -788,24 +929,73 @@ def first_inputs(model, x, cos, sin) -> tuple[torch.Tensor, ...]:
     return cos, sin, first_squares(x), new_counters(model, x.device)
 
 
-def op_args(layer, x, squares, cos, sin, cu_seqlens, counters) -> tuple:
-    """The `fused_layer` op's arguments for `layer` over x (cos, sin [M, D/2])."""
+def op_args(layer, x, squares, cos, sin, cu_seqlens, counters, offsets=None) -> tuple:
+    """The `fused_layers` op's arguments for `layer` over x (cos, sin [M, D/2]); with `offsets`
+    (`stack_offsets`), `layer` is the model's first and the op runs every layer."""
     a, mlp = layer.self_attn, layer.mlp
     return (
         x, squares, cos, sin, cu_seqlens,
         layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
         a.o_proj.weight, layer.post_attention_layernorm.weight,
-        mlp.gate_up_proj.weight, mlp.down_proj.weight, counters,
+        mlp.gate_up_proj.weight, mlp.down_proj.weight, offsets, counters,
         layer.input_layernorm.eps, a.head_dim, a.num_kv_heads,
     )  # fmt: skip
 
 
+def _layer_weights(layer) -> list[torch.Tensor]:
+    """A layer's weights in the order the kernel's `Offsets` rows hold them (no bias: qkv's
+    weight again, unread)."""
+    a, mlp = layer.self_attn, layer.mlp
+    bias = a.qkv_proj.bias if a.qkv_proj.bias is not None else a.qkv_proj.weight
+    return [
+        layer.input_layernorm.weight, a.qkv_proj.weight, bias, a.o_proj.weight,
+        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+    ]  # fmt: skip
+
+
+_OFFSETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def stack_offsets(model) -> torch.Tensor | None:
+    """Where each layer's weights lie from the first layer's, for one launch of every layer:
+    int64 [L, 7] in units of 16 elements (so the kernel's moved pointers keep the 16-byte
+    alignment its loads are compiled for), on the weights' device. None where a distance is not
+    a whole number of 16 elements (weights as views into a buffer at odd offsets): the layers
+    then take a launch each. Made once per model and placement of its weights."""
+    weights = [_layer_weights(layer) for layer in model.layers]
+    key = tuple(w.data_ptr() for ws in weights for w in ws)
+    cached = _OFFSETS.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    rows = []
+    for ws in weights:
+        row = []
+        for w, w0 in zip(ws, weights[0]):
+            distance = w.data_ptr() - w0.data_ptr()
+            unit = 16 * w.element_size()
+            if w.dtype != w0.dtype or distance % unit:
+                _OFFSETS[model] = (key, None)
+                return None
+            row.append(distance // unit)
+        rows.append(row)
+    offsets = torch.tensor(rows, dtype=torch.int64).to(weights[0][0].device)
+    _OFFSETS[model] = (key, offsets)
+    return offsets
+
+
 def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
     """Every layer of `model` over x [M, H] through the kernel (`applies` said so): cos, sin
-    [M, 1, D/2] as `RotaryEmbedding` gives them. One zeroed counter buffer serves every layer
+    [M, 1, D/2] as `RotaryEmbedding` gives them. With `STACK`, eagerly, one launch for all of
+    them (`stack_offsets`); else a launch a layer, one zeroed counter buffer serving every layer
     (each call leaves it zero)."""
     cos, sin, squares, counters = first_inputs(model, x, cos, sin)
+    first = model.layers[0]
+    if STACK and not torch.compiler.is_compiling():
+        offsets = stack_offsets(model)
+        if offsets is not None:
+            args = op_args(first, x, squares, cos, sin, attn.cu_seqlens, counters, offsets)
+            return torch.ops.boundgen.fused_layers(*args)[0]
     for layer in model.layers:
         args = op_args(layer, x, squares, cos, sin, attn.cu_seqlens, counters)
-        x, squares = torch.ops.boundgen.fused_layer(*args)
+        x, squares = torch.ops.boundgen.fused_layers(*args)
     return x
