@@ -116,15 +116,10 @@ def time_steps(model, batch, rounds: int, replays: int) -> dict:
     cos, sin = model.rotary(batch.positions, x.dtype)
     cos, sin, squares, counters = layer_kernel.first_inputs(model, x, cos, sin)
     layers = model.config.num_layers
-    # `STACK`: every layer in one launch a step (the first layer's op, the others' offsets)
-    offsets = layer_kernel.stack_offsets(model) if layer_kernel.STACK else None
-    if offsets is not None:
-        calls = [(model.layers[0], offsets)]
-    else:
-        calls = [(layer, None) for layer in model.layers]
+    # the forward's op calls (`STACK`: one for every layer)
     args = [
         layer_kernel.op_args(layer, x, squares, cos, sin, batch.attn.cu_seqlens, counters, offs)
-        for layer, offs in calls
+        for layer, offs in layer_kernel.launches(model)
     ]
     graphs = {}
     for name, steps in [("all", (-1,)), *((f"step{k}", (k,)) for k in range(5))]:

@@ -58,10 +58,10 @@ def captured_launch(model, batch) -> dict:
     cos, sin, squares, counters = layer_kernel.first_inputs(
         model, x, *model.rotary(batch.positions, x.dtype)
     )
-    # STACK: every layer's launch (its weights found from the first's)
-    offsets = layer_kernel.stack_offsets(model) if layer_kernel.STACK else None
+    # the forward's first op call (`STACK`: every layer's, its weights found from the first's)
+    layer, offsets = layer_kernel.launches(model)[0]
     args = layer_kernel.op_args(
-        model.layers[0], x, squares, cos, sin, batch.attn.cu_seqlens, counters, offsets
+        layer, x, squares, cos, sin, batch.attn.cu_seqlens, counters, offsets
     )
     real = layer_kernel.traceable
     layer_kernel.traceable = capture

@@ -983,19 +983,23 @@ def stack_offsets(model) -> torch.Tensor | None:
     return offsets
 
 
-def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
-    """Every layer of `model` over x [M, H] through the kernel (`applies` said so): cos, sin
-    [M, 1, D/2] as `RotaryEmbedding` gives them. With `STACK`, eagerly, one launch for all of
-    them (`stack_offsets`); else a launch a layer, one zeroed counter buffer serving every layer
-    (each call leaves it zero)."""
-    cos, sin, squares, counters = first_inputs(model, x, cos, sin)
-    first = model.layers[0]
+def launches(model) -> list[tuple[torch.nn.Module, torch.Tensor | None]]:
+    """The op calls a forward of `model` makes, each as (the layer whose weights it is given,
+    its `offsets`): with `STACK`, eagerly, one for every layer (`stack_offsets`); else one a
+    layer."""
     if STACK and not torch.compiler.is_compiling():
         offsets = stack_offsets(model)
         if offsets is not None:
-            args = op_args(first, x, squares, cos, sin, attn.cu_seqlens, counters, offsets)
-            return torch.ops.boundgen.fused_layers(*args)[0]
-    for layer in model.layers:
-        args = op_args(layer, x, squares, cos, sin, attn.cu_seqlens, counters)
+            return [(model.layers[0], offsets)]
+    return [(layer, None) for layer in model.layers]
+
+
+def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+    """Every layer of `model` over x [M, H] through the kernel (`applies` said so): cos, sin
+    [M, 1, D/2] as `RotaryEmbedding` gives them, the op called as `launches` says; one zeroed
+    counter buffer serves every call (each leaves it zero)."""
+    cos, sin, squares, counters = first_inputs(model, x, cos, sin)
+    for layer, offsets in launches(model):
+        args = op_args(layer, x, squares, cos, sin, attn.cu_seqlens, counters, offsets)
         x, squares = torch.ops.boundgen.fused_layers(*args)
     return x
